@@ -1,0 +1,478 @@
+"""Roofline model of block decoding cost (SBD §4, Eq. 15–17, Figs. 6 and 11, Tables 3–4).
+
+A forward pass is a list of :class:`Op` (FLOPs, bytes, which peak). Each op takes
+``max(flops / peak, bytes / bandwidth)`` seconds (Eq. 15) and a forward is the sum over its
+ops. Two cost models produce the op lists (spec ``sbd.md`` §7.5):
+
+- ``mode="paper"``: Fig. 11 literally, with the printed mistakes (§7.4): the FFN uses
+  4096·16384 as one dimension, K/V projections are 256 wide, one layer, no LM head. Absolute
+  times are meaningless (≈0.149 s per "layer"); only the ratios reproduce Tables 3 and 4.
+- ``mode="corrected"``: a real :class:`ModelShape` (all layers, gated MLP, GQA, LM head),
+  a :class:`GPUSpec` and a :class:`Precision`.
+
+Tables (§7.3), with ``time(n)`` the forward time for a query block of n tokens per row:
+
+- Table 3, slowdown: ``time(k) / time(1)``.
+- Table 4, wall-clock speed-up: ``k·time(1) / (time(2k) + (l−1)·time(k))`` with the NFE
+  speed-up ``k / l``; the first forward of each block re-feeds the previous block (2k tokens).
+
+Units: FLOP, bytes, seconds, FLOP/s and bytes/s throughout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+from unmask.errors import UnmaskError
+
+Mode = Literal["paper", "corrected"]
+
+TABLE3_BLOCKS = (1, 2, 4, 8, 16, 32, 64)
+TABLE3_BATCHES = (1, 4, 8, 16)
+TABLE3_KV = (2**4, 2**8, 2**10, 2**12, 2**14, 2**16, 2**20, 2**22)
+TABLE4_BLOCKS = (8, 16, 32, 64)
+TABLE4_BATCHES = (1, 4, 8)
+TABLE4_NFE = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """Peak throughputs of one accelerator.
+
+    ``linear_flops`` is the dense peak for the weight GEMMs (FLOP/s), ``attention_flops`` the
+    dense peak for attention (FLOP/s), ``bandwidth`` the memory bandwidth in **bytes/s**.
+    """
+
+    name: str
+    linear_flops: float
+    attention_flops: float
+    bandwidth: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("linear_flops", "attention_flops", "bandwidth"):
+            if not getattr(self, field) > 0:
+                raise UnmaskError(f"GPUSpec {self.name!r}: {field} must be > 0")
+
+    @classmethod
+    def preset(cls, name: str) -> "GPUSpec":
+        """Return a preset from :data:`GPU_PRESETS`; raise :class:`UnmaskError` if unknown."""
+        try:
+            return GPU_PRESETS[name]
+        except KeyError:
+            known = ", ".join(sorted(GPU_PRESETS))
+            raise UnmaskError(f"unknown GPU preset {name!r}; choose one of: {known}") from None
+
+
+GPU_PRESETS: dict[str, GPUSpec] = {
+    # SBD Fig. 6 as printed. 3.35 × 1024^4 is TiB/s, ~10% above the datasheet's decimal TB/s.
+    "h100-sxm-paper": GPUSpec("h100-sxm-paper", 1978e12, 989e12, 3.35 * 1024**4,
+                              "SBD Fig. 6 constants, as printed"),
+    "h100-sxm": GPUSpec("h100-sxm", 1979e12, 989e12, 3.35e12,
+                        "datasheet (unverified): FP8 dense, BF16 dense, 3.35 TB/s HBM3"),
+    "h200": GPUSpec("h200", 1979e12, 989e12, 4.8e12,
+                    "datasheet (unverified): FP8 dense, BF16 dense, 4.8 TB/s HBM3e"),
+    # The A100 has no FP8 tensor cores: FP8-stored weights are multiplied in BF16, so the
+    # linear peak is the BF16 dense peak too (our choice; INT8 would need integer kernels).
+    "a100": GPUSpec("a100", 312e12, 312e12, 2.039e12,
+                    "datasheet (unverified): A100 SXM 80GB, BF16 dense for both, 2.039 TB/s"),
+}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of weights, KV cache and activations (default 1/1/2, *our choice*:
+    FP8 weights and KV cache, BF16 activations)."""
+
+    weight: float = 1.0
+    kv: float = 1.0
+    act: float = 2.0
+
+    def __post_init__(self) -> None:
+        if min(self.weight, self.kv, self.act) <= 0:
+            raise UnmaskError(f"Precision bytes must be > 0, got {self}")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Decoder-only transformer shape, as read from a Hugging Face config (SBD spec §7.5)."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool = False
+    gated_mlp: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab"):
+            if int(getattr(self, field)) <= 0:
+                raise UnmaskError(f"ModelShape {self.name!r}: {field} must be > 0")
+        if self.heads % self.kv_heads:
+            raise UnmaskError(f"ModelShape {self.name!r}: heads ({self.heads}) must be a "
+                              f"multiple of kv_heads ({self.kv_heads})")
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelShape":
+        """Return a preset from :data:`MODEL_PRESETS`; raise :class:`UnmaskError` if unknown."""
+        try:
+            return MODEL_PRESETS[name]
+        except KeyError:
+            known = ", ".join(sorted(MODEL_PRESETS))
+            raise UnmaskError(f"unknown model shape {name!r}; choose one of: {known}") from None
+
+    @classmethod
+    def from_config(cls, config: Any, *, name: str | None = None) -> "ModelShape":
+        """Build from a ``transformers`` config object or a ``config.json`` dict.
+
+        Reads ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+        ``num_attention_heads``, ``num_key_value_heads`` (default: heads), ``head_dim``
+        (default: hidden / heads), ``vocab_size`` and ``tie_word_embeddings``. A nested
+        ``text_config`` is used when present. The MLP counts as gated (3 matrices, as in
+        Llama/Qwen) unless the config says ``gated_mlp: false`` or is a GPT-2/NeoX/OPT family.
+        """
+        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        if isinstance(cfg.get("text_config"), Mapping):
+            cfg = {**cfg, **cfg["text_config"]}
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "vocab_size") if cfg.get(k) is None]
+        if missing:
+            raise UnmaskError(f"config lacks {', '.join(missing)}; cannot build a ModelShape")
+        heads = int(cfg["num_attention_heads"])
+        ungated = cfg.get("model_type") in {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon"}
+        return cls(
+            name=name or cfg.get("_name_or_path") or cfg.get("model_type") or "custom",
+            hidden=int(cfg["hidden_size"]),
+            intermediate=int(cfg["intermediate_size"]),
+            layers=int(cfg["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            vocab=int(cfg["vocab_size"]),
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            gated_mlp=bool(cfg.get("gated_mlp", not ungated)),
+        )
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count of the matrices (norms ignored)."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
+        emb = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.layers * (attn + mlp) + emb
+
+
+MODEL_PRESETS: dict[str, ModelShape] = {
+    # meta-llama/Llama-3.1-8B config.json.
+    "llama-3.1-8b": ModelShape("llama-3.1-8b", hidden=4096, intermediate=14336, layers=32,
+                               heads=32, kv_heads=8, head_dim=128, vocab=128256, tied=False),
+}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One roofline op: ``count`` identical ops of ``flops`` FLOP moving ``bytes`` bytes."""
+
+    name: str
+    flops: float
+    bytes: float
+    kind: Literal["linear", "attention"] = "linear"
+    count: int = 1
+
+
+def _gemm(name: str, m: int, n: int, d: int, *, a_bytes: float = 1.0, w_bytes: float = 1.0,
+          count: int = 1) -> Op:
+    """[m×d]·[d×n]: reads m·d activations and d·n weights, writes m·n (Fig. 11 ``gemm``)."""
+    return Op(name, 2.0 * m * n * d, a_bytes * m * d + w_bytes * d * n + a_bytes * m * n,
+              "linear", count)
+
+
+def paper_ops(*, n: int, batch: int, kv_len: int) -> list[Op]:
+    """Fig. 11 as printed, for one "layer" (SBD spec §7.2, mistakes of §7.4 kept).
+
+    1 byte per element everywhere. The FFN dimension is 4096·16384 as a single number and the
+    K/V projections are num_heads·num_kv_heads = 256 wide. The block's own keys are not added
+    to ``kv_len``.
+    """
+    T = n * batch
+    ffn = 4096 * 16384  # §7.4 mistake 1: a product used as one dimension
+    attn = Op("attention", 4.0 * T * kv_len * 4096,
+              2.0 * T * 32 * 128 + 2.0 * batch * kv_len * 8 * 128, "attention")
+    return [
+        attn,
+        _gemm("ffn_up", T, 4096, ffn),
+        _gemm("ffn_down", T, ffn, 4096),
+        _gemm("q_proj", T, 4096, 4096),
+        _gemm("k_proj", T, 32 * 8, 4096),  # §7.4 mistake 2: heads·kv_heads, not kv_heads·hd
+        _gemm("v_proj", T, 32 * 8, 4096),
+        _gemm("o_proj", T, 4096, 4096),
+    ]
+
+
+def corrected_ops(*, n: int, batch: int, kv_len: int, n_logits: int, shape: ModelShape,
+                  precision: Precision) -> list[Op]:
+    """One forward of the whole model (SBD spec §7.5, corrected mode).
+
+    Per layer, with T = n·batch: Q, K, V, O projections; gate/up/down MLP (gate omitted when
+    ``shape.gated_mlp`` is false); attention of T queries over ``kv_len + n`` keys per row,
+    reading Q and writing O in activation precision and reading the cache plus writing the
+    block's new K/V (2·batch·n·nkv·hd elements) in KV precision. Then the LM head on
+    ``n_logits`` rows. Attention FLOPs count the full (non-causal) block, as in the paper.
+    """
+    T = n * batch
+    H, hd, nh, nkv = shape.hidden, shape.head_dim, shape.heads, shape.kv_heads
+    L, a, w, kv = shape.layers, precision.act, precision.weight, precision.kv
+    keys = kv_len + n
+    attn = Op("attention", 4.0 * T * keys * nh * hd,
+              a * 2 * T * nh * hd + kv * 2 * batch * keys * nkv * hd + kv * 2 * batch * n * nkv * hd,
+              "attention", L)
+    mlp_in = ["mlp_gate", "mlp_up"] if shape.gated_mlp else ["mlp_up"]
+    return [
+        attn,
+        _gemm("q_proj", T, nh * hd, H, a_bytes=a, w_bytes=w, count=L),
+        _gemm("k_proj", T, nkv * hd, H, a_bytes=a, w_bytes=w, count=L),
+        _gemm("v_proj", T, nkv * hd, H, a_bytes=a, w_bytes=w, count=L),
+        _gemm("o_proj", T, H, nh * hd, a_bytes=a, w_bytes=w, count=L),
+        *(_gemm(nm, T, shape.intermediate, H, a_bytes=a, w_bytes=w, count=L) for nm in mlp_in),
+        _gemm("mlp_down", T, H, shape.intermediate, a_bytes=a, w_bytes=w, count=L),
+        _gemm("lm_head", n_logits, shape.vocab, H, a_bytes=a, w_bytes=w),
+    ]
+
+
+def ops_time(ops: list[Op], gpu: GPUSpec) -> float:
+    """Seconds for a forward: Σ count·max(flops / peak, bytes / bandwidth) (SBD Eq. 15)."""
+    total = 0.0
+    for op in ops:
+        peak = gpu.attention_flops if op.kind == "attention" else gpu.linear_flops
+        total += op.count * max(op.flops / peak, op.bytes / gpu.bandwidth)
+    return total
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """A configured cost model: ``time(n, batch, kv_len, n_logits)`` in seconds.
+
+    Build it with :func:`roofline`. In paper mode ``n_logits`` is ignored (no LM head).
+    """
+
+    mode: Mode
+    gpu: GPUSpec
+    shape: ModelShape | None = None
+    precision: Precision = Precision()
+
+    def ops(self, *, n: int, batch: int, kv_len: int, n_logits: int | None = None) -> list[Op]:
+        if self.mode == "paper":
+            return paper_ops(n=n, batch=batch, kv_len=kv_len)
+        assert self.shape is not None
+        return corrected_ops(n=n, batch=batch, kv_len=kv_len, shape=self.shape,
+                             n_logits=batch * n if n_logits is None else n_logits,
+                             precision=self.precision)
+
+    def time(self, *, n: int, batch: int, kv_len: int, n_logits: int | None = None) -> float:
+        """Seconds for one forward of ``n`` query tokens per row over ``kv_len`` cached keys."""
+        return ops_time(self.ops(n=n, batch=batch, kv_len=kv_len, n_logits=n_logits), self.gpu)
+
+    def slowdown(self, *, k: int, batch: int, kv_len: int) -> float:
+        """Table 3 cell: time(k) / time(1); logits for all k rows in time(k) (§7.5)."""
+        t1 = self.time(n=1, batch=batch, kv_len=kv_len, n_logits=batch)
+        return self.time(n=k, batch=batch, kv_len=kv_len, n_logits=batch * k) / t1
+
+    def speedup(self, *, k: int, nfe_speedup: float, batch: int, kv_len: int) -> float:
+        """Table 4 cell: k·time(1) / (time(2k) + (l−1)·time(k)), l = k / nfe_speedup (§7.3).
+
+        time(2k) and time(k) both compute logits for batch·k rows (``logits_to_keep``).
+        """
+        if not 1 <= nfe_speedup <= k:
+            raise UnmaskError(f"NFE speed-up must be in [1, k={k}], got {nfe_speedup}")
+        steps = k / nfe_speedup
+        t1 = self.time(n=1, batch=batch, kv_len=kv_len, n_logits=batch)
+        tk = self.time(n=k, batch=batch, kv_len=kv_len, n_logits=batch * k)
+        t2k = self.time(n=2 * k, batch=batch, kv_len=kv_len, n_logits=batch * k)
+        return k * t1 / (t2k + (steps - 1) * tk)
+
+
+def roofline(*, mode: Mode = "paper", shape: ModelShape | str | Mapping | None = None,
+             gpu: GPUSpec | str | None = None, precision: Precision | None = None) -> Roofline:
+    """Configure a cost model (SBD spec §7.5).
+
+    ``mode="paper"`` takes no arguments beyond an optional ``gpu`` (default
+    ``h100-sxm-paper``; bytes are always 1 per element). ``mode="corrected"`` takes ``shape``
+    (a :class:`ModelShape`, a preset name or an HF config dict; default ``llama-3.1-8b``),
+    ``gpu`` (default ``h100-sxm``) and ``precision`` (default 1/1/2 bytes).
+    Raises :class:`UnmaskError` on an unknown mode or preset.
+    """
+    if isinstance(gpu, str):
+        gpu = GPUSpec.preset(gpu)
+    if mode == "paper":
+        if shape is not None or precision is not None:
+            raise UnmaskError("mode='paper' uses the fixed Fig. 6 shape and 1-byte elements; "
+                              "use mode='corrected' to pass a shape or precision")
+        return Roofline("paper", gpu or GPU_PRESETS["h100-sxm-paper"])
+    if mode != "corrected":
+        raise UnmaskError(f"unknown roofline mode {mode!r}; use 'paper' or 'corrected'")
+    if shape is None or isinstance(shape, str):
+        shape = ModelShape.preset(shape or "llama-3.1-8b")
+    elif not isinstance(shape, ModelShape):
+        shape = ModelShape.from_config(shape)
+    return Roofline("corrected", gpu or GPU_PRESETS["h100-sxm"], shape, precision or Precision())
+
+
+def _describe(model: Roofline) -> dict[str, Any]:
+    return {
+        "mode": model.mode,
+        "gpu": dataclasses.asdict(model.gpu),
+        "shape": dataclasses.asdict(model.shape) if model.shape else None,
+        "precision": dataclasses.asdict(model.precision) if model.mode == "corrected" else None,
+    }
+
+
+def _kv_label(kv: int) -> str:
+    return f"2^{kv.bit_length() - 1}" if kv & (kv - 1) == 0 else str(kv)
+
+
+def _format_grid(title: str, row_names: tuple[str, ...], rows: list[tuple[tuple, list[float]]],
+                 kv_lengths: tuple[int, ...], digits: int) -> str:
+    """Aligned text: one row per key tuple, one column per KV length."""
+    head = [*row_names, *(f"KV {_kv_label(kv)}" for kv in kv_lengths)]
+    body = [[*(str(x) for x in key), *(f"{v:.{digits}f}" for v in vals)] for key, vals in rows]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    line = lambda cells: "  ".join(c.rjust(wd) for c, wd in zip(cells, widths))  # noqa: E731
+    return "\n".join([title, line(head), "  ".join("-" * wd for wd in widths),
+                      *(line(r) for r in body)])
+
+
+@dataclass(frozen=True)
+class SlowdownTable:
+    """Table 3: ``values[i_batch][i_block][i_kv]`` = time(k) / time(1) (SBD §4)."""
+
+    model: Roofline
+    blocks: tuple[int, ...]
+    batches: tuple[int, ...]
+    kv_lengths: tuple[int, ...]
+    values: tuple[tuple[tuple[float, ...], ...], ...]
+
+    def value(self, *, batch: int, block: int, kv_length: int) -> float:
+        return self.values[self.batches.index(batch)][self.blocks.index(block)][
+            self.kv_lengths.index(kv_length)]
+
+    def format(self, *, digits: int = 3) -> str:
+        rows = [((b, k), list(self.values[i][j])) for i, b in enumerate(self.batches)
+                for j, k in enumerate(self.blocks)]
+        title = f"Slowdown time(k)/time(1), {self.model.mode} mode, {self.model.gpu.name}"
+        return _format_grid(title, ("batch", "block"), rows, self.kv_lengths, digits)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"table": "slowdown", **_describe(self.model), "blocks": list(self.blocks),
+                "batches": list(self.batches), "kv_lengths": list(self.kv_lengths),
+                "values": [[list(r) for r in per_b] for per_b in self.values]}
+
+    def plot(self, path: str) -> None:
+        """Slowdown against KV length, one panel per batch, one line per block size."""
+        plt = _pyplot()
+        fig, axes = plt.subplots(1, len(self.batches), figsize=(4 * len(self.batches), 3.5),
+                                 squeeze=False, sharey=True)
+        for ax, b, per_b in zip(axes[0], self.batches, self.values):
+            for k, vals in zip(self.blocks, per_b):
+                ax.plot(self.kv_lengths, vals, marker="o", label=f"k={k}")
+            ax.set(xscale="log", xlabel="KV length", title=f"batch {b}")
+        axes[0][0].set_ylabel("time(k) / time(1)")
+        axes[0][-1].legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+
+
+@dataclass(frozen=True)
+class SpeedupTable:
+    """Table 4: ``values[i_batch][i_block][i_nfe][i_kv]`` = wall-clock speed-up (SBD §4)."""
+
+    model: Roofline
+    blocks: tuple[int, ...]
+    batches: tuple[int, ...]
+    nfe_speedups: tuple[float, ...]
+    kv_lengths: tuple[int, ...]
+    values: tuple[tuple[tuple[tuple[float, ...], ...], ...], ...]
+
+    def value(self, *, batch: int, block: int, nfe_speedup: float, kv_length: int) -> float:
+        return self.values[self.batches.index(batch)][self.blocks.index(block)][
+            self.nfe_speedups.index(nfe_speedup)][self.kv_lengths.index(kv_length)]
+
+    def format(self, *, digits: int = 3) -> str:
+        rows = [((b, k, f"x{s:g}"), list(self.values[i][j][m]))
+                for i, b in enumerate(self.batches) for j, k in enumerate(self.blocks)
+                for m, s in enumerate(self.nfe_speedups)]
+        title = f"Wall-clock speed-up, {self.model.mode} mode, {self.model.gpu.name}"
+        return _format_grid(title, ("batch", "block", "NFE"), rows, self.kv_lengths, digits)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"table": "speedup", **_describe(self.model), "blocks": list(self.blocks),
+                "batches": list(self.batches), "nfe_speedups": list(self.nfe_speedups),
+                "kv_lengths": list(self.kv_lengths),
+                "values": [[[list(r) for r in per_k] for per_k in per_b] for per_b in self.values]}
+
+    def plot(self, path: str) -> None:
+        """Wall-clock against NFE speed-up at the shortest KV length, one panel per batch."""
+        plt = _pyplot()
+        fig, axes = plt.subplots(1, len(self.batches), figsize=(4 * len(self.batches), 3.5),
+                                 squeeze=False, sharey=True)
+        for ax, b, per_b in zip(axes[0], self.batches, self.values):
+            ax.plot(self.nfe_speedups, self.nfe_speedups, "k:", label="ideal")
+            for k, per_k in zip(self.blocks, per_b):
+                ax.plot(self.nfe_speedups, [r[0] for r in per_k], marker="o", label=f"k={k}")
+            ax.set(xlabel="NFE speed-up", title=f"batch {b}, KV {_kv_label(self.kv_lengths[0])}")
+        axes[0][0].set_ylabel("wall-clock speed-up")
+        axes[0][-1].legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UnmaskError("plotting needs matplotlib; pip install 'unmask[plot]'") from None
+    return plt
+
+
+def slowdown_table(*, mode: Mode = "paper", shape: ModelShape | str | Mapping | None = None,
+                   gpu: GPUSpec | str | None = None, precision: Precision | None = None,
+                   blocks: tuple[int, ...] = TABLE3_BLOCKS,
+                   batches: tuple[int, ...] = TABLE3_BATCHES,
+                   kv_lengths: tuple[int, ...] = TABLE3_KV) -> SlowdownTable:
+    """SBD Table 3 (slowdown time(k)/time(1)) over the given grid; defaults are the paper's.
+
+    Arguments as in :func:`roofline`. Raises :class:`UnmaskError` on bad arguments.
+    """
+    model = roofline(mode=mode, shape=shape, gpu=gpu, precision=precision)
+    values = tuple(tuple(tuple(model.slowdown(k=k, batch=b, kv_len=kv) for kv in kv_lengths)
+                         for k in blocks) for b in batches)
+    return SlowdownTable(model, tuple(blocks), tuple(batches), tuple(kv_lengths), values)
+
+
+def speedup_table(*, mode: Mode = "paper", shape: ModelShape | str | Mapping | None = None,
+                  gpu: GPUSpec | str | None = None, precision: Precision | None = None,
+                  blocks: tuple[int, ...] = TABLE4_BLOCKS,
+                  batches: tuple[int, ...] = TABLE4_BATCHES,
+                  nfe_speedups: tuple[float, ...] = TABLE4_NFE,
+                  kv_lengths: tuple[int, ...] = TABLE3_KV) -> SpeedupTable:
+    """SBD Table 4 (wall-clock speed-up at a given NFE speed-up) over the given grid.
+
+    The paper's grid is k ∈ {8, 16, 32, 64}, batch ∈ {1, 4, 8}, NFE ∈ {2, 4, 8}; the KV
+    lengths default to Table 3's. Arguments as in :func:`roofline`.
+    """
+    model = roofline(mode=mode, shape=shape, gpu=gpu, precision=precision)
+    values = tuple(tuple(tuple(tuple(model.speedup(k=k, nfe_speedup=s, batch=b, kv_len=kv)
+                                     for kv in kv_lengths) for s in nfe_speedups)
+                         for k in blocks) for b in batches)
+    return SpeedupTable(model, tuple(blocks), tuple(batches), tuple(nfe_speedups),
+                        tuple(kv_lengths), values)
