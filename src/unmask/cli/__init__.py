@@ -1,5 +1,54 @@
-"""The ``unmask`` command line (filled in by the Foundation work)."""
+"""The ``unmask`` command line: thin typer wrappers over the Python API (STYLE.md habit 12).
+
+Every user error ends in one line ``error: <problem>; <fix>`` on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from unmask.errors import UnmaskError
+
+try:  # typer >= 0.20 vendors click
+    from typer._click import exceptions as _click_errors
+except ImportError:  # pragma: no cover - older typer on real click
+    from click import exceptions as _click_errors
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="unmask: commit many tokens per forward pass (SBD, MBD, Early-Bird, dLLM baselines).")
+convert_app = typer.Typer(no_args_is_help=True, help="Convert checkpoints into Hugging Face directories.")
+app.add_typer(convert_app, name="convert")
+
+# Subcommand modules register themselves on `app` when imported.
+from unmask.cli import generate as _generate  # noqa: E402,F401
+from unmask.cli import models as _models  # noqa: E402,F401
 
 
-def main() -> None:  # pragma: no cover - replaced by the real CLI
-    raise SystemExit("unmask CLI not built yet")
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    try:
+        app(args=argv, prog_name="unmask", standalone_mode=False)
+    except UnmaskError as e:
+        _fail(str(e).splitlines()[0])
+    except typer.Abort:
+        _fail("aborted")
+    except _click_errors.NoArgsIsHelpError as e:
+        e.show()
+        raise SystemExit(2) from None
+    except _click_errors.ClickException as e:
+        msg = e.format_message().replace("\n", " ")
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        _fail(f"{msg}{hint}")
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except UnicodeDecodeError as e:
+        _fail(f"input is not valid UTF-8 ({e.reason} at byte {e.start}); convert the file to UTF-8")

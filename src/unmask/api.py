@@ -1,0 +1,96 @@
+"""The Python API: ``unmask.load`` and ``unmask.generate``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unmask.decode import DecodeStats, default_decoder, get_decoder
+from unmask.errors import UnmaskError
+from unmask.models import ModelBundle, load
+from unmask.sampling import Sampling
+
+
+@dataclass
+class Generation:
+    """The result of ``generate``: one text and id list per prompt, and the run's statistics."""
+
+    prompts: list[str]
+    texts: list[str]
+    tokens: list[list[int]]
+    prompt_tokens: list[list[int]]
+    stats: DecodeStats
+    decoder: str
+    model: str
+
+    def rows(self) -> list[dict]:
+        """One JSON-ready dict per prompt: the CLI ``--json`` contract."""
+        out = []
+        for i, prompt in enumerate(self.prompts):
+            row = self.stats.row(i)
+            out.append({"prompt": prompt, "text": self.texts[i], "tokens": self.tokens[i], "nfe": row["nfe"],
+                        "tpf": row["tpf"], "seconds": self.stats.seconds, "tps": self.stats.tps,
+                        "decoder": self.decoder, "model": self.model, **self.stats.extra.get("row_extra", [{}] * len(self.prompts))[i]})
+        return out
+
+
+def encode_prompts(bundle: ModelBundle, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """Tokenise and validate prompts against the context window. Raises UnmaskError."""
+    if not prompts:
+        raise UnmaskError("no prompt given; pass PROMPT or --prompts-file FILE")
+    ctx = bundle.context_length
+    if max_new_tokens <= 0:
+        raise UnmaskError(f"max_new_tokens must be > 0 (got {max_new_tokens})")
+    if max_new_tokens >= ctx:
+        raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds the context window of {ctx} tokens; lower --max-new-tokens")
+    encoded = []
+    for i, text in enumerate(prompts):
+        if not isinstance(text, str) or not text.strip():
+            raise UnmaskError(f"prompt {i + 1} is empty; give some text to continue")
+        ids = bundle.encode(text)
+        if len(ids) + max_new_tokens > ctx:
+            raise UnmaskError(f"prompt {i + 1} is {len(ids)} tokens; with max_new_tokens {max_new_tokens} it exceeds the "
+                              f"context window of {ctx}; shorten the prompt or lower --max-new-tokens")
+        encoded.append(ids)
+    return encoded
+
+
+def check_options(decode, name: str, options: dict) -> None:
+    """Refuse options the decoder does not take, with a one-line error."""
+    import inspect
+
+    accepted = set(inspect.signature(decode).parameters)
+    extra = sorted(k for k in options if k not in accepted)
+    if extra:
+        flags = ", ".join("--" + k.replace("_", "-") for k in extra)
+        raise UnmaskError(f"{flags} does not apply to decoder {name!r}; drop it or choose a decoder that takes it")
+
+
+def generate(prompts: str | list[str], model: str | ModelBundle | None = None, decoder: str | None = None, *,
+             max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             seed: int | None = 0, stop: list[str] | None = None, device: str = "cpu", dtype: str = "float32",
+             **options) -> Generation:
+    """Generate continuations of ``prompts`` with any decoder.
+
+    model: a ModelBundle, a shipped name or a local directory (default: the default shipped
+    model). decoder: ``ar``, ``sbd``, ... (default: the natural decoder of the model's kind).
+    ``options`` go to the decoder (e.g. ``policy="entropy-bound", gamma=0.35, block_size=16``).
+    Raises UnmaskError for every invalid input.
+    """
+    bundle = model if isinstance(model, ModelBundle) else load(model, device=device, dtype=dtype)
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    decoder = decoder or default_decoder(bundle.kind)
+    decode = get_decoder(decoder, bundle.kind)
+    check_options(decode, decoder, options)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    ids = encode_prompts(bundle, prompts, max_new_tokens)
+    out = decode(bundle, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                 stop_token_ids=bundle.stop_token_ids, stop_strings=tuple(stop or ()), **options)
+    texts = []
+    for p, toks in zip(ids, out.tokens):
+        text = bundle.decode_continuation(p, toks)
+        for s in stop or ():
+            if s in text:
+                text = text[: text.index(s)]
+        texts.append(text)
+    return Generation(prompts=prompts, texts=texts, tokens=out.tokens, prompt_tokens=ids, stats=out.stats,
+                      decoder=decoder, model=bundle.name)

@@ -1,0 +1,86 @@
+"""``unmask generate``: the main job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from unmask.cli import app
+from unmask.errors import UnmaskError
+
+
+def read_prompts(prompts: list[str], prompts_file: Path | None) -> list[str]:
+    """Prompts from arguments and/or a file (one prompt per line, UTF-8). Raises UnmaskError."""
+    out = []
+    for p in prompts:
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UnmaskError("a prompt argument is not valid UTF-8; pass UTF-8 text") from None
+        out.append(p)
+    if prompts_file is not None:
+        try:
+            text = Path(prompts_file).read_bytes().decode("utf-8")
+        except OSError as e:
+            raise UnmaskError(f"cannot read prompts file {prompts_file}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise UnmaskError(f"prompts file {prompts_file} is not valid UTF-8; convert it to UTF-8") from None
+        out.extend(line for line in text.splitlines() if line.strip())
+        if not out:
+            raise UnmaskError(f"prompts file {prompts_file} holds no prompt; put one prompt per line")
+    if not out:
+        raise UnmaskError("no prompt given; pass PROMPT or --prompts-file FILE")
+    return out
+
+
+@app.command("generate")
+def generate_cmd(
+    prompts: list[str] = typer.Argument(None, help="prompt text(s) to continue"),
+    prompts_file: Path = typer.Option(None, "--prompts-file", help="file with one prompt per line"),
+    model: str = typer.Option(None, "--model", "-m", help="shipped model name or local HF directory (default: the default shipped model)"),
+    kind: str = typer.Option(None, "--kind", help="model kind for a local directory: causal, sbd, masked-diffusion, block-diffusion"),
+    decoder: str = typer.Option(None, "--decoder", "-d", help="ar, sbd, ... (default: the model kind's natural decoder)"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="tokens to generate per prompt"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
+    top_k: int = typer.Option(0, "--top-k", help="sample from the k most likely tokens (0 = off)"),
+    top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass in (0, 1]"),
+    seed: int = typer.Option(0, "--seed", help="seed of the sampling generator"),
+    stop: list[str] = typer.Option(None, "--stop", help="stop string (repeatable)"),
+    policy: str = typer.Option(None, "--policy", help="commit policy: entropy-bound, confidence-bound, threshold, factor, top-k"),
+    gamma: float = typer.Option(None, "--gamma", help="EB-sampler bound γ >= 0 (entropy-bound / confidence-bound)"),
+    preset: str = typer.Option(None, "--preset", help="γ preset: reasoning-low, reasoning-high, chat-low, chat-high"),
+    tau: float = typer.Option(None, "--tau", help="confidence threshold τ in (0, 1] (threshold policy)"),
+    factor: float = typer.Option(None, "--factor", help="Fast-dLLM factor f (factor policy)"),
+    tokens_per_step: int = typer.Option(None, "--tokens-per-step", help="tokens committed per step (top-k policy)"),
+    block_size: int = typer.Option(None, "--block-size", "-k", help="block size"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object per prompt per line"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
+) -> None:
+    """Generate continuations and print text plus NFE / TPF / TPS."""
+    from unmask.api import generate
+    from unmask.models import load
+
+    texts = read_prompts(prompts or [], prompts_file)
+    options = {"policy": policy, "gamma": gamma, "preset": preset, "tau": tau, "factor": factor,
+               "tokens_per_step": tokens_per_step, "block_size": block_size}
+    options = {k: v for k, v in options.items() if v is not None}
+    bundle = load(model, kind=kind, device=device, dtype=dtype)
+    result = generate(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
+                      top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, **options)
+    if as_json:
+        for row in result.rows():
+            typer.echo(json.dumps(row, ensure_ascii=False))
+        return
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console()
+    for prompt, text in zip(result.prompts, result.texts):
+        console.print(Text.assemble((prompt, "bold"), (text, "")))
+        console.print()
+    s = result.stats
+    console.print(f"[dim]{result.model} · decoder {result.decoder} · NFE {s.nfe} · generated {s.generated} · "
+                  f"TPF {s.tpf:.2f} · {s.tps:.1f} tok/s · {s.seconds:.2f} s[/dim]")

@@ -1,0 +1,45 @@
+"""``unmask models`` and ``unmask convert llama2c``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from unmask.cli import app, convert_app
+
+
+@app.command("models")
+def models_cmd() -> None:
+    """List the checkpoints that ship inside the package (load them by name, offline)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from unmask.models.bundle import read_unmask_config
+    from unmask.models.registry import DESCRIPTIONS, default_model, shipped
+
+    table = Table(title="shipped models")
+    for col in ("name", "kind", "description"):
+        table.add_column(col)
+    default = default_model()
+    for name, path in shipped().items():
+        kind = read_unmask_config(path).get("kind", "causal")
+        table.add_row(name + (" (default)" if name == default else ""), kind, DESCRIPTIONS.get(name, ""))
+    Console().print(table)
+
+
+@convert_app.command("llama2c")
+def convert_llama2c_cmd(
+    checkpoint: Path = typer.Argument(..., help="llama2.c legacy (v0) checkpoint, e.g. stories260K.bin"),
+    tokenizer: Path = typer.Argument(..., help="llama2.c tokenizer.bin, e.g. tok512.bin"),
+    out_dir: Path = typer.Argument(..., help="output Hugging Face directory"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT_DIR if it exists"),
+    no_verify: bool = typer.Option(False, "--no-verify", help="skip the sha256 check of known file names"),
+) -> None:
+    """Convert a llama2.c checkpoint + tokenizer into a Hugging Face LlamaForCausalLM directory."""
+    from unmask.compat import quiet_transformers
+    from unmask.models.llama2c import convert_llama2c
+
+    quiet_transformers()
+    out = convert_llama2c(checkpoint, tokenizer, out_dir, overwrite=overwrite, verify=not no_verify)
+    typer.echo(f"wrote {out}")

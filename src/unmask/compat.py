@@ -1,0 +1,71 @@
+"""Everything that depends on the transformers version lives here (STYLE.md habit 8).
+
+transformers 5.x renamed the cache keyword to ``cache=`` (``past_key_values=`` still works
+until 5.40); ``DynamicCache.crop(-n)`` is the portable rollback; RoPE settings moved into
+``config.rope_parameters`` (spec/models.md §3).
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=64)
+def _cache_keyword(forward_cls: type) -> str:
+    params = inspect.signature(forward_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_keyword(model) -> str:
+    """The name of the KV-cache argument of ``model.forward`` (``cache`` in 5.x)."""
+    return _cache_keyword(type(model))
+
+
+def new_cache(model):
+    """An empty ``DynamicCache`` for ``model``."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def crop(cache, n: int) -> None:
+    """Drop the last ``n`` positions from every layer of ``cache`` (``crop(-n)``: the
+    positive absolute-length form raises in 5.24)."""
+    if n > 0:
+        cache.crop(-n)
+
+
+def forward(model, input_ids: torch.Tensor, *, position_ids: torch.Tensor, attention_mask=None,
+            cache=None, logits_to_keep: int = 0, is_causal: bool | None = None) -> torch.Tensor:
+    """One model forward through HF's supported entry points.
+
+    input_ids (B, q) long, position_ids (B, q) long (always explicit, spec/models.md §3.6),
+    attention_mask None, (B, kv) 2D padding mask or (B, 1, q, kv) 4D mask (bool for SDPA,
+    additive float for eager). Returns logits (B, q or logits_to_keep, V) in float32.
+    """
+    kwargs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
+              "use_cache": cache is not None, "logits_to_keep": logits_to_keep}
+    if cache is not None:
+        kwargs[cache_keyword(model)] = cache
+    if is_causal is not None:
+        kwargs["is_causal"] = is_causal
+    out = model(**kwargs)
+    return out.logits.float()
+
+
+def rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(config, "rope_theta", 10000.0))
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' progress bars and info logs (the CLI prints its own output)."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()

@@ -1,0 +1,49 @@
+"""Shipped checkpoints: converted/fine-tuned stories260K variants inside the package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from unmask.errors import UnmaskError
+
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+
+# name -> one-line description; a name is listed only once its directory ships.
+DESCRIPTIONS = {
+    "stories260K": "causal Llama, 260K params, converted from llama2.c (karpathy/tinyllamas)",
+    "stories260K-sbd": "stories260K fine-tuned for Set Block Decoding (recipes/stories260K_sbd.py)",
+    "stories260K-dlm": "stories260K adapted to masked diffusion (recipes/stories260K_dlm.py)",
+    "stories260K-bd": "stories260K trained as a block-diffusion LM, B = 8 (recipes/stories260K_bd.py)",
+    "stories260K-mbd": "stories260K-bd post-trained with MultiTF (recipes/stories260K_mbd.py)",
+}
+PREFERRED_DEFAULTS = ("stories260K-sbd", "stories260K")
+
+
+def shipped() -> dict[str, Path]:
+    """Names of the checkpoints that ship in this installation, with their directories."""
+    if not CHECKPOINTS.is_dir():
+        return {}
+    return {p.name: p for p in sorted(CHECKPOINTS.iterdir()) if (p / "config.json").is_file()}
+
+
+def default_model() -> str:
+    names = shipped()
+    for name in PREFERRED_DEFAULTS:
+        if name in names:
+            return name
+    raise UnmaskError("no shipped checkpoint found in this installation; reinstall unmask")
+
+
+def resolve(name_or_path: str) -> tuple[str, Path]:
+    """A shipped name or a local directory -> (display name, directory).
+
+    Raises UnmaskError naming the valid shipped names when neither matches.
+    """
+    names = shipped()
+    if name_or_path in names:
+        return name_or_path, names[name_or_path]
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path.name, path
+    valid = ", ".join(names) or "(none)"
+    raise UnmaskError(f"unknown model {name_or_path!r}; shipped models: {valid}; or pass a local Hugging Face directory")

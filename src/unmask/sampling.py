@@ -1,0 +1,65 @@
+"""Token sampling shared by the decoders: greedy, temperature, top-k and top-p, seeded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from unmask.errors import UnmaskError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How committed tokens are drawn.
+
+    temperature 0 is greedy (argmax). top_k 0 and top_p 1.0 disable those filters. ``seed``
+    seeds the torch.Generator a decode run creates, so runs are reproducible.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise UnmaskError(f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy decoding")
+        if not 0 < self.top_p <= 1:
+            raise UnmaskError(f"top-p must be in (0, 1] (got {self.top_p}); use 1.0 to disable it")
+        if self.top_k < 0:
+            raise UnmaskError(f"top-k must be >= 0 (got {self.top_k}); use 0 to disable it")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device) -> torch.Generator:
+        g = torch.Generator(device=device)
+        g.manual_seed(0 if self.seed is None else int(self.seed))
+        return g
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Mask logits outside the top-k / nucleus (top-p) set with -inf. logits (..., V)."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (..., V)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row. logits (..., V) float -> (...) long."""
+    if sampling.greedy:
+        return logits.argmax(dim=-1)
+    scaled = filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])  # (rows, V)
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
