@@ -1,0 +1,409 @@
+"""Commit policies: which masked positions to reveal this step, and with which token.
+
+Every decoder (SBD, LLaDA, Fast-dLLM, Dream, block diffusion) calls :func:`commit` once per forward.
+It is a pure, batched function of the logits and the mask; the policy is a frozen config dataclass.
+
+Conventions shared by every policy (SBD §5, diffusion.md §0, §4, §6, §7):
+
+* q = softmax(logits / T) for T > 0 and softmax(logits) for T = 0, in float32 (SBD §5.1 step 1).
+* Ranking is a stable sort: equal scores go to the lower position. Non-masked positions are never ranked
+  before masked ones and are never committed.
+* A row with r >= 1 masked positions commits between 1 and r of them; a row with r = 0 commits nothing.
+  The one exception is an explicit TopK ``quota`` of 0 (LLaDA with more steps than block tokens).
+* Decoders set the mask-token logit to -inf themselves (see :func:`suppress`) before calling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from unmask.errors import UnmaskError
+
+# SBD §5.4, Table 1: γ_low keeps accuracy, γ_high is faster. Both assume the entropy proxy at T = 0.
+GAMMA_PRESETS: dict[str, float] = {
+    "reasoning-low": 0.1,
+    "reasoning-high": 0.35,
+    "chat-low": 0.35,
+    "chat-high": 0.6,
+}
+_PROXIES = ("entropy", "confidence", "margin")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise UnmaskError(message)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+@dataclass(frozen=True)
+class EntropyBound:
+    """EB sampler (SBD §5.1 / EB Alg. 1): largest prefix, in proxy order, with Σ H − max H ≤ gamma.
+
+    ``proxy`` orders the candidates: "entropy" (H ascending, the SBD default), "confidence" (max q
+    descending, SBD Eq. 18) or "margin" (q(top1) − q(top2) descending). gamma is in nats; 0 commits one
+    token per step (more only when entropies are exactly 0), ``math.inf`` commits every masked position.
+    """
+
+    gamma: float = 0.35
+    proxy: Literal["entropy", "confidence", "margin"] = "entropy"
+
+    def __post_init__(self) -> None:
+        _require(_is_number(self.gamma) and self.gamma >= 0,
+                 f"gamma must be >= 0 (got {self.gamma!r}); use 0 for one token per step or a preset "
+                 f"name from {sorted(GAMMA_PRESETS)}")
+        _require(self.proxy in _PROXIES, f"proxy must be one of {list(_PROXIES)} (got {self.proxy!r})")
+
+    @property
+    def name(self) -> str:
+        return f"{self.proxy}-bound"
+
+    @classmethod
+    def preset(cls, name: str, proxy: str = "entropy") -> EntropyBound:
+        """EntropyBound with γ from :data:`GAMMA_PRESETS`, e.g. ``preset("chat-low")`` (SBD §5.4)."""
+        _require(name in GAMMA_PRESETS, f"unknown gamma preset {name!r}; use one of {sorted(GAMMA_PRESETS)}")
+        return cls(gamma=GAMMA_PRESETS[name], proxy=proxy)
+
+    @classmethod
+    def gamma_low(cls, task: Literal["reasoning", "chat"] = "chat") -> EntropyBound:
+        """Accuracy-preserving γ for ``task`` (SBD Table 1: reasoning 0.1, chat 0.35)."""
+        return cls.preset(f"{task}-low")
+
+    @classmethod
+    def gamma_high(cls, task: Literal["reasoning", "chat"] = "chat") -> EntropyBound:
+        """Faster γ for ``task`` (SBD Table 1: reasoning 0.35, chat 0.6)."""
+        return cls.preset(f"{task}-high")
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """Fast-dLLM threshold rule (diffusion.md §6): top-1 by κ always, plus every κ ≥ tau (inclusive)."""
+
+    tau: float = 0.9
+
+    def __post_init__(self) -> None:
+        _require(_is_number(self.tau) and 0 < self.tau <= 1,
+                 f"tau must be in (0, 1] (got {self.tau!r}); use 1.0 to commit one token per step "
+                 "unless the model is certain")
+
+    @property
+    def name(self) -> str:
+        return "threshold"
+
+
+@dataclass(frozen=True)
+class Factor:
+    """Fast-dLLM factor rule (diffusion.md §6, SBD §5.3) on κ sorted descending, c(1) ≥ c(2) ≥ ...
+
+    Clean rule (default, our choice): commit the largest prefix of ranks n such that every rank r ≤ n
+    has c(r) ≥ 1 − f/(r+1), i.e. (r+1)(1 − c(r)) ≤ f, inclusive as in diffusion.md §6 and the
+    reference code (SBD §5.3's strict "<" differs only on exact equality). Rank 1 is always committed.
+
+    ``compat=True`` reproduces ``get_transfer_index_dynamic`` bit-exactly: κ from the float64,
+    untempered softmax, and when the first failing rank is the last rank every candidate is committed.
+    """
+
+    f: float = 1.0
+    compat: bool = False
+
+    def __post_init__(self) -> None:
+        _require(_is_number(self.f) and self.f >= 0,
+                 f"f must be >= 0 (got {self.f!r}); larger f commits more tokens per step, 1.0 is usual")
+        _require(isinstance(self.compat, bool), f"compat must be True or False (got {self.compat!r})")
+
+    @property
+    def name(self) -> str:
+        return "factor"
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Commit the k most confident masked positions per step (LLaDA low-confidence remasking, diffusion.md §3)."""
+
+    k: int = 1
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.k, int) and not isinstance(self.k, bool) and self.k >= 1,
+                 f"k must be an integer >= 1 (got {self.k!r}); use 1 for one token per step")
+
+    @property
+    def name(self) -> str:
+        return "top-k"
+
+
+@dataclass(frozen=True)
+class EntropyThreshold:
+    """d3LLM entropy threshold (diffusion.md §7): every H ≤ eta (nats), else the single argmin-H position."""
+
+    eta: float = 0.4
+
+    def __post_init__(self) -> None:
+        _require(_is_number(self.eta) and self.eta >= 0,
+                 f"eta must be >= 0 (got {self.eta!r}); use 0 for one token per step")
+
+    @property
+    def name(self) -> str:
+        return "entropy-threshold"
+
+
+Policy = EntropyBound | Threshold | Factor | TopK | EntropyThreshold
+
+# CLI name -> (class, fixed fields). The *-bound names are EntropyBound with the proxy fixed.
+_REGISTRY: dict[str, tuple[type, dict[str, object]]] = {
+    "entropy-bound": (EntropyBound, {"proxy": "entropy"}),
+    "confidence-bound": (EntropyBound, {"proxy": "confidence"}),
+    "margin-bound": (EntropyBound, {"proxy": "margin"}),
+    "threshold": (Threshold, {}),
+    "factor": (Factor, {}),
+    "top-k": (TopK, {}),
+    "entropy-threshold": (EntropyThreshold, {}),
+}
+POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def make_policy(name: str, **params: object) -> Policy:
+    """Build a policy from its CLI name and options, e.g. ``make_policy("threshold", tau=0.8)``.
+
+    Options whose value is None are ignored, so a CLI can pass every flag it has. ``gamma`` also accepts
+    a preset name from :data:`GAMMA_PRESETS`. Raises UnmaskError for an unknown name, an option the
+    policy does not take, or an invalid value.
+    """
+    key = str(name).strip().lower().replace("_", "-")
+    _require(key in _REGISTRY, f"unknown policy {name!r}; use one of {list(POLICY_NAMES)}")
+    cls, fixed = _REGISTRY[key]
+    given = {k: v for k, v in params.items() if v is not None}
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    for k, v in given.items():
+        _require(k in allowed, f"policy {key!r} has no option {k!r}; it accepts {allowed}")
+        _require(k not in fixed or v == fixed[k],
+                 f"policy {key!r} fixes {k}={fixed.get(k)!r} (got {v!r}); choose the policy named after it")
+    if isinstance(given.get("gamma"), str):
+        gamma = given["gamma"]
+        _require(gamma in GAMMA_PRESETS, f"unknown gamma preset {gamma!r}; use a number or one of {sorted(GAMMA_PRESETS)}")
+        given["gamma"] = GAMMA_PRESETS[gamma]
+    return cls(**{**given, **fixed})
+
+
+class TokenStats(NamedTuple):
+    """Per-position statistics of q (diffusion.md §0); each field is (B, N)."""
+
+    top1: Tensor        # long, argmax token
+    confidence: Tensor  # float32, κ = max q
+    entropy: Tensor     # float32, H = −Σ q log q, nats
+    margin: Tensor      # float32, Δ = q(top1) − q(top2)
+
+
+def _log_q(logits: Tensor, temperature: float) -> Tensor:
+    # SBD §5.2: at T = 0 the unscaled softmax; the T → 0 limit would have zero entropy everywhere.
+    z = logits.float()
+    if temperature > 0:
+        z = z / temperature
+    return F.log_softmax(z, dim=-1)  # (B, N, V)
+
+
+def _stats(log_q: Tensor) -> TokenStats:
+    q = log_q.exp()  # (B, N, V)
+    # A -inf logit (mask token) has q = 0 and log q = -inf; its term q log q is 0, not nan.
+    entropy = -torch.where(q > 0, q * log_q, torch.zeros_like(q)).sum(-1)  # (B, N)
+    top = q.topk(min(2, q.shape[-1]), dim=-1)  # values, indices: (B, N, 1 or 2)
+    second = top.values[..., 1] if q.shape[-1] > 1 else torch.zeros_like(top.values[..., 0])
+    return TokenStats(top1=q.argmax(-1), confidence=top.values[..., 0], entropy=entropy,
+                      margin=top.values[..., 0] - second)
+
+
+def _check_temperature(temperature: float) -> None:
+    _require(_is_number(temperature) and 0 <= temperature < math.inf,
+             f"temperature must be a finite number >= 0 (got {temperature!r}); use 0 for greedy decoding")
+
+
+def token_stats(logits: Tensor, *, temperature: float = 0.0) -> TokenStats:
+    """Top-1 token, confidence κ, entropy H (nats) and margin Δ of q, in float32 (SBD §5.1 steps 1–2).
+
+    logits: (B, N, V), any float dtype. q = softmax(logits / T) if T > 0, else softmax(logits).
+    Returns a :class:`TokenStats` of (B, N) tensors. Raises UnmaskError for a bad temperature or shape.
+    """
+    _check_temperature(temperature)
+    _require(logits.dim() == 3, f"logits must be (B, N, V) (got shape {tuple(logits.shape)})")
+    return _stats(_log_q(logits, temperature))
+
+
+def suppress(logits: Tensor, ids: int | Sequence[int] | Tensor) -> Tensor:
+    """Return a copy of ``logits`` (..., V) with the vocabulary columns ``ids`` set to -inf.
+
+    Used for the mask token and EOS suppression (SBD §2, diffusion.md §9). The input is not modified.
+    """
+    V = logits.shape[-1]
+    index = torch.as_tensor(ids, dtype=torch.long, device=logits.device).reshape(-1)  # (n_ids,)
+    _require(bool(((index >= 0) & (index < V)).all()), f"suppress ids must lie in [0, {V}) (got {index.tolist()})")
+    return logits.index_fill(-1, index, float("-inf"))
+
+
+def gumbel_argmax(logits: Tensor, temperature: float, generator: torch.Generator | None = None) -> Tensor:
+    """Gumbel-max sample from softmax(logits / T), LLaDA's ``add_gumbel_noise`` (diffusion.md §4).
+
+    logits: (..., V). Returns long (...). T = 0 is a plain argmax. For T > 0 the score
+    exp(logits) / (−log u)^T with u ~ U(0, 1) is formed in float64 and maximised, exactly as the
+    reference (so, like it, logits above ~709 overflow to inf). u is drawn from ``generator``.
+    """
+    _check_temperature(temperature)
+    if temperature == 0:
+        return logits.argmax(-1)
+    z = logits.to(torch.float64)
+    u = torch.rand(z.shape, generator=generator, dtype=torch.float64, device=z.device)  # (..., V)
+    return (z.exp() / (-torch.log(u)) ** temperature).argmax(-1)
+
+
+def _filter(z: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Boolean (B, N, V) mask of the columns that top-k then top-p filtering removes from scaled logits z."""
+    removed = torch.zeros_like(z, dtype=torch.bool)
+    if 0 < top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[..., -1:]  # (B, N, 1)
+        removed = z < kth
+    if top_p < 1:
+        z = z.masked_fill(removed, float("-inf"))
+        probs, order = F.softmax(z, dim=-1).sort(dim=-1, descending=True)  # (B, N, V) each
+        # Drop a token when the mass strictly before it already reaches top_p; the top-1 always stays.
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p  # (B, N, V), in sorted order
+        removed = removed | torch.zeros_like(removed).scatter(-1, order, drop_sorted)
+    return removed
+
+
+def _rank(score: Tensor, masked: Tensor) -> Tensor:
+    """(B, N) positions ordered masked-first, then by score descending, ties to the lower position."""
+    order = score.sort(dim=1, descending=True, stable=True).indices  # (B, N)
+    # Second stable pass puts every non-masked position last, whatever its score (even a -inf tie).
+    unmasked_sorted = (~masked.gather(1, order)).to(torch.uint8)  # (B, N)
+    return order.gather(1, unmasked_sorted.sort(dim=1, stable=True).indices)  # (B, N)
+
+
+def _prefix_len(ok_sorted: Tensor) -> Tensor:
+    """Length of the leading run of True along dim 1: (B, N) bool -> (B,) long."""
+    return ok_sorted.long().cumprod(dim=1).sum(dim=1)
+
+
+def _take(order: Tensor, count: Tensor) -> Tensor:
+    """Commit the first ``count`` (B,) entries of ``order`` (B, N) -> (B, N) bool in position order."""
+    cols = torch.arange(order.shape[1], device=order.device)  # (N,)
+    take_sorted = cols[None, :] < count[:, None]  # (B, N), in sorted order
+    return torch.zeros_like(take_sorted).scatter(1, order, take_sorted)
+
+
+def commit(
+    logits: Tensor,
+    masked: Tensor,
+    policy: Policy,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+    quota: Tensor | None = None,
+    confidence: Literal["tempered", "untempered"] = "tempered",
+    sampling: Literal["categorical", "gumbel"] = "categorical",
+) -> tuple[Tensor, Tensor]:
+    """Choose the positions to commit this step and their tokens (SBD §5, diffusion.md §3, §4, §6, §7).
+
+    Args:
+        logits: (B, N, V) float; mask (and suppressed) columns already -inf.
+        masked: (B, N) bool, the positions that may be committed.
+        policy: one of :data:`Policy`.
+        temperature: T ≥ 0. T = 0 takes the argmax; T > 0 samples from softmax(logits / T) after top-k
+            then top-p filtering. Entropy, margin and the EB proxies always use the unfiltered q.
+        sampling: how tokens are drawn at T > 0: "categorical" (Dream; ``torch.multinomial``) or "gumbel"
+            (LLaDA's float64 Gumbel-max, :func:`gumbel_argmax`). Randomness comes only from ``generator``.
+        quota: (B,) long, TopK only: tokens to commit per row this step (LLaDA's schedule), overriding k;
+            clamped to the row's masked count. A 0 entry commits nothing in that row.
+        confidence: κ for Threshold, Factor and TopK is the probability of the chosen token under the
+            tempered float32 q ("tempered", Dream) or under softmax(logits) in float64 ("untempered",
+            LLaDA / Fast-dLLM, diffusion.md §3–4). ``Factor(compat=True)`` always uses "untempered".
+
+    Returns:
+        (commit, tokens): commit (B, N) bool, True only at masked positions; tokens (B, N) long, the
+        candidate at every position. Every row with r ≥ 1 masked positions commits 1..r of them.
+
+    Raises:
+        UnmaskError: bad shapes, options, or a quota with a policy other than TopK.
+    """
+    _check_temperature(temperature)
+    _require(logits.dim() == 3, f"logits must be (B, N, V) (got shape {tuple(logits.shape)})")
+    B, N, V = logits.shape
+    _require(masked.shape == (B, N) and masked.dtype == torch.bool,
+             f"masked must be a bool tensor of shape {(B, N)} (got {masked.dtype} {tuple(masked.shape)})")
+    _require(_is_number(top_p) and 0 < top_p <= 1, f"top_p must be in (0, 1] (got {top_p!r}); use 1.0 to disable")
+    _require(isinstance(top_k, int) and top_k >= 0, f"top_k must be an integer >= 0 (got {top_k!r}); use 0 to disable")
+    _require(confidence in ("tempered", "untempered"),
+             f"confidence must be 'tempered' or 'untempered' (got {confidence!r})")
+    _require(sampling in ("categorical", "gumbel"), f"sampling must be 'categorical' or 'gumbel' (got {sampling!r})")
+    _require(isinstance(policy, (EntropyBound, Threshold, Factor, TopK, EntropyThreshold)),
+             f"policy must be one of {list(POLICY_NAMES)} built by make_policy (got {type(policy).__name__})")
+    _require(quota is None or isinstance(policy, TopK), f"quota applies only to the top-k policy (got {policy.name!r})")
+
+    log_q = _log_q(logits, temperature)  # (B, N, V)
+    stats = _stats(log_q)
+
+    # Candidate tokens (SBD §5.1 step 3).
+    if temperature == 0:
+        tokens = stats.top1
+    else:
+        removed = _filter(logits.float() / temperature, top_k, top_p)  # (B, N, V)
+        if sampling == "gumbel":
+            tokens = gumbel_argmax(logits.masked_fill(removed, float("-inf")), temperature, generator)
+        else:
+            probs = log_q.masked_fill(removed, float("-inf")).softmax(-1)  # (B, N, V)
+            flat = probs.reshape(B * N, V)  # (B*N, V): multinomial takes 2-D input
+            tokens = torch.multinomial(flat, 1, generator=generator).reshape(B, N)  # (B, N)
+
+    r = masked.sum(dim=1)  # (B,)
+    if isinstance(policy, EntropyBound):
+        # SBD §5.1 steps 4–5 / EB Fig. 4. Cumulative ops run over positions (dim 1), never the batch.
+        score = {"entropy": -stats.entropy, "confidence": stats.confidence, "margin": stats.margin}[policy.proxy]
+        order = _rank(score, masked)
+        cols = torch.arange(N, device=logits.device)  # (N,)
+        h = stats.entropy.gather(1, order).double()  # (B, N), sorted; float64 so tiny H is not absorbed
+        h = torch.where(cols[None, :] < r[:, None], h, torch.zeros_like(h))
+        excess = h.cumsum(dim=1) - h.cummax(dim=1).values  # (B, N), non-decreasing
+        count = _prefix_len(excess <= policy.gamma)
+    elif isinstance(policy, EntropyThreshold):
+        # diffusion.md §7: when any H ≤ eta the argmin-H is among them, so this is "rank 1 plus all that qualify".
+        order = _rank(-stats.entropy, masked)
+        count = _prefix_len(stats.entropy.gather(1, order) <= policy.eta)  # gather: (B, N), sorted
+    else:
+        if confidence == "untempered" or (isinstance(policy, Factor) and policy.compat):
+            # LLaDA / Fast-dLLM: p(chosen) from the float64 softmax of the raw logits.
+            kappa = F.softmax(logits.to(torch.float64), dim=-1).gather(-1, tokens[..., None])[..., 0]  # (B, N)
+        else:
+            kappa = log_q.gather(-1, tokens[..., None])[..., 0].exp()  # (B, N)
+        order = _rank(kappa, masked)
+        kappa_sorted = kappa.gather(1, order)  # (B, N)
+        if isinstance(policy, Threshold):
+            count = _prefix_len(kappa_sorted >= policy.tau)
+        elif isinstance(policy, Factor):
+            ranks = torch.arange(1, N + 1, device=logits.device, dtype=torch.float64)  # (N,), 1-based
+            need = 1 - policy.f / (ranks + 1)  # same float64 arithmetic as the reference's Python floats
+            need[0] = -math.inf  # rank 1 is always committed
+            count = _prefix_len(kappa_sorted >= need[None, :])
+            if policy.compat:
+                # Reference quirk: a first failure on the last rank (count = r − 1) still accepts all r.
+                count = torch.where((r >= 2) & (count == r - 1), r, count)
+        else:  # TopK
+            if quota is None:
+                count = torch.full_like(r, policy.k)
+            else:
+                _require(quota.shape == (B,), f"quota must have shape {(B,)} (got {tuple(quota.shape)})")
+                _require(not quota.is_floating_point() and bool((quota >= 0).all()),
+                         f"quota must hold integers >= 0 (got {quota.tolist()})")
+                count = quota.to(device=r.device, dtype=torch.long)
+            return _take(order, torch.minimum(count, r)) & masked, tokens
+
+    # Rank 1 always qualifies (at least one token per row with masks); never more than r.
+    count = torch.minimum(count.clamp(min=1), r)
+    return _take(order, count) & masked, tokens
