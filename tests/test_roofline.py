@@ -28,7 +28,7 @@ def table4():
 
 @pytest.mark.parametrize("kv", [kv for kv in TABLE3_KV if kv <= 16384])
 def test_table3_batch1_row_exact(table3, kv):
-    got = [round(table3.value(batch=1, block=k, kv_length=kv), 3) for k in table3.blocks]
+    got = [round(table3.value(batch=1, block=k, kv_length=kv), 3) for k in (1, 2, 4, 8, 16, 32, 64)]
     assert got == [1.000, 1.000, 1.001, 1.002, 1.004, 1.008, 1.015]
 
 
@@ -44,10 +44,11 @@ def test_table4_batch1_block16(table4, kv):
 
 
 def test_paper_grids_have_the_paper_shape(table3, table4):
-    assert (table3.batches, table3.blocks) == ((1, 4, 8, 16), (1, 2, 4, 8, 16, 32, 64))
+    assert table3.rows == tuple((b, k) for b in (1, 4, 8, 16) for k in (1, 2, 4, 8, 16, 32, 64))
     assert table3.kv_lengths == (2**4, 2**8, 2**10, 2**12, 2**14, 2**16, 2**20, 2**22)
-    assert (table4.blocks, table4.batches, table4.nfe_speedups) == ((8, 16, 32, 64), (1, 4, 8),
-                                                                    (2, 4, 8))
+    assert table4.rows == tuple((b, k, s) for b in (1, 4, 8) for k in (8, 16, 32, 64)
+                                for s in (2, 4, 8))
+    assert table4.kv_lengths == table3.kv_lengths
     assert len(table3.format().splitlines()) == 3 + 4 * 7
     assert len(table4.format().splitlines()) == 3 + 4 * 3 * 3
 
@@ -132,9 +133,13 @@ def test_presets_and_validation():
 
 def test_to_dict_is_json(table3, table4):
     d3 = json.loads(json.dumps(table3.to_dict()))
-    assert d3["values"][3][6][0] == pytest.approx(3.799, abs=5e-4)
+    assert d3["rows"][-1]["batch"] == 16 and d3["rows"][-1]["block"] == 64
+    assert d3["rows"][-1]["values"][0] == pytest.approx(3.799, abs=5e-4)
     d4 = json.loads(json.dumps(table4.to_dict()))
-    assert d4["values"][0][1][0][0] == pytest.approx(1.992, abs=1e-3)
+    assert d4["rows"][3] == {"batch": 1, "block": 16, "nfe_speedup": 2,
+                             "values": pytest.approx([1.992] * 6 + [1.992, 1.992], abs=1e-3)}
+    with pytest.raises(UnmaskError):
+        table3.value(batch=2, block=1, kv_length=16)
 
 
 def test_plot_writes_png(tmp_path, table3, table4):

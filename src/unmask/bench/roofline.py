@@ -37,6 +37,12 @@ TABLE4_BATCHES = (1, 4, 8)
 TABLE4_NFE = (2, 4, 8)
 
 
+def _preset(table: Mapping[str, Any], name: str, what: str) -> Any:
+    if name not in table:
+        raise UnmaskError(f"unknown {what} {name!r}; choose one of: {', '.join(sorted(table))}")
+    return table[name]
+
+
 @dataclass(frozen=True)
 class GPUSpec:
     """Peak throughputs of one accelerator.
@@ -59,11 +65,7 @@ class GPUSpec:
     @classmethod
     def preset(cls, name: str) -> "GPUSpec":
         """Return a preset from :data:`GPU_PRESETS`; raise :class:`UnmaskError` if unknown."""
-        try:
-            return GPU_PRESETS[name]
-        except KeyError:
-            known = ", ".join(sorted(GPU_PRESETS))
-            raise UnmaskError(f"unknown GPU preset {name!r}; choose one of: {known}") from None
+        return _preset(GPU_PRESETS, name, "GPU preset")
 
 
 GPU_PRESETS: dict[str, GPUSpec] = {
@@ -121,11 +123,7 @@ class ModelShape:
     @classmethod
     def preset(cls, name: str) -> "ModelShape":
         """Return a preset from :data:`MODEL_PRESETS`; raise :class:`UnmaskError` if unknown."""
-        try:
-            return MODEL_PRESETS[name]
-        except KeyError:
-            known = ", ".join(sorted(MODEL_PRESETS))
-            raise UnmaskError(f"unknown model shape {name!r}; choose one of: {known}") from None
+        return _preset(MODEL_PRESETS, name, "model shape")
 
     @classmethod
     def from_config(cls, config: Any, *, name: str | None = None) -> "ModelShape":
@@ -228,9 +226,9 @@ def corrected_ops(*, n: int, batch: int, kv_len: int, n_logits: int, shape: Mode
     T = n * batch
     H, hd, nh, nkv = shape.hidden, shape.head_dim, shape.heads, shape.kv_heads
     L, a, w, kv = shape.layers, precision.act, precision.weight, precision.kv
-    keys = kv_len + n
-    attn = Op("attention", 4.0 * T * keys * nh * hd,
-              a * 2 * T * nh * hd + kv * 2 * batch * keys * nkv * hd + kv * 2 * batch * n * nkv * hd,
+    keys = kv_len + n  # the cache plus the block's own keys
+    kv_bytes = kv * 2 * batch * nkv * hd * (keys + n)  # read K, V of all keys; write the new ones
+    attn = Op("attention", 4.0 * T * keys * nh * hd, a * 2 * T * nh * hd + kv_bytes,
               "attention", L)
     mlp_in = ["mlp_gate", "mlp_up"] if shape.gated_mlp else ["mlp_up"]
     return [
@@ -323,140 +321,102 @@ def roofline(*, mode: Mode = "paper", shape: ModelShape | str | Mapping | None =
     return Roofline("corrected", gpu or GPU_PRESETS["h100-sxm"], shape, precision or Precision())
 
 
-def _describe(model: Roofline) -> dict[str, Any]:
-    return {
-        "mode": model.mode,
-        "gpu": dataclasses.asdict(model.gpu),
-        "shape": dataclasses.asdict(model.shape) if model.shape else None,
-        "precision": dataclasses.asdict(model.precision) if model.mode == "corrected" else None,
-    }
-
-
 def _kv_label(kv: int) -> str:
-    return f"2^{kv.bit_length() - 1}" if kv & (kv - 1) == 0 else str(kv)
-
-
-def _format_grid(title: str, row_names: tuple[str, ...], rows: list[tuple[tuple, list[float]]],
-                 kv_lengths: tuple[int, ...], digits: int) -> str:
-    """Aligned text: one row per key tuple, one column per KV length."""
-    head = [*row_names, *(f"KV {_kv_label(kv)}" for kv in kv_lengths)]
-    body = [[*(str(x) for x in key), *(f"{v:.{digits}f}" for v in vals)] for key, vals in rows]
-    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-    line = lambda cells: "  ".join(c.rjust(wd) for c, wd in zip(cells, widths))  # noqa: E731
-    return "\n".join([title, line(head), "  ".join("-" * wd for wd in widths),
-                      *(line(r) for r in body)])
+    return f"2^{kv.bit_length() - 1}" if kv > 0 and kv & (kv - 1) == 0 else str(kv)
 
 
 @dataclass(frozen=True)
-class SlowdownTable:
-    """Table 3: ``values[i_batch][i_block][i_kv]`` = time(k) / time(1) (SBD §4)."""
+class RooflineTable:
+    """Table 3 or Table 4 of SBD §4: one row per key, one column per KV length.
 
+    ``row_names`` is ``("batch", "block")`` for the slowdown table and
+    ``("batch", "block", "nfe_speedup")`` for the speed-up table; ``rows`` holds the key
+    tuples in the paper's order and ``values[i][j]`` the cell of ``rows[i]`` at
+    ``kv_lengths[j]`` (a ratio, dimensionless).
+    """
+
+    kind: Literal["slowdown", "speedup"]
     model: Roofline
-    blocks: tuple[int, ...]
-    batches: tuple[int, ...]
+    row_names: tuple[str, ...]
+    rows: tuple[tuple[float, ...], ...]
     kv_lengths: tuple[int, ...]
-    values: tuple[tuple[tuple[float, ...], ...], ...]
+    values: tuple[tuple[float, ...], ...]
 
-    def value(self, *, batch: int, block: int, kv_length: int) -> float:
-        return self.values[self.batches.index(batch)][self.blocks.index(block)][
-            self.kv_lengths.index(kv_length)]
+    def value(self, *, kv_length: int, **key: float) -> float:
+        """One cell, e.g. ``value(batch=1, block=16, nfe_speedup=2, kv_length=1024)``."""
+        wanted = tuple(key.get(name) for name in self.row_names)
+        try:
+            return self.values[self.rows.index(wanted)][self.kv_lengths.index(kv_length)]
+        except ValueError:
+            raise UnmaskError(f"no {self.kind} cell {key} at KV {kv_length}") from None
 
     def format(self, *, digits: int = 3) -> str:
-        rows = [((b, k), list(self.values[i][j])) for i, b in enumerate(self.batches)
-                for j, k in enumerate(self.blocks)]
-        title = f"Slowdown time(k)/time(1), {self.model.mode} mode, {self.model.gpu.name}"
-        return _format_grid(title, ("batch", "block"), rows, self.kv_lengths, digits)
+        """Aligned text in the paper's layout, with a one-line title."""
+        what = "time(k) / time(1)" if self.kind == "slowdown" else "wall-clock speed-up"
+        title = f"{what}, {self.model.mode} mode, {self.model.gpu.name}" + (
+            f", {self.model.shape.name}" if self.model.shape else "")
+        head = [*(n.replace("nfe_speedup", "NFE") for n in self.row_names),
+                *(f"KV {_kv_label(kv)}" for kv in self.kv_lengths)]
+        body = [[*(f"{x:g}" for x in key), *(f"{v:.{digits}f}" for v in vals)]
+                for key, vals in zip(self.rows, self.values)]
+        widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+        line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+        return "\n".join([title, line(head), "  ".join("-" * w for w in widths),
+                          *map(line, body)])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"table": "slowdown", **_describe(self.model), "blocks": list(self.blocks),
-                "batches": list(self.batches), "kv_lengths": list(self.kv_lengths),
-                "values": [[list(r) for r in per_b] for per_b in self.values]}
+        """JSON-ready: the table, the model, the GPU, the precision and all cells."""
+        m = self.model
+        return {"table": self.kind, "mode": m.mode, "gpu": dataclasses.asdict(m.gpu),
+                "shape": dataclasses.asdict(m.shape) if m.shape else None,
+                "precision": dataclasses.asdict(m.precision) if m.mode == "corrected" else None,
+                "row_names": list(self.row_names), "kv_lengths": list(self.kv_lengths),
+                "rows": [dict(zip(self.row_names, key), values=list(vals))
+                         for key, vals in zip(self.rows, self.values)]}
 
     def plot(self, path: str) -> None:
-        """Slowdown against KV length, one panel per batch, one line per block size."""
-        plt = _pyplot()
-        fig, axes = plt.subplots(1, len(self.batches), figsize=(4 * len(self.batches), 3.5),
+        """Cells against KV length, one panel per batch size; needs matplotlib."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise UnmaskError("plotting needs matplotlib; pip install 'unmask[plot]'") from None
+        batches = sorted({key[0] for key in self.rows})
+        fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 3.5),
                                  squeeze=False, sharey=True)
-        for ax, b, per_b in zip(axes[0], self.batches, self.values):
-            for k, vals in zip(self.blocks, per_b):
-                ax.plot(self.kv_lengths, vals, marker="o", label=f"k={k}")
-            ax.set(xscale="log", xlabel="KV length", title=f"batch {b}")
-        axes[0][0].set_ylabel("time(k) / time(1)")
-        axes[0][-1].legend(fontsize="small")
+        for ax, b in zip(axes[0], batches):
+            for key, vals in zip(self.rows, self.values):
+                if key[0] == b:
+                    label = ", ".join(f"{n}={x:g}" for n, x in zip(self.row_names[1:], key[1:]))
+                    ax.plot(self.kv_lengths, vals, marker=".", label=label)
+            ax.set(xscale="log", xlabel="KV length", title=f"batch {b:g}")
+        axes[0][0].set_ylabel(self.kind)
+        axes[0][-1].legend(fontsize="x-small")
         fig.tight_layout()
         fig.savefig(path)
         plt.close(fig)
 
 
-@dataclass(frozen=True)
-class SpeedupTable:
-    """Table 4: ``values[i_batch][i_block][i_nfe][i_kv]`` = wall-clock speed-up (SBD §4)."""
-
-    model: Roofline
-    blocks: tuple[int, ...]
-    batches: tuple[int, ...]
-    nfe_speedups: tuple[float, ...]
-    kv_lengths: tuple[int, ...]
-    values: tuple[tuple[tuple[tuple[float, ...], ...], ...], ...]
-
-    def value(self, *, batch: int, block: int, nfe_speedup: float, kv_length: int) -> float:
-        return self.values[self.batches.index(batch)][self.blocks.index(block)][
-            self.nfe_speedups.index(nfe_speedup)][self.kv_lengths.index(kv_length)]
-
-    def format(self, *, digits: int = 3) -> str:
-        rows = [((b, k, f"x{s:g}"), list(self.values[i][j][m]))
-                for i, b in enumerate(self.batches) for j, k in enumerate(self.blocks)
-                for m, s in enumerate(self.nfe_speedups)]
-        title = f"Wall-clock speed-up, {self.model.mode} mode, {self.model.gpu.name}"
-        return _format_grid(title, ("batch", "block", "NFE"), rows, self.kv_lengths, digits)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"table": "speedup", **_describe(self.model), "blocks": list(self.blocks),
-                "batches": list(self.batches), "nfe_speedups": list(self.nfe_speedups),
-                "kv_lengths": list(self.kv_lengths),
-                "values": [[[list(r) for r in per_k] for per_k in per_b] for per_b in self.values]}
-
-    def plot(self, path: str) -> None:
-        """Wall-clock against NFE speed-up at the shortest KV length, one panel per batch."""
-        plt = _pyplot()
-        fig, axes = plt.subplots(1, len(self.batches), figsize=(4 * len(self.batches), 3.5),
-                                 squeeze=False, sharey=True)
-        for ax, b, per_b in zip(axes[0], self.batches, self.values):
-            ax.plot(self.nfe_speedups, self.nfe_speedups, "k:", label="ideal")
-            for k, per_k in zip(self.blocks, per_b):
-                ax.plot(self.nfe_speedups, [r[0] for r in per_k], marker="o", label=f"k={k}")
-            ax.set(xlabel="NFE speed-up", title=f"batch {b}, KV {_kv_label(self.kv_lengths[0])}")
-        axes[0][0].set_ylabel("wall-clock speed-up")
-        axes[0][-1].legend(fontsize="small")
-        fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
-
-
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UnmaskError("plotting needs matplotlib; pip install 'unmask[plot]'") from None
-    return plt
+SlowdownTable = SpeedupTable = RooflineTable
 
 
 def slowdown_table(*, mode: Mode = "paper", shape: ModelShape | str | Mapping | None = None,
                    gpu: GPUSpec | str | None = None, precision: Precision | None = None,
                    blocks: tuple[int, ...] = TABLE3_BLOCKS,
                    batches: tuple[int, ...] = TABLE3_BATCHES,
-                   kv_lengths: tuple[int, ...] = TABLE3_KV) -> SlowdownTable:
+                   kv_lengths: tuple[int, ...] = TABLE3_KV) -> RooflineTable:
     """SBD Table 3 (slowdown time(k)/time(1)) over the given grid; defaults are the paper's.
 
-    Arguments as in :func:`roofline`. Raises :class:`UnmaskError` on bad arguments.
+    Rows (batch, block) in the paper's order. Arguments as in :func:`roofline`.
+    Raises :class:`UnmaskError` on bad arguments.
     """
     model = roofline(mode=mode, shape=shape, gpu=gpu, precision=precision)
-    values = tuple(tuple(tuple(model.slowdown(k=k, batch=b, kv_len=kv) for kv in kv_lengths)
-                         for k in blocks) for b in batches)
-    return SlowdownTable(model, tuple(blocks), tuple(batches), tuple(kv_lengths), values)
+    rows = tuple((b, k) for b in batches for k in blocks)
+    values = tuple(tuple(model.slowdown(k=k, batch=b, kv_len=kv) for kv in kv_lengths)
+                   for b, k in rows)
+    return RooflineTable("slowdown", model, ("batch", "block"), rows, tuple(kv_lengths), values)
 
 
 def speedup_table(*, mode: Mode = "paper", shape: ModelShape | str | Mapping | None = None,
@@ -464,15 +424,16 @@ def speedup_table(*, mode: Mode = "paper", shape: ModelShape | str | Mapping | N
                   blocks: tuple[int, ...] = TABLE4_BLOCKS,
                   batches: tuple[int, ...] = TABLE4_BATCHES,
                   nfe_speedups: tuple[float, ...] = TABLE4_NFE,
-                  kv_lengths: tuple[int, ...] = TABLE3_KV) -> SpeedupTable:
+                  kv_lengths: tuple[int, ...] = TABLE3_KV) -> RooflineTable:
     """SBD Table 4 (wall-clock speed-up at a given NFE speed-up) over the given grid.
 
     The paper's grid is k ∈ {8, 16, 32, 64}, batch ∈ {1, 4, 8}, NFE ∈ {2, 4, 8}; the KV
-    lengths default to Table 3's. Arguments as in :func:`roofline`.
+    lengths default to Table 3's. Rows (batch, block, nfe_speedup). Arguments as in
+    :func:`roofline`. Raises :class:`UnmaskError` when an NFE speed-up exceeds its block.
     """
     model = roofline(mode=mode, shape=shape, gpu=gpu, precision=precision)
-    values = tuple(tuple(tuple(tuple(model.speedup(k=k, nfe_speedup=s, batch=b, kv_len=kv)
-                                     for kv in kv_lengths) for s in nfe_speedups)
-                         for k in blocks) for b in batches)
-    return SpeedupTable(model, tuple(blocks), tuple(batches), tuple(nfe_speedups),
-                        tuple(kv_lengths), values)
+    rows = tuple((b, k, s) for b in batches for k in blocks for s in nfe_speedups)
+    values = tuple(tuple(model.speedup(k=k, nfe_speedup=s, batch=b, kv_len=kv)
+                         for kv in kv_lengths) for b, k, s in rows)
+    return RooflineTable("speedup", model, ("batch", "block", "nfe_speedup"), rows,
+                         tuple(kv_lengths), values)
