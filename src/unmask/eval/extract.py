@@ -1,0 +1,81 @@
+"""GSM8K answer extraction and scoring (exact match on the final number).
+
+Two extractors, as lm-eval's GSM8K task has them:
+
+- **strict**: the number right after the first ``####`` (the format of the train answers);
+- **flexible**: the last number anywhere in the text.
+
+Numbers are normalised before comparison: ``$`` and thousands commas removed, a trailing
+``.`` dropped, and equal values compared as decimals (``18.00`` == ``18``).
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Sequence
+
+# A number with optional sign, dollar sign, thousands commas and decimals: -$1,234.50
+_NUMBER = r"-?\$?\s?-?\d[\d,]*(?:\.\d+)?\.?"
+_STRICT = re.compile(r"####\s*(" + _NUMBER + ")")
+_ANY = re.compile(_NUMBER)
+
+# Where a few-shot continuation starts the next problem (lm-eval's GSM8K ``until``).
+GSM8K_STOP = ("Question:", "</s>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>")
+
+
+def truncate_at(text: str, stops: Sequence[str]) -> str:
+    """``text`` up to the earliest occurrence of any stop string (all of it if none)."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def normalize_number(raw: str) -> str:
+    """Canonical form of a number string: ``"$1,234.50."`` → ``"1234.5"``, ``"18.00"`` →
+    ``"18"``. A string that is not a number comes back stripped, unchanged otherwise."""
+    s = raw.strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    if s.startswith("--"):
+        s = s[1:]
+    try:
+        value = Decimal(s)
+    except InvalidOperation:
+        return raw.strip()
+    if value == value.to_integral_value():
+        return str(int(value))
+    return format(value.normalize(), "f")
+
+
+def extract_strict(text: str) -> str | None:
+    """The normalised number after the first ``####``, or ``None``."""
+    m = _STRICT.search(text)
+    return normalize_number(m.group(1)) if m else None
+
+
+def extract_flexible(text: str) -> str | None:
+    """The normalised last number in ``text``, or ``None``."""
+    found = _ANY.findall(text)
+    return normalize_number(found[-1]) if found else None
+
+
+def gold_number(gold_answer: str) -> str:
+    """The reference number from a GSM8K ``answer`` field (``... #### 72``) or a bare number."""
+    return extract_strict(gold_answer) or normalize_number(gold_answer)
+
+
+def gsm8k_score(pred_text: str, gold_answer: str, *,
+                stop: Sequence[str] = GSM8K_STOP) -> dict[str, bool]:
+    """Score one generation against a GSM8K answer.
+
+    Args:
+        pred_text: the model's generated text (prompt excluded); it is first cut at the
+            earliest ``stop`` string, so a few-shot continuation into the next
+            ``Question:`` does not count.
+        gold_answer: the dataset's ``answer`` field (ending ``#### N``) or just ``N``.
+
+    Returns:
+        ``{"strict": bool, "flexible": bool}``: exact match of the strict and the flexible
+        extraction with the normalised gold number.
+    """
+    text = truncate_at(pred_text, stop)
+    gold = gold_number(gold_answer)
+    return {"strict": extract_strict(text) == gold, "flexible": extract_flexible(text) == gold}
