@@ -69,3 +69,15 @@ def quiet_transformers() -> None:
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
+
+
+def attention_mask(model, mask: torch.Tensor) -> torch.Tensor:
+    """The 4D bool mask (B, 1, q, kv) in the form the model's attention backend needs: eager
+    adds the mask to the scores, so it gets an additive float mask (a bool mask would be
+    silently wrong there, spec/models.md §3.4); SDPA takes the bool mask as is."""
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl == "eager":
+        from unmask.masks import to_additive
+
+        return to_additive(mask, dtype=next(model.parameters()).dtype)
+    return mask

@@ -24,6 +24,7 @@ class DecoderInfo:
 
 DECODERS: dict[str, DecoderInfo] = {
     "ar": DecoderInfo("ar", "unmask.decode.ar", ("causal", "sbd"), "autoregressive, one token per forward, exact KV cache"),
+    "sbd": DecoderInfo("sbd", "unmask.decode.sbd", ("sbd",), "Set Block Decoding: block of masks, EB sampler, exact KV cache"),
 }
 
 

@@ -1,0 +1,176 @@
+"""Set Block Decoding with an exact KV cache (SBD Algorithms 2 and 3, spec/sbd.md §4).
+
+Prefill the prompt causally, then decode block by block: every block starts as k mask
+tokens; each forward predicts all still-masked block positions at their own positions (block
+mode, Eq. 9b) and the commit policy (default: the EB sampler, §5.1) reveals at least one of
+them. Committed blocks are final.
+
+The cache stays exact (§4.1): block K/V computed under bidirectional, noisy attention are
+cropped after every forward, and the first forward of the next block re-feeds the committed
+block causally together with the k new masks (one fused forward over 2k tokens), so only the
+causal K/V of committed text ever stay in the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from unmask.compat import attention_mask, crop, forward, new_cache
+from unmask.decode.batching import left_pad
+from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.errors import UnmaskError
+from unmask.masks import as_4d, causal_mask, sbd_inference_mask, with_key_padding
+from unmask.policies import EntropyBound, Policy, commit, make_policy
+from unmask.sampling import Sampling
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_PRESET = "chat-low"
+
+
+@dataclass(frozen=True)
+class SBDConfig:
+    """Block size k (default 16, §4) and the commit policy (default EB, entropy proxy, γ of the
+    ``chat-low`` preset)."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    policy: Policy = EntropyBound.preset(DEFAULT_PRESET)
+
+    def __post_init__(self):
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size}); 16 is the paper's default")
+
+    @classmethod
+    def from_options(cls, *, block_size=None, policy=None, gamma=None, preset=None, tau=None, factor=None,
+                     tokens_per_step=None) -> "SBDConfig":
+        """Build from CLI-style options; raises UnmaskError for invalid combinations."""
+        name = policy or "entropy-bound"
+        if preset is not None and gamma is not None:
+            raise UnmaskError("give either --gamma or --preset, not both")
+        if preset is not None:
+            gamma = preset
+        elif gamma is None and name in ("entropy-bound", "confidence-bound", "margin-bound"):
+            gamma = DEFAULT_PRESET
+        params = {"gamma": gamma, "tau": tau, "f": factor, "k": tokens_per_step}
+        built = make_policy(name, **{k: v for k, v in params.items() if v is not None})
+        return cls(block_size=DEFAULT_BLOCK_SIZE if block_size is None else block_size, policy=built)
+
+
+@torch.inference_mode()
+def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
+           stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
+           policy: str | None = None, gamma: float | str | None = None, preset: str | None = None,
+           tau: float | None = None, factor: float | None = None, tokens_per_step: int | None = None,
+           on_forward=None) -> DecodeOutput:
+    """SBD block decoding of a batch (SBD Alg. 2–3, §4.1 fused re-feed, §4.2 accounting).
+
+    prompts: token ids per row (left-padded internally). Rows advance block by block in
+    lockstep; a row whose block is complete waits, and its NFE counts only the forwards in which
+    it still had masks. A row stops after the block that commits a stop token (tokens after it
+    are dropped) or a stop string. ``on_forward(state)`` (tests) sees each forward's inputs and
+    block logits.
+
+    Returns DecodeOutput; stats.extra holds ``accepts`` (histogram: tokens committed per row per
+    forward -> count), ``policy``, ``block_size`` and per-row accept lists in ``row_extra``.
+    Raises UnmaskError for a non-SBD model, a bad block size or policy options.
+    """
+    if bundle.mask_token_id is None:
+        raise UnmaskError("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); "
+                          "train one with 'unmask train sbd'")
+    cfg = SBDConfig.from_options(block_size=block_size, policy=policy, gamma=gamma, preset=preset, tau=tau,
+                                 factor=factor, tokens_per_step=tokens_per_step)
+    k, model, device, mask_id = cfg.block_size, bundle.model, bundle.device, bundle.mask_token_id
+    if k > bundle.context_length:
+        raise UnmaskError(f"block size {k} exceeds the context window of {bundle.context_length}; lower --block-size")
+    t0 = time.perf_counter()
+    ids, valid, pos = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
+    B, P = ids.shape
+    row_len = valid.sum(dim=1)  # (B,) real prompt length per row
+    gen = sampling.generator(device)
+    suppress = list(bundle.suppress_ids)
+    stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
+
+    cache = new_cache(model)
+    mask = with_key_padding(as_4d(causal_mask(P, device=device), B), valid)  # (B, 1, P, P)
+    forward(model, ids, position_ids=pos, attention_mask=attention_mask(model, mask), cache=cache, logits_to_keep=1)
+    key_valid = valid  # (B, cache columns) grows with every committed block
+
+    out = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    nfe, nfe_rows = 0, torch.zeros(B, dtype=torch.long, device=device)
+    histogram: Counter = Counter()
+    accepts: list[list[int]] = [[] for _ in range(B)]
+    prev_block = None  # (B, k_prev) committed tokens not yet in the cache
+    for start in range(0, max_new_tokens, k):
+        n = min(k, max_new_tokens - start)
+        block = torch.full((B, n), mask_id, dtype=torch.long, device=device)  # (B, n)
+        active = ~done  # rows that decode this block
+        first = True
+        while True:
+            masked = (block == mask_id) & active[:, None]  # (B, n)
+            if not bool(masked.any()):
+                break
+            refeed = prev_block if first and prev_block is not None else block[:, :0]
+            c = refeed.shape[1]
+            past = key_valid.shape[1]
+            inp = torch.cat([refeed, block], dim=1)  # (B, c + n)
+            positions = (row_len + start - c)[:, None] + torch.arange(c + n, device=device)  # (B, c + n)
+            kv_valid = torch.cat([key_valid, torch.ones(B, c + n, dtype=torch.bool, device=device)], dim=1)
+            m = with_key_padding(as_4d(sbd_inference_mask(past, c, n, device=device), B), kv_valid)  # (B,1,c+n,kv)
+            logits = forward(model, inp, position_ids=positions, attention_mask=attention_mask(model, m),
+                             cache=cache, logits_to_keep=n)  # (B, n, V)
+            crop(cache, n)  # drop the noisy block K/V; a re-fed block's causal K/V stay (§4.1)
+            if c:
+                key_valid = torch.cat([key_valid, torch.ones(B, c, dtype=torch.bool, device=device)], dim=1)
+            first = False
+            if suppress:
+                logits[..., suppress] = float("-inf")
+            if on_forward is not None:
+                on_forward({"inp": inp, "positions": positions, "logits": logits, "block": block.clone(),
+                            "start": start, "refeed": c,
+                            "cache": [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]})
+            chosen, tokens = commit(logits, masked, cfg.policy, temperature=sampling.temperature,
+                                    top_k=sampling.top_k, top_p=sampling.top_p, generator=gen)
+            block = torch.where(chosen, tokens, block)
+            nfe += 1
+            had = masked.any(dim=1)  # (B,)
+            nfe_rows += had.long()
+            for b in torch.nonzero(had).flatten().tolist():
+                count = int(chosen[b].sum())
+                accepts[b].append(count)
+                histogram[count] += 1
+        out[:, start:start + n] = torch.where(active[:, None], block, -1)
+        done |= active & torch.isin(block, stops).any(dim=1)
+        if stop_strings:
+            done |= _hit_stop_string(bundle, prompts, out[:, : start + n], stop_strings) & active
+        prev_block = block
+        if bool(done.all()):
+            break
+
+    tokens = [_until_stop(out[b].tolist(), stops) for b in range(B)]
+    extra = {"policy": cfg.policy.name, "block_size": k, "accepts": dict(sorted(histogram.items())),
+             "row_extra": [{"policy": cfg.policy.name, "block_size": k, "accepts": a} for a in accepts]}
+    stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
+                        seconds=time.perf_counter() - t0, extra=extra)
+    return DecodeOutput(tokens=tokens, stats=stats)
+
+
+def _until_stop(row: list[int], stops: torch.Tensor) -> list[int]:
+    stop_set = set(stops.tolist())
+    out = []
+    for t in row:
+        if t < 0 or t in stop_set:
+            break
+        out.append(t)
+    return out
+
+
+def _hit_stop_string(bundle, prompts, out, stop_strings) -> torch.Tensor:
+    hit = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    for b in range(out.shape[0]):
+        text = bundle.decode_continuation(prompts[b], [t for t in out[b].tolist() if t >= 0])
+        hit[b] = any(s in text for s in stop_strings)
+    return hit
