@@ -55,6 +55,17 @@ def generate_cmd(
     factor: float = typer.Option(None, "--factor", help="Fast-dLLM factor f (factor policy)"),
     tokens_per_step: int = typer.Option(None, "--tokens-per-step", help="tokens committed per step (top-k policy)"),
     block_size: int = typer.Option(None, "--block-size", "-k", help="block size"),
+    gen_length: int = typer.Option(None, "--gen-length", help="diffusion: fixed generation length (canvas size)"),
+    steps: int = typer.Option(None, "--steps", help="diffusion: total denoising steps (top-k policy, LLaDA)"),
+    cache: str = typer.Option(None, "--cache", help="diffusion: none, prefix or dual (approximate caches)"),
+    slots: int = typer.Option(None, "--slots", help="multiblock: Block Buffer slots N_buf"),
+    tau_add: float = typer.Option(None, "--tau-add", help="multiblock: fill ratio that activates the next block"),
+    tau_semi: float = typer.Option(None, "--tau-semi", help="multiblock: fill ratio of the preceding block that allows a forced commit"),
+    tau_m2t: float = typer.Option(None, "--tau-m2t", help="multiblock: mask-to-token commit threshold"),
+    tau_t2t: float = typer.Option(None, "--tau-t2t", help="multiblock: token-to-token edit threshold (off when unset)"),
+    lps: bool = typer.Option(None, "--lps/--no-lps", help="early-bird: use the LPS commit router (default on)"),
+    show: bool = typer.Option(False, "--show", help="render the decoding trajectory live in the terminal"),
+    trace: Path = typer.Option(None, "--trace", help="write the per-step commit trace as JSON to FILE"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object per prompt per line"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
@@ -65,9 +76,15 @@ def generate_cmd(
 
     texts = read_prompts(prompts or [], prompts_file)
     options = {"policy": policy, "gamma": gamma, "preset": preset, "tau": tau, "factor": factor,
-               "tokens_per_step": tokens_per_step, "block_size": block_size}
+               "tokens_per_step": tokens_per_step, "block_size": block_size, "gen_length": gen_length,
+               "steps": steps, "cache": cache, "slots": slots, "tau_add": tau_add, "tau_semi": tau_semi,
+               "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps}
     options = {k: v for k, v in options.items() if v is not None}
     bundle = load(model, kind=kind, device=device, dtype=dtype)
+    if show or trace is not None:
+        from unmask.trace import attach_trace
+
+        options.update(attach_trace(show=show, trace_file=trace))
     result = generate(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
                       top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, **options)
     if as_json:
