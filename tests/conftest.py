@@ -1,0 +1,122 @@
+"""Shared test helpers: the data directory, tiny random real transformers models, a bundle
+wrapper with a minimal tokenizer stand-in, and the shipped stories260K checkpoint.
+
+The factories are plain functions (``from conftest import tiny_llama``) and are also exposed
+as fixtures of the same name that return the factory, so both styles work::
+
+    def test_x(tiny_llama):
+        model = tiny_llama(vocab=64, seed=0, attn_implementation="eager")
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from unmask.models.bundle import ModelBundle
+
+DATA_DIR = Path(os.environ.get("UNMASK_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
+STORIES_DIR = DATA_DIR / "tinyllamas-stories260K"
+
+# Every model under test is tiny: intra-op threads only add synchronisation, and on a shared
+# machine OpenMP spin-waits make a 56-token decode swing from 0.3 s to 5 s. One thread keeps the
+# suite fast and its timings steady.
+torch.set_num_threads(1)
+
+# Shapes of every tiny model: small enough that a forward costs well under a millisecond.
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+
+
+def _tiny(config_cls, model_cls, vocab: int, seed: int, attn_implementation: str, **overrides):
+    config = config_cls(vocab_size=vocab, attn_implementation=attn_implementation, bos_token_id=1,
+                        eos_token_id=2, pad_token_id=0, **{**TINY, **overrides})
+    torch.manual_seed(seed)
+    return model_cls(config).to(torch.float32).eval()
+
+
+def tiny_llama(vocab: int = 64, seed: int = 0, attn_implementation: str = "sdpa", **overrides):
+    """A random fp32 ``LlamaForCausalLM`` (hidden 32, 2 layers, 4 heads, 2 KV heads, head_dim 8,
+    256 positions) in eval mode; ``overrides`` go to ``LlamaConfig``. Same seed, same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _tiny(LlamaConfig, LlamaForCausalLM, vocab, seed, attn_implementation, **overrides)
+
+
+def tiny_qwen3(vocab: int = 64, seed: int = 0, attn_implementation: str = "sdpa", **overrides):
+    """A random fp32 ``Qwen3ForCausalLM`` with the same shapes as ``tiny_llama`` (q/k norms included)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _tiny(Qwen3Config, Qwen3ForCausalLM, vocab, seed, attn_implementation, **overrides)
+
+
+class IdTokenizer:
+    """Tokenizer stand-in for tiny models: text is space-separated token ids.
+
+    ``encode("5 6 7") == [bos, 5, 6, 7]``; other words map to ``3 + sum(bytes) % (vocab - 3)``.
+    ``decode`` writes ids back as space-separated numbers (special ids dropped when asked), so
+    ``decode(prompt + new)`` starts with ``decode(prompt)`` as ``ModelBundle.decode_continuation``
+    expects. Decoders only ever see ids; this exists so the API layer has something to call.
+    """
+
+    def __init__(self, vocab: int, bos_token_id: int | None = 1, eos_token_id: int | None = 2, pad_token_id: int = 0):
+        self.vocab_size = vocab
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id
+
+    def _word(self, w: str) -> int:
+        if w.isdigit() and int(w) < self.vocab_size:
+            return int(w)
+        return 3 + sum(w.encode("utf-8")) % (self.vocab_size - 3)
+
+    def __call__(self, text: str) -> dict:
+        ids = [self._word(w) for w in text.split()]
+        return {"input_ids": ([self.bos_token_id] if self.bos_token_id is not None else []) + ids}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        special = {self.bos_token_id, self.eos_token_id, self.pad_token_id}
+        return "".join(f" {int(i)}" for i in ids if not (skip_special_tokens and int(i) in special))
+
+
+def tiny_bundle(model, kind: str = "causal", mask_token_id: int | None = None, *, name: str = "tiny",
+                stop_token_ids: tuple[int, ...] = (), tokenizer=None) -> ModelBundle:
+    """Wrap ``model`` into a ModelBundle with an ``IdTokenizer`` (unless ``tokenizer`` is given).
+
+    No stop tokens by default so that decoders run to ``max_new_tokens`` on random weights.
+    """
+    vocab = model.config.vocab_size
+    return ModelBundle(model=model, tokenizer=tokenizer or IdTokenizer(vocab), kind=kind, name=name,
+                       bos_token_id=1, stop_token_ids=tuple(stop_token_ids), pad_token_id=0,
+                       mask_token_id=mask_token_id)
+
+
+@pytest.fixture(name="tiny_llama")
+def _tiny_llama_factory():
+    return tiny_llama
+
+
+@pytest.fixture(name="tiny_qwen3")
+def _tiny_qwen3_factory():
+    return tiny_qwen3
+
+
+@pytest.fixture(name="tiny_bundle")
+def _tiny_bundle_factory():
+    return tiny_bundle
+
+
+@pytest.fixture(scope="session")
+def stories():
+    """The shipped stories260K checkpoint as a ModelBundle (loaded once per session; do not mutate)."""
+    import unmask
+
+    return unmask.load("stories260K")
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    if not DATA_DIR.is_dir():
+        pytest.skip(f"data directory {DATA_DIR} not found; set UNMASK_DATA_DIR")
+    return DATA_DIR
