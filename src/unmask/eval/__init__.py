@@ -1,0 +1,57 @@
+"""Model-independent evaluation: AUP, GSM8K scoring, HumanEval/MBPP pass@1, the sandbox.
+
+Nothing here loads a model: decoders produce text, these functions score it.
+"""
+
+from unmask.eval.aup import aup, aup_weight
+from unmask.eval.code_tasks import (
+    CodeEvalResult,
+    evaluate_humaneval,
+    evaluate_mbpp,
+    humaneval_program,
+    mbpp_program,
+    pass_at_1,
+    postprocess_humaneval,
+    postprocess_mbpp,
+)
+from unmask.eval.datasets import (
+    GSM8KExample,
+    HumanEvalTask,
+    MBPPTask,
+    find_data_dir,
+    gsm8k_prompt,
+    load_gsm8k,
+    load_humaneval,
+    load_mbpp,
+    mbpp_prompt,
+)
+from unmask.eval.extract import extract_flexible, extract_strict, gsm8k_score
+from unmask.eval.sandbox import RunResult, landlock_abi, run_program
+
+__all__ = [
+    "CodeEvalResult",
+    "GSM8KExample",
+    "HumanEvalTask",
+    "MBPPTask",
+    "RunResult",
+    "aup",
+    "aup_weight",
+    "evaluate_humaneval",
+    "evaluate_mbpp",
+    "extract_flexible",
+    "extract_strict",
+    "find_data_dir",
+    "gsm8k_prompt",
+    "gsm8k_score",
+    "humaneval_program",
+    "landlock_abi",
+    "load_gsm8k",
+    "load_humaneval",
+    "load_mbpp",
+    "mbpp_program",
+    "mbpp_prompt",
+    "pass_at_1",
+    "postprocess_humaneval",
+    "postprocess_mbpp",
+    "run_program",
+]

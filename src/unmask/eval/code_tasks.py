@@ -1,0 +1,149 @@
+"""HumanEval and MBPP: completion post-processing, program assembly and pass@1.
+
+A model completion becomes one Python program per task that exits 0 iff the task's tests
+pass; :func:`pass_at_1` runs the programs in the sandbox (:mod:`unmask.eval.sandbox`) and
+reports the fraction that pass (one sample per task, so pass@1 is the plain mean).
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Sequence
+
+from unmask.errors import UnmaskError
+from unmask.eval.datasets import HumanEvalTask, MBPPTask
+from unmask.eval.extract import truncate_at
+from unmask.eval.sandbox import RunResult, run_program
+
+# End-of-text markers a decoder may leave in the text.
+SPECIAL_STOPS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "</s>", "<|end_of_text|>")
+# Where a HumanEval body continuation ends (the Codex paper's stops, plus asserts and
+# fences): a new top-level statement after the function.
+HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ",
+                   "\n```", *SPECIAL_STOPS)
+# A completion that restates the whole function may define helpers after it, so it is
+# only cut at top-level code that would run at import.
+HUMANEVAL_FULL_STOPS = ("\nif __name__", "\nprint(", "\nassert ", "\n```", *SPECIAL_STOPS)
+MBPP_STOPS = ("[DONE]", "\nYou are an expert Python programmer", *SPECIAL_STOPS)
+
+_FENCE = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)
+
+
+def _fenced(text: str) -> str | None:
+    """The content of the first Markdown code fence (an unclosed one runs to the end)."""
+    m = _FENCE.search(text)
+    return m.group(1) if m else None
+
+
+def postprocess_humaneval(completion: str, *, entry_point: str | None = None) -> str:
+    """Turn a raw HumanEval completion into text to append to the task prompt.
+
+    - A base-model continuation of the function body is cut at the first of
+      :data:`HUMANEVAL_STOPS`.
+    - If the text (or its first Markdown fence) restates ``def <entry_point>(`` at column 0,
+      as chat models do, the whole code is kept (cut only at :data:`HUMANEVAL_FULL_STOPS`)
+      and returned after a newline: appended to the prompt it redefines the function.
+    """
+    text = completion.replace("\r\n", "\n")
+    fenced = _fenced(text)
+    code = fenced if fenced is not None else text
+    if entry_point and re.search(rf"^def {re.escape(entry_point)}\s*\(", code, re.M):
+        return "\n" + truncate_at("\n" + code, HUMANEVAL_FULL_STOPS).lstrip("\n")
+    return truncate_at(code, HUMANEVAL_STOPS)
+
+
+def postprocess_mbpp(completion: str) -> str:
+    """Turn a raw MBPP completion (after ``[BEGIN]``) into code: cut at ``[DONE]`` or the next
+    prompt, drop a repeated ``[BEGIN]``, and unwrap a Markdown fence if there is one."""
+    text = truncate_at(completion.replace("\r\n", "\n"), MBPP_STOPS).strip()
+    text = text.removeprefix("[BEGIN]").strip()
+    fenced = _fenced(text)
+    return (fenced if fenced is not None else text).strip("\n")
+
+
+def humaneval_program(task: HumanEvalTask, completion: str) -> str:
+    """Prompt + completion + the task's ``check`` function + ``check(entry_point)``.
+
+    ``completion`` is used as given; post-process it first (:func:`postprocess_humaneval`).
+    """
+    return (f"{task.prompt}{completion}\n\n{task.test}\n\n"
+            f"check({task.entry_point})\n")
+
+
+def mbpp_program(task: MBPPTask, code: str) -> str:
+    """The solution code, then the task's setup code (which may use the solution's
+    classes, e.g. task 367), then its ``test_list`` asserts."""
+    parts = [code, task.test_setup_code, "\n".join(task.test_list)]
+    return "\n\n".join(p for p in parts if p.strip()) + "\n"
+
+
+@dataclass(frozen=True)
+class CodeEvalResult:
+    """pass@1 over a task list: ``results[i]`` belongs to ``task_ids[i]``."""
+
+    task_ids: tuple[str, ...]
+    results: tuple[RunResult, ...]
+
+    @property
+    def pass_at_1(self) -> float:
+        """Fraction of tasks whose program passed (0.0 for no tasks)."""
+        return sum(r.passed for r in self.results) / len(self.results) if self.results else 0.0
+
+    @property
+    def failed_ids(self) -> list[str]:
+        return [t for t, r in zip(self.task_ids, self.results) if not r.passed]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pass_at_1": self.pass_at_1, "n": len(self.results),
+                "tasks": [{"task_id": t, "status": r.status, "seconds": round(r.seconds, 4),
+                           "stderr_tail": r.stderr_tail[-300:]}
+                          for t, r in zip(self.task_ids, self.results)]}
+
+
+def pass_at_1(*, programs: Sequence[str], task_ids: Sequence[str] | None = None,
+              workers: int = 2, timeout_s: float = 10.0, memory_mb: int = 2048) -> CodeEvalResult:
+    """Run one program per task in the sandbox, ``workers`` at a time, and score them.
+
+    Args:
+        programs: complete Python programs (from :func:`humaneval_program` or
+            :func:`mbpp_program`); each passes iff it exits with status 0 in time.
+        task_ids: names for the report (default: "0", "1", ...).
+        workers: concurrent child processes.
+        timeout_s, memory_mb: per-program limits, see :func:`unmask.eval.sandbox.run_program`.
+
+    Raises:
+        UnmaskError: ``task_ids`` and ``programs`` differ in length, or ``workers`` < 1.
+    """
+    ids = tuple(task_ids) if task_ids is not None else tuple(map(str, range(len(programs))))
+    if len(ids) != len(programs):
+        raise UnmaskError(f"pass_at_1: {len(programs)} programs but {len(ids)} task ids")
+    if workers < 1:
+        raise UnmaskError(f"pass_at_1: workers must be >= 1, got {workers}")
+    run = partial(run_program, timeout_s=timeout_s, memory_mb=memory_mb)
+    with ThreadPoolExecutor(max_workers=workers) as pool:  # each thread waits on a child
+        results = tuple(pool.map(run, programs))
+    return CodeEvalResult(ids, results)
+
+
+def evaluate_humaneval(*, tasks: Sequence[HumanEvalTask], completions: Sequence[str],
+                       postprocess: bool = True, **limits: Any) -> CodeEvalResult:
+    """pass@1 of one completion per HumanEval task (``limits`` go to :func:`pass_at_1`)."""
+    if len(tasks) != len(completions):
+        raise UnmaskError(f"{len(tasks)} HumanEval tasks but {len(completions)} completions")
+    programs = [humaneval_program(t, postprocess_humaneval(c, entry_point=t.entry_point)
+                                  if postprocess else c) for t, c in zip(tasks, completions)]
+    return pass_at_1(programs=programs, task_ids=[t.task_id for t in tasks], **limits)
+
+
+def evaluate_mbpp(*, tasks: Sequence[MBPPTask], completions: Sequence[str],
+                  postprocess: bool = True, **limits: Any) -> CodeEvalResult:
+    """pass@1 of one completion per MBPP task (``limits`` go to :func:`pass_at_1`)."""
+    if len(tasks) != len(completions):
+        raise UnmaskError(f"{len(tasks)} MBPP tasks but {len(completions)} completions")
+    programs = [mbpp_program(t, postprocess_mbpp(c) if postprocess else c)
+                for t, c in zip(tasks, completions)]
+    return pass_at_1(programs=programs, task_ids=[f"Mbpp/{t.task_id}" for t in tasks],
+                     **limits)
