@@ -253,12 +253,18 @@ def build_hf_tokenizer(pieces: list[bytes], scores: list[float]):
 
 
 def wrap_tokenizer(tok):
-    """Wrap a ``tokenizers.Tokenizer`` into a transformers fast tokenizer."""
+    """Wrap a ``tokenizers.Tokenizer`` into a transformers fast tokenizer.
+
+    ``split_special_tokens``: llama2.c encodes the text ``"<s>"`` as the characters ``<``, ``s``,
+    ``>``; without it a prompt containing that text would turn into a BOS id. The flag is saved in
+    tokenizer_config.json, so ``AutoTokenizer`` restores it.
+    """
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<unk>",
         add_bos_token=True, clean_up_tokenization_spaces=False, model_max_length=10**6,
+        split_special_tokens=True,
     )
 
 
