@@ -25,6 +25,13 @@ class DecoderInfo:
 DECODERS: dict[str, DecoderInfo] = {
     "ar": DecoderInfo("ar", "unmask.decode.ar", ("causal", "sbd"), "autoregressive, one token per forward, exact KV cache"),
     "sbd": DecoderInfo("sbd", "unmask.decode.sbd", ("sbd",), "Set Block Decoding: block of masks, EB sampler, exact KV cache"),
+    "diffusion": DecoderInfo("diffusion", "unmask.decode.diffusion", ("masked-diffusion",),
+                             "semi-AR masked diffusion: LLaDA top-k steps, Fast-dLLM threshold/factor, EB; "
+                             "approximate prefix/dual caches"),
+    "block": DecoderInfo("block", "unmask.decode.block", ("block-diffusion",),
+                         "SingleBD: one block at a time over an exact block-causal KV cache"),
+    "multiblock": DecoderInfo("multiblock", "unmask.decode.multiblock", ("block-diffusion",),
+                              "Multi-Block Diffusion: Block Buffer of N_buf slots, one static forward per step"),
 }
 
 

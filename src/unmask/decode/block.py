@@ -1,0 +1,285 @@
+"""SingleBD: block-diffusion decoding one block at a time over an exact prefix KV cache
+(multiblock.md §1.2).
+
+Blocks are aligned to absolute position 0 of every row (position 0 = the row's first prompt
+token), as in block-causal training. Prefill covers the prompt's **whole** blocks only; the
+prompt's tail (``len(prompt) % B`` tokens) sits, fixed, at the start of the first decoded block,
+followed by masks (SDAR's ``generate``; multiblock.md §3.2). Each block is denoised by forwarding
+its B tokens against the cache (block-causal: the block sees the prefix and itself) and letting
+the commit policy reveal at least one mask per forward. The prefix never attends forward, so
+once a finished block's clean K/V are written they are final and the cache is exact (§1.1).
+
+Storing a finished block's K/V (§1.2 step 4), ``store=``:
+
+- ``"separate"`` (default): one extra forward over the clean block, the "storing bubble" of
+  Diffulex SingleBD. It **counts as a forward** (NFE), so TPF matches MBD's SingleBD numbers;
+  ``stats.extra["store_forwards"]`` says how many there were.
+- ``"fused"``: the next block's first forward carries the finished block too (2B query tokens,
+  ``block_buffer_mask(past, 2, B)``), as SBD Alg. 3 does; its K/V are kept, the new block's
+  cropped.
+
+The last block of a row is never stored (nothing follows it). Positions past ``max_new_tokens``
+in the last block stay ``[MASK]``, are never decoded, and never reach the output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from unmask.compat import attention_mask, crop, forward, new_cache
+from unmask.decode.batching import left_pad
+from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.errors import UnmaskError
+from unmask.masks import as_4d, block_buffer_mask, block_causal_mask, with_key_padding
+from unmask.policies import Policy, Threshold, commit, make_policy
+from unmask.sampling import Sampling
+
+DEFAULT_TAU = 0.95  # τ_M2T of every SingleBD row of multiblock.md Table 4 (LLaDA2-Mini, SDAR)
+STORES = ("separate", "fused")
+
+
+def resolve_block_size(bundle, block_size: int | None) -> int:
+    """The block size B to decode with: the checkpoint's (``bundle.block_size``), which an explicit
+    ``block_size`` must equal. Raises UnmaskError on a mismatch, a bad value or when neither is known."""
+    native = bundle.block_size
+    if block_size is not None:
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise UnmaskError(f"block size must be an integer >= 1 (got {block_size!r})")
+        if native is not None and block_size != native:
+            raise UnmaskError(f"--block-size {block_size} disagrees with the checkpoint's block size {native}; "
+                              "a block-diffusion model decodes only with the block size it was trained with, drop --block-size")
+        B = block_size
+    elif native is None:
+        raise UnmaskError("this block-diffusion model records no block size; pass --block-size or add "
+                          "\"block_size\" to its unmask_config.json")
+    else:
+        B = int(native)
+    if B > bundle.context_length:
+        raise UnmaskError(f"block size {B} exceeds the context window of {bundle.context_length}")
+    return B
+
+
+def check_block_model(bundle, decoder: str) -> None:
+    if bundle.kind != "block-diffusion" or bundle.mask_token_id is None:
+        raise UnmaskError(f"the {decoder} decoder needs a block-diffusion model with a mask token "
+                          f"(this one is {bundle.kind!r}); use --decoder ar or load a block-diffusion model")
+
+
+def prefill_whole_blocks(model, prompts: list[list[int]], B: int, pad_id: int, device):
+    """Prefill each row's whole prompt blocks block-causally (multiblock.md §3.2 step 1).
+
+    Rows are left-padded to the longest prefilled part; every row's pad is a multiple of B, so one
+    block-causal mask over the padded columns is right for every row. Returns (cache, key_valid
+    (R, F) bool, n_full (R,) long: whole prompt blocks per row). With F = 0 no forward runs.
+    """
+    n_full = [len(p) // B for p in prompts]
+    heads = [p[: n * B] for p, n in zip(prompts, n_full)]
+    cache = new_cache(model)
+    n_full_t = torch.tensor(n_full, dtype=torch.long, device=device)
+    if max(len(h) for h in heads) == 0:
+        return cache, torch.zeros((len(prompts), 0), dtype=torch.bool, device=device), n_full_t
+    ids, valid, pos = left_pad(heads, pad_id, device)  # (R, F) each
+    R, F = ids.shape
+    mask = with_key_padding(as_4d(block_causal_mask(F, B, device=device), R), valid)  # (R, 1, F, F)
+    forward(model, ids, position_ids=pos, attention_mask=attention_mask(model, mask), cache=cache, logits_to_keep=1)
+    return cache, valid, n_full_t
+
+
+def row_sequences(prompts: list[list[int]], length: int, mask_id: int, device) -> torch.Tensor:
+    """(R, length) long: each prompt at positions 0.., ``mask_id`` everywhere after it."""
+    seq = torch.full((len(prompts), length), mask_id, dtype=torch.long, device=device)
+    for r, p in enumerate(prompts):
+        seq[r, : len(p)] = torch.tensor(p, dtype=torch.long, device=device)
+    return seq
+
+
+def first_stop(seq: torch.Tensor, gen_start: torch.Tensor, gen_end: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
+    """(R,) long: position of the first generated stop token per row, ``seq.shape[1]`` if none."""
+    L = seq.shape[1]
+    pos = torch.arange(L, device=seq.device)  # (L,)
+    hit = torch.isin(seq, stops) & (pos >= gen_start[:, None]) & (pos < gen_end[:, None])  # (R, L)
+    return torch.where(hit.any(dim=1), hit.float().argmax(dim=1), torch.full_like(gen_start, L))
+
+
+def outputs(seq: torch.Tensor, gen_start: torch.Tensor, max_new_tokens: int, stops: torch.Tensor,
+            mask_id: int) -> list[list[int]]:
+    """Generated ids per row, cut before the first stop token (or an undecoded mask)."""
+    stop_set = set(stops.tolist())
+    out = []
+    for r in range(seq.shape[0]):
+        s = int(gen_start[r])
+        row = []
+        for t in seq[r, s: s + max_new_tokens].tolist():
+            if t in stop_set or t == mask_id:
+                break
+            row.append(t)
+        out.append(row)
+    return out
+
+
+def hit_stop_string(bundle, prompts, tokens: list[list[int]], rows: torch.Tensor, stop_strings) -> torch.Tensor:
+    """(R,) bool: rows (among ``rows``) whose decoded continuation contains a stop string."""
+    hit = torch.zeros_like(rows)
+    for r in torch.nonzero(rows).flatten().tolist():
+        text = bundle.decode_continuation(prompts[r], tokens[r])
+        hit[r] = any(s in text for s in stop_strings)
+    return hit
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """SingleBD settings: block size B (the checkpoint's), the commit policy (default ``threshold``
+    τ = 0.95, multiblock.md §3.5 SingleBD rows) and the store mode (§1.2 step 4)."""
+
+    block_size: int
+    policy: Policy = Threshold(DEFAULT_TAU)
+    store: str = "separate"
+
+    def __post_init__(self):
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size!r})")
+        if self.store not in STORES:
+            raise UnmaskError(f"store must be one of {', '.join(STORES)} (got {self.store!r})")
+
+    @classmethod
+    def from_options(cls, bundle, *, block_size=None, policy=None, tau=None, gamma=None, preset=None, factor=None,
+                     tokens_per_step=None, store=None) -> "BlockConfig":
+        """Build from CLI-style options; raises UnmaskError for invalid values or combinations."""
+        name = policy or "threshold"
+        if preset is not None and gamma is not None:
+            raise UnmaskError("give either --gamma or --preset, not both")
+        if name == "threshold" and tau is None:
+            tau = DEFAULT_TAU
+        params = {"gamma": preset if preset is not None else gamma, "tau": tau, "f": factor, "k": tokens_per_step}
+        built = make_policy(name, **{k: v for k, v in params.items() if v is not None})
+        return cls(block_size=resolve_block_size(bundle, block_size), policy=built, store=store or "separate")
+
+
+@torch.inference_mode()
+def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
+           stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
+           policy: str | None = None, tau: float | None = None, gamma: float | str | None = None,
+           preset: str | None = None, factor: float | None = None, tokens_per_step: int | None = None,
+           store: str | None = None, on_forward=None) -> DecodeOutput:
+    """SingleBD decoding of a batch (multiblock.md §1.2) with an exact block KV cache.
+
+    prompts: token ids per row (left-padded internally). Rows advance block by block in lockstep
+    (block j of a row is its j-th decoded block); a row whose block is complete waits, and its NFE
+    counts only forwards in which it still had masks, plus the store forwards of its blocks. A
+    row ends after the block that commits a stop token (tokens from the stop on are dropped), on a
+    stop string, or at ``max_new_tokens``. ``on_forward(state)`` (tests) sees every forward.
+
+    Returns DecodeOutput; stats.extra holds ``policy``, ``block_size``, ``store``,
+    ``store_forwards`` (the batch's store-only forwards, already inside ``nfe``), ``accepts``
+    (histogram: tokens committed per row per forward -> count) and ``row_extra`` (per row:
+    ``accepts`` per denoising forward, ``store_forwards``). Raises UnmaskError for a model that is
+    not block-diffusion, a block size that disagrees with the checkpoint's, or bad policy options.
+    """
+    check_block_model(bundle, "block")
+    cfg = BlockConfig.from_options(bundle, block_size=block_size, policy=policy, tau=tau, gamma=gamma, preset=preset,
+                                   factor=factor, tokens_per_step=tokens_per_step, store=store)
+    B, model, device, mask_id = cfg.block_size, bundle.model, bundle.device, bundle.mask_token_id
+    t0 = time.perf_counter()
+    R = len(prompts)
+    gen = sampling.generator(device)
+    suppress = list(bundle.suppress_ids)
+    stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
+
+    cache, key_valid, n_full = prefill_whole_blocks(model, prompts, B, bundle.pad_token_id, device)
+    gen_start = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)  # (R,)
+    gen_end = gen_start + max_new_tokens
+    n_blocks = torch.div(gen_end - 1, B, rounding_mode="floor") - n_full + 1  # (R,) blocks to decode per row
+    seq = row_sequences(prompts, int((n_full + n_blocks).max()) * B, mask_id, device)  # (R, L)
+    arange_b = torch.arange(B, device=device)
+
+    done = torch.zeros(R, dtype=torch.bool, device=device)
+    nfe, stores = 0, 0
+    nfe_rows = torch.zeros(R, dtype=torch.long, device=device)
+    store_rows = torch.zeros(R, dtype=torch.long, device=device)
+    histogram: Counter = Counter()
+    accepts: list[list[int]] = [[] for _ in range(R)]
+    pending = None  # fused store: (tokens (R, B), positions (R, B), rows (R,)) of the block to store
+
+    def run(inp, positions, n_slots, rows_kept):
+        """One forward of n_slots blocks; keeps the K/V of the first block when rows_kept is given."""
+        nonlocal key_valid
+        past = key_valid.shape[1]
+        kv_valid = torch.cat([key_valid, torch.ones(R, n_slots * B, dtype=torch.bool, device=device)], dim=1)
+        m = with_key_padding(as_4d(block_buffer_mask(past, n_slots, B, device=device), R), kv_valid)  # (R,1,q,kv)
+        logits = forward(model, inp, position_ids=positions, attention_mask=attention_mask(model, m), cache=cache,
+                         logits_to_keep=B)  # (R, B, V): the last block
+        keep = B if rows_kept is not None else 0
+        crop(cache, n_slots * B - keep)  # only a stored block's clean K/V stay
+        if rows_kept is not None:
+            key_valid = torch.cat([key_valid, rows_kept[:, None].expand(R, B)], dim=1)
+        if on_forward is not None:
+            on_forward({"inp": inp, "positions": positions, "logits": logits, "slots": n_slots,
+                        "stored": rows_kept is not None, "past": past,
+                        "cache": [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]})
+        return logits
+
+    for j in range(int(n_blocks.max())):
+        active = ~done & (j < n_blocks)  # (R,)
+        if not bool(active.any()):
+            break
+        pos = (n_full + j)[:, None] * B + arange_b  # (R, B) absolute positions of block j
+        pos_safe = pos.clamp(max=seq.shape[1] - 1)  # finished rows may run past their sequence
+        block = seq.gather(1, pos_safe)  # (R, B)
+        editable = (pos >= gen_start[:, None]) & (pos < gen_end[:, None]) & active[:, None]
+        while True:
+            masked = editable & (block == mask_id)  # (R, B)
+            if not bool(masked.any()):
+                break
+            if pending is not None:  # fused store: [finished block ; this block], 2B queries
+                p_tok, p_pos, p_rows = pending
+                logits = run(torch.cat([p_tok, block], 1), torch.cat([p_pos, pos], 1), 2, p_rows)
+                pending = None
+            else:
+                logits = run(block, pos, 1, None)
+            if suppress:
+                logits[..., suppress] = float("-inf")
+            chosen, tokens = commit(logits, masked, cfg.policy, temperature=sampling.temperature,
+                                    top_k=sampling.top_k, top_p=sampling.top_p, generator=gen)
+            block = torch.where(chosen, tokens, block)
+            nfe += 1
+            had = masked.any(dim=1)  # (R,)
+            nfe_rows += had.long()
+            for r in torch.nonzero(had).flatten().tolist():
+                count = int(chosen[r].sum())
+                accepts[r].append(count)
+                histogram[count] += 1
+        seq.scatter_(1, pos_safe, torch.where(active[:, None], block, seq.gather(1, pos_safe)))
+
+        # A row ends after the block holding its first stop token, or after its last block.
+        stop_at = first_stop(seq, gen_start, gen_end, stops)  # (R,)
+        block_end = (n_full + j + 1) * B
+        ended = active & ((stop_at < block_end) | (j == n_blocks - 1))
+        if stop_strings:
+            ended |= hit_stop_string(bundle, prompts, outputs(seq, gen_start, max_new_tokens, stops, mask_id),
+                                     active & ~ended, stop_strings)
+        done |= ended
+        going = active & ~done  # rows that need this block's K/V
+        if not bool(going.any()):
+            continue
+        if cfg.store == "separate":
+            run(block, pos, 1, going)
+            nfe += 1
+            stores += 1
+            nfe_rows += going.long()
+            store_rows += going.long()
+        else:
+            pending = (block, pos, going)
+
+    tokens = outputs(seq, gen_start, max_new_tokens, stops, mask_id)
+    name = cfg.policy.name
+    extra = {"policy": name, "block_size": B, "store": cfg.store, "store_forwards": stores,
+             "accepts": dict(sorted(histogram.items())),
+             "row_extra": [{"policy": name, "block_size": B, "store": cfg.store, "accepts": a,
+                            "store_forwards": int(s)} for a, s in zip(accepts, store_rows.tolist())]}
+    stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
+                        seconds=time.perf_counter() - t0, extra=extra)
+    return DecodeOutput(tokens=tokens, stats=stats)

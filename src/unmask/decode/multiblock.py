@@ -1,0 +1,241 @@
+"""Multi-Block Diffusion decoding with the Block Buffer engine (multiblock.md §3; MBD-LMs §3.3,
+App. C, Alg. 5).
+
+Every row keeps N_buf slots of B tokens after its exact prefix cache: the running set (active
+blocks being denoised, then complete blocks waiting to be cached) followed by dummy slots that
+keep the shape static. Each step runs **one** forward over all N_buf·B slot tokens of every row
+(block-causal: a slot sees the prefix, earlier slots and itself, so trailing dummies are
+invisible to real blocks). That forward also yields the clean K/V of the blocks marked
+to-cache in the previous step; they are kept, everything else is cropped. The slot state machine
+itself (activation, M2T/T2T, to-cache, slide, termination) is pure and lives in
+:mod:`unmask.decode.block_buffer`.
+
+Prompt alignment, as in :mod:`unmask.decode.block`: blocks start at multiples of B from each
+row's first prompt token, the whole prompt blocks are prefilled and the prompt's tail sits, fixed,
+in the first active block (§3.2).
+
+Batching: rows advance independently, one forward per step for the whole batch. Each row stores
+its own to-cache slots; the cache keeps as many columns as the row storing the most needs, and
+the columns a row did not store are masked out for it (they play the part of §3.6's scratch page).
+A finished row turns into dummies, stays in the forward (static shape) and stops counting NFE.
+
+NFE counts every step forward a row takes part in (prefill excluded), including forwards whose
+only effect for the row is storing a block: with N_buf = 1 this is exactly the SingleBD storing
+bubble, and ``slots=1`` reproduces :mod:`unmask.decode.block` (``store="separate"``, threshold
+policy with τ = τ_M2T) token for token and forward for forward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from unmask.compat import attention_mask, crop, forward
+from unmask.decode import block_buffer as bb
+from unmask.decode.block import (check_block_model, first_stop, hit_stop_string, outputs, prefill_whole_blocks,
+                                 resolve_block_size, row_sequences)
+from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.errors import UnmaskError
+from unmask.masks import as_4d, block_buffer_mask, with_key_padding
+from unmask.policies import token_stats
+from unmask.sampling import Sampling, sample
+
+
+@dataclass(frozen=True)
+class MultiBlockConfig:
+    """Block Buffer settings (multiblock.md §3.3, defaults §3.5: the LLaDA2-Mini MultiBD row).
+
+    slots: N_buf (2; keep it <= the G_max the model was trained with). tau_add: progress of the
+    last running block that admits the next one (0.1; Table 4 uses 0.9 for code). tau_semi:
+    progress of the predecessor that allows the forced top-1 commit (0.9). tau_m2t: M2T commit
+    threshold, strict (0.95). tau_t2t: T2T edit threshold, None = no edits. tau_stable:
+    same_token_ratio gate on activation (0 = off). max_nfe: per-row forward cap (None = none).
+    max_post_edit_steps: a complete block still being edited is cached after this many steps.
+    """
+
+    block_size: int
+    slots: int = 2
+    tau_add: float = 0.1
+    tau_semi: float = 0.9
+    tau_m2t: float = 0.95
+    tau_t2t: float | None = None
+    tau_stable: float = 0.0
+    max_nfe: int | None = None
+    max_post_edit_steps: int = 16
+
+    def __post_init__(self):
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_int(self.block_size) or self.block_size < 1:
+            raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size!r})")
+        if not is_int(self.slots) or self.slots < 1:
+            raise UnmaskError(f"--slots must be an integer >= 1 (got {self.slots!r}); 1 is SingleBD, 2 the usual buffer")
+        for name in ("tau_add", "tau_semi", "tau_m2t", "tau_t2t", "tau_stable"):
+            v = getattr(self, name)
+            if v is None and name == "tau_t2t":
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 <= v <= 1.0:
+                raise UnmaskError(f"--{name.replace('_', '-')} must be a number in [0, 1] (got {v!r})")
+        if self.max_nfe is not None and (not is_int(self.max_nfe) or self.max_nfe < 1):
+            raise UnmaskError(f"max_nfe must be an integer >= 1 (got {self.max_nfe!r}); leave it unset for no cap")
+        if not is_int(self.max_post_edit_steps) or self.max_post_edit_steps < 0:
+            raise UnmaskError(f"max_post_edit_steps must be an integer >= 0 (got {self.max_post_edit_steps!r})")
+
+    @classmethod
+    def from_options(cls, bundle, *, block_size=None, **options) -> "MultiBlockConfig":
+        """Build from CLI-style options (None = default); raises UnmaskError for invalid values."""
+        given = {k: v for k, v in options.items() if v is not None}
+        return cls(block_size=resolve_block_size(bundle, block_size), **given)
+
+
+def candidates(logits: torch.Tensor, sampling: Sampling, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidate token and its confidence at every position: logits (..., V) -> (tokens, kappa) (...).
+
+    Greedy (T = 0): the argmax and its softmax probability (Diffulex). T > 0: a token drawn after
+    top-k/top-p filtering, with its probability under the tempered, unfiltered softmax.
+    """
+    if sampling.greedy:
+        s = token_stats(logits.reshape(1, -1, logits.shape[-1]))
+        return s.top1.view(logits.shape[:-1]), s.confidence.view(logits.shape[:-1])
+    tokens = sample(logits, sampling, generator)  # (...)
+    log_q = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)  # (..., V)
+    return tokens, log_q.gather(-1, tokens[..., None])[..., 0].exp()
+
+
+@torch.inference_mode()
+def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
+           stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
+           slots: int | None = None, tau_add: float | None = None, tau_semi: float | None = None,
+           tau_m2t: float | None = None, tau_t2t: float | None = None, tau_stable: float | None = None,
+           max_nfe: int | None = None, on_forward=None) -> DecodeOutput:
+    """Block Buffer decoding of a batch (multiblock.md §3.2–3.3), one static-shape forward per step.
+
+    prompts: token ids per row. A row finishes when a stop token was generated (or its last block
+    admitted) and every block up to it is complete (Diffulex termination, §3.3 step 7), on a stop
+    string in its completed blocks, or at ``max_nfe``; its output is cut before the first stop
+    token. Every step forward has input shape (R, slots * B). ``on_forward(state)`` (tests) sees
+    each forward's inputs, logits, the window before the forward, and the cache after it.
+
+    Returns DecodeOutput. stats.extra: the thresholds, ``accepts`` (histogram of M2T commits per
+    row per step), ``mean_running_set`` (running-set size |R_s| averaged over row-steps), ``edits``,
+    and ``row_extra`` per row: ``running_set`` (|R_s| at each of its steps), ``mean_running_set``,
+    ``accepts`` (commits per step), ``edits``. Raises UnmaskError for a model that is not
+    block-diffusion, slots < 1, a threshold outside [0, 1] or a block size that disagrees with the
+    checkpoint's.
+    """
+    check_block_model(bundle, "multiblock")
+    cfg = MultiBlockConfig.from_options(bundle, block_size=block_size, slots=slots, tau_add=tau_add,
+                                        tau_semi=tau_semi, tau_m2t=tau_m2t, tau_t2t=tau_t2t, tau_stable=tau_stable,
+                                        max_nfe=max_nfe)
+    B, S, model, device, mask_id = cfg.block_size, cfg.slots, bundle.model, bundle.device, bundle.mask_token_id
+    t0 = time.perf_counter()
+    R = len(prompts)
+    gen = sampling.generator(device)
+    suppress = list(bundle.suppress_ids)
+    stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
+
+    cache, key_valid, _ = prefill_whole_blocks(model, prompts, B, bundle.pad_token_id, device)
+    w = bb.initial_window(prompts, max_new_tokens, S, B, mask_id, device)
+    # Room for every real block and the dummies after the last one, so window writes never clamp.
+    seq = row_sequences(prompts, int((w.last_block.max() + 1 + S) * B), mask_id, device)  # (R, L)
+    seq_pos = torch.arange(seq.shape[1], device=device)
+
+    done = torch.zeros(R, dtype=torch.bool, device=device)
+    checked = torch.zeros(R, dtype=torch.long, device=device)  # complete tokens already checked for stop strings
+    nfe = 0
+    nfe_rows = torch.zeros(R, dtype=torch.long, device=device)
+    histogram: Counter = Counter()
+    running: list[list[int]] = [[] for _ in range(R)]
+    accepts: list[list[int]] = [[] for _ in range(R)]
+    edits = [0] * R
+    while not bool(done.all()):
+        stop_pos = first_stop(seq, w.gen_start, w.gen_end, stops)  # (R,)
+        w, _ = bb.activate(w, done | (stop_pos < seq.shape[1]), tau_add=cfg.tau_add, tau_stable=cfg.tau_stable)
+        live = ~done  # rows this forward works for
+        before = w
+
+        # One forward over the static window; it also writes the to-cache slots' K/V (§3.3 step 2).
+        stored = (w.state == bb.TO_CACHE).sum(dim=1)  # (R,) to-cache slots form a prefix
+        past = key_valid.shape[1]
+        ids = w.tokens.view(R, S * B)  # (R, S*B)
+        positions = w.positions().view(R, S * B)  # (R, S*B)
+        kv_valid = torch.cat([key_valid, torch.ones(R, S * B, dtype=torch.bool, device=device)], dim=1)
+        m = with_key_padding(as_4d(block_buffer_mask(past, S, B, device=device), R), kv_valid)  # (R, 1, S*B, kv)
+        logits = forward(model, ids, position_ids=positions, attention_mask=attention_mask(model, m), cache=cache)
+        keep = int(stored.max())
+        crop(cache, (S - keep) * B)
+        cols = torch.arange(keep * B, device=device)  # (keep*B,)
+        key_valid = torch.cat([key_valid, cols[None, :] < (stored * B)[:, None]], dim=1)  # other rows: scratch
+        if suppress:
+            logits[..., suppress] = float("-inf")
+        if on_forward is not None:
+            on_forward({"inp": ids, "positions": positions, "logits": logits, "window": before, "past": past,
+                        "stored": stored.clone(), "key_valid": key_valid.clone(),
+                        "cache": [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]})
+        top1, kappa = candidates(logits.view(R, S, B, -1), sampling, gen)  # (R, S, B) each
+        w, info = bb.transition(w, top1, kappa, tau_m2t=cfg.tau_m2t, tau_semi=cfg.tau_semi, tau_t2t=cfg.tau_t2t,
+                                max_post_edit_steps=cfg.max_post_edit_steps)
+        nfe += 1
+        nfe_rows += live.long()
+        size = (before.state != bb.DUMMY).sum(dim=1)  # (R,) |R_s| of this step
+        n_commit = info.committed.sum(dim=(1, 2))  # (R,)
+        n_edit = info.edited.sum(dim=(1, 2))  # (R,)
+        for r in torch.nonzero(live).flatten().tolist():
+            running[r].append(int(size[r]))
+            accepts[r].append(int(n_commit[r]))
+            edits[r] += int(n_edit[r])
+            histogram[int(n_commit[r])] += 1
+
+        # Write the window back into the row sequences (popped blocks were written when they were
+        # complete: to-cache blocks never change).
+        flat = w.positions().view(R, S * B)
+        real = (w.state != bb.DUMMY)[..., None].expand(R, S, B).reshape(R, S * B)
+        seq.scatter_(1, flat, torch.where(real, w.tokens.view(R, S * B), seq.gather(1, flat)))
+
+        stop_pos = first_stop(seq, w.gen_start, w.gen_end, stops)  # (R,)
+        stop_block = torch.where(stop_pos < seq.shape[1], torch.div(stop_pos, B, rounding_mode="floor"),
+                                 torch.full_like(stop_pos, bb.NO_STOP))
+        ended = live & bb.finished(w, stop_block)
+        if stop_strings:
+            ended |= _stop_string_rows(bundle, prompts, seq, seq_pos, w, stops, max_new_tokens, live & ~ended,
+                                       checked, stop_strings)
+        if cfg.max_nfe is not None:
+            ended |= live & (nfe_rows >= cfg.max_nfe)
+        done |= ended
+        w = bb.release(w, ended)
+
+    tokens = outputs(seq, w.gen_start, max_new_tokens, stops, mask_id)
+    sizes = [x for r in running for x in r]
+    mean_rs = sum(sizes) / max(1, len(sizes))
+    extra = {"slots": S, "block_size": B, "tau_add": cfg.tau_add, "tau_semi": cfg.tau_semi, "tau_m2t": cfg.tau_m2t,
+             "tau_t2t": cfg.tau_t2t, "tau_stable": cfg.tau_stable, "accepts": dict(sorted(histogram.items())),
+             "mean_running_set": mean_rs, "edits": sum(edits),
+             "row_extra": [{"slots": S, "block_size": B, "running_set": rs, "mean_running_set": sum(rs) / max(1, len(rs)),
+                            "accepts": a, "edits": e} for rs, a, e in zip(running, accepts, edits)]}
+    stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
+                        seconds=time.perf_counter() - t0, extra=extra)
+    return DecodeOutput(tokens=tokens, stats=stats)
+
+
+def _stop_string_rows(bundle, prompts, seq, seq_pos, w, stops, max_new_tokens, rows, checked, stop_strings):
+    """Rows whose completed blocks (the contiguous complete prefix of the output) contain a stop
+    string. Only rows whose complete prefix grew since the last check are decoded."""
+    B = w.block_size
+    undecided = (seq == w.mask_id) & (seq_pos >= w.gen_start[:, None]) & (seq_pos < w.gen_end[:, None])  # (R, L)
+    first_mask = torch.where(undecided.any(dim=1), undecided.float().argmax(dim=1), w.gen_end)  # (R,)
+    complete_end = torch.where(first_mask >= w.gen_end, w.gen_end,
+                               torch.div(first_mask, B, rounding_mode="floor") * B)  # (R,) end of complete blocks
+    grew = rows & (complete_end > checked)
+    if not bool(grew.any()):
+        return torch.zeros_like(rows)
+    checked.copy_(torch.where(grew, complete_end, checked))
+    cut = seq.masked_fill(seq_pos >= complete_end[:, None], w.mask_id)
+    return hit_stop_string(bundle, prompts, outputs(cut, w.gen_start, max_new_tokens, stops, w.mask_id), grew,
+                           stop_strings)
+
+
+__all__ = ["MultiBlockConfig", "candidates", "decode"]
