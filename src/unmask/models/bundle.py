@@ -79,7 +79,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:  # torch's message lists two dozen backends; ours names the two that work
+        raise UnmaskError(f"unknown device {device!r}; use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UnmaskError("CUDA is not available on this machine; use --device cpu")
     if device.type not in ("cpu", "cuda"):
