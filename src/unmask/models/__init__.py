@@ -7,15 +7,20 @@ from unmask.models.registry import default_model, resolve, shipped
 
 
 def load(name_or_path: str | None = None, *, kind: str | None = None, device: str = "cpu",
-         dtype: str = "float32", mask_token_id: int | None = None, trust_remote_code: bool = False) -> ModelBundle:
+         dtype: str = "float32", mask_token_id: int | None = None, logit_shift: int | None = None,
+         trust_remote_code: bool = False) -> ModelBundle:
     """Load a shipped checkpoint by name (``unmask.load("stories260K")``) or a local Hugging
     Face directory by path. ``None`` loads the default shipped model. No network is used.
+
+    ``mask_token_id`` and ``logit_shift`` (0 LLaDA-style, 1 Dream-style) override what the
+    directory says; ``trust_remote_code`` is needed for checkpoints with their own model code
+    (LLaDA, Dream). See :func:`unmask.models.bundle.load_dir`.
 
     Raises UnmaskError for an unknown name, a bad directory or an unavailable device.
     """
     name, path = resolve(name_or_path or default_model())
     return load_dir(path, name=name, kind=kind, device=device, dtype=dtype, mask_token_id=mask_token_id,
-                    trust_remote_code=trust_remote_code)
+                    logit_shift=logit_shift, trust_remote_code=trust_remote_code)
 
 
 __all__ = ["KINDS", "ModelBundle", "default_model", "load", "shipped"]

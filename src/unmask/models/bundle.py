@@ -111,43 +111,97 @@ def _stop_ids(model, tokenizer, meta: dict) -> tuple[int, ...]:
     return tuple(int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids]))
 
 
+def _read_hf_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UnmaskError(f"{path / 'config.json'} is not valid JSON ({e}); restore the checkpoint") from None
+
+
+def _mask_id(explicit, meta: dict, model, tokenizer, family, path: Path) -> int | None:
+    """Mask id: explicit option > unmask_config.json > HF config > tokenizer > the family's
+    documented id. The config and tokenizer must agree when both name one (models.md §2.1)."""
+    if explicit is not None:
+        return int(explicit)
+    if meta.get("mask_token_id") is not None:
+        return int(meta["mask_token_id"])
+    from_config = getattr(model.config, "mask_token_id", None)
+    from_tokenizer = getattr(tokenizer, "mask_token_id", None)
+    if from_config is not None and from_tokenizer is not None and int(from_config) != int(from_tokenizer):
+        raise UnmaskError(f"{path}: config.json names mask token {from_config} but the tokenizer's is {from_tokenizer}; "
+                          "pass mask_token_id= to choose one")
+    for candidate in (from_config, from_tokenizer, getattr(family, "mask_token_id", None)):
+        if candidate is not None:
+            return int(candidate)
+    return None
+
+
 def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dtype="float32",
-             mask_token_id: int | None = None, trust_remote_code: bool = False) -> ModelBundle:
+             mask_token_id: int | None = None, logit_shift: int | None = None,
+             trust_remote_code: bool = False) -> ModelBundle:
     """Load a local Hugging Face directory into a ModelBundle.
 
     The kind comes from ``kind``, else from ``unmask_config.json`` in the directory, else
-    ``causal``. Raises UnmaskError for a directory without config.json, unreadable weights,
-    an unknown kind or a kind that needs a mask token the checkpoint does not name.
+    ``masked-diffusion`` for a LLaDA/Dream config, else ``causal``. Masked-diffusion facts
+    (models.md §2.3-2.4): the mask id comes from ``mask_token_id``, else unmask_config.json, the
+    HF config, the tokenizer or the family's documented id; the logit shift from ``logit_shift``,
+    else unmask_config.json, else the family (Dream 1, LLaDA 0), else 0. Remote-code families load
+    through the auto class their ``auto_map`` registers (``AutoModel`` for LLaDA/Dream) and need
+    ``trust_remote_code=True``.
+
+    Raises UnmaskError for a directory without config.json, unreadable weights, an unknown kind,
+    remote code without ``trust_remote_code``, disagreeing mask ids, or a kind that needs a mask
+    token the checkpoint does not name.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import transformers
+    from transformers import AutoTokenizer
 
     from unmask.compat import quiet_transformers
+    from unmask.models.adapters import family_of, loader_name
 
     if not (path / "config.json").is_file():
         raise UnmaskError(f"{path} is not a Hugging Face model directory (no config.json)")
     meta = read_unmask_config(path)
-    kind = kind or meta.get("kind", "causal")
+    hf_config = _read_hf_config(path)
+    family = family_of(hf_config)
+    kind = kind or meta.get("kind") or ("masked-diffusion" if family is not None else "causal")
     if kind not in KINDS:
         raise UnmaskError(f"unknown model kind {kind!r}; choose one of: {', '.join(KINDS)}")
+    if hf_config.get("auto_map") and not trust_remote_code:
+        raise UnmaskError(f"{path} ships its own model code (auto_map in config.json); load it with "
+                          "trust_remote_code=True if you trust that code")
+    if logit_shift is not None and logit_shift not in (0, 1):
+        raise UnmaskError(f"logit_shift must be 0 or 1 (got {logit_shift}); use 1 for Dream-style models")
     device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     quiet_transformers()
+    auto = getattr(transformers, loader_name(hf_config, family))
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        model = auto.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
+    except (OSError, ValueError, RuntimeError, KeyError, ImportError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnmaskError(f"cannot load the checkpoint in {path}: {first}") from None
     model.to(device).eval()
-    mask_id = mask_token_id if mask_token_id is not None else meta.get("mask_token_id")
-    if mask_id is None and kind != "causal":
-        mask_id = getattr(model.config, "mask_token_id", None) or getattr(tokenizer, "mask_token_id", None)
+    if kind == "causal":  # a causal model may still carry a mask token (e.g. before SBD fine-tuning)
+        mask_id = mask_token_id if mask_token_id is not None else meta.get("mask_token_id")
+    else:
+        mask_id = _mask_id(mask_token_id, meta, model, tokenizer, family, path)
     if kind != "causal" and mask_id is None:
-        raise UnmaskError(f"{path} is a {kind} model but names no mask token; pass --mask-token-id ID")
+        raise UnmaskError(f"{path} is a {kind} model but names no mask token; pass mask_token_id=ID "
+                          "or add it to unmask_config.json")
+    if logit_shift is None:
+        logit_shift = int(meta.get("logit_shift", family.logit_shift if family is not None else 0))
+    stops = _stop_ids(model, tokenizer, meta)
+    if family is not None and "stop_token_ids" not in meta:
+        vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+        stops = tuple(dict.fromkeys(stops + tuple(i for i in family.stop_token_ids if i < vocab)))
+    if family is not None:
+        meta = {"family": family.name, **meta}
     bos = getattr(tokenizer, "bos_token_id", None)
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
     return ModelBundle(
         model=model, tokenizer=tokenizer, kind=kind, name=name, path=path, bos_token_id=bos,
-        stop_token_ids=_stop_ids(model, tokenizer, meta), pad_token_id=int(pad),
+        stop_token_ids=stops, pad_token_id=int(pad),
         mask_token_id=None if mask_id is None else int(mask_id),
-        logit_shift=int(meta.get("logit_shift", 0)), block_size=meta.get("block_size"), meta=meta,
+        logit_shift=int(logit_shift), block_size=meta.get("block_size"), meta=meta,
     )
