@@ -1,0 +1,339 @@
+"""Semi-autoregressive decoding of masked-diffusion LMs (spec/diffusion.md §3, §4, §6–§9).
+
+The canvas is ``[prompt | m^L]`` (L = gen_length), split into L / block_size blocks decoded left
+to right. Each step runs one bidirectional forward, reads the current block's logits (realigned
+so index i scores token i, §2) and lets the commit policy reveal some of its masks; committed
+tokens never change. The block is done when it has no masks.
+
+Policies (:mod:`unmask.policies`):
+
+- ``top-k`` with ``steps``: LLaDA low-confidence remasking (§3): steps / n_blocks steps per block,
+  the block's n masks spread as base = n // S, rem = n % S, k_s = base + 1 for s < rem else base.
+  ``top-k`` with ``tokens_per_step`` instead commits a fixed k per step.
+- ``threshold`` (default, τ = 0.9, Fast-dLLM §6), ``factor`` (f = 1.0), ``entropy-bound`` /
+  ``confidence-bound`` / ``margin-bound`` (EB sampler §7, default γ = 0.1), ``entropy-threshold``
+  (η = 0.4).
+
+Temperature (§4): ``sampler="llada"`` draws with float64 Gumbel-max and ranks by the untempered
+confidence; ``sampler="dream"`` draws from the tempered categorical and ranks by its probability.
+The default comes from the model family (:func:`unmask.models.adapters.default_sampler`). Each row
+has its own seeded generator, so a batched run equals single runs even when sampling.
+
+Caches (§8, approximate): ``cache="none" | "prefix" | "dual"``, see :mod:`unmask.decode.dllm_cache`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from unmask.decode.batching import left_pad
+from unmask.decode.dllm_cache import CACHE_MODES, WindowForward
+from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.errors import UnmaskError
+from unmask.models.adapters import SAMPLERS, default_sampler, realign
+from unmask.policies import Policy, TopK, commit, make_policy
+from unmask.sampling import Sampling
+
+DEFAULT_BLOCK_SIZE = 32  # Fast-dLLM's LLaDA setting (models.md §2.3)
+DEFAULT_POLICY = "threshold"  # with τ = 0.9 (Fast-dLLM, diffusion.md §6)
+DEFAULT_EB_GAMMA = 0.1  # confidence proxy (diffusion.md §7, our choice)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def llada_quota(n_masked: torch.Tensor, steps: int, s: int) -> torch.Tensor:
+    """Tokens to commit at step s of a block (LLaDA ``get_num_transfer_tokens``, diffusion.md §3).
+
+    n_masked: (B,) long, masks in the block at its start. Returns (B,) long: n // steps, plus one
+    for the first n % steps steps, so the S quotas sum to n.
+    """
+    base, rem = n_masked // steps, n_masked % steps  # (B,) each
+    return base + (s < rem).long()
+
+
+@dataclass(frozen=True)
+class DiffusionConfig:
+    """Validated settings of one diffusion decode.
+
+    gen_length: canvas length L; block_size divides it. steps: LLaDA's total step budget (top-k
+    only, a multiple of the block count) or None. cache: none / prefix / dual. refresh_every: a
+    full refresh forward every this many steps inside a block (None: at block starts only).
+    eos_early_stop: stop a row as soon as its text before the first EOS is final (§9).
+    sampler: "llada" or "dream" (§4).
+    """
+
+    gen_length: int
+    block_size: int
+    policy: Policy
+    steps: int | None = None
+    cache: str = "none"
+    refresh_every: int | None = None
+    eos_early_stop: bool = False
+    sampler: str = "llada"
+
+    def __post_init__(self):
+        L, B = self.gen_length, self.block_size
+        if not isinstance(L, int) or L < 1:
+            raise UnmaskError(f"gen length must be an integer >= 1 (got {L!r})")
+        if not isinstance(B, int) or B < 1:
+            raise UnmaskError(f"block size must be an integer >= 1 (got {B!r}); 32 is Fast-dLLM's default")
+        if L % B:
+            near = sorted(_divisors(L), key=lambda d: (abs(d - B), d))[:4]
+            raise UnmaskError(f"block size {B} does not divide gen length {L}; use a block size of "
+                              f"{', '.join(map(str, sorted(near)))} or a gen length that is a multiple of {B}")
+        if self.cache not in CACHE_MODES:
+            raise UnmaskError(f"unknown cache {self.cache!r}; choose one of: {', '.join(CACHE_MODES)}")
+        if self.refresh_every is not None and (not isinstance(self.refresh_every, int) or self.refresh_every < 1):
+            raise UnmaskError(f"refresh_every must be an integer >= 1 (got {self.refresh_every!r}); "
+                              "leave it unset to refresh at block starts only")
+        if self.sampler not in SAMPLERS:
+            raise UnmaskError(f"unknown sampler {self.sampler!r}; choose one of: {', '.join(SAMPLERS)}")
+        if self.steps is not None:
+            nb = L // B
+            if not isinstance(self.policy, TopK):
+                raise UnmaskError(f"steps applies to the top-k policy only (got {self.policy.name!r}); "
+                                  "drop --steps or use --policy top-k")
+            if not isinstance(self.steps, int) or self.steps < nb or self.steps % nb:
+                low = max(nb, (self.steps // nb) * nb) if isinstance(self.steps, int) else nb
+                raise UnmaskError(f"steps must be a positive multiple of the {nb} blocks (gen length {L} / block "
+                                  f"size {B}), got {self.steps!r}; use e.g. {low} or {low + nb}")
+
+    @property
+    def n_blocks(self) -> int:
+        return self.gen_length // self.block_size
+
+    @classmethod
+    def from_options(cls, *, max_new_tokens: int, gen_length=None, block_size=None, policy=None, gamma=None,
+                     preset=None, tau=None, factor=None, factor_compat=None, tokens_per_step=None, eta=None,
+                     steps=None, cache=None, refresh_every=None, eos_early_stop=False,
+                     sampler="llada") -> "DiffusionConfig":
+        """Build from API/CLI options (None = default). Raises UnmaskError for bad combinations.
+
+        gen_length defaults to max_new_tokens rounded up to a multiple of the block size; the block
+        size defaults to 32, or to the requested length when that is shorter.
+        """
+        if preset is not None and gamma is not None:
+            raise UnmaskError("give either --gamma or --preset, not both")
+        if steps is not None and tokens_per_step is not None:
+            raise UnmaskError("give either --steps (LLaDA schedule) or --tokens-per-step, not both")
+        gamma = preset if preset is not None else gamma
+        name = policy or _infer_policy(gamma, tau, factor, tokens_per_step, steps, eta)
+        if gamma is None and name in ("entropy-bound", "confidence-bound", "margin-bound"):
+            gamma = DEFAULT_EB_GAMMA
+        params = {"gamma": gamma, "tau": tau, "f": factor, "compat": factor_compat, "k": tokens_per_step,
+                  "eta": eta}
+        built = make_policy(name, **params)
+        requested = gen_length if gen_length is not None else max_new_tokens
+        if not isinstance(requested, int) or requested < 1:
+            raise UnmaskError(f"gen length must be an integer >= 1 (got {requested!r})")
+        block = block_size if block_size is not None else min(DEFAULT_BLOCK_SIZE, requested)
+        if gen_length is None and isinstance(block, int) and block >= 1:
+            gen_length = math.ceil(requested / block) * block
+        return cls(gen_length=gen_length, block_size=block, policy=built, steps=steps,
+                   cache="none" if cache is None else str(cache), refresh_every=refresh_every,
+                   eos_early_stop=bool(eos_early_stop), sampler=sampler)
+
+
+def _infer_policy(gamma, tau, factor, tokens_per_step, steps, eta) -> str:
+    """The policy an option implies when --policy is not given (threshold otherwise)."""
+    if steps is not None or tokens_per_step is not None:
+        return "top-k"
+    if gamma is not None:
+        return "confidence-bound"
+    if factor is not None:
+        return "factor"
+    if eta is not None:
+        return "entropy-threshold"
+    return DEFAULT_POLICY
+
+
+@torch.inference_mode()
+def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
+           stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), gen_length: int | None = None,
+           block_size: int | None = None, policy: str | None = None, gamma: float | str | None = None,
+           preset: str | None = None, tau: float | None = None, factor: float | None = None,
+           factor_compat: bool | None = None, tokens_per_step: int | None = None, eta: float | None = None,
+           steps: int | None = None, cache: str | None = None, refresh_every: int | None = None,
+           eos_early_stop: bool = False, sampler: str | None = None, on_step=None,
+           on_forward=None) -> DecodeOutput:
+    """Semi-AR masked-diffusion decoding of a batch (diffusion.md §3, §6–§9).
+
+    prompts: token ids per row (left-padded; positions count real tokens only, so every row
+    decodes exactly as it would alone). Blocks advance in lockstep: a row whose block is complete
+    waits without committing. ``max_new_tokens`` sets gen_length when that is not given (rounded
+    up to the block size; reported tokens are cut to max_new_tokens); an explicit ``gen_length``
+    is reported in full.
+
+    Stopping (§9): a row stops after the block in which it committed a stop id (stop_token_ids,
+    e.g. EOS) and reports the tokens before the first one. With ``eos_early_stop`` a row stops as
+    soon as every position before its first committed stop id is committed; the rest of the
+    canvas is filled with that id (counted in ``n_committed``). Stop strings end a row after its
+    block.
+
+    Hooks: ``on_step(event)`` (see :mod:`unmask.trace`) after every forward, once per row that
+    had masks; ``on_forward(state)`` (tests) with the canvas before the commit, the block logits
+    (B, block, V) and the commit mask.
+
+    Returns DecodeOutput. NFE counts forwards (the block-start refresh included, §10); per row,
+    the forwards in which that row still had masks. stats.extra: policy, cache, gen_length,
+    block_size, sampler, ``accepts`` (histogram of per-row commits per forward), ``n_committed``
+    and per-row ``row_extra`` {policy, cache, steps (forwards used), commits (per-step counts)}.
+
+    Raises UnmaskError for a model without a mask token, a block size that does not divide the
+    generation length, a bad step budget, bad policy options, an unknown cache or sampler, or a
+    canvas longer than the context window.
+    """
+    if bundle.mask_token_id is None:
+        raise UnmaskError("the diffusion decoder needs a masked-diffusion model with a mask token; "
+                          "load it with mask_token_id=ID or name it in unmask_config.json")
+    cfg = DiffusionConfig.from_options(
+        max_new_tokens=max_new_tokens, gen_length=gen_length, block_size=block_size, policy=policy, gamma=gamma,
+        preset=preset, tau=tau, factor=factor, factor_compat=factor_compat, tokens_per_step=tokens_per_step,
+        eta=eta, steps=steps, cache=cache, refresh_every=refresh_every, eos_early_stop=eos_early_stop,
+        sampler=sampler or default_sampler(bundle))
+    report = cfg.gen_length if gen_length is not None else min(max_new_tokens, cfg.gen_length)
+    shift, mask_id, device = bundle.logit_shift, bundle.mask_token_id, bundle.device
+    if any(len(p) < shift for p in prompts) or any(len(p) == 0 for p in prompts):
+        raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
+    P, L, Bk = max(len(p) for p in prompts), cfg.gen_length, cfg.block_size
+    if P + L > bundle.context_length:
+        raise UnmaskError(f"prompt ({P} tokens) + gen length {L} exceeds the context window of "
+                          f"{bundle.context_length}; lower --gen-length or --max-new-tokens")
+    t0 = time.perf_counter()
+
+    ids_p, valid_p, pos_p = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
+    B = ids_p.shape[0]
+    row_len = valid_p.sum(dim=1)  # (B,)
+    ids = torch.cat([ids_p, torch.full((B, L), mask_id, dtype=torch.long, device=device)], dim=1)  # (B, T)
+    pos = torch.cat([pos_p, row_len[:, None] + torch.arange(L, device=device)], dim=1)  # (B, T)
+    valid = torch.cat([valid_p, torch.ones(B, L, dtype=torch.bool, device=device)], dim=1)  # (B, T)
+    run = WindowForward(bundle, cfg.cache, ids, pos, valid)
+
+    stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
+    suppress = list(bundle.suppress_ids)
+    # One generator per row: a row's random draws do not depend on the rest of the batch.
+    gens = [sampling.generator(device) for _ in range(B)] if not sampling.greedy else None
+    confidence, draw = ("untempered", "gumbel") if cfg.sampler == "llada" else ("tempered", "categorical")
+    steps_per_block = None if cfg.steps is None else cfg.steps // cfg.n_blocks
+
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    nfe, nfe_rows = 0, torch.zeros(B, dtype=torch.long, device=device)
+    commits: list[list[int]] = [[] for _ in range(B)]
+    histogram: Counter = Counter()
+    for b in range(cfg.n_blocks):
+        s, e = P + b * Bk, P + (b + 1) * Bk
+        run.begin(s - shift, e if cfg.cache == "dual" else P + L)
+        n_start = (ids[:, s:e] == mask_id).sum(dim=1)  # (B,) masks at block start
+        step = 0
+        while True:
+            masked = (ids[:, s:e] == mask_id) & ~done[:, None]  # (B, Bk)
+            if not bool(masked.any()):
+                break
+            refresh = step == 0 or (cfg.refresh_every is not None and step % cfg.refresh_every == 0)
+            raw = run(refresh)  # (B, window, V), window starts at s - shift
+            logits = realign(raw, shift)[:, shift: shift + Bk].clone()  # (B, Bk, V): index j scores s + j
+            if suppress:
+                logits[..., suppress] = float("-inf")
+            quota = None if steps_per_block is None else llada_quota(n_start, steps_per_block, step)  # (B,)
+            chosen, tokens = _commit(logits, masked, cfg.policy, sampling, gens, quota, confidence, draw)
+            if on_forward is not None:
+                on_forward({"nfe": nfe, "block": b, "step": step, "start": s - P, "refresh": refresh,
+                            "canvas": ids.clone(), "logits": logits, "masked": masked, "chosen": chosen,
+                            "tokens": tokens})
+            ids[:, s:e] = torch.where(chosen, tokens, ids[:, s:e])
+            had = masked.any(dim=1)  # (B,)
+            nfe_rows += had.long()
+            for r in torch.nonzero(had).flatten().tolist():
+                count = int(chosen[r].sum())
+                commits[r].append(count)
+                histogram[count] += 1
+                if on_step is not None:
+                    _emit(on_step, nfe, r, b, chosen[r], tokens[r], s - P, ids[r, P:], mask_id)
+            nfe += 1
+            step += 1
+            if cfg.eos_early_stop:
+                done |= _early_stop(ids[:, P:], mask_id, stops) & had
+        if cfg.eos_early_stop is False:
+            done |= torch.isin(ids[:, P:e], stops).any(dim=1)
+        if stop_strings:
+            done |= _hit_stop_string(bundle, prompts, ids[:, P:e], mask_id, stop_strings)
+        if bool(done.all()):
+            break
+
+    gen = ids[:, P:]  # (B, L)
+    tokens = [_until_stop(gen[r, :report].tolist(), set(stops.tolist()) | {mask_id}) for r in range(B)]
+    n_committed = (gen != mask_id).sum(dim=1).tolist()
+    row_extra = [{"policy": cfg.policy.name, "cache": cfg.cache, "steps": int(nfe_rows[r]), "commits": commits[r]}
+                 for r in range(B)]
+    extra = {"policy": cfg.policy.name, "cache": cfg.cache, "gen_length": L, "block_size": Bk,
+             "sampler": cfg.sampler, "accepts": dict(sorted(histogram.items())), "n_committed": n_committed,
+             "row_extra": row_extra}
+    stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
+                        seconds=time.perf_counter() - t0, extra=extra)
+    return DecodeOutput(tokens=tokens, stats=stats)
+
+
+def _commit(logits, masked, policy, sampling: Sampling, gens, quota, confidence, draw):
+    """commit() for the whole batch when greedy; row by row with each row's generator when sampling,
+    skipping rows without masks so that they draw nothing (batch == single runs)."""
+    kwargs = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                  confidence=confidence, sampling=draw)
+    if gens is None:
+        return commit(logits, masked, policy, quota=quota, **kwargs)
+    chosen = torch.zeros_like(masked)
+    tokens = torch.zeros(masked.shape, dtype=torch.long, device=masked.device)
+    for r in torch.nonzero(masked.any(dim=1)).flatten().tolist():
+        q = None if quota is None else quota[r: r + 1]
+        c, t = commit(logits[r: r + 1], masked[r: r + 1], policy, quota=q, generator=gens[r], **kwargs)
+        chosen[r], tokens[r] = c[0], t[0]
+    return chosen, tokens
+
+
+def _early_stop(gen: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.Tensor:
+    """diffusion.md §9 early stop on the generation region gen (B, L), in place.
+
+    A row whose first committed stop id at e has every position before e committed gets all
+    positions after e set to that id. Returns (B,) bool: the rows that stopped.
+    """
+    L = gen.shape[1]
+    is_stop = torch.isin(gen, stops)  # (B, L)
+    first = torch.where(is_stop.any(dim=1), is_stop.float().argmax(dim=1), torch.full_like(gen[:, 0], L))  # (B,)
+    cols = torch.arange(L, device=gen.device)  # (L,)
+    before = cols[None, :] < first[:, None]  # (B, L)
+    ready = (first < L) & ~((gen == mask_id) & before).any(dim=1)  # (B,)
+    fill_value = gen.gather(1, first.clamp(max=L - 1)[:, None])  # (B, 1) the stop id found
+    fill = ready[:, None] & (cols[None, :] > first[:, None])  # (B, L)
+    gen.copy_(torch.where(fill, fill_value, gen))
+    return ready
+
+
+def _emit(on_step, step, row, block, chosen, tokens, offset, gen, mask_id) -> None:
+    positions = (torch.nonzero(chosen).flatten() + offset).tolist()
+    on_step({"step": step, "row": row, "block": block, "positions": positions,
+             "tokens": tokens[chosen].tolist(),
+             "canvas": [None if t == mask_id else t for t in gen.tolist()]})
+
+
+def _until_stop(row: list[int], stop_set: set[int]) -> list[int]:
+    out = []
+    for t in row:
+        if t in stop_set:
+            break
+        out.append(t)
+    return out
+
+
+def _hit_stop_string(bundle, prompts, gen, mask_id, stop_strings) -> torch.Tensor:
+    hit = torch.zeros(gen.shape[0], dtype=torch.bool, device=gen.device)
+    for r in range(gen.shape[0]):
+        row = _until_stop(gen[r].tolist(), {mask_id})
+        text = bundle.decode_continuation(prompts[r], row)
+        hit[r] = any(s in text for s in stop_strings)
+    return hit
