@@ -42,10 +42,25 @@ DEFAULT_TAU = 0.95  # τ_M2T of every SingleBD row of multiblock.md Table 4 (LLa
 STORES = ("separate", "fused")
 
 
-def resolve_block_size(bundle, block_size: int | None) -> int:
-    """The block size B to decode with: the checkpoint's (``bundle.block_size``), which an explicit
-    ``block_size`` must equal. Raises UnmaskError on a mismatch, a bad value or when neither is known."""
+def native_block_size(bundle) -> int | None:
+    """The checkpoint's block size: ``bundle.block_size`` (``unmask_config.json``), else the HF
+    config's ``block_size`` / ``block_length`` (remote-code block-diffusion configs), else None."""
     native = bundle.block_size
+    if native is None:
+        config = getattr(bundle.model, "config", None)
+        native = next((getattr(config, a) for a in ("block_size", "block_length")
+                       if isinstance(getattr(config, a, None), int)), None)
+    if native is not None and (not isinstance(native, int) or isinstance(native, bool) or native < 1):
+        raise UnmaskError(f"the checkpoint's block size {native!r} is not an integer >= 1; fix \"block_size\" "
+                          "in its unmask_config.json")
+    return native
+
+
+def resolve_block_size(bundle, block_size: int | None) -> int:
+    """The block size B to decode with: the checkpoint's (:func:`native_block_size`), which an
+    explicit ``block_size`` must equal. Raises UnmaskError on a mismatch, a bad value or when
+    neither is known."""
+    native = native_block_size(bundle)
     if block_size is not None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise UnmaskError(f"block size must be an integer >= 1 (got {block_size!r})")
