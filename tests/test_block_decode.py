@@ -101,8 +101,8 @@ class ScriptedBD(torch.nn.Module):
         out = self.inner(input_ids=input_ids, position_ids=position_ids, cache=cache, logits_to_keep=logits_to_keep, **kw)
         pos = position_ids[:, -out.logits.shape[1]:]  # (B, n)
         V = out.logits.shape[-1]
-        token = pos.clone().apply_(self.token)
-        conf = pos.clone().float().apply_(self.conf)
+        token = torch.tensor([[self.token(p) for p in row] for row in pos.tolist()], dtype=torch.long)  # (B, n)
+        conf = torch.tensor([[self.conf(p) for p in row] for row in pos.tolist()], dtype=torch.float32)  # (B, n)
         logits = torch.full(out.logits.shape, -20.0)
         logits.scatter_(-1, token[..., None], (torch.log(conf / (1 - conf) * (V - 1)) - 20.0)[..., None])
         out.logits = logits

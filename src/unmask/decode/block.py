@@ -145,6 +145,15 @@ def hit_stop_string(bundle, prompts, tokens: list[list[int]], rows: torch.Tensor
     return hit
 
 
+def step_event(step: int, row: int, positions: torch.Tensor, tokens: torch.Tensor, seq_row: torch.Tensor,
+               start, end, mask_id: int, **extra) -> dict:
+    """One ``on_step`` event in the :mod:`unmask.trace` contract: positions (absolute, (n,) long)
+    become generated indices; the canvas is ``seq_row[start:end]`` with None where masked."""
+    s, e = int(start), int(end)
+    return {"step": int(step), "row": int(row), **extra, "positions": (positions - s).tolist(),
+            "tokens": tokens.tolist(), "canvas": [None if t == mask_id else t for t in seq_row[s:e].tolist()]}
+
+
 @dataclass(frozen=True)
 class BlockConfig:
     """SingleBD settings: block size B (the checkpoint's), the commit policy (default ``threshold``
@@ -179,7 +188,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
            policy: str | None = None, tau: float | None = None, gamma: float | str | None = None,
            preset: str | None = None, factor: float | None = None, tokens_per_step: int | None = None,
-           store: str | None = None, on_forward=None) -> DecodeOutput:
+           store: str | None = None, on_forward=None, on_step=None) -> DecodeOutput:
     """SingleBD decoding of a batch (multiblock.md §1.2) with an exact block KV cache.
 
     prompts: token ids per row (left-padded internally). Rows advance block by block in lockstep
@@ -187,6 +196,10 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     counts only forwards in which it still had masks, plus the store forwards of its blocks. A
     row ends after the block that commits a stop token (tokens from the stop on are dropped), on a
     stop string, or at ``max_new_tokens``. ``on_forward(state)`` (tests) sees every forward.
+    ``on_step(event)`` (``unmask.trace`` contract) gets one event per row per denoising forward:
+    ``step``, ``row``, ``block`` (absolute block index), ``positions`` / ``tokens`` committed
+    (generated indices), ``canvas`` (the generated region, None where masked). Store forwards
+    commit nothing and send no event.
 
     Returns DecodeOutput; stats.extra holds ``policy``, ``block_size``, ``store``,
     ``store_forwards`` (the batch's store-only forwards, already inside ``nfe``), ``accepts``
@@ -260,6 +273,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             chosen, tokens = commit(logits, masked, cfg.policy, temperature=sampling.temperature,
                                     top_k=sampling.top_k, top_p=sampling.top_p, generator=gen)
             block = torch.where(chosen, tokens, block)
+            seq.scatter_(1, pos_safe, torch.where(active[:, None], block, seq.gather(1, pos_safe)))
             nfe += 1
             had = masked.any(dim=1)  # (R,)
             nfe_rows += had.long()
@@ -267,7 +281,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                 count = int(chosen[r].sum())
                 accepts[r].append(count)
                 histogram[count] += 1
-        seq.scatter_(1, pos_safe, torch.where(active[:, None], block, seq.gather(1, pos_safe)))
+                if on_step is not None:
+                    on_step(step_event(nfe - 1, r, pos[r][chosen[r]], block[r][chosen[r]], seq[r], gen_start[r],
+                                       gen_end[r], mask_id, block=int(n_full[r]) + j))
 
         # A row ends after the block holding its first stop token, or after its last block.
         stop_at = first_stop(seq, gen_start, gen_end, stops)  # (R,)

@@ -36,7 +36,7 @@ import torch
 from unmask.compat import attention_mask, crop, forward
 from unmask.decode import block_buffer as bb
 from unmask.decode.block import (check_block_model, first_stop, hit_stop_string, outputs, prefill_whole_blocks,
-                                 resolve_block_size, row_sequences)
+                                 resolve_block_size, row_sequences, step_event)
 from unmask.decode.stats import DecodeOutput, DecodeStats
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, with_key_padding
@@ -111,7 +111,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
            slots: int | None = None, tau_add: float | None = None, tau_semi: float | None = None,
            tau_m2t: float | None = None, tau_t2t: float | None = None, tau_stable: float | None = None,
-           max_nfe: int | None = None, on_forward=None) -> DecodeOutput:
+           max_nfe: int | None = None, on_forward=None, on_step=None) -> DecodeOutput:
     """Block Buffer decoding of a batch (multiblock.md §3.2–3.3), one static-shape forward per step.
 
     prompts: token ids per row. A row finishes when a stop token was generated (or its last block
@@ -119,6 +119,11 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     string in its completed blocks, or at ``max_nfe``; its output is cut before the first stop
     token. Every step forward has input shape (R, slots * B). ``on_forward(state)`` (tests) sees
     each forward's inputs, logits, the window before the forward, and the cache after it.
+    ``on_step(event)`` (``unmask.trace`` contract) gets one event per live row per step: ``step``,
+    ``row``, ``positions`` / ``tokens`` (M2T commits, generated indices), ``edited`` (T2T edits),
+    ``canvas`` (None where masked), and the Block Buffer view: ``slots`` (state of every slot at
+    the forward, e.g. ``["to-cache", "active", "dummy"]``), ``blocks`` (their block indices) and
+    ``running_set`` (|R_s|).
 
     Returns DecodeOutput. stats.extra: the thresholds, ``accepts`` (histogram of M2T commits per
     row per step), ``mean_running_set`` (running-set size |R_s| averaged over row-steps), ``edits``,
@@ -195,6 +200,14 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         flat = w.positions().view(R, S * B)
         real = (w.state != bb.DUMMY)[..., None].expand(R, S, B).reshape(R, S * B)
         seq.scatter_(1, flat, torch.where(real, w.tokens.view(R, S * B), seq.gather(1, flat)))
+        if on_step is not None:
+            at = before.positions()  # (R, S, B)
+            for r in torch.nonzero(live).flatten().tolist():
+                c, e = info.committed[r], info.edited[r]
+                edited = (at[r][e] - w.gen_start[r]).tolist()
+                on_step(step_event(nfe - 1, r, at[r][c], top1[r][c], seq[r], w.gen_start[r], w.gen_end[r], mask_id,
+                                   edited=edited, slots=before.describe(r),
+                                   blocks=(before.front[r] + torch.arange(S)).tolist(), running_set=int(size[r])))
 
         stop_pos = first_stop(seq, w.gen_start, w.gen_end, stops)  # (R,)
         stop_block = torch.where(stop_pos < seq.shape[1], torch.div(stop_pos, B, rounding_mode="floor"),
