@@ -81,12 +81,34 @@ def generate_cmd(
                "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps}
     options = {k: v for k, v in options.items() if v is not None}
     bundle = load(model, kind=kind, device=device, dtype=dtype)
+    tracer = None
     if show or trace is not None:
+        import inspect
+
+        from rich.console import Console
+
+        from unmask.decode import default_decoder, get_decoder
         from unmask.trace import attach_trace
 
-        options.update(attach_trace(show=show, trace_file=trace))
-    result = generate(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
-                      top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, **options)
+        name = decoder or default_decoder(bundle.kind)
+        if "on_step" not in inspect.signature(get_decoder(name, bundle.kind)).parameters:
+            raise UnmaskError(f"--show/--trace are not available for decoder {name!r}; use --decoder diffusion or sbd")
+        # With --json the live view goes to stderr so that stdout stays one JSON object per line.
+        extra = attach_trace(show=show, trace_file=trace, bundle=bundle, prompts=texts,
+                             console=Console(stderr=True) if as_json else None)
+        tracer = extra["on_step"]
+        options.update(extra)
+    try:
+        result = generate(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, **options)
+    except BaseException:
+        if tracer is not None:
+            tracer.close(write=False)
+        raise
+    if tracer is not None:
+        s = result.stats
+        tracer.close({"decoder": result.decoder, "model": result.model, "texts": result.texts, "nfe": s.nfe,
+                      "nfe_per_row": s.nfe_per_row, "tokens_per_row": s.tokens_per_row, "tpf": s.tpf})
     if as_json:
         for row in result.rows():
             typer.echo(json.dumps(row, ensure_ascii=False))

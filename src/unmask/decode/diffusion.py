@@ -38,6 +38,7 @@ from unmask.errors import UnmaskError
 from unmask.models.adapters import SAMPLERS, default_sampler, realign
 from unmask.policies import Policy, TopK, commit, make_policy
 from unmask.sampling import Sampling
+from unmask.trace import step_event
 
 DEFAULT_BLOCK_SIZE = 32  # Fast-dLLM's LLaDA setting (models.md §2.3)
 DEFAULT_POLICY = "threshold"  # with τ = 0.9 (Fast-dLLM, diffusion.md §6)
@@ -255,7 +256,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                 commits[r].append(count)
                 histogram[count] += 1
                 if on_step is not None:
-                    _emit(on_step, nfe, r, b, chosen[r], tokens[r], s - P, ids[r, P:], mask_id)
+                    on_step(step_event(nfe, r, chosen[r], tokens[r], s - P, ids[r, P:], mask_id, block=b))
             nfe += 1
             step += 1
             if cfg.eos_early_stop:
@@ -312,13 +313,6 @@ def _early_stop(gen: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.T
     fill = ready[:, None] & (cols[None, :] > first[:, None])  # (B, L)
     gen.copy_(torch.where(fill, fill_value, gen))
     return ready
-
-
-def _emit(on_step, step, row, block, chosen, tokens, offset, gen, mask_id) -> None:
-    positions = (torch.nonzero(chosen).flatten() + offset).tolist()
-    on_step({"step": step, "row": row, "block": block, "positions": positions,
-             "tokens": tokens[chosen].tolist(),
-             "canvas": [None if t == mask_id else t for t in gen.tolist()]})
 
 
 def _until_stop(row: list[int], stop_set: set[int]) -> list[int]:

@@ -26,6 +26,7 @@ from unmask.errors import UnmaskError
 from unmask.masks import as_4d, causal_mask, sbd_inference_mask, with_key_padding
 from unmask.policies import EntropyBound, Policy, commit, make_policy
 from unmask.sampling import Sampling
+from unmask.trace import step_event
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PRESET = "chat-low"
@@ -64,14 +65,14 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
            policy: str | None = None, gamma: float | str | None = None, preset: str | None = None,
            tau: float | None = None, factor: float | None = None, tokens_per_step: int | None = None,
-           on_forward=None) -> DecodeOutput:
+           on_forward=None, on_step=None) -> DecodeOutput:
     """SBD block decoding of a batch (SBD Alg. 2–3, §4.1 fused re-feed, §4.2 accounting).
 
     prompts: token ids per row (left-padded internally). Rows advance block by block in
     lockstep; a row whose block is complete waits, and its NFE counts only the forwards in which
     it still had masks. A row stops after the block that commits a stop token (tokens after it
     are dropped) or a stop string. ``on_forward(state)`` (tests) sees each forward's inputs and
-    block logits.
+    block logits; ``on_step(event)`` gets :mod:`unmask.trace` step events.
 
     Returns DecodeOutput; stats.extra holds ``accepts`` (histogram: tokens committed per row per
     forward -> count), ``policy``, ``block_size`` and per-row accept lists in ``row_extra``.
@@ -142,6 +143,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                 count = int(chosen[b].sum())
                 accepts[b].append(count)
                 histogram[count] += 1
+                if on_step is not None:  # unmask.trace event; canvas = committed blocks + this block
+                    canvas = torch.cat([out[b, :start], block[b]])
+                    on_step(step_event(nfe - 1, b, chosen[b], tokens[b], start, canvas, mask_id))
         out[:, start:start + n] = torch.where(active[:, None], block, -1)
         done |= active & torch.isin(block, stops).any(dim=1)
         if stop_strings:
