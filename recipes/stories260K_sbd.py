@@ -1,0 +1,194 @@
+"""Rebuild the shipped ``stories260K-sbd`` checkpoint: stories260K fine-tuned for Set Block Decoding.
+
+    python recipes/stories260K_sbd.py                 # default budget: 100 minutes on 2 CPU cores
+    python recipes/stories260K_sbd.py --smoke         # ~30 s end-to-end check, writes under the work dir
+    python recipes/stories260K_sbd.py --resume        # continue an interrupted run (same flags)
+
+Data provenance. No TinyStories text is available offline, so the corpus is written by the base
+model itself (``unmask.train.data.generate_stories``):
+
+- ``sampled``: stories drawn at temperature 1.0 from BOS, i.e. the model's own distribution;
+- ``greedy``: a prefix of 4–40 tokens sampled at T = 1.0, then the model's *greedy*
+  continuation. This is the distribution SBD is decoded under (greedy decoding of the same
+  weights), the way speculative-decoding drafters are trained on their target's outputs; in a
+  prototype it roughly doubled tokens per forward. Greedy continuations of a 260K model are
+  often repetitive, which is exactly the regime its parallel decoding runs in.
+
+Documents are de-duplicated, 5 % are held out by document (seeded), and the corpus is cached as
+JSONL under the work directory, so a rerun or ``--resume`` skips generation.
+
+Training: the joint NTP + masked-token loss of SBD Eq. 14 (spec/sbd.md §3), k ~ U{2..16} per
+step, L = 256 tokens per sequence (so a prompt plus 128 generated tokens sits inside the trained
+positions), AdamW with linear warm-up and cosine decay. ``--minutes`` bounds the *whole* recipe,
+corpus included (hard cap 120); unless ``--steps`` is given, the step count is set from a short
+timing of the real training step so that the cosine schedule ends inside the budget. The result
+is published atomically to ``src/unmask/checkpoints/stories260K-sbd`` (checkpoints and the log
+stay in ``WORK/run``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+HARD_CAP_MINUTES = 120
+FINISH_MARGIN_S = 90  # final evaluation, export and publish
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--minutes", type=float, default=100.0, help=f"budget of the whole recipe (max {HARD_CAP_MINUTES})")
+    p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "stories260K_sbd", help="corpus cache, checkpoints, log")
+    p.add_argument("--out", type=Path, default=None,
+                   help="model directory (default: src/unmask/checkpoints/stories260K-sbd; WORK/smoke/... with --smoke)")
+    p.add_argument("--docs", type=int, default=3000, help="documents to generate (before de-duplication)")
+    p.add_argument("--greedy-frac", type=float, default=0.7, help="share of greedy-continuation documents")
+    p.add_argument("--max-new-tokens", type=int, default=320, help="cap of a story / greedy continuation")
+    p.add_argument("--gen-batch", type=int, default=128, help="rows per batched decode while generating")
+    p.add_argument("--seq-len", type=int, default=256, help="L, tokens per training sequence")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps (0 = fit the budget from a timing run)")
+    p.add_argument("--ckpt-every", type=int, default=250)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = time 1..cores and pick the fastest)")
+    p.add_argument("--resume", action="store_true", help="continue the run in WORK/run")
+    p.add_argument("--smoke", action="store_true", help="tiny corpus and 20 steps (~30 s), output under WORK/smoke")
+    args = p.parse_args(argv)
+    if not 0 < args.minutes <= HARD_CAP_MINUTES:
+        p.error(f"--minutes must be in (0, {HARD_CAP_MINUTES}]")
+    if not 0 <= args.greedy_frac <= 1:
+        p.error("--greedy-frac must be in [0, 1]")
+    if args.smoke:
+        args.work_dir = args.work_dir / "smoke"
+        args.docs, args.max_new_tokens, args.gen_batch = 24, 48, 24
+        args.seq_len, args.batch_size, args.warmup = 64, 4, 5
+        args.steps, args.ckpt_every, args.eval_every = args.steps or 20, 10, 10
+        args.minutes = min(args.minutes, 5)
+    if args.out is None:
+        args.out = args.work_dir / "stories260K-sbd" if args.smoke else REPO / "src" / "unmask" / "checkpoints" / "stories260K-sbd"
+    return args
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def build_corpus(args) -> Path:
+    from unmask.train.data import make_story_corpus
+
+    n_greedy = round(args.docs * args.greedy_frac)
+    n_sampled = args.docs - n_greedy
+    path = args.work_dir / f"corpus-s{n_sampled}-g{n_greedy}-t{args.max_new_tokens}-seed{args.seed}.jsonl"
+    if path.is_file():
+        log(f"corpus: reusing {path}")
+        return path
+    t0 = time.monotonic()
+    log(f"corpus: generating {n_sampled} sampled + {n_greedy} greedy documents with stories260K")
+
+    def progress(done: int, total: int) -> None:
+        log(f"corpus: {done}/{total} documents ({time.monotonic() - t0:.0f} s)")
+
+    summary = make_story_corpus(path, model="stories260K", n_sampled=n_sampled, n_greedy=n_greedy, seed=args.seed,
+                                overwrite=True, progress=progress, max_new_tokens=args.max_new_tokens,
+                                batch_size=args.gen_batch)
+    log(f"corpus: {summary} in {time.monotonic() - t0:.0f} s")
+    return path
+
+
+def time_steps(args, corpus: Path, threads: int, n: int = 3) -> float:
+    """Seconds per training step of the real configuration (model copy, real data)."""
+    import unmask
+    from unmask.models.mask_token import add_mask_token
+    from unmask.train.data import load_corpus, pack, separator_id
+    from unmask.train.objectives import SBDObjective
+
+    torch.set_num_threads(threads)
+    bundle = unmask.load("stories260K")
+    model = bundle.model.train()
+    mask_id = add_mask_token(model)
+    docs, _ = load_corpus([corpus], bundle.tokenizer)
+    chunks = pack(docs, args.seq_len, separator_id(bundle.tokenizer))
+    objective = SBDObjective(mask_id)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    g = torch.Generator().manual_seed(0)
+    times = []
+    for i in range(n + 1):
+        batch = chunks[torch.randint(len(chunks), (args.batch_size * args.grad_accum,), generator=g)]
+        t0 = time.perf_counter()
+        for micro in batch.split(args.batch_size):
+            loss, _ = objective.loss(model, micro, g, k=9)  # mid-range block size
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[len(times[1:]) // 2]  # median, first step is warm-up
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.monotonic()
+    budget_s = args.minutes * 60
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    from unmask.compat import quiet_transformers
+    from unmask.train.loop import latest_checkpoint
+    from unmask.train.sbd import train_sbd
+
+    quiet_transformers()
+    cores = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    corpus = build_corpus(args)
+    run_dir = args.work_dir / "run"
+    ckpt = latest_checkpoint(run_dir) if args.resume else None
+    threads = args.threads or None
+    if threads is None:
+        timings = {t: time_steps(args, corpus, t) for t in range(1, cores + 1)}
+        threads = min(timings, key=timings.get)
+        log("timing: " + ", ".join(f"{t} thread(s) {s:.3f} s/step" for t, s in timings.items()) + f" -> {threads}")
+        step_s = timings[threads]
+    else:
+        step_s = time_steps(args, corpus, threads)
+        log(f"timing: {threads} thread(s) {step_s:.3f} s/step")
+    torch.set_num_threads(threads)
+    remaining = budget_s - (time.monotonic() - t_start) - FINISH_MARGIN_S
+    if remaining <= 30:
+        log(f"no time left to train ({remaining:.0f} s); raise --minutes")
+        return 2
+    if ckpt is not None:
+        steps = json.loads((ckpt / "unmask_config.json").read_text())["training"]["config"]["steps"]
+        log(f"resuming {ckpt.name} of a {steps}-step run")
+    elif args.steps:
+        steps = args.steps
+    else:
+        evals = 1 + 8 / max(1, args.eval_every)  # validation costs about 8 steps' forwards each time
+        steps = max(1, int(0.93 * remaining / (step_s * evals)))
+    log(f"training: {steps} steps (~{step_s:.3f} s/step, {1 / step_s:.2f} steps/s), {remaining / 60:.1f} min left")
+    result = train_sbd(
+        base="stories260K", data=[corpus], out=args.out, run_dir=run_dir, seq_len=args.seq_len,
+        resume=args.resume, overwrite=not args.resume, steps=steps, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, lr=args.lr, warmup=min(args.warmup, max(1, steps // 10)),
+        weight_decay=args.weight_decay, ckpt_every=args.ckpt_every, eval_every=args.eval_every, seed=args.seed,
+        max_minutes=remaining / 60, progress=True,
+    )
+    summary = {"out": str(result.out), "step": result.step, "stopped": result.stopped,
+               "train_minutes": result.seconds / 60, "total_minutes": (time.monotonic() - t_start) / 60,
+               "steps_per_s": result.step / max(result.seconds, 1e-9) if not args.resume else None,
+               "threads": threads, "last": result.last, "val": result.val, "corpus": str(corpus)}
+    (args.work_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"done: {json.dumps(summary)}")
+    return 130 if result.stopped == "interrupted" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""``unmask train sbd`` and ``unmask data stories``: thin wrappers over unmask.train."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from unmask.cli import app
+from unmask.errors import UnmaskError
+
+train_app = typer.Typer(no_args_is_help=True, help="Fine-tune models for parallel decoding.")
+data_app = typer.Typer(no_args_is_help=True, help="Build training corpora.")
+app.add_typer(train_app, name="train")
+app.add_typer(data_app, name="data")
+
+
+@train_app.command("sbd")
+def train_sbd_cmd(
+    base: str = typer.Option("stories260K", "--base", help="shipped model name or local HF causal-LM directory"),
+    data: list[Path] = typer.Option(None, "--data", help="training data, .txt (blank-line separated) or .jsonl (repeatable)"),
+    out: Path = typer.Option(None, "--out", help="output model directory (checkpoints go to OUT.run/)"),
+    run_dir: Path = typer.Option(None, "--run-dir", help="checkpoint/log directory (default OUT.run)"),
+    steps: int = typer.Option(1000, "--steps", help="optimizer steps"),
+    batch_size: int = typer.Option(8, "--batch-size", help="sequences per micro-batch"),
+    seq_len: int = typer.Option(256, "--seq-len", help="tokens per sequence L (a forward sees 2L)"),
+    lr: float = typer.Option(3e-4, "--lr", help="peak learning rate"),
+    warmup: int = typer.Option(100, "--warmup", help="linear warm-up steps"),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="micro-batches per optimizer step"),
+    weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay (matrices only)"),
+    clip: float = typer.Option(1.0, "--clip", help="gradient-norm clip (0 = off)"),
+    ckpt_every: int = typer.Option(500, "--ckpt-every", help="checkpoint every N steps (0 = only at the end)"),
+    eval_every: int = typer.Option(500, "--eval-every", help="validation loss every N steps (0 = only at the end)"),
+    max_minutes: float = typer.Option(None, "--max-minutes", help="wall-clock budget; stops cleanly and saves"),
+    seed: int = typer.Option(0, "--seed", help="seed of data order, noise and validation split"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT and discard its run directory"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+) -> None:
+    """Fine-tune a causal LM for Set Block Decoding (joint NTP + masked loss, SBD Eq. 14)."""
+    from unmask.compat import quiet_transformers
+    from unmask.train.sbd import train_sbd
+
+    if not data:
+        raise UnmaskError("no training data; pass --data FILE (.txt or .jsonl)")
+    if out is None:
+        raise UnmaskError("no output directory; pass --out DIR")
+    quiet_transformers()
+    result = train_sbd(base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, resume=resume,
+                       overwrite=overwrite, device=device, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
+                       grad_accum=grad_accum, weight_decay=weight_decay, clip=clip, ckpt_every=ckpt_every,
+                       eval_every=eval_every, max_minutes=max_minutes, seed=seed)
+    if result.stopped == "interrupted":
+        typer.echo(f"interrupted at step {result.step}; checkpoint {result.checkpoint}; rerun with --resume", err=True)
+        raise SystemExit(130)
+    terms = " ".join(f"{k} {v:.4f}" for k, v in (result.val or result.last).items() if k in ("loss", "ntp", "mat"))
+    typer.echo(f"wrote {result.out} after {result.step} steps ({result.stopped}, {result.seconds / 60:.1f} min); {terms}")
+
+
+@data_app.command("stories")
+def data_stories_cmd(
+    model: str = typer.Option("stories260K", "--model", help="model that writes the stories"),
+    out: Path = typer.Option(..., "--out", help="output JSONL file"),
+    sampled: int = typer.Option(1000, "--sampled", help="stories sampled at temperature 1.0 from BOS"),
+    greedy: int = typer.Option(1000, "--greedy", help="sampled prefixes continued greedily"),
+    seed: int = typer.Option(0, "--seed", help="seed of sampling, prefix lengths and the split"),
+    max_new_tokens: int = typer.Option(320, "--max-new-tokens", help="cap of a story / a greedy continuation"),
+    batch_size: int = typer.Option(128, "--batch-size", help="rows per batched decode"),
+    val_fraction: float = typer.Option(0.05, "--val-fraction", help="share of documents held out for validation"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT if it exists"),
+) -> None:
+    """Generate a self-sampled story corpus (sampled stories + greedy continuations) as JSONL."""
+    from unmask.compat import quiet_transformers
+    from unmask.train.data import make_story_corpus
+
+    quiet_transformers()
+
+    def progress(done: int, total: int) -> None:
+        typer.echo(f"{done}/{total} documents", err=True)
+
+    summary = make_story_corpus(out, model=model, n_sampled=sampled, n_greedy=greedy, seed=seed, overwrite=overwrite,
+                                progress=progress, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                val_fraction=val_fraction)
+    typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))

@@ -1,0 +1,334 @@
+"""Training corpora: a self-sampled story corpus, user data files, and packing into chunks.
+
+Model-kind neutral: SBD, masked-diffusion and block-diffusion recipes all consume the packed
+(N, L+1) chunks made here; each objective builds its own layout from them.
+
+Self-sampled corpus (our choice; no TinyStories text is available offline). Two sources:
+
+- ``sampled``: stories drawn at temperature 1.0 from BOS, the model's own distribution;
+- ``greedy``: a short prefix sampled at T = 1.0, then the model's *greedy* continuation. This is
+  the distribution the model is decoded under, which is what speculative-decoding drafters are
+  trained on; in a prototype it roughly doubled SBD's tokens per forward.
+
+A record is ``{"ids": [...], "text": ..., "source": "sampled"|"greedy", "split": "train"|"val"}``;
+``ids`` never hold the leading BOS/separator (:func:`pack` adds it).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from unmask.errors import UnmaskError
+from unmask.fileio import atomic_write_text
+
+SOURCES = ("sampled", "greedy")
+SPLITS = ("train", "val")
+
+
+# ---------------------------------------------------------------------------------------------
+# Self-sampled corpus
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoryCorpusConfig:
+    """How :func:`generate_stories` draws its documents.
+
+    n_sampled / n_greedy: documents drawn from each source (before de-duplication).
+    max_new_tokens: cap of a sampled story; of a greedy continuation after its prefix.
+    prefix_range: inclusive range of the sampled prefix length (tokens after BOS) of a greedy
+    document. batch_size: rows per batched AR decode. val_fraction: share of documents held out.
+    """
+
+    n_sampled: int = 1000
+    n_greedy: int = 1000
+    seed: int = 0
+    max_new_tokens: int = 320
+    prefix_range: tuple[int, int] = (4, 40)
+    batch_size: int = 128
+    temperature: float = 1.0
+    val_fraction: float = 0.05
+
+    def __post_init__(self):
+        if self.n_sampled < 0 or self.n_greedy < 0 or self.n_sampled + self.n_greedy == 0:
+            raise UnmaskError(f"need at least one document (sampled={self.n_sampled}, greedy={self.n_greedy})")
+        lo, hi = self.prefix_range
+        if not 1 <= lo <= hi:
+            raise UnmaskError(f"prefix_range must satisfy 1 <= low <= high, got {self.prefix_range}")
+        if self.max_new_tokens < 1 or self.batch_size < 1:
+            raise UnmaskError("max_new_tokens and batch_size must be >= 1")
+        if not 0 <= self.val_fraction < 1:
+            raise UnmaskError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if not self.temperature > 0:
+            raise UnmaskError(f"temperature must be > 0, got {self.temperature}")
+
+
+def generate_stories(bundle, config: StoryCorpusConfig, progress: Callable[[int, int], None] | None = None) -> list[dict]:
+    """Draw a self-sampled corpus with the batched AR decoder, de-duplicate and split it.
+
+    Documents start right after BOS (the decoder is prompted with ``[BOS]``; stories260K's
+    stories are BOS-delimited) and end before the stop token, or at ``max_new_tokens``.
+    Deterministic for a given model, config and thread count.
+
+    Args:
+        bundle: a loaded causal ModelBundle with a BOS token.
+        progress: called as ``progress(done_documents, total_documents)`` after each batch.
+
+    Returns:
+        records (see module docstring), de-duplicated and split by :func:`split_documents`.
+
+    Raises:
+        UnmaskError: the tokenizer has no BOS token.
+    """
+    from unmask.decode.ar import decode
+    from unmask.sampling import Sampling
+
+    bos = bundle.bos_token_id
+    if bos is None:
+        raise UnmaskError(f"{bundle.name} has no BOS token; the story corpus needs one to start documents")
+    stop = bundle.stop_token_ids
+    total = config.n_sampled + config.n_greedy
+    rng = random.Random(config.seed)
+    records: list[dict] = []
+    batch_no = 0
+
+    def batches(n: int):
+        for start in range(0, n, config.batch_size):
+            yield min(config.batch_size, n - start)
+
+    for rows in batches(config.n_sampled):
+        out = decode(bundle, [[bos]] * rows, max_new_tokens=config.max_new_tokens,
+                     sampling=Sampling(temperature=config.temperature, seed=config.seed * 100_003 + batch_no),
+                     stop_token_ids=stop)
+        batch_no += 1
+        records += [{"ids": ids, "source": "sampled"} for ids in out.tokens]
+        if progress:
+            progress(len(records), total)
+    lo, hi = config.prefix_range
+    for rows in batches(config.n_greedy):
+        pre = decode(bundle, [[bos]] * rows, max_new_tokens=hi,
+                     sampling=Sampling(temperature=config.temperature, seed=config.seed * 100_003 + batch_no),
+                     stop_token_ids=stop)
+        batch_no += 1
+        prefixes = [ids[: rng.randint(lo, hi)] for ids in pre.tokens]
+        out = decode(bundle, [[bos] + p for p in prefixes], max_new_tokens=config.max_new_tokens,
+                     sampling=Sampling(temperature=0.0), stop_token_ids=stop)
+        records += [{"ids": p + ids, "source": "greedy"} for p, ids in zip(prefixes, out.tokens)]
+        if progress:
+            progress(len(records), total)
+    records = dedupe([r for r in records if r["ids"]])
+    for r in records:
+        r["text"] = bundle.tokenizer.decode(r["ids"], skip_special_tokens=True)
+    return split_documents(records, config.val_fraction, config.seed)
+
+
+def dedupe(records: Sequence[dict]) -> list[dict]:
+    """Drop records whose ``ids`` repeat an earlier record's; order is kept (deterministic)."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for r in records:
+        key = tuple(r["ids"])
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def split_documents(records: Sequence[dict], val_fraction: float, seed: int) -> list[dict]:
+    """Return copies of ``records`` with ``split`` set: ``round(n * val_fraction)`` documents
+    (at least 1 when val_fraction > 0 and n >= 2) chosen by a ``random.Random(seed)`` shuffle
+    go to ``val``. Whole documents only, so no validation text leaks into training chunks."""
+    n = len(records)
+    n_val = 0 if val_fraction <= 0 or n < 2 else max(1, round(n * val_fraction))
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    val = set(order[:n_val])
+    return [{**r, "split": "val" if i in val else "train"} for i, r in enumerate(records)]
+
+
+def make_story_corpus(out: str | Path, *, model: str = "stories260K", n_sampled: int = 1000, n_greedy: int = 1000,
+                      seed: int = 0, overwrite: bool = False, progress: Callable[[int, int], None] | None = None,
+                      **options) -> dict:
+    """``unmask data stories``: generate a self-sampled corpus with ``model`` and save it as JSONL.
+
+    ``options`` are further :class:`StoryCorpusConfig` fields. Returns counts per source and
+    split. Raises UnmaskError for an existing ``out`` without ``overwrite`` or bad options.
+    """
+    from unmask.models import load
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise UnmaskError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+    try:
+        config = StoryCorpusConfig(n_sampled=n_sampled, n_greedy=n_greedy, seed=seed, **options)
+    except TypeError as e:
+        raise UnmaskError(f"unknown corpus option ({e})") from None
+    bundle = load(model)
+    records = generate_stories(bundle, config, progress)
+    save_jsonl(out, records)
+    counts = {f"{src}/{split}": 0 for src in SOURCES for split in SPLITS}
+    for r in records:
+        counts[f"{r['source']}/{r['split']}"] += 1
+    return {"out": str(out), "documents": len(records), "tokens": sum(len(r["ids"]) for r in records), **counts}
+
+
+def save_jsonl(path: str | Path, records: Sequence[dict]) -> Path:
+    """Write records as JSONL atomically (temporary file + rename)."""
+    path = Path(path)
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# User data files
+# ---------------------------------------------------------------------------------------------
+
+
+def check_data_files(paths: Sequence[str | Path]) -> list[Path]:
+    """Fail fast, before any model is loaded: every path must be a non-empty .txt/.jsonl file.
+
+    Raises:
+        UnmaskError: no path, a missing file, an empty file or an unsupported extension.
+    """
+    if not paths:
+        raise UnmaskError("no data file given; pass --data FILE (.txt or .jsonl)")
+    out = []
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise UnmaskError(f"data file not found: {p}")
+        if p.suffix.lower() not in (".txt", ".jsonl"):
+            raise UnmaskError(f"unsupported data file {p}; use .txt (documents separated by blank lines) or .jsonl")
+        if p.stat().st_size == 0:
+            raise UnmaskError(f"data file {p} is empty; give it at least one document")
+        out.append(p)
+    return out
+
+
+def read_documents(path: str | Path, tokenizer=None, vocab_size: int | None = None) -> list[dict]:
+    """Read one data file into records ``{"ids": [...], "split": "train"|"val"|None}``.
+
+    ``.txt``: documents separated by blank lines. ``.jsonl``: one object per line with
+    ``ids`` (token ids) or ``text``; an optional ``split`` is kept. Text is encoded without
+    special tokens (:func:`pack` adds the document separator).
+
+    Raises:
+        UnmaskError: a missing/empty/unreadable file, a bad JSONL line, text without a tokenizer,
+            ids outside ``[0, vocab_size)``, or a file holding no document.
+    """
+    (path,) = check_data_files([path])
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UnmaskError(f"data file {path} is not valid UTF-8; convert it to UTF-8") from None
+    except OSError as e:
+        raise UnmaskError(f"cannot read data file {path}: {e.strerror or e}") from None
+
+    def encode(text: str, where: str) -> list[int]:
+        if tokenizer is None:
+            raise UnmaskError(f"{where} holds text but no tokenizer was given to encode it")
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    records = []
+    if path.suffix.lower() == ".txt":
+        for doc in re.split(r"\n\s*\n", raw):
+            if doc.strip():
+                records.append({"ids": encode(doc.strip(), str(path)), "split": None})
+    else:
+        for n, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {n}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UnmaskError(f"{where} is not valid JSON ({e.msg}); fix or remove the line") from None
+            if not isinstance(obj, dict) or ("ids" not in obj and "text" not in obj):
+                raise UnmaskError(f"{where} needs an object with 'ids' or 'text'")
+            if "ids" in obj:
+                ids = obj["ids"]
+                if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                    raise UnmaskError(f"{where}: 'ids' must be a list of integers")
+            else:
+                if not isinstance(obj["text"], str):
+                    raise UnmaskError(f"{where}: 'text' must be a string")
+                ids = encode(obj["text"], where)
+            split = obj.get("split")
+            if split is not None and split not in SPLITS:
+                raise UnmaskError(f"{where}: split must be 'train' or 'val', got {split!r}")
+            if ids:
+                records.append({"ids": ids, "split": split})
+    records = [r for r in records if r["ids"]]
+    if not records:
+        raise UnmaskError(f"data file {path} holds no document; put text in it (or 'ids'/'text' JSONL lines)")
+    if vocab_size is not None:
+        for r in records:
+            bad = [i for i in r["ids"] if not 0 <= i < vocab_size]
+            if bad:
+                raise UnmaskError(f"{path} holds token id {bad[0]} outside the vocabulary of {vocab_size}; "
+                                  "was it made with another tokenizer?")
+    return records
+
+
+def load_corpus(paths: Sequence[str | Path], tokenizer=None, *, vocab_size: int | None = None,
+                val_fraction: float = 0.05, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """Documents of every file -> (train documents, validation documents), each a list of ids.
+
+    Records with an explicit ``split`` keep it. If no record says ``val``, a seeded
+    ``val_fraction`` of the documents is held out (:func:`split_documents`).
+
+    Raises:
+        UnmaskError: see :func:`read_documents`.
+    """
+    records = []
+    for p in check_data_files(paths):
+        records += read_documents(p, tokenizer, vocab_size)
+    if not any(r["split"] == "val" for r in records):
+        records = split_documents(records, val_fraction, seed)
+    train = [r["ids"] for r in records if r["split"] != "val"]
+    val = [r["ids"] for r in records if r["split"] == "val"]
+    if not train:
+        raise UnmaskError("every document is in the validation split; mark some 'train' or add data")
+    return train, val
+
+
+def pack(docs: Sequence[Sequence[int]], seq_len: int, sep_id: int) -> torch.Tensor:
+    """Concatenate documents, each starting with ``sep_id`` (BOS), and cut (N, seq_len + 1) chunks.
+
+    The trailing partial chunk is dropped. A document whose first id already is ``sep_id`` gets
+    no second one.
+
+    Returns:
+        (N, seq_len + 1) long, N >= 0 (0 when the data is shorter than one chunk).
+    """
+    if seq_len < 1:
+        raise UnmaskError(f"seq_len must be >= 1, got {seq_len}")
+    stream: list[int] = []
+    for d in docs:
+        if not d:
+            continue
+        if d[0] != sep_id:
+            stream.append(sep_id)
+        stream.extend(d)
+    n = len(stream) // (seq_len + 1)
+    flat = torch.tensor(stream[: n * (seq_len + 1)], dtype=torch.long)  # (N * (L+1),)
+    return flat.view(n, seq_len + 1)  # (N, L+1)
+
+
+def separator_id(tokenizer) -> int:
+    """The id that starts every packed document: BOS, else EOS (Qwen has no BOS).
+
+    Raises:
+        UnmaskError: the tokenizer has neither.
+    """
+    for name in ("bos_token_id", "eos_token_id"):
+        i = getattr(tokenizer, name, None)
+        if i is not None:
+            return int(i)
+    raise UnmaskError("the tokenizer has neither a BOS nor an EOS token to separate documents")

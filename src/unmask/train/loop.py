@@ -1,0 +1,483 @@
+"""A generic, resumable training loop: AdamW, warm-up + cosine, accumulation, atomic checkpoints.
+
+Objective-agnostic: anything with ``name``, ``term_names``, ``step_params(generator) -> dict``
+(draws shared by the micro-batches of one optimizer step, e.g. SBD's block size) and
+``loss(model, chunks, generator, **params) -> (loss, terms)`` plugs in (SBD here; masked and
+block diffusion later).
+
+Run directory layout::
+
+    run_dir/checkpoints/step-00001200/   model.safetensors, config.json, ... (loadable HF dir,
+                                         plus whatever ``save_extras`` adds) + trainer_state.pt
+    run_dir/log.jsonl                    one line per log interval and per evaluation
+
+A checkpoint is assembled in a hidden staging directory and renamed into place, so a
+``step-*`` directory is always complete; a crash or kill at any moment leaves the previous one.
+
+Exact resume: the optimizer, scheduler, step, data order and every RNG the loop draws from are
+saved; N steps straight and N/2 + resume + N/2 give bit-identical fp32 parameters on CPU.
+
+We use plain PyTorch rather than ``accelerate.Accelerator``: accumulation is a few lines, and
+Accelerator's process-global state and its own RNG/dataloader wrapping would stand between us
+and the exact-resume guarantee above.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from unmask.errors import UnmaskError
+from unmask.fileio import staging_dir
+
+CKPT_DIR = "checkpoints"
+STATE_FILE = "trainer_state.pt"
+WEIGHTS_FILE = "model.safetensors"
+# Options that may change between a run and its resume; all others must match the checkpoint.
+RESUMABLE = ("steps", "ckpt_every", "eval_every", "eval_batches", "log_every", "keep_checkpoints", "max_minutes")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation settings of one run.
+
+    lr: peak learning rate; warmup: linear warm-up steps; steps: optimizer steps in total;
+    min_lr_ratio: the cosine ends at ``lr * min_lr_ratio``. batch_size: sequences per
+    micro-batch; grad_accum: micro-batches per optimizer step. weight_decay applies to
+    parameters of rank >= 2 only. clip: max global grad norm (0 = off). ckpt_every /
+    eval_every / log_every: in optimizer steps (0 = only at the end / never / never).
+    eval_batches: validation micro-batches per evaluation. keep_checkpoints: newest checkpoints
+    kept. max_minutes: wall-clock budget of this invocation; when the next step would exceed
+    it, training stops, checkpoints and returns (None = no budget).
+    """
+
+    lr: float = 3e-4
+    warmup: int = 100
+    steps: int = 1000
+    batch_size: int = 8
+    grad_accum: int = 1
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip: float = 1.0
+    min_lr_ratio: float = 0.1
+    ckpt_every: int = 500
+    eval_every: int = 500
+    eval_batches: int = 4
+    log_every: int = 10
+    keep_checkpoints: int = 1
+    seed: int = 0
+    max_minutes: float | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        checks = [
+            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (self.warmup >= 0, f"warmup must be >= 0, got {self.warmup}"),
+            (self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
+            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
+            (self.grad_accum >= 1, f"grad_accum must be >= 1, got {self.grad_accum}"),
+            (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
+            (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two values in [0, 1), got {self.betas}"),
+            (self.clip >= 0, f"clip must be >= 0 (0 = off), got {self.clip}"),
+            (0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"),
+            (min(self.ckpt_every, self.eval_every, self.log_every) >= 0, "ckpt_every, eval_every and log_every must be >= 0"),
+            (self.eval_batches >= 1, f"eval_batches must be >= 1, got {self.eval_batches}"),
+            (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),
+            (self.max_minutes is None or self.max_minutes > 0, f"max_minutes must be > 0, got {self.max_minutes}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UnmaskError(message)
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of ``lr`` for optimizer step ``step`` (0-based): linear warm-up to 1 over
+        ``warmup`` steps, then cosine decay to ``min_lr_ratio`` at ``steps``."""
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.steps - self.warmup))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` did. stopped: ``done`` (all steps), ``time`` (max_minutes reached) or
+    ``interrupted`` (SIGINT/SIGTERM; a checkpoint was saved). last: mean terms of the last log
+    interval; val: the last evaluation (None without validation data); out: the exported model
+    directory, set by the caller that publishes one."""
+
+    step: int
+    stopped: str
+    seconds: float
+    checkpoint: Path | None
+    last: dict = field(default_factory=dict)
+    val: dict | None = None
+    out: Path | None = None
+
+
+class ChunkSampler:
+    """Epoch-wise shuffled mini-batches of chunk indices; its whole state is checkpointed."""
+
+    def __init__(self, n: int, seed: int):
+        if n < 1:
+            raise UnmaskError("no training chunk; add data or lower --seq-len")
+        self.n = n
+        self.generator = torch.Generator().manual_seed(seed)
+        self.perm = torch.randperm(n, generator=self.generator)  # (n,)
+        self.cursor = 0
+        self.epoch = 0
+
+    def next(self, size: int) -> torch.Tensor:
+        """(size,) long indices; an epoch boundary reshuffles (batches may straddle it)."""
+        parts, need = [], size
+        while need:
+            if self.cursor == self.n:
+                self.perm = torch.randperm(self.n, generator=self.generator)
+                self.cursor, self.epoch = 0, self.epoch + 1
+            take = min(need, self.n - self.cursor)
+            parts.append(self.perm[self.cursor : self.cursor + take])
+            self.cursor += take
+            need -= take
+        return torch.cat(parts)  # (size,)
+
+    def state_dict(self) -> dict:
+        return {"perm": self.perm, "cursor": self.cursor, "epoch": self.epoch, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["perm"]) != self.n:
+            raise UnmaskError(f"the checkpoint was trained on {len(state['perm'])} chunks, this data packs into "
+                              f"{self.n}; resume with the same data and --seq-len, or pass --overwrite")
+        self.perm, self.cursor, self.epoch = state["perm"], int(state["cursor"]), int(state["epoch"])
+        self.generator.set_state(state["generator"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in ``run_dir``, oldest first (staging directories are ignored)."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict,
+                    save_extras: Callable[[Path, dict], None] | None = None, keep: int = 1) -> Path:
+    """Write ``run_dir/checkpoints/step-{step:08d}`` atomically and prune older checkpoints.
+
+    The model is saved with ``save_pretrained`` (a loadable HF directory), ``save_extras(dir,
+    trainer_state)`` adds tokenizer/metadata files, and ``trainer_state.pt`` holds the
+    optimizer, scheduler, step and RNG states. Everything goes to a staging directory first;
+    only a complete directory is renamed to ``step-*``. On any error the staging directory is
+    removed and the older checkpoints are untouched.
+    """
+    final = Path(run_dir) / CKPT_DIR / f"step-{step:08d}"
+    tmp = staging_dir(final)
+    try:
+        model.save_pretrained(tmp, max_shard_size="1000GB")
+        if save_extras is not None:
+            save_extras(tmp, trainer_state)
+        torch.save(trainer_state, tmp / STATE_FILE)
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in (Path(run_dir) / CKPT_DIR).glob(".step-*"):  # staging left by a killed run
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def load_weights(model, ckpt: Path) -> None:
+    """Load ``ckpt/model.safetensors`` into ``model`` in place. Keys missing from the file are
+    allowed only for parameters tied to a loaded one (``save_pretrained`` drops tied copies).
+
+    Raises:
+        UnmaskError: no weights file, or keys that do not match the model.
+    """
+    from safetensors.torch import load_file
+
+    f = ckpt / WEIGHTS_FILE
+    if not f.is_file():
+        raise UnmaskError(f"{ckpt} has no {WEIGHTS_FILE}; the checkpoint is not loadable, pass --overwrite")
+    state = load_file(str(f))
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatch
+        first = str(e).strip().splitlines()[-1].strip()
+        raise UnmaskError(f"checkpoint {ckpt} does not match the model ({first}); resume with the same --base, "
+                          "or pass --overwrite") from None
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {params[k].data_ptr() for k in state if k in params}
+    untied = [k for k in missing if k not in params or params[k].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise UnmaskError(f"checkpoint {ckpt} does not match the model (missing {untied[:3]}, unexpected "
+                          f"{unexpected[:3]}); resume with the same --base, or pass --overwrite")
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+
+def build_optimizer(model, config: TrainConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (decay on rank >= 2 parameters only) and the warm-up + cosine LambdaLR."""
+    decay, no_decay = [], []
+    for p in model.parameters():  # tied parameters are yielded once
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, config.lr_factor)
+    return opt, sched
+
+
+@torch.no_grad()
+def evaluate(model, objective, chunks: torch.Tensor, config: TrainConfig, device) -> dict:
+    """Mean loss and terms over the first ``eval_batches`` validation micro-batches.
+
+    A fixed generator makes every evaluation draw the same noise, so values are comparable
+    across steps and runs. The training RNG streams are not touched.
+    """
+    g = torch.Generator().manual_seed(config.seed + 7919)
+    was_training = model.training
+    model.eval()
+    sums: dict[str, float] = {}
+    n = 0
+    for i in range(config.eval_batches):
+        batch = chunks[i * config.batch_size : (i + 1) * config.batch_size]
+        if len(batch) == 0:
+            break
+        params = objective.step_params(g)
+        loss, terms = objective.loss(model, batch.to(device), g, **params)
+        for name, value in {"loss": loss, **{t: terms[t] for t in objective.term_names}}.items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+        n += 1
+    model.train(was_training)
+    return {name: value / max(1, n) for name, value in sums.items()}
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM -> finish the current step, checkpoint, return. A second signal raises."""
+
+    def __init__(self):
+        self.set = False
+        self._old = {}
+
+    def _handle(self, signum, frame):
+        self.set = True
+        for sig, old in self._old.items():  # a second Ctrl-C interrupts at once
+            signal.signal(sig, old)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if threading.current_thread() is threading.main_thread():
+            for sig, old in self._old.items():
+                signal.signal(sig, old)
+        return False
+
+
+def _check_resumable(saved: dict, config: TrainConfig, ckpt: Path) -> None:
+    now = asdict(config)
+    for key, value in saved.items():
+        if key in RESUMABLE or key not in now:
+            continue
+        mine = list(now[key]) if isinstance(now[key], tuple) else now[key]
+        theirs = list(value) if isinstance(value, tuple) else value
+        if mine != theirs:
+            raise UnmaskError(f"{ckpt} was trained with {key}={theirs!r}, not {mine!r}; resume with the same "
+                              "settings or pass --overwrite to start over")
+
+
+def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor | None, config: TrainConfig,
+          run_dir: str | Path, *, device: str | torch.device = "cpu", resume: bool = False,
+          save_extras: Callable[[Path, dict], None] | None = None, console=None, meta: dict | None = None) -> TrainResult:
+    """Train ``model`` in place on packed chunks with ``objective``.
+
+    Args:
+        model: an HF ``PreTrainedModel`` (trained in its current dtype).
+        objective: see the module docstring.
+        train_chunks: (N, L+1) long, on CPU; val_chunks: (M, L+1) long or None.
+        run_dir: checkpoints and ``log.jsonl`` go here.
+        resume: continue from the newest checkpoint in ``run_dir`` (weights, optimizer,
+            scheduler, step, data order, RNGs); starts fresh when there is none.
+        save_extras: called on every checkpoint directory (tokenizer, metadata).
+        console: a ``rich.console.Console`` for the progress bar (None = quiet).
+        meta: JSON-able facts stored in each checkpoint's trainer state (e.g. the data files).
+
+    Returns:
+        TrainResult. The model is left in training mode with the final weights.
+
+    Raises:
+        UnmaskError: empty data, or a checkpoint whose settings or data do not match.
+    """
+    device = torch.device(device)
+    run_dir = Path(run_dir)
+    model.to(device).train()
+    opt, sched = build_optimizer(model, config)
+    sampler = ChunkSampler(len(train_chunks), config.seed)
+    gen = torch.Generator().manual_seed(config.seed + 1)  # objective noise: η, masks, k
+    step = 0
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if ckpt is not None:
+        state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+        _check_resumable(state["config"], config, ckpt)
+        load_weights(model, ckpt)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        gen.set_state(state["rng"]["objective"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if torch.cuda.is_available() and state["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        step = int(state["step"])
+    has_val = val_chunks is not None and len(val_chunks) > 0
+    val, val_step, last = None, None, {}
+    if ckpt is not None:
+        val, last = state.get("val"), state.get("last") or {}
+        val_step = step if val is not None else None
+
+    def trainer_state(stopped: str) -> dict:
+        return {
+            "step": step, "stopped": stopped, "config": asdict(config), "objective": objective.name,
+            "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "sampler": sampler.state_dict(),
+            "rng": {"objective": gen.get_state(), "torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+            "val": val, "last": last, "meta": json.dumps(meta or {}),
+        }
+
+    log_path = run_dir / "log.jsonl"
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    def log(record: dict) -> None:
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    t_start = time.monotonic()
+    budget = None if config.max_minutes is None else 60 * config.max_minutes
+    saved_at = step if ckpt is not None else None
+    window: dict[str, float] = {}
+    window_steps, window_tokens, window_t0 = 0, 0, time.monotonic()
+    step_seconds = 0.0
+    stopped = "done"
+    progress = _Progress(console, config.steps, step, objective.term_names)
+    with _StopFlag() as stop, progress:
+        while step < config.steps:
+            if stop.set:
+                stopped = "interrupted"
+                break
+            if budget is not None and time.monotonic() - t_start + step_seconds > budget:
+                stopped = "time"
+                break
+            t0 = time.monotonic()
+            params = objective.step_params(gen)
+            opt.zero_grad(set_to_none=True)
+            sums = {name: 0.0 for name in ("loss", *objective.term_names)}
+            for _ in range(config.grad_accum):
+                chunks = train_chunks[sampler.next(config.batch_size)].to(device)  # (B, L+1)
+                loss, terms = objective.loss(model, chunks, gen, **params)
+                (loss / config.grad_accum).backward()
+                sums["loss"] += float(loss.detach()) / config.grad_accum
+                for name in objective.term_names:
+                    sums[name] += float(terms[name]) / config.grad_accum
+                window_tokens += chunks.shape[0] * (chunks.shape[1] - 1)
+            if config.clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+            opt.step()
+            sched.step()
+            step += 1
+            step_seconds = time.monotonic() - t0
+            for name, value in sums.items():
+                window[name] = window.get(name, 0.0) + value
+            window_steps += 1
+            if (config.log_every and step % config.log_every == 0) or step == config.steps:
+                elapsed = time.monotonic() - window_t0
+                last = {name: value / window_steps for name, value in window.items()}
+                last["tok_s"] = window_tokens / max(elapsed, 1e-9)
+                last["steps_s"] = window_steps / max(elapsed, 1e-9)
+                log({"step": step, "lr": sched.get_last_lr()[0], **last, "elapsed_s": time.monotonic() - t_start})
+                window, window_steps, window_tokens, window_t0 = {}, 0, 0, time.monotonic()
+            if has_val and config.eval_every and step % config.eval_every == 0:
+                val, val_step = evaluate(model, objective, val_chunks, config, device), step
+                log({"step": step, **{f"val_{k}": v for k, v in val.items()}})
+                progress.note(step, val)
+            progress.update(step, sums, last.get("tok_s"))
+            if config.ckpt_every and step % config.ckpt_every == 0:
+                save_checkpoint(run_dir, step, model, trainer_state("checkpoint"), save_extras, config.keep_checkpoints)
+                saved_at = step
+        if has_val and val_step != step and stopped != "interrupted":
+            val, val_step = evaluate(model, objective, val_chunks, config, device), step
+            log({"step": step, **{f"val_{k}": v for k, v in val.items()}})
+        if saved_at != step:
+            save_checkpoint(run_dir, step, model, trainer_state(stopped), save_extras, config.keep_checkpoints)
+    log({"step": step, "stopped": stopped, "seconds": time.monotonic() - t_start})
+    return TrainResult(step=step, stopped=stopped, seconds=time.monotonic() - t_start,
+                       checkpoint=latest_checkpoint(run_dir), last=last, val=val)
+
+
+class _Progress:
+    """A rich progress bar with the loss terms and tokens/s on a terminal; plain log lines
+    (every ``log_every`` steps, via ``note``) when the console is not a terminal."""
+
+    def __init__(self, console, total: int, start: int, term_names: tuple[str, ...]):
+        self.console, self.total, self.terms = console, total, term_names
+        self.live = console is not None and console.is_terminal
+        self.bar = None
+        if self.live:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                                console=console)
+            self.task = self.bar.add_task("train", total=total, completed=start, info="")
+        self._last_plain = time.monotonic()
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+        return False
+
+    def update(self, step: int, sums: dict, tok_s: float | None) -> None:
+        info = " ".join(f"{k} {v:.3f}" for k, v in sums.items())
+        if tok_s:
+            info += f" · {tok_s:,.0f} tok/s"
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, info=info)
+        elif self.console is not None and (time.monotonic() - self._last_plain > 30 or step == self.total):
+            self._last_plain = time.monotonic()
+            self.console.print(f"step {step}/{self.total} {info}", highlight=False)
+
+    def note(self, step: int, val: dict) -> None:
+        if self.console is not None:
+            self.console.print(f"step {step}: validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()),
+                               highlight=False)

@@ -1,0 +1,161 @@
+"""Training objectives as pure tensor functions (STYLE.md habit 2).
+
+SBD (spec/sbd.md §3): the clean + noisy layout of Figs. 7–8 built by :func:`sbd_batch`, the
+joint NTP + masked-token loss of Eq. 14 computed by :func:`sbd_loss` in one forward over 2L
+tokens with the §3.3 attention mask. :class:`SBDObjective` binds them for the generic loop
+(``unmask.train.loop``), which only needs ``objective.loss(model, chunks, generator)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from unmask.errors import UnmaskError
+from unmask.masks import as_4d, sbd_training_mask, sbd_training_position_ids, to_additive
+
+IGNORE = -100
+
+
+def sample_block_size(generator: torch.Generator, low: int = 2, high: int = 16) -> int:
+    """k ~ U{low..high}, both ends inclusive: one draw per training step (sbd.md §3.1, fix #1 of §3.5)."""
+    if not 1 <= low <= high:
+        raise UnmaskError(f"block range must satisfy 1 <= low <= high, got [{low}, {high}]")
+    return int(torch.randint(low, high + 1, (1,), generator=generator).item())
+
+
+def sbd_batch(chunks: torch.Tensor, mask_id: int, k: int, generator: torch.Generator) -> dict:
+    """Clean + noisy SBD training layout (sbd.md §3.1–3.2, SBD Figs. 7–8, Eq. 13).
+
+    Per sequence η ~ U(0,1); each clean token x_i is replaced by the mask token with
+    probability η. Masked-half labels are the *unshifted* clean tokens at masked positions of
+    complete, block-aligned blocks (Eq. 14's T); everything else there is -100, including the
+    trailing L mod k positions (fixes #2, #3 of §3.5).
+
+    Args:
+        chunks: (B, L+1) long token ids (L >= 1), on any device.
+        mask_id: the mask token id m.
+        k: block size for this step (>= 1).
+        generator: CPU ``torch.Generator`` for η and the masks (kept on CPU so that a run is
+            reproducible whatever the device).
+
+    Returns:
+        dict with ``input_ids`` (B, 2L), ``labels`` (B, 2L), ``position_ids`` (B, 2L) long;
+        ``noise_mask`` (B, L) bool (True where the noisy copy holds m); ``eta`` (B,) float;
+        ``k`` int and ``L`` int. All tensors on ``chunks``' device.
+    """
+    if chunks.dim() != 2 or chunks.shape[1] < 2:
+        raise UnmaskError(f"chunks must be (B, L+1) with L >= 1, got {tuple(chunks.shape)}")
+    if k < 1:
+        raise UnmaskError(f"block size k must be >= 1, got {k}")
+    B, L = chunks.shape[0], chunks.shape[1] - 1
+    device = chunks.device
+    input_ids = chunks[:, :-1]  # (B, L) clean x_1..x_L
+    ar_labels = chunks[:, 1:]  # (B, L) NTP targets x_2..x_{L+1}
+    eta = torch.rand(B, generator=generator)  # (B,) noise level per sequence
+    noise = torch.rand(B, L, generator=generator) < eta[:, None]  # (B, L) True = masked
+    noise = noise.to(device)
+    noisy_ids = torch.where(noise, torch.full_like(input_ids, mask_id), input_ids)  # (B, L)
+    complete = torch.arange(L, device=device) < (L // k) * k  # (L,) inside a complete block
+    mat_labels = torch.where(noise & complete[None, :], input_ids, torch.full_like(input_ids, IGNORE))  # (B, L)
+    positions = sbd_training_position_ids(L, device=device)  # (2L,)
+    return {
+        "input_ids": torch.cat([input_ids, noisy_ids], dim=1),  # (B, 2L)
+        "labels": torch.cat([ar_labels, mat_labels], dim=1),  # (B, 2L)
+        "position_ids": positions[None, :].expand(B, -1),  # (B, 2L)
+        "noise_mask": noise,
+        "eta": eta.to(device),
+        "k": k,
+        "L": L,
+    }
+
+
+def sbd_attention_mask(model, L: int, k: int, device) -> torch.Tensor:
+    """The §3.3 mask in the form the model's attention backend expects.
+
+    Returns (1, 1, 2L, 2L): bool for SDPA (and other backends that take bool), additive float
+    in the model's dtype for eager, which *adds* the mask (models.md §3.4).
+    """
+    mask = as_4d(sbd_training_mask(L, k, device=device))  # (1, 1, 2L, 2L) bool
+    if getattr(model.config, "_attn_implementation", "sdpa") == "eager":
+        return to_additive(mask, dtype=next(model.parameters()).dtype)
+    return mask
+
+
+def sbd_loss(model, batch: dict, k: int, mask_id: int) -> tuple[torch.Tensor, dict]:
+    """Joint SBD loss, Eq. 14 (sbd.md §3.4), from one forward over the 2L-token layout.
+
+    The mask-token logit is set to -inf in both terms: with tied embeddings it is a real output
+    row, and decoders suppress it, so the model is never trained to spend mass on it.
+    Reduction (our reading of Fig. 7): one cross-entropy averaged over every non-ignored target
+    of both halves, i.e. Eq. 14 divided by the batch's target count.
+
+    Args:
+        model: a causal LM (HF ``...ForCausalLM``) whose vocabulary contains ``mask_id``.
+        batch: output of :func:`sbd_batch` (tensors on the model's device).
+        k: the block size ``batch`` was built with.
+
+    Returns:
+        ``(loss, terms)``: loss a scalar float32 tensor with grad; terms
+        ``{"ntp": ..., "mat": ..., "ntp_tokens": n, "mat_tokens": n}`` (detached scalars; a term
+        with no targets is 0).
+    """
+    L = batch["L"]
+    attn = sbd_attention_mask(model, L, k, batch["input_ids"].device)  # (1, 1, 2L, 2L)
+    B = batch["input_ids"].shape[0]
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                attention_mask=attn.expand(B, -1, -1, -1), use_cache=False)  # (B, 1, 2L, 2L) view
+    logits = out.logits.float()  # (B, 2L, V)
+    V = logits.shape[-1]
+    if not 0 <= mask_id < V:
+        raise UnmaskError(f"mask_token_id {mask_id} is outside the model vocabulary of {V}")
+    suppress = torch.zeros(V, dtype=torch.bool, device=logits.device)
+    suppress[mask_id] = True
+    logits = logits.masked_fill(suppress, float("-inf"))  # (B, 2L, V)
+    labels = batch["labels"]  # (B, 2L)
+    nll = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE,
+                          reduction="none").view(B, 2 * L)  # (B, 2L), 0 at ignored targets
+    valid = labels != IGNORE  # (B, 2L)
+    n_ntp = valid[:, :L].sum()
+    n_mat = valid[:, L:].sum()
+    loss = nll.sum() / (n_ntp + n_mat).clamp(min=1)
+    with torch.no_grad():
+        terms = {
+            "ntp": nll[:, :L].sum() / n_ntp.clamp(min=1),
+            "mat": nll[:, L:].sum() / n_mat.clamp(min=1),
+            "ntp_tokens": n_ntp,
+            "mat_tokens": n_mat,
+        }
+    return loss, terms
+
+
+@dataclass(frozen=True)
+class SBDObjective:
+    """SBD fine-tuning objective for :func:`unmask.train.loop.train` (sbd.md §3).
+
+    The loop calls :meth:`step_params` once per optimizer step (k ~ U{block_range}, shared by
+    every micro-batch of the step, sbd.md §3.1) and :meth:`loss` once per micro-batch.
+    """
+
+    mask_token_id: int
+    block_range: tuple[int, int] = (2, 16)
+    name: str = "sbd"
+    term_names: tuple[str, ...] = ("ntp", "mat")
+
+    def __post_init__(self):
+        low, high = self.block_range
+        if not 1 <= low <= high:
+            raise UnmaskError(f"block_range must satisfy 1 <= low <= high, got {self.block_range}")
+        if self.mask_token_id < 0:
+            raise UnmaskError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
+
+    def step_params(self, generator: torch.Generator) -> dict:
+        """Per-step draws: ``{"k": k}``."""
+        return {"k": sample_block_size(generator, *self.block_range)}
+
+    def loss(self, model, chunks: torch.Tensor, generator: torch.Generator, *, k: int) -> tuple[torch.Tensor, dict]:
+        """chunks (B, L+1) long on the model's device -> (loss, terms) of :func:`sbd_loss`."""
+        batch = sbd_batch(chunks, self.mask_token_id, k, generator)
+        return sbd_loss(model, batch, k, self.mask_token_id)
