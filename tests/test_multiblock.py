@@ -223,3 +223,21 @@ def test_on_step_events_report_commits_and_slot_states():
     block.decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, tau=0.9, on_step=block_events.append)
     assert [(e["step"], e["block"], e["positions"]) for e in block_events] == [(0, 1, [0, 1, 2, 3]), (2, 2, [4, 5, 6, 7])]
     assert block_events[-1]["canvas"] == events[-1]["canvas"]
+
+
+def test_stop_strings_end_rows_after_complete_blocks():
+    bundle = scripted_bundle(lambda p: 0.99)
+    stop = f" {tok(6)}"  # IdTokenizer text of the token at position 6
+    for name, kw in [("block", dict(tau=0.9)), ("multiblock", dict(slots=2, tau_m2t=0.9, tau_add=1.0))]:
+        gen = unmask.generate("2 3 4", bundle, name, max_new_tokens=12, stop=[stop], **kw)
+        assert gen.texts[0] == f" {tok(4)} {tok(5)}"
+        assert gen.tokens[0] == [tok(p) for p in range(4, 8)]  # the block holding the stop string completes
+
+
+def test_sampling_is_seeded_and_reproducible():
+    bundle = bd_bundle("llama", "sdpa", seed=2)
+    kw = dict(max_new_tokens=12, slots=2, tau_m2t=0.3, sampling=unmask.sampling.Sampling(temperature=1.0, seed=5))
+    a, b = multiblock.decode(bundle, [[1, 3, 5]], **kw), multiblock.decode(bundle, [[1, 3, 5]], **kw)
+    assert a.tokens == b.tokens and len(a.tokens[0]) == 12
+    greedy = multiblock.decode(bundle, [[1, 3, 5]], max_new_tokens=12, slots=2, tau_m2t=0.3)
+    assert greedy.tokens != a.tokens

@@ -79,7 +79,8 @@ class MultiBlockConfig:
             if v is None and name == "tau_t2t":
                 continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 <= v <= 1.0:
-                raise UnmaskError(f"--{name.replace('_', '-')} must be a number in [0, 1] (got {v!r})")
+                raise UnmaskError(f"--{name.replace('_', '-')} must be a number in [0, 1] (got {v!r}); thresholds "
+                                  "are probabilities or fill ratios")
         if self.max_nfe is not None and (not is_int(self.max_nfe) or self.max_nfe < 1):
             raise UnmaskError(f"max_nfe must be an integer >= 1 (got {self.max_nfe!r}); leave it unset for no cap")
         if not is_int(self.max_post_edit_steps) or self.max_post_edit_steps < 0:
@@ -207,7 +208,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                 edited = (at[r][e] - w.gen_start[r]).tolist()
                 on_step(step_event(nfe - 1, r, at[r][c], top1[r][c], seq[r], w.gen_start[r], w.gen_end[r], mask_id,
                                    edited=edited, slots=before.describe(r),
-                                   blocks=(before.front[r] + torch.arange(S)).tolist(), running_set=int(size[r])))
+                                   blocks=(before.front[r] + torch.arange(S, device=device)).tolist(), running_set=int(size[r])))
 
         stop_pos = first_stop(seq, w.gen_start, w.gen_end, stops)  # (R,)
         stop_block = torch.where(stop_pos < seq.shape[1], torch.div(stop_pos, B, rounding_mode="floor"),
