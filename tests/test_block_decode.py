@@ -98,7 +98,8 @@ class ScriptedBD(torch.nn.Module):
         self.conf, self.token = conf, token
 
     def forward(self, input_ids, position_ids, cache=None, logits_to_keep=0, **kw):
-        out = self.inner(input_ids=input_ids, position_ids=position_ids, cache=cache, logits_to_keep=logits_to_keep, **kw)
+        out = self.inner(input_ids=input_ids, position_ids=position_ids, cache=cache, logits_to_keep=logits_to_keep,
+                         **kw)
         pos = position_ids[:, -out.logits.shape[1]:]  # (B, n)
         V = out.logits.shape[-1]
         token = torch.tensor([[self.token(p) for p in row] for row in pos.tolist()], dtype=torch.long)  # (B, n)

@@ -66,7 +66,8 @@ def resolve_block_size(bundle, block_size: int | None) -> int:
             raise UnmaskError(f"block size must be an integer >= 1 (got {block_size!r})")
         if native is not None and block_size != native:
             raise UnmaskError(f"--block-size {block_size} disagrees with the checkpoint's block size {native}; "
-                              "a block-diffusion model decodes only with the block size it was trained with, drop --block-size")
+                              "a block-diffusion model decodes only with the block size it was trained with, "
+                              "drop --block-size")
         B = block_size
     elif native is None:
         raise UnmaskError("this block-diffusion model records no block size; pass --block-size or add "

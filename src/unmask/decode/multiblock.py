@@ -73,7 +73,8 @@ class MultiBlockConfig:
         if not is_int(self.block_size) or self.block_size < 1:
             raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size!r})")
         if not is_int(self.slots) or self.slots < 1:
-            raise UnmaskError(f"--slots must be an integer >= 1 (got {self.slots!r}); 1 is SingleBD, 2 the usual buffer")
+            raise UnmaskError(f"--slots must be an integer >= 1 (got {self.slots!r}); "
+                              "1 is SingleBD, 2 the usual buffer")
         for name in ("tau_add", "tau_semi", "tau_m2t", "tau_t2t", "tau_stable"):
             v = getattr(self, name)
             if v is None and name == "tau_t2t":
@@ -208,7 +209,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                 edited = (at[r][e] - w.gen_start[r]).tolist()
                 on_step(step_event(nfe - 1, r, at[r][c], top1[r][c], seq[r], w.gen_start[r], w.gen_end[r], mask_id,
                                    edited=edited, slots=before.describe(r),
-                                   blocks=(before.front[r] + torch.arange(S, device=device)).tolist(), running_set=int(size[r])))
+                                   blocks=(before.front[r] + torch.arange(S, device=device)).tolist(),
+                                   running_set=int(size[r])))
 
         stop_pos = first_stop(seq, w.gen_start, w.gen_end, stops)  # (R,)
         stop_block = torch.where(stop_pos < seq.shape[1], torch.div(stop_pos, B, rounding_mode="floor"),
@@ -228,8 +230,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     extra = {"slots": S, "block_size": B, "tau_add": cfg.tau_add, "tau_semi": cfg.tau_semi, "tau_m2t": cfg.tau_m2t,
              "tau_t2t": cfg.tau_t2t, "tau_stable": cfg.tau_stable, "accepts": dict(sorted(histogram.items())),
              "mean_running_set": mean_rs, "edits": sum(edits),
-             "row_extra": [{"slots": S, "block_size": B, "running_set": rs, "mean_running_set": sum(rs) / max(1, len(rs)),
-                            "accepts": a, "edits": e} for rs, a, e in zip(running, accepts, edits)]}
+             "row_extra": [{"slots": S, "block_size": B, "running_set": rs,
+                            "mean_running_set": sum(rs) / max(1, len(rs)), "accepts": a, "edits": e}
+                           for rs, a, e in zip(running, accepts, edits)]}
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
                         seconds=time.perf_counter() - t0, extra=extra)
     return DecodeOutput(tokens=tokens, stats=stats)
