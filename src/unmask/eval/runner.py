@@ -1,0 +1,239 @@
+"""Run a decoder over a task and score it: the engine behind ``unmask eval``, ``sweep`` and
+``bench``.
+
+:func:`evaluate` decodes the task's prompts in batches through :func:`unmask.generate` and
+returns an :class:`EvalResult`: one row per item and a summary, each with the decode
+statistics (NFE, TPF, TPS, seconds; diffusion spec §10), the decoder configuration and the
+environment fingerprint (:mod:`unmask.eval.env`). Per item, ``nfe`` and ``tpf`` are the row's
+own; ``seconds`` and ``tps`` belong to the batch the row was decoded in. In the summary, NFE
+is the mean per row, TPF the pooled tokens / pooled row forwards and TPS the generated
+tokens / decode seconds of all batches (prompt encoding, scoring and the warm-up excluded).
+
+For ``stories`` the runner also computes what the scorers need: the judge NLL of every
+continuation (default judge: ``stories260K``) and the reference for agreement, the greedy AR
+output of the same model with the same budget and stop tokens. When AR cannot decode the
+model's kind (masked or block diffusion), the reference is the judge's greedy AR output; the
+rows name it in ``agreement_reference``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from unmask.errors import UnmaskError
+from unmask.eval import tasks as T
+from unmask.eval.env import fingerprint
+
+Progress = Callable[[int, int, str], None]  # (done, total, stage)
+MIN_NEW_TOKENS = 16  # below this, a context-clipped budget is refused rather than used
+
+
+@dataclass
+class EvalResult:
+    """Rows (``type: "item"``) and the summary (``type: "summary"``) of one evaluation."""
+
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any]
+
+    def jsonl(self) -> str:
+        """Every item row, then the summary, one JSON object per line."""
+        return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in [*self.rows, self.summary])
+
+    def write(self, path: str | os.PathLike) -> None:
+        """Write :meth:`jsonl` to ``path`` atomically."""
+        from unmask.fileio import atomic_write_text
+
+        atomic_write_text(path, self.jsonl())
+
+
+@dataclass
+class References:
+    """Memo of expensive per-model work shared across runs (a sweep, the bench): loaded judges
+    and AR reference continuations, keyed by model, prompts and budget."""
+
+    judges: dict[str, Any] = field(default_factory=dict)
+    continuations: dict[tuple, tuple[str, list[list[int]]]] = field(default_factory=dict)
+
+
+def _load(model, *, device: str, dtype: str):
+    from unmask.models import ModelBundle, load
+
+    return model if isinstance(model, ModelBundle) else load(model, device=device, dtype=dtype)
+
+
+def _budget(bundle, prompt_ids: list[list[int]], requested: int | None, spec: T.TaskSpec) -> tuple[int, str | None]:
+    """The generation budget: ``requested`` (checked by ``generate``), or the task default clipped
+    to what the longest prompt leaves of the context window, with a note saying so."""
+    if requested is not None:
+        return requested, None
+    ctx, longest = bundle.context_length, max(len(p) for p in prompt_ids)
+    budget = min(spec.max_new_tokens, ctx - longest)
+    if budget < MIN_NEW_TOKENS:
+        raise UnmaskError(f"the longest {spec.name} prompt is {longest} tokens and leaves {max(budget, 0)} of "
+                          f"{bundle.name}'s {ctx}-token context to generate in; use fewer --shots, a smaller "
+                          "--limit or a model with a longer context")
+    note = None if budget == spec.max_new_tokens else (
+        f"max_new_tokens clipped from {spec.max_new_tokens} to {budget} by the {ctx}-token context")
+    return budget, note
+
+
+def _generate_batches(prompts: list[str], bundle, decoder: str, *, batch_size: int, progress: Progress | None,
+                      stage: str, **kwargs) -> list[dict[str, Any]]:
+    """Decode ``prompts`` in batches; one dict per prompt with text, tokens and statistics."""
+    from unmask.api import generate
+
+    out: list[dict[str, Any]] = []
+    for b, s in enumerate(range(0, len(prompts), batch_size)):
+        g = generate(prompts[s:s + batch_size], bundle, decoder, **kwargs)
+        for i in range(len(g.prompts)):
+            row = g.stats.row(i)
+            out.append({"text": g.texts[i], "tokens": g.tokens[i], "prompt_tokens": g.prompt_tokens[i],
+                        "n_tokens": row["generated"], "nfe": row["nfe"], "tpf": row["tpf"],
+                        "seconds": g.stats.seconds, "tps": g.stats.tps, "batch": b,
+                        "batch_nfe": g.stats.nfe})
+        if progress is not None:
+            progress(len(out), len(prompts), stage)
+    return out
+
+
+def _judge_ids(judge, items: list[T.Item], gens: list[dict[str, Any]]) -> tuple[list, list]:
+    """Prompt and continuation ids as the judge's tokenizer writes them: the generated ids
+    themselves when the tokenizers agree on every prompt (all stories260K variants), else the
+    texts re-encoded: encode(prompt + text) after encode(prompt) (the text alone if the joint
+    encoding does not start with the prompt's)."""
+    vocab = judge.model.config.vocab_size
+    prompts = [judge.encode(it.prompt) for it in items]
+    if all(p == g["prompt_tokens"] and all(t < vocab for t in g["tokens"]) for p, g in zip(prompts, gens)):
+        return prompts, [g["tokens"] for g in gens]
+    conts = []
+    for it, p, g in zip(items, prompts, gens):
+        full = judge.encode(it.prompt + g["text"])
+        if full[:len(p)] == p:
+            conts.append(full[len(p):])
+        else:  # the joint encoding merged across the boundary: encode the text alone
+            conts.append(list(judge.tokenizer(g["text"], add_special_tokens=False)["input_ids"]))
+    return prompts, conts
+
+
+def _reference(bundle, judge, items: list[T.Item], gens, *, budget: int, batch_size: int,
+               refs: References, progress: Progress | None) -> tuple[str | None, list[list[int]] | None]:
+    """(label, greedy AR continuations) for agreement; see the module doc for the choice."""
+    from unmask.decode import DECODERS
+
+    ar_kinds = DECODERS["ar"].kinds
+    source = bundle if bundle.kind in ar_kinds else judge
+    same_ids = source is bundle or all(judge.encode(it.prompt) == g["prompt_tokens"] for it, g in zip(items, gens))
+    if not same_ids:
+        return None, None
+    key = (source.name, id(source.model), budget, tuple(it.prompt for it in items))
+    if key not in refs.continuations:
+        out = _generate_batches([it.prompt for it in items], source, "ar", batch_size=batch_size,
+                                progress=progress, stage="AR reference", max_new_tokens=budget)
+        refs.continuations[key] = (f"ar@{source.name}", [o["tokens"] for o in out])
+    return refs.continuations[key]
+
+
+def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | None = None,
+             batch_size: int = 8, max_new_tokens: int | None = None, shots: int | None = None,
+             data_dir: str | os.PathLike | None = None, judge="stories260K", temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, device: str = "cpu",
+             dtype: str = "float32", warmup: bool = True, workers: int = 2, timeout_s: float = 10.0,
+             progress: Progress | None = None, references: References | None = None,
+             **decoder_options) -> EvalResult:
+    """Evaluate ``decoder`` on ``model`` over ``task`` (``stories``, ``gsm8k``, ``humaneval``, ``mbpp``).
+
+    Args:
+        model: a ModelBundle, shipped name or local directory (default: the default model).
+        decoder: a name from ``unmask.decode.DECODERS`` (default: the model kind's natural one).
+        limit: first N items. batch_size: prompts per decoder call.
+        max_new_tokens: generation budget; default the task's (stories 128, others 256),
+            clipped to the model's context, which the summary's ``notes`` then says.
+        shots: GSM8K k-shot / MBPP 0 or 3 (default: 0 / 3).
+        data_dir: folder holding ``gsm8k/``, ``humaneval/``, ``mbpp/`` (see ``find_data_dir``).
+        judge: causal model scoring ``stories`` continuations (name, path or bundle).
+        temperature, top_k, top_p, seed: sampling (temperature 0 = greedy).
+        warmup: decode two tokens of the first prompt before timing (first-call overheads).
+        workers, timeout_s: sandbox concurrency and per-program limit for code tasks.
+        progress: ``progress(done, total, stage)`` after every batch.
+        references: a shared :class:`References` memo (sweeps and the bench pass one).
+        decoder_options: passed to the decoder (``policy``, ``gamma``, ``block_size``, ...).
+
+    Returns:
+        :class:`EvalResult`. Raises :class:`UnmaskError` on every user error (missing data,
+        unknown task, decoder or option, prompts that do not fit the context).
+    """
+    from unmask.api import check_options
+    from unmask.decode import default_decoder, get_decoder
+
+    spec = T.get_task(task)
+    if batch_size < 1:
+        raise UnmaskError(f"--batch-size must be >= 1, got {batch_size}")
+    items = T.load_items(task, limit=limit, shots=shots, data_dir=data_dir)
+    if not items:
+        raise UnmaskError(f"task {task!r} has no items to evaluate")
+    bundle = _load(model, device=device, dtype=dtype)
+    decoder = decoder or default_decoder(bundle.kind)
+    check_options(get_decoder(decoder, bundle.kind), decoder, decoder_options)
+    budget, note = _budget(bundle, [bundle.encode(it.prompt) for it in items], max_new_tokens, spec)
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+    stop = list(spec.stop) or None
+    if warmup:
+        from unmask.api import generate
+
+        generate(items[0].prompt, bundle, decoder, max_new_tokens=2, **sampling, **decoder_options)
+    gens = _generate_batches([it.prompt for it in items], bundle, decoder, batch_size=batch_size,
+                             progress=progress, stage="decode", max_new_tokens=budget, stop=stop,
+                             **sampling, **decoder_options)
+    refs = references if references is not None else References()
+    extra: dict[str, Any] = {}
+    if task == "stories":
+        judge_name = getattr(judge, "name", None) or str(judge)
+        jb = refs.judges.get(judge_name)
+        if jb is None:  # the model under test judges itself when named, without a second load
+            jb = bundle if judge_name == bundle.name else _load(judge, device=device, dtype=dtype)
+            refs.judges[judge_name] = jb
+        if progress is not None:
+            progress(0, len(items), "judge")
+        jp, jc = _judge_ids(jb, items, gens)
+        from unmask.eval.quality import reference_nll
+
+        nll = reference_nll(jb, jp, jc, batch_size=batch_size)
+        label, ref = _reference(bundle, jb, items, gens, budget=budget, batch_size=batch_size,
+                                refs=refs, progress=progress)
+        scores = T.score_stories([g["tokens"] for g in gens], nll=nll, reference=ref)
+        extra = {"judge": jb.name, "agreement_reference": label}
+    else:
+        if progress is not None:
+            progress(0, len(items), "score")
+        scores = T.score_texts(task, items, [g["text"] for g in gens], workers=workers, timeout_s=timeout_s)
+    config = {"task": task, "model": bundle.name, "kind": bundle.kind, "decoder": decoder,
+              "options": dict(sorted(decoder_options.items())), "max_new_tokens": budget, "stop": stop,
+              "shots": spec.default_shots if shots is None else shots, "batch_size": batch_size,
+              **sampling, **extra}
+    env = fingerprint(device=str(bundle.device), dtype=str(bundle.dtype), batch_size=batch_size)
+    rows = []
+    for it, g, s in zip(items, gens, scores):
+        rows.append({"type": "item", "task": task, "id": it.id, "model": bundle.name, "decoder": decoder,
+                     "prompt": it.prompt, "text": g["text"], "n_tokens": g["n_tokens"], "nfe": g["nfe"],
+                     "tpf": g["tpf"], "seconds": g["seconds"], "tps": g["tps"], "batch": g["batch"],
+                     **s, "config": config, "env": env})
+    metrics = T.summarize(task, scores)
+    qname = spec.quality_metrics[0]
+    summary = {"type": "summary", "task": task, "model": bundle.name, "decoder": decoder, "n": len(rows),
+               **_throughput(gens), **metrics, "quality_metric": qname, "quality_pct": metrics.get(qname),
+               "notes": [note] if note else [], "config": config, "env": env}
+    return EvalResult(rows, summary)
+
+
+def _throughput(gens: list[dict[str, Any]]) -> dict[str, float]:
+    """Summary NFE (mean per row), TPF (pooled), TPS and seconds (over batches)."""
+    tokens = sum(g["n_tokens"] for g in gens)
+    row_nfe = sum(g["nfe"] for g in gens)
+    batches = {g["batch"]: (g["seconds"], g["batch_nfe"]) for g in gens}
+    seconds = sum(s for s, _ in batches.values())
+    return {"generated": tokens, "nfe": row_nfe / len(gens), "tpf": tokens / max(row_nfe, 1),
+            "tps": tokens / seconds if seconds > 0 else 0.0, "seconds": seconds,
+            "forwards": sum(n for _, n in batches.values())}
