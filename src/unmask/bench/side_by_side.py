@@ -1,0 +1,137 @@
+"""Side-by-side benchmark: every decoder on every shipped model it is made for, same prompts,
+one run (STYLE.md habit 5: ratios measured in one run).
+
+The pairs are discovered at run time from :data:`unmask.decode.DECODERS` and
+:func:`unmask.models.registry.shipped`, so a new decoder or checkpoint shows up without a
+change here. A decoder runs on each shipped model whose kind is the decoder's *native* kind,
+the first of its ``kinds`` (``ar`` on ``stories260K``, ``sbd`` on ``stories260K-sbd``, ...);
+``include_all`` adds the other compatible pairs (e.g. ``ar`` on ``stories260K-sbd``, the SBD
+model in its next-token mode).
+
+Every pair decodes the first ``limit`` story openings (the ``stories`` task) with greedy
+sampling and the decoder's defaults, after a warm-up, and reports NFE (mean per prompt),
+TPF, TPS, the ratios to the AR row (TPS / TPS_AR and NFE_AR / NFE: both > 1 mean faster than
+AR), and quality: the reference NLL under ``stories260K``, distinct-4 and the positional
+agreement with the greedy AR output of the same model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from unmask.errors import UnmaskError
+
+AR_REFERENCE = ("ar", "stories260K")
+
+
+def pairs(*, include_all: bool = False, decoders: list[str] | None = None,
+          models: list[str] | None = None) -> list[tuple[str, str]]:
+    """(decoder, model) pairs to benchmark, in registry order then model name order.
+
+    ``decoders`` / ``models`` keep only those names (an unknown name raises
+    :class:`UnmaskError`)."""
+    from unmask.decode import DECODERS
+    from unmask.models.bundle import read_unmask_config
+    from unmask.models.registry import shipped
+
+    ships = shipped()
+    for name, known, what in ((decoders, DECODERS, "decoder"), (models, ships, "shipped model")):
+        unknown = sorted(set(name or ()) - set(known))
+        if unknown:
+            raise UnmaskError(f"unknown {what} {', '.join(unknown)}; choose from: {', '.join(known)}")
+    kinds = {m: read_unmask_config(p).get("kind", "causal") for m, p in ships.items()}
+    out = []
+    for d, info in DECODERS.items():
+        if decoders and d not in decoders:
+            continue
+        for m, kind in kinds.items():
+            if models and m not in models:
+                continue
+            if kind == info.kinds[0] or (include_all and kind in info.kinds):
+                out.append((d, m))
+    return out
+
+
+@dataclass
+class BenchResult:
+    """One row per (decoder, model) pair; a failed pair has ``error`` set and no numbers."""
+
+    rows: list[dict[str, Any]]
+    settings: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"settings": self.settings, "rows": self.rows}
+
+    def table(self):
+        """A :class:`rich.table.Table` of the rows."""
+        from rich.table import Table
+
+        s = self.settings
+        t = Table(title=f"side by side: {s['limit']} story openings, {s['max_new_tokens']} new tokens, "
+                        f"batch {s['batch_size']}, greedy, {s['device']}")
+        cols = [("decoder", "left"), ("model", "left"), ("NFE", "right"), ("TPF", "right"), ("TPS", "right"),
+                ("TPS/AR", "right"), ("AR NFE/NFE", "right"), ("NLL", "right"), ("distinct-4", "right"),
+                ("agree AR", "right")]
+        for c, j in cols:
+            t.add_column(c, justify=j)
+        fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
+        for r in self.rows:
+            if r.get("error"):
+                t.add_row(r["decoder"], r["model"], f"[red]failed: {r['error']}[/red]", *[""] * 7)
+                continue
+            t.add_row(r["decoder"], r["model"], fmt(r["nfe"], ".1f"), fmt(r["tpf"], ".2f"), fmt(r["tps"], ".0f"),
+                      fmt(r["tps_vs_ar"], ".2f"), fmt(r["nfe_vs_ar"], ".2f"), fmt(r["nll"], ".3f"),
+                      fmt(r["distinct_4"], ".3f"), fmt(r["agreement_positional"], ".3f"))
+        return t
+
+
+def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, include_all: bool = False,
+          decoders: list[str] | None = None, models: list[str] | None = None, judge: str = "stories260K",
+          device: str = "cpu", dtype: str = "float32",
+          progress: Callable[[int, int, str], None] | None = None) -> BenchResult:
+    """Run every pair of :func:`pairs` on the same prompts and collect the comparison.
+
+    Batch size 1 by default, the setting in which TPS is "model TPS" (diffusion spec §10).
+    Ratios are to the ``ar`` on ``stories260K`` row (else the first ``ar`` row; ``None``
+    without one). A pair that raises is reported with its error and the others still run.
+    Raises :class:`UnmaskError` when no pair is found.
+    """
+    from unmask.eval.runner import References, evaluate
+
+    todo = pairs(include_all=include_all, decoders=decoders, models=models)
+    if not todo:
+        raise UnmaskError("no decoder has a shipped model of a kind it works on; check 'unmask models'")
+    refs = References()
+    rows = []
+    for i, (d, m) in enumerate(todo):
+        stage = None
+        if progress is not None:
+            stage = lambda done, total, s, i=i, d=d, m=m: progress(  # noqa: E731
+                done, total, f"{d} on {m} ({i + 1}/{len(todo)}) {s}")
+        try:
+            res = evaluate("stories", m, d, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                           judge=judge, device=device, dtype=dtype, references=refs, progress=stage)
+        except Exception as e:  # noqa: BLE001 - one broken pair must not hide the others
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            rows.append({"decoder": d, "model": m, "error": msg if isinstance(e, UnmaskError)
+                         else f"{type(e).__name__}: {msg}"})
+            continue
+        s = res.summary
+        rows.append({"decoder": d, "model": m, "kind": s["config"]["kind"], "n": s["n"],
+                     "generated": s["generated"], "nfe": s["nfe"], "tpf": s["tpf"], "tps": s["tps"],
+                     "seconds": s["seconds"], "nll": s["nll"], "distinct_4": s["distinct_4"],
+                     "agreement_positional": s["agreement_positional"],
+                     "agreement_prefix": s["agreement_prefix"],
+                     "agreement_reference": s["config"]["agreement_reference"],
+                     "options": s["config"]["options"], "env": s["env"]})
+    ok = [r for r in rows if not r.get("error")]
+    ref = next((r for r in ok if (r["decoder"], r["model"]) == AR_REFERENCE), None) or \
+        next((r for r in ok if r["decoder"] == "ar"), None)
+    for r in ok:
+        r["tps_vs_ar"] = r["tps"] / ref["tps"] if ref and ref["tps"] else None
+        r["nfe_vs_ar"] = ref["nfe"] / r["nfe"] if ref and r["nfe"] else None
+    settings = {"limit": limit, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "judge": judge,
+                "device": device, "dtype": dtype, "include_all": include_all,
+                "reference": f"{ref['decoder']}@{ref['model']}" if ref else None}
+    return BenchResult(rows, settings)
