@@ -23,6 +23,7 @@ app.add_typer(convert_app, name="convert")
 
 # Subcommand modules register themselves on `app` when imported.
 from unmask.cli import generate as _generate  # noqa: E402,F401
+from unmask.cli import evaluate as _evaluate  # noqa: E402,F401
 from unmask.cli import models as _models  # noqa: E402,F401
 from unmask.cli import train as _train  # noqa: E402,F401
 

@@ -1,0 +1,304 @@
+"""``unmask eval``, ``unmask sweep``, ``unmask bench`` and ``unmask roofline``.
+
+Thin wrappers (STYLE.md habit 12) over :func:`unmask.eval.runner.evaluate`,
+:func:`unmask.eval.sweep.sweep`, :func:`unmask.bench.side_by_side.bench` and
+:mod:`unmask.bench.roofline`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import typer
+
+from unmask.cli import app
+from unmask.errors import UnmaskError
+
+# Options shared by `eval` and `sweep` (typer reads each OptionInfo afresh per command).
+MODEL = typer.Option(None, "--model", "-m", help="shipped model name or local HF directory (default: the default shipped model)")
+DECODER = typer.Option(None, "--decoder", "-d", help="ar, sbd, ... (default: the model kind's natural decoder)")
+LIMIT = typer.Option(None, "--limit", help="evaluate the first N items only")
+BATCH = typer.Option(8, "--batch-size", "-b", help="prompts decoded together")
+MAX_NEW = typer.Option(None, "--max-new-tokens", "-n", help="generation budget (default: the task's, clipped to the context)")
+SHOTS = typer.Option(None, "--shots", help="gsm8k: k-shot from the train split (default 0); mbpp: 0 or 3 (default 3)")
+DATA_DIR = typer.Option(None, "--data-dir", help="folder holding gsm8k/, humaneval/, mbpp/ (default: $UNMASK_DATA_DIR or ../shared/data)")
+JUDGE = typer.Option("stories260K", "--judge", help="stories: causal model that scores continuations (reference NLL)")
+TEMPERATURE = typer.Option(0.0, "--temperature", "-t", help="0 = greedy")
+SEED = typer.Option(0, "--seed", help="seed of the sampling generator")
+POLICY = typer.Option(None, "--policy", help="commit policy: entropy-bound, confidence-bound, threshold, factor, top-k")
+BLOCK = typer.Option(None, "--block-size", "-k", help="block size")
+DEVICE = typer.Option("cpu", "--device", help="cpu or cuda")
+DTYPE = typer.Option("float32", "--dtype", help="float32 or bfloat16")
+
+
+def _options(**given: Any) -> dict[str, Any]:
+    return {k: v for k, v in given.items() if v is not None}
+
+
+@contextmanager
+def _progress(enabled: bool = True) -> Iterator[Any]:
+    """A rich progress bar on stderr; yields the ``progress(done, total, stage)`` callback."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("loading", total=None)
+
+        def update(done: int, total: int, stage: str) -> None:
+            bar.update(task, completed=done, total=total, description=stage)
+
+        yield update
+
+
+def _console():
+    """A rich console; when stdout is not a terminal (a pipe, a file, a test) tables keep
+    their natural width instead of being squeezed into 80 columns."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+SUMMARY_SKIP = ("type", "config", "env", "notes", "quality_metric", "quality_pct")
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    console = _console()
+    t = Table(title=f"unmask eval · {summary['task']} · {summary['model']} · {summary['decoder']}")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for k, v in summary.items():
+        if k not in SUMMARY_SKIP:
+            t.add_row(k, _fmt(v))
+    cfg = summary["config"]
+    console.print(t)
+    opts = " ".join(f"{k}={v}" for k, v in cfg["options"].items()) or "defaults"
+    console.print(f"[dim]decoder options: {opts} · max_new_tokens {cfg['max_new_tokens']} · "
+                  f"batch {cfg['batch_size']} · {summary['env']['device']} {summary['env']['dtype']}[/dim]")
+    for note in summary["notes"]:
+        console.print(f"[yellow]note: {note}[/yellow]")
+
+
+@app.command("eval")
+def eval_cmd(
+    task: str = typer.Option(..., "--task", help="stories, gsm8k, humaneval or mbpp"),
+    model: str = MODEL, decoder: str = DECODER, limit: int = LIMIT, batch_size: int = BATCH,
+    max_new_tokens: int = MAX_NEW, shots: int = SHOTS, data_dir: Path = DATA_DIR, judge: str = JUDGE,
+    temperature: float = TEMPERATURE, seed: int = SEED, policy: str = POLICY,
+    gamma: float = typer.Option(None, "--gamma", help="EB-sampler bound γ >= 0"),
+    preset: str = typer.Option(None, "--preset", help="γ preset: reasoning-low, reasoning-high, chat-low, chat-high"),
+    tau: float = typer.Option(None, "--tau", help="confidence threshold τ in (0, 1]"),
+    factor: float = typer.Option(None, "--factor", help="Fast-dLLM factor f"),
+    tokens_per_step: int = typer.Option(None, "--tokens-per-step", help="tokens committed per step (top-k)"),
+    block_size: int = BLOCK,
+    out: Path = typer.Option(None, "--out", "-o", help="write every item row and the summary as JSON lines to FILE"),
+    workers: int = typer.Option(2, "--workers", help="code tasks: programs run in parallel in the sandbox"),
+    device: str = DEVICE, dtype: str = DTYPE,
+    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
+) -> None:
+    """Evaluate a decoder on a task: quality plus NFE / TPF / TPS per item and overall."""
+    from unmask.eval.runner import evaluate
+
+    opts = _options(policy=policy, gamma=gamma, preset=preset, tau=tau, factor=factor,
+                    tokens_per_step=tokens_per_step, block_size=block_size)
+    with _progress(not no_progress) as progress:
+        result = evaluate(task, model, decoder, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                          shots=shots, data_dir=data_dir, judge=judge, temperature=temperature, seed=seed,
+                          device=device, dtype=dtype, workers=workers, progress=progress, **opts)
+    if out is not None:
+        result.write(out)
+    _print_summary(result.summary)
+    if out is not None:
+        typer.echo(f"wrote {len(result.rows)} rows and the summary to {out}")
+
+
+@app.command("sweep")
+def sweep_cmd(
+    task: str = typer.Option(..., "--task", help="stories, gsm8k, humaneval or mbpp"),
+    param: str = typer.Option(..., "--param", help="gamma, tau, factor or tokens_per_step"),
+    values: str = typer.Option(..., "--values", help="comma-separated values, e.g. 0,0.1,0.35"),
+    model: str = MODEL, decoder: str = DECODER, limit: int = LIMIT, batch_size: int = BATCH,
+    max_new_tokens: int = MAX_NEW, shots: int = SHOTS, data_dir: Path = DATA_DIR, judge: str = JUDGE,
+    temperature: float = TEMPERATURE, seed: int = SEED, policy: str = POLICY, block_size: int = BLOCK,
+    metric: str = typer.Option(None, "--metric", help="quality axis: stories judge_prob_pct (default) or "
+                                                      "agreement_pct; gsm8k flexible_pct (default) or strict_pct"),
+    y_max: float = typer.Option(None, "--y-max", help="AUP's best accuracy over all methods (default: this sweep's best)"),
+    out_png: Path = typer.Option(None, "--out-png", help="write the Pareto plot (quality vs TPF and vs TPS) to FILE"),
+    out: Path = typer.Option(None, "--out", "-o", help="write the points and AUP as JSON to FILE"),
+    device: str = DEVICE, dtype: str = DTYPE,
+    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
+) -> None:
+    """Evaluate once per value of a policy parameter; print the table, the AUP and a Pareto plot."""
+    from rich.table import Table
+
+    from unmask.eval.sweep import sweep
+
+    opts = _options(policy=policy, block_size=block_size)
+    with _progress(not no_progress) as progress:
+        res = sweep(task, model, decoder, param=param, values=values, metric=metric, y_max=y_max,
+                    limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens, shots=shots,
+                    data_dir=data_dir, judge=judge, temperature=temperature, seed=seed, device=device,
+                    dtype=dtype, progress=progress, **opts)
+    console = _console()
+    first = res.results[0].summary
+    t = Table(title=f"sweep {param} · {task} · {first['model']} · {first['decoder']}")
+    for c in (param, f"{res.metric} (%)", "TPF", "TPS", "NFE", "seconds"):
+        t.add_column(c, justify="right")
+    for p in res.points:
+        t.add_row(f"{p['value']:g}", _fmt(p["quality"]), f"{p['tpf']:.2f}", f"{p['tps']:.0f}",
+                  f"{p['nfe']:.1f}", f"{p['seconds']:.2f}")
+    console.print(t)
+    if res.aup_score is not None:
+        console.print(f"AUP {res.aup_score:.2f} (points (TPF, {res.metric}), y_max {res.y_max:.2f}, d3LLM variant)")
+    else:
+        console.print(f"AUP n/a: {res.aup_error}")
+    if out_png is not None:
+        res.plot(out_png)
+        typer.echo(f"wrote {out_png}")
+    if out is not None:
+        from unmask.fileio import atomic_write_json
+
+        atomic_write_json(out, res.to_dict())
+        typer.echo(f"wrote {out}")
+
+
+@app.command("bench")
+def bench_cmd(
+    limit: int = typer.Option(16, "--limit", help="story openings per pair"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="tokens to generate per opening"),
+    batch_size: int = typer.Option(1, "--batch-size", "-b", help="openings decoded together (1 = model TPS)"),
+    include_all: bool = typer.Option(False, "--all", help="also run decoders on compatible non-native kinds (ar on an SBD model)"),
+    decoder: list[str] = typer.Option(None, "--decoder", "-d", help="only this decoder (repeatable)"),
+    model: list[str] = typer.Option(None, "--model", "-m", help="only this shipped model (repeatable)"),
+    judge: str = JUDGE,
+    as_json: bool = typer.Option(False, "--json", help="print the rows as one JSON object"),
+    device: str = DEVICE, dtype: str = DTYPE,
+    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
+) -> None:
+    """Every decoder on every shipped model made for it, same prompts, one run: NFE, TPF, TPS, ratios to AR, quality."""
+    from unmask.bench.side_by_side import bench
+
+    with _progress(not no_progress and not as_json) as progress:
+        res = bench(limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size, include_all=include_all,
+                    decoders=decoder or None, models=model or None, judge=judge, device=device, dtype=dtype,
+                    progress=progress)
+    if as_json:
+        typer.echo(json.dumps(res.to_dict(), ensure_ascii=False))
+        return
+    _console().print(res.table())
+
+
+GPU_ALIASES = {"h100": "h100-sxm", "h200": "h200", "a100": "a100"}
+
+
+def _gpu(name: str, peak_flops: float | None, attn_flops: float | None, bandwidth: float | None):
+    from unmask.bench.roofline import GPUSpec
+
+    if name == "custom":
+        if None in (peak_flops, attn_flops, bandwidth):
+            raise UnmaskError("--gpu custom needs --peak-flops, --attn-flops and --bandwidth (FLOP/s, FLOP/s, bytes/s)")
+        return GPUSpec("custom", peak_flops, attn_flops, bandwidth, "given on the command line")
+    if any(v is not None for v in (peak_flops, attn_flops, bandwidth)):
+        raise UnmaskError("--peak-flops, --attn-flops and --bandwidth go with --gpu custom")
+    return GPUSpec.preset(GPU_ALIASES.get(name, name))
+
+
+def _shape(config: str):
+    """A ModelShape from a config.json path, a model directory, a shipped model or a preset."""
+    from unmask.bench.roofline import ModelShape
+    from unmask.models.registry import shipped
+
+    path = Path(config).expanduser()
+    if config in shipped():
+        path = shipped()[config]
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UnmaskError(f"cannot read {path} as JSON ({e}); pass an HF config.json") from None
+        return ModelShape.from_config(cfg, name=path.parent.name if path.name == "config.json" else path.stem)
+    from unmask.bench.roofline import MODEL_PRESETS
+
+    if config not in MODEL_PRESETS:
+        raise UnmaskError(f"--config {config!r} is no config.json, model directory, shipped model or preset; "
+                          f"presets: {', '.join(MODEL_PRESETS)}")
+    return ModelShape.preset(config)
+
+
+def _numbers(text: str, what: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise UnmaskError(f"{what} takes comma-separated numbers, got {text!r}") from None
+    if not vals:
+        raise UnmaskError(f"{what} is empty; give comma-separated numbers, e.g. 2,4,8")
+    return vals
+
+
+@app.command("roofline")
+def roofline_cmd(
+    preset: str = typer.Option(None, "--preset", help="sbd-paper: SBD Tables 3 and 4 as printed (Fig. 11 cost model)"),
+    config: str = typer.Option("llama-3.1-8b", "--config", help="HF config.json, model directory, shipped model or preset (llama-3.1-8b)"),
+    gpu: str = typer.Option("h100", "--gpu", help="h100, h200, a100, h100-sxm-paper or custom"),
+    peak_flops: float = typer.Option(None, "--peak-flops", help="custom GPU: linear-layer peak, FLOP/s"),
+    attn_flops: float = typer.Option(None, "--attn-flops", help="custom GPU: attention peak, FLOP/s"),
+    bandwidth: float = typer.Option(None, "--bandwidth", help="custom GPU: memory bandwidth, bytes/s"),
+    weight_bytes: float = typer.Option(1.0, "--weight-bytes", help="corrected mode: bytes per weight (1 = FP8)"),
+    kv_bytes: float = typer.Option(1.0, "--kv-bytes", help="corrected mode: bytes per KV-cache element"),
+    act_bytes: float = typer.Option(2.0, "--act-bytes", help="corrected mode: bytes per activation"),
+    nfe_speedup: str = typer.Option(None, "--nfe-speedup", help="also print the wall-clock speed-up table (Table 4) at these NFE speed-ups, e.g. 2,4,8"),
+    as_json: bool = typer.Option(False, "--json", help="print the tables as JSON"),
+    png: Path = typer.Option(None, "--png", help="plot the slowdown table to FILE (and the speed-up table to FILE-speedup.png)"),
+) -> None:
+    """Roofline cost of k-token forwards (SBD §4): Table 3 slowdown and Table 4 wall-clock speed-up."""
+    from unmask.bench.roofline import TABLE4_NFE, Precision, slowdown_table, speedup_table
+
+    if preset not in (None, "sbd-paper"):
+        raise UnmaskError(f"unknown roofline preset {preset!r}; the only preset is sbd-paper")
+    nfe = _numbers(nfe_speedup, "--nfe-speedup") if nfe_speedup else None
+    if preset == "sbd-paper":
+        kw: dict[str, Any] = {"mode": "paper"}
+        if gpu != "h100" or peak_flops or attn_flops or bandwidth:
+            kw["gpu"] = _gpu(gpu, peak_flops, attn_flops, bandwidth)
+        nfe = nfe or TABLE4_NFE
+        titles = ("SBD Table 3 (as printed, Fig. 11 cost model)", "SBD Table 4 (as printed, Fig. 11 cost model)")
+    else:
+        kw = {"mode": "corrected", "shape": _shape(config), "gpu": _gpu(gpu, peak_flops, attn_flops, bandwidth),
+              "precision": Precision(weight_bytes, kv_bytes, act_bytes)}
+        titles = ("Table 3 layout, corrected cost model", "Table 4 layout, corrected cost model")
+    tables = [slowdown_table(**kw)]
+    if nfe:
+        tables.append(speedup_table(**kw, nfe_speedups=nfe))
+    if as_json:
+        typer.echo(json.dumps({"tables": [t.to_dict() for t in tables]}))
+    else:
+        for title, t in zip(titles, tables):
+            typer.echo(title)
+            typer.echo(t.format())
+            typer.echo()
+    if png is not None:
+        paths = [png, png.with_name(f"{png.stem}-speedup{png.suffix or '.png'}")]
+        for path, t in zip(paths, tables):
+            t.plot(str(path))
+            if not as_json:
+                typer.echo(f"wrote {path}")

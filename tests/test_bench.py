@@ -1,0 +1,73 @@
+"""``unmask bench``: pair discovery from the registries, one run, ratios to AR, broken pairs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from unmask.bench import side_by_side
+from unmask.cli import main
+from unmask.decode import DECODERS, DecoderInfo
+from unmask.errors import UnmaskError
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bench_cli_lists_ar(capsys):
+    code, out, err = run_cli(capsys, "bench", "--limit", "2", "--max-new-tokens", "16", "--no-progress")
+    assert code == 0, err
+    assert "ar" in out and "stories260K" in out and "TPS/AR" in out and "distinct-4" in out
+    code, out, err = run_cli(capsys, "bench", "--limit", "2", "--max-new-tokens", "16", "--json",
+                             "--decoder", "ar")
+    assert code == 0, err
+    res = json.loads(out)
+    ar = next(r for r in res["rows"] if (r["decoder"], r["model"]) == ("ar", "stories260K"))
+    assert ar["tps_vs_ar"] == 1.0 and ar["nfe_vs_ar"] == 1.0 and ar["agreement_positional"] == 1.0
+    assert ar["n"] == 2 and ar["nfe"] == 16 and ar["tpf"] == 1.0 and ar["nll"] > 0 and 0 < ar["distinct_4"] <= 1
+    assert res["settings"]["reference"] == "ar@stories260K" and "git_sha" in ar["env"]
+
+
+@pytest.fixture
+def fake_registry(monkeypatch, tmp_path):
+    """Two extra shipped models and one extra decoder, to see discovery pick them up."""
+    import unmask.models.registry as registry
+
+    real = registry.shipped()
+    dirs = {}
+    for name, kind in (("toy-sbd", "sbd"), ("toy-dlm", "masked-diffusion")):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        (d / "unmask_config.json").write_text(json.dumps({"kind": kind}))
+        dirs[name] = d
+    monkeypatch.setattr(registry, "shipped", lambda: {**real, **dirs})
+    monkeypatch.setitem(DECODERS, "toy-diffusion", DecoderInfo("toy-diffusion", "unmask.decode.ar",
+                                                               ("masked-diffusion",), "test only"))
+
+
+def test_pairs_are_discovered_from_the_registries(fake_registry):
+    got = side_by_side.pairs()
+    assert ("ar", "stories260K") in got and ("sbd", "toy-sbd") in got and ("toy-diffusion", "toy-dlm") in got
+    assert ("ar", "toy-sbd") not in got  # ar's native kind is causal
+    assert ("ar", "toy-sbd") in side_by_side.pairs(include_all=True)
+    assert side_by_side.pairs(decoders=["sbd"]) == [("sbd", "toy-sbd")]
+    with pytest.raises(UnmaskError, match="unknown decoder"):
+        side_by_side.pairs(decoders=["nope"])
+
+
+def test_a_failing_pair_is_reported_and_the_others_run(fake_registry):
+    res = side_by_side.bench(limit=1, max_new_tokens=4, models=["stories260K", "toy-sbd"])
+    rows = {(r["decoder"], r["model"]): r for r in res.rows}
+    assert rows[("sbd", "toy-sbd")]["error"]  # an empty config.json does not load
+    assert rows[("ar", "stories260K")]["tps_vs_ar"] == 1.0
+    table = res.table()
+    assert table.row_count == 2

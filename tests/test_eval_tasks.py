@@ -1,0 +1,177 @@
+"""Evaluation tasks end to end: items, scorers, quality measures, the runner and ``unmask eval``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from unmask.cli import main
+from unmask.errors import UnmaskError
+from unmask.eval import quality
+from unmask.eval import tasks as T
+from unmask.eval.runner import _budget, evaluate
+from unmask.eval.story_openings import STORY_OPENINGS
+
+ENV_KEYS = {"unmask", "git_sha", "torch", "transformers", "cpu", "gpu", "device", "dtype", "batch_size"}
+ROW_KEYS = {"id", "prompt", "text", "n_tokens", "nfe", "tpf", "tps", "seconds", "config", "env"}
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------- quality measures
+
+
+def test_distinct_n():
+    assert quality.distinct_n([1, 2, 3, 4, 5], 4) == 1.0
+    assert quality.distinct_n([1, 2, 1, 2, 1, 2, 1], 4) == 2 / 4  # (1,2,1,2) and (2,1,2,1)
+    assert quality.distinct_n([1, 2, 3], 4) is None
+    with pytest.raises(UnmaskError):
+        quality.distinct_n([1, 2], 0)
+
+
+@pytest.mark.parametrize("a, r, prefix, positional", [
+    ([1, 2, 3], [1, 2, 3], 1.0, 1.0),
+    ([], [], 1.0, 1.0),
+    ([1, 2, 3], [1, 2, 4, 5], 2 / 4, 2 / 4),
+    ([9, 2, 3], [1, 2, 3], 0.0, 2 / 3),   # positional keeps counting after the divergence
+    ([1, 2], [1, 2, 3, 4], 2 / 4, 2 / 4),  # a shorter continuation is not full agreement
+])
+def test_agreement(a, r, prefix, positional):
+    assert quality.agreement(a, r) == {"prefix": prefix, "positional": positional}
+
+
+def test_reference_nll_matches_a_manual_teacher_forced_sum(stories):
+    prompts = [stories.encode("Once upon a time"), stories.encode("Tom had a big red ball that he loved.")]
+    conts = [[403, 407, 261, 378, 300], [300, 301]]
+    got = quality.reference_nll(stories, prompts, conts, batch_size=2)  # right-padded batch
+    for p, c, nll in zip(prompts, conts, got):
+        seq = torch.tensor([p + c])
+        logp = torch.log_softmax(stories.model(seq).logits[0].float(), -1)  # (T, V)
+        want = -sum(logp[t - 1, seq[0, t]].item() for t in range(len(p), len(p) + len(c))) / len(c)
+        assert nll == pytest.approx(want, abs=1e-4)
+    assert math.isnan(quality.reference_nll(stories, [prompts[0]], [[]])[0])
+    assert quality.judge_prob_pct(0.0) == 100.0
+
+
+def test_reference_nll_refuses_a_non_causal_judge(stories):
+    import dataclasses
+
+    with pytest.raises(UnmaskError, match="judge"):
+        quality.reference_nll(dataclasses.replace(stories, kind="masked-diffusion"), [[1]], [[5]])
+
+
+# ---------------------------------------------------------------- items and scorers
+
+
+def test_story_openings_fixed_and_limited():
+    assert len(STORY_OPENINGS) >= 100 and len(set(STORY_OPENINGS)) == len(STORY_OPENINGS)
+    items = T.load_items("stories", limit=5)
+    assert [it.prompt for it in items] == list(STORY_OPENINGS[:5])
+    assert [it.id for it in items] == [f"story/{i}" for i in range(5)]
+
+
+def test_bad_task_options():
+    with pytest.raises(UnmaskError, match="unknown task"):
+        T.get_task("nope")
+    with pytest.raises(UnmaskError, match="--shots"):
+        T.load_items("stories", shots=2)
+    with pytest.raises(UnmaskError, match="--limit"):
+        T.load_items("stories", limit=0)
+
+
+def test_gsm8k_and_code_scorers(data_dir):
+    items = T.load_items("gsm8k", limit=2, data_dir=data_dir)
+    right = [f"So the answer is\n#### {it.data.target}" for it in items]
+    assert T.summarize("gsm8k", T.score_texts("gsm8k", items, right)) == {"strict_pct": 100.0, "flexible_pct": 100.0}
+    few = T.load_items("gsm8k", limit=1, shots=2, data_dir=data_dir)[0].prompt
+    assert few.count("Question:") == 3 and few.endswith("Answer:")
+    he = T.load_items("humaneval", limit=2, data_dir=data_dir)
+    scores = T.score_texts("humaneval", he, [it.data.canonical_solution for it in he])
+    assert T.summarize("humaneval", scores) == {"pass_at_1_pct": 100.0}
+    scores = T.score_texts("humaneval", he, ["    return None\n"] * 2)
+    assert T.summarize("humaneval", scores) == {"pass_at_1_pct": 0.0}
+    with pytest.raises(UnmaskError, match="0 or 3"):
+        T.load_items("mbpp", shots=1, data_dir=data_dir)
+
+
+def test_budget_is_clipped_to_the_context_with_a_note(stories):
+    spec = T.get_task("gsm8k")
+    assert _budget(stories, [[1] * 100], None, spec) == (256, None)
+    budget, note = _budget(stories, [[1] * 400], None, spec)
+    assert budget == 112 and "clipped" in note
+    with pytest.raises(UnmaskError, match="context"):
+        _budget(stories, [[1] * 500], None, spec)
+    assert _budget(stories, [[1] * 500], 4, spec) == (4, None)  # an explicit budget is generate's to check
+
+
+# ---------------------------------------------------------------- the runner
+
+
+def test_stories_ar_agrees_with_itself(stories):
+    res = evaluate("stories", stories, "ar", limit=3, batch_size=3, max_new_tokens=24, judge=stories)
+    assert len(res.rows) == 3
+    for row in res.rows:
+        assert ROW_KEYS <= set(row) and math.isfinite(row["nll"]) and row["nll"] > 0
+        assert row["agreement_prefix"] == row["agreement_positional"] == 1.0
+    s = res.summary
+    assert s["agreement_positional"] == 1.0 and s["agreement_pct"] == 100.0
+    assert s["quality_metric"] == "judge_prob_pct"
+    assert s["quality_pct"] == pytest.approx(100 * math.exp(-s["nll"]))
+    assert 0 < s["distinct_4"] <= 1 and s["tpf"] == 1.0
+    assert s["config"]["agreement_reference"] == "ar@stories260K" and s["config"]["judge"] == "stories260K"
+
+
+def test_eval_gsm8k_end_to_end_through_the_cli(capsys, tmp_path, data_dir):
+    out = tmp_path / "gsm8k.jsonl"
+    code, stdout, err = run_cli(capsys, "eval", "--task", "gsm8k", "--model", "stories260K", "--decoder", "ar",
+                                "--limit", "3", "--batch-size", "2", "--max-new-tokens", "32",
+                                "--data-dir", str(data_dir), "--out", str(out), "--no-progress")
+    assert code == 0, err
+    assert "flexible_pct" in stdout and "strict_pct" in stdout and "tps" in stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    items, summary = rows[:-1], rows[-1]
+    assert [r["type"] for r in items] == ["item"] * 3 and summary["type"] == "summary"
+    for r in items:
+        assert ROW_KEYS | {"strict", "flexible", "gold"} <= set(r)
+        assert r["nfe"] >= 1 and r["n_tokens"] <= 32 and r["tpf"] == pytest.approx(r["n_tokens"] / r["nfe"])
+        assert ENV_KEYS <= set(r["env"]) and r["env"]["torch"] == torch.__version__
+        assert r["env"]["batch_size"] == 2 and r["env"]["device"] == "cpu" and r["env"]["dtype"] == "float32"
+        assert r["config"]["decoder"] == "ar" and r["config"]["max_new_tokens"] == 32
+    assert {it["batch"] for it in items} == {0, 1}
+    assert 0.0 <= summary["strict_pct"] <= 100.0 and 0.0 <= summary["flexible_pct"] <= 100.0
+    assert summary["n"] == 3 and summary["generated"] == sum(r["n_tokens"] for r in items)
+
+
+def test_missing_data_is_one_line_with_the_fix(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "eval", "--task", "gsm8k", "--data-dir", str(tmp_path / "none"))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "--data-dir" in lines[0]
+
+
+def test_eval_refuses_an_option_the_decoder_does_not_take(capsys):
+    code, out, err = run_cli(capsys, "eval", "--task", "stories", "--decoder", "ar", "--gamma", "0.1",
+                             "--limit", "1", "--no-progress")
+    assert code == 2 and "--gamma" in err and len(err.strip().splitlines()) == 1
+
+
+def test_judge_ids_reencode_text_when_tokenizers_differ(stories):
+    from unmask.eval.runner import _judge_ids
+
+    item = T.Item("x", "Once upon a time")
+    same = {"prompt_tokens": stories.encode(item.prompt), "tokens": [5, 6], "text": "ignored"}
+    assert _judge_ids(stories, [item], [same]) == ([same["prompt_tokens"]], [[5, 6]])
+    other = {"prompt_tokens": [1, 2, 3], "tokens": [9999], "text": " there was a cat."}  # another tokenizer's ids
+    prompts, conts = _judge_ids(stories, [item], [other])
+    full = stories.encode(item.prompt + other["text"])
+    assert prompts == [stories.encode(item.prompt)] and conts == [full[len(prompts[0]):]]
