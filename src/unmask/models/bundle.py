@@ -189,6 +189,10 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     if kind != "causal" and mask_id is None:
         raise UnmaskError(f"{path} is a {kind} model but names no mask token; pass mask_token_id=ID "
                           "or add it to unmask_config.json")
+    vocab = getattr(model.config, "vocab_size", None)
+    if mask_id is not None and isinstance(vocab, int) and not 0 <= int(mask_id) < vocab:
+        raise UnmaskError(f"{path}: mask token id {mask_id} is outside the model's vocabulary of {vocab}; "
+                          "pass the right mask_token_id")
     if logit_shift is None:
         logit_shift = int(meta.get("logit_shift", family.logit_shift if family is not None else 0))
     stops = _stop_ids(model, tokenizer, meta)
