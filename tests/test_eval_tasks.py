@@ -175,3 +175,66 @@ def test_judge_ids_reencode_text_when_tokenizers_differ(stories):
     prompts, conts = _judge_ids(stories, [item], [other])
     full = stories.encode(item.prompt + other["text"])
     assert prompts == [stories.encode(item.prompt)] and conts == [full[len(prompts[0]):]]
+
+
+# ---------------------------------------------------------------- lm-evaluation-harness adapter
+
+LM_EVAL_TASK = """\
+task: unmask_local_stories
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{target}}}}"
+generation_kwargs:
+  until: ["."]
+  max_gen_toks: 16
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+LM_EVAL_MC_TASK = """\
+task: unmask_local_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{prompt}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def test_lm_eval_adapter_on_a_local_jsonl_task(tmp_path, stories, monkeypatch):
+    lm_eval = pytest.importorskip("lm_eval", reason="the lm-eval extra is not installed")
+    from lm_eval.tasks import TaskManager
+
+    import unmask
+    from unmask.eval.lm_eval_adapter import UnmaskLM
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    prompts = list(STORY_OPENINGS[:2])
+    # The target of each prompt is the greedy AR continuation up to its first ".", so exact match is 1.
+    ar = unmask.generate(prompts, stories, "ar", max_new_tokens=16, stop=["."])
+    data = tmp_path / "stories.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "target": t, "choices": [t, " Zzz qq."], "label": 0}) + "\n"
+                            for p, t in zip(prompts, ar.texts)))
+    (tmp_path / "gen.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    (tmp_path / "mc.yaml").write_text(LM_EVAL_MC_TASK.format(data=data))
+    tm = TaskManager(include_path=str(tmp_path))
+    res = lm_eval.simple_evaluate(model="unmask", model_args="pretrained=stories260K,decoder=ar",
+                                  tasks=["unmask_local_stories", "unmask_local_choice"], task_manager=tm,
+                                  batch_size=2, log_samples=False, bootstrap_iters=0)
+    assert res["results"]["unmask_local_stories"]["exact_match,none"] == 1.0
+    assert res["results"]["unmask_local_choice"]["acc,none"] == 1.0
+    lm = UnmaskLM(pretrained="stories260K", decoder="ar")
+    assert lm.stats == {"nfe": 0, "generated": 0, "seconds": 0.0}
