@@ -39,12 +39,14 @@ def crop(cache, n: int) -> None:
 
 
 def forward(model, input_ids: torch.Tensor, *, position_ids: torch.Tensor, attention_mask=None,
-            cache=None, logits_to_keep: int = 0, is_causal: bool | None = None) -> torch.Tensor:
+            cache=None, logits_to_keep: int | torch.Tensor = 0, is_causal: bool | None = None) -> torch.Tensor:
     """One model forward through HF's supported entry points.
 
     input_ids (B, q) long, position_ids (B, q) long (always explicit, spec/models.md §3.6),
     attention_mask None, (B, kv) 2D padding mask or (B, 1, q, kv) 4D mask (bool for SDPA,
-    additive float for eager). Returns logits (B, q or logits_to_keep, V) in float32.
+    additive float for eager). logits_to_keep: an int keeps the last k positions (0: all); a 1D
+    long tensor keeps those query positions (``*ForCausalLM`` in 4.5x-5.x). Returns logits
+    (B, q or kept, V) in float32.
     """
     kwargs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
               "use_cache": cache is not None, "logits_to_keep": logits_to_keep}

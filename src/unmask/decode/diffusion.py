@@ -186,6 +186,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     the forwards in which that row still had masks. stats.extra: policy, cache, gen_length,
     block_size, sampler, ``accepts`` (histogram of per-row commits per forward), ``n_committed``
     and per-row ``row_extra`` {policy, cache, steps (forwards used), commits (per-step counts)}.
+    With ``steps`` larger than the generation length LLaDA's trailing steps have a quota of 0 and
+    commit nothing; they are skipped (same tokens, fewer forwards).
 
     Raises UnmaskError for a model without a mask token, a block size that does not divide the
     generation length, a bad step budget, bad policy options, an unknown cache or sampler, or a
@@ -201,7 +203,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         sampler=sampler or default_sampler(bundle))
     report = cfg.gen_length if gen_length is not None else min(max_new_tokens, cfg.gen_length)
     shift, mask_id, device = bundle.logit_shift, bundle.mask_token_id, bundle.device
-    if any(len(p) < shift for p in prompts) or any(len(p) == 0 for p in prompts):
+    if any(len(p) == 0 for p in prompts):
         raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
     P, L, Bk = max(len(p) for p in prompts), cfg.gen_length, cfg.block_size
     if P + L > bundle.context_length:
@@ -230,7 +232,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     histogram: Counter = Counter()
     for b in range(cfg.n_blocks):
         s, e = P + b * Bk, P + (b + 1) * Bk
-        run.begin(s - shift, e if cfg.cache == "dual" else P + L)
+        run.begin(s - shift, e)
         n_start = (ids[:, s:e] == mask_id).sum(dim=1)  # (B,) masks at block start
         step = 0
         while True:
@@ -238,8 +240,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             if not bool(masked.any()):
                 break
             refresh = step == 0 or (cfg.refresh_every is not None and step % cfg.refresh_every == 0)
-            raw = run(refresh)  # (B, window, V), window starts at s - shift
-            logits = realign(raw, shift)[:, shift: shift + Bk].clone()  # (B, Bk, V): index j scores s + j
+            raw = run(refresh)  # (B, shift + Bk, V): rows s - shift .. e - 1
+            logits = realign(raw, shift)[:, shift:].clone()  # (B, Bk, V): index j scores s + j
             if suppress:
                 logits[..., suppress] = float("-inf")
             quota = None if steps_per_block is None else llada_quota(n_start, steps_per_block, step)  # (B,)

@@ -117,13 +117,14 @@ def realign(logits: torch.Tensor, shift: int) -> torch.Tensor:
 
 
 def bidirectional_forward(bundle, ids: torch.Tensor, *, position_ids: torch.Tensor, key_valid: torch.Tensor,
-                          cache=None, logits_to_keep: int = 0) -> torch.Tensor:
+                          cache=None, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """One bidirectional forward of a masked-diffusion model; returns **raw** logits (not realigned).
 
     ids, position_ids: (B, q) long. key_valid: (B, kv) bool over every key the queries see (the
     cache's keys first, then ``ids``), False at padding. cache: an HF ``Cache`` (native models
-    only) extended by the q new K/V. logits_to_keep: 0 = all q, else the last k.
-    Returns (B, q or k, V) float32. Raises UnmaskError when a cache is asked of a remote model.
+    only) extended by the q new K/V. rows: (start, stop) query rows whose logits are wanted (the LM
+    head runs on those only); None = all. Returns (B, stop - start or q, V) float32.
+    Raises UnmaskError when a cache is asked of a remote model.
     """
     model = bundle.model
     padded = not bool(key_valid.all())
@@ -136,8 +137,9 @@ def bidirectional_forward(bundle, ids: torch.Tensor, *, position_ids: torch.Tens
             B, q = ids.shape
             full = torch.ones(q, key_valid.shape[1], dtype=torch.bool, device=ids.device)  # (q, kv)
             mask = attention_mask(model, with_key_padding(as_4d(full, B), key_valid))  # (B, 1, q, kv)
+        keep = 0 if rows is None else torch.arange(rows[0], rows[1], device=ids.device)  # (stop - start,)
         return forward(model, ids, position_ids=position_ids, attention_mask=mask, cache=cache,
-                       logits_to_keep=logits_to_keep, is_causal=False)
+                       logits_to_keep=keep, is_causal=False)
     if cache is not None:
         raise UnmaskError("the prefix/dual caches need a transformers-native model; this checkpoint runs its own "
                           "model code, so use cache='none'")
@@ -155,7 +157,7 @@ def bidirectional_forward(bundle, ids: torch.Tensor, *, position_ids: torch.Tens
     else:
         # LLaDA's remote forward: input_ids, and a 2D padding mask when rows are left-padded.
         out = model(input_ids=ids, attention_mask=key_valid.long()) if padded else model(input_ids=ids)
-    logits = out.logits if hasattr(out, "logits") else out[0]
-    if logits_to_keep:
-        logits = logits[:, -logits_to_keep:]
+    logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
+    if rows is not None:
+        logits = logits[:, rows[0]: rows[1]]
     return logits.float()
