@@ -191,7 +191,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict,
     final = Path(run_dir) / CKPT_DIR / f"step-{step:08d}"
     tmp = staging_dir(final)
     try:
-        model.save_pretrained(tmp, max_shard_size="1000GB")
+        save_model(model, tmp)
         if save_extras is not None:
             save_extras(tmp, trainer_state)
         torch.save(trainer_state, tmp / STATE_FILE)
@@ -206,6 +206,20 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict,
     for stale in (Path(run_dir) / CKPT_DIR).glob(".step-*"):  # staging left by a killed run
         shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def save_model(model, directory: Path) -> None:
+    """``save_pretrained`` as one safetensors file, without transformers' progress bar (it
+    would break the training progress display)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(directory, max_shard_size="1000GB")
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def load_weights(model, ckpt: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from unmask.errors import UnmaskError
 from unmask.fileio import atomic_write_json, publish_dir, staging_dir
 from unmask.train.data import check_data_files, load_corpus, pack, separator_id
-from unmask.train.loop import TrainConfig, TrainResult, checkpoints, train
+from unmask.train.loop import TrainConfig, TrainResult, checkpoints, save_model, train
 from unmask.train.objectives import SBDObjective
 
 SBD_FORMAT_VERSION = 1
@@ -136,7 +136,7 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
         return result
     tmp = staging_dir(out)
     try:
-        bundle.model.save_pretrained(tmp)
+        save_model(bundle.model, tmp)
         save_extras(tmp, {"step": result.step, "stopped": result.stopped, "last": result.last, "val": result.val})
         publish_dir(tmp, out)
     except BaseException:
