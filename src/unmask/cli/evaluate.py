@@ -75,7 +75,7 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-SUMMARY_SKIP = ("type", "config", "env", "notes", "quality_metric", "quality_pct")
+SUMMARY_SKIP = ("type", "task", "model", "decoder", "config", "env", "notes", "quality_metric", "quality_pct")
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -149,7 +149,7 @@ def sweep_cmd(
     """Evaluate once per value of a policy parameter; print the table, the AUP and a Pareto plot."""
     from rich.table import Table
 
-    from unmask.eval.sweep import sweep
+    from unmask.eval.sweep import _num, sweep
 
     opts = _options(policy=policy, block_size=block_size)
     with _progress(not no_progress) as progress:
@@ -167,7 +167,7 @@ def sweep_cmd(
                   f"{p['nfe']:.1f}", f"{p['seconds']:.2f}")
     console.print(t)
     if res.aup_score is not None:
-        console.print(f"AUP {res.aup_score:.2f} (points (TPF, {res.metric}), y_max {res.y_max:.2f}, d3LLM variant)")
+        console.print(f"AUP {_num(res.aup_score)} (points (TPF, {res.metric}), y_max {_num(res.y_max)}, d3LLM variant)")
     else:
         console.print(f"AUP n/a: {res.aup_error}")
     if out_png is not None:

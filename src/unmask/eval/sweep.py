@@ -92,11 +92,16 @@ class SweepResult:
             ax.set(xlabel=label, title=f"{self.task}: {self.metric} vs {x_key.upper()}")
             ax.grid(alpha=0.3)
         axes[0].set_ylabel(f"{self.metric} (%)")
-        aup_text = f"AUP {self.aup_score:.2f}" if self.aup_score is not None else "AUP n/a"
-        fig.suptitle(f"sweep over {self.param} · {aup_text} (y_max {self.y_max:.2f})")
+        aup_text = f"AUP {_num(self.aup_score)}" if self.aup_score is not None else "AUP n/a"
+        fig.suptitle(f"sweep over {self.param} · {aup_text} (y_max {_num(self.y_max)})")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
+
+
+def _num(x: float) -> str:
+    """Two decimals, or three significant digits below 1 (a garbage model's 0.0256 %)."""
+    return f"{x:.2f}" if abs(x) >= 1 else f"{x:.3g}"
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
