@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
           "bytes (weights/KV/activations), logits for all k rows")
 
     cells, skipped = [], 0
+    use_graph = device.type == "cuda" and not args.no_graph
     for batch in grid["batches"]:
         for kv in grid["kv"]:
             print(f"\nbatch {batch}, KV {kv}")
@@ -184,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                     skipped += 1
                     continue
                 ms, mode = time_block(model, k=k, batch=batch, kv_len=kv, warmup=warmup, reps=reps,
-                                      use_graph=device.type == "cuda" and not args.no_graph)
+                                      use_graph=use_graph)
+                if use_graph and mode == "eager":
+                    use_graph = False  # capture failed once: it will fail again, so stop trying
+                    print("      (CUDA graph capture failed; timing eager forwards from here on)")
                 t1 = ms if k == 1 else t1
                 measured = ms / t1 if t1 else float("nan")
                 predicted = cost.slowdown(k=k, batch=batch, kv_len=kv)
