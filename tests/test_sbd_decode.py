@@ -167,3 +167,14 @@ def test_bad_inputs():
         sbd.decode(bundle, [[1, 2]], max_new_tokens=4, block_size=10_000)
     with pytest.raises(UnmaskError, match="kind sbd"):
         get_decoder("sbd", "causal")
+
+
+def test_checkpoint_decode_defaults_apply_unless_overridden():
+    bundle = sbd_bundle()
+    bundle.meta = {"decode_defaults": {"block_size": 2, "gamma": float("inf")}}
+    out = sbd.decode(bundle, [[1, 3, 5]], max_new_tokens=6)
+    assert out.stats.extra["block_size"] == 2 and out.stats.nfe == 3
+    out = sbd.decode(bundle, [[1, 3, 5]], max_new_tokens=6, gamma=0.0)
+    assert out.stats.extra["block_size"] == 2 and out.stats.nfe == 6
+    out = sbd.decode(bundle, [[1, 3, 5]], max_new_tokens=6, block_size=3)
+    assert out.stats.nfe == 2

@@ -46,8 +46,19 @@ class SBDConfig:
 
     @classmethod
     def from_options(cls, *, block_size=None, policy=None, gamma=None, preset=None, tau=None, factor=None,
-                     tokens_per_step=None) -> "SBDConfig":
-        """Build from CLI-style options; raises UnmaskError for invalid combinations."""
+                     tokens_per_step=None, defaults: dict | None = None) -> "SBDConfig":
+        """Build from CLI-style options; raises UnmaskError for invalid combinations.
+
+        ``defaults`` (a checkpoint's ``decode_defaults`` in unmask_config.json, e.g.
+        ``{"block_size": 8, "gamma": 0.35}``) fills the block size and, when no policy option is
+        given at all, the policy; explicit options always win.
+        """
+        defaults = dict(defaults or {})
+        if block_size is None:
+            block_size = defaults.pop("block_size", None)
+        defaults.pop("block_size", None)
+        if all(v is None for v in (policy, gamma, preset, tau, factor, tokens_per_step)) and defaults:
+            return cls.from_options(block_size=block_size, **defaults)
         name = policy or "entropy-bound"
         if preset is not None and gamma is not None:
             raise UnmaskError("give either --gamma or --preset, not both")
@@ -82,7 +93,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         raise UnmaskError("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); "
                           "train one with 'unmask train sbd'")
     cfg = SBDConfig.from_options(block_size=block_size, policy=policy, gamma=gamma, preset=preset, tau=tau,
-                                 factor=factor, tokens_per_step=tokens_per_step)
+                                 factor=factor, tokens_per_step=tokens_per_step,
+                                 defaults=bundle.meta.get("decode_defaults"))
     k, model, device, mask_id = cfg.block_size, bundle.model, bundle.device, bundle.mask_token_id
     if k > bundle.context_length:
         raise UnmaskError(f"block size {k} exceeds the context window of {bundle.context_length}; lower --block-size")
