@@ -1,6 +1,7 @@
-"""Model-independent evaluation: AUP, GSM8K scoring, HumanEval/MBPP pass@1, the sandbox.
+"""Evaluation: tasks (stories, GSM8K, HumanEval, MBPP), scorers, AUP, sweeps, the sandbox.
 
-Nothing here loads a model: decoders produce text, these functions score it.
+The scorers re-exported here are model-independent; ``unmask.eval.runner`` / ``tasks`` run
+decoders on a task, and ``unmask.eval.quality`` scores generated token ids under a judge model.
 """
 
 from unmask.eval.aup import aup, aup_weight
