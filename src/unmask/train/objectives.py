@@ -4,6 +4,10 @@ SBD (spec/sbd.md §3): the clean + noisy layout of Figs. 7–8 built by :func:`s
 joint NTP + masked-token loss of Eq. 14 computed by :func:`sbd_loss` in one forward over 2L
 tokens with the §3.3 attention mask. :class:`SBDObjective` binds them for the generic loop
 (``unmask.train.loop``), which only needs ``objective.loss(model, chunks, generator)``.
+
+Masked diffusion (spec/diffusion.md §1): :func:`masked_diffusion_loss`, the 1/t-weighted
+masked-token cross-entropy (with the optional Dream-style shift of §2); the objective that draws
+the noise and runs the bidirectional forward is ``unmask.train.diffusion``.
 """
 
 from __future__ import annotations
@@ -159,3 +163,122 @@ class SBDObjective:
         """chunks (B, L+1) long on the model's device -> (loss, terms) of :func:`sbd_loss`."""
         batch = sbd_batch(chunks, self.mask_token_id, k, generator)
         return sbd_loss(model, batch, k, self.mask_token_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked diffusion (spec/diffusion.md §1–2)
+# ---------------------------------------------------------------------------------------------
+
+DIFFUSION_NORMS = ("token", "sequence", "batch")
+
+
+def masked_token_nll(logits: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor, shift: bool,
+                     mask_id: int | None = None) -> torch.Tensor:
+    """−log pθ(x0^i | xt) at every masked position, 0 elsewhere (diffusion.md §1–2).
+
+    The cross-entropy runs on the masked positions only, so its cost scales with the number of
+    targets, not with B·T·V.
+
+    Args:
+        logits: (B, T, V) raw forward outputs over the noisy canvas xt (any float dtype).
+        x0: (B, T) long clean tokens.
+        masked: (B, T) bool, True where xt holds the mask token (the scored positions).
+        shift: True for the Dream-style one-position shift (§2): position i is scored by the
+            logits at i − 1, so position 0 cannot be scored and must not be masked.
+        mask_id: vocabulary row whose logit is set to −inf first (§2 item 3); None = keep all.
+
+    Returns:
+        (B, T) float32 NLL in nats.
+    """
+    V = logits.shape[-1]
+    scored = masked
+    if shift:
+        logits = logits[:, :-1]  # (B, T-1, V): row i-1 scores token i
+        x0, scored = x0[:, 1:], masked[:, 1:]  # (B, T-1) each
+    picked = logits[scored].float()  # (n, V), n = number of targets
+    if mask_id is not None:
+        picked[:, mask_id] = float("-inf")
+    nll = F.cross_entropy(picked, x0[scored], reduction="none")  # (n,)
+    out = torch.zeros(scored.shape, dtype=torch.float32, device=logits.device)  # (B, T or T-1)
+    out = out.masked_scatter(scored, nll)  # row-major order, the same order as the boolean gather
+    if shift:
+        out = F.pad(out, (1, 0))  # (B, T): position 0 is never a target
+    return out
+
+
+def diffusion_weighted_loss(nll: torch.Tensor, t: torch.Tensor, maskable: torch.Tensor,
+                            norm: str = "token") -> torch.Tensor:
+    """The §1 objective from per-token NLL: Σ_i NLL_bi / t_b, normalised by ``norm``.
+
+    ``token``: divided by the number of maskable tokens in the batch (library default, as in
+    ZHZisZZ/dllm). ``sequence``: each row divided by its own maskable count, then the mean over
+    rows that have any. ``batch``: divided by the number of rows B (nats per sequence).
+
+    Args:
+        nll: (B, T) float, 0 at unmasked positions (:func:`masked_token_nll`).
+        t: (B,) float mask ratio of each row, in (0, 1].
+        maskable: (B, T) bool, the positions that could have been masked (response tokens).
+
+    Returns:
+        scalar float32 (0 with a graph when nothing is maskable).
+    """
+    per_row = (nll / t[:, None].to(nll.dtype)).sum(dim=1)  # (B,) 1/t-weighted sum
+    n = maskable.sum(dim=1).to(nll.dtype)  # (B,) maskable tokens per row
+    if norm == "token":
+        return per_row.sum() / n.sum().clamp(min=1)
+    if norm == "sequence":
+        has = n > 0
+        return (per_row[has] / n[has]).mean() if bool(has.any()) else per_row.sum() * 0
+    if norm == "batch":
+        return per_row.sum() / per_row.shape[0]
+    raise UnmaskError(f"unknown loss normalisation {norm!r}; choose one of: {', '.join(DIFFUSION_NORMS)}")
+
+
+def masked_diffusion_loss(logits: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor, t: torch.Tensor,
+                          shift: bool, norm: str = "token", *, maskable: torch.Tensor | None = None,
+                          mask_id: int | None = None) -> torch.Tensor:
+    """Masked-diffusion loss (diffusion.md §1; LLaDA arXiv 2502.09992, linear schedule w(t) = 1/t).
+
+    ``L = Σ_b Σ_i 1[xt_b^i = m] · (−log pθ(x0_b^i | xt_b)) / t_b``, divided as ``norm`` says
+    (:func:`diffusion_weighted_loss`). With t ~ U[1e-3, 1) per row (drawn by the caller) its
+    expectation is an upper bound on the NLL per maskable token.
+
+    Args:
+        logits: (B, T, V) raw forward outputs over xt (bidirectional attention).
+        x0: (B, T) long clean tokens.
+        masked: (B, T) bool, True where xt holds the mask token.
+        t: (B,) float mask ratio per row, each in (0, 1].
+        shift: Dream-style realignment (§2): position i is read from the logits at i − 1.
+        norm: ``token`` (default), ``sequence`` or ``batch``.
+        maskable: (B, T) bool, the response positions that could be masked (prompt tokens of
+            SFT and the leading BOS are not). Default: every position (all but 0 when shifted).
+            ``masked`` must lie inside it.
+        mask_id: the mask token; its logit is −inf so no probability goes to it (§2 item 3).
+
+    Returns:
+        scalar float32 tensor with grad.
+
+    Raises:
+        UnmaskError: mismatched shapes, an unknown norm, t outside (0, 1], a masked position
+            outside ``maskable``, or a masked position 0 under ``shift``.
+    """
+    if logits.dim() != 3 or x0.shape != logits.shape[:2] or masked.shape != x0.shape:
+        raise UnmaskError(f"logits must be (B, T, V) with x0 and masked (B, T); got {tuple(logits.shape)}, "
+                          f"{tuple(x0.shape)}, {tuple(masked.shape)}")
+    if t.shape != (x0.shape[0],):
+        raise UnmaskError(f"t must hold one mask ratio per row, shape ({x0.shape[0]},), got {tuple(t.shape)}")
+    if norm not in DIFFUSION_NORMS:
+        raise UnmaskError(f"unknown loss normalisation {norm!r}; choose one of: {', '.join(DIFFUSION_NORMS)}")
+    if bool(((t <= 0) | (t > 1)).any()):
+        raise UnmaskError("every mask ratio t must lie in (0, 1]; draw t ~ U[1e-3, 1)")
+    if maskable is None:
+        maskable = torch.ones_like(masked)
+        if shift:
+            maskable[:, 0] = False
+    if shift and bool(masked[:, 0].any()):
+        raise UnmaskError("with the one-position shift, position 0 has no logits to be scored from and must "
+                          "not be masked; start every sequence with BOS")
+    if bool((masked & ~maskable).any()):
+        raise UnmaskError("a masked position lies outside `maskable` (a prompt token or the leading BOS)")
+    nll = masked_token_nll(logits, x0, masked, shift, mask_id)  # (B, T)
+    return diffusion_weighted_loss(nll, t, maskable, norm)
