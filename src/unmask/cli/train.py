@@ -1,4 +1,4 @@
-"""``unmask train sbd`` and ``unmask data stories``: thin wrappers over unmask.train."""
+"""``unmask train sbd``, ``unmask train diffusion`` and ``unmask data stories``: thin wrappers over unmask.train."""
 
 from __future__ import annotations
 
@@ -82,3 +82,48 @@ def data_stories_cmd(
                                 progress=progress, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                 val_fraction=val_fraction)
     typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
+
+
+@train_app.command("diffusion")
+def train_diffusion_cmd(
+    base: str = typer.Option("stories260K", "--base", help="shipped model name or local HF causal-LM directory"),
+    data: list[Path] = typer.Option(None, "--data", help="training data, .txt (blank-line separated) or .jsonl (repeatable)"),
+    out: Path = typer.Option(None, "--out", help="output model directory (checkpoints go to OUT.run/)"),
+    run_dir: Path = typer.Option(None, "--run-dir", help="checkpoint/log directory (default OUT.run)"),
+    steps: int = typer.Option(1000, "--steps", help="optimizer steps"),
+    batch_size: int = typer.Option(8, "--batch-size", help="sequences per micro-batch"),
+    seq_len: int = typer.Option(256, "--seq-len", help="tokens per sequence after its leading BOS"),
+    prefix_prob: float = typer.Option(0.5, "--prefix-prob", help="share of sequences keeping a clean prompt prefix"),
+    norm: str = typer.Option("token", "--norm", help="loss normalisation: token, sequence or batch"),
+    lr: float = typer.Option(3e-4, "--lr", help="peak learning rate"),
+    warmup: int = typer.Option(100, "--warmup", help="linear warm-up steps"),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="micro-batches per optimizer step"),
+    weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay (matrices only)"),
+    clip: float = typer.Option(1.0, "--clip", help="gradient-norm clip (0 = off)"),
+    ckpt_every: int = typer.Option(500, "--ckpt-every", help="checkpoint every N steps (0 = only at the end)"),
+    eval_every: int = typer.Option(500, "--eval-every", help="validation loss every N steps (0 = only at the end)"),
+    max_minutes: float = typer.Option(None, "--max-minutes", help="wall-clock budget; stops cleanly and saves"),
+    seed: int = typer.Option(0, "--seed", help="seed of data order, noise and validation split"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT and discard its run directory"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+) -> None:
+    """Adapt a causal LM into a masked-diffusion LM (bidirectional, logit shift 1; diffusion.md §1-2)."""
+    from unmask.compat import quiet_transformers
+    from unmask.train.diffusion import train_diffusion
+
+    if not data:
+        raise UnmaskError("no training data; pass --data FILE (.txt or .jsonl)")
+    if out is None:
+        raise UnmaskError("no output directory; pass --out DIR")
+    quiet_transformers()
+    result = train_diffusion(base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, prefix_prob=prefix_prob,
+                             norm=norm, resume=resume, overwrite=overwrite, device=device, steps=steps,
+                             batch_size=batch_size, lr=lr, warmup=warmup, grad_accum=grad_accum,
+                             weight_decay=weight_decay, clip=clip, ckpt_every=ckpt_every, eval_every=eval_every,
+                             max_minutes=max_minutes, seed=seed)
+    if result.stopped == "interrupted":
+        typer.echo(f"interrupted at step {result.step}; checkpoint {result.checkpoint}; rerun with --resume", err=True)
+        raise SystemExit(130)
+    terms = " ".join(f"{k} {v:.4f}" for k, v in (result.val or result.last).items() if k in ("loss", "nll"))
+    typer.echo(f"wrote {result.out} after {result.step} steps ({result.stopped}, {result.seconds / 60:.1f} min); {terms}")
