@@ -245,7 +245,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             if suppress:
                 logits[..., suppress] = float("-inf")
             quota = None if steps_per_block is None else llada_quota(n_start, steps_per_block, step)  # (B,)
-            chosen, tokens = _commit(logits, masked, cfg.policy, sampling, gens, quota, confidence, draw)
+            chosen, tokens = commit_rows(logits, masked, cfg.policy, sampling, gens, quota, confidence, draw)
             if on_forward is not None:
                 on_forward({"nfe": nfe, "block": b, "step": step, "start": s - P, "refresh": refresh,
                             "canvas": ids.clone(), "logits": logits, "masked": masked, "chosen": chosen,
@@ -262,16 +262,16 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             nfe += 1
             step += 1
             if cfg.eos_early_stop:
-                done |= _early_stop(ids[:, P:], mask_id, stops) & had
+                done |= early_stop(ids[:, P:], mask_id, stops) & had
         if cfg.eos_early_stop is False:
             done |= torch.isin(ids[:, P:e], stops).any(dim=1)
         if stop_strings:
-            done |= _hit_stop_string(bundle, prompts, ids[:, P:e], mask_id, stop_strings)
+            done |= hit_stop_string(bundle, prompts, ids[:, P:e], mask_id, stop_strings)
         if bool(done.all()):
             break
 
     gen = ids[:, P:]  # (B, L)
-    tokens = [_until_stop(gen[r, :report].tolist(), set(stops.tolist()) | {mask_id}) for r in range(B)]
+    tokens = [until_stop(gen[r, :report].tolist(), set(stops.tolist()) | {mask_id}) for r in range(B)]
     n_committed = (gen != mask_id).sum(dim=1).tolist()
     row_extra = [{"policy": cfg.policy.name, "cache": cfg.cache, "steps": int(nfe_rows[r]), "commits": commits[r]}
                  for r in range(B)]
@@ -283,7 +283,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     return DecodeOutput(tokens=tokens, stats=stats)
 
 
-def _commit(logits, masked, policy, sampling: Sampling, gens, quota, confidence, draw):
+def commit_rows(logits, masked, policy, sampling: Sampling, gens, quota, confidence, draw):
     """commit() for the whole batch when greedy; row by row with each row's generator when sampling,
     skipping rows without masks so that they draw nothing (batch == single runs)."""
     kwargs = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
@@ -299,8 +299,8 @@ def _commit(logits, masked, policy, sampling: Sampling, gens, quota, confidence,
     return chosen, tokens
 
 
-def _early_stop(gen: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.Tensor:
-    """diffusion.md §9 early stop on the generation region gen (B, L), in place.
+def early_stop(gen: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.Tensor:
+    """diffusion.md §9 early stop on the generation region gen (B, L), in place (also used by early-bird).
 
     A row whose first committed stop id at e has every position before e committed gets all
     positions after e set to that id. Returns (B,) bool: the rows that stopped.
@@ -317,7 +317,10 @@ def _early_stop(gen: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.T
     return ready
 
 
-def _until_stop(row: list[int], stop_set: set[int]) -> list[int]:
+_early_stop = early_stop  # the old private name, still used by tests/test_diffusion_decode.py
+
+
+def until_stop(row: list[int], stop_set: set[int]) -> list[int]:
     out = []
     for t in row:
         if t in stop_set:
@@ -326,10 +329,10 @@ def _until_stop(row: list[int], stop_set: set[int]) -> list[int]:
     return out
 
 
-def _hit_stop_string(bundle, prompts, gen, mask_id, stop_strings) -> torch.Tensor:
+def hit_stop_string(bundle, prompts, gen, mask_id, stop_strings) -> torch.Tensor:
     hit = torch.zeros(gen.shape[0], dtype=torch.bool, device=gen.device)
     for r in range(gen.shape[0]):
-        row = _until_stop(gen[r].tolist(), {mask_id})
+        row = until_stop(gen[r].tolist(), {mask_id})
         text = bundle.decode_continuation(prompts[r], row)
         hit[r] = any(s in text for s in stop_strings)
     return hit
