@@ -127,3 +127,102 @@ def train_diffusion_cmd(
         raise SystemExit(130)
     terms = " ".join(f"{k} {v:.4f}" for k, v in (result.val or result.last).items() if k in ("loss", "nll"))
     typer.echo(f"wrote {result.out} after {result.step} steps ({result.stopped}, {result.seconds / 60:.1f} min); {terms}")
+
+
+def _finish(result, terms=("loss", "mat", "acc")) -> None:
+    if result.stopped == "interrupted":
+        typer.echo(f"interrupted at step {result.step}; checkpoint {result.checkpoint}; rerun with --resume", err=True)
+        raise SystemExit(130)
+    shown = " ".join(f"{k} {v:.4f}" for k, v in (result.val or result.last).items() if k in terms)
+    minutes = result.seconds / 60
+    typer.echo(f"wrote {result.out} after {result.step} steps ({result.stopped}, {minutes:.1f} min); {shown}")
+
+
+def _loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every, max_minutes,
+                  seed) -> dict:
+    return dict(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, grad_accum=grad_accum,
+                weight_decay=weight_decay, clip=clip, ckpt_every=ckpt_every, eval_every=eval_every,
+                max_minutes=max_minutes, seed=seed)
+
+
+@train_app.command("block-diffusion")
+def train_block_diffusion_cmd(
+    base: str = typer.Option("stories260K", "--base",
+                             help="causal LM (a mask token is added) or block-diffusion model"),
+    block_size: int = typer.Option(None, "--block-size", help="block size B (required for a causal base)"),
+    data: list[Path] = typer.Option(None, "--data", help="training data, .txt or .jsonl (repeatable)"),
+    out: Path = typer.Option(None, "--out", help="output model directory (checkpoints go to OUT.run/)"),
+    run_dir: Path = typer.Option(None, "--run-dir", help="checkpoint/log directory (default OUT.run)"),
+    seq_len: int = typer.Option(256, "--seq-len", help="tokens per row L, a multiple of B (a forward sees 2L)"),
+    t_low: float = typer.Option(0.001, "--t-low", help="lowest per-block mask ratio"),
+    t_high: float = typer.Option(1.0, "--t-high", help="highest per-block mask ratio"),
+    noise: str = typer.Option("block", "--noise", help="block: one ratio per block; sequence: one per row"),
+    rounding: str = typer.Option("floor", "--rounding", help="masks per block: floor(B*t) or stochastic"),
+    steps: int = typer.Option(1000, "--steps"), batch_size: int = typer.Option(8, "--batch-size"),
+    lr: float = typer.Option(1e-3, "--lr"), warmup: int = typer.Option(100, "--warmup"),
+    grad_accum: int = typer.Option(1, "--grad-accum"), weight_decay: float = typer.Option(0.0, "--weight-decay"),
+    clip: float = typer.Option(1.0, "--clip", help="gradient-norm clip (0 = off)"),
+    ckpt_every: int = typer.Option(500, "--ckpt-every"), eval_every: int = typer.Option(500, "--eval-every"),
+    max_minutes: float = typer.Option(None, "--max-minutes", help="wall-clock budget; stops cleanly and saves"),
+    seed: int = typer.Option(0, "--seed"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT and discard its run directory"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+) -> None:
+    """Teacher-forcing training of a block-diffusion LM (dual-stream masked CE, multiblock.md §1.3)."""
+    from unmask.compat import quiet_transformers
+    from unmask.train.block_diffusion import train_block_diffusion
+
+    if not data:
+        raise UnmaskError("no training data; pass --data FILE (.txt or .jsonl)")
+    if out is None:
+        raise UnmaskError("no output directory; pass --out DIR")
+    quiet_transformers()
+    _finish(train_block_diffusion(
+        base=base, data=data, out=out, block_size=block_size, run_dir=run_dir, seq_len=seq_len, t_low=t_low,
+        t_high=t_high, noise=noise, rounding=rounding, resume=resume, overwrite=overwrite, device=device,
+        **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
+                        max_minutes, seed)))
+
+
+@train_app.command("multitf")
+def train_multitf_cmd(
+    base: str = typer.Option("stories260K-bd", "--base", help="block-diffusion model to post-train"),
+    data: list[Path] = typer.Option(None, "--data", help="training data, .txt or .jsonl (repeatable)"),
+    out: Path = typer.Option(None, "--out", help="output model directory (checkpoints go to OUT.run/)"),
+    run_dir: Path = typer.Option(None, "--run-dir", help="checkpoint/log directory (default OUT.run)"),
+    seq_len: int = typer.Option(256, "--seq-len", help="tokens per row L, a multiple of B"),
+    g_max: int = typer.Option(4, "--g-max", help="largest noise group (decode with --slots <= this)"),
+    n_rand: int = typer.Option(2, "--n-rand", help="random layouts per row, besides the systematic ones"),
+    t_low: float = typer.Option(0.001, "--t-low"), t_high: float = typer.Option(1.0, "--t-high"),
+    rho: float = typer.Option(0.01, "--rho", help="t_eff = t_high - rho (t_high - t_low)"),
+    rounding: str = typer.Option("floor", "--rounding", help="masks per block: floor(B*t) or stochastic"),
+    layouts_per_row: int = typer.Option(0, "--layouts-per-row",
+                                        help="train on a random subset of this many layouts per row (0 = all)"),
+    steps: int = typer.Option(500, "--steps"), batch_size: int = typer.Option(2, "--batch-size",
+                                                                             help="clean rows per micro-batch"),
+    lr: float = typer.Option(3e-4, "--lr"), warmup: int = typer.Option(15, "--warmup"),
+    grad_accum: int = typer.Option(1, "--grad-accum"), weight_decay: float = typer.Option(0.1, "--weight-decay"),
+    clip: float = typer.Option(1.0, "--clip", help="gradient-norm clip (0 = off)"),
+    ckpt_every: int = typer.Option(200, "--ckpt-every"), eval_every: int = typer.Option(200, "--eval-every"),
+    max_minutes: float = typer.Option(None, "--max-minutes", help="wall-clock budget; stops cleanly and saves"),
+    seed: int = typer.Option(0, "--seed"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT and discard its run directory"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+) -> None:
+    """MultiTF post-training of a block-diffusion LM (group layouts, chain-uniform noise, multiblock.md §4)."""
+    from unmask.compat import quiet_transformers
+    from unmask.train.multitf import train_multitf
+
+    if not data:
+        raise UnmaskError("no training data; pass --data FILE (.txt or .jsonl)")
+    if out is None:
+        raise UnmaskError("no output directory; pass --out DIR")
+    quiet_transformers()
+    _finish(train_multitf(
+        base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, g_max=g_max, n_rand=n_rand, t_low=t_low,
+        t_high=t_high, rho=rho, rounding=rounding, layouts_per_row=layouts_per_row, resume=resume,
+        overwrite=overwrite, device=device,
+        **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
+                        max_minutes, seed)))

@@ -1,0 +1,422 @@
+"""Teacher-forcing (TF) training of block-diffusion LMs with the dual-stream layout (multiblock.md §1.3).
+
+One training row of L tokens becomes ``X = [x_t ; x_0]`` (2L tokens, both copies at positions
+0..L-1): the noisy copy, where some positions of every block hold the mask token, then the clean
+copy. The attention mask (:func:`unmask.masks_multitf.group_dual_stream_mask` with singleton
+groups, equal to ``bd_training_mask``) lets a noisy block see itself and the clean blocks before
+it, and the clean copy attend block-causally, so one forward trains every block in parallel on
+exactly the context it has at inference (prefix in the KV cache, the block itself noisy). The loss
+is the masked cross-entropy on the noisy copy, **without** a logit shift (position i predicts
+token i, as SDAR/LLaDA2), averaged over the masked positions of the batch (eq. 3.4).
+
+Noise (multiblock.md §1.3, our choice): per block ``t_k ~ U(t_low, t_high)`` i.i.d.
+(``noise="sequence"``: one t per row), then ``n_k`` uniformly chosen maskable positions of block k
+are masked, with ``n_k = floor(B_valid * t_k)`` (``rounding="floor"``, as the spec and the
+released code) or ``floor(B_valid * t_k + u)``, ``u ~ U(0, 1)`` (``rounding="stochastic"``, ours:
+E[n_k] = B_valid * t_k exactly, and for a small B both a fully masked block, which is what every
+block's first forward sees at inference, and a clean one occur; with floor a B = 8 block is never
+fully masked unless t = 1).
+
+Alignment with the decoders (``unmask.decode.block`` / ``multiblock``): blocks start at multiples
+of B from a row's first token, which at inference is the prompt's BOS. :func:`pack_aligned` makes
+every training row start at a document's BOS, so block 0 of a row is block 0 of a story; the
+first ``prompt_len`` positions (the BOS) are never masked, as a prompt never is.
+
+:func:`train_block_diffusion` turns a causal checkpoint into a block-diffusion one (adds the mask
+token) and publishes a directory with ``unmask_config.json`` ``{"kind": "block-diffusion",
+"block_size": B, "mask_token_id": ..., "stop_token_ids": [...]}``. :func:`fit` is the wiring it
+shares with MultiTF post-training (:mod:`unmask.train.multitf`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from unmask.errors import UnmaskError
+
+IGNORE = -100
+ROUNDINGS = ("floor", "stochastic")
+NOISES = ("block", "sequence")
+BD_FORMAT_VERSION = 1
+UNMASK_CONFIG = "unmask_config.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure pieces: packing, noise, layout, loss
+# ---------------------------------------------------------------------------------------------
+
+
+def pack_aligned(docs: Sequence[Sequence[int]], seq_len: int, sep_id: int) -> torch.Tensor:
+    """Rows that each start at a document's separator (BOS): (N, seq_len + 1) long.
+
+    The documents are concatenated as :func:`unmask.train.data.pack` does (each starts with
+    ``sep_id``), and one row of ``seq_len + 1`` tokens is cut at every document start that has
+    that many tokens after it, running on into the following documents. Rows overlap when
+    documents are shorter than ``seq_len``; a document start that is too close to the end of the
+    stream gives no row. Block 0 of every row is therefore the first block of a story, as at
+    inference (blocks are aligned to the prompt's first token).
+    """
+    if seq_len < 1:
+        raise UnmaskError(f"seq_len must be >= 1, got {seq_len}")
+    stream: list[int] = []
+    starts: list[int] = []
+    for d in docs:
+        if not d:
+            continue
+        starts.append(len(stream))
+        if d[0] != sep_id:
+            stream.append(sep_id)
+        stream.extend(d)
+    flat = torch.tensor(stream, dtype=torch.long)  # (T,)
+    starts_t = torch.tensor([s for s in starts if s + seq_len + 1 <= len(stream)], dtype=torch.long)  # (N,)
+    if len(starts_t) == 0:
+        return torch.zeros((0, seq_len + 1), dtype=torch.long)
+    offsets = torch.arange(seq_len + 1)  # (L+1,)
+    return flat[starts_t[:, None] + offsets[None, :]]  # (N, L+1)
+
+
+def maskable_positions(L: int, prompt_len: int, device=None) -> torch.Tensor:
+    """(L,) bool: True from ``prompt_len`` on (the prompt, here the BOS, is never masked)."""
+    return torch.arange(L, device=device) >= prompt_len
+
+
+def mask_counts(valid: torch.Tensor, ratios: torch.Tensor, rounding: str, generator: torch.Generator) -> torch.Tensor:
+    """Masks per block from its maskable count and noise ratio (multiblock.md §4.2 step 3).
+
+    valid (..., K) long maskable positions per block, ratios (..., K) float in [0, 1] ->
+    (..., K) long in [0, valid]: ``floor(valid * t)`` or, stochastic, ``floor(valid * t + u)``.
+    """
+    if rounding not in ROUNDINGS:
+        raise UnmaskError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
+    x = valid.double() * ratios.double()  # (..., K)
+    if rounding == "stochastic":
+        x = x + torch.rand(ratios.shape, generator=generator, dtype=torch.float64).to(x.device)
+    return torch.minimum(x.floor().long(), valid)  # (..., K)
+
+
+def mask_by_ratio(maskable: torch.Tensor, ratios: torch.Tensor, block_size: int, generator: torch.Generator,
+                  rounding: str = "floor") -> torch.Tensor:
+    """Mask ``n_k`` uniformly chosen maskable positions of every block (multiblock.md §1.3, §4.2).
+
+    Args:
+        maskable: (R, L) bool, L a multiple of ``block_size``.
+        ratios: (R, K) float noise ratio per block, K = L / B.
+        generator: CPU generator (the draws do not depend on the device).
+
+    Returns:
+        (R, L) bool, True = replaced by the mask token; never True where ``maskable`` is False.
+    """
+    R, L = maskable.shape
+    B = block_size
+    if L % B:
+        raise UnmaskError(f"sequence length {L} must be a multiple of the block size {B}")
+    K = L // B
+    if ratios.shape != (R, K):
+        raise UnmaskError(f"ratios must be (R, K) = {(R, K)}, got {tuple(ratios.shape)}")
+    blocks = maskable.view(R, K, B)  # (R, K, B)
+    n = mask_counts(blocks.sum(dim=-1), ratios, rounding, generator).to(maskable.device)  # (R, K)
+    score = torch.rand((R, K, B), generator=generator).to(maskable.device)  # (R, K, B)
+    score = score.masked_fill(~blocks, 2.0)  # unmaskable positions rank last
+    rank = score.argsort(dim=-1).argsort(dim=-1)  # (R, K, B) rank of each position in its block
+    return (rank < n[..., None]).view(R, L)  # (R, L)
+
+
+def iid_ratios(R: int, K: int, t_low: float, t_high: float, generator: torch.Generator,
+               noise: str = "block") -> torch.Tensor:
+    """Plain TF noise (multiblock.md §1.3, our choice): (R, K) float, t ~ U(t_low, t_high) per
+    block (``noise="block"``) or one t per row shared by its blocks (``"sequence"``)."""
+    if noise not in NOISES:
+        raise UnmaskError(f"noise must be one of {', '.join(NOISES)}, got {noise!r}")
+    cols = K if noise == "block" else 1
+    t = t_low + (t_high - t_low) * torch.rand((R, cols), generator=generator, dtype=torch.float64)  # (R, cols)
+    return t.expand(R, K).float()  # (R, K)
+
+
+def dual_stream_inputs(tokens: torch.Tensor, noise_mask: torch.Tensor, mask_id: int) -> dict:
+    """``[x_t ; x_0]`` inputs, shared position ids and noisy-copy labels (multiblock.md §1.3).
+
+    tokens (R, L) long, noise_mask (R, L) bool -> ``input_ids`` (R, 2L), ``position_ids``
+    (R, 2L) (0..L-1 twice), ``labels`` (R, L): the clean token at masked positions, -100
+    elsewhere. No shift: label i belongs to noisy position i.
+    """
+    R, L = tokens.shape
+    noisy = torch.where(noise_mask, torch.full_like(tokens, mask_id), tokens)  # (R, L)
+    positions = torch.arange(L, device=tokens.device).repeat(2)  # (2L,)
+    return {
+        "input_ids": torch.cat([noisy, tokens], dim=1),  # (R, 2L)
+        "position_ids": positions[None, :].expand(R, -1),  # (R, 2L)
+        "labels": torch.where(noise_mask, tokens, torch.full_like(tokens, IGNORE)),  # (R, L)
+        "noise_mask": noise_mask,
+    }
+
+
+def masked_ce_loss(model, batch: dict, mask_id: int) -> tuple[torch.Tensor, dict]:
+    """Masked cross-entropy on the noisy copy (multiblock.md §4.4, eq. 3.4), one forward over 2L.
+
+    The LM head runs on the noisy copy only (``logits_to_keep``). The mask-token logit is set to
+    -inf: with tied embeddings it is a real output row and every decoder suppresses it.
+
+    Args:
+        model: an HF ``...ForCausalLM`` whose vocabulary contains ``mask_id``.
+        batch: ``input_ids`` / ``position_ids`` (R, 2L) long, ``labels`` (R, L) long,
+            ``attention`` bool (R or 1, 2L, 2L), all on the model's device.
+
+    Returns:
+        ``(loss, terms)``: the global mean NLL (nats) over the batch's masked positions, a float32
+        scalar with grad (0 when nothing is masked); terms ``mat`` (the same, detached), ``acc``
+        (argmax accuracy there) and ``masked`` (their count).
+    """
+    from unmask.compat import attention_mask, forward
+    from unmask.masks import as_4d
+
+    ids, labels = batch["input_ids"], batch["labels"]
+    R, L = labels.shape
+    mask4d = as_4d(batch["attention"], R)  # (R, 1, 2L, 2L)
+    keep = torch.arange(L, device=ids.device)  # (L,) the noisy copy's rows
+    logits = forward(model, ids, position_ids=batch["position_ids"], attention_mask=attention_mask(model, mask4d),
+                     logits_to_keep=keep)  # (R, L, V) float32
+    V = logits.shape[-1]
+    if not 0 <= mask_id < V:
+        raise UnmaskError(f"mask_token_id {mask_id} is outside the model vocabulary of {V}")
+    logits = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), float("-inf"))  # (R, L, V)
+    nll = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE,
+                          reduction="sum")
+    valid = labels != IGNORE  # (R, L)
+    n = valid.sum()
+    loss = nll / n.clamp(min=1)
+    with torch.no_grad():
+        correct = (logits.argmax(dim=-1) == labels) & valid  # (R, L)
+        terms = {"mat": loss.detach(), "acc": correct.sum() / n.clamp(min=1), "masked": n}
+    return loss, terms
+
+
+def _check_ratio_range(t_low: float, t_high: float) -> None:
+    if not 0.0 <= t_low <= t_high <= 1.0:
+        raise UnmaskError(f"noise range must satisfy 0 <= t_low <= t_high <= 1, got [{t_low}, {t_high}]")
+
+
+def _check_layout(block_size: int, prompt_len: int, mask_token_id: int, rounding: str) -> None:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise UnmaskError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if not isinstance(prompt_len, int) or prompt_len < 0:
+        raise UnmaskError(f"prompt_len must be an integer >= 0, got {prompt_len!r}")
+    if mask_token_id < 0:
+        raise UnmaskError(f"mask_token_id must be >= 0, got {mask_token_id}")
+    if rounding not in ROUNDINGS:
+        raise UnmaskError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
+
+
+def row_tokens(chunks: torch.Tensor, block_size: int, prompt_len: int) -> torch.Tensor:
+    """The L tokens a row trains on: (R, L+1) chunks (the loop's convention) -> (R, L), the last
+    token dropped (no shift, so it has no role). Raises UnmaskError unless B divides L and the
+    prompt leaves something to mask."""
+    if chunks.dim() != 2 or chunks.shape[1] < 2:
+        raise UnmaskError(f"chunks must be (R, L+1) with L >= 1, got {tuple(chunks.shape)}")
+    L = chunks.shape[1] - 1
+    if L % block_size:
+        raise UnmaskError(f"sequence length {L} must be a multiple of the block size {block_size}")
+    if prompt_len >= L:
+        raise UnmaskError(f"prompt_len {prompt_len} leaves nothing to mask in a row of {L} tokens")
+    return chunks[:, :L]  # (R, L)
+
+
+@dataclass(frozen=True)
+class TFObjective:
+    """Plain block-diffusion TF (multiblock.md §1.3) for :func:`unmask.train.loop.train`.
+
+    block_size: B. t_low / t_high: the noise range. noise: ``block`` (i.i.d. t per block) or
+    ``sequence``. rounding: ``floor`` or ``stochastic`` (module docstring). prompt_len: leading
+    positions of every row that are never masked (1 = the BOS).
+    """
+
+    mask_token_id: int
+    block_size: int
+    t_low: float = 0.001
+    t_high: float = 1.0
+    noise: str = "block"
+    rounding: str = "floor"
+    prompt_len: int = 1
+    name: str = "block-diffusion-tf"
+    term_names: tuple[str, ...] = ("mat", "acc")
+
+    def __post_init__(self):
+        _check_layout(self.block_size, self.prompt_len, self.mask_token_id, self.rounding)
+        _check_ratio_range(self.t_low, self.t_high)
+        if self.noise not in NOISES:
+            raise UnmaskError(f"noise must be one of {', '.join(NOISES)}, got {self.noise!r}")
+
+    def step_params(self, generator: torch.Generator) -> dict:
+        return {}
+
+    def batch(self, chunks: torch.Tensor, generator: torch.Generator) -> dict:
+        """chunks (R, L+1) -> the dual-stream batch with ``attention`` (1, 2L, 2L) bool and
+        ``ratios`` (R, K)."""
+        from unmask.masks_multitf import group_dual_stream_mask
+
+        tokens = row_tokens(chunks, self.block_size, self.prompt_len)  # (R, L)
+        R, L = tokens.shape
+        K = L // self.block_size
+        ratios = iid_ratios(R, K, self.t_low, self.t_high, generator, self.noise)  # (R, K)
+        maskable = maskable_positions(L, self.prompt_len, tokens.device).expand(R, L)  # (R, L)
+        noise_mask = mask_by_ratio(maskable, ratios, self.block_size, generator, self.rounding)  # (R, L)
+        batch = dual_stream_inputs(tokens, noise_mask, self.mask_token_id)
+        singletons = torch.arange(K, device=tokens.device)  # (K,) every block its own group
+        batch["attention"] = group_dual_stream_mask(singletons, self.block_size)[None]  # (1, 2L, 2L)
+        batch["ratios"] = ratios.to(tokens.device)
+        return batch
+
+    def loss(self, model, chunks: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+        return masked_ce_loss(model, self.batch(chunks, generator), self.mask_token_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wiring: base model, data, loop, publication
+# ---------------------------------------------------------------------------------------------
+
+
+def load_base(base: str, dtype: str, *, block_size: int | None, allow_causal: bool):
+    """Load ``base`` for block-diffusion training -> (bundle, mask_id, block_size).
+
+    A causal LM gets a new mask token (``add_mask_token``; only with ``allow_causal``); a
+    block-diffusion model keeps its mask token and block size, which ``block_size`` must equal.
+
+    Raises:
+        UnmaskError: another kind, a model that is not a decoder-only causal LM class, a
+            block-diffusion base without a block size, or a block size that disagrees.
+    """
+    from unmask.models import load
+    from unmask.models.mask_token import add_mask_token
+
+    bundle = load(base, dtype=dtype)
+    cls = type(bundle.model).__name__
+    if not cls.endswith("ForCausalLM") or getattr(bundle.model.config, "is_encoder_decoder", False):
+        raise UnmaskError(f"base {base!r} is a {cls}, not a decoder-only LM (Llama, Qwen2, Qwen3, ...)")
+    allowed = ("causal", "block-diffusion") if allow_causal else ("block-diffusion",)
+    if bundle.kind not in allowed:
+        what = "a causal LM or a block-diffusion model" if allow_causal else "a block-diffusion model (TF-trained)"
+        raise UnmaskError(f"base {base!r} is a {bundle.kind} model; this training needs {what}")
+    if bundle.kind == "causal":
+        if block_size is None:
+            raise UnmaskError("pass --block-size: a causal base has no block size")
+        return bundle, add_mask_token(bundle.model), block_size
+    native = bundle.block_size
+    if native is None:
+        raise UnmaskError(f"block-diffusion base {base!r} records no block_size in its unmask_config.json")
+    if block_size is not None and block_size != native:
+        raise UnmaskError(f"--block-size {block_size} disagrees with the base's block size {native}; drop it")
+    return bundle, int(bundle.mask_token_id), int(native)
+
+
+def fit(*, bundle, objective, base: str, data, out: str | Path, run_dir: str | Path | None, seq_len: int,
+        val_fraction: float, resume: bool, overwrite: bool, device: str, progress: bool, config: dict,
+        meta: dict, describe: str):
+    """Pack the data, run the loop with ``objective`` and publish ``out`` atomically.
+
+    ``meta`` goes into ``unmask_config.json`` next to the training summary. Returns the loop's
+    TrainResult with ``out`` set (None when interrupted). Raises UnmaskError for bad data or
+    options (before any training step).
+    """
+    from unmask.fileio import atomic_write_json, publish_dir, staging_dir
+    from unmask.train.data import check_data_files, load_corpus, separator_id
+    from unmask.train.loop import TrainConfig, save_model, train
+    from unmask.train.sbd import _prepare_paths, default_run_dir
+
+    try:
+        cfg = TrainConfig(**config)
+    except TypeError as e:
+        raise UnmaskError(f"unknown training option ({e}); see TrainConfig") from None
+    paths = check_data_files([data] if isinstance(data, (str, Path)) else list(data))
+    out = Path(out)
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(out)
+    _prepare_paths(out, run_dir, resume=resume, overwrite=overwrite)
+    if not 1 <= seq_len <= bundle.context_length:
+        raise UnmaskError(f"--seq-len {seq_len} must be between 1 and the model's context of "
+                          f"{bundle.context_length} tokens")
+    row_tokens(torch.zeros((1, seq_len + 1), dtype=torch.long), objective.block_size, objective.prompt_len)
+    tok = bundle.tokenizer
+    vocab = bundle.model.get_input_embeddings().weight.shape[0]
+    train_docs, val_docs = load_corpus(paths, tok, vocab_size=vocab, val_fraction=val_fraction, seed=cfg.seed)
+    sep = separator_id(tok)
+    train_chunks = pack_aligned(train_docs, seq_len, sep)  # (N, L+1)
+    if len(train_chunks) == 0:
+        n = sum(len(d) + 1 for d in train_docs)
+        raise UnmaskError(f"the training data holds {n} tokens, fewer than one sequence of {seq_len + 1}; "
+                          "lower --seq-len or add data")
+    val_chunks = pack_aligned(val_docs, seq_len, sep) if val_docs else None  # (M, L+1)
+    info = {"seq_len": seq_len, "data": [str(p) for p in paths], "train_chunks": len(train_chunks),
+            "val_chunks": 0 if val_chunks is None else len(val_chunks), "objective": describe,
+            "objective_config": {k: v for k, v in asdict(objective).items() if k not in ("name", "term_names")},
+            "config": asdict(cfg)}
+    meta = {**meta, "stop_token_ids": list(bundle.stop_token_ids), "base": base, "version": BD_FORMAT_VERSION}
+
+    def save_extras(directory: Path, state: dict) -> None:
+        tok.save_pretrained(directory)
+        training = {**info, "step": state.get("step"), "stopped": state.get("stopped"),
+                    "train_terms": state.get("last"), "val": state.get("val")}
+        atomic_write_json(directory / UNMASK_CONFIG, {**meta, "training": training})
+
+    console = None
+    if progress:
+        from rich.console import Console
+
+        console = Console(stderr=True)
+    result = train(bundle.model, objective, train_chunks, val_chunks, cfg, run_dir, device=device, resume=resume,
+                   save_extras=save_extras, console=console, meta=info)
+    if result.stopped == "interrupted":
+        return result
+    tmp = staging_dir(out)
+    try:
+        save_model(bundle.model, tmp)
+        save_extras(tmp, {"step": result.step, "stopped": result.stopped, "last": result.last, "val": result.val})
+        publish_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result.out = out
+    return result
+
+
+def train_block_diffusion(*, base: str, data, out: str | Path, block_size: int | None = None,
+                          run_dir: str | Path | None = None, seq_len: int = 256, t_low: float = 0.001,
+                          t_high: float = 1.0, noise: str = "block", rounding: str = "floor", prompt_len: int = 1,
+                          val_fraction: float = 0.05, resume: bool = False, overwrite: bool = False,
+                          device: str = "cpu", dtype: str = "float32", progress: bool = True, **config):
+    """Teacher-forcing training of a block-diffusion LM (multiblock.md §1.3); publishes ``out``.
+
+    Args:
+        base: shipped name or local HF directory of a decoder-only causal LM (a mask token is
+            added) or of a block-diffusion model to continue (its mask token and block size kept).
+        data: one or more ``.txt`` / ``.jsonl`` files (``unmask.train.data.read_documents``).
+        out: final model directory, written atomically when training ends (not when interrupted).
+        block_size: B; required for a causal base, must match a block-diffusion base.
+        seq_len: L, tokens per row (a multiple of B; a forward sees 2L).
+        t_low, t_high, noise, rounding, prompt_len: see :class:`TFObjective`.
+        run_dir: checkpoints and ``log.jsonl`` (default ``OUT.run``); resume / overwrite as
+            ``unmask.train.sbd.train_sbd``.
+        **config: :class:`~unmask.train.loop.TrainConfig` fields (lr, steps, batch_size, ...).
+
+    Returns:
+        TrainResult with ``out`` set (None when interrupted).
+
+    Raises:
+        UnmaskError: bad data or options, ``out`` exists without overwrite/resume, a base of the
+            wrong kind, L not a multiple of B or beyond the context.
+    """
+    from unmask.train.data import check_data_files
+
+    check_data_files([data] if isinstance(data, (str, Path)) else list(data))
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+        raise UnmaskError(f"--block-size must be an integer >= 1, got {block_size!r}")
+    bundle, mask_id, B = load_base(base, dtype, block_size=block_size, allow_causal=True)
+    objective = TFObjective(mask_token_id=mask_id, block_size=B, t_low=t_low, t_high=t_high, noise=noise,
+                            rounding=rounding, prompt_len=prompt_len)
+    meta = {"kind": "block-diffusion", "block_size": B, "mask_token_id": mask_id}
+    return fit(bundle=bundle, objective=objective, base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len,
+               val_fraction=val_fraction, resume=resume, overwrite=overwrite, device=device, progress=progress,
+               config=config, meta=meta, describe="block-diffusion TF: dual-stream masked CE (multiblock.md §1.3)")
