@@ -52,6 +52,11 @@ def test_empty_prompt(capsys, prompt):
     assert_one_line_error(capsys, "generate", prompt, "-m", "stories260K", match="empty")
 
 
+def test_prompt_argument_not_utf8(capsys):
+    # what Python makes of undecodable argv bytes (surrogateescape)
+    assert_one_line_error(capsys, "generate", "caf\udce9", "-m", "stories260K", match="UTF-8")
+
+
 def test_no_prompt_at_all(capsys):
     assert_one_line_error(capsys, "generate", "-m", "stories260K", match="no prompt")
 
