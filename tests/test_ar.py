@@ -149,6 +149,16 @@ def test_stop_token_on_tiny():
     assert out.stats.nfe == first + 1
 
 
+def test_stop_token_at_the_last_step_on_tiny():
+    bundle = tiny_bundle(tiny_llama())
+    prompts = [_ids(6, 5), _ids(7, 9)]
+    free = ar.decode(bundle, prompts, max_new_tokens=20).tokens
+    first = free[0].index(free[0][12])
+    n = first + 1  # row 0 samples the stop token exactly at its last step
+    out = ar.decode(bundle, prompts, max_new_tokens=n, stop_token_ids=(free[0][12],))
+    assert out.tokens[0] == free[0][:first] and out.stats.nfe_per_row[0] == n
+
+
 def test_stop_strings(stories):
     free = unmask.generate("Zoo", model=stories, max_new_tokens=56)
     assert " named Lily" in free.texts[0]
