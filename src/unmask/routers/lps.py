@@ -1,0 +1,86 @@
+"""LPS router R_ψ: learnable parallel sampling (spec/early_bird.md §4.1–§4.2, App. D.1).
+
+Input: for each still-masked position of the active block B, five scalars (κ, H̃, Δ, ρ, pos)
+(:func:`unmask.decode.eb_select.lps_features`). The positions of one block form one sequence (in
+index order), padded per batch with a key-padding mask; attention is joint over the block.
+
+Architecture (paper sizes in brackets): Linear(5 → d) → LayerNorm → GELU [d = 32]; pre-norm
+Transformer blocks with GELU and dropout [2 blocks, 4 heads, FFN 64, dropout 0.1]; Linear(d → 1).
+p_ψ = σ(O_ψ) > τ_ψ commits a position even below the confidence threshold.
+
+The features are vocabulary-free, so an LPS router transfers across base models (§4.4).
+``pos_mode`` is part of the config because the router must be served with the position feature
+it was trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+
+from unmask.decode.eb_select import FEATURE_NAMES, POS_MODES
+from unmask.errors import UnmaskError
+
+
+@dataclass(frozen=True)
+class LPSConfig:
+    """Shape of an LPS router. d, layers, heads, ffn, dropout: see the module doc.
+    pos_mode: "literal" (i − min B) / |B| or "rank" (our reading #6)."""
+
+    d: int = 32
+    layers: int = 2
+    heads: int = 4
+    ffn: int = 64
+    dropout: float = 0.1
+    pos_mode: str = "literal"
+
+    def __post_init__(self):
+        for name in ("d", "layers", "heads", "ffn"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UnmaskError(f"LPS {name} must be an integer >= 1 (got {v!r})")
+        if self.d % self.heads:
+            raise UnmaskError(f"LPS width d={self.d} must be divisible by heads={self.heads}")
+        if not 0 <= self.dropout < 1:
+            raise UnmaskError(f"LPS dropout must be in [0, 1) (got {self.dropout!r})")
+        if self.pos_mode not in POS_MODES:
+            raise UnmaskError(f"unknown LPS pos_mode {self.pos_mode!r}; choose one of: {', '.join(POS_MODES)}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class LPSRouter(nn.Module):
+    """R_ψ (App. D.1). ``forward(features, valid) -> logits``; see the module doc."""
+
+    kind = "lps"
+    n_features = len(FEATURE_NAMES)
+
+    def __init__(self, config: LPSConfig = LPSConfig()):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Sequential(nn.Linear(self.n_features, config.d), nn.LayerNorm(config.d), nn.GELU())
+        layer = nn.TransformerEncoderLayer(config.d, config.heads, config.ffn, dropout=config.dropout,
+                                           activation="gelu", batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, config.layers, enable_nested_tensor=False)
+        self.head = nn.Linear(config.d, 1)
+
+    def forward(self, features: Tensor, valid: Tensor) -> Tensor:
+        """features: (B, N, 5) float in FEATURE_NAMES order; valid: (B, N) bool, False at padding.
+        Returns logits O_ψ (B, N) float32, -inf at padding. Padding never influences a real slot."""
+        B, N, F = features.shape
+        if F != self.n_features:
+            raise UnmaskError(f"LPS takes {self.n_features} features per position {FEATURE_NAMES}, got {F}")
+        # A row with no real slot would attend to nothing (NaN); let it see its first slot, then drop it.
+        empty = ~valid.any(dim=1)  # (B,)
+        pad = ~valid
+        pad[:, 0] &= ~empty
+        h = self.embed(features.to(self.head.weight.dtype))  # (B, N, d)
+        h = self.encoder(h, src_key_padding_mask=pad)  # (B, N, d)
+        logits = self.head(h)[..., 0].float()  # (B, N)
+        return logits.masked_fill(~valid, float("-inf"))
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
