@@ -28,6 +28,8 @@ DECODERS: dict[str, DecoderInfo] = {
     "diffusion": DecoderInfo("diffusion", "unmask.decode.diffusion", ("masked-diffusion",),
                              "semi-AR masked diffusion: LLaDA top-k steps, Fast-dLLM threshold/factor, EB; "
                              "approximate prefix/dual caches"),
+    "early-bird": DecoderInfo("early-bird", "unmask.decode.early_bird", ("masked-diffusion",),
+                              "Early-Bird: learned variable blocks (LBS) and learned parallel commits (LPS)"),
     "block": DecoderInfo("block", "unmask.decode.block", ("block-diffusion",),
                          "SingleBD: one block at a time over an exact block-causal KV cache"),
     "multiblock": DecoderInfo("multiblock", "unmask.decode.multiblock", ("block-diffusion",),
