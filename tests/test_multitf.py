@@ -62,7 +62,8 @@ def test_mask_matches_the_rules_for_every_layout(K, B, short):
     L = K * B - short
     for sizes in _compositions(K):
         groups = group_ids(sizes).tolist()
-        for aware in itertools.product([True, False], repeat=K) if K <= 3 else [[True] * K, [k % 2 == 0 for k in range(K)]]:
+        flags = itertools.product([True, False], repeat=K) if K <= 3 else [[True] * K, [k % 2 == 0 for k in range(K)]]
+        for aware in flags:
             got = group_dual_stream_mask(torch.tensor(groups), B, L, group_aware=torch.tensor(aware))
             assert torch.equal(got, _rules(groups, B, L, list(aware))), (sizes, aware)
 
@@ -223,10 +224,10 @@ def test_chain_uniform_ranges_monotone_within_groups_and_restarts(sched):
 def test_chain_uniform_moments_and_prompt_blocks():
     sched = ChainUniform(0.0, 1.0, 0.0)
     g = torch.Generator().manual_seed(1)
-    t = torch.stack([chain_uniform_ratios(group_ids((2,)), sched, g) for _ in range(20000)])  # (N, 2)
+    t = torch.stack([chain_uniform_ratios(group_ids((2,)), sched, g) for _ in range(4000)])  # (N, 2)
     # ℓ ~ U(0,1), t1 ~ U(ℓ,1): E[t1] = 3/4; t2 ~ U(t1,1): E[t2] = 7/8
-    assert t[:, 0].mean().item() == pytest.approx(0.75, abs=0.01)
-    assert t[:, 1].mean().item() == pytest.approx(0.875, abs=0.01)
+    assert t[:, 0].mean().item() == pytest.approx(0.75, abs=0.015)
+    assert t[:, 1].mean().item() == pytest.approx(0.875, abs=0.015)
     chained = torch.tensor([False, True, True])
     t = chain_uniform_ratios(group_ids((3,)), ChainUniform(chain_over_prompt=False), g, chained)
     assert t[0] == 0 and t[1] > 0 and t[2] >= t[1]
@@ -244,7 +245,8 @@ def test_multitf_batch_layout():
     chunks = torch.randint(3, VOCAB, (R, L + 1), generator=torch.Generator().manual_seed(0))
     b = obj.batch(chunks, torch.Generator().manual_seed(1))
     N = R * obj.n_layouts
-    assert b["input_ids"].shape == (N, 2 * L) and b["labels"].shape == (N, L) and b["attention"].shape == (N, 2 * L, 2 * L)
+    assert b["input_ids"].shape == (N, 2 * L) and b["labels"].shape == (N, L)
+    assert b["attention"].shape == (N, 2 * L, 2 * L)
     assert b["row"].tolist() == [r for r in range(R) for _ in range(obj.n_layouts)]
     K = L // B
     for n in range(N):

@@ -125,8 +125,8 @@ def test_noisy_block_logits_equal_an_inference_forward():
     """What block k is trained on is what SingleBD feeds it: the clean prefix (cache) + itself."""
     B, L = 4, 16
     model = tiny_llama(vocab=VOCAB + 1, seed=2)
-    b = TFObjective(mask_token_id=MASK, block_size=B).batch(
-        torch.randint(3, VOCAB, (1, L + 1), generator=torch.Generator().manual_seed(0)), torch.Generator().manual_seed(0))
+    chunks = torch.randint(3, VOCAB, (1, L + 1), generator=torch.Generator().manual_seed(0))
+    b = TFObjective(mask_token_id=MASK, block_size=B).batch(chunks, torch.Generator().manual_seed(0))
     ids = b["input_ids"]
     with torch.no_grad():
         train = model(input_ids=ids, position_ids=b["position_ids"], attention_mask=b["attention"][None]).logits
