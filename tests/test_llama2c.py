@@ -363,6 +363,6 @@ def test_failure_mid_conversion_leaves_nothing(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", broken_save)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(UnmaskError, match="disk full"):
         llama2c.convert_llama2c(BIN, TOK, tmp_path / "hf")
     assert list(tmp_path.iterdir()) == []

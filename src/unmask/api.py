@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from unmask.decode import DecodeStats, default_decoder, get_decoder
@@ -38,13 +40,15 @@ def encode_prompts(bundle: ModelBundle, prompts: list[str], max_new_tokens: int)
     if not prompts:
         raise UnmaskError("no prompt given; pass PROMPT or --prompts-file FILE")
     ctx = bundle.context_length
-    if max_new_tokens <= 0:
-        raise UnmaskError(f"max_new_tokens must be > 0 (got {max_new_tokens})")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise UnmaskError(f"max_new_tokens must be an integer > 0 (got {max_new_tokens!r}); pass e.g. 64")
     if max_new_tokens >= ctx:
         raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds the context window of {ctx} tokens; lower --max-new-tokens")
     encoded = []
     for i, text in enumerate(prompts):
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):
+            raise UnmaskError(f"prompt {i + 1} is not text (got {type(text).__name__}); pass prompts as str")
+        if not text.strip():
             raise UnmaskError(f"prompt {i + 1} is empty; give some text to continue")
         ids = bundle.encode(text)
         if len(ids) + max_new_tokens > ctx:
@@ -76,6 +80,16 @@ def generate(prompts: str | list[str], model: str | ModelBundle | None = None, d
     ``options`` go to the decoder (e.g. ``policy="entropy-bound", gamma=0.35, block_size=16``).
     Raises UnmaskError for every invalid input.
     """
+    if not (model is None or isinstance(model, (str, os.PathLike, ModelBundle))):
+        raise UnmaskError(f"model must be a shipped name, a directory path or a ModelBundle (got {type(model).__name__}); "
+                          "pass e.g. model=\"stories260K\"")
+    if isinstance(prompts, (bytes, bytearray, dict)) or not isinstance(prompts, (str, Iterable)):
+        raise UnmaskError(f"prompts must be a str or a list of str (got {type(prompts).__name__}); "
+                          "pass e.g. [\"Once upon a time\"]")
+    stop = [stop] if isinstance(stop, str) else list(stop or ())
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise UnmaskError(f"stop strings must be non-empty text (got {s!r}); drop it or give the text to stop at")
     bundle = model if isinstance(model, ModelBundle) else load(model, device=device, dtype=dtype)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     decoder = decoder or default_decoder(bundle.kind)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +24,20 @@ class Sampling:
     seed: int | None = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise UnmaskError(f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy decoding")
-        if not 0 < self.top_p <= 1:
-            raise UnmaskError(f"top-p must be in (0, 1] (got {self.top_p}); use 1.0 to disable it")
-        if self.top_k < 0:
-            raise UnmaskError(f"top-k must be >= 0 (got {self.top_k}); use 0 to disable it")
+        def number(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        if not (number(self.temperature) and 0 <= self.temperature < math.inf):
+            raise UnmaskError(f"temperature must be a finite number >= 0 (got {self.temperature!r}); "
+                              "use 0 for greedy decoding")
+        if not (number(self.top_p) and 0 < self.top_p <= 1):
+            raise UnmaskError(f"top-p must be in (0, 1] (got {self.top_p!r}); use 1.0 to disable it")
+        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
+            raise UnmaskError(f"top-k must be an integer >= 0 (got {self.top_k!r}); use 0 to disable it")
+        if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                          and -2**63 <= self.seed < 2**64):
+            raise UnmaskError(f"seed must be an integer in [-2**63, 2**64) or None (got {self.seed!r}); "
+                              "pass e.g. 0")
 
     @property
     def greedy(self) -> bool:

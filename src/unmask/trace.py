@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from unmask.errors import UnmaskError
-from unmask.fileio import atomic_write_json
+from unmask.fileio import atomic_write_json, check_output_file
 
 MASK_GLYPH = "░"
 TRACE_FORMAT = "unmask-trace/1"
@@ -172,6 +172,7 @@ def attach_trace(*, show: bool, trace_file: Path | None, bundle=None, prompts: l
     cannot be created.
     """
     if trace_file is not None:
+        check_output_file(Path(trace_file).expanduser(), "trace file")
         folder = Path(trace_file).expanduser().resolve().parent
         try:
             folder.mkdir(parents=True, exist_ok=True)

@@ -22,10 +22,13 @@ Units: FLOP, bytes, seconds, FLOP/s and bytes/s throughout.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from unmask.errors import UnmaskError
+from unmask.fileio import atomic_savefig
 
 Mode = Literal["paper", "corrected"]
 
@@ -41,6 +44,10 @@ def _preset(table: Mapping[str, Any], name: str, what: str) -> Any:
     if name not in table:
         raise UnmaskError(f"unknown {what} {name!r}; choose one of: {', '.join(sorted(table))}")
     return table[name]
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf
 
 
 @dataclass(frozen=True)
@@ -59,8 +66,9 @@ class GPUSpec:
 
     def __post_init__(self) -> None:
         for field in ("linear_flops", "attention_flops", "bandwidth"):
-            if not getattr(self, field) > 0:
-                raise UnmaskError(f"GPUSpec {self.name!r}: {field} must be > 0")
+            if not _positive(getattr(self, field)):
+                raise UnmaskError(f"GPUSpec {self.name!r}: {field} must be a finite number > 0 "
+                                  f"(got {getattr(self, field)!r}); give FLOP/s and bytes/s, e.g. 1e15")
 
     @classmethod
     def preset(cls, name: str) -> "GPUSpec":
@@ -93,8 +101,9 @@ class Precision:
     act: float = 2.0
 
     def __post_init__(self) -> None:
-        if min(self.weight, self.kv, self.act) <= 0:
-            raise UnmaskError(f"Precision bytes must be > 0, got {self}")
+        if not all(_positive(v) for v in (self.weight, self.kv, self.act)):
+            raise UnmaskError(f"bytes per element must be finite numbers > 0, got weight={self.weight!r} "
+                              f"kv={self.kv!r} act={self.act!r}; use e.g. 1 for FP8, 2 for BF16")
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,9 @@ class ModelShape:
         ``text_config`` is used when present. The MLP counts as gated (3 matrices, as in
         Llama/Qwen) unless the config says ``gated_mlp: false`` or is a GPT-2/NeoX/OPT family.
         """
+        if not (hasattr(config, "to_dict") or isinstance(config, Mapping)):
+            raise UnmaskError(f"a model config must be a JSON object (got {type(config).__name__}); "
+                              "pass a Hugging Face config.json")
         cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         if isinstance(cfg.get("text_config"), Mapping):
             cfg = {**cfg, **cfg["text_config"]}
@@ -142,7 +154,13 @@ class ModelShape:
                                "num_attention_heads", "vocab_size") if cfg.get(k) is None]
         if missing:
             raise UnmaskError(f"config lacks {', '.join(missing)}; cannot build a ModelShape")
+        for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                  "num_key_value_heads", "head_dim"):
+            if cfg.get(k) is not None and (isinstance(cfg[k], bool) or not isinstance(cfg[k], int)):
+                raise UnmaskError(f"config field {k} must be an integer (got {cfg[k]!r}); fix the config.json")
         heads = int(cfg["num_attention_heads"])
+        if heads <= 0:
+            raise UnmaskError(f"config field num_attention_heads must be > 0 (got {heads}); fix the config.json")
         ungated = cfg.get("model_type") in {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon"}
         return cls(
             name=name or cfg.get("_name_or_path") or cfg.get("model_type") or "custom",
@@ -374,7 +392,7 @@ class RooflineTable:
                 "rows": [dict(zip(self.row_names, key), values=list(vals))
                          for key, vals in zip(self.rows, self.values)]}
 
-    def plot(self, path: str) -> None:
+    def plot(self, path: str) -> Path:
         """Cells against KV length, one panel per batch size; needs matplotlib."""
         try:
             import matplotlib
@@ -395,8 +413,10 @@ class RooflineTable:
         axes[0][0].set_ylabel(self.kind)
         axes[0][-1].legend(fontsize="x-small")
         fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
+        try:
+            return atomic_savefig(fig, path)
+        finally:
+            plt.close(fig)
 
 
 SlowdownTable = SpeedupTable = RooflineTable

@@ -99,6 +99,10 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     """
     from unmask.eval.runner import References, evaluate
 
+    # Options shared by every pair are checked once, up front: otherwise each row would just fail.
+    for flag, value in (("--limit", limit), ("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UnmaskError(f"{flag} must be an integer >= 1 (got {value!r}); pass e.g. {flag} 8")
     todo = pairs(include_all=include_all, decoders=decoders, models=models)
     if not todo:
         raise UnmaskError("no decoder has a shipped model of a kind it works on; check 'unmask models'")

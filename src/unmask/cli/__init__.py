@@ -54,3 +54,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(130) from None
     except UnicodeDecodeError as e:
         _fail(f"input is not valid UTF-8 ({e.reason} at byte {e.start}); convert the file to UTF-8")
+    except OSError as e:  # last resort for a file system error no command anticipated
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        _fail(f"{e.strerror or e}{where}; check the path, its permissions and the free disk space")

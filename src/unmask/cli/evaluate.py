@@ -17,6 +17,7 @@ import typer
 
 from unmask.cli import app
 from unmask.errors import UnmaskError
+from unmask.fileio import check_output_file
 
 # Options shared by `eval` and `sweep` (typer reads each OptionInfo afresh per command).
 MODEL = typer.Option(None, "--model", "-m", help="shipped model name or local HF directory (default: the default shipped model)")
@@ -119,6 +120,8 @@ def eval_cmd(
 
     opts = _options(policy=policy, gamma=gamma, preset=preset, tau=tau, factor=factor,
                     tokens_per_step=tokens_per_step, block_size=block_size)
+    if out is not None:
+        check_output_file(out, "--out")
     with _progress(not no_progress) as progress:
         result = evaluate(task, model, decoder, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
                           shots=shots, data_dir=data_dir, judge=judge, temperature=temperature, seed=seed,
@@ -152,6 +155,9 @@ def sweep_cmd(
     from unmask.eval.sweep import _num, sweep
 
     opts = _options(policy=policy, block_size=block_size)
+    for path, flag in ((out, "--out"), (out_png, "--out-png")):
+        if path is not None:
+            check_output_file(path, flag)
     with _progress(not no_progress) as progress:
         res = sweep(task, model, decoder, param=param, values=values, metric=metric, y_max=y_max,
                     limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens, shots=shots,
@@ -171,12 +177,11 @@ def sweep_cmd(
     else:
         console.print(f"AUP n/a: {res.aup_error}")
     if out_png is not None:
-        res.plot(out_png)
-        typer.echo(f"wrote {out_png}")
+        typer.echo(f"wrote {res.plot(out_png)}")
     if out is not None:
         from unmask.fileio import atomic_write_json
 
-        atomic_write_json(out, res.to_dict())
+        atomic_write_json(out, res.to_dict(), "--out")
         typer.echo(f"wrote {out}")
 
 
@@ -298,7 +303,9 @@ def roofline_cmd(
             typer.echo()
     if png is not None:
         paths = [png, png.with_name(f"{png.stem}-speedup{png.suffix or '.png'}")]
+        for path in paths[:len(tables)]:
+            check_output_file(path, "--png")
         for path, t in zip(paths, tables):
-            t.plot(str(path))
+            written = t.plot(str(path))
             if not as_json:
-                typer.echo(f"wrote {path}")
+                typer.echo(f"wrote {written}")

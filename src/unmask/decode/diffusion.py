@@ -82,7 +82,7 @@ class DiffusionConfig:
     def __post_init__(self):
         L, B = self.gen_length, self.block_size
         if not isinstance(L, int) or L < 1:
-            raise UnmaskError(f"gen length must be an integer >= 1 (got {L!r})")
+            raise UnmaskError(f"gen length must be an integer >= 1 (got {L!r}); pass e.g. --gen-length 64")
         if not isinstance(B, int) or B < 1:
             raise UnmaskError(f"block size must be an integer >= 1 (got {B!r}); 32 is Fast-dLLM's default")
         if L % B:
@@ -133,10 +133,10 @@ class DiffusionConfig:
         built = make_policy(name, **params)
         requested = gen_length if gen_length is not None else max_new_tokens
         if not isinstance(requested, int) or requested < 1:
-            raise UnmaskError(f"gen length must be an integer >= 1 (got {requested!r})")
+            raise UnmaskError(f"gen length must be an integer >= 1 (got {requested!r}); pass e.g. --gen-length 64")
         block = block_size if block_size is not None else min(DEFAULT_BLOCK_SIZE, requested)
-        if gen_length is None and isinstance(block, int) and block >= 1:
-            gen_length = math.ceil(requested / block) * block
+        if gen_length is None:  # an invalid block size is reported by __post_init__
+            gen_length = math.ceil(requested / block) * block if isinstance(block, int) and block >= 1 else requested
         return cls(gen_length=gen_length, block_size=block, policy=built, steps=steps,
                    cache="none" if cache is None else str(cache), refresh_every=refresh_every,
                    eos_early_stop=bool(eos_early_stop), sampler=sampler)

@@ -139,6 +139,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                                         tau_semi=tau_semi, tau_m2t=tau_m2t, tau_t2t=tau_t2t, tau_stable=tau_stable,
                                         max_nfe=max_nfe)
     B, S, model, device, mask_id = cfg.block_size, cfg.slots, bundle.model, bundle.device, bundle.mask_token_id
+    if S * B > bundle.context_length:
+        raise UnmaskError(f"--slots {S} × block size {B} = {S * B} positions exceeds the context window of "
+                          f"{bundle.context_length}; use --slots {max(1, bundle.context_length // B)} or fewer")
     t0 = time.perf_counter()
     R = len(prompts)
     gen = sampling.generator(device)

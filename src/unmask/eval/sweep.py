@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 from unmask.errors import UnmaskError
 from unmask.eval import tasks as T
 from unmask.eval.aup import aup
+from unmask.fileio import atomic_savefig
 from unmask.eval.runner import EvalResult, Progress, References, _load, evaluate
 
 SWEEP_PARAMS = {"gamma": "entropy-bound", "tau": "threshold", "factor": "factor", "tokens_per_step": "top-k"}
@@ -66,7 +68,7 @@ class SweepResult:
         return {"task": self.task, "param": self.param, "metric": self.metric, "y_max": self.y_max,
                 "aup": self.aup_score, "aup_error": self.aup_error, "points": self.points}
 
-    def plot(self, path: str | os.PathLike) -> None:
+    def plot(self, path: str | os.PathLike) -> Path:
         """PNG: quality against TPF and against TPS, each point labelled with its value, the
         Pareto front (no other point has both more parallelism and more quality) dashed.
         Needs matplotlib."""
@@ -95,8 +97,10 @@ class SweepResult:
         aup_text = f"AUP {_num(self.aup_score)}" if self.aup_score is not None else "AUP n/a"
         fig.suptitle(f"sweep over {self.param} · {aup_text} (y_max {_num(self.y_max)})")
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        try:
+            return atomic_savefig(fig, path, dpi=120)
+        finally:
+            plt.close(fig)
 
 
 def _num(x: float) -> str:

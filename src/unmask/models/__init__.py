@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+from unmask.errors import UnmaskError
 from unmask.models.bundle import KINDS, ModelBundle, load_dir
 from unmask.models.registry import default_model, resolve, shipped
 
@@ -18,7 +21,12 @@ def load(name_or_path: str | None = None, *, kind: str | None = None, device: st
 
     Raises UnmaskError for an unknown name, a bad directory or an unavailable device.
     """
-    name, path = resolve(name_or_path or default_model())
+    if name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):
+        raise UnmaskError(f"model must be a shipped name or a directory path (got {type(name_or_path).__name__}); "
+                          "pass e.g. \"stories260K\"")
+    if isinstance(name_or_path, str) and not name_or_path.strip():
+        raise UnmaskError("the model name is empty; pass a shipped name or a directory, or leave it out for the default")
+    name, path = resolve(os.fspath(name_or_path) if name_or_path is not None else default_model())
     return load_dir(path, name=name, kind=kind, device=device, dtype=dtype, mask_token_id=mask_token_id,
                     logit_shift=logit_shift, trust_remote_code=trust_remote_code)
 

@@ -95,14 +95,20 @@ def read_unmask_config(path: Path) -> dict:
     if not f.is_file():
         return {}
     try:
-        return json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        meta = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UnmaskError(f"{f} is not valid JSON ({e}); restore it or re-save the checkpoint") from None
+    if not isinstance(meta, dict):
+        raise UnmaskError(f"{f} holds a JSON {type(meta).__name__}, not an object; restore it or re-save the checkpoint")
+    return meta
 
 
 def _stop_ids(model, tokenizer, meta: dict) -> tuple[int, ...]:
     if "stop_token_ids" in meta:
-        return tuple(int(i) for i in meta["stop_token_ids"])
+        ids = meta["stop_token_ids"]
+        if not isinstance(ids, list):
+            ids = [ids]
+        return tuple(_as_id(i, f"stop_token_ids in {UNMASK_CONFIG}") for i in ids)
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if ids is None:
         ids = getattr(tokenizer, "eos_token_id", None)
@@ -113,18 +119,27 @@ def _stop_ids(model, tokenizer, meta: dict) -> tuple[int, ...]:
 
 def _read_hf_config(path: Path) -> dict:
     try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UnmaskError(f"{path / 'config.json'} is not valid JSON ({e}); restore the checkpoint") from None
+    if not isinstance(cfg, dict):
+        raise UnmaskError(f"{path / 'config.json'} holds a JSON {type(cfg).__name__}, not an object; restore the checkpoint")
+    return cfg
+
+
+def _as_id(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UnmaskError(f"{what} must be an integer token id (got {value!r}); give the id of the mask token")
+    return value
 
 
 def _mask_id(explicit, meta: dict, model, tokenizer, family, path: Path) -> int | None:
     """Mask id: explicit option > unmask_config.json > HF config > tokenizer > the family's
     documented id. The config and tokenizer must agree when both name one (models.md §2.1)."""
     if explicit is not None:
-        return int(explicit)
+        return _as_id(explicit, "mask_token_id")
     if meta.get("mask_token_id") is not None:
-        return int(meta["mask_token_id"])
+        return _as_id(meta["mask_token_id"], f"mask_token_id in {path / UNMASK_CONFIG}")
     from_config = getattr(model.config, "mask_token_id", None)
     from_tokenizer = getattr(tokenizer, "mask_token_id", None)
     if from_config is not None and from_tokenizer is not None and int(from_config) != int(from_tokenizer):
@@ -154,13 +169,15 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     token the checkpoint does not name.
     """
     import transformers
+    from safetensors import SafetensorError
     from transformers import AutoTokenizer
 
     from unmask.compat import quiet_transformers
     from unmask.models.adapters import family_of, loader_name
 
     if not (path / "config.json").is_file():
-        raise UnmaskError(f"{path} is not a Hugging Face model directory (no config.json)")
+        raise UnmaskError(f"{path} is not a Hugging Face model directory (no config.json); "
+                          "pass a directory written by save_pretrained or a shipped model name")
     meta = read_unmask_config(path)
     hf_config = _read_hf_config(path)
     family = family_of(hf_config)
@@ -178,12 +195,15 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     try:
         model = auto.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, RuntimeError, KeyError, ImportError, TypeError) as e:
+    except (OSError, ValueError, RuntimeError, KeyError, ImportError, TypeError, SafetensorError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UnmaskError(f"cannot load the checkpoint in {path}: {first}") from None
+        raise UnmaskError(f"cannot load the checkpoint in {path}: {first.rstrip('.:')}; "
+                          "the directory is incomplete or corrupt, restore or re-save it") from None
     model.to(device).eval()
     if kind == "causal":  # a causal model may still carry a mask token (e.g. before SBD fine-tuning)
         mask_id = mask_token_id if mask_token_id is not None else meta.get("mask_token_id")
+        if mask_id is not None:
+            mask_id = _as_id(mask_id, "mask_token_id")
     else:
         mask_id = _mask_id(mask_token_id, meta, model, tokenizer, family, path)
     if kind != "causal" and mask_id is None:
@@ -194,7 +214,10 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         raise UnmaskError(f"{path}: mask token id {mask_id} is outside the model's vocabulary of {vocab}; "
                           "pass the right mask_token_id")
     if logit_shift is None:
-        logit_shift = int(meta.get("logit_shift", family.logit_shift if family is not None else 0))
+        logit_shift = meta.get("logit_shift", family.logit_shift if family is not None else 0)
+        if logit_shift not in (0, 1) or isinstance(logit_shift, bool):
+            raise UnmaskError(f"logit_shift in {path / UNMASK_CONFIG} must be 0 or 1 (got {logit_shift!r}); "
+                              "use 1 for Dream-style models, 0 otherwise")
     stops = _stop_ids(model, tokenizer, meta)
     if family is not None and "stop_token_ids" not in meta:
         vocab = int(getattr(model.config, "vocab_size", 0) or 0)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from unmask.errors import UnmaskError
-from unmask.fileio import publish_dir, staging_dir
+from unmask.fileio import check_parents, publish_dir, staging_dir
 
 # sha256 of the genuine files (spec/models.md §1.1); look-alikes with the same header exist.
 KNOWN_SHA256 = {
@@ -84,18 +84,21 @@ def read_checkpoint(path: str | os.PathLike, verify: bool = True) -> tuple[Llama
     """
     path = Path(path)
     if not path.is_file():
-        raise UnmaskError(f"checkpoint file not found: {path}")
+        raise UnmaskError(f"checkpoint file not found: {path}; pass the llama2.c .bin checkpoint (e.g. stories260K.bin)")
     raw = path.read_bytes()
     if len(raw) < _HEADER.size:
-        raise UnmaskError(f"{path} is too small to be a llama2.c checkpoint ({len(raw)} bytes)")
+        raise UnmaskError(f"{path} is too small to be a llama2.c checkpoint ({len(raw)} bytes); pass the checkpoint "
+                          "first and the tokenizer second")
     header = Llama2cHeader(*_HEADER.unpack_from(raw, 0))
     fields = (header.dim, header.hidden_dim, header.n_layers, header.n_heads, header.n_kv_heads, header.seq_len)
     if min(fields) <= 0 or header.vocab_size == 0 or header.dim % header.n_heads or header.n_heads % header.n_kv_heads:
-        raise UnmaskError(f"{path} has an invalid llama2.c header {fields}; is it a legacy (v0) export?")
+        raise UnmaskError(f"{path} has an invalid llama2.c header {fields}; pass a legacy (v0) llama2.c checkpoint "
+                          "first and the tokenizer second")
     expected = _HEADER.size + 4 * header.n_floats()
     if len(raw) != expected:
         raise UnmaskError(
-            f"{path} is {len(raw)} bytes but its header implies {expected}; the file is truncated or not a v0 export"
+            f"{path} is {len(raw)} bytes but its header implies {expected} (truncated or not a v0 export); "
+            "download or export the checkpoint again"
         )
     if verify:
         _verify_known(path)
@@ -190,7 +193,7 @@ def read_tokenizer(path: str | os.PathLike, vocab_size: int | None = None, verif
     bytes) records. Returns (pieces, scores). ``vocab_size`` defaults to reading until EOF."""
     path = Path(path)
     if not path.is_file():
-        raise UnmaskError(f"tokenizer file not found: {path}")
+        raise UnmaskError(f"tokenizer file not found: {path}; pass the llama2.c tokenizer (e.g. tok512.bin)")
     raw = path.read_bytes()
     pieces, scores, off = [], [], 4
     try:
@@ -204,9 +207,11 @@ def read_tokenizer(path: str | os.PathLike, vocab_size: int | None = None, verif
             scores.append(score)
             off += n
     except struct.error:
-        raise UnmaskError(f"{path} is not a valid llama2.c tokenizer file (corrupt record at byte {off})") from None
+        raise UnmaskError(f"{path} is not a valid llama2.c tokenizer file (corrupt record at byte {off}); pass a "
+                          "llama2.c tokenizer.bin as the second argument") from None
     if vocab_size is not None and len(pieces) != vocab_size:
-        raise UnmaskError(f"{path} holds {len(pieces)} pieces but the checkpoint needs {vocab_size}")
+        raise UnmaskError(f"{path} holds {len(pieces)} pieces but the checkpoint needs {vocab_size}; pass the tokenizer "
+                          "the checkpoint was trained with")
     if verify:
         _verify_known(path)
     return pieces, scores
@@ -281,18 +286,23 @@ def convert_llama2c(checkpoint: str | os.PathLike, tokenizer: str | os.PathLike,
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise UnmaskError(f"{out} already exists; choose another OUT_DIR or pass --overwrite")
+    if out.exists() and not out.is_dir():
+        raise UnmaskError(f"{out} is a file, not a model directory; choose another OUT_DIR or remove the file")
+    check_parents(out, "OUT_DIR")
     header, tensors = read_checkpoint(checkpoint, verify=verify)
     pieces, scores = read_tokenizer(tokenizer, vocab_size=abs(header.vocab_size), verify=verify)
     model = build_hf_model(header, tensors)
     hf_tok = wrap_tokenizer(build_hf_tokenizer(pieces, scores))
     hf_tok.model_max_length = header.seq_len
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(out)
+    tmp = None
     try:
+        tmp = staging_dir(out)
         model.save_pretrained(tmp)
         hf_tok.save_pretrained(tmp)
         publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    except OSError as e:
+        raise UnmaskError(f"cannot write {out}: {e.strerror or e}; choose a writable OUT_DIR") from None
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
