@@ -64,12 +64,12 @@ def eb(bundle, prompts=PROMPTS, stops=(), **kw):
 
 
 @pytest.mark.parametrize("shift", [0, 1])
-@pytest.mark.parametrize("tau", [0.9, 0.3, 0.999])
+@pytest.mark.parametrize("tau", [0.9, 0.3])
 @pytest.mark.parametrize("stops", [(), (2, 5)])
 def test_zero_routers_reduce_to_fast_dllm_threshold_decoding(shift, tau, stops):
     # All-zero router output: p_φ = 0.5 is never > 0.5, so every block is the min-tokens fallback
-    # (the next L_B masks = the next semi-AR block); p_ψ = 0.5 never beats τ_ψ. τ = 0.999 makes
-    # nearly every step an anti-stall single commit.
+    # (the next L_B masks = the next semi-AR block); p_ψ = 0.5 never beats τ_ψ. On random weights
+    # most τ = 0.9 steps are anti-stall single commits.
     bundle = dllm(shift, stops=stops)
     got = eb(bundle, stops=stops, tau=tau, lbs_router=lbs(bias=0.0), lps_router=lps(bias=0.0))
     ref = diffusion.decode(bundle, PROMPTS, max_new_tokens=L, stop_token_ids=stops, policy="threshold", tau=tau,

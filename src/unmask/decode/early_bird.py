@@ -169,13 +169,22 @@ class _Forwards:
         return self._scored(raw)
 
 
-def _commit_confidence(logits, tokens, sampler: str, temperature: float) -> torch.Tensor:
-    """κ of the chosen tokens (B, n) as the diffusion threshold rule computes it (diffusion.md §4):
-    untempered float64 softmax for the LLaDA sampler, tempered probability for Dream's."""
+def _commit_confidence(logits, tokens, cand, sampler: str, temperature: float, lo: int, L: int) -> torch.Tensor:
+    """κ of the chosen tokens as the diffusion threshold rule computes it (diffusion.md §4):
+    untempered float64 softmax for the LLaDA sampler, tempered probability for Dream's.
+
+    logits (B, n, V), tokens and cand (B, n) over generated positions [lo, lo + n). Computed at the
+    candidates only; returns (B, L) float64, 0 elsewhere."""
+    r, c = torch.nonzero(cand, as_tuple=True)  # (k,) each
+    z, t = logits[r, c], tokens[r, c]  # (k, V), (k,)
     if sampler == "llada":
-        return F.softmax(logits.double(), dim=-1).gather(-1, tokens[..., None])[..., 0]
-    z = logits.float() / temperature if temperature > 0 else logits.float()
-    return F.log_softmax(z, dim=-1).gather(-1, tokens[..., None])[..., 0].exp()
+        k = F.softmax(z.double(), dim=-1).gather(-1, t[:, None])[:, 0]
+    else:
+        z = z.float() / temperature if temperature > 0 else z.float()
+        k = F.log_softmax(z, dim=-1).gather(-1, t[:, None])[:, 0].exp().double()
+    kappa = torch.zeros(cand.shape[0], L, dtype=torch.float64, device=logits.device)
+    kappa[r, c + lo] = k
+    return kappa
 
 
 def _draw_rows(logits, cand, top1, policy, sampling: Sampling, gens, confidence, draw) -> torch.Tensor:
@@ -379,27 +388,31 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
         t_lbs += t2 - t1
 
         cand = block & masked  # (B, L) B ∩ M
-        feats = None
-        p_lps = None
-        if lps_net is not None or on_forward is not None:
-            feats = lps_features(conf, norm_ent, margin, block, masked, cfg.pos_mode)  # (B, L, 5)
-        if lps_net is not None:
-            rows = torch.nonzero(cand.any(dim=1)).flatten()
-            index, ok = pack_rows(cand[rows])  # (b, N) each
-            x = feats[rows].gather(1, index[..., None].expand(-1, -1, feats.shape[-1]))  # (b, N, 5)
-            p = torch.sigmoid(lps_net(x, ok))  # (b, N)
-            p_lps = torch.zeros(B, L, device=device)
-            p_lps[rows] = torch.zeros(len(rows), L, device=device).scatter(1, index, torch.where(ok, p, 0.0))
-        t3 = _sync(device)
-        t_lps += t3 - t2
-
         cand_w = cand[:, lo:hi]  # (B, hi - lo)
         tok_w = st.top1 if gens is None else _draw_rows(logits, cand_w, st.top1, threshold, sampling, gens,
                                                         confidence, draw)
-        kappa_w = _commit_confidence(logits, tok_w, cfg.sampler, sampling.temperature)  # (B, hi - lo)
         tokens = torch.zeros(B, L, dtype=torch.long, device=device)
-        kappa = torch.zeros(B, L, dtype=kappa_w.dtype, device=device)
-        tokens[:, lo:hi], kappa[:, lo:hi] = tok_w, kappa_w
+        tokens[:, lo:hi] = tok_w
+        kappa = _commit_confidence(logits, tok_w, cand_w, cfg.sampler, sampling.temperature, lo, L)  # (B, L)
+        t3 = _sync(device)
+
+        feats = p_lps = None
+        if lps_net is not None or on_forward is not None:
+            feats = lps_features(conf, norm_ent, margin, block, masked, cfg.pos_mode)  # (B, L, 5)
+        if lps_net is not None:
+            p_lps = torch.zeros(B, L, device=device)
+            # LPS cannot change A for a row whose candidates all pass κ ≥ τ or that has a single
+            # candidate (committed anyway, by the anti-stall rule): those rows skip the router.
+            open_rows = (cand.sum(dim=1) >= 2) & (cand & (kappa < cfg.tau)).any(dim=1)  # (B,)
+            rows = torch.nonzero(open_rows).flatten()
+            if len(rows):
+                index, ok = pack_rows(cand[rows])  # (b, N) each
+                x = feats[rows].gather(1, index[..., None].expand(-1, -1, feats.shape[-1]))  # (b, N, 5)
+                p = torch.sigmoid(lps_net(x, ok))  # (b, N)
+                p_lps[rows] = torch.zeros(len(rows), L, device=device).scatter(1, index, torch.where(ok, p, 0.0))
+        t4 = _sync(device)
+        t_lps += t4 - t3
+
         chosen = union_accept(kappa, p_lps, cand, cfg.tau, cfg.tau_psi if cfg.tau_psi is not None else 1.0)
         if p_lps is not None:
             lps_only += int((chosen & (kappa < cfg.tau) & (p_lps > cfg.tau_psi)).sum())
