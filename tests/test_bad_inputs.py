@@ -279,3 +279,12 @@ def test_api_stop_given_as_one_string_is_one_stop_string(stories):
     as_list = unmask.generate("Once upon a time", stories, max_new_tokens=24, stop=["e l"])
     assert as_str.texts == as_list.texts
     assert as_str.texts[0].strip()  # not cut at the first space or 'e'
+
+
+def test_tiny_top_p_keeps_the_most_likely_token(capsys):
+    """top_p = 1e-300 rounds to 0 in float32; it must still keep one token, not crash sampling."""
+    code, out, err = run_cli(capsys, "generate", "Once", "-m", "stories260K", "-n", "3", "-t", "1",
+                             "--top-p", "1e-300", "--json")
+    assert code == 0, err
+    greedy = unmask.generate("Once", "stories260K", max_new_tokens=3)
+    assert json.loads(out)["tokens"] == greedy.tokens[0]

@@ -59,6 +59,7 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
         drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop_sorted[..., 0] = False  # a top_p below float32's range rounds to 0 and would drop every token
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
