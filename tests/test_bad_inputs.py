@@ -288,3 +288,26 @@ def test_tiny_top_p_keeps_the_most_likely_token(capsys):
     assert code == 0, err
     greedy = unmask.generate("Once", "stories260K", max_new_tokens=3)
     assert json.loads(out)["tokens"] == greedy.tokens[0]
+
+
+# --- eval data files -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"not json\n", "line 1 cannot be read"),
+    (b'{"question": "q", "answer": "#### 1"}\n[1, 2]\n', "line 2 cannot be read"),
+    (b'{"question": "q"}\n', "lacks the field 'answer'"),
+    (b"\xff\xfe\n", "cannot be read"),
+])
+def test_eval_corrupt_gsm8k_file(capsys, tmp_path, content, match):
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_bytes(content)
+    one_line_error(capsys, "eval", "--task", "gsm8k", "--data-dir", str(tmp_path), "--limit", "1", "-n", "2",
+                   "--no-progress", match=match)
+
+
+def test_eval_humaneval_file_that_is_not_gzip(capsys, tmp_path):
+    (tmp_path / "humaneval").mkdir()
+    (tmp_path / "humaneval" / "HumanEval.jsonl.gz").write_bytes(b"plain text, not gzip\n")
+    one_line_error(capsys, "eval", "--task", "humaneval", "--data-dir", str(tmp_path), "--limit", "1", "-n", "2",
+                   "--no-progress", match="cannot be read")

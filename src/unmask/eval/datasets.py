@@ -53,12 +53,34 @@ def _data_file(label: str, rel: str, data_dir: str | os.PathLike | None) -> Path
                       f"holding {rel}) or set {DATA_DIR_ENV}")
 
 
+class _Row(dict):
+    """A JSONL row whose missing field is a one-line UnmaskError naming the file and line."""
+
+    where = ""
+
+    def __missing__(self, key):
+        raise UnmaskError(f"{self.where} lacks the field {key!r}; restore the file from the original data")
+
+
 def _jsonl(path: Path) -> Iterator[dict]:
+    """The JSON object of each non-blank line. Raises UnmaskError for an unreadable file, a line
+    that is not a JSON object, or a row read without a field the caller needs."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
+    n = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    row = json.loads(line)
+                    if not isinstance(row, dict):
+                        raise ValueError("not a JSON object")
+                    row = _Row(row)
+                    row.where = f"{path} line {n}"
+                    yield row
+    except (OSError, EOFError, UnicodeDecodeError, ValueError) as e:
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise UnmaskError(f"{path} line {n + 1 if isinstance(e, (OSError, EOFError)) else n} cannot be read "
+                          f"({reason}); restore the file from the original data") from None
 
 
 # ---------------------------------------------------------------- GSM8K
