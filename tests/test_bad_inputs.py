@@ -311,3 +311,22 @@ def test_eval_humaneval_file_that_is_not_gzip(capsys, tmp_path):
     (tmp_path / "humaneval" / "HumanEval.jsonl.gz").write_bytes(b"plain text, not gzip\n")
     one_line_error(capsys, "eval", "--task", "humaneval", "--data-dir", str(tmp_path), "--limit", "1", "-n", "2",
                    "--no-progress", match="cannot be read")
+
+
+def test_convert_interrupted_while_saving_leaves_nothing(tmp_path, monkeypatch):
+    from transformers import PreTrainedTokenizerFast
+
+    import unmask.models.llama2c as llama2c
+
+    def ctrl_c(self, *args, **kwargs):  # the model files are already in the staging directory
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        llama2c.convert_llama2c(BIN, TOK, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_model_path_that_is_a_file(capsys):
+    one_line_error(capsys, "generate", "Once", "-m", str(SHIPPED / "config.json"), "-n", "2",
+                   match="is a file, not a directory")

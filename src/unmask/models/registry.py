@@ -45,5 +45,8 @@ def resolve(name_or_path: str) -> tuple[str, Path]:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path.name, path
+    if path.exists():
+        raise UnmaskError(f"model {name_or_path!r} is a file, not a directory; pass the folder that holds "
+                          "config.json and the weights")
     valid = ", ".join(names) or "(none)"
     raise UnmaskError(f"unknown model {name_or_path!r}; shipped models: {valid}; or pass a local Hugging Face directory")
