@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from unmask.decode.eb_select import FEATURE_NAMES, POS_MODES
@@ -52,6 +53,30 @@ class LPSConfig:
         return asdict(self)
 
 
+class PreNormBlock(nn.Module):
+    """One pre-norm Transformer block with GELU: h + Attn(LN(h)), then h + FFN(LN(h)).
+
+    Written out (rather than ``nn.TransformerEncoderLayer``) so that training and serving run the
+    same arithmetic (PyTorch's fused inference path differs in the last bits from its training
+    path) and a step costs a handful of small ops; same parameter count as the PyTorch layer."""
+
+    def __init__(self, d: int, heads: int, ffn: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ff1, self.ff2 = nn.Linear(d, ffn), nn.Linear(ffn, d)
+
+    def forward(self, h: Tensor, keep: Tensor) -> Tensor:
+        """h: (B, N, d); keep: (B, N) bool, the keys each query may attend to."""
+        B, N, d = h.shape
+        p = self.dropout if self.training else 0.0
+        q, k, v = self.qkv(self.norm1(h)).view(B, N, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)  # (B, nh, N, hs) each
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :], dropout_p=p)  # (B, nh, N, hs)
+        h = h + F.dropout(self.out(a.transpose(1, 2).reshape(B, N, d)), p, self.training)  # (B, N, d)
+        return h + F.dropout(self.ff2(F.dropout(F.gelu(self.ff1(self.norm2(h))), p, self.training)), p, self.training)
+
+
 class LPSRouter(nn.Module):
     """R_ψ (App. D.1). ``forward(features, valid) -> logits``; see the module doc."""
 
@@ -62,9 +87,8 @@ class LPSRouter(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Sequential(nn.Linear(self.n_features, config.d), nn.LayerNorm(config.d), nn.GELU())
-        layer = nn.TransformerEncoderLayer(config.d, config.heads, config.ffn, dropout=config.dropout,
-                                           activation="gelu", batch_first=True, norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, config.layers, enable_nested_tensor=False)
+        self.blocks = nn.ModuleList(PreNormBlock(config.d, config.heads, config.ffn, config.dropout)
+                                    for _ in range(config.layers))
         self.head = nn.Linear(config.d, 1)
 
     def forward(self, features: Tensor, valid: Tensor) -> Tensor:
@@ -74,11 +98,11 @@ class LPSRouter(nn.Module):
         if F != self.n_features:
             raise UnmaskError(f"LPS takes {self.n_features} features per position {FEATURE_NAMES}, got {F}")
         # A row with no real slot would attend to nothing (NaN); let it see its first slot, then drop it.
-        empty = ~valid.any(dim=1)  # (B,)
-        pad = ~valid
-        pad[:, 0] &= ~empty
+        keep = valid.clone()
+        keep[:, 0] |= ~valid.any(dim=1)
         h = self.embed(features.to(self.head.weight.dtype))  # (B, N, d)
-        h = self.encoder(h, src_key_padding_mask=pad)  # (B, N, d)
+        for block in self.blocks:
+            h = block(h, keep)  # (B, N, d)
         logits = self.head(h)[..., 0].float()  # (B, N)
         return logits.masked_fill(~valid, float("-inf"))
 
