@@ -11,7 +11,8 @@ Architecture, with the paper's sizes in brackets (d = 128):
 - token branch W_tok · W_e(x̂), W_tok ∈ R^{d/2 × d_base}, no bias; W_e stays outside the router
   (the caller embeds x̂ with the base model's frozen input embedding)             [64 × 4096]
 - fusion Z = W_combine [f_ent ; f_tok] + E_pos, W_combine d × d, E_pos ∈ R^{L × d} learnable
-- post-norm Transformer encoder, GELU, no key-padding mask (all L slots attend)  [2 layers, 4 heads, FFN 256]
+- post-norm Transformer encoder blocks (PyTorch's default layout, written out:
+  :class:`unmask.routers.lps.EncoderBlock`), GELU, no key-padding mask    [2 layers, 4 heads, FFN 256]
 - head Linear(d → 1)
 
 E_pos ties the router to its training L (use it only at that L), and W_tok to the base model's
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from unmask.errors import UnmaskError
+from unmask.routers.lps import EncoderBlock
 
 
 @dataclass(frozen=True)
@@ -74,9 +76,8 @@ class LBSRouter(nn.Module):
         self.token = nn.Linear(config.d_base, half, bias=False)
         self.combine = nn.Linear(config.d, config.d)
         self.pos = nn.Parameter(torch.randn(config.gen_length, config.d) * 0.02)
-        layer = nn.TransformerEncoderLayer(config.d, config.heads, config.ffn, dropout=config.dropout,
-                                           activation="gelu", batch_first=True, norm_first=False)
-        self.encoder = nn.TransformerEncoder(layer, config.layers, enable_nested_tensor=False)
+        self.blocks = nn.ModuleList(EncoderBlock(config.d, config.heads, config.ffn, config.dropout, pre_norm=False)
+                                    for _ in range(config.layers))
         self.head = nn.Linear(config.d, 1)
 
     def forward(self, norm_entropy: Tensor, token_emb: Tensor, masked: Tensor) -> Tensor:
@@ -92,7 +93,8 @@ class LBSRouter(nn.Module):
         f_ent = self.entropy(norm_entropy.to(dtype)[..., None]) * keep  # (B, L, d/2)
         f_tok = self.token(token_emb.to(dtype)) * keep  # (B, L, d/2)
         z = self.combine(torch.cat([f_ent, f_tok], dim=-1)) + self.pos[None]  # (B, L, d)
-        z = self.encoder(z)  # (B, L, d)
+        for block in self.blocks:
+            z = block(z)  # (B, L, d): all L slots attend (no key-padding mask, reading #2)
         logits = self.head(z)[..., 0].float()  # (B, L)
         return logits.masked_fill(~masked, float("-inf"))
 

@@ -53,28 +53,41 @@ class LPSConfig:
         return asdict(self)
 
 
-class PreNormBlock(nn.Module):
-    """One pre-norm Transformer block with GELU: h + Attn(LN(h)), then h + FFN(LN(h)).
+class EncoderBlock(nn.Module):
+    """One Transformer encoder block with GELU. Pre-norm (LPS): h + Attn(LN(h)), then
+    h + FFN(LN(h)). Post-norm (LBS, PyTorch's default layout): LN(h + Attn(h)), then
+    LN(h + FFN(h)).
 
     Written out (rather than ``nn.TransformerEncoderLayer``) so that training and serving run the
     same arithmetic (PyTorch's fused inference path differs in the last bits from its training
     path) and a step costs a handful of small ops; same parameter count as the PyTorch layer."""
 
-    def __init__(self, d: int, heads: int, ffn: int, dropout: float):
+    def __init__(self, d: int, heads: int, ffn: int, dropout: float, pre_norm: bool = True):
         super().__init__()
-        self.heads, self.dropout = heads, dropout
+        self.heads, self.dropout, self.pre_norm = heads, dropout, pre_norm
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.ff1, self.ff2 = nn.Linear(d, ffn), nn.Linear(ffn, d)
 
-    def forward(self, h: Tensor, keep: Tensor) -> Tensor:
-        """h: (B, N, d); keep: (B, N) bool, the keys each query may attend to."""
-        B, N, d = h.shape
+    def forward(self, h: Tensor, keep: Tensor | None = None) -> Tensor:
+        """h: (B, N, d); keep: (B, N) bool, the keys each query may attend to (None: all)."""
+        if self.pre_norm:
+            h = h + self._attend(self.norm1(h), keep)
+            return h + self._ffn(self.norm2(h))
+        h = self.norm1(h + self._attend(h, keep))
+        return self.norm2(h + self._ffn(h))
+
+    def _attend(self, x: Tensor, keep: Tensor | None) -> Tensor:
+        B, N, d = x.shape
         p = self.dropout if self.training else 0.0
-        q, k, v = self.qkv(self.norm1(h)).view(B, N, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)  # (B, nh, N, hs) each
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :], dropout_p=p)  # (B, nh, N, hs)
-        h = h + F.dropout(self.out(a.transpose(1, 2).reshape(B, N, d)), p, self.training)  # (B, N, d)
-        return h + F.dropout(self.ff2(F.dropout(F.gelu(self.ff1(self.norm2(h))), p, self.training)), p, self.training)
+        q, k, v = self.qkv(x).view(B, N, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)  # (B, nh, N, hs) each
+        mask = None if keep is None else keep[:, None, None, :]  # (B, 1, 1, N)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, nh, N, hs)
+        return F.dropout(self.out(a.transpose(1, 2).reshape(B, N, d)), p, self.training)  # (B, N, d)
+
+    def _ffn(self, x: Tensor) -> Tensor:
+        p = self.dropout if self.training else 0.0
+        return F.dropout(self.ff2(F.dropout(F.gelu(self.ff1(x)), p, self.training)), p, self.training)
 
 
 class LPSRouter(nn.Module):
@@ -87,7 +100,7 @@ class LPSRouter(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Sequential(nn.Linear(self.n_features, config.d), nn.LayerNorm(config.d), nn.GELU())
-        self.blocks = nn.ModuleList(PreNormBlock(config.d, config.heads, config.ffn, config.dropout)
+        self.blocks = nn.ModuleList(EncoderBlock(config.d, config.heads, config.ffn, config.dropout, pre_norm=True)
                                     for _ in range(config.layers))
         self.head = nn.Linear(config.d, 1)
 
