@@ -237,6 +237,7 @@ def train_lbs_cmd(
     gen_length: int = typer.Option(256, "--gen-length", help="L: the router works at this generation length only"),
     block_size: int = typer.Option(32, "--block-size", help="L_B of Blockwise-Masking and of the response decode"),
     responses: str = typer.Option("top-k", "--responses", help="response decode: top-k (vanilla, 1 token/step) or threshold"),
+    response_cache: str = typer.Option("none", "--response-cache", help="cache of the response decode: none, prefix, dual"),
     gen_batch: int = typer.Option(16, "--gen-batch", help="rows per response decode"),
     epochs: int = typer.Option(6, "--epochs"), batch_size: int = typer.Option(32, "--batch-size"),
     lr: float = typer.Option(5e-5, "--lr"), weight_decay: float = typer.Option(0.01, "--weight-decay"),
@@ -255,7 +256,7 @@ def train_lbs_cmd(
         raise UnmaskError("no prompt corpus; pass --data FILE (.jsonl or .txt), e.g. the story corpus")
     quiet_transformers()
     summary = run_lbs(model=model, data=data, out=out, n_prompts=prompts, gen_length=gen_length, block_size=block_size,
-                      response_policy=responses, gen_batch=gen_batch,
+                      response_policy=responses, response_cache=response_cache, gen_batch=gen_batch,
                       train=LBSTrainConfig(block=block_size, epochs=epochs, batch_size=batch_size, lr=lr,
                                            weight_decay=weight_decay, seed=seed, max_minutes=max_minutes),
                       router={"d": d, "layers": layers, "ffn": ffn}, device=device,

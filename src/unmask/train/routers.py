@@ -667,7 +667,8 @@ def _out_dir(bundle, out) -> Path:
 
 
 def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_length: int = 256, block_size: int = 32,
-            response_policy: str = "top-k", gen_batch: int = 16, train: LBSTrainConfig | None = None,
+            response_policy: str = "top-k", response_cache: str = "none", gen_batch: int = 16,
+            train: LBSTrainConfig | None = None,
             router: dict | None = None, device: str = "cpu", progress: Progress = None) -> dict:
     """Prompts from ``data``, the model's own responses, Alg. 3 training, save to ``out`` (default
     MODEL_DIR/routers). ``router``: LBSConfig fields (d, layers, heads, ffn). Returns a summary."""
@@ -678,11 +679,13 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
     prompts = prompts_from_corpus(data, n_prompts, bos=bundle.bos_token_id if bundle.bos_token_id is not None else 1,
                                   seed=train.seed, vocab_size=vocab)
     responses = generate_responses(bundle, prompts, gen_length=gen_length, block_size=block_size,
-                                   policy=response_policy, batch_size=gen_batch, progress=progress)
+                                   policy=response_policy, cache=response_cache, batch_size=gen_batch,
+                                   progress=progress)
     emb = bundle.model.get_input_embeddings().weight
     rc = LBSConfig(gen_length=gen_length, d_base=int(emb.shape[1]), vocab_size=int(emb.shape[0]), **(router or {}))
     lbs, report = train_lbs(bundle, prompts, responses, train, rc, progress=progress)
-    report.update(prompts=len(prompts), response_policy=response_policy, gen_length=gen_length)
+    report.update(prompts=len(prompts), response_policy=response_policy, response_cache=response_cache,
+                  gen_length=gen_length)
     path = save_lbs(lbs, bundle, where, report)
     return {"out": str(path), "params": lbs.n_params(), "epochs": report["epochs"],
             "train_loss": report["train_loss"][-1] if report["train_loss"] else None,
