@@ -330,3 +330,31 @@ def test_convert_interrupted_while_saving_leaves_nothing(tmp_path, monkeypatch):
 def test_model_path_that_is_a_file(capsys):
     one_line_error(capsys, "generate", "Once", "-m", str(SHIPPED / "config.json"), "-n", "2",
                    match="is a file, not a directory")
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval", "--task", "stories", "--limit", "0", "-n", "2", "--no-progress"],
+    ["eval", "--task", "stories", "--limit", "1", "-n", "2", "--batch-size", "0", "--no-progress"],
+    ["eval", "--task", "mbpp", "--limit", "1", "-n", "2", "--shots", "2", "--no-progress"],
+    ["eval", "--task", "gsm8k", "--limit", "1", "-n", "2", "--shots", "100000", "--no-progress"],
+    ["sweep", "--task", "stories", "--param", "gamma", "--values", "0.1,0.1", "--limit", "1", "-n", "2"],
+    ["sweep", "--task", "stories", "--param", "gamma", "--values", "abc", "--limit", "1", "-n", "2"],
+    ["roofline", "--gpu", "custom"],
+    ["roofline", "--peak-flops", "1e15"],
+    ["roofline", "--nfe-speedup", "2,x"],
+    ["roofline", "--preset", "sbd-paper", "--nfe-speedup", "16"],
+    ["generate", "Once", "-m", "stories260K", "-n", "2", "--prompts-file", "/no/such/file"],
+])
+def test_user_errors_name_a_fix(capsys, argv):
+    one_line_error(capsys, *argv)
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("sbd", ["--gamma", "0.3", "--preset", "chat-low"]),
+    ("masked-diffusion", ["--gamma", "0.3", "--preset", "chat-low"]),
+    ("masked-diffusion", ["--policy", "top-k", "--steps", "4", "--tokens-per-step", "2"]),
+    ("block-diffusion", ["--block-size", "0"]),
+    ("block-diffusion", ["-d", "multiblock", "--block-size", "0"]),
+])
+def test_decoder_option_conflicts_name_a_fix(capsys, models, kind, extra):
+    one_line_error(capsys, "generate", "Once", "-m", str(models[kind]), "-n", "4", *extra)

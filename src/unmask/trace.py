@@ -153,7 +153,8 @@ class Trace:
             try:
                 atomic_write_json(self.trace_file, self.to_dict(summary))
             except OSError as e:
-                raise UnmaskError(f"cannot write the trace to {self.trace_file}: {e.strerror or e}") from None
+                raise UnmaskError(f"cannot write the trace to {self.trace_file}: {e.strerror or e}; "
+                                  "choose a writable --trace path") from None
 
     def __enter__(self) -> Trace:
         return self
@@ -177,7 +178,8 @@ def attach_trace(*, show: bool, trace_file: Path | None, bundle=None, prompts: l
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise UnmaskError(f"cannot create the folder of the trace file {trace_file}: {e.strerror or e}") from None
+            raise UnmaskError(f"cannot create the folder of the trace file {trace_file}: {e.strerror or e}; "
+                              "choose a writable --trace path") from None
         trace_file = Path(trace_file).expanduser()
     meta = {"model": getattr(bundle, "name", None)} if bundle is not None else {}
     trace = Trace(show=show, trace_file=trace_file, tokenizer=getattr(bundle, "tokenizer", None), prompts=prompts,

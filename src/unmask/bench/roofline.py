@@ -305,7 +305,8 @@ class Roofline:
         time(2k) and time(k) both compute logits for batch·k rows (``logits_to_keep``).
         """
         if not 1 <= nfe_speedup <= k:
-            raise UnmaskError(f"NFE speed-up must be in [1, k={k}], got {nfe_speedup}")
+            raise UnmaskError(f"NFE speed-up must be in [1, k={k}], got {nfe_speedup}; "
+                              "pass speed-ups between 1 and the block size")
         steps = k / nfe_speedup
         t1 = self.time(n=1, batch=batch, kv_len=kv_len, n_logits=batch)
         tk = self.time(n=k, batch=batch, kv_len=kv_len, n_logits=batch * k)

@@ -219,10 +219,12 @@ def _gpu(name: str, peak_flops: float | None, attn_flops: float | None, bandwidt
 
     if name == "custom":
         if None in (peak_flops, attn_flops, bandwidth):
-            raise UnmaskError("--gpu custom needs --peak-flops, --attn-flops and --bandwidth (FLOP/s, FLOP/s, bytes/s)")
+            raise UnmaskError("--gpu custom needs --peak-flops, --attn-flops and --bandwidth; "
+                              "give all three (FLOP/s, FLOP/s, bytes/s)")
         return GPUSpec("custom", peak_flops, attn_flops, bandwidth, "given on the command line")
     if any(v is not None for v in (peak_flops, attn_flops, bandwidth)):
-        raise UnmaskError("--peak-flops, --attn-flops and --bandwidth go with --gpu custom")
+        raise UnmaskError("--peak-flops, --attn-flops and --bandwidth go with --gpu custom; "
+                          "add --gpu custom or drop them")
     return GPUSpec.preset(GPU_ALIASES.get(name, name))
 
 
@@ -254,7 +256,7 @@ def _numbers(text: str, what: str) -> tuple[float, ...]:
     try:
         vals = tuple(float(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise UnmaskError(f"{what} takes comma-separated numbers, got {text!r}") from None
+        raise UnmaskError(f"{what} takes comma-separated numbers, got {text!r}; pass e.g. 2,4,8") from None
     if not vals:
         raise UnmaskError(f"{what} is empty; give comma-separated numbers, e.g. 2,4,8")
     return vals

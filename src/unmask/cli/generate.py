@@ -24,7 +24,8 @@ def read_prompts(prompts: list[str], prompts_file: Path | None) -> list[str]:
         try:
             text = Path(prompts_file).read_bytes().decode("utf-8")
         except OSError as e:
-            raise UnmaskError(f"cannot read prompts file {prompts_file}: {e.strerror or e}") from None
+            raise UnmaskError(f"cannot read prompts file {prompts_file}: {e.strerror or e}; "
+                              "pass a readable text file, one prompt per line") from None
         except UnicodeDecodeError:
             raise UnmaskError(f"prompts file {prompts_file} is not valid UTF-8; convert it to UTF-8") from None
         out.extend(line for line in text.splitlines() if line.strip())

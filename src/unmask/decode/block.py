@@ -63,7 +63,8 @@ def resolve_block_size(bundle, block_size: int | None) -> int:
     native = native_block_size(bundle)
     if block_size is not None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise UnmaskError(f"block size must be an integer >= 1 (got {block_size!r})")
+            raise UnmaskError(f"block size must be an integer >= 1 (got {block_size!r}); "
+                              "drop --block-size to use the checkpoint's")
         if native is not None and block_size != native:
             raise UnmaskError(f"--block-size {block_size} disagrees with the checkpoint's block size {native}; "
                               "a block-diffusion model decodes only with the block size it was trained with, "
@@ -75,7 +76,8 @@ def resolve_block_size(bundle, block_size: int | None) -> int:
     else:
         B = int(native)
     if B > bundle.context_length:
-        raise UnmaskError(f"block size {B} exceeds the context window of {bundle.context_length}")
+        raise UnmaskError(f"block size {B} exceeds the context window of {bundle.context_length}; "
+                          "use a model trained with a smaller block")
     return B
 
 
@@ -166,9 +168,10 @@ class BlockConfig:
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size!r})")
+            raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size!r}); "
+                              "drop --block-size to use the checkpoint's")
         if self.store not in STORES:
-            raise UnmaskError(f"store must be one of {', '.join(STORES)} (got {self.store!r})")
+            raise UnmaskError(f"store must be one of {', '.join(STORES)} (got {self.store!r}); pick one of those")
 
     @classmethod
     def from_options(cls, bundle, *, block_size=None, policy=None, tau=None, gamma=None, preset=None, factor=None,
@@ -176,7 +179,7 @@ class BlockConfig:
         """Build from CLI-style options; raises UnmaskError for invalid values or combinations."""
         name = policy or "threshold"
         if preset is not None and gamma is not None:
-            raise UnmaskError("give either --gamma or --preset, not both")
+            raise UnmaskError("--gamma and --preset both set γ; give either --gamma or --preset, not both")
         if name == "threshold" and tau is None:
             tau = DEFAULT_TAU
         params = {"gamma": preset if preset is not None else gamma, "tau": tau, "f": factor, "k": tokens_per_step}

@@ -121,9 +121,10 @@ class DiffusionConfig:
         size defaults to 32, or to the requested length when that is shorter.
         """
         if preset is not None and gamma is not None:
-            raise UnmaskError("give either --gamma or --preset, not both")
+            raise UnmaskError("--gamma and --preset both set γ; give either --gamma or --preset, not both")
         if steps is not None and tokens_per_step is not None:
-            raise UnmaskError("give either --steps (LLaDA schedule) or --tokens-per-step, not both")
+            raise UnmaskError("--steps and --tokens-per-step conflict; give either --steps (LLaDA schedule) or "
+                              "--tokens-per-step, not both")
         gamma = preset if preset is not None else gamma
         name = policy or _infer_policy(gamma, tau, factor, tokens_per_step, steps, eta)
         if gamma is None and name in ("entropy-bound", "confidence-bound", "margin-bound"):

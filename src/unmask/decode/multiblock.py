@@ -71,7 +71,8 @@ class MultiBlockConfig:
             return isinstance(x, int) and not isinstance(x, bool)
 
         if not is_int(self.block_size) or self.block_size < 1:
-            raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size!r})")
+            raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size!r}); "
+                              "drop --block-size to use the checkpoint's")
         if not is_int(self.slots) or self.slots < 1:
             raise UnmaskError(f"--slots must be an integer >= 1 (got {self.slots!r}); "
                               "1 is SingleBD, 2 the usual buffer")

@@ -61,7 +61,7 @@ class SBDConfig:
             return cls.from_options(block_size=block_size, **defaults)
         name = policy or "entropy-bound"
         if preset is not None and gamma is not None:
-            raise UnmaskError("give either --gamma or --preset, not both")
+            raise UnmaskError("--gamma and --preset both set γ; give either --gamma or --preset, not both")
         if preset is not None:
             gamma = preset
         elif gamma is None and name in ("entropy-bound", "confidence-bound", "margin-bound"):

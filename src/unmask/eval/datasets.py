@@ -129,13 +129,14 @@ def gsm8k_prompt(question: str, *, shots: int = 0, examples: Sequence[GSM8KExamp
     overrides the train split. The prompt ends with ``Answer:`` (no trailing space).
     """
     if shots < 0:
-        raise UnmaskError(f"shots must be >= 0, got {shots}")
+        raise UnmaskError(f"shots must be >= 0, got {shots}; pass --shots 0 for zero-shot")
     query = f"Question: {question.strip()}\nAnswer:"
     if shots == 0:
         return f"{GSM8K_ZERO_SHOT_INSTRUCTION}\n\n{query}"
     pool = list(examples) or load_gsm8k(split="train", data_dir=data_dir, limit=shots)
     if len(pool) < shots:
-        raise UnmaskError(f"asked for {shots} shots but only {len(pool)} examples exist")
+        raise UnmaskError(f"asked for {shots} shots but only {len(pool)} examples exist; "
+                          f"pass --shots {len(pool)} or fewer")
     blocks = []
     for ex in pool[:shots]:
         answer = _CALCULATOR.sub("", ex.answer) if strip_calculator else ex.answer

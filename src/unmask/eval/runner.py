@@ -170,10 +170,10 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
 
     spec = T.get_task(task)
     if batch_size < 1:
-        raise UnmaskError(f"--batch-size must be >= 1, got {batch_size}")
+        raise UnmaskError(f"--batch-size must be >= 1, got {batch_size}; pass e.g. --batch-size 8")
     items = T.load_items(task, limit=limit, shots=shots, data_dir=data_dir)
     if not items:
-        raise UnmaskError(f"task {task!r} has no items to evaluate")
+        raise UnmaskError(f"task {task!r} has no items to evaluate; check its data file or --limit")
     bundle = _load(model, device=device, dtype=dtype)
     decoder = decoder or default_decoder(bundle.kind)
     check_options(get_decoder(decoder, bundle.kind), decoder, decoder_options)

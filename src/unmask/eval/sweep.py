@@ -40,9 +40,9 @@ def parse_values(param: str, values: str | Sequence[float]) -> list[float | int]
         out = [cast(v) for v in raw]
     except (TypeError, ValueError):
         raise UnmaskError(f"--values for {param} must be {'integers' if cast is int else 'numbers'}, "
-                          f"got {','.join(map(str, raw))}") from None
+                          f"got {','.join(map(str, raw))}; pass e.g. --values 0,0.1,0.35") from None
     if len(set(out)) != len(out):
-        raise UnmaskError(f"--values repeats a value: {','.join(map(str, raw))}")
+        raise UnmaskError(f"--values repeats a value: {','.join(map(str, raw))}; list each value once")
     return out
 
 

@@ -87,7 +87,7 @@ def load_items(task: str, *, limit: int | None = None, shots: int | None = None,
     """
     spec = get_task(task)
     if limit is not None and limit < 1:
-        raise UnmaskError(f"--limit must be >= 1, got {limit}")
+        raise UnmaskError(f"--limit must be >= 1, got {limit}; leave it out to evaluate every item")
     if shots is not None and spec.default_shots is None and shots != 0:
         raise UnmaskError(f"--shots does not apply to task {task!r}; drop it")
     shots = spec.default_shots if shots is None else shots
@@ -104,7 +104,7 @@ def load_items(task: str, *, limit: int | None = None, shots: int | None = None,
     if task == "humaneval":
         return [Item(t.task_id, t.prompt, t) for t in ds.load_humaneval(data_dir=data_dir, limit=limit)]
     if shots not in (0, 3):
-        raise UnmaskError(f"MBPP prompts take 0 or 3 shots (the standard tasks 2-4), got {shots}")
+        raise UnmaskError(f"MBPP prompts take 0 or 3 shots (the standard tasks 2-4), got {shots}; pass --shots 0 or 3")
     examples = ds.load_mbpp(split="prompt", data_dir=data_dir) if shots else []
     return [Item(f"Mbpp/{t.task_id}", ds.mbpp_prompt(t, shots=examples), t)
             for t in ds.load_mbpp(split="eval", data_dir=data_dir, limit=limit)]
