@@ -80,8 +80,9 @@ def test_batch_of_8_equals_8_singles_on_stories(stories):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_batch_of_8_equals_8_singles_on_tiny(family):
-    bundle = tiny_bundle(FACTORIES[family]())
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_batch_of_8_equals_8_singles_on_tiny(family, attn):
+    bundle = tiny_bundle(FACTORIES[family](attn_implementation=attn))
     prompts = [_ids(10 + i, n) for i, n in enumerate([2, 5, 11, 3, 8, 1, 17, 6])]
     batch = ar.decode(bundle, prompts, max_new_tokens=24)
     singles = [ar.decode(bundle, [p], max_new_tokens=24).tokens[0] for p in prompts]
@@ -157,6 +158,8 @@ def test_stop_token_at_the_last_step_on_tiny():
     n = first + 1  # row 0 samples the stop token exactly at its last step
     out = ar.decode(bundle, prompts, max_new_tokens=n, stop_token_ids=(free[0][12],))
     assert out.tokens[0] == free[0][:first] and out.stats.nfe_per_row[0] == n
+    alone = ar.decode(bundle, prompts[:1], max_new_tokens=n, stop_token_ids=(free[0][12],))  # every row ends
+    assert alone.tokens == [free[0][:first]] and alone.stats.nfe == n
 
 
 def test_stop_strings(stories):
