@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lps-prompts", type=int, default=1500, help="upper bound; the time slice decides")
     p.add_argument("--responses", choices=("threshold", "top-k"), default="threshold")
     p.add_argument("--response-cache", choices=("none", "prefix", "dual"), default="dual")
-    p.add_argument("--gen-batch", type=int, default=16, help="rows per response / trace decode")
+    p.add_argument("--gen-batch", type=int, default=8, help="rows per response / trace decode (small: fine budget steps)")
     p.add_argument("--lbs-lr", type=float, default=5e-4)
     p.add_argument("--lbs-d", type=int, default=32)
     p.add_argument("--lbs-layers", type=int, default=1)

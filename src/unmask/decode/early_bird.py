@@ -27,7 +27,8 @@ The EOS set of the LBS filter is the decode's stop ids (reading #4).
 
 Statistics: NFE counts base-model forwards only (routers are not NFE, §10). ``stats.extra`` adds
 the router overhead: ``lbs_seconds``, ``lps_seconds``, ``router_seconds``, ``forward_seconds``,
-``step_seconds`` and ``router_share`` = router / step time.
+``step_seconds``, ``router_share`` = router / step time and ``router_vs_forward`` = router /
+base-model forward time (the paper's "fraction of per-step backbone time").
 
 Block-causal models (§7, g_max = 1 and ``eb_select.effective_l_min``) are a documented seam,
 not wired here: this decoder runs on ``masked-diffusion`` models only.
@@ -369,8 +370,11 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
         t_fwd += t1 - t0
 
         st = token_stats(logits)  # (B, hi - lo) each, T = 0: the router features
-        top1, conf, ent, margin = (torch.zeros(B, L, dtype=x.dtype, device=device) for x in st[:4])
-        top1[:, lo:hi], conf[:, lo:hi], ent[:, lo:hi], margin[:, lo:hi] = st.top1, st.confidence, st.entropy, st.margin
+        if hi - lo == L:
+            top1, conf, ent, margin = st.top1, st.confidence, st.entropy, st.margin
+        else:  # scatter the window into (B, L) tensors over the generation region
+            top1, conf, ent, margin = (torch.zeros(B, L, dtype=x.dtype, device=device) for x in st[:4])
+            top1[:, lo:hi], conf[:, lo:hi], ent[:, lo:hi], margin[:, lo:hi] = st
         norm_ent = ent / math.log(logits.shape[-1])  # (B, L) H / log|V|
 
         path = torch.full((B,), -1, dtype=torch.long, device=device)
@@ -421,7 +425,7 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
         resolved = had & ~(block & (gen == mask_id)).any(dim=1)  # (B,) blocks finished by this step
         if cfg.eos_early_stop:
             done |= early_stop(gen, mask_id, stops) & had
-        else:
+        elif bool(resolved.any()):
             done |= early_stop(gen.clone(), mask_id, stops) & resolved  # check only: no fill
         if stop_strings and bool(resolved.any()):
             done |= hit_stop_string(bundle, prompts, gen, mask_id, stop_strings) & resolved
@@ -435,8 +439,9 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
         t_steps += _sync(device) - t0
 
         nfe_rows += had.long()
+        counts = chosen.sum(dim=1).tolist()  # (B,) one transfer per step
         for r in torch.nonzero(had).flatten().tolist():
-            count = int(chosen[r].sum())
+            count = counts[r]
             commits[r].append(count)
             histogram[count] += 1
             if on_step is not None:
@@ -462,7 +467,8 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
              "blocks": n_blocks, "mean_block": block_total / max(1, n_blocks), "paths": dict(paths),
              "lps_only": lps_only, "refreshes": run.refreshes, "lbs_seconds": t_lbs, "lps_seconds": t_lps,
              "router_seconds": router, "forward_seconds": t_fwd, "step_seconds": t_steps,
-             "router_share": router / t_steps if t_steps > 0 else 0.0, "row_extra": row_extra}
+             "router_share": router / t_steps if t_steps > 0 else 0.0,
+             "router_vs_forward": router / t_fwd if t_fwd > 0 else 0.0, "row_extra": row_extra}
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens_out],
                         seconds=seconds, extra=extra)
     return DecodeOutput(tokens=tokens_out, stats=stats)

@@ -89,8 +89,9 @@ def generate_responses(bundle, prompts: list[list[int]], *, gen_length: int, blo
                        max_minutes: float | None = None, progress: Progress = None) -> list[list[int]]:
     """The base model's own greedy responses (L ids each, EOS-padded, §3.4): ``policy="top-k"``
     is vanilla 1 token/step decoding, ``"threshold"`` Fast-dLLM at τ (both with L_B blocks;
-    ``cache`` as in the diffusion decoder). With ``max_minutes`` generation stops after the batch
-    that crosses the budget, so fewer responses than prompts may come back (the first ones)."""
+    ``cache`` as in the diffusion decoder). With ``max_minutes`` generation stops before a batch
+    that would not fit (judged by the previous one), so fewer responses than prompts may come back
+    (the first ones)."""
     from unmask.decode import diffusion
 
     stops = tuple(bundle.stop_token_ids)
@@ -101,15 +102,18 @@ def generate_responses(bundle, prompts: list[list[int]], *, gen_length: int, blo
         raise UnmaskError(f"unknown response policy {policy!r}; choose top-k (vanilla) or threshold")
     out: list[list[int]] = []
     t0 = time.monotonic()
+    last = 0.0  # seconds of the previous batch: stop when the next one would not fit the budget
     for s in range(0, len(prompts), batch_size):
-        if max_minutes is not None and time.monotonic() - t0 > 60 * max_minutes:
+        if max_minutes is not None and time.monotonic() - t0 + last > 60 * max_minutes:
             break
+        tb = time.monotonic()
         batch = prompts[s: s + batch_size]
         canvases: dict[int, list] = {}
         diffusion.decode(bundle, batch, max_new_tokens=gen_length, gen_length=gen_length, block_size=block_size,
                          stop_token_ids=stops, on_step=lambda e: canvases.__setitem__(e["row"], e["canvas"]),
                          cache=cache, **options[policy])
         out += [pad_response(canvases[r], stops, gen_length, stops[0]) for r in range(len(batch))]
+        last = time.monotonic() - tb
         _say(progress, f"responses {len(out)}/{len(prompts)} ({time.monotonic() - t0:.0f} s)")
     return out
 
@@ -357,7 +361,7 @@ def collect_lps_traces(bundle, lbs: LBSRouter, prompts: list[list[int]], *, bloc
     """Generate-then-label LPS traces (§4.3) under the serving configuration (LBS + threshold,
     no LPS). One trace per prompt; ``replay=True`` recomputes the features by re-running the
     model on the recorded schedule with the oracle rule (:func:`replay_traces`). With
-    ``max_minutes`` collection stops after the batch that crosses the budget."""
+    ``max_minutes`` collection stops before a batch that would not fit (judged by the previous one)."""
     from unmask.decode import early_bird
 
     stops = tuple(bundle.stop_token_ids)
@@ -365,9 +369,11 @@ def collect_lps_traces(bundle, lbs: LBSRouter, prompts: list[list[int]], *, bloc
     L = lbs.config.gen_length
     steps: list = []
     t0 = time.monotonic()
+    last = 0.0  # seconds of the previous batch
     for s in range(0, len(prompts), batch_size):
-        if max_minutes is not None and time.monotonic() - t0 > 60 * max_minutes:
+        if max_minutes is not None and time.monotonic() - t0 + last > 60 * max_minutes:
             break
+        tb = time.monotonic()
         batch = prompts[s: s + batch_size]
         recs: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         schedule: list[list] = [[] for _ in batch]
@@ -391,6 +397,7 @@ def collect_lps_traces(bundle, lbs: LBSRouter, prompts: list[list[int]], *, bloc
         else:
             for r, t, f, top1, where in recs:
                 steps.append((s + r, t, f, label_records([top1], [where], x0[r])[0]))
+        last = time.monotonic() - tb
         _say(progress, f"LPS traces {min(s + batch_size, len(prompts))}/{len(prompts)}, {len(steps)} step records "
                        f"({time.monotonic() - t0:.0f} s)")
     meta = {**settings, "gen_length": L, "replay": replay, "traces": len({st[0] for st in steps}), "model": bundle.name}
