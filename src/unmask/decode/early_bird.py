@@ -366,8 +366,7 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
         if suppress:
             logits = logits.clone()
             logits[..., suppress] = float("-inf")
-        t1 = _sync(device)
-        t_fwd += t1 - t0
+        t_fwd += _sync(device) - t0
 
         st = token_stats(logits)  # (B, hi - lo) each, T = 0: the router features
         if hi - lo == L:
@@ -376,6 +375,7 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
             top1, conf, ent, margin = (torch.zeros(B, L, dtype=x.dtype, device=device) for x in st[:4])
             top1[:, lo:hi], conf[:, lo:hi], ent[:, lo:hi], margin[:, lo:hi] = st
         norm_ent = ent / math.log(logits.shape[-1])  # (B, L) H / log|V|
+        t1 = _sync(device)  # the statistics above are what any commit rule computes: not router time
 
         path = torch.full((B,), -1, dtype=torch.long, device=device)
         if bool(select.any()):
