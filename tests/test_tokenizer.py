@@ -199,8 +199,6 @@ def test_special_token_text_is_plain_text(ref, fresh, tmp_path):
     assert not _mismatches(ref, AutoTokenizer.from_pretrained(tmp_path), SPECIAL_TEXT)
 
 
-@pytest.mark.xfail(strict=True, reason="the shipped tokenizer_config.json predates split_special_tokens=True; "
-                   "regenerate src/unmask/checkpoints/stories260K with convert_llama2c")
 def test_shipped_special_token_text_is_plain_text(ref, shipped):
     assert not _mismatches(ref, shipped, SPECIAL_TEXT)
 
