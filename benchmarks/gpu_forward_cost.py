@@ -38,7 +38,7 @@ import time
 import torch
 
 from unmask.bench.roofline import GPUSpec, ModelShape, Precision, roofline
-from unmask.compat import cache_keyword, crop
+from unmask.compat import cache_keyword, set_static_length
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
@@ -111,12 +111,11 @@ def time_block(model, *, k: int, batch: int, kv_len: int, warmup: int, reps: int
     kwargs = {"input_ids": ids, "position_ids": pos, cache_keyword(model): cache, "use_cache": True,
               "logits_to_keep": k}
     model(**kwargs)  # allocates the static K/V buffers (lazy initialisation)
-    for layer in cache.layers:
-        layer.cumulative_length.fill_(kv_len)  # the cache now "holds" kv_len tokens
+    set_static_length(cache, kv_len)  # the cache now "holds" kv_len tokens
 
     def step():
         model(**kwargs)
-        crop(cache, k)  # move the write pointer back: every step writes the same k slots
+        set_static_length(cache, kv_len)  # move the write pointer back: every step writes the same k slots
 
     run, mode = step, "eager"
     if use_graph:
@@ -133,8 +132,7 @@ def time_block(model, *, k: int, batch: int, kv_len: int, warmup: int, reps: int
             run, mode = graph.replay, "graph"
         except Exception:  # noqa: BLE001 - capture is an optimisation; eager timing still measures
             torch.cuda.synchronize()
-            for layer in cache.layers:
-                layer.cumulative_length.fill_(kv_len)
+            set_static_length(cache, kv_len)
     timer = Timer(device)
     for _ in range(warmup):
         timer(run)

@@ -83,3 +83,11 @@ def attention_mask(model, mask: torch.Tensor) -> torch.Tensor:
 
         return to_additive(mask, dtype=next(model.parameters()).dtype)
     return mask
+
+
+def set_static_length(cache, length: int) -> None:
+    """Point every layer of a ``StaticCache`` at ``length`` cached tokens (the next write goes
+    to slot ``length``). An in-place tensor write, so it can sit inside a captured CUDA graph;
+    ``StaticCache.crop`` does the same only from transformers 5.24 on."""
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(length)
