@@ -91,3 +91,8 @@ def set_static_length(cache, length: int) -> None:
     ``StaticCache.crop`` does the same only from transformers 5.24 on."""
     for layer in cache.layers:
         layer.cumulative_length.fill_(length)
+
+
+def keep_rows(cache, rows: torch.Tensor) -> None:
+    """Keep only batch rows ``rows`` (1D long) in every layer of ``cache``, in place."""
+    cache.batch_select_indices(rows)

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from unmask.compat import attention_mask, forward, new_cache
+from unmask.compat import attention_mask, forward, keep_rows, new_cache
 from unmask.decode.batching import left_pad
 from unmask.decode.stats import DecodeOutput, DecodeStats
 from unmask.sampling import Sampling, sample
@@ -72,7 +72,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                     break
                 idx = torch.tensor(keep, device=device)  # (b',)
                 buf, tok, next_pos = buf[idx], tok[idx], next_pos[idx]
-                cache.batch_select_indices(idx)
+                keep_rows(cache, idx)
                 if mask is not None:
                     mask = mask[idx]
         if step == N - 1:
