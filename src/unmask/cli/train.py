@@ -231,7 +231,8 @@ def train_multitf_cmd(
 @train_app.command("lbs")
 def train_lbs_cmd(
     model: str = typer.Option("stories260K-dlm", "--model", help="masked-diffusion model (shipped name or directory)"),
-    data: list[Path] = typer.Option(None, "--data", help="corpus whose document openings become prompts (repeatable)"),
+    data: list[Path] = typer.Option(None, "--data",
+                                    help="corpus (.txt or .jsonl) whose document openings become prompts (repeatable)"),
     out: Path = typer.Option(None, "--out", help="router directory (default MODEL_DIR/routers)"),
     prompts: int = typer.Option(1000, "--prompts", help="training prompts (one model response each)"),
     gen_length: int = typer.Option(256, "--gen-length", help="L: the router works at this generation length only"),
@@ -267,7 +268,8 @@ def train_lbs_cmd(
 @train_app.command("lps")
 def train_lps_cmd(
     model: str = typer.Option("stories260K-dlm", "--model", help="masked-diffusion model (shipped name or directory)"),
-    data: list[Path] = typer.Option(None, "--data", help="corpus whose document openings become prompts (repeatable)"),
+    data: list[Path] = typer.Option(None, "--data",
+                                    help="corpus (.txt or .jsonl) whose document openings become prompts (repeatable)"),
     routers: Path = typer.Option(None, "--routers", help="directory holding the LBS router (default MODEL_DIR/routers)"),
     out: Path = typer.Option(None, "--out", help="where to write lps.* (default: next to the LBS router)"),
     prompts: int = typer.Option(300, "--prompts", help="trace prompts (one decoding trace each)"),

@@ -63,7 +63,7 @@ def pack_aligned(docs: Sequence[Sequence[int]], seq_len: int, sep_id: int) -> to
     inference (blocks are aligned to the prompt's first token).
     """
     if seq_len < 1:
-        raise UnmaskError(f"seq_len must be >= 1, got {seq_len}")
+        raise UnmaskError(f"--seq-len must be >= 1, got {seq_len}; pass --seq-len 1 or more")
     stream: list[int] = []
     starts: list[int] = []
     for d in docs:
@@ -93,7 +93,8 @@ def mask_counts(valid: torch.Tensor, ratios: torch.Tensor, rounding: str, genera
     (..., K) long in [0, valid]: ``floor(valid * t)`` or, stochastic, ``floor(valid * t + u)``.
     """
     if rounding not in ROUNDINGS:
-        raise UnmaskError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
+        raise UnmaskError(f"--rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}; "
+                          f"pass --rounding {ROUNDINGS[0]} or --rounding {ROUNDINGS[1]}")
     x = valid.double() * ratios.double()  # (..., K)
     if rounding == "stochastic":
         x = x + torch.rand(ratios.shape, generator=generator, dtype=torch.float64).to(x.device)
@@ -115,10 +116,11 @@ def mask_by_ratio(maskable: torch.Tensor, ratios: torch.Tensor, block_size: int,
     R, L = maskable.shape
     B = block_size
     if L % B:
-        raise UnmaskError(f"sequence length {L} must be a multiple of the block size {B}")
+        raise UnmaskError(f"sequence length {L} must be a multiple of the block size {B}; pass a length that "
+                          f"is a multiple of {B}")
     K = L // B
     if ratios.shape != (R, K):
-        raise UnmaskError(f"ratios must be (R, K) = {(R, K)}, got {tuple(ratios.shape)}")
+        raise UnmaskError(f"ratios must be (R, K) = {(R, K)}, got {tuple(ratios.shape)}; pass one ratio per block")
     blocks = maskable.view(R, K, B)  # (R, K, B)
     n = mask_counts(blocks.sum(dim=-1), ratios, rounding, generator).to(maskable.device)  # (R, K)
     score = torch.rand((R, K, B), generator=generator).to(maskable.device)  # (R, K, B)
@@ -132,7 +134,8 @@ def iid_ratios(R: int, K: int, t_low: float, t_high: float, generator: torch.Gen
     """Plain TF noise (multiblock.md §1.3, our choice): (R, K) float, t ~ U(t_low, t_high) per
     block (``noise="block"``) or one t per row shared by its blocks (``"sequence"``)."""
     if noise not in NOISES:
-        raise UnmaskError(f"noise must be one of {', '.join(NOISES)}, got {noise!r}")
+        raise UnmaskError(f"--noise must be one of {', '.join(NOISES)}, got {noise!r}; "
+                          f"pass --noise {NOISES[0]} or --noise {NOISES[1]}")
     cols = K if noise == "block" else 1
     t = t_low + (t_high - t_low) * torch.rand((R, cols), generator=generator, dtype=torch.float64)  # (R, cols)
     return t.expand(R, K).float()  # (R, K)
@@ -183,7 +186,8 @@ def masked_ce_loss(model, batch: dict, mask_id: int) -> tuple[torch.Tensor, dict
                      logits_to_keep=keep)  # (R, L, V) float32
     V = logits.shape[-1]
     if not 0 <= mask_id < V:
-        raise UnmaskError(f"mask_token_id {mask_id} is outside the model vocabulary of {V}")
+        raise UnmaskError(f"mask_token_id {mask_id} is outside the model vocabulary of {V}; pass a mask token id "
+                          "below the vocabulary size")
     logits = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), float("-inf"))  # (R, L, V)
     nll = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE,
                           reduction="sum")
@@ -198,18 +202,20 @@ def masked_ce_loss(model, batch: dict, mask_id: int) -> tuple[torch.Tensor, dict
 
 def _check_ratio_range(t_low: float, t_high: float) -> None:
     if not 0.0 <= t_low <= t_high <= 1.0:
-        raise UnmaskError(f"noise range must satisfy 0 <= t_low <= t_high <= 1, got [{t_low}, {t_high}]")
+        raise UnmaskError(f"noise range must satisfy 0 <= --t-low <= --t-high <= 1, got [{t_low}, {t_high}]; "
+                          "pass --t-low and --t-high within [0, 1], the low one first")
 
 
 def _check_layout(block_size: int, prompt_len: int, mask_token_id: int, rounding: str) -> None:
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise UnmaskError(f"block_size must be an integer >= 1, got {block_size!r}")
+        raise UnmaskError(f"--block-size must be an integer >= 1, got {block_size!r}; pass --block-size 1 or more")
     if not isinstance(prompt_len, int) or prompt_len < 0:
-        raise UnmaskError(f"prompt_len must be an integer >= 0, got {prompt_len!r}")
+        raise UnmaskError(f"prompt_len must be an integer >= 0, got {prompt_len!r}; pass 0 or more (1 = the BOS)")
     if mask_token_id < 0:
-        raise UnmaskError(f"mask_token_id must be >= 0, got {mask_token_id}")
+        raise UnmaskError(f"mask_token_id must be >= 0, got {mask_token_id}; pass the model's mask token id")
     if rounding not in ROUNDINGS:
-        raise UnmaskError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
+        raise UnmaskError(f"--rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}; "
+                          f"pass --rounding {ROUNDINGS[0]} or --rounding {ROUNDINGS[1]}")
 
 
 def row_tokens(chunks: torch.Tensor, block_size: int, prompt_len: int) -> torch.Tensor:
@@ -217,12 +223,15 @@ def row_tokens(chunks: torch.Tensor, block_size: int, prompt_len: int) -> torch.
     token dropped (no shift, so it has no role). Raises UnmaskError unless B divides L and the
     prompt leaves something to mask."""
     if chunks.dim() != 2 or chunks.shape[1] < 2:
-        raise UnmaskError(f"chunks must be (R, L+1) with L >= 1, got {tuple(chunks.shape)}")
+        raise UnmaskError(f"chunks must be (R, L+1) with L >= 1, got {tuple(chunks.shape)}; pack them with "
+                          "pack_aligned")
     L = chunks.shape[1] - 1
     if L % block_size:
-        raise UnmaskError(f"sequence length {L} must be a multiple of the block size {block_size}")
+        raise UnmaskError(f"--seq-len {L} must be a multiple of the block size {block_size}; pass e.g. "
+                          f"--seq-len {max(1, L // block_size) * block_size}")
     if prompt_len >= L:
-        raise UnmaskError(f"prompt_len {prompt_len} leaves nothing to mask in a row of {L} tokens")
+        raise UnmaskError(f"prompt_len {prompt_len} leaves nothing to mask in a row of {L} tokens; raise --seq-len "
+                          f"above {prompt_len}")
     return chunks[:, :L]  # (R, L)
 
 
@@ -249,7 +258,8 @@ class TFObjective:
         _check_layout(self.block_size, self.prompt_len, self.mask_token_id, self.rounding)
         _check_ratio_range(self.t_low, self.t_high)
         if self.noise not in NOISES:
-            raise UnmaskError(f"noise must be one of {', '.join(NOISES)}, got {self.noise!r}")
+            raise UnmaskError(f"--noise must be one of {', '.join(NOISES)}, got {self.noise!r}; "
+                              f"pass --noise {NOISES[0]} or --noise {NOISES[1]}")
 
     def step_params(self, generator: torch.Generator) -> dict:
         return {}
@@ -296,18 +306,21 @@ def load_base(base: str, dtype: str, *, block_size: int | None, allow_causal: bo
     bundle = load(base, dtype=dtype)
     cls = type(bundle.model).__name__
     if not cls.endswith("ForCausalLM") or getattr(bundle.model.config, "is_encoder_decoder", False):
-        raise UnmaskError(f"base {base!r} is a {cls}, not a decoder-only LM (Llama, Qwen2, Qwen3, ...)")
+        raise UnmaskError(f"base {base!r} is a {cls}, not a decoder-only LM; pass one with --base (Llama, Qwen2, "
+                          "Qwen3, ...)")
     allowed = ("causal", "block-diffusion") if allow_causal else ("block-diffusion",)
     if bundle.kind not in allowed:
         what = "a causal LM or a block-diffusion model" if allow_causal else "a block-diffusion model (TF-trained)"
-        raise UnmaskError(f"base {base!r} is a {bundle.kind} model; this training needs {what}")
+        raise UnmaskError(f"base {base!r} is a {bundle.kind} model; this training needs {what}, pass one with "
+                          "--base")
     if bundle.kind == "causal":
         if block_size is None:
-            raise UnmaskError("pass --block-size: a causal base has no block size")
+            raise UnmaskError("a causal base has no block size; pass --block-size B")
         return bundle, add_mask_token(bundle.model), block_size
     native = bundle.block_size
     if native is None:
-        raise UnmaskError(f"block-diffusion base {base!r} records no block_size in its unmask_config.json")
+        raise UnmaskError(f"block-diffusion base {base!r} records no block_size in its unmask_config.json; add "
+                          "\"block_size\" there")
     if block_size is not None and block_size != native:
         raise UnmaskError(f"--block-size {block_size} disagrees with the base's block size {native}; drop it")
     return bundle, int(bundle.mask_token_id), int(native)
@@ -337,7 +350,7 @@ def fit(*, bundle, objective, base: str, data, out: str | Path, run_dir: str | P
     _prepare_paths(out, run_dir, resume=resume, overwrite=overwrite)
     if not 1 <= seq_len <= bundle.context_length:
         raise UnmaskError(f"--seq-len {seq_len} must be between 1 and the model's context of "
-                          f"{bundle.context_length} tokens")
+                          f"{bundle.context_length} tokens; pass a --seq-len in that range")
     row_tokens(torch.zeros((1, seq_len + 1), dtype=torch.long), objective.block_size, objective.prompt_len)
     tok = bundle.tokenizer
     vocab = bundle.model.get_input_embeddings().weight.shape[0]
@@ -412,7 +425,7 @@ def train_block_diffusion(*, base: str, data, out: str | Path, block_size: int |
 
     check_data_files([data] if isinstance(data, (str, Path)) else list(data))
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
-        raise UnmaskError(f"--block-size must be an integer >= 1, got {block_size!r}")
+        raise UnmaskError(f"--block-size must be an integer >= 1, got {block_size!r}; pass --block-size 1 or more")
     bundle, mask_id, B = load_base(base, dtype, block_size=block_size, allow_causal=True)
     objective = TFObjective(mask_token_id=mask_id, block_size=B, t_low=t_low, t_high=t_high, noise=noise,
                             rounding=rounding, prompt_len=prompt_len)

@@ -58,16 +58,22 @@ class StoryCorpusConfig:
 
     def __post_init__(self):
         if self.n_sampled < 0 or self.n_greedy < 0 or self.n_sampled + self.n_greedy == 0:
-            raise UnmaskError(f"need at least one document (sampled={self.n_sampled}, greedy={self.n_greedy})")
+            raise UnmaskError(f"need at least one document (--sampled {self.n_sampled}, --greedy {self.n_greedy}); "
+                              "pass --sampled and --greedy >= 0 with at least one of them > 0")
         lo, hi = self.prefix_range
         if not 1 <= lo <= hi:
-            raise UnmaskError(f"prefix_range must satisfy 1 <= low <= high, got {self.prefix_range}")
-        if self.max_new_tokens < 1 or self.batch_size < 1:
-            raise UnmaskError("max_new_tokens and batch_size must be >= 1")
+            raise UnmaskError(f"prefix_range must satisfy 1 <= low <= high, got {self.prefix_range}; "
+                              "pass e.g. prefix_range=(4, 40)")
+        if self.max_new_tokens < 1:
+            raise UnmaskError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}; "
+                              "pass --max-new-tokens 1 or more")
+        if self.batch_size < 1:
+            raise UnmaskError(f"--batch-size must be >= 1, got {self.batch_size}; pass --batch-size 1 or more")
         if not 0 <= self.val_fraction < 1:
-            raise UnmaskError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+            raise UnmaskError(f"--val-fraction must be in [0, 1), got {self.val_fraction}; "
+                              "pass a share below 1, e.g. --val-fraction 0.05")
         if not self.temperature > 0:
-            raise UnmaskError(f"temperature must be > 0, got {self.temperature}")
+            raise UnmaskError(f"temperature must be > 0, got {self.temperature}; pass a positive temperature, e.g. 1.0")
 
 
 def generate_stories(bundle, config: StoryCorpusConfig, progress: Callable[[int, int], None] | None = None) -> list[dict]:
@@ -92,7 +98,8 @@ def generate_stories(bundle, config: StoryCorpusConfig, progress: Callable[[int,
 
     bos = bundle.bos_token_id
     if bos is None:
-        raise UnmaskError(f"{bundle.name} has no BOS token; the story corpus needs one to start documents")
+        raise UnmaskError(f"{bundle.name} has no BOS token to start the story documents with; "
+                          "pass a --model whose tokenizer has one")
     stop = bundle.stop_token_ids
     total = config.n_sampled + config.n_greedy
     rng = random.Random(config.seed)
@@ -169,7 +176,7 @@ def make_story_corpus(out: str | Path, *, model: str = "stories260K", n_sampled:
     try:
         config = StoryCorpusConfig(n_sampled=n_sampled, n_greedy=n_greedy, seed=seed, **options)
     except TypeError as e:
-        raise UnmaskError(f"unknown corpus option ({e})") from None
+        raise UnmaskError(f"unknown corpus option ({e}); see StoryCorpusConfig") from None
     bundle = load(model)
     records = generate_stories(bundle, config, progress)
     save_jsonl(out, records)
@@ -202,7 +209,7 @@ def check_data_files(paths: Sequence[str | Path]) -> list[Path]:
     out = []
     for p in map(Path, paths):
         if not p.is_file():
-            raise UnmaskError(f"data file not found: {p}")
+            raise UnmaskError(f"data file not found: {p}; pass an existing .txt or .jsonl file with --data")
         if p.suffix.lower() not in (".txt", ".jsonl"):
             raise UnmaskError(f"unsupported data file {p}; use .txt (documents separated by blank lines) or .jsonl")
         if p.stat().st_size == 0:
@@ -228,11 +235,13 @@ def read_documents(path: str | Path, tokenizer=None, vocab_size: int | None = No
     except UnicodeDecodeError:
         raise UnmaskError(f"data file {path} is not valid UTF-8; convert it to UTF-8") from None
     except OSError as e:
-        raise UnmaskError(f"cannot read data file {path}: {e.strerror or e}") from None
+        raise UnmaskError(f"cannot read data file {path}: {e.strerror or e}; check the path and its "
+                          "permissions") from None
 
     def encode(text: str, where: str) -> list[int]:
         if tokenizer is None:
-            raise UnmaskError(f"{where} holds text but no tokenizer was given to encode it")
+            raise UnmaskError(f"{where} holds text but no tokenizer was given to encode it; pass the model's "
+                              "tokenizer, or give token ids ({'ids': [...]} JSONL lines)")
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     records = []
@@ -250,18 +259,20 @@ def read_documents(path: str | Path, tokenizer=None, vocab_size: int | None = No
             except json.JSONDecodeError as e:
                 raise UnmaskError(f"{where} is not valid JSON ({e.msg}); fix or remove the line") from None
             if not isinstance(obj, dict) or ("ids" not in obj and "text" not in obj):
-                raise UnmaskError(f"{where} needs an object with 'ids' or 'text'")
+                raise UnmaskError(f"{where} is not an object with 'ids' or 'text'; write each line as "
+                                  '{"ids": [...]} or {"text": "..."}')
             if "ids" in obj:
                 ids = obj["ids"]
                 if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                    raise UnmaskError(f"{where}: 'ids' must be a list of integers")
+                    raise UnmaskError(f"{where}: 'ids' is not a list of integers; write it as a list of token ids")
             else:
                 if not isinstance(obj["text"], str):
-                    raise UnmaskError(f"{where}: 'text' must be a string")
+                    raise UnmaskError(f"{where}: 'text' is not a string; write the document as one JSON string")
                 ids = encode(obj["text"], where)
             split = obj.get("split")
             if split is not None and split not in SPLITS:
-                raise UnmaskError(f"{where}: split must be 'train' or 'val', got {split!r}")
+                raise UnmaskError(f"{where}: split must be 'train' or 'val', got {split!r}; fix the line or drop "
+                                  "its 'split'")
             if ids:
                 records.append({"ids": ids, "split": split})
     records = [r for r in records if r["ids"]]
@@ -272,7 +283,7 @@ def read_documents(path: str | Path, tokenizer=None, vocab_size: int | None = No
             bad = [i for i in r["ids"] if not 0 <= i < vocab_size]
             if bad:
                 raise UnmaskError(f"{path} holds token id {bad[0]} outside the vocabulary of {vocab_size}; "
-                                  "was it made with another tokenizer?")
+                                  "was it made with another tokenizer? Regenerate it with this model's tokenizer")
     return records
 
 
@@ -308,7 +319,7 @@ def pack(docs: Sequence[Sequence[int]], seq_len: int, sep_id: int) -> torch.Tens
         (N, seq_len + 1) long, N >= 0 (0 when the data is shorter than one chunk).
     """
     if seq_len < 1:
-        raise UnmaskError(f"seq_len must be >= 1, got {seq_len}")
+        raise UnmaskError(f"--seq-len must be >= 1, got {seq_len}; pass --seq-len 1 or more")
     stream: list[int] = []
     for d in docs:
         if not d:
@@ -331,4 +342,5 @@ def separator_id(tokenizer) -> int:
         i = getattr(tokenizer, name, None)
         if i is not None:
             return int(i)
-    raise UnmaskError("the tokenizer has neither a BOS nor an EOS token to separate documents")
+    raise UnmaskError("the tokenizer has neither a BOS nor an EOS token to separate documents; "
+                      "use a base model whose tokenizer has one")

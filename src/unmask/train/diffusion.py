@@ -53,7 +53,7 @@ def pack_bos_chunks(docs: Sequence[Sequence[int]], seq_len: int, bos_id: int) ->
         (N, seq_len + 1) long, column 0 all ``bos_id``; N >= 0.
     """
     if seq_len < 1:
-        raise UnmaskError(f"seq_len must be >= 1, got {seq_len}")
+        raise UnmaskError(f"--seq-len must be >= 1, got {seq_len}; pass --seq-len 1 or more")
     stream: list[int] = []
     for d in docs:
         if d:
@@ -89,7 +89,8 @@ def diffusion_batch(chunks: torch.Tensor, mask_id: int, generator: torch.Generat
         ``masked`` / ``maskable`` (B, T) bool, ``t`` (B,) float32, ``prefix`` (B,) long (c).
     """
     if chunks.dim() != 2 or chunks.shape[1] < 2:
-        raise UnmaskError(f"chunks must be (B, T) with T >= 2 (BOS + tokens), got {tuple(chunks.shape)}")
+        raise UnmaskError(f"chunks must be (B, T) with T >= 2 (BOS + tokens), got {tuple(chunks.shape)}; "
+                          "pack them with pack_bos_chunks")
     B, T = chunks.shape
     device = chunks.device
     t = min_t + (1 - min_t) * torch.rand(B, generator=generator)  # (B,) in [min_t, 1)
@@ -124,13 +125,14 @@ class MaskedDiffusionObjective:
 
     def __post_init__(self):
         if self.mask_token_id < 0:
-            raise UnmaskError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
+            raise UnmaskError(f"mask_token_id must be >= 0, got {self.mask_token_id}; pass the model's mask token id")
         if not 0 <= self.prefix_prob <= 1:
-            raise UnmaskError(f"prefix_prob must be in [0, 1], got {self.prefix_prob}")
+            raise UnmaskError(f"--prefix-prob must be in [0, 1], got {self.prefix_prob}; pass a share between 0 and 1")
         if self.norm not in DIFFUSION_NORMS:
-            raise UnmaskError(f"unknown loss normalisation {self.norm!r}; choose one of: {', '.join(DIFFUSION_NORMS)}")
+            raise UnmaskError(f"unknown loss normalisation --norm {self.norm!r}; choose one of: "
+                              f"{', '.join(DIFFUSION_NORMS)}")
         if not 0 < self.min_t < 1:
-            raise UnmaskError(f"min_t must be in (0, 1), got {self.min_t}")
+            raise UnmaskError(f"min_t must be in (0, 1), got {self.min_t}; pass a small positive value, e.g. 1e-3")
 
     def step_params(self, generator: torch.Generator) -> dict:
         return {}
@@ -141,7 +143,8 @@ class MaskedDiffusionObjective:
 
         vocab = model.get_input_embeddings().weight.shape[0]
         if self.mask_token_id >= vocab:
-            raise UnmaskError(f"mask_token_id {self.mask_token_id} is outside the model vocabulary of {vocab}")
+            raise UnmaskError(f"mask_token_id {self.mask_token_id} is outside the model vocabulary of {vocab}; "
+                              "pass a mask token id below the vocabulary size")
         batch = diffusion_batch(chunks, self.mask_token_id, generator, prefix_prob=self.prefix_prob,
                                 min_t=self.min_t)
         B, T = chunks.shape
@@ -168,13 +171,13 @@ def _load_base(base: str, dtype: str):
     encoder_decoder = getattr(bundle.model.config, "is_encoder_decoder", False)
     if is_remote(bundle.model) or not cls.endswith("ForCausalLM") or encoder_decoder:
         raise UnmaskError(f"base {base!r} is a {cls}, not a transformers decoder-only LM; the AR-to-diffusion "
-                          "adaptation starts from a causal LM (Llama, Qwen2, Qwen3, ...)")
+                          "adaptation starts from a causal LM, pass one with --base (Llama, Qwen2, Qwen3, ...)")
     if bundle.kind not in ("causal", "sbd", "masked-diffusion"):
-        raise UnmaskError(f"base {base!r} is a {bundle.kind} model; adapt a causal LM "
-                          "(or continue a masked-diffusion one)")
+        raise UnmaskError(f"base {base!r} is a {bundle.kind} model; pass a causal LM with --base "
+                          "(or a masked-diffusion one to continue)")
     if bundle.kind == "masked-diffusion" and bundle.logit_shift != 1:
         raise UnmaskError(f"base {base!r} is a masked-diffusion model without the logit shift; this recipe keeps "
-                          "the shift (logit_shift 1), so continue only shift-1 models")
+                          "the shift (logit_shift 1), so pass a shift-1 model or a causal LM with --base")
     if bundle.mask_token_id is not None:
         mask_id = int(bundle.mask_token_id)
     elif getattr(bundle.tokenizer, "mask_token_id", None) is not None:
@@ -183,7 +186,8 @@ def _load_base(base: str, dtype: str):
         mask_id = add_mask_token(bundle.model)
     vocab = bundle.model.get_input_embeddings().weight.shape[0]
     if not 0 <= mask_id < vocab:
-        raise UnmaskError(f"mask token {mask_id} is outside the model's embedding of {vocab} rows")
+        raise UnmaskError(f"mask token {mask_id} is outside the model's embedding of {vocab} rows; fix mask_token_id "
+                          "in the base's unmask_config.json")
     return bundle, mask_id, vocab
 
 
@@ -227,8 +231,8 @@ def train_diffusion(*, base: str, data: str | Path | Sequence[str | Path], out: 
     bundle, mask_id, vocab = _load_base(base, dtype)
     context = bundle.context_length
     if not 1 <= seq_len < context:
-        raise UnmaskError(f"--seq-len {seq_len} must be between 1 and {context - 1} (BOS + seq_len tokens must fit "
-                          f"the model's context of {context})")
+        raise UnmaskError(f"--seq-len {seq_len} must be between 1 and {context - 1} (a BOS + --seq-len tokens must "
+                          f"fit the model's context of {context}); pass a --seq-len in that range")
     tok = bundle.tokenizer
     train_docs, val_docs = load_corpus(paths, tok, vocab_size=vocab, val_fraction=val_fraction, seed=cfg.seed)
     bos = separator_id(tok)

@@ -28,6 +28,7 @@ import json
 import math
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +45,9 @@ STATE_FILE = "trainer_state.pt"
 WEIGHTS_FILE = "model.safetensors"
 # Options that may change between a run and its resume; all others must match the checkpoint.
 RESUMABLE = ("steps", "ckpt_every", "eval_every", "eval_batches", "log_every", "keep_checkpoints", "max_minutes")
+# TrainConfig fields that the training commands expose as --flags (named so in messages).
+FLAG_OPTIONS = ("lr", "warmup", "steps", "batch_size", "grad_accum", "weight_decay", "clip", "ckpt_every",
+                "eval_every", "max_minutes", "seed")
 
 
 @dataclass(frozen=True)
@@ -80,19 +84,28 @@ class TrainConfig:
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         checks = [
-            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
-            (self.warmup >= 0, f"warmup must be >= 0, got {self.warmup}"),
-            (self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
-            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
-            (self.grad_accum >= 1, f"grad_accum must be >= 1, got {self.grad_accum}"),
-            (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
-            (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two values in [0, 1), got {self.betas}"),
-            (self.clip >= 0, f"clip must be >= 0 (0 = off), got {self.clip}"),
-            (0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"),
-            (min(self.ckpt_every, self.eval_every, self.log_every) >= 0, "ckpt_every, eval_every and log_every must be >= 0"),
-            (self.eval_batches >= 1, f"eval_batches must be >= 1, got {self.eval_batches}"),
-            (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),
-            (self.max_minutes is None or self.max_minutes > 0, f"max_minutes must be > 0, got {self.max_minutes}"),
+            (self.lr > 0, f"--lr must be > 0, got {self.lr}; pass a positive learning rate, e.g. --lr 3e-4"),
+            (self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}; pass --warmup 0 or more"),
+            (self.steps >= 1, f"--steps must be >= 1, got {self.steps}; pass --steps 1 or more"),
+            (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}; pass --batch-size 1 or more"),
+            (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}; pass --grad-accum 1 or more"),
+            (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}; "
+                                     "pass --weight-decay 0 or more"),
+            (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+             f"betas must be two values in [0, 1), got {self.betas}; pass e.g. betas=(0.9, 0.95)"),
+            (self.clip >= 0, f"--clip must be >= 0 (0 = off), got {self.clip}; pass --clip 0 or more"),
+            (0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}; "
+                                          "pass a value between 0 and 1"),
+            (self.ckpt_every >= 0, f"--ckpt-every must be >= 0, got {self.ckpt_every}; "
+                                   "pass --ckpt-every 0 (only at the end) or more"),
+            (self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}; "
+                                   "pass --eval-every 0 (only at the end) or more"),
+            (self.log_every >= 0, f"log_every must be >= 0, got {self.log_every}; pass 0 (never) or more"),
+            (self.eval_batches >= 1, f"eval_batches must be >= 1, got {self.eval_batches}; pass 1 or more"),
+            (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}; "
+                                         "pass 1 or more"),
+            (self.max_minutes is None or self.max_minutes > 0, f"--max-minutes must be > 0, got {self.max_minutes}; "
+                                                               "pass a positive budget or leave it out"),
         ]
         for ok, message in checks:
             if not ok:
@@ -233,7 +246,8 @@ def load_weights(model, ckpt: Path) -> None:
 
     f = ckpt / WEIGHTS_FILE
     if not f.is_file():
-        raise UnmaskError(f"{ckpt} has no {WEIGHTS_FILE}; the checkpoint is not loadable, pass --overwrite")
+        raise UnmaskError(f"{ckpt} has no {WEIGHTS_FILE}, so the checkpoint is not loadable; pass --overwrite to "
+                          "start over")
     state = load_file(str(f))
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -324,8 +338,17 @@ def _check_resumable(saved: dict, config: TrainConfig, ckpt: Path) -> None:
         mine = list(now[key]) if isinstance(now[key], tuple) else now[key]
         theirs = list(value) if isinstance(value, tuple) else value
         if mine != theirs:
-            raise UnmaskError(f"{ckpt} was trained with {key}={theirs!r}, not {mine!r}; resume with the same "
+            name = f"--{key.replace('_', '-')}" if key in FLAG_OPTIONS else key
+            raise UnmaskError(f"{ckpt} was trained with {name}={theirs!r}, not {mine!r}; resume with the same "
                               "settings or pass --overwrite to start over")
+
+
+def _note(console, message: str) -> None:
+    """One line on the progress console (stderr) if there is one, else on stderr."""
+    if console is not None:
+        console.print(message, highlight=False, markup=False, soft_wrap=True)
+    else:
+        print(message, file=sys.stderr, flush=True)
 
 
 def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor | None, config: TrainConfig,
@@ -339,7 +362,8 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
         train_chunks: (N, L+1) long, on CPU; val_chunks: (M, L+1) long or None.
         run_dir: checkpoints and ``log.jsonl`` go here.
         resume: continue from the newest checkpoint in ``run_dir`` (weights, optimizer,
-            scheduler, step, data order, RNGs); starts fresh when there is none.
+            scheduler, step, data order, RNGs); starts fresh, with a note on the console (or
+            stderr), when there is none.
         save_extras: called on every checkpoint directory (tokenizer, metadata).
         console: a ``rich.console.Console`` for the progress bar (None = quiet).
         meta: JSON-able facts stored in each checkpoint's trainer state (e.g. the data files).
@@ -358,6 +382,8 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
     gen = torch.Generator().manual_seed(config.seed + 1)  # objective noise: η, masks, k
     step = 0
     ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        _note(console, f"note: --resume found no checkpoint in {run_dir}; training starts from scratch")
     if ckpt is not None:
         state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
         _check_resumable(state["config"], config, ckpt)

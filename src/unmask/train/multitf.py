@@ -41,9 +41,10 @@ PRESETS = {"llada2": (2, 0), "llada2-dmax-code": (2, 2), "sdar-b32": (4, 3), "sd
 
 def _check_sizes(K: int, g_max: int) -> None:
     if not isinstance(K, int) or isinstance(K, bool) or K < 1:
-        raise UnmaskError(f"the number of blocks K must be an integer >= 1, got {K!r}")
+        raise UnmaskError(f"the number of blocks K must be an integer >= 1, got {K!r}; pass K >= 1")
     if not isinstance(g_max, int) or isinstance(g_max, bool) or g_max < 2:
-        raise UnmaskError(f"G_max must be an integer >= 2 (a group of 1 is plain TF), got {g_max!r}")
+        raise UnmaskError(f"G_max (--g-max) must be an integer >= 2 (a group of 1 is plain TF), got {g_max!r}; "
+                          "pass --g-max 2 or more")
 
 
 def systematic_layouts(K: int, g_max: int) -> list[tuple[int, ...]]:
@@ -110,7 +111,7 @@ def random_layout(K: int, g_max: int, generator: torch.Generator, *, code_fixups
 def group_ids(sizes: tuple[int, ...] | list[int]) -> torch.Tensor:
     """Group sizes -> (K,) long group id of every block (0, 0, 1, 1, 1, 2, ...)."""
     if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
-        raise UnmaskError(f"group sizes must be positive integers, got {sizes!r}")
+        raise UnmaskError(f"group sizes must be positive integers, got {sizes!r}; pass sizes >= 1")
     return torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))  # (K,)
 
 
@@ -133,7 +134,7 @@ class ChainUniform:
     def __post_init__(self):
         _check_ratio_range(self.t_low, self.t_high)
         if not 0.0 <= self.rho <= 1.0:
-            raise UnmaskError(f"rho must be in [0, 1], got {self.rho}")
+            raise UnmaskError(f"--rho must be in [0, 1], got {self.rho}; pass a value between 0 and 1")
 
     @property
     def t_eff(self) -> float:
@@ -157,7 +158,7 @@ def chain_uniform_ratios(block_group: torch.Tensor, scheduler: ChainUniform, gen
         (K,) float32 in [t_low, t_eff] for chained blocks.
     """
     if block_group.dim() != 1:
-        raise UnmaskError(f"block_group must be (K,), got {tuple(block_group.shape)}")
+        raise UnmaskError(f"block_group must be (K,), got {tuple(block_group.shape)}; pass one group id per block")
     K = block_group.shape[0]
     lo, hi = scheduler.t_low, scheduler.t_eff
     on = [True] * K if chained is None else chained.tolist()
@@ -208,9 +209,10 @@ class MultiTFObjective:
         _check_layout(self.block_size, self.prompt_len, self.mask_token_id, self.rounding)
         _check_sizes(1, self.g_max)
         if not isinstance(self.n_rand, int) or self.n_rand < 0:
-            raise UnmaskError(f"n_rand must be an integer >= 0, got {self.n_rand!r}")
+            raise UnmaskError(f"--n-rand must be an integer >= 0, got {self.n_rand!r}; pass --n-rand 0 or more")
         if not isinstance(self.layouts_per_row, int) or not 0 <= self.layouts_per_row <= self.n_layouts:
-            raise UnmaskError(f"layouts_per_row must be in 0..{self.n_layouts} (0 = all), got {self.layouts_per_row!r}")
+            raise UnmaskError(f"--layouts-per-row must be in 0..{self.n_layouts} (0 = all), got "
+                              f"{self.layouts_per_row!r}; pass a value in that range")
 
     @classmethod
     def preset(cls, name: str, **fields) -> "MultiTFObjective":
@@ -294,17 +296,24 @@ def train_multitf(*, base: str, data, out: str | Path, run_dir: str | Path | Non
         records ``train_g_max``: decode with ``--slots`` at most that (§3.1).
 
     Raises:
-        UnmaskError: a base that is not block-diffusion, bad data or options.
+        UnmaskError: a base that is not block-diffusion, bad data or options, a g_max above the
+            blocks per row (seq_len / B).
     """
     from unmask.train.data import check_data_files
 
     check_data_files([data] if isinstance(data, (str, Path)) else list(data))
     scheduler = ChainUniform(t_low=t_low, t_high=t_high, rho=rho, chain_over_prompt=chain_over_prompt)
     if rounding not in ROUNDINGS:
-        raise UnmaskError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
+        raise UnmaskError(f"--rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}; "
+                          f"pass --rounding {ROUNDINGS[0]} or --rounding {ROUNDINGS[1]}")
     bundle, mask_id, B = load_base(base, dtype, block_size=None, allow_causal=False)
     objective = MultiTFObjective(mask_token_id=mask_id, block_size=B, g_max=g_max, n_rand=n_rand, scheduler=scheduler,
                                  rounding=rounding, prompt_len=prompt_len, layouts_per_row=layouts_per_row)
+    K = seq_len // B if isinstance(seq_len, int) and seq_len >= B and seq_len % B == 0 else None
+    if K is not None and g_max > K:  # a group larger than a row would never occur (fit checks the seq_len itself)
+        lower = f", or lower --g-max to {K}" if K >= 2 else ""
+        raise UnmaskError(f"--g-max {g_max} exceeds the {K} blocks per row (--seq-len {seq_len} / block size {B}); "
+                          f"raise --seq-len to {g_max * B} or more{lower}")
     meta = {"kind": "block-diffusion", "block_size": B, "mask_token_id": mask_id, "train_g_max": g_max}
     return fit(bundle=bundle, objective=objective, base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len,
                val_fraction=val_fraction, resume=resume, overwrite=overwrite, device=device, progress=progress,

@@ -26,7 +26,7 @@ IGNORE = -100
 def sample_block_size(generator: torch.Generator, low: int = 2, high: int = 16) -> int:
     """k ~ U{low..high}, both ends inclusive: one draw per training step (sbd.md §3.1, fix #1 of §3.5)."""
     if not 1 <= low <= high:
-        raise UnmaskError(f"block range must satisfy 1 <= low <= high, got [{low}, {high}]")
+        raise UnmaskError(f"block range must satisfy 1 <= low <= high, got [{low}, {high}]; pass e.g. (2, 8)")
     return int(torch.randint(low, high + 1, (1,), generator=generator).item())
 
 
@@ -51,9 +51,10 @@ def sbd_batch(chunks: torch.Tensor, mask_id: int, k: int, generator: torch.Gener
         ``k`` int and ``L`` int. All tensors on ``chunks``' device.
     """
     if chunks.dim() != 2 or chunks.shape[1] < 2:
-        raise UnmaskError(f"chunks must be (B, L+1) with L >= 1, got {tuple(chunks.shape)}")
+        raise UnmaskError(f"chunks must be (B, L+1) with L >= 1, got {tuple(chunks.shape)}; pack them with "
+                          "unmask.train.data.pack")
     if k < 1:
-        raise UnmaskError(f"block size k must be >= 1, got {k}")
+        raise UnmaskError(f"block size k must be >= 1, got {k}; pass k >= 1")
     B, L = chunks.shape[0], chunks.shape[1] - 1
     device = chunks.device
     input_ids = chunks[:, :-1]  # (B, L) clean x_1..x_L
@@ -114,7 +115,8 @@ def sbd_loss(model, batch: dict, k: int, mask_id: int) -> tuple[torch.Tensor, di
     logits = out.logits.float()  # (B, 2L, V)
     V = logits.shape[-1]
     if not 0 <= mask_id < V:
-        raise UnmaskError(f"mask_token_id {mask_id} is outside the model vocabulary of {V}")
+        raise UnmaskError(f"mask_token_id {mask_id} is outside the model vocabulary of {V}; pass a mask token id "
+                          "below the vocabulary size")
     suppress = torch.zeros(V, dtype=torch.bool, device=logits.device)
     suppress[mask_id] = True
     logits = logits.masked_fill(suppress, float("-inf"))  # (B, 2L, V)
@@ -151,9 +153,9 @@ class SBDObjective:
     def __post_init__(self):
         low, high = self.block_range
         if not 1 <= low <= high:
-            raise UnmaskError(f"block_range must satisfy 1 <= low <= high, got {self.block_range}")
+            raise UnmaskError(f"block_range must satisfy 1 <= low <= high, got {self.block_range}; pass e.g. (2, 8)")
         if self.mask_token_id < 0:
-            raise UnmaskError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
+            raise UnmaskError(f"mask_token_id must be >= 0, got {self.mask_token_id}; pass the model's mask token id")
 
     def step_params(self, generator: torch.Generator) -> dict:
         """Per-step draws: ``{"k": k}``."""
@@ -231,7 +233,7 @@ def diffusion_weighted_loss(nll: torch.Tensor, t: torch.Tensor, maskable: torch.
         return (per_row[has] / n[has]).mean() if bool(has.any()) else per_row.sum() * 0
     if norm == "batch":
         return per_row.sum() / per_row.shape[0]
-    raise UnmaskError(f"unknown loss normalisation {norm!r}; choose one of: {', '.join(DIFFUSION_NORMS)}")
+    raise UnmaskError(f"unknown loss normalisation --norm {norm!r}; choose one of: {', '.join(DIFFUSION_NORMS)}")
 
 
 def masked_diffusion_loss(logits: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor, t: torch.Tensor,
@@ -263,12 +265,13 @@ def masked_diffusion_loss(logits: torch.Tensor, x0: torch.Tensor, masked: torch.
             outside ``maskable``, or a masked position 0 under ``shift``.
     """
     if logits.dim() != 3 or x0.shape != logits.shape[:2] or masked.shape != x0.shape:
-        raise UnmaskError(f"logits must be (B, T, V) with x0 and masked (B, T); got {tuple(logits.shape)}, "
-                          f"{tuple(x0.shape)}, {tuple(masked.shape)}")
+        raise UnmaskError(f"logits must be (B, T, V) with x0 and masked (B, T), got {tuple(logits.shape)}, "
+                          f"{tuple(x0.shape)}, {tuple(masked.shape)}; pass tensors of matching shapes")
     if t.shape != (x0.shape[0],):
-        raise UnmaskError(f"t must hold one mask ratio per row, shape ({x0.shape[0]},), got {tuple(t.shape)}")
+        raise UnmaskError(f"t must hold one mask ratio per row, shape ({x0.shape[0]},), got {tuple(t.shape)}; "
+                          "pass one t per row of x0")
     if norm not in DIFFUSION_NORMS:
-        raise UnmaskError(f"unknown loss normalisation {norm!r}; choose one of: {', '.join(DIFFUSION_NORMS)}")
+        raise UnmaskError(f"unknown loss normalisation --norm {norm!r}; choose one of: {', '.join(DIFFUSION_NORMS)}")
     if bool(((t <= 0) | (t > 1)).any()):
         raise UnmaskError("every mask ratio t must lie in (0, 1]; draw t ~ U[1e-3, 1)")
     if maskable is None:
@@ -279,6 +282,7 @@ def masked_diffusion_loss(logits: torch.Tensor, x0: torch.Tensor, masked: torch.
         raise UnmaskError("with the one-position shift, position 0 has no logits to be scored from and must "
                           "not be masked; start every sequence with BOS")
     if bool((masked & ~maskable).any()):
-        raise UnmaskError("a masked position lies outside `maskable` (a prompt token or the leading BOS)")
+        raise UnmaskError("a masked position lies outside `maskable` (a prompt token or the leading BOS); "
+                          "mask only maskable positions")
     nll = masked_token_nll(logits, x0, masked, shift, mask_id)  # (B, T)
     return diffusion_weighted_loss(nll, t, maskable, norm)

@@ -55,17 +55,20 @@ def _say(progress: Progress, message: str) -> None:
 
 
 def prompts_from_corpus(paths: Sequence, n: int, *, bos: int, seed: int = 0, from_end: bool = False,
-                        prefix_range: tuple[int, int] = (4, 24), vocab_size: int | None = None) -> list[list[int]]:
+                        prefix_range: tuple[int, int] = (4, 24), vocab_size: int | None = None,
+                        tokenizer=None) -> list[list[int]]:
     """``n`` prompts [BOS] + the first k ~ U[prefix_range] ids of corpus documents (JSONL/TXT via
-    :func:`unmask.train.data.read_documents`), in a seeded document order. LBS takes its prompts
-    from the front of that order and LPS (``from_end``) from the back, so the two sets are disjoint
-    while together they fit the corpus. Raises UnmaskError when the corpus holds fewer documents."""
+    :func:`unmask.train.data.read_documents`; ``tokenizer`` encodes text documents), in a seeded
+    document order. LBS takes its prompts from the front of that order and LPS (``from_end``) from
+    the back, so the two sets are disjoint while together they fit the corpus. Raises UnmaskError
+    when the corpus holds fewer documents."""
     from unmask.train.data import read_documents
 
-    docs = [r["ids"] for p in paths for r in read_documents(p, vocab_size=vocab_size) if len(r["ids"]) >= 2]
+    docs = [r["ids"] for p in paths for r in read_documents(p, tokenizer, vocab_size=vocab_size) if len(r["ids"]) >= 2]
     random.Random(seed).shuffle(docs)
     if n > len(docs):
-        raise UnmaskError(f"the corpus holds {len(docs)} usable documents, {n} needed; add data or ask for fewer prompts")
+        raise UnmaskError(f"the corpus holds {len(docs)} usable documents, {n} needed; add data with --data or ask "
+                          "for fewer --prompts")
     picked = docs[::-1][:n] if from_end else docs[:n]
     rng = random.Random(seed + (1 if from_end else 0))
     lo, hi = prefix_range
@@ -96,10 +99,11 @@ def generate_responses(bundle, prompts: list[list[int]], *, gen_length: int, blo
 
     stops = tuple(bundle.stop_token_ids)
     if not stops:
-        raise UnmaskError(f"{bundle.name} has no stop token; responses cannot be EOS-padded")
+        raise UnmaskError(f"{bundle.name} has no stop token, so responses cannot be EOS-padded; name its "
+                          "stop_token_ids in the model's unmask_config.json")
     options = {"top-k": {"policy": "top-k", "tokens_per_step": 1}, "threshold": {"policy": "threshold", "tau": tau}}
     if policy not in options:
-        raise UnmaskError(f"unknown response policy {policy!r}; choose top-k (vanilla) or threshold")
+        raise UnmaskError(f"unknown response policy --responses {policy!r}; choose top-k (vanilla) or threshold")
     out: list[list[int]] = []
     t0 = time.monotonic()
     last = 0.0  # seconds of the previous batch: stop when the next one would not fit the budget
@@ -128,7 +132,8 @@ def blockwise_mask(n_rows: int, L: int, block: int, generator: torch.Generator) 
     r ~ U(0, 1]; blocks < n clean, block n masked i.i.d. with probability r (at least one), blocks
     > n fully masked."""
     if L % block:
-        raise UnmaskError(f"LBS training needs a gen length divisible by the block size ({L} % {block} != 0)")
+        raise UnmaskError(f"LBS training needs a gen length divisible by the block size ({L} % {block} != 0); "
+                          "pass a --gen-length that is a multiple of --block-size")
     n = torch.randint(0, L // block, (n_rows,), generator=generator)  # (R,)
     r = 1.0 - torch.rand(n_rows, generator=generator)  # (R,) in (0, 1]
     cols = torch.arange(L)  # (L,)
@@ -192,10 +197,14 @@ class LBSTrainConfig:
     max_minutes: float | None = None
 
     def __post_init__(self):
-        if self.block < 1 or self.epochs < 1 or self.batch_size < 1 or not self.lr > 0:
-            raise UnmaskError("LBS training needs block, epochs, batch_size >= 1 and lr > 0")
+        for flag, value in (("--block-size", self.block), ("--epochs", self.epochs), ("--batch-size", self.batch_size)):
+            if value < 1:
+                raise UnmaskError(f"{flag} must be >= 1, got {value}; pass {flag} 1 or more")
+        if not self.lr > 0:
+            raise UnmaskError(f"--lr must be > 0, got {self.lr}; pass a positive learning rate, e.g. --lr 5e-5")
         if not 0 <= self.val_fraction < 1:
-            raise UnmaskError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+            raise UnmaskError(f"val_fraction must be in [0, 1), got {self.val_fraction}; pass a share below 1, "
+                              "e.g. 0.05")
 
 
 def train_lbs(bundle, prompts: list[list[int]], responses: list[list[int]], config: LBSTrainConfig = LBSTrainConfig(),
@@ -209,15 +218,18 @@ def train_lbs(bundle, prompts: list[list[int]], responses: list[list[int]], conf
     from unmask.train.loop import TrainConfig, build_optimizer
 
     if len(prompts) != len(responses) or not prompts:
-        raise UnmaskError(f"LBS training needs one response per prompt ({len(prompts)} prompts, {len(responses)} responses)")
+        raise UnmaskError(f"LBS training needs one response per prompt ({len(prompts)} prompts, {len(responses)} "
+                          "responses); pass at least one prompt and one response for each")
     L = len(responses[0])
     if any(len(r) != L for r in responses):
-        raise UnmaskError("every LBS response must have the same length L (pad with EOS)")
+        raise UnmaskError("the LBS responses differ in length; pad every response to the same length L with EOS "
+                          "(pad_response)")
     emb = bundle.model.get_input_embeddings().weight
     rc = router_config or LBSConfig(gen_length=L, d_base=int(emb.shape[1]), vocab_size=int(emb.shape[0]))
     if rc.gen_length != L or rc.vocab_size != emb.shape[0] or rc.d_base != emb.shape[1]:
         raise UnmaskError(f"LBS config (L {rc.gen_length}, vocab {rc.vocab_size}, d_base {rc.d_base}) does not match "
-                          f"the data (L {L}) and the model (vocab {emb.shape[0]}, d_base {emb.shape[1]})")
+                          f"the data (L {L}) and the model (vocab {emb.shape[0]}, d_base {emb.shape[1]}); build "
+                          "it from this model and gen length")
     torch.manual_seed(config.seed)
     router = LBSRouter(rc).to(bundle.device)
     resp = torch.tensor(responses, dtype=torch.long)  # (N, L)
@@ -528,10 +540,16 @@ class LPSTrainConfig:
     max_minutes: float | None = None
 
     def __post_init__(self):
-        if not self.lr > 0 or self.batch_size < 1 or self.max_epochs < 1 or self.patience < 1:
-            raise UnmaskError("LPS training needs lr > 0 and batch_size, max_epochs, patience >= 1")
-        if not 0 < self.fpr_budget < 1 or self.w_neg <= 0:
-            raise UnmaskError(f"fpr_budget must be in (0, 1) and w_neg > 0 (got {self.fpr_budget}, {self.w_neg})")
+        if not self.lr > 0:
+            raise UnmaskError(f"--lr must be > 0, got {self.lr}; pass a positive learning rate, e.g. --lr 1e-3")
+        for flag, value in (("--batch-size", self.batch_size), ("--max-epochs", self.max_epochs),
+                            ("--patience", self.patience)):
+            if value < 1:
+                raise UnmaskError(f"{flag} must be >= 1, got {value}; pass {flag} 1 or more")
+        if not 0 < self.fpr_budget < 1:
+            raise UnmaskError(f"--fpr must be in (0, 1), got {self.fpr_budget}; pass e.g. --fpr 0.01")
+        if self.w_neg <= 0:
+            raise UnmaskError(f"w_neg must be > 0, got {self.w_neg}; pass a positive weight, e.g. 2.0")
 
 
 @torch.no_grad()
@@ -556,9 +574,10 @@ def train_lps(traces: LPSTraces, config: LPSTrainConfig = LPSTrainConfig(), rout
     test split at τ_ψ). Warns when the validation FPR at τ_ψ is outside budget ± 0.5 points.
     Raises UnmaskError with fewer than 3 traces or without positives and negatives."""
     if traces.n_traces < 3:
-        raise UnmaskError(f"LPS training needs at least 3 traces for the 80/10/10 split (got {traces.n_traces})")
+        raise UnmaskError(f"LPS training needs at least 3 traces for the 80/10/10 split (got {traces.n_traces}); "
+                          "pass --prompts 3 or more")
     if traces.labels.all() or not traces.labels.any():
-        raise UnmaskError("the LPS traces hold only one label class; collect more traces")
+        raise UnmaskError("the LPS traces hold only one label class; collect more traces (raise --prompts)")
     tr, va, te = (traces.records_of(ids) for ids in split_traces(traces.n_traces, config.seed))
     torch.manual_seed(config.seed)
     router = LPSRouter(router_config).to(device)
@@ -659,8 +678,8 @@ def _load(model, device):
 
     bundle = model if isinstance(model, ModelBundle) else load(model, device=device)
     if bundle.kind != "masked-diffusion" or bundle.mask_token_id is None:
-        raise UnmaskError(f"Early-Bird routers need a masked-diffusion model with a mask token; {bundle.name!r} is "
-                          f"{bundle.kind!r}")
+        raise UnmaskError(f"Early-Bird routers need a masked-diffusion model with a mask token, {bundle.name!r} is "
+                          f"{bundle.kind!r}; pass a masked-diffusion model with --model")
     return bundle
 
 
@@ -673,23 +692,67 @@ def _out_dir(bundle, out) -> Path:
     return where
 
 
+def _check_counts(**flags) -> None:
+    """Integer command options that must be >= 1, named by their --flag."""
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UnmaskError(f"{flag} must be an integer >= 1, got {value!r}; pass {flag} 1 or more")
+
+
+def _check_router_sizes(router: dict | None, config_cls, even: bool) -> None:
+    """--d / --layers / --ffn of a router before any generation (the config re-checks the rest)."""
+    router = router or {}
+    _check_counts(**{k: router[k] for k in ("d", "layers", "ffn") if k in router})
+    d, heads = router.get("d", config_cls.d), router.get("heads", config_cls.heads)
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+        return  # not a command option; the config names it
+    step = math.lcm(2, heads) if even else heads
+    if d % step:
+        what = f"even and divisible by the {heads} heads" if even else f"divisible by the {heads} heads"
+        raise UnmaskError(f"router width --d {d} must be {what}; pass a multiple of {step}, "
+                          f"e.g. --d {max(step, d // step * step)}")
+
+
+def _check_context(bundle, prompts: list[list[int]], gen_length: int) -> None:
+    P = max(len(p) for p in prompts)
+    if P + gen_length > bundle.context_length:
+        raise UnmaskError(f"prompt ({P} tokens) + --gen-length {gen_length} exceeds the context window of "
+                          f"{bundle.context_length}; pass --gen-length {bundle.context_length - P} or less")
+
+
 def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_length: int = 256, block_size: int = 32,
             response_policy: str = "top-k", response_cache: str = "none", gen_batch: int = 16,
             train: LBSTrainConfig | None = None,
             router: dict | None = None, device: str = "cpu", progress: Progress = None) -> dict:
-    """Prompts from ``data``, the model's own responses, Alg. 3 training, save to ``out`` (default
-    MODEL_DIR/routers). ``router``: LBSConfig fields (d, layers, heads, ffn). Returns a summary."""
+    """Prompts from ``data`` (ids, or text encoded with the model's tokenizer), the model's own
+    responses, Alg. 3 training, save to ``out`` (default MODEL_DIR/routers). ``router``: LBSConfig
+    fields (d, layers, heads, ffn). Every option is checked before any response is generated.
+    Returns a summary."""
+    from unmask.decode.dllm_cache import CACHE_MODES
+
+    _check_counts(prompts=n_prompts, gen_length=gen_length, block_size=block_size, gen_batch=gen_batch)
+    if gen_length % block_size:
+        raise UnmaskError(f"--gen-length {gen_length} is not a multiple of --block-size {block_size}; pass e.g. "
+                          f"--gen-length {max(1, gen_length // block_size) * block_size}")
+    if response_policy not in ("top-k", "threshold"):
+        raise UnmaskError(f"unknown response policy --responses {response_policy!r}; choose top-k (vanilla) or "
+                          "threshold")
+    if response_cache not in CACHE_MODES:
+        raise UnmaskError(f"unknown --response-cache {response_cache!r}; choose one of: {', '.join(CACHE_MODES)}")
+    _check_router_sizes(router, LBSConfig, even=True)
     bundle = _load(model, device)
     where = _out_dir(bundle, out)
     train = train or LBSTrainConfig(block=block_size)
-    vocab = bundle.model.get_input_embeddings().weight.shape[0]
+    emb = bundle.model.get_input_embeddings().weight
+    rc = LBSConfig(gen_length=gen_length, d_base=int(emb.shape[1]), vocab_size=int(emb.shape[0]), **(router or {}))
+    vocab = emb.shape[0]
     prompts = prompts_from_corpus(data, n_prompts, bos=bundle.bos_token_id if bundle.bos_token_id is not None else 1,
-                                  seed=train.seed, vocab_size=vocab)
+                                  seed=train.seed, vocab_size=vocab, tokenizer=bundle.tokenizer)
+    _check_context(bundle, prompts, gen_length)
     responses = generate_responses(bundle, prompts, gen_length=gen_length, block_size=block_size,
                                    policy=response_policy, cache=response_cache, batch_size=gen_batch,
                                    progress=progress)
-    emb = bundle.model.get_input_embeddings().weight
-    rc = LBSConfig(gen_length=gen_length, d_base=int(emb.shape[1]), vocab_size=int(emb.shape[0]), **(router or {}))
     lbs, report = train_lbs(bundle, prompts, responses, train, rc, progress=progress)
     report.update(prompts=len(prompts), response_policy=response_policy, response_cache=response_cache,
                   gen_length=gen_length)
@@ -706,8 +769,13 @@ def run_lps(*, model, data: Sequence, routers=None, out=None, n_prompts: int = 3
     """Collect traces with the saved LBS (``routers``, default MODEL_DIR/routers) under the serving
     configuration, train R_ψ, choose τ_ψ, save next to the LBS (or to ``out``). ``traces_file``
     caches the traces (reused when it exists). Returns a summary with test recall / FPR."""
+    from unmask.decode.eb_select import POS_MODES
     from unmask.routers.io import check_lbs_fits, load_router
 
+    if pos_mode not in POS_MODES:
+        raise UnmaskError(f"unknown --pos-mode {pos_mode!r}; choose one of: {', '.join(POS_MODES)}")
+    _check_router_sizes(router, LPSConfig, even=False)
+    rc = LPSConfig(pos_mode=pos_mode, **(router or {}))  # checked before any trace is collected
     bundle = _load(model, device)
     source = _out_dir(bundle, routers)
     where = _out_dir(bundle, out if out is not None else source)
@@ -718,15 +786,15 @@ def run_lps(*, model, data: Sequence, routers=None, out=None, n_prompts: int = 3
         traces = LPSTraces.load(traces_file)
         _say(progress, f"LPS traces: reusing {traces_file} ({traces.n_traces} traces, {traces.n_records} records)")
     else:
+        _check_counts(prompts=n_prompts, gen_batch=gen_batch)
         vocab = bundle.model.get_input_embeddings().weight.shape[0]
         prompts = prompts_from_corpus(data, n_prompts, bos=bundle.bos_token_id if bundle.bos_token_id is not None
-                                      else 1, seed=seed, from_end=True, vocab_size=vocab)
+                                      else 1, seed=seed, from_end=True, vocab_size=vocab, tokenizer=bundle.tokenizer)
         traces = collect_lps_traces(bundle, lbs, prompts, pos_mode=pos_mode, replay=replay, batch_size=gen_batch,
                                     progress=progress, **serving)
         if traces_file is not None:
             traces.save(traces_file)
-    lps, tau_psi, report = train_lps(traces, train or LPSTrainConfig(), LPSConfig(pos_mode=pos_mode, **(router or {})),
-                                     device=bundle.device, progress=progress)
+    lps, tau_psi, report = train_lps(traces, train or LPSTrainConfig(), rc, device=bundle.device, progress=progress)
     report["traces"] = traces.meta
     path = save_lps(lps, tau_psi, bundle, where, report, serving)
     return {"out": str(path), "tau_psi": tau_psi, "params": lps.n_params(), "traces": traces.n_traces,

@@ -50,10 +50,11 @@ def _load_base(base: str, dtype: str):
     bundle = load(base, dtype=dtype)
     cls = type(bundle.model).__name__
     if not cls.endswith("ForCausalLM") or getattr(bundle.model.config, "is_encoder_decoder", False):
-        raise UnmaskError(f"base {base!r} is a {cls}, not a decoder-only causal LM; SBD fine-tunes causal LMs "
-                          "(Llama, Qwen2, Qwen3, ...)")
+        raise UnmaskError(f"base {base!r} is a {cls}, not a decoder-only causal LM; SBD fine-tunes causal LMs, "
+                          "pass one with --base (Llama, Qwen2, Qwen3, ...)")
     if bundle.kind not in ("causal", "sbd"):
-        raise UnmaskError(f"base {base!r} is a {bundle.kind} model; SBD fine-tunes a causal LM (or continues an sbd one)")
+        raise UnmaskError(f"base {base!r} is a {bundle.kind} model; SBD fine-tunes a causal LM (or continues an sbd "
+                          "one), pass one with --base")
     vocab = bundle.model.get_input_embeddings().weight.shape[0]
     if bundle.kind == "sbd":  # continue training an SBD model: keep its mask token
         return bundle, int(bundle.mask_token_id), vocab
@@ -98,10 +99,12 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
     bundle, mask_id, vocab = _load_base(base, dtype)
     context = bundle.context_length
     if not 1 <= seq_len <= context:
-        raise UnmaskError(f"--seq-len {seq_len} must be between 1 and the model's context of {context} tokens")
+        raise UnmaskError(f"--seq-len {seq_len} must be between 1 and the model's context of {context} tokens; "
+                          "pass a --seq-len in that range")
     low, high = block_range
     if not 1 <= low <= high <= seq_len:
-        raise UnmaskError(f"block range [{low}, {high}] must satisfy 1 <= low <= high <= seq_len ({seq_len})")
+        raise UnmaskError(f"block range [{low}, {high}] must satisfy 1 <= low <= high <= --seq-len ({seq_len}); "
+                          "pass a block_range inside it or raise --seq-len")
     tok = bundle.tokenizer
     train_docs, val_docs = load_corpus(paths, tok, vocab_size=vocab, val_fraction=val_fraction, seed=cfg.seed)
     sep = separator_id(tok)
