@@ -72,7 +72,7 @@ def options(method: str, args, cache: str) -> tuple[str, dict]:
 
 def run(bundle, prompts, decoder, batch_size, max_new_tokens, **opts) -> dict:
     """Decode every prompt; tokens per row, summed NFE / tokens / seconds and router time."""
-    tokens, nfe_rows, seconds, router, steps, blocks, block_sum = [], [], 0.0, 0.0, 0.0, 0, 0.0
+    tokens, nfe_rows, seconds, router, steps, blocks, block_sum, lps_only = [], [], 0.0, 0.0, 0.0, 0, 0.0, 0
     for s in range(0, len(prompts), batch_size):
         out = unmask.generate(prompts[s:s + batch_size], bundle, decoder, max_new_tokens=max_new_tokens, **opts)
         tokens += out.tokens
@@ -83,10 +83,12 @@ def run(bundle, prompts, decoder, batch_size, max_new_tokens, **opts) -> dict:
         steps += x.get("step_seconds", 0.0)
         blocks += x.get("blocks", 0)
         block_sum += x.get("mean_block", 0.0) * x.get("blocks", 0)
+        lps_only += x.get("lps_only", 0)
     generated = sum(len(t) for t in tokens)
     return {"tokens": tokens, "nfe": sum(nfe_rows), "generated": generated, "seconds": seconds,
             "tpf": generated / max(1, sum(nfe_rows)), "tps": generated / seconds if seconds else 0.0,
-            "router_share": router / steps if steps else None, "mean_block": block_sum / blocks if blocks else None}
+            "router_share": router / steps if steps else None, "mean_block": block_sum / blocks if blocks else None,
+            "lps_share": lps_only / generated if generated and "lps" in opts and opts["lps"] else None}
 
 
 def main(argv=None) -> None:
@@ -114,7 +116,8 @@ def main(argv=None) -> None:
             row = {"method": method, "cache": cache, "decoder": decoder, "nfe": res["nfe"],
                    "generated": res["generated"], "seconds": res["seconds"], "tpf": res["tpf"], "tps": res["tps"],
                    "nll": mean(nll), "distinct4": mean([distinct_n(t, 4) for t in res["tokens"]]),
-                   "router_share": res["router_share"], "mean_block": res["mean_block"]}
+                   "router_share": res["router_share"], "mean_block": res["mean_block"],
+                   "lps_share": res["lps_share"]}
             base[method] = row
             for ref in ("vanilla", "threshold"):
                 if ref in base:
@@ -167,13 +170,13 @@ def _markdown(rows, checks, args, elapsed) -> str:
     lines = [f"# Early-Bird on {args.model}: {args.limit} story openings, gen length {args.gen_length}, greedy, "
              f"batch {args.batch_size} ({elapsed:.0f} s)", "",
              "| method | cache | NFE | TPF | TPS | TPF × vanilla | TPS × vanilla | TPF × threshold | TPS × threshold | "
-             "ref NLL | distinct-4 | router % of step | mean block |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ref NLL | distinct-4 | router % of step | mean block | LPS-only commits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['cache']} | {r['nfe']} | {r['tpf']:.2f} | {r['tps']:.0f} | "
                      f"{r['tpf_x_vanilla']:.2f}x | {r['tps_x_vanilla']:.2f}x | {_fmt(r.get('tpf_x_threshold'), '.2f')}x | "
                      f"{_fmt(r.get('tps_x_threshold'), '.2f')}x | {r['nll']:.3f} | {r['distinct4']:.3f} | "
-                     f"{_fmt(r['router_share'], '.1%')} | {_fmt(r['mean_block'], '.1f')} |")
+                     f"{_fmt(r['router_share'], '.1%')} | {_fmt(r['mean_block'], '.1f')} | {_fmt(r['lps_share'], '.1%')} |")
     lines += ["", "## Targets (LBS + LPS vs threshold, same cache)", "", "| cache | check | value | result |",
               "|---|---|---|---|"]
     for c in checks:
