@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -14,47 +15,77 @@ data_app = typer.Typer(no_args_is_help=True, help="Build training corpora.")
 app.add_typer(train_app, name="train")
 app.add_typer(data_app, name="data")
 
+# Options declared alike by several commands. Defaults stay at each parameter, where they differ
+# between commands; options without help text are plain defaults (typer names them --snake-case).
+CausalBase = Annotated[str, typer.Option("--base", help="shipped model name or local HF causal-LM directory")]
+TextData = Annotated[list[Path], typer.Option(
+    "--data", help="training data, .txt (blank-line separated) or .jsonl (repeatable)")]
+Data = Annotated[list[Path], typer.Option("--data", help="training data, .txt or .jsonl (repeatable)")]
+Out = Annotated[Path, typer.Option("--out", help="output model directory (checkpoints go to OUT.run/)")]
+RunDir = Annotated[Path, typer.Option("--run-dir", help="checkpoint/log directory (default OUT.run)")]
+Steps = Annotated[int, typer.Option("--steps", help="optimizer steps")]
+BatchSize = Annotated[int, typer.Option("--batch-size", help="sequences per micro-batch")]
+Lr = Annotated[float, typer.Option("--lr", help="peak learning rate")]
+Warmup = Annotated[int, typer.Option("--warmup", help="linear warm-up steps")]
+GradAccum = Annotated[int, typer.Option("--grad-accum", help="micro-batches per optimizer step")]
+WeightDecay = Annotated[float, typer.Option("--weight-decay", help="AdamW weight decay (matrices only)")]
+Clip = Annotated[float, typer.Option("--clip", help="gradient-norm clip (0 = off)")]
+CkptEvery = Annotated[int, typer.Option("--ckpt-every", help="checkpoint every N steps (0 = only at the end)")]
+EvalEvery = Annotated[int, typer.Option("--eval-every", help="validation loss every N steps (0 = only at the end)")]
+MaxMinutes = Annotated[float, typer.Option("--max-minutes", help="wall-clock budget; stops cleanly and saves")]
+Seed = Annotated[int, typer.Option("--seed", help="seed of data order, noise and validation split")]
+Resume = Annotated[bool, typer.Option("--resume", help="continue from the newest checkpoint in the run directory")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace OUT and discard its run directory")]
+Device = Annotated[str, typer.Option("--device", help="cpu or cuda")]
+DlmModel = Annotated[str, typer.Option("--model", help="masked-diffusion model (shipped name or directory)")]
+PromptData = Annotated[list[Path], typer.Option(
+    "--data", help="corpus (.txt or .jsonl) whose document openings become prompts (repeatable)")]
 
-@train_app.command("sbd")
-def train_sbd_cmd(
-    base: str = typer.Option("stories260K", "--base", help="shipped model name or local HF causal-LM directory"),
-    data: list[Path] = typer.Option(None, "--data", help="training data, .txt (blank-line separated) or .jsonl (repeatable)"),
-    out: Path = typer.Option(None, "--out", help="output model directory (checkpoints go to OUT.run/)"),
-    run_dir: Path = typer.Option(None, "--run-dir", help="checkpoint/log directory (default OUT.run)"),
-    steps: int = typer.Option(1000, "--steps", help="optimizer steps"),
-    batch_size: int = typer.Option(8, "--batch-size", help="sequences per micro-batch"),
-    seq_len: int = typer.Option(256, "--seq-len", help="tokens per sequence L (a forward sees 2L)"),
-    lr: float = typer.Option(3e-4, "--lr", help="peak learning rate"),
-    warmup: int = typer.Option(100, "--warmup", help="linear warm-up steps"),
-    grad_accum: int = typer.Option(1, "--grad-accum", help="micro-batches per optimizer step"),
-    weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay (matrices only)"),
-    clip: float = typer.Option(1.0, "--clip", help="gradient-norm clip (0 = off)"),
-    ckpt_every: int = typer.Option(500, "--ckpt-every", help="checkpoint every N steps (0 = only at the end)"),
-    eval_every: int = typer.Option(500, "--eval-every", help="validation loss every N steps (0 = only at the end)"),
-    max_minutes: float = typer.Option(None, "--max-minutes", help="wall-clock budget; stops cleanly and saves"),
-    seed: int = typer.Option(0, "--seed", help="seed of data order, noise and validation split"),
-    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT and discard its run directory"),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
-) -> None:
-    """Fine-tune a causal LM for Set Block Decoding (joint NTP + masked loss, SBD Eq. 14)."""
+
+def _start(data, out) -> None:
+    """Refuse a fine-tuning run without data or output directory, then quiet transformers' logging."""
     from unmask.compat import quiet_transformers
-    from unmask.train.sbd import train_sbd
 
     if not data:
         raise UnmaskError("no training data; pass --data FILE (.txt or .jsonl)")
     if out is None:
         raise UnmaskError("no output directory; pass --out DIR")
     quiet_transformers()
-    result = train_sbd(base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, resume=resume,
-                       overwrite=overwrite, device=device, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
-                       grad_accum=grad_accum, weight_decay=weight_decay, clip=clip, ckpt_every=ckpt_every,
-                       eval_every=eval_every, max_minutes=max_minutes, seed=seed)
+
+
+def _finish(result, terms=("loss", "mat", "acc")) -> None:
     if result.stopped == "interrupted":
         typer.echo(f"interrupted at step {result.step}; checkpoint {result.checkpoint}; rerun with --resume", err=True)
         raise SystemExit(130)
-    terms = " ".join(f"{k} {v:.4f}" for k, v in (result.val or result.last).items() if k in ("loss", "ntp", "mat"))
-    typer.echo(f"wrote {result.out} after {result.step} steps ({result.stopped}, {result.seconds / 60:.1f} min); {terms}")
+    shown = " ".join(f"{k} {v:.4f}" for k, v in (result.val or result.last).items() if k in terms)
+    minutes = result.seconds / 60
+    typer.echo(f"wrote {result.out} after {result.step} steps ({result.stopped}, {minutes:.1f} min); {shown}")
+
+
+def _loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every, max_minutes,
+                  seed) -> dict:
+    return dict(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, grad_accum=grad_accum,
+                weight_decay=weight_decay, clip=clip, ckpt_every=ckpt_every, eval_every=eval_every,
+                max_minutes=max_minutes, seed=seed)
+
+
+@train_app.command("sbd")
+def train_sbd_cmd(
+    base: CausalBase = "stories260K", data: TextData = None, out: Out = None, run_dir: RunDir = None,
+    steps: Steps = 1000, batch_size: BatchSize = 8,
+    seq_len: int = typer.Option(256, "--seq-len", help="tokens per sequence L (a forward sees 2L)"),
+    lr: Lr = 3e-4, warmup: Warmup = 100, grad_accum: GradAccum = 1, weight_decay: WeightDecay = 0.0, clip: Clip = 1.0,
+    ckpt_every: CkptEvery = 500, eval_every: EvalEvery = 500, max_minutes: MaxMinutes = None, seed: Seed = 0,
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+) -> None:
+    """Fine-tune a causal LM for Set Block Decoding (joint NTP + masked loss, SBD Eq. 14)."""
+    from unmask.train.sbd import train_sbd
+
+    _start(data, out)
+    _finish(train_sbd(
+        base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, resume=resume, overwrite=overwrite,
+        device=device, **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every,
+                                       eval_every, max_minutes, seed)), terms=("loss", "ntp", "mat"))
 
 
 @data_app.command("stories")
@@ -86,63 +117,24 @@ def data_stories_cmd(
 
 @train_app.command("diffusion")
 def train_diffusion_cmd(
-    base: str = typer.Option("stories260K", "--base", help="shipped model name or local HF causal-LM directory"),
-    data: list[Path] = typer.Option(None, "--data", help="training data, .txt (blank-line separated) or .jsonl (repeatable)"),
-    out: Path = typer.Option(None, "--out", help="output model directory (checkpoints go to OUT.run/)"),
-    run_dir: Path = typer.Option(None, "--run-dir", help="checkpoint/log directory (default OUT.run)"),
-    steps: int = typer.Option(1000, "--steps", help="optimizer steps"),
-    batch_size: int = typer.Option(8, "--batch-size", help="sequences per micro-batch"),
+    base: CausalBase = "stories260K", data: TextData = None, out: Out = None, run_dir: RunDir = None,
+    steps: Steps = 1000, batch_size: BatchSize = 8,
     seq_len: int = typer.Option(256, "--seq-len", help="tokens per sequence after its leading BOS"),
     prefix_prob: float = typer.Option(0.5, "--prefix-prob", help="share of sequences keeping a clean prompt prefix"),
     norm: str = typer.Option("token", "--norm", help="loss normalisation: token, sequence or batch"),
-    lr: float = typer.Option(3e-4, "--lr", help="peak learning rate"),
-    warmup: int = typer.Option(100, "--warmup", help="linear warm-up steps"),
-    grad_accum: int = typer.Option(1, "--grad-accum", help="micro-batches per optimizer step"),
-    weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay (matrices only)"),
-    clip: float = typer.Option(1.0, "--clip", help="gradient-norm clip (0 = off)"),
-    ckpt_every: int = typer.Option(500, "--ckpt-every", help="checkpoint every N steps (0 = only at the end)"),
-    eval_every: int = typer.Option(500, "--eval-every", help="validation loss every N steps (0 = only at the end)"),
-    max_minutes: float = typer.Option(None, "--max-minutes", help="wall-clock budget; stops cleanly and saves"),
-    seed: int = typer.Option(0, "--seed", help="seed of data order, noise and validation split"),
-    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT and discard its run directory"),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    lr: Lr = 3e-4, warmup: Warmup = 100, grad_accum: GradAccum = 1, weight_decay: WeightDecay = 0.0, clip: Clip = 1.0,
+    ckpt_every: CkptEvery = 500, eval_every: EvalEvery = 500, max_minutes: MaxMinutes = None, seed: Seed = 0,
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
 ) -> None:
     """Adapt a causal LM into a masked-diffusion LM (bidirectional, logit shift 1; diffusion.md §1-2)."""
-    from unmask.compat import quiet_transformers
     from unmask.train.diffusion import train_diffusion
 
-    if not data:
-        raise UnmaskError("no training data; pass --data FILE (.txt or .jsonl)")
-    if out is None:
-        raise UnmaskError("no output directory; pass --out DIR")
-    quiet_transformers()
-    result = train_diffusion(base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, prefix_prob=prefix_prob,
-                             norm=norm, resume=resume, overwrite=overwrite, device=device, steps=steps,
-                             batch_size=batch_size, lr=lr, warmup=warmup, grad_accum=grad_accum,
-                             weight_decay=weight_decay, clip=clip, ckpt_every=ckpt_every, eval_every=eval_every,
-                             max_minutes=max_minutes, seed=seed)
-    if result.stopped == "interrupted":
-        typer.echo(f"interrupted at step {result.step}; checkpoint {result.checkpoint}; rerun with --resume", err=True)
-        raise SystemExit(130)
-    terms = " ".join(f"{k} {v:.4f}" for k, v in (result.val or result.last).items() if k in ("loss", "nll"))
-    typer.echo(f"wrote {result.out} after {result.step} steps ({result.stopped}, {result.seconds / 60:.1f} min); {terms}")
-
-
-def _finish(result, terms=("loss", "mat", "acc")) -> None:
-    if result.stopped == "interrupted":
-        typer.echo(f"interrupted at step {result.step}; checkpoint {result.checkpoint}; rerun with --resume", err=True)
-        raise SystemExit(130)
-    shown = " ".join(f"{k} {v:.4f}" for k, v in (result.val or result.last).items() if k in terms)
-    minutes = result.seconds / 60
-    typer.echo(f"wrote {result.out} after {result.step} steps ({result.stopped}, {minutes:.1f} min); {shown}")
-
-
-def _loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every, max_minutes,
-                  seed) -> dict:
-    return dict(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, grad_accum=grad_accum,
-                weight_decay=weight_decay, clip=clip, ckpt_every=ckpt_every, eval_every=eval_every,
-                max_minutes=max_minutes, seed=seed)
+    _start(data, out)
+    _finish(train_diffusion(
+        base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, prefix_prob=prefix_prob, norm=norm,
+        resume=resume, overwrite=overwrite, device=device,
+        **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
+                        max_minutes, seed)), terms=("loss", "nll"))
 
 
 @train_app.command("block-diffusion")
@@ -150,34 +142,21 @@ def train_block_diffusion_cmd(
     base: str = typer.Option("stories260K", "--base",
                              help="causal LM (a mask token is added) or block-diffusion model"),
     block_size: int = typer.Option(None, "--block-size", help="block size B (required for a causal base)"),
-    data: list[Path] = typer.Option(None, "--data", help="training data, .txt or .jsonl (repeatable)"),
-    out: Path = typer.Option(None, "--out", help="output model directory (checkpoints go to OUT.run/)"),
-    run_dir: Path = typer.Option(None, "--run-dir", help="checkpoint/log directory (default OUT.run)"),
+    data: Data = None, out: Out = None, run_dir: RunDir = None,
     seq_len: int = typer.Option(256, "--seq-len", help="tokens per row L, a multiple of B (a forward sees 2L)"),
     t_low: float = typer.Option(0.001, "--t-low", help="lowest per-block mask ratio"),
     t_high: float = typer.Option(1.0, "--t-high", help="highest per-block mask ratio"),
     noise: str = typer.Option("block", "--noise", help="block: one ratio per block; sequence: one per row"),
     rounding: str = typer.Option("floor", "--rounding", help="masks per block: floor(B*t) or stochastic"),
-    steps: int = typer.Option(1000, "--steps"), batch_size: int = typer.Option(8, "--batch-size"),
-    lr: float = typer.Option(1e-3, "--lr"), warmup: int = typer.Option(100, "--warmup"),
-    grad_accum: int = typer.Option(1, "--grad-accum"), weight_decay: float = typer.Option(0.0, "--weight-decay"),
-    clip: float = typer.Option(1.0, "--clip", help="gradient-norm clip (0 = off)"),
-    ckpt_every: int = typer.Option(500, "--ckpt-every"), eval_every: int = typer.Option(500, "--eval-every"),
-    max_minutes: float = typer.Option(None, "--max-minutes", help="wall-clock budget; stops cleanly and saves"),
-    seed: int = typer.Option(0, "--seed"),
-    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT and discard its run directory"),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    steps: int = 1000, batch_size: int = 8, lr: float = 1e-3, warmup: int = 100, grad_accum: int = 1,
+    weight_decay: float = 0.0, clip: Clip = 1.0, ckpt_every: int = 500, eval_every: int = 500,
+    max_minutes: MaxMinutes = None, seed: int = 0,
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
 ) -> None:
     """Teacher-forcing training of a block-diffusion LM (dual-stream masked CE, multiblock.md §1.3)."""
-    from unmask.compat import quiet_transformers
     from unmask.train.block_diffusion import train_block_diffusion
 
-    if not data:
-        raise UnmaskError("no training data; pass --data FILE (.txt or .jsonl)")
-    if out is None:
-        raise UnmaskError("no output directory; pass --out DIR")
-    quiet_transformers()
+    _start(data, out)
     _finish(train_block_diffusion(
         base=base, data=data, out=out, block_size=block_size, run_dir=run_dir, seq_len=seq_len, t_low=t_low,
         t_high=t_high, noise=noise, rounding=rounding, resume=resume, overwrite=overwrite, device=device,
@@ -188,38 +167,24 @@ def train_block_diffusion_cmd(
 @train_app.command("multitf")
 def train_multitf_cmd(
     base: str = typer.Option("stories260K-bd", "--base", help="block-diffusion model to post-train"),
-    data: list[Path] = typer.Option(None, "--data", help="training data, .txt or .jsonl (repeatable)"),
-    out: Path = typer.Option(None, "--out", help="output model directory (checkpoints go to OUT.run/)"),
-    run_dir: Path = typer.Option(None, "--run-dir", help="checkpoint/log directory (default OUT.run)"),
+    data: Data = None, out: Out = None, run_dir: RunDir = None,
     seq_len: int = typer.Option(256, "--seq-len", help="tokens per row L, a multiple of B"),
     g_max: int = typer.Option(4, "--g-max", help="largest noise group (decode with --slots <= this)"),
     n_rand: int = typer.Option(2, "--n-rand", help="random layouts per row, besides the systematic ones"),
-    t_low: float = typer.Option(0.001, "--t-low"), t_high: float = typer.Option(1.0, "--t-high"),
+    t_low: float = 0.001, t_high: float = 1.0,
     rho: float = typer.Option(0.01, "--rho", help="t_eff = t_high - rho (t_high - t_low)"),
     rounding: str = typer.Option("floor", "--rounding", help="masks per block: floor(B*t) or stochastic"),
     layouts_per_row: int = typer.Option(0, "--layouts-per-row",
                                         help="train on a random subset of this many layouts per row (0 = all)"),
-    steps: int = typer.Option(500, "--steps"), batch_size: int = typer.Option(2, "--batch-size",
-                                                                             help="clean rows per micro-batch"),
-    lr: float = typer.Option(3e-4, "--lr"), warmup: int = typer.Option(15, "--warmup"),
-    grad_accum: int = typer.Option(1, "--grad-accum"), weight_decay: float = typer.Option(0.1, "--weight-decay"),
-    clip: float = typer.Option(1.0, "--clip", help="gradient-norm clip (0 = off)"),
-    ckpt_every: int = typer.Option(200, "--ckpt-every"), eval_every: int = typer.Option(200, "--eval-every"),
-    max_minutes: float = typer.Option(None, "--max-minutes", help="wall-clock budget; stops cleanly and saves"),
-    seed: int = typer.Option(0, "--seed"),
-    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT and discard its run directory"),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    steps: int = 500, batch_size: int = typer.Option(2, "--batch-size", help="clean rows per micro-batch"),
+    lr: float = 3e-4, warmup: int = 15, grad_accum: int = 1, weight_decay: float = 0.1, clip: Clip = 1.0,
+    ckpt_every: int = 200, eval_every: int = 200, max_minutes: MaxMinutes = None, seed: int = 0,
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
 ) -> None:
     """MultiTF post-training of a block-diffusion LM (group layouts, chain-uniform noise, multiblock.md §4)."""
-    from unmask.compat import quiet_transformers
     from unmask.train.multitf import train_multitf
 
-    if not data:
-        raise UnmaskError("no training data; pass --data FILE (.txt or .jsonl)")
-    if out is None:
-        raise UnmaskError("no output directory; pass --out DIR")
-    quiet_transformers()
+    _start(data, out)
     _finish(train_multitf(
         base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, g_max=g_max, n_rand=n_rand, t_low=t_low,
         t_high=t_high, rho=rho, rounding=rounding, layouts_per_row=layouts_per_row, resume=resume,
@@ -230,9 +195,7 @@ def train_multitf_cmd(
 
 @train_app.command("lbs")
 def train_lbs_cmd(
-    model: str = typer.Option("stories260K-dlm", "--model", help="masked-diffusion model (shipped name or directory)"),
-    data: list[Path] = typer.Option(None, "--data",
-                                    help="corpus (.txt or .jsonl) whose document openings become prompts (repeatable)"),
+    model: DlmModel = "stories260K-dlm", data: PromptData = None,
     out: Path = typer.Option(None, "--out", help="router directory (default MODEL_DIR/routers)"),
     prompts: int = typer.Option(1000, "--prompts", help="training prompts (one model response each)"),
     gen_length: int = typer.Option(256, "--gen-length", help="L: the router works at this generation length only"),
@@ -247,7 +210,7 @@ def train_lbs_cmd(
     ffn: int = typer.Option(64, "--ffn", help="encoder FFN width (paper 256)"),
     max_minutes: float = typer.Option(None, "--max-minutes", help="budget of the training loop"),
     seed: int = typer.Option(0, "--seed"),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    device: Device = "cpu",
 ) -> None:
     """Train the Early-Bird LBS router of a masked-diffusion model (early_bird.md §3, Alg. 3)."""
     from unmask.compat import quiet_transformers
@@ -267,9 +230,7 @@ def train_lbs_cmd(
 
 @train_app.command("lps")
 def train_lps_cmd(
-    model: str = typer.Option("stories260K-dlm", "--model", help="masked-diffusion model (shipped name or directory)"),
-    data: list[Path] = typer.Option(None, "--data",
-                                    help="corpus (.txt or .jsonl) whose document openings become prompts (repeatable)"),
+    model: DlmModel = "stories260K-dlm", data: PromptData = None,
     routers: Path = typer.Option(None, "--routers", help="directory holding the LBS router (default MODEL_DIR/routers)"),
     out: Path = typer.Option(None, "--out", help="where to write lps.* (default: next to the LBS router)"),
     prompts: int = typer.Option(300, "--prompts", help="trace prompts (one decoding trace each)"),
@@ -286,7 +247,7 @@ def train_lps_cmd(
     d: int = typer.Option(32, "--d"), layers: int = typer.Option(2, "--layers"), ffn: int = typer.Option(64, "--ffn"),
     max_minutes: float = typer.Option(None, "--max-minutes", help="budget of the training loop"),
     seed: int = typer.Option(0, "--seed", help="seed of the prompt choice (the split seed is 42)"),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    device: Device = "cpu",
 ) -> None:
     """Collect traces with the LBS router and train the Early-Bird LPS router (early_bird.md §4, Alg. 4)."""
     from unmask.compat import quiet_transformers
