@@ -30,7 +30,6 @@ shares with MultiTF post-training (:mod:`unmask.train.multitf`).
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,7 +43,6 @@ IGNORE = -100
 ROUNDINGS = ("floor", "stochastic")
 NOISES = ("block", "sequence")
 BD_FORMAT_VERSION = 1
-UNMASK_CONFIG = "unmask_config.json"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,64 +333,22 @@ def fit(*, bundle, objective, base: str, data, out: str | Path, run_dir: str | P
     TrainResult with ``out`` set (None when interrupted). Raises UnmaskError for bad data or
     options (before any training step).
     """
-    from unmask.fileio import atomic_write_json, publish_dir, staging_dir
-    from unmask.train.data import check_data_files, load_corpus, separator_id
-    from unmask.train.loop import TrainConfig, save_model, train
-    from unmask.train.sbd import _prepare_paths, default_run_dir
+    from unmask.train.wiring import load_chunks, run_info, run_paths, train_and_publish, train_config
 
-    try:
-        cfg = TrainConfig(**config)
-    except TypeError as e:
-        raise UnmaskError(f"unknown training option ({e}); see TrainConfig") from None
-    paths = check_data_files([data] if isinstance(data, (str, Path)) else list(data))
-    out = Path(out)
-    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(out)
-    _prepare_paths(out, run_dir, resume=resume, overwrite=overwrite)
+    cfg = train_config(config)
+    paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)
     if not 1 <= seq_len <= bundle.context_length:
         raise UnmaskError(f"--seq-len {seq_len} must be between 1 and the model's context of "
                           f"{bundle.context_length} tokens; pass a --seq-len in that range")
     row_tokens(torch.zeros((1, seq_len + 1), dtype=torch.long), objective.block_size, objective.prompt_len)
-    tok = bundle.tokenizer
     vocab = bundle.model.get_input_embeddings().weight.shape[0]
-    train_docs, val_docs = load_corpus(paths, tok, vocab_size=vocab, val_fraction=val_fraction, seed=cfg.seed)
-    sep = separator_id(tok)
-    train_chunks = pack_aligned(train_docs, seq_len, sep)  # (N, L+1)
-    if len(train_chunks) == 0:
-        n = sum(len(d) + 1 for d in train_docs)
-        raise UnmaskError(f"the training data holds {n} tokens, fewer than one sequence of {seq_len + 1}; "
-                          "lower --seq-len or add data")
-    val_chunks = pack_aligned(val_docs, seq_len, sep) if val_docs else None  # (M, L+1)
-    info = {"seq_len": seq_len, "data": [str(p) for p in paths], "train_chunks": len(train_chunks),
-            "val_chunks": 0 if val_chunks is None else len(val_chunks), "objective": describe,
-            "objective_config": {k: v for k, v in asdict(objective).items() if k not in ("name", "term_names")},
-            "config": asdict(cfg)}
+    train_chunks, val_chunks = load_chunks(paths, bundle.tokenizer, vocab, pack_aligned, seq_len, need=seq_len + 1,
+                                           val_fraction=val_fraction, seed=cfg.seed)  # (N, L+1), (M, L+1)
+    info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective=describe,
+                    objective_config={k: v for k, v in asdict(objective).items() if k not in ("name", "term_names")})
     meta = {**meta, "stop_token_ids": list(bundle.stop_token_ids), "base": base, "version": BD_FORMAT_VERSION}
-
-    def save_extras(directory: Path, state: dict) -> None:
-        tok.save_pretrained(directory)
-        training = {**info, "step": state.get("step"), "stopped": state.get("stopped"),
-                    "train_terms": state.get("last"), "val": state.get("val")}
-        atomic_write_json(directory / UNMASK_CONFIG, {**meta, "training": training})
-
-    console = None
-    if progress:
-        from rich.console import Console
-
-        console = Console(stderr=True)
-    result = train(bundle.model, objective, train_chunks, val_chunks, cfg, run_dir, device=device, resume=resume,
-                   save_extras=save_extras, console=console, meta=info)
-    if result.stopped == "interrupted":
-        return result
-    tmp = staging_dir(out)
-    try:
-        save_model(bundle.model, tmp)
-        save_extras(tmp, {"step": result.step, "stopped": result.stopped, "last": result.last, "val": result.val})
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    result.out = out
-    return result
+    return train_and_publish(bundle, objective, train_chunks, val_chunks, cfg, run_dir, out, info=info, meta=meta,
+                             device=device, resume=resume, progress=progress)
 
 
 def train_block_diffusion(*, base: str, data, out: str | Path, block_size: int | None = None,

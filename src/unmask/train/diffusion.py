@@ -23,19 +23,16 @@ Training canvas (our choices):
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from unmask.errors import UnmaskError
-from unmask.fileio import atomic_write_json, publish_dir, staging_dir
-from unmask.train.data import check_data_files, load_corpus, separator_id
-from unmask.train.loop import TrainConfig, TrainResult, save_model, train
+from unmask.train.loop import TrainResult
 from unmask.train.objectives import DIFFUSION_NORMS, diffusion_weighted_loss, masked_token_nll
-from unmask.train.sbd import UNMASK_CONFIG, _prepare_paths, default_run_dir
+from unmask.train.wiring import load_chunks, run_info, run_paths, train_and_publish, train_config
 
 DLM_FORMAT_VERSION = 1
 MIN_T = 1e-3  # t ~ U[MIN_T, 1): the 1/t weight stays finite (diffusion.md §1)
@@ -219,61 +216,22 @@ def train_diffusion(*, base: str, data: str | Path | Sequence[str | Path], out: 
         UnmaskError: missing/empty data, ``out`` exists without overwrite/resume, a base that is
             not a causal LM, seq_len beyond the context, data too short for one chunk, bad options.
     """
-    try:
-        cfg = TrainConfig(**config)
-    except TypeError as e:
-        raise UnmaskError(f"unknown training option ({e}); see TrainConfig") from None
+    cfg = train_config(config)
     objective = MaskedDiffusionObjective(mask_token_id=0, prefix_prob=prefix_prob, norm=norm)  # validate early
-    paths = check_data_files([data] if isinstance(data, (str, Path)) else list(data))
-    out = Path(out)
-    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(out)
-    _prepare_paths(out, run_dir, resume=resume, overwrite=overwrite)
+    paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)
     bundle, mask_id, vocab = _load_base(base, dtype)
     context = bundle.context_length
     if not 1 <= seq_len < context:
         raise UnmaskError(f"--seq-len {seq_len} must be between 1 and {context - 1} (a BOS + --seq-len tokens must "
                           f"fit the model's context of {context}); pass a --seq-len in that range")
-    tok = bundle.tokenizer
-    train_docs, val_docs = load_corpus(paths, tok, vocab_size=vocab, val_fraction=val_fraction, seed=cfg.seed)
-    bos = separator_id(tok)
-    train_chunks = pack_bos_chunks(train_docs, seq_len, bos)  # (N, seq_len + 1)
-    if len(train_chunks) == 0:
-        n = sum(len(d) + 1 for d in train_docs)
-        raise UnmaskError(f"the training data holds {n} tokens, fewer than one sequence of {seq_len}; "
-                          "lower --seq-len or add data")
-    val_chunks = pack_bos_chunks(val_docs, seq_len, bos) if val_docs else None  # (M, seq_len + 1)
-
-    info = {"seq_len": seq_len, "data": [str(p) for p in paths], "train_chunks": len(train_chunks),
-            "val_chunks": 0 if val_chunks is None else len(val_chunks),
-            "objective": f"masked diffusion (diffusion.md §1): t ~ U[{MIN_T:g}, 1), 1/t weight, {norm} norm, "
-                         f"shift 1, BOS-led chunks, clean prefix on {prefix_prob:.0%} of rows",
-            "prefix_prob": prefix_prob, "norm": norm, "config": asdict(cfg)}
+    train_chunks, val_chunks = load_chunks(paths, bundle.tokenizer, vocab, pack_bos_chunks, seq_len, need=seq_len,
+                                           val_fraction=val_fraction, seed=cfg.seed)  # (N, seq_len + 1), (M, seq_len + 1)
+    info = run_info(seq_len, paths, train_chunks, val_chunks, cfg,
+                    objective=f"masked diffusion (diffusion.md §1): t ~ U[{MIN_T:g}, 1), 1/t weight, {norm} norm, "
+                              f"shift 1, BOS-led chunks, clean prefix on {prefix_prob:.0%} of rows",
+                    prefix_prob=prefix_prob, norm=norm)
     meta = {"kind": "masked-diffusion", "mask_token_id": mask_id, "logit_shift": 1, "attention": "bidirectional",
             "stop_token_ids": list(bundle.stop_token_ids), "version": DLM_FORMAT_VERSION, "base": base}
-
-    def save_extras(directory: Path, state: dict) -> None:
-        tok.save_pretrained(directory)
-        training = {**info, "step": state.get("step"), "stopped": state.get("stopped"),
-                    "train_terms": state.get("last"), "val": state.get("val")}
-        atomic_write_json(directory / UNMASK_CONFIG, {**meta, "training": training})
-
-    console = None
-    if progress:
-        from rich.console import Console
-
-        console = Console(stderr=True)
     objective = replace(objective, mask_token_id=mask_id)
-    result = train(bundle.model, objective, train_chunks, val_chunks, cfg, run_dir, device=device, resume=resume,
-                   save_extras=save_extras, console=console, meta=info)
-    if result.stopped == "interrupted":
-        return result
-    tmp = staging_dir(out)
-    try:
-        save_model(bundle.model, tmp)
-        save_extras(tmp, {"step": result.step, "stopped": result.stopped, "last": result.last, "val": result.val})
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    result.out = out
-    return result
+    return train_and_publish(bundle, objective, train_chunks, val_chunks, cfg, run_dir, out, info=info, meta=meta,
+                             device=device, resume=resume, progress=progress)

@@ -7,40 +7,17 @@ whose ``unmask_config.json`` makes ``unmask.load(out)`` return kind ``sbd``.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 from unmask.errors import UnmaskError
-from unmask.fileio import atomic_write_json, publish_dir, staging_dir
-from unmask.train.data import check_data_files, load_corpus, pack, separator_id
-from unmask.train.loop import TrainConfig, TrainResult, checkpoints, save_model, train
+from unmask.train.data import pack
+from unmask.train.loop import TrainResult
 from unmask.train.objectives import SBDObjective
+from unmask.train.wiring import load_chunks, run_info, run_paths, train_and_publish, train_config
+from unmask.train.wiring import UNMASK_CONFIG, default_run_dir  # noqa: F401  (public here before wiring.py)
 
 SBD_FORMAT_VERSION = 1
-UNMASK_CONFIG = "unmask_config.json"
-
-
-def default_run_dir(out: str | Path) -> Path:
-    """Checkpoints and logs of a run live next to its output: ``OUT.run/``."""
-    out = Path(out)
-    return out.with_name(out.name + ".run")
-
-
-def _prepare_paths(out: Path, run_dir: Path, *, resume: bool, overwrite: bool) -> None:
-    if resume and overwrite:
-        raise UnmaskError("--resume and --overwrite contradict each other; pass one of them")
-    if resume:
-        return
-    if out.exists() and not overwrite:
-        raise UnmaskError(f"{out} already exists; pass --overwrite to replace it, --resume to continue its run, "
-                          "or choose another --out")
-    if checkpoints(run_dir) and not overwrite:
-        raise UnmaskError(f"{run_dir} holds checkpoints of an earlier run; pass --resume to continue it or "
-                          "--overwrite to start over")
-    if overwrite and run_dir.exists():
-        shutil.rmtree(run_dir)
 
 
 def _load_base(base: str, dtype: str):
@@ -88,14 +65,8 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
         UnmaskError: missing/empty data, ``out`` exists without overwrite/resume, a base that is
             not a causal LM, seq_len beyond the context, data too short for one chunk, bad options.
     """
-    try:
-        cfg = TrainConfig(**config)
-    except TypeError as e:
-        raise UnmaskError(f"unknown training option ({e}); see TrainConfig") from None
-    paths = check_data_files([data] if isinstance(data, (str, Path)) else list(data))
-    out = Path(out)
-    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(out)
-    _prepare_paths(out, run_dir, resume=resume, overwrite=overwrite)
+    cfg = train_config(config)
+    paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)
     bundle, mask_id, vocab = _load_base(base, dtype)
     context = bundle.context_length
     if not 1 <= seq_len <= context:
@@ -105,45 +76,11 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
     if not 1 <= low <= high <= seq_len:
         raise UnmaskError(f"block range [{low}, {high}] must satisfy 1 <= low <= high <= --seq-len ({seq_len}); "
                           "pass a block_range inside it or raise --seq-len")
-    tok = bundle.tokenizer
-    train_docs, val_docs = load_corpus(paths, tok, vocab_size=vocab, val_fraction=val_fraction, seed=cfg.seed)
-    sep = separator_id(tok)
-    train_chunks = pack(train_docs, seq_len, sep)  # (N, L+1)
-    if len(train_chunks) == 0:
-        n = sum(len(d) + 1 for d in train_docs)
-        raise UnmaskError(f"the training data holds {n} tokens, fewer than one sequence of {seq_len + 1}; "
-                          "lower --seq-len or add data")
-    val_chunks = pack(val_docs, seq_len, sep) if val_docs else None  # (M, L+1)
-
-    info = {"seq_len": seq_len, "data": [str(p) for p in paths], "train_chunks": len(train_chunks),
-            "val_chunks": 0 if val_chunks is None else len(val_chunks), "objective": "sbd: NTP + masked (Eq. 14)",
-            "config": asdict(cfg)}
+    train_chunks, val_chunks = load_chunks(paths, bundle.tokenizer, vocab, pack, seq_len, need=seq_len + 1,
+                                           val_fraction=val_fraction, seed=cfg.seed)  # (N, L+1), (M, L+1)
+    info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective="sbd: NTP + masked (Eq. 14)")
     meta = {"kind": "sbd", "mask_token_id": mask_id, "train_block_range": [low, high], "version": SBD_FORMAT_VERSION,
             "stop_token_ids": list(bundle.stop_token_ids), "base": base}
-
-    def save_extras(directory: Path, state: dict) -> None:
-        tok.save_pretrained(directory)
-        training = {**info, "step": state.get("step"), "stopped": state.get("stopped"),
-                    "train_terms": state.get("last"), "val": state.get("val")}
-        atomic_write_json(directory / UNMASK_CONFIG, {**meta, "training": training})
-
-    console = None
-    if progress:
-        from rich.console import Console
-
-        console = Console(stderr=True)
     objective = SBDObjective(mask_token_id=mask_id, block_range=(low, high))
-    result = train(bundle.model, objective, train_chunks, val_chunks, cfg, run_dir, device=device, resume=resume,
-                   save_extras=save_extras, console=console, meta=info)
-    if result.stopped == "interrupted":
-        return result
-    tmp = staging_dir(out)
-    try:
-        save_model(bundle.model, tmp)
-        save_extras(tmp, {"step": result.step, "stopped": result.stopped, "last": result.last, "val": result.val})
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    result.out = out
-    return result
+    return train_and_publish(bundle, objective, train_chunks, val_chunks, cfg, run_dir, out, info=info, meta=meta,
+                             device=device, resume=resume, progress=progress)
