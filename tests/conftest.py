@@ -1,5 +1,6 @@
 """Shared test helpers: the data directory, tiny random real transformers models, a bundle
-wrapper with a minimal tokenizer stand-in, and the shipped stories260K checkpoint.
+wrapper with a minimal tokenizer stand-in, the shipped stories260K checkpoint, and the
+in-process CLI runner.
 
 The factories are plain functions (``from conftest import tiny_llama``) and are also exposed
 as fixtures of the same name that return the factory, so both styles work::
@@ -90,6 +91,34 @@ def tiny_bundle(model, kind: str = "causal", mask_token_id: int | None = None, *
     return ModelBundle(model=model, tokenizer=tokenizer or IdTokenizer(vocab), kind=kind, name=name,
                        bos_token_id=1, stop_token_ids=tuple(stop_token_ids), pad_token_id=0,
                        mask_token_id=mask_token_id)
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """Run ``unmask ARGV`` in-process (each argument through ``str``); returns (exit code, stdout,
+    stderr). A SystemExit whose code is not an int counts as exit code 1."""
+    from unmask.cli import main
+
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(capsys, *argv, match: str = "", fix: bool = True) -> str:
+    """Run the CLI; assert exit 2, exactly one ``error: problem; fix`` line on stderr, no
+    traceback, and ``match`` in the line (case-insensitive); return the line. ``fix=False``
+    skips the ``; fix`` check, for click's own usage errors, which carry none."""
+    code, out, err = run_cli(capsys, *argv)
+    lines = err.strip("\n").splitlines()
+    assert code == 2, (code, out, err)
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in out + err
+    assert not fix or ";" in lines[0], f"no fix after the problem: {lines[0]}"
+    assert match.lower() in lines[0].lower(), lines[0]
+    return lines[0]
 
 
 @pytest.fixture(name="tiny_llama")

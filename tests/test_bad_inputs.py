@@ -8,37 +8,14 @@ import json
 import shutil
 
 import pytest
-from conftest import STORIES_DIR
+from conftest import STORIES_DIR, one_line_error, run_cli
 
 import unmask
-from unmask.cli import main
 from unmask.models.registry import shipped
 
 SHIPPED = shipped()["stories260K"]
 BIN = STORIES_DIR / "stories260K.bin"
 TOK = STORIES_DIR / "tok512.bin"
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(capsys, *argv: str, match: str = "") -> str:
-    """Run the CLI; assert exit 2 and exactly one ``error: problem; fix`` line; return it."""
-    code, out, err = run_cli(capsys, *argv)
-    lines = err.strip("\n").splitlines()
-    assert code == 2, (code, out, err)
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in out + err
-    assert ";" in lines[0], f"no fix after the problem: {lines[0]}"
-    assert match.lower() in lines[0].lower(), lines[0]
-    return lines[0]
 
 
 def model_copy(root, name: str, unmask_config: dict | list | None = None):

@@ -5,21 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import run_cli
 
 from unmask.bench import side_by_side
-from unmask.cli import main
 from unmask.decode import DECODERS, DecoderInfo
 from unmask.errors import UnmaskError
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_bench_cli_lists_ar(capsys):

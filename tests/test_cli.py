@@ -10,123 +10,100 @@ import subprocess
 import sys
 
 import pytest
-from conftest import STORIES_DIR
-
-from unmask.cli import main
+from conftest import STORIES_DIR, one_line_error, run_cli
 
 BIN = STORIES_DIR / "stories260K.bin"
 TOK = STORIES_DIR / "tok512.bin"
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    """Run ``unmask ARGV`` in-process; returns (exit code, stdout, stderr)."""
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(capsys, *argv: str, match: str = "") -> str:
-    code, out, err = run_cli(capsys, *argv)
-    lines = err.strip("\n").splitlines()
-    assert code == 2, (code, out, err)
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err + out
-    assert match.lower() in lines[0].lower(), lines[0]
-    return lines[0]
 
 
 # --- generate ---------------------------------------------------------------------------------
 
 
 def test_unknown_model_lists_valid_names(capsys):
-    line = assert_one_line_error(capsys, "generate", "Once", "--model", "no-such-model", match="unknown model")
+    line = one_line_error(capsys, "generate", "Once", "--model", "no-such-model", match="unknown model")
     assert "stories260K" in line
 
 
 @pytest.mark.parametrize("prompt", ["", "   "])
 def test_empty_prompt(capsys, prompt):
-    assert_one_line_error(capsys, "generate", prompt, "-m", "stories260K", match="empty")
+    one_line_error(capsys, "generate", prompt, "-m", "stories260K", match="empty")
 
 
 def test_prompt_argument_not_utf8(capsys):
     # what Python makes of undecodable argv bytes (surrogateescape)
-    assert_one_line_error(capsys, "generate", "caf\udce9", "-m", "stories260K", match="UTF-8")
+    one_line_error(capsys, "generate", "caf\udce9", "-m", "stories260K", match="UTF-8")
 
 
 def test_no_prompt_at_all(capsys):
-    assert_one_line_error(capsys, "generate", "-m", "stories260K", match="no prompt")
+    one_line_error(capsys, "generate", "-m", "stories260K", match="no prompt")
 
 
 def test_prompt_longer_than_context(capsys):
-    assert_one_line_error(capsys, "generate", "the cat sat " * 300, "-m", "stories260K", "-n", "8", match="context")
+    one_line_error(capsys, "generate", "the cat sat " * 300, "-m", "stories260K", "-n", "8", match="context")
 
 
 @pytest.mark.parametrize("n", ["0", "-3", "512", "600", "100000"])
 def test_max_new_tokens_out_of_range(capsys, n):
-    line = assert_one_line_error(capsys, "generate", "Once", "-m", "stories260K", f"--max-new-tokens={n}")
+    line = one_line_error(capsys, "generate", "Once", "-m", "stories260K", f"--max-new-tokens={n}")
     assert "max_new_tokens" in line or "max-new-tokens" in line
 
 
 def test_max_new_tokens_plus_prompt_beyond_context(capsys):
-    assert_one_line_error(capsys, "generate", "Once upon a time", "-m", "stories260K", "-n", "508", match="context")
+    one_line_error(capsys, "generate", "Once upon a time", "-m", "stories260K", "-n", "508", match="context")
 
 
 def test_max_new_tokens_not_a_number(capsys):
-    assert_one_line_error(capsys, "generate", "Once", "--max-new-tokens", "many", match="max-new-tokens")
+    one_line_error(capsys, "generate", "Once", "--max-new-tokens", "many", match="max-new-tokens", fix=False)
 
 
 @pytest.mark.parametrize("t", ["-0.5", "-1", "nan"])
 def test_negative_temperature(capsys, t):
-    assert_one_line_error(capsys, "generate", "Once", "-m", "stories260K", f"--temperature={t}", match="temperature")
+    one_line_error(capsys, "generate", "Once", "-m", "stories260K", f"--temperature={t}", match="temperature")
 
 
 @pytest.mark.parametrize("p", ["0", "-0.1", "1.5", "nan"])
 def test_top_p_outside_unit_interval(capsys, p):
-    assert_one_line_error(capsys, "generate", "Once", "-m", "stories260K", "-t", "1", f"--top-p={p}", match="top-p")
+    one_line_error(capsys, "generate", "Once", "-m", "stories260K", "-t", "1", f"--top-p={p}", match="top-p")
 
 
 def test_negative_top_k(capsys):
-    assert_one_line_error(capsys, "generate", "Once", "-m", "stories260K", "--top-k=-2", match="top-k")
+    one_line_error(capsys, "generate", "Once", "-m", "stories260K", "--top-k=-2", match="top-k")
 
 
 def test_unknown_decoder(capsys):
-    line = assert_one_line_error(capsys, "generate", "Once", "-m", "stories260K", "--decoder", "warp", match="decoder")
+    line = one_line_error(capsys, "generate", "Once", "-m", "stories260K", "--decoder", "warp", match="decoder")
     assert "'ar'" in line or " ar" in line  # names the valid choices
 
 
 def test_unknown_option(capsys):
-    assert_one_line_error(capsys, "generate", "Once", "--frobnicate", "3", match="frobnicate")
+    one_line_error(capsys, "generate", "Once", "--frobnicate", "3", match="frobnicate", fix=False)
 
 
 @pytest.mark.parametrize("argv,match", [(["--dtype", "int3"], "dtype"), (["--device", "tpu"], "device"), (["--device", "cuda:x"], "device"),
                                         (["--kind", "quantum"], "kind")])
 def test_bad_load_options(capsys, argv, match):
-    assert_one_line_error(capsys, "generate", "Once", "-m", "stories260K", *argv, match=match)
+    one_line_error(capsys, "generate", "Once", "-m", "stories260K", *argv, match=match)
 
 
 def test_missing_prompts_file(capsys, tmp_path):
-    assert_one_line_error(capsys, "generate", "--prompts-file", str(tmp_path / "nope.txt"), "-m", "stories260K",
+    one_line_error(capsys, "generate", "--prompts-file", str(tmp_path / "nope.txt"), "-m", "stories260K",
                           match="prompts file")
 
 
 def test_prompts_file_is_a_directory(capsys, tmp_path):
-    assert_one_line_error(capsys, "generate", "--prompts-file", str(tmp_path), "-m", "stories260K", match="prompts file")
+    one_line_error(capsys, "generate", "--prompts-file", str(tmp_path), "-m", "stories260K", match="prompts file")
 
 
 def test_non_utf8_prompts_file(capsys, tmp_path):
     f = tmp_path / "prompts.txt"
     f.write_bytes("Once upon a time\n".encode() + "caf\xe9\n".encode("latin-1"))
-    assert_one_line_error(capsys, "generate", "--prompts-file", str(f), "-m", "stories260K", match="UTF-8")
+    one_line_error(capsys, "generate", "--prompts-file", str(f), "-m", "stories260K", match="UTF-8")
 
 
 def test_empty_prompts_file(capsys, tmp_path):
     f = tmp_path / "prompts.txt"
     f.write_text("\n  \n")
-    assert_one_line_error(capsys, "generate", "--prompts-file", str(f), "-m", "stories260K", match="no prompt")
+    one_line_error(capsys, "generate", "--prompts-file", str(f), "-m", "stories260K", match="no prompt")
 
 
 def test_prompts_file_works(capsys, tmp_path):
@@ -146,14 +123,14 @@ needs_data = pytest.mark.skipif(not BIN.is_file(), reason="stories260K data not 
 
 @needs_data
 def test_convert_missing_checkpoint(capsys, tmp_path):
-    assert_one_line_error(capsys, "convert", "llama2c", str(tmp_path / "nope.bin"), str(TOK), str(tmp_path / "out"),
+    one_line_error(capsys, "convert", "llama2c", str(tmp_path / "nope.bin"), str(TOK), str(tmp_path / "out"),
                           match="not found")
     assert not (tmp_path / "out").exists()
 
 
 @needs_data
 def test_convert_missing_tokenizer(capsys, tmp_path):
-    assert_one_line_error(capsys, "convert", "llama2c", str(BIN), str(tmp_path / "tok.bin"), str(tmp_path / "out"),
+    one_line_error(capsys, "convert", "llama2c", str(BIN), str(tmp_path / "tok.bin"), str(tmp_path / "out"),
                           match="not found")
 
 
@@ -161,7 +138,7 @@ def test_convert_missing_tokenizer(capsys, tmp_path):
 def test_convert_truncated_checkpoint(capsys, tmp_path):
     bad = tmp_path / "model.bin"
     bad.write_bytes(BIN.read_bytes()[:5000])
-    assert_one_line_error(capsys, "convert", "llama2c", str(bad), str(TOK), str(tmp_path / "out"), match="bytes")
+    one_line_error(capsys, "convert", "llama2c", str(bad), str(TOK), str(tmp_path / "out"), match="bytes")
     assert not (tmp_path / "out").exists()
 
 
@@ -171,7 +148,7 @@ def test_convert_corrupt_known_checkpoint(capsys, tmp_path):
     raw[-1] ^= 0x80
     bad = tmp_path / "stories260K.bin"
     bad.write_bytes(bytes(raw))
-    assert_one_line_error(capsys, "convert", "llama2c", str(bad), str(TOK), str(tmp_path / "out"), match="sha256")
+    one_line_error(capsys, "convert", "llama2c", str(bad), str(TOK), str(tmp_path / "out"), match="sha256")
     code, out, err = run_cli(capsys, "convert", "llama2c", str(bad), str(TOK), str(tmp_path / "out"), "--no-verify")
     assert code == 0 and (tmp_path / "out" / "config.json").is_file(), err
 
@@ -179,13 +156,13 @@ def test_convert_corrupt_known_checkpoint(capsys, tmp_path):
 @needs_data
 def test_convert_existing_out_dir(capsys, tmp_path):
     (tmp_path / "out").mkdir()
-    assert_one_line_error(capsys, "convert", "llama2c", str(BIN), str(TOK), str(tmp_path / "out"), match="--overwrite")
+    one_line_error(capsys, "convert", "llama2c", str(BIN), str(TOK), str(tmp_path / "out"), match="--overwrite")
     code, out, err = run_cli(capsys, "convert", "llama2c", str(BIN), str(TOK), str(tmp_path / "out"), "--overwrite")
     assert code == 0 and "wrote" in out, err
 
 
 def test_convert_missing_arguments(capsys):
-    assert_one_line_error(capsys, "convert", "llama2c", "only-one.bin", match="missing")
+    one_line_error(capsys, "convert", "llama2c", "only-one.bin", match="missing", fix=False)
 
 
 # --- one real process -------------------------------------------------------------------------

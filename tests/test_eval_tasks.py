@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
+from conftest import run_cli
 
-from unmask.cli import main
 from unmask.errors import UnmaskError
 from unmask.eval import quality
 from unmask.eval import tasks as T
@@ -17,16 +17,6 @@ from unmask.eval.story_openings import STORY_OPENINGS
 
 ENV_KEYS = {"unmask", "git_sha", "torch", "transformers", "cpu", "gpu", "device", "dtype", "batch_size"}
 ROW_KEYS = {"id", "prompt", "text", "n_tokens", "nfe", "tpf", "tps", "seconds", "config", "env"}
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # ---------------------------------------------------------------- quality measures

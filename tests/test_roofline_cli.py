@@ -5,19 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import run_cli
 
-from unmask.cli import main
 from unmask.models.registry import shipped
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def cells(text: str, *key: str) -> list[str]:

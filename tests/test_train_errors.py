@@ -14,35 +14,25 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+import conftest
 import pytest
+from conftest import run_cli
 
 import unmask.train.routers as tr
-from unmask.cli import main
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "unmask"
 
 
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in argv])
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
-
-
 def one_line_error(capsys, *argv, match: str) -> str:
-    """Exit 2, exactly one ``error: problem; fix`` line on stderr that contains ``match``, and no
-    Python-style option name (``batch_size``) in it."""
-    code, out, err = run_cli(capsys, *argv)
-    lines = err.strip("\n").splitlines()
-    assert code == 2, (code, out, err)
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "; " in lines[0], f"no fix after the problem: {lines[0]}"
-    assert match in lines[0], lines[0]
+    """:func:`conftest.one_line_error` with ``"; "`` between problem and fix, ``match`` compared
+    case-sensitively, and no Python-style option name (``batch_size``) in the line."""
+    line = conftest.one_line_error(capsys, *argv, match=match)
+    assert "; " in line, f"no fix after the problem: {line}"
+    assert match in line, line
     for name in ("batch_size", "seq_len", "prefix_prob", "grad_accum", "max_minutes", "g_max", "n_rand",
                  "gen_length", "block_size", "max_new_tokens", "val_fraction"):
-        assert name not in lines[0], lines[0]
-    return lines[0]
+        assert name not in line, line
+    return line
 
 
 def ids_file(path: Path, n_docs: int = 12, length: int = 40) -> Path:

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_bundle, tiny_llama
+from conftest import run_cli, tiny_bundle, tiny_llama
 
 from unmask.errors import UnmaskError
 from unmask.models.mask_token import add_mask_token
@@ -231,8 +231,6 @@ def test_lps_early_stopping_and_refusals():
 
 @pytest.mark.filterwarnings("ignore:LPS validation FPR")
 def test_cli_trains_both_routers_and_generate_uses_them(tmp_path, capsys, stories):
-    from test_cli import run_cli
-
     model = tiny_llama(vocab=512, seed=0, initializer_range=0.4)
     mask = add_mask_token(model)
     d = tmp_path / "tiny-dlm"
