@@ -1,6 +1,6 @@
 """Shared test helpers: the data directory, tiny random real transformers models, a bundle
-wrapper with a minimal tokenizer stand-in, the shipped stories260K checkpoint, and the
-in-process CLI runner.
+wrapper with a minimal tokenizer stand-in, the shipped stories260K checkpoint, the in-process
+CLI runner and small training inputs.
 
 The factories are plain functions (``from conftest import tiny_llama``) and are also exposed
 as fixtures of the same name that return the factory, so both styles work::
@@ -11,6 +11,7 @@ as fixtures of the same name that return the factory, so both styles work::
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -52,6 +53,29 @@ def tiny_qwen3(vocab: int = 64, seed: int = 0, attn_implementation: str = "sdpa"
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     return _tiny(Qwen3Config, Qwen3ForCausalLM, vocab, seed, attn_implementation, **overrides)
+
+
+def with_mask_row(model):
+    """``model`` with one embedding row added for a mask token (``add_mask_token``), whose id
+    is asserted to be the old vocabulary size."""
+    from unmask.models.mask_token import add_mask_token
+
+    vocab = model.config.vocab_size
+    assert add_mask_token(model) == vocab
+    return model
+
+
+def descend(model, objective, chunks: torch.Tensor, generator: torch.Generator, *, steps: int, lr: float) -> dict:
+    """``steps`` AdamW steps of ``objective.loss`` on the same ``chunks`` (N, L+1); returns the
+    last step's terms. For "the loss decreases" tests on tiny models."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    terms = {}
+    for _ in range(steps):
+        loss, terms = objective.loss(model, chunks, generator)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return terms
 
 
 class IdTokenizer:
@@ -119,6 +143,19 @@ def one_line_error(capsys, *argv, match: str = "", fix: bool = True) -> str:
     assert not fix or ";" in lines[0], f"no fix after the problem: {lines[0]}"
     assert match.lower() in lines[0].lower(), lines[0]
     return lines[0]
+
+
+def ids_file(path: Path, n_docs: int = 12, length: int = 40) -> Path:
+    """A JSONL corpus of ``n_docs`` documents of ``length`` random ids in [3, 512) (stories260K's
+    vocabulary), the same for every call."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, 512, (length,), generator=g).tolist() for _ in range(n_docs)]
+    path.write_text("".join(json.dumps({"ids": r}) + "\n" for r in rows))
+    return path
+
+
+# A training run of three steps on stories260K: options of train_sbd / train_diffusion / ...
+SMALL_RUN = dict(seq_len=32, steps=3, batch_size=2, warmup=1, ckpt_every=2, eval_every=0, progress=False)
 
 
 @pytest.fixture(name="tiny_llama")

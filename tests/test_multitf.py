@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import SMALL_RUN, descend, ids_file, run_cli, tiny_llama, with_mask_row
 from unmask.errors import UnmaskError
 from unmask.masks import bd_training_mask, block_causal_mask
 from unmask.masks_multitf import group_dual_stream_mask, group_starts
@@ -281,16 +281,12 @@ def test_layouts_per_row_and_presets():
 
 
 def test_multitf_loss_decreases_in_20_steps():
-    from unmask.models.mask_token import add_mask_token
-
     torch.manual_seed(0)
-    model = tiny_llama(vocab=VOCAB, seed=0).train()
-    assert add_mask_token(model) == MASK
+    model = with_mask_row(tiny_llama(vocab=VOCAB, seed=0).train())
     obj = MultiTFObjective(mask_token_id=MASK, block_size=4, g_max=3, n_rand=1)
     g = torch.Generator().manual_seed(0)
     motifs = torch.randint(3, VOCAB, (4, 3), generator=g)  # (4, 3): learnable repeated motifs
     chunks = motifs.repeat(1, 9)[:, :25]  # (4, 25)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     eval_g = 1234
 
     def val() -> float:
@@ -298,11 +294,7 @@ def test_multitf_loss_decreases_in_20_steps():
             return float(masked_ce_loss(model, obj.batch(chunks, torch.Generator().manual_seed(eval_g)), MASK)[0])
 
     before = val()
-    for _ in range(20):
-        loss, terms = obj.loss(model, chunks, g)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    terms = descend(model, obj, chunks, g, steps=20, lr=1e-2)
     assert val() < 0.6 * before and set(terms) == {"mat", "acc", "masked"}
 
 
@@ -313,34 +305,33 @@ def test_multitf_loss_decreases_in_20_steps():
 
 def test_train_multitf_end_to_end(tmp_path, capsys):
     import unmask
-    from test_train_block_diffusion import SMALL, _cli, _ids_file
     from unmask.train.block_diffusion import train_block_diffusion
     from unmask.train.multitf import train_multitf
 
-    data = _ids_file(tmp_path / "d.jsonl")
+    data = ids_file(tmp_path / "d.jsonl")
     bd = tmp_path / "bd"
-    train_block_diffusion(base="stories260K", block_size=8, data=data, out=bd, **SMALL)
-    out = tmp_path / "mbd"
-    result = train_multitf(base=str(bd), data=data, out=out, g_max=2, n_rand=1, **SMALL)
-    assert result.out == out and result.step == 3
-    bundle = unmask.load(str(out))
+    train_block_diffusion(base="stories260K", block_size=8, data=data, out=bd, **SMALL_RUN)
+    mbd = tmp_path / "mbd"
+    result = train_multitf(base=str(bd), data=data, out=mbd, g_max=2, n_rand=1, **SMALL_RUN)
+    assert result.out == mbd and result.step == 3
+    bundle = unmask.load(str(mbd))
     assert bundle.kind == "block-diffusion" and bundle.block_size == 8 and bundle.mask_token_id == 512
-    meta = json.loads((out / "unmask_config.json").read_text())
+    meta = json.loads((mbd / "unmask_config.json").read_text())
     assert meta["train_g_max"] == 2 and meta["training"]["objective_config"]["n_rand"] == 1
     assert meta["training"]["objective_config"]["scheduler"]["rho"] == 0.01
     for decoder in ("block", "multiblock"):
         gen = unmask.generate(["Once upon a time"], bundle, decoder, max_new_tokens=12)
         assert gen.stats.nfe >= 1 and len(gen.tokens[0]) <= 12
     with pytest.raises(UnmaskError, match="block-diffusion model"):
-        train_multitf(base="stories260K", data=data, out=tmp_path / "x", **SMALL)
+        train_multitf(base="stories260K", data=data, out=tmp_path / "x", **SMALL_RUN)
     with pytest.raises(UnmaskError, match="G_max"):
-        train_multitf(base=str(bd), data=data, out=tmp_path / "x", g_max=1, **SMALL)
+        train_multitf(base=str(bd), data=data, out=tmp_path / "x", g_max=1, **SMALL_RUN)
     with pytest.raises(UnmaskError, match="rounding"):
-        train_multitf(base=str(bd), data=data, out=tmp_path / "x", rounding="up", **SMALL)
-    code, io = _cli(["train", "multitf", "--base", str(bd), "--data", str(data), "--out", str(tmp_path / "cli"),
-                     "--seq-len", "32", "--steps", "2", "--g-max", "2", "--n-rand", "0", "--warmup", "1",
-                     "--eval-every", "0"], capsys)
-    assert code == 0 and "after 2 steps" in io.out
-    code, io = _cli(["train", "multitf", "--base", "stories260K", "--data", str(data), "--out", str(tmp_path / "c2")],
-                    capsys)
-    assert code == 2 and "block-diffusion" in io.err and io.err.count("\n") == 1
+        train_multitf(base=str(bd), data=data, out=tmp_path / "x", rounding="up", **SMALL_RUN)
+    code, out, err = run_cli(capsys, "train", "multitf", "--base", bd, "--data", data, "--out", tmp_path / "cli",
+                             "--seq-len", "32", "--steps", "2", "--g-max", "2", "--n-rand", "0", "--warmup", "1",
+                             "--eval-every", "0")
+    assert code == 0 and "after 2 steps" in out
+    code, out, err = run_cli(capsys, "train", "multitf", "--base", "stories260K", "--data", data, "--out",
+                             tmp_path / "c2")
+    assert code == 2 and "block-diffusion" in err and err.count("\n") == 1

@@ -4,13 +4,12 @@ train_block_diffusion and its CLI."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_llama
+from conftest import SMALL_RUN, descend, ids_file, run_cli, tiny_llama, with_mask_row
 from unmask.errors import UnmaskError
 from unmask.masks import bd_training_mask, block_causal_mask
 from unmask.train.block_diffusion import (IGNORE, TFObjective, iid_ratios, mask_by_ratio, mask_counts, masked_ce_loss,
@@ -139,26 +138,18 @@ def test_noisy_block_logits_equal_an_inference_forward():
 
 
 def test_tf_loss_decreases_in_20_steps():
-    from unmask.models.mask_token import add_mask_token
-
-    model = tiny_llama(vocab=VOCAB, seed=0).train()
-    assert add_mask_token(model) == MASK
+    model = with_mask_row(tiny_llama(vocab=VOCAB, seed=0).train())
     obj = TFObjective(mask_token_id=MASK, block_size=4)
     g = torch.Generator().manual_seed(0)
     motifs = torch.randint(3, VOCAB, (8, 3), generator=g)
     chunks = motifs.repeat(1, 9)[:, :25]  # (8, 25) repeated motifs: learnable
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def val() -> float:
         with torch.no_grad():
             return float(masked_ce_loss(model, obj.batch(chunks, torch.Generator().manual_seed(99)), MASK)[0])
 
     before = val()
-    for _ in range(20):
-        loss, _ = obj.loss(model, chunks, g)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    descend(model, obj, chunks, g, steps=20, lr=1e-2)
     assert val() < 0.6 * before
 
 
@@ -167,32 +158,13 @@ def test_tf_loss_decreases_in_20_steps():
 # ---------------------------------------------------------------------------------------------
 
 
-def _ids_file(path: Path, n_docs: int = 12, length: int = 40) -> Path:
-    g = torch.Generator().manual_seed(0)
-    rows = [torch.randint(3, 512, (length,), generator=g).tolist() for _ in range(n_docs)]
-    path.write_text("".join(json.dumps({"ids": r}) + "\n" for r in rows))
-    return path
-
-
-SMALL = dict(seq_len=32, steps=3, batch_size=2, warmup=1, ckpt_every=2, eval_every=0, progress=False)
-
-
-def _cli(argv, capsys):
-    from unmask.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-        raise SystemExit(0)
-    return exc.value.code, capsys.readouterr()
-
-
 def test_train_block_diffusion_writes_a_decodable_model(tmp_path):
     import unmask
     from unmask.train.block_diffusion import train_block_diffusion
 
     out = tmp_path / "bd"
-    result = train_block_diffusion(base="stories260K", block_size=8, data=_ids_file(tmp_path / "d.jsonl"), out=out,
-                                   rounding="stochastic", **SMALL)
+    result = train_block_diffusion(base="stories260K", block_size=8, data=ids_file(tmp_path / "d.jsonl"), out=out,
+                                   rounding="stochastic", **SMALL_RUN)
     assert result.out == out and result.step == 3
     bundle = unmask.load(str(out))
     assert bundle.kind == "block-diffusion" and bundle.block_size == 8 and bundle.mask_token_id == 512
@@ -205,28 +177,28 @@ def test_train_block_diffusion_writes_a_decodable_model(tmp_path):
         gen = unmask.generate(["Once upon a time", "Tom had a ball"], bundle, decoder, max_new_tokens=20)
         assert gen.stats.nfe >= 1 and all(len(t) <= 20 for t in gen.tokens)
     # continuing a block-diffusion model keeps its mask token and block size
-    again = train_block_diffusion(base=str(out), data=_ids_file(tmp_path / "d.jsonl"), out=tmp_path / "bd2", **SMALL)
+    again = train_block_diffusion(base=str(out), data=ids_file(tmp_path / "d.jsonl"), out=tmp_path / "bd2", **SMALL_RUN)
     assert unmask.load(str(again.out)).mask_token_id == 512
 
 
 def test_train_block_diffusion_refuses_bad_input(tmp_path):
     from unmask.train.block_diffusion import train_block_diffusion
 
-    data = _ids_file(tmp_path / "d.jsonl")
+    data = ids_file(tmp_path / "d.jsonl")
     o = tmp_path / "o"
     with pytest.raises(UnmaskError, match="--block-size"):
-        train_block_diffusion(base="stories260K", data=data, out=o, **SMALL)
+        train_block_diffusion(base="stories260K", data=data, out=o, **SMALL_RUN)
     with pytest.raises(UnmaskError, match="multiple of the block size"):
-        train_block_diffusion(base="stories260K", block_size=5, data=data, out=o, **SMALL)
+        train_block_diffusion(base="stories260K", block_size=5, data=data, out=o, **SMALL_RUN)
     with pytest.raises(UnmaskError, match="not found"):
-        train_block_diffusion(base="stories260K", block_size=8, data=tmp_path / "missing.jsonl", out=o, **SMALL)
+        train_block_diffusion(base="stories260K", block_size=8, data=tmp_path / "missing.jsonl", out=o, **SMALL_RUN)
     with pytest.raises(UnmaskError, match="fewer than one sequence"):
-        train_block_diffusion(base="stories260K", block_size=8, data=_ids_file(tmp_path / "s.jsonl", 1, 10), out=o,
-                              **SMALL)
+        train_block_diffusion(base="stories260K", block_size=8, data=ids_file(tmp_path / "s.jsonl", 1, 10), out=o,
+                              **SMALL_RUN)
     with pytest.raises(UnmaskError, match="noise"):
-        train_block_diffusion(base="stories260K", block_size=8, data=data, out=o, noise="token", **SMALL)
+        train_block_diffusion(base="stories260K", block_size=8, data=data, out=o, noise="token", **SMALL_RUN)
     with pytest.raises(UnmaskError, match="context"):
-        train_block_diffusion(base="stories260K", block_size=8, data=data, out=o, **{**SMALL, "seq_len": 1024})
+        train_block_diffusion(base="stories260K", block_size=8, data=data, out=o, **{**SMALL_RUN, "seq_len": 1024})
     sbd = tmp_path / "sbd"  # a model of another kind
     import unmask
     from unmask.models.mask_token import add_mask_token
@@ -237,31 +209,31 @@ def test_train_block_diffusion_refuses_bad_input(tmp_path):
     stories.tokenizer.save_pretrained(sbd)
     (sbd / "unmask_config.json").write_text(json.dumps({"kind": "sbd", "mask_token_id": 512}))
     with pytest.raises(UnmaskError, match="sbd model"):
-        train_block_diffusion(base=str(sbd), block_size=8, data=data, out=o, **SMALL)
+        train_block_diffusion(base=str(sbd), block_size=8, data=data, out=o, **SMALL_RUN)
     (tmp_path / "exists").mkdir()
     with pytest.raises(UnmaskError, match="already exists"):
-        train_block_diffusion(base="stories260K", block_size=8, data=data, out=tmp_path / "exists", **SMALL)
+        train_block_diffusion(base="stories260K", block_size=8, data=data, out=tmp_path / "exists", **SMALL_RUN)
 
 
 def test_block_size_must_match_a_block_diffusion_base(tmp_path):
     from unmask.train.block_diffusion import train_block_diffusion
 
-    data = _ids_file(tmp_path / "d.jsonl")
-    bd = train_block_diffusion(base="stories260K", block_size=4, data=data, out=tmp_path / "bd", **SMALL).out
+    data = ids_file(tmp_path / "d.jsonl")
+    bd = train_block_diffusion(base="stories260K", block_size=4, data=data, out=tmp_path / "bd", **SMALL_RUN).out
     with pytest.raises(UnmaskError, match="disagrees"):
-        train_block_diffusion(base=str(bd), block_size=8, data=data, out=tmp_path / "x", **SMALL)
+        train_block_diffusion(base=str(bd), block_size=8, data=data, out=tmp_path / "x", **SMALL_RUN)
 
 
 def test_cli_train_block_diffusion(tmp_path, capsys):
-    data = str(_ids_file(tmp_path / "d.jsonl"))
+    data = str(ids_file(tmp_path / "d.jsonl"))
     args = ["train", "block-diffusion", "--block-size", "8", "--data", data, "--out", str(tmp_path / "m"),
             "--seq-len", "32", "--batch-size", "2", "--warmup", "1", "--ckpt-every", "2", "--eval-every", "0"]
-    code, io = _cli(args + ["--steps", "2"], capsys)
-    assert code == 0 and "wrote" in io.out and "mat" in io.out
-    code, io = _cli(args + ["--steps", "4", "--resume"], capsys)
-    assert code == 0 and "after 4 steps" in io.out
-    code, io = _cli(args + ["--steps", "2"], capsys)
-    assert code == 2 and "already exists" in io.err and io.err.count("\n") == 1
-    code, io = _cli(["train", "block-diffusion", "--data", data, "--out", str(tmp_path / "n"), "--seq-len", "32"],
-                    capsys)
-    assert code == 2 and "--block-size" in io.err
+    code, out, err = run_cli(capsys, *args, "--steps", "2")
+    assert code == 0 and "wrote" in out and "mat" in out
+    code, out, err = run_cli(capsys, *args, "--steps", "4", "--resume")
+    assert code == 0 and "after 4 steps" in out
+    code, out, err = run_cli(capsys, *args, "--steps", "2")
+    assert code == 2 and "already exists" in err and err.count("\n") == 1
+    code, out, err = run_cli(capsys, "train", "block-diffusion", "--data", data, "--out", tmp_path / "n", "--seq-len",
+                             "32")
+    assert code == 2 and "--block-size" in err

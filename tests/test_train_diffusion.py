@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import SMALL_RUN, ids_file, run_cli, tiny_llama, with_mask_row
 from unmask.errors import UnmaskError
 from unmask.train.diffusion import MaskedDiffusionObjective, diffusion_batch, pack_bos_chunks
 from unmask.train.loop import TrainConfig, evaluate, latest_checkpoint, train
@@ -175,16 +174,8 @@ def _motif_chunks(n=8, L=24, seed=0):
     return torch.cat([torch.ones(n, 1, dtype=torch.long), body], dim=1)  # (n, L + 1)
 
 
-def _tiny_with_mask(**kw):
-    from unmask.models.mask_token import add_mask_token
-
-    model = tiny_llama(vocab=VOCAB, **kw)
-    assert add_mask_token(model) == MASK
-    return model
-
-
 def test_objective_forward_is_bidirectional_with_shift():
-    model = _tiny_with_mask()
+    model = with_mask_row(tiny_llama(vocab=VOCAB))
     objective = MaskedDiffusionObjective(MASK)
     chunks = _motif_chunks(2, 12)
     loss, terms = objective.loss(model, chunks, torch.Generator().manual_seed(0))
@@ -204,7 +195,7 @@ def test_objective_forward_is_bidirectional_with_shift():
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_twenty_steps_lower_the_loss(impl, tmp_path):
-    model = _tiny_with_mask(attn_implementation=impl)
+    model = with_mask_row(tiny_llama(vocab=VOCAB, attn_implementation=impl))
     objective = MaskedDiffusionObjective(MASK)
     data = _motif_chunks(8, 24)
     cfg = TrainConfig(lr=1e-2, warmup=2, steps=20, batch_size=4, ckpt_every=0, eval_every=0, log_every=5,
@@ -221,22 +212,12 @@ def test_twenty_steps_lower_the_loss(impl, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _ids_file(path: Path, n_docs: int = 12, length: int = 40) -> Path:
-    g = torch.Generator().manual_seed(0)
-    rows = [torch.randint(3, 512, (length,), generator=g).tolist() for _ in range(n_docs)]
-    path.write_text("".join(json.dumps({"ids": r}) + "\n" for r in rows))
-    return path
-
-
-SMALL = dict(seq_len=32, steps=3, batch_size=2, warmup=1, ckpt_every=2, eval_every=0, progress=False)
-
-
 def test_train_diffusion_writes_a_loadable_dllm(tmp_path):
     import unmask
     from unmask.train.diffusion import train_diffusion
 
     out = tmp_path / "dlm"
-    result = train_diffusion(base="stories260K", data=_ids_file(tmp_path / "d.jsonl"), out=out, **SMALL)
+    result = train_diffusion(base="stories260K", data=ids_file(tmp_path / "d.jsonl"), out=out, **SMALL_RUN)
     assert result.out == out and result.step == 3
     bundle = unmask.load(str(out))
     assert bundle.kind == "masked-diffusion" and bundle.logit_shift == 1 and bundle.mask_token_id == 512
@@ -258,51 +239,41 @@ def test_train_diffusion_refuses_bad_input(tmp_path):
     import unmask
     from unmask.train.diffusion import train_diffusion
 
-    data = _ids_file(tmp_path / "d.jsonl")
+    data = ids_file(tmp_path / "d.jsonl")
     (tmp_path / "exists").mkdir()
     with pytest.raises(UnmaskError, match="already exists"):
-        train_diffusion(base="stories260K", data=data, out=tmp_path / "exists", **SMALL)
+        train_diffusion(base="stories260K", data=data, out=tmp_path / "exists", **SMALL_RUN)
     with pytest.raises(UnmaskError, match="not found"):
-        train_diffusion(base="stories260K", data=tmp_path / "missing.jsonl", out=tmp_path / "o", **SMALL)
+        train_diffusion(base="stories260K", data=tmp_path / "missing.jsonl", out=tmp_path / "o", **SMALL_RUN)
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(UnmaskError, match="empty"):
-        train_diffusion(base="stories260K", data=tmp_path / "empty.txt", out=tmp_path / "o", **SMALL)
+        train_diffusion(base="stories260K", data=tmp_path / "empty.txt", out=tmp_path / "o", **SMALL_RUN)
     with pytest.raises(UnmaskError, match="fewer than one sequence"):
-        train_diffusion(base="stories260K", data=_ids_file(tmp_path / "s.jsonl", 1, 10), out=tmp_path / "o", **SMALL)
+        train_diffusion(base="stories260K", data=ids_file(tmp_path / "s.jsonl", 1, 10), out=tmp_path / "o", **SMALL_RUN)
     with pytest.raises(UnmaskError, match="normalisation"):
-        train_diffusion(base="stories260K", data=data, out=tmp_path / "o", norm="mean", **SMALL)
+        train_diffusion(base="stories260K", data=data, out=tmp_path / "o", norm="mean", **SMALL_RUN)
     with pytest.raises(UnmaskError, match="seq-len"):
-        train_diffusion(base="stories260K", data=data, out=tmp_path / "o", **{**SMALL, "seq_len": 512})
+        train_diffusion(base="stories260K", data=data, out=tmp_path / "o", **{**SMALL_RUN, "seq_len": 512})
     base = tmp_path / "bert"
     BertForMaskedLM(BertConfig(vocab_size=512, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                intermediate_size=64)).save_pretrained(base)
     unmask.load("stories260K").tokenizer.save_pretrained(base)
     with pytest.raises(UnmaskError, match="not a transformers decoder-only LM"):
-        train_diffusion(base=str(base), data=data, out=tmp_path / "o", **SMALL)
+        train_diffusion(base=str(base), data=data, out=tmp_path / "o", **SMALL_RUN)
     assert not (tmp_path / "o").exists()
 
 
-def _cli(argv, capsys):
-    from unmask.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-        raise SystemExit(0)
-    return exc.value.code, capsys.readouterr()
-
-
 def test_cli_train_diffusion(tmp_path, capsys):
-    data = str(_ids_file(tmp_path / "d.jsonl"))
-    out = str(tmp_path / "m")
-    args = ["train", "diffusion", "--data", data, "--out", out, "--seq-len", "32", "--batch-size", "2",
-            "--warmup", "1", "--ckpt-every", "0", "--eval-every", "0", "--steps", "2"]
-    code, io = _cli(args, capsys)
-    assert code == 0 and "wrote" in io.out and "after 2 steps" in io.out
+    data = str(ids_file(tmp_path / "d.jsonl"))
+    args = ["train", "diffusion", "--data", data, "--out", str(tmp_path / "m"), "--seq-len", "32", "--batch-size",
+            "2", "--warmup", "1", "--ckpt-every", "0", "--eval-every", "0", "--steps", "2"]
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0 and "wrote" in out and "after 2 steps" in out
     assert json.loads((tmp_path / "m" / "unmask_config.json").read_text())["kind"] == "masked-diffusion"
-    code, io = _cli(args, capsys)
-    assert code == 2 and io.err.count("\n") == 1 and "already exists" in io.err
-    code, io = _cli(["train", "diffusion", "--out", str(tmp_path / "n")], capsys)
-    assert code == 2 and io.err.startswith("error:") and "--data" in io.err
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2 and err.count("\n") == 1 and "already exists" in err
+    code, out, err = run_cli(capsys, "train", "diffusion", "--out", str(tmp_path / "n"))
+    assert code == 2 and err.startswith("error:") and "--data" in err
     missing = str(tmp_path / "nope.jsonl")
-    code, io = _cli(["train", "diffusion", "--data", missing, "--out", str(tmp_path / "n")], capsys)
-    assert code == 2 and "not found" in io.err and io.err.count("\n") == 1
+    code, out, err = run_cli(capsys, "train", "diffusion", "--data", missing, "--out", str(tmp_path / "n"))
+    assert code == 2 and "not found" in err and err.count("\n") == 1

@@ -6,25 +6,17 @@ import json
 import os
 import signal
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tiny_llama, tiny_qwen3
+from conftest import SMALL_RUN, ids_file, run_cli, tiny_llama, tiny_qwen3, with_mask_row
 from unmask.errors import UnmaskError
 from unmask.train import loop
 from unmask.train.loop import TrainConfig, checkpoints, evaluate, latest_checkpoint, save_checkpoint, train
 from unmask.train.objectives import IGNORE, SBDObjective, sample_block_size, sbd_attention_mask, sbd_batch, sbd_loss
 
 VOCAB, MASK = 64, 64  # tiny models get one extra row for the mask token
-
-
-def _with_mask_row(model):
-    from unmask.models.mask_token import add_mask_token
-
-    assert add_mask_token(model) == MASK
-    return model
 
 
 def _chunks(n: int = 8, L: int = 24, seed: int = 0) -> torch.Tensor:
@@ -73,7 +65,7 @@ def test_block_size_is_uniform_on_2_to_16():
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_sbd_loss_is_eq14_with_mask_logit_suppressed(impl):
-    model = _with_mask_row(tiny_llama(vocab=VOCAB, attn_implementation=impl))
+    model = with_mask_row(tiny_llama(vocab=VOCAB, attn_implementation=impl))
     L, k = 12, 4
     b = sbd_batch(_chunks(3, L), MASK, k, torch.Generator().manual_seed(3))
     loss, terms = sbd_loss(model, b, k, MASK)
@@ -94,7 +86,7 @@ def test_sbd_loss_is_eq14_with_mask_logit_suppressed(impl):
 
 def test_noisy_block_only_reaches_its_own_block():
     """sbd.md §3.8: perturbing a noisy token in block b changes neither the clean half nor other blocks."""
-    model = _with_mask_row(tiny_llama(vocab=VOCAB))
+    model = with_mask_row(tiny_llama(vocab=VOCAB))
     L, k = 12, 4
     b = sbd_batch(_chunks(1, L), MASK, k, torch.Generator().manual_seed(0))
     attn = sbd_attention_mask(model, L, k, "cpu")
@@ -121,7 +113,7 @@ FAST = TrainConfig(lr=1e-2, warmup=2, steps=20, batch_size=4, clip=1.0, ckpt_eve
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
 def test_twenty_steps_lower_both_terms(factory, tmp_path):
-    model = _with_mask_row(factory(vocab=VOCAB))
+    model = with_mask_row(factory(vocab=VOCAB))
     objective = SBDObjective(MASK)
     data = _chunks(8, 24)
     before = evaluate(model, objective, data, FAST, "cpu")
@@ -155,14 +147,14 @@ class _InterruptAt:
 def test_interrupt_then_resume_is_bit_identical(tmp_path):
     cfg = replace(FAST, steps=8, grad_accum=2, weight_decay=0.1, ckpt_every=3)
     data = _chunks(8, 16)
-    straight = _with_mask_row(tiny_llama(vocab=VOCAB))
+    straight = with_mask_row(tiny_llama(vocab=VOCAB))
     train(straight, SBDObjective(MASK), data, data, cfg, tmp_path / "a")
 
-    model = _with_mask_row(tiny_llama(vocab=VOCAB))
+    model = with_mask_row(tiny_llama(vocab=VOCAB))
     first = train(model, _InterruptAt(SBDObjective(MASK), 4), data, data, cfg, tmp_path / "b")
     assert first.stopped == "interrupted" and first.step == 4
     assert [p.name for p in checkpoints(tmp_path / "b")] == ["step-00000004"]  # keep_checkpoints=1
-    resumed_model = _with_mask_row(tiny_llama(vocab=VOCAB, seed=123))  # different weights: must be overwritten
+    resumed_model = with_mask_row(tiny_llama(vocab=VOCAB, seed=123))  # different weights: must be overwritten
     second = train(resumed_model, SBDObjective(MASK), data, data, cfg, tmp_path / "b", resume=True)
     assert second.step == 8 and second.stopped == "done"
     for (name, p), q in zip(straight.named_parameters(), resumed_model.parameters()):
@@ -171,21 +163,21 @@ def test_interrupt_then_resume_is_bit_identical(tmp_path):
 
 def test_resume_refuses_changed_settings(tmp_path):
     data = _chunks(8, 16)
-    train(_with_mask_row(tiny_llama(vocab=VOCAB)), SBDObjective(MASK), data, None, replace(FAST, steps=2), tmp_path)
+    train(with_mask_row(tiny_llama(vocab=VOCAB)), SBDObjective(MASK), data, None, replace(FAST, steps=2), tmp_path)
     with pytest.raises(UnmaskError, match="lr="):
-        train(_with_mask_row(tiny_llama(vocab=VOCAB)), SBDObjective(MASK), data, None,
+        train(with_mask_row(tiny_llama(vocab=VOCAB)), SBDObjective(MASK), data, None,
               replace(FAST, steps=4, lr=5e-3), tmp_path, resume=True)
 
 
 def test_time_budget_stops_cleanly_and_saves(tmp_path):
     cfg = replace(FAST, steps=10_000, max_minutes=1e-4)  # 6 ms: stops after the first step or so
-    result = train(_with_mask_row(tiny_llama(vocab=VOCAB)), SBDObjective(MASK), _chunks(4, 16), None, cfg, tmp_path)
+    result = train(with_mask_row(tiny_llama(vocab=VOCAB)), SBDObjective(MASK), _chunks(4, 16), None, cfg, tmp_path)
     assert result.stopped == "time" and result.step < 10_000
     assert latest_checkpoint(tmp_path).name == f"step-{result.step:08d}"
 
 
 def test_crash_during_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
-    model = _with_mask_row(tiny_llama(vocab=VOCAB))
+    model = with_mask_row(tiny_llama(vocab=VOCAB))
     good = save_checkpoint(tmp_path, 2, model, {"step": 2})
     before = (good / "model.safetensors").read_bytes()
 
@@ -209,22 +201,12 @@ def test_crash_during_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypa
 # ---------------------------------------------------------------------------------------------
 
 
-def _ids_file(path: Path, n_docs: int = 12, length: int = 40) -> Path:
-    g = torch.Generator().manual_seed(0)
-    rows = [torch.randint(3, 512, (length,), generator=g).tolist() for _ in range(n_docs)]
-    path.write_text("".join(json.dumps({"ids": r}) + "\n" for r in rows))
-    return path
-
-
-SMALL = dict(seq_len=32, steps=3, batch_size=2, warmup=1, ckpt_every=2, eval_every=0, progress=False)
-
-
 def test_train_sbd_writes_a_loadable_sbd_model(tmp_path):
     import unmask
     from unmask.train import train_sbd
 
     out = tmp_path / "model"
-    result = train_sbd(base="stories260K", data=_ids_file(tmp_path / "d.jsonl"), out=out, **SMALL)
+    result = train_sbd(base="stories260K", data=ids_file(tmp_path / "d.jsonl"), out=out, **SMALL_RUN)
     assert result.out == out and result.step == 3
     bundle = unmask.load(str(out))
     assert bundle.kind == "sbd" and bundle.mask_token_id == 512 and bundle.stop_token_ids == (2, 1)
@@ -244,7 +226,7 @@ def test_train_sbd_on_a_qwen3_directory(tmp_path):
     tiny_qwen3(vocab=512).save_pretrained(base)
     stories.tokenizer.save_pretrained(base)
     out = tmp_path / "out"
-    train_sbd(base=str(base), data=_ids_file(tmp_path / "d.jsonl"), out=out, **SMALL)
+    train_sbd(base=str(base), data=ids_file(tmp_path / "d.jsonl"), out=out, **SMALL_RUN)
     bundle = unmask.load(str(out))
     assert type(bundle.model).__name__ == "Qwen3ForCausalLM" and bundle.kind == "sbd" and bundle.mask_token_id == 512
 
@@ -252,20 +234,20 @@ def test_train_sbd_on_a_qwen3_directory(tmp_path):
 def test_train_sbd_refuses_bad_input(tmp_path):
     from unmask.train import train_sbd
 
-    data = _ids_file(tmp_path / "d.jsonl")
+    data = ids_file(tmp_path / "d.jsonl")
     (tmp_path / "exists").mkdir()
     with pytest.raises(UnmaskError, match="already exists"):
-        train_sbd(base="stories260K", data=data, out=tmp_path / "exists", **SMALL)
+        train_sbd(base="stories260K", data=data, out=tmp_path / "exists", **SMALL_RUN)
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(UnmaskError, match="empty"):
-        train_sbd(base="stories260K", data=tmp_path / "empty.txt", out=tmp_path / "o", **SMALL)
+        train_sbd(base="stories260K", data=tmp_path / "empty.txt", out=tmp_path / "o", **SMALL_RUN)
     (tmp_path / "blank.txt").write_text("\n\n  \n")
     with pytest.raises(UnmaskError, match="no document"):
-        train_sbd(base="stories260K", data=tmp_path / "blank.txt", out=tmp_path / "o", **SMALL)
+        train_sbd(base="stories260K", data=tmp_path / "blank.txt", out=tmp_path / "o", **SMALL_RUN)
     with pytest.raises(UnmaskError, match="not found"):
-        train_sbd(base="stories260K", data=tmp_path / "missing.jsonl", out=tmp_path / "o", **SMALL)
+        train_sbd(base="stories260K", data=tmp_path / "missing.jsonl", out=tmp_path / "o", **SMALL_RUN)
     with pytest.raises(UnmaskError, match="fewer than one sequence"):
-        train_sbd(base="stories260K", data=_ids_file(tmp_path / "short.jsonl", 1, 10), out=tmp_path / "o", **SMALL)
+        train_sbd(base="stories260K", data=ids_file(tmp_path / "short.jsonl", 1, 10), out=tmp_path / "o", **SMALL_RUN)
 
 
 def test_train_sbd_refuses_a_non_causal_base(tmp_path):
@@ -279,30 +261,20 @@ def test_train_sbd_refuses_a_non_causal_base(tmp_path):
                                intermediate_size=64)).save_pretrained(base)
     unmask.load("stories260K").tokenizer.save_pretrained(base)
     with pytest.raises(UnmaskError, match="not a decoder-only causal LM"):
-        train_sbd(base=str(base), data=_ids_file(tmp_path / "d.jsonl"), out=tmp_path / "o", **SMALL)
-
-
-def _cli(argv, capsys):
-    from unmask.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-        raise SystemExit(0)
-    return exc.value.code, capsys.readouterr()
+        train_sbd(base=str(base), data=ids_file(tmp_path / "d.jsonl"), out=tmp_path / "o", **SMALL_RUN)
 
 
 def test_cli_train_sbd_resume_and_errors(tmp_path, capsys):
-    data = str(_ids_file(tmp_path / "d.jsonl"))
-    out = str(tmp_path / "m")
-    args = ["train", "sbd", "--data", data, "--out", out, "--seq-len", "32", "--batch-size", "2", "--warmup", "1",
-            "--ckpt-every", "2", "--eval-every", "0"]
-    code, io = _cli(args + ["--steps", "2"], capsys)
-    assert code == 0 and "wrote" in io.out
-    code, io = _cli(args + ["--steps", "2"], capsys)
-    assert code == 2 and io.err.count("\n") == 1 and "already exists" in io.err
-    code, io = _cli(args + ["--steps", "4", "--resume"], capsys)  # continues the finished run from step 2
-    assert code == 0 and "after 4 steps" in io.out
+    data = str(ids_file(tmp_path / "d.jsonl"))
+    args = ["train", "sbd", "--data", data, "--out", str(tmp_path / "m"), "--seq-len", "32", "--batch-size", "2",
+            "--warmup", "1", "--ckpt-every", "2", "--eval-every", "0"]
+    code, out, err = run_cli(capsys, *args, "--steps", "2")
+    assert code == 0 and "wrote" in out
+    code, out, err = run_cli(capsys, *args, "--steps", "2")
+    assert code == 2 and err.count("\n") == 1 and "already exists" in err
+    code, out, err = run_cli(capsys, *args, "--steps", "4", "--resume")  # continues the finished run from step 2
+    assert code == 0 and "after 4 steps" in out
     assert json.loads((tmp_path / "m" / "unmask_config.json").read_text())["training"]["step"] == 4
     (tmp_path / "empty.jsonl").write_text("")
-    code, io = _cli(["train", "sbd", "--data", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "n")], capsys)
-    assert code == 2 and io.err.startswith("error:") and "empty" in io.err and io.err.count("\n") == 1
+    code, out, err = run_cli(capsys, "train", "sbd", "--data", tmp_path / "empty.jsonl", "--out", tmp_path / "n")
+    assert code == 2 and err.startswith("error:") and "empty" in err and err.count("\n") == 1
