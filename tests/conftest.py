@@ -1,6 +1,6 @@
 """Shared test helpers: the data directory, tiny random real transformers models, a bundle
 wrapper with a minimal tokenizer stand-in, the shipped stories260K checkpoint, the in-process
-CLI runner and small training inputs.
+CLI runner, small training inputs, and references shared by several test files.
 
 The factories are plain functions (``from conftest import tiny_llama``) and are also exposed
 as fixtures of the same name that return the factory, so both styles work::
@@ -156,6 +156,34 @@ def ids_file(path: Path, n_docs: int = 12, length: int = 40) -> Path:
 
 # A training run of three steps on stories260K: options of train_sbd / train_diffusion / ...
 SMALL_RUN = dict(seq_len=32, steps=3, batch_size=2, warmup=1, ckpt_every=2, eval_every=0, progress=False)
+
+
+def assert_batch_equals_single_rows(decode, bundle, prompts: list[list[int]], **kw):
+    """Decoding ``prompts`` as one batch gives every row the tokens, forwards and per-row extras
+    that decoding it alone gives (STYLE habit 9). Returns the batch's output."""
+    batch = decode(bundle, prompts, **kw)
+    for i, p in enumerate(prompts):
+        single = decode(bundle, [p], **kw)
+        assert single.tokens[0] == batch.tokens[i]
+        assert single.stats.nfe_per_row[0] == batch.stats.nfe_per_row[i]
+        assert single.stats.extra["row_extra"][0] == batch.stats.extra["row_extra"][i]
+    return batch
+
+
+def llama2c_decode(pieces: list[bytes], ids: list[int], prev: int = 1) -> str:
+    """Reference decoding of llama2.c tokenizers (spec/models.md §1.5, run.c): pieces → bytes;
+    after BOS (id 1) one leading space is dropped; ``<0xHH>`` is the byte HH; UTF-8 with
+    errors="replace" (our choice). ``prev`` is the token before ``ids``."""
+    out = b""
+    for i in ids:
+        piece = pieces[i]
+        if prev == 1 and piece.startswith(b" "):
+            piece = piece[1:]
+        if len(piece) == 6 and piece.startswith(b"<0x") and piece.endswith(b">"):
+            piece = bytes([int(piece[3:5], 16)])
+        out += piece
+        prev = i
+    return out.decode("utf-8", errors="replace")
 
 
 @pytest.fixture(name="tiny_llama")

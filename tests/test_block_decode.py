@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_bundle, tiny_llama, tiny_qwen3
+from conftest import assert_batch_equals_single_rows, tiny_bundle, tiny_llama, tiny_qwen3
 
 from unmask.compat import attention_mask, forward, new_cache
 from unmask.decode import block, default_decoder, get_decoder
@@ -157,13 +157,8 @@ def test_any_policy_works():
 def test_batch_of_left_padded_rows_equals_single_rows(store):
     bundle = bd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)
     prompts = [[1] + list(range(3, 3 + n)) for n in (1, 4, 2, 9, 5, 3, 7, 6)]
-    kw = dict(max_new_tokens=11, tau=0.7, stop_token_ids=(2,), store=store)
-    batch = block.decode(bundle, prompts, **kw)
-    for i, p in enumerate(prompts):
-        single = block.decode(bundle, [p], **kw)
-        assert single.tokens[0] == batch.tokens[i]
-        assert single.stats.nfe_per_row[0] == batch.stats.nfe_per_row[i]
-        assert single.stats.extra["row_extra"][0] == batch.stats.extra["row_extra"][i]
+    assert_batch_equals_single_rows(block.decode, bundle, prompts, max_new_tokens=11, tau=0.7, stop_token_ids=(2,),
+                                    store=store)
 
 
 def test_registry_and_bad_inputs():

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import STORIES_DIR
+from conftest import STORIES_DIR, llama2c_decode
 
 import unmask
 from unmask.errors import UnmaskError
@@ -119,20 +119,6 @@ def run_c_greedy(cfg: dict, w: dict, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def reference_decode(pieces: list[bytes], ids: list[int]) -> str:
-    """spec/models.md §1.5 decoding of ids that follow BOS."""
-    out, prev = b"", 1
-    for i in ids:
-        piece = pieces[i]
-        if prev == 1 and piece.startswith(b" "):
-            piece = piece[1:]
-        if len(piece) == 6 and piece.startswith(b"<0x") and piece.endswith(b">"):
-            piece = bytes([int(piece[3:5], 16)])
-        out += piece
-        prev = i
-    return out.decode("utf-8", errors="replace")
-
-
 @pytest.fixture(scope="module")
 def ref():
     return read_run_c_weights(BIN)
@@ -163,7 +149,7 @@ def test_golden_through_generate(stories):
 
 def test_golden_through_run_c_reference(golden_tokens):
     pieces, _ = llama2c.read_tokenizer(TOK)
-    assert reference_decode(pieces, GOLDEN_IDS[1:] + golden_tokens) == GOLDEN_TEXT
+    assert llama2c_decode(pieces, GOLDEN_IDS[1:] + golden_tokens) == GOLDEN_TEXT  # ids after BOS
 
 
 def test_generate_matches_run_c_tokens(stories, golden_tokens):

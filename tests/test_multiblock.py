@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_bundle
+from conftest import assert_batch_equals_single_rows, tiny_bundle
 from test_block_decode import bd_bundle, scripted_bundle, uncached_logits
 
 import unmask
@@ -138,14 +138,9 @@ def test_single_slot_reproduces_the_block_decoder_step_for_step_on_a_scripted_mo
 def test_batch_of_rows_equals_single_rows():
     bundle = bd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)
     prompts = [[1] + list(range(3, 3 + n)) for n in (1, 4, 2, 9, 5, 3, 7, 6)]
-    kw = dict(max_new_tokens=14, slots=3, tau_add=0.3, tau_semi=0.5, tau_m2t=0.7, stop_token_ids=(2, 11))
-    batch = multiblock.decode(bundle, prompts, **kw)
+    batch = assert_batch_equals_single_rows(multiblock.decode, bundle, prompts, max_new_tokens=14, slots=3,
+                                            tau_add=0.3, tau_semi=0.5, tau_m2t=0.7, stop_token_ids=(2, 11))
     assert len(set(batch.stats.nfe_per_row)) > 1  # rows finish at different steps
-    for i, p in enumerate(prompts):
-        single = multiblock.decode(bundle, [p], **kw)
-        assert single.tokens[0] == batch.tokens[i]
-        assert single.stats.nfe_per_row[0] == batch.stats.nfe_per_row[i]
-        assert single.stats.extra["row_extra"][0] == batch.stats.extra["row_extra"][i]
 
 
 def test_a_finished_row_departs_without_waiting():

@@ -7,7 +7,7 @@ import json
 import struct
 
 import pytest
-from conftest import DATA_DIR, STORIES_DIR
+from conftest import DATA_DIR, STORIES_DIR, llama2c_decode
 
 from unmask.models import llama2c
 
@@ -69,18 +69,8 @@ class Llama2cReference:
         return (float("-inf"), -1) if j is None else (self.scores[j], j)
 
     def decode(self, ids: list[int], prev: int = BOS) -> str:
-        """Pieces → bytes; after BOS one leading space is dropped; ``<0xHH>`` is the byte HH;
-        UTF-8 with errors="replace" (our choice). ``prev`` is the token before ``ids``."""
-        out = b""
-        for i in ids:
-            piece = self.pieces[i]
-            if prev == BOS and piece.startswith(b" "):
-                piece = piece[1:]
-            if len(piece) == 6 and piece.startswith(b"<0x") and piece.endswith(b">"):
-                piece = bytes([int(piece[3:5], 16)])
-            out += piece
-            prev = i
-        return out.decode("utf-8", errors="replace")
+        """:func:`conftest.llama2c_decode`; ``prev`` is the token before ``ids``."""
+        return llama2c_decode(self.pieces, ids, prev)
 
 
 @pytest.fixture(scope="module")
