@@ -63,7 +63,7 @@ def resolve_base(args) -> str:
     if args.base is not None:
         return args.base
     if not args.smoke:
-        return str(bd.CHECKPOINTS / "stories260K-bd")
+        return "stories260K-bd"  # the shipped name, recorded as "base" in unmask_config.json
     base = bd.REPO / "runs" / "stories260K_bd" / "smoke" / "stories260K-bd"
     if not (base / "config.json").is_file():
         bd.log(f"smoke: building the bd smoke model first ({base})")
