@@ -140,6 +140,24 @@ def test_batch_equals_single_runs(temperature):
         assert one.stats.nfe_per_row[0] == batch.stats.nfe_per_row[i]
 
 
+@pytest.mark.parametrize("cache", ["none", "prefix"])
+def test_rows_stop_once_the_reported_tokens_are_committed(cache):
+    # L is fixed by LBS; with max_new_tokens < L the reported tokens are those of the full run and
+    # a row spends no forwards beyond them. Prefix-cache rows run alone (its refresh is shared).
+    bundle, n = dllm(), 12
+    kw = {"lbs_router": lbs(seed=5), "lps_router": lps(seed=6), "tau_psi": 0.55, "cache": cache, **SMALL}
+    groups = [PROMPTS] if cache == "none" else [[p] for p in PROMPTS]
+    saved = 0
+    for prompts in groups:
+        full = early_bird.decode(bundle, prompts, max_new_tokens=L, **kw)
+        short = early_bird.decode(bundle, prompts, max_new_tokens=n, **kw)
+        assert short.tokens == [t[:n] for t in full.tokens]
+        assert all(len(t) == n for t in short.tokens)
+        assert all(s <= f for s, f in zip(short.stats.nfe_per_row, full.stats.nfe_per_row))
+        saved += sum(full.stats.nfe_per_row) - sum(short.stats.nfe_per_row)
+    assert saved > 0
+
+
 def test_step_events_hooks_and_router_time_statistics():
     bundle = dllm()
     events, states = [], []

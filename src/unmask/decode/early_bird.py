@@ -251,7 +251,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     model's ``MODEL_DIR/routers`` (or ``routers=DIR``), unless ``lbs_router`` / ``lps_router``
     objects are given. ``lps`` (default True) adds the LPS term; ``tau_psi`` overrides the
     router's saved threshold. ``gen_length`` defaults to, and must equal, the LBS router's L;
-    ``max_new_tokens`` (≤ L) cuts the reported tokens. block_size is L_B; block_size, tau, l_min
+    ``max_new_tokens`` (≤ L) cuts the reported tokens, and a row stops once they are all committed
+    (the tokens are those of the full-length run; only the forwards spent beyond them are saved). block_size is L_B; block_size, tau, l_min
     and g_max default to the configuration the saved LPS router was trained under, else to App. F
     (32, 0.9, 8, 5). pos_mode defaults to the LPS router's.
 
@@ -429,6 +430,8 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
             done |= early_stop(gen.clone(), mask_id, stops) & resolved  # check only: no fill
         if stop_strings and bool(resolved.any()):
             done |= hit_stop_string(bundle, prompts, gen, mask_id, stop_strings) & resolved
+        if report < L:  # LBS fixes L; positions from `report` on are never reported, so stop once the rest is in
+            done |= had & ~(gen[:, :report] == mask_id).any(dim=1)
         if cfg.cache != "none" and bool(select.any()):
             # Cache at the blocks' boundaries as selected (min B .. max B), not at what is left
             # of them: positions committed by this step must be re-fed, their cached K/V are stale.
