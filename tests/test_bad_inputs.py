@@ -335,3 +335,46 @@ def test_user_errors_name_a_fix(capsys, argv):
 ])
 def test_decoder_option_conflicts_name_a_fix(capsys, models, kind, extra):
     one_line_error(capsys, "generate", "Once", "-m", str(models[kind]), "-n", "4", *extra)
+
+
+def test_output_paths_that_are_links_or_devices_are_refused(tmp_path):
+    # The atomic write renames a temporary file over the path: it must not replace a symlink
+    # (or a device such as /dev/null, or a pipe) with a plain file.
+    import os
+
+    from unmask.errors import UnmaskError
+    from unmask.fileio import atomic_write_text
+
+    target = tmp_path / "target.txt"
+    target.write_text("keep")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for path in (link, fifo):
+        with pytest.raises(UnmaskError, match="not a regular file"):
+            atomic_write_text(path, "{}", what="trace file")
+    assert link.is_symlink() and target.read_text() == "keep"
+    assert fifo.exists() and not fifo.is_file()
+
+
+def test_trace_to_a_symlink_is_one_line_error(capsys, tmp_path):
+    target = tmp_path / "target.txt"
+    target.write_text("keep")
+    link = tmp_path / "trace.json"
+    link.symlink_to(target)
+    one_line_error(capsys, "generate", "Once upon a time", "--model", "stories260K-sbd", "--decoder", "sbd", "-n", "4",
+                   "--trace", str(link), match="not a regular file")
+    assert link.is_symlink() and target.read_text() == "keep"
+
+
+def test_context_check_uses_gen_length_when_given():
+    # 434 + 32 fits a 512-token window although the default max_new_tokens (128) would not.
+    bundle = unmask.load("stories260K-dlm")
+    prompt = "Once upon a time there was a little girl. " * 36
+    n = len(bundle.encode(prompt))
+    assert n + 32 <= bundle.context_length < n + 128
+    out = unmask.generate([prompt], bundle, "diffusion", max_new_tokens=128, gen_length=32, block_size=32)
+    assert len(out.tokens[0]) <= 32
+    with pytest.raises(unmask.UnmaskError, match="--gen-length 128"):
+        unmask.generate([prompt], bundle, "diffusion", gen_length=128, block_size=32)

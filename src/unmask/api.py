@@ -35,8 +35,11 @@ class Generation:
         return out
 
 
-def encode_prompts(bundle: ModelBundle, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
-    """Tokenise and validate prompts against the context window. Raises UnmaskError."""
+def encode_prompts(bundle: ModelBundle, prompts: list[str], max_new_tokens: int,
+                   gen_length: int | None = None) -> list[list[int]]:
+    """Tokenise and validate prompts against the context window: prompt + new tokens must fit,
+    where the new tokens are ``gen_length`` when a diffusion canvas length is given, else
+    ``max_new_tokens``. Raises UnmaskError."""
     if not prompts:
         raise UnmaskError("no prompt given; pass PROMPT or --prompts-file FILE")
     ctx = bundle.context_length
@@ -51,8 +54,11 @@ def encode_prompts(bundle: ModelBundle, prompts: list[str], max_new_tokens: int)
         if not text.strip():
             raise UnmaskError(f"prompt {i + 1} is empty; give some text to continue")
         ids = bundle.encode(text)
-        if len(ids) + max_new_tokens > ctx:
-            raise UnmaskError(f"prompt {i + 1} is {len(ids)} tokens; with max_new_tokens {max_new_tokens} it exceeds the "
+        if gen_length is not None and isinstance(gen_length, int) and len(ids) + gen_length > ctx:
+            raise UnmaskError(f"prompt {i + 1} is {len(ids)} tokens; with --gen-length {gen_length} it exceeds the "
+                              f"context window of {ctx}; shorten the prompt or lower --gen-length")
+        if gen_length is None and len(ids) + max_new_tokens > ctx:
+            raise UnmaskError(f"prompt {i + 1} is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it exceeds the "
                               f"context window of {ctx}; shorten the prompt or lower --max-new-tokens")
         encoded.append(ids)
     return encoded
@@ -96,7 +102,7 @@ def generate(prompts: str | list[str], model: str | ModelBundle | None = None, d
     decode = get_decoder(decoder, bundle.kind)
     check_options(decode, decoder, options)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    ids = encode_prompts(bundle, prompts, max_new_tokens)
+    ids = encode_prompts(bundle, prompts, max_new_tokens, options.get("gen_length"))
     out = decode(bundle, ids, max_new_tokens=max_new_tokens, sampling=sampling,
                  stop_token_ids=bundle.stop_token_ids, stop_strings=tuple(stop or ()), **options)
     texts = []

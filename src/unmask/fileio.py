@@ -38,6 +38,10 @@ def check_output_file(path: str | os.PathLike, what: str = "output file") -> Pat
     path = Path(path)
     if path.is_dir():
         raise UnmaskError(f"{what} {path} is a directory; give a file path inside it")
+    # The write renames a temporary file over the path: that would replace a device such as
+    # /dev/null, a pipe or a symlink itself instead of writing through it.
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise UnmaskError(f"{what} {path} is not a regular file (a device, pipe or link); give a plain file path")
     return check_parents(path, what)
 
 
