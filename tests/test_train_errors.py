@@ -19,6 +19,7 @@ import pytest
 from conftest import run_cli
 
 import unmask.train.routers as tr
+from unmask.models.registry import shipped
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "unmask"
 
@@ -298,3 +299,13 @@ def test_every_training_error_message_has_a_fix():
             found += 1
             assert "; " in text and "\n" not in text, f"{f.name}:{line}: {text}"
     assert found > 80
+
+
+@pytest.mark.parametrize("router", ["lbs", "lps"])
+def test_router_training_does_not_replace_the_shipped_routers(capsys, tmp_path, router):
+    # Default output: MODEL_DIR/routers, i.e. inside the installed package for a shipped model.
+    data = tmp_path / "prompts.txt"
+    data.write_text("Once upon a time\nTom had a ball\n")
+    shipped_files = {p.name: p.read_bytes() for p in (shipped()["stories260K-dlm"] / "routers").iterdir()}
+    one_line_error(capsys, "train", router, "--data", str(data), match="--overwrite")
+    assert {p.name: p.read_bytes() for p in (shipped()["stories260K-dlm"] / "routers").iterdir()} == shipped_files

@@ -193,6 +193,17 @@ def train_multitf_cmd(
                         max_minutes, seed)))
 
 
+def _router_target(model: str, out: Path | None, routers: Path | None, name: str, overwrite: bool) -> None:
+    """Refuse to replace an existing router (the default target is inside the model, which for a
+    shipped model is the installed package) unless --overwrite is given."""
+    from unmask.models.registry import resolve
+
+    target = out or routers or (resolve(model)[1] / "routers")
+    if (Path(target) / f"{name}.json").exists() and not overwrite:
+        raise UnmaskError(f"{target} already holds an {name.upper()} router; pass --out DIR for a new one "
+                          "or --overwrite to replace it")
+
+
 @train_app.command("lbs")
 def train_lbs_cmd(
     model: DlmModel = "stories260K-dlm", data: PromptData = None,
@@ -210,6 +221,7 @@ def train_lbs_cmd(
     ffn: int = typer.Option(64, "--ffn", help="encoder FFN width (paper 256)"),
     max_minutes: float = typer.Option(None, "--max-minutes", help="budget of the training loop"),
     seed: int = typer.Option(0, "--seed"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing LBS router at the output"),
     device: Device = "cpu",
 ) -> None:
     """Train the Early-Bird LBS router of a masked-diffusion model (early_bird.md §3, Alg. 3)."""
@@ -218,6 +230,7 @@ def train_lbs_cmd(
 
     if not data:
         raise UnmaskError("no prompt corpus; pass --data FILE (.jsonl or .txt), e.g. the story corpus")
+    _router_target(model, out, None, "lbs", overwrite)
     quiet_transformers()
     summary = run_lbs(model=model, data=data, out=out, n_prompts=prompts, gen_length=gen_length, block_size=block_size,
                       response_policy=responses, response_cache=response_cache, gen_batch=gen_batch,
@@ -247,6 +260,7 @@ def train_lps_cmd(
     d: int = typer.Option(32, "--d"), layers: int = typer.Option(2, "--layers"), ffn: int = typer.Option(64, "--ffn"),
     max_minutes: float = typer.Option(None, "--max-minutes", help="budget of the training loop"),
     seed: int = typer.Option(0, "--seed", help="seed of the prompt choice (the split seed is 42)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing LPS router at the output"),
     device: Device = "cpu",
 ) -> None:
     """Collect traces with the LBS router and train the Early-Bird LPS router (early_bird.md §4, Alg. 4)."""
@@ -255,6 +269,7 @@ def train_lps_cmd(
 
     if not data and (traces_file is None or not traces_file.is_file()):
         raise UnmaskError("no prompt corpus; pass --data FILE (.jsonl or .txt) or an existing --traces-file")
+    _router_target(model, out, routers, "lps", overwrite)
     quiet_transformers()
     summary = run_lps(model=model, data=data or [], routers=routers, out=out, n_prompts=prompts, block_size=block_size,
                       tau=tau, l_min=l_min, g_max=g_max, pos_mode=pos_mode, replay=replay, gen_batch=gen_batch,
