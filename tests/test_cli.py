@@ -181,3 +181,14 @@ def test_real_cli_json():
         assert {"prompt", "text", "tokens", "nfe", "tpf", "seconds"} <= row.keys()
         assert len(row["tokens"]) == 8 and row["nfe"] == 8 and row["tpf"] == 1.0 and row["seconds"] > 0
     assert rows[0]["prompt"] == "Zoo" and rows[0]["text"] == " was a little girl named Lily"
+
+
+def test_plain_output_is_not_wrapped_when_piped(capsys):
+    # rich used to hard-wrap at 80 columns off a terminal, which changed the generated text.
+    args = ("generate", "Once upon a time", "--model", "stories260K", "--decoder", "ar", "-n", "64")
+    code, out, _ = run_cli(capsys, *args, "--json")
+    assert code == 0
+    text = json.loads(out.splitlines()[0])["text"]
+    assert len(text) > 100
+    code, out, _ = run_cli(capsys, *args)
+    assert code == 0 and out.startswith("Once upon a time" + text)

@@ -118,9 +118,10 @@ def generate_cmd(
     from rich.text import Text
 
     console = Console()
+    # soft_wrap: the terminal wraps long lines; piped output keeps the generated text intact.
     for prompt, text in zip(result.prompts, result.texts):
-        console.print(Text.assemble((prompt, "bold"), (text, "")))
+        console.print(Text.assemble((prompt, "bold"), (text, "")), soft_wrap=True)
         console.print()
     s = result.stats
     console.print(f"[dim]{result.model} · decoder {result.decoder} · NFE {s.nfe} · generated {s.generated} · "
-                  f"TPF {s.tpf:.2f} · {s.tps:.1f} tok/s · {s.seconds:.2f} s[/dim]")
+                  f"TPF {s.tpf:.2f} · {s.tps:.1f} tok/s · {s.seconds:.2f} s[/dim]", soft_wrap=True)
