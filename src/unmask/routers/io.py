@@ -159,9 +159,13 @@ class Routers:
 
 
 def _how_to_train(bundle) -> str:
+    from unmask.models.registry import shipped
+
+    # A shipped name resolves anywhere; a local model is named by its directory.
+    model = bundle.name if bundle.name in shipped() or bundle.path is None else str(bundle.path)
     recipe = " (or python recipes/stories260K_dlm_routers.py)" if bundle.name == "stories260K-dlm" else ""
-    return (f"train them with `unmask train lbs --model {bundle.name}` then `unmask train lps --model "
-            f"{bundle.name}`{recipe}, or pass routers=DIR")
+    return (f"train them with `unmask train lbs --model {model} --data CORPUS` then `unmask train lps --model "
+            f"{model} --data CORPUS`{recipe}, or pass routers=DIR (Python API)")
 
 
 def load_routers(bundle, *, routers: str | Path | None = None, lps: bool = True) -> Routers:
