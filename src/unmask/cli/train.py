@@ -193,17 +193,6 @@ def train_multitf_cmd(
                         max_minutes, seed)))
 
 
-def _router_target(model: str, out: Path | None, routers: Path | None, name: str, overwrite: bool) -> None:
-    """Refuse to replace an existing router (the default target is inside the model, which for a
-    shipped model is the installed package) unless --overwrite is given."""
-    from unmask.models.registry import resolve
-
-    target = out or routers or (resolve(model)[1] / "routers")
-    if (Path(target) / f"{name}.json").exists() and not overwrite:
-        raise UnmaskError(f"{target} already holds an {name.upper()} router; pass --out DIR for a new one "
-                          "or --overwrite to replace it")
-
-
 @train_app.command("lbs")
 def train_lbs_cmd(
     model: DlmModel = "stories260K-dlm", data: PromptData = None,
@@ -230,13 +219,12 @@ def train_lbs_cmd(
 
     if not data:
         raise UnmaskError("no prompt corpus; pass --data FILE (.jsonl or .txt), e.g. the story corpus")
-    _router_target(model, out, None, "lbs", overwrite)
     quiet_transformers()
     summary = run_lbs(model=model, data=data, out=out, n_prompts=prompts, gen_length=gen_length, block_size=block_size,
                       response_policy=responses, response_cache=response_cache, gen_batch=gen_batch,
                       train=LBSTrainConfig(block=block_size, epochs=epochs, batch_size=batch_size, lr=lr,
                                            weight_decay=weight_decay, seed=seed, max_minutes=max_minutes),
-                      router={"d": d, "layers": layers, "ffn": ffn}, device=device,
+                      router={"d": d, "layers": layers, "ffn": ffn}, overwrite=overwrite, device=device,
                       progress=lambda m: typer.echo(m, err=True))
     typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
 
@@ -269,13 +257,12 @@ def train_lps_cmd(
 
     if not data and (traces_file is None or not traces_file.is_file()):
         raise UnmaskError("no prompt corpus; pass --data FILE (.jsonl or .txt) or an existing --traces-file")
-    _router_target(model, out, routers, "lps", overwrite)
     quiet_transformers()
     summary = run_lps(model=model, data=data or [], routers=routers, out=out, n_prompts=prompts, block_size=block_size,
                       tau=tau, l_min=l_min, g_max=g_max, pos_mode=pos_mode, replay=replay, gen_batch=gen_batch,
                       traces_file=traces_file,
                       train=LPSTrainConfig(max_epochs=max_epochs, patience=patience, batch_size=batch_size, lr=lr,
                                            fpr_budget=fpr, max_minutes=max_minutes),
-                      router={"d": d, "layers": layers, "ffn": ffn}, seed=seed, device=device,
+                      router={"d": d, "layers": layers, "ffn": ffn}, seed=seed, overwrite=overwrite, device=device,
                       progress=lambda m: typer.echo(m, err=True))
     typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))

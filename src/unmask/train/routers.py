@@ -340,12 +340,18 @@ def _load(model, device):
     return bundle
 
 
-def _out_dir(bundle, out) -> Path:
+def _out_dir(bundle, out, *, writes: str | None = None, overwrite: bool = False) -> Path:
+    """The router directory: ``out``, else MODEL_DIR/routers. With ``writes`` ("lbs" / "lps"),
+    refuse to replace that router there (by default: inside the model, which for a shipped model
+    is the installed package) unless ``overwrite``."""
     from unmask.routers.io import routers_dir
 
     where = routers_dir(bundle, out)
     if where is None:
         raise UnmaskError(f"{bundle.name!r} has no model directory; pass --out DIR for the routers")
+    if writes is not None and not overwrite and (Path(where) / f"{writes}.json").exists():
+        raise UnmaskError(f"{where} already holds an {writes.upper()} router; pass --out DIR for a new one "
+                          "or --overwrite to replace it")
     return where
 
 
@@ -380,12 +386,12 @@ def _check_context(bundle, prompts: list[list[int]], gen_length: int) -> None:
 
 def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_length: int = 256, block_size: int = 32,
             response_policy: str = "top-k", response_cache: str = "none", gen_batch: int = 16,
-            train: LBSTrainConfig | None = None,
-            router: dict | None = None, device: str = "cpu", progress: Progress = None) -> dict:
+            train: LBSTrainConfig | None = None, router: dict | None = None, overwrite: bool = False,
+            device: str = "cpu", progress: Progress = None) -> dict:
     """Prompts from ``data`` (ids, or text encoded with the model's tokenizer), the model's own
     responses, Alg. 3 training, save to ``out`` (default MODEL_DIR/routers). ``router``: LBSConfig
-    fields (d, layers, heads, ffn). Every option is checked before any response is generated.
-    Returns a summary."""
+    fields (d, layers, heads, ffn). Every option, and an existing LBS router at the output (kept
+    unless ``overwrite``), is checked before any response is generated. Returns a summary."""
     from unmask.decode.dllm_cache import CACHE_MODES
 
     _check_counts(prompts=n_prompts, gen_length=gen_length, block_size=block_size, gen_batch=gen_batch)
@@ -399,7 +405,7 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
         raise UnmaskError(f"unknown --response-cache {response_cache!r}; choose one of: {', '.join(CACHE_MODES)}")
     _check_router_sizes(router, LBSConfig, even=True)
     bundle = _load(model, device)
-    where = _out_dir(bundle, out)
+    where = _out_dir(bundle, out, writes="lbs", overwrite=overwrite)
     train = train or LBSTrainConfig(block=block_size)
     emb = bundle.model.get_input_embeddings().weight
     rc = LBSConfig(gen_length=gen_length, d_base=int(emb.shape[1]), vocab_size=int(emb.shape[0]), **(router or {}))
@@ -422,10 +428,11 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
 def run_lps(*, model, data: Sequence, routers=None, out=None, n_prompts: int = 300, block_size: int = 32,
             tau: float = 0.9, l_min: int = 8, g_max: int = 5, pos_mode: str = "literal", replay: bool = False,
             gen_batch: int = 16, traces_file=None, train: LPSTrainConfig | None = None, router: dict | None = None,
-            seed: int = 0, device: str = "cpu", progress: Progress = None) -> dict:
+            seed: int = 0, overwrite: bool = False, device: str = "cpu", progress: Progress = None) -> dict:
     """Collect traces with the saved LBS (``routers``, default MODEL_DIR/routers) under the serving
     configuration, train R_ψ, choose τ_ψ, save next to the LBS (or to ``out``). ``traces_file``
-    caches the traces (reused when it exists). Returns a summary with test recall / FPR."""
+    caches the traces (reused when it exists). An existing LPS router at the output is kept unless
+    ``overwrite``. Returns a summary with test recall / FPR."""
     from unmask.decode.eb_select import POS_MODES
     from unmask.routers.io import check_lbs_fits, load_router
 
@@ -435,7 +442,7 @@ def run_lps(*, model, data: Sequence, routers=None, out=None, n_prompts: int = 3
     rc = LPSConfig(pos_mode=pos_mode, **(router or {}))  # checked before any trace is collected
     bundle = _load(model, device)
     source = _out_dir(bundle, routers)
-    where = _out_dir(bundle, out if out is not None else source)
+    where = _out_dir(bundle, out if out is not None else source, writes="lps", overwrite=overwrite)
     lbs, info = load_router(source, "lbs", device=bundle.device)
     check_lbs_fits(info, bundle)
     serving = {"block_size": block_size, "tau": tau, "l_min": l_min, "g_max": g_max}
