@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -214,6 +215,9 @@ def test_train_sbd_writes_a_loadable_sbd_model(tmp_path):
     meta = json.loads((out / "unmask_config.json").read_text())
     assert meta["train_block_range"] == [2, 16] and meta["version"] == 1 and meta["base"] == "stories260K"
     assert meta["training"]["step"] == 3 and set(meta["training"]["val"]) >= {"ntp", "mat"}
+    data = tmp_path / "d.jsonl"  # provenance without the machine's absolute path
+    assert meta["training"]["data"] == [{"name": "d.jsonl", "bytes": data.stat().st_size,
+                                         "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}]
     assert unmask.load(str(latest_checkpoint(tmp_path / "model.run"))).kind == "sbd"  # checkpoints load too
 
 

@@ -9,6 +9,7 @@ atomically as a Hugging Face directory that ``unmask.load(out)`` opens.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -92,11 +93,21 @@ def load_chunks(paths: Sequence[Path], tokenizer, vocab: int, pack_rows: Callabl
     return train_chunks, val_chunks
 
 
+def data_record(path: Path) -> dict:
+    """Provenance of one training file for ``unmask_config.json``: its file name, size in bytes
+    and SHA-256. The absolute path is left out: it names the machine that trained, not the data."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for piece in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(piece)
+    return {"name": Path(path).name, "bytes": Path(path).stat().st_size, "sha256": digest.hexdigest()}
+
+
 def run_info(seq_len: int, paths: Sequence[Path], train_chunks: torch.Tensor, val_chunks: torch.Tensor | None,
              cfg: TrainConfig, **fields) -> dict:
     """The training summary kept in the run log and in ``unmask_config.json``; ``fields`` (the
     objective's description, ...) go between the data counts and the loop config."""
-    return {"seq_len": seq_len, "data": [str(p) for p in paths], "train_chunks": len(train_chunks),
+    return {"seq_len": seq_len, "data": [data_record(p) for p in paths], "train_chunks": len(train_chunks),
             "val_chunks": 0 if val_chunks is None else len(val_chunks), **fields, "config": asdict(cfg)}
 
 
