@@ -192,3 +192,30 @@ def test_plain_output_is_not_wrapped_when_piped(capsys):
     assert len(text) > 100
     code, out, _ = run_cli(capsys, *args)
     assert code == 0 and out.startswith("Once upon a time" + text)
+
+
+def test_gen_length_reports_the_canvas_unless_n_cuts_it(capsys):
+    base = ("generate", "Once upon a time", "-m", "stories260K-dlm", "--gen-length", "32", "-k", "16", "--json")
+    code, out, err = run_cli(capsys, *base)
+    assert code == 0, err
+    full = json.loads(out)
+    assert len(full["tokens"]) == 32  # no -n: the whole canvas (this prompt hits no EOS within 32)
+    code, out, err = run_cli(capsys, *base, "-n", "10")
+    assert code == 0, err
+    cut = json.loads(out)
+    assert cut["tokens"] == full["tokens"][:10] and cut["nfe"] < full["nfe"]  # the second block is never decoded
+
+
+def test_python_dash_m_runs_the_cli():
+    proc = subprocess.run([sys.executable, "-m", "unmask", "models"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "stories260K-sbd" in proc.stdout
+
+
+def test_eta_reaches_the_entropy_threshold_policy(capsys):
+    code, out, err = run_cli(capsys, "generate", "Once upon a time", "-m", "stories260K-dlm", "--policy",
+                             "entropy-threshold", "--eta", "0", "-n", "8", "-k", "8", "--json")
+    assert code == 0, err
+    row = json.loads(out)
+    assert row["policy"] == "entropy-threshold" and row["nfe"] == 8  # η = 0: one token per forward
+    one_line_error(capsys, "generate", "Once upon a time", "--eta", "0.5", match="--eta does not apply to decoder 'sbd'")

@@ -300,8 +300,12 @@ def test_max_new_tokens_maps_to_gen_length():
     bundle = dllm()
     out = diffusion.decode(bundle, [[1, 5]], max_new_tokens=10, block_size=8, policy="top-k", steps=16)
     assert out.stats.extra["gen_length"] == 16 and len(out.tokens[0]) == 10
-    explicit = diffusion.decode(bundle, [[1, 5]], max_new_tokens=4, gen_length=16, block_size=8)
-    assert len(explicit.tokens[0]) == 16
+    full = diffusion.decode(bundle, [[1, 5]], max_new_tokens=16, gen_length=16, block_size=8, policy="top-k")
+    assert len(full.tokens[0]) == 16 and full.stats.nfe == 16
+    # A smaller max_new_tokens cuts the canvas and stops after the block holding the last reported
+    # position: the same first tokens, from the first block's forwards only.
+    cut = diffusion.decode(bundle, [[1, 5]], max_new_tokens=4, gen_length=16, block_size=8, policy="top-k")
+    assert cut.tokens[0] == full.tokens[0][:4] and cut.stats.nfe == 8
     default = diffusion.decode(bundle, [[1, 5]], max_new_tokens=64)
     assert default.stats.extra["block_size"] == 32 and default.stats.extra["policy"] == "threshold"
     short = diffusion.decode(bundle, [[1, 5]], max_new_tokens=5)

@@ -76,7 +76,7 @@ def check_options(decode, name: str, options: dict) -> None:
 
 
 def generate(prompts: str | list[str], model: str | ModelBundle | None = None, decoder: str | None = None, *,
-             max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             max_new_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              seed: int | None = 0, stop: list[str] | None = None, device: str = "cpu", dtype: str = "float32",
              **options) -> Generation:
     """Generate continuations of ``prompts`` with any decoder.
@@ -84,6 +84,8 @@ def generate(prompts: str | list[str], model: str | ModelBundle | None = None, d
     model: a ModelBundle, a shipped name or a local directory (default: the default shipped
     model). decoder: ``ar``, ``sbd``, ... (default: the natural decoder of the model's kind).
     ``options`` go to the decoder (e.g. ``policy="entropy-bound", gamma=0.35, block_size=16``).
+    max_new_tokens: tokens reported per prompt; default 128, or the whole canvas when a
+    diffusion ``gen_length`` is given (a smaller value cuts the canvas and ends decoding early).
     Raises UnmaskError for every invalid input.
     """
     if not (model is None or isinstance(model, (str, os.PathLike, ModelBundle))):
@@ -102,6 +104,9 @@ def generate(prompts: str | list[str], model: str | ModelBundle | None = None, d
     decode = get_decoder(decoder, bundle.kind)
     check_options(decode, decoder, options)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if max_new_tokens is None:
+        gen_length = options.get("gen_length")
+        max_new_tokens = gen_length if isinstance(gen_length, int) and not isinstance(gen_length, bool) else 128
     ids = encode_prompts(bundle, prompts, max_new_tokens, options.get("gen_length"))
     out = decode(bundle, ids, max_new_tokens=max_new_tokens, sampling=sampling,
                  stop_token_ids=bundle.stop_token_ids, stop_strings=tuple(stop or ()), **options)

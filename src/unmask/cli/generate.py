@@ -43,18 +43,20 @@ def generate_cmd(
     model: str = typer.Option(None, "--model", "-m", help="shipped model name or local HF directory (default: the default shipped model)"),
     kind: str = typer.Option(None, "--kind", help="model kind for a local directory: causal, sbd, masked-diffusion, block-diffusion"),
     decoder: str = typer.Option(None, "--decoder", "-d", help="ar, sbd, ... (default: the model kind's natural decoder)"),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="tokens to generate per prompt"),
+    max_new_tokens: int = typer.Option(None, "--max-new-tokens", "-n",
+                                       help="tokens to generate per prompt (default 128; with --gen-length, the whole canvas)"),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
     top_k: int = typer.Option(0, "--top-k", help="sample from the k most likely tokens (0 = off)"),
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass in (0, 1]"),
     seed: int = typer.Option(0, "--seed", help="seed of the sampling generator"),
     stop: list[str] = typer.Option(None, "--stop", help="stop string (repeatable)"),
-    policy: str = typer.Option(None, "--policy", help="commit policy: entropy-bound, confidence-bound, threshold, factor, top-k"),
+    policy: str = typer.Option(None, "--policy", help="commit policy: entropy-bound, confidence-bound, threshold, factor, top-k, entropy-threshold"),
     gamma: float = typer.Option(None, "--gamma", help="EB-sampler bound γ >= 0 (entropy-bound / confidence-bound)"),
     preset: str = typer.Option(None, "--preset", help="γ preset: reasoning-low, reasoning-high, chat-low, chat-high"),
     tau: float = typer.Option(None, "--tau", help="confidence threshold τ in (0, 1] (threshold policy)"),
     factor: float = typer.Option(None, "--factor", help="Fast-dLLM factor f (factor policy)"),
     tokens_per_step: int = typer.Option(None, "--tokens-per-step", help="tokens committed per step (top-k policy)"),
+    eta: float = typer.Option(None, "--eta", help="diffusion: entropy bound η in nats (entropy-threshold policy)"),
     block_size: int = typer.Option(None, "--block-size", "-k", help="block size"),
     gen_length: int = typer.Option(None, "--gen-length", help="diffusion: fixed generation length (canvas size)"),
     steps: int = typer.Option(None, "--steps", help="diffusion: total denoising steps (top-k policy, LLaDA)"),
@@ -77,7 +79,7 @@ def generate_cmd(
 
     texts = read_prompts(prompts or [], prompts_file)
     options = {"policy": policy, "gamma": gamma, "preset": preset, "tau": tau, "factor": factor,
-               "tokens_per_step": tokens_per_step, "block_size": block_size, "gen_length": gen_length,
+               "tokens_per_step": tokens_per_step, "eta": eta, "block_size": block_size, "gen_length": gen_length,
                "steps": steps, "cache": cache, "slots": slots, "tau_add": tau_add, "tau_semi": tau_semi,
                "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps}
     options = {k: v for k, v in options.items() if v is not None}

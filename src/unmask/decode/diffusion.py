@@ -170,8 +170,10 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     prompts: token ids per row (left-padded; positions count real tokens only, so every row
     decodes exactly as it would alone). Blocks advance in lockstep: a row whose block is complete
     waits without committing. ``max_new_tokens`` sets gen_length when that is not given (rounded
-    up to the block size; reported tokens are cut to max_new_tokens); an explicit ``gen_length``
-    is reported in full.
+    up to the block size). The reported tokens are cut to ``max_new_tokens`` in either case, and
+    decoding ends after the block that holds the last reported position: later blocks cannot
+    change committed tokens, so they would only cost forwards (pass ``max_new_tokens=gen_length``
+    to decode and report the whole canvas).
 
     Stopping (§9): a row stops after the block in which it committed a stop id (stop_token_ids,
     e.g. EOS) and reports the tokens before the first one. With ``eos_early_stop`` a row stops as
@@ -202,7 +204,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         preset=preset, tau=tau, factor=factor, factor_compat=factor_compat, tokens_per_step=tokens_per_step,
         eta=eta, steps=steps, cache=cache, refresh_every=refresh_every, eos_early_stop=eos_early_stop,
         sampler=sampler or default_sampler(bundle))
-    report = cfg.gen_length if gen_length is not None else min(max_new_tokens, cfg.gen_length)
+    report = min(max_new_tokens, cfg.gen_length)
     shift, mask_id, device = bundle.logit_shift, bundle.mask_token_id, bundle.device
     if any(len(p) == 0 for p in prompts):
         raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
@@ -268,7 +270,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             done |= torch.isin(ids[:, P:e], stops).any(dim=1)
         if stop_strings:
             done |= hit_stop_string(bundle, prompts, ids[:, P:e], mask_id, stop_strings)
-        if bool(done.all()):
+        if bool(done.all()) or e - P >= report:
             break
 
     gen = ids[:, P:]  # (B, L)
