@@ -22,8 +22,6 @@ Writes a markdown table, a JSON file and a PNG (quality vs TPF) under --out-dir.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import time
 from pathlib import Path
 

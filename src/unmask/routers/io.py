@@ -23,7 +23,6 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from unmask.errors import UnmaskError
 from unmask.fileio import atomic_write_json

@@ -192,7 +192,6 @@ def masked_token_nll(logits: torch.Tensor, x0: torch.Tensor, masked: torch.Tenso
     Returns:
         (B, T) float32 NLL in nats.
     """
-    V = logits.shape[-1]
     scored = masked
     if shift:
         logits = logits[:, :-1]  # (B, T-1, V): row i-1 scores token i
