@@ -166,16 +166,60 @@ def main() -> None:
                    **quality(base, prompt_ids, res["tokens"], ar_sbd["tokens"])}
             rows.append(row)
             print(_line(row), flush=True)
+    default = dict(sbd_model.meta.get("decode_defaults") or {})
+    default_k = int(default.get("block_size", 16))
+    default_g = float(default.get("gamma", 0.35))
+    if not any(r["decoder"] == "sbd" and r["block_size"] == default_k and r["gamma"] == default_g for r in rows):
+        res = run(sbd_model, prompts, "sbd", bs, n, block_size=default_k, gamma=default_g)
+        rows.append({"model": args.model, "decoder": "sbd", "block_size": default_k, "gamma": default_g,
+                     **_numbers(res), "speedup_nfe": ar_sbd["nfe"] / res["nfe"] * res["generated"] / ar_sbd["generated"],
+                     "speedup_time": res["tps"] / ar_sbd["tps"], **quality(base, prompt_ids, res["tokens"], ar_sbd["tokens"])})
+        print(_line(rows[-1]), flush=True)
+    if default_k not in blocks:
+        res = run(sbd_model, prompts, "sbd", bs, n, block_size=default_k, gamma=0.0)
+        rows.append({"model": args.model, "decoder": "sbd", "block_size": default_k, "gamma": 0.0,
+                     **_numbers(res), "speedup_nfe": ar_sbd["nfe"] / res["nfe"] * res["generated"] / ar_sbd["generated"],
+                     "speedup_time": res["tps"] / ar_sbd["tps"], **quality(base, prompt_ids, res["tokens"], ar_sbd["tokens"])})
+    targets = check_targets(rows, args.model, default_k, default_g)
     diag = [block_diagnostics(sbd_model, prompt_ids, ar_sbd["tokens"], k) for k in blocks]
     elapsed = time.time() - t0
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    report = _markdown(rows, diag, args, elapsed)
+    report = _markdown(rows, diag, args, elapsed, targets)
     atomic_write_text(args.out_dir / "sbd_vs_ar.md", report)
-    atomic_write_json(args.out_dir / "sbd_vs_ar.json", {"rows": rows, "diagnostics": diag, "args": {
-        k: str(v) for k, v in vars(args).items()}})
+    atomic_write_json(args.out_dir / "sbd_vs_ar.json", {"rows": rows, "diagnostics": diag, "targets": targets,
+                                                        "args": {k: str(v) for k, v in vars(args).items()}})
     plot(rows, args.out_dir / "sbd_vs_ar.png")
     print(report)
+
+
+def check_targets(rows: list[dict], model: str, k: int, gamma: float) -> dict:
+    """The issue's targets at the default preset (block size ``k``, ``gamma``) against AR on the
+    same model, plus the fastest grid row that keeps the quality targets (a candidate default)."""
+    ar = next(r for r in rows if r["decoder"] == "ar" and r["model"] == model)
+    sbd = [r for r in rows if r["decoder"] == "sbd"]
+    at = next(r for r in sbd if r["block_size"] == k and r["gamma"] == gamma)
+    g0 = next(r for r in sbd if r["block_size"] == k and r["gamma"] == 0.0)
+
+    def dnll(r):
+        return r["nll"] / ar["nll"] - 1
+
+    def dd4(r):
+        return r["distinct4"] / ar["distinct4"] - 1
+
+    checks = [
+        ("forwards: ≥ 2x fewer than AR", at["speedup_nfe"], ">= 2.0", at["speedup_nfe"] >= 2.0),
+        ("TPS: ≥ 1.8x AR", at["speedup_time"], ">= 1.8", at["speedup_time"] >= 1.8),
+        ("reference NLL ≤ 10 % worse than AR", dnll(at), "<= +10 %", dnll(at) <= 0.10),
+        ("distinct-4 within 5 % of AR", dd4(at), "within ±5 %", abs(dd4(at)) <= 0.05),
+        (f"γ = 0 (k = {k}): reference NLL ≤ 5 % worse than AR", dnll(g0), "<= +5 %", dnll(g0) <= 0.05),
+    ]
+    keeping = [r for r in sbd if dnll(r) <= 0.10 and abs(dd4(r)) <= 0.05]
+    best = max(keeping, key=lambda r: r["tpf"], default=None)
+    return {"block_size": k, "gamma": gamma,
+            "checks": [{"target": t, "measured": v, "need": need, "met": bool(ok)} for t, v, need, ok in checks],
+            "best_within_quality": None if best is None else {key: best[key] for key in (
+                "block_size", "gamma", "tpf", "speedup_time", "nll", "distinct4")}}
 
 
 def _numbers(res: dict) -> dict:
@@ -190,7 +234,7 @@ def _line(r: dict) -> str:
             f"agree={r['agree_prefix']:.2f}")
 
 
-def _markdown(rows, diag, args, elapsed) -> str:
+def _markdown(rows, diag, args, elapsed, targets) -> str:
     ar = next(r for r in rows if r["decoder"] == "ar" and r["model"] == args.model)
     lines = [f"# SBD vs AR: {args.model}, {args.limit} story openings, {args.max_new_tokens} new tokens, greedy, "
              f"batch {args.batch_size} ({elapsed:.0f} s)", "",
@@ -203,6 +247,16 @@ def _markdown(rows, diag, args, elapsed) -> str:
         lines.append(f"| {r['model']} | {r['decoder']} | {r['block_size']} | {g} | {r['nfe']} | {r['tpf']:.2f} | "
                      f"{r['tps']:.0f} | {r['speedup_nfe']:.2f}x | {r['speedup_time']:.2f}x | {r['nll']:.3f} | "
                      f"{dn:+.1f}% | {r['distinct4']:.3f} | {dd:+.1f}% | {r['agree_prefix']:.2f} |")
+    lines += ["", f"## Targets at the default preset (k = {targets['block_size']}, γ = {targets['gamma']:g})", "",
+              "| target | measured | needed | met |", "|---|---|---|---|"]
+    for c in targets["checks"]:
+        v = c["measured"]
+        shown = f"{v:.2f}x" if "x" in c["need"] or ">=" in c["need"] else f"{v * 100:+.1f} %"
+        lines.append(f"| {c['target']} | {shown} | {c['need']} | {'yes' if c['met'] else '**no**'} |")
+    best = targets["best_within_quality"]
+    lines += ["", "Fastest grid row within the quality targets (ΔNLL ≤ 10 %, |Δd4| ≤ 5 %): " + (
+        "none" if best is None else f"k = {best['block_size']}, γ = {best['gamma']:g}: TPF {best['tpf']:.2f}, "
+        f"{best['speedup_time']:.2f}x AR time, NLL {best['nll']:.3f}, distinct-4 {best['distinct4']:.3f}")]
     lines += ["", "## Where the gap comes from (all-mask block on the model's own AR text)", "",
               "| k | NTP CE (first token) | block CE at pos 0 | pos 1 | pos 3 | last pos | matched-prefix length |",
               "|---|---|---|---|---|---|---|"]
