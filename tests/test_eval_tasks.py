@@ -228,3 +228,26 @@ def test_lm_eval_adapter_on_a_local_jsonl_task(tmp_path, stories, monkeypatch):
     assert res["results"]["unmask_local_choice"]["acc,none"] == 1.0
     lm = UnmaskLM(pretrained="stories260K", decoder="ar")
     assert lm.stats == {"nfe": 0, "generated": 0, "seconds": 0.0}
+
+
+def test_eval_option_passes_any_decoder_option(capsys, tmp_path):
+    out = tmp_path / "rows.jsonl"
+    code, stdout, err = run_cli(capsys, "eval", "--task", "stories", "-m", "stories260K-dlm", "--limit", "1", "-n", "8",
+                                "-k", "8", "-O", "cache=prefix", "--option", "tau=0.95", "--out", str(out),
+                                "--no-progress")
+    assert code == 0, err
+    summary = json.loads(out.read_text().splitlines()[-1])
+    assert summary["config"]["options"] == {"block_size": 8, "cache": "prefix", "tau": 0.95}
+    assert "cache=prefix" in stdout
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["-O", "cache"], "--option needs KEY=VALUE"),
+    (["-k", "8", "-O", "block-size=8"], "'block_size' is set twice"),
+    (["-O", "slots=4"], "slots"),  # the diffusion decoder does not take it: the decoder's own check
+])
+def test_eval_option_errors_are_one_line(capsys, argv, match):
+    code, out, err = run_cli(capsys, "eval", "--task", "stories", "-m", "stories260K-dlm", "--limit", "1", "-n", "8",
+                             "--no-progress", *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and match in lines[0], err

@@ -30,14 +30,43 @@ DATA_DIR = typer.Option(None, "--data-dir", help="folder holding gsm8k/, humanev
 JUDGE = typer.Option("stories260K", "--judge", help="stories: causal model that scores continuations (reference NLL)")
 TEMPERATURE = typer.Option(0.0, "--temperature", "-t", help="0 = greedy")
 SEED = typer.Option(0, "--seed", help="seed of the sampling generator")
-POLICY = typer.Option(None, "--policy", help="commit policy: entropy-bound, confidence-bound, threshold, factor, top-k")
+POLICY = typer.Option(None, "--policy", help="commit policy: entropy-bound, confidence-bound, threshold, factor, top-k, "
+                                             "entropy-threshold")
+OPTION = typer.Option(None, "--option", "-O", help="any other decoder option as KEY=VALUE, repeatable "
+                                                   "(e.g. -O cache=prefix -O gen_length=256 -O slots=4 -O lps=false)")
 BLOCK = typer.Option(None, "--block-size", "-k", help="block size")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda")
 DTYPE = typer.Option("float32", "--dtype", help="float32 or bfloat16")
 
 
-def _options(**given: Any) -> dict[str, Any]:
-    return {k: v for k, v in given.items() if v is not None}
+def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
+    """The decoder options set on the command line: the named flags that were given plus each
+    ``--option KEY=VALUE`` (VALUE read as an int, a float, true/false, none, or else text).
+    Raises UnmaskError for an entry without ``=`` or a key also set by its own flag."""
+    opts = {k: v for k, v in given.items() if v is not None}
+    for item in extra or ():
+        key, sep, raw = item.partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if not sep or not key:
+            raise UnmaskError(f"--option needs KEY=VALUE (got {item!r}); e.g. --option cache=prefix")
+        if key in opts:
+            raise UnmaskError(f"decoder option {key!r} is set twice (its own flag and --option); give it once")
+        opts[key] = _option_value(raw.strip())
+    return opts
+
+
+def _option_value(raw: str) -> Any:
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
 
 
 @contextmanager
@@ -109,7 +138,7 @@ def eval_cmd(
     tau: float = typer.Option(None, "--tau", help="confidence threshold τ in (0, 1]"),
     factor: float = typer.Option(None, "--factor", help="Fast-dLLM factor f"),
     tokens_per_step: int = typer.Option(None, "--tokens-per-step", help="tokens committed per step (top-k)"),
-    block_size: int = BLOCK,
+    block_size: int = BLOCK, option: list[str] = OPTION,
     out: Path = typer.Option(None, "--out", "-o", help="write every item row and the summary as JSON lines to FILE"),
     workers: int = typer.Option(2, "--workers", help="code tasks: programs run in parallel in the sandbox"),
     device: str = DEVICE, dtype: str = DTYPE,
@@ -118,7 +147,7 @@ def eval_cmd(
     """Evaluate a decoder on a task: quality plus NFE / TPF / TPS per item and overall."""
     from unmask.eval.runner import evaluate
 
-    opts = _options(policy=policy, gamma=gamma, preset=preset, tau=tau, factor=factor,
+    opts = _options(option, policy=policy, gamma=gamma, preset=preset, tau=tau, factor=factor,
                     tokens_per_step=tokens_per_step, block_size=block_size)
     if out is not None:
         check_output_file(out, "--out")
@@ -141,6 +170,7 @@ def sweep_cmd(
     model: str = MODEL, decoder: str = DECODER, limit: int = LIMIT, batch_size: int = BATCH,
     max_new_tokens: int = MAX_NEW, shots: int = SHOTS, data_dir: Path = DATA_DIR, judge: str = JUDGE,
     temperature: float = TEMPERATURE, seed: int = SEED, policy: str = POLICY, block_size: int = BLOCK,
+    option: list[str] = OPTION,
     metric: str = typer.Option(None, "--metric", help="quality axis: stories judge_prob_pct (default) or "
                                                       "agreement_pct; gsm8k flexible_pct (default) or strict_pct"),
     y_max: float = typer.Option(None, "--y-max", help="AUP's best accuracy over all methods (default: this sweep's best)"),
@@ -154,7 +184,7 @@ def sweep_cmd(
 
     from unmask.eval.sweep import _num, sweep
 
-    opts = _options(policy=policy, block_size=block_size)
+    opts = _options(option, policy=policy, block_size=block_size)
     for path, flag in ((out, "--out"), (out_png, "--out-png")):
         if path is not None:
             check_output_file(path, flag)
