@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import signal
 import sys
 import threading
@@ -38,11 +37,18 @@ from pathlib import Path
 import torch
 
 from unmask.errors import UnmaskError
-from unmask.fileio import staging_dir
+from unmask.train.checkpoint import (  # noqa: F401  (re-exported: the checkpoint API predates the split)
+    CKPT_DIR,
+    STATE_FILE,
+    WEIGHTS_FILE,
+    checkpoints,
+    latest_checkpoint,
+    load_weights,
+    save_checkpoint,
+    save_model,
+)
+from unmask.train.progress import TrainProgress
 
-CKPT_DIR = "checkpoints"
-STATE_FILE = "trainer_state.pt"
-WEIGHTS_FILE = "model.safetensors"
 # Options that may change between a run and its resume; all others must match the checkpoint.
 RESUMABLE = ("steps", "ckpt_every", "eval_every", "eval_batches", "log_every", "keep_checkpoints", "max_minutes")
 # TrainConfig fields that the training commands expose as --flags (named so in messages).
@@ -170,97 +176,6 @@ class ChunkSampler:
                               f"{self.n}; resume with the same data and --seq-len, or pass --overwrite")
         self.perm, self.cursor, self.epoch = state["perm"], int(state["cursor"]), int(state["epoch"])
         self.generator.set_state(state["generator"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------
-
-
-def checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints in ``run_dir``, oldest first (staging directories are ignored)."""
-    root = Path(run_dir) / CKPT_DIR
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    found = checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict,
-                    save_extras: Callable[[Path, dict], None] | None = None, keep: int = 1) -> Path:
-    """Write ``run_dir/checkpoints/step-{step:08d}`` atomically and prune older checkpoints.
-
-    The model is saved with ``save_pretrained`` (a loadable HF directory), ``save_extras(dir,
-    trainer_state)`` adds tokenizer/metadata files, and ``trainer_state.pt`` holds the
-    optimizer, scheduler, step and RNG states. Everything goes to a staging directory first;
-    only a complete directory is renamed to ``step-*``. On any error the staging directory is
-    removed and the older checkpoints are untouched.
-    """
-    final = Path(run_dir) / CKPT_DIR / f"step-{step:08d}"
-    tmp = staging_dir(final)
-    try:
-        save_model(model, tmp)
-        if save_extras is not None:
-            save_extras(tmp, trainer_state)
-        torch.save(trainer_state, tmp / STATE_FILE)
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    for old in checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in (Path(run_dir) / CKPT_DIR).glob(".step-*"):  # staging left by a killed run
-        shutil.rmtree(stale, ignore_errors=True)
-    return final
-
-
-def save_model(model, directory: Path) -> None:
-    """``save_pretrained`` as one safetensors file, without transformers' progress bar (it
-    would break the training progress display)."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(directory, max_shard_size="1000GB")
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def load_weights(model, ckpt: Path) -> None:
-    """Load ``ckpt/model.safetensors`` into ``model`` in place. Keys missing from the file are
-    allowed only for parameters tied to a loaded one (``save_pretrained`` drops tied copies).
-
-    Raises:
-        UnmaskError: no weights file, or keys that do not match the model.
-    """
-    from safetensors.torch import load_file
-
-    f = ckpt / WEIGHTS_FILE
-    if not f.is_file():
-        raise UnmaskError(f"{ckpt} has no {WEIGHTS_FILE}, so the checkpoint is not loadable; pass --overwrite to "
-                          "start over")
-    state = load_file(str(f))
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # shape mismatch
-        first = str(e).strip().splitlines()[-1].strip()
-        raise UnmaskError(f"checkpoint {ckpt} does not match the model ({first}); resume with the same --base, "
-                          "or pass --overwrite") from None
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded = {params[k].data_ptr() for k in state if k in params}
-    untied = [k for k in missing if k not in params or params[k].data_ptr() not in loaded]
-    if unexpected or untied:
-        raise UnmaskError(f"checkpoint {ckpt} does not match the model (missing {untied[:3]}, unexpected "
-                          f"{unexpected[:3]}); resume with the same --base, or pass --overwrite")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,7 +340,7 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
     window_steps, window_tokens, window_t0 = 0, 0, time.monotonic()
     step_seconds = 0.0
     stopped = "done"
-    progress = _Progress(console, config.steps, step, objective.term_names)
+    progress = TrainProgress(console, config.steps, step, objective.term_names)
     with _StopFlag() as stop, progress:
         while step < config.steps:
             if stop.set:
@@ -478,46 +393,3 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
     log({"step": step, "stopped": stopped, "seconds": time.monotonic() - t_start})
     return TrainResult(step=step, stopped=stopped, seconds=time.monotonic() - t_start,
                        checkpoint=latest_checkpoint(run_dir), last=last, val=val)
-
-
-class _Progress:
-    """A rich progress bar with the loss terms and tokens/s on a terminal; plain log lines
-    (every ``log_every`` steps, via ``note``) when the console is not a terminal."""
-
-    def __init__(self, console, total: int, start: int, term_names: tuple[str, ...]):
-        self.console, self.total, self.terms = console, total, term_names
-        self.live = console is not None and console.is_terminal
-        self.bar = None
-        if self.live:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                                console=console)
-            self.task = self.bar.add_task("train", total=total, completed=start, info="")
-        self._last_plain = time.monotonic()
-
-    def __enter__(self):
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.stop()
-        return False
-
-    def update(self, step: int, sums: dict, tok_s: float | None) -> None:
-        info = " ".join(f"{k} {v:.3f}" for k, v in sums.items())
-        if tok_s:
-            info += f" · {tok_s:,.0f} tok/s"
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step, info=info)
-        elif self.console is not None and (time.monotonic() - self._last_plain > 30 or step == self.total):
-            self._last_plain = time.monotonic()
-            self.console.print(f"step {step}/{self.total} {info}", highlight=False)
-
-    def note(self, step: int, val: dict) -> None:
-        if self.console is not None:
-            self.console.print(f"step {step}: validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()),
-                               highlight=False)
