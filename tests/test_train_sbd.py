@@ -127,6 +127,30 @@ def test_twenty_steps_lower_both_terms(factory, tmp_path):
     assert {"ntp", "mat", "tok_s", "lr"} <= set(lines[0])
 
 
+def test_evaluate_spreads_its_rows_over_the_whole_validation_set():
+    # Rows grouped by source (8 of one kind, then 8 of another): with room for 4 rows the score
+    # must see both groups, not just the first rows.
+    seen = []
+
+    class Recorder:
+        name, term_names = "rec", ("first",)
+
+        def step_params(self, g):
+            return {}
+
+        def loss(self, model, batch, g):
+            seen.extend(batch[:, 0].tolist())
+            return torch.tensor(0.0), {"first": torch.tensor(float(batch[:, 0].float().mean()))}
+
+    rows = torch.cat([torch.zeros(8, 5, dtype=torch.long), torch.ones(8, 5, dtype=torch.long)])  # (16, 5)
+    cfg = replace(FAST, batch_size=2, eval_batches=2)
+    out = evaluate(torch.nn.Linear(1, 1), Recorder(), rows, cfg, "cpu")
+    assert len(seen) == 4 and set(seen) == {0, 1} and out["first"] == 0.5
+    seen.clear()
+    evaluate(torch.nn.Linear(1, 1), Recorder(), rows[:3], cfg, "cpu")  # fewer rows than room: all of them
+    assert seen == [0, 0, 0]
+
+
 class _InterruptAt:
     """SBDObjective that sends itself SIGINT during optimizer step ``at`` (1-based)."""
 

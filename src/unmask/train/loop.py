@@ -197,12 +197,19 @@ def build_optimizer(model, config: TrainConfig) -> tuple[torch.optim.Optimizer, 
 
 @torch.no_grad()
 def evaluate(model, objective, chunks: torch.Tensor, config: TrainConfig, device) -> dict:
-    """Mean loss and terms over the first ``eval_batches`` validation micro-batches.
+    """Mean loss and terms over ``eval_batches`` micro-batches of validation rows.
 
-    A fixed generator makes every evaluation draw the same noise, so values are comparable
-    across steps and runs. The training RNG streams are not touched.
+    chunks: (M, L+1) validation rows in corpus order. The rows are taken evenly spaced over all
+    M (all of them when M ≤ eval_batches · batch_size), so a corpus whose documents are grouped
+    by source (e.g. sampled stories first, greedy continuations after) is scored on its whole
+    mixture, not on its first source. A fixed generator makes every evaluation draw the same
+    noise, so values are comparable across steps and runs. The training RNG streams are not
+    touched.
     """
     g = torch.Generator().manual_seed(config.seed + 7919)
+    want = config.eval_batches * config.batch_size
+    if len(chunks) > want:
+        chunks = chunks[torch.linspace(0, len(chunks) - 1, want).round().long()]  # (want, L+1)
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
