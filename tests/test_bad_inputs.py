@@ -374,7 +374,7 @@ def test_context_check_uses_gen_length_when_given():
     prompt = "Once upon a time there was a little girl. " * 36
     n = len(bundle.encode(prompt))
     assert n + 32 <= bundle.context_length < n + 128
-    out = unmask.generate([prompt], bundle, "diffusion", max_new_tokens=128, gen_length=32, block_size=32)
+    out = unmask.generate([prompt], bundle, "diffusion", gen_length=32, block_size=32)
     assert len(out.tokens[0]) <= 32
     with pytest.raises(unmask.UnmaskError, match="--gen-length 128"):
         unmask.generate([prompt], bundle, "diffusion", gen_length=128, block_size=32)

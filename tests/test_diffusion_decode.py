@@ -306,6 +306,10 @@ def test_max_new_tokens_maps_to_gen_length():
     # position: the same first tokens, from the first block's forwards only.
     cut = diffusion.decode(bundle, [[1, 5]], max_new_tokens=4, gen_length=16, block_size=8, policy="top-k")
     assert cut.tokens[0] == full.tokens[0][:4] and cut.stats.nfe == 8
+    with pytest.raises(UnmaskError, match="max_new_tokens 17 exceeds gen length 16"):
+        diffusion.decode(bundle, [[1, 5]], max_new_tokens=17, gen_length=16, block_size=8)
+    with pytest.raises(UnmaskError, match="eos_early_stop must be true or false"):
+        diffusion.decode(bundle, [[1, 5]], max_new_tokens=8, eos_early_stop="yes")
     default = diffusion.decode(bundle, [[1, 5]], max_new_tokens=64)
     assert default.stats.extra["block_size"] == 32 and default.stats.extra["policy"] == "threshold"
     short = diffusion.decode(bundle, [[1, 5]], max_new_tokens=5)

@@ -151,7 +151,8 @@ def test_rows_stop_once_the_reported_tokens_are_committed(cache):
     for prompts in groups:
         full = early_bird.decode(bundle, prompts, max_new_tokens=L, **kw)
         short = early_bird.decode(bundle, prompts, max_new_tokens=n, **kw)
-        assert short.tokens == [t[:n] for t in full.tokens]
+        explicit = early_bird.decode(bundle, prompts, max_new_tokens=n, gen_length=L, **kw)  # -n with --gen-length
+        assert short.tokens == [t[:n] for t in full.tokens] == explicit.tokens
         assert all(len(t) == n for t in short.tokens)
         assert all(s <= f for s, f in zip(short.stats.nfe_per_row, full.stats.nfe_per_row))
         saved += sum(full.stats.nfe_per_row) - sum(short.stats.nfe_per_row)
@@ -223,8 +224,11 @@ def test_bad_options_are_refused(options, match):
 
 def test_bad_models_and_router_combinations_are_refused(tmp_path):
     bundle = dllm()
-    with pytest.raises(UnmaskError, match="exceeds the LBS router's gen length"):
-        early_bird.decode(bundle, [[1]], max_new_tokens=L + 1, lbs_router=lbs(), lps=False)
+    for gen_length in (None, L):
+        with pytest.raises(UnmaskError, match="exceeds the LBS router's gen length"):
+            early_bird.decode(bundle, [[1]], max_new_tokens=L + 1, gen_length=gen_length, lbs_router=lbs(), lps=False)
+    with pytest.raises(UnmaskError, match="lps must be true or false"):
+        early_bird.decode(bundle, [[1]], max_new_tokens=8, lbs_router=lbs(), lps="abc")
     with pytest.raises(UnmaskError, match="unmask train lbs"):
         early_bird.decode(bundle, [[1]], max_new_tokens=8)  # no routers anywhere
     with pytest.raises(UnmaskError, match="lps=False"):

@@ -244,7 +244,14 @@ def test_eval_option_passes_any_decoder_option(capsys, tmp_path):
 @pytest.mark.parametrize("argv, match", [
     (["-O", "cache"], "--option needs KEY=VALUE"),
     (["-k", "8", "-O", "block-size=8"], "'block_size' is set twice"),
+    (["-O", "cache=prefix", "-O", "cache=dual"], "--option cache is given twice"),
     (["-O", "slots=4"], "slots"),  # the diffusion decoder does not take it: the decoder's own check
+    (["-O", "temperature=0.5"], "--option temperature: not a decoder option"),  # has its own flag
+    (["-O", "max_new_tokens=5"], "--option max_new_tokens: not a decoder option"),
+    (["-O", "on_step=1"], "--option on_step: not a decoder option"),  # a Python hook
+    (["-O", "references=1"], "--option references: not a decoder option"),
+    (["-d", "early-bird", "-O", "lps=abc"], "--option lps must be true or false"),
+    (["-O", "gen_length=4"], "max_new_tokens 8 exceeds gen length 4"),
 ])
 def test_eval_option_errors_are_one_line(capsys, argv, match):
     code, out, err = run_cli(capsys, "eval", "--task", "stories", "-m", "stories260K-dlm", "--limit", "1", "-n", "8",

@@ -44,15 +44,45 @@ def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
     ``--option KEY=VALUE`` (VALUE read as an int, a float, true/false, none, or else text).
     Raises UnmaskError for an entry without ``=`` or a key also set by its own flag."""
     opts = {k: v for k, v in given.items() if v is not None}
+    known = _decoder_options() if extra else {}
+    seen: set[str] = set()
     for item in extra or ():
         key, sep, raw = item.partition("=")
         key = key.strip().lstrip("-").replace("-", "_")
         if not sep or not key:
             raise UnmaskError(f"--option needs KEY=VALUE (got {item!r}); e.g. --option cache=prefix")
+        if key not in known:
+            raise UnmaskError(f"--option {key}: not a decoder option; use one of {', '.join(sorted(known))} "
+                              "(sampling, budget and task settings have their own flags)")
+        if key in seen:
+            raise UnmaskError(f"--option {key} is given twice; give it once")
         if key in opts:
             raise UnmaskError(f"decoder option {key!r} is set twice (its own flag and --option); give it once")
-        opts[key] = _option_value(raw.strip())
+        value = _option_value(raw.strip())
+        if known[key] and value is not None and not isinstance(value, bool):
+            raise UnmaskError(f"--option {key} must be true or false (got {raw.strip()!r})")
+        seen.add(key)
+        opts[key] = value
     return opts
+
+
+# Decoder arguments that come from the caller (or are Python objects), never --option keys.
+_DECODER_ARGS = frozenset({"bundle", "prompts", "max_new_tokens", "sampling", "stop_token_ids", "stop_strings",
+                           "on_step", "on_forward", "lbs_router", "lps_router"})
+
+
+def _decoder_options() -> dict[str, bool]:
+    """Every user-facing option of the registered decoders -> whether it is a boolean."""
+    import inspect
+
+    from unmask.decode import DECODERS, get_decoder
+
+    known: dict[str, bool] = {}
+    for info in DECODERS.values():
+        for name, param in inspect.signature(get_decoder(info.name, info.kinds[0])).parameters.items():
+            if name not in _DECODER_ARGS and param.kind is inspect.Parameter.KEYWORD_ONLY:
+                known[name] = known.get(name, False) or "bool" in str(param.annotation)
+    return known
 
 
 def _option_value(raw: str) -> Any:

@@ -192,8 +192,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     With ``steps`` larger than the generation length LLaDA's trailing steps have a quota of 0 and
     commit nothing; they are skipped (same tokens, fewer forwards).
 
-    Raises UnmaskError for a model without a mask token, a block size that does not divide the
-    generation length, a bad step budget, bad policy options, an unknown cache or sampler, or a
+    Raises UnmaskError for a model without a mask token, max_new_tokens above an explicit
+    gen_length, a block size that does not divide the generation length, a bad step budget, bad policy options, an unknown cache or sampler, or a
     canvas longer than the context window.
     """
     if bundle.mask_token_id is None:
@@ -204,6 +204,11 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         preset=preset, tau=tau, factor=factor, factor_compat=factor_compat, tokens_per_step=tokens_per_step,
         eta=eta, steps=steps, cache=cache, refresh_every=refresh_every, eos_early_stop=eos_early_stop,
         sampler=sampler or default_sampler(bundle))
+    if gen_length is not None and isinstance(max_new_tokens, int) and max_new_tokens > cfg.gen_length:
+        raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds gen length {cfg.gen_length}; lower "
+                          "--max-new-tokens or raise --gen-length")
+    if not isinstance(eos_early_stop, bool):
+        raise UnmaskError(f"eos_early_stop must be true or false (got {eos_early_stop!r})")
     report = min(max_new_tokens, cfg.gen_length)
     shift, mask_id, device = bundle.logit_shift, bundle.mask_token_id, bundle.device
     if any(len(p) == 0 for p in prompts):

@@ -277,7 +277,10 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     if tau_psi is not None and (not isinstance(tau_psi, (int, float)) or not 0 < tau_psi < 1):
         raise UnmaskError(f"tau_psi must be in (0, 1) (got {tau_psi!r}); use lps=False (--no-lps) to turn the LPS "
                           "router off")
-    use_lps = True if lps is None else bool(lps)
+    for flag, value in (("lps", lps), ("eos_early_stop", eos_early_stop)):
+        if value is not None and not isinstance(value, bool):
+            raise UnmaskError(f"{flag} must be true or false (got {value!r})")
+    use_lps = True if lps is None else lps
     lbs, lps_net, tau_psi, serving = _resolve_routers(bundle, use_lps, routers, lbs_router, lps_router, tau_psi)
     L = lbs.config.gen_length
     if gen_length is not None and gen_length != L:
@@ -285,7 +288,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                           f"use --gen-length {L} or train LBS for {gen_length}")
     if not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens:
         raise UnmaskError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
-    if max_new_tokens > L and gen_length is None:
+    if max_new_tokens > L:
         raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds the LBS router's gen length {L}; lower it "
                           f"or train LBS for a longer gen length")
     # Unset options: the serving configuration the LPS router was trained under, else App. F.
@@ -299,7 +302,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         gap_metric=gap_metric or "absolute",
         pos_mode=pos_mode or (lps_net.config.pos_mode if lps_net is not None else "literal"),
         eos_early_stop=bool(eos_early_stop), sampler=sampler or default_sampler(bundle))
-    report = L if gen_length is not None else min(max_new_tokens, L)
+    report = max_new_tokens  # ≤ L; a row stops once its first report tokens are committed
     if any(len(p) == 0 for p in prompts):
         raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
     shift, mask_id, device = bundle.logit_shift, bundle.mask_token_id, bundle.device
