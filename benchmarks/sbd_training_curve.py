@@ -5,8 +5,10 @@ the same story openings with AR (the NTP mode of that checkpoint), SBD at γ = 0
 forward, block mode: isolates how well masked positions are predicted) and SBD at the default
 preset, all greedy, and reports reference NLL under the original stories260K (the judge of
 ``benchmarks/sbd_vs_ar.py``), distinct-4 and TPF, next to the validation NTP and masked-token
-(MAT) cross-entropy the run logged at that step. It also reads the run's ``log.jsonl`` for the
-full validation curve.
+(MAT) cross-entropy the run logged at that step. With ``--corpus`` (the run's JSONL) the NTP and MAT
+cross-entropy are recomputed on the *whole* held-out split with fixed noise (runs before the
+fix to ``train.loop.evaluate`` logged only the first validation rows, i.e. only the
+temperature-1.0 stories of the stories260K corpus). It also reads the run's ``log.jsonl``.
 
     python benchmarks/sbd_training_curve.py runs/sbd_2h_snapshots/step-* src/unmask/checkpoints/stories260K-sbd
     python benchmarks/sbd_training_curve.py CKPT ... --log runs/stories260K_sbd/run/log.jsonl --limit 20
@@ -34,6 +36,8 @@ def parse_args():
     p.add_argument("checkpoints", nargs="+", type=Path, help="model / checkpoint directories, any order")
     p.add_argument("--base", default="stories260K", help="the judge (original causal model)")
     p.add_argument("--log", type=Path, default=None, help="the run's log.jsonl (validation curve)")
+    p.add_argument("--corpus", type=Path, default=None, help="the run's corpus JSONL: rescore its whole val split")
+    p.add_argument("--seq-len", type=int, default=256, help="L of the run (val rows are packed as in training)")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=8)
@@ -54,6 +58,22 @@ def score(bundle, judge, prompts, prompt_ids, decoder, n, **options) -> dict:
             "tpf": sum(len(t) for t in tokens) / max(1, nfe)}
 
 
+def full_val(bundle, corpus: Path, seq_len: int) -> dict:
+    """NTP / MAT cross-entropy of ``bundle`` over every validation row of ``corpus`` (the seeded
+    5 % split of training), fixed noise, block size k ~ U{2..16} as in training."""
+    from unmask.train.data import pack
+    from unmask.train.loop import TrainConfig, evaluate
+    from unmask.train.objectives import SBDObjective
+    from unmask.train.wiring import load_chunks
+
+    vocab = bundle.model.get_input_embeddings().weight.shape[0]
+    _, val = load_chunks([corpus], bundle.tokenizer, vocab, pack, seq_len, need=seq_len + 1, val_fraction=0.05,
+                         seed=0)  # (M, L+1)
+    cfg = TrainConfig(batch_size=8, eval_batches=-(-len(val) // 8), seed=0)
+    with torch.inference_mode():
+        return evaluate(bundle.model, SBDObjective(mask_token_id=bundle.mask_token_id), val, cfg, bundle.device)
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
@@ -67,7 +87,8 @@ def main() -> None:
     for path in args.checkpoints:
         bundle = unmask.load(str(path))
         training = bundle.meta.get("training", {})
-        row = {"checkpoint": str(path), "step": training.get("step"), "val": training.get("val"),
+        val = full_val(bundle, args.corpus, args.seq_len) if args.corpus else training.get("val")
+        row = {"checkpoint": str(path), "step": training.get("step"), "val": val,
                "ar": score(bundle, judge, prompts, prompt_ids, "ar", n),
                "sbd_g0": score(bundle, judge, prompts, prompt_ids, "sbd", n, block_size=k, gamma=0.0),
                "sbd_default": score(bundle, judge, prompts, prompt_ids, "sbd", n, block_size=k, gamma=args.gamma)}
@@ -92,7 +113,9 @@ def _markdown(rows, curve, args, elapsed) -> str:
     lines = [f"# SBD quality vs fine-tuning steps: {args.limit} story openings, {args.max_new_tokens} new tokens, "
              f"greedy, k = {args.block_size} ({elapsed:.0f} s)", "",
              "ΔNLL is against AR decoding of the same checkpoint (its NTP mode); the judge is the original "
-             f"{args.base}.", "",
+             f"{args.base}. Validation cross-entropy: "
+             + ("recomputed over the whole held-out split of " + args.corpus.name if args.corpus
+                else "as logged by the run") + ".", "",
              "| step | val NTP CE | val MAT CE | AR NLL | γ=0 NLL | γ=0 ΔNLL | "
              f"γ={args.gamma:g} TPF | γ={args.gamma:g} NLL | γ={args.gamma:g} ΔNLL | AR d4 | γ={args.gamma:g} d4 |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
