@@ -23,7 +23,9 @@ positions), AdamW with linear warm-up and cosine decay. ``--minutes`` bounds the
 corpus included (hard cap 120); unless ``--steps`` is given, the step count is set from a short
 timing of the real training step so that the cosine schedule ends inside the budget. The result
 is published atomically to ``src/unmask/checkpoints/stories260K-sbd`` (checkpoints and the log
-stay in ``WORK/run``).
+stay in ``WORK/run``) with ``decode_defaults`` (block size 8, γ = 0.35 unless
+``--default-block-size`` / ``--default-gamma`` say otherwise), the preset ``unmask generate``
+uses; ``benchmarks/sbd_vs_ar.py`` checks the targets at it.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=250)
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--default-block-size", type=int, default=8,
+                   help="decode_defaults written into the published model (picked with benchmarks/sbd_vs_ar.py)")
+    p.add_argument("--default-gamma", type=float, default=0.35, help="decode_defaults γ (the chat-low preset)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = time 1..cores and pick the fastest)")
     p.add_argument("--resume", action="store_true", help="continue the run in WORK/run")
     p.add_argument("--smoke", action="store_true", help="tiny corpus and 20 steps (~30 s), output under WORK/smoke")
@@ -140,6 +145,7 @@ def main(argv=None) -> int:
     from unmask.compat import quiet_transformers
     from unmask.train.loop import latest_checkpoint
     from unmask.train.sbd import train_sbd
+    from unmask.train.wiring import set_decode_defaults
 
     quiet_transformers()
     cores = torch.get_num_threads()
@@ -176,6 +182,8 @@ def main(argv=None) -> int:
         weight_decay=args.weight_decay, ckpt_every=args.ckpt_every, eval_every=args.eval_every, seed=args.seed,
         max_minutes=remaining / 60, progress=True,
     )
+    if result.out is not None:
+        set_decode_defaults(result.out, block_size=args.default_block_size, gamma=args.default_gamma)
     summary = {"out": str(result.out), "step": result.step, "stopped": result.stopped,
                "train_minutes": result.seconds / 60, "total_minutes": (time.monotonic() - t_start) / 60,
                "steps_per_s": result.step / max(result.seconds, 1e-9) if not args.resume else None,

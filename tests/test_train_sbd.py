@@ -306,3 +306,20 @@ def test_cli_train_sbd_resume_and_errors(tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("")
     code, out, err = run_cli(capsys, "train", "sbd", "--data", tmp_path / "empty.jsonl", "--out", tmp_path / "n")
     assert code == 2 and err.startswith("error:") and "empty" in err and err.count("\n") == 1
+
+
+def test_set_decode_defaults_feeds_the_sbd_decoder(tmp_path):
+    import unmask
+    from unmask.train import train_sbd
+    from unmask.train.wiring import set_decode_defaults
+
+    out = tmp_path / "model"
+    train_sbd(base="stories260K", data=ids_file(tmp_path / "d.jsonl"), out=out, **SMALL_RUN)
+    meta = set_decode_defaults(out, block_size=4, gamma=0.6)
+    assert meta["decode_defaults"] == {"block_size": 4, "gamma": 0.6} and meta["kind"] == "sbd"
+    res = unmask.generate("Once upon a time", str(out), max_new_tokens=8)
+    assert res.stats.extra["block_size"] == 4 and res.stats.extra["policy"] == "entropy-bound"
+    with pytest.raises(UnmaskError, match="γ|gamma"):
+        set_decode_defaults(out, block_size=4, gamma=-1)
+    with pytest.raises(UnmaskError, match="no unmask_config.json"):
+        set_decode_defaults(tmp_path, block_size=4, gamma=0.1)

@@ -93,6 +93,29 @@ def load_chunks(paths: Sequence[Path], tokenizer, vocab: int, pack_rows: Callabl
     return train_chunks, val_chunks
 
 
+def set_decode_defaults(model_dir: str | Path, **defaults) -> dict:
+    """Record the decoding defaults of a trained model (``decode_defaults`` in its
+    ``unmask_config.json``, e.g. ``block_size=8, gamma=0.35`` for SBD), which ``unmask generate``
+    uses when no policy option is given. The file is rewritten atomically; returns the new meta.
+
+    Raises:
+        UnmaskError: ``model_dir`` has no unmask_config.json, or the defaults are not valid SBD
+            decoder options.
+    """
+    import json
+
+    from unmask.decode.sbd import SBDConfig
+
+    path = Path(model_dir) / UNMASK_CONFIG
+    if not path.is_file():
+        raise UnmaskError(f"{model_dir} has no {UNMASK_CONFIG}; pass a directory written by 'unmask train'")
+    SBDConfig.from_options(**defaults)  # validates: block size >= 1, γ >= 0, a known policy
+    meta = json.loads(path.read_text())
+    meta["decode_defaults"] = dict(defaults)
+    atomic_write_json(path, meta)
+    return meta
+
+
 def data_record(path: Path) -> dict:
     """Provenance of one training file for ``unmask_config.json``: its file name, size in bytes
     and SHA-256. The absolute path is left out: it names the machine that trained, not the data."""
