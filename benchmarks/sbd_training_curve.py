@@ -116,13 +116,13 @@ def _markdown(rows, curve, args, elapsed) -> str:
              f"{args.base}. Validation cross-entropy: "
              + ("recomputed over the whole held-out split of " + args.corpus.name if args.corpus
                 else "as logged by the run") + ".", "",
-             "| step | val NTP CE | val MAT CE | AR NLL | γ=0 NLL | γ=0 ΔNLL | "
+             "| checkpoint | step | val NTP CE | val MAT CE | AR NLL | γ=0 NLL | γ=0 ΔNLL | "
              f"γ={args.gamma:g} TPF | γ={args.gamma:g} NLL | γ={args.gamma:g} ΔNLL | AR d4 | γ={args.gamma:g} d4 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         val = r["val"] or {}
         ar, g0, d = r["ar"], r["sbd_g0"], r["sbd_default"]
-        lines.append(f"| {r['step']} | {val.get('ntp', float('nan')):.3f} | {val.get('mat', float('nan')):.3f} | "
+        lines.append(f"| {Path(r['checkpoint']).name} | {r['step']} | {val.get('ntp', float('nan')):.3f} | {val.get('mat', float('nan')):.3f} | "
                      f"{ar['nll']:.3f} | {g0['nll']:.3f} | {(g0['nll'] / ar['nll'] - 1) * 100:+.1f} % | "
                      f"{d['tpf']:.2f} | {d['nll']:.3f} | {(d['nll'] / ar['nll'] - 1) * 100:+.1f} % | "
                      f"{ar['distinct4']:.3f} | {d['distinct4']:.3f} |")
