@@ -157,29 +157,24 @@ def main() -> None:
                      "speedup_nfe": 1.0, "speedup_time": 1.0,
                      **quality(base, prompt_ids, res["tokens"], ar_sbd["tokens"] if model_name == args.model else ar_base["tokens"])})
         print(_line(rows[-1]), flush=True)
+    def sbd_row(k: int, g: float) -> None:
+        res = run(sbd_model, prompts, "sbd", bs, n, block_size=k, gamma=g)
+        rows.append({"model": args.model, "decoder": "sbd", "block_size": k, "gamma": g, **_numbers(res),
+                     "speedup_nfe": ar_sbd["nfe"] / res["nfe"] * res["generated"] / ar_sbd["generated"],
+                     "speedup_time": res["tps"] / ar_sbd["tps"],
+                     **quality(base, prompt_ids, res["tokens"], ar_sbd["tokens"])})
+        print(_line(rows[-1]), flush=True)
+
     for k in blocks:
         for g in gammas:
-            res = run(sbd_model, prompts, "sbd", bs, n, block_size=k, gamma=g)
-            row = {"model": args.model, "decoder": "sbd", "block_size": k, "gamma": g, **_numbers(res),
-                   "speedup_nfe": ar_sbd["nfe"] / res["nfe"] * res["generated"] / ar_sbd["generated"],
-                   "speedup_time": res["tps"] / ar_sbd["tps"],
-                   **quality(base, prompt_ids, res["tokens"], ar_sbd["tokens"])}
-            rows.append(row)
-            print(_line(row), flush=True)
+            sbd_row(k, g)
+    # The targets are checked at the model's default preset and at γ = 0 with its block size.
     default = dict(sbd_model.meta.get("decode_defaults") or {})
     default_k = int(default.get("block_size", 16))
     default_g = float(default.get("gamma", 0.35))
-    if not any(r["decoder"] == "sbd" and r["block_size"] == default_k and r["gamma"] == default_g for r in rows):
-        res = run(sbd_model, prompts, "sbd", bs, n, block_size=default_k, gamma=default_g)
-        rows.append({"model": args.model, "decoder": "sbd", "block_size": default_k, "gamma": default_g,
-                     **_numbers(res), "speedup_nfe": ar_sbd["nfe"] / res["nfe"] * res["generated"] / ar_sbd["generated"],
-                     "speedup_time": res["tps"] / ar_sbd["tps"], **quality(base, prompt_ids, res["tokens"], ar_sbd["tokens"])})
-        print(_line(rows[-1]), flush=True)
-    if default_k not in blocks:
-        res = run(sbd_model, prompts, "sbd", bs, n, block_size=default_k, gamma=0.0)
-        rows.append({"model": args.model, "decoder": "sbd", "block_size": default_k, "gamma": 0.0,
-                     **_numbers(res), "speedup_nfe": ar_sbd["nfe"] / res["nfe"] * res["generated"] / ar_sbd["generated"],
-                     "speedup_time": res["tps"] / ar_sbd["tps"], **quality(base, prompt_ids, res["tokens"], ar_sbd["tokens"])})
+    for g in (default_g, 0.0):
+        if not any(r["decoder"] == "sbd" and r["block_size"] == default_k and r["gamma"] == g for r in rows):
+            sbd_row(default_k, g)
     targets = check_targets(rows, args.model, default_k, default_g)
     diag = [block_diagnostics(sbd_model, prompt_ids, ar_sbd["tokens"], k) for k in blocks]
     elapsed = time.time() - t0
