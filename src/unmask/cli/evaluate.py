@@ -42,7 +42,9 @@ DTYPE = typer.Option("float32", "--dtype", help="float32 or bfloat16")
 def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
     """The decoder options set on the command line: the named flags that were given plus each
     ``--option KEY=VALUE`` (VALUE read as an int, a float, true/false, none, or else text).
-    Raises UnmaskError for an entry without ``=`` or a key also set by its own flag."""
+    Raises UnmaskError for an entry without ``=``, a key that is not a user-facing decoder option
+    (see :func:`_decoder_options`), a key given twice or also set by its own flag, and a
+    non-boolean value for a boolean option."""
     opts = {k: v for k, v in given.items() if v is not None}
     known = _decoder_options() if extra else {}
     seen: set[str] = set()
