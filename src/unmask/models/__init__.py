@@ -11,7 +11,7 @@ from unmask.models.registry import default_model, resolve, shipped
 
 def load(name_or_path: str | None = None, *, kind: str | None = None, device: str = "cpu",
          dtype: str = "float32", mask_token_id: int | None = None, logit_shift: int | None = None,
-         trust_remote_code: bool = False) -> ModelBundle:
+         trust_remote_code: bool = False, adapter: str | os.PathLike | None = None) -> ModelBundle:
     """Load a shipped checkpoint by name (``unmask.load("stories260K")``) or a local Hugging
     Face directory by path. ``None`` loads the default shipped model. No network is used.
 
@@ -19,7 +19,12 @@ def load(name_or_path: str | None = None, *, kind: str | None = None, device: st
     directory says; ``trust_remote_code`` is needed for checkpoints with their own model code
     (LLaDA, Dream). See :func:`unmask.models.bundle.load_dir`.
 
-    Raises UnmaskError for an unknown name, a bad directory or an unavailable device.
+    ``adapter``: a gated SBD adapter to load onto the model (spec/sbd_exact.md §3), by bare
+    name from ``<model dir>/adapters/`` (``adapter="sbd"``) or by directory; the bundle is then
+    of kind ``sbd`` (see :func:`unmask.models.adapter_io.apply_adapter`).
+
+    Raises UnmaskError for an unknown name, a bad directory, an unavailable device, or an
+    adapter that is unknown or was trained on other weights.
     """
     if name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):
         raise UnmaskError(f"model must be a shipped name or a directory path (got {type(name_or_path).__name__}); "
@@ -27,8 +32,13 @@ def load(name_or_path: str | None = None, *, kind: str | None = None, device: st
     if isinstance(name_or_path, str) and not name_or_path.strip():
         raise UnmaskError("the model name is empty; pass a shipped name or a directory, or leave it out for the default")
     name, path = resolve(os.fspath(name_or_path) if name_or_path is not None else default_model())
-    return load_dir(path, name=name, kind=kind, device=device, dtype=dtype, mask_token_id=mask_token_id,
-                    logit_shift=logit_shift, trust_remote_code=trust_remote_code)
+    bundle = load_dir(path, name=name, kind=kind, device=device, dtype=dtype, mask_token_id=mask_token_id,
+                      logit_shift=logit_shift, trust_remote_code=trust_remote_code)
+    if adapter is not None:
+        from unmask.models.adapter_io import apply_adapter
+
+        bundle = apply_adapter(bundle, adapter)
+    return bundle
 
 
 __all__ = ["KINDS", "ModelBundle", "default_model", "load", "shipped"]

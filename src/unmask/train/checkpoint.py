@@ -68,9 +68,14 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict,
 
 def save_model(model, directory: Path) -> None:
     """``save_pretrained`` as one safetensors file, without transformers' progress bar (it
-    would break the training progress display)."""
+    would break the training progress display). A model carrying ``unmask_weights_io`` (a gated
+    SBD adapter, unmask.models.sbd_adapter) saves only that object's weights."""
     from transformers.utils import logging as hf_logging
 
+    io = getattr(model, "unmask_weights_io", None)
+    if io is not None:  # a gated SBD adapter: only its tensors are trained, only they are saved
+        io.save_weights(directory)
+        return
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -89,6 +94,10 @@ def load_weights(model, ckpt: Path) -> None:
     """
     from safetensors.torch import load_file
 
+    io = getattr(model, "unmask_weights_io", None)
+    if io is not None:  # a gated SBD adapter (see save_model)
+        io.load_weights(ckpt)
+        return
     f = ckpt / WEIGHTS_FILE
     if not f.is_file():
         raise UnmaskError(f"{ckpt} has no {WEIGHTS_FILE}, so the checkpoint is not loadable; pass --overwrite to "

@@ -30,7 +30,8 @@ def sample_block_size(generator: torch.Generator, low: int = 2, high: int = 16) 
     return int(torch.randint(low, high + 1, (1,), generator=generator).item())
 
 
-def sbd_batch(chunks: torch.Tensor, mask_id: int, k: int, generator: torch.Generator) -> dict:
+def sbd_batch(chunks: torch.Tensor, mask_id: int, k: int, generator: torch.Generator,
+              eta: torch.Tensor | None = None) -> dict:
     """Clean + noisy SBD training layout (sbd.md §3.1–3.2, SBD Figs. 7–8, Eq. 13).
 
     Per sequence η ~ U(0,1); each clean token x_i is replaced by the mask token with
@@ -44,6 +45,8 @@ def sbd_batch(chunks: torch.Tensor, mask_id: int, k: int, generator: torch.Gener
         k: block size for this step (>= 1).
         generator: CPU ``torch.Generator`` for η and the masks (kept on CPU so that a run is
             reproducible whatever the device).
+        eta: (B,) float CPU noise levels to use instead of drawing η ~ U(0,1) (1.0 = all-mask
+            blocks, the draft mode of spec/sbd_exact.md §3).
 
     Returns:
         dict with ``input_ids`` (B, 2L), ``labels`` (B, 2L), ``position_ids`` (B, 2L) long;
@@ -59,7 +62,7 @@ def sbd_batch(chunks: torch.Tensor, mask_id: int, k: int, generator: torch.Gener
     device = chunks.device
     input_ids = chunks[:, :-1]  # (B, L) clean x_1..x_L
     ar_labels = chunks[:, 1:]  # (B, L) NTP targets x_2..x_{L+1}
-    eta = torch.rand(B, generator=generator)  # (B,) noise level per sequence
+    eta = torch.rand(B, generator=generator) if eta is None else eta  # (B,) noise level per sequence
     noise = torch.rand(B, L, generator=generator) < eta[:, None]  # (B, L) True = masked
     noise = noise.to(device)
     noisy_ids = torch.where(noise, torch.full_like(input_ids, mask_id), input_ids)  # (B, L)

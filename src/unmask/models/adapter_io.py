@@ -1,0 +1,222 @@
+"""Saving and loading gated SBD adapters apart from their base (spec/sbd_exact.md §3).
+
+An adapter directory holds two files, both written atomically:
+
+- ``adapter.safetensors``: the trainable tensors, named as in the adapted model
+  (``model.layers.0.self_attn.q_proj.lora_A`` (r, in), ``...lora_B`` (out, r) or ``...delta``
+  (out, in), ``model.embed_tokens.row`` (d,));
+- ``adapter.json``: ``{"format": "unmask-sbd-adapter", "version": 1, "base": {"name", "sha256"},
+  "rank": r or null, "full_rank": bool, "target_modules": [...], "mask_token_id": M,
+  "mask_token_added": bool, "base_vocab_size": V, "hidden_size": d, "decode_defaults": {...},
+  "training": {...}}``.
+
+``base.sha256`` is :func:`weights_hash` of the base directory: it refuses an adapter on any other
+base with a one-line error. A shipped model's adapters live in ``<checkpoint>/adapters/<name>/``
+and load by bare name (``unmask.load("stories260K", adapter="sbd")``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from unmask.errors import UnmaskError
+from unmask.fileio import atomic_write_json, check_output_file
+from unmask.models.sbd_adapter import AdapterSpec, SBDAdapter, attach
+
+ADAPTER_WEIGHTS = "adapter.safetensors"
+ADAPTER_JSON = "adapter.json"
+ADAPTER_FORMAT = "unmask-sbd-adapter"
+ADAPTER_VERSION = 1
+ADAPTERS_DIR = "adapters"
+
+
+def weights_hash(directory: str | os.PathLike) -> str:
+    """``sha256:<hex>`` over the weights of a model directory, independent of how they are sharded.
+
+    For safetensors checkpoints the digest runs over every tensor in name order (name, dtype,
+    shape, raw bytes), so re-sharding or re-ordering files keeps the hash; other formats
+    (``*.bin``) hash the files' bytes in name order. Deterministic; reads every weight once.
+    Raises UnmaskError when the directory holds no weight file.
+    """
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    digest = hashlib.sha256()
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        with ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+            where = {key: fh for fh in handles for key in fh.keys()}
+            for key in sorted(where):
+                t = where[key].get_tensor(key).contiguous()
+                digest.update(f"{key}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+                digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return "sha256:" + digest.hexdigest()
+    files = sorted(directory.glob("*.bin")) + sorted(directory.glob("*.pt"))
+    if not files:
+        raise UnmaskError(f"{directory} holds no weight file (*.safetensors, *.bin) to identify the base by; "
+                          "pass a complete model directory")
+    for f in files:
+        digest.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for piece in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(piece)
+    return "sha256:" + digest.hexdigest()
+
+
+def adapter_config(adapter: SBDAdapter, *, base_name: str, base_sha256: str, decode_defaults: dict | None = None,
+                   **extra) -> dict:
+    """The ``adapter.json`` object of ``adapter`` (schema in the module docstring)."""
+    spec = adapter.spec
+    cfg = adapter.model.config
+    return {"format": ADAPTER_FORMAT, "version": ADAPTER_VERSION, "kind": "sbd",
+            "base": {"name": base_name, "sha256": base_sha256}, "rank": spec.rank, "full_rank": spec.rank is None,
+            "target_modules": list(spec.targets), "mask_token_id": spec.mask_token_id,
+            "mask_token_added": spec.added, "base_vocab_size": spec.base_vocab,
+            "hidden_size": int(getattr(cfg, "hidden_size", 0) or 0), "model_type": getattr(cfg, "model_type", None),
+            "parameters": adapter.num_parameters(), "decode_defaults": dict(decode_defaults or {}), **extra}
+
+
+def save_adapter_weights(adapter: SBDAdapter, directory: str | os.PathLike) -> Path:
+    """Write ``directory/adapter.safetensors`` atomically (float32 CPU copies of the tensors)."""
+    from safetensors.torch import save_file
+
+    path = check_output_file(Path(directory) / ADAPTER_WEIGHTS, "adapter weights")
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in adapter.state_dict().items()}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata={"format": ADAPTER_FORMAT})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UnmaskError(f"cannot write {path}: {e.strerror or e}; choose a writable --out") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def load_adapter_weights(adapter: SBDAdapter, directory: str | os.PathLike) -> None:
+    """Load ``directory/adapter.safetensors`` into ``adapter`` (cast to its dtype and device)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(directory) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise UnmaskError(f"{directory} has no {ADAPTER_WEIGHTS}; pass a directory written by "
+                          "'unmask train sbd-adapter'")
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise UnmaskError(f"cannot read {path} ({e}); restore the adapter or retrain it") from None
+    adapter.load_state_dict(state, where=str(path))
+
+
+def save_adapter(adapter: SBDAdapter, directory: str | os.PathLike, config: dict) -> Path:
+    """Write ``adapter.safetensors`` and ``adapter.json`` (``config``, see :func:`adapter_config`)
+    into ``directory``, each atomically. Returns the directory."""
+    directory = Path(directory)
+    save_adapter_weights(adapter, directory)
+    atomic_write_json(directory / ADAPTER_JSON, config, "adapter config")
+    return directory
+
+
+def read_adapter_config(directory: str | os.PathLike) -> dict:
+    """``adapter.json`` of ``directory``, checked; UnmaskError for a missing/invalid file or an
+    unknown format or version."""
+    f = Path(directory) / ADAPTER_JSON
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UnmaskError(f"{directory} is not an adapter directory (no {ADAPTER_JSON}); pass one written by "
+                          "'unmask train sbd-adapter'") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnmaskError(f"{f} is not valid JSON ({e}); restore the adapter or retrain it") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != ADAPTER_FORMAT:
+        raise UnmaskError(f"{f} is not an unmask SBD adapter config; pass a directory written by "
+                          "'unmask train sbd-adapter'")
+    if cfg.get("version") != ADAPTER_VERSION:
+        raise UnmaskError(f"{f} has adapter format version {cfg.get('version')!r}, this unmask reads "
+                          f"{ADAPTER_VERSION}; retrain the adapter or upgrade unmask")
+    for key in ("base", "mask_token_id", "target_modules", "base_vocab_size"):
+        if key not in cfg:
+            raise UnmaskError(f"{f} lacks {key!r}; restore the adapter or retrain it")
+    return cfg
+
+
+def list_adapters(model_dir: str | os.PathLike | None) -> dict[str, Path]:
+    """Adapters shipped with a model: ``{name: dir}`` for ``<model_dir>/adapters/*/adapter.json``."""
+    if model_dir is None:
+        return {}
+    root = Path(model_dir) / ADAPTERS_DIR
+    if not root.is_dir():
+        return {}
+    return {p.name: p for p in sorted(root.iterdir()) if (p / ADAPTER_JSON).is_file()}
+
+
+def resolve_adapter(model_dir: Path | None, adapter: str | os.PathLike) -> tuple[str, Path]:
+    """An adapter name or directory -> (display name, directory).
+
+    A bare name (no path separator) is looked up first in ``<model_dir>/adapters/``; anything
+    else must be a directory holding ``adapter.json``. Raises UnmaskError naming the adapters
+    the model ships when neither matches.
+    """
+    if not isinstance(adapter, (str, os.PathLike)) or not os.fspath(adapter).strip():
+        raise UnmaskError(f"adapter must be a name or a directory (got {adapter!r}); pass e.g. adapter=\"sbd\"")
+    text = os.fspath(adapter)
+    shipped = list_adapters(model_dir)
+    if os.sep not in text and "/" not in text and text in shipped:
+        return text, shipped[text]
+    path = Path(text).expanduser()
+    if (path / ADAPTER_JSON).is_file():
+        return path.name, path
+    names = ", ".join(shipped) or "none"
+    raise UnmaskError(f"unknown adapter {text!r}: not a directory with {ADAPTER_JSON}, and the model's own "
+                      f"adapters are: {names}; pass one of those or an adapter directory")
+
+
+def apply_adapter(bundle, adapter: str | os.PathLike):
+    """Load an adapter onto a freshly loaded causal (or sbd) ``bundle`` and return the sbd bundle.
+
+    The base must be the adapter's: its :func:`weights_hash` must equal ``base.sha256`` of
+    ``adapter.json`` (UnmaskError otherwise, naming both models and the fix). The returned bundle
+    (the same object, updated) has kind ``sbd``, ``mask_token_id`` M (``suppress_ids`` then
+    includes it), ``name`` ``"<base>+<adapter>"``, ``meta["decode_defaults"]`` from the adapter
+    and ``meta["adapter"] = {"name", "path", "base", "base_sha256", "rank", "mask_token_added"}``.
+    """
+    name, directory = resolve_adapter(bundle.path, adapter)
+    cfg = read_adapter_config(directory)
+    if bundle.kind not in ("causal", "sbd"):
+        raise UnmaskError(f"{bundle.name} is a {bundle.kind} model; SBD adapters apply to causal LMs, "
+                          f"load the adapter on {cfg['base'].get('name')}")
+    if bundle.path is None:
+        raise UnmaskError("this model was not loaded from a directory, so its weights cannot be checked against "
+                          "the adapter's base; load it with unmask.load(NAME_OR_DIR, adapter=...)")
+    want, have = cfg["base"].get("sha256"), weights_hash(bundle.path)
+    if want != have:
+        raise UnmaskError(f"adapter {name!r} was trained on base {cfg['base'].get('name')!r} ({str(want)[:19]}…), "
+                          f"not on {bundle.name!r} ({have[:19]}…); load it with --model {cfg['base'].get('name')} "
+                          f"or train one for {bundle.name} with 'unmask train sbd-adapter --base {bundle.name}'")
+    model = bundle.model
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if int(cfg["base_vocab_size"]) != vocab:
+        raise UnmaskError(f"adapter {name!r} expects a vocabulary of {cfg['base_vocab_size']}, {bundle.name} has "
+                          f"{vocab}; load it on the base it was trained on")
+    spec = AdapterSpec(rank=cfg.get("rank"), mask_token_id=int(cfg["mask_token_id"]), base_vocab=vocab,
+                       targets=tuple(cfg["target_modules"]))
+    ad = attach(model, spec)
+    load_adapter_weights(ad, directory)
+    ad_meta = {"name": name, "path": str(directory), "base": cfg["base"].get("name"), "base_sha256": have,
+               "rank": spec.rank, "mask_token_added": spec.added}
+    bundle.meta = {**bundle.meta, "adapter": ad_meta, "decode_defaults": dict(cfg.get("decode_defaults") or {})}
+    bundle.kind = "sbd"
+    bundle.mask_token_id = spec.mask_token_id
+    bundle.name = f"{bundle.name}+{name}"
+    model.eval()
+    return bundle

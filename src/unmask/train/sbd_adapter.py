@@ -1,0 +1,233 @@
+"""Train a gated SBD adapter on a frozen causal LM (spec/sbd_exact.md §3).
+
+The base is loaded unchanged, wrapped with a gated adapter (unmask.models.sbd_adapter) and
+trained with the **masked-token term of SBD Eq. 14 only** (spec/sbd.md §3.4): the NTP term is
+constant, since non-mask tokens run the frozen base exactly. The layout and attention mask are
+SBD's (sbd.md §3.2–3.3: clean half causal, noisy blocks after the clean prefix of earlier
+blocks), with the noise level chosen per row:
+
+- **draft rows** (share ``draft_fraction``): η = 1, every block is all-mask, i.e. K mask tokens
+  right after a clean prefix, attending causally to the prefix and bidirectionally within the
+  block: exactly the draft groups of the lossless decoder (sbd_exact.md §1);
+- the other rows: η ~ U(0,1) (partial masking), which keeps the EB decoder usable (sbd.md §5).
+
+Validation scores draft mode only, at a fixed block size (``eval_block_size``), and reports the
+masked CE per block offset (0, 1, 2, 3, 7) next to the base's NTP CE on the same rows.
+
+The loop is the shared one (unmask.train.loop); checkpoints hold only the adapter
+(``adapter.safetensors`` + ``adapter.json``), and the result is published atomically as an
+adapter directory that ``unmask.load(base, adapter=DIR)`` opens.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from unmask.errors import UnmaskError
+from unmask.train.data import pack
+from unmask.train.loop import TrainResult, train
+from unmask.train.objectives import IGNORE, sample_block_size, sbd_batch
+from unmask.train.wiring import load_chunks, run_info, run_paths, train_config
+
+OFFSETS = (0, 1, 2, 3, 7)
+
+
+@dataclass(frozen=True)
+class AdapterObjective:
+    """Masked-token term of Eq. 14 with draft-mode rows, for :func:`unmask.train.loop.train`.
+
+    Training (``model.training``): k ~ U{block_range} per step; per row η = 1 with probability
+    ``draft_fraction``, else η ~ U(0,1). Evaluation (``model.eval()``): k = ``eval_block_size``
+    and η = 1 on every row. Terms: ``mat`` (the loss: masked CE over all rows), ``draft``
+    (masked CE of the draft rows), ``ntp`` (the base's NTP CE, evaluation only, else 0) and
+    ``d0 d1 d2 d3 d7`` (draft-row masked CE at block offset j; 0 where no target).
+    """
+
+    mask_token_id: int
+    block_range: tuple[int, int] = (2, 16)
+    draft_fraction: float = 0.5
+    eval_block_size: int = 8
+    name: str = "sbd-adapter"
+    term_names: tuple[str, ...] = ("mat", "draft", "ntp") + tuple(f"d{j}" for j in OFFSETS)
+
+    def __post_init__(self):
+        low, high = self.block_range
+        if not 1 <= low <= high:
+            raise UnmaskError(f"block range must satisfy 1 <= low <= high, got {self.block_range}; pass e.g. 2 16")
+        if not 0 <= self.draft_fraction <= 1:
+            raise UnmaskError(f"--draft-fraction must be in [0, 1], got {self.draft_fraction}; pass e.g. 0.5")
+        if self.eval_block_size < 1:
+            raise UnmaskError(f"--block-size must be >= 1, got {self.eval_block_size}; pass e.g. 8")
+
+    def step_params(self, generator: torch.Generator) -> dict:
+        return {"k": sample_block_size(generator, *self.block_range)}
+
+    def loss(self, model, chunks: torch.Tensor, generator: torch.Generator, *, k: int) -> tuple[torch.Tensor, dict]:
+        """chunks (B, L+1) long -> (masked CE with grad, terms)."""
+        B = chunks.shape[0]
+        if model.training:
+            draft = torch.rand(B, generator=generator) < self.draft_fraction  # (B,) CPU
+            eta = torch.where(draft, torch.ones(B), torch.rand(B, generator=generator))  # (B,)
+        else:
+            k, draft, eta = self.eval_block_size, torch.ones(B, dtype=torch.bool), torch.ones(B)
+        batch = sbd_batch(chunks, self.mask_token_id, k, generator, eta=eta)
+        return adapter_loss(model, batch, k, self.mask_token_id, draft.to(chunks.device), ntp=not model.training)
+
+
+def adapter_loss(model, batch: dict, k: int, mask_id: int, draft: torch.Tensor, *, ntp: bool) -> tuple[torch.Tensor, dict]:
+    """Masked-token CE of Eq. 14 (term 2 only) over the SBD layout, in two forwards.
+
+    The clean half runs first without gradients (it is the frozen base: no gate is set on it)
+    and leaves its K/V in a cache; the noisy half then runs on that cache with the noisy rows
+    of the §3.3 mask (L, 2L). This equals one forward over the 2L tokens (tested) but skips the
+    backward through the clean half. batch: :func:`sbd_batch` output; draft: (B,) bool rows
+    built with η = 1. The mask logit is −inf. With ``ntp`` the clean half's logits give the
+    base's NTP CE term. Returns (loss, terms) as :class:`AdapterObjective` describes.
+    """
+    from unmask.compat import attention_mask, forward, new_cache
+    from unmask.masks import as_4d, sbd_training_mask
+
+    L = batch["L"]
+    ids, pos = batch["input_ids"], batch["position_ids"]  # (B, 2L) each
+    B, device = ids.shape[0], ids.device
+    rule = sbd_training_mask(L, k, device=device)  # (2L, 2L) bool
+    cache = new_cache(model)
+    with torch.no_grad():
+        clean_logits = forward(model, ids[:, :L], position_ids=pos[:, :L], cache=cache, logits_to_keep=0 if ntp else 1,
+                               attention_mask=attention_mask(model, as_4d(rule[:L, :L], B)))  # (B, L or 1, V)
+    logits = forward(model, ids[:, L:], position_ids=pos[:, L:], cache=cache, logits_to_keep=0,
+                     attention_mask=attention_mask(model, as_4d(rule[L:, :], B)))  # (B, L, V) unshifted
+    V = logits.shape[-1]
+    drop = torch.tensor([mask_id], device=device)
+    logits = logits.index_fill(-1, drop, float("-inf"))
+    labels = batch["labels"][:, L:]  # (B, L)
+    nll = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE,
+                          reduction="none").view(B, L)  # (B, L)
+    valid = labels != IGNORE  # (B, L)
+    loss = nll.sum() / valid.sum().clamp(min=1)
+    with torch.no_grad():
+        def mean(where: torch.Tensor) -> torch.Tensor:
+            return nll[where].sum() / where.sum().clamp(min=1)
+
+        dvalid = valid & draft[:, None]  # (B, L)
+        offset = torch.arange(L, device=device) % k  # (L,) position within its block
+        terms = {"mat": loss.detach(), "draft": mean(dvalid)}
+        for j in OFFSETS:
+            terms[f"d{j}"] = mean(dvalid & (offset == j)[None, :])
+        terms["ntp"] = torch.zeros(())
+        if ntp:
+            clean_logits = clean_logits.index_fill(-1, drop, float("-inf"))
+            terms["ntp"] = F.cross_entropy(clean_logits.reshape(-1, V), batch["labels"][:, :L].reshape(-1),
+                                           ignore_index=IGNORE)
+    return loss, terms
+
+
+def _load_base(base: str, dtype: str):
+    from unmask.models import load
+
+    bundle = load(base, dtype=dtype)
+    cls = type(bundle.model).__name__
+    if not cls.endswith("ForCausalLM") or getattr(bundle.model.config, "is_encoder_decoder", False):
+        raise UnmaskError(f"base {base!r} is a {cls}, not a decoder-only causal LM; SBD adapters apply to causal "
+                          "LMs, pass one with --base (Llama, Qwen2, Qwen3, ...)")
+    if bundle.kind not in ("causal", "sbd"):
+        raise UnmaskError(f"base {base!r} is a {bundle.kind} model; SBD adapters apply to causal LMs, pass one "
+                          "with --base")
+    return bundle
+
+
+def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out: str | Path,
+                      run_dir: str | Path | None = None, rank: int | None = 16, full_rank: bool = False,
+                      targets: Sequence[str] | None = None, seq_len: int = 256, block_range: tuple[int, int] = (2, 16),
+                      draft_fraction: float = 0.5, block_size: int = 8, decode_defaults: dict | None = None,
+                      val_fraction: float = 0.05, resume: bool = False, overwrite: bool = False, device: str = "cpu",
+                      dtype: str = "float32", progress: bool = True, **config) -> TrainResult:
+    """Train a gated SBD adapter for the frozen ``base`` on ``data`` and publish it at ``out``.
+
+    Args:
+        base: shipped name or local HF directory of a Llama/Qwen2/Qwen3 causal LM.
+        data: ``.txt`` / ``.jsonl`` corpora (self-distilled greedy text raises acceptance).
+        out: adapter directory (``adapter.safetensors`` + ``adapter.json``), written atomically
+            when training ends; not written when the run is interrupted.
+        rank: r of ``ΔW = B A``; ``full_rank=True`` trains a full ``ΔW`` instead (tiny models).
+        targets: names of the adapted ``nn.Linear`` layers (default q/k/v/o + MLP projections).
+        seq_len: L per row (a forward sees 2L). block_range: training k ~ U{low..high}.
+        draft_fraction: share of rows with all-mask blocks (η = 1); the rest η ~ U(0,1).
+        block_size: the validation block size, and ``decode_defaults["block_size"]``.
+        decode_defaults: recorded in adapter.json (default ``{"block_size": block_size, "verify": True}``).
+        **config: :class:`~unmask.train.loop.TrainConfig` fields (lr, steps, max_minutes, ...).
+
+    Returns:
+        TrainResult with ``out`` set (None when interrupted).
+
+    Raises:
+        UnmaskError: bad data/paths/options, a base that is not a causal LM, an output that exists
+            without overwrite/resume.
+    """
+    from unmask.fileio import publish_dir, staging_dir
+    from unmask.models.adapter_io import ADAPTER_JSON, adapter_config, save_adapter, weights_hash
+    from unmask.models.sbd_adapter import DEFAULT_TARGETS, AdapterSpec, attach
+
+    cfg = train_config(config)
+    paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)
+    bundle = _load_base(base, dtype)
+    context = bundle.context_length
+    if not 1 <= seq_len <= context:
+        raise UnmaskError(f"--seq-len {seq_len} must be between 1 and the model's context of {context} tokens; "
+                          "pass a --seq-len in that range")
+    low, high = block_range
+    if not 1 <= low <= high <= seq_len:
+        raise UnmaskError(f"block range [{low}, {high}] must satisfy 1 <= low <= high <= --seq-len ({seq_len}); "
+                          "pass a block range inside it or raise --seq-len")
+    if not 1 <= block_size <= seq_len:
+        raise UnmaskError(f"--block-size {block_size} must be between 1 and --seq-len ({seq_len}); pass e.g. 8")
+    vocab = bundle.model.get_input_embeddings().weight.shape[0]
+    mask_id = bundle.mask_token_id if bundle.mask_token_id is not None else vocab
+    spec = AdapterSpec(rank=None if full_rank else rank, mask_token_id=int(mask_id), base_vocab=vocab,
+                       targets=tuple(targets or DEFAULT_TARGETS))
+    base_sha = weights_hash(bundle.path)
+    adapter = attach(bundle.model, spec, seed=cfg.seed)
+    train_chunks, val_chunks = load_chunks(paths, bundle.tokenizer, vocab, pack, seq_len, need=seq_len + 1,
+                                           val_fraction=val_fraction, seed=cfg.seed)  # (N, L+1), (M, L+1)
+    objective = AdapterObjective(mask_token_id=spec.mask_token_id, block_range=(low, high),
+                                 draft_fraction=draft_fraction, eval_block_size=block_size)
+    info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective="sbd-adapter: masked term of Eq. 14, "
+                    f"draft rows {draft_fraction:g}, k ~ U{{{low}..{high}}}")
+    defaults = dict(decode_defaults) if decode_defaults is not None else {"block_size": block_size, "verify": True}
+
+    def json_for(state: dict) -> dict:
+        training = {**info, "step": state.get("step"), "stopped": state.get("stopped"),
+                    "train_terms": state.get("last"), "val": state.get("val")}
+        return adapter_config(adapter, base_name=base, base_sha256=base_sha, decode_defaults=defaults,
+                              training=training)
+
+    def save_extras(directory: Path, state: dict) -> None:
+        from unmask.fileio import atomic_write_json
+
+        atomic_write_json(directory / ADAPTER_JSON, json_for(state), "adapter config")
+
+    console = None
+    if progress:
+        from rich.console import Console
+
+        console = Console(stderr=True)
+    result = train(bundle.model, objective, train_chunks, val_chunks, cfg, run_dir, device=device, resume=resume,
+                   save_extras=save_extras, console=console, meta=info)
+    if result.stopped == "interrupted":
+        return result
+    tmp = staging_dir(out)
+    try:
+        save_adapter(adapter, tmp, json_for({"step": result.step, "stopped": result.stopped, "last": result.last,
+                                             "val": result.val}))
+        publish_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result.out = out
+    return result
