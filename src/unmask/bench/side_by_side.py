@@ -86,8 +86,28 @@ class BenchResult:
         return t
 
 
+def adapter_pairs(adapters: list[str] | None, *, decoders: list[str] | None = None,
+                  models: list[str] | None = None) -> list[tuple[str, str, str]]:
+    """(decoder, shipped model, adapter) triples for gated SBD adapters: every decoder whose
+    native kind is ``sbd`` on every shipped model (in ``models``, if given) that ships an adapter
+    of that name in ``<checkpoint>/adapters/``. Raises UnmaskError for an adapter no model ships."""
+    from unmask.decode import DECODERS
+    from unmask.models.adapter_io import list_adapters
+    from unmask.models.registry import shipped
+
+    out = []
+    for a in adapters or ():
+        found = [m for m, p in shipped().items() if a in list_adapters(p) and (not models or m in models)]
+        if not found:
+            raise UnmaskError(f"no shipped model ships an adapter named {a!r}; see 'unmask models'")
+        out += [(d, m, a) for d, info in DECODERS.items() if info.kinds[0] == "sbd" and (not decoders or d in decoders)
+                for m in found]
+    return out
+
+
 def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, include_all: bool = False,
-          decoders: list[str] | None = None, models: list[str] | None = None, judge: str = "stories260K",
+          decoders: list[str] | None = None, models: list[str] | None = None, adapters: list[str] | None = None,
+          judge: str = "stories260K",
           device: str = "cpu", dtype: str = "float32",
           progress: Callable[[int, int, str], None] | None = None) -> BenchResult:
     """Run every pair of :func:`pairs` on the same prompts and collect the comparison.
@@ -95,6 +115,7 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     Batch size 1 by default, the setting in which TPS is "model TPS" (diffusion spec §10).
     Ratios are to the ``ar`` on ``stories260K`` row (else the first ``ar`` row; ``None``
     without one). A pair that raises is reported with its error and the others still run.
+    ``adapters``: also run the :func:`adapter_pairs` rows, model shown as ``<model>+<adapter>``.
     Raises :class:`UnmaskError` when no pair is found.
     """
     from unmask.eval.runner import References, evaluate
@@ -103,26 +124,32 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     for flag, value in (("--limit", limit), ("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UnmaskError(f"{flag} must be an integer >= 1 (got {value!r}); pass e.g. {flag} 8")
-    todo = pairs(include_all=include_all, decoders=decoders, models=models)
+    todo = [(d, m, None) for d, m in pairs(include_all=include_all, decoders=decoders, models=models)]
+    todo += adapter_pairs(adapters, decoders=decoders, models=models)
     if not todo:
         raise UnmaskError("no decoder has a shipped model of a kind it works on; check 'unmask models'")
     refs = References()
     rows = []
-    for i, (d, m) in enumerate(todo):
+    for i, (d, m, a) in enumerate(todo):
+        label = m if a is None else f"{m}+{a}"
         stage = None
         if progress is not None:
-            stage = lambda done, total, s, i=i, d=d, m=m: progress(  # noqa: E731
+            stage = lambda done, total, s, i=i, d=d, m=label: progress(  # noqa: E731
                 done, total, f"{d} on {m} ({i + 1}/{len(todo)}) {s}")
         try:
-            res = evaluate("stories", m, d, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
+            if a is not None:
+                from unmask.models import load
+
+                model = load(m, device=device, dtype=dtype, adapter=a)
+            res = evaluate("stories", m if a is None else model, d, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
                            judge=judge, device=device, dtype=dtype, references=refs, progress=stage)
         except Exception as e:  # noqa: BLE001 - one broken pair must not hide the others
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            rows.append({"decoder": d, "model": m, "error": msg if isinstance(e, UnmaskError)
+            rows.append({"decoder": d, "model": label, "error": msg if isinstance(e, UnmaskError)
                          else f"{type(e).__name__}: {msg}"})
             continue
         s = res.summary
-        rows.append({"decoder": d, "model": m, "kind": s["config"]["kind"], "n": s["n"],
+        rows.append({"decoder": d, "model": label, "kind": s["config"]["kind"], "n": s["n"],
                      "generated": s["generated"], "nfe": s["nfe"], "tpf": s["tpf"], "tps": s["tps"],
                      "seconds": s["seconds"], "nll": s["nll"], "distinct_4": s["distinct_4"],
                      "agreement_positional": s["agreement_positional"],

@@ -35,6 +35,7 @@ POLICY = typer.Option(None, "--policy", help="commit policy: entropy-bound, conf
 OPTION = typer.Option(None, "--option", "-O", help="any other decoder option as KEY=VALUE, repeatable "
                                                    "(e.g. -O cache=prefix -O gen_length=256 -O slots=4 -O lps=false)")
 BLOCK = typer.Option(None, "--block-size", "-k", help="block size")
+ADAPTER = typer.Option(None, "--adapter", help="gated SBD adapter: a name the model ships (e.g. sbd) or a directory")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda")
 DTYPE = typer.Option("float32", "--dtype", help="float32 or bfloat16")
 
@@ -159,6 +160,15 @@ def _print_summary(summary: dict[str, Any]) -> None:
         console.print(f"[yellow]note: {note}[/yellow]")
 
 
+def _with_adapter(model: str | None, adapter: str | None, device: str, dtype: str):
+    """``model`` as given, or a bundle with the gated SBD ``adapter`` loaded on it."""
+    if adapter is None:
+        return model
+    from unmask.models import load
+
+    return load(model, device=device, dtype=dtype, adapter=adapter)
+
+
 @app.command("eval")
 def eval_cmd(
     task: str = typer.Option(..., "--task", help="stories, gsm8k, humaneval or mbpp"),
@@ -170,7 +180,7 @@ def eval_cmd(
     tau: float = typer.Option(None, "--tau", help="confidence threshold τ in (0, 1]"),
     factor: float = typer.Option(None, "--factor", help="Fast-dLLM factor f"),
     tokens_per_step: int = typer.Option(None, "--tokens-per-step", help="tokens committed per step (top-k)"),
-    block_size: int = BLOCK, option: list[str] = OPTION,
+    block_size: int = BLOCK, option: list[str] = OPTION, adapter: str = ADAPTER,
     out: Path = typer.Option(None, "--out", "-o", help="write every item row and the summary as JSON lines to FILE"),
     workers: int = typer.Option(2, "--workers", help="code tasks: programs run in parallel in the sandbox"),
     device: str = DEVICE, dtype: str = DTYPE,
@@ -183,6 +193,7 @@ def eval_cmd(
                     tokens_per_step=tokens_per_step, block_size=block_size)
     if out is not None:
         check_output_file(out, "--out")
+    model = _with_adapter(model, adapter, device, dtype)
     with _progress(not no_progress) as progress:
         result = evaluate(task, model, decoder, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
                           shots=shots, data_dir=data_dir, judge=judge, temperature=temperature, seed=seed,
@@ -202,7 +213,7 @@ def sweep_cmd(
     model: str = MODEL, decoder: str = DECODER, limit: int = LIMIT, batch_size: int = BATCH,
     max_new_tokens: int = MAX_NEW, shots: int = SHOTS, data_dir: Path = DATA_DIR, judge: str = JUDGE,
     temperature: float = TEMPERATURE, seed: int = SEED, policy: str = POLICY, block_size: int = BLOCK,
-    option: list[str] = OPTION,
+    option: list[str] = OPTION, adapter: str = ADAPTER,
     metric: str = typer.Option(None, "--metric", help="quality axis: stories judge_prob_pct (default) or "
                                                       "agreement_pct; gsm8k flexible_pct (default) or strict_pct"),
     y_max: float = typer.Option(None, "--y-max", help="AUP's best accuracy over all methods (default: this sweep's best)"),
@@ -220,6 +231,7 @@ def sweep_cmd(
     for path, flag in ((out, "--out"), (out_png, "--out-png")):
         if path is not None:
             check_output_file(path, flag)
+    model = _with_adapter(model, adapter, device, dtype)
     with _progress(not no_progress) as progress:
         res = sweep(task, model, decoder, param=param, values=values, metric=metric, y_max=y_max,
                     limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens, shots=shots,
@@ -255,6 +267,8 @@ def bench_cmd(
     include_all: bool = typer.Option(False, "--all", help="also run decoders on compatible non-native kinds (ar on an SBD model)"),
     decoder: list[str] = typer.Option(None, "--decoder", "-d", help="only this decoder (repeatable)"),
     model: list[str] = typer.Option(None, "--model", "-m", help="only this shipped model (repeatable)"),
+    adapter: list[str] = typer.Option(None, "--adapter", help="also bench the models that ship this gated SBD "
+                                                               "adapter, with it loaded (repeatable)"),
     judge: str = JUDGE,
     as_json: bool = typer.Option(False, "--json", help="print the rows as one JSON object"),
     device: str = DEVICE, dtype: str = DTYPE,
@@ -265,8 +279,8 @@ def bench_cmd(
 
     with _progress(not no_progress and not as_json) as progress:
         res = bench(limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size, include_all=include_all,
-                    decoders=decoder or None, models=model or None, judge=judge, device=device, dtype=dtype,
-                    progress=progress)
+                    decoders=decoder or None, models=model or None, adapters=adapter or None, judge=judge,
+                    device=device, dtype=dtype, progress=progress)
     if as_json:
         typer.echo(json.dumps(res.to_dict(), ensure_ascii=False))
         return

@@ -42,6 +42,7 @@ def generate_cmd(
     prompts_file: Path = typer.Option(None, "--prompts-file", help="file with one prompt per line"),
     model: str = typer.Option(None, "--model", "-m", help="shipped model name or local HF directory (default: the default shipped model)"),
     kind: str = typer.Option(None, "--kind", help="model kind for a local directory: causal, sbd, masked-diffusion, block-diffusion"),
+    adapter: str = typer.Option(None, "--adapter", help="gated SBD adapter: a name the model ships (e.g. sbd) or a directory"),
     decoder: str = typer.Option(None, "--decoder", "-d", help="ar, sbd, ... (default: the model kind's natural decoder)"),
     max_new_tokens: int = typer.Option(None, "--max-new-tokens", "-n",
                                        help="tokens to generate per prompt (default 128; with --gen-length, the whole canvas)"),
@@ -83,7 +84,7 @@ def generate_cmd(
                "steps": steps, "cache": cache, "slots": slots, "tau_add": tau_add, "tau_semi": tau_semi,
                "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps}
     options = {k: v for k, v in options.items() if v is not None}
-    bundle = load(model, kind=kind, device=device, dtype=dtype)
+    bundle = load(model, kind=kind, device=device, dtype=dtype, adapter=adapter)
     tracer = None
     if show or trace is not None:
         import inspect

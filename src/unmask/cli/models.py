@@ -11,10 +11,12 @@ from unmask.cli import app, convert_app
 
 @app.command("models")
 def models_cmd() -> None:
-    """List the checkpoints that ship inside the package (load them by name, offline)."""
+    """List the checkpoints that ship inside the package (load them by name, offline), each with
+    the gated SBD adapters it ships (load them with --adapter NAME)."""
     from rich.console import Console
     from rich.table import Table
 
+    from unmask.models.adapter_io import list_adapters, read_adapter_config
     from unmask.models.bundle import read_unmask_config
     from unmask.models.registry import DESCRIPTIONS, default_model, shipped
 
@@ -25,6 +27,12 @@ def models_cmd() -> None:
     for name, path in shipped().items():
         kind = read_unmask_config(path).get("kind", "causal")
         table.add_row(name + (" (default)" if name == default else ""), kind, DESCRIPTIONS.get(name, ""))
+        for adapter, adir in list_adapters(path).items():
+            cfg = read_adapter_config(adir)
+            size = "full-rank" if cfg.get("rank") is None else f"rank {cfg['rank']}"
+            table.add_row(f"  └ --adapter {adapter}", "sbd (adapter)",
+                          f"gated SBD adapter for {name} ({size}, base weights unchanged): "
+                          f"--model {name} --adapter {adapter}")
     Console().print(table)
 
 

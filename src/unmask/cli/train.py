@@ -88,6 +88,46 @@ def train_sbd_cmd(
                                        eval_every, max_minutes, seed)), terms=("loss", "ntp", "mat"))
 
 
+@train_app.command("sbd-adapter")
+def train_sbd_adapter_cmd(
+    base: CausalBase = "stories260K", data: TextData = None,
+    out: Path = typer.Option(None, "--out", help="adapter directory (checkpoints go to OUT.run/)"),
+    run_dir: RunDir = None,
+    rank: int = typer.Option(16, "--rank", help="rank r of the low-rank delta B A"),
+    full_rank: bool = typer.Option(False, "--full-rank", help="train a full-rank delta instead (tiny models)"),
+    targets: str = typer.Option(None, "--targets", help="comma-separated nn.Linear names to adapt "
+                                                        "(default q,k,v,o and MLP projections)"),
+    steps: Steps = 1000, batch_size: BatchSize = 8,
+    seq_len: int = typer.Option(256, "--seq-len", help="tokens per sequence L (a forward sees 2L)"),
+    block_size: int = typer.Option(8, "--block-size", help="validation block size, recorded in decode_defaults"),
+    min_block: int = typer.Option(2, "--min-block", help="smallest training block size k"),
+    max_block: int = typer.Option(16, "--max-block", help="largest training block size k"),
+    draft_fraction: float = typer.Option(0.5, "--draft-fraction", help="share of rows with all-mask blocks (η = 1)"),
+    lr: Lr = 1e-3, warmup: Warmup = 100, grad_accum: GradAccum = 1, weight_decay: WeightDecay = 0.0, clip: Clip = 1.0,
+    ckpt_every: CkptEvery = 500, eval_every: EvalEvery = 500,
+    max_minutes: float = typer.Option(None, "--max-minutes", "--minutes", help="wall-clock budget; stops cleanly and saves"),
+    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch's default)"),
+    seed: Seed = 0, resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+) -> None:
+    """Train a gated SBD adapter on a frozen causal LM (masked term of Eq. 14; spec sbd_exact.md §3)."""
+    import torch
+
+    from unmask.train.sbd_adapter import train_sbd_adapter
+
+    _start(data, out)
+    if threads < 0:
+        raise UnmaskError(f"--threads must be >= 0, got {threads}; pass 1 or more, or 0 for torch's default")
+    if threads:
+        torch.set_num_threads(threads)
+    names = [t.strip() for t in targets.split(",") if t.strip()] if targets is not None else None
+    _finish(train_sbd_adapter(
+        base=base, data=data, out=out, run_dir=run_dir, rank=rank, full_rank=full_rank, targets=names,
+        seq_len=seq_len, block_range=(min_block, max_block), draft_fraction=draft_fraction, block_size=block_size,
+        resume=resume, overwrite=overwrite, device=device,
+        **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
+                        max_minutes, seed)), terms=("loss", "draft", "ntp", "d0", "d1", "d7"))
+
+
 @data_app.command("stories")
 def data_stories_cmd(
     model: str = typer.Option("stories260K", "--model", help="model that writes the stories"),
