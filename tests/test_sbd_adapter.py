@@ -303,3 +303,43 @@ def test_resume_reloads_the_adapter_checkpoint(tmp_path):
 
     a, b = load_file(str(tmp_path / "a" / ADAPTER_WEIGHTS)), load_file(str(tmp_path / "b" / ADAPTER_WEIGHTS))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shipped adapters: listing and the bench
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def registry_with_adapter(monkeypatch, tmp_path):
+    """A shipped copy of stories260K, ``toy-base``, that ships the random adapter ``fast``."""
+    import unmask.models.registry as registry
+
+    _, _, where = _stories_adapter(tmp_path)
+    base = tmp_path / "toy-base"
+    shutil.copytree(unmask.load("stories260K").path, base)
+    shutil.copytree(where, base / "adapters" / "fast")
+    real = registry.shipped()
+    monkeypatch.setattr(registry, "shipped", lambda: {**real, "toy-base": base})
+    return base
+
+
+def test_models_lists_adapters_under_their_model(registry_with_adapter, capsys):
+    code, out, err = run_cli(capsys, "models")
+    assert code == 0, err
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if "toy-base" in line and "--adapter" not in line)
+    assert "--adapter fast" in lines[at + 1] and "rank 4" in out
+    assert unmask.load("toy-base", adapter="fast").name == "toy-base+fast"
+
+
+def test_bench_runs_adapter_rows(registry_with_adapter):
+    from unmask.bench import side_by_side
+
+    assert ("sbd", "toy-base", "fast") in side_by_side.adapter_pairs(["fast"])
+    with pytest.raises(UnmaskError, match="no shipped model ships an adapter named 'nope'"):
+        side_by_side.adapter_pairs(["nope"])
+    res = side_by_side.bench(limit=1, max_new_tokens=4, models=["toy-base"], adapters=["fast"], decoders=["ar", "sbd"])
+    rows = {(r["decoder"], r["model"]): r for r in res.rows}
+    assert set(rows) == {("ar", "toy-base"), ("sbd", "toy-base+fast")}
+    assert not rows[("sbd", "toy-base+fast")].get("error") and rows[("sbd", "toy-base+fast")]["n"] == 1

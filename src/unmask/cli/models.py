@@ -31,8 +31,7 @@ def models_cmd() -> None:
             cfg = read_adapter_config(adir)
             size = "full-rank" if cfg.get("rank") is None else f"rank {cfg['rank']}"
             table.add_row(f"  └ --adapter {adapter}", "sbd (adapter)",
-                          f"gated SBD adapter for {name} ({size}, base weights unchanged): "
-                          f"--model {name} --adapter {adapter}")
+                          f"gated SBD adapter ({size}); {name}'s weights and NTP output unchanged")
     Console().print(table)
 
 
