@@ -343,3 +343,29 @@ def test_bench_runs_adapter_rows(registry_with_adapter):
     rows = {(r["decoder"], r["model"]): r for r in res.rows}
     assert set(rows) == {("ar", "toy-base"), ("sbd", "toy-base+fast")}
     assert not rows[("sbd", "toy-base+fast")].get("error") and rows[("sbd", "toy-base+fast")]["n"] == 1
+
+
+def test_shipped_adapter_keeps_stories260K_output(capsys, stories):
+    """checkpoints/stories260K/adapters/sbd (recipes/stories260K_sbd_adapter.py): listed, loads by
+    name onto the unchanged stories260K, and its NTP mode is stories260K's own greedy output."""
+    from unmask.models.adapter_io import list_adapters, read_adapter_config
+
+    assert "sbd" in list_adapters(stories.path)
+    cfg = read_adapter_config(stories.path / "adapters" / "sbd")
+    assert cfg["base"] == {"name": "stories260K", "sha256": weights_hash(stories.path)}
+    assert cfg["decode_defaults"]["verify"] is True and cfg["mask_token_id"] == 512
+    bundle = unmask.load("stories260K", adapter="sbd")
+    prompts = ["Once upon a time, there was a little girl named Lily.", "Tom had a big red ball."]
+    assert unmask.generate(prompts, bundle, "ar", max_new_tokens=48).tokens == \
+        unmask.generate(prompts, stories, "ar", max_new_tokens=48).tokens
+    code, out, err = run_cli(capsys, "models")
+    assert code == 0 and "--adapter sbd" in out, err
+
+
+@pytest.mark.parametrize("args,match", [(("--rank", "0"), "rank"), (("--draft-fraction", "2"), "draft-fraction"),
+                                        (("--block-size", "0"), "block-size"), (("--threads", "-1"), "threads")])
+def test_train_sbd_adapter_bad_options(tmp_path, capsys, args, match):
+    corpus = ids_file(tmp_path / "c.jsonl")
+    one_line_error(capsys, "train", "sbd-adapter", "--data", corpus, "--out", tmp_path / "o", "--seq-len", 32,
+                   "--steps", 1, *args, match=match)
+    assert not (tmp_path / "o").exists()
