@@ -369,3 +369,13 @@ def test_train_sbd_adapter_bad_options(tmp_path, capsys, args, match):
     one_line_error(capsys, "train", "sbd-adapter", "--data", corpus, "--out", tmp_path / "o", "--seq-len", 32,
                    "--steps", 1, *args, match=match)
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_eval_with_adapter(tmp_path, capsys):
+    _, _, where = _stories_adapter(tmp_path)
+    out = tmp_path / "rows.jsonl"
+    code, _, err = run_cli(capsys, "eval", "--task", "stories", "--model", "stories260K", "--adapter", where,
+                           "--decoder", "sbd", "--gamma", "0", "--limit", "1", "-n", "8", "--no-progress", "--out", out)
+    assert code == 0, err
+    summary = json.loads(out.read_text().splitlines()[-1])
+    assert summary["model"] == "stories260K+ad" and summary["decoder"] == "sbd" and summary["nfe"] == 8
