@@ -154,6 +154,17 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     assert loaded.meta["decode_defaults"] == {"block_size": 4}
 
 
+def test_set_adapter_decode_defaults(tmp_path):
+    from unmask.models.adapter_io import set_adapter_decode_defaults
+
+    _, _, where = _stories_adapter(tmp_path)
+    set_adapter_decode_defaults(where, block_size=4, verify=True, draft="linear")
+    assert unmask.load("stories260K", adapter=where).meta["decode_defaults"] == {
+        "block_size": 4, "verify": True, "draft": "linear"}
+    with pytest.raises(UnmaskError, match="not a number"):
+        set_adapter_decode_defaults(where, block_size=[4])
+
+
 def test_weights_hash_is_deterministic_and_sees_any_change(tmp_path):
     src = unmask.load("stories260K").path
     copy = tmp_path / "copy"

@@ -220,3 +220,17 @@ def apply_adapter(bundle, adapter: str | os.PathLike):
     bundle.name = f"{bundle.name}+{name}"
     model.eval()
     return bundle
+
+
+def set_adapter_decode_defaults(directory: str | os.PathLike, **defaults) -> dict:
+    """Replace ``decode_defaults`` in ``directory/adapter.json`` (e.g. ``block_size=8, verify=True,
+    draft="quadratic"``), which the sbd decoder reads from ``bundle.meta["decode_defaults"]``
+    when no option is given. Rewritten atomically; returns the new config. Raises UnmaskError
+    for a directory that is not an adapter or a value that is not a JSON scalar."""
+    cfg = read_adapter_config(directory)
+    for key, value in defaults.items():
+        if not isinstance(value, (bool, int, float, str)) and value is not None:
+            raise UnmaskError(f"decode default {key}={value!r} is not a number, string or boolean; pass a plain value")
+    cfg["decode_defaults"] = dict(defaults)
+    atomic_write_json(Path(directory) / ADAPTER_JSON, cfg, "adapter config")
+    return cfg
