@@ -57,7 +57,11 @@ def generate_cmd(
     factor: float = typer.Option(None, "--factor", help="Fast-dLLM factor f (factor policy)"),
     tokens_per_step: int = typer.Option(None, "--tokens-per-step", help="tokens committed per step (top-k policy)"),
     eta: float = typer.Option(None, "--eta", help="diffusion: entropy bound η in nats (entropy-threshold policy)"),
-    block_size: int = typer.Option(None, "--block-size", "-k", help="block size"),
+    block_size: int = typer.Option(None, "--block-size", "-k", help="block size (sbd --verify: the draft size K)"),
+    verify: bool = typer.Option(None, "--verify/--no-verify",
+                                help="sbd: lossless SBD, the NTP mode verifies the block-mode draft (output = ar); "
+                                     "default from the model"),
+    draft: str = typer.Option(None, "--draft", help="sbd --verify: draft layout, quadratic (default) or linear"),
     gen_length: int = typer.Option(None, "--gen-length", help="diffusion: fixed generation length (canvas size)"),
     steps: int = typer.Option(None, "--steps", help="diffusion: total denoising steps (top-k policy, LLaDA)"),
     cache: str = typer.Option(None, "--cache", help="diffusion: none, prefix or dual (approximate caches)"),
@@ -81,7 +85,7 @@ def generate_cmd(
     options = {"policy": policy, "gamma": gamma, "preset": preset, "tau": tau, "factor": factor,
                "tokens_per_step": tokens_per_step, "eta": eta, "block_size": block_size, "gen_length": gen_length,
                "steps": steps, "cache": cache, "slots": slots, "tau_add": tau_add, "tau_semi": tau_semi,
-               "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps}
+               "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps, "verify": verify, "draft": draft}
     options = {k: v for k, v in options.items() if v is not None}
     bundle = load(model, kind=kind, device=device, dtype=dtype)
     tracer = None

@@ -95,8 +95,9 @@ def load_chunks(paths: Sequence[Path], tokenizer, vocab: int, pack_rows: Callabl
 
 def set_decode_defaults(model_dir: str | Path, **defaults) -> dict:
     """Record the decoding defaults of a trained model (``decode_defaults`` in its
-    ``unmask_config.json``, e.g. ``block_size=8, gamma=0.35`` for SBD), which ``unmask generate``
-    uses when no policy option is given. The file is rewritten atomically; returns the new meta.
+    ``unmask_config.json``, e.g. ``block_size=8, gamma=0.35`` for SBD, plus ``verify=True,
+    verify_block_size=4, draft="quadratic"`` to make lossless SBD the default), which ``unmask
+    generate`` uses when no policy option is given. The file is rewritten atomically; returns the new meta.
 
     Raises:
         UnmaskError: ``model_dir`` has no unmask_config.json, or the defaults are not valid SBD
@@ -104,12 +105,19 @@ def set_decode_defaults(model_dir: str | Path, **defaults) -> dict:
     """
     import json
 
-    from unmask.decode.sbd import SBDConfig
+    from unmask.decode.sbd import LOSSLESS_KEYS, SBDConfig
+    from unmask.decode.sbd_verify import VerifyConfig
 
     path = Path(model_dir) / UNMASK_CONFIG
     if not path.is_file():
         raise UnmaskError(f"{model_dir} has no {UNMASK_CONFIG}; pass a directory written by 'unmask train'")
-    SBDConfig.from_options(**defaults)  # validates: block size >= 1, γ >= 0, a known policy
+    lossy = {k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS}
+    SBDConfig.from_options(**lossy)  # validates: block size >= 1, γ >= 0, a known policy
+    if "verify" in defaults and not isinstance(defaults["verify"], bool):
+        raise UnmaskError(f"verify must be true or false (got {defaults['verify']!r})")
+    if any(k in defaults for k in LOSSLESS_KEYS):  # validates: block size >= 2, a known draft layout
+        VerifyConfig(block_size=defaults.get("verify_block_size", VerifyConfig.block_size),
+                     draft=defaults.get("draft", VerifyConfig.draft))
     meta = json.loads(path.read_text())
     meta["decode_defaults"] = dict(defaults)
     atomic_write_json(path, meta)
