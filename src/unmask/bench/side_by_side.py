@@ -23,6 +23,9 @@ from typing import Any, Callable
 from unmask.errors import UnmaskError
 
 AR_REFERENCE = ("ar", "stories260K")
+# Decoders benchmarked in several modes: (row label, decoder options). SBD runs lossless
+# (spec/sbd_exact.md, output = AR) and lossy (the EB sampler) side by side.
+VARIANTS = {"sbd": (("sbd --verify", {"verify": True}), ("sbd --no-verify", {"verify": False}))}
 
 
 def pairs(*, include_all: bool = False, decoders: list[str] | None = None,
@@ -108,21 +111,22 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
         raise UnmaskError("no decoder has a shipped model of a kind it works on; check 'unmask models'")
     refs = References()
     rows = []
-    for i, (d, m) in enumerate(todo):
+    todo = [(d, m, label, opts) for d, m in todo for label, opts in VARIANTS.get(d, ((d, {}),))]
+    for i, (d, m, label, opts) in enumerate(todo):
         stage = None
         if progress is not None:
-            stage = lambda done, total, s, i=i, d=d, m=m: progress(  # noqa: E731
+            stage = lambda done, total, s, i=i, d=label, m=m: progress(  # noqa: E731
                 done, total, f"{d} on {m} ({i + 1}/{len(todo)}) {s}")
         try:
             res = evaluate("stories", m, d, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                           judge=judge, device=device, dtype=dtype, references=refs, progress=stage)
+                           judge=judge, device=device, dtype=dtype, references=refs, progress=stage, **opts)
         except Exception as e:  # noqa: BLE001 - one broken pair must not hide the others
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            rows.append({"decoder": d, "model": m, "error": msg if isinstance(e, UnmaskError)
+            rows.append({"decoder": label, "model": m, "error": msg if isinstance(e, UnmaskError)
                          else f"{type(e).__name__}: {msg}"})
             continue
         s = res.summary
-        rows.append({"decoder": d, "model": m, "kind": s["config"]["kind"], "n": s["n"],
+        rows.append({"decoder": label, "model": m, "kind": s["config"]["kind"], "n": s["n"],
                      "generated": s["generated"], "nfe": s["nfe"], "tpf": s["tpf"], "tps": s["tps"],
                      "seconds": s["seconds"], "nll": s["nll"], "distinct_4": s["distinct_4"],
                      "agreement_positional": s["agreement_positional"],
