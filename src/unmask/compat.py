@@ -96,3 +96,16 @@ def set_static_length(cache, length: int) -> None:
 def keep_rows(cache, rows: torch.Tensor) -> None:
     """Keep only batch rows ``rows`` (1D long) in every layer of ``cache``, in place."""
     cache.batch_select_indices(rows)
+
+
+def register_weight_renames(class_name: str, renames: list[tuple[str, str]]) -> None:
+    """Load checkpoints of ``class_name`` whose parameters carry another codebase's names, and
+    save them back under those names: each (published regex, our name) pair becomes a
+    transformers 5 ``WeightRenaming``; ``save_pretrained`` applies the reverse mapping.
+    Idempotent (re-registering replaces the mapping)."""
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    register_checkpoint_conversion_mapping(class_name, [WeightRenaming(src, dst) for src, dst in renames],
+                                           overwrite=True)
+

@@ -1,0 +1,47 @@
+"""Native transformers classes for published diffusion-LM checkpoints (spec/models.md §2.3-2.6).
+
+The published checkpoints ship their architecture as Hugging Face remote code that does not run
+under transformers 5. unmask recognises them by the ``architectures`` entry of ``config.json``
+and loads their unmodified weights into its own classes, built from transformers' Llama, Qwen2
+and Qwen3 modules (standard attention interface: eager and SDPA, ``DynamicCache`` and
+``StaticCache``, 4D masks, explicit ``position_ids``). No code from the checkpoint directory is
+ever imported. One family per module:
+
+| ``architectures``   | module   | base                     |
+|---------------------|----------|--------------------------|
+| ``LLaDAModelLM``    | llada    | LlamaForCausalLM         |
+| ``DreamModel``      | dream    | Qwen2ForCausalLM         |
+| ``SDARForCausalLM`` | sdar     | Qwen3ForCausalLM         |
+| ``LLaDA2MoeModelLM``| llada2   | Llama attention + grouped-routing MoE |
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from unmask.errors import UnmaskError
+
+MODULES = {"LLaDAModelLM": "llada", "DreamModel": "dream", "SDARForCausalLM": "sdar", "LLaDA2MoeModelLM": "llada2"}
+
+
+def native_module(hf_config: dict):
+    """The family module that implements this ``config.json`` dict's architecture, or None."""
+    for arch in hf_config.get("architectures") or ():
+        if arch in MODULES:
+            return importlib.import_module(f"unmask.models.families.{MODULES[arch]}")
+    return None
+
+
+def load_native(module, path: Path, hf_config: dict, *, dtype, attn_implementation: str = "sdpa"):
+    """Build the family's config from the published ``config.json`` dict and load the weights in
+    ``path`` (published parameter names) into its native class, with ``trust_remote_code`` off.
+    Raises UnmaskError for a config option the native class does not implement."""
+    try:
+        config = module.config_from_published(hf_config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UnmaskError(f"{path / 'config.json'} does not match the published {module.ARCHITECTURE} schema "
+                          f"({type(e).__name__}: {e}); restore the checkpoint's config.json") from None
+    model_cls = getattr(module, module.ARCHITECTURE)
+    return model_cls.from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn_implementation,
+                                     trust_remote_code=False)

@@ -1,0 +1,328 @@
+"""Published diffusion-LM checkpoints load natively (spec/models.md §2.3-2.6, issue 19).
+
+Each family gets a tiny directory exactly as a user has it: the published ``config.json`` (shrunk
+to tiny sizes, every other field and ``auto_map`` kept; tests/data/dllm_configs), the published
+``generation_config.json``, and random weights saved under the **published** parameter names by
+this file (not by unmask). Logits are checked against an independent float64 re-implementation
+of the architecture written from the published descriptions, reading those same published names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import unmask
+from unmask.decode import block as block_decode
+from unmask.decode import diffusion, multiblock
+from unmask.errors import UnmaskError
+from unmask.models.adapters import realign
+
+CONFIGS = Path(__file__).parent / "data" / "dllm_configs"
+VOCAB, MASK, EOS = 160, 150, 151
+H, N_HEADS, N_KV, HEAD, LAYERS, FF = 32, 4, 2, 8, 2, 48
+
+# family -> published config overrides that make it tiny (ids moved inside the tiny vocabulary).
+TINY = {
+    "llada": dict(d_model=H, n_heads=N_HEADS, n_kv_heads=N_KV, n_layers=LAYERS, mlp_hidden_size=FF, vocab_size=VOCAB,
+                  embedding_size=VOCAB, max_sequence_length=256, mask_token_id=MASK, eos_token_id=EOS,
+                  pad_token_id=EOS),
+    "dream": dict(hidden_size=H, num_attention_heads=N_HEADS, num_key_value_heads=N_KV, num_hidden_layers=LAYERS,
+                  intermediate_size=FF, vocab_size=VOCAB, max_position_embeddings=256, max_window_layers=LAYERS,
+                  mask_token_id=MASK, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS),
+    "sdar": dict(hidden_size=H, num_attention_heads=N_HEADS, num_key_value_heads=N_KV, head_dim=HEAD,
+                 num_hidden_layers=LAYERS, intermediate_size=FF, vocab_size=VOCAB, max_position_embeddings=256,
+                 max_window_layers=LAYERS, bos_token_id=EOS, eos_token_id=EOS),
+}
+
+
+def published_weights(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under the published parameter names of ``family`` (fp32)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    def norm():
+        return 1.0 + 0.1 * torch.randn(H, generator=g)
+
+    sd, kv = {}, N_KV * HEAD
+    if family == "llada":
+        sd["model.transformer.wte.weight"] = w(VOCAB, H)
+        for i in range(LAYERS):
+            p = f"model.transformer.blocks.{i}."
+            sd.update({p + "attn_norm.weight": norm(), p + "ff_norm.weight": norm(), p + "q_proj.weight": w(H, H),
+                       p + "k_proj.weight": w(kv, H), p + "v_proj.weight": w(kv, H), p + "attn_out.weight": w(H, H),
+                       p + "ff_proj.weight": w(FF, H), p + "up_proj.weight": w(FF, H), p + "ff_out.weight": w(H, FF)})
+        sd["model.transformer.ln_f.weight"] = norm()
+        sd["model.transformer.ff_out.weight"] = w(VOCAB, H)
+        return sd
+    sd["model.embed_tokens.weight"] = w(VOCAB, H)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        sd.update({p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
+                   p + "self_attn.q_proj.weight": w(N_HEADS * HEAD, H), p + "self_attn.k_proj.weight": w(kv, H),
+                   p + "self_attn.v_proj.weight": w(kv, H), p + "self_attn.o_proj.weight": w(H, N_HEADS * HEAD),
+                   p + "mlp.gate_proj.weight": w(FF, H), p + "mlp.up_proj.weight": w(FF, H),
+                   p + "mlp.down_proj.weight": w(H, FF)})
+        if family == "dream":  # Qwen2: q/k/v biases
+            sd.update({p + "self_attn.q_proj.bias": w(H), p + "self_attn.k_proj.bias": w(kv),
+                       p + "self_attn.v_proj.bias": w(kv)})
+        if family == "sdar":  # Qwen3: per-head q/k RMSNorm
+            sd.update({p + "self_attn.q_norm.weight": 1.0 + 0.1 * torch.randn(HEAD, generator=g),
+                       p + "self_attn.k_norm.weight": 1.0 + 0.1 * torch.randn(HEAD, generator=g)})
+    sd["model.norm.weight"] = norm()
+    sd["lm_head.weight"] = w(VOCAB, H)
+    return sd
+
+
+def published_dir(tmp_path: Path, family: str, *, config: dict | None = None, shards: int = 1) -> Path:
+    """A checkpoint directory as published: config.json (tiny), generation_config.json, weights
+    under published names in ``shards`` safetensors files (with an index when > 1)."""
+    out = tmp_path / family
+    n = 1
+    while out.exists():
+        n += 1
+        out = tmp_path / f"{family}-{n}"
+    out.mkdir()
+    src = CONFIGS / family
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(TINY[family], **(config or {}))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if (src / "generation_config.json").is_file():
+        shutil.copy(src / "generation_config.json", out / "generation_config.json")
+    sd = published_weights(family)
+    if shards == 1:
+        save_file(sd, out / "model.safetensors")
+        return out
+    names, weight_map = sorted(sd), {}
+    for s in range(shards):
+        part = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        chunk = {k: sd[k] for k in names[s::shards]}
+        save_file(chunk, out / part)
+        weight_map.update({k: part for k in chunk})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+# -- an independent float64 reference of the published architectures -------------------------------
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, pos, theta):
+    """Half-split rotary embedding (the published ``rotate_half``) of x (B, nh, T, d) at pos (T,)."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)  # (d/2,)
+    ang = pos.double()[:, None] * inv[None]  # (T, d/2)
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()  # (T, d)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def reference_logits(family: str, sd: dict, ids: torch.Tensor, *, theta: float, eps: float,
+                     allowed: torch.Tensor) -> torch.Tensor:
+    """Logits (B, T, V) in float64 of the published ``family`` forward; allowed: (T, T) bool."""
+    sd = {k: v.double() for k, v in sd.items()}
+    if family == "llada":
+        names = {k.replace("model.transformer.", ""): v for k, v in sd.items()}
+        emb, head, final = names["wte.weight"], names["ff_out.weight"], names["ln_f.weight"]
+        layer = {"in": "attn_norm", "post": "ff_norm", "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "attn_out",
+                 "gate": "ff_proj", "up": "up_proj", "down": "ff_out"}
+        prefix = "blocks.{i}."
+    else:
+        names = {k.replace("model.", "", 1) if k.startswith("model.") else k: v for k, v in sd.items()}
+        emb, head, final = names["embed_tokens.weight"], names["lm_head.weight"], names["norm.weight"]
+        layer = {"in": "input_layernorm", "post": "post_attention_layernorm", "q": "self_attn.q_proj",
+                 "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj", "gate": "mlp.gate_proj",
+                 "up": "mlp.up_proj", "down": "mlp.down_proj"}
+        prefix = "layers.{i}."
+    B, T = ids.shape
+    pos = torch.arange(T)
+    x = emb[ids]  # (B, T, H)
+    for i in range(LAYERS):
+        p = prefix.format(i=i)
+
+        def lin(name, h):
+            out = h @ names[p + layer[name] + ".weight"].T
+            bias = names.get(p + layer[name] + ".bias")
+            return out if bias is None else out + bias
+
+        h = _rms(x, names[p + layer["in"] + ".weight"], eps)
+        q = lin("q", h).view(B, T, N_HEADS, HEAD).transpose(1, 2)  # (B, nh, T, d)
+        k = lin("k", h).view(B, T, N_KV, HEAD).transpose(1, 2)  # (B, nkv, T, d)
+        v = lin("v", h).view(B, T, N_KV, HEAD).transpose(1, 2)
+        if family == "sdar":
+            q = _rms(q, names[p + "self_attn.q_norm.weight"], eps)
+            k = _rms(k, names[p + "self_attn.k_norm.weight"], eps)
+        q, k = _rope(q, pos, theta), _rope(k, pos, theta)
+        k, v = k.repeat_interleave(N_HEADS // N_KV, 1), v.repeat_interleave(N_HEADS // N_KV, 1)  # (B, nh, T, d)
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(HEAD)  # (B, nh, T, T)
+        att = att.masked_fill(~allowed, float("-inf")).softmax(-1)
+        o = (att @ v).transpose(1, 2).reshape(B, T, N_HEADS * HEAD)  # (B, T, nh*d)
+        x = x + lin("o", o)
+        h = _rms(x, names[p + layer["post"] + ".weight"], eps)
+        x = x + lin("down", torch.nn.functional.silu(lin("gate", h)) * lin("up", h))
+    return _rms(x, final, eps) @ head.T  # (B, T, V)
+
+
+FAMILY_FACTS = {  # family -> (kind, logit shift, block size, theta, eps)
+    "llada": ("masked-diffusion", 0, None, 500000.0, 1e-5),
+    "dream": ("masked-diffusion", 1, None, 1000000.0, 1e-6),
+    "sdar": ("block-diffusion", 0, 4, 1000000.0, 1e-6),
+}
+
+
+def _allowed(family: str, T: int) -> torch.Tensor:
+    if family == "sdar":
+        blk = torch.arange(T) // 4
+        return blk[None, :] <= blk[:, None]  # (T, T) block-causal
+    return torch.ones(T, T, dtype=torch.bool)  # bidirectional
+
+
+def _load(path: Path, family: str, **kw):
+    if family == "sdar":  # the published config names no mask id and 151669 is outside the tiny vocab
+        kw.setdefault("mask_token_id", MASK)
+    return unmask.load(str(path), **kw)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_published_directory_matches_reference_forward(tmp_path, family, attn):
+    path = published_dir(tmp_path, family, shards=2)
+    bundle = _load(path, family)
+    bundle.model.config._attn_implementation = attn
+    kind, shift, block, theta, eps = FAMILY_FACTS[family]
+    assert (bundle.kind, bundle.logit_shift, bundle.block_size, bundle.mask_token_id) == (kind, shift, block, MASK)
+    assert bundle.tokenizer is None and bundle.meta["family"] == family
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = bundle.model(input_ids=ids).logits.double()  # no mask passed: the family's own attention
+    want = reference_logits(family, published_weights(family), ids, theta=theta, eps=eps,
+                            allowed=_allowed(family, 12))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+def test_no_remote_code_is_imported(tmp_path, family, monkeypatch):
+    """A poisoned modeling file next to the weights: importing it (any trust_remote_code path) fails."""
+    import transformers.dynamic_module_utils as dyn
+
+    path = published_dir(tmp_path, family)
+    for module in {v.split(".")[0] for v in json.loads((path / "config.json").read_text())["auto_map"].values()}:
+        (path / f"{module}.py").write_text("raise RuntimeError('remote code was imported')\n")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("get_class_from_dynamic_module was called")
+
+    monkeypatch.setattr(dyn, "get_class_from_dynamic_module", refuse)
+    bundle = _load(path, family)
+    assert type(bundle.model).__module__.startswith("unmask.models.families.")
+    assert not bundle.model.config.to_dict().get("auto_map")
+    for flag in (False, True):  # an explicit trust_remote_code=True still takes the native class
+        assert type(_load(path, family, trust_remote_code=flag).model).__module__.startswith("unmask.models.")
+
+
+def test_family_defaults_come_from_the_checkpoint(tmp_path):
+    # SDAR's published config names no mask id: the family's documented 151669 is taken (and is
+    # outside this tiny vocabulary, hence the error naming it).
+    with pytest.raises(UnmaskError, match="mask token id 151669 is outside"):
+        unmask.load(str(published_dir(tmp_path, "sdar")))
+    llada = unmask.load(str(published_dir(tmp_path, "llada", config={"mask_token_id": 7})))
+    assert llada.mask_token_id == 7  # config.json wins over the documented 126336
+    dream = unmask.load(str(published_dir(tmp_path, "dream")))
+    assert dream.stop_token_ids == (151643,)  # generation_config.json's eos, as published
+    sdar = unmask.load(str(published_dir(tmp_path, "sdar", config={"block_size": 8})), mask_token_id=MASK)
+    assert sdar.block_size is None and block_decode.resolve_block_size(sdar, None) == 8  # config.json's block
+
+
+def test_unsupported_llada_options_are_refused(tmp_path):
+    with pytest.raises(UnmaskError, match="alibi=True; unmask implements the published LLaDA-8B"):
+        unmask.load(str(published_dir(tmp_path, "llada", config={"alibi": True})))
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_cached_bidirectional_forward_equals_uncached(tmp_path, family):
+    """DynamicCache + 4D masks + explicit positions (the prefix cache's path) equal one full forward."""
+    from unmask.compat import forward, new_cache
+
+    bundle = _load(published_dir(tmp_path, family), family)
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(10)[None]
+    with torch.no_grad():
+        full = forward(bundle.model, ids, position_ids=pos, is_causal=False)
+        cache = new_cache(bundle.model)
+        forward(bundle.model, ids[:, :6], position_ids=pos[:, :6], cache=cache, is_causal=False)
+        ones = torch.ones(1, 1, 4, 10, dtype=torch.bool)
+        from unmask.compat import attention_mask
+
+        tail = forward(bundle.model, ids[:, 6:], position_ids=pos[:, 6:], cache=cache,
+                       attention_mask=attention_mask(bundle.model, ones), is_causal=False)
+    # the cached prefix saw only itself, so compare against a forward whose prefix is also blind to the tail
+    allowed = torch.ones(10, 10, dtype=torch.bool)
+    allowed[:6, 6:] = False
+    kind, shift, block, theta, eps = FAMILY_FACTS[family]
+    want = reference_logits(family, published_weights(family), ids, theta=theta, eps=eps, allowed=allowed)
+    torch.testing.assert_close(tail.double(), want[:, 6:], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(full[:, :6].double(), want[:, :6], atol=1e-3)  # full attention differs
+
+
+PROMPTS = [[3, 17, 42, 9, 88, 5], [64, 12, 7]]
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("policy, cache", [("top-k", "none"), ("threshold", "prefix"), ("entropy-bound", "dual"),
+                                           ("factor", "none")])
+def test_diffusion_decoder_batch_equals_single(tmp_path, family, policy, cache):
+    bundle = _load(published_dir(tmp_path, family), family)
+    opts = dict(max_new_tokens=8, block_size=4, policy=policy, cache=cache)
+    if policy == "top-k":
+        opts["steps"] = 8
+    out = diffusion.decode(bundle, PROMPTS, **opts)
+    assert out.stats.extra["sampler"] == ("dream" if family == "dream" else "llada")
+    for i, p in enumerate(PROMPTS):
+        single = diffusion.decode(bundle, [p], **opts)
+        assert single.tokens[0] == out.tokens[i]
+    assert all(MASK not in row for row in out.tokens)
+
+
+@pytest.mark.parametrize("decoder", ["block", "multiblock"])
+def test_block_decoders_on_sdar_batch_equals_single(tmp_path, decoder):
+    bundle = _load(published_dir(tmp_path, "sdar"), "sdar")
+    decode = block_decode.decode if decoder == "block" else multiblock.decode
+    out = decode(bundle, PROMPTS, max_new_tokens=8)
+    assert out.stats.extra["block_size"] == 4
+    for i, p in enumerate(PROMPTS):
+        assert decode(bundle, [p], max_new_tokens=8).tokens[0] == out.tokens[i]
+    with pytest.raises(UnmaskError, match="disagrees with the checkpoint's block size 4"):
+        decode(bundle, PROMPTS, max_new_tokens=8, block_size=8)
+
+
+def test_dream_logits_are_realigned(tmp_path):
+    bundle = _load(published_dir(tmp_path, "dream"), "dream")
+    ids = torch.tensor([[5, 9, 11, 2]])
+    with torch.no_grad():
+        raw = bundle.model(input_ids=ids).logits
+    aligned = realign(raw, bundle.logit_shift)
+    torch.testing.assert_close(aligned[:, 1:], raw[:, :-1])
+
+
+def test_save_pretrained_round_trips_published_names(tmp_path):
+    from safetensors.torch import load_file
+
+    bundle = _load(published_dir(tmp_path, "llada"), "llada")
+    out = tmp_path / "saved"
+    bundle.model.save_pretrained(out)
+    assert set(load_file(out / "model.safetensors")) == set(published_weights("llada"))
+    again = unmask.load(str(out))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(again.model(input_ids=ids).logits, bundle.model(input_ids=ids).logits)
+    assert (again.kind, again.mask_token_id) == ("masked-diffusion", MASK)
