@@ -27,6 +27,7 @@ from unmask.models.adapters import realign
 CONFIGS = Path(__file__).parent / "data" / "dllm_configs"
 VOCAB, MASK, EOS = 160, 150, 151
 H, N_HEADS, N_KV, HEAD, LAYERS, FF = 32, 4, 2, 8, 2, 48
+EXPERTS, MOE_FF = 8, 16  # LLaDA2: 8 routed experts in 4 groups, 2 chosen from the 2 best groups, 1 shared
 
 # family -> published config overrides that make it tiny (ids moved inside the tiny vocabulary).
 TINY = {
@@ -39,6 +40,10 @@ TINY = {
     "sdar": dict(hidden_size=H, num_attention_heads=N_HEADS, num_key_value_heads=N_KV, head_dim=HEAD,
                  num_hidden_layers=LAYERS, intermediate_size=FF, vocab_size=VOCAB, max_position_embeddings=256,
                  max_window_layers=LAYERS, bos_token_id=EOS, eos_token_id=EOS),
+    "llada2_mini": dict(hidden_size=H, num_attention_heads=N_HEADS, num_key_value_heads=N_KV, head_dim=HEAD,
+                        num_hidden_layers=LAYERS, intermediate_size=FF, moe_intermediate_size=MOE_FF,
+                        num_experts=EXPERTS, num_experts_per_tok=2, n_group=4, topk_group=2, vocab_size=VOCAB,
+                        max_position_embeddings=256, max_window_layers=LAYERS, pad_token_id=EOS, rotary_dim=HEAD // 2),
 }
 
 
@@ -52,7 +57,29 @@ def published_weights(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
     def norm():
         return 1.0 + 0.1 * torch.randn(H, generator=g)
 
+    def mlp(p, ff):
+        return {p + "gate_proj.weight": w(ff, H), p + "up_proj.weight": w(ff, H), p + "down_proj.weight": w(H, ff)}
+
     sd, kv = {}, N_KV * HEAD
+    if family == "llada2_mini":
+        sd["model.word_embeddings.weight"] = w(VOCAB, H)
+        for i in range(LAYERS):
+            p = f"model.layers.{i}."
+            sd.update({p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
+                       p + "attention.query_key_value.weight": w((N_HEADS + 2 * N_KV) * HEAD, H),
+                       p + "attention.dense.weight": w(H, N_HEADS * HEAD),
+                       p + "attention.query_layernorm.weight": 1.0 + 0.1 * torch.randn(HEAD, generator=g),
+                       p + "attention.key_layernorm.weight": 1.0 + 0.1 * torch.randn(HEAD, generator=g)})
+            if i == 0:  # first_k_dense_replace = 1
+                sd.update(mlp(p + "mlp.", FF))
+                continue
+            sd.update({p + "mlp.gate.weight": w(EXPERTS, H) * 5, p + "mlp.gate.expert_bias": 0.3 * w(EXPERTS)})
+            for e in range(EXPERTS):
+                sd.update(mlp(p + f"mlp.experts.{e}.", MOE_FF))
+            sd.update(mlp(p + "mlp.shared_experts.", MOE_FF))
+        sd["model.norm.weight"] = norm()
+        sd["lm_head.weight"] = w(VOCAB, H)
+        return sd
     if family == "llada":
         sd["model.transformer.wte.weight"] = w(VOCAB, H)
         for i in range(LAYERS):
@@ -117,8 +144,11 @@ def _rms(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _rope(x, pos, theta):
-    """Half-split rotary embedding (the published ``rotate_half``) of x (B, nh, T, d) at pos (T,)."""
+def _rope(x, pos, theta, rotary: int | None = None):
+    """Half-split rotary embedding (the published ``rotate_half``) of the first ``rotary`` dims
+    (default all) of x (B, nh, T, d) at pos (T,); the rest pass through."""
+    if rotary is not None and rotary < x.shape[-1]:
+        return torch.cat([_rope(x[..., :rotary], pos, theta), x[..., rotary:]], -1)
     d = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)  # (d/2,)
     ang = pos.double()[:, None] * inv[None]  # (T, d/2)
@@ -131,6 +161,8 @@ def reference_logits(family: str, sd: dict, ids: torch.Tensor, *, theta: float, 
                      allowed: torch.Tensor) -> torch.Tensor:
     """Logits (B, T, V) in float64 of the published ``family`` forward; allowed: (T, T) bool."""
     sd = {k: v.double() for k, v in sd.items()}
+    if family == "llada2_mini":
+        return _llada2_reference(sd, ids, theta=theta, eps=eps, allowed=allowed)
     if family == "llada":
         names = {k.replace("model.transformer.", ""): v for k, v in sd.items()}
         emb, head, final = names["wte.weight"], names["ff_out.weight"], names["ln_f.weight"]
@@ -173,27 +205,75 @@ def reference_logits(family: str, sd: dict, ids: torch.Tensor, *, theta: float, 
     return _rms(x, final, eps) @ head.T  # (B, T, V)
 
 
+def _swiglu(sd, p, h):
+    gate, up = h @ sd[p + "gate_proj.weight"].T, h @ sd[p + "up_proj.weight"].T
+    return (torch.nn.functional.silu(gate) * up) @ sd[p + "down_proj.weight"].T
+
+
+def _moe(sd, p, h):
+    """The published LLaDA2 MoE on h (N, H): sigmoid router, expert choice on score + expert_bias
+    limited to the 2 best of 4 groups (group score = sum of its two best), 2 experts weighted by
+    their normalised unbiased scores x routed_scaling_factor 2.5, plus the shared expert."""
+    scores = torch.sigmoid(h @ sd[p + "gate.weight"].T)  # (N, E)
+    choice = scores + sd[p + "gate.expert_bias"]
+    out = _swiglu(sd, p + "shared_experts.", h)
+    for n in range(h.shape[0]):
+        groups = choice[n].view(4, EXPERTS // 4)  # (groups, experts per group)
+        best_groups = groups.topk(2, -1).values.sum(-1).topk(2).indices
+        allowed = torch.zeros(4, EXPERTS // 4, dtype=torch.bool)
+        allowed[best_groups] = True
+        chosen = choice[n].masked_fill(~allowed.flatten(), float("-inf")).topk(2).indices
+        weights = scores[n, chosen] / scores[n, chosen].sum() * 2.5
+        for e, wt in zip(chosen.tolist(), weights):
+            out[n] += wt * _swiglu(sd, p + f"experts.{e}.", h[n: n + 1])[0]
+    return out
+
+
+def _llada2_reference(sd, ids, *, theta, eps, allowed):
+    B, T = ids.shape
+    pos = torch.arange(T)
+    x = sd["model.word_embeddings.weight"][ids]  # (B, T, H)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        h = _rms(x, sd[p + "input_layernorm.weight"], eps)
+        qkv = (h @ sd[p + "attention.query_key_value.weight"].T).view(B, T, N_HEADS + 2 * N_KV, HEAD)
+        q, k, v = qkv.split([N_HEADS, N_KV, N_KV], dim=2)  # heads: all queries, then keys, then values
+        q = _rms(q, sd[p + "attention.query_layernorm.weight"], eps).transpose(1, 2)  # (B, nh, T, d)
+        k = _rms(k, sd[p + "attention.key_layernorm.weight"], eps).transpose(1, 2)
+        v = v.transpose(1, 2)
+        q, k = _rope(q, pos, theta, HEAD // 2), _rope(k, pos, theta, HEAD // 2)  # partial_rotary_factor 0.5
+        k, v = k.repeat_interleave(N_HEADS // N_KV, 1), v.repeat_interleave(N_HEADS // N_KV, 1)
+        att = ((q @ k.transpose(-1, -2)) / math.sqrt(HEAD)).masked_fill(~allowed, float("-inf")).softmax(-1)
+        x = x + (att @ v).transpose(1, 2).reshape(B, T, -1) @ sd[p + "attention.dense.weight"].T
+        h = _rms(x, sd[p + "post_attention_layernorm.weight"], eps)
+        x = x + (_swiglu(sd, p + "mlp.", h) if i == 0 else _moe(sd, p + "mlp.", h.view(B * T, H)).view(B, T, H))
+    return _rms(x, sd["model.norm.weight"], eps) @ sd["lm_head.weight"].T  # (B, T, V)
+
+
 FAMILY_FACTS = {  # family -> (kind, logit shift, block size, theta, eps)
     "llada": ("masked-diffusion", 0, None, 500000.0, 1e-5),
     "dream": ("masked-diffusion", 1, None, 1000000.0, 1e-6),
     "sdar": ("block-diffusion", 0, 4, 1000000.0, 1e-6),
+    "llada2_mini": ("block-diffusion", 0, 32, 600000.0, 1e-6),
 }
+ALL = list(FAMILY_FACTS)
 
 
 def _allowed(family: str, T: int) -> torch.Tensor:
-    if family == "sdar":
-        blk = torch.arange(T) // 4
+    if family in ("sdar", "llada2_mini"):
+        blk = torch.arange(T) // FAMILY_FACTS[family][2]
         return blk[None, :] <= blk[:, None]  # (T, T) block-causal
     return torch.ones(T, T, dtype=torch.bool)  # bidirectional
 
 
 def _load(path: Path, family: str, **kw):
-    if family == "sdar":  # the published config names no mask id and 151669 is outside the tiny vocab
+    if family in ("sdar", "llada2_mini"):  # the published configs name no mask id; 151669 / 156895 lie outside
+        # the tiny vocabulary
         kw.setdefault("mask_token_id", MASK)
     return unmask.load(str(path), **kw)
 
 
-@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+@pytest.mark.parametrize("family", ALL)
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_published_directory_matches_reference_forward(tmp_path, family, attn):
     path = published_dir(tmp_path, family, shards=2)
@@ -201,16 +281,16 @@ def test_published_directory_matches_reference_forward(tmp_path, family, attn):
     bundle.model.config._attn_implementation = attn
     kind, shift, block, theta, eps = FAMILY_FACTS[family]
     assert (bundle.kind, bundle.logit_shift, bundle.block_size, bundle.mask_token_id) == (kind, shift, block, MASK)
-    assert bundle.tokenizer is None and bundle.meta["family"] == family
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    assert bundle.tokenizer is None and bundle.meta["family"] == family.split("_")[0]
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))  # > 1 block of 32
     with torch.no_grad():
         got = bundle.model(input_ids=ids).logits.double()  # no mask passed: the family's own attention
     want = reference_logits(family, published_weights(family), ids, theta=theta, eps=eps,
-                            allowed=_allowed(family, 12))
+                            allowed=_allowed(family, 40))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+@pytest.mark.parametrize("family", ALL)
 def test_no_remote_code_is_imported(tmp_path, family, monkeypatch):
     """A poisoned modeling file next to the weights: importing it (any trust_remote_code path) fails."""
     import transformers.dynamic_module_utils as dyn
@@ -293,16 +373,19 @@ def test_diffusion_decoder_batch_equals_single(tmp_path, family, policy, cache):
     assert all(MASK not in row for row in out.tokens)
 
 
+@pytest.mark.parametrize("family", ["sdar", "llada2_mini"])
 @pytest.mark.parametrize("decoder", ["block", "multiblock"])
-def test_block_decoders_on_sdar_batch_equals_single(tmp_path, decoder):
-    bundle = _load(published_dir(tmp_path, "sdar"), "sdar")
+def test_block_decoders_batch_equals_single(tmp_path, family, decoder):
+    bundle = _load(published_dir(tmp_path, family), family)
+    B = FAMILY_FACTS[family][2]
     decode = block_decode.decode if decoder == "block" else multiblock.decode
-    out = decode(bundle, PROMPTS, max_new_tokens=8)
-    assert out.stats.extra["block_size"] == 4
+    out = decode(bundle, PROMPTS, max_new_tokens=B + 4)
+    assert out.stats.extra["block_size"] == B and out.stats.nfe >= 2
     for i, p in enumerate(PROMPTS):
-        assert decode(bundle, [p], max_new_tokens=8).tokens[0] == out.tokens[i]
-    with pytest.raises(UnmaskError, match="disagrees with the checkpoint's block size 4"):
-        decode(bundle, PROMPTS, max_new_tokens=8, block_size=8)
+        assert decode(bundle, [p], max_new_tokens=B + 4).tokens[0] == out.tokens[i]
+    assert all(MASK not in row for row in out.tokens)
+    with pytest.raises(UnmaskError, match=f"disagrees with the checkpoint's block size {B}"):
+        decode(bundle, PROMPTS, max_new_tokens=8, block_size=B * 2)
 
 
 def test_dream_logits_are_realigned(tmp_path):
