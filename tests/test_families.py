@@ -409,3 +409,107 @@ def test_save_pretrained_round_trips_published_names(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(again.model(input_ids=ids).logits, bundle.model(input_ids=ids).logits)
     assert (again.kind, again.mask_token_id) == ("masked-diffusion", MASK)
+
+
+def _word_tokenizer(path: Path, tokenizer_config: dict) -> None:
+    """A tokenizer.json over the tiny vocabulary (w0..w149, the mask 150, the end 151)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(MASK)} | {"<|mask|>": MASK, "<|endoftext|>": EOS}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+
+
+def test_tokenizer_files_load_without_remote_code(tmp_path):
+    """Dream's tokenizer_config names its remote DreamTokenizer; the bundle reads tokenizer.json
+    natively, agrees with the config on the mask id, and generates from text."""
+    path = published_dir(tmp_path, "dream")
+    _word_tokenizer(path, {"tokenizer_class": "DreamTokenizer", "mask_token": "<|mask|>", "eos_token": "<|endoftext|>",
+                           "pad_token": "<|endoftext|>", "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer",
+                                                                                          None]}})
+    (path / "tokenization_dream.py").write_text("raise RuntimeError('remote code was imported')\n")
+    bundle = unmask.load(str(path))
+    assert bundle.tokenizer.mask_token_id == MASK == bundle.mask_token_id
+    assert bundle.encode("w3 w5 w7") == [3, 5, 7]
+    out = unmask.generate(["w3 w5 w7"], bundle, max_new_tokens=4, block_size=4)
+    assert out.decoder == "diffusion" and len(out.tokens[0]) <= 4
+
+
+def test_qwen2_vocab_and_merges_load_as_qwen2_tokenizer(tmp_path):
+    """Without tokenizer.json (Dream ships vocab.json + merges.txt) the family's transformers class reads them."""
+    import transformers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from unmask.models.adapters import FAMILIES
+    from unmask.models.bundle import _load_tokenizer
+
+    alphabet = list(bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(alphabet)} | {"he": 256}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\nh e\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "DreamTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]}}))
+    tok = _load_tokenizer(tmp_path, FAMILIES["dream"], True, False)
+    assert isinstance(tok, transformers.Qwen2Tokenizer)
+    assert tok("hehe")["input_ids"] == [256, 256]
+
+
+def test_bundle_without_tokenizer_refuses_text(tmp_path):
+    bundle = unmask.load(str(published_dir(tmp_path, "llada")))
+    with pytest.raises(UnmaskError, match="has no tokenizer files; add the checkpoint's tokenizer"):
+        unmask.generate(["hello"], bundle, max_new_tokens=4)
+
+
+def llada2_generate_reference(model, prompt: list[int], *, gen_length: int, block: int = 32, steps: int = 32,
+                              threshold: float = 0.95, mask_id: int = MASK) -> list[int]:
+    """The published LLaDA2.0 ``generate`` loop, greedy, written from its description: the whole
+    window [0, end of current block) is re-run each step with an additive block-causal mask
+    (log of a block-tril 0/1 matrix) and explicit positions, no cache; per step the quota is
+    block/steps (remainder first); commit every mask with p > threshold if at least the quota of
+    them, else the top-quota by p."""
+    P = len(prompt)
+    n_blocks = (P + gen_length + block - 1) // block
+    total = n_blocks * block
+    tril = torch.tril(torch.ones(n_blocks, n_blocks))
+    additive = tril.repeat_interleave(block, 0).repeat_interleave(block, 1).log()[None, None]  # (1, 1, T, T)
+    x = torch.full((1, total), mask_id, dtype=torch.long)
+    x[0, :P] = torch.tensor(prompt)
+    quotas = [block // steps + (s < block % steps) for s in range(steps)]
+    for b in range(P // block, n_blocks):
+        end = (b + 1) * block
+        for s in range(steps):
+            active = x[0, end - block: end] == mask_id
+            if not active.any():
+                break
+            with torch.no_grad():
+                logits = model(input_ids=x[:, :end], attention_mask=additive[:, :, :end, :end],
+                               position_ids=torch.arange(end)[None]).logits[0, -block:]
+            probs = logits.float().softmax(-1)
+            p, tok = probs.max(-1)
+            conf = torch.where(active, p, torch.tensor(float("-inf")))
+            high = conf > threshold
+            if int(high.sum()) >= quotas[s]:
+                pick = high
+            else:
+                pick = torch.zeros(block, dtype=torch.bool)
+                pick[conf.topk(min(quotas[s], int(active.sum()))).indices] = True
+            x[0, end - block: end] = torch.where(pick, tok, x[0, end - block: end])
+    return x[0, P: P + gen_length].tolist()
+
+
+def test_llada2_generate_schedule_reproduces_the_published_loop(tmp_path):
+    bundle = _load(published_dir(tmp_path, "llada2_mini"), "llada2_mini")
+    prompts = [list(range(3, 40)), [64, 12, 7]]  # a prompt longer than one block, and a short one
+    out = block_decode.decode(bundle, prompts, max_new_tokens=40, schedule="llada2", stop_token_ids=())
+    assert out.stats.extra["steps"] == 32 and out.stats.extra["block_size"] == 32
+    for row, p in zip(out.tokens, prompts):
+        want = llada2_generate_reference(bundle.model, p, gen_length=40)
+        assert row == want[: len(row)] and len(row) == 40
+    # a coarser schedule: 4 steps of 8 tokens each per block, still the same loop
+    out4 = block_decode.decode(bundle, prompts[:1], max_new_tokens=40, schedule="llada2", steps=4)
+    assert out4.tokens[0] == llada2_generate_reference(bundle.model, prompts[0], gen_length=40, steps=4)
+    assert out4.stats.nfe < out.stats.nfe
+    with pytest.raises(UnmaskError, match="not policy 'top-k'"):
+        block_decode.decode(bundle, prompts, max_new_tokens=8, schedule="llada2", policy="top-k")

@@ -174,7 +174,10 @@ def _load_tokenizer(path: Path, family, native: bool, trust_remote_code: bool):
     if native:
         import transformers
 
-        return getattr(transformers, family.tokenizer).from_pretrained(path)
+        # tokenizer.json holds the whole pipeline; without it (Dream ships vocab.json + merges.txt)
+        # the family's class rebuilds it. AutoTokenizer would follow the remote auto_map instead.
+        cls = "PreTrainedTokenizerFast" if (path / "tokenizer.json").is_file() else family.tokenizer
+        return getattr(transformers, cls).from_pretrained(path)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
