@@ -513,3 +513,78 @@ def test_llada2_generate_schedule_reproduces_the_published_loop(tmp_path):
     assert out4.stats.nfe < out.stats.nfe
     with pytest.raises(UnmaskError, match="not policy 'top-k'"):
         block_decode.decode(bundle, prompts, max_new_tokens=8, schedule="llada2", policy="top-k")
+
+
+def dream_generate_reference(model, prompt: list[int], *, gen_length: int, steps: int, alg: str,
+                             eps: float = 1e-3, mask_id: int = MASK) -> list[int]:
+    """Dream's ``diffusion_generate`` for one row at temperature 0, written from its description
+    (diffusion.md §5): full forward per step, logits shifted right by one, k = int(n (1 - s/t))
+    (all at the last step) most confident masks by the alg's score."""
+    x = torch.tensor([prompt + [mask_id] * gen_length])
+    ts = torch.linspace(1, eps, steps + 1)
+    for i in range(steps):
+        masked = x[0] == mask_id
+        with torch.no_grad():
+            logits = model(input_ids=x).logits[0]
+        logits = torch.cat([logits[:1], logits[:-1]])  # (T, V): index i scores token i
+        probs = logits[masked].float().softmax(-1)
+        conf, tok = probs.max(-1)
+        if alg == "topk_margin":
+            top2 = probs.topk(2, -1).values
+            conf = top2[:, 0] - top2[:, 1]
+        elif alg == "entropy":
+            conf = (probs * torch.log(probs + 1e-10)).sum(-1)
+        n = masked.sum() / 1
+        k = int(n * (1 - ts[i + 1] / ts[i])) if i < steps - 1 else int(n)
+        full = torch.full(masked.shape, float("-inf"))
+        full[masked] = conf
+        cand = torch.full_like(x[0], mask_id)
+        cand[masked] = tok
+        if k > 0:
+            pick = full.topk(k).indices
+            x[0, pick] = cand[pick]
+    return x[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("alg", ["maskgit_plus", "topk_margin", "entropy"])
+def test_dream_schedule_reproduces_diffusion_generate(tmp_path, alg):
+    bundle = _load(published_dir(tmp_path, "dream"), "dream")
+    prompt = [3, 17, 42, 9]
+    out = diffusion.decode(bundle, [prompt], max_new_tokens=12, schedule="dream", alg=alg, steps=5)
+    want = dream_generate_reference(bundle.model, prompt, gen_length=12, steps=5, alg=alg)
+    assert out.tokens[0] == want[: len(out.tokens[0])] and MASK not in want
+    assert out.stats.extra["schedule"] == "dream" and out.stats.nfe == 5
+
+
+@pytest.mark.parametrize("alg, alg_temp", [("origin", None), ("entropy", 0.5)])
+def test_dream_schedule_random_choices_batch_equals_single(tmp_path, alg, alg_temp):
+    bundle = _load(published_dir(tmp_path, "dream"), "dream")
+    opts = dict(max_new_tokens=8, schedule="dream", alg=alg, alg_temp=alg_temp, steps=4)
+    out = diffusion.decode(bundle, PROMPTS, **opts)
+    for i, p in enumerate(PROMPTS):
+        assert diffusion.decode(bundle, [p], **opts).tokens[0] == out.tokens[i]
+    assert out.stats.extra["alg"] == alg
+
+
+def test_dream_schedule_refuses_block_options(tmp_path):
+    bundle = _load(published_dir(tmp_path, "dream"), "dream")
+    with pytest.raises(UnmaskError, match="--block-size, --cache do\\(es\\) not apply to --schedule dream"):
+        diffusion.decode(bundle, PROMPTS, max_new_tokens=8, schedule="dream", block_size=4, cache="prefix")
+    with pytest.raises(UnmaskError, match="add --schedule dream"):
+        diffusion.decode(bundle, PROMPTS, max_new_tokens=8, alg="entropy")
+    with pytest.raises(UnmaskError, match="unknown alg 'greedy'"):
+        diffusion.decode(bundle, PROMPTS, max_new_tokens=8, schedule="dream", alg="greedy")
+
+
+@pytest.mark.parametrize("family, args", [("dream", ["--schedule", "dream", "--alg", "entropy", "--steps", "4"]),
+                                          ("llada2_mini", ["--schedule", "llada2"]),
+                                          ("sdar", ["--decoder", "multiblock"])])
+def test_cli_generates_from_a_published_directory(tmp_path, capsys, family, args):
+    from conftest import run_cli
+
+    path = published_dir(tmp_path, family, config={"mask_token_id": MASK})
+    _word_tokenizer(path, {"mask_token": "<|mask|>", "eos_token": "<|endoftext|>"})
+    code, out, err = run_cli(capsys, "generate", "w3 w5 w7", "--model", str(path), "-n", "6", "--json", *args)
+    assert code == 0, err
+    row = json.loads(out.splitlines()[0])
+    assert row["nfe"] >= 1 and len(row["tokens"]) <= 6
