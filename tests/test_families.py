@@ -43,7 +43,8 @@ TINY = {
     "llada2_mini": dict(hidden_size=H, num_attention_heads=N_HEADS, num_key_value_heads=N_KV, head_dim=HEAD,
                         num_hidden_layers=LAYERS, intermediate_size=FF, moe_intermediate_size=MOE_FF,
                         num_experts=EXPERTS, num_experts_per_tok=2, n_group=4, topk_group=2, vocab_size=VOCAB,
-                        max_position_embeddings=256, max_window_layers=LAYERS, pad_token_id=EOS, rotary_dim=HEAD // 2),
+                        max_position_embeddings=256, max_window_layers=LAYERS, pad_token_id=EOS, rotary_dim=HEAD // 2,
+                        eos_token_id=EOS),
 }
 
 
@@ -588,3 +589,57 @@ def test_cli_generates_from_a_published_directory(tmp_path, capsys, family, args
     assert code == 0, err
     row = json.loads(out.splitlines()[0])
     assert row["nfe"] >= 1 and len(row["tokens"]) <= 6
+
+
+def _ids_corpus(path: Path, n: int = 12, length: int = 24) -> Path:
+    g = torch.Generator().manual_seed(5)
+    rows = [{"ids": torch.randint(3, MASK, (length,), generator=g).tolist()} for _ in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2_mini"])
+def test_multitf_post_trains_a_published_block_model(tmp_path, family):
+    """MultiTF takes the published directory and writes a checkpoint in the published names that reloads natively."""
+    from safetensors.torch import load_file
+
+    from unmask.train.multitf import train_multitf
+
+    B = FAMILY_FACTS[family][2]
+    base = published_dir(tmp_path, family, config={"mask_token_id": MASK})
+    out = tmp_path / "out"
+    result = train_multitf(base=str(base), data=_ids_corpus(tmp_path / "ids.jsonl", length=2 * B + 8), out=out,
+                           seq_len=2 * B, g_max=2, steps=2, batch_size=1, eval_every=0, ckpt_every=0, progress=False)
+    assert result.out is not None
+    trained = unmask.load(str(out))
+    assert (trained.kind, trained.block_size, trained.meta["family"]) == ("block-diffusion", B, family.split("_")[0])
+    assert type(trained.model).__name__ == json.loads((base / "config.json").read_text())["architectures"][0]
+    names = set().union(*(load_file(f).keys() for f in out.glob("*.safetensors")))
+    assert names == set(published_weights(family))
+    assert multiblock.decode(trained, PROMPTS, max_new_tokens=B).stats.nfe >= 1
+
+
+def test_lbs_router_trains_on_a_published_masked_diffusion_model(tmp_path):
+    from unmask.decode import early_bird
+    from unmask.train.routers import LBSTrainConfig, run_lbs
+
+    path = published_dir(tmp_path, "llada")
+    summary = run_lbs(model=str(path), data=[_ids_corpus(tmp_path / "ids.jsonl")], n_prompts=4, gen_length=8,
+                      block_size=4, gen_batch=4, train=LBSTrainConfig(block=4, epochs=1, batch_size=4),
+                      router={"d": 8, "layers": 1, "ffn": 16})
+    assert (path / "routers").is_dir() and summary
+    bundle = unmask.load(str(path))
+    out = early_bird.decode(bundle, PROMPTS, max_new_tokens=8, lps=False)
+    assert all(MASK not in row for row in out.tokens)
+
+
+def test_missing_weights_are_an_error_not_random_layers(tmp_path):
+    from safetensors.torch import load_file
+
+    path = published_dir(tmp_path, "llada")
+    sd = load_file(path / "model.safetensors")
+    del sd["model.transformer.blocks.1.ff_out.weight"]
+    save_file(sd, path / "model.safetensors")
+    with pytest.raises(UnmaskError, match="lacks weights the LLaDAModelLM architecture needs "
+                                          r"\(model.layers.1.mlp.down_proj.weight\)"):
+        unmask.load(str(path))

@@ -43,5 +43,13 @@ def load_native(module, path: Path, hf_config: dict, *, dtype, attn_implementati
         raise UnmaskError(f"{path / 'config.json'} does not match the published {module.ARCHITECTURE} schema "
                           f"({type(e).__name__}: {e}); restore the checkpoint's config.json") from None
     model_cls = getattr(module, module.ARCHITECTURE)
-    return model_cls.from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn_implementation,
-                                     trust_remote_code=False)
+    model, info = model_cls.from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn_implementation,
+                                            trust_remote_code=False, output_loading_info=True)
+    # transformers initialises missing weights at random with only a warning; a checkpoint whose
+    # names do not match the published ones must not decode silently with random layers.
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise UnmaskError(f"{path} lacks weights the {module.ARCHITECTURE} architecture needs ({', '.join(missing[:3])}"
+                          f"{more}); the shards are incomplete or use other parameter names, restore the checkpoint")
+    return model
