@@ -619,11 +619,12 @@ def test_multitf_post_trains_a_published_block_model(tmp_path, family):
     assert multiblock.decode(trained, PROMPTS, max_new_tokens=B).stats.nfe >= 1
 
 
-def test_lbs_router_trains_on_a_published_masked_diffusion_model(tmp_path):
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_lbs_router_trains_on_a_published_masked_diffusion_model(tmp_path, family):
     from unmask.decode import early_bird
     from unmask.train.routers import LBSTrainConfig, run_lbs
 
-    path = published_dir(tmp_path, "llada")
+    path = published_dir(tmp_path, family)
     summary = run_lbs(model=str(path), data=[_ids_corpus(tmp_path / "ids.jsonl")], n_prompts=4, gen_length=8,
                       block_size=4, gen_batch=4, train=LBSTrainConfig(block=4, epochs=1, batch_size=4),
                       router={"d": 8, "layers": 1, "ffn": 16})
@@ -643,3 +644,48 @@ def test_missing_weights_are_an_error_not_random_layers(tmp_path):
     with pytest.raises(UnmaskError, match="lacks weights the LLaDAModelLM architecture needs "
                                           r"\(model.layers.1.mlp.down_proj.weight\)"):
         unmask.load(str(path))
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_left_padded_batch_forward_equals_single_rows(tmp_path, family):
+    """The standard forward arguments: 2D padding mask + positions counting real tokens only."""
+    bundle = _load(published_dir(tmp_path, family), family)
+    rows = [[5, 9, 11, 2, 7, 30, 31, 3, 44, 12], [8, 6, 4]]
+    T = max(map(len, rows))
+    ids = torch.tensor([[EOS] * (T - len(r)) + r for r in rows])  # (2, T) left-padded
+    pad = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows])
+    pos = (pad.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        batch = bundle.model(input_ids=ids, attention_mask=pad, position_ids=pos).logits
+        for i, r in enumerate(rows):
+            single = bundle.model(input_ids=torch.tensor([r])).logits[0]
+            torch.testing.assert_close(batch[i, T - len(r):], single, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2_mini"])
+def test_static_cache_prefill_then_block_equals_full_forward(tmp_path, family):
+    """A StaticCache holds the prefix's K/V (4D mask over max_cache_len keys); the next block's logits
+    equal those of one uncached block-causal forward."""
+    from transformers import StaticCache
+
+    from unmask.compat import attention_mask, set_static_length
+    from unmask.masks import as_4d, block_causal_mask
+
+    bundle = _load(published_dir(tmp_path, family), family)
+    B = FAMILY_FACTS[family][2]
+    ids = torch.randint(0, VOCAB, (1, 2 * B), generator=torch.Generator().manual_seed(3))
+    cap = 3 * B
+    with torch.no_grad():
+        full = bundle.model(input_ids=ids).logits[:, B:]  # (1, B, V): the second block
+        cache = StaticCache(config=bundle.model.config, max_cache_len=cap)
+
+        def mask(past, q):
+            m = torch.zeros(q, cap, dtype=torch.bool)
+            m[:, : past + q] = block_causal_mask(q, B, past)  # keys past the written ones stay invisible
+            return attention_mask(bundle.model, as_4d(m))
+
+        bundle.model(input_ids=ids[:, :B], attention_mask=mask(0, B), position_ids=torch.arange(B)[None], cache=cache)
+        set_static_length(cache, B)
+        got = bundle.model(input_ids=ids[:, B:], attention_mask=mask(B, B), position_ids=torch.arange(B, 2 * B)[None],
+                           cache=cache).logits
+    torch.testing.assert_close(got, full, atol=1e-4, rtol=1e-4)

@@ -6,7 +6,8 @@ Decoders never branch on the model family. They read the bundle's ``mask_token_i
 attention mask and positions:
 
 - **native** transformers classes (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ... run
-  bidirectionally, e.g. the tiny stand-ins and AR-adapted checkpoints): ``is_causal=False``,
+  bidirectionally, e.g. the tiny stand-ins and AR-adapted checkpoints, and the published LLaDA /
+  Dream checkpoints, which load into :mod:`unmask.models.families`): ``is_causal=False``,
   padding folded into a 4D bool mask (additive for eager), explicit ``position_ids`` and an HF
   ``Cache``, all through :mod:`unmask.compat` (models.md §3).
 - **LLaDA** remote code (``AutoModel``, ``trust_remote_code``): ``input_ids`` plus a 2D padding
@@ -14,8 +15,9 @@ attention mask and positions:
 - **Dream** remote code: ``attention_mask="full"`` without padding, else a 4D bool mask with
   ``position_ids = cumsum(valid) - 1``; no HF cache (models.md §2.4).
 
-The remote forwards follow the published generation code; whether those models load under
-transformers 5.x is *unverified* (models.md §4).
+The remote forwards follow the published generation code; they serve directories whose own
+code is loaded with ``trust_remote_code`` (the published LLaDA/Dream files themselves fail under
+transformers 5, which is why their architectures are recognised and loaded natively instead).
 """
 
 from __future__ import annotations

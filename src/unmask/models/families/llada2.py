@@ -89,7 +89,8 @@ class LLaDA2MoeModelLM(Glm4MoeForCausalLM):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, **kwargs):
         if input_ids is not None and (attention_mask is None or attention_mask.dim() == 2):
-            attention_mask = default_block_mask(self, input_ids, attention_mask, cache, self.config.block_size)
+            attention_mask = default_block_mask(self, input_ids, attention_mask, cache, self.config.block_size,
+                                                position_ids)
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                cache=cache, **kwargs)
 

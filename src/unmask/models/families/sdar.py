@@ -33,15 +33,21 @@ class SDARConfig(Qwen3Config):
     mask_token_id: int | None = None
 
 
-def default_block_mask(model, input_ids: torch.Tensor, attention_mask, cache, block_size: int) -> torch.Tensor:
+def default_block_mask(model, input_ids: torch.Tensor, attention_mask, cache, block_size: int,
+                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The block-causal 4D mask (B, 1, q, kv) for a forward without one, in the model backend's
-    form; a 2D padding mask ``attention_mask`` (B, kv) is folded in."""
+    form; a 2D padding mask ``attention_mask`` (B, kv) is folded in. Blocks follow ``position_ids``
+    (B, q) when there is no cache (so left-padded rows keep their own blocks), else key index."""
     from unmask.compat import attention_mask as backend_mask
     from unmask.masks import as_4d, block_causal_mask, with_key_padding
 
     B, q = input_ids.shape
     past = cache.get_seq_length() if cache is not None else 0
-    mask = as_4d(block_causal_mask(q, block_size, past, device=input_ids.device), B)  # (B, 1, q, past + q)
+    if past == 0 and position_ids is not None:
+        blk = torch.div(position_ids.expand(B, q), block_size, rounding_mode="floor")  # (B, q)
+        mask = blk[:, None, None, :] <= blk[:, None, :, None]  # (B, 1, q, q)
+    else:
+        mask = as_4d(block_causal_mask(q, block_size, past, device=input_ids.device), B)  # (B, 1, q, past + q)
     if attention_mask is not None:
         mask = with_key_padding(mask, attention_mask.bool())
     return backend_mask(model, mask)
@@ -59,7 +65,8 @@ class SDARForCausalLM(Qwen3ForCausalLM):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, **kwargs):
         if input_ids is not None and (attention_mask is None or attention_mask.dim() == 2):
-            attention_mask = default_block_mask(self, input_ids, attention_mask, cache, self.config.block_size)
+            attention_mask = default_block_mask(self, input_ids, attention_mask, cache, self.config.block_size,
+                                                position_ids)
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                cache=cache, **kwargs)
 
