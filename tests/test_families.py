@@ -689,3 +689,15 @@ def test_static_cache_prefill_then_block_equals_full_forward(tmp_path, family):
         got = bundle.model(input_ids=ids[:, B:], attention_mask=mask(B, B), position_ids=torch.arange(B, 2 * B)[None],
                            cache=cache).logits
     torch.testing.assert_close(got, full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, bad, match", [
+    ("llada", {"n_layers": "two"}, "does not match the published LLaDAModelLM schema .*num_hidden_layers"),
+    ("sdar", {"hidden_size": None}, "does not match the published SDARForCausalLM schema .*hidden_size"),
+    ("llada2_mini", {"num_shared_experts": 0}, "^LLaDA2 config without routed or shared experts"),
+    ("llada2_mini", {"use_bias": True}, "^LLaDA2 config has use_bias=True"),
+])
+def test_bad_published_configs_are_one_line_errors(tmp_path, family, bad, match):
+    with pytest.raises(UnmaskError, match=match) as info:
+        unmask.load(str(published_dir(tmp_path, family, config=bad)), mask_token_id=MASK)
+    assert "\n" not in str(info.value)

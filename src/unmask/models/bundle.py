@@ -244,6 +244,8 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
             auto = getattr(transformers, loader_name(hf_config, family))
             model = auto.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
         tokenizer = _load_tokenizer(path, family, native is not None, trust_remote_code)
+    except UnmaskError:
+        raise
     except (OSError, ValueError, RuntimeError, KeyError, ImportError, TypeError, SafetensorError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnmaskError(f"cannot load the checkpoint in {path}: {first.rstrip('.:')}; "

@@ -37,11 +37,16 @@ def load_native(module, path: Path, hf_config: dict, *, dtype, attn_implementati
     """Build the family's config from the published ``config.json`` dict and load the weights in
     ``path`` (published parameter names) into its native class, with ``trust_remote_code`` off.
     Raises UnmaskError for a config option the native class does not implement."""
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         config = module.config_from_published(hf_config)
-    except (KeyError, TypeError, ValueError) as e:
+    except UnmaskError:
+        raise
+    except (KeyError, TypeError, ValueError, StrictDataclassError) as e:
+        detail = " ".join(str(e).split())  # strict-dataclass messages span lines
         raise UnmaskError(f"{path / 'config.json'} does not match the published {module.ARCHITECTURE} schema "
-                          f"({type(e).__name__}: {e}); restore the checkpoint's config.json") from None
+                          f"({type(e).__name__}: {detail}); restore the checkpoint's config.json") from None
     model_cls = getattr(module, module.ARCHITECTURE)
     model, info = model_cls.from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn_implementation,
                                             trust_remote_code=False, output_loading_info=True)
