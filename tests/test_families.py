@@ -629,9 +629,19 @@ def test_lbs_router_trains_on_a_published_masked_diffusion_model(tmp_path, famil
                       block_size=4, gen_batch=4, train=LBSTrainConfig(block=4, epochs=1, batch_size=4),
                       router={"d": 8, "layers": 1, "ffn": 16})
     assert (path / "routers").is_dir() and summary
+    lps = family == "dream"
+    if lps:  # and the LPS router on the LBS router's traces (few traces: a coarse FPR curve may warn)
+        import warnings
+
+        from unmask.train.routers import LPSTrainConfig, run_lps
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            run_lps(model=str(path), data=[tmp_path / "ids.jsonl"], n_prompts=6, block_size=4, l_min=2, g_max=2,
+                    gen_batch=4, train=LPSTrainConfig(max_epochs=2, batch_size=16), router={"d": 8, "layers": 1, "ffn": 16})
     bundle = unmask.load(str(path))
-    out = early_bird.decode(bundle, PROMPTS, max_new_tokens=8, lps=False)
-    assert all(MASK not in row for row in out.tokens)
+    out = early_bird.decode(bundle, PROMPTS, max_new_tokens=8, lps=lps)
+    assert all(MASK not in row for row in out.tokens) and out.stats.extra["lps"] == lps
 
 
 def test_missing_weights_are_an_error_not_random_layers(tmp_path):
