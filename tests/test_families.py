@@ -330,9 +330,10 @@ def test_unsupported_llada_options_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
-def test_cached_bidirectional_forward_equals_uncached(tmp_path, family):
-    """DynamicCache + 4D masks + explicit positions (the prefix cache's path) equal one full forward."""
-    from unmask.compat import forward, new_cache
+def test_cached_bidirectional_forward_matches_reference(tmp_path, family):
+    """DynamicCache + 4D mask + explicit positions (the prefix cache's path): the tail's logits equal
+    the reference forward in which the cached prefix attends only to itself."""
+    from unmask.compat import attention_mask, forward, new_cache
 
     bundle = _load(published_dir(tmp_path, family), family)
     ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(2))
@@ -342,11 +343,8 @@ def test_cached_bidirectional_forward_equals_uncached(tmp_path, family):
         cache = new_cache(bundle.model)
         forward(bundle.model, ids[:, :6], position_ids=pos[:, :6], cache=cache, is_causal=False)
         ones = torch.ones(1, 1, 4, 10, dtype=torch.bool)
-        from unmask.compat import attention_mask
-
         tail = forward(bundle.model, ids[:, 6:], position_ids=pos[:, 6:], cache=cache,
                        attention_mask=attention_mask(bundle.model, ones), is_causal=False)
-    # the cached prefix saw only itself, so compare against a forward whose prefix is also blind to the tail
     allowed = torch.ones(10, 10, dtype=torch.bool)
     allowed[:6, 6:] = False
     kind, shift, block, theta, eps = FAMILY_FACTS[family]
@@ -412,6 +410,9 @@ def test_save_pretrained_round_trips_published_names(tmp_path):
     assert (again.kind, again.mask_token_id) == ("masked-diffusion", MASK)
 
 
+DREAM_TOKENIZER_MAP = {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]}  # as published
+
+
 def _word_tokenizer(path: Path, tokenizer_config: dict) -> None:
     """A tokenizer.json over the tiny vocabulary (w0..w149, the mask 150, the end 151)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -428,8 +429,7 @@ def test_tokenizer_files_load_without_remote_code(tmp_path):
     natively, agrees with the config on the mask id, and generates from text."""
     path = published_dir(tmp_path, "dream")
     _word_tokenizer(path, {"tokenizer_class": "DreamTokenizer", "mask_token": "<|mask|>", "eos_token": "<|endoftext|>",
-                           "pad_token": "<|endoftext|>", "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer",
-                                                                                          None]}})
+                           "pad_token": "<|endoftext|>", "auto_map": DREAM_TOKENIZER_MAP})
     (path / "tokenization_dream.py").write_text("raise RuntimeError('remote code was imported')\n")
     bundle = unmask.load(str(path))
     assert bundle.tokenizer.mask_token_id == MASK == bundle.mask_token_id
@@ -450,8 +450,8 @@ def test_qwen2_vocab_and_merges_load_as_qwen2_tokenizer(tmp_path):
     vocab = {c: i for i, c in enumerate(alphabet)} | {"he": 256}
     (tmp_path / "vocab.json").write_text(json.dumps(vocab))
     (tmp_path / "merges.txt").write_text("#version: 0.2\nh e\n")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "DreamTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]}}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "DreamTokenizer",
+                                                                "auto_map": DREAM_TOKENIZER_MAP}))
     tok = _load_tokenizer(tmp_path, FAMILIES["dream"], True, False)
     assert isinstance(tok, transformers.Qwen2Tokenizer)
     assert tok("hehe")["input_ids"] == [256, 256]
@@ -638,7 +638,8 @@ def test_lbs_router_trains_on_a_published_masked_diffusion_model(tmp_path, famil
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             run_lps(model=str(path), data=[tmp_path / "ids.jsonl"], n_prompts=6, block_size=4, l_min=2, g_max=2,
-                    gen_batch=4, train=LPSTrainConfig(max_epochs=2, batch_size=16), router={"d": 8, "layers": 1, "ffn": 16})
+                    gen_batch=4, train=LPSTrainConfig(max_epochs=2, batch_size=16),
+                    router={"d": 8, "layers": 1, "ffn": 16})
     bundle = unmask.load(str(path))
     out = early_bird.decode(bundle, PROMPTS, max_new_tokens=8, lps=lps)
     assert all(MASK not in row for row in out.tokens) and out.stats.extra["lps"] == lps

@@ -128,7 +128,8 @@ def config_from_published(cfg: dict) -> LLaDA2MoeConfig:
         topk_group=cfg.get("topk_group", 1), first_k_dense_replace=cfg.get("first_k_dense_replace", 0),
         norm_topk_prob=top_k > 1,  # the published router normalises whenever it picks more than one expert
         use_qk_norm=bool(cfg.get("use_qk_norm", True)), pad_token_id=cfg.get("pad_token_id"),
-        eos_token_id=cfg.get("eos_token_id", EOS_ID if EOS_ID < cfg["vocab_size"] else None), bos_token_id=cfg.get("bos_token_id"), use_cache=False,
+        eos_token_id=cfg.get("eos_token_id", EOS_ID if EOS_ID < cfg["vocab_size"] else None),
+        bos_token_id=cfg.get("bos_token_id"), use_cache=False,
         mask_token_id=cfg.get("mask_token_id"), block_size=cfg.get("block_size", DEFAULT_BLOCK_SIZE),
     )
     out.architectures = [ARCHITECTURE]
