@@ -63,8 +63,11 @@ def generate_cmd(
                                      "default from the model"),
     draft: str = typer.Option(None, "--draft", help="sbd --verify: draft layout, quadratic (default) or linear"),
     gen_length: int = typer.Option(None, "--gen-length", help="diffusion: fixed generation length (canvas size)"),
-    steps: int = typer.Option(None, "--steps", help="diffusion: total denoising steps (top-k policy, LLaDA)"),
+    steps: int = typer.Option(None, "--steps", help="diffusion: total denoising steps (top-k policy, LLaDA; --schedule dream); block: steps per block"),
     cache: str = typer.Option(None, "--cache", help="diffusion: none, prefix or dual (approximate caches)"),
+    schedule: str = typer.Option(None, "--schedule", help="a published reference decoding: dream (diffusion: Dream's "
+                                 "diffusion_generate), llada2 or sdar (block: their generate loops)"),
+    alg: str = typer.Option(None, "--alg", help="--schedule dream: origin, maskgit_plus, topk_margin or entropy"),
     slots: int = typer.Option(None, "--slots", help="multiblock: Block Buffer slots N_buf"),
     tau_add: float = typer.Option(None, "--tau-add", help="multiblock: fill ratio that activates the next block"),
     tau_semi: float = typer.Option(None, "--tau-semi", help="multiblock: fill ratio of the preceding block that allows a forced commit"),
@@ -85,7 +88,8 @@ def generate_cmd(
     options = {"policy": policy, "gamma": gamma, "preset": preset, "tau": tau, "factor": factor,
                "tokens_per_step": tokens_per_step, "eta": eta, "block_size": block_size, "gen_length": gen_length,
                "steps": steps, "cache": cache, "slots": slots, "tau_add": tau_add, "tau_semi": tau_semi,
-               "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps, "verify": verify, "draft": draft}
+               "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps, "verify": verify, "draft": draft,
+               "schedule": schedule, "alg": alg}
     options = {k: v for k, v in options.items() if v is not None}
     bundle = load(model, kind=kind, device=device, dtype=dtype)
     tracer = None

@@ -163,7 +163,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            preset: str | None = None, tau: float | None = None, factor: float | None = None,
            factor_compat: bool | None = None, tokens_per_step: int | None = None, eta: float | None = None,
            steps: int | None = None, cache: str | None = None, refresh_every: int | None = None,
-           eos_early_stop: bool = False, sampler: str | None = None, on_step=None,
+           eos_early_stop: bool = False, sampler: str | None = None, schedule: str | None = None,
+           alg: str | None = None, alg_temp: float | None = None, eps: float | None = None, on_step=None,
            on_forward=None) -> DecodeOutput:
     """Semi-AR masked-diffusion decoding of a batch (diffusion.md §3, §6–§9).
 
@@ -192,6 +193,10 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     With ``steps`` larger than the generation length LLaDA's trailing steps have a quota of 0 and
     commit nothing; they are skipped (same tokens, fewer forwards).
 
+    ``schedule="dream"`` runs Dream's own ``diffusion_generate`` instead (§5, no blocks; ``steps``,
+    ``alg`` origin / maskgit_plus / topk_margin / entropy, ``alg_temp``, ``eps``): see
+    :mod:`unmask.decode.dream_compat`.
+
     Raises UnmaskError for a model without a mask token, max_new_tokens above an explicit
     gen_length, a block size that does not divide the generation length, a bad step budget, bad policy options, an unknown cache or sampler, or a
     canvas longer than the context window.
@@ -199,6 +204,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     if bundle.mask_token_id is None:
         raise UnmaskError("the diffusion decoder needs a masked-diffusion model with a mask token; "
                           "load it with mask_token_id=ID or name it in unmask_config.json")
+    if schedule is not None or alg is not None or alg_temp is not None or eps is not None:
+        return _dream_schedule(bundle, prompts, schedule, locals())
     cfg = DiffusionConfig.from_options(
         max_new_tokens=max_new_tokens, gen_length=gen_length, block_size=block_size, policy=policy, gamma=gamma,
         preset=preset, tau=tau, factor=factor, factor_compat=factor_compat, tokens_per_step=tokens_per_step,
@@ -289,6 +296,35 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
                         seconds=time.perf_counter() - t0, extra=extra)
     return DecodeOutput(tokens=tokens, stats=stats)
+
+
+_DREAM_OPTIONS = ("max_new_tokens", "sampling", "stop_token_ids", "gen_length", "steps", "alg", "alg_temp", "eps",
+                  "on_step", "on_forward")
+
+
+def _dream_schedule(bundle, prompts, schedule, options: dict) -> DecodeOutput:
+    """Dispatch ``schedule="dream"`` to :mod:`unmask.decode.dream_compat`, refusing options it has no use for."""
+    from unmask.decode import dream_compat
+
+    if schedule != "dream":
+        raise UnmaskError(f"unknown schedule {schedule!r} for the diffusion decoder; use \"dream\" (Dream's "
+                          "diffusion_generate) or leave it unset" if schedule is not None else
+                          "--alg/--alg-temp/--eps apply to Dream's schedule; add --schedule dream")
+    unused = {"block_size", "policy", "gamma", "preset", "tau", "factor", "factor_compat", "tokens_per_step", "eta",
+              "cache", "refresh_every", "sampler", "stop_strings"}
+    given = sorted(k for k in unused if options.get(k) not in (None, (), "none"))
+    if options.get("eos_early_stop"):
+        given.append("eos_early_stop")
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise UnmaskError(f"{flags} do(es) not apply to --schedule dream (one forward over the whole canvas per "
+                          "step, Dream's own commit rule); drop them")
+    if bundle.mask_token_id is None:
+        raise UnmaskError("the diffusion decoder needs a masked-diffusion model with a mask token; "
+                          "load it with mask_token_id=ID or name it in unmask_config.json")
+    if any(len(p) == 0 for p in prompts):
+        raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
+    return dream_compat.decode(bundle, prompts, **{k: options[k] for k in _DREAM_OPTIONS})
 
 
 def commit_rows(logits, masked, policy, sampling: Sampling, gens, quota, confidence, draw):

@@ -16,8 +16,10 @@ def load(name_or_path: str | None = None, *, kind: str | None = None, device: st
     Face directory by path. ``None`` loads the default shipped model. No network is used.
 
     ``mask_token_id`` and ``logit_shift`` (0 LLaDA-style, 1 Dream-style) override what the
-    directory says; ``trust_remote_code`` is needed for checkpoints with their own model code
-    (LLaDA, Dream). See :func:`unmask.models.bundle.load_dir`.
+    directory says. Published LLaDA, Dream, SDAR and LLaDA2.0 directories load into unmask's
+    native classes with no remote code (:mod:`unmask.models.families`); ``trust_remote_code`` is
+    needed only for other checkpoints that ship their own model code. See
+    :func:`unmask.models.bundle.load_dir`.
 
     Raises UnmaskError for an unknown name, a bad directory or an unavailable device.
     """

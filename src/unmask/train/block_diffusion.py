@@ -303,7 +303,8 @@ def load_base(base: str, dtype: str, *, block_size: int | None, allow_causal: bo
 
     bundle = load(base, dtype=dtype)
     cls = type(bundle.model).__name__
-    if not cls.endswith("ForCausalLM") or getattr(bundle.model.config, "is_encoder_decoder", False):
+    causal_lm = any(c.__name__.endswith("ForCausalLM") for c in type(bundle.model).__mro__)  # incl. LLaDA2MoeModelLM
+    if not causal_lm or getattr(bundle.model.config, "is_encoder_decoder", False):
         raise UnmaskError(f"base {base!r} is a {cls}, not a decoder-only LM; pass one with --base (Llama, Qwen2, "
                           "Qwen3, ...)")
     allowed = ("causal", "block-diffusion") if allow_causal else ("block-diffusion",)
@@ -342,8 +343,9 @@ def fit(*, bundle, objective, base: str, data, out: str | Path, run_dir: str | P
                           f"{bundle.context_length} tokens; pass a --seq-len in that range")
     row_tokens(torch.zeros((1, seq_len + 1), dtype=torch.long), objective.block_size, objective.prompt_len)
     vocab = bundle.model.get_input_embeddings().weight.shape[0]
+    # (N, L+1), (M, L+1)
     train_chunks, val_chunks = load_chunks(paths, bundle.tokenizer, vocab, pack_aligned, seq_len, need=seq_len + 1,
-                                           val_fraction=val_fraction, seed=cfg.seed)  # (N, L+1), (M, L+1)
+                                           val_fraction=val_fraction, seed=cfg.seed, config=bundle.model.config)
     info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective=describe,
                     objective_config={k: v for k, v in asdict(objective).items() if k not in ("name", "term_names")})
     meta = {**meta, "stop_token_ids": list(bundle.stop_token_ids), "base": base, "version": BD_FORMAT_VERSION}

@@ -224,8 +224,9 @@ def train_diffusion(*, base: str, data: str | Path | Sequence[str | Path], out: 
     if not 1 <= seq_len < context:
         raise UnmaskError(f"--seq-len {seq_len} must be between 1 and {context - 1} (a BOS + --seq-len tokens must "
                           f"fit the model's context of {context}); pass a --seq-len in that range")
+    # (N, seq_len + 1), (M, seq_len + 1)
     train_chunks, val_chunks = load_chunks(paths, bundle.tokenizer, vocab, pack_bos_chunks, seq_len, need=seq_len,
-                                           val_fraction=val_fraction, seed=cfg.seed)  # (N, seq_len + 1), (M, seq_len + 1)
+                                           val_fraction=val_fraction, seed=cfg.seed, config=bundle.model.config)
     info = run_info(seq_len, paths, train_chunks, val_chunks, cfg,
                     objective=f"masked diffusion (diffusion.md §1): t ~ U[{MIN_T:g}, 1), 1/t weight, {norm} norm, "
                               f"shift 1, BOS-led chunks, clean prefix on {prefix_prob:.0%} of rows",

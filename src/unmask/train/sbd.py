@@ -76,8 +76,9 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
     if not 1 <= low <= high <= seq_len:
         raise UnmaskError(f"block range [{low}, {high}] must satisfy 1 <= low <= high <= --seq-len ({seq_len}); "
                           "pass a block_range inside it or raise --seq-len")
+    # (N, L+1), (M, L+1)
     train_chunks, val_chunks = load_chunks(paths, bundle.tokenizer, vocab, pack, seq_len, need=seq_len + 1,
-                                           val_fraction=val_fraction, seed=cfg.seed)  # (N, L+1), (M, L+1)
+                                           val_fraction=val_fraction, seed=cfg.seed, config=bundle.model.config)
     info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective="sbd: NTP + masked (Eq. 14)")
     meta = {"kind": "sbd", "mask_token_id": mask_id, "train_block_range": [low, high], "version": SBD_FORMAT_VERSION,
             "stop_token_ids": list(bundle.stop_token_ids), "base": base}

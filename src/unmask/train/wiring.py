@@ -72,7 +72,7 @@ def run_paths(data: str | Path | Sequence[str | Path], out: str | Path, run_dir:
 
 
 def load_chunks(paths: Sequence[Path], tokenizer, vocab: int, pack_rows: Callable, seq_len: int, *, need: int,
-                val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                val_fraction: float, seed: int, config=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Read, split and pack the corpus -> (train rows (N, seq_len + 1) long, val rows (M, seq_len + 1)
     long or None when the split holds no documents).
 
@@ -83,7 +83,7 @@ def load_chunks(paths: Sequence[Path], tokenizer, vocab: int, pack_rows: Callabl
         UnmaskError: the training split is too short for one row.
     """
     train_docs, val_docs = load_corpus(paths, tokenizer, vocab_size=vocab, val_fraction=val_fraction, seed=seed)
-    sep = separator_id(tokenizer)
+    sep = separator_id(tokenizer if tokenizer is not None or config is None else config)
     train_chunks = pack_rows(train_docs, seq_len, sep)  # (N, L+1)
     if len(train_chunks) == 0:
         n = sum(len(d) + 1 for d in train_docs)
@@ -156,7 +156,8 @@ def train_and_publish(bundle, objective, train_chunks: torch.Tensor, val_chunks:
     tok = bundle.tokenizer
 
     def save_extras(directory: Path, state: dict) -> None:
-        tok.save_pretrained(directory)
+        if tok is not None:  # a tokenizer-less checkpoint (token-id corpus) stays tokenizer-less
+            tok.save_pretrained(directory)
         training = {**info, "step": state.get("step"), "stopped": state.get("stopped"),
                     "train_terms": state.get("last"), "val": state.get("val")}
         atomic_write_json(directory / UNMASK_CONFIG, {**meta, "training": training})
