@@ -43,6 +43,7 @@ from unmask.train.checkpoint import (  # noqa: F401  (re-exported: the checkpoin
     WEIGHTS_FILE,
     checkpoints,
     latest_checkpoint,
+    load_state,
     load_weights,
     save_checkpoint,
     save_model,
@@ -89,6 +90,13 @@ class TrainConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        for name in ("lr", "weight_decay", "clip", "min_lr_ratio", "max_minutes"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                flag = f"--{name.replace('_', '-')}" if name in FLAG_OPTIONS else name
+                raise UnmaskError(f"{flag} must be a finite number, got {value}; pass a finite value")
+        if not all(math.isfinite(b) for b in self.betas):
+            raise UnmaskError(f"betas must be finite, got {self.betas}; pass e.g. betas=(0.9, 0.95)")
         checks = [
             (self.lr > 0, f"--lr must be > 0, got {self.lr}; pass a positive learning rate, e.g. --lr 3e-4"),
             (self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}; pass --warmup 0 or more"),
@@ -265,6 +273,26 @@ def _check_resumable(saved: dict, config: TrainConfig, ckpt: Path) -> None:
                               "settings or pass --overwrite to start over")
 
 
+def _diverged(what: str, step: int, saved_at: int | None, run_dir: Path) -> UnmaskError:
+    kept = f"the checkpoint of step {saved_at} in {run_dir} is kept" if saved_at else "no checkpoint was written"
+    return UnmaskError(f"training diverged: {what} at step {step}; nothing was published and {kept}; "
+                       "lower --lr (or --weight-decay) or check the data")
+
+
+def _check_finite_loss(loss: torch.Tensor, step: int, saved_at: int | None, run_dir: Path) -> None:
+    """Stop on a nan/inf loss before it reaches the weights (one host sync; the loop already
+    reads the loss every step). Raises UnmaskError."""
+    if not bool(torch.isfinite(loss.detach()).all()):
+        raise _diverged(f"the loss is {float(loss.detach())}", step, saved_at, run_dir)
+
+
+def check_finite_weights(model, step: int, saved_at: int | None, run_dir: Path) -> None:
+    """Refuse to save (or publish) weights holding nan/inf. Raises UnmaskError."""
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p.detach()).all()):
+            raise _diverged(f"parameter {name} is not finite", step, saved_at, run_dir)
+
+
 def _note(console, message: str) -> None:
     """One line on the progress console (stderr) if there is one, else on stderr."""
     if console is not None:
@@ -307,17 +335,21 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
     if resume and ckpt is None:
         _note(console, f"note: --resume found no checkpoint in {run_dir}; training starts from scratch")
     if ckpt is not None:
-        state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+        state = load_state(ckpt)
         _check_resumable(state["config"], config, ckpt)
         load_weights(model, ckpt)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        gen.set_state(state["rng"]["objective"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if torch.cuda.is_available() and state["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        step = int(state["step"])
+        try:
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            sampler.load_state_dict(state["sampler"])
+            gen.set_state(state["rng"]["objective"])
+            torch.set_rng_state(state["rng"]["torch"])
+            if torch.cuda.is_available() and state["rng"].get("cuda") is not None:
+                torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+            step = int(state["step"])
+        except (KeyError, ValueError, TypeError, RuntimeError, AttributeError) as e:
+            raise UnmaskError(f"{ckpt / STATE_FILE} does not fit this run ({type(e).__name__}: "
+                              f"{str(e)[:100]}); delete the checkpoint or pass --overwrite to start over") from None
     has_val = val_chunks is not None and len(val_chunks) > 0
     val, val_step, last = None, None, {}
     if ckpt is not None:
@@ -363,6 +395,7 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
             for _ in range(config.grad_accum):
                 chunks = train_chunks[sampler.next(config.batch_size)].to(device)  # (B, L+1)
                 loss, terms = objective.loss(model, chunks, gen, **params)
+                _check_finite_loss(loss, step + 1, saved_at, run_dir)
                 (loss / config.grad_accum).backward()
                 sums["loss"] += float(loss.detach()) / config.grad_accum
                 for name in objective.term_names:
@@ -390,12 +423,14 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
                 progress.note(step, val)
             progress.update(step, sums, last.get("tok_s"))
             if config.ckpt_every and step % config.ckpt_every == 0:
+                check_finite_weights(model, step, saved_at, run_dir)
                 save_checkpoint(run_dir, step, model, trainer_state("checkpoint"), save_extras, config.keep_checkpoints)
                 saved_at = step
         if has_val and val_step != step and stopped != "interrupted":
             val, val_step = evaluate(model, objective, val_chunks, config, device), step
             log({"step": step, **{f"val_{k}": v for k, v in val.items()}})
         if saved_at != step:
+            check_finite_weights(model, step, saved_at, run_dir)
             save_checkpoint(run_dir, step, model, trainer_state(stopped), save_extras, config.keep_checkpoints)
     log({"step": step, "stopped": stopped, "seconds": time.monotonic() - t_start})
     return TrainResult(step=step, stopped=stopped, seconds=time.monotonic() - t_start,
