@@ -9,6 +9,7 @@ leaves the previous one.
 from __future__ import annotations
 
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,12 +38,12 @@ def load_state(ckpt: Path) -> dict:
     Raises:
         UnmaskError: the file is truncated, garbage or not a trainer state.
     """
-    import pickle
-
     f = ckpt / STATE_FILE
     try:
-        state = torch.load(f, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError, AttributeError, KeyError) as e:
+        with warnings.catch_warnings():  # garbage makes torch warn about the "pickle protocol" first
+            warnings.simplefilter("ignore")
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch's unpickler raises anything on garbage (IndexError, EOFError, ...)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UnmaskError(f"cannot read {f} ({first[:120].rstrip('.')}); the checkpoint is truncated or corrupt, "
                           "delete it to resume from an older one or pass --overwrite to start over") from None
