@@ -18,7 +18,6 @@ from conftest import SMALL_RUN, STORIES_DIR, ids_file, one_line_error, run_cli
 
 import unmask
 from unmask.errors import UnmaskError
-from unmask.fileio import output_lock
 
 BIN, TOK = STORIES_DIR / "stories260K.bin", STORIES_DIR / "tok512.bin"
 needs_stories_bin = pytest.mark.skipif(not BIN.is_file(), reason=f"{BIN} not found; set UNMASK_DATA_DIR")
@@ -231,6 +230,8 @@ def test_outputs_are_not_replaced_without_overwrite(capsys, monkeypatch, tmp_pat
 
 
 def test_a_second_writer_of_the_same_output_is_refused(capsys, monkeypatch, tmp_path):
+    from unmask.fileio import output_lock
+
     _forbid(monkeypatch, "unmask.train.sbd._load_base", "loading the base")
     out = tmp_path / "m"
     data = ids_file(tmp_path / "d.jsonl")
@@ -243,6 +244,8 @@ def test_a_second_writer_of_the_same_output_is_refused(capsys, monkeypatch, tmp_
 
 
 def test_output_lock_is_released_on_error_and_reusable(tmp_path):
+    from unmask.fileio import output_lock
+
     with pytest.raises(RuntimeError):
         with output_lock(tmp_path / "o"):
             raise RuntimeError
