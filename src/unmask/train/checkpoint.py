@@ -70,10 +70,14 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict,
     On any error the staging directory is removed and the older checkpoints are untouched.
 
     Raises:
-        UnmaskError: the checkpoint cannot be written (a full disk: ``torch.save`` raises
-            RuntimeError and safetensors SafetensorError there, not OSError).
+        UnmaskError: a parameter is nan or inf (see :func:`diverged`), or the checkpoint cannot
+            be written (a full disk: ``torch.save`` raises RuntimeError and safetensors
+            SafetensorError there, not OSError).
     """
     final = Path(run_dir) / CKPT_DIR / f"step-{step:08d}"
+    for name, p in model.named_parameters():  # never save (or later publish) diverged weights
+        if not bool(torch.isfinite(p.detach()).all()):
+            raise diverged(f"parameter {name} is not finite", step, run_dir)
     try:
         tmp = staging_dir(final)
     except OSError as e:
@@ -94,6 +98,15 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict,
     for stale in (Path(run_dir) / CKPT_DIR).glob(".step-*"):  # staging left by a killed run
         shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def diverged(what: str, step: int, run_dir: str | Path) -> UnmaskError:
+    """The error that stops a run whose loss or weights became nan/inf: nothing is published,
+    and the newest (finite) checkpoint, if any, is named."""
+    last = latest_checkpoint(run_dir)
+    kept = f"the checkpoint {last} is kept" if last is not None else "no checkpoint was written"
+    return UnmaskError(f"training diverged: {what} at step {step}; nothing was published and {kept}; "
+                       "lower --lr (or --weight-decay) or check the data")
 
 
 def save_model(model, directory: Path) -> None:

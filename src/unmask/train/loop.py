@@ -42,6 +42,7 @@ from unmask.train.checkpoint import (  # noqa: F401  (re-exported: the checkpoin
     STATE_FILE,
     WEIGHTS_FILE,
     checkpoints,
+    diverged,
     latest_checkpoint,
     load_state,
     load_weights,
@@ -273,26 +274,6 @@ def _check_resumable(saved: dict, config: TrainConfig, ckpt: Path) -> None:
                               "settings or pass --overwrite to start over")
 
 
-def _diverged(what: str, step: int, saved_at: int | None, run_dir: Path) -> UnmaskError:
-    kept = f"the checkpoint of step {saved_at} in {run_dir} is kept" if saved_at else "no checkpoint was written"
-    return UnmaskError(f"training diverged: {what} at step {step}; nothing was published and {kept}; "
-                       "lower --lr (or --weight-decay) or check the data")
-
-
-def _check_finite_loss(loss: torch.Tensor, step: int, saved_at: int | None, run_dir: Path) -> None:
-    """Stop on a nan/inf loss before it reaches the weights (one host sync; the loop already
-    reads the loss every step). Raises UnmaskError."""
-    if not bool(torch.isfinite(loss.detach()).all()):
-        raise _diverged(f"the loss is {float(loss.detach())}", step, saved_at, run_dir)
-
-
-def check_finite_weights(model, step: int, saved_at: int | None, run_dir: Path) -> None:
-    """Refuse to save (or publish) weights holding nan/inf. Raises UnmaskError."""
-    for name, p in model.named_parameters():
-        if not bool(torch.isfinite(p.detach()).all()):
-            raise _diverged(f"parameter {name} is not finite", step, saved_at, run_dir)
-
-
 def _note(console, message: str) -> None:
     """One line on the progress console (stderr) if there is one, else on stderr."""
     if console is not None:
@@ -395,7 +376,8 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
             for _ in range(config.grad_accum):
                 chunks = train_chunks[sampler.next(config.batch_size)].to(device)  # (B, L+1)
                 loss, terms = objective.loss(model, chunks, gen, **params)
-                _check_finite_loss(loss, step + 1, saved_at, run_dir)
+                if not bool(torch.isfinite(loss.detach()).all()):  # before it reaches the weights
+                    raise diverged(f"the loss is {float(loss.detach())}", step + 1, run_dir)
                 (loss / config.grad_accum).backward()
                 sums["loss"] += float(loss.detach()) / config.grad_accum
                 for name in objective.term_names:
@@ -423,14 +405,12 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
                 progress.note(step, val)
             progress.update(step, sums, last.get("tok_s"))
             if config.ckpt_every and step % config.ckpt_every == 0:
-                check_finite_weights(model, step, saved_at, run_dir)
                 save_checkpoint(run_dir, step, model, trainer_state("checkpoint"), save_extras, config.keep_checkpoints)
                 saved_at = step
         if has_val and val_step != step and stopped != "interrupted":
             val, val_step = evaluate(model, objective, val_chunks, config, device), step
             log({"step": step, **{f"val_{k}": v for k, v in val.items()}})
         if saved_at != step:
-            check_finite_weights(model, step, saved_at, run_dir)
             save_checkpoint(run_dir, step, model, trainer_state(stopped), save_extras, config.keep_checkpoints)
     log({"step": step, "stopped": stopped, "seconds": time.monotonic() - t_start})
     return TrainResult(step=step, stopped=stopped, seconds=time.monotonic() - t_start,
