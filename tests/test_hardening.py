@@ -154,6 +154,7 @@ def test_run_dir_inside_out_is_refused(capsys, monkeypatch, tmp_path, inside):
     run_dir = out / "run" if inside else out
     one_line_error(capsys, "train", "sbd", "--data", ids_file(tmp_path / "d.jsonl"), "--out", out, "--run-dir",
                    run_dir, match="inside --out")
+    assert not out.exists()
 
 
 def _fake_checkpoint(run_dir: Path) -> Path:

@@ -47,12 +47,7 @@ def prepare_paths(out: Path, run_dir: Path, *, resume: bool, overwrite: bool) ->
     """
     if resume and overwrite:
         raise UnmaskError("--resume and --overwrite contradict each other; pass one of them")
-    o, r = out.resolve(), run_dir.resolve()
-    if r == o or o in r.parents:
-        raise UnmaskError(f"--run-dir {run_dir} is inside --out {out}; publishing the model replaces {out} and would "
-                          "delete the checkpoints, choose a --run-dir outside it (default OUT.run)")
-    if o in r.parents or r in o.parents:
-        raise UnmaskError(f"--out {out} is inside --run-dir {run_dir}; choose an --out outside the run directory")
+    check_nesting(out, run_dir)
     for path, what in ((out, "--out"), (run_dir, "--run-dir")):
         check_parents(path, what)
         probe_writable(path.parent, f"{what} {path}")
@@ -64,6 +59,17 @@ def prepare_paths(out: Path, run_dir: Path, *, resume: bool, overwrite: bool) ->
     if checkpoints(run_dir) and not overwrite:
         raise UnmaskError(f"{run_dir} holds checkpoints of an earlier run; pass --resume to continue it or "
                           "--overwrite to start over")
+
+
+def check_nesting(out: Path, run_dir: Path) -> None:
+    """Refuse a ``run_dir`` equal to or inside ``out`` (publishing replaces ``out``, which would
+    delete the checkpoints and log) and an ``out`` inside ``run_dir``. Raises UnmaskError."""
+    o, r = out.resolve(), run_dir.resolve()
+    if r == o or o in r.parents:
+        raise UnmaskError(f"--run-dir {run_dir} is inside --out {out}; publishing the model replaces {out} and would "
+                          "delete the checkpoints, choose a --run-dir outside it (default OUT.run)")
+    if r in o.parents:
+        raise UnmaskError(f"--out {out} is inside --run-dir {run_dir}; choose an --out outside the run directory")
 
 
 # The locks of the training command running in this context (see holds_output_locks).
@@ -105,6 +111,7 @@ def run_paths(data: str | Path | Sequence[str | Path], out: str | Path, run_dir:
     paths = check_data_files([data] if isinstance(data, (str, Path)) else list(data))
     out = Path(out)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(out)
+    check_nesting(out, run_dir)  # before a lock file is created inside out
     held = _LOCKS.get()
     if held is not None:
         stack, locked = held
