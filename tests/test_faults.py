@@ -71,7 +71,7 @@ def test_ctrl_c_at_any_moment_exits_130_with_one_line(tmp_path, moment):
     err = _Lines(proc.stderr)
     try:
         if moment == "imports":
-            time.sleep(0.5)  # Python is up; torch and transformers take seconds to import
+            time.sleep(1.0)  # Python is up; typer, torch and transformers take seconds to import
         else:
             assert err.wait_for("documents", timeout=120), err.text()
         proc.send_signal(signal.SIGINT)

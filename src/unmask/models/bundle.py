@@ -87,14 +87,18 @@ def check_finite_weights(bundle: ModelBundle) -> None:
         UnmaskError: a parameter or buffer is not finite.
     """
     tensors = [t for t in (*bundle.model.parameters(), *bundle.model.buffers()) if t.is_floating_point()]
-    key = tuple((id(t), t._version) for t in tensors)
-    if getattr(bundle.model, "_unmask_finite_key", None) == key:
+    try:
+        key = tuple((id(t), t._version) for t in tensors)
+    except RuntimeError:  # inference tensors keep no version counter: check every time
+        key = None
+    if key is not None and getattr(bundle.model, "_unmask_finite_key", None) == key:
         return
     for name, t in (*bundle.model.named_parameters(), *bundle.model.named_buffers()):
         if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
             raise UnmaskError(f"model {bundle.name!r} has non-finite weights ({name} holds nan or inf), so its logits "
                               "are not finite; retrain it (lower --lr) or load another checkpoint")
-    bundle.model._unmask_finite_key = key
+    if key is not None:
+        bundle.model._unmask_finite_key = key
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
