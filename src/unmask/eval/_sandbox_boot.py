@@ -99,7 +99,8 @@ def supervise(child):
     return {"status": status, "reason": reason}
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphaned descendants are reparented to us
+if hasattr(_libc, "prctl"):  # Linux; elsewhere the parent's process-group kill is all there is
+    _libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphaned descendants are reparented to us
 _child = os.fork()
 if _child:
     os.close(cfg["verdict_fd"])
