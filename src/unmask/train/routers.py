@@ -392,7 +392,8 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
     """Prompts from ``data`` (ids, or text encoded with the model's tokenizer), the model's own
     responses, Alg. 3 training, save to ``out`` (default MODEL_DIR/routers). ``router``: LBSConfig
     fields (d, layers, heads, ffn). Every option, and an existing LBS router at the output (kept
-    unless ``overwrite``), is checked before any response is generated. Returns a summary."""
+    unless ``overwrite``), is checked before any response is generated; the output directory is
+    locked against a second writer for the whole run. Returns a summary."""
     from unmask.decode.dllm_cache import CACHE_MODES
 
     _check_counts(prompts=n_prompts, gen_length=gen_length, block_size=block_size, gen_batch=gen_batch)
@@ -441,9 +442,9 @@ def run_lps(*, model, data: Sequence, routers=None, out=None, n_prompts: int = 3
     """Collect traces with the saved LBS (``routers``, default MODEL_DIR/routers) under the serving
     configuration, train R_ψ, choose τ_ψ, save next to the LBS (or to ``out``). ``traces_file``
     caches the traces (reused when it exists). An existing LPS router at the output is kept unless
-    ``overwrite``. Returns a summary with test recall / FPR."""
+    ``overwrite``. The output directory is locked against a second writer for the whole run.
+    Returns a summary with test recall / FPR."""
     from unmask.decode.eb_select import POS_MODES
-    from unmask.routers.io import check_lbs_fits, load_router
 
     if pos_mode not in POS_MODES:
         raise UnmaskError(f"unknown --pos-mode {pos_mode!r}; choose one of: {', '.join(POS_MODES)}")
