@@ -1,8 +1,9 @@
 """HumanEval and MBPP: completion post-processing, program assembly and pass@1.
 
 A model completion becomes one Python program per task that runs to its end and exits 0 iff
-the task's tests pass (an early exit with status 0 is not a pass); :func:`pass_at_1` runs the programs in the sandbox (:mod:`unmask.eval.sandbox`) and
-reports the fraction that pass (one sample per task, so pass@1 is the plain mean).
+the task's tests pass (an early exit with status 0 is not a pass); :func:`pass_at_1` runs the
+programs in the sandbox (:mod:`unmask.eval.sandbox`) and reports the fraction that pass (one
+sample per task, so pass@1 is the plain mean).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         device = "cpu"
     try:
         device = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):  # torch's message lists two dozen backends; ours names the two that work
+    except (RuntimeError, TypeError, ValueError):  # torch's message lists two dozen backends; ours names two
         raise UnmaskError(f"unknown device {device!r}; use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UnmaskError("CUDA is not available on this machine; use --device cpu")
