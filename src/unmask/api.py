@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from unmask.decode import DecodeStats, default_decoder, get_decoder
 from unmask.errors import UnmaskError
 from unmask.models import ModelBundle, load
+from unmask.models.bundle import check_finite_weights
 from unmask.sampling import Sampling
 
 
@@ -53,6 +54,11 @@ def encode_prompts(bundle: ModelBundle, prompts: list[str], max_new_tokens: int,
             raise UnmaskError(f"prompt {i + 1} is not text (got {type(text).__name__}); pass prompts as str")
         if not text.strip():
             raise UnmaskError(f"prompt {i + 1} is empty; give some text to continue")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate, e.g. from bytes decoded with errors="surrogateescape"
+            raise UnmaskError(f"prompt {i + 1} is not valid Unicode ({e.reason} at character {e.start}); "
+                              "pass text that encodes as UTF-8") from None
         ids = bundle.encode(text)
         if gen_length is not None and isinstance(gen_length, int) and len(ids) + gen_length > ctx:
             raise UnmaskError(f"prompt {i + 1} is {len(ids)} tokens; with --gen-length {gen_length} it exceeds the "
@@ -86,7 +92,7 @@ def generate(prompts: str | list[str], model: str | ModelBundle | None = None, d
     ``options`` go to the decoder (e.g. ``policy="entropy-bound", gamma=0.35, block_size=16``).
     max_new_tokens: tokens reported per prompt; default 128, or the whole canvas when a
     diffusion ``gen_length`` is given (a smaller value cuts the canvas and ends decoding early).
-    Raises UnmaskError for every invalid input.
+    Raises UnmaskError for every invalid input, and for a model whose weights are not finite.
     """
     if not (model is None or isinstance(model, (str, os.PathLike, ModelBundle))):
         raise UnmaskError(f"model must be a shipped name, a directory path or a ModelBundle (got {type(model).__name__}); "
@@ -108,6 +114,7 @@ def generate(prompts: str | list[str], model: str | ModelBundle | None = None, d
         gen_length = options.get("gen_length")
         max_new_tokens = gen_length if isinstance(gen_length, int) and not isinstance(gen_length, bool) else 128
     ids = encode_prompts(bundle, prompts, max_new_tokens, options.get("gen_length"))
+    check_finite_weights(bundle)
     out = decode(bundle, ids, max_new_tokens=max_new_tokens, sampling=sampling,
                  stop_token_ids=bundle.stop_token_ids, stop_strings=tuple(stop or ()), **options)
     texts = []

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unmask.errors import UnmaskError
+from unmask.sampling import TEMPERATURE_RANGE
 
 # SBD §5.4, Table 1: γ_low keeps accuracy, γ_high is faster. Both assume the entropy proxy at T = 0.
 GAMMA_PRESETS: dict[str, float] = {
@@ -223,6 +224,10 @@ def _stats(log_q: Tensor) -> TokenStats:
 def _check_temperature(temperature: float) -> None:
     _require(_is_number(temperature) and 0 <= temperature < math.inf,
              f"temperature must be a finite number >= 0 (got {temperature!r}); use 0 for greedy decoding")
+    low, high = TEMPERATURE_RANGE
+    _require(temperature == 0 or low <= temperature <= high,
+             f"temperature {temperature!r} is outside [{low:g}, {high:g}], where logits / T overflow or vanish in "
+             "float32; use 0 for greedy decoding or a temperature in that range")
 
 
 def token_stats(logits: Tensor, *, temperature: float = 0.0) -> TokenStats:
@@ -273,6 +278,7 @@ def _filter(z: Tensor, top_k: int, top_p: float) -> Tensor:
         probs, order = F.softmax(z, dim=-1).sort(dim=-1, descending=True)  # (B, N, V) each
         # Drop a token when the mass strictly before it already reaches top_p; the top-1 always stays.
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p  # (B, N, V), in sorted order
+        drop_sorted[..., 0] = False  # a top_p below float32's range rounds to 0 and would drop every token
         removed = removed | torch.zeros_like(removed).scatter(-1, order, drop_sorted)
     return removed
 

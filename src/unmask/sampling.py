@@ -10,6 +10,10 @@ import torch
 from unmask.errors import UnmaskError
 
 
+# Non-zero temperatures whose logits / T stay finite and distinguishable in float32.
+TEMPERATURE_RANGE = (1e-6, 1e6)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How committed tokens are drawn.
@@ -30,6 +34,10 @@ class Sampling:
         if not (number(self.temperature) and 0 <= self.temperature < math.inf):
             raise UnmaskError(f"temperature must be a finite number >= 0 (got {self.temperature!r}); "
                               "use 0 for greedy decoding")
+        if self.temperature != 0 and not TEMPERATURE_RANGE[0] <= self.temperature <= TEMPERATURE_RANGE[1]:
+            raise UnmaskError(f"temperature {self.temperature!r} is outside [{TEMPERATURE_RANGE[0]:g}, "
+                              f"{TEMPERATURE_RANGE[1]:g}], where logits / T overflow or vanish in float32; use 0 for "
+                              "greedy decoding or a temperature in that range")
         if not (number(self.top_p) and 0 < self.top_p <= 1):
             raise UnmaskError(f"top-p must be in (0, 1] (got {self.top_p!r}); use 1.0 to disable it")
         if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):

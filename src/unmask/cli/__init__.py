@@ -33,10 +33,18 @@ def _fail(message: str) -> None:
     raise SystemExit(2)
 
 
+def interrupted() -> None:
+    """Ctrl-C: one line, exit status 130 (128 + SIGINT), as a shell pipeline expects."""
+    print("interrupted", file=sys.stderr)
+    raise SystemExit(130)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
+    """Console-script entry point (see also :mod:`unmask.entry`, which guards the imports too)."""
     try:
-        app(args=argv, prog_name="unmask", standalone_mode=False)
+        # standalone_mode=False: typer *returns* an exit code instead of exiting, 130 for a
+        # KeyboardInterrupt it caught, so it must be turned into the process's exit status here.
+        rc = app(args=argv, prog_name="unmask", standalone_mode=False)
     except UnmaskError as e:
         _fail(str(e).splitlines()[0])
     except typer.Abort:
@@ -50,10 +58,13 @@ def main(argv: list[str] | None = None) -> None:
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
         _fail(f"{msg}{hint}")
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+        interrupted()
     except UnicodeDecodeError as e:
         _fail(f"input is not valid UTF-8 ({e.reason} at byte {e.start}); convert the file to UTF-8")
     except OSError as e:  # last resort for a file system error no command anticipated
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         _fail(f"{e.strerror or e}{where}; check the path, its permissions and the free disk space")
+    if rc == 130:
+        interrupted()
+    if isinstance(rc, int) and not isinstance(rc, bool) and rc != 0:
+        raise SystemExit(rc)

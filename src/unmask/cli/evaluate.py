@@ -37,6 +37,7 @@ OPTION = typer.Option(None, "--option", "-O", help="any other decoder option as 
 BLOCK = typer.Option(None, "--block-size", "-k", help="block size")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda")
 DTYPE = typer.Option("float32", "--dtype", help="float32 or bfloat16")
+OVERWRITE = typer.Option(False, "--overwrite", help="replace existing output files")
 
 
 def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
@@ -175,14 +176,17 @@ def eval_cmd(
     workers: int = typer.Option(2, "--workers", help="code tasks: programs run in parallel in the sandbox"),
     device: str = DEVICE, dtype: str = DTYPE,
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
+    overwrite: bool = OVERWRITE,
 ) -> None:
     """Evaluate a decoder on a task: quality plus NFE / TPF / TPS per item and overall."""
     from unmask.eval.runner import evaluate
 
     opts = _options(option, policy=policy, gamma=gamma, preset=preset, tau=tau, factor=factor,
                     tokens_per_step=tokens_per_step, block_size=block_size)
+    if workers < 1:
+        raise UnmaskError(f"--workers must be >= 1, got {workers}; pass e.g. --workers 2")
     if out is not None:
-        check_output_file(out, "--out")
+        check_output_file(out, "--out", exists_ok=overwrite, probe=True)
     with _progress(not no_progress) as progress:
         result = evaluate(task, model, decoder, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
                           shots=shots, data_dir=data_dir, judge=judge, temperature=temperature, seed=seed,
@@ -210,6 +214,7 @@ def sweep_cmd(
     out: Path = typer.Option(None, "--out", "-o", help="write the points and AUP as JSON to FILE"),
     device: str = DEVICE, dtype: str = DTYPE,
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
+    overwrite: bool = OVERWRITE,
 ) -> None:
     """Evaluate once per value of a policy parameter; print the table, the AUP and a Pareto plot."""
     from rich.table import Table
@@ -217,9 +222,10 @@ def sweep_cmd(
     from unmask.eval.sweep import _num, sweep
 
     opts = _options(option, policy=policy, block_size=block_size)
-    for path, flag in ((out, "--out"), (out_png, "--out-png")):
+    png = out_png if out_png is None or out_png.suffix else out_png.with_suffix(".png")  # what savefig writes
+    for path, flag in ((out, "--out"), (png, "--out-png")):
         if path is not None:
-            check_output_file(path, flag)
+            check_output_file(path, flag, exists_ok=overwrite, probe=True)
     with _progress(not no_progress) as progress:
         res = sweep(task, model, decoder, param=param, values=values, metric=metric, y_max=y_max,
                     limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens, shots=shots,
@@ -338,6 +344,7 @@ def roofline_cmd(
     nfe_speedup: str = typer.Option(None, "--nfe-speedup", help="also print the wall-clock speed-up table (Table 4) at these NFE speed-ups, e.g. 2,4,8"),
     as_json: bool = typer.Option(False, "--json", help="print the tables as JSON"),
     png: Path = typer.Option(None, "--png", help="plot the slowdown table to FILE (and the speed-up table to FILE-speedup.png)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace existing --png files"),
 ) -> None:
     """Roofline cost of k-token forwards (SBD §4): Table 3 slowdown and Table 4 wall-clock speed-up."""
     from unmask.bench.roofline import TABLE4_NFE, Precision, slowdown_table, speedup_table
@@ -368,7 +375,8 @@ def roofline_cmd(
     if png is not None:
         paths = [png, png.with_name(f"{png.stem}-speedup{png.suffix or '.png'}")]
         for path in paths[:len(tables)]:
-            check_output_file(path, "--png")
+            check_output_file(path if path.suffix else path.with_suffix(".png"), "--png", exists_ok=overwrite,
+                              probe=True)
         for path, t in zip(paths, tables):
             written = t.plot(str(path))
             if not as_json:

@@ -9,6 +9,7 @@ import typer
 
 from unmask.cli import app
 from unmask.errors import UnmaskError
+from unmask.fileio import check_output_file
 
 
 def read_prompts(prompts: list[str], prompts_file: Path | None) -> list[str]:
@@ -77,6 +78,7 @@ def generate_cmd(
     show: bool = typer.Option(False, "--show", help="render the decoding trajectory live in the terminal"),
     trace: Path = typer.Option(None, "--trace", help="write the per-step commit trace as JSON to FILE"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object per prompt per line"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --trace file"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
 ) -> None:
@@ -91,6 +93,8 @@ def generate_cmd(
                "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps, "verify": verify, "draft": draft,
                "schedule": schedule, "alg": alg}
     options = {k: v for k, v in options.items() if v is not None}
+    if trace is not None:  # before loading anything
+        check_output_file(trace.expanduser(), "--trace", exists_ok=overwrite, probe=True)
     bundle = load(model, kind=kind, device=device, dtype=dtype)
     tracer = None
     if show or trace is not None:

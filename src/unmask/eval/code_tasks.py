@@ -1,8 +1,9 @@
 """HumanEval and MBPP: completion post-processing, program assembly and pass@1.
 
-A model completion becomes one Python program per task that exits 0 iff the task's tests
-pass; :func:`pass_at_1` runs the programs in the sandbox (:mod:`unmask.eval.sandbox`) and
-reports the fraction that pass (one sample per task, so pass@1 is the plain mean).
+A model completion becomes one Python program per task that runs to its end and exits 0 iff
+the task's tests pass (an early exit with status 0 is not a pass); :func:`pass_at_1` runs the
+programs in the sandbox (:mod:`unmask.eval.sandbox`) and reports the fraction that pass (one
+sample per task, so pass@1 is the plain mean).
 """
 
 from __future__ import annotations
@@ -109,7 +110,9 @@ def pass_at_1(*, programs: Sequence[str], task_ids: Sequence[str] | None = None,
 
     Args:
         programs: complete Python programs (from :func:`humaneval_program` or
-            :func:`mbpp_program`); each passes iff it exits with status 0 in time.
+            :func:`mbpp_program`); each passes iff it runs to its last statement (the
+            final ``check(...)`` or assert) and exits with status 0 in time, see
+            :func:`unmask.eval.sandbox.run_program`.
         task_ids: names for the report (default: "0", "1", ...).
         workers: concurrent child processes.
         timeout_s, memory_mb: per-program limits, see :func:`unmask.eval.sandbox.run_program`.
@@ -123,8 +126,11 @@ def pass_at_1(*, programs: Sequence[str], task_ids: Sequence[str] | None = None,
     if workers < 1:
         raise UnmaskError(f"pass_at_1: workers must be >= 1, got {workers}")
     run = partial(run_program, timeout_s=timeout_s, memory_mb=memory_mb)
-    with ThreadPoolExecutor(max_workers=workers) as pool:  # each thread waits on a child
+    pool = ThreadPoolExecutor(max_workers=workers)  # each thread waits on a child
+    try:
         results = tuple(pool.map(run, programs))
+    finally:  # on Ctrl-C, drop the programs not started yet instead of running them all first
+        pool.shutdown(wait=True, cancel_futures=True)
     return CodeEvalResult(ids, results)
 
 

@@ -171,6 +171,10 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
     spec = T.get_task(task)
     if batch_size < 1:
         raise UnmaskError(f"--batch-size must be >= 1, got {batch_size}; pass e.g. --batch-size 8")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:  # before any generation
+        raise UnmaskError(f"--workers must be an integer >= 1, got {workers!r}; pass e.g. --workers 2")
+    if not timeout_s > 0:
+        raise UnmaskError(f"timeout_s must be > 0, got {timeout_s!r}; pass e.g. timeout_s=10")
     items = T.load_items(task, limit=limit, shots=shots, data_dir=data_dir)
     if not items:
         raise UnmaskError(f"task {task!r} has no items to evaluate; check its data file or --limit")

@@ -85,10 +85,35 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
+def check_finite_weights(bundle: ModelBundle) -> None:
+    """Refuse to decode with weights holding nan or inf (e.g. a diverged training run): every
+    logit would be non-finite and the "decoded" text garbage. The result is cached on the model
+    until a parameter is modified in place (its ``_version`` counter moves).
+
+    Raises:
+        UnmaskError: a parameter or buffer is not finite.
+    """
+    tensors = [t for t in (*bundle.model.parameters(), *bundle.model.buffers()) if t.is_floating_point()]
+    try:
+        key = tuple((id(t), t._version) for t in tensors)
+    except RuntimeError:  # inference tensors keep no version counter: check every time
+        key = None
+    if key is not None and getattr(bundle.model, "_unmask_finite_key", None) == key:
+        return
+    for name, t in (*bundle.model.named_parameters(), *bundle.model.named_buffers()):
+        if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
+            raise UnmaskError(f"model {bundle.name!r} has non-finite weights ({name} holds nan or inf), so its logits "
+                              "are not finite; retrain it (lower --lr) or load another checkpoint")
+    if key is not None:
+        bundle.model._unmask_finite_key = key
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        device = "cpu"
     try:
         device = torch.device(device)
-    except RuntimeError:  # torch's message lists two dozen backends; ours names the two that work
+    except (RuntimeError, TypeError, ValueError):  # torch's message lists two dozen backends; ours names two
         raise UnmaskError(f"unknown device {device!r}; use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UnmaskError("CUDA is not available on this machine; use --device cpu")
@@ -209,7 +234,8 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     load through the auto class it registers and need ``trust_remote_code=True``. A directory
     without tokenizer files loads with ``tokenizer=None``.
 
-    Raises UnmaskError for a directory without config.json, unreadable weights, an unknown kind,
+    Raises UnmaskError for a directory without config.json, unreadable weights, an unknown kind, a
+    ``kind`` that contradicts the one ``unmask_config.json`` records,
     remote code without ``trust_remote_code``, disagreeing mask ids, or a kind that needs a mask
     token the checkpoint does not name.
     """
@@ -227,6 +253,9 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     hf_config = _read_hf_config(path)
     family = family_of(hf_config)
     native = native_module(hf_config)
+    if kind is not None and meta.get("kind") is not None and kind != meta["kind"]:
+        raise UnmaskError(f"{path} is a {meta['kind']} checkpoint (kind in {UNMASK_CONFIG}); --kind {kind} cannot "
+                          "override it, drop --kind")
     kind = kind or meta.get("kind") or (family.kind if family is not None else "causal")
     if kind not in KINDS:
         raise UnmaskError(f"unknown model kind {kind!r}; choose one of: {', '.join(KINDS)}")

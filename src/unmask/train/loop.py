@@ -42,7 +42,9 @@ from unmask.train.checkpoint import (  # noqa: F401  (re-exported: the checkpoin
     STATE_FILE,
     WEIGHTS_FILE,
     checkpoints,
+    diverged,
     latest_checkpoint,
+    load_state,
     load_weights,
     save_checkpoint,
     save_model,
@@ -89,6 +91,13 @@ class TrainConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        for name in ("lr", "weight_decay", "clip", "min_lr_ratio", "max_minutes"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                flag = f"--{name.replace('_', '-')}" if name in FLAG_OPTIONS else name
+                raise UnmaskError(f"{flag} must be a finite number, got {value}; pass a finite value")
+        if not all(math.isfinite(b) for b in self.betas):
+            raise UnmaskError(f"betas must be finite, got {self.betas}; pass e.g. betas=(0.9, 0.95)")
         checks = [
             (self.lr > 0, f"--lr must be > 0, got {self.lr}; pass a positive learning rate, e.g. --lr 3e-4"),
             (self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}; pass --warmup 0 or more"),
@@ -307,17 +316,21 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
     if resume and ckpt is None:
         _note(console, f"note: --resume found no checkpoint in {run_dir}; training starts from scratch")
     if ckpt is not None:
-        state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+        state = load_state(ckpt)
         _check_resumable(state["config"], config, ckpt)
         load_weights(model, ckpt)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        gen.set_state(state["rng"]["objective"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if torch.cuda.is_available() and state["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        step = int(state["step"])
+        try:
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            sampler.load_state_dict(state["sampler"])
+            gen.set_state(state["rng"]["objective"])
+            torch.set_rng_state(state["rng"]["torch"])
+            if torch.cuda.is_available() and state["rng"].get("cuda") is not None:
+                torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+            step = int(state["step"])
+        except (KeyError, ValueError, TypeError, RuntimeError, AttributeError) as e:
+            raise UnmaskError(f"{ckpt / STATE_FILE} does not fit this run ({type(e).__name__}: "
+                              f"{str(e)[:100]}); delete the checkpoint or pass --overwrite to start over") from None
     has_val = val_chunks is not None and len(val_chunks) > 0
     val, val_step, last = None, None, {}
     if ckpt is not None:
@@ -363,6 +376,8 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
             for _ in range(config.grad_accum):
                 chunks = train_chunks[sampler.next(config.batch_size)].to(device)  # (B, L+1)
                 loss, terms = objective.loss(model, chunks, gen, **params)
+                if not bool(torch.isfinite(loss.detach()).all()):  # before it reaches the weights
+                    raise diverged(f"the loss is {float(loss.detach())}", step + 1, run_dir)
                 (loss / config.grad_accum).backward()
                 sums["loss"] += float(loss.detach()) / config.grad_accum
                 for name in objective.term_names:

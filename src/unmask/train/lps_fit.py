@@ -90,7 +90,22 @@ class LPSTraces:
 
     @classmethod
     def load(cls, path) -> "LPSTraces":
-        return cls(**torch.load(path, map_location="cpu", weights_only=True))
+        """Read a file written by :meth:`save`. Raises UnmaskError for anything else (garbage,
+        truncated, another pickle)."""
+        from unmask.errors import UnmaskError
+
+        try:
+            with warnings.catch_warnings():  # garbage makes torch warn about the "pickle protocol" first
+                warnings.simplefilter("ignore")
+                fields = torch.load(path, map_location="cpu", weights_only=True)
+            traces = cls(**fields)
+            if not all(isinstance(getattr(traces, k), torch.Tensor) for k in ("features", "labels", "offsets", "trace")):
+                raise ValueError("its fields are not tensors")
+            return traces
+        except Exception as e:  # torch's unpickler raises anything on garbage (IndexError, EOFError, ...)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+            raise UnmaskError(f"--traces-file {path} is not an LPS traces file ({first}); delete it to collect the "
+                              "traces again, or pass another --traces-file") from None
 
     @classmethod
     def from_steps(cls, steps: list[tuple[int, int, torch.Tensor, torch.Tensor]], meta: dict) -> "LPSTraces":

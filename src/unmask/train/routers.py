@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from unmask.decode.batching import left_pad
 from unmask.errors import UnmaskError
+from unmask.fileio import output_lock
 from unmask.models.adapters import bidirectional_forward, realign
 from unmask.policies import token_stats
 from unmask.routers.lbs import LBSConfig, LBSRouter
@@ -391,7 +392,8 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
     """Prompts from ``data`` (ids, or text encoded with the model's tokenizer), the model's own
     responses, Alg. 3 training, save to ``out`` (default MODEL_DIR/routers). ``router``: LBSConfig
     fields (d, layers, heads, ffn). Every option, and an existing LBS router at the output (kept
-    unless ``overwrite``), is checked before any response is generated. Returns a summary."""
+    unless ``overwrite``), is checked before any response is generated; the output directory is
+    locked against a second writer for the whole run. Returns a summary."""
     from unmask.decode.dllm_cache import CACHE_MODES
 
     _check_counts(prompts=n_prompts, gen_length=gen_length, block_size=block_size, gen_batch=gen_batch)
@@ -406,6 +408,14 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
     _check_router_sizes(router, LBSConfig, even=True)
     bundle = _load(model, device)
     where = _out_dir(bundle, out, writes="lbs", overwrite=overwrite)
+    with output_lock(where, "router directory"):
+        _out_dir(bundle, out, writes="lbs", overwrite=overwrite)  # again, now that no other writer can be there
+        return _run_lbs(bundle, where, data, n_prompts, gen_length, block_size, response_policy, response_cache,
+                        gen_batch, train, router, progress)
+
+
+def _run_lbs(bundle, where, data, n_prompts, gen_length, block_size, response_policy, response_cache, gen_batch,
+             train, router, progress) -> dict:
     train = train or LBSTrainConfig(block=block_size)
     emb = bundle.model.get_input_embeddings().weight
     rc = LBSConfig(gen_length=gen_length, d_base=int(emb.shape[1]), vocab_size=int(emb.shape[0]), **(router or {}))
@@ -432,9 +442,9 @@ def run_lps(*, model, data: Sequence, routers=None, out=None, n_prompts: int = 3
     """Collect traces with the saved LBS (``routers``, default MODEL_DIR/routers) under the serving
     configuration, train R_ψ, choose τ_ψ, save next to the LBS (or to ``out``). ``traces_file``
     caches the traces (reused when it exists). An existing LPS router at the output is kept unless
-    ``overwrite``. Returns a summary with test recall / FPR."""
+    ``overwrite``. The output directory is locked against a second writer for the whole run.
+    Returns a summary with test recall / FPR."""
     from unmask.decode.eb_select import POS_MODES
-    from unmask.routers.io import check_lbs_fits, load_router
 
     if pos_mode not in POS_MODES:
         raise UnmaskError(f"unknown --pos-mode {pos_mode!r}; choose one of: {', '.join(POS_MODES)}")
@@ -443,6 +453,16 @@ def run_lps(*, model, data: Sequence, routers=None, out=None, n_prompts: int = 3
     bundle = _load(model, device)
     source = _out_dir(bundle, routers)
     where = _out_dir(bundle, out if out is not None else source, writes="lps", overwrite=overwrite)
+    with output_lock(where, "router directory"):
+        _out_dir(bundle, out if out is not None else source, writes="lps", overwrite=overwrite)  # again, locked
+        return _run_lps(bundle, source, where, data, n_prompts, block_size, tau, l_min, g_max, pos_mode, replay,
+                        gen_batch, traces_file, train, rc, seed, progress)
+
+
+def _run_lps(bundle, source, where, data, n_prompts, block_size, tau, l_min, g_max, pos_mode, replay, gen_batch,
+             traces_file, train, rc, seed, progress) -> dict:
+    from unmask.routers.io import check_lbs_fits, load_router
+
     lbs, info = load_router(source, "lbs", device=bundle.device)
     check_lbs_fits(info, bundle)
     serving = {"block_size": block_size, "tau": tau, "l_min": l_min, "g_max": g_max}

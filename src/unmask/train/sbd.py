@@ -14,7 +14,8 @@ from unmask.errors import UnmaskError
 from unmask.train.data import pack
 from unmask.train.loop import TrainResult
 from unmask.train.objectives import SBDObjective
-from unmask.train.wiring import load_chunks, run_info, run_paths, train_and_publish, train_config
+from unmask.train.wiring import (holds_output_locks, load_chunks, run_info, run_paths, train_and_publish,
+                                 train_config)
 from unmask.train.wiring import UNMASK_CONFIG, default_run_dir  # noqa: F401  (public here before wiring.py)
 
 SBD_FORMAT_VERSION = 1
@@ -38,6 +39,7 @@ def _load_base(base: str, dtype: str):
     return bundle, add_mask_token(bundle.model), vocab
 
 
+@holds_output_locks
 def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | Path, run_dir: str | Path | None = None,
               seq_len: int = 256, block_range: tuple[int, int] = (2, 16), val_fraction: float = 0.05,
               resume: bool = False, overwrite: bool = False, device: str = "cpu", dtype: str = "float32",
@@ -84,4 +86,4 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
             "stop_token_ids": list(bundle.stop_token_ids), "base": base}
     objective = SBDObjective(mask_token_id=mask_id, block_range=(low, high))
     return train_and_publish(bundle, objective, train_chunks, val_chunks, cfg, run_dir, out, info=info, meta=meta,
-                             device=device, resume=resume, progress=progress)
+                             device=device, resume=resume, progress=progress, overwrite=overwrite)
