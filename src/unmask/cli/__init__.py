@@ -36,6 +36,14 @@ def _fail(message: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     try:
+        _run(argv)
+    finally:
+        if "unmask.dist" in sys.modules:  # under torchrun: leave the process group cleanly
+            sys.modules["unmask.dist"].teardown()
+
+
+def _run(argv: list[str] | None) -> None:
+    try:
         app(args=argv, prog_name="unmask", standalone_mode=False)
     except UnmaskError as e:
         _fail(str(e).splitlines()[0])

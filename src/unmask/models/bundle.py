@@ -153,7 +153,7 @@ def _mask_id(explicit, meta: dict, model, tokenizer, family, path: Path) -> int 
 
 def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dtype="float32",
              mask_token_id: int | None = None, logit_shift: int | None = None,
-             trust_remote_code: bool = False) -> ModelBundle:
+             trust_remote_code: bool = False, tp: int | None = None) -> ModelBundle:
     """Load a local Hugging Face directory into a ModelBundle.
 
     The kind comes from ``kind``, else from ``unmask_config.json`` in the directory, else
@@ -163,6 +163,10 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     else unmask_config.json, else the family (Dream 1, LLaDA 0), else 0. Remote-code families load
     through the auto class their ``auto_map`` registers (``AutoModel`` for LLaDA/Dream) and need
     ``trust_remote_code=True``.
+
+    ``tp`` > 1 loads the weights tensor-parallel over the ``tp`` processes of a torchrun launch
+    through transformers' distributed loading (``DistributedConfig(tp_plan="auto")``, the
+    model's own plan); every rank then holds a shard and computes the same, all-reduced logits.
 
     Raises UnmaskError for a directory without config.json, unreadable weights, an unknown kind,
     remote code without ``trust_remote_code``, disagreeing mask ids, or a kind that needs a mask
@@ -192,8 +196,13 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     quiet_transformers()
     auto = getattr(transformers, loader_name(hf_config, family))
+    extra = {}
+    if tp is not None and tp != 1:
+        from unmask.models.tensor_parallel import tp_load_options
+
+        device, extra = tp_load_options(tp, device, hf_config, trust_remote_code)
     try:
-        model = auto.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        model = auto.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code, **extra)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, RuntimeError, KeyError, ImportError, TypeError, SafetensorError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -224,6 +233,8 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         stops = tuple(dict.fromkeys(stops + tuple(i for i in family.stop_token_ids if i < vocab)))
     if family is not None:
         meta = {"family": family.name, **meta}
+    if extra:  # tensor-parallel: every rank runs the same decode (no data-parallel sharding)
+        meta = {**meta, "tp": tp}
     bos = getattr(tokenizer, "bos_token_id", None)
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
     return ModelBundle(

@@ -66,15 +66,16 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict,
     return final
 
 
-def save_model(model, directory: Path) -> None:
+def save_model(model, directory: Path, state_dict: dict | None = None) -> None:
     """``save_pretrained`` as one safetensors file, without transformers' progress bar (it
-    would break the training progress display)."""
+    would break the training progress display). ``state_dict``: the weights to write instead of
+    the model's own (the gathered full state of an FSDP2-sharded model)."""
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(directory, max_shard_size="1000GB")
+        model.save_pretrained(directory, max_shard_size="1000GB", state_dict=state_dict)
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()

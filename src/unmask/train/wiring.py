@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from unmask.dist import env_rank
 from unmask.errors import UnmaskError
 from unmask.fileio import atomic_write_json, publish_dir, staging_dir
 from unmask.train.data import check_data_files, load_corpus, separator_id
@@ -48,7 +49,7 @@ def prepare_paths(out: Path, run_dir: Path, *, resume: bool, overwrite: bool) ->
     if checkpoints(run_dir) and not overwrite:
         raise UnmaskError(f"{run_dir} holds checkpoints of an earlier run; pass --resume to continue it or "
                           "--overwrite to start over")
-    if overwrite and run_dir.exists():
+    if overwrite and run_dir.exists() and env_rank() == 0:  # under torchrun, rank 0 alone clears it
         shutil.rmtree(run_dir)
 
 
@@ -154,7 +155,7 @@ def train_and_publish(bundle, objective, train_chunks: torch.Tensor, val_chunks:
         atomic_write_json(directory / UNMASK_CONFIG, {**meta, "training": training})
 
     console = None
-    if progress:
+    if progress and env_rank() == 0:
         from rich.console import Console
 
         console = Console(stderr=True)
@@ -162,13 +163,20 @@ def train_and_publish(bundle, objective, train_chunks: torch.Tensor, val_chunks:
                    save_extras=save_extras, console=console, meta=info)
     if result.stopped == "interrupted":
         return result
-    tmp = staging_dir(out)
-    try:
-        save_model(bundle.model, tmp)
-        save_extras(tmp, {"step": result.step, "stopped": result.stopped, "last": result.last, "val": result.val})
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    from unmask import dist
+    from unmask.train.parallel import agree, full_state_dict
+
+    full = full_state_dict(bundle.model) if dist.active() else None  # a collective under FSDP2: every rank
+    error = None
+    if dist.is_main():  # under torchrun rank 0 publishes; the others learn whether it did
+        tmp = staging_dir(out)
+        try:
+            save_model(bundle.model, tmp, state_dict=full)
+            save_extras(tmp, {"step": result.step, "stopped": result.stopped, "last": result.last, "val": result.val})
+            publish_dir(tmp, out)
+        except BaseException as e:  # noqa: BLE001 - re-raised by agree
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = e
+    agree(error, "publishing the model")
     result.out = out
     return result
