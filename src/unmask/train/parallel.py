@@ -117,14 +117,22 @@ def eval_model(model):
 
 
 def full_state_dict(model) -> dict | None:
-    """The full (unsharded) CPU state dict on rank 0, None elsewhere. A collective under FSDP2:
+    """The full (unsharded) CPU state dict on rank 0, None elsewhere; a tied parameter appears
+    once, under its first name, as ``save_pretrained`` writes it. A collective under FSDP2:
     call it on every rank."""
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return sd if dist.is_main() else None
-    return inner(model).state_dict() if dist.is_main() else None
+    else:
+        sd = inner(model).state_dict()
+    if not dist.is_main():
+        return None
+    first: dict[int, str] = {}
+    for name, p in inner(model).named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+    tied = {name for name, p in inner(model).named_parameters(remove_duplicate=False) if first[id(p)] != name}
+    return {k: v for k, v in sd.items() if k not in tied}
 
 
 @contextmanager
