@@ -40,13 +40,15 @@ def _rank_main(fn, args, rank: int, world: int, port: int, results) -> None:
         dist.teardown()
 
 
-def run_ranks(fn, *args, world: int = 2, timeout: float = 180.0) -> list:
+def run_ranks(fn, *args, world: int = 2, timeout: float = 180.0, start: str = "fork") -> list:
     """``[fn(*args) on rank 0, ..., on rank world-1]``; fn's return values go through torch.save.
+    ``start="spawn"`` for CUDA ranks (a forked process cannot use CUDA); fn must then be a
+    module-level function of an importable module.
 
     Raises:
         AssertionError: a rank raised (its traceback is the message) or did not finish in time.
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world, port, results), daemon=True)

@@ -34,14 +34,15 @@ def _chunks() -> torch.Tensor:
     return torch.randint(3, VOCAB, (16, 17), generator=torch.Generator().manual_seed(0))  # (16, L+1)
 
 
-def _train(run_dir, cfg: TrainConfig, resume: bool = False) -> dict:
+def _train(run_dir, cfg: TrainConfig, resume: bool = False, device: str = "cpu") -> dict:
     model = with_mask_row(tiny_llama(vocab=VOCAB))
     result = train(model, SBDObjective(MASK, block_range=(2, 4)), _chunks(), _chunks()[:4], cfg, run_dir,
-                   resume=resume)
+                   resume=resume, device=device)
     assert result.stopped == "done", result
     from unmask.train.parallel import full_state_dict
 
     full = full_state_dict(model)  # a collective under FSDP2; None off rank 0
+    full = None if full is None else {k: v.detach().cpu() for k, v in full.items()}
     from unmask import dist
 
     return {"rank": dist.rank(), "world": dist.world(), "params": full, "val": result.val}
@@ -85,6 +86,18 @@ def test_fsdp_checkpoint_resumes_on_one_process(tmp_path):
     resumed = _train(tmp_path / "run", replace(CFG, steps=4, grad_accum=2), resume=True)["params"]
     straight = _train(tmp_path / "straight", replace(CFG, steps=4, grad_accum=2))["params"]
     assert _max_diff(resumed, straight) <= 1e-6
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL and FSDP2 bf16 mixed precision need 2 CUDA devices")
+def test_nccl_ddp_and_bf16_fsdp_on_two_gpus(tmp_path):
+    cfg = replace(CFG, lr=1e-3)
+    single = _train(tmp_path / "one", replace(cfg, grad_accum=2), device="cuda")["params"]
+    ddp = run_ranks(_train, tmp_path / "ddp", cfg, False, "cuda", start="spawn")
+    assert _max_diff(ddp[0]["params"], single) <= 1e-5  # fp32 on both sides
+    fsdp = run_ranks(_train, tmp_path / "fsdp", replace(cfg, fsdp=True), False, "cuda", start="spawn")
+    # bf16 compute moves each AdamW update by at most ~2 lr; the run must train and publish
+    assert _max_diff(fsdp[0]["params"], single) <= 2 * cfg.lr * cfg.steps + 1e-6
+    assert latest_checkpoint(tmp_path / "fsdp").name == "step-00000003"
 
 
 def _cli(argv: list[str]) -> tuple[int, str]:
