@@ -205,3 +205,33 @@ def test_tp_decode_equals_one_process():
 
 def test_tp_outside_torchrun_is_a_one_line_error(capsys):
     one_line_error(capsys, "generate", "Once", "--model", "stories260K", "--tp", "2", match="needs exactly 2 processes")
+
+
+def _train_until_export_fails(run_dir) -> str:
+    """Train 2 steps with a checkpoint each step; rank 0's Hugging Face export of step 2 fails."""
+    from unmask import dist
+    from unmask.train import parallel
+
+    real = parallel.save_model
+
+    def export(model, directory, state_dict=None):
+        if "step-00000002" in directory.name:
+            raise OSError("disk full")
+        real(model, directory, state_dict=state_dict)
+
+    if dist.env_rank() == 0:
+        parallel.save_model = export
+    try:
+        _train(run_dir, replace(CFG, steps=2, ckpt_every=1, fsdp=True))
+    except (OSError, UnmaskError) as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_failed_checkpoint_stops_every_rank_and_keeps_the_previous_one(tmp_path):
+    # Rank 0 fails after every rank wrote its DCP shard: both ranks raise (none waits forever),
+    # the staging directory is removed and step 1 stays the newest complete checkpoint.
+    errors = run_ranks(_train_until_export_fails, tmp_path)
+    assert errors[0] == "disk full" and "another training process failed" in errors[1]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000001"]
+    assert latest_checkpoint(tmp_path).name == "step-00000001"

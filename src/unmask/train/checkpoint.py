@@ -53,17 +53,28 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict,
         if save_extras is not None:
             save_extras(tmp, trainer_state)
         torch.save(trainer_state, tmp / STATE_FILE)
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        tmp.rename(final)
+        install(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    prune(run_dir, keep)
+    return final
+
+
+def install(tmp: Path, final: Path) -> None:
+    """Rename the complete staging directory ``tmp`` to ``final`` (replacing a checkpoint of the
+    same step, e.g. re-saved after a resume)."""
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
+def prune(run_dir: str | Path, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints; drop staging directories left by a killed run."""
     for old in checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in (Path(run_dir) / CKPT_DIR).glob(".step-*"):  # staging left by a killed run
+    for stale in (Path(run_dir) / CKPT_DIR).glob(".step-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    return final
 
 
 def save_model(model, directory: Path, state_dict: dict | None = None) -> None:

@@ -31,7 +31,7 @@ import torch
 from unmask import dist
 from unmask.errors import UnmaskError
 from unmask.fileio import staging_dir
-from unmask.train.checkpoint import CKPT_DIR, STATE_FILE, checkpoints, save_model
+from unmask.train.checkpoint import CKPT_DIR, STATE_FILE, install, prune, save_model
 
 DCP_DIR = "dcp"
 
@@ -185,13 +185,8 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, trainer_state: dict,
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if dist.is_main():
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        tmp.rename(final)
-        for old in checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        for stale in (Path(run_dir) / CKPT_DIR).glob(".step-*"):  # staging left by a killed run
-            shutil.rmtree(stale, ignore_errors=True)
+        install(tmp, final)
+        prune(run_dir, keep)
     dist.barrier()
     return final
 
