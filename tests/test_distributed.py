@@ -235,3 +235,40 @@ def test_a_failed_checkpoint_stops_every_rank_and_keeps_the_previous_one(tmp_pat
     assert errors[0] == "disk full" and "another training process failed" in errors[1]
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000001"]
     assert latest_checkpoint(tmp_path).name == "step-00000001"
+
+
+# ---------------------------------------------------------------------------------------------
+# Early-Bird routers: responses / traces decoded data-parallel, rank 0 trains
+# ---------------------------------------------------------------------------------------------
+
+
+def _lbs(corpus: str, out: str) -> tuple[int, str]:
+    return _cli(["train", "lbs", "--model", "stories260K-dlm", "--data", corpus, "--prompts", "6", "--gen-length", "8",
+                 "--block-size", "4", "--epochs", "1", "--gen-batch", "2", "--out", out])
+
+
+def test_train_lbs_under_two_processes_saves_the_one_process_router(tmp_path):
+    corpus = str(ids_file(tmp_path / "c.jsonl"))
+    code, text = _lbs(corpus, str(tmp_path / "one"))
+    ranks = run_ranks(_lbs, corpus, str(tmp_path / "two"))
+    assert code == 0 and [c for c, _ in ranks] == [0, 0] and "params=" in ranks[0][1] and ranks[1][1] == ""
+    one, two = load_file(str(tmp_path / "one" / "lbs.safetensors")), load_file(str(tmp_path / "two" / "lbs.safetensors"))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_lps_traces_collected_per_batch_concatenate_to_prompt_level_ids():
+    from unmask.train.lps_fit import LPSTraces
+
+    def steps(traces, base=0):  # (trace, t, features (n, 5), labels (n,)) per record
+        g = torch.Generator().manual_seed(base)
+        return [(tr, t, torch.rand(n, 5, generator=g), torch.rand(n, generator=g) > 0.5)
+                for tr, t, n in traces]
+
+    first = steps([(0, 0, 3), (0, 1, 2), (1, 0, 4)], 1)  # prompts 0-1 of batch 0
+    second = steps([(0, 0, 1), (1, 0, 2), (1, 1, 5)], 2)  # prompts 2-3 of batch 1, ids from 0
+    whole = LPSTraces.from_steps(first + [(tr + 2, t, f, y) for tr, t, f, y in second], {"traces": 4})
+    merged = LPSTraces.concat([LPSTraces.from_steps(first, {"traces": 2}), LPSTraces.from_steps(second, {"traces": 2})],
+                              batch_size=2)
+    for name in ("features", "labels", "offsets", "trace", "step"):
+        assert torch.equal(getattr(merged, name), getattr(whole, name)), name
+    assert merged.meta["traces"] == 4 and merged.n_traces == 4
