@@ -69,22 +69,22 @@ def test_ddp_step_equals_one_process_on_the_same_global_batch(tmp_path):
 
 
 def test_fsdp_checkpoint_resumes_on_one_process(tmp_path):
-    # FSDP2 on 2 ranks for 2 steps; the DCP checkpoint resumes on 1 process with the same
-    # micro-batches per step (grad_accum 2) and ends where 4 straight steps on 1 process end.
-    fsdp = replace(CFG, steps=2, ckpt_every=2, fsdp=True)
+    # FSDP2 on 2 ranks x grad_accum 2 for 2 steps; the DCP checkpoint resumes on 1 process with
+    # the same micro-batches per step (grad_accum 4) and ends where 4 straight steps end.
+    fsdp = replace(CFG, steps=2, grad_accum=2, ckpt_every=2, fsdp=True)
     ranks = run_ranks(_train, tmp_path / "run", fsdp)
     ckpt = latest_checkpoint(tmp_path / "run")
     assert ckpt.name == "step-00000002"
     assert sorted(p.name for p in (ckpt / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    two_steps = _train(tmp_path / "two", replace(CFG, steps=2, grad_accum=2))["params"]
+    two_steps = _train(tmp_path / "two", replace(CFG, steps=2, grad_accum=4))["params"]
     assert _max_diff(ranks[0]["params"], two_steps) <= 1e-6  # the gathered FSDP2 weights
     exported = load_file(str(ckpt / "model.safetensors"))  # the HF export of the checkpoint
     assert _max_diff({k: exported[k] for k in exported}, {k: two_steps[k] for k in exported}) <= 1e-6
 
-    with pytest.raises(UnmaskError, match=r"2 process\(es\) x --grad-accum 1 = 2 micro-batches.*--grad-accum 2"):
-        _train(tmp_path / "run", replace(CFG, steps=4), resume=True)
-    resumed = _train(tmp_path / "run", replace(CFG, steps=4, grad_accum=2), resume=True)["params"]
-    straight = _train(tmp_path / "straight", replace(CFG, steps=4, grad_accum=2))["params"]
+    with pytest.raises(UnmaskError, match=r"2 process\(es\) x --grad-accum 2 = 4 micro-batches.*--grad-accum 4"):
+        _train(tmp_path / "run", replace(CFG, steps=4, grad_accum=2), resume=True)
+    resumed = _train(tmp_path / "run", replace(CFG, steps=4, grad_accum=4), resume=True)["params"]
+    straight = _train(tmp_path / "straight", replace(CFG, steps=4, grad_accum=4))["params"]
     assert _max_diff(resumed, straight) <= 1e-6
 
 

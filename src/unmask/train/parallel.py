@@ -104,8 +104,11 @@ def is_sharded(model) -> bool:
 
 
 def no_sync(model, last: bool):
-    """Skip DDP's gradient all-reduce on all but the last micro-batch of a rank's step."""
-    if not last and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    """Reduce gradients over the ranks only after the last micro-batch of a rank's step: DDP's
+    ``no_sync`` before it; FSDP2 keeps the unsharded gradients until then."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(last)
+    elif not last and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model.no_sync()
     return nullcontext()
 
