@@ -96,3 +96,14 @@ def set_static_length(cache, length: int) -> None:
 def keep_rows(cache, rows: torch.Tensor) -> None:
     """Keep only batch rows ``rows`` (1D long) in every layer of ``cache``, in place."""
     cache.batch_select_indices(rows)
+
+
+def tensor_parallel_kwargs(tp: int) -> dict:
+    """``from_pretrained`` keyword arguments that load the model class's own tensor-parallel plan
+    over ``tp`` processes: ``distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp)``,
+    or the older ``tp_plan="auto", tp_size=tp`` where DistributedConfig does not exist yet."""
+    try:
+        from transformers import DistributedConfig
+    except ImportError:  # transformers before DistributedConfig
+        return {"tp_plan": "auto", "tp_size": tp}
+    return {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tp)}

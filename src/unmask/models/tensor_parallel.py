@@ -51,13 +51,12 @@ def tp_load_options(tp: int, device: torch.device, hf_config: dict, trust_remote
     Raises:
         UnmaskError: see :func:`check_tp`; a model with its own code (no tensor-parallel plan).
     """
-    from transformers import DistributedConfig
-
     from unmask import dist
+    from unmask.compat import tensor_parallel_kwargs
 
     check_tp(tp, int(os.environ.get("WORLD_SIZE", "1")), hf_config)
     if trust_remote_code and hf_config.get("auto_map"):
         raise UnmaskError("--tp needs a transformers model class with a tensor-parallel plan; checkpoints with "
                           "their own model code (LLaDA, Dream) have none, so drop --tp")
     device = dist.setup(device)
-    return device, {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tp)}
+    return device, tensor_parallel_kwargs(tp)
