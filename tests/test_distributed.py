@@ -48,6 +48,24 @@ def _train(run_dir, cfg: TrainConfig, resume: bool = False, device: str = "cpu")
     return {"rank": dist.rank(), "world": dist.world(), "params": full, "val": result.val}
 
 
+def _objective(name: str):
+    from unmask.train.block_diffusion import TFObjective
+    from unmask.train.diffusion import MaskedDiffusionObjective
+    from unmask.train.multitf import MultiTFObjective
+
+    return {"diffusion": MaskedDiffusionObjective(mask_token_id=MASK),
+            "block-diffusion": TFObjective(mask_token_id=MASK, block_size=4),
+            "multitf": MultiTFObjective(mask_token_id=MASK, block_size=4, g_max=2, n_rand=1)}[name]
+
+
+def _train_objective(name: str, run_dir, cfg: TrainConfig) -> dict | None:
+    model = with_mask_row(tiny_llama(vocab=VOCAB))
+    train(model, _objective(name), _chunks(), None, cfg, run_dir)
+    from unmask.train.parallel import full_state_dict
+
+    return full_state_dict(model)
+
+
 def _max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
@@ -66,6 +84,14 @@ def test_ddp_step_equals_one_process_on_the_same_global_batch(tmp_path):
     logged = [json.loads(line) for line in (tmp_path / "ddp" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "lr" in r] == [1, 2, 3]  # rank 0 alone writes the log
     assert all(r["world"] == 2 for r in logged if "lr" in r)
+
+
+@pytest.mark.parametrize("name", ["diffusion", "block-diffusion", "multitf"])
+def test_every_loop_objective_trains_data_parallel_like_one_process(tmp_path, name):
+    cfg = replace(CFG, steps=2)
+    single = _train_objective(name, tmp_path / "one", replace(cfg, grad_accum=2))
+    ranks = run_ranks(_train_objective, name, tmp_path / "ddp", cfg)
+    assert _max_diff(ranks[0], single) <= 1e-6
 
 
 def test_fsdp_checkpoint_resumes_on_one_process(tmp_path):
