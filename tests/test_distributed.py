@@ -209,12 +209,23 @@ TP_CASES = (("stories260K", "ar", {}), ("stories260K-sbd", "sbd", {}),
             ("stories260K-dlm", "diffusion", {"gen_length": 16}))
 
 
+def _tp_cases() -> tuple:
+    """TP_CASES, plus lossless SBD (``verify``) where the sbd decoder has it (spec/sbd_exact.md)."""
+    import inspect
+
+    from unmask.decode import sbd
+
+    if "verify" not in inspect.signature(sbd.decode).parameters:
+        return TP_CASES
+    return TP_CASES + (("stories260K-sbd", "sbd", {"verify": True}), ("stories260K-sbd", "sbd", {"verify": False}))
+
+
 def _tp_decode(tp) -> dict:
     import unmask
     from unmask.api import generate
 
     out, sharded = [], []
-    for name, decoder, options in TP_CASES:
+    for name, decoder, options in _tp_cases():
         bundle = unmask.load(name, tp=tp)
         q = bundle.model.model.layers[0].self_attn.q_proj.weight
         sharded.append(tuple(q.to_local().shape) if hasattr(q, "to_local") else None)
@@ -225,7 +236,7 @@ def _tp_decode(tp) -> dict:
 def test_tp_decode_equals_one_process():
     single = _tp_decode(None)
     ranks = run_ranks(_tp_decode, 2)
-    assert ranks[0]["local_q"] == ranks[1]["local_q"] == [(32, 64)] * len(TP_CASES)  # q_proj split over 2
+    assert ranks[0]["local_q"] == ranks[1]["local_q"] == [(32, 64)] * len(_tp_cases())  # q_proj split over 2
     assert ranks[0]["tokens"] == ranks[1]["tokens"] == single["tokens"]
 
 
