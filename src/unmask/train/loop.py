@@ -332,6 +332,8 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None and main:
         _note(console, f"note: --resume found no checkpoint in {run_dir}; training starts from scratch")
+    if config.fsdp and world == 1:
+        _note(console, "note: --fsdp shards the model only under torchrun; training in one process")
     if ckpt is not None:
         state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
         _check_resumable(state["config"], config, ckpt, int(state.get("world_size", 1)), world)
