@@ -179,6 +179,19 @@ def test_data_parallel_eval_equals_one_process_in_order():
     assert [r["batch"] for r in single[:-1]] == [0, 0, 1, 1, 2]
 
 
+def _sweep() -> list[dict]:
+    from unmask.eval.sweep import sweep
+
+    res = sweep("stories", "stories260K-sbd", "sbd", param="gamma", values="0,0.5", limit=3, batch_size=2,
+                max_new_tokens=8, warmup=False)
+    return [{k: p[k] for k in ("value", "quality", "tpf", "nfe")} for p in res.points] + [res.aup_score]
+
+
+def test_data_parallel_sweep_equals_one_process():
+    single = _sweep()
+    assert run_ranks(_sweep) == [single, single]
+
+
 PROMPTS = ["Once upon a time", "The cat sat on the", "Lily and Ben went to the park", "One day, a little bird"]
 
 
