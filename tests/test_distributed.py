@@ -66,6 +66,24 @@ def _train_objective(name: str, run_dir, cfg: TrainConfig) -> dict | None:
     return full_state_dict(model)
 
 
+def _train_on_rank_data(run_dir) -> str:
+    """Rank 1 packs one row fewer than rank 0, as a node with another copy of the corpus would."""
+    from unmask import dist
+
+    chunks = _chunks() if dist.env_rank() == 0 else _chunks()[:-1]
+    try:
+        train(with_mask_row(tiny_llama(vocab=VOCAB)), SBDObjective(MASK), chunks, None, CFG, run_dir)
+    except UnmaskError as e:
+        return str(e)
+    return "trained"
+
+
+def test_ranks_with_different_data_are_refused_on_every_rank(tmp_path):
+    errors = run_ranks(_train_on_rank_data, tmp_path)
+    assert all("packed different training data" in e for e in errors), errors
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def _max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)

@@ -330,6 +330,7 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
     mine = parallel.owned(n_micro)  # global micro-batch indices this rank computes
     step = 0
     ckpt = latest_checkpoint(run_dir) if resume else None
+    parallel.check_same_inputs(train_chunks, ckpt)
     if resume and ckpt is None and main:
         _note(console, f"note: --resume found no checkpoint in {run_dir}; training starts from scratch")
     if config.fsdp and world == 1:

@@ -49,6 +49,28 @@ def owned(n_micro: int) -> list[int]:
     return dist.batch_shard(n_micro)
 
 
+def check_same_inputs(train_chunks: torch.Tensor, checkpoint: Path | None) -> None:
+    """Refuse to train when the ranks read different data or see different checkpoints (e.g. a
+    run directory that is not on a filesystem shared by every node): the global micro-batch plan
+    assumes every rank holds the same rows. One gather of a cheap fingerprint; a no-op alone.
+
+    Raises:
+        UnmaskError: on every rank, naming what differs.
+    """
+    if not dist.active():
+        return
+    rows = train_chunks.long()
+    data = (tuple(rows.shape), int(rows.sum()), int((rows[:, :1] * torch.arange(1, len(rows) + 1)[:, None]).sum()))
+    seen = dist.gather_ordered([(dist.rank(), (data, None if checkpoint is None else checkpoint.name))])
+    if len({d for d, _ in seen}) > 1:
+        raise UnmaskError("the training processes packed different training data; give every process the same "
+                          "--data files (on a shared filesystem or identical copies) and --seq-len")
+    if len({c for _, c in seen}) > 1:
+        found = ", ".join(f"rank {r}: {c or 'none'}" for r, (_, c) in enumerate(seen))
+        raise UnmaskError(f"the training processes see different checkpoints to resume ({found}); put --run-dir on a "
+                          "filesystem every node shares")
+
+
 class _DDP(torch.nn.parallel.DistributedDataParallel):
     """DDP whose unknown attributes (``config``, ``get_input_embeddings``, ...) come from the
     wrapped model, so objectives written for a plain HF model run on it unchanged; calling it
