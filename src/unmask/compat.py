@@ -122,3 +122,12 @@ def register_weight_renames(class_name: str, renames: list[tuple[str, str]], *,
         ops = [MergeModulelist(dim=0)] + ([Concatenate(dim=cat_dim)] if cat_dim is not None else [])
         mapping.append(WeightConverter(source_patterns=list(src), target_patterns=dst, operations=ops))
     register_checkpoint_conversion_mapping(class_name, mapping, overwrite=True)
+def tensor_parallel_kwargs(tp: int) -> dict:
+    """``from_pretrained`` keyword arguments that load the model class's own tensor-parallel plan
+    over ``tp`` processes: ``distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp)``,
+    or the older ``tp_plan="auto", tp_size=tp`` where DistributedConfig does not exist yet."""
+    try:
+        from transformers import DistributedConfig
+    except ImportError:  # transformers before DistributedConfig
+        return {"tp_plan": "auto", "tp_size": tp}
+    return {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tp)}

@@ -42,6 +42,14 @@ def interrupted() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (see also :mod:`unmask.entry`, which guards the imports too)."""
     try:
+        _run(argv)
+    finally:
+        if "unmask.dist" in sys.modules:  # under torchrun: leave the process group cleanly
+            sys.modules["unmask.dist"].teardown()
+
+
+def _run(argv: list[str] | None) -> None:
+    try:
         # standalone_mode=False: typer *returns* an exit code instead of exiting, 130 for a
         # KeyboardInterrupt it caught, so it must be turned into the process's exit status here.
         rc = app(args=argv, prog_name="unmask", standalone_mode=False)

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import typer
 
 from unmask.cli import app
+from unmask.dist import env_rank
 from unmask.errors import UnmaskError
 from unmask.fileio import check_output_file
 
@@ -38,6 +39,8 @@ BLOCK = typer.Option(None, "--block-size", "-k", help="block size")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda")
 DTYPE = typer.Option("float32", "--dtype", help="float32 or bfloat16")
 OVERWRITE = typer.Option(False, "--overwrite", help="replace existing output files")
+TP = typer.Option(None, "--tp", help="under torchrun: load the model tensor-parallel over N processes "
+                                     "(default: data parallel, prompts split over the processes)")
 
 
 def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
@@ -160,6 +163,17 @@ def _print_summary(summary: dict[str, Any]) -> None:
         console.print(f"[yellow]note: {note}[/yellow]")
 
 
+def _tp_model(model: str | None, tp: int | None, device: str, dtype: str):
+    """The model argument of eval/sweep: the name itself, or with ``--tp`` a bundle loaded
+    tensor-parallel (see :mod:`unmask.models.tensor_parallel`)."""
+    if tp is None or tp == 1:
+        return model
+    from unmask import dist
+    from unmask.models import load
+
+    return load(model, device=str(dist.setup(device)) if dist.launched() else device, dtype=dtype, tp=tp)
+
+
 @app.command("eval")
 def eval_cmd(
     task: str = typer.Option(..., "--task", help="stories, gsm8k, humaneval or mbpp"),
@@ -174,7 +188,7 @@ def eval_cmd(
     block_size: int = BLOCK, option: list[str] = OPTION,
     out: Path = typer.Option(None, "--out", "-o", help="write every item row and the summary as JSON lines to FILE"),
     workers: int = typer.Option(2, "--workers", help="code tasks: programs run in parallel in the sandbox"),
-    device: str = DEVICE, dtype: str = DTYPE,
+    device: str = DEVICE, dtype: str = DTYPE, tp: int = TP,
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
     overwrite: bool = OVERWRITE,
 ) -> None:
@@ -187,10 +201,13 @@ def eval_cmd(
         raise UnmaskError(f"--workers must be >= 1, got {workers}; pass e.g. --workers 2")
     if out is not None:
         check_output_file(out, "--out", exists_ok=overwrite, probe=True)
-    with _progress(not no_progress) as progress:
+    model = _tp_model(model, tp, device, dtype)
+    with _progress(not no_progress and env_rank() == 0) as progress:
         result = evaluate(task, model, decoder, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
                           shots=shots, data_dir=data_dir, judge=judge, temperature=temperature, seed=seed,
                           device=device, dtype=dtype, workers=workers, progress=progress, **opts)
+    if env_rank() != 0:  # under torchrun every rank holds the gathered result; rank 0 reports it
+        return
     if out is not None:
         result.write(out)
     _print_summary(result.summary)
@@ -212,7 +229,7 @@ def sweep_cmd(
     y_max: float = typer.Option(None, "--y-max", help="AUP's best accuracy over all methods (default: this sweep's best)"),
     out_png: Path = typer.Option(None, "--out-png", help="write the Pareto plot (quality vs TPF and vs TPS) to FILE"),
     out: Path = typer.Option(None, "--out", "-o", help="write the points and AUP as JSON to FILE"),
-    device: str = DEVICE, dtype: str = DTYPE,
+    device: str = DEVICE, dtype: str = DTYPE, tp: int = TP,
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
     overwrite: bool = OVERWRITE,
 ) -> None:
@@ -226,11 +243,14 @@ def sweep_cmd(
     for path, flag in ((out, "--out"), (png, "--out-png")):
         if path is not None:
             check_output_file(path, flag, exists_ok=overwrite, probe=True)
-    with _progress(not no_progress) as progress:
+    model = _tp_model(model, tp, device, dtype)
+    with _progress(not no_progress and env_rank() == 0) as progress:
         res = sweep(task, model, decoder, param=param, values=values, metric=metric, y_max=y_max,
                     limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens, shots=shots,
                     data_dir=data_dir, judge=judge, temperature=temperature, seed=seed, device=device,
                     dtype=dtype, progress=progress, **opts)
+    if env_rank() != 0:  # under torchrun rank 0 reports the gathered points
+        return
     console = _console()
     first = res.results[0].summary
     t = Table(title=f"sweep {param} · {task} · {first['model']} · {first['decoder']}")

@@ -81,9 +81,15 @@ def generate_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --trace file"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
+    tp: int = typer.Option(None, "--tp", help="under torchrun: load the model tensor-parallel over N processes"),
 ) -> None:
-    """Generate continuations and print text plus NFE / TPF / TPS."""
-    from unmask.api import generate
+    """Generate continuations and print text plus NFE / TPF / TPS.
+
+    Under torchrun the prompts are split over the processes (data parallel) and printed by rank
+    0 in their original order; with ``--tp N`` every process decodes every prompt on its shard
+    of the weights (docs/scaling.md)."""
+    from unmask import dist
+    from unmask.api import generate_sharded
     from unmask.models import load
 
     texts = read_prompts(prompts or [], prompts_file)
@@ -95,7 +101,11 @@ def generate_cmd(
     options = {k: v for k, v in options.items() if v is not None}
     if trace is not None:  # before loading anything
         check_output_file(trace.expanduser(), "--trace", exists_ok=overwrite, probe=True)
-    bundle = load(model, kind=kind, device=device, dtype=dtype)
+    if dist.launched():
+        if show or trace is not None:
+            raise UnmaskError("--show/--trace follow one process; run them without torchrun")
+        device = str(dist.setup(device))
+    bundle = load(model, kind=kind, device=device, dtype=dtype, tp=tp)
     tracer = None
     if show or trace is not None:
         import inspect
@@ -114,8 +124,8 @@ def generate_cmd(
         tracer = extra["on_step"]
         options.update(extra)
     try:
-        result = generate(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, **options)
+        result = generate_sharded(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, **options)
     except BaseException:
         if tracer is not None:
             tracer.close(write=False)
@@ -124,6 +134,8 @@ def generate_cmd(
         s = result.stats
         tracer.close({"decoder": result.decoder, "model": result.model, "texts": result.texts, "nfe": s.nfe,
                       "nfe_per_row": s.nfe_per_row, "tokens_per_row": s.tokens_per_row, "tpf": s.tpf})
+    if not dist.is_main():  # under torchrun rank 0 prints the gathered result
+        return
     if as_json:
         for row in result.rows():
             typer.echo(json.dumps(row, ensure_ascii=False))

@@ -24,10 +24,10 @@ Data = Annotated[list[Path], typer.Option("--data", help="training data, .txt or
 Out = Annotated[Path, typer.Option("--out", help="output model directory (checkpoints go to OUT.run/)")]
 RunDir = Annotated[Path, typer.Option("--run-dir", help="checkpoint/log directory (default OUT.run)")]
 Steps = Annotated[int, typer.Option("--steps", help="optimizer steps")]
-BatchSize = Annotated[int, typer.Option("--batch-size", help="sequences per micro-batch")]
+BatchSize = Annotated[int, typer.Option("--batch-size", help="sequences per micro-batch (per process under torchrun)")]
 Lr = Annotated[float, typer.Option("--lr", help="peak learning rate")]
 Warmup = Annotated[int, typer.Option("--warmup", help="linear warm-up steps")]
-GradAccum = Annotated[int, typer.Option("--grad-accum", help="micro-batches per optimizer step")]
+GradAccum = Annotated[int, typer.Option("--grad-accum", help="micro-batches per optimizer step (per process)")]
 WeightDecay = Annotated[float, typer.Option("--weight-decay", help="AdamW weight decay (matrices only)")]
 Clip = Annotated[float, typer.Option("--clip", help="gradient-norm clip (0 = off)")]
 CkptEvery = Annotated[int, typer.Option("--ckpt-every", help="checkpoint every N steps (0 = only at the end)")]
@@ -37,6 +37,7 @@ Seed = Annotated[int, typer.Option("--seed", help="seed of data order, noise and
 Resume = Annotated[bool, typer.Option("--resume", help="continue from the newest checkpoint in the run directory")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace OUT and discard its run directory")]
 Device = Annotated[str, typer.Option("--device", help="cpu or cuda")]
+Fsdp = Annotated[bool, typer.Option("--fsdp", help="under torchrun: shard with FSDP2 instead of DDP (docs/scaling.md)")]
 DlmModel = Annotated[str, typer.Option("--model", help="masked-diffusion model (shipped name or directory)")]
 PromptData = Annotated[list[Path], typer.Option(
     "--data", help="corpus (.txt or .jsonl) whose document openings become prompts (repeatable)")]
@@ -54,6 +55,12 @@ def _start(data, out) -> None:
 
 
 def _finish(result, terms=("loss", "mat", "acc")) -> None:
+    from unmask import dist
+
+    if not dist.is_main():  # under torchrun rank 0 reports; the others end quietly
+        if result.stopped == "interrupted":
+            raise SystemExit(130)
+        return
     if result.stopped == "interrupted":
         typer.echo(f"interrupted at step {result.step}; checkpoint {result.checkpoint}; rerun with --resume", err=True)
         raise SystemExit(130)
@@ -63,10 +70,10 @@ def _finish(result, terms=("loss", "mat", "acc")) -> None:
 
 
 def _loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every, max_minutes,
-                  seed) -> dict:
+                  seed, fsdp: bool = False) -> dict:
     return dict(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, grad_accum=grad_accum,
                 weight_decay=weight_decay, clip=clip, ckpt_every=ckpt_every, eval_every=eval_every,
-                max_minutes=max_minutes, seed=seed)
+                max_minutes=max_minutes, seed=seed, fsdp=fsdp)
 
 
 @train_app.command("sbd")
@@ -76,7 +83,7 @@ def train_sbd_cmd(
     seq_len: int = typer.Option(256, "--seq-len", help="tokens per sequence L (a forward sees 2L)"),
     lr: Lr = 3e-4, warmup: Warmup = 100, grad_accum: GradAccum = 1, weight_decay: WeightDecay = 0.0, clip: Clip = 1.0,
     ckpt_every: CkptEvery = 500, eval_every: EvalEvery = 500, max_minutes: MaxMinutes = None, seed: Seed = 0,
-    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", fsdp: Fsdp = False,
 ) -> None:
     """Fine-tune a causal LM for Set Block Decoding (joint NTP + masked loss, SBD Eq. 14)."""
     from unmask.train.sbd import train_sbd
@@ -85,7 +92,7 @@ def train_sbd_cmd(
     _finish(train_sbd(
         base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, resume=resume, overwrite=overwrite,
         device=device, **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every,
-                                       eval_every, max_minutes, seed)), terms=("loss", "ntp", "mat"))
+                                       eval_every, max_minutes, seed, fsdp)), terms=("loss", "ntp", "mat"))
 
 
 @data_app.command("stories")
@@ -124,7 +131,7 @@ def train_diffusion_cmd(
     norm: str = typer.Option("token", "--norm", help="loss normalisation: token, sequence or batch"),
     lr: Lr = 3e-4, warmup: Warmup = 100, grad_accum: GradAccum = 1, weight_decay: WeightDecay = 0.0, clip: Clip = 1.0,
     ckpt_every: CkptEvery = 500, eval_every: EvalEvery = 500, max_minutes: MaxMinutes = None, seed: Seed = 0,
-    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", fsdp: Fsdp = False,
 ) -> None:
     """Adapt a causal LM into a masked-diffusion LM (bidirectional, logit shift 1; diffusion.md §1-2)."""
     from unmask.train.diffusion import train_diffusion
@@ -134,7 +141,7 @@ def train_diffusion_cmd(
         base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, prefix_prob=prefix_prob, norm=norm,
         resume=resume, overwrite=overwrite, device=device,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
-                        max_minutes, seed)), terms=("loss", "nll"))
+                        max_minutes, seed, fsdp)), terms=("loss", "nll"))
 
 
 @train_app.command("block-diffusion")
@@ -151,7 +158,7 @@ def train_block_diffusion_cmd(
     steps: int = 1000, batch_size: int = 8, lr: float = 1e-3, warmup: int = 100, grad_accum: int = 1,
     weight_decay: float = 0.0, clip: Clip = 1.0, ckpt_every: int = 500, eval_every: int = 500,
     max_minutes: MaxMinutes = None, seed: int = 0,
-    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", fsdp: Fsdp = False,
 ) -> None:
     """Teacher-forcing training of a block-diffusion LM (dual-stream masked CE, multiblock.md §1.3)."""
     from unmask.train.block_diffusion import train_block_diffusion
@@ -161,7 +168,7 @@ def train_block_diffusion_cmd(
         base=base, data=data, out=out, block_size=block_size, run_dir=run_dir, seq_len=seq_len, t_low=t_low,
         t_high=t_high, noise=noise, rounding=rounding, resume=resume, overwrite=overwrite, device=device,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
-                        max_minutes, seed)))
+                        max_minutes, seed, fsdp)))
 
 
 @train_app.command("multitf")
@@ -179,7 +186,7 @@ def train_multitf_cmd(
     steps: int = 500, batch_size: int = typer.Option(2, "--batch-size", help="clean rows per micro-batch"),
     lr: float = 3e-4, warmup: int = 15, grad_accum: int = 1, weight_decay: float = 0.1, clip: Clip = 1.0,
     ckpt_every: int = 200, eval_every: int = 200, max_minutes: MaxMinutes = None, seed: int = 0,
-    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", fsdp: Fsdp = False,
 ) -> None:
     """MultiTF post-training of a block-diffusion LM (group layouts, chain-uniform noise, multiblock.md §4)."""
     from unmask.train.multitf import train_multitf
@@ -190,7 +197,7 @@ def train_multitf_cmd(
         t_high=t_high, rho=rho, rounding=rounding, layouts_per_row=layouts_per_row, resume=resume,
         overwrite=overwrite, device=device,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
-                        max_minutes, seed)))
+                        max_minutes, seed, fsdp)))
 
 
 @train_app.command("lbs")
@@ -226,7 +233,8 @@ def train_lbs_cmd(
                                            weight_decay=weight_decay, seed=seed, max_minutes=max_minutes),
                       router={"d": d, "layers": layers, "ffn": ffn}, overwrite=overwrite, device=device,
                       progress=lambda m: typer.echo(m, err=True))
-    typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
+    if summary:  # under torchrun only rank 0 trains and reports
+        typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
 
 
 @train_app.command("lps")
@@ -265,4 +273,5 @@ def train_lps_cmd(
                                            fpr_budget=fpr, max_minutes=max_minutes),
                       router={"d": d, "layers": layers, "ffn": ffn}, seed=seed, overwrite=overwrite, device=device,
                       progress=lambda m: typer.echo(m, err=True))
-    typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
+    if summary:  # under torchrun only rank 0 trains and reports
+        typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))

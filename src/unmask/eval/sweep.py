@@ -144,6 +144,9 @@ def sweep(task: str, model=None, decoder: str | None = None, *, param: str,
     if param in eval_kwargs:
         raise UnmaskError(f"--{param.replace('_', '-')} is what the sweep varies; drop it")
     eval_kwargs.setdefault("policy", SWEEP_PARAMS[param])
+    from unmask import dist
+
+    device = str(dist.setup(device))  # under torchrun every point is decoded data-parallel
     bundle = _load(model, device=device, dtype=dtype)
     refs = eval_kwargs.pop("references", None) or References()
     results = []

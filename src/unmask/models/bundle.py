@@ -217,7 +217,7 @@ def _block_size(meta: dict, hf_config: dict, family) -> int | None:
 
 def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dtype="float32",
              mask_token_id: int | None = None, logit_shift: int | None = None,
-             trust_remote_code: bool = False) -> ModelBundle:
+             trust_remote_code: bool = False, tp: int | None = None) -> ModelBundle:
     """Load a local Hugging Face directory into a ModelBundle.
 
     The kind comes from ``kind``, else from ``unmask_config.json`` in the directory, else the
@@ -233,6 +233,10 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     code, whatever ``trust_remote_code`` says. Other directories with their own code (``auto_map``)
     load through the auto class it registers and need ``trust_remote_code=True``. A directory
     without tokenizer files loads with ``tokenizer=None``.
+
+    ``tp`` > 1 loads the weights tensor-parallel over the ``tp`` processes of a torchrun launch
+    through transformers' distributed loading (``DistributedConfig(tp_plan="auto")``, the
+    model's own plan); every rank then holds a shard and computes the same, all-reduced logits.
 
     Raises UnmaskError for a directory without config.json, unreadable weights, an unknown kind, a
     ``kind`` that contradicts the one ``unmask_config.json`` records,
@@ -266,12 +270,20 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         raise UnmaskError(f"logit_shift must be 0 or 1 (got {logit_shift}); use 1 for Dream-style models")
     device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     quiet_transformers()
+    extra = {}
+    if tp is not None and tp != 1:
+        if native is not None:
+            raise UnmaskError(f"--tp is not supported for the native {family.name if family else 'dLLM'} classes yet; "
+                              "drop --tp (data parallel still works under torchrun)")
+        from unmask.models.tensor_parallel import tp_load_options
+
+        device, extra = tp_load_options(tp, device, hf_config, trust_remote_code)
     try:
         if native is not None:
             model = load_native(native, path, hf_config, dtype=torch_dtype)
         else:
             auto = getattr(transformers, loader_name(hf_config, family))
-            model = auto.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+            model = auto.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code, **extra)
         tokenizer = _load_tokenizer(path, family, native is not None, trust_remote_code)
     except UnmaskError:
         raise
@@ -304,6 +316,8 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         stops = tuple(dict.fromkeys(stops + tuple(i for i in family.stop_token_ids if i < vocab)))
     if family is not None:
         meta = {"family": family.name, **meta}
+    if extra:  # tensor-parallel: every rank runs the same decode (no data-parallel sharding)
+        meta = {**meta, "tp": tp}
     bos = getattr(tokenizer, "bos_token_id", None)
     pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:

@@ -88,15 +88,11 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict,
             if save_extras is not None:
                 save_extras(tmp, trainer_state)
             torch.save(trainer_state, tmp / STATE_FILE)
-            make_readable(tmp)
-            publish_dir(tmp, final)  # re-saving the same step (after a resume) swaps it in one step
+            install(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for old in checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in (Path(run_dir) / CKPT_DIR).glob(".step-*"):  # staging left by a killed run
-        shutil.rmtree(stale, ignore_errors=True)
+    prune(run_dir, keep)
     return final
 
 
@@ -109,15 +105,31 @@ def diverged(what: str, step: int, run_dir: str | Path) -> UnmaskError:
                        "lower --lr (or --weight-decay) or check the data")
 
 
-def save_model(model, directory: Path) -> None:
+def install(tmp: Path, final: Path) -> None:
+    """Give the complete staging directory ``tmp`` a published model's permissions and swap it in
+    as ``final`` in one step (re-saving the same step after a resume replaces it atomically)."""
+    make_readable(tmp)
+    publish_dir(tmp, final)
+
+
+def prune(run_dir: str | Path, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints; drop staging directories left by a killed run."""
+    for old in checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in (Path(run_dir) / CKPT_DIR).glob(".step-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def save_model(model, directory: Path, state_dict: dict | None = None) -> None:
     """``save_pretrained`` as one safetensors file, without transformers' progress bar (it
-    would break the training progress display)."""
+    would break the training progress display). ``state_dict``: the weights to write instead of
+    the model's own (the gathered full state of an FSDP2-sharded model)."""
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(directory, max_shard_size="1000GB")
+        model.save_pretrained(directory, max_shard_size="1000GB", state_dict=state_dict)
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()

@@ -108,6 +108,19 @@ class LPSTraces:
                               "traces again, or pass another --traces-file") from None
 
     @classmethod
+    def concat(cls, parts: Sequence["LPSTraces"], batch_size: int) -> "LPSTraces":
+        """Traces collected batch by batch (part b from prompts ``b·batch_size ...``, trace ids
+        counted from 0 within it) as one set with prompt-level trace ids."""
+        if len(parts) == 1:
+            return parts[0]
+        lengths = torch.cat([p.offsets[1:] - p.offsets[:-1] for p in parts])  # (n_rec,)
+        meta = {**parts[0].meta, "traces": sum(int(p.meta.get("traces", 0)) for p in parts)}
+        return cls(torch.cat([p.features for p in parts]), torch.cat([p.labels for p in parts]),
+                   torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+                   torch.cat([p.trace + b * batch_size for b, p in enumerate(parts)]),
+                   torch.cat([p.step for p in parts]), meta)
+
+    @classmethod
     def from_steps(cls, steps: list[tuple[int, int, torch.Tensor, torch.Tensor]], meta: dict) -> "LPSTraces":
         """steps: (trace, t, features (n, 5), labels (n,) bool) per record."""
         feats = torch.cat([s[2] for s in steps]) if steps else torch.zeros(0, 5)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from unmask.dist import env_rank
 from unmask.errors import UnmaskError
 from unmask.fileio import (atomic_write_json, check_parents, output_lock, probe_writable, publish_dir,
                            staging_dir, write_errors)
@@ -112,7 +113,7 @@ def run_paths(data: str | Path | Sequence[str | Path], out: str | Path, run_dir:
     out = Path(out)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(out)
     check_nesting(out, run_dir)  # before a lock file is created inside out
-    held = _LOCKS.get()
+    held = _LOCKS.get() if env_rank() == 0 else None  # under torchrun, rank 0 holds the locks for the job
     if held is not None:
         stack, locked = held
         for path, what in ((out, "--out"), (run_dir, "--run-dir")):
@@ -219,26 +220,36 @@ def train_and_publish(bundle, objective, train_chunks: torch.Tensor, val_chunks:
         atomic_write_json(directory / UNMASK_CONFIG, {**meta, "training": training})
 
     console = None
-    if progress:
+    if progress and env_rank() == 0:
         from rich.console import Console
 
         console = Console(stderr=True)
-    if overwrite and not resume and run_dir.exists():  # --overwrite, now that the base, data and options were accepted
+    if overwrite and not resume and run_dir.exists() and env_rank() == 0:  # --overwrite, now that the inputs were accepted (rank 0 alone under torchrun)
         shutil.rmtree(run_dir)
     result = train(bundle.model, objective, train_chunks, val_chunks, cfg, run_dir, device=device, resume=resume,
                    save_extras=save_extras, console=console, meta=info)
     if result.stopped == "interrupted":
         return result
-    with write_errors(f"the model to {out}", "free disk space or choose another --out"):
-        tmp = staging_dir(out)
-    try:
-        with write_errors(f"the model to {out}", f"free disk space; the run is kept in {run_dir}, publish it with "
-                                                 "--resume"):
-            save_model(bundle.model, tmp)
-            save_extras(tmp, {"step": result.step, "stopped": result.stopped, "last": result.last, "val": result.val})
-            publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    from unmask import dist
+    from unmask.train.parallel import agree, full_state_dict
+
+    full = full_state_dict(bundle.model) if dist.active() else None  # a collective under FSDP2: every rank
+    error = None
+    if dist.is_main():  # under torchrun rank 0 publishes; the others learn whether it did
+        tmp = None
+        try:
+            with write_errors(f"the model to {out}", "free disk space or choose another --out"):
+                tmp = staging_dir(out)
+            with write_errors(f"the model to {out}", f"free disk space; the run is kept in {run_dir}, publish it "
+                                                     "with --resume"):
+                save_model(bundle.model, tmp, state_dict=full)
+                save_extras(tmp, {"step": result.step, "stopped": result.stopped, "last": result.last,
+                                  "val": result.val})
+                publish_dir(tmp, out)
+        except BaseException as e:  # noqa: BLE001 - re-raised by agree
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            error = e
+    agree(error, "publishing the model")
     result.out = out
     return result
