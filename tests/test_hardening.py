@@ -324,9 +324,9 @@ def _resume_copy(trained_run, tmp_path) -> tuple[Path, Path]:
 @pytest.mark.parametrize("damage", ["truncated weights", "garbage state", "empty state", "foreign state"])
 def test_resume_from_a_damaged_checkpoint_is_one_line_error(capsys, trained_run, tmp_path, damage):
     run_dir, ckpt = _resume_copy(trained_run, tmp_path)
-    if damage == "truncated weights":
-        w = ckpt / "model.safetensors"
-        w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    if damage == "truncated weights":  # the HF export and the distributed checkpoint it resumes from
+        for w in (ckpt / "model.safetensors", *(ckpt / "dcp").glob("*.distcp")):
+            w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
     elif damage == "foreign state":
         torch.save({"hello": 1}, ckpt / "trainer_state.pt")
     else:
@@ -366,7 +366,9 @@ def test_checkpoints_have_published_permissions(trained_run):
     out, run_dir = trained_run
     for root in (out, *(run_dir / "checkpoints").glob("step-*")):
         assert stat.S_IMODE(root.stat().st_mode) == 0o755
-        assert {stat.S_IMODE(f.stat().st_mode) for f in root.iterdir()} == {0o644}
+        files = [f for f in root.rglob("*") if f.is_file()]
+        assert files and {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o644}
+        assert {stat.S_IMODE(d.stat().st_mode) for d in root.rglob("*") if d.is_dir()} <= {0o755}
 
 
 def test_load_with_device_none_uses_the_cpu():

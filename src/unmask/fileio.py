@@ -91,6 +91,14 @@ def write_errors(what: str, fix: str):
     except (OSError, RuntimeError, SafetensorError) as e:
         reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[-1]
         raise UnmaskError(f"cannot write {what}: {reason.rstrip('.')}; {fix}") from None
+    except BaseException as e:
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if type(e).__name__ != "CheckpointException" or not isinstance(failures, dict) or not failures:
+            raise
+        first = next(iter(failures.values()))
+        first = getattr(first, "exc", first)  # a wrapped per-rank failure
+        reason = getattr(first, "strerror", None) or (str(first).strip().splitlines() or [type(first).__name__])[-1]
+        raise UnmaskError(f"cannot write {what}: {reason.rstrip('.')}; {fix}") from None
 
 
 def _lock_path(path: Path) -> Path:

@@ -47,7 +47,7 @@ def load_state(ckpt: Path) -> dict:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UnmaskError(f"cannot read {f} ({first[:120].rstrip('.')}); the checkpoint is truncated or corrupt, "
                           "delete it to resume from an older one or pass --overwrite to start over") from None
-    need = ("step", "config", "optimizer", "scheduler", "sampler", "rng")
+    need = ("step", "config", "scheduler", "sampler", "rng")  # the optimizer is in dcp/ since torchrun support
     if not isinstance(state, dict) or any(k not in state for k in need):
         raise UnmaskError(f"{f} is not an unmask trainer state; delete the checkpoint or pass --overwrite to "
                           "start over")

@@ -362,8 +362,13 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
             if torch.cuda.is_available() and state["rng"].get("cuda") is not None and world == 1:
                 torch.cuda.set_rng_state_all(state["rng"]["cuda"])
             step = int(state["step"])
-        except (KeyError, ValueError, TypeError, RuntimeError, AttributeError) as e:
-            raise UnmaskError(f"{ckpt} does not fit this run ({type(e).__name__}: {str(e)[:100]}); "
+        except UnmaskError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - incl. torch.distributed.checkpoint's CheckpointException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            first = (str(e).strip().splitlines() or [""])[0][:100]
+            raise UnmaskError(f"{ckpt} does not fit this run or is damaged ({type(e).__name__}: {first}); "
                               "delete the checkpoint or pass --overwrite to start over") from None
     has_val = val_chunks is not None and len(val_chunks) > 0
     val, val_step, last = None, None, {}

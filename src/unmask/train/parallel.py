@@ -31,7 +31,8 @@ import torch
 from unmask import dist
 from unmask.errors import UnmaskError
 from unmask.fileio import staging_dir
-from unmask.train.checkpoint import CKPT_DIR, STATE_FILE, install, prune, save_model
+from unmask.fileio import write_errors
+from unmask.train.checkpoint import CKPT_DIR, STATE_FILE, diverged, install, prune, save_model
 
 DCP_DIR = "dcp"
 
@@ -191,16 +192,21 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, trainer_state: dict,
     tmp = Path(dist.broadcast_object(str(staging_dir(final)) if dist.is_main() else None))
     error = None
     try:
-        model_sd, optim_sd = get_state_dict(model, opt)
-        with _quiet_single_process():
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR),
-                     no_dist=not dist.active())
-        full = full_state_dict(model)
-        if dist.is_main():
-            save_model(inner(model), tmp, state_dict=full)
-            if save_extras is not None:
-                save_extras(tmp, trainer_state)
-            torch.save(trainer_state, tmp / STATE_FILE)
+        for name, p in inner(model).named_parameters():  # never save (or later publish) diverged weights
+            local = p.detach().to_local() if hasattr(p, "to_local") else p.detach()  # an FSDP2 shard
+            if not bool(torch.isfinite(local).all()):
+                raise diverged(f"parameter {name} is not finite", step, run_dir)
+        with write_errors(f"checkpoint {final}", "free disk space or pass another --run-dir"):
+            model_sd, optim_sd = get_state_dict(model, opt)
+            with _quiet_single_process():
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR),
+                         no_dist=not dist.active())
+            full = full_state_dict(model)
+            if dist.is_main():
+                save_model(inner(model), tmp, state_dict=full)
+                if save_extras is not None:
+                    save_extras(tmp, trainer_state)
+                torch.save(trainer_state, tmp / STATE_FILE)
     except BaseException as e:  # noqa: BLE001 - re-raised by agree on this rank
         error = e
     try:
@@ -210,7 +216,8 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, trainer_state: dict,
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if dist.is_main():
-        install(tmp, final)
+        with write_errors(f"checkpoint {final}", "free disk space or pass another --run-dir"):
+            install(tmp, final)
         prune(run_dir, keep)
     dist.barrier()
     return final

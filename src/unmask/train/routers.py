@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from unmask import dist
 from unmask.decode.batching import left_pad
 from unmask.errors import UnmaskError
 from unmask.fileio import output_lock

@@ -167,7 +167,7 @@ def set_decode_defaults(model_dir: str | Path, **defaults) -> dict:
     lossy = {k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS}
     SBDConfig.from_options(**lossy)  # validates: block size >= 1, γ >= 0, a known policy
     if "verify" in defaults and not isinstance(defaults["verify"], bool):
-        raise UnmaskError(f"verify must be true or false (got {defaults['verify']!r})")
+        raise UnmaskError(f"verify must be true or false (got {defaults['verify']!r}); pass verify=True or False")
     if any(k in defaults for k in LOSSLESS_KEYS):  # validates: block size >= 2, a known draft layout
         VerifyConfig(block_size=defaults.get("verify_block_size", VerifyConfig.block_size),
                      draft=defaults.get("draft", VerifyConfig.draft))
