@@ -1,0 +1,89 @@
+"""From a row's step events to streamed text.
+
+``committed`` mode sends only text that is final and contiguous from the left: the tokens of the
+canvas up to the first still-masked slot (and before any stop token), decoded, with two things
+held back until they are settled: a trailing incomplete character (U+FFFD from a partial byte
+sequence) and a tail that could still become a stop string. When a stop string appears the text
+is cut before it, exactly where ``unmask.generate`` (and AR) cut it, and nothing more is sent.
+The concatenated deltas therefore equal the final text.
+
+``canvas`` mode additionally describes every step: the row's whole canvas (ids, ``None`` where
+masked, and each slot's display text) and which positions the step committed.
+"""
+
+from __future__ import annotations
+
+from unmask.trace import TokenText
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """Text up to the earliest stop string, and whether one was found (``unmask.generate``'s cut)."""
+    at = min((text.index(s) for s in stop if s in text), default=None)
+    return (text, False) if at is None else (text[:at], True)
+
+
+def _held_tail(text: str, stop: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class TextStream:
+    """Turns one request's step events into text deltas (see the module docstring)."""
+
+    def __init__(self, bundle, prompt_ids: list[int], stop: tuple[str, ...], token_text: TokenText | None = None):
+        self.bundle, self.prompt_ids, self.stop = bundle, list(prompt_ids), tuple(stop)
+        self.stop_ids = set(bundle.stop_token_ids)
+        self.sent = ""
+        self.stopped = False
+        self.committed_tokens = 0
+        self.token_text = token_text or TokenText(bundle.tokenizer)
+
+    def _prefix(self, canvas: list) -> list[int]:
+        out = []
+        for t in canvas:
+            if t is None or t in self.stop_ids:
+                break
+            out.append(t)
+        return out
+
+    def update(self, canvas: list) -> str:
+        """The new final text after a step whose canvas is ``canvas`` (ids, None where masked)."""
+        if self.stopped:
+            return ""
+        tokens = self._prefix(canvas)
+        self.committed_tokens = len(tokens)
+        text = self.bundle.decode_continuation(self.prompt_ids, tokens)
+        text, hit = cut_at_stop(text, self.stop)
+        if hit:
+            self.stopped = True
+        else:
+            text = text.rstrip("\ufffd")
+            text = text[: len(text) - _held_tail(text, self.stop)]
+        return self._advance(text)
+
+    def finish(self, tokens: list[int]) -> str:
+        """The last delta, given the request's final tokens; afterwards ``self.sent`` is the final text."""
+        text, _ = cut_at_stop(self.bundle.decode_continuation(self.prompt_ids, tokens), self.stop)
+        self.stopped = True
+        delta = self._advance(text)
+        self.sent = text
+        return delta
+
+    def _advance(self, text: str) -> str:
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+    def canvas(self, event: dict) -> dict:
+        """The ``canvas`` mode description of one step event."""
+        canvas = event["canvas"]
+        return {"step": event["step"], "canvas": canvas,
+                "texts": [None if t is None else self.token_text(t) for t in canvas],
+                "committed": list(event["positions"])}
