@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from unmask.decode import DECODERS, default_decoder
+from unmask.decode import DECODERS, default_decoder, get_decoder
 from unmask.errors import UnmaskError
 from unmask.serve.engine import Job, QueueFull, Scheduler
 from unmask.serve.errors import ApiError
@@ -43,10 +43,12 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     default knob."""
     name = model_name or bundle.name
     defaults = dict(defaults or {})
-    try:
-        parse({"prompt": "x", "max_tokens": 1}, bundle, name, chat=False, default_timeout=1.0, defaults=defaults)
+    try:  # the defaults are checked like a request, then by one tiny decode (the decoder's own checks)
+        probe = parse({"prompt": "x", "max_tokens": 1}, bundle, name, chat=False, default_timeout=1.0, defaults=defaults)
     except ApiError as e:
-        raise UnmaskError(f"{e.message} (server default)") from None
+        raise UnmaskError(e.message) from None
+    get_decoder(probe.decoder, bundle.kind)(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
+                                            **probe.options)
     scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue)
     metrics = Metrics(scheduler)
 

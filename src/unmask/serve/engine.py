@@ -107,6 +107,8 @@ class Scheduler:
         self._stop = False
         self._paused = False
         self.running = 0  # rows in the batch being run now
+        self.peak_running = 0  # the largest batch run so far (tests, benchmarks)
+        self.abandoned_batches = 0  # non-AR batches stopped early because all their requests were gone
         self.batch_rows: dict[int, int] = {}  # job id -> row in the running non-AR batch
         self._thread = threading.Thread(target=self._loop, name="unmask-scheduler", daemon=True)
 
@@ -217,6 +219,7 @@ class Scheduler:
             self._finish_gone(row.job)
         finished = self.ar.join(joining) if joining else []
         self.running = len(self.ar)
+        self.peak_running = max(self.peak_running, self.running)
         finished += self.ar.step()
         for row in finished:
             row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": row.finish})
@@ -228,6 +231,7 @@ class Scheduler:
         decode = get_decoder(first.decoder, self.bundle.kind)
         self.batch_rows = {j.id: i for i, j in enumerate(jobs)}
         self.running = len(jobs)
+        self.peak_running = max(self.peak_running, self.running)
 
         def on_step(event: dict) -> None:
             job = jobs[int(event["row"])]
@@ -247,14 +251,15 @@ class Scheduler:
                          sampling=first.sampling, stop_token_ids=self.bundle.stop_token_ids,
                          stop_strings=first.stop, **kwargs)
         except _Abandoned:
+            self.abandoned_batches += 1
             for j in jobs:
                 self._finish_gone(j)
             return
         except UnmaskError as e:  # the decoder's own validation (block size, policy, ...): a bad request
             message = api_message(str(e).splitlines()[0])
-            word = message.split(" ", 1)[0]
+            param = next((k for k in first.options if message.lower().startswith((k, k.replace("_", " ")))), None)
             for j in jobs:
-                j.finish("error", ApiError(400, message, param=word if word in first.options else None))
+                j.finish("error", ApiError(400, message, param=param))
             return
         finally:
             self.batch_rows, self.running = {}, len(self.ar)
