@@ -321,3 +321,56 @@ def test_serve_cli_bad_options_one_line_errors(capsys):
     one_line_error(capsys, "serve", "--decoder", "nope", match="unknown decoder")
     one_line_error(capsys, "serve", "--gamma", "-1", match="gamma")
     one_line_error(capsys, "serve", "--max-batch-size", "0", match="batch size")
+
+
+# --- other model kinds and the text stream ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,decoder,knobs", [
+    ("stories260K-dlm", "diffusion", {"gen_length": 64, "block_size": 16, "policy": "threshold", "tau": 0.7}),
+    ("stories260K-mbd", "multiblock", {"tau_t2t": 0.9}),  # token-to-token edits: text only at the end
+])
+def test_diffusion_kinds_serve_and_stream_the_generate_text(name, decoder, knobs):
+    b = unmask.load(name)
+    ref = unmask.generate("Once upon a time", b, decoder, max_new_tokens=40, **knobs).texts[0]
+    with ServerThread(create_app(b)) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        body = {"decoder": decoder, **knobs}
+        r = c.completions.create(model=name, prompt="Once upon a time", max_tokens=40, extra_body=body)
+        assert r.choices[0].text == ref
+        for mode in ("committed", "canvas"):
+            chunks = list(c.completions.create(model=name, prompt="Once upon a time", max_tokens=40, stream=True,
+                                               extra_body={**body, "stream_mode": mode}))
+            assert "".join(x.choices[0].text for x in chunks) == ref
+
+
+def test_text_stream_holds_back_a_possible_stop_string(bundle):
+    from unmask.serve.stream import TextStream
+
+    ids = bundle.encode("Once upon a time")
+    full = unmask.generate("Once upon a time", bundle, "ar", max_new_tokens=30)
+    text = full.texts[0]
+    stop = text[10:14]
+    ts = TextStream(bundle, ids, (stop,))
+    sent = ""
+    for i in range(1, len(full.tokens[0]) + 1):
+        sent += ts.update(full.tokens[0][:i] + [None] * 3)
+        assert stop not in sent and text.startswith(sent)
+        # never more than what is already settled: a suffix that could start the stop string waits
+        assert not any(sent.endswith(stop[:k]) for k in range(1, len(stop))) or ts.stopped
+    sent += ts.finish(full.tokens[0])
+    assert sent == text[: text.index(stop)]
+
+
+def test_interrupted_serve_exits_non_zero(capsys, monkeypatch):
+    """uvicorn shuts down cleanly on Ctrl-C; the command still ends with exit code 130 (typer
+    returns that code instead of raising, which the CLI used to drop: exit 0)."""
+    import unmask.serve.server as server_module
+    from conftest import run_cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server_module, "serve", interrupted)
+    code, _, err = run_cli(capsys, "serve")
+    assert code == 130 and "interrupted" in err

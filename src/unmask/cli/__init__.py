@@ -37,7 +37,9 @@ def _fail(message: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     try:
-        app(args=argv, prog_name="unmask", standalone_mode=False)
+        code = app(args=argv, prog_name="unmask", standalone_mode=False)
+        if code == 130:  # typer returns (does not raise) 130 when a command was interrupted
+            raise KeyboardInterrupt
     except UnmaskError as e:
         _fail(str(e).splitlines()[0])
     except typer.Abort:

@@ -20,7 +20,7 @@ from unmask.errors import UnmaskError
 from unmask.serve.engine import Job, QueueFull, Scheduler
 from unmask.serve.errors import ApiError
 from unmask.serve.metrics import Metrics
-from unmask.serve.protocol import ServeRequest, parse
+from unmask.serve.protocol import ServeRequest, edits_committed, parse
 from unmask.serve.stream import TextStream
 
 POLL_S = 0.2  # how often a waiting handler checks for a client disconnect
@@ -131,7 +131,8 @@ class _Call:
         self.metrics, self.endpoint = metrics, endpoint
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.stream = TextStream(bundle, req.prompt_ids, req.stop)
+        self.stream = TextStream(bundle, req.prompt_ids, req.stop, limit=req.max_tokens,
+                                 final_only=edits_committed(bundle, req.decoder, req.options))
         self.queue: asyncio.Queue = asyncio.Queue()
         self.t0 = time.monotonic()
         self.first_token_at: float | None = None

@@ -89,6 +89,13 @@ class ServeRequest:
     timeout: float
 
 
+def edits_committed(bundle, decoder: str, options: dict) -> bool:
+    """Whether the decoder may change tokens it already committed (``multiblock`` token-to-token
+    edits, set by ``tau_t2t`` or the checkpoint's decode defaults)."""
+    defaults = bundle.meta.get("decode_defaults") or {}
+    return decoder == "multiblock" and (options.get("tau_t2t", defaults.get("tau_t2t")) is not None)
+
+
 def render_chat(bundle, messages) -> str:
     """Messages -> prompt text: the tokenizer's chat template, else the plain template above."""
     if not isinstance(messages, list) or not messages:

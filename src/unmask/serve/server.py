@@ -72,7 +72,7 @@ def serve(model: str | None = None, *, kind: str | None = None, host: str = "127
           dtype: str = "float32", log_level: str = "info", **defaults) -> None:
     """Load ``model`` and serve it until interrupted (``unmask serve``). ``defaults``: the default
     decoder and knobs of requests (``decoder="sbd", gamma=0.35``). Raises UnmaskError for a bad
-    model, option or address."""
+    model, option or address, and KeyboardInterrupt after a signal stopped the server."""
     require()
     from unmask.models import load
 
@@ -86,4 +86,10 @@ def serve(model: str | None = None, *, kind: str | None = None, host: str = "127
     sock = _bind(host, port)
     print(f"unmask serve: {bundle.name} ({bundle.kind}) on http://{host}:{sock.getsockname()[1]}  "
           f"(playground at /, API at /v1)", flush=True)
-    _server(app, sock, log_level).run(sockets=[sock])
+    server = _server(app, sock, log_level)
+    server.run(sockets=[sock])
+    if not server.started:
+        raise UnmaskError("the server did not start; see the log above")
+    # A started foreground server only returns after SIGINT/SIGTERM (uvicorn handles them and shuts
+    # down cleanly): report it as an interrupt, so the command exits non-zero.
+    raise KeyboardInterrupt

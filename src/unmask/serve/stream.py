@@ -5,7 +5,9 @@ canvas up to the first still-masked slot (and before any stop token), decoded, w
 held back until they are settled: a trailing incomplete character (U+FFFD from a partial byte
 sequence) and a tail that could still become a stop string. When a stop string appears the text
 is cut before it, exactly where ``unmask.generate`` (and AR) cut it, and nothing more is sent.
-The concatenated deltas therefore equal the final text.
+The concatenated deltas therefore equal the final text. A decoder that may still edit committed
+tokens (``multiblock`` with token-to-token edits, ``tau_t2t``) has no final text before it ends,
+so its text comes in the last chunk only (canvas events still stream).
 
 ``canvas`` mode additionally describes every step: the row's whole canvas (ids, ``None`` where
 masked, and each slot's display text) and which positions the step committed.
@@ -36,8 +38,10 @@ def _held_tail(text: str, stop: tuple[str, ...]) -> int:
 class TextStream:
     """Turns one request's step events into text deltas (see the module docstring)."""
 
-    def __init__(self, bundle, prompt_ids: list[int], stop: tuple[str, ...], token_text: TokenText | None = None):
-        self.bundle, self.prompt_ids, self.stop = bundle, list(prompt_ids), tuple(stop)
+    def __init__(self, bundle, prompt_ids: list[int], stop: tuple[str, ...], limit: int | None = None,
+                 token_text: TokenText | None = None, final_only: bool = False):
+        self.bundle, self.prompt_ids, self.stop, self.limit = bundle, list(prompt_ids), tuple(stop), limit
+        self.final_only = final_only  # committed tokens may still change (token-to-token edits): text only at the end
         self.stop_ids = set(bundle.stop_token_ids)
         self.sent = ""
         self.stopped = False
@@ -45,8 +49,10 @@ class TextStream:
         self.token_text = token_text or TokenText(bundle.tokenizer)
 
     def _prefix(self, canvas: list) -> list[int]:
+        """Committed ids from the left, up to a masked slot, a stop token or ``limit`` (a diffusion
+        canvas may be longer than the requested tokens)."""
         out = []
-        for t in canvas:
+        for t in canvas[: self.limit]:
             if t is None or t in self.stop_ids:
                 break
             out.append(t)
@@ -54,7 +60,7 @@ class TextStream:
 
     def update(self, canvas: list) -> str:
         """The new final text after a step whose canvas is ``canvas`` (ids, None where masked)."""
-        if self.stopped:
+        if self.stopped or self.final_only:
             return ""
         tokens = self._prefix(canvas)
         self.committed_tokens = len(tokens)
