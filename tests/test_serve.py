@@ -257,6 +257,23 @@ def test_ar_batch_join_and_leave_mid_run_equals_single_rows(bundle):
     assert max(widths) <= longest  # leading columns nobody needs are trimmed
 
 
+def test_ar_requests_advance_while_a_non_ar_batch_runs(bundle):
+    """An AR request that arrives during a long SBD batch joins at the batch's next forward and
+    finishes while the batch is still running (and is still equal to unmask.generate)."""
+    app = create_app(bundle, max_batch_size=4, max_queue=8)
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        long = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=400, stream=True,
+                                    extra_body={"decoder": "sbd", "gamma": 0})  # one token per forward
+        next(iter(long))
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, extra_body={"decoder": "ar"})
+        assert sched.batch_rows  # the SBD batch has not finished
+        assert r.choices[0].text == unmask.generate(PROMPTS[1], bundle, "ar", max_new_tokens=12).texts[0]
+        long.close()
+        wait_until(lambda: sched.active == 0)
+
+
 # --- failure behaviour --------------------------------------------------------------------------
 
 

@@ -12,7 +12,9 @@ What is continuous and what is not (README "Serving"):
   ends. A cancelled or timed-out request stops receiving events at once, and the batch is
   abandoned at the next step when none of its requests is still wanted. Sampled (temperature
   > 0) requests of these decoders run alone, so a seed reproduces ``unmask generate``.
-- While such a batch runs, the AR batch waits (one thread, one model): the two alternate.
+- While such a batch runs, the AR batch still advances: after each forward of the batch (its
+  ``on_step`` boundary) the scheduler admits waiting AR requests and runs one AR step, so AR
+  requests never wait for a non-AR batch to finish.
 
 Each job gets its events through ``job.post`` (called from this thread): ``("step", event)``
 with an :mod:`unmask.trace` step event, then ``("done", result)`` or ``("error", ApiError)``.
@@ -106,8 +108,7 @@ class Scheduler:
         self._lock = threading.Condition()
         self._stop = False
         self._paused = False
-        self.running = 0  # rows in the batch being run now
-        self.peak_running = 0  # the largest batch run so far (tests, benchmarks)
+        self.peak_running = 0  # the most rows holding slots at once so far (tests, benchmarks)
         self.abandoned_batches = 0  # non-AR batches stopped early because all their requests were gone
         self.batch_rows: dict[int, int] = {}  # job id -> row in the running non-AR batch
         self._thread = threading.Thread(target=self._loop, name="unmask-scheduler", daemon=True)
@@ -133,6 +134,8 @@ class Scheduler:
     def active(self) -> int:
         """Requests holding a slot: the AR rows plus the running non-AR batch."""
         return len(self.ar) + len(self.batch_rows)
+
+    running = active  # the running batch size reported in /metrics
 
     def submit(self, job: Job) -> None:
         """Queue a job; raises QueueFull when ``max_queue`` jobs already wait."""
@@ -163,7 +166,7 @@ class Scheduler:
                 if self._stop:
                     break
                 self._reap_waiting()
-                ar_jobs, batch = self._pick()
+                ar_jobs, batch = self._take_ar(), self._take_batch()
             try:
                 self._ar_step(ar_jobs)
                 if batch:
@@ -183,22 +186,26 @@ class Scheduler:
             self._waiting.remove(job)
             self._finish_gone(job)
 
-    def _pick(self) -> tuple[list[Job], list[Job]]:
-        """Under the lock: AR jobs to join now, and one batch of compatible non-AR jobs."""
+    def _take_ar(self) -> list[Job]:
+        """Under the lock: the waiting AR jobs that fit in the AR batch now, oldest first."""
         if self._paused:
-            return [], []
+            return []
         free = self.max_batch_size - len(self.ar)
-        ar_jobs = [j for j in self._waiting if j.decoder == "ar"][:max(0, free)]
-        for j in ar_jobs:
+        jobs = [j for j in self._waiting if j.decoder == "ar"][:max(0, free)]
+        for j in jobs:
             self._waiting.remove(j)
-        batch: list[Job] = []
-        first = next((j for j in self._waiting if j.decoder != "ar"), None)
-        if first is not None:
-            key = first.batch_key()
-            batch = [j for j in self._waiting if j.decoder != "ar" and j.batch_key() == key][: self.max_batch_size]
-            for j in batch:
-                self._waiting.remove(j)
-        return ar_jobs, batch
+        return jobs
+
+    def _take_batch(self) -> list[Job]:
+        """Under the lock: the oldest waiting non-AR job and the compatible ones behind it."""
+        first = None if self._paused else next((j for j in self._waiting if j.decoder != "ar"), None)
+        if first is None:
+            return []
+        key = first.batch_key()
+        batch = [j for j in self._waiting if j.decoder != "ar" and j.batch_key() == key][: self.max_batch_size]
+        for j in batch:
+            self._waiting.remove(j)
+        return batch
 
     def _finish_gone(self, job: Job) -> None:
         if job.cancelled.is_set():
@@ -218,11 +225,27 @@ class Scheduler:
         for row in self.ar.drop(lambda r: r.job.gone):
             self._finish_gone(row.job)
         finished = self.ar.join(joining) if joining else []
-        self.running = len(self.ar)
-        self.peak_running = max(self.peak_running, self.running)
+        self.peak_running = max(self.peak_running, self.active)
         finished += self.ar.step()
         for row in finished:
             row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": row.finish})
+
+    def _interleave_ar(self) -> None:
+        """Between two forwards of a non-AR batch: admit waiting AR jobs and run one AR step. A
+        failure here fails the AR requests only, never the batch around it."""
+        with self._lock:
+            self._reap_waiting()
+            joining = self._take_ar()
+        if not joining and not len(self.ar):
+            return
+        try:
+            self._ar_step(joining)
+        except Exception:
+            log.exception("AR step failed")
+            for job in joining + [r.job for r in self.ar.rows]:
+                job.finish("error", ApiError(500, "internal error while decoding; see the server log",
+                                             type="server_error"))
+            self.ar = ARBatch(self.bundle, on_token=self._ar_token)
 
     # -- every other decoder: one batch per decode call -----------------------------------------
 
@@ -230,10 +253,13 @@ class Scheduler:
         first = jobs[0]
         decode = get_decoder(first.decoder, self.bundle.kind)
         self.batch_rows = {j.id: i for i, j in enumerate(jobs)}
-        self.running = len(jobs)
-        self.peak_running = max(self.peak_running, self.running)
+        self.peak_running = max(self.peak_running, self.active)
+        last_step = [None]
 
         def on_step(event: dict) -> None:
+            if event["step"] != last_step[0]:  # a new forward of the batch: let the AR batch advance too
+                last_step[0] = event["step"]
+                self._interleave_ar()
             job = jobs[int(event["row"])]
             if job.gone:
                 if not job.closed:
@@ -262,7 +288,7 @@ class Scheduler:
                 j.finish("error", ApiError(400, message, param=param))
             return
         finally:
-            self.batch_rows, self.running = {}, len(self.ar)
+            self.batch_rows = {}
         for i, j in enumerate(jobs):
             if j.gone:
                 self._finish_gone(j)
