@@ -391,3 +391,19 @@ def test_interrupted_serve_exits_non_zero(capsys, monkeypatch):
     monkeypatch.setattr(server_module, "serve", interrupted)
     code, _, err = run_cli(capsys, "serve")
     assert code == 130 and "interrupted" in err
+
+
+def test_a_crashing_decoder_answers_500_and_the_server_keeps_serving(bundle, monkeypatch):
+    import unmask.decode.sbd as sbd_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated bug")
+
+    app = create_app(bundle, max_batch_size=2, max_queue=4)
+    with ServerThread(app) as s:
+        monkeypatch.setattr(sbd_module, "decode", broken)
+        status, _, err = post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 4, "decoder": "sbd"})
+        assert status == 500 and err["error"]["type"] == "server_error" and "simulated" not in err["error"]["message"]
+        monkeypatch.undo()
+        status, _, ok = post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 4, "decoder": "sbd"})
+        assert status == 200 and ok["usage"]["completion_tokens"] == 4

@@ -138,9 +138,15 @@ class _Call:
         self.first_token_at: float | None = None
         self.counted = False
         loop = asyncio.get_running_loop()
+
+        def post(kind, payload):  # called by the scheduler thread
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+            except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+                pass
+
         self.job = Job(prompt_ids=req.prompt_ids, decoder=req.decoder, options=req.options, sampling=req.sampling,
-                       max_new_tokens=req.max_tokens, stop=req.stop, deadline=self.t0 + req.timeout,
-                       post=lambda kind, payload: loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload)))
+                       max_new_tokens=req.max_tokens, stop=req.stop, deadline=self.t0 + req.timeout, post=post)
 
     async def next_event(self) -> tuple[str, object]:
         """The job's next event; cancels the job and raises _Gone when the client disconnects."""

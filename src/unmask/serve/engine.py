@@ -111,6 +111,7 @@ class Scheduler:
         self.peak_running = 0  # the most rows holding slots at once so far (tests, benchmarks)
         self.abandoned_batches = 0  # non-AR batches stopped early because all their requests were gone
         self.batch_rows: dict[int, int] = {}  # job id -> row in the running non-AR batch
+        self._batch: list[Job] = []  # the running non-AR batch
         self._thread = threading.Thread(target=self._loop, name="unmask-scheduler", daemon=True)
 
     # -- public, any thread -------------------------------------------------------------------
@@ -120,8 +121,12 @@ class Scheduler:
         return self
 
     def close(self) -> None:
+        """Stop the loop: running requests are cancelled (a running batch stops at its next step)
+        and queued ones are answered 503."""
         with self._lock:
             self._stop = True
+            for job in [r.job for r in self.ar.rows] + list(self._batch):
+                job.cancel()
             self._lock.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
@@ -252,7 +257,7 @@ class Scheduler:
     def _run_batch(self, jobs: list[Job]) -> None:
         first = jobs[0]
         decode = get_decoder(first.decoder, self.bundle.kind)
-        self.batch_rows = {j.id: i for i, j in enumerate(jobs)}
+        self.batch_rows, self._batch = {j.id: i for i, j in enumerate(jobs)}, jobs
         self.peak_running = max(self.peak_running, self.active)
         last_step = [None]
 
@@ -287,8 +292,14 @@ class Scheduler:
             for j in jobs:
                 j.finish("error", ApiError(400, message, param=param))
             return
+        except Exception:  # a bug fails this batch only; the AR batch and the queue keep going
+            log.exception("decoding a %s batch failed", first.decoder)
+            for j in jobs:
+                j.finish("error", ApiError(500, "internal error while decoding; see the server log",
+                                           type="server_error"))
+            return
         finally:
-            self.batch_rows = {}
+            self.batch_rows, self._batch = {}, []
         for i, j in enumerate(jobs):
             if j.gone:
                 self._finish_gone(j)

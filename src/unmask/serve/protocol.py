@@ -21,6 +21,7 @@ import inspect
 import math
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 from unmask.api import check_options, encode_prompts
 from unmask.decode import default_decoder, get_decoder
@@ -42,6 +43,7 @@ _NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logpro
             "response_format": None, "max_completion_tokens": None}
 
 
+@lru_cache(maxsize=1)
 def decoder_knobs() -> dict[str, str]:
     """Decoder knob name -> value type name (``int``, ``float``, ``str``, ``bool``), read from the
     options of ``unmask generate`` so the server takes exactly the CLI's knobs."""
