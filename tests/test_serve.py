@@ -274,6 +274,31 @@ def test_ar_requests_advance_while_a_non_ar_batch_runs(bundle):
         wait_until(lambda: sched.active == 0)
 
 
+def test_a_finished_row_is_answered_before_its_batch_ends(bundle):
+    """Two SBD requests share a batch; the one whose committed text reaches the stop string at
+    once is answered while the other is still decoding (it does not wait for the slowest row)."""
+    app = create_app(bundle, max_batch_size=4, max_queue=8)
+    quick, slow = "Once upon a time", "The cat sat on the mat and"  # "Lily" comes early / never
+    body = {"max_tokens": 160, "decoder": "sbd", "gamma": 0, "stop": ["Lily"]}
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        sched.pause()
+        with ThreadPoolExecutor(2) as pool:
+            f_slow = pool.submit(post, s.url + "/v1/completions", {**body, "prompt": slow})
+            f_quick = pool.submit(post, s.url + "/v1/completions", {**body, "prompt": quick})
+            wait_until(lambda: sched.queue_depth == 2)
+            sched.resume()
+            status, _, r = f_quick.result()
+            assert status == 200 and sched.batch_rows  # the batch still runs for the slow row
+            assert not f_slow.done()
+            assert f_slow.result()[0] == 200
+    assert sched.peak_running == 2
+    for prompt, res in ((quick, r), (slow, f_slow.result()[2])):
+        ref = unmask.generate(prompt, bundle, "sbd", max_new_tokens=160, gamma=0, stop=["Lily"]).texts[0]
+        assert res["choices"][0]["text"] == ref
+    assert r["choices"][0]["finish_reason"] == "stop"
+
+
 # --- failure behaviour --------------------------------------------------------------------------
 
 

@@ -9,8 +9,10 @@ What is continuous and what is not (README "Serving"):
   a whole batch in one call of its ``decode`` function, so those batches are formed from
   *compatible* queued requests (same decoder, options, sampling, length and stop strings) and
   run to completion: a request cannot join one mid-block, and its slot is freed when the batch
-  ends. A cancelled or timed-out request stops receiving events at once, and the batch is
-  abandoned at the next step when none of its requests is still wanted. Sampled (temperature
+  ends. A request whose committed tokens already fix its answer (a stop token, ``max_tokens`` or
+  a stop string in the committed prefix) is answered at once, without waiting for the rest of the
+  batch; a cancelled or timed-out request stops receiving events at once; and the batch stops at
+  the next step when none of its requests is still waiting for an answer. Sampled (temperature
   > 0) requests of these decoders run alone, so a seed reproduces ``unmask generate``.
 - While such a batch runs, the AR batch still advances: after each forward of the batch (its
   ``on_step`` boundary) the scheduler admits waiting AR requests and runs one AR step, so AR
@@ -35,7 +37,7 @@ from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.serve.ar_batch import ARBatch, Row
 from unmask.serve.errors import ApiError
-from unmask.serve.protocol import api_message
+from unmask.serve.protocol import api_message, edits_committed
 
 log = logging.getLogger("unmask.serve")
 _ids = itertools.count()
@@ -104,12 +106,13 @@ class Scheduler:
             raise UnmaskError(f"max queue must be an integer >= 1 (got {max_queue!r}); pass e.g. 64")
         self.bundle, self.max_batch_size, self.max_queue = bundle, max_batch_size, max_queue
         self.ar = ARBatch(bundle, on_token=self._ar_token)
+        self.stop_ids = set(bundle.stop_token_ids)
         self._waiting: deque[Job] = deque()
         self._lock = threading.Condition()
         self._stop = False
         self._paused = False
         self.peak_running = 0  # the most rows holding slots at once so far (tests, benchmarks)
-        self.abandoned_batches = 0  # non-AR batches stopped early because all their requests were gone
+        self.abandoned_batches = 0  # non-AR batches stopped early: every request answered or gone
         self.batch_rows: dict[int, int] = {}  # job id -> row in the running non-AR batch
         self._batch: list[Job] = []  # the running non-AR batch
         self._thread = threading.Thread(target=self._loop, name="unmask-scheduler", daemon=True)
@@ -254,24 +257,47 @@ class Scheduler:
 
     # -- every other decoder: one batch per decode call -----------------------------------------
 
+    def _final(self, job: Job, canvas: list) -> tuple[list[int], str] | None:
+        """(tokens, finish reason) when a row's committed canvas already fixes its answer: the
+        committed prefix reaches a stop token, ``max_new_tokens`` or a stop string. Committed
+        tokens are final in these decoders, and the output is that prefix (``_until_stop``)."""
+        tokens = []
+        for t in canvas[: job.max_new_tokens]:
+            if t is None:
+                return None
+            if t in self.stop_ids:
+                return tokens, "stop"
+            tokens.append(t)
+        if len(tokens) >= job.max_new_tokens:
+            return tokens, "length"
+        if job.stop and any(s in self.bundle.decode_continuation(job.prompt_ids, tokens) for s in job.stop):
+            return tokens, "stop"
+        return None
+
     def _run_batch(self, jobs: list[Job]) -> None:
         first = jobs[0]
         decode = get_decoder(first.decoder, self.bundle.kind)
         self.batch_rows, self._batch = {j.id: i for i, j in enumerate(jobs)}, jobs
         self.peak_running = max(self.peak_running, self.active)
         last_step = [None]
+        steps = [0] * len(jobs)  # forwards in which each row had work (its step events)
+        edits = edits_committed(self.bundle, first.decoder, first.options)
 
         def on_step(event: dict) -> None:
             if event["step"] != last_step[0]:  # a new forward of the batch: let the AR batch advance too
                 last_step[0] = event["step"]
                 self._interleave_ar()
-            job = jobs[int(event["row"])]
+            row = int(event["row"])
+            job = jobs[row]
             if job.gone:
-                if not job.closed:
-                    self._finish_gone(job)
-            else:
+                self._finish_gone(job)
+            elif not job.closed:
                 job.post("step", event)
-            if all(j.gone for j in jobs):
+                steps[row] += 1
+                final = None if edits else self._final(job, event["canvas"])
+                if final is not None:  # the answer cannot change any more: send it now
+                    job.finish("done", {"tokens": final[0], "nfe": steps[row], "finish_reason": final[1]})
+            if all(j.gone or j.closed for j in jobs):
                 raise _Abandoned
 
         kwargs = dict(first.options)
