@@ -432,3 +432,14 @@ def test_a_crashing_decoder_answers_500_and_the_server_keeps_serving(bundle, mon
         monkeypatch.undo()
         status, _, ok = post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 4, "decoder": "sbd"})
         assert status == 200 and ok["usage"]["completion_tokens"] == 4
+
+
+def test_missing_server_packages_one_line_error(capsys, monkeypatch):
+    import importlib.util
+
+    from conftest import one_line_error
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    line = one_line_error(capsys, "serve", match="uvicorn")
+    assert "unmask[serve]" in line
