@@ -299,6 +299,40 @@ def test_a_finished_row_is_answered_before_its_batch_ends(bundle):
     assert r["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_ar_batch_on_tiny_models_equals_the_ar_decoder(family, attn):
+    """Rows joining a running batch mid-run, with prompts of different lengths (so padded cache
+    columns and the 4D key mask are in play), equal ``unmask.decode.ar`` on each row alone, on
+    both attention backends (additive mask for eager, bool for SDPA)."""
+    from types import SimpleNamespace
+
+    import torch
+    from conftest import tiny_bundle, tiny_llama, tiny_qwen3
+
+    from unmask.decode import ar
+    from unmask.sampling import Sampling
+    from unmask.serve.ar_batch import ARBatch
+
+    model = (tiny_llama if family == "llama" else tiny_qwen3)(attn_implementation=attn)
+    b = tiny_bundle(model)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (3, 17, 8, 30, 1, 12)]
+    lengths = [20, 9, 25, 14, 30, 18]
+    jobs = [SimpleNamespace(prompt_ids=p, max_new_tokens=n, sampling=Sampling(), stop=()) for p, n in zip(prompts, lengths)]
+    batch, done = ARBatch(b), []
+    done += batch.join(jobs[:1])
+    for step in range(100):
+        if step in (2, 5, 11):
+            done += batch.join({2: jobs[1:3], 5: jobs[3:5], 11: jobs[5:]}[step])
+        done += batch.step()
+        if not batch.rows:
+            break
+    got = {id(r.job): r.tokens for r in done}
+    for j in jobs:
+        assert got[id(j)] == ar.decode(b, [j.prompt_ids], max_new_tokens=j.max_new_tokens).tokens[0]
+
+
 # --- failure behaviour --------------------------------------------------------------------------
 
 
