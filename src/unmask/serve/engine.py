@@ -314,7 +314,9 @@ class Scheduler:
             return
         except UnmaskError as e:  # the decoder's own validation (block size, policy, ...): a bad request
             message = api_message(str(e).splitlines()[0])
-            param = next((k for k in first.options if message.lower().startswith((k, k.replace("_", " ")))), None)
+            low = message.lower()  # the knob the message names, if any (longest name first: tau_add before tau)
+            param = next((k for k in sorted(first.options, key=len, reverse=True)
+                          if k in low or k.replace("_", " ") in low), None)
             for j in jobs:
                 j.finish("error", ApiError(400, message, param=param))
             return

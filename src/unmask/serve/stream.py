@@ -88,8 +88,10 @@ class TextStream:
         return delta
 
     def canvas(self, event: dict) -> dict:
-        """The ``canvas`` mode description of one step event."""
-        canvas = event["canvas"]
+        """The ``canvas`` mode description of one step event, cut to the requested ``limit`` slots
+        (a diffusion canvas or a lossless-SBD draft can reach past them; those tokens are not
+        part of the answer)."""
+        canvas = event["canvas"][: self.limit]
         return {"step": event["step"], "canvas": canvas,
                 "texts": [None if t is None else self.token_text(t) for t in canvas],
-                "committed": list(event["positions"])}
+                "committed": [p for p in event["positions"] if self.limit is None or p < self.limit]}
