@@ -25,6 +25,7 @@ app.add_typer(convert_app, name="convert")
 from unmask.cli import generate as _generate  # noqa: E402,F401
 from unmask.cli import evaluate as _evaluate  # noqa: E402,F401
 from unmask.cli import models as _models  # noqa: E402,F401
+from unmask.cli import serve as _serve  # noqa: E402,F401
 from unmask.cli import train as _train  # noqa: E402,F401
 
 
