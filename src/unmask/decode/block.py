@@ -217,7 +217,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     B, model, device, mask_id = cfg.block_size, bundle.model, bundle.device, bundle.mask_token_id
     t0 = time.perf_counter()
     R = len(prompts)
-    gen = sampling.generator(device)
+    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
     suppress = list(bundle.suppress_ids)
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 
@@ -275,7 +275,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             if suppress:
                 logits[..., suppress] = float("-inf")
             chosen, tokens = commit(logits, masked, cfg.policy, temperature=sampling.temperature,
-                                    top_k=sampling.top_k, top_p=sampling.top_p, generator=gen)
+                                    top_k=sampling.top_k, top_p=sampling.top_p, generator=gens)
             block = torch.where(chosen, tokens, block)
             seq.scatter_(1, pos_safe, torch.where(active[:, None], block, seq.gather(1, pos_safe)))
             nfe += 1

@@ -17,7 +17,8 @@ Policies (:mod:`unmask.policies`):
 Temperature (§4): ``sampler="llada"`` draws with float64 Gumbel-max and ranks by the untempered
 confidence; ``sampler="dream"`` draws from the tempered categorical and ranks by its probability.
 The default comes from the model family (:func:`unmask.models.adapters.default_sampler`). Each row
-has its own seeded generator, so a batched run equals single runs even when sampling.
+has its own seeded generator (:meth:`Sampling.row_generators`), so a batched run equals single
+runs even when sampling, and identical prompts draw independently.
 
 Caches (§8, approximate): ``cache="none" | "prefix" | "dual"``, see :mod:`unmask.decode.dllm_cache`.
 """
@@ -230,7 +231,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
     suppress = list(bundle.suppress_ids)
     # One generator per row: a row's random draws do not depend on the rest of the batch.
-    gens = [sampling.generator(device) for _ in range(B)] if not sampling.greedy else None
+    gens = sampling.row_generators(prompts, device)
     confidence, draw = ("untempered", "gumbel") if cfg.sampler == "llada" else ("tempered", "categorical")
     steps_per_block = None if cfg.steps is None else cfg.steps // cfg.n_blocks
 

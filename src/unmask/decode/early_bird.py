@@ -337,7 +337,7 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
     stops = torch.tensor(stops_list or [-1], device=device)
     suppress = list(bundle.suppress_ids)
     embed = bundle.model.get_input_embeddings()
-    gens = [sampling.generator(device) for _ in range(B)] if not sampling.greedy else None
+    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
     confidence, draw = ("untempered", "gumbel") if cfg.sampler == "llada" else ("tempered", "categorical")
     threshold = Threshold(cfg.tau)
 

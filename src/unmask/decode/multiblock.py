@@ -145,7 +145,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                           f"{bundle.context_length}; use --slots {max(1, bundle.context_length // B)} or fewer")
     t0 = time.perf_counter()
     R = len(prompts)
-    gen = sampling.generator(device)
+    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
     suppress = list(bundle.suppress_ids)
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 
@@ -187,7 +187,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             on_forward({"inp": ids, "positions": positions, "logits": logits, "window": before, "past": past,
                         "stored": stored.clone(), "key_valid": key_valid.clone(),
                         "cache": [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]})
-        top1, kappa = candidates(logits.view(R, S, B, -1), sampling, gen)  # (R, S, B) each
+        top1, kappa = candidates(logits.view(R, S, B, -1), sampling, gens)  # (R, S, B) each
         w, info = bb.transition(w, top1, kappa, tau_m2t=cfg.tau_m2t, tau_semi=cfg.tau_semi, tau_t2t=cfg.tau_t2t,
                                 max_post_edit_steps=cfg.max_post_edit_steps)
         nfe += 1

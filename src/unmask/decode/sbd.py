@@ -102,7 +102,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     ids, valid, pos = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
     B, P = ids.shape
     row_len = valid.sum(dim=1)  # (B,) real prompt length per row
-    gen = sampling.generator(device)
+    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
     suppress = list(bundle.suppress_ids)
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 
@@ -146,7 +146,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                             "start": start, "refeed": c,
                             "cache": [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]})
             chosen, tokens = commit(logits, masked, cfg.policy, temperature=sampling.temperature,
-                                    top_k=sampling.top_k, top_p=sampling.top_p, generator=gen)
+                                    top_k=sampling.top_k, top_p=sampling.top_p, generator=gens)
             block = torch.where(chosen, tokens, block)
             nfe += 1
             had = masked.any(dim=1)  # (B,)
