@@ -11,13 +11,14 @@ from unmask.models.registry import default_model, resolve, shipped
 
 def load(name_or_path: str | None = None, *, kind: str | None = None, device: str = "cpu",
          dtype: str = "float32", mask_token_id: int | None = None, logit_shift: int | None = None,
-         trust_remote_code: bool = False) -> ModelBundle:
+         trust_remote_code: bool = False, force_mask_id: bool = False) -> ModelBundle:
     """Load a shipped checkpoint by name (``unmask.load("stories260K")``) or a local Hugging
     Face directory by path. ``None`` loads the default shipped model. No network is used.
 
     ``mask_token_id`` and ``logit_shift`` (0 LLaDA-style, 1 Dream-style) override what the
     directory says; ``trust_remote_code`` is needed for checkpoints with their own model code
-    (LLaDA, Dream). See :func:`unmask.models.bundle.load_dir`.
+    (LLaDA, Dream). A ``mask_token_id`` that is a special or ordinary vocabulary token (EOS,
+    ``<unk>``) is refused unless ``force_mask_id=True``. See :func:`unmask.models.bundle.load_dir`.
 
     Raises UnmaskError for an unknown name, a bad directory or an unavailable device.
     """
@@ -28,7 +29,7 @@ def load(name_or_path: str | None = None, *, kind: str | None = None, device: st
         raise UnmaskError("the model name is empty; pass a shipped name or a directory, or leave it out for the default")
     name, path = resolve(os.fspath(name_or_path) if name_or_path is not None else default_model())
     return load_dir(path, name=name, kind=kind, device=device, dtype=dtype, mask_token_id=mask_token_id,
-                    logit_shift=logit_shift, trust_remote_code=trust_remote_code)
+                    logit_shift=logit_shift, trust_remote_code=trust_remote_code, force_mask_id=force_mask_id)
 
 
 __all__ = ["KINDS", "ModelBundle", "default_model", "load", "shipped"]
