@@ -32,7 +32,7 @@ import torch
 
 from unmask.compat import attention_mask, crop, forward, new_cache
 from unmask.decode.batching import left_pad
-from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, block_causal_mask, with_key_padding
 from unmask.policies import Policy, Threshold, commit, make_policy
@@ -227,6 +227,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     n_blocks = torch.div(gen_end - 1, B, rounding_mode="floor") - n_full + 1  # (R,) blocks to decode per row
     seq = row_sequences(prompts, int((n_full + n_blocks).max()) * B, mask_id, device)  # (R, L)
     arange_b = torch.arange(B, device=device)
+    ceiling = int(n_blocks.max()) * (B + 1)  # B denoising forwards + 1 store per block
 
     done = torch.zeros(R, dtype=torch.bool, device=device)
     nfe, stores = 0, 0
@@ -279,6 +280,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             block = torch.where(chosen, tokens, block)
             seq.scatter_(1, pos_safe, torch.where(active[:, None], block, seq.gather(1, pos_safe)))
             nfe += 1
+            check_nfe(nfe, ceiling, "block")
             had = masked.any(dim=1)  # (R,)
             nfe_rows += had.long()
             for r in torch.nonzero(had).flatten().tolist():

@@ -34,7 +34,7 @@ import torch
 
 from unmask.decode.batching import left_pad
 from unmask.decode.dllm_cache import CACHE_MODES, WindowForward
-from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import SAMPLERS, default_sampler, realign
 from unmask.policies import Policy, TopK, commit, make_policy
@@ -269,6 +269,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                 if on_step is not None:
                     on_step(step_event(nfe, r, chosen[r], tokens[r], s - P, ids[r, P:], mask_id, block=b))
             nfe += 1
+            check_nfe(nfe, L + cfg.n_blocks, "diffusion")
             step += 1
             if cfg.eos_early_stop:
                 done |= early_stop(ids[:, P:], mask_id, stops) & had

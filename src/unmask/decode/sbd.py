@@ -21,7 +21,7 @@ import torch
 
 from unmask.compat import attention_mask, crop, forward, new_cache
 from unmask.decode.batching import left_pad
-from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, causal_mask, sbd_inference_mask, with_key_padding
 from unmask.policies import EntropyBound, Policy, commit, make_policy
@@ -149,6 +149,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                                     top_k=sampling.top_k, top_p=sampling.top_p, generator=gens)
             block = torch.where(chosen, tokens, block)
             nfe += 1
+            check_nfe(nfe, max_new_tokens + -(-max_new_tokens // k), "sbd")
             had = masked.any(dim=1)  # (B,)
             nfe_rows += had.long()
             for b in torch.nonzero(had).flatten().tolist():
