@@ -12,5 +12,6 @@ from unmask.decode import DecodeStats
 from unmask.errors import UnmaskError
 from unmask.models import ModelBundle, load, shipped
 from unmask.sampling import Sampling
+from unmask.threads import set_threads
 
-__all__ = ["DecodeStats", "Generation", "ModelBundle", "Sampling", "UnmaskError", "generate", "load", "shipped", "__version__"]
+__all__ = ["DecodeStats", "Generation", "ModelBundle", "Sampling", "UnmaskError", "generate", "load", "set_threads", "shipped", "__version__"]

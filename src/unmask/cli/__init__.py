@@ -21,6 +21,15 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 convert_app = typer.Typer(no_args_is_help=True, help="Convert checkpoints into Hugging Face directories.")
 app.add_typer(convert_app, name="convert")
 
+
+@app.callback()
+def _root(threads: str = typer.Option("auto", "--threads", envvar="UNMASK_THREADS", metavar="N|auto",
+                                      help="CPU threads for torch; auto: 1 for models below 100M parameters "
+                                           "(faster on small models and shared machines), torch's default above")):
+    from unmask.threads import set_threads
+
+    set_threads(threads)
+
 # Subcommand modules register themselves on `app` when imported.
 from unmask.cli import generate as _generate  # noqa: E402,F401
 from unmask.cli import evaluate as _evaluate  # noqa: E402,F401

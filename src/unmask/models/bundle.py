@@ -226,6 +226,9 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         raise UnmaskError(f"cannot load the checkpoint in {path}: {first.rstrip('.:')}; "
                           "the directory is incomplete or corrupt, restore or re-save it") from None
     model.to(device).eval()
+    from unmask.threads import after_load
+
+    after_load(model)
     if kind == "causal":  # a causal model may still carry a mask token (e.g. before SBD fine-tuning)
         mask_id = mask_token_id if mask_token_id is not None else meta.get("mask_token_id")
         if mask_id is not None:
