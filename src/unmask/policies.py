@@ -86,9 +86,14 @@ class EntropyBound:
 
 @dataclass(frozen=True)
 class Threshold:
-    """Fast-dLLM threshold rule (diffusion.md §6): top-1 by κ always, plus every κ ≥ tau (inclusive)."""
+    """Fast-dLLM threshold rule (diffusion.md §6): top-1 by κ always, plus every κ ≥ tau (inclusive).
+
+    ``strict=True`` commits κ > tau instead: the SDAR / Diffulex M2T rule (multiblock.md §1.2, §3.3),
+    which the block-diffusion decoders use so that SingleBD equals the Block Buffer with one slot.
+    """
 
     tau: float = 0.9
+    strict: bool = False
 
     def __post_init__(self) -> None:
         _require(_is_number(self.tau) and 0 < self.tau <= 1,
@@ -424,7 +429,7 @@ def commit(
             order = _rank(_certainty(log_q, tokens), masked)
         kappa_sorted = kappa.gather(1, order)  # (B, N)
         if isinstance(policy, Threshold):
-            count = _prefix_len(kappa_sorted >= policy.tau)
+            count = _prefix_len(kappa_sorted > policy.tau if policy.strict else kappa_sorted >= policy.tau)
         elif isinstance(policy, Factor):
             ranks = torch.arange(1, N + 1, device=logits.device, dtype=torch.float64)  # (N,), 1-based
             need = 1 - policy.f / (ranks + 1)  # same float64 arithmetic as the reference's Python floats

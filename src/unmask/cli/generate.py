@@ -55,6 +55,8 @@ def generate_cmd(
     preset: str = typer.Option(None, "--preset", help="γ preset: reasoning-low, reasoning-high, chat-low, chat-high"),
     tau: float = typer.Option(None, "--tau", help="confidence threshold τ in (0, 1] (threshold policy)"),
     factor: float = typer.Option(None, "--factor", help="Fast-dLLM factor f (factor policy)"),
+    factor_compat: bool = typer.Option(None, "--factor-compat", help="diffusion: Fast-dLLM's factor rule bit for bit "
+                                       "(float64 untempered κ, and its last-rank quirk; spec diffusion.md §6)"),
     tokens_per_step: int = typer.Option(None, "--tokens-per-step", help="tokens committed per step (top-k policy)"),
     eta: float = typer.Option(None, "--eta", help="diffusion: entropy bound η in nats (entropy-threshold policy)"),
     block_size: int = typer.Option(None, "--block-size", "-k", help="block size"),
@@ -79,6 +81,7 @@ def generate_cmd(
 
     texts = read_prompts(prompts or [], prompts_file)
     options = {"policy": policy, "gamma": gamma, "preset": preset, "tau": tau, "factor": factor,
+               "factor_compat": factor_compat,
                "tokens_per_step": tokens_per_step, "eta": eta, "block_size": block_size, "gen_length": gen_length,
                "steps": steps, "cache": cache, "slots": slots, "tau_add": tau_add, "tau_semi": tau_semi,
                "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps}

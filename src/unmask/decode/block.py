@@ -160,10 +160,14 @@ def step_event(step: int, row: int, positions: torch.Tensor, tokens: torch.Tenso
 @dataclass(frozen=True)
 class BlockConfig:
     """SingleBD settings: block size B (the checkpoint's), the commit policy (default ``threshold``
-    τ = 0.95, multiblock.md §3.5 SingleBD rows) and the store mode (§1.2 step 4)."""
+    τ = 0.95, multiblock.md §3.5 SingleBD rows) and the store mode (§1.2 step 4).
+
+    The threshold rule here is strict, κ > τ (plus the top-1), as in SDAR / Diffulex and in
+    ``multiblock``'s M2T, so ``block`` equals ``multiblock --slots 1`` even on exact ties; the
+    dLLM decoders keep Fast-dLLM's inclusive κ ≥ τ (diffusion.md §6)."""
 
     block_size: int
-    policy: Policy = Threshold(DEFAULT_TAU)
+    policy: Policy = Threshold(DEFAULT_TAU, strict=True)
     store: str = "separate"
 
     def __post_init__(self):
@@ -184,6 +188,8 @@ class BlockConfig:
             tau = DEFAULT_TAU
         params = {"gamma": preset if preset is not None else gamma, "tau": tau, "f": factor, "k": tokens_per_step}
         built = make_policy(name, **{k: v for k, v in params.items() if v is not None})
+        if isinstance(built, Threshold):  # κ > τ, as multiblock's M2T and SDAR (multiblock.md §1.2)
+            built = Threshold(built.tau, strict=True)
         return cls(block_size=resolve_block_size(bundle, block_size), policy=built, store=store or "separate")
 
 
@@ -204,6 +210,11 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     ``step``, ``row``, ``block`` (absolute block index), ``positions`` / ``tokens`` committed
     (generated indices), ``canvas`` (the generated region, None where masked). Store forwards
     commit nothing and send no event.
+
+    NFE versus reference code (SDAR, Diffulex SingleBD): the last block's store forward is not
+    run (its K/V would never be read), so NFE is one less per row than theirs; and a row stops
+    after the block holding its first stop token, where reference code decodes to the end: pass
+    ``stop_token_ids=()`` to reproduce their NFE.
 
     Returns DecodeOutput; stats.extra holds ``policy``, ``block_size``, ``store``,
     ``store_forwards`` (the batch's store-only forwards, already inside ``nfe``), ``accepts``

@@ -127,7 +127,10 @@ class DiffusionConfig:
             raise UnmaskError("--steps and --tokens-per-step conflict; give either --steps (LLaDA schedule) or "
                               "--tokens-per-step, not both")
         gamma = preset if preset is not None else gamma
-        name = policy or _infer_policy(gamma, tau, factor, tokens_per_step, steps, eta)
+        name = policy or ("factor" if factor_compat else _infer_policy(gamma, tau, factor, tokens_per_step, steps, eta))
+        if factor_compat and name != "factor":
+            raise UnmaskError(f"--factor-compat applies to the factor policy only (got {name!r}); "
+                              "use --policy factor or drop --factor-compat")
         if gamma is None and name in ("entropy-bound", "confidence-bound", "margin-bound"):
             gamma = DEFAULT_EB_GAMMA
         params = {"gamma": gamma, "tau": tau, "f": factor, "compat": factor_compat, "k": tokens_per_step,
