@@ -6,6 +6,7 @@ Every user error ends in one line ``error: <problem>; <fix>`` on stderr and exit
 from __future__ import annotations
 
 import sys
+import warnings
 
 import typer
 
@@ -29,6 +30,13 @@ def _root(threads: str = typer.Option("auto", "--threads", envvar="UNMASK_THREAD
     from unmask.threads import set_threads
 
     set_threads(threads)
+    warnings.showwarning = _warning_line
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings print as one line, ``warning: <message>``, not Python's two-line source echo."""
+    text = " ".join(str(message).split())
+    print(f"warning: {text}", file=sys.stderr if file is None else file)
 
 # Subcommand modules register themselves on `app` when imported.
 from unmask.cli import generate as _generate  # noqa: E402,F401

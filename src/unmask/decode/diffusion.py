@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -110,6 +111,14 @@ class DiffusionConfig:
     @property
     def n_blocks(self) -> int:
         return self.gen_length // self.block_size
+
+    def warn_degenerate(self) -> None:
+        """Warn (one line) when LLaDA's schedule gives one step per block: every block is committed
+        whole from a single forward, which is legal (§3) but rarely what was meant."""
+        if self.steps is not None and self.steps == self.n_blocks and self.block_size > 1:
+            warnings.warn(f"--steps {self.steps} equals the number of blocks (gen length {self.gen_length} / block "
+                          f"size {self.block_size}): each block of {self.block_size} tokens commits in one step; use "
+                          f"--steps {self.gen_length} for one token per step", stacklevel=3)
 
     @classmethod
     def from_options(cls, *, max_new_tokens: int, gen_length=None, block_size=None, policy=None, gamma=None,
@@ -213,6 +222,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                           "--max-new-tokens or raise --gen-length")
     if not isinstance(eos_early_stop, bool):
         raise UnmaskError(f"eos_early_stop must be true or false (got {eos_early_stop!r})")
+    cfg.warn_degenerate()
     report = min(max_new_tokens, cfg.gen_length)
     shift, mask_id, device = bundle.logit_shift, bundle.mask_token_id, bundle.device
     if any(len(p) == 0 for p in prompts):
