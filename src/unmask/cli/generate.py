@@ -74,9 +74,12 @@ def generate_cmd(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object per prompt per line"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no loading / generating spinner on stderr "
+                                     "(it shows only on a terminal)"),
 ) -> None:
     """Generate continuations and print text plus NFE / TPF / TPS."""
     from unmask.api import generate
+    from unmask.cli.progress import status
     from unmask.models import load
 
     texts = read_prompts(prompts or [], prompts_file)
@@ -86,7 +89,8 @@ def generate_cmd(
                "steps": steps, "cache": cache, "slots": slots, "tau_add": tau_add, "tau_semi": tau_semi,
                "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps}
     options = {k: v for k, v in options.items() if v is not None}
-    bundle = load(model, kind=kind, device=device, dtype=dtype)
+    with status(f"loading {model or 'the default model'}", enabled=not no_progress):
+        bundle = load(model, kind=kind, device=device, dtype=dtype)
     tracer = None
     if show or trace is not None:
         import inspect
@@ -104,9 +108,12 @@ def generate_cmd(
                              console=Console(stderr=True) if as_json else None)
         tracer = extra["on_step"]
         options.update(extra)
+    spinner = status(f"generating {len(texts)} prompt{'s' if len(texts) > 1 else ''} with {bundle.name}",
+                     enabled=not no_progress and not show)
     try:
-        result = generate(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, **options)
+        with spinner:
+            result = generate(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, **options)
     except BaseException:
         if tracer is not None:
             tracer.close(write=False)

@@ -99,19 +99,18 @@ def data_stories_cmd(
     batch_size: int = typer.Option(128, "--batch-size", help="rows per batched decode"),
     val_fraction: float = typer.Option(0.05, "--val-fraction", help="share of documents held out for validation"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT if it exists"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar (it shows only on a terminal)"),
 ) -> None:
     """Generate a self-sampled story corpus (sampled stories + greedy continuations) as JSONL."""
+    from unmask.cli.progress import bar
     from unmask.compat import quiet_transformers
     from unmask.train.data import make_story_corpus
 
     quiet_transformers()
-
-    def progress(done: int, total: int) -> None:
-        typer.echo(f"{done}/{total} documents", err=True)
-
-    summary = make_story_corpus(out, model=model, n_sampled=sampled, n_greedy=greedy, seed=seed, overwrite=overwrite,
-                                progress=progress, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                val_fraction=val_fraction)
+    with bar("documents", enabled=not no_progress) as progress:
+        summary = make_story_corpus(out, model=model, n_sampled=sampled, n_greedy=greedy, seed=seed,
+                                    overwrite=overwrite, progress=progress, max_new_tokens=max_new_tokens,
+                                    batch_size=batch_size, val_fraction=val_fraction)
     typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
 
 
