@@ -35,3 +35,12 @@ def test_piped_generate_and_data_print_no_progress(capsys, tmp_path):
     code, out, err = run_cli(capsys, "data", "stories", "--model", "stories260K", "--out", tmp_path / "c.jsonl",
                              "--sampled", "2", "--greedy", "2", "--max-new-tokens", "16")
     assert code == 0 and "documents=" in out and err == ""  # the old code printed "n/N documents" lines
+
+
+def test_router_trainers_messages_are_silent_when_piped(capsys):
+    from unmask.cli.train import _messages
+
+    for enabled in (True, False):
+        with _messages(enabled) as note:
+            note("LPS epoch 1: loss 0.7")  # the old command echoed every epoch to stderr
+    assert capsys.readouterr().err == ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -40,6 +41,21 @@ Device = Annotated[str, typer.Option("--device", help="cpu or cuda")]
 DlmModel = Annotated[str, typer.Option("--model", help="masked-diffusion model (shipped name or directory)")]
 PromptData = Annotated[list[Path], typer.Option(
     "--data", help="corpus (.txt or .jsonl) whose document openings become prompts (repeatable)")]
+NoProgress = Annotated[bool, typer.Option("--no-progress", help="no progress display (it shows only on a terminal)")]
+
+
+@contextmanager
+def _messages(enabled: bool):
+    """The routers' progress messages as one updating line on a terminal; nothing when stderr is
+    piped or with --no-progress (their per-epoch lines used to fill the log)."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not enabled or not console.is_terminal:
+        yield lambda message: None
+        return
+    with console.status("starting") as line:
+        yield lambda message: line.update(str(message))
 
 
 def _start(data, out) -> None:
@@ -210,7 +226,7 @@ def train_lbs_cmd(
     max_minutes: float = typer.Option(None, "--max-minutes", help="budget of the training loop"),
     seed: int = typer.Option(0, "--seed"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing LBS router at the output"),
-    device: Device = "cpu",
+    device: Device = "cpu", no_progress: NoProgress = False,
 ) -> None:
     """Train the Early-Bird LBS router of a masked-diffusion model (early_bird.md §3, Alg. 3)."""
     from unmask.compat import quiet_transformers
@@ -219,12 +235,13 @@ def train_lbs_cmd(
     if not data:
         raise UnmaskError("no prompt corpus; pass --data FILE (.jsonl or .txt), e.g. the story corpus")
     quiet_transformers()
-    summary = run_lbs(model=model, data=data, out=out, n_prompts=prompts, gen_length=gen_length, block_size=block_size,
-                      response_policy=responses, response_cache=response_cache, gen_batch=gen_batch,
-                      train=LBSTrainConfig(block=block_size, epochs=epochs, batch_size=batch_size, lr=lr,
-                                           weight_decay=weight_decay, seed=seed, max_minutes=max_minutes),
-                      router={"d": d, "layers": layers, "ffn": ffn}, overwrite=overwrite, device=device,
-                      progress=lambda m: typer.echo(m, err=True))
+    with _messages(not no_progress) as note:
+        summary = run_lbs(model=model, data=data, out=out, n_prompts=prompts, gen_length=gen_length, block_size=block_size,
+                          response_policy=responses, response_cache=response_cache, gen_batch=gen_batch,
+                          train=LBSTrainConfig(block=block_size, epochs=epochs, batch_size=batch_size, lr=lr,
+                                               weight_decay=weight_decay, seed=seed, max_minutes=max_minutes),
+                          router={"d": d, "layers": layers, "ffn": ffn}, overwrite=overwrite, device=device,
+                          progress=note)
     typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
 
 
@@ -248,7 +265,7 @@ def train_lps_cmd(
     max_minutes: float = typer.Option(None, "--max-minutes", help="budget of the training loop"),
     seed: int = typer.Option(0, "--seed", help="seed of the prompt choice (the split seed is 42)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing LPS router at the output"),
-    device: Device = "cpu",
+    device: Device = "cpu", no_progress: NoProgress = False,
 ) -> None:
     """Collect traces with the LBS router and train the Early-Bird LPS router (early_bird.md §4, Alg. 4)."""
     from unmask.compat import quiet_transformers
@@ -257,11 +274,12 @@ def train_lps_cmd(
     if not data and (traces_file is None or not traces_file.is_file()):
         raise UnmaskError("no prompt corpus; pass --data FILE (.jsonl or .txt) or an existing --traces-file")
     quiet_transformers()
-    summary = run_lps(model=model, data=data or [], routers=routers, out=out, n_prompts=prompts, block_size=block_size,
-                      tau=tau, l_min=l_min, g_max=g_max, pos_mode=pos_mode, replay=replay, gen_batch=gen_batch,
-                      traces_file=traces_file,
-                      train=LPSTrainConfig(max_epochs=max_epochs, patience=patience, batch_size=batch_size, lr=lr,
-                                           fpr_budget=fpr, max_minutes=max_minutes),
-                      router={"d": d, "layers": layers, "ffn": ffn}, seed=seed, overwrite=overwrite, device=device,
-                      progress=lambda m: typer.echo(m, err=True))
+    with _messages(not no_progress) as note:
+        summary = run_lps(model=model, data=data or [], routers=routers, out=out, n_prompts=prompts, block_size=block_size,
+                          tau=tau, l_min=l_min, g_max=g_max, pos_mode=pos_mode, replay=replay, gen_batch=gen_batch,
+                          traces_file=traces_file,
+                          train=LPSTrainConfig(max_epochs=max_epochs, patience=patience, batch_size=batch_size, lr=lr,
+                                               fpr_budget=fpr, max_minutes=max_minutes),
+                          router={"d": d, "layers": layers, "ffn": ffn}, seed=seed, overwrite=overwrite, device=device,
+                          progress=note)
     typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
