@@ -99,6 +99,7 @@ class Threshold:
         _require(_is_number(self.tau) and 0 < self.tau <= 1,
                  f"tau must be in (0, 1] (got {self.tau!r}); use 1.0 to commit one token per step "
                  "unless the model is certain")
+        _require(isinstance(self.strict, bool), f"strict must be True or False (got {self.strict!r})")
 
     @property
     def name(self) -> str:
