@@ -14,6 +14,7 @@ from unmask import threads
 def restore(monkeypatch):
     before, policy = torch.get_num_threads(), threads._policy
     monkeypatch.delenv(threads.ENV, raising=False)
+    threads._policy = None  # an earlier in-process CLI run leaves "auto" behind
     yield
     threads._policy = policy
     torch.set_num_threads(before)
