@@ -44,3 +44,21 @@ def test_router_trainers_messages_are_silent_when_piped(capsys):
         with _messages(enabled) as note:
             note("LPS epoch 1: loss 0.7")  # the old command echoed every epoch to stderr
     assert capsys.readouterr().err == ""
+
+
+def test_model_trainers_take_no_progress(capsys, tmp_path, monkeypatch):
+    import unmask.train.sbd as sbd
+
+    seen = {}
+
+    def fake(**kw):
+        seen.update(kw)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(sbd, "train_sbd", fake)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("Once upon a time.\n\nZoo.\n")
+    code, _, _ = run_cli(capsys, "train", "sbd", "--data", corpus, "--out", tmp_path / "m", "--no-progress")
+    assert code == 0 and seen["progress"] is False
+    for command in ("diffusion", "block-diffusion", "multitf", "lbs", "lps"):
+        assert "--no-progress" in run_cli(capsys, "train", command, "--help")[1]

@@ -92,7 +92,7 @@ def train_sbd_cmd(
     seq_len: int = typer.Option(256, "--seq-len", help="tokens per sequence L (a forward sees 2L)"),
     lr: Lr = 3e-4, warmup: Warmup = 100, grad_accum: GradAccum = 1, weight_decay: WeightDecay = 0.0, clip: Clip = 1.0,
     ckpt_every: CkptEvery = 500, eval_every: EvalEvery = 500, max_minutes: MaxMinutes = None, seed: Seed = 0,
-    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", no_progress: NoProgress = False,
 ) -> None:
     """Fine-tune a causal LM for Set Block Decoding (joint NTP + masked loss, SBD Eq. 14)."""
     from unmask.train.sbd import train_sbd
@@ -100,8 +100,9 @@ def train_sbd_cmd(
     _start(data, out)
     _finish(train_sbd(
         base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, resume=resume, overwrite=overwrite,
-        device=device, **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every,
-                                       eval_every, max_minutes, seed)), terms=("loss", "ntp", "mat"))
+        device=device, progress=not no_progress,
+        **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every,
+                        eval_every, max_minutes, seed)), terms=("loss", "ntp", "mat"))
 
 
 @data_app.command("stories")
@@ -139,7 +140,7 @@ def train_diffusion_cmd(
     norm: str = typer.Option("token", "--norm", help="loss normalisation: token, sequence or batch"),
     lr: Lr = 3e-4, warmup: Warmup = 100, grad_accum: GradAccum = 1, weight_decay: WeightDecay = 0.0, clip: Clip = 1.0,
     ckpt_every: CkptEvery = 500, eval_every: EvalEvery = 500, max_minutes: MaxMinutes = None, seed: Seed = 0,
-    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", no_progress: NoProgress = False,
 ) -> None:
     """Adapt a causal LM into a masked-diffusion LM (bidirectional, logit shift 1; diffusion.md §1-2)."""
     from unmask.train.diffusion import train_diffusion
@@ -147,7 +148,7 @@ def train_diffusion_cmd(
     _start(data, out)
     _finish(train_diffusion(
         base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, prefix_prob=prefix_prob, norm=norm,
-        resume=resume, overwrite=overwrite, device=device,
+        resume=resume, overwrite=overwrite, device=device, progress=not no_progress,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
                         max_minutes, seed)), terms=("loss", "nll"))
 
@@ -166,7 +167,7 @@ def train_block_diffusion_cmd(
     steps: int = 1000, batch_size: int = 8, lr: float = 1e-3, warmup: int = 100, grad_accum: int = 1,
     weight_decay: float = 0.0, clip: Clip = 1.0, ckpt_every: int = 500, eval_every: int = 500,
     max_minutes: MaxMinutes = None, seed: int = 0,
-    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", no_progress: NoProgress = False,
 ) -> None:
     """Teacher-forcing training of a block-diffusion LM (dual-stream masked CE, multiblock.md §1.3)."""
     from unmask.train.block_diffusion import train_block_diffusion
@@ -175,6 +176,7 @@ def train_block_diffusion_cmd(
     _finish(train_block_diffusion(
         base=base, data=data, out=out, block_size=block_size, run_dir=run_dir, seq_len=seq_len, t_low=t_low,
         t_high=t_high, noise=noise, rounding=rounding, resume=resume, overwrite=overwrite, device=device,
+        progress=not no_progress,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
                         max_minutes, seed)))
 
@@ -194,7 +196,7 @@ def train_multitf_cmd(
     steps: int = 500, batch_size: int = typer.Option(2, "--batch-size", help="clean rows per micro-batch"),
     lr: float = 3e-4, warmup: int = 15, grad_accum: int = 1, weight_decay: float = 0.1, clip: Clip = 1.0,
     ckpt_every: int = 200, eval_every: int = 200, max_minutes: MaxMinutes = None, seed: int = 0,
-    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", no_progress: NoProgress = False,
 ) -> None:
     """MultiTF post-training of a block-diffusion LM (group layouts, chain-uniform noise, multiblock.md §4)."""
     from unmask.train.multitf import train_multitf
@@ -203,7 +205,7 @@ def train_multitf_cmd(
     _finish(train_multitf(
         base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, g_max=g_max, n_rand=n_rand, t_low=t_low,
         t_high=t_high, rho=rho, rounding=rounding, layouts_per_row=layouts_per_row, resume=resume,
-        overwrite=overwrite, device=device,
+        overwrite=overwrite, device=device, progress=not no_progress,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
                         max_minutes, seed)))
 
