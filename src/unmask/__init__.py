@@ -17,9 +17,10 @@ __version__ = "0.1.0"
 
 _EXPORTS = {"Generation": "unmask.api", "generate": "unmask.api", "DecodeStats": "unmask.decode",
             "UnmaskError": "unmask.errors", "ModelBundle": "unmask.models", "load": "unmask.models",
-            "shipped": "unmask.models", "Sampling": "unmask.sampling"}
+            "shipped": "unmask.models", "Sampling": "unmask.sampling", "set_threads": "unmask.threads"}
 
-__all__ = ["DecodeStats", "Generation", "ModelBundle", "Sampling", "UnmaskError", "generate", "load", "shipped", "__version__"]
+__all__ = ["DecodeStats", "Generation", "ModelBundle", "Sampling", "UnmaskError", "generate", "load", "set_threads",
+           "shipped", "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from unmask.api import Generation, generate
@@ -27,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from unmask.errors import UnmaskError
     from unmask.models import ModelBundle, load, shipped
     from unmask.sampling import Sampling
+    from unmask.threads import set_threads
 
 
 def __getattr__(name: str):

@@ -6,6 +6,7 @@ Every user error ends in one line ``error: <problem>; <fix>`` on stderr and exit
 from __future__ import annotations
 
 import sys
+import warnings
 
 import typer
 
@@ -20,6 +21,22 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="unmask: commit many tokens per forward pass (SBD, MBD, Early-Bird, dLLM baselines).")
 convert_app = typer.Typer(no_args_is_help=True, help="Convert checkpoints into Hugging Face directories.")
 app.add_typer(convert_app, name="convert")
+
+
+@app.callback()
+def _root(threads: str = typer.Option("auto", "--threads", envvar="UNMASK_THREADS", metavar="N|auto",
+                                      help="CPU threads for torch; auto: 1 for models below 100M parameters "
+                                           "(faster on small models and shared machines), torch's default above")):
+    from unmask.threads import set_threads
+
+    set_threads(threads)
+    warnings.showwarning = _warning_line
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings print as one line, ``warning: <message>``, not Python's two-line source echo."""
+    text = " ".join(str(message).split())
+    print(f"warning: {text}", file=sys.stderr if file is None else file)
 
 # Subcommand modules register themselves on `app` when imported.
 from unmask.cli import generate as _generate  # noqa: E402,F401

@@ -262,6 +262,9 @@ def sweep_cmd(
     console.print(t)
     if res.aup_score is not None:
         console.print(f"AUP {_num(res.aup_score)} (points (TPF, {res.metric}), y_max {_num(res.y_max)}, d3LLM variant)")
+        if res.aup_dropped:
+            shown = ", ".join(f"({_num(r)}, {_num(y)})" for r, y in res.aup_dropped)
+            console.print(f"AUP left out {len(res.aup_dropped)} point(s) more than 5 below the first: {shown}")
     else:
         console.print(f"AUP n/a: {res.aup_error}")
     if out_png is not None:

@@ -56,6 +56,8 @@ def generate_cmd(
     preset: str = typer.Option(None, "--preset", help="γ preset: reasoning-low, reasoning-high, chat-low, chat-high"),
     tau: float = typer.Option(None, "--tau", help="confidence threshold τ in (0, 1] (threshold policy)"),
     factor: float = typer.Option(None, "--factor", help="Fast-dLLM factor f (factor policy)"),
+    factor_compat: bool = typer.Option(None, "--factor-compat", help="diffusion: Fast-dLLM's factor rule bit for bit "
+                                       "(float64 untempered κ, and its last-rank quirk; spec diffusion.md §6)"),
     tokens_per_step: int = typer.Option(None, "--tokens-per-step", help="tokens committed per step (top-k policy)"),
     eta: float = typer.Option(None, "--eta", help="diffusion: entropy bound η in nats (entropy-threshold policy)"),
     block_size: int = typer.Option(None, "--block-size", "-k", help="block size (sbd --verify: the draft size K)"),
@@ -82,6 +84,8 @@ def generate_cmd(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
     tp: int = typer.Option(None, "--tp", help="under torchrun: load the model tensor-parallel over N processes"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no loading / generating spinner on stderr "
+                                     "(it shows only on a terminal)"),
 ) -> None:
     """Generate continuations and print text plus NFE / TPF / TPS.
 
@@ -90,10 +94,12 @@ def generate_cmd(
     of the weights (docs/scaling.md)."""
     from unmask import dist
     from unmask.api import generate_sharded
+    from unmask.cli.progress import status
     from unmask.models import load
 
     texts = read_prompts(prompts or [], prompts_file)
     options = {"policy": policy, "gamma": gamma, "preset": preset, "tau": tau, "factor": factor,
+               "factor_compat": factor_compat,
                "tokens_per_step": tokens_per_step, "eta": eta, "block_size": block_size, "gen_length": gen_length,
                "steps": steps, "cache": cache, "slots": slots, "tau_add": tau_add, "tau_semi": tau_semi,
                "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps, "verify": verify, "draft": draft,
@@ -105,7 +111,9 @@ def generate_cmd(
         if show or trace is not None:
             raise UnmaskError("--show/--trace follow one process; run them without torchrun")
         device = str(dist.setup(device))
-    bundle = load(model, kind=kind, device=device, dtype=dtype, tp=tp)
+        no_progress = no_progress or dist.env_rank() != 0
+    with status(f"loading {model or 'the default model'}", enabled=not no_progress):
+        bundle = load(model, kind=kind, device=device, dtype=dtype, tp=tp)
     tracer = None
     if show or trace is not None:
         import inspect
@@ -123,9 +131,12 @@ def generate_cmd(
                              console=Console(stderr=True) if as_json else None)
         tracer = extra["on_step"]
         options.update(extra)
+    spinner = status(f"generating {len(texts)} prompt{'s' if len(texts) > 1 else ''} with {bundle.name}",
+                     enabled=not no_progress and not show)
     try:
-        result = generate_sharded(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
-                                  top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, **options)
+        with spinner:
+            result = generate_sharded(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, **options)
     except BaseException:
         if tracer is not None:
             tracer.close(write=False)

@@ -32,7 +32,7 @@ import torch
 
 from unmask.compat import attention_mask, crop, forward, new_cache
 from unmask.decode.batching import left_pad
-from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, block_causal_mask, with_key_padding
 from unmask.policies import Policy, Threshold, commit, make_policy
@@ -54,7 +54,7 @@ def block_quota(block_size: int, steps: int, s: int) -> int:
 
 
 def quota_threshold_commit(logits: torch.Tensor, masked: torch.Tensor, tau: float, quota: int,
-                           sampling: Sampling, generator: torch.Generator | None):
+                           sampling: Sampling, generator: torch.Generator | list | None):
     """The LLaDA2 ``generate`` / SDAR ``low_confidence_dynamic`` commit rule (multiblock.md §1.2 step 3).
 
     logits (R, B, V); masked (R, B) bool. Tokens are the argmax (temperature 0) or a draw from
@@ -69,7 +69,9 @@ def quota_threshold_commit(logits: torch.Tensor, masked: torch.Tensor, tau: floa
     if sampling.temperature > 0:
         z = z / sampling.temperature
     probs = filter_logits(z, sampling.top_k, sampling.top_p).softmax(-1)  # (R, B, V)
-    if sampling.temperature > 0:
+    if sampling.temperature > 0 and isinstance(generator, (list, tuple)):  # one generator per row
+        tokens = torch.stack([torch.multinomial(probs[r], 1, generator=g)[:, 0] for r, g in enumerate(generator)])
+    elif sampling.temperature > 0:
         tokens = torch.multinomial(probs.reshape(R * B, V), 1, generator=generator).reshape(R, B)
     else:
         tokens = probs.argmax(-1)  # (R, B)
@@ -200,10 +202,14 @@ def step_event(step: int, row: int, positions: torch.Tensor, tokens: torch.Tenso
 @dataclass(frozen=True)
 class BlockConfig:
     """SingleBD settings: block size B (the checkpoint's), the commit policy (default ``threshold``
-    τ = 0.95, multiblock.md §3.5 SingleBD rows) and the store mode (§1.2 step 4)."""
+    τ = 0.95, multiblock.md §3.5 SingleBD rows) and the store mode (§1.2 step 4).
+
+    The threshold rule here is strict, κ > τ (plus the top-1), as in SDAR / Diffulex and in
+    ``multiblock``'s M2T, so ``block`` equals ``multiblock --slots 1`` even on exact ties; the
+    dLLM decoders keep Fast-dLLM's inclusive κ ≥ τ (diffusion.md §6)."""
 
     block_size: int
-    policy: Policy = Threshold(DEFAULT_TAU)
+    policy: Policy = Threshold(DEFAULT_TAU, strict=True)
     store: str = "separate"
     steps: int | None = None
 
@@ -241,6 +247,8 @@ class BlockConfig:
             tau = DEFAULT_TAU
         params = {"gamma": preset if preset is not None else gamma, "tau": tau, "f": factor, "k": tokens_per_step}
         built = make_policy(name, **{k: v for k, v in params.items() if v is not None})
+        if isinstance(built, Threshold) and steps is None:  # κ > τ, as multiblock's M2T and SDAR (multiblock.md §1.2)
+            built = Threshold(built.tau, strict=True)
         return cls(block_size=resolve_block_size(bundle, block_size), policy=built, store=store or "separate",
                    steps=steps)
 
@@ -270,6 +278,11 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     (generated indices), ``canvas`` (the generated region, None where masked). Store forwards
     commit nothing and send no event.
 
+    NFE versus reference code (SDAR, Diffulex SingleBD): the last block's store forward is not
+    run (its K/V would never be read), so NFE is one less per row than theirs; and a row stops
+    after the block holding its first stop token, where reference code decodes to the end: pass
+    ``stop_token_ids=()`` to reproduce their NFE.
+
     Returns DecodeOutput; stats.extra holds ``policy``, ``block_size``, ``store``,
     ``store_forwards`` (the batch's store-only forwards, already inside ``nfe``), ``accepts``
     (histogram: tokens committed per row per forward -> count) and ``row_extra`` (per row:
@@ -283,7 +296,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     B, model, device, mask_id = cfg.block_size, bundle.model, bundle.device, bundle.mask_token_id
     t0 = time.perf_counter()
     R = len(prompts)
-    gen = sampling.generator(device)
+    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
     # The published quota-threshold loops rank by the model's own softmax, mask column included (a
     # "committed" mask simply stays masked); elsewhere the mask token is never a candidate.
     suppress = list(bundle.suppress_ids) if cfg.steps is None else []
@@ -295,6 +308,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     n_blocks = torch.div(gen_end - 1, B, rounding_mode="floor") - n_full + 1  # (R,) blocks to decode per row
     seq = row_sequences(prompts, int((n_full + n_blocks).max()) * B, mask_id, device)  # (R, L)
     arange_b = torch.arange(B, device=device)
+    # B denoising forwards (or `steps`: a quota step may commit nothing) + 1 store per block
+    ceiling = int(n_blocks.max()) * (max(B, cfg.steps or 0) + 1)
 
     done = torch.zeros(R, dtype=torch.bool, device=device)
     nfe, stores = 0, 0
@@ -347,14 +362,15 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                 logits[..., suppress] = float("-inf")
             if cfg.steps is not None:
                 chosen, tokens = quota_threshold_commit(logits, masked, cfg.policy.tau, block_quota(B, cfg.steps, step),
-                                                        sampling, gen)
+                                                        sampling, gens)
             else:
                 chosen, tokens = commit(logits, masked, cfg.policy, temperature=sampling.temperature,
-                                        top_k=sampling.top_k, top_p=sampling.top_p, generator=gen)
+                                        top_k=sampling.top_k, top_p=sampling.top_p, generator=gens)
             step += 1
             block = torch.where(chosen, tokens, block)
             seq.scatter_(1, pos_safe, torch.where(active[:, None], block, seq.gather(1, pos_safe)))
             nfe += 1
+            check_nfe(nfe, ceiling, "block")
             had = masked.any(dim=1)  # (R,)
             nfe_rows += had.long()
             for r in torch.nonzero(had).flatten().tolist():

@@ -22,7 +22,7 @@ import torch
 from unmask.compat import attention_mask, crop, forward, new_cache
 from unmask.decode import sbd_verify
 from unmask.decode.batching import left_pad
-from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, causal_mask, sbd_inference_mask, with_key_padding
 from unmask.policies import EntropyBound, Policy, commit, make_policy
@@ -122,7 +122,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     ids, valid, pos = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
     B, P = ids.shape
     row_len = valid.sum(dim=1)  # (B,) real prompt length per row
-    gen = sampling.generator(device)
+    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
     suppress = list(bundle.suppress_ids)
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 
@@ -166,9 +166,10 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                             "start": start, "refeed": c,
                             "cache": [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]})
             chosen, tokens = commit(logits, masked, cfg.policy, temperature=sampling.temperature,
-                                    top_k=sampling.top_k, top_p=sampling.top_p, generator=gen)
+                                    top_k=sampling.top_k, top_p=sampling.top_p, generator=gens)
             block = torch.where(chosen, tokens, block)
             nfe += 1
+            check_nfe(nfe, max_new_tokens + -(-max_new_tokens // k), "sbd")
             had = masked.any(dim=1)  # (B,)
             nfe_rows += had.long()
             for b in torch.nonzero(had).flatten().tolist():

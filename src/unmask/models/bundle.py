@@ -213,11 +213,32 @@ def _block_size(meta: dict, hf_config: dict, family) -> int | None:
     if family is not None and not any(k in hf_config for k in ("block_size", "block_length")):
         return family.block_size
     return None
+def _check_explicit_mask_id(mask_id: int, declared: list[int], tokenizer, path: Path) -> None:
+    """Refuse an explicit mask id that is a special or ordinary token of the vocabulary (issue 15).
+
+    Accepted: the checkpoint's own mask id, the tokenizer's mask token, a token whose name says
+    mask, or a row the tokenizer has no token for (an added embedding row). Decoders suppress the
+    mask id and read it as "not yet decoded", so using EOS or <unk> corrupts every decode silently.
+    """
+    if mask_id in declared or mask_id == getattr(tokenizer, "mask_token_id", None):
+        return
+    try:
+        size = len(tokenizer)
+        token = tokenizer.convert_ids_to_tokens(mask_id) if mask_id < size else None
+    except (TypeError, ValueError, IndexError):
+        return
+    if token is None or "mask" in str(token).lower():
+        return
+    special = mask_id in set(getattr(tokenizer, "all_special_ids", []) or [])
+    which = "special token" if special else "ordinary vocabulary token"
+    named = f"the checkpoint's is {declared[0]}" if declared else "the checkpoint names none"
+    raise UnmaskError(f"mask_token_id {mask_id} is the {which} {token!r} of {path.name} ({named}); pass the "
+                      "model's mask token id, or force_mask_id=True to use this token as the mask anyway")
 
 
 def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dtype="float32",
              mask_token_id: int | None = None, logit_shift: int | None = None,
-             trust_remote_code: bool = False, tp: int | None = None) -> ModelBundle:
+             trust_remote_code: bool = False, tp: int | None = None, force_mask_id: bool = False) -> ModelBundle:
     """Load a local Hugging Face directory into a ModelBundle.
 
     The kind comes from ``kind``, else from ``unmask_config.json`` in the directory, else the
@@ -238,10 +259,13 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     through transformers' distributed loading (``DistributedConfig(tp_plan="auto")``, the
     model's own plan); every rank then holds a shard and computes the same, all-reduced logits.
 
+    An explicit ``mask_token_id`` that is a special or ordinary token of the vocabulary (EOS,
+    ``<unk>``, a word) is refused unless ``force_mask_id=True``.
+
     Raises UnmaskError for a directory without config.json, unreadable weights, an unknown kind, a
-    ``kind`` that contradicts the one ``unmask_config.json`` records,
-    remote code without ``trust_remote_code``, disagreeing mask ids, or a kind that needs a mask
-    token the checkpoint does not name.
+    ``kind`` that contradicts the one ``unmask_config.json`` records, remote code without
+    ``trust_remote_code``, disagreeing mask ids, a mask id that is a vocabulary token (without
+    ``force_mask_id``), or a kind that needs a mask token the checkpoint does not name.
     """
     import transformers
     from safetensors import SafetensorError
@@ -292,6 +316,9 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         raise UnmaskError(f"cannot load the checkpoint in {path}: {first.rstrip('.:')}; "
                           "the directory is incomplete or corrupt, restore or re-save it") from None
     model.to(device).eval()
+    from unmask.threads import after_load
+
+    after_load(model)
     if kind == "causal":  # a causal model may still carry a mask token (e.g. before SBD fine-tuning)
         mask_id = mask_token_id if mask_token_id is not None else meta.get("mask_token_id")
         if mask_id is not None:
@@ -301,6 +328,10 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     if kind != "causal" and mask_id is None:
         raise UnmaskError(f"{path} is a {kind} model but names no mask token; pass mask_token_id=ID "
                           "or add it to unmask_config.json")
+    if mask_token_id is not None and not force_mask_id:
+        named = (meta.get("mask_token_id"), getattr(model.config, "mask_token_id", None),
+                 getattr(family, "mask_token_id", None))
+        _check_explicit_mask_id(int(mask_id), [int(i) for i in named if isinstance(i, int)], tokenizer, path)
     vocab = getattr(model.config, "vocab_size", None)
     if mask_id is not None and isinstance(vocab, int) and not 0 <= int(mask_id) < vocab:
         raise UnmaskError(f"{path}: mask token id {mask_id} is outside the model's vocabulary of {vocab}; "
