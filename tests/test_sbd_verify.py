@@ -238,13 +238,25 @@ def test_a_wrong_acceptance_rule_fails_the_distribution_test(sampling_case, monk
     def accept_then_resample_from_p(p, q, draft, draft_len, generator):
         # wrong: after a rejection, draws from p instead of normalize(max(0, p - q))
         a, _ = real(p, q, draft, draft_len, generator)
-        last = torch.multinomial(p[torch.arange(len(a)), a], 1, generator=generator)[:, 0]
+        last = sbd_verify._multinomial(p[torch.arange(len(a)), a], generator)
         return a, last
 
     real = sbd_verify.speculative_accept
     monkeypatch.setattr(sbd_verify, "speculative_accept", accept_then_resample_from_p)
     counts, _ = _sample_counts(bundle, prompt, 20_000, sampling, K=3)
     assert _chi_square_p(counts, probs, 20_000) < 1e-3
+
+
+def test_sampled_rows_do_not_depend_on_the_batch_and_copies_are_independent():
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
+    prompts = [[1, 4, 5], [1, 6], [1, 4, 5], [1, 3, 3, 7]]
+    sampling = Sampling(temperature=1.0, seed=3)
+    batch = sbd_verify.decode(bundle, prompts, max_new_tokens=20, block_size=4, sampling=sampling)
+    assert batch.tokens[0] != batch.tokens[2]  # two copies of one prompt are two samples
+    assert sbd_verify.decode(bundle, [prompts[3]], max_new_tokens=20, block_size=4, sampling=sampling).tokens[0] == \
+        batch.tokens[3]
+    again = sbd_verify.decode(bundle, prompts, max_new_tokens=20, block_size=4, sampling=sampling)
+    assert again.tokens == batch.tokens  # seeded: reproducible
 
 
 # --------------------------------------------------------------------------------- options

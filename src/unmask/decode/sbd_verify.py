@@ -117,7 +117,7 @@ def greedy_accept(target: torch.Tensor, draft: torch.Tensor, draft_len: torch.Te
 
 
 def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, draft_len: torch.Tensor,
-                       generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       generator: torch.Generator | list | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative-sampling acceptance (spec §1, Accept, sampling; Leviathan et al. 2023, Alg. 1).
 
     p (B, K, V): filtered NTP probabilities at the verify tokens; q (B, K-1, V): the filtered
@@ -126,12 +126,14 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, dr
     rejection the replacement is drawn from normalize(max(0, p_{j-1} - q_j)); after a fully
     accepted draft the bonus is drawn from p_{draft_len}.
 
+    ``generator``: one generator, or one per row (row r then draws with generator r only).
+
     Returns (a, last): a (B,) accepted draft tokens, last (B,) the token committed after them.
     """
     B, K, V = p.shape
     p_at = p[:, :-1].gather(2, draft[..., None])[..., 0]  # (B, K-1) p_{j-1}(s_j)
     q_at = q.gather(2, draft[..., None])[..., 0]  # (B, K-1) q_j(s_j)
-    u = torch.rand(B, K - 1, generator=generator, device=p.device)  # (B, K-1)
+    u = _uniform((B, K - 1), generator, p.device)  # (B, K-1)
     ok = (u * q_at < p_at).long()  # u < p/q without dividing (q_at > 0: s_j was drawn from q_j)
     a = torch.minimum(ok.cumprod(dim=1).sum(dim=1), draft_len)  # (B,)
     residual = (p[:, :-1] - q).clamp(min=0)  # (B, K-1, V)
@@ -141,8 +143,23 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, dr
     final = torch.where((a < draft_len)[:, None], dists[rows, a], p[rows, a])  # (B, V)
     # max(0, p - q) can be all zeros only when p == q, where p itself is the right distribution
     final = torch.where(final.sum(dim=1, keepdim=True) > 0, final, p[rows, a])
-    last = torch.multinomial(final, 1, generator=generator)[:, 0]  # (B,)
+    last = _multinomial(final, generator)  # (B,)
     return a, last
+
+
+def _uniform(shape: tuple[int, int], generator, device) -> torch.Tensor:
+    """U[0, 1) of ``shape`` (B, n), row r from generator r when given one per row."""
+    if isinstance(generator, (list, tuple)):
+        return torch.stack([torch.rand(shape[1], generator=g, device=device) for g in generator])
+    return torch.rand(shape, generator=generator, device=device)
+
+
+def _multinomial(probs: torch.Tensor, generator) -> torch.Tensor:
+    """One draw per distribution: probs (B, ..., V) -> (B, ...), row r from generator r when given one per row."""
+    if isinstance(generator, (list, tuple)):
+        return torch.stack([_multinomial(probs[r], g) for r, g in enumerate(generator)])
+    flat = probs.reshape(-1, probs.shape[-1])  # (rows, V)
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
 def _probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -155,8 +172,7 @@ def _draw(logits: torch.Tensor, sampling: Sampling, generator) -> tuple[torch.Te
     if sampling.greedy:
         return logits.argmax(dim=-1), None
     probs = _probs(logits, sampling)
-    flat = probs.reshape(-1, probs.shape[-1])  # (rows, V)
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1]), probs
+    return _multinomial(probs, generator), probs
 
 
 @torch.inference_mode()
@@ -191,7 +207,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     layout = step_layout(K, cfg.draft, device)
     Q, G = layout.queries, layout.groups
     N = max_new_tokens
-    gen = sampling.generator(device)
+    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy): batch-invariant samples
     suppress = list(bundle.suppress_ids)
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
     ar = torch.arange(K, device=device)  # (K,)
@@ -213,8 +229,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     key_valid = valid  # (B, cache columns)
     if suppress:
         logits[..., suppress] = float("-inf")
-    first, first_p = _draw(logits[:, 0], sampling, gen)  # (B,) the first bonus b
-    s, q = _draw(logits[:, 2:], sampling, gen)  # (B, K-1) draft from group offsets 1..K-1
+    first, _ = _draw(logits[:, 0], sampling, gens)  # (B,) the first bonus b
+    s, q = _draw(logits[:, 2:], sampling, gens)  # (B, K-1) draft from group offsets 1..K-1
     draft_len = torch.full((B,), K - 1, dtype=torch.long, device=device)
     b = first
     p_b = row_len.clone()  # (B,) position of b
@@ -264,7 +280,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             a = greedy_accept(target, s, draft_len)  # (B,)
             last = target.gather(1, a[:, None])[:, 0]  # (B,)
         else:
-            a, last = speculative_accept(_probs(verify, sampling), q, s, draft_len, gen)
+            a, last = speculative_accept(_probs(verify, sampling), q, s, draft_len, gens and [gens[r] for r in rows])
         # committed this step: s_1..s_a then `last`, i.e. (b-relative) positions 1..a+1
         step_tok = torch.where(ar[None, :] < a[:, None], torch.cat([s, s[:, :1]], dim=1), 0)  # (B, K)
         step_tok = step_tok.scatter(1, a[:, None], last[:, None])  # (B, K): tokens 0..a valid
@@ -272,7 +288,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         # the next draft: group a's offsets 1..K-1 (quadratic), or the single group when usable
         g = a if cfg.draft == "quadratic" else torch.zeros_like(a)
         next_logits = group_logits[torch.arange(Bn, device=device), g, 1:]  # (B, K-1, V)
-        s, q = _draw(next_logits, sampling, gen)
+        s, q = _draw(next_logits, sampling, gens and [gens[r] for r in rows])
         # quadratic: always usable; linear: usable when the group followed every real verify token
         usable = torch.ones_like(a, dtype=torch.bool) if cfg.draft == "quadratic" else a == draft_len
         draft_len = torch.where(usable, K - 1, 0)
