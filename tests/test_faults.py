@@ -73,7 +73,12 @@ def test_ctrl_c_at_any_moment_exits_130_with_one_line(tmp_path, moment):
         if moment == "imports":
             time.sleep(1.0)  # Python is up; typer, torch and transformers take seconds to import
         else:
-            assert err.wait_for("documents", timeout=120), err.text()
+            # the output lock appears when the command starts its work (progress is silent when piped)
+            deadline = time.monotonic() + 120
+            while not any(tmp_path.iterdir()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert any(tmp_path.iterdir()), err.text()
+            time.sleep(2.0)  # loading the model and decoding the first batch
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=60)
     finally:

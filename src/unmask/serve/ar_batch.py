@@ -79,7 +79,8 @@ class ARBatch:
         done = []
         for job in jobs:
             sampling: Sampling = job.sampling
-            row = Row(job=job, generator=sampling.generator(self.bundle.device))
+            gens = sampling.row_generators([job.prompt_ids], self.bundle.device)  # the generator `unmask generate` gives it
+            row = Row(job=job, generator=gens[0] if gens else sampling.generator(self.bundle.device))
             ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=self.bundle.device)  # (1, P)
             P = ids.shape[1]
             pos = torch.arange(P, device=ids.device)[None]  # (1, P)

@@ -20,6 +20,8 @@ stopping on that recall (patience 100), and recall / FPR on the test split at th
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import random
 import time
@@ -394,6 +396,11 @@ def _per_batch(fn, items: list, batch_size: int) -> list:
     return dist.map_batches(fn, items, batch_size) if dist.active() else [fn(items)]
 
 
+def _rank0_lock(where):
+    """The output lock of a router directory; under torchrun rank 0 holds it for the whole job."""
+    return output_lock(where, "router directory") if dist.is_main() else contextlib.nullcontext()
+
+
 def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_length: int = 256, block_size: int = 32,
             response_policy: str = "top-k", response_cache: str = "none", gen_batch: int = 16,
             train: LBSTrainConfig | None = None, router: dict | None = None, overwrite: bool = False,
@@ -420,7 +427,7 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
 
     bundle = _load(model, dist.setup(device))
     where = _out_dir(bundle, out, writes="lbs", overwrite=overwrite)
-    with output_lock(where, "router directory"):
+    with _rank0_lock(where):
         _out_dir(bundle, out, writes="lbs", overwrite=overwrite)  # again, now that no other writer can be there
         return _run_lbs(bundle, where, data, n_prompts, gen_length, block_size, response_policy, response_cache,
                         gen_batch, train, router, progress)
@@ -474,7 +481,7 @@ def run_lps(*, model, data: Sequence, routers=None, out=None, n_prompts: int = 3
     progress = progress if dist.is_main() else None
     source = _out_dir(bundle, routers)
     where = _out_dir(bundle, out if out is not None else source, writes="lps", overwrite=overwrite)
-    with output_lock(where, "router directory"):
+    with _rank0_lock(where):
         _out_dir(bundle, out if out is not None else source, writes="lps", overwrite=overwrite)  # again, locked
         return _run_lps(bundle, source, where, data, n_prompts, block_size, tau, l_min, g_max, pos_mode, replay,
                         gen_batch, traces_file, train, rc, seed, progress)
