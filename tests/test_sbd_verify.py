@@ -274,8 +274,11 @@ def test_sbd_decoder_verify_option_and_defaults():
         sbd.decode(bundle, prompts, max_new_tokens=8, verify=True, gamma=0.3)
     with pytest.raises(UnmaskError, match="--draft applies"):
         sbd.decode(bundle, prompts, max_new_tokens=8, verify=False, draft="linear")
-    with pytest.raises(UnmaskError, match="block size >= 2"):
-        sbd.decode(bundle, prompts, max_new_tokens=8, verify=True, block_size=1)
+    for bad in (1, 0):  # 0 is refused, not silently replaced by the default
+        with pytest.raises(UnmaskError, match="block size >= 2"):
+            sbd.decode(bundle, prompts, max_new_tokens=8, verify=True, block_size=bad)
+    with pytest.raises(UnmaskError, match="draft"):
+        sbd.decode(bundle, prompts, max_new_tokens=8, verify=True, draft="")
 
 
 def test_cli_verify_errors_are_one_line(capsys):

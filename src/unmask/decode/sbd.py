@@ -109,8 +109,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     if lossless:
         return sbd_verify.decode(bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                  stop_token_ids=stop_token_ids, stop_strings=stop_strings,
-                                 block_size=block_size or defaults.get("verify_block_size") or sbd_verify.DEFAULT_BLOCK_SIZE,
-                                 draft=draft or defaults.get("draft") or sbd_verify.DEFAULT_DRAFT,
+                                 block_size=_first(block_size, defaults.get("verify_block_size"), sbd_verify.DEFAULT_BLOCK_SIZE),
+                                 draft=_first(draft, defaults.get("draft"), sbd_verify.DEFAULT_DRAFT),
                                  on_forward=on_forward, on_step=on_step)
     defaults = {k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS}
     cfg = SBDConfig.from_options(block_size=block_size, policy=policy, gamma=gamma, preset=preset, tau=tau,
@@ -193,6 +193,11 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
                         seconds=time.perf_counter() - t0, extra=extra)
     return DecodeOutput(tokens=tokens, stats=stats)
+
+
+def _first(*values):
+    """The first value that is not None (an explicit 0 or "" stays, so its validation can refuse it)."""
+    return next(v for v in values if v is not None)
 
 
 def _lossless(verify, given: list[str], draft, defaults: dict) -> bool:

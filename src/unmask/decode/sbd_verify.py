@@ -210,6 +210,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     gens = sampling.row_generators(prompts, device)  # one per row (None when greedy): batch-invariant samples
     suppress = list(bundle.suppress_ids)
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
+    no_stops = not stop_token_ids
     ar = torch.arange(K, device=device)  # (K,)
 
     # ---- prefill: the prompt (causal) and one draft group right after it
@@ -248,8 +249,6 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     rows = list(range(B))  # original index of each running row
     tokens: list[list[int]] = [[] for _ in range(B)]
     nfe, nfe_rows = 1, [1] * B
-    accepts: Counter = Counter({1: B})
-    drafted: Counter = Counter()
     row_accepts: list[list[int]] = [[1] for _ in range(B)]
 
     ended = _ended(out[:, :1], torch.ones(B, dtype=torch.bool, device=device), n, N, stops)
@@ -258,9 +257,11 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     key_valid, b, s, q, p_b, draft_len, out, n = state
     while rows:
         Bn = len(rows)
-        L = torch.where(draft_len > 0, K, 1)  # (B,) verify tokens the group of a linear row follows
-        lay_m = layout.mask[L - 1] if cfg.draft == "linear" else layout.mask[K - 1].expand(Bn, Q, Q)  # (B, Q, Q)
-        lay_o = layout.offsets[L - 1] if cfg.draft == "linear" else layout.offsets[K - 1].expand(Bn, Q)  # (B, Q)
+        if cfg.draft == "linear":
+            L = torch.where(draft_len > 0, K - 1, 0)  # (B,) layout index: the group follows K verify tokens, or 1
+            lay_m, lay_o = layout.mask[L], layout.offsets[L]  # (B, Q, Q), (B, Q)
+        else:
+            lay_m, lay_o = layout.mask[K - 1].expand(Bn, Q, Q), layout.offsets[K - 1].expand(Bn, Q)
         draft_in = torch.where(draft_len[:, None] > 0, s, mask_id)  # (B, K-1): no draft -> mask placeholders
         inp = torch.cat([b[:, None], draft_in, torch.full((Bn, G * K), mask_id, dtype=torch.long, device=device)],
                         dim=1)  # (B, Q)
@@ -269,57 +270,62 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         m = torch.cat([key_valid[:, None, :].expand(Bn, Q, past), lay_m], dim=2)[:, None]  # (B, 1, Q, past+Q)
         logits = forward(model, inp, position_ids=positions, attention_mask=attention_mask(model, m),
                          cache=cache)  # (B, Q, V)
-        crop(cache, G * K)  # the groups' K/V never stay
         nfe += 1
         if suppress:
             logits[..., suppress] = float("-inf")
-        verify = logits[:, :K]  # (B, K, V) NTP at b, s_1..s_{K-1}
-        group_logits = logits[:, K:].view(Bn, G, K, -1)  # (B, G, K, V)
         if sampling.greedy:
-            target = verify.argmax(dim=-1)  # (B, K)
+            top = logits.argmax(dim=-1)  # (B, Q): NTP targets at b, s_1..s_{K-1}, then the groups' fills
+            target = top[:, :K]  # (B, K)
             a = greedy_accept(target, s, draft_len)  # (B,)
+            step_tok = target  # accepted drafts equal their targets: tokens 0..a are s_1..s_a, then the bonus
             last = target.gather(1, a[:, None])[:, 0]  # (B,)
         else:
+            verify = logits[:, :K]  # (B, K, V) NTP at b, s_1..s_{K-1}
             a, last = speculative_accept(_probs(verify, sampling), q, s, draft_len, gens and [gens[r] for r in rows])
-        # committed this step: s_1..s_a then `last`, i.e. (b-relative) positions 1..a+1
-        step_tok = torch.where(ar[None, :] < a[:, None], torch.cat([s, s[:, :1]], dim=1), 0)  # (B, K)
-        step_tok = step_tok.scatter(1, a[:, None], last[:, None])  # (B, K): tokens 0..a valid
+            # committed this step: s_1..s_a then `last`, i.e. (b-relative) positions 1..a+1
+            step_tok = torch.where(ar[None, :] < a[:, None], torch.cat([s, s[:, :1]], dim=1), 0)  # (B, K)
+            step_tok = step_tok.scatter(1, a[:, None], last[:, None])  # (B, K): tokens 0..a valid
         out.scatter_(1, n[:, None] + ar, step_tok)  # entries past a are overwritten later
         # the next draft: group a's offsets 1..K-1 (quadratic), or the single group when usable
         g = a if cfg.draft == "quadratic" else torch.zeros_like(a)
-        next_logits = group_logits[torch.arange(Bn, device=device), g, 1:]  # (B, K-1, V)
-        s, q = _draw(next_logits, sampling, gens and [gens[r] for r in rows])
+        row_idx = torch.arange(Bn, device=device)
+        if sampling.greedy:
+            s, q = top[:, K:].view(Bn, G, K)[row_idx, g, 1:], None  # (B, K-1)
+        else:
+            next_logits = logits[:, K:].view(Bn, G, K, -1)[row_idx, g, 1:]  # (B, K-1, V)
+            s, q = _draw(next_logits, sampling, gens and [gens[r] for r in rows])
         # quadratic: always usable; linear: usable when the group followed every real verify token
-        usable = torch.ones_like(a, dtype=torch.bool) if cfg.draft == "quadratic" else a == draft_len
-        draft_len = torch.where(usable, K - 1, 0)
-        # cache: keep b, s_1..s_a of each row; crop the tail no row accepted
-        key_valid = torch.cat([key_valid, ar[None, :] <= a[:, None]], dim=1)  # (B, past+K)
-        unused = K - 1 - int(a.max())  # the one host sync of the step's bookkeeping
-        crop(cache, unused)
-        key_valid = key_valid[:, : key_valid.shape[1] - unused]
+        if cfg.draft == "linear":
+            draft_len = torch.where(a == draft_len, K - 1, 0)
         committed = a + 1
         new = ar[None, :] < committed[:, None]  # (B, K) which step tokens are real
         n_before = n
         n = n + committed
         p_b = p_b + committed
         b = last
-        for i, (r, c) in enumerate(zip(rows, committed.tolist())):
+        ended = n >= N if no_stops else _ended(step_tok, new, n, N, stops)  # (B,)
+        host = torch.cat([committed, ended.long()]).tolist()  # the step's one host sync
+        done = any(host[Bn:])
+        # cache: keep b, s_1..s_a of each row; the groups' K/V and the tail no row accepted go
+        unused = K - max(host[:Bn])
+        crop(cache, G * K + unused)
+        key_valid = torch.cat([key_valid, new[:, : K - unused]], dim=1)  # (B, past + K - unused)
+        for i, (r, c) in enumerate(zip(rows, host[:Bn])):
             nfe_rows[r] += 1
-            accepts[c] += 1
             row_accepts[r].append(c)
-            drafted[c - 1] += 1
             if on_step is not None:
                 canvas = torch.cat([out[i, : n[i]], torch.full((K - 1,), mask_id, device=device)])
                 on_step(step_event(nfe - 1, r, new[i], step_tok[i], int(n_before[i]), canvas, mask_id))
         if on_forward is not None:
             on_forward({"step": nfe - 1, "inp": inp, "positions": positions, "logits": logits, "cache": cache,
                         "key_valid": key_valid, "accepted": a, "rows": list(rows), "committed": n.clone()})
-        ended = _ended(step_tok, new, n, N, stops)
-        if stop_strings or bool(ended.any()):
+        if stop_strings or done:
             rows, state = _retire(bundle, prompts, rows, tokens, N, n, ended, stops, stop_strings, cache,
                                   (key_valid, b, s, q, p_b, draft_len, out, n), n_before=n_before)
             key_valid, b, s, q, p_b, draft_len, out, n = state
 
+    accepts = Counter(c for ra in row_accepts for c in ra)
+    drafted = Counter(c - 1 for ra in row_accepts for c in ra[1:])
     extra = {"verify": True, "draft": cfg.draft, "block_size": K, "accepts": dict(sorted(accepts.items())),
              "accepted_drafts": dict(sorted(drafted.items())),
              "row_extra": [{"verify": True, "draft": cfg.draft, "block_size": K, "accepts": ra}
