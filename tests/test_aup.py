@@ -3,7 +3,7 @@
 import pytest
 
 from unmask.errors import UnmaskError
-from unmask.eval.aup import aup, aup_weight
+from unmask.eval.aup import aup, aup_report, aup_weight
 
 Y_MAX = 74.98  # D2F at rho = 1, GSM8K-CoT (d3LLM data_llada.yaml)
 
@@ -31,9 +31,29 @@ def test_assertion_rule_raises_one_line_error():
     assert "\n" not in str(err.value)
 
 
-def test_low_middle_points_are_dropped():
+def test_low_middle_points_are_dropped_and_reported():
     kept = aup([(1.0, 80.0), (4.0, 79.0)], 80.0)
-    assert aup([(1.0, 80.0), (2.0, 70.0), (4.0, 79.0)], 80.0) == pytest.approx(kept)
+    with pytest.warns(UserWarning, match=r"aup: dropped 1 point\(s\) .*\(2, 70\)"):  # never silently (issue 15)
+        assert aup([(1.0, 80.0), (2.0, 70.0), (4.0, 79.0)], 80.0) == pytest.approx(kept)
+    report = aup_report([(1.0, 80.0), (2.0, 70.0), (4.0, 79.0)], 80.0)
+    assert report.value == pytest.approx(kept) and report.dropped == [(2.0, 70.0)]
+
+
+@pytest.mark.parametrize("points, y_max, match", [
+    ([(1.0, 0.72), (2.0, 0.7)], 0.72, None),  # fractions: legal percent values, but y_max is checked below
+    ([(1.0, 72.0), (2.0, 170.0)], 100.0, r"accuracy must be in percent, in \[0, 100\], got 170"),
+    ([(1.0, -1.0)], 50.0, "accuracy must be in percent"),
+    ([(1.0, 72.0), (2.0, 71.0)], 70.0, "y_max 70 is below the best accuracy of the points \\(72\\)"),
+    ([(1.0, 72.0)], 0.72 * 1000, "y_max must be in percent"),
+    ([(float("inf"), 72.0)], 80.0, "TPF must be a finite number > 0"),
+    ([(1.0, float("nan"))], 80.0, "accuracy must be in percent"),
+])
+def test_inputs_outside_the_definition_are_refused(points, y_max, match):
+    if match is None:
+        assert aup(points, y_max) > 0
+        return
+    with pytest.raises(UnmaskError, match=match):
+        aup(points, y_max)
 
 
 def test_trapezoid_variant():

@@ -58,7 +58,16 @@ def test_pairs_are_discovered_from_the_registries(fake_registry):
 def test_a_failing_pair_is_reported_and_the_others_run(fake_registry):
     res = side_by_side.bench(limit=1, max_new_tokens=4, models=["stories260K", "toy-sbd"])
     rows = {(r["decoder"], r["model"]): r for r in res.rows}
-    assert rows[("sbd", "toy-sbd")]["error"]  # an empty config.json does not load
+    assert rows[("sbd --verify", "toy-sbd")]["error"]  # an empty config.json does not load
+    assert rows[("sbd --no-verify", "toy-sbd")]["error"]
     assert rows[("ar", "stories260K")]["tps_vs_ar"] == 1.0
     table = res.table()
-    assert table.row_count == 2
+    assert table.row_count == 3
+
+
+def test_sbd_runs_lossless_and_lossy_side_by_side():
+    res = side_by_side.bench(limit=2, max_new_tokens=24, models=["stories260K-sbd"], include_all=True)
+    rows = {r["decoder"]: r for r in res.rows}
+    assert set(rows) == {"ar", "sbd --verify", "sbd --no-verify"}
+    assert rows["sbd --verify"]["agreement_positional"] == 1.0  # lossless: the model's own AR text
+    assert rows["sbd --verify"]["nfe"] < rows["ar"]["nfe"]

@@ -203,3 +203,20 @@ def test_pass_at_1_arguments():
 def test_data_dir_env_is_respected(monkeypatch, data_dir):
     monkeypatch.setenv(datasets.DATA_DIR_ENV, os.fspath(data_dir))
     assert len(load_gsm8k(limit=3)) == 3
+
+
+def test_mbpp_scores_test_list_only_unless_challenge_is_asked(mbpp):
+    # issue 15 item 11: the published score runs test_list; challenge_test_list is opt-in
+    with_challenge = [t for t in mbpp if t.challenge_test_list]
+    assert [t.task_id for t in with_challenge] == [11, 16, 20, 23, 25, 26, 28, 42, 43, 44, 47]
+    assert all(len(t.test_list) == 3 for t in mbpp)  # the prompt wrapper shows all of them
+    task = with_challenge[0]
+    plain = mbpp_program(task, task.code)
+    assert all(c not in plain for c in task.challenge_test_list)
+    hard = mbpp_program(task, task.code, challenge=True)
+    assert all(c in hard for c in task.challenge_test_list) and hard.index(task.test_list[-1]) < hard.index(
+        task.challenge_test_list[0])
+    # every reference solution passes its challenge tests too (the data's own convention)
+    result = evaluate_mbpp(tasks=with_challenge, completions=[t.code for t in with_challenge], challenge=True)
+    assert result.pass_at_1 == 1.0, result.failed_ids
+    assert [t.task_id for t in mbpp if t.test_setup_code] == [367]

@@ -51,7 +51,7 @@ def test_unmask_config_gives_kind_mask_and_shift(base_dir, tmp_path):
     bundle = unmask.load(str(path))
     assert (bundle.kind, bundle.mask_token_id, bundle.logit_shift) == ("masked-diffusion", 512, 1)
     assert 512 in bundle.suppress_ids
-    over = unmask.load(str(path), logit_shift=0, mask_token_id=0)
+    over = unmask.load(str(path), logit_shift=0, mask_token_id=0, force_mask_id=True)
     assert (over.logit_shift, over.mask_token_id) == (0, 0)
     out = unmask.generate(["Once upon a time"], bundle, max_new_tokens=8, block_size=8, cache="prefix")
     assert out.decoder == "diffusion" and len(out.tokens[0]) <= 8
@@ -76,6 +76,19 @@ def test_missing_or_conflicting_mask_ids_are_errors(base_dir, tmp_path):
         unmask.load(str(base_dir), kind="masked-diffusion", mask_token_id=600)
     with pytest.raises(UnmaskError, match="logit_shift must be 0 or 1"):
         unmask.load(str(base_dir), kind="masked-diffusion", mask_token_id=512, logit_shift=2)
+
+
+@pytest.mark.parametrize("mask_id, what", [(0, "special token '<unk>'"), (2, "special token '</s>'"),
+                                            (100, "ordinary vocabulary token")])
+def test_a_vocabulary_token_is_refused_as_mask_id_unless_forced(mask_id, what):
+    with pytest.raises(UnmaskError, match=f"mask_token_id {mask_id} is the {what}.*force_mask_id=True"):
+        unmask.load("stories260K-dlm", mask_token_id=mask_id)
+    assert unmask.load("stories260K-dlm", mask_token_id=mask_id, force_mask_id=True).mask_token_id == mask_id
+    assert unmask.load("stories260K-dlm", mask_token_id=512).mask_token_id == 512  # the checkpoint's own
+
+
+def test_an_added_row_without_a_token_is_a_valid_explicit_mask_id(base_dir):
+    assert unmask.load(str(base_dir), kind="masked-diffusion", mask_token_id=512).mask_token_id == 512
 
 
 # -- remote-code families ------------------------------------------------------------------------

@@ -47,3 +47,26 @@ def test_strict_takes_first_marker_flexible_takes_last_number():
     assert extract_strict(text) == "-7"
     assert extract_flexible(text) == "9"
     assert extract_strict("####") is None
+
+
+@pytest.mark.parametrize("text", [r"The answer is \boxed{\$9{,}500}", r"\boxed{9{,}500}.", r"so $9\,500$ in total",
+                                  r"It costs \$9,500.", r"#### 9{,}500"])
+def test_latex_thousands_separators_and_escaped_dollars(text):
+    # issue 15 item 10: \boxed{$9{,}500} was read as 500
+    assert gsm8k_score(text, "#### 9,500")["flexible"]
+    assert extract_flexible(r"\boxed{1{,}234{,}567}") == "1234567"
+    assert extract_strict(r"#### 9{,}500") == "9500"
+
+
+def test_every_original_answer_scores_itself():
+    import json
+
+    from conftest import DATA_DIR
+
+    paths = [DATA_DIR / "gsm8k" / f"{split}.jsonl" for split in ("train", "test")]
+    if not all(p.is_file() for p in paths):
+        pytest.skip(f"{paths[0].parent} not found; set UNMASK_DATA_DIR")
+    rows = [json.loads(line) for p in paths for line in p.read_text().splitlines() if line.strip()]
+    assert len(rows) > 8000
+    for r in rows:  # calculator notes <<a*b=c>>, gold "#### 1,450,000"
+        assert gsm8k_score(r["answer"], r["answer"]) == {"strict": True, "flexible": True}, r["answer"][-60:]

@@ -240,3 +240,16 @@ def test_sampling_is_seeded_and_reproducible():
     assert a.tokens == b.tokens and len(a.tokens[0]) == 12
     greedy = multiblock.decode(bundle, [[1, 3, 5]], max_new_tokens=12, slots=2, tau_m2t=0.3)
     assert greedy.tokens != a.tokens
+
+
+def test_single_slot_reproduces_the_block_decoder_on_exact_ties():
+    # issue 15 item 12: block committed κ ≥ τ, multiblock κ > τ (SDAR / Diffulex); on κ == τ they differed.
+    bundle = scripted_bundle(lambda p: [0.99, 0.6, 0.97, 0.6][p % 4])
+    seen = []
+    block.decode(bundle, [[1, 2, 3, 4]], max_new_tokens=4, tau=0.95, on_forward=seen.append)
+    tau = float(torch.softmax(seen[0]["logits"][0, 1].float(), -1).max())  # κ at the 0.6 positions, exactly
+    ref = block.decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, tau=tau)
+    got = multiblock.decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, slots=1, tau_m2t=tau)
+    assert got.tokens == ref.tokens and got.stats.nfe == ref.stats.nfe
+    assert [a for a in got.stats.extra["row_extra"][0]["accepts"] if a] == ref.stats.extra["row_extra"][0]["accepts"]
+    assert ref.stats.extra["row_extra"][0]["accepts"][:3] == [2, 1, 1]  # κ == τ waits (inclusive: [4])

@@ -416,3 +416,10 @@ def test_make_policy_and_presets():
     assert GAMMA_PRESETS == {"reasoning-low": 0.1, "reasoning-high": 0.35, "chat-low": 0.35, "chat-high": 0.6}
     with pytest.raises(dataclasses.FrozenInstanceError):
         Threshold().tau = 0.5
+
+
+def test_strict_threshold_leaves_exact_ties_uncommitted():
+    logits = torch.zeros(1, 3, 2)  # κ = 0.5 exactly at every position
+    masked = torch.ones(1, 3, dtype=torch.bool)
+    assert commit(logits, masked, Threshold(0.5))[0].tolist() == [[True, True, True]]
+    assert commit(logits, masked, Threshold(0.5, strict=True))[0].tolist() == [[True, False, False]]

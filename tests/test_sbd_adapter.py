@@ -287,7 +287,7 @@ def test_train_sbd_adapter_end_to_end(tmp_path, capsys, stories):
     base_hash = weights_hash(stories.path)
     code, _, err = run_cli(capsys, "train", "sbd-adapter", "--base", "stories260K", "--data", corpus, "--out", out,
                            "--full-rank", "--steps", 3, "--seq-len", 32, "--batch-size", 2, "--warmup", 1,
-                           "--ckpt-every", 2, "--eval-every", 0, "--threads", 1)
+                           "--ckpt-every", 2, "--eval-every", 0)
     assert code == 0, err
     cfg = json.loads((out / ADAPTER_JSON).read_text())
     assert cfg["rank"] is None and cfg["full_rank"] and cfg["training"]["step"] == 3
@@ -374,7 +374,7 @@ def test_shipped_adapter_keeps_stories260K_output(capsys, stories):
 
 
 @pytest.mark.parametrize("args,match", [(("--rank", "0"), "rank"), (("--draft-fraction", "2"), "draft-fraction"),
-                                        (("--block-size", "0"), "block-size"), (("--threads", "-1"), "threads")])
+                                        (("--block-size", "0"), "block-size")])
 def test_train_sbd_adapter_bad_options(tmp_path, capsys, args, match):
     corpus = ids_file(tmp_path / "c.jsonl")
     one_line_error(capsys, "train", "sbd-adapter", "--data", corpus, "--out", tmp_path / "o", "--seq-len", 32,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_bundle, tiny_llama
+from conftest import run_cli, tiny_bundle, tiny_llama
 
 import unmask
 from unmask.cli import main
@@ -139,3 +139,22 @@ def test_cli_refuses_trace_for_decoders_without_it(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--show/--trace are not available for decoder 'ar'" in err
+
+
+def test_piped_show_ends_on_the_reported_text_not_the_canvas_past_the_stop(capsys):
+    # issue 15 item 5: the last frame showed tokens past the stop while the printed text was cut there
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=200, color_system=None)  # not a terminal: piped
+    trace = Trace(show=True, prompts=["P:"], console=console)
+    trace({"step": 0, "row": 0, "positions": [0, 1, 2], "tokens": [5, 2, 6], "canvas": [5, 2, 6, None]})
+    trace.close({"texts": [" 5"]})
+    frames = console.file.getvalue().strip().splitlines()
+    assert frames[-2] == "P: 5" and "6" not in frames[-2] and MASK_GLYPH not in frames[-2]
+    code, out, _ = run_cli(capsys, "generate", "Once upon a time", "--model", "stories260K-dlm", "--gen-length", "64",
+                           "--block-size", "32", "--show", "--stop", "Lily")
+    assert code == 0
+    lines = [x for x in out.splitlines() if x.strip()]
+    step = next(i for i, x in enumerate(lines) if x.startswith("step "))
+    assert lines[step - 1] == lines[step + 1]  # last frame == the printed result
+    assert "Lily" not in lines[step + 1] and MASK_GLYPH not in lines[step - 1]

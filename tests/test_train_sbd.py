@@ -212,7 +212,7 @@ def test_crash_during_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypa
     monkeypatch.setattr(loop.torch, "save", crash)  # fails after the weights are written
     with torch.no_grad():
         next(model.parameters()).add_(1.0)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(UnmaskError, match="cannot write checkpoint .*disk full"):  # one line, not a traceback
         save_checkpoint(tmp_path, 4, model, {"step": 4})
     assert checkpoints(tmp_path) == [good]
     assert (good / "model.safetensors").read_bytes() == before

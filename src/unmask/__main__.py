@@ -1,5 +1,5 @@
 """``python -m unmask ...`` runs the ``unmask`` command line."""
 
-from unmask.cli import main
+from unmask.entry import main
 
 main()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from unmask.decode import DecodeStats, default_decoder, get_decoder
 from unmask.errors import UnmaskError
 from unmask.models import ModelBundle, load
+from unmask.models.bundle import check_finite_weights
 from unmask.sampling import Sampling
 
 
@@ -53,6 +54,11 @@ def encode_prompts(bundle: ModelBundle, prompts: list[str], max_new_tokens: int,
             raise UnmaskError(f"prompt {i + 1} is not text (got {type(text).__name__}); pass prompts as str")
         if not text.strip():
             raise UnmaskError(f"prompt {i + 1} is empty; give some text to continue")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate, e.g. from bytes decoded with errors="surrogateescape"
+            raise UnmaskError(f"prompt {i + 1} is not valid Unicode ({e.reason} at character {e.start}); "
+                              "pass text that encodes as UTF-8") from None
         ids = bundle.encode(text)
         if gen_length is not None and isinstance(gen_length, int) and len(ids) + gen_length > ctx:
             raise UnmaskError(f"prompt {i + 1} is {len(ids)} tokens; with --gen-length {gen_length} it exceeds the "
@@ -86,7 +92,7 @@ def generate(prompts: str | list[str], model: str | ModelBundle | None = None, d
     ``options`` go to the decoder (e.g. ``policy="entropy-bound", gamma=0.35, block_size=16``).
     max_new_tokens: tokens reported per prompt; default 128, or the whole canvas when a
     diffusion ``gen_length`` is given (a smaller value cuts the canvas and ends decoding early).
-    Raises UnmaskError for every invalid input.
+    Raises UnmaskError for every invalid input, and for a model whose weights are not finite.
     """
     if not (model is None or isinstance(model, (str, os.PathLike, ModelBundle))):
         raise UnmaskError(f"model must be a shipped name, a directory path or a ModelBundle (got {type(model).__name__}); "
@@ -108,6 +114,7 @@ def generate(prompts: str | list[str], model: str | ModelBundle | None = None, d
         gen_length = options.get("gen_length")
         max_new_tokens = gen_length if isinstance(gen_length, int) and not isinstance(gen_length, bool) else 128
     ids = encode_prompts(bundle, prompts, max_new_tokens, options.get("gen_length"))
+    check_finite_weights(bundle)
     out = decode(bundle, ids, max_new_tokens=max_new_tokens, sampling=sampling,
                  stop_token_ids=bundle.stop_token_ids, stop_strings=tuple(stop or ()), **options)
     texts = []
@@ -119,3 +126,46 @@ def generate(prompts: str | list[str], model: str | ModelBundle | None = None, d
         texts.append(text)
     return Generation(prompts=prompts, texts=texts, tokens=out.tokens, prompt_tokens=ids, stats=out.stats,
                       decoder=decoder, model=bundle.name)
+
+
+def generate_sharded(prompts: str | list[str], model: str | ModelBundle | None = None, decoder: str | None = None,
+                     **kwargs) -> Generation:
+    """:func:`generate` data-parallel under torchrun: rank r decodes the r-th contiguous share of
+    ``prompts`` as one batch, and every rank gets the whole :class:`Generation` back in prompt
+    order. Outside torchrun, or for a tensor-parallel bundle (every rank decodes every prompt), it
+    is :func:`generate`.
+
+    Under greedy decoding the rows are identical to one process (a row's tokens do not depend on
+    the rows batched with it); sampled rows draw from their share's seeded generator, so they are
+    reproducible for a given number of processes but differ from one process. Statistics: NFE is
+    the forwards of all ranks, seconds the slowest rank's, ``extra["processes"]`` the world size.
+
+    Raises:
+        UnmaskError: as :func:`generate`, on every rank when any rank's share fails.
+    """
+    from unmask import dist
+
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not dist.active() or (isinstance(model, ModelBundle) and model.meta.get("tp")):
+        return generate(prompts, model, decoder, **kwargs)  # one process, or tensor-parallel: all ranks alike
+    n, w, r = len(prompts), dist.world(), dist.rank()
+    lo, hi = r * n // w, (r + 1) * n // w
+    try:
+        part = generate(prompts[lo:hi], model, decoder, **kwargs) if hi > lo else None
+        payload = ("ok", lo, part)
+    except UnmaskError as e:  # every rank must reach the gather, then all raise the same error
+        payload = ("error", lo, str(e))
+    shares = dist.gather_ordered([(r, payload)])
+    errors = [p[2] for p in shares if p[0] == "error"]
+    if errors:
+        raise UnmaskError(errors[0])
+    parts = [p[2] for p in shares if p[2] is not None]
+    row_extra = [x for g in parts for x in g.stats.extra.get("row_extra", [{}] * len(g.prompts))]
+    stats = DecodeStats(nfe=sum(g.stats.nfe for g in parts),
+                        nfe_per_row=[x for g in parts for x in g.stats.nfe_per_row],
+                        tokens_per_row=[x for g in parts for x in g.stats.tokens_per_row],
+                        seconds=max(g.stats.seconds for g in parts), extra={"row_extra": row_extra, "processes": w})
+    return Generation(prompts=[x for g in parts for x in g.prompts], texts=[x for g in parts for x in g.texts],
+                      tokens=[x for g in parts for x in g.tokens],
+                      prompt_tokens=[x for g in parts for x in g.prompt_tokens], stats=stats,
+                      decoder=parts[0].decoder, model=parts[0].model)

@@ -96,3 +96,38 @@ def set_static_length(cache, length: int) -> None:
 def keep_rows(cache, rows: torch.Tensor) -> None:
     """Keep only batch rows ``rows`` (1D long) in every layer of ``cache``, in place."""
     cache.batch_select_indices(rows)
+
+
+
+def register_weight_renames(class_name: str, renames: list[tuple[str, str]], *,
+                            split: list[tuple[str, list[str]]] = (),
+                            merge_experts: list[tuple[list[str], str, int | None]] = ()) -> None:
+    """Load checkpoints of ``class_name`` whose parameters carry another codebase's names and
+    layout, and save them back in that form (transformers 5 weight conversion; ``save_pretrained``
+    applies the reverse). Idempotent: re-registering replaces the mapping.
+
+    renames: (published regex, our name) pairs. split: (published fused key, our keys), cut along
+    dim 0 into pieces sized like our parameters (a fused q/k/v projection). merge_experts:
+    (published per-expert keys with ``*`` for the expert index, our stacked 3D key, dim to
+    concatenate several published keys along or None), e.g. gate and up projections fused.
+    """
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import (Concatenate, MergeModulelist, Split, WeightConverter,
+                                                 WeightRenaming)
+
+    mapping = [WeightRenaming(src, dst) for src, dst in renames]
+    mapping += [WeightConverter(source_patterns=src, target_patterns=list(dst), operations=[Split(dim=0)])
+                for src, dst in split]
+    for src, dst, cat_dim in merge_experts:
+        ops = [MergeModulelist(dim=0)] + ([Concatenate(dim=cat_dim)] if cat_dim is not None else [])
+        mapping.append(WeightConverter(source_patterns=list(src), target_patterns=dst, operations=ops))
+    register_checkpoint_conversion_mapping(class_name, mapping, overwrite=True)
+def tensor_parallel_kwargs(tp: int) -> dict:
+    """``from_pretrained`` keyword arguments that load the model class's own tensor-parallel plan
+    over ``tp`` processes: ``distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp)``,
+    or the older ``tp_plan="auto", tp_size=tp`` where DistributedConfig does not exist yet."""
+    try:
+        from transformers import DistributedConfig
+    except ImportError:  # transformers before DistributedConfig
+        return {"tp_plan": "auto", "tp_size": tp}
+    return {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tp)}

@@ -1,11 +1,19 @@
-"""Atomic file and directory writes: nothing half-written is ever left at a final path."""
+"""Atomic file and directory writes: nothing half-written is ever left at a final path.
+
+Also the exclusive writer lock every command that publishes an output takes (:func:`output_lock`),
+so that two processes writing the same output cannot both report success.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from unmask.errors import UnmaskError
@@ -17,24 +25,142 @@ def staging_dir(final: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
 
 
-def publish_dir(src: Path, dst: Path) -> None:
-    """Move the finished directory ``src`` to ``dst`` atomically (rename), readable by all; an
-    existing ``dst`` is first renamed aside and removed only after the new one is in place."""
-    os.chmod(src, 0o755)
-    for f in src.rglob("*"):
+def make_readable(directory: Path) -> None:
+    """Give ``directory`` and everything in it the permissions of a published model: 0755
+    directories, 0644 files (``mkdtemp`` creates 0700)."""
+    os.chmod(directory, 0o755)
+    for f in Path(directory).rglob("*"):
         os.chmod(f, 0o755 if f.is_dir() else 0o644)
-    old = None
+
+
+_RENAME_EXCHANGE = 2  # renameat2 flag (linux/fs.h)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``).
+    False when the kernel, libc or file system cannot, so that the caller falls back."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    rc = fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), ctypes.c_uint(_RENAME_EXCHANGE))
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def publish_dir(src: Path, dst: Path) -> None:
+    """Move the finished directory ``src`` to ``dst`` atomically, readable by all.
+
+    An existing ``dst`` is swapped with ``src`` in one step (``renameat2(RENAME_EXCHANGE)``), so
+    a crash at any moment leaves either the old or the new directory at ``dst``, never neither;
+    the old one is removed afterwards. Where the swap is not supported the old ``dst`` is renamed
+    aside first (a crash between the two renames then leaves it at ``.NAME.old-PID``).
+    """
+    make_readable(src)
     if dst.exists():
+        if _exchange(src, dst):  # src now holds the old directory (or file)
+            if src.is_dir() and not src.is_symlink():
+                shutil.rmtree(src, ignore_errors=True)
+            else:
+                src.unlink(missing_ok=True)
+            return
         old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
         os.replace(dst, old)
-    os.replace(src, dst)
-    if old is not None:
+        os.replace(src, dst)
         shutil.rmtree(old, ignore_errors=True)
+        return
+    os.replace(src, dst)
 
 
-def check_output_file(path: str | os.PathLike, what: str = "output file") -> Path:
+@contextlib.contextmanager
+def write_errors(what: str, fix: str):
+    """Turn the errors a full or read-only disk raises while saving (OSError; RuntimeError from
+    ``torch.save``; SafetensorError from safetensors) into one UnmaskError naming ``what``."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except UnmaskError:
+        raise
+    except (OSError, RuntimeError, SafetensorError) as e:
+        reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise UnmaskError(f"cannot write {what}: {reason.rstrip('.')}; {fix}") from None
+    except BaseException as e:
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if type(e).__name__ != "CheckpointException" or not isinstance(failures, dict) or not failures:
+            raise
+        first = next(iter(failures.values()))
+        first = getattr(first, "exc", first)  # a wrapped per-rank failure
+        reason = getattr(first, "strerror", None) or (str(first).strip().splitlines() or [type(first).__name__])[-1]
+        raise UnmaskError(f"cannot write {what}: {reason.rstrip('.')}; {fix}") from None
+
+
+def _lock_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.lock")
+
+
+@contextlib.contextmanager
+def output_lock(path: str | os.PathLike, what: str = "output") -> Iterator[Path]:
+    """Hold an exclusive lock on the output ``path`` for the duration of the ``with`` block.
+
+    The lock is ``flock`` on a hidden sibling file ``.NAME.lock`` (removed on release); a second
+    process that asks for the same output while the first holds it gets UnmaskError at once, so
+    two writers never both report success. Locks are released by the kernel when a process
+    dies, so a killed run never leaves a stale lock behind.
+
+    Raises:
+        UnmaskError: another process holds the lock, or the lock file cannot be created (a
+            parent is a file, or the folder is not writable).
+    """
+    import fcntl
+
+    path = Path(path)
+    check_parents(path, what)
+    lock = _lock_path(path)
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UnmaskError(f"cannot write {what} {path}: {e.strerror or e}; choose a writable path") from None
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise UnmaskError(f"cannot write {what} {path}: {e.strerror or e}; choose a writable path") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise UnmaskError(f"{what} {path} is being written by another unmask process; wait for it to "
+                                  "finish or choose another path") from None
+            raise UnmaskError(f"cannot lock {what} {path}: {e.strerror or e}; choose another path") from None
+        try:  # the previous holder may have removed the file between our open and flock: retry
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)  # while still holding it: a waiter re-checks the inode
+        os.close(fd)
+
+
+def check_output_file(path: str | os.PathLike, what: str = "output file", *, exists_ok: bool = True,
+                      probe: bool = False) -> Path:
     """Fail fast, before any work, when ``path`` cannot become a file: it is a directory, or a
-    parent is a file. Raises UnmaskError naming the path."""
+    parent is a file; with ``exists_ok`` False, when it exists (the CLI's outputs are replaced only
+    with ``--overwrite``); with ``probe``, when its folder does not accept a new file (a
+    temporary file is created and removed there). Raises UnmaskError naming the path."""
     path = Path(path)
     if path.is_dir():
         raise UnmaskError(f"{what} {path} is a directory; give a file path inside it")
@@ -42,7 +168,26 @@ def check_output_file(path: str | os.PathLike, what: str = "output file") -> Pat
     # /dev/null, a pipe or a symlink itself instead of writing through it.
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise UnmaskError(f"{what} {path} is not a regular file (a device, pipe or link); give a plain file path")
-    return check_parents(path, what)
+    if not exists_ok and path.exists():
+        raise UnmaskError(f"{what} {path} already exists; pass --overwrite to replace it or choose another path")
+    check_parents(path, what)
+    if probe:
+        probe_writable(path.parent, f"{what} {path}")
+    return path
+
+
+def probe_writable(folder: Path, what: str) -> None:
+    """Raise UnmaskError unless a file can be created in ``folder`` (its existing ancestor, when
+    it does not exist yet): create and remove a temporary file there."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".unmask-probe-", dir=folder)
+    except OSError as e:
+        raise UnmaskError(f"cannot write {what}: {e.strerror or e} in {folder}; choose a writable path") from None
+    os.close(fd)
+    os.unlink(tmp)
 
 
 def check_parents(path: str | os.PathLike, what: str = "output") -> Path:

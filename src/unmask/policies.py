@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unmask.errors import UnmaskError
+from unmask.sampling import TEMPERATURE_RANGE
 
 # SBD §5.4, Table 1: γ_low keeps accuracy, γ_high is faster. Both assume the entropy proxy at T = 0.
 GAMMA_PRESETS: dict[str, float] = {
@@ -86,14 +87,20 @@ class EntropyBound:
 
 @dataclass(frozen=True)
 class Threshold:
-    """Fast-dLLM threshold rule (diffusion.md §6): top-1 by κ always, plus every κ ≥ tau (inclusive)."""
+    """Fast-dLLM threshold rule (diffusion.md §6): top-1 by κ always, plus every κ ≥ tau (inclusive).
+
+    ``strict=True`` commits κ > tau instead: the SDAR / Diffulex M2T rule (multiblock.md §1.2, §3.3),
+    which the block-diffusion decoders use so that SingleBD equals the Block Buffer with one slot.
+    """
 
     tau: float = 0.9
+    strict: bool = False
 
     def __post_init__(self) -> None:
         _require(_is_number(self.tau) and 0 < self.tau <= 1,
                  f"tau must be in (0, 1] (got {self.tau!r}); use 1.0 to commit one token per step "
                  "unless the model is certain")
+        _require(isinstance(self.strict, bool), f"strict must be True or False (got {self.strict!r})")
 
     @property
     def name(self) -> str:
@@ -223,6 +230,10 @@ def _stats(log_q: Tensor) -> TokenStats:
 def _check_temperature(temperature: float) -> None:
     _require(_is_number(temperature) and 0 <= temperature < math.inf,
              f"temperature must be a finite number >= 0 (got {temperature!r}); use 0 for greedy decoding")
+    low, high = TEMPERATURE_RANGE
+    _require(temperature == 0 or low <= temperature <= high,
+             f"temperature {temperature!r} is outside [{low:g}, {high:g}], where logits / T overflow or vanish in "
+             "float32; use 0 for greedy decoding or a temperature in that range")
 
 
 def token_stats(logits: Tensor, *, temperature: float = 0.0) -> TokenStats:
@@ -259,6 +270,9 @@ def gumbel_argmax(logits: Tensor, temperature: float, generator: torch.Generator
         return logits.argmax(-1)
     z = logits.to(torch.float64)
     u = torch.rand(z.shape, generator=generator, dtype=torch.float64, device=z.device)  # (..., V)
+    # Keep u strictly inside (0, 1): at u = 1 the noise −log u is 0 and a −inf column (the mask
+    # token) scores 0 / 0 = nan, which argmax picks. Inside (0, 1) this is the reference bit for bit.
+    u = u.clamp(min=torch.finfo(torch.float64).tiny, max=math.nextafter(1.0, 0.0))
     return (z.exp() / (-torch.log(u)) ** temperature).argmax(-1)
 
 
@@ -273,8 +287,36 @@ def _filter(z: Tensor, top_k: int, top_p: float) -> Tensor:
         probs, order = F.softmax(z, dim=-1).sort(dim=-1, descending=True)  # (B, N, V) each
         # Drop a token when the mass strictly before it already reaches top_p; the top-1 always stays.
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p  # (B, N, V), in sorted order
+        drop_sorted[..., 0] = False  # a top_p below float32's range rounds to 0 and would drop every token
         removed = removed | torch.zeros_like(removed).scatter(-1, order, drop_sorted)
     return removed
+
+
+def _draw(logits: Tensor, log_q: Tensor, temperature: float, top_k: int, top_p: float, sampling: str,
+          generator: torch.Generator | None) -> Tensor:
+    """Sample (B, N) tokens at T > 0 from logits (B, N, V) after top-k / top-p filtering (diffusion.md §4)."""
+    B, N, V = logits.shape
+    removed = _filter(logits.float() / temperature, top_k, top_p)  # (B, N, V)
+    if sampling == "gumbel":
+        return gumbel_argmax(logits.masked_fill(removed, float("-inf")), temperature, generator)
+    probs = log_q.masked_fill(removed, float("-inf")).softmax(-1)  # (B, N, V)
+    flat = probs.reshape(B * N, V)  # (B*N, V): multinomial takes 2-D input
+    return torch.multinomial(flat, 1, generator=generator).reshape(B, N)  # (B, N)
+
+
+def _certainty(log_q: Tensor, tokens: Tensor) -> Tensor:
+    """−log(1 − q(token)): a ranking key increasing in q(token) that does not saturate.
+
+    log_q (B, N, V), tokens (B, N) -> (B, N) float32. At a small temperature q(top-1) rounds to
+    exactly 1.0 (even in float64) and every position would tie. Where 1 − q is small its float32
+    value is coarse, so 1 − q = Σ_{v ≠ token} q_v is taken from the other tokens' log-probabilities,
+    which stay exact; elsewhere the key is −log1p(−q) of q itself, so equal q still tie (ties go to
+    the lower position). +inf when no other token has mass.
+    """
+    q = log_q.gather(-1, tokens[..., None])[..., 0].exp()  # (B, N)
+    others = log_q.scatter(-1, tokens[..., None], float("-inf"))  # (B, N, V)
+    fine = -torch.logsumexp(others, dim=-1)  # (B, N)
+    return torch.where(q < 1 - 2 ** -10, -torch.log1p(-q), fine)
 
 
 def _rank(score: Tensor, masked: Tensor) -> Tensor:
@@ -305,7 +347,7 @@ def commit(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
     quota: Tensor | None = None,
     confidence: Literal["tempered", "untempered"] = "tempered",
     sampling: Literal["categorical", "gumbel"] = "categorical",
@@ -319,12 +361,15 @@ def commit(
         temperature: T ≥ 0. T = 0 takes the argmax; T > 0 samples from softmax(logits / T) after top-k
             then top-p filtering. Entropy, margin and the EB proxies always use the unfiltered q.
         sampling: how tokens are drawn at T > 0: "categorical" (Dream; ``torch.multinomial``) or "gumbel"
-            (LLaDA's float64 Gumbel-max, :func:`gumbel_argmax`). Randomness comes only from ``generator``.
+            (LLaDA's float64 Gumbel-max, :func:`gumbel_argmax`). Randomness comes only from ``generator``:
+            one generator, or B of them (row b drawn with generator b; rows without masks draw nothing).
         quota: (B,) long, TopK only: tokens to commit per row this step (LLaDA's schedule), overriding k;
             clamped to the row's masked count. A 0 entry commits nothing in that row.
         confidence: κ for Threshold, Factor and TopK is the probability of the chosen token under the
             tempered float32 q ("tempered", Dream) or under softmax(logits) in float64 ("untempered",
             LLaDA / Fast-dLLM, diffusion.md §3–4). ``Factor(compat=True)`` always uses "untempered".
+            Tempered κ (and the EB confidence proxy) is ranked by −log(1 − κ), computed from the other
+            tokens' log-probabilities, so the order survives any T > 0 where κ itself rounds to 1.0.
 
     Returns:
         (commit, tokens): commit (B, N) bool, True only at masked positions; tokens (B, N) long, the
@@ -353,19 +398,22 @@ def commit(
     # Candidate tokens (SBD §5.1 step 3).
     if temperature == 0:
         tokens = stats.top1
+    elif isinstance(generator, (list, tuple)):
+        # One generator per row; rows without masks draw nothing (a waiting row's stream is unchanged).
+        _require(len(generator) == B, f"generator must be one torch.Generator or {B} of them (got {len(generator)})")
+        tokens = stats.top1.clone()
+        for b in torch.nonzero(masked.any(dim=1)).flatten().tolist():
+            tokens[b] = _draw(logits[b: b + 1], log_q[b: b + 1], temperature, top_k, top_p, sampling, generator[b])[0]
     else:
-        removed = _filter(logits.float() / temperature, top_k, top_p)  # (B, N, V)
-        if sampling == "gumbel":
-            tokens = gumbel_argmax(logits.masked_fill(removed, float("-inf")), temperature, generator)
-        else:
-            probs = log_q.masked_fill(removed, float("-inf")).softmax(-1)  # (B, N, V)
-            flat = probs.reshape(B * N, V)  # (B*N, V): multinomial takes 2-D input
-            tokens = torch.multinomial(flat, 1, generator=generator).reshape(B, N)  # (B, N)
+        tokens = _draw(logits, log_q, temperature, top_k, top_p, sampling, generator)
 
     r = masked.sum(dim=1)  # (B,)
     if isinstance(policy, EntropyBound):
         # SBD §5.1 steps 4–5 / EB Fig. 4. Cumulative ops run over positions (dim 1), never the batch.
-        score = {"entropy": -stats.entropy, "confidence": stats.confidence, "margin": stats.margin}[policy.proxy]
+        if policy.proxy == "confidence":  # max q, ranked by a key that survives small T (diffusion.md §4)
+            score = _certainty(log_q, stats.top1)
+        else:
+            score = -stats.entropy if policy.proxy == "entropy" else stats.margin
         order = _rank(score, masked)
         cols = torch.arange(N, device=logits.device)  # (N,)
         h = stats.entropy.gather(1, order).double()  # (B, N), sorted; float64 so tiny H is not absorbed
@@ -378,14 +426,17 @@ def commit(
         count = _prefix_len(stats.entropy.gather(1, order) <= policy.eta)  # gather: (B, N), sorted
     else:
         if confidence == "untempered" or (isinstance(policy, Factor) and policy.compat):
-            # LLaDA / Fast-dLLM: p(chosen) from the float64 softmax of the raw logits.
+            # LLaDA / Fast-dLLM: p(chosen) from the float64 softmax of the raw logits, ranked as the reference.
             kappa = F.softmax(logits.to(torch.float64), dim=-1).gather(-1, tokens[..., None])[..., 0]  # (B, N)
+            order = _rank(kappa, masked)
         else:
+            # Dream: tempered p(chosen). At small T it rounds to 1.0 at many positions; rank by the
+            # equivalent non-saturating key, compare the probability itself with τ / the factor rule.
             kappa = log_q.gather(-1, tokens[..., None])[..., 0].exp()  # (B, N)
-        order = _rank(kappa, masked)
+            order = _rank(_certainty(log_q, tokens), masked)
         kappa_sorted = kappa.gather(1, order)  # (B, N)
         if isinstance(policy, Threshold):
-            count = _prefix_len(kappa_sorted >= policy.tau)
+            count = _prefix_len(kappa_sorted > policy.tau if policy.strict else kappa_sorted >= policy.tau)
         elif isinstance(policy, Factor):
             ranks = torch.arange(1, N + 1, device=logits.device, dtype=torch.float64)  # (N,), 1-based
             need = 1 - policy.f / (ranks + 1)  # same float64 arithmetic as the reference's Python floats

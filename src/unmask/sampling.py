@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import Counter
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from unmask.errors import UnmaskError
+
+
+# Non-zero temperatures whose logits / T stay finite and distinguishable in float32.
+TEMPERATURE_RANGE = (1e-6, 1e6)
 
 
 @dataclass(frozen=True)
@@ -15,7 +22,8 @@ class Sampling:
     """How committed tokens are drawn.
 
     temperature 0 is greedy (argmax). top_k 0 and top_p 1.0 disable those filters. ``seed``
-    seeds the torch.Generator a decode run creates, so runs are reproducible.
+    seeds the generators a decode run creates, so runs are reproducible; every decoder draws each
+    row from its own generator (:meth:`row_generators`).
     """
 
     temperature: float = 0.0
@@ -30,6 +38,10 @@ class Sampling:
         if not (number(self.temperature) and 0 <= self.temperature < math.inf):
             raise UnmaskError(f"temperature must be a finite number >= 0 (got {self.temperature!r}); "
                               "use 0 for greedy decoding")
+        if self.temperature != 0 and not TEMPERATURE_RANGE[0] <= self.temperature <= TEMPERATURE_RANGE[1]:
+            raise UnmaskError(f"temperature {self.temperature!r} is outside [{TEMPERATURE_RANGE[0]:g}, "
+                              f"{TEMPERATURE_RANGE[1]:g}], where logits / T overflow or vanish in float32; use 0 for "
+                              "greedy decoding or a temperature in that range")
         if not (number(self.top_p) and 0 < self.top_p <= 1):
             raise UnmaskError(f"top-p must be in (0, 1] (got {self.top_p!r}); use 1.0 to disable it")
         if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
@@ -48,6 +60,32 @@ class Sampling:
         g.manual_seed(0 if self.seed is None else int(self.seed))
         return g
 
+    def row_generators(self, prompts: Sequence[Sequence[int]], device) -> list[torch.Generator] | None:
+        """One generator per row, or None when greedy (diffusion.md §4: seeded per request, our choice).
+
+        Row r's seed mixes ``seed``, the row's prompt ids and how many earlier rows hold the same
+        prompt. So a run is reproducible, a row draws the same tokens whatever else is in the batch
+        (a batch equals single runs of its distinct prompts), and identical prompts in one batch are
+        independent samples rather than clones.
+        """
+        if self.greedy:
+            return None
+        seen: Counter = Counter()
+        gens = []
+        for p in prompts:
+            key = tuple(int(t) for t in p)
+            g = torch.Generator(device=device)
+            g.manual_seed(_row_seed(0 if self.seed is None else int(self.seed), key, seen[key]))
+            seen[key] += 1
+            gens.append(g)
+        return gens
+
+
+def _row_seed(seed: int, prompt: tuple[int, ...], copy: int) -> int:
+    """A 64-bit seed from (seed, prompt ids, copy index); stable across processes and platforms."""
+    text = f"{seed}|{copy}|{','.join(map(str, prompt))}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Mask logits outside the top-k / nucleus (top-p) set with -inf. logits (..., V)."""
@@ -65,10 +103,17 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
-def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row. logits (..., V) float -> (...) long."""
+def sample(logits: torch.Tensor, sampling: Sampling,
+           generator: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
+    """Draw one token per position. logits (R, ..., V) float -> (R, ...) long.
+
+    ``generator`` is one generator, or a sequence of R (:meth:`Sampling.row_generators`): then row r
+    is drawn with generator r only, so its draws do not depend on the other rows.
+    """
     if sampling.greedy:
         return logits.argmax(dim=-1)
+    if isinstance(generator, (list, tuple)):
+        return torch.stack([sample(logits[r], sampling, g) for r, g in enumerate(generator)])  # (R, ...)
     scaled = filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
     probs = torch.softmax(scaled, dim=-1)
     flat = probs.reshape(-1, probs.shape[-1])  # (rows, V)

@@ -88,6 +88,7 @@ class Trace:
         self.canvases: dict[int, list] = {}
         self.latest: dict[int, set[int]] = {}
         self._console, self._live, self._closed = console, None, False
+        self.final_texts: list[str] | None = None  # set by close(): the last frame shows the reported texts
 
     def __call__(self, event: dict) -> None:
         row = int(event["row"])
@@ -109,6 +110,10 @@ class Trace:
             line = Text()
             if self.prompts is not None and row < len(self.prompts):
                 line.append(self.prompts[row], style="bold")
+            if self.final_texts is not None and row < len(self.final_texts):
+                # The canvas runs past a stop token or string; the result is cut there.
+                lines.append(line.append(self.final_texts[row]))
+                continue
             fresh = self.latest.get(row, set())
             for i, token in enumerate(self.canvases[row]):
                 if token is None:
@@ -146,6 +151,9 @@ class Trace:
             return
         self._closed = True
         if self._live is not None:
+            if summary is not None and isinstance(summary.get("texts"), list):
+                self.final_texts = [str(t) for t in summary["texts"]]
+                self._live.update(self.render(), refresh=True)
             self._live.stop()
             if not self._live.console.is_terminal:  # rich leaves the last rendered line open there
                 self._live.console.line()

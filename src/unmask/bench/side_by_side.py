@@ -23,6 +23,9 @@ from typing import Any, Callable
 from unmask.errors import UnmaskError
 
 AR_REFERENCE = ("ar", "stories260K")
+# Decoders benchmarked in several modes: (row label, decoder options). SBD runs lossless
+# (spec/sbd_exact.md, output = AR) and lossy (the EB sampler) side by side.
+VARIANTS = {"sbd": (("sbd --verify", {"verify": True}), ("sbd --no-verify", {"verify": False}))}
 
 
 def pairs(*, include_all: bool = False, decoders: list[str] | None = None,
@@ -130,26 +133,28 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
         raise UnmaskError("no decoder has a shipped model of a kind it works on; check 'unmask models'")
     refs = References()
     rows = []
-    for i, (d, m, a) in enumerate(todo):
-        label = m if a is None else f"{m}+{a}"
+    todo = [(d, m, a, label, opts) for d, m, a in todo for label, opts in VARIANTS.get(d, ((d, {}),))]
+    for i, (d, m, a, label, opts) in enumerate(todo):
+        shown = m if a is None else f"{m}+{a}"
         stage = None
         if progress is not None:
-            stage = lambda done, total, s, i=i, d=d, m=label: progress(  # noqa: E731
+            stage = lambda done, total, s, i=i, d=label, m=shown: progress(  # noqa: E731
                 done, total, f"{d} on {m} ({i + 1}/{len(todo)}) {s}")
         try:
+            model = m
             if a is not None:
                 from unmask.models import load
 
                 model = load(m, device=device, dtype=dtype, adapter=a)
-            res = evaluate("stories", m if a is None else model, d, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                           judge=judge, device=device, dtype=dtype, references=refs, progress=stage)
+            res = evaluate("stories", model, d, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                           judge=judge, device=device, dtype=dtype, references=refs, progress=stage, **opts)
         except Exception as e:  # noqa: BLE001 - one broken pair must not hide the others
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            rows.append({"decoder": d, "model": label, "error": msg if isinstance(e, UnmaskError)
+            rows.append({"decoder": label, "model": shown, "error": msg if isinstance(e, UnmaskError)
                          else f"{type(e).__name__}: {msg}"})
             continue
         s = res.summary
-        rows.append({"decoder": d, "model": label, "kind": s["config"]["kind"], "n": s["n"],
+        rows.append({"decoder": label, "model": shown, "kind": s["config"]["kind"], "n": s["n"],
                      "generated": s["generated"], "nfe": s["nfe"], "tpf": s["tpf"], "tps": s["tps"],
                      "seconds": s["seconds"], "nll": s["nll"], "distinct_4": s["distinct_4"],
                      "agreement_positional": s["agreement_positional"],

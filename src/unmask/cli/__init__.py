@@ -6,6 +6,7 @@ Every user error ends in one line ``error: <problem>; <fix>`` on stderr and exit
 from __future__ import annotations
 
 import sys
+import warnings
 
 import typer
 
@@ -21,10 +22,27 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 convert_app = typer.Typer(no_args_is_help=True, help="Convert checkpoints into Hugging Face directories.")
 app.add_typer(convert_app, name="convert")
 
+
+@app.callback()
+def _root(threads: str = typer.Option("auto", "--threads", envvar="UNMASK_THREADS", metavar="N|auto",
+                                      help="CPU threads for torch; auto: 1 for models below 100M parameters "
+                                           "(faster on small models and shared machines), torch's default above")):
+    from unmask.threads import set_threads
+
+    set_threads(threads)
+    warnings.showwarning = _warning_line
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings print as one line, ``warning: <message>``, not Python's two-line source echo."""
+    text = " ".join(str(message).split())
+    print(f"warning: {text}", file=sys.stderr if file is None else file)
+
 # Subcommand modules register themselves on `app` when imported.
 from unmask.cli import generate as _generate  # noqa: E402,F401
 from unmask.cli import evaluate as _evaluate  # noqa: E402,F401
 from unmask.cli import models as _models  # noqa: E402,F401
+from unmask.cli import serve as _serve  # noqa: E402,F401
 from unmask.cli import train as _train  # noqa: E402,F401
 
 
@@ -33,10 +51,26 @@ def _fail(message: str) -> None:
     raise SystemExit(2)
 
 
+def interrupted() -> None:
+    """Ctrl-C: one line, exit status 130 (128 + SIGINT), as a shell pipeline expects."""
+    print("interrupted", file=sys.stderr)
+    raise SystemExit(130)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
+    """Console-script entry point (see also :mod:`unmask.entry`, which guards the imports too)."""
     try:
-        app(args=argv, prog_name="unmask", standalone_mode=False)
+        _run(argv)
+    finally:
+        if "unmask.dist" in sys.modules:  # under torchrun: leave the process group cleanly
+            sys.modules["unmask.dist"].teardown()
+
+
+def _run(argv: list[str] | None) -> None:
+    try:
+        # standalone_mode=False: typer *returns* an exit code instead of exiting, 130 for a
+        # KeyboardInterrupt it caught, so it must be turned into the process's exit status here.
+        rc = app(args=argv, prog_name="unmask", standalone_mode=False)
     except UnmaskError as e:
         _fail(str(e).splitlines()[0])
     except typer.Abort:
@@ -50,10 +84,13 @@ def main(argv: list[str] | None = None) -> None:
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
         _fail(f"{msg}{hint}")
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+        interrupted()
     except UnicodeDecodeError as e:
         _fail(f"input is not valid UTF-8 ({e.reason} at byte {e.start}); convert the file to UTF-8")
     except OSError as e:  # last resort for a file system error no command anticipated
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         _fail(f"{e.strerror or e}{where}; check the path, its permissions and the free disk space")
+    if rc == 130:
+        interrupted()
+    if isinstance(rc, int) and not isinstance(rc, bool) and rc != 0:
+        raise SystemExit(rc)

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import typer
 
 from unmask.cli import app
+from unmask.dist import env_rank
 from unmask.errors import UnmaskError
 from unmask.fileio import check_output_file
 
@@ -38,6 +39,9 @@ BLOCK = typer.Option(None, "--block-size", "-k", help="block size")
 ADAPTER = typer.Option(None, "--adapter", help="gated SBD adapter: a name the model ships (e.g. sbd) or a directory")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda")
 DTYPE = typer.Option("float32", "--dtype", help="float32 or bfloat16")
+OVERWRITE = typer.Option(False, "--overwrite", help="replace existing output files")
+TP = typer.Option(None, "--tp", help="under torchrun: load the model tensor-parallel over N processes "
+                                     "(default: data parallel, prompts split over the processes)")
 
 
 def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
@@ -160,13 +164,18 @@ def _print_summary(summary: dict[str, Any]) -> None:
         console.print(f"[yellow]note: {note}[/yellow]")
 
 
-def _with_adapter(model: str | None, adapter: str | None, device: str, dtype: str):
-    """``model`` as given, or a bundle with the gated SBD ``adapter`` loaded on it."""
-    if adapter is None:
+def _eval_model(model: str | None, adapter: str | None, tp: int | None, device: str, dtype: str):
+    """The model argument of eval/sweep: the name itself, or a bundle when the gated SBD
+    ``adapter`` is loaded on it or ``--tp`` loads it tensor-parallel (see
+    :mod:`unmask.models.tensor_parallel`)."""
+    if adapter is None and (tp is None or tp == 1):
         return model
+    from unmask import dist
     from unmask.models import load
 
-    return load(model, device=device, dtype=dtype, adapter=adapter)
+    if dist.launched():
+        device = str(dist.setup(device))
+    return load(model, device=device, dtype=dtype, tp=tp, adapter=adapter)
 
 
 @app.command("eval")
@@ -183,21 +192,26 @@ def eval_cmd(
     block_size: int = BLOCK, option: list[str] = OPTION, adapter: str = ADAPTER,
     out: Path = typer.Option(None, "--out", "-o", help="write every item row and the summary as JSON lines to FILE"),
     workers: int = typer.Option(2, "--workers", help="code tasks: programs run in parallel in the sandbox"),
-    device: str = DEVICE, dtype: str = DTYPE,
+    device: str = DEVICE, dtype: str = DTYPE, tp: int = TP,
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
+    overwrite: bool = OVERWRITE,
 ) -> None:
     """Evaluate a decoder on a task: quality plus NFE / TPF / TPS per item and overall."""
     from unmask.eval.runner import evaluate
 
     opts = _options(option, policy=policy, gamma=gamma, preset=preset, tau=tau, factor=factor,
                     tokens_per_step=tokens_per_step, block_size=block_size)
+    if workers < 1:
+        raise UnmaskError(f"--workers must be >= 1, got {workers}; pass e.g. --workers 2")
     if out is not None:
-        check_output_file(out, "--out")
-    model = _with_adapter(model, adapter, device, dtype)
-    with _progress(not no_progress) as progress:
+        check_output_file(out, "--out", exists_ok=overwrite, probe=True)
+    model = _eval_model(model, adapter, tp, device, dtype)
+    with _progress(not no_progress and env_rank() == 0) as progress:
         result = evaluate(task, model, decoder, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
                           shots=shots, data_dir=data_dir, judge=judge, temperature=temperature, seed=seed,
                           device=device, dtype=dtype, workers=workers, progress=progress, **opts)
+    if env_rank() != 0:  # under torchrun every rank holds the gathered result; rank 0 reports it
+        return
     if out is not None:
         result.write(out)
     _print_summary(result.summary)
@@ -219,8 +233,9 @@ def sweep_cmd(
     y_max: float = typer.Option(None, "--y-max", help="AUP's best accuracy over all methods (default: this sweep's best)"),
     out_png: Path = typer.Option(None, "--out-png", help="write the Pareto plot (quality vs TPF and vs TPS) to FILE"),
     out: Path = typer.Option(None, "--out", "-o", help="write the points and AUP as JSON to FILE"),
-    device: str = DEVICE, dtype: str = DTYPE,
+    device: str = DEVICE, dtype: str = DTYPE, tp: int = TP,
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
+    overwrite: bool = OVERWRITE,
 ) -> None:
     """Evaluate once per value of a policy parameter; print the table, the AUP and a Pareto plot."""
     from rich.table import Table
@@ -228,15 +243,18 @@ def sweep_cmd(
     from unmask.eval.sweep import _num, sweep
 
     opts = _options(option, policy=policy, block_size=block_size)
-    for path, flag in ((out, "--out"), (out_png, "--out-png")):
+    png = out_png if out_png is None or out_png.suffix else out_png.with_suffix(".png")  # what savefig writes
+    for path, flag in ((out, "--out"), (png, "--out-png")):
         if path is not None:
-            check_output_file(path, flag)
-    model = _with_adapter(model, adapter, device, dtype)
-    with _progress(not no_progress) as progress:
+            check_output_file(path, flag, exists_ok=overwrite, probe=True)
+    model = _eval_model(model, adapter, tp, device, dtype)
+    with _progress(not no_progress and env_rank() == 0) as progress:
         res = sweep(task, model, decoder, param=param, values=values, metric=metric, y_max=y_max,
                     limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens, shots=shots,
                     data_dir=data_dir, judge=judge, temperature=temperature, seed=seed, device=device,
                     dtype=dtype, progress=progress, **opts)
+    if env_rank() != 0:  # under torchrun rank 0 reports the gathered points
+        return
     console = _console()
     first = res.results[0].summary
     t = Table(title=f"sweep {param} · {task} · {first['model']} · {first['decoder']}")
@@ -248,6 +266,9 @@ def sweep_cmd(
     console.print(t)
     if res.aup_score is not None:
         console.print(f"AUP {_num(res.aup_score)} (points (TPF, {res.metric}), y_max {_num(res.y_max)}, d3LLM variant)")
+        if res.aup_dropped:
+            shown = ", ".join(f"({_num(r)}, {_num(y)})" for r, y in res.aup_dropped)
+            console.print(f"AUP left out {len(res.aup_dropped)} point(s) more than 5 below the first: {shown}")
     else:
         console.print(f"AUP n/a: {res.aup_error}")
     if out_png is not None:
@@ -352,6 +373,7 @@ def roofline_cmd(
     nfe_speedup: str = typer.Option(None, "--nfe-speedup", help="also print the wall-clock speed-up table (Table 4) at these NFE speed-ups, e.g. 2,4,8"),
     as_json: bool = typer.Option(False, "--json", help="print the tables as JSON"),
     png: Path = typer.Option(None, "--png", help="plot the slowdown table to FILE (and the speed-up table to FILE-speedup.png)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace existing --png files"),
 ) -> None:
     """Roofline cost of k-token forwards (SBD §4): Table 3 slowdown and Table 4 wall-clock speed-up."""
     from unmask.bench.roofline import TABLE4_NFE, Precision, slowdown_table, speedup_table
@@ -382,7 +404,8 @@ def roofline_cmd(
     if png is not None:
         paths = [png, png.with_name(f"{png.stem}-speedup{png.suffix or '.png'}")]
         for path in paths[:len(tables)]:
-            check_output_file(path, "--png")
+            check_output_file(path if path.suffix else path.with_suffix(".png"), "--png", exists_ok=overwrite,
+                              probe=True)
         for path, t in zip(paths, tables):
             written = t.plot(str(path))
             if not as_json:

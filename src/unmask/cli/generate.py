@@ -9,6 +9,7 @@ import typer
 
 from unmask.cli import app
 from unmask.errors import UnmaskError
+from unmask.fileio import check_output_file
 
 
 def read_prompts(prompts: list[str], prompts_file: Path | None) -> list[str]:
@@ -56,12 +57,21 @@ def generate_cmd(
     preset: str = typer.Option(None, "--preset", help="γ preset: reasoning-low, reasoning-high, chat-low, chat-high"),
     tau: float = typer.Option(None, "--tau", help="confidence threshold τ in (0, 1] (threshold policy)"),
     factor: float = typer.Option(None, "--factor", help="Fast-dLLM factor f (factor policy)"),
+    factor_compat: bool = typer.Option(None, "--factor-compat", help="diffusion: Fast-dLLM's factor rule bit for bit "
+                                       "(float64 untempered κ, and its last-rank quirk; spec diffusion.md §6)"),
     tokens_per_step: int = typer.Option(None, "--tokens-per-step", help="tokens committed per step (top-k policy)"),
     eta: float = typer.Option(None, "--eta", help="diffusion: entropy bound η in nats (entropy-threshold policy)"),
-    block_size: int = typer.Option(None, "--block-size", "-k", help="block size"),
+    block_size: int = typer.Option(None, "--block-size", "-k", help="block size (sbd --verify: the draft size K)"),
+    verify: bool = typer.Option(None, "--verify/--no-verify",
+                                help="sbd: lossless SBD, the NTP mode verifies the block-mode draft (output = ar); "
+                                     "default from the model"),
+    draft: str = typer.Option(None, "--draft", help="sbd --verify: draft layout, quadratic (default) or linear"),
     gen_length: int = typer.Option(None, "--gen-length", help="diffusion: fixed generation length (canvas size)"),
-    steps: int = typer.Option(None, "--steps", help="diffusion: total denoising steps (top-k policy, LLaDA)"),
+    steps: int = typer.Option(None, "--steps", help="diffusion: total denoising steps (top-k policy, LLaDA; --schedule dream); block: steps per block"),
     cache: str = typer.Option(None, "--cache", help="diffusion: none, prefix or dual (approximate caches)"),
+    schedule: str = typer.Option(None, "--schedule", help="a published reference decoding: dream (diffusion: Dream's "
+                                 "diffusion_generate), llada2 or sdar (block: their generate loops)"),
+    alg: str = typer.Option(None, "--alg", help="--schedule dream: origin, maskgit_plus, topk_margin or entropy"),
     slots: int = typer.Option(None, "--slots", help="multiblock: Block Buffer slots N_buf"),
     tau_add: float = typer.Option(None, "--tau-add", help="multiblock: fill ratio that activates the next block"),
     tau_semi: float = typer.Option(None, "--tau-semi", help="multiblock: fill ratio of the preceding block that allows a forced commit"),
@@ -71,20 +81,40 @@ def generate_cmd(
     show: bool = typer.Option(False, "--show", help="render the decoding trajectory live in the terminal"),
     trace: Path = typer.Option(None, "--trace", help="write the per-step commit trace as JSON to FILE"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object per prompt per line"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --trace file"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
+    tp: int = typer.Option(None, "--tp", help="under torchrun: load the model tensor-parallel over N processes"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no loading / generating spinner on stderr "
+                                     "(it shows only on a terminal)"),
 ) -> None:
-    """Generate continuations and print text plus NFE / TPF / TPS."""
-    from unmask.api import generate
+    """Generate continuations and print text plus NFE / TPF / TPS.
+
+    Under torchrun the prompts are split over the processes (data parallel) and printed by rank
+    0 in their original order; with ``--tp N`` every process decodes every prompt on its shard
+    of the weights (docs/scaling.md)."""
+    from unmask import dist
+    from unmask.api import generate_sharded
+    from unmask.cli.progress import status
     from unmask.models import load
 
     texts = read_prompts(prompts or [], prompts_file)
     options = {"policy": policy, "gamma": gamma, "preset": preset, "tau": tau, "factor": factor,
+               "factor_compat": factor_compat,
                "tokens_per_step": tokens_per_step, "eta": eta, "block_size": block_size, "gen_length": gen_length,
                "steps": steps, "cache": cache, "slots": slots, "tau_add": tau_add, "tau_semi": tau_semi,
-               "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps}
+               "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps, "verify": verify, "draft": draft,
+               "schedule": schedule, "alg": alg}
     options = {k: v for k, v in options.items() if v is not None}
-    bundle = load(model, kind=kind, device=device, dtype=dtype, adapter=adapter)
+    if trace is not None:  # before loading anything
+        check_output_file(trace.expanduser(), "--trace", exists_ok=overwrite, probe=True)
+    if dist.launched():
+        if show or trace is not None:
+            raise UnmaskError("--show/--trace follow one process; run them without torchrun")
+        device = str(dist.setup(device))
+        no_progress = no_progress or dist.env_rank() != 0
+    with status(f"loading {model or 'the default model'}", enabled=not no_progress):
+        bundle = load(model, kind=kind, device=device, dtype=dtype, tp=tp, adapter=adapter)
     tracer = None
     if show or trace is not None:
         import inspect
@@ -102,9 +132,12 @@ def generate_cmd(
                              console=Console(stderr=True) if as_json else None)
         tracer = extra["on_step"]
         options.update(extra)
+    spinner = status(f"generating {len(texts)} prompt{'s' if len(texts) > 1 else ''} with {bundle.name}",
+                     enabled=not no_progress and not show)
     try:
-        result = generate(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, **options)
+        with spinner:
+            result = generate_sharded(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, **options)
     except BaseException:
         if tracer is not None:
             tracer.close(write=False)
@@ -113,6 +146,8 @@ def generate_cmd(
         s = result.stats
         tracer.close({"decoder": result.decoder, "model": result.model, "texts": result.texts, "nfe": s.nfe,
                       "nfe_per_row": s.nfe_per_row, "tokens_per_row": s.tokens_per_row, "tpf": s.tpf})
+    if not dist.is_main():  # under torchrun rank 0 prints the gathered result
+        return
     if as_json:
         for row in result.rows():
             typer.echo(json.dumps(row, ensure_ascii=False))

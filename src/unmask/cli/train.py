@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -24,10 +25,10 @@ Data = Annotated[list[Path], typer.Option("--data", help="training data, .txt or
 Out = Annotated[Path, typer.Option("--out", help="output model directory (checkpoints go to OUT.run/)")]
 RunDir = Annotated[Path, typer.Option("--run-dir", help="checkpoint/log directory (default OUT.run)")]
 Steps = Annotated[int, typer.Option("--steps", help="optimizer steps")]
-BatchSize = Annotated[int, typer.Option("--batch-size", help="sequences per micro-batch")]
+BatchSize = Annotated[int, typer.Option("--batch-size", help="sequences per micro-batch (per process under torchrun)")]
 Lr = Annotated[float, typer.Option("--lr", help="peak learning rate")]
 Warmup = Annotated[int, typer.Option("--warmup", help="linear warm-up steps")]
-GradAccum = Annotated[int, typer.Option("--grad-accum", help="micro-batches per optimizer step")]
+GradAccum = Annotated[int, typer.Option("--grad-accum", help="micro-batches per optimizer step (per process)")]
 WeightDecay = Annotated[float, typer.Option("--weight-decay", help="AdamW weight decay (matrices only)")]
 Clip = Annotated[float, typer.Option("--clip", help="gradient-norm clip (0 = off)")]
 CkptEvery = Annotated[int, typer.Option("--ckpt-every", help="checkpoint every N steps (0 = only at the end)")]
@@ -37,9 +38,25 @@ Seed = Annotated[int, typer.Option("--seed", help="seed of data order, noise and
 Resume = Annotated[bool, typer.Option("--resume", help="continue from the newest checkpoint in the run directory")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace OUT and discard its run directory")]
 Device = Annotated[str, typer.Option("--device", help="cpu or cuda")]
+Fsdp = Annotated[bool, typer.Option("--fsdp", help="under torchrun: shard with FSDP2 instead of DDP (docs/scaling.md)")]
 DlmModel = Annotated[str, typer.Option("--model", help="masked-diffusion model (shipped name or directory)")]
 PromptData = Annotated[list[Path], typer.Option(
     "--data", help="corpus (.txt or .jsonl) whose document openings become prompts (repeatable)")]
+NoProgress = Annotated[bool, typer.Option("--no-progress", help="no progress display (it shows only on a terminal)")]
+
+
+@contextmanager
+def _messages(enabled: bool):
+    """The routers' progress messages as one updating line on a terminal; nothing when stderr is
+    piped or with --no-progress (their per-epoch lines used to fill the log)."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not enabled or not console.is_terminal:
+        yield lambda message: None
+        return
+    with console.status("starting") as line:
+        yield lambda message: line.update(str(message))
 
 
 def _start(data, out) -> None:
@@ -54,6 +71,12 @@ def _start(data, out) -> None:
 
 
 def _finish(result, terms=("loss", "mat", "acc")) -> None:
+    from unmask import dist
+
+    if not dist.is_main():  # under torchrun rank 0 reports; the others end quietly
+        if result.stopped == "interrupted":
+            raise SystemExit(130)
+        return
     if result.stopped == "interrupted":
         typer.echo(f"interrupted at step {result.step}; checkpoint {result.checkpoint}; rerun with --resume", err=True)
         raise SystemExit(130)
@@ -63,10 +86,10 @@ def _finish(result, terms=("loss", "mat", "acc")) -> None:
 
 
 def _loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every, max_minutes,
-                  seed) -> dict:
+                  seed, fsdp: bool = False) -> dict:
     return dict(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, grad_accum=grad_accum,
                 weight_decay=weight_decay, clip=clip, ckpt_every=ckpt_every, eval_every=eval_every,
-                max_minutes=max_minutes, seed=seed)
+                max_minutes=max_minutes, seed=seed, fsdp=fsdp)
 
 
 @train_app.command("sbd")
@@ -76,7 +99,8 @@ def train_sbd_cmd(
     seq_len: int = typer.Option(256, "--seq-len", help="tokens per sequence L (a forward sees 2L)"),
     lr: Lr = 3e-4, warmup: Warmup = 100, grad_accum: GradAccum = 1, weight_decay: WeightDecay = 0.0, clip: Clip = 1.0,
     ckpt_every: CkptEvery = 500, eval_every: EvalEvery = 500, max_minutes: MaxMinutes = None, seed: Seed = 0,
-    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", fsdp: Fsdp = False,
+    no_progress: NoProgress = False,
 ) -> None:
     """Fine-tune a causal LM for Set Block Decoding (joint NTP + masked loss, SBD Eq. 14)."""
     from unmask.train.sbd import train_sbd
@@ -84,8 +108,9 @@ def train_sbd_cmd(
     _start(data, out)
     _finish(train_sbd(
         base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, resume=resume, overwrite=overwrite,
-        device=device, **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every,
-                                       eval_every, max_minutes, seed)), terms=("loss", "ntp", "mat"))
+        device=device, progress=not no_progress,
+        **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every,
+                        eval_every, max_minutes, seed, fsdp)), terms=("loss", "ntp", "mat"))
 
 
 @train_app.command("sbd-adapter")
@@ -105,27 +130,22 @@ def train_sbd_adapter_cmd(
     draft_fraction: float = typer.Option(0.5, "--draft-fraction", help="share of rows with all-mask blocks (η = 1)"),
     lr: Lr = 1e-3, warmup: Warmup = 100, grad_accum: GradAccum = 1, weight_decay: WeightDecay = 0.0, clip: Clip = 1.0,
     ckpt_every: CkptEvery = 500, eval_every: EvalEvery = 500,
-    max_minutes: float = typer.Option(None, "--max-minutes", "--minutes", help="wall-clock budget; stops cleanly and saves"),
-    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0 = torch's default)"),
-    seed: Seed = 0, resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+    max_minutes: MaxMinutes = None,
+    seed: Seed = 0, resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", fsdp: Fsdp = False,
+    no_progress: NoProgress = False,
 ) -> None:
-    """Train a gated SBD adapter on a frozen causal LM (masked term of Eq. 14; spec sbd_exact.md §3)."""
-    import torch
-
+    """Train a gated SBD adapter on a frozen causal LM (masked term of Eq. 14; spec sbd_exact.md §3).
+    CPU threads: the global ``unmask --threads N``."""
     from unmask.train.sbd_adapter import train_sbd_adapter
 
     _start(data, out)
-    if threads < 0:
-        raise UnmaskError(f"--threads must be >= 0, got {threads}; pass 1 or more, or 0 for torch's default")
-    if threads:
-        torch.set_num_threads(threads)
     names = [t.strip() for t in targets.split(",") if t.strip()] if targets is not None else None
     _finish(train_sbd_adapter(
         base=base, data=data, out=out, run_dir=run_dir, rank=rank, full_rank=full_rank, targets=names,
         seq_len=seq_len, block_range=(min_block, max_block), draft_fraction=draft_fraction, block_size=block_size,
-        resume=resume, overwrite=overwrite, device=device,
+        resume=resume, overwrite=overwrite, device=device, progress=not no_progress,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
-                        max_minutes, seed)), terms=("loss", "draft", "ntp", "d0", "d1", "d7"))
+                        max_minutes, seed, fsdp)), terms=("loss", "draft", "ntp", "d0", "d1", "d7"))
 
 
 @data_app.command("stories")
@@ -139,19 +159,18 @@ def data_stories_cmd(
     batch_size: int = typer.Option(128, "--batch-size", help="rows per batched decode"),
     val_fraction: float = typer.Option(0.05, "--val-fraction", help="share of documents held out for validation"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT if it exists"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar (it shows only on a terminal)"),
 ) -> None:
     """Generate a self-sampled story corpus (sampled stories + greedy continuations) as JSONL."""
+    from unmask.cli.progress import bar
     from unmask.compat import quiet_transformers
     from unmask.train.data import make_story_corpus
 
     quiet_transformers()
-
-    def progress(done: int, total: int) -> None:
-        typer.echo(f"{done}/{total} documents", err=True)
-
-    summary = make_story_corpus(out, model=model, n_sampled=sampled, n_greedy=greedy, seed=seed, overwrite=overwrite,
-                                progress=progress, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                val_fraction=val_fraction)
+    with bar("documents", enabled=not no_progress) as progress:
+        summary = make_story_corpus(out, model=model, n_sampled=sampled, n_greedy=greedy, seed=seed,
+                                    overwrite=overwrite, progress=progress, max_new_tokens=max_new_tokens,
+                                    batch_size=batch_size, val_fraction=val_fraction)
     typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
 
 
@@ -164,7 +183,8 @@ def train_diffusion_cmd(
     norm: str = typer.Option("token", "--norm", help="loss normalisation: token, sequence or batch"),
     lr: Lr = 3e-4, warmup: Warmup = 100, grad_accum: GradAccum = 1, weight_decay: WeightDecay = 0.0, clip: Clip = 1.0,
     ckpt_every: CkptEvery = 500, eval_every: EvalEvery = 500, max_minutes: MaxMinutes = None, seed: Seed = 0,
-    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", fsdp: Fsdp = False,
+    no_progress: NoProgress = False,
 ) -> None:
     """Adapt a causal LM into a masked-diffusion LM (bidirectional, logit shift 1; diffusion.md §1-2)."""
     from unmask.train.diffusion import train_diffusion
@@ -172,9 +192,9 @@ def train_diffusion_cmd(
     _start(data, out)
     _finish(train_diffusion(
         base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, prefix_prob=prefix_prob, norm=norm,
-        resume=resume, overwrite=overwrite, device=device,
+        resume=resume, overwrite=overwrite, device=device, progress=not no_progress,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
-                        max_minutes, seed)), terms=("loss", "nll"))
+                        max_minutes, seed, fsdp)), terms=("loss", "nll"))
 
 
 @train_app.command("block-diffusion")
@@ -191,7 +211,8 @@ def train_block_diffusion_cmd(
     steps: int = 1000, batch_size: int = 8, lr: float = 1e-3, warmup: int = 100, grad_accum: int = 1,
     weight_decay: float = 0.0, clip: Clip = 1.0, ckpt_every: int = 500, eval_every: int = 500,
     max_minutes: MaxMinutes = None, seed: int = 0,
-    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", fsdp: Fsdp = False,
+    no_progress: NoProgress = False,
 ) -> None:
     """Teacher-forcing training of a block-diffusion LM (dual-stream masked CE, multiblock.md §1.3)."""
     from unmask.train.block_diffusion import train_block_diffusion
@@ -200,8 +221,9 @@ def train_block_diffusion_cmd(
     _finish(train_block_diffusion(
         base=base, data=data, out=out, block_size=block_size, run_dir=run_dir, seq_len=seq_len, t_low=t_low,
         t_high=t_high, noise=noise, rounding=rounding, resume=resume, overwrite=overwrite, device=device,
+        progress=not no_progress,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
-                        max_minutes, seed)))
+                        max_minutes, seed, fsdp)))
 
 
 @train_app.command("multitf")
@@ -219,7 +241,8 @@ def train_multitf_cmd(
     steps: int = 500, batch_size: int = typer.Option(2, "--batch-size", help="clean rows per micro-batch"),
     lr: float = 3e-4, warmup: int = 15, grad_accum: int = 1, weight_decay: float = 0.1, clip: Clip = 1.0,
     ckpt_every: int = 200, eval_every: int = 200, max_minutes: MaxMinutes = None, seed: int = 0,
-    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu",
+    resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", fsdp: Fsdp = False,
+    no_progress: NoProgress = False,
 ) -> None:
     """MultiTF post-training of a block-diffusion LM (group layouts, chain-uniform noise, multiblock.md §4)."""
     from unmask.train.multitf import train_multitf
@@ -228,9 +251,9 @@ def train_multitf_cmd(
     _finish(train_multitf(
         base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, g_max=g_max, n_rand=n_rand, t_low=t_low,
         t_high=t_high, rho=rho, rounding=rounding, layouts_per_row=layouts_per_row, resume=resume,
-        overwrite=overwrite, device=device,
+        overwrite=overwrite, device=device, progress=not no_progress,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
-                        max_minutes, seed)))
+                        max_minutes, seed, fsdp)))
 
 
 @train_app.command("lbs")
@@ -251,7 +274,7 @@ def train_lbs_cmd(
     max_minutes: float = typer.Option(None, "--max-minutes", help="budget of the training loop"),
     seed: int = typer.Option(0, "--seed"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing LBS router at the output"),
-    device: Device = "cpu",
+    device: Device = "cpu", no_progress: NoProgress = False,
 ) -> None:
     """Train the Early-Bird LBS router of a masked-diffusion model (early_bird.md §3, Alg. 3)."""
     from unmask.compat import quiet_transformers
@@ -260,13 +283,15 @@ def train_lbs_cmd(
     if not data:
         raise UnmaskError("no prompt corpus; pass --data FILE (.jsonl or .txt), e.g. the story corpus")
     quiet_transformers()
-    summary = run_lbs(model=model, data=data, out=out, n_prompts=prompts, gen_length=gen_length, block_size=block_size,
-                      response_policy=responses, response_cache=response_cache, gen_batch=gen_batch,
-                      train=LBSTrainConfig(block=block_size, epochs=epochs, batch_size=batch_size, lr=lr,
-                                           weight_decay=weight_decay, seed=seed, max_minutes=max_minutes),
-                      router={"d": d, "layers": layers, "ffn": ffn}, overwrite=overwrite, device=device,
-                      progress=lambda m: typer.echo(m, err=True))
-    typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
+    with _messages(not no_progress) as note:
+        summary = run_lbs(model=model, data=data, out=out, n_prompts=prompts, gen_length=gen_length, block_size=block_size,
+                          response_policy=responses, response_cache=response_cache, gen_batch=gen_batch,
+                          train=LBSTrainConfig(block=block_size, epochs=epochs, batch_size=batch_size, lr=lr,
+                                               weight_decay=weight_decay, seed=seed, max_minutes=max_minutes),
+                          router={"d": d, "layers": layers, "ffn": ffn}, overwrite=overwrite, device=device,
+                          progress=note)
+    if summary:  # under torchrun only rank 0 trains and reports
+        typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
 
 
 @train_app.command("lps")
@@ -289,7 +314,7 @@ def train_lps_cmd(
     max_minutes: float = typer.Option(None, "--max-minutes", help="budget of the training loop"),
     seed: int = typer.Option(0, "--seed", help="seed of the prompt choice (the split seed is 42)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing LPS router at the output"),
-    device: Device = "cpu",
+    device: Device = "cpu", no_progress: NoProgress = False,
 ) -> None:
     """Collect traces with the LBS router and train the Early-Bird LPS router (early_bird.md §4, Alg. 4)."""
     from unmask.compat import quiet_transformers
@@ -298,11 +323,13 @@ def train_lps_cmd(
     if not data and (traces_file is None or not traces_file.is_file()):
         raise UnmaskError("no prompt corpus; pass --data FILE (.jsonl or .txt) or an existing --traces-file")
     quiet_transformers()
-    summary = run_lps(model=model, data=data or [], routers=routers, out=out, n_prompts=prompts, block_size=block_size,
-                      tau=tau, l_min=l_min, g_max=g_max, pos_mode=pos_mode, replay=replay, gen_batch=gen_batch,
-                      traces_file=traces_file,
-                      train=LPSTrainConfig(max_epochs=max_epochs, patience=patience, batch_size=batch_size, lr=lr,
-                                           fpr_budget=fpr, max_minutes=max_minutes),
-                      router={"d": d, "layers": layers, "ffn": ffn}, seed=seed, overwrite=overwrite, device=device,
-                      progress=lambda m: typer.echo(m, err=True))
-    typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
+    with _messages(not no_progress) as note:
+        summary = run_lps(model=model, data=data or [], routers=routers, out=out, n_prompts=prompts, block_size=block_size,
+                          tau=tau, l_min=l_min, g_max=g_max, pos_mode=pos_mode, replay=replay, gen_batch=gen_batch,
+                          traces_file=traces_file,
+                          train=LPSTrainConfig(max_epochs=max_epochs, patience=patience, batch_size=batch_size, lr=lr,
+                                               fpr_budget=fpr, max_minutes=max_minutes),
+                          router={"d": d, "layers": layers, "ffn": ffn}, seed=seed, overwrite=overwrite, device=device,
+                          progress=note)
+    if summary:  # under torchrun only rank 0 trains and reports
+        typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))

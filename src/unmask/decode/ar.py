@@ -35,7 +35,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     key_valid = torch.cat([valid, valid.new_ones(B, N)], dim=1)  # (B, P+N)
     mask = None if bool(valid.all()) else attention_mask(model, key_valid[:, None, None, :])  # (B, 1, 1, P+N)
     cache = new_cache(model)
-    gen = sampling.generator(device)
+    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
     suppress = list(bundle.suppress_ids)
     stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     # Bookkeeping of finished rows is plain Python and happens only on the steps where rows end;
@@ -51,7 +51,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     for step in range(N):
         if suppress:
             logits[:, suppress] = float("-inf")
-        tok = sample(logits, sampling, gen)  # (b,)
+        tok = sample(logits, sampling, gens and [gens[r] for r in running])  # (b,)
         buf[:, step] = tok
         if stop.numel() or stop_strings:
             is_stop = torch.isin(tok, stop)  # (b,)

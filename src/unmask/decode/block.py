@@ -32,14 +32,56 @@ import torch
 
 from unmask.compat import attention_mask, crop, forward, new_cache
 from unmask.decode.batching import left_pad
-from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, block_causal_mask, with_key_padding
 from unmask.policies import Policy, Threshold, commit, make_policy
-from unmask.sampling import Sampling
+from unmask.sampling import Sampling, filter_logits
 
 DEFAULT_TAU = 0.95  # τ_M2T of every SingleBD row of multiblock.md Table 4 (LLaDA2-Mini, SDAR)
 STORES = ("separate", "fused")
+# Published reference decodings (``schedule=``): the quota-threshold rule with steps = block size and
+# this τ. "llada2": LLaDA2.0's ``generate`` (block 32, steps 32, threshold 0.95; models.md §2.6);
+# "sdar": SDAR's ``block_diffusion_generate`` with ``low_confidence_dynamic`` (threshold 0.85, §2.5).
+SCHEDULES = {"llada2": 0.95, "sdar": 0.85}
+
+
+def block_quota(block_size: int, steps: int, s: int) -> int:
+    """Tokens to commit at denoising step s of a block (LLaDA2 ``_get_num_transfer_tokens``): the
+    block size spread over ``steps``, the first ``block_size % steps`` steps taking one more."""
+    base, rem = divmod(block_size, steps)
+    return base + int(min(s, steps - 1) < rem)
+
+
+def quota_threshold_commit(logits: torch.Tensor, masked: torch.Tensor, tau: float, quota: int,
+                           sampling: Sampling, generator: torch.Generator | list | None):
+    """The LLaDA2 ``generate`` / SDAR ``low_confidence_dynamic`` commit rule (multiblock.md §1.2 step 3).
+
+    logits (R, B, V); masked (R, B) bool. Tokens are the argmax (temperature 0) or a draw from
+    softmax(logits / T) after top-k then top-p filtering; κ is the chosen token's probability
+    under that distribution. A row commits every masked position with κ > τ (strict) when there
+    are at least ``quota`` of them, else its ``quota`` most confident masked positions.
+    (The published ``generate`` draws from softmax(logits) even at temperature 0; here 0 is greedy.)
+    Returns (chosen (R, B) bool, tokens (R, B) long).
+    """
+    R, B, V = logits.shape
+    z = logits.float()
+    if sampling.temperature > 0:
+        z = z / sampling.temperature
+    probs = filter_logits(z, sampling.top_k, sampling.top_p).softmax(-1)  # (R, B, V)
+    if sampling.temperature > 0 and isinstance(generator, (list, tuple)):  # one generator per row
+        tokens = torch.stack([torch.multinomial(probs[r], 1, generator=g)[:, 0] for r, g in enumerate(generator)])
+    elif sampling.temperature > 0:
+        tokens = torch.multinomial(probs.reshape(R * B, V), 1, generator=generator).reshape(R, B)
+    else:
+        tokens = probs.argmax(-1)  # (R, B)
+    conf = probs.gather(-1, tokens[..., None])[..., 0].masked_fill(~masked, float("-inf"))  # (R, B)
+    high = (conf > tau) & masked  # (R, B)
+    k = masked.sum(dim=1).clamp(max=quota)  # (R,)
+    order = conf.argsort(dim=1, descending=True, stable=True)  # (R, B)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(B, device=order.device).expand(R, B))  # (R, B)
+    top = (rank < k[:, None]) & masked  # (R, B)
+    return torch.where((high.sum(dim=1) >= k)[:, None], high, top), tokens
 
 
 def native_block_size(bundle) -> int | None:
@@ -160,13 +202,22 @@ def step_event(step: int, row: int, positions: torch.Tensor, tokens: torch.Tenso
 @dataclass(frozen=True)
 class BlockConfig:
     """SingleBD settings: block size B (the checkpoint's), the commit policy (default ``threshold``
-    τ = 0.95, multiblock.md §3.5 SingleBD rows) and the store mode (§1.2 step 4)."""
+    τ = 0.95, multiblock.md §3.5 SingleBD rows) and the store mode (§1.2 step 4).
+
+    The threshold rule here is strict, κ > τ (plus the top-1), as in SDAR / Diffulex and in
+    ``multiblock``'s M2T, so ``block`` equals ``multiblock --slots 1`` even on exact ties; the
+    dLLM decoders keep Fast-dLLM's inclusive κ ≥ τ (diffusion.md §6)."""
 
     block_size: int
-    policy: Policy = Threshold(DEFAULT_TAU)
+    policy: Policy = Threshold(DEFAULT_TAU, strict=True)
     store: str = "separate"
+    steps: int | None = None
 
     def __post_init__(self):
+        if self.steps is not None and (not isinstance(self.steps, int) or isinstance(self.steps, bool)
+                                       or not 1 <= self.steps <= self.block_size):
+            raise UnmaskError(f"steps must be an integer in 1..{self.block_size} (the block size), got {self.steps!r}; "
+                              f"use {self.block_size} for one token per step")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size!r}); "
                               "drop --block-size to use the checkpoint's")
@@ -175,8 +226,20 @@ class BlockConfig:
 
     @classmethod
     def from_options(cls, bundle, *, block_size=None, policy=None, tau=None, gamma=None, preset=None, factor=None,
-                     tokens_per_step=None, store=None) -> "BlockConfig":
-        """Build from CLI-style options; raises UnmaskError for invalid values or combinations."""
+                     tokens_per_step=None, store=None, steps=None, schedule=None) -> "BlockConfig":
+        """Build from CLI-style options; raises UnmaskError for invalid values or combinations.
+
+        ``schedule`` ("llada2", "sdar") or ``steps`` select the published quota-threshold rule
+        (:func:`quota_threshold_commit`, threshold policy only); ``schedule`` sets τ and steps = B
+        unless they are given."""
+        if schedule is not None:
+            if schedule not in SCHEDULES:
+                raise UnmaskError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+            tau = SCHEDULES[schedule] if tau is None else tau
+        if (schedule is not None or steps is not None) and policy not in (None, "threshold"):
+            raise UnmaskError(f"--schedule/--steps use the quota-threshold rule, not policy {policy!r}; drop --policy")
+        if schedule is not None and steps is None:
+            steps = resolve_block_size(bundle, block_size)
         name = policy or "threshold"
         if preset is not None and gamma is not None:
             raise UnmaskError("--gamma and --preset both set γ; give either --gamma or --preset, not both")
@@ -184,7 +247,10 @@ class BlockConfig:
             tau = DEFAULT_TAU
         params = {"gamma": preset if preset is not None else gamma, "tau": tau, "f": factor, "k": tokens_per_step}
         built = make_policy(name, **{k: v for k, v in params.items() if v is not None})
-        return cls(block_size=resolve_block_size(bundle, block_size), policy=built, store=store or "separate")
+        if isinstance(built, Threshold) and steps is None:  # κ > τ, as multiblock's M2T and SDAR (multiblock.md §1.2)
+            built = Threshold(built.tau, strict=True)
+        return cls(block_size=resolve_block_size(bundle, block_size), policy=built, store=store or "separate",
+                   steps=steps)
 
 
 @torch.inference_mode()
@@ -192,8 +258,15 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
            policy: str | None = None, tau: float | None = None, gamma: float | str | None = None,
            preset: str | None = None, factor: float | None = None, tokens_per_step: int | None = None,
-           store: str | None = None, on_forward=None, on_step=None) -> DecodeOutput:
+           store: str | None = None, steps: int | None = None, schedule: str | None = None, on_forward=None,
+           on_step=None) -> DecodeOutput:
     """SingleBD decoding of a batch (multiblock.md §1.2) with an exact block KV cache.
+
+    ``schedule="llada2"`` reproduces LLaDA2.0's ``generate`` (block 32, 32 steps, τ 0.95) and
+    ``schedule="sdar"`` SDAR's ``low_confidence_dynamic`` (τ 0.85, steps = B): at step s of a
+    block the quota is :func:`block_quota`, and :func:`quota_threshold_commit` commits (``steps``
+    alone selects the same rule with the threshold policy's τ). As in those loops, the last block
+    is denoised whole, past ``max_new_tokens``, before the output is cut.
 
     prompts: token ids per row (left-padded internally). Rows advance block by block in lockstep
     (block j of a row is its j-th decoded block); a row whose block is complete waits, and its NFE
@@ -205,6 +278,11 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     (generated indices), ``canvas`` (the generated region, None where masked). Store forwards
     commit nothing and send no event.
 
+    NFE versus reference code (SDAR, Diffulex SingleBD): the last block's store forward is not
+    run (its K/V would never be read), so NFE is one less per row than theirs; and a row stops
+    after the block holding its first stop token, where reference code decodes to the end: pass
+    ``stop_token_ids=()`` to reproduce their NFE.
+
     Returns DecodeOutput; stats.extra holds ``policy``, ``block_size``, ``store``,
     ``store_forwards`` (the batch's store-only forwards, already inside ``nfe``), ``accepts``
     (histogram: tokens committed per row per forward -> count) and ``row_extra`` (per row:
@@ -213,12 +291,15 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     """
     check_block_model(bundle, "block")
     cfg = BlockConfig.from_options(bundle, block_size=block_size, policy=policy, tau=tau, gamma=gamma, preset=preset,
-                                   factor=factor, tokens_per_step=tokens_per_step, store=store)
+                                   factor=factor, tokens_per_step=tokens_per_step, store=store, steps=steps,
+                                   schedule=schedule)
     B, model, device, mask_id = cfg.block_size, bundle.model, bundle.device, bundle.mask_token_id
     t0 = time.perf_counter()
     R = len(prompts)
-    gen = sampling.generator(device)
-    suppress = list(bundle.suppress_ids)
+    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
+    # The published quota-threshold loops rank by the model's own softmax, mask column included (a
+    # "committed" mask simply stays masked); elsewhere the mask token is never a candidate.
+    suppress = list(bundle.suppress_ids) if cfg.steps is None else []
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 
     cache, key_valid, n_full = prefill_whole_blocks(model, prompts, B, bundle.pad_token_id, device)
@@ -227,6 +308,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     n_blocks = torch.div(gen_end - 1, B, rounding_mode="floor") - n_full + 1  # (R,) blocks to decode per row
     seq = row_sequences(prompts, int((n_full + n_blocks).max()) * B, mask_id, device)  # (R, L)
     arange_b = torch.arange(B, device=device)
+    # B denoising forwards (or `steps`: a quota step may commit nothing) + 1 store per block
+    ceiling = int(n_blocks.max()) * (max(B, cfg.steps or 0) + 1)
 
     done = torch.zeros(R, dtype=torch.bool, device=device)
     nfe, stores = 0, 0
@@ -261,7 +344,10 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         pos = (n_full + j)[:, None] * B + arange_b  # (R, B) absolute positions of block j
         pos_safe = pos.clamp(max=seq.shape[1] - 1)  # finished rows may run past their sequence
         block = seq.gather(1, pos_safe)  # (R, B)
-        editable = (pos >= gen_start[:, None]) & (pos < gen_end[:, None]) & active[:, None]
+        # The published quota-threshold loops denoise the whole last block, past max_new_tokens too.
+        edit_end = gen_end if cfg.steps is None else (n_full + n_blocks) * B  # (R,)
+        editable = (pos >= gen_start[:, None]) & (pos < edit_end[:, None]) & active[:, None]
+        step = 0
         while True:
             masked = editable & (block == mask_id)  # (R, B)
             if not bool(masked.any()):
@@ -274,11 +360,17 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                 logits = run(block, pos, 1, None)
             if suppress:
                 logits[..., suppress] = float("-inf")
-            chosen, tokens = commit(logits, masked, cfg.policy, temperature=sampling.temperature,
-                                    top_k=sampling.top_k, top_p=sampling.top_p, generator=gen)
+            if cfg.steps is not None:
+                chosen, tokens = quota_threshold_commit(logits, masked, cfg.policy.tau, block_quota(B, cfg.steps, step),
+                                                        sampling, gens)
+            else:
+                chosen, tokens = commit(logits, masked, cfg.policy, temperature=sampling.temperature,
+                                        top_k=sampling.top_k, top_p=sampling.top_p, generator=gens)
+            step += 1
             block = torch.where(chosen, tokens, block)
             seq.scatter_(1, pos_safe, torch.where(active[:, None], block, seq.gather(1, pos_safe)))
             nfe += 1
+            check_nfe(nfe, ceiling, "block")
             had = masked.any(dim=1)  # (R,)
             nfe_rows += had.long()
             for r in torch.nonzero(had).flatten().tolist():
@@ -311,7 +403,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
 
     tokens = outputs(seq, gen_start, max_new_tokens, stops, mask_id)
     name = cfg.policy.name
-    extra = {"policy": name, "block_size": B, "store": cfg.store, "store_forwards": stores,
+    extra = {"policy": name, "block_size": B, "store": cfg.store, "store_forwards": stores, "steps": cfg.steps,
              "accepts": dict(sorted(histogram.items())),
              "row_extra": [{"policy": name, "block_size": B, "store": cfg.store, "accepts": a,
                             "store_forwards": int(s)} for a, s in zip(accepts, store_rows.tolist())]}

@@ -17,7 +17,8 @@ Policies (:mod:`unmask.policies`):
 Temperature (§4): ``sampler="llada"`` draws with float64 Gumbel-max and ranks by the untempered
 confidence; ``sampler="dream"`` draws from the tempered categorical and ranks by its probability.
 The default comes from the model family (:func:`unmask.models.adapters.default_sampler`). Each row
-has its own seeded generator, so a batched run equals single runs even when sampling.
+has its own seeded generator (:meth:`Sampling.row_generators`), so a batched run equals single
+runs even when sampling, and identical prompts draw independently.
 
 Caches (§8, approximate): ``cache="none" | "prefix" | "dual"``, see :mod:`unmask.decode.dllm_cache`.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -33,7 +35,7 @@ import torch
 
 from unmask.decode.batching import left_pad
 from unmask.decode.dllm_cache import CACHE_MODES, WindowForward
-from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import SAMPLERS, default_sampler, realign
 from unmask.policies import Policy, TopK, commit, make_policy
@@ -110,6 +112,14 @@ class DiffusionConfig:
     def n_blocks(self) -> int:
         return self.gen_length // self.block_size
 
+    def warn_degenerate(self) -> None:
+        """Warn (one line) when LLaDA's schedule gives one step per block: every block is committed
+        whole from a single forward, which is legal (§3) but rarely what was meant."""
+        if self.steps is not None and self.steps == self.n_blocks and self.block_size > 1:
+            warnings.warn(f"--steps {self.steps} equals the number of blocks (gen length {self.gen_length} / block "
+                          f"size {self.block_size}): each block of {self.block_size} tokens commits in one step; use "
+                          f"--steps {self.gen_length} for one token per step", stacklevel=3)
+
     @classmethod
     def from_options(cls, *, max_new_tokens: int, gen_length=None, block_size=None, policy=None, gamma=None,
                      preset=None, tau=None, factor=None, factor_compat=None, tokens_per_step=None, eta=None,
@@ -126,7 +136,10 @@ class DiffusionConfig:
             raise UnmaskError("--steps and --tokens-per-step conflict; give either --steps (LLaDA schedule) or "
                               "--tokens-per-step, not both")
         gamma = preset if preset is not None else gamma
-        name = policy or _infer_policy(gamma, tau, factor, tokens_per_step, steps, eta)
+        name = policy or ("factor" if factor_compat else _infer_policy(gamma, tau, factor, tokens_per_step, steps, eta))
+        if factor_compat and name != "factor":
+            raise UnmaskError(f"--factor-compat applies to the factor policy only (got {name!r}); "
+                              "use --policy factor or drop --factor-compat")
         if gamma is None and name in ("entropy-bound", "confidence-bound", "margin-bound"):
             gamma = DEFAULT_EB_GAMMA
         params = {"gamma": gamma, "tau": tau, "f": factor, "compat": factor_compat, "k": tokens_per_step,
@@ -163,7 +176,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            preset: str | None = None, tau: float | None = None, factor: float | None = None,
            factor_compat: bool | None = None, tokens_per_step: int | None = None, eta: float | None = None,
            steps: int | None = None, cache: str | None = None, refresh_every: int | None = None,
-           eos_early_stop: bool = False, sampler: str | None = None, on_step=None,
+           eos_early_stop: bool = False, sampler: str | None = None, schedule: str | None = None,
+           alg: str | None = None, alg_temp: float | None = None, eps: float | None = None, on_step=None,
            on_forward=None) -> DecodeOutput:
     """Semi-AR masked-diffusion decoding of a batch (diffusion.md §3, §6–§9).
 
@@ -192,6 +206,10 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     With ``steps`` larger than the generation length LLaDA's trailing steps have a quota of 0 and
     commit nothing; they are skipped (same tokens, fewer forwards).
 
+    ``schedule="dream"`` runs Dream's own ``diffusion_generate`` instead (§5, no blocks; ``steps``,
+    ``alg`` origin / maskgit_plus / topk_margin / entropy, ``alg_temp``, ``eps``): see
+    :mod:`unmask.decode.dream_compat`.
+
     Raises UnmaskError for a model without a mask token, max_new_tokens above an explicit
     gen_length, a block size that does not divide the generation length, a bad step budget, bad policy options, an unknown cache or sampler, or a
     canvas longer than the context window.
@@ -199,6 +217,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     if bundle.mask_token_id is None:
         raise UnmaskError("the diffusion decoder needs a masked-diffusion model with a mask token; "
                           "load it with mask_token_id=ID or name it in unmask_config.json")
+    if schedule is not None or alg is not None or alg_temp is not None or eps is not None:
+        return _dream_schedule(bundle, prompts, schedule, locals())
     cfg = DiffusionConfig.from_options(
         max_new_tokens=max_new_tokens, gen_length=gen_length, block_size=block_size, policy=policy, gamma=gamma,
         preset=preset, tau=tau, factor=factor, factor_compat=factor_compat, tokens_per_step=tokens_per_step,
@@ -209,6 +229,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                           "--max-new-tokens or raise --gen-length")
     if not isinstance(eos_early_stop, bool):
         raise UnmaskError(f"eos_early_stop must be true or false (got {eos_early_stop!r})")
+    cfg.warn_degenerate()
     report = min(max_new_tokens, cfg.gen_length)
     shift, mask_id, device = bundle.logit_shift, bundle.mask_token_id, bundle.device
     if any(len(p) == 0 for p in prompts):
@@ -230,7 +251,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
     suppress = list(bundle.suppress_ids)
     # One generator per row: a row's random draws do not depend on the rest of the batch.
-    gens = [sampling.generator(device) for _ in range(B)] if not sampling.greedy else None
+    gens = sampling.row_generators(prompts, device)
     confidence, draw = ("untempered", "gumbel") if cfg.sampler == "llada" else ("tempered", "categorical")
     steps_per_block = None if cfg.steps is None else cfg.steps // cfg.n_blocks
 
@@ -268,6 +289,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                 if on_step is not None:
                     on_step(step_event(nfe, r, chosen[r], tokens[r], s - P, ids[r, P:], mask_id, block=b))
             nfe += 1
+            check_nfe(nfe, L + cfg.n_blocks, "diffusion")
             step += 1
             if cfg.eos_early_stop:
                 done |= early_stop(ids[:, P:], mask_id, stops) & had
@@ -289,6 +311,35 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
                         seconds=time.perf_counter() - t0, extra=extra)
     return DecodeOutput(tokens=tokens, stats=stats)
+
+
+_DREAM_OPTIONS = ("max_new_tokens", "sampling", "stop_token_ids", "gen_length", "steps", "alg", "alg_temp", "eps",
+                  "on_step", "on_forward")
+
+
+def _dream_schedule(bundle, prompts, schedule, options: dict) -> DecodeOutput:
+    """Dispatch ``schedule="dream"`` to :mod:`unmask.decode.dream_compat`, refusing options it has no use for."""
+    from unmask.decode import dream_compat
+
+    if schedule != "dream":
+        raise UnmaskError(f"unknown schedule {schedule!r} for the diffusion decoder; use \"dream\" (Dream's "
+                          "diffusion_generate) or leave it unset" if schedule is not None else
+                          "--alg/--alg-temp/--eps apply to Dream's schedule; add --schedule dream")
+    unused = {"block_size", "policy", "gamma", "preset", "tau", "factor", "factor_compat", "tokens_per_step", "eta",
+              "cache", "refresh_every", "sampler", "stop_strings"}
+    given = sorted(k for k in unused if options.get(k) not in (None, (), "none"))
+    if options.get("eos_early_stop"):
+        given.append("eos_early_stop")
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise UnmaskError(f"{flags} do(es) not apply to --schedule dream (one forward over the whole canvas per "
+                          "step, Dream's own commit rule); drop them")
+    if bundle.mask_token_id is None:
+        raise UnmaskError("the diffusion decoder needs a masked-diffusion model with a mask token; "
+                          "load it with mask_token_id=ID or name it in unmask_config.json")
+    if any(len(p) == 0 for p in prompts):
+        raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
+    return dream_compat.decode(bundle, prompts, **{k: options[k] for k in _DREAM_OPTIONS})
 
 
 def commit_rows(logits, masked, policy, sampling: Sampling, gens, quota, confidence, draw):

@@ -49,7 +49,7 @@ from unmask.decode.batching import left_pad
 from unmask.decode.diffusion import early_stop, hit_stop_string, until_stop
 from unmask.decode.eb_select import (GAP_METRICS, PATH_NAMES, POS_MODES, lps_features, pack_rows, select_block,
                                      union_accept)
-from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import SAMPLERS, bidirectional_forward, default_sampler, realign, supports_cache
 from unmask.policies import Threshold, commit, token_stats
@@ -337,7 +337,7 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
     stops = torch.tensor(stops_list or [-1], device=device)
     suppress = list(bundle.suppress_ids)
     embed = bundle.model.get_input_embeddings()
-    gens = [sampling.generator(device) for _ in range(B)] if not sampling.greedy else None
+    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
     confidence, draw = ("untempered", "gumbel") if cfg.sampler == "llada" else ("tempered", "categorical")
     threshold = Threshold(cfg.tau)
 
@@ -460,6 +460,7 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
                         "top1": top1, "kappa": kappa, "p_lps": p_lps, "chosen": chosen, "tokens": tokens,
                         "canvas": gen.clone(), "selected": select, "path": path, "window": (lo, hi)})
         nfe += 1
+        check_nfe(nfe, 2 * L, "early-bird")  # ≥ 1 commit per forward; L blocks at most (size 1)
 
     tokens_out = [until_stop(gen[r, :report].tolist(), set(stops_list) | {mask_id}) for r in range(B)]
     seconds = _sync(device) - t_start

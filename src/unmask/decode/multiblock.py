@@ -37,7 +37,7 @@ from unmask.compat import attention_mask, crop, forward
 from unmask.decode import block_buffer as bb
 from unmask.decode.block import (check_block_model, first_stop, hit_stop_string, outputs, prefill_whole_blocks,
                                  resolve_block_size, row_sequences, step_event)
-from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, with_key_padding
 from unmask.policies import token_stats
@@ -145,7 +145,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                           f"{bundle.context_length}; use --slots {max(1, bundle.context_length // B)} or fewer")
     t0 = time.perf_counter()
     R = len(prompts)
-    gen = sampling.generator(device)
+    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
     suppress = list(bundle.suppress_ids)
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 
@@ -154,6 +154,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     # Room for every real block and the dummies after the last one, so window writes never clamp.
     seq = row_sequences(prompts, int((w.last_block.max() + 1 + S) * B), mask_id, device)  # (R, L)
     seq_pos = torch.arange(seq.shape[1], device=device)
+    # Per block: B commit steps, one store, and the post-edit steps T2T may add; S to drain the window.
+    edit_steps = cfg.max_post_edit_steps if cfg.tau_t2t is not None else 0
+    ceiling = int((w.last_block - w.front + 1).max()) * (B + 2 + edit_steps) + S
 
     done = torch.zeros(R, dtype=torch.bool, device=device)
     checked = torch.zeros(R, dtype=torch.long, device=device)  # complete tokens already checked for stop strings
@@ -187,10 +190,11 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             on_forward({"inp": ids, "positions": positions, "logits": logits, "window": before, "past": past,
                         "stored": stored.clone(), "key_valid": key_valid.clone(),
                         "cache": [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]})
-        top1, kappa = candidates(logits.view(R, S, B, -1), sampling, gen)  # (R, S, B) each
+        top1, kappa = candidates(logits.view(R, S, B, -1), sampling, gens)  # (R, S, B) each
         w, info = bb.transition(w, top1, kappa, tau_m2t=cfg.tau_m2t, tau_semi=cfg.tau_semi, tau_t2t=cfg.tau_t2t,
                                 max_post_edit_steps=cfg.max_post_edit_steps)
         nfe += 1
+        check_nfe(nfe, ceiling, "multiblock")
         nfe_rows += live.long()
         size = (before.state != bb.DUMMY).sum(dim=1)  # (R,) |R_s| of this step
         n_commit = info.committed.sum(dim=(1, 2))  # (R,)

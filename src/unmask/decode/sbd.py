@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from unmask.compat import attention_mask, crop, forward, new_cache
+from unmask.decode import sbd_verify
 from unmask.decode.batching import left_pad
-from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, causal_mask, sbd_inference_mask, with_key_padding
 from unmask.policies import EntropyBound, Policy, commit, make_policy
@@ -30,6 +31,8 @@ from unmask.trace import step_event
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PRESET = "chat-low"
+# decode_defaults keys of lossless SBD (spec/sbd_exact.md); "block_size" stays the lossy path's
+LOSSLESS_KEYS = ("verify", "draft", "verify_block_size")
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,14 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
            policy: str | None = None, gamma: float | str | None = None, preset: str | None = None,
            tau: float | None = None, factor: float | None = None, tokens_per_step: int | None = None,
-           on_forward=None, on_step=None) -> DecodeOutput:
+           verify: bool | None = None, draft: str | None = None, on_forward=None, on_step=None) -> DecodeOutput:
     """SBD block decoding of a batch (SBD Alg. 2–3, §4.1 fused re-feed, §4.2 accounting).
+
+    ``verify=True`` runs lossless SBD instead (spec/sbd_exact.md, :mod:`unmask.decode.sbd_verify`):
+    the block mode only drafts, the NTP mode verifies in the same forward, and the output equals
+    ``ar`` decoding of the same model; ``draft`` picks its layout (quadratic or linear) and the
+    commit-policy options do not apply. ``verify=None`` takes the checkpoint's ``decode_defaults``
+    unless a policy option is given (then the lossy EB path runs).
 
     prompts: token ids per row (left-padded internally). Rows advance block by block in
     lockstep; a row whose block is complete waits, and its NFE counts only the forwards in which
@@ -92,9 +101,20 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     if bundle.mask_token_id is None:
         raise UnmaskError("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); "
                           "train one with 'unmask train sbd'")
+    policy_options = {"--policy": policy, "--gamma": gamma, "--preset": preset, "--tau": tau, "--factor": factor,
+                      "--tokens-per-step": tokens_per_step}
+    given = [flag for flag, value in policy_options.items() if value is not None]
+    defaults = dict(bundle.meta.get("decode_defaults") or {})
+    lossless = _lossless(verify, given, draft, defaults)
+    if lossless:
+        return sbd_verify.decode(bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                 stop_token_ids=stop_token_ids, stop_strings=stop_strings,
+                                 block_size=_first(block_size, defaults.get("verify_block_size"), sbd_verify.DEFAULT_BLOCK_SIZE),
+                                 draft=_first(draft, defaults.get("draft"), sbd_verify.DEFAULT_DRAFT),
+                                 on_forward=on_forward, on_step=on_step)
+    defaults = {k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS}
     cfg = SBDConfig.from_options(block_size=block_size, policy=policy, gamma=gamma, preset=preset, tau=tau,
-                                 factor=factor, tokens_per_step=tokens_per_step,
-                                 defaults=bundle.meta.get("decode_defaults"))
+                                 factor=factor, tokens_per_step=tokens_per_step, defaults=defaults)
     k, model, device, mask_id = cfg.block_size, bundle.model, bundle.device, bundle.mask_token_id
     if k > bundle.context_length:
         raise UnmaskError(f"block size {k} exceeds the context window of {bundle.context_length}; lower --block-size")
@@ -102,7 +122,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     ids, valid, pos = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
     B, P = ids.shape
     row_len = valid.sum(dim=1)  # (B,) real prompt length per row
-    gen = sampling.generator(device)
+    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
     suppress = list(bundle.suppress_ids)
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 
@@ -146,9 +166,10 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                             "start": start, "refeed": c,
                             "cache": [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]})
             chosen, tokens = commit(logits, masked, cfg.policy, temperature=sampling.temperature,
-                                    top_k=sampling.top_k, top_p=sampling.top_p, generator=gen)
+                                    top_k=sampling.top_k, top_p=sampling.top_p, generator=gens)
             block = torch.where(chosen, tokens, block)
             nfe += 1
+            check_nfe(nfe, max_new_tokens + -(-max_new_tokens // k), "sbd")
             had = masked.any(dim=1)  # (B,)
             nfe_rows += had.long()
             for b in torch.nonzero(had).flatten().tolist():
@@ -172,6 +193,24 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
                         seconds=time.perf_counter() - t0, extra=extra)
     return DecodeOutput(tokens=tokens, stats=stats)
+
+
+def _first(*values):
+    """The first value that is not None (an explicit 0 or "" stays, so its validation can refuse it)."""
+    return next(v for v in values if v is not None)
+
+
+def _lossless(verify, given: list[str], draft, defaults: dict) -> bool:
+    """Whether this call runs lossless SBD. Raises UnmaskError for contradicting options."""
+    if verify is not None and not isinstance(verify, bool):
+        raise UnmaskError(f"verify must be true or false (got {verify!r}); pass --verify or --no-verify")
+    if verify and given:
+        raise UnmaskError(f"{', '.join(given)} set a lossy commit policy, which lossless SBD (--verify) does not use; "
+                          "drop them or pass --no-verify")
+    lossless = verify if verify is not None else (not given and bool(defaults.get("verify", False)))
+    if draft is not None and not lossless:
+        raise UnmaskError("--draft applies to lossless SBD only; add --verify or drop --draft")
+    return lossless
 
 
 def _until_stop(row: list[int], stops: torch.Tensor) -> list[int]:

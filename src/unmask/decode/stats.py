@@ -4,6 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from unmask.errors import UnmaskError
+
+
+def check_nfe(nfe: int, ceiling: int, decoder: str) -> None:
+    """Assert a decoder's forward ceiling (issue 15): every step commits at least one token per row
+    that has masks, so NFE never exceeds the generation length plus one forward per block (cache
+    refresh or store). Above it a step committed nothing (e.g. a mask id was written back) and the
+    loop would never end. Raises UnmaskError naming the decoder."""
+    if nfe > ceiling:
+        raise UnmaskError(f"internal error: the {decoder} decoder ran {nfe} forwards, above its ceiling of {ceiling} "
+                          "(generation length + blocks), so a step committed nothing; please report it with the "
+                          "command line")
+
 
 @dataclass
 class DecodeStats:

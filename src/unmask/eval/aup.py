@@ -9,7 +9,8 @@ than linearly, and prefixes an unweighted rectangle ρ_1·y_1.
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+import warnings
+from typing import Literal, NamedTuple, Sequence
 
 from unmask.errors import UnmaskError
 
@@ -19,10 +20,19 @@ def aup_weight(y: float, *, y_max: float, alpha: float = 3.0) -> float:
     return min(math.exp(-alpha * (1.0 - y / y_max)), 1.0)
 
 
+class AUPReport(NamedTuple):
+    """An AUP value and the points d3LLM's filter dropped (y < y_1 − y_min_offset), as (ρ, y)."""
+
+    value: float
+    dropped: list[tuple[float, float]]
+
+
 def aup(points: Sequence[tuple[float, float]], y_max: float, alpha: float = 3.0,
         y_min_offset: float = 5.0,
         variant: Literal["d3llm", "trapezoid"] = "d3llm") -> float:
     """Accuracy Under Parallelism of one method on one task (diffusion spec §10).
+
+    The value of :func:`aup_report`; dropped points are reported with a one-line warning.
 
     Args:
         points: (ρ, y) pairs: ρ = TPF (tokens per forward, > 0), y = accuracy in percent.
@@ -41,27 +51,48 @@ def aup(points: Sequence[tuple[float, float]], y_max: float, alpha: float = 3.0,
         AUP in units of TPF × percent. A single point (1, y) scores y in the d3llm variant.
 
     Raises:
-        UnmaskError: no points, ρ ≤ 0, y_max ≤ 0, an unknown variant, or (d3llm) accuracy at
-            the largest ρ more than ``y_min_offset`` below y_1, which d3LLM asserts against.
+        UnmaskError: no points, ρ ≤ 0 or not finite, y outside [0, 100] (percent, not a fraction),
+            y_max outside (0, 100] or below the best y of the points, an unknown variant, or
+            (d3llm) accuracy at the largest ρ more than ``y_min_offset`` below y_1, which d3LLM
+            asserts against.
     """
+    report = aup_report(points, y_max, alpha=alpha, y_min_offset=y_min_offset, variant=variant)
+    if report.dropped:
+        shown = ", ".join(f"({r:g}, {y:g})" for r, y in report.dropped)
+        warnings.warn(f"aup: dropped {len(report.dropped)} point(s) more than {y_min_offset:g} below the accuracy "
+                      f"at the smallest TPF: {shown}", stacklevel=2)
+    return report.value
+
+
+def aup_report(points: Sequence[tuple[float, float]], y_max: float, *, alpha: float = 3.0,
+               y_min_offset: float = 5.0, variant: Literal["d3llm", "trapezoid"] = "d3llm") -> AUPReport:
+    """:func:`aup` with the dropped points returned instead of warned about (same arguments, same errors)."""
     if not points:
         raise UnmaskError("aup needs at least one (tpf, accuracy) point")
     pts = sorted(((float(r), float(y)) for r, y in points), key=lambda p: p[0])
-    if pts[0][0] <= 0:
-        raise UnmaskError(f"aup: TPF must be > 0, got {pts[0][0]}")
+    for r, y in pts:
+        if not (math.isfinite(r) and r > 0):
+            raise UnmaskError(f"aup: TPF must be a finite number > 0, got {r}; drop that point")
+        if not (math.isfinite(y) and 0 <= y <= 100):
+            raise UnmaskError(f"aup: accuracy must be in percent, in [0, 100], got {y}; multiply fractions by 100")
     if variant == "trapezoid":
-        return sum(0.5 * (r1 - r0) * (y0 + y1) for (r0, y0), (r1, y1) in zip(pts, pts[1:]))
+        return AUPReport(sum(0.5 * (r1 - r0) * (y0 + y1) for (r0, y0), (r1, y1) in zip(pts, pts[1:])), [])
     if variant != "d3llm":
         raise UnmaskError(f"aup: unknown variant {variant!r}; use 'd3llm' or 'trapezoid'")
-    if y_max <= 0:
-        raise UnmaskError(f"aup: y_max must be > 0 (percent), got {y_max}")
+    if not (math.isfinite(y_max) and 0 < y_max <= 100):
+        raise UnmaskError(f"aup: y_max must be in percent, in (0, 100], got {y_max}; multiply fractions by 100")
+    best = max(y for _, y in pts)
+    if y_max < best:
+        raise UnmaskError(f"aup: y_max {y_max:g} is below the best accuracy of the points ({best:g}); pass the "
+                          "best accuracy over all methods on the task")
     y_first, y_last = pts[0][1], pts[-1][1]
     if y_first - y_last > y_min_offset:
         raise UnmaskError(f"aup: accuracy at the largest TPF ({y_last:g}) is more than "
                           f"{y_min_offset:g} points below the first ({y_first:g})")
+    dropped = [p for p in pts if p[1] < y_first - y_min_offset]
     pts = [p for p in pts if p[1] >= y_first - y_min_offset]
     wy = [y * aup_weight(y, y_max=y_max, alpha=alpha) for _, y in pts]
     total = pts[0][0] * pts[0][1]  # the leading rectangle is unweighted
     for i in range(1, len(pts)):
         total += 0.5 * (pts[i][0] - pts[i - 1][0]) * (wy[i] + wy[i - 1])
-    return total
+    return AUPReport(total, dropped)

@@ -1,8 +1,18 @@
 """HumanEval and MBPP: completion post-processing, program assembly and pass@1.
 
-A model completion becomes one Python program per task that exits 0 iff the task's tests
-pass; :func:`pass_at_1` runs the programs in the sandbox (:mod:`unmask.eval.sandbox`) and
-reports the fraction that pass (one sample per task, so pass@1 is the plain mean).
+A model completion becomes one Python program per task that runs to its end and exits 0 iff
+the task's tests pass (an early exit with status 0 is not a pass); :func:`pass_at_1` runs the
+programs in the sandbox (:mod:`unmask.eval.sandbox`) and reports the fraction that pass (one
+sample per task, so pass@1 is the plain mean).
+
+What MBPP scores (audited against google-research ``mbpp/README.md``, Austin et al. 2021 and
+lm-eval's ``mbpp`` task): the evaluation split is task_ids 11–510; the prompt is the paper's
+wrapper ("You are an expert Python programmer, and here is your task: ... Your code should pass
+these tests:" + the 3 ``test_list`` asserts, code between ``[BEGIN]`` and ``[DONE]``, 3 shots from
+tasks 2–4); a task passes when the program ``code``, then ``test_setup_code`` (task 367 builds its
+tree from the solution's class, so setup must follow the code), then the ``test_list`` asserts
+exits 0. ``challenge_test_list`` (extra tests on 11 evaluation tasks) is not part of the published
+score and is run only with ``challenge=True``.
 """
 
 from __future__ import annotations
@@ -73,10 +83,12 @@ def humaneval_program(task: HumanEvalTask, completion: str) -> str:
             f"check({task.entry_point})\n")
 
 
-def mbpp_program(task: MBPPTask, code: str) -> str:
+def mbpp_program(task: MBPPTask, code: str, *, challenge: bool = False) -> str:
     """The solution code, then the task's setup code (which may use the solution's
-    classes, e.g. task 367), then its ``test_list`` asserts."""
-    parts = [code, task.test_setup_code, "\n".join(task.test_list)]
+    classes, e.g. task 367), then its ``test_list`` asserts (and ``challenge_test_list``'s
+    when ``challenge``)."""
+    tests = task.test_list + (task.challenge_test_list if challenge else ())
+    parts = [code, task.test_setup_code, "\n".join(tests)]
     return "\n\n".join(p for p in parts if p.strip()) + "\n"
 
 
@@ -109,7 +121,9 @@ def pass_at_1(*, programs: Sequence[str], task_ids: Sequence[str] | None = None,
 
     Args:
         programs: complete Python programs (from :func:`humaneval_program` or
-            :func:`mbpp_program`); each passes iff it exits with status 0 in time.
+            :func:`mbpp_program`); each passes iff it runs to its last statement (the
+            final ``check(...)`` or assert) and exits with status 0 in time, see
+            :func:`unmask.eval.sandbox.run_program`.
         task_ids: names for the report (default: "0", "1", ...).
         workers: concurrent child processes.
         timeout_s, memory_mb: per-program limits, see :func:`unmask.eval.sandbox.run_program`.
@@ -123,8 +137,11 @@ def pass_at_1(*, programs: Sequence[str], task_ids: Sequence[str] | None = None,
     if workers < 1:
         raise UnmaskError(f"pass_at_1: workers must be >= 1, got {workers}")
     run = partial(run_program, timeout_s=timeout_s, memory_mb=memory_mb)
-    with ThreadPoolExecutor(max_workers=workers) as pool:  # each thread waits on a child
+    pool = ThreadPoolExecutor(max_workers=workers)  # each thread waits on a child
+    try:
         results = tuple(pool.map(run, programs))
+    finally:  # on Ctrl-C, drop the programs not started yet instead of running them all first
+        pool.shutdown(wait=True, cancel_futures=True)
     return CodeEvalResult(ids, results)
 
 
@@ -139,11 +156,12 @@ def evaluate_humaneval(*, tasks: Sequence[HumanEvalTask], completions: Sequence[
 
 
 def evaluate_mbpp(*, tasks: Sequence[MBPPTask], completions: Sequence[str],
-                  postprocess: bool = True, **limits: Any) -> CodeEvalResult:
-    """pass@1 of one completion per MBPP task (``limits`` go to :func:`pass_at_1`)."""
+                  postprocess: bool = True, challenge: bool = False, **limits: Any) -> CodeEvalResult:
+    """pass@1 of one completion per MBPP task (``limits`` go to :func:`pass_at_1`); ``challenge``
+    adds the ``challenge_test_list`` asserts (not part of the published score)."""
     if len(tasks) != len(completions):
         raise UnmaskError(f"{len(tasks)} MBPP tasks but {len(completions)} completions")
-    programs = [mbpp_program(t, postprocess_mbpp(c) if postprocess else c)
+    programs = [mbpp_program(t, postprocess_mbpp(c) if postprocess else c, challenge=challenge)
                 for t, c in zip(tasks, completions)]
     return pass_at_1(programs=programs, task_ids=[f"Mbpp/{t.task_id}" for t in tasks],
                      **limits)

@@ -1,4 +1,4 @@
-"""GSM8K answer extraction and scoring (exact match on the final number).
+r"""GSM8K answer extraction and scoring (exact match on the final number).
 
 Two extractors, as lm-eval's GSM8K task has them:
 
@@ -7,6 +7,12 @@ Two extractors, as lm-eval's GSM8K task has them:
 
 Numbers are normalised before comparison: ``$`` and thousands commas removed, a trailing
 ``.`` dropped, and equal values compared as decimals (``18.00`` == ``18``).
+
+Conventions checked (tests/test_extract.py): every train and test answer of the original
+dataset (``<<48/2=24>>`` calculator notes, ``#### 1,450,000`` with thousands commas) scores
+itself as correct under both extractors; model outputs in LaTeX are read as their numbers:
+``\boxed{\$9{,}500}``, ``9\,500`` and ``\$9,500`` are all 9500 (``{,}`` and ``\,`` are LaTeX
+thousands separators, ``\$`` an escaped dollar sign).
 """
 
 from __future__ import annotations
@@ -45,15 +51,24 @@ def normalize_number(raw: str) -> str:
     return format(value.normalize(), "f")
 
 
+# LaTeX thousands separators between digits ({,} and the thin space \,) and escaped dollar signs.
+_LATEX_SEP = re.compile(r"(?<=\d)(?:\{,\}|\\,)(?=\d)")
+
+
+def _unlatex(text: str) -> str:
+    """``9{,}500`` -> ``9,500``, ``9\\,500`` -> ``9,500``, ``\\$`` -> ``$`` (before number matching)."""
+    return _LATEX_SEP.sub(",", text).replace("\\$", "$")
+
+
 def extract_strict(text: str) -> str | None:
     """The normalised number after the first ``####``, or ``None``."""
-    m = _STRICT.search(text)
+    m = _STRICT.search(_unlatex(text))
     return normalize_number(m.group(1)) if m else None
 
 
 def extract_flexible(text: str) -> str | None:
     """The normalised last number in ``text``, or ``None``."""
-    found = _ANY.findall(text)
+    found = _ANY.findall(_unlatex(text))
     return normalize_number(found[-1]) if found else None
 
 

@@ -82,21 +82,31 @@ def _budget(bundle, prompt_ids: list[list[int]], requested: int | None, spec: T.
 
 def _generate_batches(prompts: list[str], bundle, decoder: str, *, batch_size: int, progress: Progress | None,
                       stage: str, **kwargs) -> list[dict[str, Any]]:
-    """Decode ``prompts`` in batches; one dict per prompt with text, tokens and statistics."""
+    """Decode ``prompts`` in batches; one dict per prompt with text, tokens and statistics.
+
+    Under torchrun the batches are dealt round-robin to the ranks (data parallel) and gathered
+    back in prompt order on every rank; each batch holds the same prompts and starts from the
+    same seeded generator as in one process, so the rows are identical to a single-process run
+    (timings aside)."""
+    from unmask import dist
     from unmask.api import generate
 
-    out: list[dict[str, Any]] = []
-    for b, s in enumerate(range(0, len(prompts), batch_size)):
+    n_batches = -(-len(prompts) // batch_size)
+    tp = bool(bundle.meta.get("tp"))  # tensor-parallel: every rank takes part in every batch
+    mine = range(n_batches) if tp else dist.batch_shard(n_batches)
+    local: list[tuple[int, dict[str, Any]]] = []
+    for done, b in enumerate(mine, start=1):
+        s = b * batch_size
         g = generate(prompts[s:s + batch_size], bundle, decoder, **kwargs)
         for i in range(len(g.prompts)):
             row = g.stats.row(i)
-            out.append({"text": g.texts[i], "tokens": g.tokens[i], "prompt_tokens": g.prompt_tokens[i],
-                        "n_tokens": row["generated"], "nfe": row["nfe"], "tpf": row["tpf"],
-                        "seconds": g.stats.seconds, "tps": g.stats.tps, "batch": b,
-                        "batch_nfe": g.stats.nfe})
-        if progress is not None:
-            progress(len(out), len(prompts), stage)
-    return out
+            local.append((s + i, {"text": g.texts[i], "tokens": g.tokens[i], "prompt_tokens": g.prompt_tokens[i],
+                                  "n_tokens": row["generated"], "nfe": row["nfe"], "tpf": row["tpf"],
+                                  "seconds": g.stats.seconds, "tps": g.stats.tps, "batch": b,
+                                  "batch_nfe": g.stats.nfe}))
+        if progress is not None:  # this rank's share, scaled to the whole run
+            progress(min(len(prompts), done * (1 if tp else dist.world()) * batch_size), len(prompts), stage)
+    return [row for _, row in local] if tp else dist.gather_ordered(local)
 
 
 def _judge_ids(judge, items: list[T.Item], gens: list[dict[str, Any]]) -> tuple[list, list]:
@@ -168,9 +178,16 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
     from unmask.api import check_options
     from unmask.decode import default_decoder, get_decoder
 
+    from unmask import dist
+
     spec = T.get_task(task)
+    device = str(dist.setup(device))  # under torchrun: join the group, this rank's GPU
     if batch_size < 1:
         raise UnmaskError(f"--batch-size must be >= 1, got {batch_size}; pass e.g. --batch-size 8")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:  # before any generation
+        raise UnmaskError(f"--workers must be an integer >= 1, got {workers!r}; pass e.g. --workers 2")
+    if not timeout_s > 0:
+        raise UnmaskError(f"timeout_s must be > 0, got {timeout_s!r}; pass e.g. timeout_s=10")
     items = T.load_items(task, limit=limit, shots=shots, data_dir=data_dir)
     if not items:
         raise UnmaskError(f"task {task!r} has no items to evaluate; check its data file or --limit")
@@ -208,7 +225,7 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
     else:
         if progress is not None:
             progress(0, len(items), "score")
-        scores = T.score_texts(task, items, [g["text"] for g in gens], workers=workers, timeout_s=timeout_s)
+        scores = _score_sharded(task, items, [g["text"] for g in gens], workers=workers, timeout_s=timeout_s)
     config = {"task": task, "model": bundle.name, "kind": bundle.kind, "decoder": decoder,
               "options": dict(sorted(decoder_options.items())), "max_new_tokens": budget, "stop": stop,
               "shots": spec.default_shots if shots is None else shots, "batch_size": batch_size,
@@ -226,6 +243,21 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
                **_throughput(gens), **metrics, "quality_metric": qname, "quality_pct": metrics.get(qname),
                "notes": [note] if note else [], "config": config, "env": env}
     return EvalResult(rows, summary)
+
+
+def _score_sharded(task: str, items: list[T.Item], texts: list[str], **kwargs) -> list[dict[str, Any]]:
+    """``T.score_texts`` with the items dealt to the ranks in blocks of 8 under torchrun (running
+    programs is the costly part of code tasks); the scores come back in item order everywhere."""
+    from unmask import dist
+
+    if not dist.active():
+        return T.score_texts(task, items, texts, **kwargs)
+    block = 8
+    local = []
+    for b in dist.batch_shard(-(-len(items) // block)):
+        part = slice(b * block, (b + 1) * block)
+        local += list(enumerate(T.score_texts(task, items[part], texts[part], **kwargs), start=b * block))
+    return dist.gather_ordered(local)
 
 
 def _throughput(gens: list[dict[str, Any]]) -> dict[str, float]:

@@ -6,9 +6,22 @@ What :func:`run_program` does, and how far each measure goes:
   group), stdin from ``/dev/null``, with an environment holding only ``PATH``, ``HOME``,
   ``TMPDIR``, locale and ``OMP_NUM_THREADS``; ``-I`` also ignores ``PYTHON*`` variables and
   the user site-packages.
-- **Wall-clock timeout**: the whole process group is killed with SIGKILL. The group is
-  also killed after a normal exit, so leftover children die too. A program that calls
-  ``setsid()`` leaves the group and escapes this.
+- **Every descendant contained**: the bootstrap forks once. Its parent half is a supervisor,
+  a child subreaper (``PR_SET_CHILD_SUBREAPER``), so every process the program starts, even
+  one that calls ``setsid()``, ``setpgid(0, 0)`` or double-forks, stays its descendant or is
+  reparented to it. It enforces the wall-clock timeout and, when the program ends (or is
+  killed), SIGKILLs every remaining descendant (found through ``/proc``) until none is left.
+  With Landlock ABI ≥ 6 the program cannot signal the supervisor (signal scoping). The parent
+  also kills the whole process group as a last resort.
+- **Disk quota**: the supervisor measures the directory every 50 ms and kills the program
+  once it keeps more than ``max_disk_mb`` (or 10,000 entries) there (``RLIMIT_FSIZE`` only
+  bounds each file).
+- **Verdict from positive evidence**: ``passed`` needs exit status 0 *and* a per-run nonce
+  that the bootstrap writes to a verdict file only after the program's last statement
+  returned; ending the interpreter early with status 0 (``sys.exit``, ``os._exit``,
+  ``atexit``, ``exec``) is ``failed``. The nonce comes on a pipe closed before the program
+  starts and is kept out of its namespace; a program that searches the interpreter's memory
+  for it could still forge it (see the last paragraph).
 - **Limits** (``setrlimit``): address space (``RLIMIT_AS``), CPU seconds (backstop), file
   size (bounds stdout/stderr too) and no core dumps. The bootstrap applies them itself,
   before the program runs, rather than in ``preexec_fn``: ``preexec_fn`` can deadlock when
@@ -37,6 +50,7 @@ import ctypes
 import functools
 import json
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -45,6 +59,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from unmask.errors import UnmaskError
@@ -53,72 +68,8 @@ Status = Literal["passed", "failed", "timeout", "crash"]
 
 _SETUP_FAILED = 97  # exit code of the bootstrap when required confinement failed
 
-# Runs in the child before the program. Kept self-contained: it may import only stdlib.
-_BOOTSTRAP = r'''
-import ctypes, json, os, resource, sys
-cfg = json.loads(sys.argv[1])
-for name, value in (("RLIMIT_AS", cfg["mem"]), ("RLIMIT_CPU", cfg["cpu"]),
-                    ("RLIMIT_FSIZE", cfg["fsize"]), ("RLIMIT_CORE", 0)):
-    resource.setrlimit(getattr(resource, name), (value, value))
-
-def landlock(root, block_tcp):
-    libc = ctypes.CDLL(None, use_errno=True)
-    sc = libc.syscall
-    sc.restype = ctypes.c_long
-    abi = sc(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # landlock_create_ruleset
-    if abi < 1:
-        return False
-    # Write-type rights: WRITE_FILE, REMOVE_DIR, REMOVE_FILE, MAKE_CHAR..MAKE_SYM,
-    # then REFER (ABI 2) and TRUNCATE (ABI 3). Reads and execution are not handled.
-    fs = (1 << 1) | (1 << 4) | (1 << 5) | sum(1 << b for b in range(6, 13))
-    fs |= (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)
-    net = 3 if block_tcp and abi >= 4 else 0          # BIND_TCP | CONNECT_TCP, no rules
-    scoped = 3 if abi >= 6 else 0                      # abstract unix sockets, signals
-    class Attr(ctypes.Structure):
-        _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64),
-                    ("scoped", ctypes.c_uint64)]
-    class Beneath(ctypes.Structure):
-        _pack_ = 1
-        _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-    size = 8 if abi < 4 else 16 if abi < 6 else 24
-    rs = sc(444, ctypes.byref(Attr(fs, net, scoped)), ctypes.c_size_t(size), ctypes.c_uint32(0))
-    if rs < 0:
-        return False
-    file_rights = fs & ((1 << 1) | (1 << 14))          # rights valid on a non-directory
-    for path, rights in ((root, fs), ("/dev/null", file_rights)):
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        ok = sc(445, rs, 1, ctypes.byref(Beneath(rights, fd)), ctypes.c_uint32(0))
-        os.close(fd)
-        if ok != 0:
-            return False
-    if libc.prctl(38, 1, 0, 0, 0) != 0:                # PR_SET_NO_NEW_PRIVS
-        return False
-    return sc(446, rs, ctypes.c_uint32(0)) == 0        # landlock_restrict_self
-
-confined = False
-if cfg["landlock"]:
-    try:
-        confined = landlock(os.getcwd(), not cfg["network"])
-    except Exception:
-        confined = False
-os.write(cfg["report_fd"], b"1" if confined else b"0")  # tell the parent, then close
-os.close(cfg["report_fd"])
-if cfg["require"] and not confined:
-    sys.stderr.write("unmask sandbox: Landlock confinement failed\n")
-    os._exit(97)
-if not cfg["network"]:
-    import socket
-    def _no_network(*args, **kwargs):
-        raise OSError("network access is disabled in the unmask sandbox")
-    for _name in ("socket", "create_connection", "create_server", "socketpair", "fromfd"):
-        setattr(socket, _name, _no_network)
-del ctypes, json, resource, landlock, cfg, confined
-sys.argv = ["main.py"]
-with open("main.py", encoding="utf-8") as _f:
-    _code = compile(_f.read(), "main.py", "exec")
-del _f
-exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
-'''
+# Runs in the child before the program (python -c): limits, the supervisor, confinement.
+_BOOTSTRAP = (Path(__file__).with_name("_sandbox_boot.py")).read_text(encoding="utf-8")
 
 
 @functools.cache
@@ -138,8 +89,9 @@ def landlock_abi() -> int:
 class RunResult:
     """Outcome of one :func:`run_program` call.
 
-    ``status``: ``passed`` (exit code 0), ``failed`` (non-zero exit: an exception, a failed
-    assert, ``sys.exit(1)``, ``MemoryError``), ``timeout`` (wall clock exceeded; killed) or
+    ``status``: ``passed`` (ran to its last statement, then exit code 0), ``failed`` (non-zero
+    exit: an exception, a failed assert, ``sys.exit(1)``, ``MemoryError``; an exit with status 0
+    before the last statement; the disk quota exceeded), ``timeout`` (wall clock exceeded; killed) or
     ``crash`` (killed by a signal such as SIGSEGV, SIGXCPU or SIGXFSZ, or sandbox set-up
     failed). ``returncode`` is negative for a signal, ``None`` after a timeout.
     ``seconds`` is wall-clock time. The tails are the last characters of each stream.
@@ -183,16 +135,50 @@ def _tail(f, n: int) -> str:
     return f.read().decode("utf-8", errors="replace")[-n:]
 
 
+def _read(f) -> bytes:
+    f.seek(0)
+    return f.read()
+
+
+def _verdict(result: dict | None, rc_exited: bool, verdict: bytes, nonce: bytes, require: bool,
+             confined: bool) -> tuple[Status, int | None, str]:
+    """(status, returncode, note for stderr) from the supervisor's report and the verdict file."""
+    if result is None or result.get("reason") == "timeout" or not rc_exited:
+        return "timeout", None, ""
+    raw = result.get("status")
+    rc = os.waitstatus_to_exitcode(raw) if isinstance(raw, int) else None
+    if result.get("reason") == "disk":
+        return "failed", rc, "unmask sandbox: the program wrote more than its disk quota to its directory; killed"
+    if rc is None:
+        return "crash", rc, ""
+    if rc == 0 and verdict == nonce:
+        return "passed", rc, ""
+    if rc == 0:
+        return "failed", rc, "unmask sandbox: the program ended with status 0 before its last statement ran; not a pass"
+    if rc < 0 or (rc == _SETUP_FAILED and require and not confined):
+        return "crash", rc, ""
+    return "failed", rc, ""
+
+
 def run_program(program: str, *, timeout_s: float = 10.0, memory_mb: int = 2048,
-                max_output_mb: int = 16, network: bool = False,
+                max_output_mb: int = 16, max_disk_mb: int = 64, network: bool = False,
                 require_confinement: bool = False, tail_chars: int = 2000) -> RunResult:
     """Run ``program`` (Python source) in a sandboxed child process; see the module doc.
 
+    The verdict needs positive evidence: ``passed`` means the program's top level ran to its
+    last statement (for a test program: the final ``check(...)`` or assert returned) and then
+    exited with status 0. The bootstrap writes a per-run random nonce, received on a pipe that
+    is closed before the program starts and never in its namespace, to a verdict file after the
+    program returns; a program that ends the interpreter early (``sys.exit(0)``, ``os._exit(0)``,
+    an ``atexit`` hook, ``exec`` of another binary, a thread, ...) leaves no nonce and fails.
+
     Args:
         program: source code, run as ``__main__`` from ``main.py`` in a temporary directory.
-        timeout_s: wall-clock limit in seconds; the process group is killed after it.
+        timeout_s: wall-clock limit in seconds; every descendant is killed after it.
         memory_mb: address-space limit (``RLIMIT_AS``) in MiB.
         max_output_mb: largest file the child may write, stdout/stderr included, in MiB.
+        max_disk_mb: total bytes the program may keep in its directory (all files; also at most
+            10,000 entries), in MiB; the supervisor checks every 50 ms and kills it beyond that.
         network: leave sockets alone (default: disabled, best effort).
         require_confinement: raise instead of running when Landlock is unavailable.
         tail_chars: how many trailing characters of stdout/stderr to keep.
@@ -200,47 +186,61 @@ def run_program(program: str, *, timeout_s: float = 10.0, memory_mb: int = 2048,
     Raises:
         UnmaskError: bad limits, or ``require_confinement`` without kernel support.
     """
-    if timeout_s <= 0 or memory_mb <= 0 or max_output_mb <= 0:
-        raise UnmaskError("run_program: timeout_s, memory_mb and max_output_mb must be > 0")
+    if timeout_s <= 0 or memory_mb <= 0 or max_output_mb <= 0 or max_disk_mb <= 0:
+        raise UnmaskError("run_program: timeout_s, memory_mb, max_output_mb and max_disk_mb must be > 0")
     use_landlock = landlock_abi() > 0
     if require_confinement and not use_landlock:
         raise UnmaskError("file-system confinement needs Linux Landlock (kernel >= 5.13 with "
                           "the landlock LSM); run without require_confinement or in a container")
     cfg = {"mem": memory_mb * 2**20, "fsize": max_output_mb * 2**20,
            "cpu": int(timeout_s) + 2, "network": network, "landlock": use_landlock,
-           "require": require_confinement}
+           "require": require_confinement, "timeout": timeout_s, "disk": max_disk_mb * 2**20,
+           "disk_files": 10_000}
+    nonce = secrets.token_hex(16).encode()
     workdir = tempfile.mkdtemp(prefix="unmask-sandbox-")
     env = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
            "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1"}
+    nonce_r = nonce_w = None
     try:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(program)
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
-                tempfile.TemporaryFile() as report:
-            cfg["report_fd"] = report.fileno()
+                tempfile.TemporaryFile() as report, tempfile.TemporaryFile() as result, \
+                tempfile.TemporaryFile() as verdict:
+            nonce_r, nonce_w = os.pipe()
+            os.write(nonce_w, nonce)  # 32 bytes: fits the pipe buffer, so this never blocks
+            os.close(nonce_w)
+            nonce_w = None
+            cfg.update(report_fd=report.fileno(), result_fd=result.fileno(), verdict_fd=verdict.fileno(),
+                       nonce_fd=nonce_r)
             start = time.monotonic()
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-B", "-c", _BOOTSTRAP, json.dumps(cfg)],
                 cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                start_new_session=True, close_fds=True, pass_fds=(report.fileno(),))
-            exited = _wait_for_exit(proc, timeout_s)
+                start_new_session=True, close_fds=True,
+                pass_fds=(report.fileno(), result.fileno(), verdict.fileno(), nonce_r))
+            os.close(nonce_r)
+            nonce_r = None
+            # The supervisor enforces the deadline itself; the grace covers its start and clean-up.
+            exited = _wait_for_exit(proc, timeout_s + 10.0)
             try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the program's own children, or all
+                os.killpg(proc.pid, signal.SIGKILL)  # a last resort when the supervisor itself died
             except (ProcessLookupError, PermissionError):
                 pass
-            rc = proc.wait()
+            proc.wait()
             seconds = time.monotonic() - start
             stdout, stderr = _tail(out, tail_chars), _tail(err, tail_chars)
-            report.seek(0)
-            confined = report.read() == b"1"
+            confined = _read(report) == b"1"
+            try:
+                supervisor = json.loads(_read(result) or b"null")
+            except ValueError:
+                supervisor = None
+            status, rc, note = _verdict(supervisor, exited, _read(verdict), nonce, require_confinement, confined)
     finally:
+        for fd in (nonce_r, nonce_w):
+            if fd is not None:
+                os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
-    if not exited:
-        status: Status = "timeout"
-    elif rc == 0:
-        status = "passed"
-    elif rc < 0 or (rc == _SETUP_FAILED and require_confinement and not confined):
-        status = "crash"
-    else:
-        status = "failed"
-    return RunResult(status, rc if exited else None, seconds, stdout, stderr, confined)
+    if note:
+        stderr = (stderr + ("\n" if stderr and not stderr.endswith("\n") else "") + note + "\n")[-tail_chars:]
+    return RunResult(status, rc, seconds, stdout, stderr, confined)

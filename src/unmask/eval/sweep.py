@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from unmask.errors import UnmaskError
 from unmask.eval import tasks as T
-from unmask.eval.aup import aup
+from unmask.eval.aup import aup_report
 from unmask.fileio import atomic_savefig
 from unmask.eval.runner import EvalResult, Progress, References, _load, evaluate
 
@@ -52,6 +52,8 @@ class SweepResult:
 
     ``aup_score`` is ``None`` when AUP is undefined for these points (d3LLM refuses a curve
     whose last point lost more than 5 points of quality), with the reason in ``aup_error``.
+    ``aup_dropped`` lists the (TPF, quality) points AUP's filter left out (more than 5 points
+    below the quality at the smallest TPF).
     """
 
     task: str
@@ -63,10 +65,12 @@ class SweepResult:
     aup_score: float | None
     aup_error: str | None = None
     points: list[dict[str, Any]] = field(default_factory=list)
+    aup_dropped: list[tuple[float, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"task": self.task, "param": self.param, "metric": self.metric, "y_max": self.y_max,
-                "aup": self.aup_score, "aup_error": self.aup_error, "points": self.points}
+                "aup": self.aup_score, "aup_error": self.aup_error, "aup_dropped": self.aup_dropped,
+                "points": self.points}
 
     def plot(self, path: str | os.PathLike) -> Path:
         """PNG: quality against TPF and against TPS, each point labelled with its value, the
@@ -144,6 +148,9 @@ def sweep(task: str, model=None, decoder: str | None = None, *, param: str,
     if param in eval_kwargs:
         raise UnmaskError(f"--{param.replace('_', '-')} is what the sweep varies; drop it")
     eval_kwargs.setdefault("policy", SWEEP_PARAMS[param])
+    from unmask import dist
+
+    device = str(dist.setup(device))  # under torchrun every point is decoded data-parallel
     bundle = _load(model, device=device, dtype=dtype)
     refs = eval_kwargs.pop("references", None) or References()
     results = []
@@ -158,14 +165,14 @@ def sweep(task: str, model=None, decoder: str | None = None, *, param: str,
     usable = [(p["tpf"], p["quality"]) for p in points if p["quality"] is not None and p["tpf"] > 0]
     best = max((q for _, q in usable), default=0.0)
     y_max = best if y_max is None else y_max
-    score, error = None, None
+    score, error, dropped = None, None, []
     if not usable:
         error = f"no point has a {metric}"
     elif y_max <= 0:
         error = f"every point has {metric} = 0, so AUP's weight is undefined"
     else:
         try:
-            score = aup(usable, y_max)
+            score, dropped = aup_report(usable, y_max)
         except UnmaskError as e:
             error = str(e)
-    return SweepResult(task, param, metric, vals, results, y_max, score, error, points)
+    return SweepResult(task, param, metric, vals, results, y_max, score, error, points, dropped)

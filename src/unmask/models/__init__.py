@@ -11,13 +11,18 @@ from unmask.models.registry import default_model, resolve, shipped
 
 def load(name_or_path: str | None = None, *, kind: str | None = None, device: str = "cpu",
          dtype: str = "float32", mask_token_id: int | None = None, logit_shift: int | None = None,
-         trust_remote_code: bool = False, adapter: str | os.PathLike | None = None) -> ModelBundle:
+         trust_remote_code: bool = False, tp: int | None = None, force_mask_id: bool = False,
+         adapter: str | os.PathLike | None = None) -> ModelBundle:
     """Load a shipped checkpoint by name (``unmask.load("stories260K")``) or a local Hugging
     Face directory by path. ``None`` loads the default shipped model. No network is used.
 
     ``mask_token_id`` and ``logit_shift`` (0 LLaDA-style, 1 Dream-style) override what the
-    directory says; ``trust_remote_code`` is needed for checkpoints with their own model code
-    (LLaDA, Dream). See :func:`unmask.models.bundle.load_dir`.
+    directory says. Published LLaDA, Dream, SDAR and LLaDA2.0 directories load into unmask's
+    native classes with no remote code (:mod:`unmask.models.families`); ``trust_remote_code`` is
+    needed only for other checkpoints that ship their own model code. ``tp`` > 1:
+    tensor-parallel over the processes of a torchrun launch (docs/scaling.md). A
+    ``mask_token_id`` that is a special or ordinary vocabulary token (EOS, ``<unk>``) is refused
+    unless ``force_mask_id=True``. See :func:`unmask.models.bundle.load_dir`.
 
     ``adapter``: a gated SBD adapter to load onto the model (spec/sbd_exact.md §3), by bare
     name from ``<model dir>/adapters/`` (``adapter="sbd"``) or by directory; the bundle is then
@@ -33,7 +38,8 @@ def load(name_or_path: str | None = None, *, kind: str | None = None, device: st
         raise UnmaskError("the model name is empty; pass a shipped name or a directory, or leave it out for the default")
     name, path = resolve(os.fspath(name_or_path) if name_or_path is not None else default_model())
     bundle = load_dir(path, name=name, kind=kind, device=device, dtype=dtype, mask_token_id=mask_token_id,
-                      logit_shift=logit_shift, trust_remote_code=trust_remote_code)
+                      logit_shift=logit_shift, trust_remote_code=trust_remote_code, tp=tp,
+                      force_mask_id=force_mask_id)
     if adapter is not None:
         from unmask.models.adapter_io import apply_adapter
 

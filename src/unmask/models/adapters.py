@@ -6,7 +6,8 @@ Decoders never branch on the model family. They read the bundle's ``mask_token_i
 attention mask and positions:
 
 - **native** transformers classes (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ... run
-  bidirectionally, e.g. the tiny stand-ins and AR-adapted checkpoints): ``is_causal=False``,
+  bidirectionally, e.g. the tiny stand-ins and AR-adapted checkpoints, and the published LLaDA /
+  Dream checkpoints, which load into :mod:`unmask.models.families`): ``is_causal=False``,
   padding folded into a 4D bool mask (additive for eager), explicit ``position_ids`` and an HF
   ``Cache``, all through :mod:`unmask.compat` (models.md §3).
 - **LLaDA** remote code (``AutoModel``, ``trust_remote_code``): ``input_ids`` plus a 2D padding
@@ -14,8 +15,9 @@ attention mask and positions:
 - **Dream** remote code: ``attention_mask="full"`` without padding, else a 4D bool mask with
   ``position_ids = cumsum(valid) - 1``; no HF cache (models.md §2.4).
 
-The remote forwards follow the published generation code; whether those models load under
-transformers 5.x is *unverified* (models.md §4).
+The remote forwards follow the published generation code; they serve directories whose own
+code is loaded with ``trust_remote_code`` (the published LLaDA/Dream files themselves fail under
+transformers 5, which is why their architectures are recognised and loaded natively instead).
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class Family:
     sampler: "llada" (float64 Gumbel-max, untempered κ) or "dream" (categorical, tempered κ),
         diffusion.md §4.
     loader: the transformers auto class its remote code registers.
+    kind: the bundle kind its checkpoints load as. block_size: the native block of a
+        block-diffusion family (SDAR 4, LLaDA2 32; models.md §2.5-2.6), else None.
+    model_types: the ``model_type`` values of its published configs.
+    tokenizer: the transformers tokenizer class that reads its published tokenizer files without
+        remote code (Dream's and SDAR's ``tokenizer_config.json`` name remote classes).
     """
 
     name: str
@@ -48,23 +55,33 @@ class Family:
     stop_token_ids: tuple[int, ...] = ()
     sampler: str = "llada"
     loader: str = "AutoModelForCausalLM"
+    kind: str = "masked-diffusion"
+    block_size: int | None = None
+    model_types: tuple[str, ...] = ()
+    tokenizer: str = "PreTrainedTokenizerFast"
 
 
 NATIVE = Family("native")
 FAMILIES: dict[str, Family] = {
     "llada": Family("llada", logit_shift=0, mask_token_id=126336, stop_token_ids=(126081, 126348), sampler="llada",
-                    loader="AutoModel"),
-    "dream": Family("dream", logit_shift=1, mask_token_id=None, sampler="dream", loader="AutoModel"),
+                    loader="AutoModel", model_types=("llada",)),
+    "dream": Family("dream", logit_shift=1, mask_token_id=None, sampler="dream", loader="AutoModel",
+                    model_types=("dream",), tokenizer="Qwen2Tokenizer"),
+    "sdar": Family("sdar", mask_token_id=151669, stop_token_ids=(151645, 151643), kind="block-diffusion",
+                   block_size=4, model_types=("sdar",), tokenizer="Qwen2Tokenizer"),
+    "llada2": Family("llada2", mask_token_id=156895, stop_token_ids=(156892,), kind="block-diffusion", block_size=32,
+                     model_types=("llada2_moe",)),
 }
 
 
 def family_of(config: dict) -> Family | None:
     """The dLLM family of a ``config.json`` dict (by ``model_type``, then ``architectures``), or None."""
     model_type = str(config.get("model_type", "")).lower()
-    if model_type in FAMILIES:
-        return FAMILIES[model_type]
+    for fam in FAMILIES.values():
+        if model_type in fam.model_types:
+            return fam
     for arch in config.get("architectures") or ():
-        for name, fam in FAMILIES.items():
+        for name, fam in sorted(FAMILIES.items(), key=lambda kv: -len(kv[0])):  # llada2 before llada
             if str(arch).lower().startswith(name):
                 return fam
     return None

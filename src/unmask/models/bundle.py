@@ -55,12 +55,19 @@ class ModelBundle:
         return () if self.mask_token_id is None else (self.mask_token_id,)
 
     def encode(self, text: str) -> list[int]:
-        """Prompt text -> ids, with BOS when the tokenizer adds one."""
+        """Prompt text -> ids, with BOS when the tokenizer adds one. Raises UnmaskError when the
+        checkpoint has no tokenizer (pass token ids to the decoders instead)."""
+        if self.tokenizer is None:
+            raise UnmaskError(f"{self.name} has no tokenizer files; add the checkpoint's tokenizer to its directory "
+                              "or pass token ids to the decoders")
         return list(self.tokenizer(text)["input_ids"])
 
     def decode_continuation(self, prompt_ids: list[int], new_ids: list[int]) -> str:
         """The text that ``new_ids`` add after ``prompt_ids`` (tokenizers drop a leading space
         after BOS, so the continuation is the difference of two decodes)."""
+        if self.tokenizer is None:
+            raise UnmaskError(f"{self.name} has no tokenizer files; add the checkpoint's tokenizer to its directory "
+                              "or read the token ids")
         full = self.tokenizer.decode(list(prompt_ids) + list(new_ids), skip_special_tokens=True)
         head = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
         return full[len(head):] if full.startswith(head) else self.tokenizer.decode(new_ids, skip_special_tokens=True)
@@ -78,10 +85,35 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
+def check_finite_weights(bundle: ModelBundle) -> None:
+    """Refuse to decode with weights holding nan or inf (e.g. a diverged training run): every
+    logit would be non-finite and the "decoded" text garbage. The result is cached on the model
+    until a parameter is modified in place (its ``_version`` counter moves).
+
+    Raises:
+        UnmaskError: a parameter or buffer is not finite.
+    """
+    tensors = [t for t in (*bundle.model.parameters(), *bundle.model.buffers()) if t.is_floating_point()]
+    try:
+        key = tuple((id(t), t._version) for t in tensors)
+    except RuntimeError:  # inference tensors keep no version counter: check every time
+        key = None
+    if key is not None and getattr(bundle.model, "_unmask_finite_key", None) == key:
+        return
+    for name, t in (*bundle.model.named_parameters(), *bundle.model.named_buffers()):
+        if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
+            raise UnmaskError(f"model {bundle.name!r} has non-finite weights ({name} holds nan or inf), so its logits "
+                              "are not finite; retrain it (lower --lr) or load another checkpoint")
+    if key is not None:
+        bundle.model._unmask_finite_key = key
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        device = "cpu"
     try:
         device = torch.device(device)
-    except RuntimeError:  # torch's message lists two dozen backends; ours names the two that work
+    except (RuntimeError, TypeError, ValueError):  # torch's message lists two dozen backends; ours names two
         raise UnmaskError(f"unknown device {device!r}; use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UnmaskError("CUDA is not available on this machine; use --device cpu")
@@ -134,8 +166,8 @@ def _as_id(value, what: str) -> int:
 
 
 def _mask_id(explicit, meta: dict, model, tokenizer, family, path: Path) -> int | None:
-    """Mask id: explicit option > unmask_config.json > HF config > tokenizer > the family's
-    documented id. The config and tokenizer must agree when both name one (models.md §2.1)."""
+    """Mask id: explicit option > unmask_config.json > HF config > the family's documented id >
+    tokenizer. The config and tokenizer must agree when both name one (models.md §2.1)."""
     if explicit is not None:
         return _as_id(explicit, "mask_token_id")
     if meta.get("mask_token_id") is not None:
@@ -145,35 +177,102 @@ def _mask_id(explicit, meta: dict, model, tokenizer, family, path: Path) -> int 
     if from_config is not None and from_tokenizer is not None and int(from_config) != int(from_tokenizer):
         raise UnmaskError(f"{path}: config.json names mask token {from_config} but the tokenizer's is {from_tokenizer}; "
                           "pass mask_token_id= to choose one")
-    for candidate in (from_config, from_tokenizer, getattr(family, "mask_token_id", None)):
+    # The family's documented id outranks the tokenizer: SDAR's tokenizer_config names a
+    # "<|MASK|>" its added_tokens.json does not hold (data/dllm_configs/sdar/SOURCE.md).
+    for candidate in (from_config, getattr(family, "mask_token_id", None), from_tokenizer):
         if candidate is not None:
             return int(candidate)
     return None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer.tiktoken")
+
+
+def _load_tokenizer(path: Path, family, native: bool, trust_remote_code: bool):
+    """The directory's tokenizer, or None when it holds no tokenizer vocabulary (config and
+    weights only: the decoders' token-id entry points still work). Published dLLM families are
+    read with their transformers class, never with the tokenizer code a directory may ship."""
+    from transformers import AutoTokenizer
+
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    if native:
+        import transformers
+
+        # tokenizer.json holds the whole pipeline; without it (Dream ships vocab.json + merges.txt)
+        # the family's class rebuilds it. AutoTokenizer would follow the remote auto_map instead.
+        cls = "PreTrainedTokenizerFast" if (path / "tokenizer.json").is_file() else family.tokenizer
+        return getattr(transformers, cls).from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def _block_size(meta: dict, hf_config: dict, family) -> int | None:
+    """unmask_config.json's block size, else (when the HF config names none) the family's native one."""
+    if meta.get("block_size") is not None:
+        return meta["block_size"]
+    if family is not None and not any(k in hf_config for k in ("block_size", "block_length")):
+        return family.block_size
+    return None
+def _check_explicit_mask_id(mask_id: int, declared: list[int], tokenizer, path: Path) -> None:
+    """Refuse an explicit mask id that is a special or ordinary token of the vocabulary (issue 15).
+
+    Accepted: the checkpoint's own mask id, the tokenizer's mask token, a token whose name says
+    mask, or a row the tokenizer has no token for (an added embedding row). Decoders suppress the
+    mask id and read it as "not yet decoded", so using EOS or <unk> corrupts every decode silently.
+    """
+    if mask_id in declared or mask_id == getattr(tokenizer, "mask_token_id", None):
+        return
+    try:
+        size = len(tokenizer)
+        token = tokenizer.convert_ids_to_tokens(mask_id) if mask_id < size else None
+    except (TypeError, ValueError, IndexError):
+        return
+    if token is None or "mask" in str(token).lower():
+        return
+    special = mask_id in set(getattr(tokenizer, "all_special_ids", []) or [])
+    which = "special token" if special else "ordinary vocabulary token"
+    named = f"the checkpoint's is {declared[0]}" if declared else "the checkpoint names none"
+    raise UnmaskError(f"mask_token_id {mask_id} is the {which} {token!r} of {path.name} ({named}); pass the "
+                      "model's mask token id, or force_mask_id=True to use this token as the mask anyway")
+
+
 def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dtype="float32",
              mask_token_id: int | None = None, logit_shift: int | None = None,
-             trust_remote_code: bool = False) -> ModelBundle:
+             trust_remote_code: bool = False, tp: int | None = None, force_mask_id: bool = False) -> ModelBundle:
     """Load a local Hugging Face directory into a ModelBundle.
 
-    The kind comes from ``kind``, else from ``unmask_config.json`` in the directory, else
-    ``masked-diffusion`` for a LLaDA/Dream config, else ``causal``. Masked-diffusion facts
-    (models.md §2.3-2.4): the mask id comes from ``mask_token_id``, else unmask_config.json, the
-    HF config, the tokenizer or the family's documented id; the logit shift from ``logit_shift``,
-    else unmask_config.json, else the family (Dream 1, LLaDA 0), else 0. Remote-code families load
-    through the auto class their ``auto_map`` registers (``AutoModel`` for LLaDA/Dream) and need
-    ``trust_remote_code=True``.
+    The kind comes from ``kind``, else from ``unmask_config.json`` in the directory, else the
+    dLLM family's (``masked-diffusion`` for LLaDA/Dream, ``block-diffusion`` for SDAR/LLaDA2),
+    else ``causal``. Masked-diffusion facts (models.md §2.3-2.6): the mask id comes from
+    ``mask_token_id``, else unmask_config.json, the HF config, the family's documented id or the
+    tokenizer; the logit shift from ``logit_shift``, else unmask_config.json, else the family
+    (Dream 1, others 0), else 0; the block size from unmask_config.json, the HF config, else the
+    family (SDAR 4, LLaDA2 32).
 
-    Raises UnmaskError for a directory without config.json, unreadable weights, an unknown kind,
-    remote code without ``trust_remote_code``, disagreeing mask ids, or a kind that needs a mask
-    token the checkpoint does not name.
+    Published LLaDA, Dream, SDAR and LLaDA2.0 checkpoints (recognised by ``architectures`` in
+    config.json) load into unmask's native classes (:mod:`unmask.models.families`) with no remote
+    code, whatever ``trust_remote_code`` says. Other directories with their own code (``auto_map``)
+    load through the auto class it registers and need ``trust_remote_code=True``. A directory
+    without tokenizer files loads with ``tokenizer=None``.
+
+    ``tp`` > 1 loads the weights tensor-parallel over the ``tp`` processes of a torchrun launch
+    through transformers' distributed loading (``DistributedConfig(tp_plan="auto")``, the
+    model's own plan); every rank then holds a shard and computes the same, all-reduced logits.
+
+    An explicit ``mask_token_id`` that is a special or ordinary token of the vocabulary (EOS,
+    ``<unk>``, a word) is refused unless ``force_mask_id=True``.
+
+    Raises UnmaskError for a directory without config.json, unreadable weights, an unknown kind, a
+    ``kind`` that contradicts the one ``unmask_config.json`` records, remote code without
+    ``trust_remote_code``, disagreeing mask ids, a mask id that is a vocabulary token (without
+    ``force_mask_id``), or a kind that needs a mask token the checkpoint does not name.
     """
     import transformers
     from safetensors import SafetensorError
-    from transformers import AutoTokenizer
 
     from unmask.compat import quiet_transformers
     from unmask.models.adapters import family_of, loader_name
+    from unmask.models.families import load_native, native_module
 
     if not (path / "config.json").is_file():
         raise UnmaskError(f"{path} is not a Hugging Face model directory (no config.json); "
@@ -181,25 +280,45 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     meta = read_unmask_config(path)
     hf_config = _read_hf_config(path)
     family = family_of(hf_config)
-    kind = kind or meta.get("kind") or ("masked-diffusion" if family is not None else "causal")
+    native = native_module(hf_config)
+    if kind is not None and meta.get("kind") is not None and kind != meta["kind"]:
+        raise UnmaskError(f"{path} is a {meta['kind']} checkpoint (kind in {UNMASK_CONFIG}); --kind {kind} cannot "
+                          "override it, drop --kind")
+    kind = kind or meta.get("kind") or (family.kind if family is not None else "causal")
     if kind not in KINDS:
         raise UnmaskError(f"unknown model kind {kind!r}; choose one of: {', '.join(KINDS)}")
-    if hf_config.get("auto_map") and not trust_remote_code:
+    if native is None and hf_config.get("auto_map") and not trust_remote_code:
         raise UnmaskError(f"{path} ships its own model code (auto_map in config.json); load it with "
                           "trust_remote_code=True if you trust that code")
     if logit_shift is not None and logit_shift not in (0, 1):
         raise UnmaskError(f"logit_shift must be 0 or 1 (got {logit_shift}); use 1 for Dream-style models")
     device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     quiet_transformers()
-    auto = getattr(transformers, loader_name(hf_config, family))
+    extra = {}
+    if tp is not None and tp != 1:
+        if native is not None:
+            raise UnmaskError(f"--tp is not supported for the native {family.name if family else 'dLLM'} classes yet; "
+                              "drop --tp (data parallel still works under torchrun)")
+        from unmask.models.tensor_parallel import tp_load_options
+
+        device, extra = tp_load_options(tp, device, hf_config, trust_remote_code)
     try:
-        model = auto.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if native is not None:
+            model = load_native(native, path, hf_config, dtype=torch_dtype)
+        else:
+            auto = getattr(transformers, loader_name(hf_config, family))
+            model = auto.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code, **extra)
+        tokenizer = _load_tokenizer(path, family, native is not None, trust_remote_code)
+    except UnmaskError:
+        raise
     except (OSError, ValueError, RuntimeError, KeyError, ImportError, TypeError, SafetensorError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnmaskError(f"cannot load the checkpoint in {path}: {first.rstrip('.:')}; "
                           "the directory is incomplete or corrupt, restore or re-save it") from None
     model.to(device).eval()
+    from unmask.threads import after_load
+
+    after_load(model)
     if kind == "causal":  # a causal model may still carry a mask token (e.g. before SBD fine-tuning)
         mask_id = mask_token_id if mask_token_id is not None else meta.get("mask_token_id")
         if mask_id is not None:
@@ -209,6 +328,10 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     if kind != "causal" and mask_id is None:
         raise UnmaskError(f"{path} is a {kind} model but names no mask token; pass mask_token_id=ID "
                           "or add it to unmask_config.json")
+    if mask_token_id is not None and not force_mask_id:
+        named = (meta.get("mask_token_id"), getattr(model.config, "mask_token_id", None),
+                 getattr(family, "mask_token_id", None))
+        _check_explicit_mask_id(int(mask_id), [int(i) for i in named if isinstance(i, int)], tokenizer, path)
     vocab = getattr(model.config, "vocab_size", None)
     if mask_id is not None and isinstance(vocab, int) and not 0 <= int(mask_id) < vocab:
         raise UnmaskError(f"{path}: mask token id {mask_id} is outside the model's vocabulary of {vocab}; "
@@ -224,11 +347,15 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         stops = tuple(dict.fromkeys(stops + tuple(i for i in family.stop_token_ids if i < vocab)))
     if family is not None:
         meta = {"family": family.name, **meta}
+    if extra:  # tensor-parallel: every rank runs the same decode (no data-parallel sharding)
+        meta = {**meta, "tp": tp}
     bos = getattr(tokenizer, "bos_token_id", None)
-    pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(model.config, "pad_token_id", None) if tokenizer is None else None
     return ModelBundle(
         model=model, tokenizer=tokenizer, kind=kind, name=name, path=path, bos_token_id=bos,
-        stop_token_ids=stops, pad_token_id=int(pad),
+        stop_token_ids=stops, pad_token_id=int(pad) if pad is not None else 0,
         mask_token_id=None if mask_id is None else int(mask_id),
-        logit_shift=int(logit_shift), block_size=meta.get("block_size"), meta=meta,
+        logit_shift=int(logit_shift), block_size=_block_size(meta, hf_config, family), meta=meta,
     )

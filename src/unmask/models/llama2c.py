@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from unmask.errors import UnmaskError
-from unmask.fileio import check_parents, publish_dir, staging_dir
+from unmask.fileio import check_parents, output_lock, probe_writable, publish_dir, staging_dir, write_errors
 
 # sha256 of the genuine files (spec/models.md §1.1); look-alikes with the same header exist.
 KNOWN_SHA256 = {
@@ -94,6 +94,9 @@ def read_checkpoint(path: str | os.PathLike, verify: bool = True) -> tuple[Llama
     if min(fields) <= 0 or header.vocab_size == 0 or header.dim % header.n_heads or header.n_heads % header.n_kv_heads:
         raise UnmaskError(f"{path} has an invalid llama2.c header {fields}; pass a legacy (v0) llama2.c checkpoint "
                           "first and the tokenizer second")
+    if header.head_size % 2:  # rotary embeddings rotate pairs of dimensions
+        raise UnmaskError(f"{path} has an odd head size {header.head_size} (dim {header.dim} / {header.n_heads} heads); "
+                          "rotary embeddings need an even head size, pass a valid llama2.c checkpoint")
     expected = _HEADER.size + 4 * header.n_floats()
     if len(raw) != expected:
         raise UnmaskError(
@@ -281,14 +284,24 @@ def convert_llama2c(checkpoint: str | os.PathLike, tokenizer: str | os.PathLike,
     The directory is assembled in a temporary sibling and renamed into place, so an interrupted
     or failed conversion never leaves a half-written ``out_dir``.
 
-    Raises UnmaskError for missing/corrupt inputs or an existing ``out_dir`` without ``overwrite``.
+    ``out_dir`` is locked against a second writer for the whole conversion.
+
+    Raises UnmaskError for missing/corrupt inputs, an existing ``out_dir`` without ``overwrite``,
+    another process writing ``out_dir``, or a write that fails (full disk, no permission).
     """
     out = Path(out_dir)
+    check_parents(out, "OUT_DIR")
+    with output_lock(out, "OUT_DIR"):
+        return _convert(checkpoint, tokenizer, out, overwrite=overwrite, verify=verify)
+
+
+def _convert(checkpoint, tokenizer, out: Path, *, overwrite: bool, verify: bool) -> Path:
+    
     if out.exists() and not overwrite:
         raise UnmaskError(f"{out} already exists; choose another OUT_DIR or pass --overwrite")
     if out.exists() and not out.is_dir():
         raise UnmaskError(f"{out} is a file, not a model directory; choose another OUT_DIR or remove the file")
-    check_parents(out, "OUT_DIR")
+    probe_writable(out.parent, f"OUT_DIR {out}")
     header, tensors = read_checkpoint(checkpoint, verify=verify)
     pieces, scores = read_tokenizer(tokenizer, vocab_size=abs(header.vocab_size), verify=verify)
     model = build_hf_model(header, tensors)
@@ -296,12 +309,11 @@ def convert_llama2c(checkpoint: str | os.PathLike, tokenizer: str | os.PathLike,
     hf_tok.model_max_length = header.seq_len
     tmp = None
     try:
-        tmp = staging_dir(out)
-        model.save_pretrained(tmp)
-        hf_tok.save_pretrained(tmp)
-        publish_dir(tmp, out)
-    except OSError as e:
-        raise UnmaskError(f"cannot write {out}: {e.strerror or e}; choose a writable OUT_DIR") from None
+        with write_errors(out, "free disk space or choose a writable OUT_DIR"):
+            tmp = staging_dir(out)
+            model.save_pretrained(tmp)
+            hf_tok.save_pretrained(tmp)
+            publish_dir(tmp, out)
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -5,8 +5,9 @@ Layout (our choice): ``MODEL_DIR/routers/lbs.safetensors`` + ``lbs.json`` and
 config, the sha256 of the weights file (a weights file that does not match its JSON is refused),
 facts about the base model it was trained with, ``tau_psi`` for LPS, and training metrics.
 
-Each file is written through a temporary file and a rename; a recipe that writes both routers
-stages the whole directory and publishes it with :func:`unmask.fileio.publish_dir`.
+:func:`save_router` stages a copy of the router directory, writes the new pair there and swaps
+the directory in one step; a recipe that writes both routers stages the whole directory and
+publishes it with :func:`unmask.fileio.publish_dir` too.
 
 Compatibility: LBS embeds top-1 tokens with the base model's input embedding, so an LBS router
 trained for another vocabulary or embedding width is refused; a different embedding of the same
@@ -17,15 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 
 from unmask.errors import UnmaskError
-from unmask.fileio import atomic_write_json
+from unmask.fileio import atomic_write_json, publish_dir, staging_dir
 from unmask.routers.lbs import LBSConfig, LBSRouter
 from unmask.routers.lps import LPSConfig, LPSRouter
 
@@ -61,28 +61,43 @@ def save_router(router, directory: str | Path, *, meta: dict | None = None) -> P
 
     ``meta`` (JSON-able) is stored as is, e.g. ``{"base_model": base_model_facts(bundle),
     "tau_psi": 0.9, "metrics": {...}}``. Returns the JSON path.
+
+    The router directory is published as one unit: a staged copy of ``directory`` (the other
+    router's files included) receives the new pair and is swapped in atomically
+    (:func:`unmask.fileio.publish_dir`), so a crash at any moment leaves the previous, matching
+    weights and JSON in place.
+
+    Raises:
+        UnmaskError: the directory cannot be written (full disk, no permission).
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    weights = directory / f"{router.kind}.safetensors"
     state = {k: v.detach().cpu().contiguous() for k, v in router.state_dict().items()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{weights.name}.", dir=directory)
-    os.close(fd)
     try:
-        save_file(state, tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, weights)
+        stage = staging_dir(directory)
+    except OSError as e:
+        raise UnmaskError(f"cannot write the router to {directory}: {e.strerror or e}; choose a writable --out") from None
+    try:
+        if directory.is_dir():
+            shutil.copytree(directory, stage, dirs_exist_ok=True, symlinks=True)
+        weights = stage / f"{router.kind}.safetensors"
+        save_file(state, str(weights))
+        info = {"format": FORMAT, "router": router.kind, "config": router.config.to_dict(),
+                "weights_sha256": _sha256(weights), "n_params": sum(p.numel() for p in router.parameters()),
+                **(meta or {})}
+        atomic_write_json(stage / f"{router.kind}.json", info)
+        publish_dir(stage, directory)
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(stage, ignore_errors=True)
+        reason = getattr(e, "strerror", None) or str(e)
+        raise UnmaskError(f"cannot write the router to {directory}: {reason}; free disk space or choose another "
+                          "--out") from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        shutil.rmtree(stage, ignore_errors=True)
         raise
-    info = {"format": FORMAT, "router": router.kind, "config": router.config.to_dict(),
-            "weights_sha256": _sha256(weights), "n_params": sum(p.numel() for p in router.parameters()),
-            **(meta or {})}
-    path = directory / f"{router.kind}.json"
-    atomic_write_json(path, info)
-    return path
+    return directory / f"{router.kind}.json"
 
 
 def load_router(directory: str | Path, kind: str, *, device="cpu"):

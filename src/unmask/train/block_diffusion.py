@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from unmask.errors import UnmaskError
+from unmask.train.wiring import holds_output_locks
 
 IGNORE = -100
 ROUNDINGS = ("floor", "stochastic")
@@ -303,7 +304,8 @@ def load_base(base: str, dtype: str, *, block_size: int | None, allow_causal: bo
 
     bundle = load(base, dtype=dtype)
     cls = type(bundle.model).__name__
-    if not cls.endswith("ForCausalLM") or getattr(bundle.model.config, "is_encoder_decoder", False):
+    causal_lm = any(c.__name__.endswith("ForCausalLM") for c in type(bundle.model).__mro__)  # incl. LLaDA2MoeModelLM
+    if not causal_lm or getattr(bundle.model.config, "is_encoder_decoder", False):
         raise UnmaskError(f"base {base!r} is a {cls}, not a decoder-only LM; pass one with --base (Llama, Qwen2, "
                           "Qwen3, ...)")
     allowed = ("causal", "block-diffusion") if allow_causal else ("block-diffusion",)
@@ -342,15 +344,17 @@ def fit(*, bundle, objective, base: str, data, out: str | Path, run_dir: str | P
                           f"{bundle.context_length} tokens; pass a --seq-len in that range")
     row_tokens(torch.zeros((1, seq_len + 1), dtype=torch.long), objective.block_size, objective.prompt_len)
     vocab = bundle.model.get_input_embeddings().weight.shape[0]
+    # (N, L+1), (M, L+1)
     train_chunks, val_chunks = load_chunks(paths, bundle.tokenizer, vocab, pack_aligned, seq_len, need=seq_len + 1,
-                                           val_fraction=val_fraction, seed=cfg.seed)  # (N, L+1), (M, L+1)
+                                           val_fraction=val_fraction, seed=cfg.seed, config=bundle.model.config)
     info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective=describe,
                     objective_config={k: v for k, v in asdict(objective).items() if k not in ("name", "term_names")})
     meta = {**meta, "stop_token_ids": list(bundle.stop_token_ids), "base": base, "version": BD_FORMAT_VERSION}
     return train_and_publish(bundle, objective, train_chunks, val_chunks, cfg, run_dir, out, info=info, meta=meta,
-                             device=device, resume=resume, progress=progress)
+                             device=device, resume=resume, progress=progress, overwrite=overwrite)
 
 
+@holds_output_locks
 def train_block_diffusion(*, base: str, data, out: str | Path, block_size: int | None = None,
                           run_dir: str | Path | None = None, seq_len: int = 256, t_low: float = 0.001,
                           t_high: float = 1.0, noise: str = "block", rounding: str = "floor", prompt_len: int = 1,
@@ -377,9 +381,9 @@ def train_block_diffusion(*, base: str, data, out: str | Path, block_size: int |
         UnmaskError: bad data or options, ``out`` exists without overwrite/resume, a base of the
             wrong kind, L not a multiple of B or beyond the context.
     """
-    from unmask.train.data import check_data_files
+    from unmask.train.wiring import run_paths
 
-    check_data_files([data] if isinstance(data, (str, Path)) else list(data))
+    run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)  # paths and locks before loading the base
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise UnmaskError(f"--block-size must be an integer >= 1, got {block_size!r}; pass --block-size 1 or more")
     bundle, mask_id, B = load_base(base, dtype, block_size=block_size, allow_causal=True)

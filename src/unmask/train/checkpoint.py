@@ -9,13 +9,14 @@ leaves the previous one.
 from __future__ import annotations
 
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from unmask.errors import UnmaskError
-from unmask.fileio import staging_dir
+from unmask.fileio import make_readable, publish_dir, staging_dir, write_errors
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.pt"
@@ -31,6 +32,28 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
+def load_state(ckpt: Path) -> dict:
+    """``ckpt/trainer_state.pt`` as a dict (tensors on CPU, ``weights_only``).
+
+    Raises:
+        UnmaskError: the file is truncated, garbage or not a trainer state.
+    """
+    f = ckpt / STATE_FILE
+    try:
+        with warnings.catch_warnings():  # garbage makes torch warn about the "pickle protocol" first
+            warnings.simplefilter("ignore")
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch's unpickler raises anything on garbage (IndexError, EOFError, ...)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UnmaskError(f"cannot read {f} ({first[:120].rstrip('.')}); the checkpoint is truncated or corrupt, "
+                          "delete it to resume from an older one or pass --overwrite to start over") from None
+    need = ("step", "config", "scheduler", "sampler", "rng")  # the optimizer is in dcp/ since torchrun support
+    if not isinstance(state, dict) or any(k not in state for k in need):
+        raise UnmaskError(f"{f} is not an unmask trainer state; delete the checkpoint or pass --overwrite to "
+                          "start over")
+    return state
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     found = checkpoints(run_dir)
     return found[-1] if found else None
@@ -43,33 +66,66 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict,
     The model is saved with ``save_pretrained`` (a loadable HF directory), ``save_extras(dir,
     trainer_state)`` adds tokenizer/metadata files, and ``trainer_state.pt`` holds the
     optimizer, scheduler, step and RNG states. Everything goes to a staging directory first;
-    only a complete directory is renamed to ``step-*``. On any error the staging directory is
-    removed and the older checkpoints are untouched.
+    only a complete directory is renamed to ``step-*`` (with a published model's permissions).
+    On any error the staging directory is removed and the older checkpoints are untouched.
+
+    Raises:
+        UnmaskError: a parameter is nan or inf (see :func:`diverged`), or the checkpoint cannot
+            be written (a full disk: ``torch.save`` raises RuntimeError and safetensors
+            SafetensorError there, not OSError).
     """
     final = Path(run_dir) / CKPT_DIR / f"step-{step:08d}"
-    tmp = staging_dir(final)
+    for name, p in model.named_parameters():  # never save (or later publish) diverged weights
+        if not bool(torch.isfinite(p.detach()).all()):
+            raise diverged(f"parameter {name} is not finite", step, run_dir)
     try:
-        save_model(model, tmp)
-        if save_extras is not None:
-            save_extras(tmp, trainer_state)
-        torch.save(trainer_state, tmp / STATE_FILE)
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        tmp.rename(final)
+        tmp = staging_dir(final)
+    except OSError as e:
+        raise UnmaskError(f"cannot write checkpoint {final}: {e.strerror or e}; pass a writable --run-dir") from None
+    try:
+        with write_errors(f"checkpoint {final}", "free disk space or pass another --run-dir"):
+            save_model(model, tmp)
+            if save_extras is not None:
+                save_extras(tmp, trainer_state)
+            torch.save(trainer_state, tmp / STATE_FILE)
+            install(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for old in checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in (Path(run_dir) / CKPT_DIR).glob(".step-*"):  # staging left by a killed run
-        shutil.rmtree(stale, ignore_errors=True)
+    prune(run_dir, keep)
     return final
 
 
-def save_model(model, directory: Path) -> None:
+def diverged(what: str, step: int, run_dir: str | Path) -> UnmaskError:
+    """The error that stops a run whose loss or weights became nan/inf: nothing is published,
+    and the newest (finite) checkpoint, if any, is named."""
+    last = latest_checkpoint(run_dir)
+    kept = f"the checkpoint {last} is kept" if last is not None else "no checkpoint was written"
+    return UnmaskError(f"training diverged: {what} at step {step}; nothing was published and {kept}; "
+                       "lower --lr (or --weight-decay) or check the data")
+
+
+def install(tmp: Path, final: Path) -> None:
+    """Give the complete staging directory ``tmp`` a published model's permissions and swap it in
+    as ``final`` in one step (re-saving the same step after a resume replaces it atomically)."""
+    make_readable(tmp)
+    publish_dir(tmp, final)
+
+
+def prune(run_dir: str | Path, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints; drop staging directories left by a killed run."""
+    for old in checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in (Path(run_dir) / CKPT_DIR).glob(".step-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def save_model(model, directory: Path, state_dict: dict | None = None) -> None:
     """``save_pretrained`` as one safetensors file, without transformers' progress bar (it
-    would break the training progress display). A model carrying ``unmask_weights_io`` (a gated
-    SBD adapter, unmask.models.sbd_adapter) saves only that object's weights."""
+    would break the training progress display). ``state_dict``: the weights to write instead of
+    the model's own (the gathered full state of an FSDP2-sharded model). A model carrying
+    ``unmask_weights_io`` (a gated SBD adapter, unmask.models.sbd_adapter) saves only that
+    object's weights."""
     from transformers.utils import logging as hf_logging
 
     io = getattr(model, "unmask_weights_io", None)
@@ -79,7 +135,7 @@ def save_model(model, directory: Path) -> None:
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(directory, max_shard_size="1000GB")
+        model.save_pretrained(directory, max_shard_size="1000GB", state_dict=state_dict)
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
@@ -102,7 +158,14 @@ def load_weights(model, ckpt: Path) -> None:
     if not f.is_file():
         raise UnmaskError(f"{ckpt} has no {WEIGHTS_FILE}, so the checkpoint is not loadable; pass --overwrite to "
                           "start over")
-    state = load_file(str(f))
+    from safetensors import SafetensorError
+
+    try:
+        state = load_file(str(f))
+    except (OSError, SafetensorError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UnmaskError(f"cannot read {f} ({first.rstrip('.')}); the checkpoint is truncated or corrupt, "
+                          "delete it to resume from an older one or pass --overwrite to start over") from None
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatch

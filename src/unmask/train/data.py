@@ -166,18 +166,36 @@ def make_story_corpus(out: str | Path, *, model: str = "stories260K", n_sampled:
     """``unmask data stories``: generate a self-sampled corpus with ``model`` and save it as JSONL.
 
     ``options`` are further :class:`StoryCorpusConfig` fields. Returns counts per source and
-    split. Raises UnmaskError for an existing ``out`` without ``overwrite`` or bad options.
+    split. ``out`` is locked against a second writer for the whole run.
+
+    Raises:
+        UnmaskError: an existing ``out`` without ``overwrite``, an unwritable ``out``, another
+            process writing ``out``, a model the ``ar`` decoder cannot sample (not causal or sbd),
+            or bad options.
     """
-    from unmask.models import load
+    from unmask.fileio import check_output_file, output_lock
 
     out = Path(out)
-    if out.exists() and not overwrite:
+    check_output_file(out, "--out", exists_ok=overwrite, probe=True)
+    with output_lock(out, "--out"):
+        return _make_story_corpus(out, model, n_sampled, n_greedy, seed, overwrite, progress, options)
+
+
+def _make_story_corpus(out: Path, model: str, n_sampled: int, n_greedy: int, seed: int, overwrite: bool,
+                       progress, options: dict) -> dict:
+    from unmask.decode import DECODERS
+    from unmask.models import load
+
+    if out.exists() and not overwrite:  # again, now that no other writer can be there
         raise UnmaskError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
     try:
         config = StoryCorpusConfig(n_sampled=n_sampled, n_greedy=n_greedy, seed=seed, **options)
     except TypeError as e:
         raise UnmaskError(f"unknown corpus option ({e}); see StoryCorpusConfig") from None
     bundle = load(model)
+    if bundle.kind not in DECODERS["ar"].kinds:  # the stories are sampled autoregressively, as the ar decoder does
+        raise UnmaskError(f"--model {model} is a {bundle.kind} model, but the corpus is sampled autoregressively; "
+                          f"pass a {' or '.join(DECODERS['ar'].kinds)} model, e.g. --model stories260K")
     records = generate_stories(bundle, config, progress)
     save_jsonl(out, records)
     counts = {f"{src}/{split}": 0 for src in SOURCES for split in SPLITS}

@@ -32,7 +32,8 @@ import torch
 from unmask.errors import UnmaskError
 from unmask.train.loop import TrainResult
 from unmask.train.objectives import DIFFUSION_NORMS, diffusion_weighted_loss, masked_token_nll
-from unmask.train.wiring import load_chunks, run_info, run_paths, train_and_publish, train_config
+from unmask.train.wiring import (holds_output_locks, load_chunks, run_info, run_paths, train_and_publish,
+                                 train_config)
 
 DLM_FORMAT_VERSION = 1
 MIN_T = 1e-3  # t ~ U[MIN_T, 1): the 1/t weight stays finite (diffusion.md §1)
@@ -188,6 +189,7 @@ def _load_base(base: str, dtype: str):
     return bundle, mask_id, vocab
 
 
+@holds_output_locks
 def train_diffusion(*, base: str, data: str | Path | Sequence[str | Path], out: str | Path,
                     run_dir: str | Path | None = None, seq_len: int = 256, prefix_prob: float = 0.5,
                     norm: str = "token", val_fraction: float = 0.05, resume: bool = False, overwrite: bool = False,
@@ -224,8 +226,9 @@ def train_diffusion(*, base: str, data: str | Path | Sequence[str | Path], out: 
     if not 1 <= seq_len < context:
         raise UnmaskError(f"--seq-len {seq_len} must be between 1 and {context - 1} (a BOS + --seq-len tokens must "
                           f"fit the model's context of {context}); pass a --seq-len in that range")
+    # (N, seq_len + 1), (M, seq_len + 1)
     train_chunks, val_chunks = load_chunks(paths, bundle.tokenizer, vocab, pack_bos_chunks, seq_len, need=seq_len,
-                                           val_fraction=val_fraction, seed=cfg.seed)  # (N, seq_len + 1), (M, seq_len + 1)
+                                           val_fraction=val_fraction, seed=cfg.seed, config=bundle.model.config)
     info = run_info(seq_len, paths, train_chunks, val_chunks, cfg,
                     objective=f"masked diffusion (diffusion.md §1): t ~ U[{MIN_T:g}, 1), 1/t weight, {norm} norm, "
                               f"shift 1, BOS-led chunks, clean prefix on {prefix_prob:.0%} of rows",
@@ -234,4 +237,4 @@ def train_diffusion(*, base: str, data: str | Path | Sequence[str | Path], out: 
             "stop_token_ids": list(bundle.stop_token_ids), "version": DLM_FORMAT_VERSION, "base": base}
     objective = replace(objective, mask_token_id=mask_id)
     return train_and_publish(bundle, objective, train_chunks, val_chunks, cfg, run_dir, out, info=info, meta=meta,
-                             device=device, resume=resume, progress=progress)
+                             device=device, resume=resume, progress=progress, overwrite=overwrite)

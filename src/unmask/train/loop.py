@@ -9,13 +9,19 @@ Run directory layout::
 
     run_dir/checkpoints/step-00001200/   model.safetensors, config.json, ... (loadable HF dir,
                                          plus whatever ``save_extras`` adds) + trainer_state.pt
+                                         + dcp/ (model and optimizer, torch.distributed.checkpoint)
     run_dir/log.jsonl                    one line per log interval and per evaluation
 
 A checkpoint is assembled in a hidden staging directory and renamed into place, so a
 ``step-*`` directory is always complete; a crash or kill at any moment leaves the previous one.
 
 Exact resume: the optimizer, scheduler, step, data order and every RNG the loop draws from are
-saved; N steps straight and N/2 + resume + N/2 give bit-identical fp32 parameters on CPU.
+saved (the objective's noise comes from generators seeded by seed, step and micro-batch); N
+steps straight and N/2 + resume + N/2 give bit-identical fp32 parameters on CPU.
+
+Under ``torchrun`` the same loop runs data-parallel (DDP, or FSDP2 with ``fsdp``), with rank-0
+progress, logs and checkpoint exports; :mod:`unmask.train.parallel` describes the global step
+and the distributed checkpoints.
 
 We use plain PyTorch rather than ``accelerate.Accelerator``: accumulation is a few lines, and
 Accelerator's process-global state and its own RNG/dataloader wrapping would stand between us
@@ -42,7 +48,9 @@ from unmask.train.checkpoint import (  # noqa: F401  (re-exported: the checkpoin
     STATE_FILE,
     WEIGHTS_FILE,
     checkpoints,
+    diverged,
     latest_checkpoint,
+    load_state,
     load_weights,
     save_checkpoint,
     save_model,
@@ -50,10 +58,11 @@ from unmask.train.checkpoint import (  # noqa: F401  (re-exported: the checkpoin
 from unmask.train.progress import TrainProgress
 
 # Options that may change between a run and its resume; all others must match the checkpoint.
-RESUMABLE = ("steps", "ckpt_every", "eval_every", "eval_batches", "log_every", "keep_checkpoints", "max_minutes")
+RESUMABLE = ("steps", "ckpt_every", "eval_every", "eval_batches", "log_every", "keep_checkpoints", "max_minutes",
+             "fsdp")
 # TrainConfig fields that the training commands expose as --flags (named so in messages).
 FLAG_OPTIONS = ("lr", "warmup", "steps", "batch_size", "grad_accum", "weight_decay", "clip", "ckpt_every",
-                "eval_every", "max_minutes", "seed")
+                "eval_every", "max_minutes", "seed", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,9 @@ class TrainConfig:
 
     lr: peak learning rate; warmup: linear warm-up steps; steps: optimizer steps in total;
     min_lr_ratio: the cosine ends at ``lr * min_lr_ratio``. batch_size: sequences per
-    micro-batch; grad_accum: micro-batches per optimizer step. weight_decay applies to
+    micro-batch (per process); grad_accum: micro-batches per optimizer step and process, so a
+    step sees ``batch_size · grad_accum · world`` sequences under torchrun. fsdp: shard the model
+    with FSDP2 instead of replicating it with DDP (only under torchrun). weight_decay applies to
     parameters of rank >= 2 only. clip: max global grad norm (0 = off). ckpt_every /
     eval_every / log_every: in optimizer steps (0 = only at the end / never / never).
     eval_batches: validation micro-batches per evaluation. keep_checkpoints: newest checkpoints
@@ -86,9 +97,17 @@ class TrainConfig:
     keep_checkpoints: int = 1
     seed: int = 0
     max_minutes: float | None = None
+    fsdp: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        for name in ("lr", "weight_decay", "clip", "min_lr_ratio", "max_minutes"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                flag = f"--{name.replace('_', '-')}" if name in FLAG_OPTIONS else name
+                raise UnmaskError(f"{flag} must be a finite number, got {value}; pass a finite value")
+        if not all(math.isfinite(b) for b in self.betas):
+            raise UnmaskError(f"betas must be finite, got {self.betas}; pass e.g. betas=(0.9, 0.95)")
         checks = [
             (self.lr > 0, f"--lr must be > 0, got {self.lr}; pass a positive learning rate, e.g. --lr 3e-4"),
             (self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}; pass --warmup 0 or more"),
@@ -252,10 +271,19 @@ class _StopFlag:
         return False
 
 
-def _check_resumable(saved: dict, config: TrainConfig, ckpt: Path) -> None:
+def _check_resumable(saved: dict, config: TrainConfig, ckpt: Path, saved_world: int = 1, world: int = 1) -> None:
+    """Refuse a resume whose settings differ from the checkpoint's, except RESUMABLE ones. The
+    world size may change when ``world · grad_accum`` (micro-batches per step) stays the same."""
     now = asdict(config)
+    theirs, mine = saved_world * saved.get("grad_accum", 1), world * config.grad_accum
+    if theirs != mine:
+        fix = (f"pass --grad-accum {theirs // world}" if theirs % world == 0 else
+               f"run on a number of processes that divides {theirs}")
+        raise UnmaskError(f"{ckpt} was trained with {saved_world} process(es) x --grad-accum {saved.get('grad_accum', 1)}"
+                          f" = {theirs} micro-batches per step, this run has {world} x {config.grad_accum}; {fix}, "
+                          "or pass --overwrite to start over")
     for key, value in saved.items():
-        if key in RESUMABLE or key not in now:
+        if key in RESUMABLE or key == "grad_accum" or key not in now:
             continue
         mine = list(now[key]) if isinstance(now[key], tuple) else now[key]
         theirs = list(value) if isinstance(value, tuple) else value
@@ -296,28 +324,52 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
     Raises:
         UnmaskError: empty data, or a checkpoint whose settings or data do not match.
     """
-    device = torch.device(device)
+    from unmask import dist
+    from unmask.train import parallel
+
+    device = dist.setup(device)
     run_dir = Path(run_dir)
+    main = dist.is_main()
+    console = console if main else None
     model.to(device).train()
-    opt, sched = build_optimizer(model, config)
+    wrapped = parallel.wrap(model, fsdp=config.fsdp, device=device)
+    opt, sched = build_optimizer(wrapped, config)
     sampler = ChunkSampler(len(train_chunks), config.seed)
-    gen = torch.Generator().manual_seed(config.seed + 1)  # objective noise: η, masks, k
+    world, n_micro = dist.world(), dist.world() * config.grad_accum
+    mine = parallel.owned(n_micro)  # global micro-batch indices this rank computes
     step = 0
     ckpt = latest_checkpoint(run_dir) if resume else None
-    if resume and ckpt is None:
+    parallel.check_same_inputs(train_chunks, ckpt)
+    if resume and ckpt is None and main:
         _note(console, f"note: --resume found no checkpoint in {run_dir}; training starts from scratch")
+    if config.fsdp and world == 1:
+        _note(console, "note: --fsdp shards the model only under torchrun; training in one process")
     if ckpt is not None:
-        state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
-        _check_resumable(state["config"], config, ckpt)
-        load_weights(model, ckpt)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        gen.set_state(state["rng"]["objective"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if torch.cuda.is_available() and state["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        step = int(state["step"])
+        state = load_state(ckpt)
+        _check_resumable(state["config"], config, ckpt, int(state.get("world_size", 1)), world)
+        try:
+            if parallel.has_dcp(ckpt):
+                parallel.load_checkpoint(ckpt, wrapped, opt)
+            elif world == 1 and "optimizer" in state:  # written before distributed checkpoints
+                load_weights(model, ckpt)
+                opt.load_state_dict(state["optimizer"])
+            else:
+                raise UnmaskError(f"{ckpt} has no distributed checkpoint ({parallel.DCP_DIR}/) to resume {world} "
+                                  "processes from; resume it in one process, or pass --overwrite")
+            sched.load_state_dict(state["scheduler"])
+            sampler.load_state_dict(state["sampler"])
+            torch.set_rng_state(state["rng"]["torch"])
+            if torch.cuda.is_available() and state["rng"].get("cuda") is not None and world == 1:
+                torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+            step = int(state["step"])
+        except UnmaskError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - incl. torch.distributed.checkpoint's CheckpointException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            first = (str(e).strip().splitlines() or [""])[0][:100]
+            raise UnmaskError(f"{ckpt} does not fit this run or is damaged ({type(e).__name__}: {first}); "
+                              "delete the checkpoint or pass --overwrite to start over") from None
     has_val = val_chunks is not None and len(val_chunks) > 0
     val, val_step, last = None, None, {}
     if ckpt is not None:
@@ -327,53 +379,76 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
     def trainer_state(stopped: str) -> dict:
         return {
             "step": step, "stopped": stopped, "config": asdict(config), "objective": objective.name,
-            "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "sampler": sampler.state_dict(),
-            "rng": {"objective": gen.get_state(), "torch": torch.get_rng_state(),
+            "world_size": world, "scheduler": sched.state_dict(), "sampler": sampler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
             "val": val, "last": last, "meta": json.dumps(meta or {}),
         }
 
+    def checkpoint(stopped: str) -> None:
+        parallel.save_checkpoint(run_dir, step, wrapped, opt, trainer_state(stopped), save_extras,
+                                 config.keep_checkpoints)
+
+    def validate() -> dict:  # every rank scores the same rows (FSDP2 needs them all in the forward)
+        return evaluate(parallel.eval_model(wrapped), objective, val_chunks, config, device)
+
     log_path = run_dir / "log.jsonl"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
 
     def log(record: dict) -> None:
-        with open(log_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        if main:
+            with open(log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
 
     t_start = time.monotonic()
     budget = None if config.max_minutes is None else 60 * config.max_minutes
     saved_at = step if ckpt is not None else None
+    names = ("loss", *objective.term_names)
     window: dict[str, float] = {}
     window_steps, window_tokens, window_t0 = 0, 0, time.monotonic()
-    step_seconds = 0.0
-    stopped = "done"
+    stopped, flags = "done", (0.0, 0.0)
     progress = TrainProgress(console, config.steps, step, objective.term_names)
     with _StopFlag() as stop, progress:
         while step < config.steps:
-            if stop.set:
+            # Decided on the flags every rank summed after the last step, so all ranks stop together.
+            if flags[0] > 0:
                 stopped = "interrupted"
                 break
-            if budget is not None and time.monotonic() - t_start + step_seconds > budget:
+            if flags[1] > 0:
                 stopped = "time"
                 break
             t0 = time.monotonic()
-            params = objective.step_params(gen)
+            params = objective.step_params(parallel.micro_generator(config.seed, step, -1))
             opt.zero_grad(set_to_none=True)
-            sums = {name: 0.0 for name in ("loss", *objective.term_names)}
-            for _ in range(config.grad_accum):
-                chunks = train_chunks[sampler.next(config.batch_size)].to(device)  # (B, L+1)
-                loss, terms = objective.loss(model, chunks, gen, **params)
-                (loss / config.grad_accum).backward()
-                sums["loss"] += float(loss.detach()) / config.grad_accum
-                for name in objective.term_names:
-                    sums[name] += float(terms[name]) / config.grad_accum
-                window_tokens += chunks.shape[0] * (chunks.shape[1] - 1)
+            local = torch.zeros(len(names) + 3, dtype=torch.float64)  # term sums, tokens, stop, time
+            for m in range(n_micro):
+                index = sampler.next(config.batch_size)  # every rank walks the global stream
+                if m not in mine:
+                    continue
+                chunks = train_chunks[index].to(device)  # (B, L+1)
+                with parallel.no_sync(wrapped, last=m == mine[-1]):
+                    loss, terms = objective.loss(wrapped, chunks, parallel.micro_generator(config.seed, step, m),
+                                                 **params)
+                    if not bool(torch.isfinite(loss.detach()).all()):  # before it reaches the weights
+                        raise diverged(f"the loss is {float(loss.detach())}", step + 1, run_dir)
+                    (loss / config.grad_accum).backward()
+                local[0] += float(loss.detach()) / n_micro
+                for i, name in enumerate(objective.term_names, start=1):
+                    local[i] += float(terms[name]) / n_micro
+                local[-3] += chunks.shape[0] * (chunks.shape[1] - 1)
             if config.clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+                torch.nn.utils.clip_grad_norm_(wrapped.parameters(), config.clip)
             opt.step()
             sched.step()
             step += 1
-            step_seconds = time.monotonic() - t0
+            step_seconds = time.monotonic() - t0  # the next step would end past the budget: stop now
+            local[-2] = float(stop.set)
+            local[-1] = float(budget is not None and time.monotonic() - t_start + step_seconds > budget)
+            total = dist.all_reduce_sum(local)  # global means, tokens and any rank's stop request
+            sums = dict(zip(names, total[: len(names)].tolist()))
+            window_tokens += int(total[-3])
+            flags = (float(total[-2]), float(total[-1]))
             for name, value in sums.items():
                 window[name] = window.get(name, 0.0) + value
             window_steps += 1
@@ -382,21 +457,22 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
                 last = {name: value / window_steps for name, value in window.items()}
                 last["tok_s"] = window_tokens / max(elapsed, 1e-9)
                 last["steps_s"] = window_steps / max(elapsed, 1e-9)
-                log({"step": step, "lr": sched.get_last_lr()[0], **last, "elapsed_s": time.monotonic() - t_start})
+                log({"step": step, "lr": sched.get_last_lr()[0], **last, "world": world,
+                     "elapsed_s": time.monotonic() - t_start})
                 window, window_steps, window_tokens, window_t0 = {}, 0, 0, time.monotonic()
             if has_val and config.eval_every and step % config.eval_every == 0:
-                val, val_step = evaluate(model, objective, val_chunks, config, device), step
+                val, val_step = validate(), step
                 log({"step": step, **{f"val_{k}": v for k, v in val.items()}})
                 progress.note(step, val)
             progress.update(step, sums, last.get("tok_s"))
             if config.ckpt_every and step % config.ckpt_every == 0:
-                save_checkpoint(run_dir, step, model, trainer_state("checkpoint"), save_extras, config.keep_checkpoints)
+                checkpoint("checkpoint")
                 saved_at = step
         if has_val and val_step != step and stopped != "interrupted":
-            val, val_step = evaluate(model, objective, val_chunks, config, device), step
+            val, val_step = validate(), step
             log({"step": step, **{f"val_{k}": v for k, v in val.items()}})
         if saved_at != step:
-            save_checkpoint(run_dir, step, model, trainer_state(stopped), save_extras, config.keep_checkpoints)
+            checkpoint(stopped)
     log({"step": step, "stopped": stopped, "seconds": time.monotonic() - t_start})
     return TrainResult(step=step, stopped=stopped, seconds=time.monotonic() - t_start,
                        checkpoint=latest_checkpoint(run_dir), last=last, val=val)

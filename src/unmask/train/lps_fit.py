@@ -90,7 +90,35 @@ class LPSTraces:
 
     @classmethod
     def load(cls, path) -> "LPSTraces":
-        return cls(**torch.load(path, map_location="cpu", weights_only=True))
+        """Read a file written by :meth:`save`. Raises UnmaskError for anything else (garbage,
+        truncated, another pickle)."""
+        from unmask.errors import UnmaskError
+
+        try:
+            with warnings.catch_warnings():  # garbage makes torch warn about the "pickle protocol" first
+                warnings.simplefilter("ignore")
+                fields = torch.load(path, map_location="cpu", weights_only=True)
+            traces = cls(**fields)
+            if not all(isinstance(getattr(traces, k), torch.Tensor) for k in ("features", "labels", "offsets", "trace")):
+                raise ValueError("its fields are not tensors")
+            return traces
+        except Exception as e:  # torch's unpickler raises anything on garbage (IndexError, EOFError, ...)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+            raise UnmaskError(f"--traces-file {path} is not an LPS traces file ({first}); delete it to collect the "
+                              "traces again, or pass another --traces-file") from None
+
+    @classmethod
+    def concat(cls, parts: Sequence["LPSTraces"], batch_size: int) -> "LPSTraces":
+        """Traces collected batch by batch (part b from prompts ``b·batch_size ...``, trace ids
+        counted from 0 within it) as one set with prompt-level trace ids."""
+        if len(parts) == 1:
+            return parts[0]
+        lengths = torch.cat([p.offsets[1:] - p.offsets[:-1] for p in parts])  # (n_rec,)
+        meta = {**parts[0].meta, "traces": sum(int(p.meta.get("traces", 0)) for p in parts)}
+        return cls(torch.cat([p.features for p in parts]), torch.cat([p.labels for p in parts]),
+                   torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+                   torch.cat([p.trace + b * batch_size for b, p in enumerate(parts)]),
+                   torch.cat([p.step for p in parts]), meta)
 
     @classmethod
     def from_steps(cls, steps: list[tuple[int, int, torch.Tensor, torch.Tensor]], meta: dict) -> "LPSTraces":

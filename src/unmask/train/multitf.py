@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from unmask.errors import UnmaskError
+from unmask.train.wiring import holds_output_locks
 from unmask.train.block_diffusion import (ROUNDINGS, _check_layout, _check_ratio_range, dual_stream_inputs, fit,
                                           load_base, mask_by_ratio, masked_ce_loss, maskable_positions, row_tokens)
 
@@ -274,6 +275,7 @@ class MultiTFObjective:
         return masked_ce_loss(model, self.batch(chunks, generator), self.mask_token_id)
 
 
+@holds_output_locks
 def train_multitf(*, base: str, data, out: str | Path, run_dir: str | Path | None = None, seq_len: int = 256,
                   g_max: int = 4, n_rand: int = 2, t_low: float = 0.001, t_high: float = 1.0, rho: float = 0.01,
                   chain_over_prompt: bool = True, rounding: str = "floor", prompt_len: int = 1,
@@ -299,9 +301,9 @@ def train_multitf(*, base: str, data, out: str | Path, run_dir: str | Path | Non
         UnmaskError: a base that is not block-diffusion, bad data or options, a g_max above the
             blocks per row (seq_len / B).
     """
-    from unmask.train.data import check_data_files
+    from unmask.train.wiring import run_paths
 
-    check_data_files([data] if isinstance(data, (str, Path)) else list(data))
+    run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)  # paths and locks before loading the base
     scheduler = ChainUniform(t_low=t_low, t_high=t_high, rho=rho, chain_over_prompt=chain_over_prompt)
     if rounding not in ROUNDINGS:
         raise UnmaskError(f"--rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}; "

@@ -20,6 +20,8 @@ stopping on that recall (patience 100), and recall / FPR on the test split at th
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import random
 import time
@@ -30,8 +32,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from unmask import dist
 from unmask.decode.batching import left_pad
 from unmask.errors import UnmaskError
+from unmask.fileio import output_lock
 from unmask.models.adapters import bidirectional_forward, realign
 from unmask.policies import token_stats
 from unmask.routers.lbs import LBSConfig, LBSRouter
@@ -384,6 +388,19 @@ def _check_context(bundle, prompts: list[list[int]], gen_length: int) -> None:
                           f"{bundle.context_length}; pass --gen-length {bundle.context_length - P} or less")
 
 
+def _per_batch(fn, items: list, batch_size: int) -> list:
+    """``[fn(items)]`` in one process; under torchrun ``fn`` of each ``batch_size`` batch, dealt to
+    the ranks and gathered in order (:func:`unmask.dist.map_batches`), the same batches either way."""
+    from unmask import dist
+
+    return dist.map_batches(fn, items, batch_size) if dist.active() else [fn(items)]
+
+
+def _rank0_lock(where):
+    """The output lock of a router directory; under torchrun rank 0 holds it for the whole job."""
+    return output_lock(where, "router directory") if dist.is_main() else contextlib.nullcontext()
+
+
 def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_length: int = 256, block_size: int = 32,
             response_policy: str = "top-k", response_cache: str = "none", gen_batch: int = 16,
             train: LBSTrainConfig | None = None, router: dict | None = None, overwrite: bool = False,
@@ -391,7 +408,9 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
     """Prompts from ``data`` (ids, or text encoded with the model's tokenizer), the model's own
     responses, Alg. 3 training, save to ``out`` (default MODEL_DIR/routers). ``router``: LBSConfig
     fields (d, layers, heads, ffn). Every option, and an existing LBS router at the output (kept
-    unless ``overwrite``), is checked before any response is generated. Returns a summary."""
+    unless ``overwrite``), is checked before any response is generated; the output directory is
+    locked against a second writer for the whole run. Returns a summary (an empty dict on the
+    ranks other than 0 under torchrun, which only decode responses)."""
     from unmask.decode.dllm_cache import CACHE_MODES
 
     _check_counts(prompts=n_prompts, gen_length=gen_length, block_size=block_size, gen_batch=gen_batch)
@@ -404,8 +423,18 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
     if response_cache not in CACHE_MODES:
         raise UnmaskError(f"unknown --response-cache {response_cache!r}; choose one of: {', '.join(CACHE_MODES)}")
     _check_router_sizes(router, LBSConfig, even=True)
-    bundle = _load(model, device)
+    from unmask import dist
+
+    bundle = _load(model, dist.setup(device))
     where = _out_dir(bundle, out, writes="lbs", overwrite=overwrite)
+    with _rank0_lock(where):
+        _out_dir(bundle, out, writes="lbs", overwrite=overwrite)  # again, now that no other writer can be there
+        return _run_lbs(bundle, where, data, n_prompts, gen_length, block_size, response_policy, response_cache,
+                        gen_batch, train, router, progress)
+
+
+def _run_lbs(bundle, where, data, n_prompts, gen_length, block_size, response_policy, response_cache, gen_batch,
+             train, router, progress) -> dict:
     train = train or LBSTrainConfig(block=block_size)
     emb = bundle.model.get_input_embeddings().weight
     rc = LBSConfig(gen_length=gen_length, d_base=int(emb.shape[1]), vocab_size=int(emb.shape[0]), **(router or {}))
@@ -413,9 +442,14 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
     prompts = prompts_from_corpus(data, n_prompts, bos=bundle.bos_token_id if bundle.bos_token_id is not None else 1,
                                   seed=train.seed, vocab_size=vocab, tokenizer=bundle.tokenizer)
     _check_context(bundle, prompts, gen_length)
-    responses = generate_responses(bundle, prompts, gen_length=gen_length, block_size=block_size,
-                                   policy=response_policy, cache=response_cache, batch_size=gen_batch,
-                                   progress=progress)
+    # Under torchrun the responses are decoded data-parallel; rank 0 then trains and saves alone.
+    progress = progress if dist.is_main() else None
+    responses = [r for part in _per_batch(
+        lambda batch: generate_responses(bundle, batch, gen_length=gen_length, block_size=block_size,
+                                         policy=response_policy, cache=response_cache, batch_size=gen_batch,
+                                         progress=progress), prompts, gen_batch) for r in part]
+    if not dist.is_main():
+        return {}
     lbs, report = train_lbs(bundle, prompts, responses, train, rc, progress=progress)
     report.update(prompts=len(prompts), response_policy=response_policy, response_cache=response_cache,
                   gen_length=gen_length)
@@ -432,17 +466,31 @@ def run_lps(*, model, data: Sequence, routers=None, out=None, n_prompts: int = 3
     """Collect traces with the saved LBS (``routers``, default MODEL_DIR/routers) under the serving
     configuration, train R_ψ, choose τ_ψ, save next to the LBS (or to ``out``). ``traces_file``
     caches the traces (reused when it exists). An existing LPS router at the output is kept unless
-    ``overwrite``. Returns a summary with test recall / FPR."""
+    ``overwrite``. The output directory is locked against a second writer for the whole run.
+    Returns a summary with test recall / FPR (an empty dict on the ranks other than 0 under
+    torchrun, which only collect traces)."""
     from unmask.decode.eb_select import POS_MODES
-    from unmask.routers.io import check_lbs_fits, load_router
 
     if pos_mode not in POS_MODES:
         raise UnmaskError(f"unknown --pos-mode {pos_mode!r}; choose one of: {', '.join(POS_MODES)}")
     _check_router_sizes(router, LPSConfig, even=False)
     rc = LPSConfig(pos_mode=pos_mode, **(router or {}))  # checked before any trace is collected
-    bundle = _load(model, device)
+    from unmask import dist
+
+    bundle = _load(model, dist.setup(device))
+    progress = progress if dist.is_main() else None
     source = _out_dir(bundle, routers)
     where = _out_dir(bundle, out if out is not None else source, writes="lps", overwrite=overwrite)
+    with _rank0_lock(where):
+        _out_dir(bundle, out if out is not None else source, writes="lps", overwrite=overwrite)  # again, locked
+        return _run_lps(bundle, source, where, data, n_prompts, block_size, tau, l_min, g_max, pos_mode, replay,
+                        gen_batch, traces_file, train, rc, seed, progress)
+
+
+def _run_lps(bundle, source, where, data, n_prompts, block_size, tau, l_min, g_max, pos_mode, replay, gen_batch,
+             traces_file, train, rc, seed, progress) -> dict:
+    from unmask.routers.io import check_lbs_fits, load_router
+
     lbs, info = load_router(source, "lbs", device=bundle.device)
     check_lbs_fits(info, bundle)
     serving = {"block_size": block_size, "tau": tau, "l_min": l_min, "g_max": g_max}
@@ -454,10 +502,15 @@ def run_lps(*, model, data: Sequence, routers=None, out=None, n_prompts: int = 3
         vocab = bundle.model.get_input_embeddings().weight.shape[0]
         prompts = prompts_from_corpus(data, n_prompts, bos=bundle.bos_token_id if bundle.bos_token_id is not None
                                       else 1, seed=seed, from_end=True, vocab_size=vocab, tokenizer=bundle.tokenizer)
-        traces = collect_lps_traces(bundle, lbs, prompts, pos_mode=pos_mode, replay=replay, batch_size=gen_batch,
-                                    progress=progress, **serving)
-        if traces_file is not None:
+        # Under torchrun the traces are collected data-parallel; rank 0 then trains and saves alone.
+        traces = LPSTraces.concat(_per_batch(
+            lambda batch: collect_lps_traces(bundle, lbs, batch, pos_mode=pos_mode, replay=replay,
+                                             batch_size=gen_batch, progress=progress, **serving), prompts, gen_batch),
+            gen_batch)
+        if traces_file is not None and dist.is_main():
             traces.save(traces_file)
+    if not dist.is_main():
+        return {}
     lps, tau_psi, report = train_lps(traces, train or LPSTrainConfig(), rc, device=bundle.device, progress=progress)
     report["traces"] = traces.meta
     path = save_lps(lps, tau_psi, bundle, where, report, serving)

@@ -14,7 +14,8 @@ from unmask.errors import UnmaskError
 from unmask.train.data import pack
 from unmask.train.loop import TrainResult
 from unmask.train.objectives import SBDObjective
-from unmask.train.wiring import load_chunks, run_info, run_paths, train_and_publish, train_config
+from unmask.train.wiring import (holds_output_locks, load_chunks, run_info, run_paths, train_and_publish,
+                                 train_config)
 from unmask.train.wiring import UNMASK_CONFIG, default_run_dir  # noqa: F401  (public here before wiring.py)
 
 SBD_FORMAT_VERSION = 1
@@ -38,6 +39,7 @@ def _load_base(base: str, dtype: str):
     return bundle, add_mask_token(bundle.model), vocab
 
 
+@holds_output_locks
 def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | Path, run_dir: str | Path | None = None,
               seq_len: int = 256, block_range: tuple[int, int] = (2, 16), val_fraction: float = 0.05,
               resume: bool = False, overwrite: bool = False, device: str = "cpu", dtype: str = "float32",
@@ -76,11 +78,12 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
     if not 1 <= low <= high <= seq_len:
         raise UnmaskError(f"block range [{low}, {high}] must satisfy 1 <= low <= high <= --seq-len ({seq_len}); "
                           "pass a block_range inside it or raise --seq-len")
+    # (N, L+1), (M, L+1)
     train_chunks, val_chunks = load_chunks(paths, bundle.tokenizer, vocab, pack, seq_len, need=seq_len + 1,
-                                           val_fraction=val_fraction, seed=cfg.seed)  # (N, L+1), (M, L+1)
+                                           val_fraction=val_fraction, seed=cfg.seed, config=bundle.model.config)
     info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective="sbd: NTP + masked (Eq. 14)")
     meta = {"kind": "sbd", "mask_token_id": mask_id, "train_block_range": [low, high], "version": SBD_FORMAT_VERSION,
             "stop_token_ids": list(bundle.stop_token_ids), "base": base}
     objective = SBDObjective(mask_token_id=mask_id, block_range=(low, high))
     return train_and_publish(bundle, objective, train_chunks, val_chunks, cfg, run_dir, out, info=info, meta=meta,
-                             device=device, resume=resume, progress=progress)
+                             device=device, resume=resume, progress=progress, overwrite=overwrite)

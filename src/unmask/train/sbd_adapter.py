@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from unmask import dist
 from unmask.errors import UnmaskError
 from unmask.train.data import pack
 from unmask.train.loop import TrainResult, train
 from unmask.train.objectives import IGNORE, sample_block_size, sbd_batch
-from unmask.train.wiring import load_chunks, run_info, run_paths, train_config
+from unmask.train.wiring import holds_output_locks, load_chunks, run_info, run_paths, train_config
 
 OFFSETS = (0, 1, 2, 3, 7)
 
@@ -142,6 +143,7 @@ def _load_base(base: str, dtype: str):
     return bundle
 
 
+@holds_output_locks
 def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out: str | Path,
                       run_dir: str | Path | None = None, rank: int | None = 16, full_rank: bool = False,
                       targets: Sequence[str] | None = None, seq_len: int = 256, block_range: tuple[int, int] = (2, 16),
@@ -159,8 +161,10 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
         targets: names of the adapted ``nn.Linear`` layers (default q/k/v/o + MLP projections).
         seq_len: L per row (a forward sees 2L). block_range: training k ~ U{low..high}.
         draft_fraction: share of rows with all-mask blocks (η = 1); the rest η ~ U(0,1).
-        block_size: the validation block size, and ``decode_defaults["block_size"]``.
-        decode_defaults: recorded in adapter.json (default ``{"block_size": block_size, "verify": True}``).
+        block_size: the validation block size, and the lossless decode block size recorded in
+            ``decode_defaults["verify_block_size"]``.
+        decode_defaults: recorded in adapter.json (default lossless SBD at ``block_size``:
+            ``{"verify": True, "verify_block_size": block_size, "draft": "quadratic"}``).
         **config: :class:`~unmask.train.loop.TrainConfig` fields (lr, steps, max_minutes, ...).
 
     Returns:
@@ -199,7 +203,8 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
                                  draft_fraction=draft_fraction, eval_block_size=block_size)
     info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective="sbd-adapter: masked term of Eq. 14, "
                     f"draft rows {draft_fraction:g}, k ~ U{{{low}..{high}}}")
-    defaults = dict(decode_defaults) if decode_defaults is not None else {"block_size": block_size, "verify": True}
+    defaults = dict(decode_defaults) if decode_defaults is not None else \
+        {"verify": True, "verify_block_size": block_size, "draft": "quadratic"}
 
     def json_for(state: dict) -> dict:
         training = {**info, "step": state.get("step"), "stopped": state.get("stopped"),
@@ -219,7 +224,7 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
         console = Console(stderr=True)
     result = train(bundle.model, objective, train_chunks, val_chunks, cfg, run_dir, device=device, resume=resume,
                    save_extras=save_extras, console=console, meta=info)
-    if result.stopped == "interrupted":
+    if result.stopped == "interrupted" or not dist.is_main():  # under torchrun rank 0 publishes
         return result
     tmp = staging_dir(out)
     try:

@@ -9,6 +9,9 @@ atomically as a Hugging Face directory that ``unmask.load(out)`` opens.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import hashlib
 import shutil
 from collections.abc import Callable, Sequence
@@ -17,8 +20,10 @@ from pathlib import Path
 
 import torch
 
+from unmask.dist import env_rank
 from unmask.errors import UnmaskError
-from unmask.fileio import atomic_write_json, publish_dir, staging_dir
+from unmask.fileio import (atomic_write_json, check_parents, output_lock, probe_writable, publish_dir,
+                           staging_dir, write_errors)
 from unmask.train.data import check_data_files, load_corpus, separator_id
 from unmask.train.loop import TrainConfig, TrainResult, checkpoints, save_model, train
 
@@ -32,14 +37,21 @@ def default_run_dir(out: str | Path) -> Path:
 
 
 def prepare_paths(out: Path, run_dir: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber an earlier model or run unless asked; with ``overwrite`` drop ``run_dir``.
+    """Refuse to clobber an earlier model or run unless asked. Only checks: the earlier run is
+    discarded by :func:`train_and_publish`, after everything else was validated.
 
     Raises:
-        UnmaskError: resume together with overwrite, ``out`` exists, or ``run_dir`` holds
-            checkpoints, without overwrite / resume.
+        UnmaskError: resume together with overwrite; ``run_dir`` equal to or inside ``out`` (publishing
+            replaces ``out``, which would delete the checkpoints and log); a parent of either is a
+            file or not writable; ``out`` exists, or ``run_dir`` holds checkpoints, without
+            overwrite / resume.
     """
     if resume and overwrite:
         raise UnmaskError("--resume and --overwrite contradict each other; pass one of them")
+    check_nesting(out, run_dir)
+    for path, what in ((out, "--out"), (run_dir, "--run-dir")):
+        check_parents(path, what)
+        probe_writable(path.parent, f"{what} {path}")
     if resume:
         return
     if out.exists() and not overwrite:
@@ -48,8 +60,38 @@ def prepare_paths(out: Path, run_dir: Path, *, resume: bool, overwrite: bool) ->
     if checkpoints(run_dir) and not overwrite:
         raise UnmaskError(f"{run_dir} holds checkpoints of an earlier run; pass --resume to continue it or "
                           "--overwrite to start over")
-    if overwrite and run_dir.exists():
-        shutil.rmtree(run_dir)
+
+
+def check_nesting(out: Path, run_dir: Path) -> None:
+    """Refuse a ``run_dir`` equal to or inside ``out`` (publishing replaces ``out``, which would
+    delete the checkpoints and log) and an ``out`` inside ``run_dir``. Raises UnmaskError."""
+    o, r = out.resolve(), run_dir.resolve()
+    if r == o or o in r.parents:
+        raise UnmaskError(f"--run-dir {run_dir} is inside --out {out}; publishing the model replaces {out} and would "
+                          "delete the checkpoints, choose a --run-dir outside it (default OUT.run)")
+    if r in o.parents:
+        raise UnmaskError(f"--out {out} is inside --run-dir {run_dir}; choose an --out outside the run directory")
+
+
+# The locks of the training command running in this context (see holds_output_locks).
+_LOCKS: contextvars.ContextVar[tuple[contextlib.ExitStack, set] | None] = contextvars.ContextVar(
+    "unmask_train_locks", default=None)
+
+
+def holds_output_locks(fn):
+    """Decorate a training entry point: the output locks :func:`run_paths` takes are held until
+    the entry point returns or raises, i.e. for the whole command."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            token = _LOCKS.set((stack, set()))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _LOCKS.reset(token)
+
+    return wrapper
 
 
 def train_config(config: dict) -> TrainConfig:
@@ -63,16 +105,27 @@ def train_config(config: dict) -> TrainConfig:
 def run_paths(data: str | Path | Sequence[str | Path], out: str | Path, run_dir: str | Path | None, *,
               resume: bool, overwrite: bool) -> tuple[list[Path], Path, Path]:
     """Check the data files and the output paths -> (data files, out, run_dir); ``run_dir``
-    defaults to ``OUT.run``. Raises UnmaskError as :func:`check_data_files` and :func:`prepare_paths`."""
+    defaults to ``OUT.run``. Inside a :func:`holds_output_locks` entry point, ``out`` and
+    ``run_dir`` are locked first (a second writer is refused) and stay locked until it returns.
+    Raises UnmaskError as :func:`check_data_files`, :func:`unmask.fileio.output_lock` and
+    :func:`prepare_paths`."""
     paths = check_data_files([data] if isinstance(data, (str, Path)) else list(data))
     out = Path(out)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(out)
+    check_nesting(out, run_dir)  # before a lock file is created inside out
+    held = _LOCKS.get() if env_rank() == 0 else None  # under torchrun, rank 0 holds the locks for the job
+    if held is not None:
+        stack, locked = held
+        for path, what in ((out, "--out"), (run_dir, "--run-dir")):
+            if path.resolve() not in locked:  # entry points may check their paths twice
+                stack.enter_context(output_lock(path, what))
+                locked.add(path.resolve())
     prepare_paths(out, run_dir, resume=resume, overwrite=overwrite)
     return paths, out, run_dir
 
 
 def load_chunks(paths: Sequence[Path], tokenizer, vocab: int, pack_rows: Callable, seq_len: int, *, need: int,
-                val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                val_fraction: float, seed: int, config=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Read, split and pack the corpus -> (train rows (N, seq_len + 1) long, val rows (M, seq_len + 1)
     long or None when the split holds no documents).
 
@@ -83,7 +136,7 @@ def load_chunks(paths: Sequence[Path], tokenizer, vocab: int, pack_rows: Callabl
         UnmaskError: the training split is too short for one row.
     """
     train_docs, val_docs = load_corpus(paths, tokenizer, vocab_size=vocab, val_fraction=val_fraction, seed=seed)
-    sep = separator_id(tokenizer)
+    sep = separator_id(tokenizer if tokenizer is not None or config is None else config)
     train_chunks = pack_rows(train_docs, seq_len, sep)  # (N, L+1)
     if len(train_chunks) == 0:
         n = sum(len(d) + 1 for d in train_docs)
@@ -95,8 +148,9 @@ def load_chunks(paths: Sequence[Path], tokenizer, vocab: int, pack_rows: Callabl
 
 def set_decode_defaults(model_dir: str | Path, **defaults) -> dict:
     """Record the decoding defaults of a trained model (``decode_defaults`` in its
-    ``unmask_config.json``, e.g. ``block_size=8, gamma=0.35`` for SBD), which ``unmask generate``
-    uses when no policy option is given. The file is rewritten atomically; returns the new meta.
+    ``unmask_config.json``, e.g. ``block_size=8, gamma=0.35`` for SBD, plus ``verify=True,
+    verify_block_size=4, draft="quadratic"`` to make lossless SBD the default), which ``unmask
+    generate`` uses when no policy option is given. The file is rewritten atomically; returns the new meta.
 
     Raises:
         UnmaskError: ``model_dir`` has no unmask_config.json, or the defaults are not valid SBD
@@ -104,12 +158,19 @@ def set_decode_defaults(model_dir: str | Path, **defaults) -> dict:
     """
     import json
 
-    from unmask.decode.sbd import SBDConfig
+    from unmask.decode.sbd import LOSSLESS_KEYS, SBDConfig
+    from unmask.decode.sbd_verify import VerifyConfig
 
     path = Path(model_dir) / UNMASK_CONFIG
     if not path.is_file():
         raise UnmaskError(f"{model_dir} has no {UNMASK_CONFIG}; pass a directory written by 'unmask train'")
-    SBDConfig.from_options(**defaults)  # validates: block size >= 1, γ >= 0, a known policy
+    lossy = {k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS}
+    SBDConfig.from_options(**lossy)  # validates: block size >= 1, γ >= 0, a known policy
+    if "verify" in defaults and not isinstance(defaults["verify"], bool):
+        raise UnmaskError(f"verify must be true or false (got {defaults['verify']!r}); pass verify=True or False")
+    if any(k in defaults for k in LOSSLESS_KEYS):  # validates: block size >= 2, a known draft layout
+        VerifyConfig(block_size=defaults.get("verify_block_size", VerifyConfig.block_size),
+                     draft=defaults.get("draft", VerifyConfig.draft))
     meta = json.loads(path.read_text())
     meta["decode_defaults"] = dict(defaults)
     atomic_write_json(path, meta)
@@ -136,39 +197,59 @@ def run_info(seq_len: int, paths: Sequence[Path], train_chunks: torch.Tensor, va
 
 def train_and_publish(bundle, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor | None,
                       cfg: TrainConfig, run_dir: Path, out: Path, *, info: dict, meta: dict, device: str,
-                      resume: bool, progress: bool) -> TrainResult:
+                      resume: bool, progress: bool, overwrite: bool = False) -> TrainResult:
     """Run the loop on ``bundle.model`` and publish ``out`` atomically when it ends.
 
     Every checkpoint and the published directory hold the tokenizer and ``unmask_config.json``
     (``meta`` plus a ``training`` entry: ``info`` and the step, stop reason and last terms).
     ``out`` is not written when the run is interrupted; the returned TrainResult then has
     ``out`` None. A failure while publishing removes the staging directory and leaves ``out``
-    as it was.
+    as it was. With ``overwrite`` the earlier ``run_dir`` is deleted here, after the caller has
+    validated the base, the data and the options.
+
+    Raises:
+        UnmaskError: as :func:`unmask.train.loop.train`, or ``out`` cannot be written.
     """
     tok = bundle.tokenizer
 
     def save_extras(directory: Path, state: dict) -> None:
-        tok.save_pretrained(directory)
+        if tok is not None:  # a tokenizer-less checkpoint (token-id corpus) stays tokenizer-less
+            tok.save_pretrained(directory)
         training = {**info, "step": state.get("step"), "stopped": state.get("stopped"),
                     "train_terms": state.get("last"), "val": state.get("val")}
         atomic_write_json(directory / UNMASK_CONFIG, {**meta, "training": training})
 
     console = None
-    if progress:
+    if progress and env_rank() == 0:
         from rich.console import Console
 
         console = Console(stderr=True)
+    if overwrite and not resume and run_dir.exists() and env_rank() == 0:  # --overwrite, now that the inputs were accepted (rank 0 alone under torchrun)
+        shutil.rmtree(run_dir)
     result = train(bundle.model, objective, train_chunks, val_chunks, cfg, run_dir, device=device, resume=resume,
                    save_extras=save_extras, console=console, meta=info)
     if result.stopped == "interrupted":
         return result
-    tmp = staging_dir(out)
-    try:
-        save_model(bundle.model, tmp)
-        save_extras(tmp, {"step": result.step, "stopped": result.stopped, "last": result.last, "val": result.val})
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    from unmask import dist
+    from unmask.train.parallel import agree, full_state_dict
+
+    full = full_state_dict(bundle.model) if dist.active() else None  # a collective under FSDP2: every rank
+    error = None
+    if dist.is_main():  # under torchrun rank 0 publishes; the others learn whether it did
+        tmp = None
+        try:
+            with write_errors(f"the model to {out}", "free disk space or choose another --out"):
+                tmp = staging_dir(out)
+            with write_errors(f"the model to {out}", f"free disk space; the run is kept in {run_dir}, publish it "
+                                                     "with --resume"):
+                save_model(bundle.model, tmp, state_dict=full)
+                save_extras(tmp, {"step": result.step, "stopped": result.stopped, "last": result.last,
+                                  "val": result.val})
+                publish_dir(tmp, out)
+        except BaseException as e:  # noqa: BLE001 - re-raised by agree
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            error = e
+    agree(error, "publishing the model")
     result.out = out
     return result

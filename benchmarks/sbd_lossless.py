@@ -1,0 +1,193 @@
+"""Lossless SBD vs AR vs the lossy EB default, in one run (issue: Lossless Set Block Decoding).
+
+On the same story openings (greedy, 128 new tokens, 1 thread) and for each model:
+  * AR (the baseline; run first and last, its TPS is the mean of both runs),
+  * lossless SBD (spec/sbd_exact.md) at k in {2, 4, 8, 16}, quadratic and linear drafting,
+  * the lossy EB sampler (γ = 0.35) at k in {4, 8, 16}, the shipped lossy default included,
+at batch 1 and batch 8. Columns: NFE (summed per-row forwards), TPF, TPS, the TPS ratio vs AR,
+the number of prompts whose tokens are identical to AR, the acceptance histogram (tokens
+committed per row per forward), and ms per forward call relative to an AR forward call.
+
+Models: ``stories260K-sbd`` (fully fine-tuned SBD: lossless output = its own AR) and
+``stories260K+sbd`` (the original stories260K with its shipped gated SBD adapter: lossless
+output = the original model's AR).
+
+Writes sbd_lossless.md, .json and .png (TPF and TPS ratio vs k) under --out-dir and checks the
+targets at each model's default lossless setting: identical to AR on every prompt, TPF >= 2.5,
+TPS >= 1.5x AR at batch 1.
+
+    python benchmarks/sbd_lossless.py --threads 1                      # full run
+    python benchmarks/sbd_lossless.py --limit 5 --blocks 4 --batch-sizes 1   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import unmask
+from unmask.eval.story_openings import STORY_OPENINGS
+from unmask.fileio import atomic_write_json, atomic_write_text
+
+BLOCKS = (2, 4, 8, 16)
+EB_BLOCKS = (4, 8, 16)
+EB_GAMMA = 0.35
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="stories260K-sbd,stories260K+sbd",
+                   help="comma-separated; NAME+ADAPTER loads NAME with that adapter")
+    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--blocks", default=",".join(map(str, BLOCKS)))
+    p.add_argument("--drafts", default="quadratic,linear")
+    p.add_argument("--eb-blocks", default=",".join(map(str, EB_BLOCKS)))
+    p.add_argument("--out-dir", type=Path, default=Path("runs/bench_sbd_lossless"))
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0 = leave as is)")
+    return p.parse_args()
+
+
+def load(spec: str):
+    name, _, adapter = spec.partition("+")
+    return unmask.load(name, adapter=adapter) if adapter else unmask.load(name)
+
+
+def run(bundle, prompts, decoder, batch_size, max_new_tokens, **options) -> dict:
+    """Decode every prompt in batches; sums of per-row forwards, forward calls, tokens, seconds."""
+    tokens, nfe_rows, calls, seconds, accepts = [], 0, 0, 0.0, {}
+    for s in range(0, len(prompts), batch_size):
+        out = unmask.generate(prompts[s:s + batch_size], bundle, decoder, max_new_tokens=max_new_tokens, **options)
+        tokens += out.tokens
+        nfe_rows += sum(out.stats.nfe_per_row)
+        calls += out.stats.nfe
+        seconds += out.stats.seconds
+        for k, v in out.stats.extra.get("accepts", {}).items():
+            accepts[int(k)] = accepts.get(int(k), 0) + v
+    generated = sum(len(t) for t in tokens)
+    return {"tokens": tokens, "nfe": nfe_rows, "calls": calls, "generated": generated, "seconds": seconds,
+            "tpf": generated / max(1, nfe_rows), "tps": generated / seconds, "ms_per_call": 1000 * seconds / calls,
+            "accepts": dict(sorted(accepts.items()))}
+
+
+def bench_model(spec: str, prompts: list[str], args) -> list[dict]:
+    bundle = load(spec)
+    defaults = bundle.meta.get("decode_defaults") or {}
+    rows = []
+    for bs in map(int, args.batch_sizes.split(",")):
+        ar_first = run(bundle, prompts, "ar", bs, args.max_new_tokens)
+        configs = [("lossless", k, d, dict(verify=True, block_size=k, draft=d))
+                   for k in map(int, args.blocks.split(",")) for d in args.drafts.split(",")]
+        configs += [("eb", k, f"γ={EB_GAMMA}", dict(verify=False, block_size=k, gamma=EB_GAMMA))
+                    for k in map(int, args.eb_blocks.split(","))]
+        results = [(name, k, d, run(bundle, prompts, "sbd", bs, args.max_new_tokens, **opts))
+                   for name, k, d, opts in configs]
+        ar_last = run(bundle, prompts, "ar", bs, args.max_new_tokens)
+        assert ar_first["tokens"] == ar_last["tokens"]
+        ar_tps = (ar_first["tps"] + ar_last["tps"]) / 2
+        ar_ms = (ar_first["ms_per_call"] + ar_last["ms_per_call"]) / 2
+        base = {"model": spec, "batch": bs}
+        rows.append({**base, "decoder": "ar", "k": 1, "draft": "-", **_cols(ar_first, ar_first, ar_tps, ar_ms),
+                     "tps": ar_tps, "tps_ratio": 1.0, "ms_per_call": ar_ms, "ms_ratio": 1.0,
+                     "ar_tps_first_last": [ar_first["tps"], ar_last["tps"]]})
+        for name, k, d, r in results:
+            default = (name == "lossless" and k == defaults.get("verify_block_size") and d == defaults.get("draft")
+                       and defaults.get("verify"))
+            rows.append({**base, "decoder": name, "k": k, "draft": d, "default": bool(default),
+                         **_cols(r, ar_first, ar_tps, ar_ms)})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "accepts"}), flush=True)
+    return rows
+
+
+def _cols(r: dict, ar: dict, ar_tps: float, ar_ms: float) -> dict:
+    same = sum(a == b for a, b in zip(r["tokens"], ar["tokens"]))
+    return {"nfe": r["nfe"], "tpf": r["tpf"], "tps": r["tps"], "tps_ratio": r["tps"] / ar_tps,
+            "identical": same, "prompts": len(ar["tokens"]), "accepts": r["accepts"],
+            "ms_per_call": r["ms_per_call"], "ms_ratio": r["ms_per_call"] / ar_ms}
+
+
+def markdown(rows: list[dict], targets: list[dict]) -> str:
+    head = ("| model | batch | decoder | k | draft | NFE | TPF | TPS | TPS vs AR | identical to AR | "
+            "ms/forward vs AR | accepts (tokens: count) |\n|" + "---|" * 12 + "\n")
+    lines = []
+    for r in rows:
+        name = f"**{r['decoder']} (default)**" if r.get("default") else r["decoder"]
+        acc = " ".join(f"{k}:{v}" for k, v in r["accepts"].items()) or "-"
+        lines.append(f"| {r['model']} | {r['batch']} | {name} | {r['k']} | {r['draft']} | {r['nfe']} | "
+                     f"{r['tpf']:.2f} | {r['tps']:.0f} | {r['tps_ratio']:.2f}x | {r['identical']}/{r['prompts']} | "
+                     f"{r['ms_ratio']:.2f}x | {acc} |")
+    out = head + "\n".join(lines) + "\n"
+    if targets:
+        out += "\n## Targets at each model's default lossless setting (batch 1)\n\n| model | target | measured | met |\n|---|---|---|---|\n"
+        for t in targets:
+            out += f"| {t['model']} | {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |\n"
+    return out
+
+
+def check_targets(rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        if r.get("default") and r["batch"] == 1:
+            m = r["model"]
+            out += [{"model": m, "target": "identical to AR on every prompt", "measured": f"{r['identical']}/{r['prompts']}",
+                     "met": r["identical"] == r["prompts"]},
+                    {"model": m, "target": "TPF >= 2.5", "measured": f"{r['tpf']:.2f}", "met": r["tpf"] >= 2.5},
+                    {"model": m, "target": "TPS >= 1.5x AR", "measured": f"{r['tps_ratio']:.2f}x",
+                     "met": r["tps_ratio"] >= 1.5}]
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; skipping the plot (pip install -e '.[plot]')")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for (model, batch) in sorted({(r["model"], r["batch"]) for r in rows}):
+        for decoder, draft, style in (("lossless", "quadratic", "-o"), ("lossless", "linear", "--s"), ("eb", None, ":^")):
+            sel = [r for r in rows if r["model"] == model and r["batch"] == batch and r["decoder"] == decoder
+                   and (draft is None or r["draft"] == draft)]
+            if not sel:
+                continue
+            label = f"{model} b{batch} {decoder}{'' if draft is None else ' ' + draft}"
+            axes[0].plot([r["k"] for r in sel], [r["tpf"] for r in sel], style, label=label)
+            axes[1].plot([r["k"] for r in sel], [r["tps_ratio"] for r in sel], style, label=label)
+    axes[0].set(xlabel="k", ylabel="TPF", xscale="log", title="tokens per forward")
+    axes[1].set(xlabel="k", ylabel="TPS / AR TPS", xscale="log", title="speed vs AR (same run)")
+    axes[1].axhline(1.0, color="gray", lw=0.5)
+    axes[1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = STORY_OPENINGS[: args.limit]
+    rows = []
+    for spec in args.models.split(","):
+        try:
+            rows += bench_model(spec, prompts, args)
+        except unmask.UnmaskError as e:
+            print(f"skipping {spec}: {e}")
+    targets = check_targets(rows)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    env = {"threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": len(prompts),
+           "max_new_tokens": args.max_new_tokens}
+    atomic_write_json(args.out_dir / "sbd_lossless.json", {"env": env, "rows": rows, "targets": targets})
+    atomic_write_text(args.out_dir / "sbd_lossless.md", markdown(rows, targets))
+    plot(rows, args.out_dir / "sbd_lossless.png")
+    print(markdown(rows, targets))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Serving under load: AR vs the model's default decoder behind ``unmask serve``, at 1, 8, 64 and
+200 concurrent streams, in one run.
+
+Starts ``unmask serve`` as a subprocess on a free loopback port (nothing else is contacted), then,
+for each decoder and each concurrency level, sends a bounded number of greedy streaming
+completions (``--requests``, at least the level; a level also stops launching after
+``--level-seconds``) through the official ``openai`` async client. Per level it reports
+requests/s, tokens/s, p50/p95 time to first token and end-to-end latency, errors, the server's
+resident memory and thread count, and whether every slot and queue entry was freed afterwards
+(``/health``). Outputs are compared with AR's at one stream (``same_as_ar``: the fraction of
+requests whose text equals AR's) and with the same decoder at one stream (``batch_invariant``).
+The closing lines give the default decoder's tokens/s as a ratio of AR's at each level.
+
+    python benchmarks/serve_load.py                 # the full run (minutes; needs an idle machine)
+    python benchmarks/serve_load.py --smoke         # 1 and 4 streams, a few short requests
+    python benchmarks/serve_load.py --out benchmarks/results/serve_load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+PROMPTS = ["Once upon a time", "Lily", "The sun", "A little cat", "Tom had a big red ball.",
+           "One day, a small dog found a stick.", "Sara and her mom went to the park.",
+           "There was a happy frog who lived by a pond.", "Ben wanted to fly his kite, but the wind was too weak.",
+           "Mia liked to draw. She drew the sun, the trees and her house.", "The old man had a garden full of flowers.",
+           "Max was a brave boy. He was not afraid of the dark, but he was afraid of"]
+
+
+def start_server(model: str | None, max_batch_size: int, max_queue: int) -> tuple[subprocess.Popen, str]:
+    """``unmask serve`` on 127.0.0.1 and a free port; returns the process and its base URL."""
+    cmd = [sys.executable, "-m", "unmask", "serve", "--host", "127.0.0.1", "--port", "0", "--max-batch-size",
+           str(max_batch_size), "--max-queue", str(max_queue)] + (["--model", model] if model else [])
+    log = tempfile.NamedTemporaryFile("w+", prefix="unmask-serve-", suffix=".log", delete=False)
+    # The server's log goes to a file: a pipe nobody reads would fill up and block the server.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    deadline = time.monotonic() + 300
+    url = None
+    while url is None and proc.poll() is None and time.monotonic() < deadline:
+        m = re.search(r"on (http://127\.0\.0\.1:\d+)", Path(log.name).read_text())
+        url = m.group(1) if m else None
+        time.sleep(0.2)
+    if url is None:
+        proc.kill()
+        raise SystemExit(f"error: the server did not start; see {log.name}")
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+            return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("error: the server did not answer /health; run 'unmask serve' to see why")
+
+
+def proc_status(pid: int) -> dict:
+    """Resident memory (MiB) and thread count of a process, from /proc."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            out["rss_mib"] = int(line.split()[1]) / 1024
+        elif line.startswith("Threads:"):
+            out["threads"] = int(line.split()[1])
+    return out
+
+
+def health(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
+
+
+async def one(client, model: str, prompt: str, decoder: str, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    ttft, parts, usage = None, [], None
+    try:
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                                 temperature=0, extra_body={"decoder": decoder})
+        async for chunk in stream:
+            text = chunk.choices[0].text if chunk.choices else ""
+            if text and ttft is None:
+                ttft = time.perf_counter() - t0
+            parts.append(text)
+            usage = chunk.usage or usage
+    except Exception as e:  # every failure counts as an error of this level
+        return {"error": f"{type(e).__name__}: {str(e)[:120]}", "prompt": prompt}
+    end = time.perf_counter() - t0
+    return {"prompt": prompt, "text": "".join(parts), "ttft": ttft if ttft is not None else end, "e2e": end,
+            "tokens": usage.completion_tokens if usage else 0}
+
+
+async def level(url: str, model: str, decoder: str, streams: int, requests: int, max_tokens: int,
+                seconds: float) -> tuple[dict, list[dict]]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=max(60.0, seconds))
+    gate = asyncio.Semaphore(streams)
+    stop_at = time.perf_counter() + seconds
+
+    async def guarded(i):
+        async with gate:
+            if time.perf_counter() > stop_at:
+                return None
+            return await one(client, model, PROMPTS[i % len(PROMPTS)], decoder, max_tokens)
+
+    t0 = time.perf_counter()
+    results = [r for r in await asyncio.gather(*(guarded(i) for i in range(requests))) if r is not None]
+    wall = time.perf_counter() - t0
+    await client.close()
+    ok = [r for r in results if "error" not in r]
+    q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))  # noqa: E731
+    row = {"decoder": decoder, "streams": streams, "requests": len(results), "errors": len(results) - len(ok),
+           "req_s": len(ok) / wall, "tok_s": sum(r["tokens"] for r in ok) / wall, "seconds": wall,
+           "ttft_p50": q([r["ttft"] for r in ok], 50), "ttft_p95": q([r["ttft"] for r in ok], 95),
+           "e2e_p50": q([r["e2e"] for r in ok], 50), "e2e_p95": q([r["e2e"] for r in ok], 95),
+           "error_samples": sorted({r["error"] for r in results if "error" in r})[:3]}
+    return row, results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="served model (default: the default shipped model)")
+    ap.add_argument("--levels", default="1,8,64,200", help="concurrent streams per level")
+    ap.add_argument("--requests", type=int, default=0, help="requests per level (default: 2 x streams, at least 16)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--level-seconds", type=float, default=180.0, help="stop launching requests after this")
+    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--decoders", default="ar,default", help="'default' is the model's default decoder")
+    ap.add_argument("--smoke", action="store_true", help="1 and 4 streams, 4 requests of 8 tokens")
+    ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    levels = [1, 4] if args.smoke else [int(x) for x in args.levels.split(",")]
+    max_tokens = 8 if args.smoke else args.max_tokens
+    proc, url = start_server(args.model, args.max_batch_size, max(256, 2 * max(levels)))
+    try:
+        info = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())["data"][0]
+        decoders = [info["default_decoder"] if d == "default" else d for d in args.decoders.split(",")]
+        decoders = [d for d in dict.fromkeys(decoders) if d in info["decoders"]]
+        asyncio.run(level(url, info["id"], decoders[0], 1, 2, max_tokens, 60))  # warm-up
+        before = proc_status(proc.pid)
+        rows, texts = [], {}
+        for decoder in decoders:
+            for streams in levels:
+                n = 4 if args.smoke else (args.requests or max(16, 2 * streams))
+                row, results = asyncio.run(level(url, info["id"], decoder, streams, n, max_tokens, args.level_seconds))
+                texts[(decoder, streams)] = {r["prompt"]: r["text"] for r in results if "error" not in r}
+                h = health(url)
+                row.update(proc_status(proc.pid), leaked_slots=h["active"], left_in_queue=h["queue_depth"])
+                ref_ar = texts.get(("ar", levels[0]), {})
+                ref_self = texts[(decoder, levels[0])]
+                got = texts[(decoder, streams)]
+                row["same_as_ar"] = (sum(got[p] == ref_ar.get(p) for p in got) / len(got)) if got and ref_ar else None
+                row["batch_invariant"] = all(got[p] == ref_self.get(p, got[p]) for p in got)
+                rows.append(row)
+                print(f"{decoder:>5} {streams:>4} streams: {row['requests']:>4} req, {row['errors']} err, "
+                      f"{row['req_s']:.2f} req/s, {row['tok_s']:.1f} tok/s, TTFT p50/p95 {row['ttft_p50']:.3f}/"
+                      f"{row['ttft_p95']:.3f} s, e2e p50/p95 {row['e2e_p50']:.3f}/{row['e2e_p95']:.3f} s, "
+                      f"RSS {row['rss_mib']:.1f} MiB, threads {row['threads']}, leaked slots {row['leaked_slots']}, "
+                      f"same as AR {row['same_as_ar']}, batch-invariant {row['batch_invariant']}", flush=True)
+        after = proc_status(proc.pid)
+        print(f"server RSS before {before['rss_mib']:.1f} MiB, after {after['rss_mib']:.1f} MiB "
+              f"({100 * (after['rss_mib'] / before['rss_mib'] - 1):+.1f} %)")
+        if "ar" in decoders and len(decoders) > 1:
+            other = decoders[1]
+            for streams in levels:
+                a = next(r for r in rows if r["decoder"] == "ar" and r["streams"] == streams)
+                b = next(r for r in rows if r["decoder"] == other and r["streams"] == streams)
+                ratio = b["tok_s"] / a["tok_s"] if a["tok_s"] else float("nan")
+                print(f"{other} / ar tokens/s at {streams} streams: {ratio:.2f}x")
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = args.out.with_suffix(args.out.suffix + ".tmp")
+            tmp.write_text(json.dumps({"model": info["id"], "max_tokens": max_tokens, "levels": levels,
+                                       "rss_before_mib": before["rss_mib"], "rss_after_mib": after["rss_mib"],
+                                       "rows": rows}, indent=1))
+            tmp.replace(args.out)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+if __name__ == "__main__":
+    main()

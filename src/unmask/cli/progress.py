@@ -1,0 +1,37 @@
+"""Progress on standard error for the command line: shown on a terminal, silent when stderr is
+piped or redirected, or with ``--no-progress`` (issue 15 item 2)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterator
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def status(message: str, *, enabled: bool = True, console=None):
+    """A transient spinner with ``message`` (e.g. "loading stories260K") while the block runs;
+    a no-op when disabled or when the console is not a terminal."""
+    console = console if console is not None else _stderr_console()
+    if not enabled or not console.is_terminal:
+        return nullcontext()
+    return console.status(message)
+
+
+@contextmanager
+def bar(description: str, *, enabled: bool = True, console=None) -> Iterator[Callable[[int, int], None] | None]:
+    """A transient progress bar; yields ``update(done, total)``, or None when nothing is shown."""
+    console = console if console is not None else _stderr_console()
+    if not enabled or not console.is_terminal:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task(description, total=None)
+        yield lambda done, total: progress.update(task, completed=done, total=total)

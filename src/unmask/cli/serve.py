@@ -1,0 +1,34 @@
+"""``unmask serve``: the OpenAI-compatible server (needs ``pip install 'unmask[serve]'``)."""
+
+from __future__ import annotations
+
+import typer
+
+from unmask.cli import app
+
+
+@app.command("serve")
+def serve_cmd(
+    model: str = typer.Option(None, "--model", "-m", help="shipped model name or local HF directory (default: the default shipped model)"),
+    kind: str = typer.Option(None, "--kind", help="model kind for a local directory: causal, sbd, masked-diffusion, block-diffusion"),
+    decoder: str = typer.Option(None, "--decoder", "-d", help="default decoder of requests (default: the model kind's natural decoder)"),
+    block_size: int = typer.Option(None, "--block-size", "-k", help="default block size"),
+    policy: str = typer.Option(None, "--policy", help="default commit policy"),
+    gamma: float = typer.Option(None, "--gamma", help="default EB-sampler bound γ"),
+    preset: str = typer.Option(None, "--preset", help="default γ preset"),
+    tau: float = typer.Option(None, "--tau", help="default confidence threshold τ"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (loopback by default)"),
+    port: int = typer.Option(8000, "--port", help="port to listen on (0: any free port)"),
+    max_batch_size: int = typer.Option(8, "--max-batch-size", help="rows decoded together"),
+    max_queue: int = typer.Option(64, "--max-queue", help="requests that may wait; more are answered 429"),
+    timeout: float = typer.Option(600.0, "--timeout", help="default per-request timeout in seconds"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
+) -> None:
+    """Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,
+    /metrics and the playground at /. Requests may set decoder knobs as extra body fields."""
+    from unmask.serve.server import serve
+
+    serve(model, kind=kind, host=host, port=port, max_batch_size=max_batch_size, max_queue=max_queue,
+          request_timeout=timeout, device=device, dtype=dtype, decoder=decoder, block_size=block_size, policy=policy,
+          gamma=gamma, preset=preset, tau=tau)

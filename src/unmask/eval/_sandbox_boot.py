@@ -1,0 +1,180 @@
+"""The sandbox bootstrap: ``python -I -B -c <this file's text> CONFIG`` (see :mod:`unmask.eval.sandbox`).
+
+Not a module to import. Self-contained, standard library only. It applies the limits, then
+forks once: the parent half supervises (a child subreaper that enforces the deadline and the
+disk quota, then kills every descendant, and reports to ``result_fd``), the child half confines
+itself (Landlock, no sockets) and runs ``main.py``, writing the run's nonce to ``verdict_fd``
+only after the program's last statement returned.
+"""
+if __name__ != "__main__":
+    raise ImportError("unmask.eval._sandbox_boot is run by unmask.eval.sandbox.run_program, not imported")
+import ctypes, json, os, resource, signal, sys, time
+cfg = json.loads(sys.argv[1])
+for name, value in (("RLIMIT_AS", cfg["mem"]), ("RLIMIT_CPU", cfg["cpu"]),
+                    ("RLIMIT_FSIZE", cfg["fsize"]), ("RLIMIT_CORE", 0)):
+    resource.setrlimit(getattr(resource, name), (value, value))
+_nonce = os.read(cfg["nonce_fd"], 64)
+os.close(cfg["nonce_fd"])
+
+def descendants():
+    """Live (non-zombie) descendants of this process, from /proc."""
+    children = {}
+    for name in (os.listdir("/proc") if os.path.isdir("/proc") else ()):
+        if name.isdigit():
+            try:
+                with open("/proc/" + name + "/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+                children.setdefault(int(fields[1]), []).append((int(name), fields[0] == b"Z"))
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], [os.getpid()]
+    while todo:
+        for pid, zombie in children.get(todo.pop(), ()):
+            todo.append(pid)
+            if not zombie:
+                out.append(pid)
+    return out
+
+def reap():
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
+def kill_all():
+    """SIGKILL every descendant; orphans come back to us (we are their subreaper) and die too."""
+    for _ in range(1000):
+        live = descendants()
+        if not live:
+            break
+        for pid in live:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.001)
+        reap()
+    reap()
+
+def usage(root, cap_files):
+    total = files = 0
+    for top, dirs, names in os.walk(root):
+        for n in dirs + names:
+            files += 1
+            try:
+                total += os.lstat(os.path.join(top, n)).st_blocks * 512
+            except OSError:
+                pass
+        if files > cap_files:
+            break
+    return total, files
+
+def supervise(child):
+    deadline = time.monotonic() + cfg["timeout"]
+    next_check, status, reason = 0.0, None, None
+    while True:
+        try:
+            pid, st = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == child:
+            status = st
+            break
+        if pid:
+            continue  # an orphaned descendant, reaped
+        now = time.monotonic()
+        if now >= deadline:
+            reason = "timeout"
+            break
+        if now >= next_check:
+            total, files = usage(os.getcwd(), cfg["disk_files"])
+            if total > cfg["disk"] or files > cfg["disk_files"]:
+                reason = "disk"
+                break
+            next_check = now + 0.05
+        time.sleep(0.002)
+    kill_all()
+    return {"status": status, "reason": reason}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+if hasattr(_libc, "prctl"):  # Linux; elsewhere the parent's process-group kill is all there is
+    _libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphaned descendants are reparented to us
+_child = os.fork()
+if _child:
+    os.close(cfg["verdict_fd"])
+    os.close(cfg["report_fd"])
+    del _nonce
+    os.write(cfg["result_fd"], json.dumps(supervise(_child)).encode())
+    os._exit(0)
+os.close(cfg["result_fd"])
+del _libc, _child, descendants, reap, kill_all, usage, supervise
+
+def landlock(root, block_tcp):
+    libc = ctypes.CDLL(None, use_errno=True)
+    sc = libc.syscall
+    sc.restype = ctypes.c_long
+    abi = sc(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # landlock_create_ruleset
+    if abi < 1:
+        return False
+    # Write-type rights: WRITE_FILE, REMOVE_DIR, REMOVE_FILE, MAKE_CHAR..MAKE_SYM,
+    # then REFER (ABI 2) and TRUNCATE (ABI 3). Reads and execution are not handled.
+    fs = (1 << 1) | (1 << 4) | (1 << 5) | sum(1 << b for b in range(6, 13))
+    fs |= (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)
+    net = 3 if block_tcp and abi >= 4 else 0          # BIND_TCP | CONNECT_TCP, no rules
+    scoped = 3 if abi >= 6 else 0                      # abstract unix sockets, signals
+    class Attr(ctypes.Structure):
+        _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64),
+                    ("scoped", ctypes.c_uint64)]
+    class Beneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+    size = 8 if abi < 4 else 16 if abi < 6 else 24
+    rs = sc(444, ctypes.byref(Attr(fs, net, scoped)), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if rs < 0:
+        return False
+    file_rights = fs & ((1 << 1) | (1 << 14))          # rights valid on a non-directory
+    for path, rights in ((root, fs), ("/dev/null", file_rights)):
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        ok = sc(445, rs, 1, ctypes.byref(Beneath(rights, fd)), ctypes.c_uint32(0))
+        os.close(fd)
+        if ok != 0:
+            return False
+    if libc.prctl(38, 1, 0, 0, 0) != 0:                # PR_SET_NO_NEW_PRIVS
+        return False
+    return sc(446, rs, ctypes.c_uint32(0)) == 0        # landlock_restrict_self
+
+confined = False
+if cfg["landlock"]:
+    try:
+        confined = landlock(os.getcwd(), not cfg["network"])
+    except Exception:
+        confined = False
+os.write(cfg["report_fd"], b"1" if confined else b"0")  # tell the parent, then close
+os.close(cfg["report_fd"])
+if cfg["require"] and not confined:
+    sys.stderr.write("unmask sandbox: Landlock confinement failed\n")
+    os._exit(97)
+if not cfg["network"]:
+    import socket
+    def _no_network(*args, **kwargs):
+        raise OSError("network access is disabled in the unmask sandbox")
+    for _name in ("socket", "create_connection", "create_server", "socketpair", "fromfd"):
+        setattr(socket, _name, _no_network)
+def _sealed(nonce, fd):
+    def done():  # the evidence that the program ran to its last statement
+        os.write(fd, nonce)
+    return done
+
+def _run(code, done):
+    exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+    done()
+
+_done = _sealed(_nonce, cfg["verdict_fd"])
+del ctypes, json, resource, signal, time, landlock, cfg, confined, _nonce, _sealed
+sys.argv = ["main.py"]
+with open("main.py", encoding="utf-8") as _f:
+    _code = compile(_f.read(), "main.py", "exec")
+del _f
+_run(_code, globals().pop("_done"))  # held by _run's frame only, not by the module namespace

@@ -1,0 +1,287 @@
+"""The FastAPI app: OpenAI-compatible completions and chat, SSE streaming, health, metrics and the
+playground page. Every request is handed to the :class:`~unmask.serve.engine.Scheduler`; its
+events come back through an asyncio queue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from importlib import resources
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from unmask.decode import DECODERS, default_decoder, get_decoder
+from unmask.errors import UnmaskError
+from unmask.serve.engine import Job, QueueFull, Scheduler
+from unmask.serve.errors import ApiError
+from unmask.serve.metrics import Metrics
+from unmask.serve.protocol import ServeRequest, edits_committed, parse
+from unmask.serve.stream import TextStream
+
+POLL_S = 0.2  # how often a waiting handler checks for a client disconnect
+
+
+class _Gone(Exception):
+    """The client disconnected."""
+
+
+def _error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8, max_queue: int = 64,
+               request_timeout: float = 600.0, defaults: dict | None = None) -> FastAPI:
+    """The server app for a loaded ModelBundle. ``defaults``: the server's default decoder and
+    knobs (e.g. ``{"decoder": "sbd", "gamma": 0.35}``), checked here like a request. The
+    scheduler thread starts with the app's lifespan and stops with it; ``app.state.scheduler``
+    and ``app.state.metrics`` expose them. Raises UnmaskError for a bad batch size, queue bound or
+    default knob."""
+    name = model_name or bundle.name
+    defaults = dict(defaults or {})
+    try:  # the defaults are checked like a request, then by one tiny decode (the decoder's own checks)
+        probe = parse({"prompt": "x", "max_tokens": 1}, bundle, name, chat=False, default_timeout=1.0, defaults=defaults)
+    except ApiError as e:
+        raise UnmaskError(e.message) from None
+    get_decoder(probe.decoder, bundle.kind)(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
+                                            **probe.options)
+    scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue)
+    metrics = Metrics(scheduler)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.close()
+
+    app = FastAPI(title="unmask", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler, app.state.metrics, app.state.bundle = scheduler, metrics, bundle
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e):
+        return _error_response(ApiError(e.status_code, str(e.detail), type="invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _crash(request, e):
+        return _error_response(ApiError(500, "internal server error; see the server log", type="server_error"))
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground():
+        return HTMLResponse(resources.files("unmask.serve").joinpath("playground.html").read_text("utf-8"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": name, "queue_depth": scheduler.queue_depth, "active": scheduler.active}
+
+    @app.get("/metrics")
+    async def prometheus():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        decoders = [d.name for d in DECODERS.values() if bundle.kind in d.kinds]
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "unmask",
+                                            "kind": bundle.kind, "decoders": decoders,
+                                            "default_decoder": defaults.get("decoder") or default_decoder(bundle.kind),
+                                            "context_length": bundle.context_length}]}
+
+    async def handle(request: Request, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (ValueError, UnicodeDecodeError):
+                raise ApiError(400, "the request body is not valid JSON") from None
+            req = parse(body, bundle, name, chat=chat, default_timeout=request_timeout, defaults=defaults)
+        except ApiError as e:
+            metrics.requests.labels(endpoint, "bad_request").inc()
+            return _error_response(e)
+        call = _Call(request, req, chat, name, bundle, scheduler, metrics, endpoint)
+        return await call.respond()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app
+
+
+class _Call:
+    """One request in flight: submits the job, waits for its events, builds the response."""
+
+    def __init__(self, request: Request, req: ServeRequest, chat: bool, name: str, bundle, scheduler: Scheduler,
+                 metrics: Metrics, endpoint: str):
+        self.request, self.req, self.chat, self.name, self.scheduler = request, req, chat, name, scheduler
+        self.metrics, self.endpoint = metrics, endpoint
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.stream = TextStream(bundle, req.prompt_ids, req.stop, limit=req.max_tokens,
+                                 final_only=edits_committed(bundle, req.decoder, req.options))
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.t0 = time.monotonic()
+        self.first_token_at: float | None = None
+        self.counted = False
+        loop = asyncio.get_running_loop()
+
+        def post(kind, payload):  # called by the scheduler thread
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+            except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+                pass
+
+        self.job = Job(prompt_ids=req.prompt_ids, decoder=req.decoder, options=req.options, sampling=req.sampling,
+                       max_new_tokens=req.max_tokens, stop=req.stop, deadline=self.t0 + req.timeout, post=post)
+
+    async def next_event(self) -> tuple[str, object]:
+        """The job's next event; cancels the job and raises _Gone when the client disconnects."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.queue.get(), timeout=POLL_S)
+            except asyncio.TimeoutError:
+                if await self.request.is_disconnected():
+                    self.job.cancel()
+                    raise _Gone from None
+
+    def outcome(self, outcome: str) -> None:
+        self.counted = True
+        self.metrics.requests.labels(self.endpoint, outcome).inc()
+
+    def record(self, result: dict) -> dict:
+        """Usage of a finished request; updates the metrics."""
+        n, nfe = len(result["tokens"]), max(1, int(result["nfe"]))
+        elapsed = time.monotonic() - self.t0
+        m = self.metrics
+        m.prompt_tokens.inc(len(self.req.prompt_ids))
+        m.completion_tokens.inc(n)
+        m.nfe.inc(nfe)
+        m.tpf.observe(n / nfe)
+        m.tps.observe(n / elapsed if elapsed > 0 else 0.0)
+        m.latency.observe(elapsed)
+        if self.first_token_at is not None:
+            m.ttft.observe(self.first_token_at - self.t0)
+        self.outcome("ok")
+        return {"prompt_tokens": len(self.req.prompt_ids), "completion_tokens": n,
+                "total_tokens": len(self.req.prompt_ids) + n, "nfe": nfe, "tpf": n / nfe}
+
+    def saw_step(self, event: dict) -> None:
+        if self.first_token_at is None and event.get("positions"):
+            self.first_token_at = time.monotonic()
+
+    async def respond(self):
+        try:
+            self.scheduler.submit(self.job)
+        except QueueFull:
+            self.outcome("rejected")
+            return _error_response(ApiError(
+                429, f"the server queue is full ({self.scheduler.max_queue} requests waiting); retry shortly",
+                type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}))
+        try:
+            first = await self.next_event()
+        except _Gone:
+            self.outcome("cancelled")
+            return Response(status_code=499)
+        except BaseException:
+            self.job.cancel()
+            raise
+        if first[0] == "error":
+            self.outcome("timeout" if first[1].status == 408 else "error")
+            return _error_response(first[1])
+        if self.req.stream:
+            return StreamingResponse(self.sse(first), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self.whole(first)
+
+    async def whole(self, event):
+        """A non-streamed answer: wait for the result."""
+        try:
+            while event[0] == "step":
+                self.saw_step(event[1])
+                event = await self.next_event()
+        except _Gone:
+            self.outcome("cancelled")
+            return Response(status_code=499)
+        except BaseException:
+            self.job.cancel()
+            raise
+        kind, payload = event
+        if kind == "error":
+            self.outcome("timeout" if payload.status == 408 else "error")
+            return _error_response(payload)
+        if kind == "cancelled":
+            self.outcome("cancelled")
+            return Response(status_code=499)
+        text = self.stream.finish(payload["tokens"])
+        usage = self.record(payload)
+        reason = payload["finish_reason"]
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+            return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.name,
+                    "choices": [choice], "usage": usage}
+        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.name,
+                "choices": [choice], "usage": usage}
+
+    def chunk(self, delta: str | None, *, reason: str | None = None, role: bool = False, **extra) -> str:
+        if self.chat:
+            d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+            choice = {"index": 0, "delta": d, "finish_reason": reason}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
+            obj = "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.name, "choices": [choice], **extra}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def sse(self, event):
+        """Server-sent events: text deltas (and canvases in canvas mode), usage in the last chunk."""
+        canvas = self.req.stream_mode == "canvas"
+        try:
+            if self.chat:
+                yield self.chunk(None, role=True)
+            while True:
+                kind, payload = event
+                if kind == "step":
+                    self.saw_step(payload)
+                    delta = self.stream.update(payload["canvas"])
+                    if canvas:
+                        yield self.chunk(delta, unmask=self.stream.canvas(payload))
+                    elif delta:
+                        yield self.chunk(delta)
+                elif kind == "done":
+                    delta = self.stream.finish(payload["tokens"])
+                    usage = self.record(payload)
+                    yield self.chunk(delta, reason=payload["finish_reason"], usage=usage)
+                    yield "data: [DONE]\n\n"
+                    return
+                elif kind == "error":
+                    self.outcome("timeout" if payload.status == 408 else "error")
+                    yield f"data: {json.dumps(payload.body())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                else:  # cancelled
+                    self.outcome("cancelled")
+                    return
+                event = await self.next_event()
+        except _Gone:
+            self.outcome("cancelled")
+        finally:  # also reached when the server cancels the stream because the client went away
+            if not self.job.closed:
+                self.job.cancel()
+            if not self.counted:
+                self.outcome("cancelled")

@@ -1,0 +1,337 @@
+"""The scheduler: one thread owns the model and runs every request.
+
+What is continuous and what is not (README "Serving"):
+
+- ``ar`` requests share one running batch (:class:`~unmask.serve.ar_batch.ARBatch`). A request
+  joins at the next step boundary and leaves the step it finishes, is cancelled or times out,
+  freeing its slot and its cache rows at once.
+- Every other decoder (``sbd``, ``diffusion``, ``early-bird``, ``block``, ``multiblock``) runs
+  a whole batch in one call of its ``decode`` function, so those batches are formed from
+  *compatible* queued requests (same decoder, options, sampling, length and stop strings) and
+  run to completion: a request cannot join one mid-block, and its slot is freed when the batch
+  ends. A request whose committed tokens already fix its answer (a stop token, ``max_tokens`` or
+  a stop string in the committed prefix) is answered at once, without waiting for the rest of the
+  batch; a cancelled or timed-out request stops receiving events at once; and the batch stops at
+  the next step when none of its requests is still waiting for an answer. Sampled (temperature
+  > 0) requests of these decoders run alone, so a seed reproduces ``unmask generate``.
+- While such a batch runs, the AR batch still advances: after each forward of the batch (its
+  ``on_step`` boundary) the scheduler admits waiting AR requests and runs one AR step, so AR
+  requests never wait for a non-AR batch to finish.
+
+Each job gets its events through ``job.post`` (called from this thread): ``("step", event)``
+with an :mod:`unmask.trace` step event, then ``("done", result)`` or ``("error", ApiError)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from unmask.decode import get_decoder
+from unmask.errors import UnmaskError
+from unmask.sampling import Sampling
+from unmask.serve.ar_batch import ARBatch, Row
+from unmask.serve.errors import ApiError
+from unmask.serve.protocol import api_message, edits_committed
+
+log = logging.getLogger("unmask.serve")
+_ids = itertools.count()
+
+
+class _Abandoned(Exception):
+    """Raised from ``on_step`` to stop a batch none of whose requests is still wanted."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request as the scheduler sees it.
+
+    prompt_ids: the encoded prompt; options: decoder knobs passed to ``decode``; stop: stop
+    strings; deadline: ``time.monotonic()`` after which the request times out. ``post(kind,
+    payload)`` delivers an event to the waiting HTTP handler (thread-safe)."""
+
+    prompt_ids: list[int]
+    decoder: str
+    options: dict
+    sampling: Sampling
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    deadline: float
+    post: object
+    id: int = field(default_factory=lambda: next(_ids))
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)
+    closed: bool = False  # set by the scheduler after the final event
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this request at its next step boundary (thread-safe)."""
+        self.cancelled.set()
+
+    @property
+    def gone(self) -> bool:
+        return self.cancelled.is_set() or time.monotonic() > self.deadline
+
+    def batch_key(self) -> tuple:
+        """Requests with equal keys can share one non-AR ``decode`` call."""
+        solo = self.id if not self.sampling.greedy else None
+        return (self.decoder, tuple(sorted(self.options.items())), self.sampling, self.max_new_tokens,
+                self.stop, solo)
+
+    def finish(self, kind: str, payload) -> None:
+        if not self.closed:
+            self.closed = True
+            self.post(kind, payload)
+
+
+class QueueFull(Exception):
+    """The bounded queue is full (HTTP 429)."""
+
+
+class Scheduler:
+    """Owns the model; runs queued jobs in a background thread (see the module docstring).
+
+    max_batch_size: rows per forward (the AR running batch and each non-AR batch);
+    max_queue: jobs waiting to start before ``submit`` refuses with QueueFull.
+    """
+
+    def __init__(self, bundle, *, max_batch_size: int = 8, max_queue: int = 64):
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise UnmaskError(f"max batch size must be an integer >= 1 (got {max_batch_size!r}); pass e.g. 8")
+        if not isinstance(max_queue, int) or max_queue < 1:
+            raise UnmaskError(f"max queue must be an integer >= 1 (got {max_queue!r}); pass e.g. 64")
+        self.bundle, self.max_batch_size, self.max_queue = bundle, max_batch_size, max_queue
+        self.ar = ARBatch(bundle, on_token=self._ar_token)
+        self.stop_ids = set(bundle.stop_token_ids)
+        self._waiting: deque[Job] = deque()
+        self._lock = threading.Condition()
+        self._stop = False
+        self._paused = False
+        self.peak_running = 0  # the most rows holding slots at once so far (tests, benchmarks)
+        self.abandoned_batches = 0  # non-AR batches stopped early: every request answered or gone
+        self.batch_rows: dict[int, int] = {}  # job id -> row in the running non-AR batch
+        self._batch: list[Job] = []  # the running non-AR batch
+        self._thread = threading.Thread(target=self._loop, name="unmask-scheduler", daemon=True)
+
+    # -- public, any thread -------------------------------------------------------------------
+
+    def start(self) -> "Scheduler":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the loop: running requests are cancelled (a running batch stops at its next step)
+        and queued ones are answered 503."""
+        with self._lock:
+            self._stop = True
+            for job in [r.job for r in self.ar.rows] + list(self._batch):
+                job.cancel()
+            self._lock.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        """Requests holding a slot: the AR rows plus the running non-AR batch."""
+        return len(self.ar) + len(self.batch_rows)
+
+    running = active  # the running batch size reported in /metrics
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; raises QueueFull when ``max_queue`` jobs already wait."""
+        with self._lock:
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull
+            self._waiting.append(job)
+            self._lock.notify_all()
+
+    def pause(self) -> None:
+        """Stop starting queued jobs (running ones continue); for maintenance and tests."""
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._lock.notify_all()
+
+    # -- the loop (scheduler thread) ------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not len(self.ar) and (self._paused or not self._waiting):
+                    self._lock.wait(timeout=0.5)
+                    self._reap_waiting()
+                if self._stop:
+                    break
+                self._reap_waiting()
+                ar_jobs, batch = self._take_ar(), self._take_batch()
+            try:
+                self._ar_step(ar_jobs)
+                if batch:
+                    self._run_batch(batch)
+            except Exception:  # a bug must not kill the scheduler: fail those requests, keep serving
+                log.exception("scheduler step failed")
+                for job in ar_jobs + batch + [r.job for r in self.ar.rows]:
+                    job.finish("error", ApiError(500, "internal error while decoding; see the server log",
+                                                 type="server_error"))
+                self.ar = ARBatch(self.bundle, on_token=self._ar_token)
+        for job in list(self._waiting) + [r.job for r in self.ar.rows]:
+            job.finish("error", ApiError(503, "the server is shutting down; retry later", type="server_error"))
+
+    def _reap_waiting(self) -> None:
+        """Answer queued jobs that were cancelled or timed out before they started."""
+        for job in [j for j in self._waiting if j.gone]:
+            self._waiting.remove(job)
+            self._finish_gone(job)
+
+    def _take_ar(self) -> list[Job]:
+        """Under the lock: the waiting AR jobs that fit in the AR batch now, oldest first."""
+        if self._paused:
+            return []
+        free = self.max_batch_size - len(self.ar)
+        jobs = [j for j in self._waiting if j.decoder == "ar"][:max(0, free)]
+        for j in jobs:
+            self._waiting.remove(j)
+        return jobs
+
+    def _take_batch(self) -> list[Job]:
+        """Under the lock: the oldest waiting non-AR job and the compatible ones behind it."""
+        first = None if self._paused else next((j for j in self._waiting if j.decoder != "ar"), None)
+        if first is None:
+            return []
+        key = first.batch_key()
+        batch = [j for j in self._waiting if j.decoder != "ar" and j.batch_key() == key][: self.max_batch_size]
+        for j in batch:
+            self._waiting.remove(j)
+        return batch
+
+    def _finish_gone(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            job.finish("cancelled", None)
+        else:
+            job.finish("error", ApiError(408, "the request timed out; raise 'timeout' or lower max_tokens",
+                                         type="timeout_error", code="timeout"))
+
+    # -- AR: continuous -------------------------------------------------------------------------
+
+    def _ar_token(self, row: Row) -> None:
+        n = len(row.tokens)
+        row.job.post("step", {"step": n - 1, "row": 0, "positions": [n - 1], "tokens": [row.tokens[-1]],
+                              "canvas": list(row.tokens)})
+
+    def _ar_step(self, joining: list[Job]) -> None:
+        for row in self.ar.drop(lambda r: r.job.gone):
+            self._finish_gone(row.job)
+        finished = self.ar.join(joining) if joining else []
+        self.peak_running = max(self.peak_running, self.active)
+        finished += self.ar.step()
+        for row in finished:
+            row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": row.finish})
+
+    def _interleave_ar(self) -> None:
+        """Between two forwards of a non-AR batch: admit waiting AR jobs and run one AR step. A
+        failure here fails the AR requests only, never the batch around it."""
+        with self._lock:
+            self._reap_waiting()
+            joining = self._take_ar()
+        if not joining and not len(self.ar):
+            return
+        try:
+            self._ar_step(joining)
+        except Exception:
+            log.exception("AR step failed")
+            for job in joining + [r.job for r in self.ar.rows]:
+                job.finish("error", ApiError(500, "internal error while decoding; see the server log",
+                                             type="server_error"))
+            self.ar = ARBatch(self.bundle, on_token=self._ar_token)
+
+    # -- every other decoder: one batch per decode call -----------------------------------------
+
+    def _final(self, job: Job, canvas: list) -> tuple[list[int], str] | None:
+        """(tokens, finish reason) when a row's committed canvas already fixes its answer: the
+        committed prefix reaches a stop token, ``max_new_tokens`` or a stop string. Committed
+        tokens are final in these decoders, and the output is that prefix (``_until_stop``)."""
+        tokens = []
+        for t in canvas[: job.max_new_tokens]:
+            if t is None:
+                return None
+            if t in self.stop_ids:
+                return tokens, "stop"
+            tokens.append(t)
+        if len(tokens) >= job.max_new_tokens:
+            return tokens, "length"
+        if job.stop and any(s in self.bundle.decode_continuation(job.prompt_ids, tokens) for s in job.stop):
+            return tokens, "stop"
+        return None
+
+    def _run_batch(self, jobs: list[Job]) -> None:
+        first = jobs[0]
+        decode = get_decoder(first.decoder, self.bundle.kind)
+        self.batch_rows, self._batch = {j.id: i for i, j in enumerate(jobs)}, jobs
+        self.peak_running = max(self.peak_running, self.active)
+        last_step = [None]
+        steps = [0] * len(jobs)  # forwards in which each row had work (its step events)
+        edits = edits_committed(self.bundle, first.decoder, first.options)
+
+        def on_step(event: dict) -> None:
+            if event["step"] != last_step[0]:  # a new forward of the batch: let the AR batch advance too
+                last_step[0] = event["step"]
+                self._interleave_ar()
+            row = int(event["row"])
+            job = jobs[row]
+            if job.gone:
+                self._finish_gone(job)
+            elif not job.closed:
+                job.post("step", event)
+                steps[row] += 1
+                final = None if edits else self._final(job, event["canvas"])
+                if final is not None:  # the answer cannot change any more: send it now
+                    job.finish("done", {"tokens": final[0], "nfe": steps[row], "finish_reason": final[1]})
+            if all(j.gone or j.closed for j in jobs):
+                raise _Abandoned
+
+        kwargs = dict(first.options)
+        if "on_step" in inspect.signature(decode).parameters:
+            kwargs["on_step"] = on_step
+        try:
+            out = decode(self.bundle, [j.prompt_ids for j in jobs], max_new_tokens=first.max_new_tokens,
+                         sampling=first.sampling, stop_token_ids=self.bundle.stop_token_ids,
+                         stop_strings=first.stop, **kwargs)
+        except _Abandoned:
+            self.abandoned_batches += 1
+            for j in jobs:
+                self._finish_gone(j)
+            return
+        except UnmaskError as e:  # the decoder's own validation (block size, policy, ...): a bad request
+            message = api_message(str(e).splitlines()[0])
+            low = message.lower()  # the knob the message names, if any (longest name first: tau_add before tau)
+            param = next((k for k in sorted(first.options, key=len, reverse=True)
+                          if k in low or k.replace("_", " ") in low), None)
+            for j in jobs:
+                j.finish("error", ApiError(400, message, param=param))
+            return
+        except Exception:  # a bug fails this batch only; the AR batch and the queue keep going
+            log.exception("decoding a %s batch failed", first.decoder)
+            for j in jobs:
+                j.finish("error", ApiError(500, "internal error while decoding; see the server log",
+                                           type="server_error"))
+            return
+        finally:
+            self.batch_rows, self._batch = {}, []
+        for i, j in enumerate(jobs):
+            if j.gone:
+                self._finish_gone(j)
+                continue
+            toks = out.tokens[i]
+            reason = "length" if len(toks) >= j.max_new_tokens else "stop"
+            j.finish("done", {"tokens": toks, "nfe": int(out.stats.nfe_per_row[i]), "finish_reason": reason})

@@ -1,0 +1,18 @@
+"""OpenAI-style HTTP errors: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+
+class ApiError(Exception):
+    """An error answered to the client. status: HTTP status (400 bad request, 408 timeout, 429
+    queue full, 5xx server); type/param/code: the OpenAI error fields; headers: extra response
+    headers (``Retry-After`` on 429)."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

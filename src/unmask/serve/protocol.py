@@ -1,0 +1,215 @@
+"""Request bodies of the OpenAI-compatible endpoints -> validated :class:`ServeRequest`.
+
+Validation reuses the CLI's own checks: the decoder name and model kind (``get_decoder``), the
+options a decoder takes (``check_options``), the sampling knobs (``Sampling``) and the prompt
+against the context window (``encode_prompts``); the knob names and value types are read from
+the ``unmask generate`` command's options. Each error becomes an :class:`ApiError` (HTTP 400)
+with the offending field in ``param``. The decoder's own checks of its option values (block
+size, γ, τ, ...) run when the batch starts and are answered with 400 too.
+
+The plain chat template, used when the tokenizer has none::
+
+    {system message}\\n\\n            (only when there is one)
+    User: {content}\\n                 (one line per message, role capitalised)
+    Assistant: {content}\\n
+    Assistant:                        (the model continues from here)
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from unmask.api import check_options, encode_prompts
+from unmask.decode import default_decoder, get_decoder
+from unmask.errors import UnmaskError
+from unmask.sampling import Sampling
+from unmask.serve.errors import ApiError
+
+DEFAULT_MAX_TOKENS = 128
+STREAM_MODES = ("committed", "canvas")
+# Option of ``unmask generate`` that are not decoder knobs.
+_NOT_KNOBS = {"prompts", "prompts_file", "model", "kind", "decoder", "max_new_tokens", "temperature", "top_k", "top_p",
+              "seed", "stop", "show", "trace", "as_json", "device", "dtype"}
+# Knobs a decoder may take that the CLI does not have yet (the lossless SBD decoder's switch).
+_EXTRA_KNOBS = {"verify": "bool"}
+# OpenAI fields that are accepted only at their neutral value.
+_NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
+            "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+            "logit_bias": (None, {}), "suffix": (None, ""), "user": None, "stream_options": None,
+            "response_format": None, "max_completion_tokens": None}
+
+
+@lru_cache(maxsize=1)
+def decoder_knobs() -> dict[str, str]:
+    """Decoder knob name -> value type name (``int``, ``float``, ``str``, ``bool``), read from the
+    options of ``unmask generate`` so the server takes exactly the CLI's knobs."""
+    from unmask.cli.generate import generate_cmd
+
+    knobs = {}
+    for name, p in inspect.signature(generate_cmd).parameters.items():
+        if name not in _NOT_KNOBS:
+            knobs[name] = p.annotation if isinstance(p.annotation, str) else p.annotation.__name__
+    return {**_EXTRA_KNOBS, **knobs}
+
+
+_TYPES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+
+
+def _typed(name: str, value, kind: str):
+    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+          "str": isinstance(value, str), "bool": isinstance(value, bool)}[kind]
+    if not ok:
+        raise ApiError(400, f"{name} must be {_TYPES[kind]} (got {value!r}); fix or drop it", param=name)
+    return float(value) if kind == "float" else value
+
+
+def api_message(message: str) -> str:
+    """A CLI error message in API terms: ``--block-size`` -> ``block_size``, ``--max-new-tokens``
+    -> ``max_tokens``."""
+    message = message.replace("--max-new-tokens", "max_tokens").replace("max_new_tokens", "max_tokens")
+    return re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), message)
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """A validated completion request (one prompt)."""
+
+    prompt: str
+    prompt_ids: list[int]
+    decoder: str
+    options: dict
+    sampling: Sampling
+    max_tokens: int
+    stop: tuple[str, ...]
+    stream: bool
+    stream_mode: str
+    timeout: float
+
+
+def edits_committed(bundle, decoder: str, options: dict) -> bool:
+    """Whether the decoder may change tokens it already committed (``multiblock`` token-to-token
+    edits, set by ``tau_t2t`` or the checkpoint's decode defaults)."""
+    defaults = bundle.meta.get("decode_defaults") or {}
+    return decoder == "multiblock" and (options.get("tau_t2t", defaults.get("tau_t2t")) is not None)
+
+
+def render_chat(bundle, messages) -> str:
+    """Messages -> prompt text: the tokenizer's chat template, else the plain template above."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a role and a content", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise ApiError(400, f"messages[{i}].content may only hold text parts", param="messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be text", param="messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        if role not in ("system", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}].role {m['role']!r} is not supported; use system, user or assistant",
+                           param="messages")
+        clean.append({"role": role, "content": content})
+    tok = bundle.tokenizer
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+        bos = getattr(tok, "bos_token", None)
+        return text[len(bos):] if bos and text.startswith(bos) else text  # encode() adds BOS itself
+    head = "".join(m["content"] + "\n\n" for m in clean if m["role"] == "system")
+    body = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in clean if m["role"] != "system")
+    return head + body + "Assistant:"
+
+
+def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
+          defaults: dict | None = None) -> ServeRequest:
+    """Validate a request body. ``defaults``: the server's decoder and knobs (``unmask serve
+    --decoder sbd --gamma 0.35``); the knobs apply only to requests that use that decoder, and a
+    request's own knobs win. Raises ApiError (400) naming the offending field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    knobs = decoder_knobs()
+    known = {"model", "messages" if chat else "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+             "stream", "stream_mode", "timeout", "decoder", *knobs, *_NEUTRAL}
+    for name in body:
+        if name not in known:
+            raise ApiError(400, f"unknown parameter {name!r}; drop it (unmask fields: decoder, stream_mode, timeout, top_k, {', '.join(sorted(knobs))})",
+                           param=name)
+    for name, neutral in _NEUTRAL.items():
+        if neutral is not None and name in body and body[name] not in neutral:
+            what = "logprobs are not defined for parallel decoders" if "logprobs" in name else f"{name} is not supported"
+            raise ApiError(400, f"{what}; drop {name!r}", param=name)
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(400, f"unknown model {model!r}; this server serves {model_name!r}", param="model",
+                       code="model_not_found")
+
+    stream = body.get("stream", False) or False
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be true or false (got {stream!r})", param="stream")
+    mode = body.get("stream_mode", "committed")
+    if mode not in STREAM_MODES:
+        raise ApiError(400, f"stream_mode must be one of {', '.join(STREAM_MODES)} (got {mode!r})", param="stream_mode")
+    timeout = body.get("timeout", default_timeout)
+    if timeout is None:
+        timeout = default_timeout
+    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf):
+        raise ApiError(400, f"timeout must be a number of seconds > 0 (got {timeout!r})", param="timeout")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "stop must be a non-empty string or a list of them", param="stop")
+
+    defaults = dict(defaults or {})
+    server_decoder = defaults.pop("decoder", None) or default_decoder(bundle.kind)
+    decoder = body.get("decoder") or server_decoder
+    if not isinstance(decoder, str):
+        raise ApiError(400, f"decoder must be a string (got {decoder!r})", param="decoder")
+    given = {k: body[k] for k in knobs if body.get(k) is not None and k != "decoder"}
+    merged = {**(defaults if decoder == server_decoder else {}), **given}
+    options = {k: _typed(k, v, knobs[k]) for k, v in merged.items()}
+    try:
+        decode = get_decoder(decoder, bundle.kind)
+    except UnmaskError as e:
+        raise ApiError(400, api_message(str(e)), param="decoder") from None
+    try:
+        check_options(decode, decoder, options)
+    except UnmaskError as e:
+        raise ApiError(400, api_message(str(e)), param=sorted(options)[0] if options else None) from None
+
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    try:
+        sampling = Sampling(temperature=body.get("temperature", 0.0) if body.get("temperature") is not None else 0.0,
+                            top_k=body.get("top_k", 0) if body.get("top_k") is not None else 0,
+                            top_p=body.get("top_p", 1.0) if body.get("top_p") is not None else 1.0,
+                            seed=body.get("seed", 0) if body.get("seed") is not None else 0)
+    except UnmaskError as e:
+        param = next((p for p in ("temperature", "top_p", "top_k", "seed") if p.replace("_", "-") in str(e)), None)
+        raise ApiError(400, api_message(str(e)), param=param) from None
+
+    if chat:
+        prompt, field = render_chat(bundle, body.get("messages")), "messages"
+    else:
+        prompt, field = body.get("prompt"), "prompt"
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ApiError(400, "prompt must be a string (one prompt per request)", param="prompt")
+    try:
+        ids = encode_prompts(bundle, [prompt], max_tokens, options.get("gen_length"))[0]
+    except UnmaskError as e:
+        msg = api_message(str(e))
+        code = "context_length_exceeded" if "context window" in msg else None
+        param = "max_tokens" if msg.startswith("max_tokens") else field
+        raise ApiError(400, msg.replace("prompt 1 ", "the prompt "), param=param, code=code) from None
+    return ServeRequest(prompt=prompt, prompt_ids=ids, decoder=decoder, options=options, sampling=sampling,
+                        max_tokens=max_tokens, stop=tuple(stop), stream=stream, stream_mode=mode, timeout=float(timeout))

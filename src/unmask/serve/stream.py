@@ -1,0 +1,97 @@
+"""From a row's step events to streamed text.
+
+``committed`` mode sends only text that is final and contiguous from the left: the tokens of the
+canvas up to the first still-masked slot (and before any stop token), decoded, with two things
+held back until they are settled: a trailing incomplete character (U+FFFD from a partial byte
+sequence) and a tail that could still become a stop string. When a stop string appears the text
+is cut before it, exactly where ``unmask.generate`` (and AR) cut it, and nothing more is sent.
+The concatenated deltas therefore equal the final text. A decoder that may still edit committed
+tokens (``multiblock`` with token-to-token edits, ``tau_t2t``) has no final text before it ends,
+so its text comes in the last chunk only (canvas events still stream).
+
+``canvas`` mode additionally describes every step: the row's whole canvas (ids, ``None`` where
+masked, and each slot's display text) and which positions the step committed.
+"""
+
+from __future__ import annotations
+
+from unmask.trace import TokenText
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """Text up to the earliest stop string, and whether one was found (``unmask.generate``'s cut)."""
+    at = min((text.index(s) for s in stop if s in text), default=None)
+    return (text, False) if at is None else (text[:at], True)
+
+
+def _held_tail(text: str, stop: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class TextStream:
+    """Turns one request's step events into text deltas (see the module docstring)."""
+
+    def __init__(self, bundle, prompt_ids: list[int], stop: tuple[str, ...], limit: int | None = None,
+                 token_text: TokenText | None = None, final_only: bool = False):
+        self.bundle, self.prompt_ids, self.stop, self.limit = bundle, list(prompt_ids), tuple(stop), limit
+        self.final_only = final_only  # committed tokens may still change (token-to-token edits): text only at the end
+        self.stop_ids = set(bundle.stop_token_ids)
+        self.sent = ""
+        self.stopped = False
+        self.committed_tokens = 0
+        self.token_text = token_text or TokenText(bundle.tokenizer)
+
+    def _prefix(self, canvas: list) -> list[int]:
+        """Committed ids from the left, up to a masked slot, a stop token or ``limit`` (a diffusion
+        canvas may be longer than the requested tokens)."""
+        out = []
+        for t in canvas[: self.limit]:
+            if t is None or t in self.stop_ids:
+                break
+            out.append(t)
+        return out
+
+    def update(self, canvas: list) -> str:
+        """The new final text after a step whose canvas is ``canvas`` (ids, None where masked)."""
+        if self.stopped or self.final_only:
+            return ""
+        tokens = self._prefix(canvas)
+        self.committed_tokens = len(tokens)
+        text = self.bundle.decode_continuation(self.prompt_ids, tokens)
+        text, hit = cut_at_stop(text, self.stop)
+        if hit:
+            self.stopped = True
+        else:
+            text = text.rstrip("\ufffd")
+            text = text[: len(text) - _held_tail(text, self.stop)]
+        return self._advance(text)
+
+    def finish(self, tokens: list[int]) -> str:
+        """The last delta, given the request's final tokens; afterwards ``self.sent`` is the final text."""
+        text, _ = cut_at_stop(self.bundle.decode_continuation(self.prompt_ids, tokens), self.stop)
+        self.stopped = True
+        delta = self._advance(text)
+        self.sent = text
+        return delta
+
+    def _advance(self, text: str) -> str:
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+    def canvas(self, event: dict) -> dict:
+        """The ``canvas`` mode description of one step event, cut to the requested ``limit`` slots
+        (a diffusion canvas or a lossless-SBD draft can reach past them; those tokens are not
+        part of the answer)."""
+        canvas = event["canvas"][: self.limit]
+        return {"step": event["step"], "canvas": canvas,
+                "texts": [None if t is None else self.token_text(t) for t in canvas],
+                "committed": [p for p in event["positions"] if self.limit is None or p < self.limit]}

@@ -1,0 +1,74 @@
+"""The playground page in headless Chromium (Debian's ``chromium`` + ``chromium-driver``, driven
+by selenium): type a prompt, pick a decoder, watch the canvas stream, and find the final text equal
+to the API's. Skipped, with the reason, where no browser is installed."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+for _m in ("fastapi", "uvicorn", "prometheus_client", "selenium"):
+    pytest.importorskip(_m, reason=f"the playground test needs {_m}: pip install -e '.[test]'")
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+if CHROMIUM is None or DRIVER is None:
+    pytest.skip("no headless browser: install Debian's chromium and chromium-driver (apt-get install chromium "
+                "chromium-driver) to run the playground test", allow_module_level=True)
+
+import unmask  # noqa: E402
+from unmask.serve import create_app  # noqa: E402
+from unmask.serve.server import ServerThread  # noqa: E402
+
+MODEL = "stories260K-sbd"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--no-first-run", "--disable-extensions"):
+        opts.add_argument(flag)
+    try:
+        driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    except Exception as e:  # a broken browser install is an environment problem, not a failure of unmask
+        pytest.skip(f"headless chromium did not start: {str(e).splitlines()[0]}")
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def test_playground_streams_the_canvas_and_ends_with_the_api_text(browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    bundle = unmask.load(MODEL)
+    prompt = "The little dog"
+    with ServerThread(create_app(bundle)) as s:
+        browser.get(s.url + "/")
+        wait = WebDriverWait(browser, 60)
+        wait.until(lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+        box = browser.find_element(By.ID, "prompt")
+        box.clear()
+        box.send_keys(prompt)
+        Select(browser.find_element(By.ID, "decoder")).select_by_value("sbd")
+        n = browser.find_element(By.ID, "max_tokens")
+        n.clear()
+        n.send_keys("32")
+        browser.find_element(By.ID, "compare").click()  # side by side with AR
+        browser.find_element(By.ID, "run").click()
+        done = "return [document.getElementById('pane-main').dataset.done, document.getElementById('pane-ar').dataset.done]"
+        wait.until(lambda d: d.execute_script(done) == ["1", "1"])
+        text = browser.execute_script("return document.getElementById('text-main').textContent")
+        ar_text = browser.execute_script("return document.getElementById('text-ar').textContent")
+        nfe = int(browser.find_element(By.ID, "nfe-main").text)
+        spans = browser.execute_script("return document.getElementById('canvas-main').children.length")
+    assert text == unmask.generate(prompt, bundle, "sbd", max_new_tokens=32).texts[0]
+    assert ar_text == unmask.generate(prompt, bundle, "ar", max_new_tokens=32).texts[0]
+    assert nfe == unmask.generate(prompt, bundle, "sbd", max_new_tokens=32).stats.nfe_per_row[0]
+    assert spans == 32  # the canvas shows every generated slot
