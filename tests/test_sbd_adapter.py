@@ -291,12 +291,12 @@ def test_train_sbd_adapter_end_to_end(tmp_path, capsys, stories):
     assert code == 0, err
     cfg = json.loads((out / ADAPTER_JSON).read_text())
     assert cfg["rank"] is None and cfg["full_rank"] and cfg["training"]["step"] == 3
-    assert cfg["decode_defaults"] == {"block_size": 8, "verify": True}
+    assert cfg["decode_defaults"] == {"verify": True, "verify_block_size": 8, "draft": "quadratic"}
     assert {"d0", "d1", "d2", "d3", "d7", "ntp"} <= set(cfg["training"]["val"])
     assert (out.with_name("adapter.run") / "checkpoints").is_dir()
     assert weights_hash(stories.path) == base_hash  # the base checkpoint is never written
     bundle = unmask.load("stories260K", adapter=out)
-    assert bundle.kind == "sbd" and bundle.meta["decode_defaults"]["block_size"] == 8
+    assert bundle.kind == "sbd" and bundle.meta["decode_defaults"]["verify_block_size"] == 8
     one_line_error(capsys, "train", "sbd-adapter", "--base", "stories260K", "--data", corpus, "--out", out,
                    "--steps", 1, match="already exists")
 
@@ -307,7 +307,7 @@ def test_resume_reloads_the_adapter_checkpoint(tmp_path):
                 progress=False)
     straight = train_sbd_adapter(out=tmp_path / "a", steps=4, ckpt_every=2, **opts)
     first = train_sbd_adapter(out=tmp_path / "b", steps=4, ckpt_every=2, max_minutes=1e-9, **opts)
-    assert first.step == 0 and first.stopped == "time"
+    assert first.step < 4 and first.stopped == "time"  # the budget is read after each step
     resumed = train_sbd_adapter(out=tmp_path / "b", steps=4, ckpt_every=2, resume=True, **opts)
     assert straight.step == resumed.step == 4
     from safetensors.torch import load_file
@@ -352,8 +352,9 @@ def test_bench_runs_adapter_rows(registry_with_adapter):
         side_by_side.adapter_pairs(["nope"])
     res = side_by_side.bench(limit=1, max_new_tokens=4, models=["toy-base"], adapters=["fast"], decoders=["ar", "sbd"])
     rows = {(r["decoder"], r["model"]): r for r in res.rows}
-    assert set(rows) == {("ar", "toy-base"), ("sbd", "toy-base+fast")}
-    assert not rows[("sbd", "toy-base+fast")].get("error") and rows[("sbd", "toy-base+fast")]["n"] == 1
+    assert set(rows) == {("ar", "toy-base"), ("sbd --verify", "toy-base+fast"), ("sbd --no-verify", "toy-base+fast")}
+    for variant in ("sbd --verify", "sbd --no-verify"):
+        assert not rows[(variant, "toy-base+fast")].get("error") and rows[(variant, "toy-base+fast")]["n"] == 1
 
 
 def test_shipped_adapter_keeps_stories260K_output(capsys, stories):
@@ -367,8 +368,11 @@ def test_shipped_adapter_keeps_stories260K_output(capsys, stories):
     assert cfg["decode_defaults"]["verify"] is True and cfg["mask_token_id"] == 512
     bundle = unmask.load("stories260K", adapter="sbd")
     prompts = ["Once upon a time, there was a little girl named Lily.", "Tom had a big red ball."]
-    assert unmask.generate(prompts, bundle, "ar", max_new_tokens=48).tokens == \
-        unmask.generate(prompts, stories, "ar", max_new_tokens=48).tokens
+    want = unmask.generate(prompts, stories, "ar", max_new_tokens=48).tokens
+    assert unmask.generate(prompts, bundle, "ar", max_new_tokens=48).tokens == want
+    lossless = unmask.generate(prompts, bundle, "sbd", max_new_tokens=48)  # the adapter's decode defaults
+    assert lossless.stats.extra["verify"] is True and lossless.tokens == want  # lossless SBD: the base's own text
+    assert lossless.stats.nfe < 48  # and fewer forwards than AR's 48
     code, out, err = run_cli(capsys, "models")
     assert code == 0 and "--adapter sbd" in out, err
 

@@ -223,7 +223,7 @@ def apply_adapter(bundle, adapter: str | os.PathLike):
 
 
 def set_adapter_decode_defaults(directory: str | os.PathLike, **defaults) -> dict:
-    """Replace ``decode_defaults`` in ``directory/adapter.json`` (e.g. ``block_size=8, verify=True,
+    """Replace ``decode_defaults`` in ``directory/adapter.json`` (e.g. ``verify=True, verify_block_size=4,
     draft="quadratic"``), which the sbd decoder reads from ``bundle.meta["decode_defaults"]``
     when no option is given. Rewritten atomically; returns the new config. Raises UnmaskError
     for a directory that is not an adapter or a value that is not a JSON scalar."""
