@@ -7,20 +7,57 @@ seconds, and a Ctrl-C during those imports must end like one during a command, w
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+
+_sigint_seen = False
+
+
+def _on_sigint(signum, frame) -> None:
+    """Python's default SIGINT handler, remembering that it fired: an extension module that runs
+    Python code during its import may swallow the KeyboardInterrupt, and the command must still
+    stop rather than run on."""
+    global _sigint_seen
+    _sigint_seen = True
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the ``unmask`` command line; exit 130 with one line on Ctrl-C at any moment."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         from unmask.cli import main as cli_main
 
+        if _sigint_seen:  # the interrupt was swallowed during the imports
+            raise KeyboardInterrupt
         cli_main(argv)
+        if _sigint_seen:
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
         try:
             print("interrupted", file=sys.stderr)
         finally:
-            raise SystemExit(130) from None
+            _exit_interrupted()
+    except SystemExit as e:
+        if e.code == 130:
+            _exit_interrupted()
+        raise
+
+
+def _exit_interrupted() -> None:
+    """End with status 130 now. A SIGINT that lands while an extension module runs Python code
+    through ``PyRun_String`` (torch's imports do) leaves CPython's "unhandled KeyboardInterrupt"
+    flag set even though the exception was caught, and the interpreter would then kill itself
+    with SIGINT at exit (status -2, not 130). Every file and lock was closed by the ``finally``
+    blocks the exception passed through, so only the standard streams need flushing."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(130)
 
 
 if __name__ == "__main__":
