@@ -37,10 +37,18 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 
 class _Gate:
-    """The (B, T) bool gate of the forward in flight (None outside a forward)."""
+    """The (B, T) bool gate of the forward in flight (None outside a forward) and the flat
+    indices of its True entries (``rows``, (n,) long; None when no token is a mask, so the
+    layers skip the delta without a host sync of their own)."""
 
     def __init__(self):
         self.mask: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
+
+    def set(self, mask: torch.Tensor | None) -> None:
+        self.mask = mask
+        rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)  # the forward's one host sync
+        self.rows = rows if rows is not None and rows.numel() else None
 
 
 class GatedLinear(nn.Module):
@@ -79,9 +87,12 @@ class GatedLinear(nn.Module):
         if gate.shape != x.shape[:-1]:
             raise UnmaskError(f"gated adapter: gate {tuple(gate.shape)} does not match the layer input "
                               f"{tuple(x.shape)}; the adapter supports Llama/Qwen2/Qwen3 decoder layers only")
-        if not bool(gate.any()):
+        rows = self._gate.rows
+        if rows is None:
             return y
-        return y.index_put((gate,), y[gate] + self.delta_out(x[gate]))  # only gated rows change
+        flat = y.reshape(-1, y.shape[-1])  # (B*T, out), a view of y
+        # only gated rows change: y_row + ΔW x_row there, the base's values bit for bit elsewhere
+        return flat.index_add(0, rows, self.delta_out(x.reshape(-1, x.shape[-1]).index_select(0, rows))).view_as(y)
 
 
 class MaskEmbedding(nn.Module):
@@ -216,10 +227,10 @@ class SBDAdapter:
 def _set_gate(gate: _Gate, mask_id: int):
     def pre(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        gate.mask = None if ids is None else ids == mask_id  # (B, T) bool
+        gate.set(None if ids is None else ids == mask_id)  # (B, T) bool
 
     def post(module, args, kwargs, output):
-        gate.mask = None
+        gate.set(None)
 
     return pre, post
 
