@@ -1,7 +1,8 @@
 """Lossless SBD vs AR vs the lossy EB default, in one run (issue: Lossless Set Block Decoding).
 
 On the same story openings (greedy, 128 new tokens, 1 thread) and for each model:
-  * AR (the baseline; run first and last, its TPS is the mean of both runs),
+  * AR (the baseline; run first and last, its TPS is the mean of both runs; for NAME+ADAPTER it
+    runs on the plain NAME, the model the user had before the adapter),
   * lossless SBD (spec/sbd_exact.md) at k in {2, 4, 8, 16}, quadratic and linear drafting,
   * the lossy EB sampler (γ = 0.35) at k in {4, 8, 16}, the shipped lossy default included,
 at batch 1 and batch 8. Columns: NFE (summed per-row forwards), TPF, TPS, the TPS ratio vs AR,
@@ -76,17 +77,19 @@ def run(bundle, prompts, decoder, batch_size, max_new_tokens, **options) -> dict
 
 def bench_model(spec: str, prompts: list[str], args) -> list[dict]:
     bundle = load(spec)
+    # the baseline a user has: AR on the plain base model (for NAME+ADAPTER, NAME without the adapter)
+    ar_bundle = unmask.load(spec.partition("+")[0]) if "+" in spec else bundle
     defaults = bundle.meta.get("decode_defaults") or {}
     rows = []
     for bs in map(int, args.batch_sizes.split(",")):
-        ar_first = run(bundle, prompts, "ar", bs, args.max_new_tokens)
+        ar_first = run(ar_bundle, prompts, "ar", bs, args.max_new_tokens)
         configs = [("lossless", k, d, dict(verify=True, block_size=k, draft=d))
                    for k in map(int, args.blocks.split(",")) for d in args.drafts.split(",")]
         configs += [("eb", k, f"γ={EB_GAMMA}", dict(verify=False, block_size=k, gamma=EB_GAMMA))
                     for k in map(int, args.eb_blocks.split(","))]
         results = [(name, k, d, run(bundle, prompts, "sbd", bs, args.max_new_tokens, **opts))
                    for name, k, d, opts in configs]
-        ar_last = run(bundle, prompts, "ar", bs, args.max_new_tokens)
+        ar_last = run(ar_bundle, prompts, "ar", bs, args.max_new_tokens)
         assert ar_first["tokens"] == ar_last["tokens"]
         ar_tps = (ar_first["tps"] + ar_last["tps"]) / 2
         ar_ms = (ar_first["ms_per_call"] + ar_last["ms_per_call"]) / 2

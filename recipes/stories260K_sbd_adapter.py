@@ -21,8 +21,9 @@ masked CE per block offset (0, 1, 2, 3, 7) next to the base's NTP CE. ``--minute
 whole recipe (corpus included, hard cap 120); unless ``--steps`` is given the step count is set
 from a timing of the real step so that the cosine schedule ends inside the budget. The adapter
 is published atomically to ``src/unmask/checkpoints/stories260K/adapters/sbd`` with
-``decode_defaults = {"verify": true, "verify_block_size": --verify-block-size, "draft": "quadratic"}``
-(lossless SBD at K = 4 measured fastest in tokens per second: benchmarks/sbd_lossless.py).
+``decode_defaults = {"verify": true, "verify_block_size": --verify-block-size, "draft": --draft}``
+(lossless SBD at K = 8 with linear drafts measured fastest in tokens per second:
+benchmarks/sbd_lossless.py).
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=0, help="LoRA rank r (0 = full-rank delta, the default for this tiny model)")
     p.add_argument("--seq-len", type=int, default=256, help="L, tokens per training sequence")
     p.add_argument("--block-size", type=int, default=8, help="validation block size")
-    p.add_argument("--verify-block-size", type=int, default=4, help="lossless decode block size K in decode_defaults")
+    p.add_argument("--verify-block-size", type=int, default=8, help="lossless decode block size K in decode_defaults")
+    p.add_argument("--draft", choices=("linear", "quadratic"), default="linear",
+                   help="lossless draft layout in decode_defaults")
     p.add_argument("--block-range", type=int, nargs=2, default=(2, 16), metavar=("LOW", "HIGH"),
                    help="training block size k ~ U{LOW..HIGH}")
     p.add_argument("--draft-fraction", type=float, default=0.75, help="share of all-mask (η = 1) rows")
@@ -171,7 +174,7 @@ def main(argv=None) -> int:
         base="stories260K", data=[corpus], out=args.out, run_dir=run_dir, rank=args.rank or None,
         full_rank=not args.rank, seq_len=args.seq_len, block_range=tuple(args.block_range),
         draft_fraction=args.draft_fraction, block_size=args.block_size, resume=args.resume,
-        decode_defaults={"verify": True, "verify_block_size": args.verify_block_size, "draft": "quadratic"},
+        decode_defaults={"verify": True, "verify_block_size": args.verify_block_size, "draft": args.draft},
         overwrite=not args.resume, steps=steps, batch_size=args.batch_size, lr=args.lr,
         warmup=min(args.warmup, max(1, steps // 10)), ckpt_every=args.ckpt_every, eval_every=args.eval_every,
         seed=args.seed, max_minutes=remaining / 60, progress=False,

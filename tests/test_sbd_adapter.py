@@ -291,7 +291,7 @@ def test_train_sbd_adapter_end_to_end(tmp_path, capsys, stories):
     assert code == 0, err
     cfg = json.loads((out / ADAPTER_JSON).read_text())
     assert cfg["rank"] is None and cfg["full_rank"] and cfg["training"]["step"] == 3
-    assert cfg["decode_defaults"] == {"verify": True, "verify_block_size": 8, "draft": "quadratic"}
+    assert cfg["decode_defaults"] == {"verify": True, "verify_block_size": 8, "draft": "linear"}
     assert {"d0", "d1", "d2", "d3", "d7", "ntp"} <= set(cfg["training"]["val"])
     assert (out.with_name("adapter.run") / "checkpoints").is_dir()
     assert weights_hash(stories.path) == base_hash  # the base checkpoint is never written

@@ -40,8 +40,10 @@ from unmask.sampling import Sampling, filter_logits
 from unmask.trace import step_event
 
 DRAFTS = ("quadratic", "linear")
-DEFAULT_DRAFT = "quadratic"
-DEFAULT_BLOCK_SIZE = 4  # the fastest K measured on the shipped models (benchmarks/sbd_lossless.py)
+# the fastest lossless setting in tokens per second on both shipped SBD models (batch 1, 1 thread,
+# benchmarks/sbd_lossless.py): linear drafts cost 2K queries per forward, quadratic ones K + K^2
+DEFAULT_DRAFT = "linear"
+DEFAULT_BLOCK_SIZE = 8
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from unmask import dist
+from unmask.decode import sbd_verify
 from unmask.errors import UnmaskError
 from unmask.train.data import pack
 from unmask.train.loop import TrainResult, train
@@ -164,7 +165,8 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
         block_size: the validation block size, and the lossless decode block size recorded in
             ``decode_defaults["verify_block_size"]``.
         decode_defaults: recorded in adapter.json (default lossless SBD at ``block_size``:
-            ``{"verify": True, "verify_block_size": block_size, "draft": "quadratic"}``).
+            ``{"verify": True, "verify_block_size": block_size, "draft": "linear"}``, the draft
+            layout measured fastest).
         **config: :class:`~unmask.train.loop.TrainConfig` fields (lr, steps, max_minutes, ...).
 
     Returns:
@@ -204,7 +206,7 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
     info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective="sbd-adapter: masked term of Eq. 14, "
                     f"draft rows {draft_fraction:g}, k ~ U{{{low}..{high}}}")
     defaults = dict(decode_defaults) if decode_defaults is not None else \
-        {"verify": True, "verify_block_size": block_size, "draft": "quadratic"}
+        {"verify": True, "verify_block_size": block_size, "draft": sbd_verify.DEFAULT_DRAFT}
 
     def json_for(state: dict) -> dict:
         training = {**info, "step": state.get("step"), "stopped": state.get("stopped"),
