@@ -14,8 +14,12 @@ from unmask.sampling import Sampling, sample
 
 @torch.inference_mode()
 def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
-           stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = ()) -> DecodeOutput:
+           stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (),
+           compile: bool = False) -> DecodeOutput:
     """Batched greedy or sampled next-token decoding (NTP mode, SBD Eq. 9a).
+
+    ``compile=True`` takes the fast path (:func:`unmask.decode.static.ar_decode`): a static KV
+    cache and a ``torch.compile``-d step, with the same tokens and NFE.
 
     prompts: token ids per row (different lengths are left-padded). One forward per step for
     the rows still running, with a ``DynamicCache``; a row stops at a stop token (excluded from
@@ -24,6 +28,11 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     per row and DecodeStats where NFE counts every forward that commits a token (the prefill
     commits the first one). At most one host sync per step (the stop check; none without stops).
     """
+    if compile:
+        from unmask.decode import static
+
+        return static.ar_decode(bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                stop_token_ids=stop_token_ids, stop_strings=stop_strings, compile=True)
     model, device = bundle.model, bundle.device
     t0 = time.perf_counter()
     N = max_new_tokens

@@ -79,14 +79,16 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
            policy: str | None = None, gamma: float | str | None = None, preset: str | None = None,
            tau: float | None = None, factor: float | None = None, tokens_per_step: int | None = None,
-           verify: bool | None = None, draft: str | None = None, on_forward=None, on_step=None) -> DecodeOutput:
+           verify: bool | None = None, draft: str | None = None, on_forward=None, on_step=None,
+           compile: bool = False) -> DecodeOutput:
     """SBD block decoding of a batch (SBD Alg. 2–3, §4.1 fused re-feed, §4.2 accounting).
 
     ``verify=True`` runs lossless SBD instead (spec/sbd_exact.md, :mod:`unmask.decode.sbd_verify`):
     the block mode only drafts, the NTP mode verifies in the same forward, and the output equals
     ``ar`` decoding of the same model; ``draft`` picks its layout (quadratic or linear) and the
     commit-policy options do not apply. ``verify=None`` takes the checkpoint's ``decode_defaults``
-    unless a policy option is given (then the lossy EB path runs).
+    unless a policy option is given (then the lossy EB path runs). ``compile=True`` (lossless only)
+    runs the static-cache, compiled fast path (:mod:`unmask.decode.static`).
 
     prompts: token ids per row (left-padded internally). Rows advance block by block in
     lockstep; a row whose block is complete waits, and its NFE counts only the forwards in which
@@ -111,7 +113,10 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                                  stop_token_ids=stop_token_ids, stop_strings=stop_strings,
                                  block_size=_first(block_size, defaults.get("verify_block_size"), sbd_verify.DEFAULT_BLOCK_SIZE),
                                  draft=_first(draft, defaults.get("draft"), sbd_verify.DEFAULT_DRAFT),
-                                 on_forward=on_forward, on_step=on_step)
+                                 on_forward=on_forward, on_step=on_step, compile=compile)
+    if compile:
+        raise UnmaskError("--compile runs the lossless sbd decoder (--verify) and ar; lossy SBD has no compiled "
+                          "step yet: add --verify or drop --compile")
     defaults = {k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS}
     cfg = SBDConfig.from_options(block_size=block_size, policy=policy, gamma=gamma, preset=preset, tau=tau,
                                  factor=factor, tokens_per_step=tokens_per_step, defaults=defaults)

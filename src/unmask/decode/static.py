@@ -1,0 +1,327 @@
+"""The fast path: AR and lossless SBD on a preallocated KV cache with a fixed-shape, compilable step.
+
+gpt-fast's recipe (STYLE.md): the KV cache is a transformers ``StaticCache`` allocated once per
+batch; a commit or a rejected draft moves its length pointer instead of copying tensors; the
+only function handed to ``torch.compile`` is the model forward of one decode step, whose inputs
+have the same shapes at every step (ids (B, q), positions (B, q), a 4D mask over the whole
+cache (B, 1, q, L)). Batch rows are never pruned (a finished row rides along masked), so the
+shapes stay fixed and the step never recompiles; the prefill, whose length depends on the
+prompts, runs eagerly. Acceptance, stops and statistics stay outside the step, with one host
+sync per step, as in the eager decoders (:mod:`unmask.decode.ar`, :mod:`unmask.decode.sbd_verify`),
+whose tokens and NFE these functions reproduce.
+
+``compile=False`` runs the same static loop eagerly (what the equality tests exercise quickly);
+``compile=True`` compiles the step: the inductor default on CPU, ``mode="reduce-overhead"`` (CUDA
+graphs) on CUDA. The first call per (model, batch size, cache length) pays the compile (about
+30 s for the shipped models on one CPU core); later calls reuse it.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import Counter
+
+import torch
+
+from unmask.compat import attention_mask, cache_keyword, set_static_length
+from unmask.decode.batching import left_pad
+from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.errors import UnmaskError
+from unmask.masks import as_4d, causal_mask, with_key_padding
+from unmask.sampling import Sampling, sample
+
+# cache lengths are rounded up to a multiple of this, so batches of similar prompts share one
+# compiled step instead of compiling per prompt length
+LENGTH_BUCKET = 128
+
+_compiled: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+def _forward(model, inp: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
+             logits_to_keep: int = 0) -> torch.Tensor:
+    """One forward on the static cache: inp, positions (B, q) long, mask (B, 1, q, L) in the
+    backend's form. Returns float32 logits (B, q or logits_to_keep, V). Writes q K/V at the
+    cache's length pointer and advances it by q."""
+    out = model(input_ids=inp, position_ids=positions, attention_mask=mask, use_cache=True,
+                logits_to_keep=logits_to_keep, **{cache_keyword(model): cache})
+    return out.logits.float()
+
+
+def step_function(model, compile: bool):
+    """The decode-step forward, compiled once per model when ``compile`` (cached weakly by model)."""
+    if not compile:
+        return lambda *args: _forward(model, *args)
+    fn = _compiled.get(model)
+    if fn is None:
+        device = next(model.parameters()).device
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        fn = torch.compile(lambda *args: _forward(model, *args), dynamic=False, mode=mode)
+        _compiled[model] = fn
+    return fn
+
+
+def static_cache(model, batch: int, length: int):
+    """A ``StaticCache`` of ``length`` rounded up to LENGTH_BUCKET tokens (allocated on first
+    write, for ``batch`` rows). Returns (cache, L)."""
+    from transformers import StaticCache
+
+    L = -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
+    return StaticCache(config=model.config, max_cache_len=L), L
+
+
+def _prefill_mask(model, q_mask: torch.Tensor, key_valid: torch.Tensor, L: int) -> torch.Tensor:
+    """q_mask (q, q) bool among the prefill tokens, key_valid (B, q) -> (B, 1, q, L) backend mask."""
+    B, q = key_valid.shape
+    m = with_key_padding(as_4d(q_mask, B), key_valid)  # (B, 1, q, q)
+    full = torch.zeros((B, 1, q, L), dtype=torch.bool, device=key_valid.device)
+    full[..., :q] = m
+    return attention_mask(model, full)
+
+
+@torch.inference_mode()
+def ar_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
+              stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (),
+              compile: bool = False) -> DecodeOutput:
+    """Autoregressive decoding on a static KV cache (the fast path of :func:`unmask.decode.ar.decode`).
+
+    prompts: token ids per row (left-padded). Same tokens, NFE and per-row NFE as the eager
+    decoder: one forward per step of q = 1 query per row against the whole cache (B, 1, 1, L),
+    rows that stopped ride along until every row is done. Raises UnmaskError when the prompt plus
+    ``max_new_tokens`` exceeds the model's context window.
+    """
+    model, device = bundle.model, bundle.device
+    t0 = time.perf_counter()
+    N = max_new_tokens
+    ids, valid, pos = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
+    B, P = ids.shape
+    cache, L = static_cache(model, B, P + N)
+    cols = torch.arange(L, device=device)  # (L,)
+    key_valid = torch.ones((B, L), dtype=torch.bool, device=device)  # (B, L): padding is the only invalid key
+    key_valid[:, :P] = valid
+    step = step_function(model, compile)
+    gens = sampling.row_generators(prompts, device)
+    suppress = list(bundle.suppress_ids)
+    stop = torch.tensor(sorted(set(stop_token_ids)) or [-1], dtype=torch.long, device=device)
+    buf = torch.empty((B, N), dtype=torch.long, device=device)  # (B, N) generated tokens
+    end = torch.full((B,), -1, dtype=torch.long, device=device)  # (B,) output length of a finished row
+    nfe_rows = [N] * B
+
+    logits = _forward(model, ids, pos, _prefill_mask(model, causal_mask(P, device=device), valid, L), cache,
+                      logits_to_keep=1)[:, -1]  # (B, V)
+    next_pos = pos[:, -1:] + 1  # (B, 1)
+    nfe = 1
+    for t in range(N):
+        if suppress:
+            logits[:, suppress] = float("-inf")
+        tok = sample(logits, sampling, gens)  # (B,)
+        buf[:, t] = tok
+        if stop_token_ids or stop_strings:
+            running = end < 0  # (B,)
+            at_stop = torch.isin(tok, stop) & running
+            ended = at_stop
+            if stop_strings:
+                ended = ended | (_stop_string_rows(bundle, prompts, buf[:, : t + 1], stop_strings) & running)
+            if bool(ended.any()):  # the one host sync per step, as in the eager decoder
+                end = torch.where(at_stop, t, torch.where(ended, t + 1, end))
+                for r in ended.nonzero()[:, 0].tolist():
+                    nfe_rows[r] = t + 1
+                if bool((end >= 0).all()):
+                    break
+        if t == N - 1:
+            break
+        mask = (key_valid & (cols <= P + t))[:, None, None, :]  # (B, 1, 1, L): keys 0..P+t
+        logits = step(tok[:, None], next_pos, attention_mask(model, mask), cache)[:, -1]  # (B, V)
+        next_pos = next_pos + 1
+        nfe += 1
+    lengths = torch.where(end >= 0, end, N).tolist()
+    tokens = [row[:n] for row, n in zip(buf.tolist(), lengths)]
+    stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows, tokens_per_row=lengths, seconds=time.perf_counter() - t0,
+                        extra={"compiled": bool(compile), "static_cache": L})
+    return DecodeOutput(tokens=tokens, stats=stats)
+
+
+def _stop_string_rows(bundle, prompts, buf, stop_strings) -> torch.Tensor:
+    """(B,) bool: whether each row's continuation so far (buf (B, t)) contains a stop string."""
+    hit = [any(s in bundle.decode_continuation(p, row) for s in stop_strings) for p, row in zip(prompts, buf.tolist())]
+    return torch.tensor(hit, dtype=torch.bool, device=buf.device)
+
+
+@torch.inference_mode()
+def verify_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
+                  stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int = 8,
+                  draft: str = "linear", compile: bool = False) -> DecodeOutput:
+    """Lossless SBD on a static KV cache (the fast path of :func:`unmask.decode.sbd_verify.decode`,
+    spec/sbd_exact.md §1–2).
+
+    Each step writes the Q = K + G·K verify and draft-group queries at the cache pointer; the
+    pointer then moves past the K - unused verify tokens some row accepted, so the groups' K/V
+    and rejected drafts are overwritten by the next step instead of being cropped. Per-row key
+    validity (B, L) masks what a row rejected. For a batch, where the pointer moves by the
+    largest acceptance, a full cache is compacted in place (each row's valid keys slid to the
+    right, order kept); a batch of one never compacts. Same tokens and NFE as the eager decoder.
+    Raises UnmaskError as :func:`unmask.decode.sbd_verify.decode` does.
+    """
+    from unmask.decode import sbd_verify as sv
+
+    if bundle.mask_token_id is None:
+        raise UnmaskError("lossless SBD needs a model with a mask token (an SBD model, or a base with an "
+                          "SBD adapter: --adapter); train one with 'unmask train sbd' or 'unmask train sbd-adapter'")
+    cfg = sv.VerifyConfig(block_size=block_size, draft=draft)
+    K, model, device, mask_id = cfg.block_size, bundle.model, bundle.device, bundle.mask_token_id
+    if 2 * K > bundle.context_length:
+        raise UnmaskError(f"block size {K} is too large for the context window of {bundle.context_length}; "
+                          "lower --block-size")
+    t0 = time.perf_counter()
+    layout = sv.step_layout(K, cfg.draft, device)
+    Q, G = layout.queries, layout.groups
+    N = max_new_tokens
+    gens = sampling.row_generators(prompts, device)
+    suppress = list(bundle.suppress_ids)
+    stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
+    ar = torch.arange(K, device=device)  # (K,)
+    step = step_function(model, compile)
+
+    # ---- prefill (eager: its length depends on the prompts): the prompt, causal, and one draft group
+    ids, valid, pos = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
+    B, P = ids.shape
+    cache, L = static_cache(model, B, P + N + K + Q)
+    row_len = valid.sum(dim=1)  # (B,)
+    inp = torch.cat([ids, torch.full((B, K), mask_id, dtype=torch.long, device=device)], dim=1)  # (B, P+K)
+    positions = torch.cat([pos, row_len[:, None] + ar], dim=1)  # (B, P+K)
+    m = causal_mask(P + K, device=device)  # (P+K, P+K)
+    m[P:, P:] = True  # the group is bidirectional and sees the whole prompt
+    kv_valid = torch.cat([valid, valid.new_ones(B, K)], dim=1)  # (B, P+K)
+    logits = _forward(model, inp, positions, _prefill_mask(model, m, kv_valid, L), cache,
+                      logits_to_keep=K + 1)  # (B, K+1, V): last prompt token + group
+    ptr = P  # cache pointer: the group's K/V are overwritten by the first step
+    key_valid = torch.zeros((B, L), dtype=torch.bool, device=device)  # (B, L)
+    key_valid[:, :P] = valid
+    if suppress:
+        logits[..., suppress] = float("-inf")
+    b, _ = sv._draw(logits[:, 0], sampling, gens)  # (B,) the first bonus token
+    s, q = sv._draw(logits[:, 2:], sampling, gens)  # (B, K-1) draft
+    draft_len = torch.full((B,), K - 1, dtype=torch.long, device=device)
+    p_b = row_len.clone()  # (B,) position of b
+    out = torch.full((B, N + 2 * K), -1, dtype=torch.long, device=device)  # slack: finished rows keep writing
+    out[:, 0] = b
+    n = torch.ones(B, dtype=torch.long, device=device)  # (B,) committed tokens per row
+    alive = [True] * B  # a finished row rides along, its n frozen
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    nfe, nfe_rows = 1, [1] * B
+    row_accepts: list[list[int]] = [[1] for _ in range(B)]
+    ended = sv._ended(out[:, :1], torch.ones((B, 1), dtype=torch.bool, device=device), n, N, stops)
+    _finish(bundle, prompts, alive, tokens, out, n, ended.tolist(), None, stops, stop_strings, N)
+    mask = torch.zeros((B, 1, Q, L), dtype=torch.bool, device=device)  # (B, 1, Q, L), rewritten per step
+    while any(alive):
+        if cfg.draft == "linear":
+            Li = torch.where(draft_len > 0, K - 1, 0)  # (B,) the group follows K verify tokens, or only b
+            lay_m, lay_o = layout.mask[Li], layout.offsets[Li]  # (B, Q, Q), (B, Q)
+        else:
+            lay_m, lay_o = layout.mask[K - 1].expand(B, Q, Q), layout.offsets[K - 1].expand(B, Q)
+        draft_in = torch.where(draft_len[:, None] > 0, s, mask_id)  # (B, K-1)
+        inp = torch.cat([b[:, None], draft_in, torch.full((B, G * K), mask_id, dtype=torch.long, device=device)],
+                        dim=1)  # (B, Q)
+        positions = p_b[:, None] + lay_o  # (B, Q)
+        mask[:, 0, :, :ptr] = key_valid[:, None, :ptr]  # the committed keys each row may see
+        mask[:, 0, :, ptr: ptr + Q] = lay_m  # the step's own queries (spec §1 layout)
+        set_static_length(cache, ptr)
+        logits = step(inp, positions, attention_mask(model, mask), cache)  # (B, Q, V)
+        mask[:, 0, :, ptr: ptr + Q] = False
+        nfe += 1
+        if suppress:
+            logits[..., suppress] = float("-inf")
+        if sampling.greedy:
+            top = logits.argmax(dim=-1)  # (B, Q)
+            step_tok = top[:, :K]  # (B, K): accepted drafts equal their targets, then the bonus
+            a = sv.greedy_accept(step_tok, s, draft_len)  # (B,)
+            last = step_tok.gather(1, a[:, None])[:, 0]  # (B,)
+        else:
+            a, last = sv.speculative_accept(sv._probs(logits[:, :K], sampling), q, s, draft_len, gens)
+            step_tok = torch.where(ar[None, :] < a[:, None], torch.cat([s, s[:, :1]], dim=1), 0)  # (B, K)
+            step_tok = step_tok.scatter(1, a[:, None], last[:, None])
+        out.scatter_(1, n[:, None] + ar, step_tok)
+        g = a if cfg.draft == "quadratic" else torch.zeros_like(a)
+        rows = torch.arange(B, device=device)
+        if sampling.greedy:
+            s, q = top[:, K:].view(B, G, K)[rows, g, 1:], None  # (B, K-1)
+        else:
+            s, q = sv._draw(logits[:, K:].view(B, G, K, -1)[rows, g, 1:], sampling, gens)
+        if cfg.draft == "linear":
+            draft_len = torch.where(a == draft_len, K - 1, 0)
+        committed = a + 1
+        new = ar[None, :] < committed[:, None]  # (B, K)
+        n_before = n
+        live_t = torch.tensor(alive, device=device)  # (B,) bool
+        n = n + committed * live_t
+        p_b = p_b + committed
+        b = last
+        ended = n >= N if not stop_token_ids else sv._ended(step_tok, new, n, N, stops)  # (B,)
+        host = torch.cat([committed, ended.long()]).tolist()  # the step's one host sync
+        live = [i for i in range(B) if alive[i]]
+        kept = max(host[i] for i in live)  # verify tokens some running row accepted
+        key_valid[:, ptr: ptr + kept] = new[:, :kept] & live_t[:, None]  # a finished row's keys stop growing
+        ptr += kept
+        for i in live:
+            nfe_rows[i] += 1
+            row_accepts[i].append(host[i])
+        if stop_strings or any(host[B + i] for i in live):
+            _finish(bundle, prompts, alive, tokens, out, n, host[B:], n_before, stops, stop_strings, N)
+        if any(alive) and ptr + Q > L:
+            ptr = _compact(cache, key_valid, ptr)
+            mask.zero_()
+
+    accepts = Counter(c for ra in row_accepts for c in ra)
+    drafted = Counter(c - 1 for ra in row_accepts for c in ra[1:])
+    extra = {"verify": True, "draft": cfg.draft, "block_size": K, "accepts": dict(sorted(accepts.items())),
+             "accepted_drafts": dict(sorted(drafted.items())), "compiled": bool(compile), "static_cache": L,
+             "row_extra": [{"verify": True, "draft": cfg.draft, "block_size": K, "accepts": ra} for ra in row_accepts]}
+    stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows, tokens_per_row=[len(t) for t in tokens],
+                        seconds=time.perf_counter() - t0, extra=extra)
+    return DecodeOutput(tokens=tokens, stats=stats)
+
+
+def _finish(bundle, prompts, alive, tokens, out, n, ended, n_before, stops, stop_strings, N) -> None:
+    """Retire finished rows in place: ``alive[i] = False`` and ``tokens[i]`` = the row's output,
+    cut at its first stop token (excluded) or after the token completing a stop string, and at
+    N tokens (the eager decoder's ``_retire`` without pruning)."""
+    from unmask.decode.sbd_verify import _first_stop_string
+
+    counts = n.tolist()
+    stop_set = set(stops.tolist())
+    for i in range(len(alive)):
+        if not alive[i]:
+            continue
+        row = out[i, : counts[i]].tolist()
+        cut = next((j for j, t in enumerate(row) if t in stop_set), None)
+        done = ended[i]
+        if cut is not None:
+            row = row[:cut]
+        if stop_strings and cut is None:
+            hit = _first_stop_string(bundle, prompts[i], row, 0 if n_before is None else int(n_before[i]), stop_strings)
+            if hit is not None:
+                row, done = row[:hit], True
+        if done:
+            tokens[i], alive[i] = row[:N], False
+
+
+def _compact(cache, key_valid: torch.Tensor, ptr: int) -> int:
+    """Slide each row's valid keys (key_valid (B, L) over columns < ptr) to the right end of
+    columns 0..M-1, order kept, in every cache layer; M = the most valid keys of any row.
+    Rejected drafts of a batch leave holes that the shared pointer cannot reuse; this reclaims
+    them without changing the cache's shape. Returns the new pointer M."""
+    B = key_valid.shape[0]
+    counts = key_valid[:, :ptr].sum(dim=1)  # (B,)
+    M = int(counts.max())
+    idx = torch.zeros((B, M), dtype=torch.long, device=key_valid.device)  # (B, M) source column per new column
+    for r in range(B):
+        src = key_valid[r, :ptr].nonzero()[:, 0]  # (c_r,)
+        idx[r, M - src.numel():] = src
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):  # (B, H, L, D)
+            H, D = t.shape[1], t.shape[3]
+            t[:, :, :M] = t.gather(2, idx[:, None, :, None].expand(B, H, M, D))
+    cols = torch.arange(M, device=key_valid.device)  # (M,)
+    key_valid[:, :M] = cols[None, :] >= (M - counts)[:, None]
+    key_valid[:, M:] = False
+    return M
