@@ -190,6 +190,7 @@ def eval_cmd(
     factor: float = typer.Option(None, "--factor", help="Fast-dLLM factor f"),
     tokens_per_step: int = typer.Option(None, "--tokens-per-step", help="tokens committed per step (top-k)"),
     block_size: int = BLOCK, option: list[str] = OPTION, adapter: str = ADAPTER,
+    compile: bool = typer.Option(False, "--compile", help="ar and lossless sbd: static KV cache and a compiled step"),
     out: Path = typer.Option(None, "--out", "-o", help="write every item row and the summary as JSON lines to FILE"),
     workers: int = typer.Option(2, "--workers", help="code tasks: programs run in parallel in the sandbox"),
     device: str = DEVICE, dtype: str = DTYPE, tp: int = TP,
@@ -201,6 +202,8 @@ def eval_cmd(
 
     opts = _options(option, policy=policy, gamma=gamma, preset=preset, tau=tau, factor=factor,
                     tokens_per_step=tokens_per_step, block_size=block_size)
+    if compile:
+        opts["compile"] = True
     if workers < 1:
         raise UnmaskError(f"--workers must be >= 1, got {workers}; pass e.g. --workers 2")
     if out is not None:

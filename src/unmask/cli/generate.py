@@ -65,7 +65,9 @@ def generate_cmd(
     verify: bool = typer.Option(None, "--verify/--no-verify",
                                 help="sbd: lossless SBD, the NTP mode verifies the block-mode draft (output = ar); "
                                      "default from the model"),
-    draft: str = typer.Option(None, "--draft", help="sbd --verify: draft layout, quadratic (default) or linear"),
+    draft: str = typer.Option(None, "--draft", help="sbd --verify: draft layout, linear (default) or quadratic"),
+    compile: bool = typer.Option(False, "--compile", help="ar and lossless sbd: static KV cache and a torch.compile'd "
+                                 "step (the first call compiles, ~10-30 s per batch shape on a CPU core)"),
     gen_length: int = typer.Option(None, "--gen-length", help="diffusion: fixed generation length (canvas size)"),
     steps: int = typer.Option(None, "--steps", help="diffusion: total denoising steps (top-k policy, LLaDA; --schedule dream); block: steps per block"),
     cache: str = typer.Option(None, "--cache", help="diffusion: none, prefix or dual (approximate caches)"),
@@ -106,6 +108,10 @@ def generate_cmd(
                "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps, "verify": verify, "draft": draft,
                "schedule": schedule, "alg": alg}
     options = {k: v for k, v in options.items() if v is not None}
+    if compile:
+        if show or trace is not None:
+            raise UnmaskError("--compile runs without --show/--trace; drop one of them")
+        options["compile"] = True
     if trace is not None:  # before loading anything
         check_output_file(trace.expanduser(), "--trace", exists_ok=overwrite, probe=True)
     if dist.launched():

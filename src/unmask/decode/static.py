@@ -39,24 +39,27 @@ _compiled: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKe
 
 
 def _forward(model, inp: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
-             logits_to_keep: int = 0) -> torch.Tensor:
+             logits_to_keep: int = 0, cache_kw: str | None = None) -> torch.Tensor:
     """One forward on the static cache: inp, positions (B, q) long, mask (B, 1, q, L) in the
     backend's form. Returns float32 logits (B, q or logits_to_keep, V). Writes q K/V at the
     cache's length pointer and advances it by q."""
     out = model(input_ids=inp, position_ids=positions, attention_mask=mask, use_cache=True,
-                logits_to_keep=logits_to_keep, **{cache_keyword(model): cache})
+                logits_to_keep=logits_to_keep, **{cache_kw or cache_keyword(model): cache})
     return out.logits.float()
 
 
 def step_function(model, compile: bool):
-    """The decode-step forward, compiled once per model when ``compile`` (cached weakly by model)."""
+    """The decode-step forward ``f(inp, positions, mask, cache) -> logits``, compiled once per
+    model when ``compile`` (cached weakly by model; recompiled per batch size and cache length)."""
+    kw = cache_keyword(model)  # resolved here: the compiled function calls no lru_cache
     if not compile:
-        return lambda *args: _forward(model, *args)
+        return lambda inp, positions, mask, cache: _forward(model, inp, positions, mask, cache, cache_kw=kw)
     fn = _compiled.get(model)
     if fn is None:
         device = next(model.parameters()).device
         mode = "reduce-overhead" if device.type == "cuda" else None
-        fn = torch.compile(lambda *args: _forward(model, *args), dynamic=False, mode=mode)
+        fn = torch.compile(lambda inp, positions, mask, cache: _forward(model, inp, positions, mask, cache, cache_kw=kw),
+                           dynamic=False, mode=mode)
         _compiled[model] = fn
     return fn
 

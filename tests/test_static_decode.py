@@ -1,0 +1,105 @@
+"""The fast path (unmask.decode.static): the static-cache loop, eager and compiled, gives the eager
+decoders' tokens, NFE and accept histograms (STYLE.md 14: compiled against eager)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import one_line_error, tiny_bundle, tiny_llama, tiny_qwen3
+
+import unmask
+from unmask.decode import ar, sbd_verify, static
+from unmask.models.mask_token import add_mask_token
+from unmask.sampling import Sampling
+
+TEXTS = ["Once upon a time", "The cat sat on the", "Lily and Ben went to the park", "One day",
+         "Tom had a red ball and", "She", "The sun was hot and the", "A little bird"]
+SAMPLINGS = {"greedy": Sampling(), "sampled": Sampling(temperature=0.9, top_k=20, seed=5)}
+
+
+@pytest.fixture(scope="module")
+def sbd_model():
+    return unmask.load("stories260K-sbd")
+
+
+def _prompts(bundle, batch):
+    return [bundle.encode(t) for t in TEXTS[:batch]]
+
+
+def _same(a, b):
+    assert a.tokens == b.tokens
+    assert a.stats.nfe == b.stats.nfe
+    assert a.stats.nfe_per_row == b.stats.nfe_per_row
+    assert a.stats.tokens_per_row == b.stats.tokens_per_row
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+@pytest.mark.parametrize("batch", [1, 8])
+def test_static_ar_equals_eager_ar(sbd_model, sampling, batch):
+    kw = dict(max_new_tokens=96, sampling=SAMPLINGS[sampling], stop_token_ids=sbd_model.stop_token_ids)
+    eager = ar.decode(sbd_model, _prompts(sbd_model, batch), **kw)
+    _same(eager, static.ar_decode(sbd_model, _prompts(sbd_model, batch), **kw))
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("K,draft", [(8, "linear"), (4, "quadratic")])
+def test_static_lossless_sbd_equals_eager(sbd_model, sampling, batch, K, draft):
+    kw = dict(max_new_tokens=96, sampling=SAMPLINGS[sampling], stop_token_ids=sbd_model.stop_token_ids,
+              block_size=K, draft=draft)
+    eager = sbd_verify.decode(sbd_model, _prompts(sbd_model, batch), **kw)
+    fast = static.verify_decode(sbd_model, _prompts(sbd_model, batch), **kw)
+    _same(eager, fast)
+    assert eager.stats.extra["accepts"] == fast.stats.extra["accepts"]
+    if sampling == "greedy":  # and both are AR's text
+        assert fast.tokens == ar.decode(sbd_model, _prompts(sbd_model, batch), max_new_tokens=96,
+                                        stop_token_ids=sbd_model.stop_token_ids).tokens
+
+
+@pytest.mark.parametrize("stop", [(), ("park",)])
+def test_full_static_cache_is_compacted_in_place_without_changing_tokens(sbd_model, monkeypatch, stop):
+    # A batch's shared pointer moves by the largest acceptance, so rejected drafts leave holes:
+    # 200 tokens in a 256-slot cache force a compaction.
+    calls = []
+    compact = static._compact
+    monkeypatch.setattr(static, "_compact", lambda *a: (calls.append(1), compact(*a))[1])
+    kw = dict(max_new_tokens=200, stop_token_ids=sbd_model.stop_token_ids, stop_strings=stop, block_size=8,
+              draft="linear")
+    prompts = _prompts(sbd_model, 8)
+    fast = static.verify_decode(sbd_model, prompts, **kw)
+    assert calls, "the cache never filled: the compaction path went untested"
+    _same(sbd_verify.decode(sbd_model, prompts, **kw), fast)
+    assert fast.tokens == ar.decode(sbd_model, prompts, max_new_tokens=200, stop_token_ids=sbd_model.stop_token_ids,
+                                    stop_strings=stop).tokens
+
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen3])
+def test_static_paths_on_tiny_random_models_with_eager_attention(factory):
+    model = factory(vocab=8, seed=1, attn_implementation="eager", initializer_range=0.2)
+    bundle = tiny_bundle(model, kind="sbd", mask_token_id=add_mask_token(model))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 8, (n,), generator=gen).tolist() for n in (3, 7, 1, 5)]
+    _same(ar.decode(bundle, prompts, max_new_tokens=30), static.ar_decode(bundle, prompts, max_new_tokens=30))
+    for draft in ("linear", "quadratic"):
+        kw = dict(max_new_tokens=30, block_size=3, draft=draft)
+        _same(sbd_verify.decode(bundle, prompts, **kw), static.verify_decode(bundle, prompts, **kw))
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_compiled_equals_eager_for_ar_and_lossless_sbd(sbd_model, batch):
+    prompts = _prompts(sbd_model, batch)
+    kw = dict(max_new_tokens=48, stop_token_ids=sbd_model.stop_token_ids)
+    eager_ar = ar.decode(sbd_model, prompts, **kw)
+    compiled_ar = ar.decode(sbd_model, prompts, compile=True, **kw)
+    _same(eager_ar, compiled_ar)
+    assert compiled_ar.stats.extra["compiled"] is True
+    eager = sbd_verify.decode(sbd_model, prompts, **kw)
+    compiled = sbd_verify.decode(sbd_model, prompts, compile=True, **kw)
+    _same(eager, compiled)
+    assert compiled.tokens == eager_ar.tokens and compiled.stats.extra["compiled"] is True
+
+
+def test_compile_errors_are_one_line(capsys):
+    one_line_error(capsys, "generate", "Once", "--compile", "--no-verify", "-n", "4", match="--compile")
+    one_line_error(capsys, "generate", "Once", "--compile", "-m", "stories260K-dlm", "-n", "4", match="--compile")
+    one_line_error(capsys, "generate", "Once", "--compile", "--trace", "t.json", "-n", "4", match="--compile")
