@@ -26,6 +26,8 @@ AR_REFERENCE = ("ar", "stories260K")
 # Decoders benchmarked in several modes: (row label, decoder options). SBD runs lossless
 # (spec/sbd_exact.md, output = AR) and lossy (the EB sampler) side by side.
 VARIANTS = {"sbd": (("sbd --verify", {"verify": True}), ("sbd --no-verify", {"verify": False}))}
+# With ``compile``: the rows that have a compiled fast path (unmask.decode.static), added after their eager rows.
+COMPILED = {"ar": "ar --compile", "sbd --verify": "sbd --verify --compile"}
 
 
 def pairs(*, include_all: bool = False, decoders: list[str] | None = None,
@@ -110,7 +112,7 @@ def adapter_pairs(adapters: list[str] | None, *, decoders: list[str] | None = No
 
 def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, include_all: bool = False,
           decoders: list[str] | None = None, models: list[str] | None = None, adapters: list[str] | None = None,
-          judge: str = "stories260K",
+          judge: str = "stories260K", compile: bool = False,
           device: str = "cpu", dtype: str = "float32",
           progress: Callable[[int, int, str], None] | None = None) -> BenchResult:
     """Run every pair of :func:`pairs` on the same prompts and collect the comparison.
@@ -119,6 +121,9 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     Ratios are to the ``ar`` on ``stories260K`` row (else the first ``ar`` row; ``None``
     without one). A pair that raises is reported with its error and the others still run.
     ``adapters``: also run the :func:`adapter_pairs` rows, model shown as ``<model>+<adapter>``.
+    ``compile``: also run ``ar`` and lossless ``sbd`` with ``compile=True``, each after an untimed
+    warm-up decode of one batch (the compile, reported as ``compile_s``, is not in their TPS; a
+    smaller last batch compiles once more inside the timed run).
     Raises :class:`UnmaskError` when no pair is found.
     """
     from unmask.eval.runner import References, evaluate
@@ -134,6 +139,9 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     refs = References()
     rows = []
     todo = [(d, m, a, label, opts) for d, m, a in todo for label, opts in VARIANTS.get(d, ((d, {}),))]
+    if compile:
+        todo = [t for row in todo for t in [row] + ([(row[0], row[1], row[2], COMPILED[row[3]],
+                                                       {**row[4], "compile": True})] if row[3] in COMPILED else [])]
     for i, (d, m, a, label, opts) in enumerate(todo):
         shown = m if a is None else f"{m}+{a}"
         stage = None
@@ -146,6 +154,9 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
                 from unmask.models import load
 
                 model = load(m, device=device, dtype=dtype, adapter=a)
+            compile_s = None
+            if opts.get("compile"):
+                compile_s = _warm_up(model, d, opts, batch_size, max_new_tokens, device, dtype)
             res = evaluate("stories", model, d, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
                            judge=judge, device=device, dtype=dtype, references=refs, progress=stage, **opts)
         except Exception as e:  # noqa: BLE001 - one broken pair must not hide the others
@@ -160,7 +171,7 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
                      "agreement_positional": s["agreement_positional"],
                      "agreement_prefix": s["agreement_prefix"],
                      "agreement_reference": s["config"]["agreement_reference"],
-                     "options": s["config"]["options"], "env": s["env"]})
+                     "options": s["config"]["options"], "env": s["env"], "compile_s": compile_s})
     ok = [r for r in rows if not r.get("error")]
     ref = next((r for r in ok if (r["decoder"], r["model"]) == AR_REFERENCE), None) or \
         next((r for r in ok if r["decoder"] == "ar"), None)
@@ -168,6 +179,18 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
         r["tps_vs_ar"] = r["tps"] / ref["tps"] if ref and ref["tps"] else None
         r["nfe_vs_ar"] = ref["nfe"] / r["nfe"] if ref and r["nfe"] else None
     settings = {"limit": limit, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "judge": judge,
-                "device": device, "dtype": dtype, "include_all": include_all,
+                "device": device, "dtype": dtype, "include_all": include_all, "compile": compile,
                 "reference": f"{ref['decoder']}@{ref['model']}" if ref else None}
     return BenchResult(rows, settings)
+
+
+def _warm_up(model, decoder, opts, batch_size, max_new_tokens, device, dtype) -> float:
+    """Compile the step for this batch shape with one untimed decode; returns its seconds."""
+    import time
+
+    from unmask.api import generate
+
+    t0 = time.perf_counter()
+    generate(["Once upon a time"] * batch_size, model, decoder, max_new_tokens=max_new_tokens, device=device,
+             dtype=dtype, **opts)
+    return time.perf_counter() - t0

@@ -294,6 +294,8 @@ def bench_cmd(
     adapter: list[str] = typer.Option(None, "--adapter", help="also bench the models that ship this gated SBD "
                                                                "adapter, with it loaded (repeatable)"),
     judge: str = JUDGE,
+    compile: bool = typer.Option(False, "--compile", help="also run ar and lossless sbd compiled (after an untimed "
+                                 "warm-up that compiles)"),
     as_json: bool = typer.Option(False, "--json", help="print the rows as one JSON object"),
     device: str = DEVICE, dtype: str = DTYPE,
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
@@ -304,7 +306,7 @@ def bench_cmd(
     with _progress(not no_progress and not as_json) as progress:
         res = bench(limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size, include_all=include_all,
                     decoders=decoder or None, models=model or None, adapters=adapter or None, judge=judge,
-                    device=device, dtype=dtype, progress=progress)
+                    compile=compile, device=device, dtype=dtype, progress=progress)
     if as_json:
         typer.echo(json.dumps(res.to_dict(), ensure_ascii=False))
         return
