@@ -121,9 +121,9 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     Ratios are to the ``ar`` on ``stories260K`` row (else the first ``ar`` row; ``None``
     without one). A pair that raises is reported with its error and the others still run.
     ``adapters``: also run the :func:`adapter_pairs` rows, model shown as ``<model>+<adapter>``.
-    ``compile``: also run ``ar`` and lossless ``sbd`` with ``compile=True``, each after an untimed
-    warm-up decode of one batch (the compile, reported as ``compile_s``, is not in their TPS; a
-    smaller last batch compiles once more inside the timed run).
+    ``compile``: also run ``ar`` and lossless ``sbd`` with ``compile=True``, each after untimed
+    warm-up decodes of the full and the last batch size (the compile, reported as ``compile_s``,
+    is not in their TPS).
     Raises :class:`UnmaskError` when no pair is found.
     """
     from unmask.eval.runner import References, evaluate
@@ -156,7 +156,8 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
                 model = load(m, device=device, dtype=dtype, adapter=a)
             compile_s = None
             if opts.get("compile"):
-                compile_s = _warm_up(model, d, opts, batch_size, max_new_tokens, device, dtype)
+                shapes = sorted({min(batch_size, limit), limit % batch_size} - {0})  # full and last batch
+                compile_s = _warm_up(model, d, opts, shapes, max_new_tokens, device, dtype)
             res = evaluate("stories", model, d, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
                            judge=judge, device=device, dtype=dtype, references=refs, progress=stage, **opts)
         except Exception as e:  # noqa: BLE001 - one broken pair must not hide the others
@@ -167,7 +168,7 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
         s = res.summary
         rows.append({"decoder": label, "model": shown, "kind": s["config"]["kind"], "n": s["n"],
                      "generated": s["generated"], "nfe": s["nfe"], "tpf": s["tpf"], "tps": s["tps"],
-                     "seconds": s["seconds"], "nll": s["nll"], "distinct_4": s["distinct_4"],
+                     "seconds": s["seconds"], "forwards": s.get("forwards"), "nll": s["nll"], "distinct_4": s["distinct_4"],
                      "agreement_positional": s["agreement_positional"],
                      "agreement_prefix": s["agreement_prefix"],
                      "agreement_reference": s["config"]["agreement_reference"],
@@ -184,13 +185,14 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     return BenchResult(rows, settings)
 
 
-def _warm_up(model, decoder, opts, batch_size, max_new_tokens, device, dtype) -> float:
-    """Compile the step for this batch shape with one untimed decode; returns its seconds."""
+def _warm_up(model, decoder, opts, batch_sizes, max_new_tokens, device, dtype) -> float:
+    """Compile the step for these batch sizes with untimed decodes; returns their seconds."""
     import time
 
     from unmask.api import generate
 
     t0 = time.perf_counter()
-    generate(["Once upon a time"] * batch_size, model, decoder, max_new_tokens=max_new_tokens, device=device,
-             dtype=dtype, **opts)
+    for b in batch_sizes:
+        generate(["Once upon a time"] * b, model, decoder, max_new_tokens=max_new_tokens, device=device,
+                 dtype=dtype, **opts)
     return time.perf_counter() - t0

@@ -1,0 +1,156 @@
+"""The fast path in one run (issue: static-shape decode steps, compiled): every decoder on its
+shipped model, eager, plus ``ar`` and lossless ``sbd`` compiled (unmask.decode.static).
+
+Same story openings for every row (greedy, 128 new tokens, 1 thread), at batch 1 and batch 8.
+Columns: TPF, TPS, ms per forward (decode seconds / batch forwards), TPS relative to eager AR
+and to compiled AR, and, for the compiled rows, compiled/eager TPS of the same decoder. Compiled
+rows are timed after an untimed warm-up decode that compiles the step (compile seconds listed).
+Then a profile at batch 1 on ``--profile-prompts`` openings: where a decode step's time goes,
+inside the model forward (compiled or eager) versus outside it (masks, acceptance, stops,
+bookkeeping), per forward.
+
+Checks the targets: compiled >= 2x eager TPS for AR and lossless SBD at batch 1 with identical
+tokens; every decoder whose TPF exceeds 1.5 at least as fast as AR in TPS (compiled AR where
+the decoder has a compiled path, else eager AR).
+
+    python benchmarks/fast_path.py --threads 1                       # full run, all decoders
+    python benchmarks/fast_path.py --limit 5 --decoders ar,sbd --batch-sizes 1   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import unmask
+from unmask.bench.side_by_side import bench
+from unmask.decode import ar, sbd_verify, static
+from unmask.eval.story_openings import STORY_OPENINGS
+from unmask.fileio import atomic_write_json, atomic_write_text
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--decoders", default="", help="comma-separated (default: every decoder)")
+    p.add_argument("--profile-prompts", type=int, default=20)
+    p.add_argument("--out-dir", type=Path, default=Path("runs/bench_fast_path"))
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0 = leave as is)")
+    return p.parse_args()
+
+
+def profile(bundle, prompts, max_new_tokens) -> list[dict]:
+    """Per-forward time inside vs outside the model forward, batch 1, for eager and compiled
+    ``ar`` and lossless ``sbd`` (the forward is wrapped with a timer; compiled steps are warm)."""
+    rows = []
+    inside = [0.0]
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            inside[0] += time.perf_counter() - t
+            return out
+        return wrapper
+
+    setups = [("ar", ar, lambda p, **k: ar.decode(bundle, p, max_new_tokens=max_new_tokens, **k)),
+              ("sbd --verify", sbd_verify, lambda p, **k: sbd_verify.decode(bundle, p, max_new_tokens=max_new_tokens, **k))]
+    for name, module, run in setups:
+        for compiled in (False, True):
+            if compiled:
+                run(prompts[:1], compile=True)  # warm: compile outside the timing
+                # only the compiled step is timed (patching what it traces would recompile it);
+                # the eager prefill counts as outside
+                orig_step = static.step_function
+                static.step_function = lambda m, c, f=orig_step: timed(f(m, c))
+            else:
+                orig_fwd = module.forward
+                module.forward = timed(orig_fwd)
+            inside[0], total, nfe = 0.0, 0.0, 0
+            try:
+                for p in prompts:
+                    t = time.perf_counter()
+                    out = run([p], compile=compiled)
+                    total += time.perf_counter() - t
+                    nfe += out.stats.nfe
+            finally:
+                if compiled:
+                    static.step_function = orig_step
+                else:
+                    module.forward = orig_fwd
+            rows.append({"decoder": name + (" --compile" if compiled else ""), "ms_per_forward": 1e3 * total / nfe,
+                         "forward_ms": 1e3 * inside[0] / nfe, "outside_ms": 1e3 * (total - inside[0]) / nfe})
+    return rows
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    decoders = [d for d in args.decoders.split(",") if d] or None
+    results, lines = {}, []
+    lines.append(f"# Fast path: eager vs compiled ({args.limit} story openings, {args.max_new_tokens} new tokens, "
+                 f"greedy, {torch.get_num_threads()} thread(s), torch {torch.__version__})\n")
+    failures = []
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        res = bench(limit=args.limit, max_new_tokens=args.max_new_tokens, batch_size=b, decoders=decoders,
+                    compile=True)
+        rows = [r for r in res.rows if not r.get("error")]
+        for r in res.rows:
+            if r.get("error"):
+                lines.append(f"- batch {b}: {r['decoder']} on {r['model']} failed: {r['error']}")
+        by = {r["decoder"]: r for r in rows}
+        ar_e, ar_c = by.get("ar"), by.get("ar --compile")
+        lines += [f"\n## batch {b}\n", "| decoder | model | TPF | TPS | ms/forward | TPS / eager AR | TPS / compiled AR "
+                  "| compiled / eager | compile s | agree AR |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            r["ms_per_forward"] = 1e3 * r["seconds"] / r["forwards"] if r.get("forwards") else None
+            eager = by.get(r["decoder"].replace(" --compile", "")) if r["decoder"].endswith("--compile") else None
+            r["vs_eager_ar"] = r["tps"] / ar_e["tps"] if ar_e else None
+            r["vs_compiled_ar"] = r["tps"] / ar_c["tps"] if ar_c else None
+            r["compiled_vs_eager"] = r["tps"] / eager["tps"] if eager else None
+            f = lambda v, s: "–" if v is None else format(v, s)  # noqa: E731
+            lines.append(f"| {r['decoder']} | {r['model']} | {r['tpf']:.2f} | {r['tps']:.0f} | {f(r['ms_per_forward'], '.2f')} "
+                         f"| {f(r['vs_eager_ar'], '.2f')}x | {f(r['vs_compiled_ar'], '.2f')}x | {f(r['compiled_vs_eager'], '.2f')}x "
+                         f"| {f(r.get('compile_s'), '.0f')} | {f(r.get('agreement_positional'), '.3f')} |")
+        if b == 1:
+            for d in ("ar --compile", "sbd --verify --compile"):
+                r = by.get(d)
+                if r:
+                    ok = r["compiled_vs_eager"] >= 2.0 and r["agreement_positional"] == by[d.replace(" --compile", "")]["agreement_positional"]
+                    lines.append(f"\ntarget: {d} >= 2x eager TPS at batch 1, same tokens: {r['compiled_vs_eager']:.2f}x -> "
+                                 f"{'met' if ok else 'MISSED'}")
+                    if not ok:
+                        failures.append(d)
+        for r in rows:
+            if r["tpf"] > 1.5 and not r["decoder"].startswith("ar"):
+                ref = ar_c if r["decoder"].endswith("--compile") else ar_e
+                if ref:
+                    ok = r["tps"] >= ref["tps"]
+                    lines.append(f"target (batch {b}): {r['decoder']} on {r['model']} (TPF {r['tpf']:.2f}) at least as fast as "
+                                 f"{ref['decoder']}: {r['tps'] / ref['tps']:.2f}x -> {'met' if ok else 'MISSED'}")
+        results[f"batch_{b}"] = res.to_dict()
+    bundle = unmask.load("stories260K-sbd")
+    prompts = [bundle.encode(t) for t in STORY_OPENINGS[: args.profile_prompts]]
+    prof = profile(bundle, prompts, args.max_new_tokens)
+    results["profile"] = prof
+    lines += [f"\n## profile, batch 1, stories260K-sbd, {len(prompts)} openings (ms per forward)\n",
+              "| decoder | total | model forward | outside (masks, acceptance, bookkeeping; compiled: + the eager prefill) |", "|---|---|---|---|"]
+    for p in prof:
+        lines.append(f"| {p['decoder']} | {p['ms_per_forward']:.3f} | {p['forward_ms']:.3f} | {p['outside_ms']:.3f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(args.out_dir / "fast_path.md", text)
+    atomic_write_json(args.out_dir / "fast_path.json", results)
+    print(f"wrote {args.out_dir / 'fast_path.md'} and .json")
+
+
+if __name__ == "__main__":
+    main()
