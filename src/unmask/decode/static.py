@@ -18,7 +18,9 @@ graphs) on CUDA. The first call per (model, batch size, cache length) pays the c
 
 from __future__ import annotations
 
+import itertools
 import time
+import types
 import weakref
 from collections import Counter
 
@@ -35,6 +37,7 @@ from unmask.sampling import Sampling, sample
 # compiled step instead of compiling per prompt length
 LENGTH_BUCKET = 128
 
+_serial = itertools.count()
 _compiled: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
 
 
@@ -49,19 +52,36 @@ def _forward(model, inp: torch.Tensor, positions: torch.Tensor, mask: torch.Tens
 
 
 def step_function(model, compile: bool):
-    """The decode-step forward ``f(inp, positions, mask, cache) -> logits``, compiled once per
-    model when ``compile`` (cached weakly by model; recompiled per batch size and cache length)."""
+    """The decode-step forward ``f(inp, positions, mask, cache) -> logits``; with ``compile``, one
+    ``torch.compile``-d function per (model, input shapes), cached weakly by model, so each compiled
+    graph sits alone on its code object and a call checks only its own guards."""
     kw = cache_keyword(model)  # resolved here: the compiled function calls no lru_cache
+
+    def step(inp, positions, mask, cache):
+        return _forward(model, inp, positions, mask, cache, cache_kw=kw)
+
     if not compile:
-        return lambda inp, positions, mask, cache: _forward(model, inp, positions, mask, cache, cache_kw=kw)
-    fn = _compiled.get(model)
-    if fn is None:
-        device = next(model.parameters()).device
-        mode = "reduce-overhead" if device.type == "cuda" else None
-        fn = torch.compile(lambda inp, positions, mask, cache: _forward(model, inp, positions, mask, cache, cache_kw=kw),
-                           dynamic=False, mode=mode)
-        _compiled[model] = fn
-    return fn
+        return step
+    table = _compiled.setdefault(model, {})
+    mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
+
+    def compiled(inp, positions, mask, cache):
+        key = (tuple(inp.shape), tuple(mask.shape), mask.dtype)
+        fn = table.get(key)
+        if fn is None:
+            fn = table[key] = torch.compile(_own_code(step), dynamic=False, mode=mode)
+        return fn(inp, positions, mask, cache)
+
+    return compiled
+
+
+def _own_code(fn):
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code object and
+    checks their guards in turn on every call: one shared step function would make every step pay
+    for the guards of every other model's and shape's graphs (measured: 0.41 -> 1.05 ms per AR
+    step after 15 graphs), and fall back to eager past 8 of them."""
+    code = fn.__code__.replace(co_name=f"unmask_step_{next(_serial)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def static_cache(model, batch: int, length: int):
