@@ -20,7 +20,6 @@ the decoder has a compiled path, else eager AR).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 

@@ -156,6 +156,10 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
                 model = load(m, device=device, dtype=dtype, adapter=a)
             compile_s = None
             if opts.get("compile"):
+                if a is None:  # one bundle for the warm-up and the run: compiled steps belong to a model object
+                    from unmask.models import load
+
+                    model = load(m, device=device, dtype=dtype)
                 shapes = sorted({min(batch_size, limit), limit % batch_size} - {0})  # full and last batch
                 compile_s = _warm_up(model, d, opts, shapes, max_new_tokens, device, dtype)
             res = evaluate("stories", model, d, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,

@@ -106,6 +106,25 @@ def step_layout(K: int, draft: str, device=None) -> StepLayout:
     return StepLayout(mask=torch.stack(masks), offsets=torch.stack(offsets), groups=G, K=K)
 
 
+def prefill_inputs(bundle, prompts: list[list[int]], K: int):
+    """The prefill of lossless SBD (spec §1): each left-padded prompt, causal, then one group of
+    K masks at the positions after it, which sees the whole prompt and itself.
+
+    Returns inp (B, P+K) long, positions (B, P+K) long, the mask among them (P+K, P+K) bool
+    (key padding not yet folded in), kv_valid (B, P+K) bool, valid (B, P) bool and row_len (B,)."""
+    device = bundle.device
+    ids, valid, pos = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
+    B, P = ids.shape
+    row_len = valid.sum(dim=1)  # (B,)
+    group = torch.full((B, K), bundle.mask_token_id, dtype=torch.long, device=device)  # (B, K)
+    inp = torch.cat([ids, group], dim=1)  # (B, P+K)
+    positions = torch.cat([pos, row_len[:, None] + torch.arange(K, device=device)], dim=1)  # (B, P+K)
+    m = causal_mask(P + K, device=device)  # (P+K, P+K)
+    m[P:, P:] = True  # the group is bidirectional and sees the whole prompt
+    kv_valid = torch.cat([valid, valid.new_ones(B, K)], dim=1)  # (B, P+K)
+    return inp, positions, m, kv_valid, valid, row_len
+
+
 def greedy_accept(target: torch.Tensor, draft: torch.Tensor, draft_len: torch.Tensor) -> torch.Tensor:
     """Number of accepted draft tokens per row under greedy decoding (spec §1, Accept, greedy).
 
@@ -228,14 +247,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     ar = torch.arange(K, device=device)  # (K,)
 
     # ---- prefill: the prompt (causal) and one draft group right after it
-    ids, valid, pos = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
-    B, P = ids.shape
-    row_len = valid.sum(dim=1)  # (B,)
-    inp = torch.cat([ids, torch.full((B, K), mask_id, dtype=torch.long, device=device)], dim=1)  # (B, P+K)
-    positions = torch.cat([pos, row_len[:, None] + ar], dim=1)  # (B, P+K)
-    m = causal_mask(P + K, device=device)  # (P+K, P+K)
-    m[P:, P:] = True  # the group is bidirectional and sees the whole prompt
-    kv_valid = torch.cat([valid, valid.new_ones(B, K)], dim=1)  # (B, P+K)
+    inp, positions, m, kv_valid, valid, row_len = prefill_inputs(bundle, prompts, K)
+    B = valid.shape[0]
     m = with_key_padding(as_4d(m, B), kv_valid)  # (B, 1, P+K, P+K)
     cache = new_cache(model)
     logits = forward(model, inp, position_ids=positions, attention_mask=attention_mask(model, m),

@@ -206,15 +206,9 @@ def verify_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, samp
     step = step_function(model, compile)
 
     # ---- prefill (eager: its length depends on the prompts): the prompt, causal, and one draft group
-    ids, valid, pos = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
-    B, P = ids.shape
+    inp, positions, m, kv_valid, valid, row_len = sv.prefill_inputs(bundle, prompts, K)  # (B, P+K), ...
+    B, P = valid.shape
     cache, L = static_cache(model, B, P + N + K + Q)
-    row_len = valid.sum(dim=1)  # (B,)
-    inp = torch.cat([ids, torch.full((B, K), mask_id, dtype=torch.long, device=device)], dim=1)  # (B, P+K)
-    positions = torch.cat([pos, row_len[:, None] + ar], dim=1)  # (B, P+K)
-    m = causal_mask(P + K, device=device)  # (P+K, P+K)
-    m[P:, P:] = True  # the group is bidirectional and sees the whole prompt
-    kv_valid = torch.cat([valid, valid.new_ones(B, K)], dim=1)  # (B, P+K)
     logits = _forward(model, inp, positions, _prefill_mask(model, m, kv_valid, L), cache,
                       logits_to_keep=K + 1)  # (B, K+1, V): last prompt token + group
     ptr = P  # cache pointer: the group's K/V are overwritten by the first step
