@@ -121,15 +121,20 @@ def test_fsdp_checkpoint_resumes_on_one_process(tmp_path):
     assert ckpt.name == "step-00000002"
     assert sorted(p.name for p in (ckpt / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     two_steps = _train(tmp_path / "two", replace(CFG, steps=2, grad_accum=4))["params"]
-    assert _max_diff(ranks[0]["params"], two_steps) <= 1e-6  # the gathered FSDP2 weights
+    # FSDP2's reduce-scatter sums the micro-batch gradients in another order than accumulation in
+    # one process; Adam divides by sqrt(v), so a rounding-level gradient difference on a weight
+    # with a near-zero gradient moves it by up to ~lr x 1e-2 (measured 1.1e-5 on some CPUs, 0 on
+    # others). A lost or repeated micro-batch moves weights by > 1e-4 (the DDP test above).
+    tol = 5e-5
+    assert _max_diff(ranks[0]["params"], two_steps) <= tol  # the gathered FSDP2 weights
     exported = load_file(str(ckpt / "model.safetensors"))  # the HF export of the checkpoint
-    assert _max_diff({k: exported[k] for k in exported}, {k: two_steps[k] for k in exported}) <= 1e-6
+    assert _max_diff({k: exported[k] for k in exported}, {k: ranks[0]["params"][k] for k in exported}) <= 1e-6
 
     with pytest.raises(UnmaskError, match=r"2 process\(es\) x --grad-accum 2 = 4 micro-batches.*--grad-accum 4"):
         _train(tmp_path / "run", replace(CFG, steps=4, grad_accum=2), resume=True)
     resumed = _train(tmp_path / "run", replace(CFG, steps=4, grad_accum=4), resume=True)["params"]
     straight = _train(tmp_path / "straight", replace(CFG, steps=4, grad_accum=4))["params"]
-    assert _max_diff(resumed, straight) <= 1e-6
+    assert _max_diff(resumed, straight) <= tol
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL and FSDP2 bf16 mixed precision need 2 CUDA devices")

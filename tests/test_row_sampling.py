@@ -26,18 +26,20 @@ def bundles():
     return {name: unmask.load(name) for name in {m for m, _ in CASES.values()}}
 
 
-def _run(bundles, decoder, prompts, seed=7):
+def _run(bundles, decoder, prompts, seed=7, temperature=0.8):
     model, options = CASES[decoder]
-    return unmask.generate(prompts, bundles[model], decoder, max_new_tokens=16, temperature=0.8, seed=seed,
+    return unmask.generate(prompts, bundles[model], decoder, max_new_tokens=16, temperature=temperature, seed=seed,
                            **options).tokens
 
 
 @pytest.mark.parametrize("decoder", list(CASES))
 def test_identical_prompts_give_independent_rows(bundles, decoder):
-    rows = _run(bundles, decoder, [PROMPT] * 3)
+    # T = 1.5: at 0.8 the shipped models are confident enough on this prompt that even independent
+    # AR rows agree on 15 of 16 tokens, and three lossless-SBD rows can coincide by chance
+    rows = _run(bundles, decoder, [PROMPT] * 3, temperature=1.5)
     assert len({tuple(r) for r in rows}) > 1  # the issue: three clones with diffusion and early-bird
-    assert _run(bundles, decoder, [PROMPT] * 3) == rows  # reproducible with the seed
-    assert _run(bundles, decoder, [PROMPT] * 3, seed=8) != rows
+    assert _run(bundles, decoder, [PROMPT] * 3, temperature=1.5) == rows  # reproducible with the seed
+    assert _run(bundles, decoder, [PROMPT] * 3, seed=8, temperature=1.5) != rows
 
 
 @pytest.mark.parametrize("decoder", list(CASES))
