@@ -477,3 +477,33 @@ def test_missing_server_packages_one_line_error(capsys, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
     line = one_line_error(capsys, "serve", match="uvicorn")
     assert "unmask[serve]" in line
+
+
+def test_serve_with_a_gated_adapter_serves_the_base_models_own_text(capsys, monkeypatch):
+    """``serve --adapter`` loads the adapter onto the base; lossless sbd then streams stories260K's
+    own greedy AR text."""
+    import unmask.serve.server as server_module
+    from conftest import one_line_error
+
+    class Loaded(Exception):
+        pass
+
+    seen = {}
+
+    def capture(b, **kw):  # stop serve() right after it loaded the model
+        seen["bundle"] = b
+        raise Loaded
+
+    monkeypatch.setattr(server_module, "create_app", capture)
+    with pytest.raises(Loaded):
+        server_module.serve("stories260K", adapter="sbd")
+    b = seen["bundle"]
+    assert b.mask_token_id is not None
+    ref = unmask.generate("Once upon a time", unmask.load("stories260K"), "ar", max_new_tokens=40).texts[0]
+    with ServerThread(create_app(b)) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        r = c.completions.create(model=b.name, prompt="Once upon a time", max_tokens=40,
+                                 extra_body={"decoder": "sbd", "verify": True})
+        assert r.choices[0].text == ref and r.usage.model_extra["nfe"] < 40
+    monkeypatch.undo()
+    one_line_error(capsys, "serve", "--model", "stories260K", "--adapter", "no-such-adapter", match="adapter")

@@ -67,10 +67,12 @@ class ServerThread:
         self.stop()
 
 
-def serve(model: str | None = None, *, kind: str | None = None, host: str = "127.0.0.1", port: int = 8000,
+def serve(model: str | None = None, *, kind: str | None = None, adapter: str | None = None, host: str = "127.0.0.1",
+          port: int = 8000,
           max_batch_size: int = 8, max_queue: int = 64, request_timeout: float = 600.0, device: str = "cpu",
           dtype: str = "float32", log_level: str = "info", **defaults) -> None:
-    """Load ``model`` and serve it until interrupted (``unmask serve``). ``defaults``: the default
+    """Load ``model`` (with the gated SBD ``adapter``, a name it ships or a directory, when given)
+    and serve it until interrupted (``unmask serve``). ``defaults``: the default
     decoder and knobs of requests (``decoder="sbd", gamma=0.35``). Raises UnmaskError for a bad
     model, option or address, and KeyboardInterrupt after a signal stopped the server."""
     require()
@@ -80,7 +82,7 @@ def serve(model: str | None = None, *, kind: str | None = None, host: str = "127
         raise UnmaskError(f"port must be in 0..65535 (got {port!r}); pass e.g. --port 8000")
     if not (isinstance(request_timeout, (int, float)) and request_timeout > 0):
         raise UnmaskError(f"request timeout must be > 0 seconds (got {request_timeout!r}); pass e.g. 600")
-    bundle = load(model, kind=kind, device=device, dtype=dtype)
+    bundle = load(model, kind=kind, device=device, dtype=dtype, adapter=adapter)
     app = create_app(bundle, max_batch_size=max_batch_size, max_queue=max_queue, request_timeout=float(request_timeout),
                      defaults={k: v for k, v in defaults.items() if v is not None})
     sock = _bind(host, port)
