@@ -102,4 +102,14 @@ def test_compiled_equals_eager_for_ar_and_lossless_sbd(sbd_model, batch):
 def test_compile_errors_are_one_line(capsys):
     one_line_error(capsys, "generate", "Once", "--compile", "--no-verify", "-n", "4", match="--compile")
     one_line_error(capsys, "generate", "Once", "--compile", "-m", "stories260K-dlm", "-n", "4", match="--compile")
-    one_line_error(capsys, "generate", "Once", "--compile", "--trace", "t.json", "-n", "4", match="--compile")
+    one_line_error(capsys, "generate", "Once", "--compile", "-d", "ar", "--trace", "t.json", "-n", "4",
+                   match="--show/--trace")
+
+
+def test_static_lossless_sbd_emits_the_eager_step_events(sbd_model):
+    kw = dict(max_new_tokens=40, stop_token_ids=sbd_model.stop_token_ids, block_size=4, draft="quadratic")
+    prompts = _prompts(sbd_model, 3)
+    eager, fast = [], []
+    sbd_verify.decode(sbd_model, prompts, on_step=eager.append, **kw)
+    static.verify_decode(sbd_model, prompts, on_step=fast.append, **kw)
+    assert fast == eager and len(eager) > 3

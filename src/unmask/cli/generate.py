@@ -109,8 +109,6 @@ def generate_cmd(
                "schedule": schedule, "alg": alg}
     options = {k: v for k, v in options.items() if v is not None}
     if compile:
-        if show or trace is not None:
-            raise UnmaskError("--compile runs without --show/--trace; drop one of them")
         options["compile"] = True
     if trace is not None:  # before loading anything
         check_output_file(trace.expanduser(), "--trace", exists_ok=overwrite, probe=True)

@@ -204,7 +204,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
 
     ``compile=True`` takes the fast path (:func:`unmask.decode.static.verify_decode`): a static KV
     cache whose pointer moves instead of cropping, and a ``torch.compile``-d step; same tokens and
-    NFE. It takes no ``on_forward`` / ``on_step`` hooks (UnmaskError).
+    NFE and step events; it takes no ``on_forward`` hook (UnmaskError).
 
     prompts: token ids per row (left-padded internally). One forward per step: prefill = prompt
     (causal) + one draft group; then verify part + draft groups. A row stops at a stop token
@@ -229,13 +229,14 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         raise UnmaskError(f"block size {K} is too large for the context window of {bundle.context_length}; "
                           "lower --block-size")
     if compile:
-        if on_forward is not None or on_step is not None:
-            raise UnmaskError("--compile runs without --show/--trace; drop one of them")
+        if on_forward is not None:
+            raise UnmaskError("compile=True takes no on_forward hook (the static cache is not a DynamicCache); "
+                              "drop one of them")
         from unmask.decode import static
 
         return static.verify_decode(bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                     stop_token_ids=stop_token_ids, stop_strings=stop_strings, block_size=K,
-                                    draft=cfg.draft, compile=True)
+                                    draft=cfg.draft, compile=True, on_step=on_step)
     t0 = time.perf_counter()
     layout = step_layout(K, cfg.draft, device)
     Q, G = layout.queries, layout.groups

@@ -32,6 +32,7 @@ from unmask.decode.stats import DecodeOutput, DecodeStats
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, causal_mask, with_key_padding
 from unmask.sampling import Sampling, sample
+from unmask.trace import step_event
 
 # cache lengths are rounded up to a multiple of this, so batches of similar prompts share one
 # compiled step instead of compiling per prompt length
@@ -173,7 +174,7 @@ def _stop_string_rows(bundle, prompts, buf, stop_strings) -> torch.Tensor:
 @torch.inference_mode()
 def verify_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
                   stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int = 8,
-                  draft: str = "linear", compile: bool = False) -> DecodeOutput:
+                  draft: str = "linear", compile: bool = False, on_step=None) -> DecodeOutput:
     """Lossless SBD on a static KV cache (the fast path of :func:`unmask.decode.sbd_verify.decode`,
     spec/sbd_exact.md §1–2).
 
@@ -182,8 +183,9 @@ def verify_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, samp
     and rejected drafts are overwritten by the next step instead of being cropped. Per-row key
     validity (B, L) masks what a row rejected. For a batch, where the pointer moves by the
     largest acceptance, a full cache is compacted in place (each row's valid keys slid to the
-    right, order kept); a batch of one never compacts. Same tokens and NFE as the eager decoder.
-    Raises UnmaskError as :func:`unmask.decode.sbd_verify.decode` does.
+    right, order kept); a batch of one never compacts. Same tokens and NFE as the eager decoder,
+    and the same :mod:`unmask.trace` step events to ``on_step`` (built after each step, outside
+    the compiled forward). Raises UnmaskError as :func:`unmask.decode.sbd_verify.decode` does.
     """
     from unmask.decode import sbd_verify as sv
 
@@ -228,6 +230,10 @@ def verify_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, samp
     nfe, nfe_rows = 1, [1] * B
     row_accepts: list[list[int]] = [[1] for _ in range(B)]
     ended = sv._ended(out[:, :1], torch.ones((B, 1), dtype=torch.bool, device=device), n, N, stops)
+    if on_step is not None:
+        for r in range(B):
+            canvas = torch.cat([b[r: r + 1], torch.full((K - 1,), mask_id, device=device)])
+            on_step(step_event(0, r, torch.ones(1, dtype=torch.bool), b[r: r + 1], 0, canvas, mask_id))
     _finish(bundle, prompts, alive, tokens, out, n, ended.tolist(), None, stops, stop_strings, N)
     mask = torch.zeros((B, 1, Q, L), dtype=torch.bool, device=device)  # (B, 1, Q, L), rewritten per step
     while any(alive):
@@ -282,6 +288,9 @@ def verify_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, samp
         for i in live:
             nfe_rows[i] += 1
             row_accepts[i].append(host[i])
+            if on_step is not None:
+                canvas = torch.cat([out[i, : n[i]], torch.full((K - 1,), mask_id, device=device)])
+                on_step(step_event(nfe - 1, i, new[i], step_tok[i], int(n_before[i]), canvas, mask_id))
         if stop_strings or any(host[B + i] for i in live):
             _finish(bundle, prompts, alive, tokens, out, n, host[B:], n_before, stops, stop_strings, N)
         if any(alive) and ptr + Q > L:
