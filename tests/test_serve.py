@@ -507,3 +507,25 @@ def test_serve_with_a_gated_adapter_serves_the_base_models_own_text(capsys, monk
         assert r.choices[0].text == ref and r.usage.model_extra["nfe"] < 40
     monkeypatch.undo()
     one_line_error(capsys, "serve", "--model", "stories260K", "--adapter", "no-such-adapter", match="adapter")
+
+
+def test_compiled_server_serves_lossless_sbd_identically_and_lossy_requests_eagerly(bundle, monkeypatch):
+    from unmask.decode import static
+
+    compiled = []
+    fast = static.verify_decode
+    monkeypatch.setattr(static, "verify_decode", lambda *a, **kw: (compiled.append(kw["compile"]), fast(*a, **kw))[1])
+    ref = unmask.generate(PROMPTS[:2], bundle, "sbd", max_new_tokens=24).texts
+    lossy = unmask.generate(PROMPTS[0], bundle, "sbd", max_new_tokens=24, gamma=0.35).texts[0]
+    with ServerThread(create_app(bundle, max_batch_size=2, compile=True)) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(2) as pool:
+            texts = list(pool.map(lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=24).choices[0].text,
+                                  PROMPTS[:2]))
+        assert texts == ref
+        streamed = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, stream=True)
+        assert "".join(x.choices[0].text for x in streamed) == ref[0]
+        assert compiled and all(compiled)  # the lossless batches took the compiled path
+        n = len(compiled)
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, extra_body={"gamma": 0.35})
+        assert r.choices[0].text == lossy and len(compiled) == n

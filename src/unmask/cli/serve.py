@@ -13,6 +13,8 @@ def serve_cmd(
     kind: str = typer.Option(None, "--kind", help="model kind for a local directory: causal, sbd, masked-diffusion, block-diffusion"),
     adapter: str = typer.Option(None, "--adapter", help="gated SBD adapter: a name the model ships (e.g. sbd) or a "
                                 "directory; lossless sbd then serves the base model's own output"),
+    compile: bool = typer.Option(False, "--compile", help="lossless sbd batches on a static KV cache with a compiled step "
+                                 "(the first batch of each size compiles, ~10 s on a CPU core); ar stays eager"),
     decoder: str = typer.Option(None, "--decoder", "-d", help="default decoder of requests (default: the model kind's natural decoder)"),
     block_size: int = typer.Option(None, "--block-size", "-k", help="default block size"),
     policy: str = typer.Option(None, "--policy", help="default commit policy"),
@@ -31,6 +33,6 @@ def serve_cmd(
     /metrics and the playground at /. Requests may set decoder knobs as extra body fields."""
     from unmask.serve.server import serve
 
-    serve(model, kind=kind, adapter=adapter, host=host, port=port, max_batch_size=max_batch_size, max_queue=max_queue,
+    serve(model, kind=kind, adapter=adapter, compile=compile, host=host, port=port, max_batch_size=max_batch_size, max_queue=max_queue,
           request_timeout=timeout, device=device, dtype=dtype, decoder=decoder, block_size=block_size, policy=policy,
           gamma=gamma, preset=preset, tau=tau)

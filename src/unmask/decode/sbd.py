@@ -205,6 +205,17 @@ def _first(*values):
     return next(v for v in values if v is not None)
 
 
+def runs_lossless(bundle, options: dict) -> bool:
+    """Whether :func:`decode` with these options runs lossless SBD (False when they contradict:
+    decode then raises its own error)."""
+    given = [k for k in ("policy", "gamma", "preset", "tau", "factor", "tokens_per_step") if options.get(k) is not None]
+    try:
+        return _lossless(options.get("verify"), given, options.get("draft"),
+                         dict(bundle.meta.get("decode_defaults") or {}))
+    except UnmaskError:
+        return False
+
+
 def _lossless(verify, given: list[str], draft, defaults: dict) -> bool:
     """Whether this call runs lossless SBD. Raises UnmaskError for contradicting options."""
     if verify is not None and not isinstance(verify, bool):

@@ -35,12 +35,13 @@ def _error_response(e: ApiError) -> JSONResponse:
 
 
 def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8, max_queue: int = 64,
-               request_timeout: float = 600.0, defaults: dict | None = None) -> FastAPI:
+               request_timeout: float = 600.0, defaults: dict | None = None, compile: bool = False) -> FastAPI:
     """The server app for a loaded ModelBundle. ``defaults``: the server's default decoder and
     knobs (e.g. ``{"decoder": "sbd", "gamma": 0.35}``), checked here like a request. The
     scheduler thread starts with the app's lifespan and stops with it; ``app.state.scheduler``
     and ``app.state.metrics`` expose them. Raises UnmaskError for a bad batch size, queue bound or
-    default knob."""
+    default knob. ``compile``: lossless ``sbd`` batches run the static-cache, compiled step (the first
+    batch of each size compiles it); ``ar`` and lossy requests stay eager."""
     name = model_name or bundle.name
     defaults = dict(defaults or {})
     try:  # the defaults are checked like a request, then by one tiny decode (the decoder's own checks)
@@ -49,7 +50,7 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
         raise UnmaskError(e.message) from None
     get_decoder(probe.decoder, bundle.kind)(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
                                             **probe.options)
-    scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue)
+    scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue, compile=compile)
     metrics = Metrics(scheduler)
 
     @asynccontextmanager

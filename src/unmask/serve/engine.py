@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from unmask.decode import get_decoder
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
+from unmask.decode.sbd import runs_lossless
 from unmask.serve.ar_batch import ARBatch, Row
 from unmask.serve.errors import ApiError
 from unmask.serve.protocol import api_message, edits_committed
@@ -99,12 +100,13 @@ class Scheduler:
     max_queue: jobs waiting to start before ``submit`` refuses with QueueFull.
     """
 
-    def __init__(self, bundle, *, max_batch_size: int = 8, max_queue: int = 64):
+    def __init__(self, bundle, *, max_batch_size: int = 8, max_queue: int = 64, compile: bool = False):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise UnmaskError(f"max batch size must be an integer >= 1 (got {max_batch_size!r}); pass e.g. 8")
         if not isinstance(max_queue, int) or max_queue < 1:
             raise UnmaskError(f"max queue must be an integer >= 1 (got {max_queue!r}); pass e.g. 64")
         self.bundle, self.max_batch_size, self.max_queue = bundle, max_batch_size, max_queue
+        self.compile = compile  # lossless sbd batches on the static, compiled path (unmask.decode.static)
         self.ar = ARBatch(bundle, on_token=self._ar_token)
         self.stop_ids = set(bundle.stop_token_ids)
         self._waiting: deque[Job] = deque()
@@ -303,6 +305,8 @@ class Scheduler:
         kwargs = dict(first.options)
         if "on_step" in inspect.signature(decode).parameters:
             kwargs["on_step"] = on_step
+        if self.compile and first.decoder == "sbd" and runs_lossless(self.bundle, kwargs):
+            kwargs["compile"] = True  # lossy requests stay eager: they have no compiled step
         try:
             out = decode(self.bundle, [j.prompt_ids for j in jobs], max_new_tokens=first.max_new_tokens,
                          sampling=first.sampling, stop_token_ids=self.bundle.stop_token_ids,

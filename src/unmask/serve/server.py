@@ -70,7 +70,7 @@ class ServerThread:
 def serve(model: str | None = None, *, kind: str | None = None, adapter: str | None = None, host: str = "127.0.0.1",
           port: int = 8000,
           max_batch_size: int = 8, max_queue: int = 64, request_timeout: float = 600.0, device: str = "cpu",
-          dtype: str = "float32", log_level: str = "info", **defaults) -> None:
+          dtype: str = "float32", log_level: str = "info", compile: bool = False, **defaults) -> None:
     """Load ``model`` (with the gated SBD ``adapter``, a name it ships or a directory, when given)
     and serve it until interrupted (``unmask serve``). ``defaults``: the default
     decoder and knobs of requests (``decoder="sbd", gamma=0.35``). Raises UnmaskError for a bad
@@ -84,7 +84,7 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
         raise UnmaskError(f"request timeout must be > 0 seconds (got {request_timeout!r}); pass e.g. 600")
     bundle = load(model, kind=kind, device=device, dtype=dtype, adapter=adapter)
     app = create_app(bundle, max_batch_size=max_batch_size, max_queue=max_queue, request_timeout=float(request_timeout),
-                     defaults={k: v for k, v in defaults.items() if v is not None})
+                     defaults={k: v for k, v in defaults.items() if v is not None}, compile=compile)
     sock = _bind(host, port)
     print(f"unmask serve: {bundle.name} ({bundle.kind}) on http://{host}:{sock.getsockname()[1]}  "
           f"(playground at /, API at /v1)", flush=True)
