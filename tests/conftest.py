@@ -117,6 +117,17 @@ def tiny_bundle(model, kind: str = "causal", mask_token_id: int | None = None, *
                        mask_token_id=mask_token_id)
 
 
+def load_benchmark(name: str):
+    """A script of ``benchmarks/`` (not a package) imported as a module, e.g. ``gpu_decode``."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     """Run ``unmask ARGV`` in-process (each argument through ``str``); returns (exit code, stdout,
     stderr). A SystemExit whose code is not an int counts as exit code 1."""

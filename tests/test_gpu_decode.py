@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_decode.py"
 COLUMNS = {"decoder", "mode", "Q", "nfe", "tpf", "ms_per_step", "tps", "tps_ratio", "roofline_ms", "roofline_ratio",
            "same_as_ar", "seconds", "error", "baseline"}
 
 
 @pytest.fixture(scope="module")
 def gd():
-    spec = importlib.util.spec_from_file_location("gpu_decode", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_decode")
 
 
 def test_tiny_runs_every_decoder_eager_and_compiled(gd, capsys, tmp_path):

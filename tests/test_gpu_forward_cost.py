@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_forward_cost.py"
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def gfc():
-    spec = importlib.util.spec_from_file_location("gpu_forward_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_forward_cost")
 
 
 def test_tiny_runs_on_cpu(gfc, capsys, tmp_path):
