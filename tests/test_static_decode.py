@@ -113,3 +113,12 @@ def test_static_lossless_sbd_emits_the_eager_step_events(sbd_model):
     sbd_verify.decode(sbd_model, prompts, on_step=eager.append, **kw)
     static.verify_decode(sbd_model, prompts, on_step=fast.append, **kw)
     assert fast == eager and len(eager) > 3
+
+
+def test_compile_option_values(capsys):
+    with pytest.raises(unmask.UnmaskError, match="compile must be True or False"):
+        unmask.generate("Once", max_new_tokens=2, compile="false")
+    off = unmask.generate("Once", model="stories260K-dlm", max_new_tokens=8, compile=False)  # "off" is a no-op
+    assert off.tokens == unmask.generate("Once", model="stories260K-dlm", max_new_tokens=8).tokens
+    one_line_error(capsys, "eval", "--task", "stories", "--limit", "1", "-O", "compile=false", "--compile",
+                   match="set twice")

@@ -108,6 +108,10 @@ def generate(prompts: str | list[str], model: str | ModelBundle | None = None, d
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     decoder = decoder or default_decoder(bundle.kind)
     decode = get_decoder(decoder, bundle.kind)
+    if "compile" in options and not isinstance(options["compile"], bool):
+        raise UnmaskError(f"compile must be True or False (got {options['compile']!r}); pass compile=True")
+    if options.get("compile") is False:  # an explicit "off" is the default of every decoder
+        options.pop("compile")
     check_options(decode, decoder, options)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if max_new_tokens is None:

@@ -203,6 +203,8 @@ def eval_cmd(
     opts = _options(option, policy=policy, gamma=gamma, preset=preset, tau=tau, factor=factor,
                     tokens_per_step=tokens_per_step, block_size=block_size)
     if compile:
+        if "compile" in opts:
+            raise UnmaskError("decoder option 'compile' is set twice (its own flag and --option); give it once")
         opts["compile"] = True
     if workers < 1:
         raise UnmaskError(f"--workers must be >= 1, got {workers}; pass e.g. --workers 2")

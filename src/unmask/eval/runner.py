@@ -193,6 +193,8 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
         raise UnmaskError(f"task {task!r} has no items to evaluate; check its data file or --limit")
     bundle = _load(model, device=device, dtype=dtype)
     decoder = decoder or default_decoder(bundle.kind)
+    if decoder_options.get("compile") is False:  # an explicit "off" is every decoder's default
+        decoder_options = {k: v for k, v in decoder_options.items() if k != "compile"}
     check_options(get_decoder(decoder, bundle.kind), decoder, decoder_options)
     budget, note = _budget(bundle, [bundle.encode(it.prompt) for it in items], max_new_tokens, spec)
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
