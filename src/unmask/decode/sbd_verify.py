@@ -380,16 +380,9 @@ def _retire(bundle, prompts, rows, tokens, N, n, ended, stops, stop_strings, cac
     stop_set = set(stops.tolist())
     keep = []
     for i, r in enumerate(rows):
-        row = out[i, : counts[i]].tolist()
-        cut = next((j for j, t in enumerate(row) if t in stop_set), None)
-        if cut is not None:
-            row = row[:cut]
-        if stop_strings and cut is None:
-            start = 0 if n_before is None else int(n_before[i])
-            hit = _first_stop_string(bundle, prompts[r], row, start, stop_strings)
-            if hit is not None:
-                row, ended[i] = row[:hit], True
-        if ended[i]:
+        start = 0 if n_before is None else int(n_before[i])
+        row, hit = cut_row(bundle, prompts[r], out[i, : counts[i]].tolist(), stop_set, stop_strings, start)
+        if ended[i] or hit:
             tokens[r] = row[:N]
         else:
             keep.append(i)
@@ -399,6 +392,17 @@ def _retire(bundle, prompts, rows, tokens, N, n, ended, stops, stop_strings, cac
     if keep:
         keep_rows(cache, idx)
     return [rows[i] for i in keep], tuple(None if t is None else t[idx] for t in state)
+
+
+def cut_row(bundle, prompt, row: list[int], stop_set: set, stop_strings, start: int) -> tuple[list[int], bool]:
+    """A row's committed ids cut at its first stop token (excluded) or, without one, after the
+    token completing a stop string (searched from token ``start`` on). Returns (ids, whether a
+    stop string ended the row)."""
+    cut = next((j for j, t in enumerate(row) if t in stop_set), None)
+    if cut is not None:
+        return row[:cut], False
+    hit = _first_stop_string(bundle, prompt, row, start, stop_strings) if stop_strings else None
+    return (row, False) if hit is None else (row[:hit], True)
 
 
 def _first_stop_string(bundle, prompt, row, start, stop_strings):

@@ -27,6 +27,7 @@ from collections import Counter
 import torch
 
 from unmask.compat import attention_mask, cache_keyword, set_static_length
+from unmask.decode.ar import _hit_stop_string
 from unmask.decode.batching import left_pad
 from unmask.decode.stats import DecodeOutput, DecodeStats
 from unmask.errors import UnmaskError
@@ -145,7 +146,8 @@ def ar_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling
             at_stop = torch.isin(tok, stop) & running
             ended = at_stop
             if stop_strings:
-                ended = ended | (_stop_string_rows(bundle, prompts, buf[:, : t + 1], stop_strings) & running)
+                rows = list(range(B))
+                ended = ended | (_hit_stop_string(bundle, prompts, buf[:, : t + 1], rows, stop_strings) & running)
             if bool(ended.any()):  # the one host sync per step, as in the eager decoder
                 end = torch.where(at_stop, t, torch.where(ended, t + 1, end))
                 for r in ended.nonzero()[:, 0].tolist():
@@ -163,12 +165,6 @@ def ar_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows, tokens_per_row=lengths, seconds=time.perf_counter() - t0,
                         extra={"compiled": bool(compile), "static_cache": L})
     return DecodeOutput(tokens=tokens, stats=stats)
-
-
-def _stop_string_rows(bundle, prompts, buf, stop_strings) -> torch.Tensor:
-    """(B,) bool: whether each row's continuation so far (buf (B, t)) contains a stop string."""
-    hit = [any(s in bundle.decode_continuation(p, row) for s in stop_strings) for p, row in zip(prompts, buf.tolist())]
-    return torch.tensor(hit, dtype=torch.bool, device=buf.device)
 
 
 @torch.inference_mode()
@@ -311,23 +307,16 @@ def _finish(bundle, prompts, alive, tokens, out, n, ended, n_before, stops, stop
     """Retire finished rows in place: ``alive[i] = False`` and ``tokens[i]`` = the row's output,
     cut at its first stop token (excluded) or after the token completing a stop string, and at
     N tokens (the eager decoder's ``_retire`` without pruning)."""
-    from unmask.decode.sbd_verify import _first_stop_string
+    from unmask.decode.sbd_verify import cut_row
 
     counts = n.tolist()
     stop_set = set(stops.tolist())
     for i in range(len(alive)):
         if not alive[i]:
             continue
-        row = out[i, : counts[i]].tolist()
-        cut = next((j for j, t in enumerate(row) if t in stop_set), None)
-        done = ended[i]
-        if cut is not None:
-            row = row[:cut]
-        if stop_strings and cut is None:
-            hit = _first_stop_string(bundle, prompts[i], row, 0 if n_before is None else int(n_before[i]), stop_strings)
-            if hit is not None:
-                row, done = row[:hit], True
-        if done:
+        start = 0 if n_before is None else int(n_before[i])
+        row, hit = cut_row(bundle, prompts[i], out[i, : counts[i]].tolist(), stop_set, stop_strings, start)
+        if ended[i] or hit:
             tokens[i], alive[i] = row[:N], False
 
 
