@@ -15,6 +15,9 @@ def serve_cmd(
                                 "directory; lossless sbd then serves the base model's own output"),
     compile: bool = typer.Option(False, "--compile", help="lossless sbd batches on a static KV cache with a compiled step "
                                  "(the first batch of each size compiles, ~10 s on a CPU core); ar stays eager"),
+    draft_sizes: str = typer.Option(None, "--draft-sizes", metavar="ROWS:K,...|off",
+                                    help="lossless sbd: draft block size K by running-batch rows (K = 1: plain AR "
+                                    "steps, same output); default 1:8,2:4,4:1, measured on a CPU; off: keep K"),
     decoder: str = typer.Option(None, "--decoder", "-d", help="default decoder of requests (default: the model kind's natural decoder)"),
     block_size: int = typer.Option(None, "--block-size", "-k", help="default block size"),
     policy: str = typer.Option(None, "--policy", help="default commit policy"),
@@ -33,6 +36,6 @@ def serve_cmd(
     /metrics and the playground at /. Requests may set decoder knobs as extra body fields."""
     from unmask.serve.server import serve
 
-    serve(model, kind=kind, adapter=adapter, compile=compile, host=host, port=port, max_batch_size=max_batch_size, max_queue=max_queue,
+    serve(model, kind=kind, adapter=adapter, compile=compile, draft_sizes=draft_sizes, host=host, port=port, max_batch_size=max_batch_size, max_queue=max_queue,
           request_timeout=timeout, device=device, dtype=dtype, decoder=decoder, block_size=block_size, policy=policy,
           gamma=gamma, preset=preset, tau=tau)

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unmask.decode import DECODERS, default_decoder, get_decoder
 from unmask.errors import UnmaskError
+from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option
 from unmask.serve.engine import Job, QueueFull, Scheduler
 from unmask.serve.errors import ApiError
 from unmask.serve.metrics import Metrics
@@ -35,13 +36,16 @@ def _error_response(e: ApiError) -> JSONResponse:
 
 
 def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8, max_queue: int = 64,
-               request_timeout: float = 600.0, defaults: dict | None = None, compile: bool = False) -> FastAPI:
+               request_timeout: float = 600.0, defaults: dict | None = None, compile: bool = False,
+               draft_sizes: "str | DraftSizes | None" = DEFAULT_DRAFT_SIZES) -> FastAPI:
     """The server app for a loaded ModelBundle. ``defaults``: the server's default decoder and
     knobs (e.g. ``{"decoder": "sbd", "gamma": 0.35}``), checked here like a request. The
     scheduler thread starts with the app's lifespan and stops with it; ``app.state.scheduler``
     and ``app.state.metrics`` expose them. Raises UnmaskError for a bad batch size, queue bound or
     default knob. ``compile``: lossless ``sbd`` batches run the static-cache, compiled step (the first
-    batch of each size compiles it); ``ar`` and lossy requests stay eager."""
+    batch of each size compiles it); ``ar`` and lossy requests stay eager. ``draft_sizes``: the
+    running-batch -> K table of greedy lossless ``sbd`` requests that fix no block size
+    (:mod:`unmask.serve.draft_sizing`; text like ``"1:8,2:4,4:1"``, or ``"off"``/None)."""
     name = model_name or bundle.name
     defaults = dict(defaults or {})
     try:  # the defaults are checked like a request, then by one tiny decode (the decoder's own checks)
@@ -50,7 +54,8 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
         raise UnmaskError(e.message) from None
     get_decoder(probe.decoder, bundle.kind)(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
                                             **probe.options)
-    scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue, compile=compile)
+    scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue, compile=compile,
+                          draft_sizes=draft_sizes_option(draft_sizes))
     metrics = Metrics(scheduler)
 
     @asynccontextmanager

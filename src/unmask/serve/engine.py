@@ -17,6 +17,11 @@ What is continuous and what is not (README "Serving"):
 - While such a batch runs, the AR batch still advances: after each forward of the batch (its
   ``on_step`` boundary) the scheduler admits waiting AR requests and runs one AR step, so AR
   requests never wait for a non-AR batch to finish.
+- Greedy lossless ``sbd`` requests whose block size neither the request nor the server fixed get
+  their draft block size K from the load (:mod:`unmask.serve.draft_sizing`): the rows that would
+  share forwards (the AR batch, the running batch and the waiting ones) pick K from the
+  ``--draft-sizes`` table when their batch forms, and where the table says K = 1 they join the AR
+  running batch instead: plain one-token steps, which lossless SBD reproduces token for token.
 
 Each job gets its events through ``job.post`` (called from this thread): ``("step", event)``
 with an :mod:`unmask.trace` step event, then ``("done", result)`` or ``("error", ApiError)``.
@@ -37,6 +42,7 @@ from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.decode.sbd import runs_lossless
 from unmask.serve.ar_batch import ARBatch, Row
+from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes
 from unmask.serve.errors import ApiError
 from unmask.serve.protocol import api_message, edits_committed
 
@@ -68,6 +74,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
     closed: bool = False  # set by the scheduler after the final event
+    sizable: bool = False  # set by the scheduler: greedy lossless sbd whose K follows the load
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request at its next step boundary (thread-safe)."""
@@ -100,13 +107,16 @@ class Scheduler:
     max_queue: jobs waiting to start before ``submit`` refuses with QueueFull.
     """
 
-    def __init__(self, bundle, *, max_batch_size: int = 8, max_queue: int = 64, compile: bool = False):
+    def __init__(self, bundle, *, max_batch_size: int = 8, max_queue: int = 64, compile: bool = False,
+                 draft_sizes: DraftSizes | None = DEFAULT_DRAFT_SIZES):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise UnmaskError(f"max batch size must be an integer >= 1 (got {max_batch_size!r}); pass e.g. 8")
         if not isinstance(max_queue, int) or max_queue < 1:
             raise UnmaskError(f"max queue must be an integer >= 1 (got {max_queue!r}); pass e.g. 64")
         self.bundle, self.max_batch_size, self.max_queue = bundle, max_batch_size, max_queue
         self.compile = compile  # lossless sbd batches on the static, compiled path (unmask.decode.static)
+        self.draft_sizes = draft_sizes  # None: every lossless sbd batch keeps its own block size
+        self.draft_log: list[tuple[int, int]] = []  # (rows sharing forwards, K) of each sized batch; 1 = AR
         self.ar = ARBatch(bundle, on_token=self._ar_token)
         self.stop_ids = set(bundle.stop_token_ids)
         self._waiting: deque[Job] = deque()
@@ -149,6 +159,7 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         """Queue a job; raises QueueFull when ``max_queue`` jobs already wait."""
+        job.sizable = self._sizable(job)
         with self._lock:
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull
@@ -196,14 +207,30 @@ class Scheduler:
             self._waiting.remove(job)
             self._finish_gone(job)
 
+    def _sizable(self, job: Job) -> bool:
+        """Greedy lossless sbd with no block size fixed by the request or the server (their K
+        follows the load; the output does not depend on it)."""
+        return (self.draft_sizes is not None and job.decoder == "sbd" and job.sampling.greedy
+                and job.options.get("block_size") is None and runs_lossless(self.bundle, job.options))
+
+    def _load(self, joining: int) -> int:
+        """Rows that would share forwards if ``joining`` more rows started now."""
+        return len(self.ar) + len(self.batch_rows) + joining
+
     def _take_ar(self) -> list[Job]:
-        """Under the lock: the waiting AR jobs that fit in the AR batch now, oldest first."""
+        """Under the lock: the waiting AR jobs that fit in the AR batch now, oldest first, with the
+        sizable sbd jobs when the draft-size table gives K = 1 at the current load."""
         if self._paused:
             return []
         free = self.max_batch_size - len(self.ar)
-        jobs = [j for j in self._waiting if j.decoder == "ar"][:max(0, free)]
+        sized = [j for j in self._waiting if j.sizable]
+        n_ar = sum(j.decoder == "ar" for j in self._waiting)
+        route = bool(sized) and self.draft_sizes.size(self._load(n_ar + len(sized))) == 1
+        jobs = [j for j in self._waiting if j.decoder == "ar" or (route and j.sizable)][:max(0, free)]
         for j in jobs:
             self._waiting.remove(j)
+        if route and any(j.sizable for j in jobs):
+            self.draft_log.append((self._load(len(jobs)), 1))
         return jobs
 
     def _take_batch(self) -> list[Job]:
@@ -305,6 +332,9 @@ class Scheduler:
         kwargs = dict(first.options)
         if "on_step" in inspect.signature(decode).parameters:
             kwargs["on_step"] = on_step
+        if first.sizable:  # K from the load; at least 2 here (K = 1 jobs were routed to the AR batch)
+            kwargs["block_size"] = max(2, self.draft_sizes.size(self._load(0)))
+            self.draft_log.append((self._load(0), kwargs["block_size"]))
         if self.compile and first.decoder == "sbd" and runs_lossless(self.bundle, kwargs):
             kwargs["compile"] = True  # lossy requests stay eager: they have no compiled step
         try:

@@ -9,6 +9,7 @@ import time
 
 from unmask.errors import UnmaskError
 from unmask.serve import create_app, require
+from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, draft_sizes_option
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -70,10 +71,12 @@ class ServerThread:
 def serve(model: str | None = None, *, kind: str | None = None, adapter: str | None = None, host: str = "127.0.0.1",
           port: int = 8000,
           max_batch_size: int = 8, max_queue: int = 64, request_timeout: float = 600.0, device: str = "cpu",
-          dtype: str = "float32", log_level: str = "info", compile: bool = False, **defaults) -> None:
+          dtype: str = "float32", log_level: str = "info", compile: bool = False, draft_sizes: str | None = None,
+          **defaults) -> None:
     """Load ``model`` (with the gated SBD ``adapter``, a name it ships or a directory, when given)
     and serve it until interrupted (``unmask serve``). ``defaults``: the default
-    decoder and knobs of requests (``decoder="sbd", gamma=0.35``). Raises UnmaskError for a bad
+    decoder and knobs of requests (``decoder="sbd", gamma=0.35``); ``draft_sizes``: the running-batch
+    -> K table of lossless sbd (``"1:8,2:4,4:1"``, ``"off"``; None: the default table). Raises UnmaskError for a bad
     model, option or address, and KeyboardInterrupt after a signal stopped the server."""
     require()
     from unmask.models import load
@@ -82,9 +85,11 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
         raise UnmaskError(f"port must be in 0..65535 (got {port!r}); pass e.g. --port 8000")
     if not (isinstance(request_timeout, (int, float)) and request_timeout > 0):
         raise UnmaskError(f"request timeout must be > 0 seconds (got {request_timeout!r}); pass e.g. 600")
+    sizes = DEFAULT_DRAFT_SIZES if draft_sizes is None else draft_sizes_option(draft_sizes)  # bad text fails before loading
     bundle = load(model, kind=kind, device=device, dtype=dtype, adapter=adapter)
     app = create_app(bundle, max_batch_size=max_batch_size, max_queue=max_queue, request_timeout=float(request_timeout),
-                     defaults={k: v for k, v in defaults.items() if v is not None}, compile=compile)
+                     defaults={k: v for k, v in defaults.items() if v is not None}, compile=compile,
+                     draft_sizes=sizes)
     sock = _bind(host, port)
     print(f"unmask serve: {bundle.name} ({bundle.kind}) on http://{host}:{sock.getsockname()[1]}  "
           f"(playground at /, API at /v1)", flush=True)

@@ -1,0 +1,88 @@
+"""Draft sizing for lossless SBD under load: the draft block size K as a function of the running
+batch.
+
+Lossless SBD turns each row's forward from 1 query token into 2K (linear drafts, spec
+sbd_exact.md §1). While the running batch is small those extra queries are nearly free (the
+forward is bound by reading the weights, not by arithmetic: the roofline's knee); once the batch
+is large every query costs its share, and a fixed K that wins at one stream loses at many. The
+output does not depend on K — greedy lossless SBD equals AR token for token whatever the draft —
+so the scheduler may pick K per batch from the load, down to K = 1: plain one-token steps in the
+AR running batch, which reproduce lossless SBD exactly.
+
+``DraftSizes`` is the table ``rows -> K``: a list of ``(min_rows, K)`` steps, parsed from the
+``--draft-sizes`` text ``"1:8,2:4,4:1"`` (1-3 rows: K = 8 ... ). The default is measured on
+this project's CPU (``benchmarks/serve_load.py`` and ``benchmarks/sbd_lossless.py``, README
+"Serving"); a GPU's knee sits far later, so pass a table measured there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unmask.errors import UnmaskError
+
+# measured on the 2-core CPU with stories260K-sbd (README "Serving under load"): K = 8 linear is
+# 1.25x AR at one row, and at 4 rows and more no K beats plain AR steps.
+DEFAULT_TEXT = "1:8,2:4,4:1"
+
+
+@dataclass(frozen=True)
+class DraftSizes:
+    """``steps``: ``((min_rows, K), ...)`` with strictly increasing ``min_rows``, the first 1; K >= 1
+    (K = 1: one-token AR steps). ``size(rows)`` is the K of the last step whose ``min_rows <= rows``.
+
+    Raises:
+        UnmaskError: an empty table, a first step not at 1 row, ``min_rows`` not increasing, a K < 1.
+    """
+
+    steps: tuple[tuple[int, int], ...]
+
+    def __post_init__(self):
+        fix = "write it as ROWS:K pairs, e.g. --draft-sizes 1:8,2:4,4:1"
+        if not self.steps:
+            raise UnmaskError(f"the draft-size table is empty; {fix}")
+        if self.steps[0][0] != 1:
+            raise UnmaskError(f"the draft-size table must start at 1 row (got {self.steps[0][0]}); {fix}")
+        rows = [r for r, _ in self.steps]
+        if any(b <= a for a, b in zip(rows, rows[1:])):
+            raise UnmaskError(f"the draft-size table's row counts must increase (got {rows}); {fix}")
+        bad = [k for _, k in self.steps if k < 1]
+        if bad:
+            raise UnmaskError(f"a draft size must be >= 1 (got {bad[0]}); 1 means plain AR steps; {fix}")
+
+    @classmethod
+    def parse(cls, text: str) -> "DraftSizes":
+        """``"1:8,2:4,4:1"`` -> DraftSizes(((1, 8), (2, 4), (4, 1))). Raises UnmaskError on bad text."""
+        steps = []
+        for part in str(text).split(","):
+            rows, sep, k = part.strip().partition(":")
+            try:
+                steps.append((int(rows), int(k)))
+            except ValueError:
+                raise UnmaskError(f"bad draft-size entry {part.strip()!r}; write ROWS:K pairs, "
+                                  "e.g. --draft-sizes 1:8,2:4,4:1") from None
+            if not sep:
+                raise UnmaskError(f"bad draft-size entry {part.strip()!r}; write ROWS:K pairs, "
+                                  "e.g. --draft-sizes 1:8,2:4,4:1")
+        return cls(tuple(steps))
+
+    def size(self, rows: int) -> int:
+        """The draft block size K for a running batch of ``rows`` rows (1 = plain AR steps)."""
+        k = self.steps[0][1]
+        for min_rows, step_k in self.steps:
+            if rows >= min_rows:
+                k = step_k
+        return k
+
+
+DEFAULT = DraftSizes.parse(DEFAULT_TEXT)
+
+
+def draft_sizes_option(value: "str | DraftSizes | None") -> DraftSizes | None:
+    """``--draft-sizes`` value -> table: a DraftSizes passes through, ``None`` or ``"off"`` turns
+    sizing off (every lossless batch keeps its own block size), text is parsed (:meth:`DraftSizes.parse`)."""
+    if value is None or isinstance(value, DraftSizes):
+        return value
+    if str(value).strip().lower() == "off":
+        return None
+    return DraftSizes.parse(value)

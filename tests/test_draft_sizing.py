@@ -1,0 +1,101 @@
+"""Draft sizing under load (issue 16): the draft-size table, and the scheduler picking lossless
+SBD's block size K from the running batch, down to plain AR steps, without changing any output."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from unmask.errors import UnmaskError
+from unmask.serve.draft_sizing import DEFAULT, DraftSizes, draft_sizes_option
+
+
+def test_table_picks_the_last_step_at_or_below_the_rows():
+    t = DraftSizes.parse("1:8, 2:4,4:1")
+    assert t.steps == ((1, 8), (2, 4), (4, 1))
+    assert [t.size(n) for n in (1, 2, 3, 4, 5, 200)] == [8, 4, 4, 1, 1, 1]
+    assert DraftSizes.parse("1:6").size(1000) == 6
+    assert draft_sizes_option("off") is None and draft_sizes_option(None) is None
+    assert draft_sizes_option(t) is t and draft_sizes_option("1:8,2:4,4:1") == t
+    assert DEFAULT.size(1) > 1
+
+
+@pytest.mark.parametrize("text, needle", [("", "bad draft-size entry"), ("8", "bad draft-size entry"),
+                                          ("1:x", "bad draft-size entry"), ("2:8", "start at 1 row"),
+                                          ("1:8,4:4,2:1", "must increase"), ("1:8,2:0", ">= 1")])
+def test_bad_tables_are_one_line_errors(text, needle):
+    with pytest.raises(UnmaskError) as e:
+        DraftSizes.parse(text)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+pytest.importorskip("fastapi", reason="the scheduler tests need the serve extra: pip install -e '.[test]'")
+
+import unmask  # noqa: E402
+from unmask.serve import create_app  # noqa: E402
+from unmask.serve.server import ServerThread  # noqa: E402
+
+from test_serve import MODEL, PROMPTS, post, wait_until  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return unmask.load(MODEL)
+
+
+def _run(bundle, bodies, **app_kwargs):
+    """Queue every body while the scheduler is paused, release them at once; (texts, draft_log)."""
+    app = create_app(bundle, max_batch_size=8, max_queue=16, **app_kwargs)
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        sched.pause()
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            futures = [pool.submit(post, s.url + "/v1/completions", b) for b in bodies]
+            wait_until(lambda: sched.queue_depth == len(bodies))
+            sched.resume()
+            answers = [f.result() for f in futures]
+        wait_until(lambda: sched.active == 0)
+    assert all(status == 200 for status, _, _ in answers)
+    return [r["choices"][0]["text"] for _, _, r in answers], list(sched.draft_log)
+
+
+@pytest.mark.parametrize("rows, expect_k", [(1, 8), (2, 4), (5, 1)])
+def test_the_load_sets_k_and_the_output_stays_ar_s(bundle, rows, expect_k):
+    """Greedy lossless sbd requests that fix no block size: K from the table at the load they form
+    (5 rows: routed to the AR running batch); every text equals unmask.generate's (and AR's)."""
+    bodies = [{"prompt": PROMPTS[i], "max_tokens": 24, "decoder": "sbd"} for i in range(rows)]
+    texts, log = _run(bundle, bodies, draft_sizes="1:8,2:4,4:1")
+    assert log and {k for _, k in log} == {expect_k}
+    assert log[0][0] == rows
+    for p, t in zip(PROMPTS, texts):
+        assert t == unmask.generate(p, bundle, "ar", max_new_tokens=24).texts[0]
+        assert t == unmask.generate(p, bundle, "sbd", max_new_tokens=24).texts[0]
+
+
+def test_a_fixed_block_size_or_sizing_off_is_left_alone(bundle):
+    bodies = [{"prompt": PROMPTS[i], "max_tokens": 16, "decoder": "sbd", "block_size": 4} for i in range(5)]
+    texts, log = _run(bundle, bodies)
+    assert log == []  # the request fixed K
+    plain = [{k: v for k, v in b.items() if k != "block_size"} for b in bodies]
+    texts_off, log_off = _run(bundle, plain, draft_sizes="off")
+    assert log_off == [] and texts_off == texts
+    for p, t in zip(PROMPTS, texts):
+        assert t == unmask.generate(p, bundle, "ar", max_new_tokens=16).texts[0]
+
+
+def test_lossy_and_sampled_requests_are_never_sized(bundle):
+    bodies = [{"prompt": PROMPTS[i], "max_tokens": 12, "decoder": "sbd", "gamma": 0.35} for i in range(4)]
+    bodies += [{"prompt": PROMPTS[0], "max_tokens": 12, "decoder": "sbd", "temperature": 1.0, "seed": 3}]
+    _, log = _run(bundle, bodies)
+    assert log == []
+
+
+def test_serve_cli_refuses_a_bad_table_in_one_line(capsys):
+    from unmask.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--draft-sizes", "1:8,2", "--port", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: bad draft-size entry '2'") and err.count("\n") == 1
