@@ -58,6 +58,22 @@ def forward(model, input_ids: torch.Tensor, *, position_ids: torch.Tensor, atten
     return out.logits.float()
 
 
+def final_hidden(model, input_ids: torch.Tensor, *, position_ids: torch.Tensor, attention_mask=None,
+                 cache=None) -> torch.Tensor:
+    """The last hidden states (after the final norm: what the LM head reads) of one forward,
+    through the model's own call, so wrappers around it (DDP's gradient hooks) stay in the loop.
+
+    Same inputs as :func:`forward`. ``output_hidden_states`` (transformers >= 4.4x, whose last
+    entry is the normed ``last_hidden_state``) with ``logits_to_keep=1``: the head runs on one
+    position only. Returns (B, q, d) in the model's dtype, with grad when enabled.
+    """
+    kwargs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
+              "use_cache": cache is not None, "logits_to_keep": 1, "output_hidden_states": True}
+    if cache is not None:
+        kwargs[cache_keyword(model)] = cache
+    return model(**kwargs).hidden_states[-1]
+
+
 def rope_theta(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}
     if "rope_theta" in params:

@@ -12,6 +12,11 @@ Self-sampled corpus (our choice; no TinyStories text is available offline). Two 
 
 A record is ``{"ids": [...], "text": ..., "source": "sampled"|"greedy", "split": "train"|"val"}``;
 ``ids`` never hold the leading BOS/separator (:func:`pack` adds it).
+
+Answer-only training (issue 18): a record may carry ``loss_start``, the index in ``ids`` of its
+first trained token (a distilled ``PROMPT_IDS + ANSWER_IDS`` record has ``loss_start =
+len(PROMPT_IDS)``). :func:`pack_labelled` turns it into an (N, L+1) bool label mask next to the
+chunks: True where a token is a loss target, False on prompt tokens and on every separator.
 """
 
 from __future__ import annotations
@@ -237,15 +242,19 @@ def check_data_files(paths: Sequence[str | Path]) -> list[Path]:
 
 
 def read_documents(path: str | Path, tokenizer=None, vocab_size: int | None = None) -> list[dict]:
-    """Read one data file into records ``{"ids": [...], "split": "train"|"val"|None}``.
+    """Read one data file into records ``{"ids": [...], "split": "train"|"val"|None}``, plus
+    ``"loss_start": int`` where the line gives one.
 
     ``.txt``: documents separated by blank lines. ``.jsonl``: one object per line with
-    ``ids`` (token ids) or ``text``; an optional ``split`` is kept. Text is encoded without
-    special tokens (:func:`pack` adds the document separator).
+    ``ids`` (token ids) or ``text``; an optional ``split`` is kept, and an optional
+    ``loss_start`` (the index in ``ids`` of the first trained token; tokens before it are a
+    prompt that is never a loss target). Text is encoded without special tokens (:func:`pack`
+    adds the document separator).
 
     Raises:
         UnmaskError: a missing/empty/unreadable file, a bad JSONL line, text without a tokenizer,
-            ids outside ``[0, vocab_size)``, or a file holding no document.
+            ids outside ``[0, vocab_size)``, a ``loss_start`` that is not an integer in
+            ``[0, len(ids)]``, or a file holding no document.
     """
     (path,) = check_data_files([path])
     try:
@@ -291,8 +300,13 @@ def read_documents(path: str | Path, tokenizer=None, vocab_size: int | None = No
             if split is not None and split not in SPLITS:
                 raise UnmaskError(f"{where}: split must be 'train' or 'val', got {split!r}; fix the line or drop "
                                   "its 'split'")
+            start = obj.get("loss_start")
+            if start is not None and (isinstance(start, bool) or not isinstance(start, int)
+                                      or not 0 <= start <= len(ids)):
+                raise UnmaskError(f"{where}: loss_start must be an integer in [0, {len(ids)}] (the number of prompt "
+                                  f"ids), got {start!r}; fix the line or drop its 'loss_start'")
             if ids:
-                records.append({"ids": ids, "split": split})
+                records.append({"ids": ids, "split": split, **({} if start is None else {"loss_start": start})})
     records = [r for r in records if r["ids"]]
     if not records:
         raise UnmaskError(f"data file {path} holds no document; put text in it (or 'ids'/'text' JSONL lines)")
@@ -305,26 +319,38 @@ def read_documents(path: str | Path, tokenizer=None, vocab_size: int | None = No
     return records
 
 
-def load_corpus(paths: Sequence[str | Path], tokenizer=None, *, vocab_size: int | None = None,
-                val_fraction: float = 0.05, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
-    """Documents of every file -> (train documents, validation documents), each a list of ids.
+def load_records(paths: Sequence[str | Path], tokenizer=None, *, vocab_size: int | None = None,
+                 val_fraction: float = 0.05, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Records of every file (:func:`read_documents`) -> (train records, validation records).
 
     Records with an explicit ``split`` keep it. If no record says ``val``, a seeded
     ``val_fraction`` of the documents is held out (:func:`split_documents`).
 
     Raises:
-        UnmaskError: see :func:`read_documents`.
+        UnmaskError: see :func:`read_documents`; every document in the validation split.
     """
     records = []
     for p in check_data_files(paths):
         records += read_documents(p, tokenizer, vocab_size)
     if not any(r["split"] == "val" for r in records):
         records = split_documents(records, val_fraction, seed)
-    train = [r["ids"] for r in records if r["split"] != "val"]
-    val = [r["ids"] for r in records if r["split"] == "val"]
+    train = [r for r in records if r["split"] != "val"]
+    val = [r for r in records if r["split"] == "val"]
     if not train:
         raise UnmaskError("every document is in the validation split; mark some 'train' or add data")
     return train, val
+
+
+def load_corpus(paths: Sequence[str | Path], tokenizer=None, *, vocab_size: int | None = None,
+                val_fraction: float = 0.05, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """Documents of every file -> (train documents, validation documents), each a list of ids
+    (:func:`load_records` without the per-record fields).
+
+    Raises:
+        UnmaskError: see :func:`load_records`.
+    """
+    train, val = load_records(paths, tokenizer, vocab_size=vocab_size, val_fraction=val_fraction, seed=seed)
+    return [r["ids"] for r in train], [r["ids"] for r in val]
 
 
 def pack(docs: Sequence[Sequence[int]], seq_len: int, sep_id: int) -> torch.Tensor:
@@ -336,18 +362,46 @@ def pack(docs: Sequence[Sequence[int]], seq_len: int, sep_id: int) -> torch.Tens
     Returns:
         (N, seq_len + 1) long, N >= 0 (0 when the data is shorter than one chunk).
     """
+    return pack_labelled(docs, [None] * len(docs), seq_len, sep_id)[0]
+
+
+def pack_labelled(docs: Sequence[Sequence[int]], loss_starts: Sequence[int | None], seq_len: int,
+                  sep_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pack`, plus which packed tokens are loss targets (answer-only training, issue 18).
+
+    Token ``j`` of document ``i`` is a target iff ``j >= loss_starts[i]`` (None: every token of
+    the document); a separator, added or already leading the document, never is. The chunks
+    are exactly :func:`pack`'s.
+
+    Args:
+        docs: documents, lists of ids without a leading separator (one there is kept, not doubled).
+        loss_starts: one entry per document, an index in ``[0, len(doc)]`` or None.
+
+    Returns:
+        (chunks, labels): (N, seq_len + 1) long and (N, seq_len + 1) bool.
+
+    Raises:
+        UnmaskError: ``seq_len < 1``, or ``loss_starts`` and ``docs`` of different lengths.
+    """
     if seq_len < 1:
         raise UnmaskError(f"--seq-len must be >= 1, got {seq_len}; pass --seq-len 1 or more")
+    if len(loss_starts) != len(docs):
+        raise UnmaskError(f"{len(loss_starts)} loss starts for {len(docs)} documents; pass one per document")
     stream: list[int] = []
-    for d in docs:
+    label: list[bool] = []
+    for d, start in zip(docs, loss_starts):
         if not d:
             continue
+        start = 0 if start is None else start
         if d[0] != sep_id:
             stream.append(sep_id)
+            label.append(False)
         stream.extend(d)
+        label.extend(j >= start and not (j == 0 and d[0] == sep_id) for j in range(len(d)))
     n = len(stream) // (seq_len + 1)
     flat = torch.tensor(stream[: n * (seq_len + 1)], dtype=torch.long)  # (N * (L+1),)
-    return flat.view(n, seq_len + 1)  # (N, L+1)
+    flags = torch.tensor(label[: n * (seq_len + 1)], dtype=torch.bool)  # (N * (L+1),)
+    return flat.view(n, seq_len + 1), flags.view(n, seq_len + 1)  # (N, L+1) each
 
 
 def separator_id(tokenizer) -> int:

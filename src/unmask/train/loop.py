@@ -3,7 +3,10 @@
 Objective-agnostic: anything with ``name``, ``term_names``, ``step_params(generator) -> dict``
 (draws shared by the micro-batches of one optimizer step, e.g. SBD's block size) and
 ``loss(model, chunks, generator, **params) -> (loss, terms)`` plugs in (SBD here; masked and
-block diffusion later).
+block diffusion later). With label masks (answer-only training, ``train(..., train_labels=...)``)
+the loss is called with ``labels=`` (B, L+1) bool as well. An objective may also define
+``diagnostics(model, chunks, labels) -> dict`` of extra validation numbers (SBD's masked CE per
+block offset), averaged over the validation batches and logged with the validation loss.
 
 Run directory layout::
 
@@ -62,7 +65,7 @@ RESUMABLE = ("steps", "ckpt_every", "eval_every", "eval_batches", "log_every", "
              "fsdp")
 # TrainConfig fields that the training commands expose as --flags (named so in messages).
 FLAG_OPTIONS = ("lr", "warmup", "steps", "batch_size", "grad_accum", "weight_decay", "clip", "ckpt_every",
-                "eval_every", "max_minutes", "seed", "fsdp")
+                "eval_every", "log_every", "keep_checkpoints", "max_minutes", "seed", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -125,9 +128,9 @@ class TrainConfig:
                                    "pass --ckpt-every 0 (only at the end) or more"),
             (self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}; "
                                    "pass --eval-every 0 (only at the end) or more"),
-            (self.log_every >= 0, f"log_every must be >= 0, got {self.log_every}; pass 0 (never) or more"),
+            (self.log_every >= 0, f"--log-every must be >= 0, got {self.log_every}; pass 0 (never) or more"),
             (self.eval_batches >= 1, f"eval_batches must be >= 1, got {self.eval_batches}; pass 1 or more"),
-            (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}; "
+            (self.keep_checkpoints >= 1, f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}; "
                                          "pass 1 or more"),
             (self.max_minutes is None or self.max_minutes > 0, f"--max-minutes must be > 0, got {self.max_minutes}; "
                                                                "pass a positive budget or leave it out"),
@@ -215,10 +218,13 @@ def build_optimizer(model, config: TrainConfig) -> tuple[torch.optim.Optimizer, 
 
 
 @torch.no_grad()
-def evaluate(model, objective, chunks: torch.Tensor, config: TrainConfig, device) -> dict:
-    """Mean loss and terms over ``eval_batches`` micro-batches of validation rows.
+def evaluate(model, objective, chunks: torch.Tensor, config: TrainConfig, device,
+             labels: torch.Tensor | None = None) -> dict:
+    """Mean loss and terms (and the objective's ``diagnostics``, if it has them) over
+    ``eval_batches`` micro-batches of validation rows.
 
-    chunks: (M, L+1) validation rows in corpus order. The rows are taken evenly spaced over all
+    chunks: (M, L+1) validation rows in corpus order; labels: their (M, L+1) bool label masks
+    (answer-only training) or None. The rows are taken evenly spaced over all
     M (all of them when M ≤ eval_batches · batch_size), so a corpus whose documents are grouped
     by source (e.g. sampled stories first, greedy continuations after) is scored on its whole
     mixture, not on its first source. A fixed generator makes every evaluation draw the same
@@ -228,18 +234,26 @@ def evaluate(model, objective, chunks: torch.Tensor, config: TrainConfig, device
     g = torch.Generator().manual_seed(config.seed + 7919)
     want = config.eval_batches * config.batch_size
     if len(chunks) > want:
-        chunks = chunks[torch.linspace(0, len(chunks) - 1, want).round().long()]  # (want, L+1)
+        rows = torch.linspace(0, len(chunks) - 1, want).round().long()  # (want,)
+        chunks = chunks[rows]  # (want, L+1)
+        labels = None if labels is None else labels[rows]  # (want, L+1)
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
     n = 0
+    diagnose = getattr(objective, "diagnostics", None)
     for i in range(config.eval_batches):
-        batch = chunks[i * config.batch_size : (i + 1) * config.batch_size]
+        batch = chunks[i * config.batch_size : (i + 1) * config.batch_size].to(device)
         if len(batch) == 0:
             break
+        extra = {} if labels is None else {"labels": labels[i * config.batch_size : (i + 1) * config.batch_size]
+                                                     .to(device)}
         params = objective.step_params(g)
-        loss, terms = objective.loss(model, batch.to(device), g, **params)
-        for name, value in {"loss": loss, **{t: terms[t] for t in objective.term_names}}.items():
+        loss, terms = objective.loss(model, batch, g, **params, **extra)
+        values = {"loss": loss, **{t: terms[t] for t in objective.term_names}}
+        if diagnose is not None:
+            values.update(diagnose(model, batch, extra.get("labels")))
+        for name, value in values.items():
             sums[name] = sums.get(name, 0.0) + float(value)
         n += 1
     model.train(was_training)
@@ -303,7 +317,8 @@ def _note(console, message: str) -> None:
 
 def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor | None, config: TrainConfig,
           run_dir: str | Path, *, device: str | torch.device = "cpu", resume: bool = False,
-          save_extras: Callable[[Path, dict], None] | None = None, console=None, meta: dict | None = None) -> TrainResult:
+          save_extras: Callable[[Path, dict], None] | None = None, console=None, meta: dict | None = None,
+          train_labels: torch.Tensor | None = None, val_labels: torch.Tensor | None = None) -> TrainResult:
     """Train ``model`` in place on packed chunks with ``objective``.
 
     Args:
@@ -317,6 +332,9 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
         save_extras: called on every checkpoint directory (tokenizer, metadata).
         console: a ``rich.console.Console`` for the progress bar (None = quiet).
         meta: JSON-able facts stored in each checkpoint's trainer state (e.g. the data files).
+        train_labels / val_labels: (N, L+1) / (M, L+1) bool label masks of the chunks (True =
+            loss target; answer-only training), passed to the objective as ``labels=``; None =
+            every token is a target and the objective is called without ``labels``.
 
     Returns:
         TrainResult. The model is left in training mode with the final weights.
@@ -390,7 +408,7 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
                                  config.keep_checkpoints)
 
     def validate() -> dict:  # every rank scores the same rows (FSDP2 needs them all in the forward)
-        return evaluate(parallel.eval_model(wrapped), objective, val_chunks, config, device)
+        return evaluate(parallel.eval_model(wrapped), objective, val_chunks, config, device, val_labels)
 
     log_path = run_dir / "log.jsonl"
     if main:
@@ -427,9 +445,10 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
                 if m not in mine:
                     continue
                 chunks = train_chunks[index].to(device)  # (B, L+1)
+                extra = {} if train_labels is None else {"labels": train_labels[index].to(device)}  # (B, L+1)
                 with parallel.no_sync(wrapped, last=m == mine[-1]):
                     loss, terms = objective.loss(wrapped, chunks, parallel.micro_generator(config.seed, step, m),
-                                                 **params)
+                                                 **params, **extra)
                     if not bool(torch.isfinite(loss.detach()).all()):  # before it reaches the weights
                         raise diverged(f"the loss is {float(loss.detach())}", step + 1, run_dir)
                     (loss / config.grad_accum).backward()

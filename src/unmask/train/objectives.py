@@ -4,6 +4,13 @@ SBD (spec/sbd.md §3): the clean + noisy layout of Figs. 7–8 built by :func:`s
 joint NTP + masked-token loss of Eq. 14 computed by :func:`sbd_loss` in one forward over 2L
 tokens with the §3.3 attention mask. :class:`SBDObjective` binds them for the generic loop
 (``unmask.train.loop``), which only needs ``objective.loss(model, chunks, generator)``.
+:func:`offset_ce` is the draft-mode diagnostic: masked CE per block offset next to the NTP CE.
+
+Answer-only training (issue 18): with a (B, L+1) bool label mask, only labelled tokens are
+targets: an NTP position counts iff the token it predicts is labelled, and only labelled tokens
+are ever masked in the noisy copy (so a block that straddles the prompt/answer boundary keeps
+its prompt tokens, as at inference, where the prompt is never masked). The logits are computed
+at target positions only (unmask.train.lm_loss).
 
 Masked diffusion (spec/diffusion.md §1): :func:`masked_diffusion_loss`, the 1/t-weighted
 masked-token cross-entropy (with the optional Dream-style shift of §2); the objective that draws
@@ -19,8 +26,9 @@ import torch.nn.functional as F
 
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, sbd_training_mask, sbd_training_position_ids, to_additive
+from unmask.train.lm_loss import IGNORE, lm_nll
 
-IGNORE = -100
+OFFSETS = (0, 1, 2, 3, 7)  # block offsets of the draft-mode diagnostic
 
 
 def sample_block_size(generator: torch.Generator, low: int = 2, high: int = 16) -> int:
@@ -31,7 +39,7 @@ def sample_block_size(generator: torch.Generator, low: int = 2, high: int = 16) 
 
 
 def sbd_batch(chunks: torch.Tensor, mask_id: int, k: int, generator: torch.Generator,
-              eta: torch.Tensor | None = None) -> dict:
+              eta: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> dict:
     """Clean + noisy SBD training layout (sbd.md §3.1–3.2, SBD Figs. 7–8, Eq. 13).
 
     Per sequence η ~ U(0,1); each clean token x_i is replaced by the mask token with
@@ -47,6 +55,9 @@ def sbd_batch(chunks: torch.Tensor, mask_id: int, k: int, generator: torch.Gener
             reproducible whatever the device).
         eta: (B,) float CPU noise levels to use instead of drawing η ~ U(0,1) (1.0 = all-mask
             blocks, the draft mode of spec/sbd_exact.md §3).
+        labels: (B, L+1) bool, True where a token is a loss target (answer-only training); None
+            = every token. Unlabelled tokens are never NTP targets and never masked (the draws
+            are the same either way, so an all-True mask gives exactly the unlabelled batch).
 
     Returns:
         dict with ``input_ids`` (B, 2L), ``labels`` (B, 2L), ``position_ids`` (B, 2L) long;
@@ -65,6 +76,13 @@ def sbd_batch(chunks: torch.Tensor, mask_id: int, k: int, generator: torch.Gener
     eta = torch.rand(B, generator=generator) if eta is None else eta  # (B,) noise level per sequence
     noise = torch.rand(B, L, generator=generator) < eta[:, None]  # (B, L) True = masked
     noise = noise.to(device)
+    if labels is not None:
+        if labels.shape != chunks.shape or labels.dtype != torch.bool:
+            raise UnmaskError(f"labels must be a bool tensor shaped like chunks {tuple(chunks.shape)}, got "
+                              f"{labels.dtype} {tuple(labels.shape)}; pass the mask made by pack_labelled")
+        labels = labels.to(device)
+        ar_labels = torch.where(labels[:, 1:], ar_labels, torch.full_like(ar_labels, IGNORE))  # (B, L)
+        noise = noise & labels[:, :-1]  # (B, L): a prompt token stays in the noisy copy
     noisy_ids = torch.where(noise, torch.full_like(input_ids, mask_id), input_ids)  # (B, L)
     complete = torch.arange(L, device=device) < (L // k) * k  # (L,) inside a complete block
     mat_labels = torch.where(noise & complete[None, :], input_ids, torch.full_like(input_ids, IGNORE))  # (B, L)
@@ -111,22 +129,8 @@ def sbd_loss(model, batch: dict, k: int, mask_id: int) -> tuple[torch.Tensor, di
         with no targets is 0).
     """
     L = batch["L"]
-    attn = sbd_attention_mask(model, L, k, batch["input_ids"].device)  # (1, 1, 2L, 2L)
-    B = batch["input_ids"].shape[0]
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                attention_mask=attn.expand(B, -1, -1, -1), use_cache=False)  # (B, 1, 2L, 2L) view
-    logits = out.logits.float()  # (B, 2L, V)
-    V = logits.shape[-1]
-    if not 0 <= mask_id < V:
-        raise UnmaskError(f"mask_token_id {mask_id} is outside the model vocabulary of {V}; pass a mask token id "
-                          "below the vocabulary size")
-    suppress = torch.zeros(V, dtype=torch.bool, device=logits.device)
-    suppress[mask_id] = True
-    logits = logits.masked_fill(suppress, float("-inf"))  # (B, 2L, V)
-    labels = batch["labels"]  # (B, 2L)
-    nll = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE,
-                          reduction="none").view(B, 2 * L)  # (B, 2L), 0 at ignored targets
-    valid = labels != IGNORE  # (B, 2L)
+    nll = sbd_nll(model, batch, k, mask_id)  # (B, 2L), 0 at ignored targets
+    valid = batch["labels"] != IGNORE  # (B, 2L)
     n_ntp = valid[:, :L].sum()
     n_mat = valid[:, L:].sum()
     loss = nll.sum() / (n_ntp + n_mat).clamp(min=1)
@@ -140,16 +144,87 @@ def sbd_loss(model, batch: dict, k: int, mask_id: int) -> tuple[torch.Tensor, di
     return loss, terms
 
 
+def sbd_nll(model, batch: dict, k: int, mask_id: int) -> torch.Tensor:
+    """Per-position NLL of the SBD layout (sbd.md §3.2–3.4) from one forward over 2L tokens.
+
+    Logits are formed only at target positions, a bounded number of rows at a time
+    (:func:`unmask.train.lm_loss.lm_nll`); the mask token's logit is −inf.
+
+    Args:
+        model: a causal LM whose vocabulary (``config.vocab_size``) contains ``mask_id``.
+        batch: :func:`sbd_batch` output; k: its block size.
+
+    Returns:
+        (B, 2L) float32, 0 at ignored targets; with grad when enabled.
+
+    Raises:
+        UnmaskError: ``mask_id`` outside the model vocabulary.
+    """
+    L = batch["L"]
+    V = model.config.vocab_size
+    if not 0 <= mask_id < V:
+        raise UnmaskError(f"mask_token_id {mask_id} is outside the model vocabulary of {V}; pass a mask token id "
+                          "below the vocabulary size")
+    attn = sbd_attention_mask(model, L, k, batch["input_ids"].device)  # (1, 1, 2L, 2L)
+    B = batch["input_ids"].shape[0]
+    return lm_nll(model, batch["input_ids"], position_ids=batch["position_ids"],
+                  attention_mask=attn.expand(B, -1, -1, -1), labels=batch["labels"], suppress=mask_id)  # (B, 2L)
+
+
+def offset_terms(nll: torch.Tensor, valid: torch.Tensor, k: int, offsets=OFFSETS) -> dict[str, torch.Tensor]:
+    """Mean masked CE at each block offset: ``{"d{j}": mean of nll where valid and i % k == j}``.
+
+    nll: (B, L) float NLL of the noisy half (unshifted: position i is scored on token i);
+    valid: (B, L) bool positions to average. An offset with no position gives 0.
+    """
+    offset = torch.arange(nll.shape[1], device=nll.device) % k  # (L,) position within its block
+    out = {}
+    for j in offsets:
+        where = valid & (offset == j)[None, :]  # (B, L)
+        out[f"d{j}"] = nll[where].sum() / where.sum().clamp(min=1)
+    return out
+
+
+@torch.no_grad()
+def offset_ce(model, chunks: torch.Tensor, labels: torch.Tensor | None, mask_id: int, k: int = 8,
+              offsets=OFFSETS) -> dict[str, float]:
+    """Draft-mode diagnostic (spec/sbd_exact.md §3): masked CE per block offset and the NTP CE.
+
+    Every block of size k of every row is all-mask (η = 1; prompt tokens stay, see the module
+    docstring); ``d{j}`` is the mean CE of the masked tokens at offset j of their block, whose
+    context is the clean prefix before the block; ``ntp`` is the model's ordinary next-token
+    CE on the same rows (the clean half). Works for SBD models and for gated adapters (one 2L
+    forward, which equals the adapter trainer's two passes).
+
+    Args:
+        chunks: (B, L+1) long held-out rows on the model's device; labels: (B, L+1) bool or None.
+        mask_id: the mask token; k: block size; offsets: block offsets to report (each < k).
+
+    Returns:
+        ``{"ntp": float, "d0": float, ...}`` in nats.
+    """
+    B = chunks.shape[0]
+    batch = sbd_batch(chunks, mask_id, k, torch.Generator().manual_seed(0), eta=torch.ones(B), labels=labels)
+    L = batch["L"]
+    nll = sbd_nll(model, batch, k, mask_id)  # (B, 2L)
+    valid = batch["labels"] != IGNORE  # (B, 2L)
+    terms = {"ntp": nll[:, :L][valid[:, :L]].sum() / valid[:, :L].sum().clamp(min=1),
+             **offset_terms(nll[:, L:], valid[:, L:], k, offsets)}
+    return {name: float(v) for name, v in terms.items()}
+
+
 @dataclass(frozen=True)
 class SBDObjective:
     """SBD fine-tuning objective for :func:`unmask.train.loop.train` (sbd.md §3).
 
     The loop calls :meth:`step_params` once per optimizer step (k ~ U{block_range}, shared by
-    every micro-batch of the step, sbd.md §3.1) and :meth:`loss` once per micro-batch.
+    every micro-batch of the step, sbd.md §3.1) and :meth:`loss` once per micro-batch; each
+    validation adds :meth:`diagnostics` (masked CE per block offset at ``eval_block_size``).
     """
 
     mask_token_id: int
     block_range: tuple[int, int] = (2, 16)
+    eval_block_size: int = 8
     name: str = "sbd"
     term_names: tuple[str, ...] = ("ntp", "mat")
 
@@ -159,15 +234,26 @@ class SBDObjective:
             raise UnmaskError(f"block_range must satisfy 1 <= low <= high, got {self.block_range}; pass e.g. (2, 8)")
         if self.mask_token_id < 0:
             raise UnmaskError(f"mask_token_id must be >= 0, got {self.mask_token_id}; pass the model's mask token id")
+        if self.eval_block_size < 1:
+            raise UnmaskError(f"eval_block_size must be >= 1, got {self.eval_block_size}; pass e.g. 8")
 
     def step_params(self, generator: torch.Generator) -> dict:
         """Per-step draws: ``{"k": k}``."""
         return {"k": sample_block_size(generator, *self.block_range)}
 
-    def loss(self, model, chunks: torch.Tensor, generator: torch.Generator, *, k: int) -> tuple[torch.Tensor, dict]:
-        """chunks (B, L+1) long on the model's device -> (loss, terms) of :func:`sbd_loss`."""
-        batch = sbd_batch(chunks, self.mask_token_id, k, generator)
+    def loss(self, model, chunks: torch.Tensor, generator: torch.Generator, *, k: int,
+             labels: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """chunks (B, L+1) long (labels (B, L+1) bool or None) on the model's device -> (loss,
+        terms) of :func:`sbd_loss`."""
+        batch = sbd_batch(chunks, self.mask_token_id, k, generator, labels=labels)
         return sbd_loss(model, batch, k, self.mask_token_id)
+
+    def diagnostics(self, model, chunks: torch.Tensor, labels: torch.Tensor | None) -> dict[str, float]:
+        """Validation extras: ``d0 d1 d2 d3 d7`` of :func:`offset_ce` at ``eval_block_size``
+        (its ``ntp`` is the ``ntp`` term already)."""
+        k = min(self.eval_block_size, chunks.shape[1] - 1)
+        terms = offset_ce(model, chunks, labels, self.mask_token_id, k, tuple(j for j in OFFSETS if j < k))
+        return {name: v for name, v in terms.items() if name != "ntp"}
 
 
 # ---------------------------------------------------------------------------------------------

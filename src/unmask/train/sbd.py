@@ -11,10 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from unmask.errors import UnmaskError
-from unmask.train.data import pack
 from unmask.train.loop import TrainResult
 from unmask.train.objectives import SBDObjective
-from unmask.train.wiring import (holds_output_locks, load_chunks, run_info, run_paths, train_and_publish,
+from unmask.train.wiring import (holds_output_locks, load_labelled_chunks, run_info, run_paths, train_and_publish,
                                  train_config)
 from unmask.train.wiring import UNMASK_CONFIG, default_run_dir  # noqa: F401  (public here before wiring.py)
 
@@ -42,8 +41,9 @@ def _load_base(base: str, dtype: str):
 @holds_output_locks
 def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | Path, run_dir: str | Path | None = None,
               seq_len: int = 256, block_range: tuple[int, int] = (2, 16), val_fraction: float = 0.05,
-              resume: bool = False, overwrite: bool = False, device: str = "cpu", dtype: str = "float32",
-              progress: bool = True, **config) -> TrainResult:
+              answer_only: bool | None = None, eval_block_size: int = 8, resume: bool = False,
+              overwrite: bool = False, device: str = "cpu", dtype: str = "float32", progress: bool = True,
+              **config) -> TrainResult:
     """Fine-tune ``base`` for SBD on ``data`` and publish the model at ``out``.
 
     Args:
@@ -55,6 +55,10 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
         run_dir: checkpoints and ``log.jsonl``; default ``OUT.run``.
         seq_len: L, tokens per training sequence (the model sees 2L per forward).
         block_range: k ~ U{low..high} per step (sbd.md §3.1).
+        answer_only: train only on tokens from each record's ``loss_start`` on (None: when the
+            corpus has ``loss_start``; True requires it; False trains every token).
+        eval_block_size: block size of the validation's masked CE per block offset (``d0`` ...).
+        dtype: ``float32`` or ``bfloat16``, the dtype the model is loaded and trained in.
         resume: continue from the newest checkpoint in ``run_dir`` (fresh start if none).
         overwrite: replace an existing ``out`` and discard ``run_dir``.
         progress: show a rich progress bar / progress lines.
@@ -78,12 +82,16 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
     if not 1 <= low <= high <= seq_len:
         raise UnmaskError(f"block range [{low}, {high}] must satisfy 1 <= low <= high <= --seq-len ({seq_len}); "
                           "pass a block_range inside it or raise --seq-len")
-    # (N, L+1), (M, L+1)
-    train_chunks, val_chunks = load_chunks(paths, bundle.tokenizer, vocab, pack, seq_len, need=seq_len + 1,
-                                           val_fraction=val_fraction, seed=cfg.seed, config=bundle.model.config)
-    info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective="sbd: NTP + masked (Eq. 14)")
+    if eval_block_size < 1:
+        raise UnmaskError(f"--block-size {eval_block_size} must be >= 1; pass e.g. 8")
+    rows = load_labelled_chunks(paths, bundle.tokenizer, vocab, seq_len, val_fraction=val_fraction, seed=cfg.seed,
+                                answer_only=answer_only, config=bundle.model.config)  # (N, L+1), (M, L+1) + labels
+    train_chunks, val_chunks = rows.train, rows.val
+    info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective="sbd: NTP + masked (Eq. 14)",
+                    answer_only=rows.answer_only, dtype=dtype)
     meta = {"kind": "sbd", "mask_token_id": mask_id, "train_block_range": [low, high], "version": SBD_FORMAT_VERSION,
             "stop_token_ids": list(bundle.stop_token_ids), "base": base}
-    objective = SBDObjective(mask_token_id=mask_id, block_range=(low, high))
+    objective = SBDObjective(mask_token_id=mask_id, block_range=(low, high), eval_block_size=eval_block_size)
     return train_and_publish(bundle, objective, train_chunks, val_chunks, cfg, run_dir, out, info=info, meta=meta,
-                             device=device, resume=resume, progress=progress, overwrite=overwrite)
+                             device=device, resume=resume, progress=progress, overwrite=overwrite,
+                             train_labels=rows.train_labels, val_labels=rows.val_labels)

@@ -12,7 +12,11 @@ blocks), with the noise level chosen per row:
 - the other rows: η ~ U(0,1) (partial masking), which keeps the EB decoder usable (sbd.md §5).
 
 Validation scores draft mode only, at a fixed block size (``eval_block_size``), and reports the
-masked CE per block offset (0, 1, 2, 3, 7) next to the base's NTP CE on the same rows.
+masked CE per block offset (0, 1, 2, 3, 7) next to the base's NTP CE on the same rows: the
+numbers of :func:`unmask.train.objectives.offset_ce` (same pure reduction, tested equal).
+
+With a corpus whose records carry ``loss_start`` (answer-only training, issue 18), prompt tokens
+are never targets; logits are formed only at target positions (unmask.train.lm_loss).
 
 The loop is the shared one (unmask.train.loop); checkpoints hold only the adapter
 (``adapter.safetensors`` + ``adapter.json``), and the result is published atomically as an
@@ -27,17 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from unmask import dist
 from unmask.decode import sbd_verify
 from unmask.errors import UnmaskError
-from unmask.train.data import pack
+from unmask.train.lm_loss import lm_nll
 from unmask.train.loop import TrainResult, train
-from unmask.train.objectives import IGNORE, sample_block_size, sbd_batch
-from unmask.train.wiring import holds_output_locks, load_chunks, run_info, run_paths, train_config
-
-OFFSETS = (0, 1, 2, 3, 7)
+from unmask.train.objectives import IGNORE, OFFSETS, offset_terms, sample_block_size, sbd_batch
+from unmask.train.wiring import holds_output_locks, load_labelled_chunks, run_info, run_paths, train_config
 
 
 @dataclass(frozen=True)
@@ -70,15 +71,16 @@ class AdapterObjective:
     def step_params(self, generator: torch.Generator) -> dict:
         return {"k": sample_block_size(generator, *self.block_range)}
 
-    def loss(self, model, chunks: torch.Tensor, generator: torch.Generator, *, k: int) -> tuple[torch.Tensor, dict]:
-        """chunks (B, L+1) long -> (masked CE with grad, terms)."""
+    def loss(self, model, chunks: torch.Tensor, generator: torch.Generator, *, k: int,
+             labels: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """chunks (B, L+1) long, labels (B, L+1) bool or None -> (masked CE with grad, terms)."""
         B = chunks.shape[0]
         if model.training:
             draft = torch.rand(B, generator=generator) < self.draft_fraction  # (B,) CPU
             eta = torch.where(draft, torch.ones(B), torch.rand(B, generator=generator))  # (B,)
         else:
             k, draft, eta = self.eval_block_size, torch.ones(B, dtype=torch.bool), torch.ones(B)
-        batch = sbd_batch(chunks, self.mask_token_id, k, generator, eta=eta)
+        batch = sbd_batch(chunks, self.mask_token_id, k, generator, eta=eta, labels=labels)
         return adapter_loss(model, batch, k, self.mask_token_id, draft.to(chunks.device), ntp=not model.training)
 
 
@@ -90,7 +92,8 @@ def adapter_loss(model, batch: dict, k: int, mask_id: int, draft: torch.Tensor, 
     of the §3.3 mask (L, 2L). This equals one forward over the 2L tokens (tested) but skips the
     backward through the clean half. batch: :func:`sbd_batch` output; draft: (B,) bool rows
     built with η = 1. The mask logit is −inf. With ``ntp`` the clean half's logits give the
-    base's NTP CE term. Returns (loss, terms) as :class:`AdapterObjective` describes.
+    base's NTP CE term. Logits are formed at target positions only (unmask.train.lm_loss).
+    Returns (loss, terms) as :class:`AdapterObjective` describes.
     """
     from unmask.compat import attention_mask, forward, new_cache
     from unmask.masks import as_4d, sbd_training_mask
@@ -99,34 +102,27 @@ def adapter_loss(model, batch: dict, k: int, mask_id: int, draft: torch.Tensor, 
     ids, pos = batch["input_ids"], batch["position_ids"]  # (B, 2L) each
     B, device = ids.shape[0], ids.device
     rule = sbd_training_mask(L, k, device=device)  # (2L, 2L) bool
+    clean_mask = attention_mask(model, as_4d(rule[:L, :L], B))  # (B, 1, L, L)
     cache = new_cache(model)
     with torch.no_grad():
-        clean_logits = forward(model, ids[:, :L], position_ids=pos[:, :L], cache=cache, logits_to_keep=0 if ntp else 1,
-                               attention_mask=attention_mask(model, as_4d(rule[:L, :L], B)))  # (B, L or 1, V)
-    logits = forward(model, ids[:, L:], position_ids=pos[:, L:], cache=cache, logits_to_keep=0,
-                     attention_mask=attention_mask(model, as_4d(rule[L:, :], B)))  # (B, L, V) unshifted
-    V = logits.shape[-1]
-    drop = torch.tensor([mask_id], device=device)
-    logits = logits.index_fill(-1, drop, float("-inf"))
-    labels = batch["labels"][:, L:]  # (B, L)
-    nll = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE,
-                          reduction="none").view(B, L)  # (B, L)
+        if ntp:
+            ntp_nll = lm_nll(model, ids[:, :L], position_ids=pos[:, :L], attention_mask=clean_mask, cache=cache,
+                             labels=batch["labels"][:, :L], suppress=mask_id)  # (B, L)
+        else:  # the clean half only fills the cache
+            forward(model, ids[:, :L], position_ids=pos[:, :L], cache=cache, logits_to_keep=1,
+                    attention_mask=clean_mask)
+    labels = batch["labels"][:, L:]  # (B, L) unshifted targets
+    nll = lm_nll(model, ids[:, L:], position_ids=pos[:, L:], cache=cache, labels=labels, suppress=mask_id,
+                 attention_mask=attention_mask(model, as_4d(rule[L:, :], B)))  # (B, L)
     valid = labels != IGNORE  # (B, L)
     loss = nll.sum() / valid.sum().clamp(min=1)
     with torch.no_grad():
-        def mean(where: torch.Tensor) -> torch.Tensor:
-            return nll[where].sum() / where.sum().clamp(min=1)
-
         dvalid = valid & draft[:, None]  # (B, L)
-        offset = torch.arange(L, device=device) % k  # (L,) position within its block
-        terms = {"mat": loss.detach(), "draft": mean(dvalid)}
-        for j in OFFSETS:
-            terms[f"d{j}"] = mean(dvalid & (offset == j)[None, :])
-        terms["ntp"] = torch.zeros(())
+        terms = {"mat": loss.detach(), "draft": nll[dvalid].sum() / dvalid.sum().clamp(min=1),
+                 **offset_terms(nll, dvalid, k, OFFSETS), "ntp": torch.zeros(())}
         if ntp:
-            clean_logits = clean_logits.index_fill(-1, drop, float("-inf"))
-            terms["ntp"] = F.cross_entropy(clean_logits.reshape(-1, V), batch["labels"][:, :L].reshape(-1),
-                                           ignore_index=IGNORE)
+            seen = batch["labels"][:, :L] != IGNORE  # (B, L)
+            terms["ntp"] = ntp_nll.sum() / seen.sum().clamp(min=1)
     return loss, terms
 
 
@@ -149,8 +145,9 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
                       run_dir: str | Path | None = None, rank: int | None = 16, full_rank: bool = False,
                       targets: Sequence[str] | None = None, seq_len: int = 256, block_range: tuple[int, int] = (2, 16),
                       draft_fraction: float = 0.5, block_size: int = 8, decode_defaults: dict | None = None,
-                      val_fraction: float = 0.05, resume: bool = False, overwrite: bool = False, device: str = "cpu",
-                      dtype: str = "float32", progress: bool = True, **config) -> TrainResult:
+                      val_fraction: float = 0.05, answer_only: bool | None = None, resume: bool = False,
+                      overwrite: bool = False, device: str = "cpu", dtype: str = "float32", progress: bool = True,
+                      **config) -> TrainResult:
     """Train a gated SBD adapter for the frozen ``base`` on ``data`` and publish it at ``out``.
 
     Args:
@@ -167,6 +164,9 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
         decode_defaults: recorded in adapter.json (default lossless SBD at ``block_size``:
             ``{"verify": True, "verify_block_size": block_size, "draft": "linear"}``, the draft
             layout measured fastest).
+        answer_only: train only on tokens from each record's ``loss_start`` on (None: when the
+            corpus has ``loss_start``; True requires it; False trains every token).
+        dtype: ``float32`` or ``bfloat16``, the dtype the base (and the adapter) are loaded in.
         **config: :class:`~unmask.train.loop.TrainConfig` fields (lr, steps, max_minutes, ...).
 
     Returns:
@@ -199,12 +199,13 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
                        targets=tuple(targets or DEFAULT_TARGETS))
     base_sha = weights_hash(bundle.path)
     adapter = attach(bundle.model, spec, seed=cfg.seed)
-    train_chunks, val_chunks = load_chunks(paths, bundle.tokenizer, vocab, pack, seq_len, need=seq_len + 1,
-                                           val_fraction=val_fraction, seed=cfg.seed)  # (N, L+1), (M, L+1)
+    rows = load_labelled_chunks(paths, bundle.tokenizer, vocab, seq_len, val_fraction=val_fraction, seed=cfg.seed,
+                                answer_only=answer_only)  # (N, L+1), (M, L+1) and their label masks
+    train_chunks, val_chunks = rows.train, rows.val
     objective = AdapterObjective(mask_token_id=spec.mask_token_id, block_range=(low, high),
                                  draft_fraction=draft_fraction, eval_block_size=block_size)
     info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective="sbd-adapter: masked term of Eq. 14, "
-                    f"draft rows {draft_fraction:g}, k ~ U{{{low}..{high}}}")
+                    f"draft rows {draft_fraction:g}, k ~ U{{{low}..{high}}}", answer_only=rows.answer_only, dtype=dtype)
     defaults = dict(decode_defaults) if decode_defaults is not None else \
         {"verify": True, "verify_block_size": block_size, "draft": sbd_verify.DEFAULT_DRAFT}
 
@@ -225,7 +226,8 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
 
         console = Console(stderr=True)
     result = train(bundle.model, objective, train_chunks, val_chunks, cfg, run_dir, device=device, resume=resume,
-                   save_extras=save_extras, console=console, meta=info)
+                   save_extras=save_extras, console=console, meta=info, train_labels=rows.train_labels,
+                   val_labels=rows.val_labels)
     if result.stopped == "interrupted" or not dist.is_main():  # under torchrun rank 0 publishes
         return result
     tmp = staging_dir(out)

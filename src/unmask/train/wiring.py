@@ -15,7 +15,7 @@ import functools
 import hashlib
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from unmask.dist import env_rank
 from unmask.errors import UnmaskError
 from unmask.fileio import (atomic_write_json, check_parents, output_lock, probe_writable, publish_dir,
                            staging_dir, write_errors)
-from unmask.train.data import check_data_files, load_corpus, separator_id
+from unmask.train.data import check_data_files, load_corpus, load_records, pack_labelled, separator_id
 from unmask.train.loop import TrainConfig, TrainResult, checkpoints, save_model, train
 
 UNMASK_CONFIG = "unmask_config.json"
@@ -146,6 +146,54 @@ def load_chunks(paths: Sequence[Path], tokenizer, vocab: int, pack_rows: Callabl
     return train_chunks, val_chunks
 
 
+@dataclass(frozen=True)
+class LabelledChunks:
+    """Packed rows with their answer-only label masks (:func:`load_labelled_chunks`).
+
+    train (N, L+1) long; val (M, L+1) long or None; train_labels / val_labels: (N, L+1) /
+    (M, L+1) bool, True where the token is a loss target, or None when every token is trained
+    (answer-only off). answer_only: whether the labels are in use.
+    """
+
+    train: torch.Tensor
+    val: torch.Tensor | None
+    train_labels: torch.Tensor | None
+    val_labels: torch.Tensor | None
+    answer_only: bool
+
+
+def load_labelled_chunks(paths: Sequence[Path], tokenizer, vocab: int, seq_len: int, *, val_fraction: float,
+                         seed: int, answer_only: bool | None = None, config=None) -> LabelledChunks:
+    """Read, split and pack the corpus as :func:`load_chunks` with ``data.pack`` rows (L+1 tokens),
+    keeping each record's ``loss_start`` as label masks (answer-only training, issue 18).
+
+    answer_only: None = on when any record carries ``loss_start``; True = required (an error
+    when no record has one); False = off (labels None: every token trained, as before).
+
+    Raises:
+        UnmaskError: the training split is too short for one row; ``answer_only=True`` on a corpus
+            without ``loss_start``.
+    """
+    train_recs, val_recs = load_records(paths, tokenizer, vocab_size=vocab, val_fraction=val_fraction, seed=seed)
+    has = any(r.get("loss_start") is not None for r in train_recs + val_recs)
+    if answer_only and not has:
+        raise UnmaskError("--answer-only needs records with 'loss_start' (the prompt length), and no record of the "
+                          "data has one; pass --no-answer-only or a distilled corpus")
+    use = has if answer_only is None else answer_only
+    sep = separator_id(tokenizer if tokenizer is not None or config is None else config)
+
+    def packed(recs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        return pack_labelled([r["ids"] for r in recs], [r.get("loss_start") for r in recs], seq_len, sep)
+
+    train, train_labels = packed(train_recs)  # (N, L+1) each
+    if len(train) == 0:
+        n = sum(len(r["ids"]) + 1 for r in train_recs)
+        raise UnmaskError(f"the training data holds {n} tokens, fewer than one sequence of {seq_len + 1}; "
+                          "lower --seq-len or add data")
+    val, val_labels = packed(val_recs) if val_recs else (None, None)  # (M, L+1) each
+    return LabelledChunks(train, val, train_labels if use else None, val_labels if use else None, use)
+
+
 def set_decode_defaults(model_dir: str | Path, **defaults) -> dict:
     """Record the decoding defaults of a trained model (``decode_defaults`` in its
     ``unmask_config.json``, e.g. ``block_size=8, gamma=0.35`` for SBD, plus ``verify=True,
@@ -197,7 +245,8 @@ def run_info(seq_len: int, paths: Sequence[Path], train_chunks: torch.Tensor, va
 
 def train_and_publish(bundle, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor | None,
                       cfg: TrainConfig, run_dir: Path, out: Path, *, info: dict, meta: dict, device: str,
-                      resume: bool, progress: bool, overwrite: bool = False) -> TrainResult:
+                      resume: bool, progress: bool, overwrite: bool = False, train_labels: torch.Tensor | None = None,
+                      val_labels: torch.Tensor | None = None) -> TrainResult:
     """Run the loop on ``bundle.model`` and publish ``out`` atomically when it ends.
 
     Every checkpoint and the published directory hold the tokenizer and ``unmask_config.json``
@@ -205,7 +254,8 @@ def train_and_publish(bundle, objective, train_chunks: torch.Tensor, val_chunks:
     ``out`` is not written when the run is interrupted; the returned TrainResult then has
     ``out`` None. A failure while publishing removes the staging directory and leaves ``out``
     as it was. With ``overwrite`` the earlier ``run_dir`` is deleted here, after the caller has
-    validated the base, the data and the options.
+    validated the base, the data and the options. ``train_labels`` / ``val_labels``: the chunks'
+    answer-only label masks, passed on to the loop.
 
     Raises:
         UnmaskError: as :func:`unmask.train.loop.train`, or ``out`` cannot be written.
@@ -227,7 +277,8 @@ def train_and_publish(bundle, objective, train_chunks: torch.Tensor, val_chunks:
     if overwrite and not resume and run_dir.exists() and env_rank() == 0:  # --overwrite, now that the inputs were accepted (rank 0 alone under torchrun)
         shutil.rmtree(run_dir)
     result = train(bundle.model, objective, train_chunks, val_chunks, cfg, run_dir, device=device, resume=resume,
-                   save_extras=save_extras, console=console, meta=info)
+                   save_extras=save_extras, console=console, meta=info, train_labels=train_labels,
+                   val_labels=val_labels)
     if result.stopped == "interrupted":
         return result
     from unmask import dist
