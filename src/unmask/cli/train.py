@@ -43,6 +43,17 @@ DlmModel = Annotated[str, typer.Option("--model", help="masked-diffusion model (
 PromptData = Annotated[list[Path], typer.Option(
     "--data", help="corpus (.txt or .jsonl) whose document openings become prompts (repeatable)")]
 NoProgress = Annotated[bool, typer.Option("--no-progress", help="no progress display (it shows only on a terminal)")]
+# Options of the SBD trainers (sbd, sbd-adapter).
+Threads = Annotated[str, typer.Option("--threads", metavar="N|auto",
+                                      help="CPU threads for torch (this command's alias of 'unmask --threads')")]
+TrainDtype = Annotated[str, typer.Option("--dtype", help="float32 or bfloat16: dtype the model is trained in")]
+BlockRange = Annotated[str, typer.Option("--block-range", metavar="LOW:HIGH",
+                                         help="training block sizes k ~ U{LOW..HIGH} (alias of --min-block/--max-block)")]
+LogEvery = Annotated[int, typer.Option("--log-every", help="a log.jsonl line every N steps (0 = only at the end)")]
+KeepCheckpoints = Annotated[int, typer.Option("--keep-checkpoints", help="keep the newest N checkpoints in the run dir")]
+AnswerOnly = Annotated[bool, typer.Option("--answer-only/--no-answer-only",
+                                          help="loss on answer tokens only (records' loss_start); default: on when "
+                                               "the corpus has loss_start", show_default=False)]
 
 
 @contextmanager
@@ -86,10 +97,34 @@ def _finish(result, terms=("loss", "mat", "acc")) -> None:
 
 
 def _loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every, max_minutes,
-                  seed, fsdp: bool = False) -> dict:
+                  seed, fsdp: bool = False, **more) -> dict:
     return dict(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, grad_accum=grad_accum,
                 weight_decay=weight_decay, clip=clip, ckpt_every=ckpt_every, eval_every=eval_every,
-                max_minutes=max_minutes, seed=seed, fsdp=fsdp)
+                max_minutes=max_minutes, seed=seed, fsdp=fsdp, **more)
+
+
+def _sbd_options(threads: str | None, dtype: str, block_range: str | None, min_block: int | None = None,
+                 max_block: int | None = None) -> tuple[int, int]:
+    """Apply ``--threads``, check ``--dtype`` and resolve the training block range from
+    ``--block-range LOW:HIGH`` or ``--min-block``/``--max-block`` (default 2:16). Raises UnmaskError."""
+    if threads is not None:
+        from unmask.threads import set_threads
+
+        set_threads(threads)
+    if dtype not in ("float32", "bfloat16"):
+        raise UnmaskError(f"--dtype must be float32 or bfloat16, got {dtype!r}; pass --dtype float32 or bfloat16")
+    if block_range is None:
+        return (2 if min_block is None else min_block, 16 if max_block is None else max_block)
+    if min_block is not None or max_block is not None:
+        raise UnmaskError("--block-range and --min-block/--max-block both set the block range; pass only one of them")
+    low, sep, high = block_range.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(low), int(high)
+    except ValueError:
+        raise UnmaskError(f"--block-range must be LOW:HIGH with two integers, got {block_range!r}; pass e.g. "
+                          "--block-range 2:16") from None
 
 
 @train_app.command("sbd")
@@ -100,17 +135,23 @@ def train_sbd_cmd(
     lr: Lr = 3e-4, warmup: Warmup = 100, grad_accum: GradAccum = 1, weight_decay: WeightDecay = 0.0, clip: Clip = 1.0,
     ckpt_every: CkptEvery = 500, eval_every: EvalEvery = 500, max_minutes: MaxMinutes = None, seed: Seed = 0,
     resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", fsdp: Fsdp = False,
-    no_progress: NoProgress = False,
+    no_progress: NoProgress = False, block_range: BlockRange = None,
+    block_size: int = typer.Option(8, "--block-size", help="block size of the validation's masked CE per offset"),
+    answer_only: AnswerOnly = None, dtype: TrainDtype = "float32", log_every: LogEvery = 10,
+    keep_checkpoints: KeepCheckpoints = 1, threads: Threads = None,
 ) -> None:
     """Fine-tune a causal LM for Set Block Decoding (joint NTP + masked loss, SBD Eq. 14)."""
     from unmask.train.sbd import train_sbd
 
     _start(data, out)
+    low_high = _sbd_options(threads, dtype, block_range)
     _finish(train_sbd(
-        base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, resume=resume, overwrite=overwrite,
-        device=device, progress=not no_progress,
+        base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, block_range=low_high,
+        eval_block_size=block_size, answer_only=answer_only, resume=resume, overwrite=overwrite, device=device,
+        dtype=dtype, progress=not no_progress,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every,
-                        eval_every, max_minutes, seed, fsdp)), terms=("loss", "ntp", "mat"))
+                        eval_every, max_minutes, seed, fsdp, log_every=log_every, keep_checkpoints=keep_checkpoints)),
+        terms=("loss", "ntp", "mat", "d0", "d1", "d7"))
 
 
 @train_app.command("sbd-adapter")
@@ -125,27 +166,32 @@ def train_sbd_adapter_cmd(
     steps: Steps = 1000, batch_size: BatchSize = 8,
     seq_len: int = typer.Option(256, "--seq-len", help="tokens per sequence L (a forward sees 2L)"),
     block_size: int = typer.Option(8, "--block-size", help="validation block size, recorded in decode_defaults"),
-    min_block: int = typer.Option(2, "--min-block", help="smallest training block size k"),
-    max_block: int = typer.Option(16, "--max-block", help="largest training block size k"),
+    min_block: int = typer.Option(None, "--min-block", help="smallest training block size k (default 2)"),
+    max_block: int = typer.Option(None, "--max-block", help="largest training block size k (default 16)"),
+    block_range: BlockRange = None,
     draft_fraction: float = typer.Option(0.5, "--draft-fraction", help="share of rows with all-mask blocks (η = 1)"),
     lr: Lr = 1e-3, warmup: Warmup = 100, grad_accum: GradAccum = 1, weight_decay: WeightDecay = 0.0, clip: Clip = 1.0,
     ckpt_every: CkptEvery = 500, eval_every: EvalEvery = 500,
     max_minutes: MaxMinutes = None,
     seed: Seed = 0, resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", fsdp: Fsdp = False,
-    no_progress: NoProgress = False,
+    no_progress: NoProgress = False, answer_only: AnswerOnly = None, dtype: TrainDtype = "float32",
+    log_every: LogEvery = 10, keep_checkpoints: KeepCheckpoints = 1, threads: Threads = None,
 ) -> None:
     """Train a gated SBD adapter on a frozen causal LM (masked term of Eq. 14; spec sbd_exact.md §3).
-    CPU threads: the global ``unmask --threads N``."""
+    CPU threads: ``--threads N`` here or the global ``unmask --threads N``."""
     from unmask.train.sbd_adapter import train_sbd_adapter
 
     _start(data, out)
+    low_high = _sbd_options(threads, dtype, block_range, min_block, max_block)
     names = [t.strip() for t in targets.split(",") if t.strip()] if targets is not None else None
     _finish(train_sbd_adapter(
         base=base, data=data, out=out, run_dir=run_dir, rank=rank, full_rank=full_rank, targets=names,
-        seq_len=seq_len, block_range=(min_block, max_block), draft_fraction=draft_fraction, block_size=block_size,
-        resume=resume, overwrite=overwrite, device=device, progress=not no_progress,
+        seq_len=seq_len, block_range=low_high, draft_fraction=draft_fraction, block_size=block_size,
+        answer_only=answer_only, resume=resume, overwrite=overwrite, device=device, dtype=dtype,
+        progress=not no_progress,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
-                        max_minutes, seed, fsdp)), terms=("loss", "draft", "ntp", "d0", "d1", "d7"))
+                        max_minutes, seed, fsdp, log_every=log_every, keep_checkpoints=keep_checkpoints)),
+        terms=("loss", "draft", "ntp", "d0", "d1", "d7"))
 
 
 @data_app.command("stories")
