@@ -246,3 +246,13 @@ def atomic_savefig(fig, path: str | os.PathLike, **kwargs) -> Path:
 
 def atomic_write_json(path: str | os.PathLike, obj, what: str = "file") -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", what)
+
+
+def user_cache_dir() -> Path:
+    """Where unmask keeps what it builds once per user (models converted on first use):
+    ``$UNMASK_CACHE_DIR``, else ``$XDG_CACHE_HOME/unmask``, else ``~/.cache/unmask``."""
+    if os.environ.get("UNMASK_CACHE_DIR"):
+        return Path(os.environ["UNMASK_CACHE_DIR"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "unmask"
+    return Path.home() / ".cache" / "unmask"

