@@ -36,38 +36,74 @@ class Generation:
         return out
 
 
-def encode_prompts(bundle: ModelBundle, prompts: list[str], max_new_tokens: int,
-                   gen_length: int | None = None) -> list[list[int]]:
-    """Tokenise and validate prompts against the context window: prompt + new tokens must fit,
-    where the new tokens are ``gen_length`` when a diffusion canvas length is given, else
-    ``max_new_tokens``. Raises UnmaskError."""
+def prepare_prompts(bundle: ModelBundle, prompts: list, *, chat: bool = False,
+                    system: str | None = None) -> tuple[list[str], list[list[int]]]:
+    """Validate prompts and turn them into (prompt texts, prompt ids) as the model is fed them.
+
+    A prompt is text, or a conversation (a list of ``{"role", "content"}`` messages); a
+    conversation, and with ``chat=True`` every text prompt as a user turn, goes through the chat
+    template (:mod:`unmask.prompts`: the tokenizer's, else the plain one), with ``system`` as a
+    first system turn. Raises UnmaskError."""
+    from unmask import prompts as P
+
     if not prompts:
         raise UnmaskError("no prompt given; pass PROMPT or --prompts-file FILE")
+    if system is not None and not isinstance(system, str):
+        raise UnmaskError(f"system must be text (got {type(system).__name__}); pass e.g. system=\"Be brief.\"")
+    if system is not None and not chat and all(isinstance(p, str) for p in prompts):
+        raise UnmaskError("system applies to chat prompts; pass chat=True (--chat) or conversations")
+    texts, encoded = [], []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise UnmaskError(f"prompt {i + 1} is empty; give some text to continue")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate, e.g. from bytes decoded with errors="surrogateescape"
+                raise UnmaskError(f"prompt {i + 1} is not valid Unicode ({e.reason} at character {e.start}); "
+                                  "pass text that encodes as UTF-8") from None
+        elif not isinstance(prompt, list):
+            raise UnmaskError(f"prompt {i + 1} is not text (got {type(prompt).__name__}); pass prompts as str, "
+                              "or a conversation as a list of {role, content} messages")
+        if isinstance(prompt, str) and not chat:
+            texts.append(prompt)
+            encoded.append(bundle.encode(prompt))
+            continue
+        if bundle.tokenizer is None:
+            bundle.encode("")  # raises the no-tokenizer error
+        text, ids = P.render(bundle, P.conversation(prompt, system, where=f"prompt {i + 1}"))
+        texts.append(text)
+        encoded.append(ids)
+    return texts, encoded
+
+
+def check_fit(bundle: ModelBundle, ids: list[list[int]], max_new_tokens: int, gen_length: int | None = None) -> None:
+    """Prompt + new tokens must fit the context window, where the new tokens are ``gen_length``
+    when a diffusion canvas length is given, else ``max_new_tokens``. Raises UnmaskError."""
     ctx = bundle.context_length
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise UnmaskError(f"max_new_tokens must be an integer > 0 (got {max_new_tokens!r}); pass e.g. 64")
     if max_new_tokens >= ctx:
         raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds the context window of {ctx} tokens; lower --max-new-tokens")
-    encoded = []
-    for i, text in enumerate(prompts):
-        if not isinstance(text, str):
-            raise UnmaskError(f"prompt {i + 1} is not text (got {type(text).__name__}); pass prompts as str")
-        if not text.strip():
-            raise UnmaskError(f"prompt {i + 1} is empty; give some text to continue")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate, e.g. from bytes decoded with errors="surrogateescape"
-            raise UnmaskError(f"prompt {i + 1} is not valid Unicode ({e.reason} at character {e.start}); "
-                              "pass text that encodes as UTF-8") from None
-        ids = bundle.encode(text)
-        if gen_length is not None and isinstance(gen_length, int) and len(ids) + gen_length > ctx:
-            raise UnmaskError(f"prompt {i + 1} is {len(ids)} tokens; with --gen-length {gen_length} it exceeds the "
+    for i, p in enumerate(ids):
+        if gen_length is not None and isinstance(gen_length, int) and len(p) + gen_length > ctx:
+            raise UnmaskError(f"prompt {i + 1} is {len(p)} tokens; with --gen-length {gen_length} it exceeds the "
                               f"context window of {ctx}; shorten the prompt or lower --gen-length")
-        if gen_length is None and len(ids) + max_new_tokens > ctx:
-            raise UnmaskError(f"prompt {i + 1} is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it exceeds the "
+        if gen_length is None and len(p) + max_new_tokens > ctx:
+            raise UnmaskError(f"prompt {i + 1} is {len(p)} tokens; with --max-new-tokens {max_new_tokens} it exceeds the "
                               f"context window of {ctx}; shorten the prompt or lower --max-new-tokens")
-        encoded.append(ids)
-    return encoded
+
+
+def encode_prompts(bundle: ModelBundle, prompts: list, max_new_tokens: int, gen_length: int | None = None, *,
+                   chat: bool = False, system: str | None = None) -> list[list[int]]:
+    """Tokenise prompts (:func:`prepare_prompts`) and validate them against the context window
+    (:func:`check_fit`). Raises UnmaskError."""
+    if not prompts:
+        raise UnmaskError("no prompt given; pass PROMPT or --prompts-file FILE")
+    check_fit(bundle, [], max_new_tokens, gen_length)  # the budget first, before any tokenizing
+    ids = prepare_prompts(bundle, prompts, chat=chat, system=system)[1]
+    check_fit(bundle, ids, max_new_tokens, gen_length)
+    return ids
 
 
 def check_options(decode, name: str, options: dict) -> None:
@@ -81,11 +117,33 @@ def check_options(decode, name: str, options: dict) -> None:
         raise UnmaskError(f"{flags} does not apply to decoder {name!r}; drop it or choose a decoder that takes it")
 
 
-def generate(prompts: str | list[str], model: str | ModelBundle | None = None, decoder: str | None = None, *,
-             max_new_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             seed: int | None = 0, stop: list[str] | None = None, device: str = "cpu", dtype: str = "float32",
+def as_prompt_list(prompts) -> list:
+    """``prompts`` as a list of prompts: one text, one conversation (a list of message dicts), or
+    a list of texts and conversations. Raises UnmaskError for anything else."""
+    if isinstance(prompts, (bytes, bytearray, dict)) or not isinstance(prompts, (str, Iterable)):
+        raise UnmaskError(f"prompts must be a str or a list of str (got {type(prompts).__name__}); "
+                          "pass e.g. [\"Once upon a time\"]")
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, dict) for p in prompts):  # one conversation
+        return [prompts]
+    return [list(p) if isinstance(p, tuple) else p for p in prompts]
+
+
+def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: str | ModelBundle | None = None,
+             decoder: str | None = None, *, max_new_tokens: int | None = None, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, stop: list[str] | None = None,
+             chat: bool = False, system: str | None = None, device: str = "cpu", dtype: str = "float32",
              **options) -> Generation:
     """Generate continuations of ``prompts`` with any decoder.
+
+    prompts: a text, a list of texts, a conversation (a list of ``{"role", "content"}`` messages)
+    or a list mixing texts and conversations. Conversations, and with ``chat=True`` every text as
+    a user turn, are rendered with the tokenizer's chat template (``add_generation_prompt``), or
+    the plain template for a model without one (:mod:`unmask.prompts`); ``system`` adds a system
+    turn to conversations that have none. ``Generation.prompts`` then holds the rendered prompt
+    text and ``prompt_tokens`` its exact ids (the template's own BOS, never a second one).
 
     model: a ModelBundle, a shipped name or a local directory (default: the default shipped
     model). decoder: ``ar``, ``sbd``, ... (default: the natural decoder of the model's kind).
@@ -97,15 +155,14 @@ def generate(prompts: str | list[str], model: str | ModelBundle | None = None, d
     if not (model is None or isinstance(model, (str, os.PathLike, ModelBundle))):
         raise UnmaskError(f"model must be a shipped name, a directory path or a ModelBundle (got {type(model).__name__}); "
                           "pass e.g. model=\"stories260K\"")
-    if isinstance(prompts, (bytes, bytearray, dict)) or not isinstance(prompts, (str, Iterable)):
-        raise UnmaskError(f"prompts must be a str or a list of str (got {type(prompts).__name__}); "
-                          "pass e.g. [\"Once upon a time\"]")
+    prompts = as_prompt_list(prompts)
+    if not isinstance(chat, bool):
+        raise UnmaskError(f"chat must be True or False (got {chat!r}); pass chat=True")
     stop = [stop] if isinstance(stop, str) else list(stop or ())
     for s in stop:
         if not isinstance(s, str) or not s:
             raise UnmaskError(f"stop strings must be non-empty text (got {s!r}); drop it or give the text to stop at")
     bundle = model if isinstance(model, ModelBundle) else load(model, device=device, dtype=dtype)
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     decoder = decoder or default_decoder(bundle.kind)
     decode = get_decoder(decoder, bundle.kind)
     if "compile" in options and not isinstance(options["compile"], bool):
@@ -117,7 +174,11 @@ def generate(prompts: str | list[str], model: str | ModelBundle | None = None, d
     if max_new_tokens is None:
         gen_length = options.get("gen_length")
         max_new_tokens = gen_length if isinstance(gen_length, int) and not isinstance(gen_length, bool) else 128
-    ids = encode_prompts(bundle, prompts, max_new_tokens, options.get("gen_length"))
+    if not prompts:
+        raise UnmaskError("no prompt given; pass PROMPT or --prompts-file FILE")
+    check_fit(bundle, [], max_new_tokens, options.get("gen_length"))
+    prompts, ids = prepare_prompts(bundle, prompts, chat=chat, system=system)
+    check_fit(bundle, ids, max_new_tokens, options.get("gen_length"))
     check_finite_weights(bundle)
     out = decode(bundle, ids, max_new_tokens=max_new_tokens, sampling=sampling,
                  stop_token_ids=bundle.stop_token_ids, stop_strings=tuple(stop or ()), **options)
@@ -149,7 +210,7 @@ def generate_sharded(prompts: str | list[str], model: str | ModelBundle | None =
     """
     from unmask import dist
 
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    prompts = as_prompt_list(prompts)
     if not dist.active() or (isinstance(model, ModelBundle) and model.meta.get("tp")):
         return generate(prompts, model, decoder, **kwargs)  # one process, or tensor-parallel: all ranks alike
     n, w, r = len(prompts), dist.world(), dist.rank()

@@ -12,9 +12,13 @@ from unmask.errors import UnmaskError
 from unmask.fileio import check_output_file
 
 
-def read_prompts(prompts: list[str], prompts_file: Path | None) -> list[str]:
-    """Prompts from arguments and/or a file (one prompt per line, UTF-8). Raises UnmaskError."""
-    out = []
+def read_prompts(prompts: list[str], prompts_file: Path | None) -> list:
+    """Prompts from arguments and/or a file: ``.txt`` one prompt per line, ``.jsonl``
+    ``{"prompt": ...}`` or ``{"messages": [...]}`` rows (:func:`unmask.prompts.read_prompts_file`).
+    Raises UnmaskError."""
+    from unmask.prompts import read_prompts_file
+
+    out: list = []
     for p in prompts:
         try:
             p.encode("utf-8")
@@ -22,16 +26,7 @@ def read_prompts(prompts: list[str], prompts_file: Path | None) -> list[str]:
             raise UnmaskError("a prompt argument is not valid UTF-8; pass UTF-8 text") from None
         out.append(p)
     if prompts_file is not None:
-        try:
-            text = Path(prompts_file).read_bytes().decode("utf-8")
-        except OSError as e:
-            raise UnmaskError(f"cannot read prompts file {prompts_file}: {e.strerror or e}; "
-                              "pass a readable text file, one prompt per line") from None
-        except UnicodeDecodeError:
-            raise UnmaskError(f"prompts file {prompts_file} is not valid UTF-8; convert it to UTF-8") from None
-        out.extend(line for line in text.splitlines() if line.strip())
-        if not out:
-            raise UnmaskError(f"prompts file {prompts_file} holds no prompt; put one prompt per line")
+        out.extend(read_prompts_file(prompts_file))
     if not out:
         raise UnmaskError("no prompt given; pass PROMPT or --prompts-file FILE")
     return out
@@ -40,7 +35,11 @@ def read_prompts(prompts: list[str], prompts_file: Path | None) -> list[str]:
 @app.command("generate")
 def generate_cmd(
     prompts: list[str] = typer.Argument(None, help="prompt text(s) to continue"),
-    prompts_file: Path = typer.Option(None, "--prompts-file", help="file with one prompt per line"),
+    prompts_file: Path = typer.Option(None, "--prompts-file", help="prompts: .txt one per line, or .jsonl rows "
+                                      '{"prompt": ...} or {"messages": [...]} (messages rows use the chat template)'),
+    chat: bool = typer.Option(False, "--chat", help="apply the chat template: each prompt becomes a user turn "
+                              "(a model without a template gets the plain 'User: ...\\nAssistant:' one)"),
+    system: str = typer.Option(None, "--system", help="with --chat or messages rows: a system turn put first"),
     model: str = typer.Option(None, "--model", "-m", help="shipped model name or local HF directory (default: the default shipped model)"),
     kind: str = typer.Option(None, "--kind", help="model kind for a local directory: causal, sbd, masked-diffusion, block-diffusion"),
     adapter: str = typer.Option(None, "--adapter", help="gated SBD adapter: a name the model ships (e.g. sbd) or a directory"),
@@ -101,6 +100,8 @@ def generate_cmd(
     from unmask.models import load
 
     texts = read_prompts(prompts or [], prompts_file)
+    if system is not None and not chat and all(isinstance(t, str) for t in texts):
+        raise UnmaskError("--system applies to chat prompts; add --chat (or give messages rows in a .jsonl --prompts-file)")
     options = {"policy": policy, "gamma": gamma, "preset": preset, "tau": tau, "factor": factor,
                "factor_compat": factor_compat,
                "tokens_per_step": tokens_per_step, "eta": eta, "block_size": block_size, "gen_length": gen_length,
@@ -125,14 +126,16 @@ def generate_cmd(
 
         from rich.console import Console
 
+        from unmask.api import prepare_prompts
         from unmask.decode import default_decoder, get_decoder
         from unmask.trace import attach_trace
 
         name = decoder or default_decoder(bundle.kind)
         if "on_step" not in inspect.signature(get_decoder(name, bundle.kind)).parameters:
             raise UnmaskError(f"--show/--trace are not available for decoder {name!r}; use --decoder diffusion or sbd")
+        shown = prepare_prompts(bundle, texts, chat=chat, system=system)[0]  # the rendered chat prompts
         # With --json the live view goes to stderr so that stdout stays one JSON object per line.
-        extra = attach_trace(show=show, trace_file=trace, bundle=bundle, prompts=texts,
+        extra = attach_trace(show=show, trace_file=trace, bundle=bundle, prompts=shown,
                              console=Console(stderr=True) if as_json else None)
         tracer = extra["on_step"]
         options.update(extra)
@@ -141,7 +144,8 @@ def generate_cmd(
     try:
         with spinner:
             result = generate_sharded(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, **options)
+                                      top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, chat=chat,
+                                      system=system, **options)
     except BaseException:
         if tracer is not None:
             tracer.close(write=False)

@@ -7,12 +7,8 @@ the ``unmask generate`` command's options. Each error becomes an :class:`ApiErro
 with the offending field in ``param``. The decoder's own checks of its option values (block
 size, γ, τ, ...) run when the batch starts and are answered with 400 too.
 
-The plain chat template, used when the tokenizer has none::
-
-    {system message}\\n\\n            (only when there is one)
-    User: {content}\\n                 (one line per message, role capitalised)
-    Assistant: {content}\\n
-    Assistant:                        (the model continues from here)
+Chat messages become prompt ids as everywhere in unmask (:mod:`unmask.prompts`): the
+tokenizer's chat template tokenized by itself, or the plain template when the tokenizer has none.
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ from functools import lru_cache
 from unmask.api import check_options, encode_prompts
 from unmask.decode import default_decoder, get_decoder
 from unmask.errors import UnmaskError
+from unmask.prompts import check_messages, render
 from unmask.sampling import Sampling
 from unmask.serve.errors import ApiError
 
@@ -98,36 +95,6 @@ def edits_committed(bundle, decoder: str, options: dict) -> bool:
     return decoder == "multiblock" and (options.get("tau_t2t", defaults.get("tau_t2t")) is not None)
 
 
-def render_chat(bundle, messages) -> str:
-    """Messages -> prompt text: the tokenizer's chat template, else the plain template above."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a role and a content", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise ApiError(400, f"messages[{i}].content may only hold text parts", param="messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be text", param="messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        if role not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role {m['role']!r} is not supported; use system, user or assistant",
-                           param="messages")
-        clean.append({"role": role, "content": content})
-    tok = bundle.tokenizer
-    if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
-        bos = getattr(tok, "bos_token", None)
-        return text[len(bos):] if bos and text.startswith(bos) else text  # encode() adds BOS itself
-    head = "".join(m["content"] + "\n\n" for m in clean if m["role"] == "system")
-    body = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in clean if m["role"] != "system")
-    return head + body + "Assistant:"
-
-
 def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
           defaults: dict | None = None) -> ServeRequest:
     """Validate a request body. ``defaults``: the server's decoder and knobs (``unmask serve
@@ -197,7 +164,10 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
         raise ApiError(400, api_message(str(e)), param=param) from None
 
     if chat:
-        prompt, field = render_chat(bundle, body.get("messages")), "messages"
+        try:
+            prompt, field = check_messages(body.get("messages")), "messages"
+        except UnmaskError as e:
+            raise ApiError(400, str(e), param="messages") from None
     else:
         prompt, field = body.get("prompt"), "prompt"
         if isinstance(prompt, list) and len(prompt) == 1:
@@ -206,6 +176,8 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
             raise ApiError(400, "prompt must be a string (one prompt per request)", param="prompt")
     try:
         ids = encode_prompts(bundle, [prompt], max_tokens, options.get("gen_length"))[0]
+        if chat:
+            prompt = render(bundle, prompt)[0]  # the conversation as the model reads it
     except UnmaskError as e:
         msg = api_message(str(e))
         code = "context_length_exceeded" if "context window" in msg else None
