@@ -40,6 +40,9 @@ ADAPTER = typer.Option(None, "--adapter", help="gated SBD adapter: a name the mo
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda")
 DTYPE = typer.Option("float32", "--dtype", help="float32 or bfloat16")
 OVERWRITE = typer.Option(False, "--overwrite", help="replace existing output files")
+CHAT = typer.Option(None, "--chat/--no-chat", help="gsm8k, humaneval, mbpp: ask in chat form through the model's "
+                    "chat template (default: when the model has one; stories is always raw)")
+SYSTEM = typer.Option(None, "--system", help="a system turn for chat prompts")
 TP = typer.Option(None, "--tp", help="under torchrun: load the model tensor-parallel over N processes "
                                      "(default: data parallel, prompts split over the processes)")
 
@@ -193,7 +196,7 @@ def eval_cmd(
     compile: bool = typer.Option(False, "--compile", help="ar and lossless sbd: static KV cache and a compiled step"),
     out: Path = typer.Option(None, "--out", "-o", help="write every item row and the summary as JSON lines to FILE"),
     workers: int = typer.Option(2, "--workers", help="code tasks: programs run in parallel in the sandbox"),
-    device: str = DEVICE, dtype: str = DTYPE, tp: int = TP,
+    chat: bool = CHAT, system: str = SYSTEM, device: str = DEVICE, dtype: str = DTYPE, tp: int = TP,
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
     overwrite: bool = OVERWRITE,
 ) -> None:
@@ -214,7 +217,8 @@ def eval_cmd(
     with _progress(not no_progress and env_rank() == 0) as progress:
         result = evaluate(task, model, decoder, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
                           shots=shots, data_dir=data_dir, judge=judge, temperature=temperature, seed=seed,
-                          device=device, dtype=dtype, workers=workers, progress=progress, **opts)
+                          device=device, dtype=dtype, workers=workers, progress=progress, chat=chat,
+                          system=system, **opts)
     if env_rank() != 0:  # under torchrun every rank holds the gathered result; rank 0 reports it
         return
     if out is not None:
@@ -238,7 +242,7 @@ def sweep_cmd(
     y_max: float = typer.Option(None, "--y-max", help="AUP's best accuracy over all methods (default: this sweep's best)"),
     out_png: Path = typer.Option(None, "--out-png", help="write the Pareto plot (quality vs TPF and vs TPS) to FILE"),
     out: Path = typer.Option(None, "--out", "-o", help="write the points and AUP as JSON to FILE"),
-    device: str = DEVICE, dtype: str = DTYPE, tp: int = TP,
+    chat: bool = CHAT, system: str = SYSTEM, device: str = DEVICE, dtype: str = DTYPE, tp: int = TP,
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
     overwrite: bool = OVERWRITE,
 ) -> None:
@@ -257,7 +261,7 @@ def sweep_cmd(
         res = sweep(task, model, decoder, param=param, values=values, metric=metric, y_max=y_max,
                     limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens, shots=shots,
                     data_dir=data_dir, judge=judge, temperature=temperature, seed=seed, device=device,
-                    dtype=dtype, progress=progress, **opts)
+                    dtype=dtype, progress=progress, chat=chat, system=system, **opts)
     if env_rank() != 0:  # under torchrun rank 0 reports the gathered points
         return
     console = _console()

@@ -144,6 +144,28 @@ def gsm8k_prompt(question: str, *, shots: int = 0, examples: Sequence[GSM8KExamp
     return "\n\n".join([*blocks, query])
 
 
+def gsm8k_chat_prompt(question: str) -> str:
+    """The user turn of a zero-shot GSM8K chat prompt: the zero-shot instruction, a blank line and
+    ``Question: ...`` (no ``Answer:``; the assistant turn is the answer)."""
+    return f"{GSM8K_ZERO_SHOT_INSTRUCTION}\n\nQuestion: {question.strip()}"
+
+
+def gsm8k_chat_messages(question: str, *, shots: int = 0, examples: Sequence[GSM8KExample] = ()) -> list[dict]:
+    """A GSM8K chat conversation: k shots as earlier user/assistant turns (the first k train
+    problems, calculator notes removed, as :func:`gsm8k_prompt` takes them), the instruction in the
+    first user turn, the question in the last."""
+    if len(examples) < shots:
+        raise UnmaskError(f"asked for {shots} shots but only {len(examples)} examples exist; "
+                          f"pass --shots {len(examples)} or fewer")
+    turns = []
+    for ex in list(examples)[:shots]:
+        turns += [{"role": "user", "content": f"Question: {ex.question.strip()}"},
+                  {"role": "assistant", "content": _CALCULATOR.sub("", ex.answer).strip()}]
+    turns.append({"role": "user", "content": f"Question: {question.strip()}"})
+    turns[0] = {"role": "user", "content": f"{GSM8K_ZERO_SHOT_INSTRUCTION}\n\n{turns[0]['content']}"}
+    return turns
+
+
 # ---------------------------------------------------------------- HumanEval
 
 
@@ -165,6 +187,18 @@ def load_humaneval(*, data_dir: str | os.PathLike | None = None,
     rows = [HumanEvalTask(r["task_id"], r["prompt"], r["entry_point"],
                           r["canonical_solution"], r["test"]) for r in _jsonl(path)]
     return rows[:limit] if limit is not None else rows
+
+
+HUMANEVAL_CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the whole function, "
+                              "imports included, in one Python code block.")
+
+
+def humaneval_chat_prompt(task: HumanEvalTask) -> str:
+    """The user turn of a HumanEval chat prompt: :data:`HUMANEVAL_CHAT_INSTRUCTION` and the task
+    prompt in a code fence. A chat model restates the function in a fence, which
+    :func:`unmask.eval.code_tasks.postprocess_humaneval` reads (*our choice*, after EvalPlus's
+    instruction prompt)."""
+    return f"{HUMANEVAL_CHAT_INSTRUCTION}\n\n```python\n{task.prompt.strip()}\n```"
 
 
 # ---------------------------------------------------------------- MBPP
@@ -221,3 +255,23 @@ def mbpp_prompt(task: MBPPTask, *, shots: Sequence[MBPPTask] | None = None,
         shots = load_mbpp(split="prompt", data_dir=data_dir)
     parts = [f"{_mbpp_header(s)}[BEGIN]\n{s.code.strip()}\n[DONE]\n" for s in shots]
     return "".join(parts) + f"{_mbpp_header(task)}[BEGIN]\n"
+
+
+MBPP_CHAT_INSTRUCTION = "Reply with the code in one Python code block."
+
+
+def mbpp_chat_prompt(task: MBPPTask) -> str:
+    """The user turn of an MBPP chat prompt: the paper's task header and
+    :data:`MBPP_CHAT_INSTRUCTION` (the answer's fence is what
+    :func:`unmask.eval.code_tasks.postprocess_mbpp` unwraps)."""
+    return f"{_mbpp_header(task)}{MBPP_CHAT_INSTRUCTION}"
+
+
+def mbpp_chat_messages(task: MBPPTask, *, shots: Sequence[MBPPTask] = ()) -> list[dict]:
+    """An MBPP chat conversation: each shot a user turn (its header) and an assistant turn (its code
+    in a fence), then the task's user turn (:func:`mbpp_chat_prompt`)."""
+    turns = []
+    for s in shots:
+        turns += [{"role": "user", "content": mbpp_chat_prompt(s)},
+                  {"role": "assistant", "content": f"```python\n{s.code.strip()}\n```"}]
+    return [*turns, {"role": "user", "content": mbpp_chat_prompt(task)}]

@@ -100,7 +100,7 @@ def _generate_batches(prompts: list[str], bundle, decoder: str, *, batch_size: i
         g = generate(prompts[s:s + batch_size], bundle, decoder, **kwargs)
         for i in range(len(g.prompts)):
             row = g.stats.row(i)
-            local.append((s + i, {"text": g.texts[i], "tokens": g.tokens[i], "prompt_tokens": g.prompt_tokens[i],
+            local.append((s + i, {"prompt": g.prompts[i], "text": g.texts[i], "tokens": g.tokens[i], "prompt_tokens": g.prompt_tokens[i],
                                   "n_tokens": row["generated"], "nfe": row["nfe"], "tpf": row["tpf"],
                                   "seconds": g.stats.seconds, "tps": g.stats.tps, "batch": b,
                                   "batch_nfe": g.stats.nfe}))
@@ -152,7 +152,7 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
              top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, device: str = "cpu",
              dtype: str = "float32", warmup: bool = True, workers: int = 2, timeout_s: float = 10.0,
              progress: Progress | None = None, references: References | None = None,
-             **decoder_options) -> EvalResult:
+             chat: bool | None = None, system: str | None = None, **decoder_options) -> EvalResult:
     """Evaluate ``decoder`` on ``model`` over ``task`` (``stories``, ``gsm8k``, ``humaneval``, ``mbpp``).
 
     Args:
@@ -169,6 +169,9 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
         workers, timeout_s: sandbox concurrency and per-program limit for code tasks.
         progress: ``progress(done, total, stage)`` after every batch.
         references: a shared :class:`References` memo (sweeps and the bench pass one).
+        chat: ask gsm8k, humaneval and mbpp in chat form (:func:`unmask.eval.tasks.load_items`)
+            through the model's chat template; ``None`` (default): when the model has one.
+            ``stories`` is always raw. system: a system turn for chat prompts.
         decoder_options: passed to the decoder (``policy``, ``gamma``, ``block_size``, ...).
 
     Returns:
@@ -188,24 +191,37 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
         raise UnmaskError(f"--workers must be an integer >= 1, got {workers!r}; pass e.g. --workers 2")
     if not timeout_s > 0:
         raise UnmaskError(f"timeout_s must be > 0, got {timeout_s!r}; pass e.g. timeout_s=10")
-    items = T.load_items(task, limit=limit, shots=shots, data_dir=data_dir)
+    items = T.load_items(task, limit=limit, shots=shots, data_dir=data_dir, chat=bool(chat))
     if not items:
         raise UnmaskError(f"task {task!r} has no items to evaluate; check its data file or --limit")
     bundle = _load(model, device=device, dtype=dtype)
+    if chat is None:
+        from unmask.prompts import has_chat_template
+
+        chat = task != "stories" and has_chat_template(bundle)
+        if chat:
+            items = T.load_items(task, limit=limit, shots=shots, data_dir=data_dir, chat=True)
+    if system is not None and not chat:
+        raise UnmaskError(f"--system applies to chat prompts, and {task} is asked raw here; drop --system "
+                          "(or add --chat)")
+    asked = {"chat": chat, "system": system}
     decoder = decoder or default_decoder(bundle.kind)
     if decoder_options.get("compile") is False:  # an explicit "off" is every decoder's default
         decoder_options = {k: v for k, v in decoder_options.items() if k != "compile"}
     check_options(get_decoder(decoder, bundle.kind), decoder, decoder_options)
-    budget, note = _budget(bundle, [bundle.encode(it.prompt) for it in items], max_new_tokens, spec)
+    from unmask.api import prepare_prompts
+
+    prompt_ids = prepare_prompts(bundle, [it.query for it in items], **asked)[1]
+    budget, note = _budget(bundle, prompt_ids, max_new_tokens, spec)
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
-    stop = list(spec.stop) or None
+    stop = list(spec.chat_stop if chat and spec.chat_stop is not None else spec.stop) or None
     if warmup:
         from unmask.api import generate
 
-        generate(items[0].prompt, bundle, decoder, max_new_tokens=2, **sampling, **decoder_options)
-    gens = _generate_batches([it.prompt for it in items], bundle, decoder, batch_size=batch_size,
+        generate(items[0].query, bundle, decoder, max_new_tokens=2, **asked, **sampling, **decoder_options)
+    gens = _generate_batches([it.query for it in items], bundle, decoder, batch_size=batch_size,
                              progress=progress, stage="decode", max_new_tokens=budget, stop=stop,
-                             **sampling, **decoder_options)
+                             **asked, **sampling, **decoder_options)
     refs = references if references is not None else References()
     extra: dict[str, Any] = {}
     if task == "stories":
@@ -231,12 +247,12 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
     config = {"task": task, "model": bundle.name, "kind": bundle.kind, "decoder": decoder,
               "options": dict(sorted(decoder_options.items())), "max_new_tokens": budget, "stop": stop,
               "shots": spec.default_shots if shots is None else shots, "batch_size": batch_size,
-              **sampling, **extra}
+              **asked, **sampling, **extra}
     env = fingerprint(device=str(bundle.device), dtype=str(bundle.dtype), batch_size=batch_size)
     rows = []
     for it, g, s in zip(items, gens, scores):
         rows.append({"type": "item", "task": task, "id": it.id, "model": bundle.name, "decoder": decoder,
-                     "prompt": it.prompt, "text": g["text"], "n_tokens": g["n_tokens"], "nfe": g["nfe"],
+                     "prompt": g["prompt"], "text": g["text"], "n_tokens": g["n_tokens"], "nfe": g["nfe"],
                      "tpf": g["tpf"], "seconds": g["seconds"], "tps": g["tps"], "batch": g["batch"],
                      **s, "config": config, "env": env})
     metrics = T.summarize(task, scores)

@@ -25,17 +25,31 @@ from typing import Any, Sequence
 
 from unmask.errors import UnmaskError
 from unmask.eval import quality
-from unmask.eval.code_tasks import HUMANEVAL_FULL_STOPS, MBPP_STOPS, evaluate_humaneval, evaluate_mbpp
+from unmask.eval.code_tasks import (
+    HUMANEVAL_FULL_STOPS,
+    MBPP_STOPS,
+    SPECIAL_STOPS,
+    evaluate_humaneval,
+    evaluate_mbpp,
+)
 from unmask.eval.extract import GSM8K_STOP, gsm8k_score
 
 
 @dataclass(frozen=True)
 class Item:
-    """One prompt of a task; ``data`` is what the scorer needs (a gold answer, a code task)."""
+    """One prompt of a task; ``data`` is what the scorer needs (a gold answer, a code task).
+    ``messages``: the chat conversation when the task is asked in chat form (``prompt`` is then
+    its last user turn)."""
 
     id: str
     prompt: str
     data: Any = None
+    messages: tuple[dict, ...] | None = None
+
+    @property
+    def query(self) -> str | list[dict]:
+        """What the decoder is given: the conversation, else the prompt text."""
+        return list(self.messages) if self.messages is not None else self.prompt
 
 
 @dataclass(frozen=True)
@@ -45,7 +59,9 @@ class TaskSpec:
     max_new_tokens: default generation budget. stop: stop strings passed to the decoder (the
     text is cut there; scorers cut again, so a decoder that ignores them changes no score).
     quality_metrics: summary keys in percent a sweep may use as its quality axis, the first
-    being the default. default_shots: ``None`` where shots do not apply.
+    being the default. default_shots: ``None`` where shots do not apply. chat_stop: the stop
+    strings of the chat form where they differ (a chat answer opens with a code fence that
+    ``stop`` would cut at).
     """
 
     name: str
@@ -55,6 +71,7 @@ class TaskSpec:
     quality_metrics: tuple[str, ...]
     default_shots: int | None = None
     needs_data: bool = True
+    chat_stop: tuple[str, ...] | None = None
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -64,7 +81,7 @@ TASKS: dict[str, TaskSpec] = {
                       256, GSM8K_STOP, ("flexible_pct", "strict_pct"), default_shots=0),
     # Only the stops that both post-processing paths cut at, so a restated function survives.
     "humaneval": TaskSpec("humaneval", "HumanEval; code run in the sandbox, pass@1",
-                          256, HUMANEVAL_FULL_STOPS, ("pass_at_1_pct",)),
+                          256, HUMANEVAL_FULL_STOPS, ("pass_at_1_pct",), chat_stop=SPECIAL_STOPS),
     "mbpp": TaskSpec("mbpp", "MBPP evaluation split (tasks 11-510); code run in the sandbox, pass@1",
                      256, MBPP_STOPS, ("pass_at_1_pct",), default_shots=3),
 }
@@ -78,12 +95,15 @@ def get_task(name: str) -> TaskSpec:
 
 
 def load_items(task: str, *, limit: int | None = None, shots: int | None = None,
-               data_dir: str | os.PathLike | None = None) -> list[Item]:
+               data_dir: str | os.PathLike | None = None, chat: bool = False) -> list[Item]:
     """The task's items in a fixed order, the first ``limit`` of them.
 
     ``shots``: GSM8K k-shot (first k train problems) or MBPP 0 / 3 shots (tasks 2-4);
-    ``None`` = the task default. Raises :class:`UnmaskError` for a missing data file (the
-    message names ``--data-dir``), shots on a task without them, or ``limit`` < 1.
+    ``None`` = the task default. ``chat``: items in chat form (``Item.messages``): shots become
+    earlier user/assistant turns, HumanEval and MBPP ask for a fenced code answer
+    (:mod:`unmask.eval.datasets`' ``*_chat_*`` builders). Raises :class:`UnmaskError` for a
+    missing data file (the message names ``--data-dir``), shots on a task without them, chat on
+    ``stories``, or ``limit`` < 1.
     """
     spec = get_task(task)
     if limit is not None and limit < 1:
@@ -92,6 +112,8 @@ def load_items(task: str, *, limit: int | None = None, shots: int | None = None,
         raise UnmaskError(f"--shots does not apply to task {task!r}; drop it")
     shots = spec.default_shots if shots is None else shots
     if task == "stories":
+        if chat:
+            raise UnmaskError("task stories continues story openings and has no chat form; drop --chat")
         from unmask.eval.story_openings import STORY_OPENINGS
 
         return [Item(f"story/{i}", text) for i, text in enumerate(STORY_OPENINGS[:limit])]
@@ -99,15 +121,29 @@ def load_items(task: str, *, limit: int | None = None, shots: int | None = None,
 
     if task == "gsm8k":
         pool = ds.load_gsm8k(split="train", data_dir=data_dir, limit=shots) if shots else ()
+        test = ds.load_gsm8k(split="test", data_dir=data_dir, limit=limit)
+        if chat:
+            return [_chat_item(f"gsm8k/{i}", ds.gsm8k_chat_messages(ex.question, shots=shots, examples=pool), ex)
+                    for i, ex in enumerate(test)]
         return [Item(f"gsm8k/{i}", ds.gsm8k_prompt(ex.question, shots=shots, examples=pool), ex)
-                for i, ex in enumerate(ds.load_gsm8k(split="test", data_dir=data_dir, limit=limit))]
+                for i, ex in enumerate(test)]
     if task == "humaneval":
+        if chat:
+            return [_chat_item(t.task_id, [{"role": "user", "content": ds.humaneval_chat_prompt(t)}], t)
+                    for t in ds.load_humaneval(data_dir=data_dir, limit=limit)]
         return [Item(t.task_id, t.prompt, t) for t in ds.load_humaneval(data_dir=data_dir, limit=limit)]
     if shots not in (0, 3):
         raise UnmaskError(f"MBPP prompts take 0 or 3 shots (the standard tasks 2-4), got {shots}; pass --shots 0 or 3")
     examples = ds.load_mbpp(split="prompt", data_dir=data_dir) if shots else []
+    if chat:
+        return [_chat_item(f"Mbpp/{t.task_id}", ds.mbpp_chat_messages(t, shots=examples), t)
+                for t in ds.load_mbpp(split="eval", data_dir=data_dir, limit=limit)]
     return [Item(f"Mbpp/{t.task_id}", ds.mbpp_prompt(t, shots=examples), t)
             for t in ds.load_mbpp(split="eval", data_dir=data_dir, limit=limit)]
+
+
+def _chat_item(id: str, messages: list[dict], data: Any) -> Item:
+    return Item(id, messages[-1]["content"], data, tuple(messages))
 
 
 def score_texts(task: str, items: Sequence[Item], texts: Sequence[str], *, workers: int = 2,
