@@ -1,4 +1,5 @@
-"""``unmask train sbd``, ``unmask train diffusion`` and ``unmask data stories``: thin wrappers over unmask.train."""
+"""``unmask train sbd``, ``unmask train diffusion``, ``unmask data stories`` and ``unmask data distill``: thin
+wrappers over unmask.train."""
 
 from __future__ import annotations
 
@@ -217,6 +218,44 @@ def data_stories_cmd(
         summary = make_story_corpus(out, model=model, n_sampled=sampled, n_greedy=greedy, seed=seed,
                                     overwrite=overwrite, progress=progress, max_new_tokens=max_new_tokens,
                                     batch_size=batch_size, val_fraction=val_fraction)
+    typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
+
+
+@data_app.command("distill")
+def data_distill_cmd(
+    model: str = typer.Option(..., "--model", "-m", help="model that answers (shipped name or local HF directory)"),
+    prompts: list[str] = typer.Option(..., "--prompts", help="gsm8k (train questions), humaneval, mbpp (non-eval "
+                                      "tasks) or a prompt file: .txt one per line, .jsonl prompt/messages rows "
+                                      "(repeatable)"),
+    out: Path = typer.Option(..., "--out", help="output JSONL corpus"),
+    adapter: str = typer.Option(None, "--adapter", help="gated SBD adapter: a name the model ships or a directory"),
+    system: str = typer.Option(None, "--system", help="a system turn for every prompt (models with a chat template)"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="cap of an answer"),
+    batch_size: int = typer.Option(16, "--batch-size", "-b", help="prompts per batched AR decode"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
+    seed: int = typer.Option(0, "--seed", help="seed of sampling and of the validation split"),
+    limit: int = typer.Option(None, "--limit", help="the first N prompts of each --prompts source"),
+    val_fraction: float = typer.Option(0.05, "--val-fraction", help="share of prompts held out for validation"),
+    data_dir: Path = typer.Option(None, "--data-dir", help="folder holding gsm8k/, humaneval/, mbpp/ "
+                                  "(default: $UNMASK_DATA_DIR or ../shared/data)"),
+    resume: bool = typer.Option(False, "--resume", help="continue OUT: decode only the prompts it lacks"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT if it exists"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar (it shows only on a terminal)"),
+) -> None:
+    """Distillation corpus: the model's own AR answers to prompts (chat template applied when it has one) as
+    JSONL rows {ids, loss_start, prompt, answer, source, index, split}."""
+    from unmask.cli.progress import bar
+    from unmask.compat import quiet_transformers
+    from unmask.train.distill import distill
+
+    quiet_transformers()
+    with bar("prompts", enabled=not no_progress) as progress:
+        summary = distill(out, model=model, prompts=prompts, adapter=adapter, system=system,
+                          max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature, seed=seed,
+                          limit=limit, val_fraction=val_fraction, resume=resume, overwrite=overwrite,
+                          data_dir=data_dir, device=device, dtype=dtype, progress=progress)
     typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
 
 
