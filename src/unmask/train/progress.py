@@ -6,11 +6,12 @@ import time
 
 
 class TrainProgress:
-    """A rich progress bar with the loss terms and tokens/s on a terminal; plain log lines
-    (every ``log_every`` steps, via ``note``) when the console is not a terminal."""
+    """A rich progress bar with the loss terms and tokens/s on a terminal; plain lines when the
+    console is not a terminal: every ``every`` steps (the run's ``log_every``, the steps that
+    log.jsonl gets a line), or every 30 s when ``every`` is 0; validation lines via ``note``."""
 
-    def __init__(self, console, total: int, start: int, term_names: tuple[str, ...]):
-        self.console, self.total, self.terms = console, total, term_names
+    def __init__(self, console, total: int, start: int, term_names: tuple[str, ...], every: int = 0):
+        self.console, self.total, self.terms, self.every = console, total, term_names, every
         self.live = console is not None and console.is_terminal
         self.bar = None
         if self.live:
@@ -44,7 +45,8 @@ class TrainProgress:
             info += f" · {tok_s:,.0f} tok/s"
         if self.bar is not None:
             self.bar.update(self.task, completed=step, info=info)
-        elif self.console is not None and (time.monotonic() - self._last_plain > 30 or step == self.total):
+        elif self.console is not None and (step == self.total or (step % self.every == 0 if self.every else
+                                                                  time.monotonic() - self._last_plain > 30)):
             self._last_plain = time.monotonic()
             self.console.print(f"step {step}/{self.total} {info}", highlight=False)
 
