@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import one_line_error, run_cli
+from conftest import load_benchmark, one_line_error, run_cli
 
 import unmask
 from unmask.errors import UnmaskError
@@ -242,3 +242,20 @@ def test_convert_gguf_cli_is_atomic_and_keeps_dtype(real, monkeypatch, capsys, t
     assert code == 0, err
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["smol-bf16"]  # no staging folder left behind
+
+
+@needs_wheel
+def test_benchmark_script_agrees_with_generate(real, tmp_path):
+    from unmask.eval.datasets import find_data_dir
+
+    data = find_data_dir()
+    if data is None or not (data / "gsm8k" / "test.jsonl").is_file() or not (data / "humaneval").is_dir():
+        pytest.skip("GSM8K / HumanEval data not found; set UNMASK_DATA_DIR to the shared data folder")
+    bench = load_benchmark("real_base")
+    report = bench.main(["--model", str(real.dir), "--limit", "1", "--max-new-tokens", "4", "--out-dir", str(tmp_path),
+                         "--threads", str(torch.get_num_threads())])
+    rows = {(r["task"], r["method"]): r for r in report["table"]}
+    assert rows["all", "transformers generate"]["identical"] == rows["all", "transformers generate"]["prompts"] == 2
+    assert rows["all", "unmask ar"]["generated"] == 8 and rows["all", "unmask ar"]["tpf"] == 1.0
+    assert set(report["quality"]["unmask ar"]) >= {"gsm8k_strict", "humaneval_pass_at_1"}
+    assert (tmp_path / "real_base.json").is_file() and "| all | unmask ar |" in (tmp_path / "real_base.md").read_text()
