@@ -90,6 +90,10 @@ def test_server_chat_uses_the_template_ids():
     assert req.prompt_ids == b.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                              return_dict=False)
     assert req.prompt_ids[0] == 257  # the old text path dropped this <|im_start|> as if it were an added BOS
+    from unmask.serve.errors import ApiError
+
+    with pytest.raises(ApiError, match="unknown parameter 'system'"):  # generate's --system is no decoder knob
+        parse({"messages": messages, "system": "x"}, b, "tiny", chat=True, default_timeout=1.0)
 
 
 def test_api_refuses_bad_chat_input(stories):

@@ -70,7 +70,8 @@ def prepare_prompts(bundle: ModelBundle, prompts: list, *, chat: bool = False,
             encoded.append(bundle.encode(prompt))
             continue
         if bundle.tokenizer is None:
-            bundle.encode("")  # raises the no-tokenizer error
+            raise UnmaskError(f"{bundle.name} has no tokenizer files, which chat prompts need; add the checkpoint's "
+                              "tokenizer to its directory or pass plain token ids to the decoders")
         text, ids = P.render(bundle, P.conversation(prompt, system, where=f"prompt {i + 1}"))
         texts.append(text)
         encoded.append(ids)

@@ -30,7 +30,7 @@ DEFAULT_MAX_TOKENS = 128
 STREAM_MODES = ("committed", "canvas")
 # Option of ``unmask generate`` that are not decoder knobs.
 _NOT_KNOBS = {"prompts", "prompts_file", "model", "kind", "decoder", "max_new_tokens", "temperature", "top_k", "top_p",
-              "seed", "stop", "show", "trace", "as_json", "device", "dtype"}
+              "seed", "stop", "show", "trace", "as_json", "device", "dtype", "chat", "system"}
 # Knobs a decoder may take that the CLI does not have yet (the lossless SBD decoder's switch).
 _EXTRA_KNOBS = {"verify": "bool"}
 # OpenAI fields that are accepted only at their neutral value.

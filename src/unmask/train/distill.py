@@ -203,6 +203,8 @@ def _distill(out: Path, *, model, prompts, adapter, system, max_new_tokens, batc
     from unmask.models import ModelBundle, load
     from unmask.prompts import has_chat_template
 
+    if isinstance(model, ModelBundle) and adapter is not None:
+        raise UnmaskError("adapter goes with a model name or directory; load the bundle with its adapter instead")
     bundle = model if isinstance(model, ModelBundle) else load(model, device=device, dtype=dtype, adapter=adapter)
     if bundle.kind not in DECODERS["ar"].kinds:
         raise UnmaskError(f"--model {bundle.name} is a {bundle.kind} model, but answers are decoded autoregressively; "
