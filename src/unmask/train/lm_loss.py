@@ -53,8 +53,8 @@ def head_weights(model) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 def _rows_nll(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
               suppress: torch.Tensor | None) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias).float()  # (c, V): the head in the model's dtype, then fp32 as HF does
-    if suppress is not None:
-        logits = logits.index_fill(-1, suppress, float("-inf"))
+    if suppress is not None:  # in place: the head's backward does not read its output, so no copy is needed
+        logits.index_fill_(-1, suppress, float("-inf"))
     return F.cross_entropy(logits, targets, reduction="none")  # (c,)
 
 
