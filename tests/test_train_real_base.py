@@ -363,3 +363,15 @@ def test_train_flag_errors_are_one_line(tmp_path, capsys, argv, match):
     corpus.write_text("".join(json.dumps({"ids": list(range(3, 60))}) + "\n" for _ in range(4)))
     one_line_error(capsys, "train", "sbd-adapter", "--base", "stories260K", "--data", corpus, "--out",
                    tmp_path / "o", "--seq-len", 16, *argv, match=match)
+
+
+def test_resume_keeps_the_answer_only_setting(tmp_path, capsys):
+    corpus = _answer_corpus(tmp_path / "c.jsonl")
+    out = tmp_path / "m"
+    args = ["train", "sbd-adapter", "--base", "stories260K", "--data", corpus, "--out", out, "--full-rank",
+            "--seq-len", 24, "--batch-size", 2, "--warmup", 1, "--ckpt-every", 1, "--eval-every", 0, "--no-progress"]
+    code, _, err = run_cli(capsys, *args, "--steps", 1)
+    assert code == 0, err
+    one_line_error(capsys, *args, "--steps", 2, "--resume", "--no-answer-only", match="trained with answer-only")
+    code, _, err = run_cli(capsys, *args, "--steps", 2, "--resume")
+    assert code == 0, err

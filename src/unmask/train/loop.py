@@ -365,6 +365,10 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
     if ckpt is not None:
         state = load_state(ckpt)
         _check_resumable(state["config"], config, ckpt, int(state.get("world_size", 1)), world)
+        if bool(state.get("labelled", False)) != (train_labels is not None):  # answer-only on one side only
+            was = "with" if state.get("labelled") else "without"
+            raise UnmaskError(f"{ckpt} was trained {was} answer-only labels; resume with the same --answer-only "
+                              "setting and data, or pass --overwrite to start over")
         try:
             if parallel.has_dcp(ckpt):
                 parallel.load_checkpoint(ckpt, wrapped, opt)
@@ -400,7 +404,7 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
             "world_size": world, "scheduler": sched.state_dict(), "sampler": sampler.state_dict(),
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-            "val": val, "last": last, "meta": json.dumps(meta or {}),
+            "val": val, "last": last, "meta": json.dumps(meta or {}), "labelled": train_labels is not None,
         }
 
     def checkpoint(stopped: str) -> None:
