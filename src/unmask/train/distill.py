@@ -220,7 +220,8 @@ def _distill(out: Path, *, model, prompts, adapter, system, max_new_tokens, batc
         try:
             check_fit(bundle, prepare_prompts(bundle, [plan[i].prompt], chat=chat, system=system)[1], max_new_tokens)
         except UnmaskError as e:
-            raise UnmaskError(f"{plan[i].source} prompt {i + 1}: {str(e).replace('prompt 1 ', 'it ')}") from None
+            inner = str(e).replace('prompt 1 ', 'it ')  # the wrapped message carries its own "; fix"
+            raise UnmaskError(f"{plan[i].source} prompt {i + 1}; {inner}") from None
     counts = {"written": 0, "tokens": 0, "train": 0, "val": 0, "stopped": 0}
     if progress is not None:
         progress(len(done), len(plan))
