@@ -86,7 +86,7 @@ def bench_model(spec: str, prompts: list[str], args) -> list[dict]:
         configs = [("lossless", k, d, dict(verify=True, block_size=k, draft=d))
                    for k in map(int, args.blocks.split(",")) for d in args.drafts.split(",")]
         configs += [("eb", k, f"γ={EB_GAMMA}", dict(verify=False, block_size=k, gamma=EB_GAMMA))
-                    for k in map(int, args.eb_blocks.split(","))]
+                    for k in map(int, filter(None, args.eb_blocks.split(",")))]  # --eb-blocks "": none
         results = [(name, k, d, run(bundle, prompts, "sbd", bs, args.max_new_tokens, **opts))
                    for name, k, d, opts in configs]
         ar_last = run(ar_bundle, prompts, "ar", bs, args.max_new_tokens)

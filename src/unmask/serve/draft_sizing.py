@@ -10,7 +10,7 @@ so the scheduler may pick K per batch from the load, down to K = 1: plain one-to
 AR running batch, which reproduce lossless SBD exactly.
 
 ``DraftSizes`` is the table ``rows -> K``: a list of ``(min_rows, K)`` steps, parsed from the
-``--draft-sizes`` text ``"1:8,2:4,4:1"`` (1-3 rows: K = 8 ... ). The default is measured on
+``--draft-sizes`` text ``"1:4,4:2,6:1"`` (1-3 rows: K = 4, 4-5 rows: K = 2, 6 and more: AR steps). The default is measured on
 this project's CPU (``benchmarks/serve_load.py`` and ``benchmarks/sbd_lossless.py``, README
 "Serving"); a GPU's knee sits far later, so pass a table measured there.
 """
@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 from unmask.errors import UnmaskError
 
-# measured on the 2-core CPU with stories260K-sbd (README "Serving under load"): K = 8 linear is
-# 1.25x AR at one row, and at 4 rows and more no K beats plain AR steps.
-DEFAULT_TEXT = "1:8,2:4,4:1"
+# measured on the 2-core CPU with stories260K-sbd, 1 thread, linear drafts
+# (benchmarks/results/draft_size_crossover.md): TPS vs AR at 1 row K2 1.09x, K4 1.34x, K8 1.23x;
+# 2 rows 1.30x / 1.41x / 1.07x; 4 rows 1.05x / 1.01x / 0.87x; 8 rows every K < 1 (best 0.70x).
+DEFAULT_TEXT = "1:4,4:2,6:1"
 
 
 @dataclass(frozen=True)
