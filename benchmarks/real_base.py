@@ -57,6 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=None, help="lossless SBD draft size K (default: adapter's)")
     p.add_argument("--draft", default=None, help="quadratic or linear (default: adapter's)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--ce-seq-len", type=int, default=256, help="row length of the adapter's offset-CE diagnostic")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     return p.parse_args(argv)
 
@@ -136,6 +137,28 @@ def scores(bundle, rows: list[dict], tokens: list[list[int]]) -> dict:
     return out
 
 
+def draft_ce(bundle, rows: list[dict], answers: list[list[int]], k: int, seq_len: int = 256) -> dict:
+    """The adapter's draft quality on held-out text (issue 18 item 4): masked CE per block offset
+    (0, 1, 2, 3, 7) and the base's NTP CE, in nats, on these prompts followed by the base's own
+    greedy answers, answer tokens only (:func:`unmask.train.objectives.offset_ce`)."""
+    from unmask.train.data import pack_labelled, separator_id
+    from unmask.train.objectives import offset_ce
+
+    docs = [r["ids"] + a + [bundle.stop_token_ids[0]] for r, a in zip(rows, answers)]
+    chunks, labels = pack_labelled(docs, [len(r["ids"]) for r in rows], seq_len, separator_id(bundle.tokenizer))
+    sums, n = {}, 0
+    if chunks.shape[0] == 0:
+        return {}  # less text than one row: nothing to report
+    with torch.inference_mode():
+        for i in range(0, chunks.shape[0], 4):  # 4 rows of 2L tokens per forward
+            part = offset_ce(bundle.model, chunks[i:i + 4].to(bundle.device), labels[i:i + 4].to(bundle.device),
+                             bundle.mask_token_id, k=k)
+            w = chunks[i:i + 4].shape[0]
+            sums = {key: sums.get(key, 0.0) + w * v for key, v in part.items()}
+            n += w
+    return {"chunks": n, "seq_len": seq_len, "k": k, **{key: v / n for key, v in sums.items()}}
+
+
 def summarise(rows: list[dict], result: dict, reference: str) -> list[dict]:
     """One table row per (task subset, method): prompts identical to ``reference``, TPF, TPS and
     the TPS ratio to ``reference`` on the same prompts."""
@@ -175,9 +198,18 @@ def markdown(table: list[dict], quality: dict, env: dict) -> str:
         acc = " ".join(f"{k}:{v}" for k, v in r["accepts"].items()) or "-"
         lines.append(f"| {r['task']} | {r['method']} | {r['generated']} | {r['identical']}/{r['prompts']} | {tpf} | "
                      f"{tps} | {ratio} | {acc} |")
+    ce = quality.get("draft_ce")
+    if ce:
+        lines += ["", f"Draft quality of the adapter on these prompts + the base's greedy answers ({ce['chunks']} "
+                  f"rows of {ce['seq_len']} tokens, all-mask blocks of k = {ce['k']}, answer tokens only), nats:", "",
+                  "| NTP CE | masked CE offset 0 | 1 | 2 | 3 | 7 |", "|---|---|---|---|---|---|",
+                  f"| {ce['ntp']:.3f} | {ce['d0']:.3f} | {ce['d1']:.3f} | {ce['d2']:.3f} | {ce['d3']:.3f} | "
+                  f"{ce['d7']:.3f} |"]
     if quality:
         lines += ["", "| method | GSM8K strict | GSM8K flexible | HumanEval pass@1 |", "|---|---|---|---|"]
         for name, q in quality.items():
+            if name == "draft_ce":
+                continue
             lines.append(f"| {name} | {q.get('gsm8k_strict', float('nan')):.1%} | "
                          f"{q.get('gsm8k_flexible', float('nan')):.1%} | {q.get('humaneval_pass_at_1', float('nan')):.1%} |")
     return "\n".join(lines) + "\n"
@@ -201,6 +233,9 @@ def main(argv=None) -> dict:
     table = summarise(rows, result, "unmask ar")
     quality = {name: scores(base, rows, result[name]["tokens"])
                for name in (["unmask ar", "lossless sbd"] if args.adapter else ["unmask ar"])}
+    if args.adapter:
+        k = args.block_size or (sbd_bundle.meta.get("decode_defaults") or {}).get("verify_block_size", 8)
+        quality["draft_ce"] = draft_ce(sbd_bundle, rows, result["unmask ar"]["tokens"], int(k), args.ce_seq_len)
     env = {"model": args.model, "adapter": args.adapter, "params": sum(p.numel() for p in base.model.parameters()),
            "dtype": str(base.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
            "torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "limit": args.limit,

@@ -282,6 +282,16 @@ def test_the_adapter_recipe_smoke_run_is_lossless_end_to_end(real, tmp_path):
     assert len(rows) == 16 and all(0 < r["loss_start"] < len(r["ids"]) for r in rows)
     cfg = read_adapter_config(tmp_path / "smoke" / "sbd")
     assert cfg["rank"] == 4 and cfg["decode_defaults"]["verify"] is True
+    # the benchmark with that adapter: lossless SBD identical to AR, and the offset-CE diagnostic
+    report = load_benchmark("real_base").main(
+        ["--model", str(real.dir), "--adapter", str(tmp_path / "smoke" / "sbd"), "--limit", "1", "--max-new-tokens",
+         "6", "--ce-seq-len", "16", "--out-dir", str(tmp_path / "bench"), "--threads", str(torch.get_num_threads())])
+    rows = {(r["task"], r["method"]): r for r in report["table"]}
+    assert rows["all", "lossless sbd"]["identical"] == rows["all", "lossless sbd"]["prompts"] == 2
+    ce = report["quality"]["draft_ce"]
+    assert ce["chunks"] >= 1 and set(ce) >= {"ntp", "d0", "d1", "d2", "d3", "d7"}
+    assert all(0 < ce[key] < 30 for key in ("ntp", "d0", "d7"))
+    assert "masked CE offset 0" in (tmp_path / "bench" / "real_base.md").read_text()
 
 
 def test_the_prompt_mix_holds_at_least_20000_chat_prompts_without_held_out_items():
