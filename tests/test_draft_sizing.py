@@ -99,3 +99,23 @@ def test_serve_cli_refuses_a_bad_table_in_one_line(capsys):
         main(["serve", "--draft-sizes", "1:8,2", "--port", "0"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: bad draft-size entry '2'") and err.count("\n") == 1
+
+
+def test_a_request_arriving_during_a_running_batch_joins_the_ar_batch_at_once(bundle):
+    """A long lossy sbd batch runs; a greedy lossless sbd request that arrives meanwhile is served by
+    the AR running batch before that batch ends (it cannot join it mid-decode), with the same text."""
+    import openai
+
+    app = create_app(bundle, max_batch_size=4, max_queue=8)
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        long = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=400, stream=True,
+                                    extra_body={"decoder": "sbd", "gamma": 0})  # lossy, one token per forward
+        next(iter(long))
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, extra_body={"decoder": "sbd"})
+        assert sched.batch_rows  # the long batch has not finished
+        assert r.choices[0].text == unmask.generate(PROMPTS[1], bundle, "sbd", max_new_tokens=16).texts[0]
+        assert (sched.draft_log[-1][1]) == 1
+        long.close()
+        wait_until(lambda: sched.active == 0)

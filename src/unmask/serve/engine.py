@@ -22,6 +22,8 @@ What is continuous and what is not (README "Serving"):
   share forwards (the AR batch, the running batch and the waiting ones) pick K from the
   ``--draft-sizes`` table when their batch forms, and where the table says K = 1 they join the AR
   running batch instead: plain one-token steps, which lossless SBD reproduces token for token.
+  Such a request arriving while a non-AR batch runs joins the AR batch too, rather than waiting
+  for that batch to end.
 
 Each job gets its events through ``job.post`` (called from this thread): ``("step", event)``
 with an :mod:`unmask.trace` step event, then ``("done", result)`` or ``("error", ApiError)``.
@@ -219,13 +221,16 @@ class Scheduler:
 
     def _take_ar(self) -> list[Job]:
         """Under the lock: the waiting AR jobs that fit in the AR batch now, oldest first, with the
-        sizable sbd jobs when the draft-size table gives K = 1 at the current load."""
+        sizable sbd jobs when the draft-size table gives K = 1 at the current load or a non-AR
+        batch is running."""
         if self._paused:
             return []
         free = self.max_batch_size - len(self.ar)
         sized = [j for j in self._waiting if j.sizable]
         n_ar = sum(j.decoder == "ar" for j in self._waiting)
-        route = bool(sized) and self.draft_sizes.size(self._load(n_ar + len(sized))) == 1
+        # K = 1 at this load, or a lossless batch already runs, which a request cannot join
+        # mid-decode: the AR batch serves it at once instead of after that batch (same tokens)
+        route = bool(sized) and (bool(self._batch) or self.draft_sizes.size(self._load(n_ar + len(sized))) == 1)
         jobs = [j for j in self._waiting if j.decoder == "ar" or (route and j.sizable)][:max(0, free)]
         for j in jobs:
             self._waiting.remove(j)
