@@ -41,6 +41,8 @@ def parse_args():
     p.add_argument("--profile-prompts", type=int, default=20)
     p.add_argument("--out-dir", type=Path, default=Path("runs/bench_fast_path"))
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = leave as is)")
+    p.add_argument("--profile-only", action="store_true", help="only the per-decoder eager profile (writes "
+                   "fast_path_profile.md/.json)")
     return p.parse_args()
 
 
@@ -88,6 +90,48 @@ def profile(bundle, prompts, max_new_tokens) -> list[dict]:
     return rows
 
 
+def profile_every(decoders, texts, max_new_tokens) -> list[dict]:
+    """Eager, batch 1: for every decoder on its shipped model, per forward, the time inside the
+    model's forward (timed by forward hooks, so any decoder's calls count) and outside it, and
+    the query tokens a forward feeds. Explains the TPS gaps that compiling cannot close: a
+    decoder whose forward dominates and feeds many tokens is bound by the forward itself."""
+    from unmask.bench.side_by_side import pairs
+
+    rows = []
+    for decoder, model in pairs(decoders=decoders):
+        bundle = unmask.load(model)
+        clock = {"inside": 0.0, "start": 0.0, "calls": 0, "queries": 0}
+
+        def pre(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            clock["queries"] += ids.shape[0] * ids.shape[1] if ids is not None else 0
+            clock["calls"] += 1
+            clock["start"] = time.perf_counter()
+
+        def post(module, args, kwargs, output):
+            clock["inside"] += time.perf_counter() - clock["start"]
+
+        handles = [bundle.model.register_forward_pre_hook(pre, with_kwargs=True),
+                   bundle.model.register_forward_hook(post, with_kwargs=True)]
+        try:
+            unmask.generate(texts[:1], bundle, decoder, max_new_tokens=8)  # warm-up
+            clock.update(inside=0.0, calls=0, queries=0)
+            total, tokens = 0.0, 0
+            for t in texts:
+                t0 = time.perf_counter()
+                out = unmask.generate([t], bundle, decoder, max_new_tokens=max_new_tokens)
+                total += time.perf_counter() - t0
+                tokens += sum(len(x) for x in out.tokens)
+        finally:
+            for h in handles:
+                h.remove()
+        n = max(1, clock["calls"])
+        rows.append({"decoder": decoder, "model": model, "tpf": tokens / n, "ms_per_forward": 1e3 * total / n,
+                     "forward_ms": 1e3 * clock["inside"] / n, "outside_ms": 1e3 * (total - clock["inside"]) / n,
+                     "queries_per_forward": clock["queries"] / n})
+    return rows
+
+
 def main():
     args = parse_args()
     if args.threads:
@@ -97,6 +141,8 @@ def main():
     lines.append(f"# Fast path: eager vs compiled ({args.limit} story openings, {args.max_new_tokens} new tokens, "
                  f"greedy, {torch.get_num_threads()} thread(s), torch {torch.__version__})\n")
     failures = []
+    if args.profile_only:
+        return write_profile_only(args, decoders)
     for b in (int(x) for x in args.batch_sizes.split(",")):
         res = bench(limit=args.limit, max_new_tokens=args.max_new_tokens, batch_size=b, decoders=decoders,
                     compile=True)
@@ -143,12 +189,37 @@ def main():
               "| decoder | total | model forward | outside (masks, acceptance, bookkeeping; compiled: + the eager prefill) |", "|---|---|---|---|"]
     for p in prof:
         lines.append(f"| {p['decoder']} | {p['ms_per_forward']:.3f} | {p['forward_ms']:.3f} | {p['outside_ms']:.3f} |")
+    every = profile_every(decoders, STORY_OPENINGS[: args.profile_prompts], args.max_new_tokens)
+    results["profile_every"] = every
+    lines += every_lines(every, args)
     text = "\n".join(lines) + "\n"
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out_dir / "fast_path.md", text)
     atomic_write_json(args.out_dir / "fast_path.json", results)
     print(f"wrote {args.out_dir / 'fast_path.md'} and .json")
+
+
+def write_profile_only(args, decoders) -> None:
+    every = profile_every(decoders, STORY_OPENINGS[: args.profile_prompts], args.max_new_tokens)
+    text = "\n".join([f"# Fast path: where an eager step's time goes ({args.max_new_tokens} new tokens, greedy, "
+                      f"{torch.get_num_threads()} thread(s), torch {torch.__version__})"] + every_lines(every, args)) + "\n"
+    print(text)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(args.out_dir / "fast_path_profile.md", text)
+    atomic_write_json(args.out_dir / "fast_path_profile.json", {"profile_every": every})
+
+
+def every_lines(every, args) -> list[str]:
+    lines = [f"\n## profile, batch 1, eager, every decoder on its shipped model, {args.profile_prompts} openings\n",
+              "Per model call (timed by forward hooks; TPF here counts every model call, the prefill too).\n",
+              "| decoder | model | TPF | ms per call | in the model forward | outside | forward share | "
+              "query tokens per call |", "|---|---|---|---|---|---|---|---|"]
+    for p in every:
+        lines.append(f"| {p['decoder']} | {p['model']} | {p['tpf']:.2f} | {p['ms_per_forward']:.3f} | "
+                     f"{p['forward_ms']:.3f} | {p['outside_ms']:.3f} | {p['forward_ms'] / p['ms_per_forward']:.0%} | "
+                     f"{p['queries_per_forward']:.1f} |")
+    return lines
 
 
 if __name__ == "__main__":

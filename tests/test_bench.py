@@ -7,6 +7,7 @@ import json
 import pytest
 from conftest import run_cli
 
+import unmask
 from unmask.bench import side_by_side
 from unmask.decode import DECODERS, DecoderInfo
 from unmask.errors import UnmaskError
@@ -71,3 +72,20 @@ def test_sbd_runs_lossless_and_lossy_side_by_side():
     assert set(rows) == {"ar", "sbd --verify", "sbd --no-verify"}
     assert rows["sbd --verify"]["agreement_positional"] == 1.0  # lossless: the model's own AR text
     assert rows["sbd --verify"]["nfe"] < rows["ar"]["nfe"]
+
+
+def test_fast_path_profile_times_every_model_call_of_any_decoder():
+    """benchmarks/fast_path.py's per-decoder profile: forward hooks see every model call (AR: the
+    prefill plus one call per further token), and inside + outside add up to the total."""
+    from conftest import load_benchmark
+
+    rows = load_benchmark("fast_path").profile_every(["ar", "diffusion"], ["Once upon a time"], 6)
+    by = {r["decoder"]: r for r in rows}
+    assert set(by) == {"ar", "diffusion"}
+    ar = by["ar"]
+    assert ar["tpf"] == pytest.approx(6 / 6)  # 6 tokens: a prefill and 5 one-token calls (the last unneeded)
+    assert ar["queries_per_forward"] == pytest.approx((len(unmask.load("stories260K").encode("Once upon a time")) + 5) / 6)
+    for r in rows:
+        assert 0 < r["forward_ms"] <= r["ms_per_forward"]
+        assert r["forward_ms"] + r["outside_ms"] == pytest.approx(r["ms_per_forward"])
+    assert by["diffusion"]["queries_per_forward"] > ar["queries_per_forward"]  # a whole canvas per call
