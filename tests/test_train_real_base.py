@@ -375,3 +375,21 @@ def test_resume_keeps_the_answer_only_setting(tmp_path, capsys):
     one_line_error(capsys, *args, "--steps", 2, "--resume", "--no-answer-only", match="trained with answer-only")
     code, _, err = run_cli(capsys, *args, "--steps", 2, "--resume")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("command", ["sbd", "sbd-adapter"])
+def test_a_micro_batch_without_any_target_trains_on_without_a_traceback(tmp_path, capsys, command):
+    """Found by the new-user pass: every row prompt-only (loss_start == len(ids)) leaves a micro-batch
+    with no target; the loss then has no gradient path, which used to crash ``backward``. Now the
+    step runs with zero gradients."""
+    g = torch.Generator().manual_seed(0)
+    rows = [{"ids": torch.randint(3, 512, (30,), generator=g).tolist(), "loss_start": 30} for _ in range(8)]
+    rows.append({"ids": torch.randint(3, 512, (30,), generator=g).tolist(), "loss_start": 10, "split": "val"})
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = ["--full-rank"] if command == "sbd-adapter" else ["--no-progress"]
+    code, _, err = run_cli(capsys, "train", command, "--base", "stories260K", "--data", corpus, "--out",
+                           tmp_path / "m", *extra, "--steps", 2, "--seq-len", 16, "--batch-size", 1, "--warmup", 1,
+                           "--threads", 1)
+    assert code == 0, err
+    assert "Traceback" not in err

@@ -315,6 +315,12 @@ def _note(console, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+def _zero_link(model) -> torch.Tensor:
+    """0, with a gradient path to every trainable parameter (their gradients are zero)."""
+    terms = [p.sum() * 0 for p in model.parameters() if p.requires_grad]
+    return sum(terms[1:], terms[0]) if terms else torch.zeros(())
+
+
 def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor | None, config: TrainConfig,
           run_dir: str | Path, *, device: str | torch.device = "cpu", resume: bool = False,
           save_extras: Callable[[Path, dict], None] | None = None, console=None, meta: dict | None = None,
@@ -455,6 +461,8 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
                                                  **params, **extra)
                     if not bool(torch.isfinite(loss.detach()).all()):  # before it reaches the weights
                         raise diverged(f"the loss is {float(loss.detach())}", step + 1, run_dir)
+                    if not loss.requires_grad:  # a micro-batch with no target (no answer token, no mask):
+                        loss = loss + _zero_link(wrapped)  # zero gradients, and every DDP rank still syncs
                     (loss / config.grad_accum).backward()
                 local[0] += float(loss.detach()) / n_micro
                 for i, name in enumerate(objective.term_names, start=1):
