@@ -393,3 +393,19 @@ def test_a_micro_batch_without_any_target_trains_on_without_a_traceback(tmp_path
                            "--threads", 1)
     assert code == 0, err
     assert "Traceback" not in err
+
+
+def test_validation_rows_without_an_answer_token_warn_instead_of_reporting_zero(tmp_path, capsys):
+    """Found by the new-user pass: packing cut the held-out answers off, and validation showed a
+    'perfect' loss of 0.0. Now a one-line warning says there are no validation numbers."""
+    g = torch.Generator().manual_seed(0)
+    rows = [{"ids": torch.randint(3, 512, (40,), generator=g).tolist(), "loss_start": 5} for _ in range(8)]
+    rows.append({"ids": torch.randint(3, 512, (30,), generator=g).tolist(), "loss_start": 20, "split": "val"})
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = run_cli(capsys, "train", "sbd-adapter", "--base", "stories260K", "--data", corpus, "--out",
+                           tmp_path / "m", "--full-rank", "--steps", 2, "--seq-len", 16, "--batch-size", 2,
+                           "--warmup", 1, "--eval-every", 1, "--threads", 1)
+    assert code == 0, err
+    assert "warning: the validation rows hold no answer token at this --seq-len" in err
+    assert json.loads((tmp_path / "m" / "adapter.json").read_text())["training"].get("val") is None

@@ -39,6 +39,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -399,6 +400,14 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
             raise UnmaskError(f"{ckpt} does not fit this run or is damaged ({type(e).__name__}: {first}); "
                               "delete the checkpoint or pass --overwrite to start over") from None
     has_val = val_chunks is not None and len(val_chunks) > 0
+    if has_val and val_labels is not None and not bool(val_labels.any()):
+        has_val = False  # scoring rows without a target would report a loss of 0
+        if main:
+            warnings.warn("the validation rows hold no answer token at this --seq-len (packing cut them off), so "
+                          "this run reports no validation numbers; raise --seq-len or the validation share")
+    elif not has_val and main and config.eval_every > 0:
+        warnings.warn("no validation row fills --seq-len tokens, so this run reports no validation numbers; "
+                      "lower --seq-len or add held-out data")
     val, val_step, last = None, None, {}
     if ckpt is not None:
         val, last = state.get("val"), state.get("last") or {}
