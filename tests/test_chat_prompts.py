@@ -179,3 +179,14 @@ def test_eval_uses_the_template_when_the_model_has_one(data_dir):
     assert raw.summary["config"]["chat"] is False and raw.rows[0]["prompt"].startswith("Solve")
     with pytest.raises(UnmaskError, match="--system"):
         evaluate("gsm8k", b, "ar", chat=False, system="x", **kw)
+
+
+def test_a_json_prompts_file_is_refused_not_read_as_text_lines(tmp_path):
+    """Found by the new-user pass: p.json was read line by line, its JSON text becoming the prompt."""
+    from unmask.errors import UnmaskError
+    from unmask.prompts import read_prompts_file
+
+    path = tmp_path / "p.json"
+    path.write_text('{"prompt": "a"}\n')
+    with pytest.raises(UnmaskError, match=r"is \.json; write one JSON object per line and name it \.jsonl"):
+        read_prompts_file(path)

@@ -151,6 +151,9 @@ def read_prompts_file(path: str | Path) -> list[Prompt]:
             fix), or a file holding no prompt.
     """
     path = Path(path)
+    if path.suffix.lower() == ".json":  # read as text lines, a JSON file would become literal prompts
+        raise UnmaskError(f"prompts file {path} is .json; write one JSON object per line and name it .jsonl "
+                          "(or use a .txt file with one prompt per line)")
     try:
         text = path.read_bytes().decode("utf-8")
     except OSError as e:

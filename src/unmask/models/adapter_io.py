@@ -187,9 +187,11 @@ def resolve_adapter(model_dir: Path | None, adapter: str | os.PathLike) -> tuple
     path = Path(text).expanduser()
     if (path / ADAPTER_JSON).is_file():
         return path.name, path
-    names = ", ".join(shipped) or "none"
+    if not shipped:
+        raise UnmaskError(f"unknown adapter {text!r}: not a directory with {ADAPTER_JSON}, and the model ships no "
+                          "adapter; pass the directory of an adapter trained for it (unmask train sbd-adapter)")
     raise UnmaskError(f"unknown adapter {text!r}: not a directory with {ADAPTER_JSON}, and the model's own "
-                      f"adapters are: {names}; pass one of those or an adapter directory")
+                      f"adapters are: {', '.join(shipped)}; pass one of those or an adapter directory")
 
 
 def apply_adapter(bundle, adapter: str | os.PathLike):
