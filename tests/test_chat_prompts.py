@@ -190,3 +190,16 @@ def test_a_json_prompts_file_is_refused_not_read_as_text_lines(tmp_path):
     path.write_text('{"prompt": "a"}\n')
     with pytest.raises(UnmaskError, match=r"is \.json; write one JSON object per line and name it \.jsonl"):
         read_prompts_file(path)
+
+
+def test_a_deeply_nested_row_is_a_one_line_error(tmp_path):
+    from unmask.errors import UnmaskError
+    from unmask.prompts import read_prompts_file
+    from unmask.train.data import read_documents
+
+    path = tmp_path / "deep.jsonl"
+    path.write_text("[" * 100000 + "\n")
+    with pytest.raises(UnmaskError, match="nested too deeply"):
+        read_prompts_file(path)
+    with pytest.raises(UnmaskError, match="nested too deeply"):
+        read_documents(path)

@@ -256,3 +256,14 @@ def user_cache_dir() -> Path:
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "unmask"
     return Path.home() / ".cache" / "unmask"
+
+
+def file_lines(text: str) -> list[str]:
+    """The lines of a line-based file (JSONL, one prompt per line): split at ``\\n`` only, a
+    trailing ``\\r`` dropped. ``str.splitlines`` would also split at U+2028, U+2029, ``\\x0b``,
+    ``\\x0c``, ``\\x1c``-``\\x1e`` and ``\\x85``, which JSON strings may hold raw (one GSM8K train
+    question has a U+2028) and which belong to the text of a prompt."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]

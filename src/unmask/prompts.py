@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Union
 
 from unmask.errors import UnmaskError
+from unmask.fileio import file_lines
 
 Message = dict
 Prompt = Union[str, list]  # text, or a conversation (a list of messages)
@@ -163,7 +164,7 @@ def read_prompts_file(path: str | Path) -> list[Prompt]:
         raise UnmaskError(f"prompts file {path} is not valid UTF-8; convert it to UTF-8") from None
     out: list[Prompt] = []
     if path.suffix.lower() == ".jsonl":
-        for n, line in enumerate(text.splitlines(), 1):
+        for n, line in enumerate(file_lines(text), 1):
             if not line.strip():
                 continue
             try:
@@ -171,9 +172,12 @@ def read_prompts_file(path: str | Path) -> list[Prompt]:
             except json.JSONDecodeError as e:
                 raise _file_error(path, n, f"not valid JSON ({e.msg})",
                                   'write one JSON object per line, e.g. {"prompt": "..."}') from None
+            except RecursionError:
+                raise _file_error(path, n, "nested too deeply to parse",
+                                  'write one flat JSON object per line, e.g. {"prompt": "..."}') from None
             out.append(parse_row(obj, path, n))
     else:
-        out = [line for line in text.splitlines() if line.strip()]
+        out = [line for line in file_lines(text) if line.strip()]
     if not out:
         raise UnmaskError(f"prompts file {path} holds no prompt; put one prompt per line "
                           '(.txt) or one {"prompt": ...} object per line (.jsonl)')

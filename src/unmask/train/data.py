@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from unmask.errors import UnmaskError
-from unmask.fileio import atomic_write_text
+from unmask.fileio import atomic_write_text, file_lines
 
 SOURCES = ("sampled", "greedy")
 SPLITS = ("train", "val")
@@ -277,7 +277,7 @@ def read_documents(path: str | Path, tokenizer=None, vocab_size: int | None = No
             if doc.strip():
                 records.append({"ids": encode(doc.strip(), str(path)), "split": None})
     else:
-        for n, line in enumerate(raw.splitlines(), 1):
+        for n, line in enumerate(file_lines(raw), 1):
             if not line.strip():
                 continue
             where = f"{path} line {n}"
@@ -285,6 +285,8 @@ def read_documents(path: str | Path, tokenizer=None, vocab_size: int | None = No
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UnmaskError(f"{where} is not valid JSON ({e.msg}); fix or remove the line") from None
+            except RecursionError:
+                raise UnmaskError(f"{where} is nested too deeply to parse; fix or remove the line") from None
             if not isinstance(obj, dict) or ("ids" not in obj and "text" not in obj):
                 raise UnmaskError(f"{where} is not an object with 'ids' or 'text'; write each line as "
                                   '{"ids": [...]} or {"text": "..."}')
