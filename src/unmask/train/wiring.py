@@ -190,6 +190,9 @@ def load_labelled_chunks(paths: Sequence[Path], tokenizer, vocab: int, seq_len: 
         n = sum(len(r["ids"]) + 1 for r in train_recs)
         raise UnmaskError(f"the training data holds {n} tokens, fewer than one sequence of {seq_len + 1}; "
                           "lower --seq-len or add data")
+    if use and not bool(train_labels[:, 1:].any()):  # column 0 of a row is never a target
+        raise UnmaskError("no training row holds an answer token (every record's 'loss_start' is at its end, or "
+                          "packing cut the answers off); check the corpus, raise --seq-len or pass --no-answer-only")
     val, val_labels = packed(val_recs) if val_recs else (None, None)  # (M, L+1) each
     return LabelledChunks(train, val, train_labels if use else None, val_labels if use else None, use)
 
