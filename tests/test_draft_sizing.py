@@ -3,6 +3,7 @@ SBD's block size K from the running batch, down to plain AR steps, without chang
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -119,3 +120,27 @@ def test_a_request_arriving_during_a_running_batch_joins_the_ar_batch_at_once(bu
         assert (sched.draft_log[-1][1]) == 1
         long.close()
         wait_until(lambda: sched.active == 0)
+
+
+def test_a_draft_size_the_model_cannot_decode_is_refused_at_startup(bundle):
+    """Found by the fault pass: --draft-sizes 1:99999 started, then failed every greedy sbd request."""
+    with pytest.raises(UnmaskError, match=r"--draft-sizes: K = 99999 cannot decode on .*lower the table's largest K"):
+        create_app(bundle, draft_sizes="1:99999")
+
+
+def test_a_client_gone_before_its_body_arrived_is_no_server_error(bundle):
+    """Found by the fault pass: a ClientDisconnect while reading the body logged an ASGI traceback."""
+    import socket
+    import urllib.request
+
+    app = create_app(bundle)
+    with ServerThread(app) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        time.sleep(0.5)
+        health = json.loads(urllib.request.urlopen(s.url + "/health", timeout=10).read())
+        assert health["status"] == "ok"
+        metrics = urllib.request.urlopen(s.url + "/metrics", timeout=10).read().decode()
+        assert 'outcome="cancelled"' in metrics

@@ -14,6 +14,7 @@ from importlib import resources
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from unmask.decode import DECODERS, default_decoder, get_decoder
 from unmask.errors import UnmaskError
@@ -54,8 +55,18 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
         raise UnmaskError(e.message) from None
     get_decoder(probe.decoder, bundle.kind)(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
                                             **probe.options)
+    sizes = draft_sizes_option(draft_sizes)
+    if sizes is not None and bundle.kind == "sbd":  # the table's largest K must decode here: checked now
+        k = max(2, max(k for _, k in sizes.steps))
+        try:
+            get_decoder("sbd", bundle.kind)(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
+                                            verify=True, block_size=k)
+        except UnmaskError as e:
+            reason = str(e).splitlines()[0].split(";")[0]
+            raise UnmaskError(f"--draft-sizes: K = {k} cannot decode on {name} ({reason}); lower the table's "
+                              "largest K") from None
     scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue, compile=compile,
-                          draft_sizes=draft_sizes_option(draft_sizes))
+                          draft_sizes=sizes)
     metrics = Metrics(scheduler)
 
     @asynccontextmanager
@@ -110,6 +121,9 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
                 body = json.loads(await request.body())
             except (ValueError, UnicodeDecodeError):
                 raise ApiError(400, "the request body is not valid JSON") from None
+            except ClientDisconnect:  # gone before its body arrived: nobody to answer
+                metrics.requests.labels(endpoint, "cancelled").inc()
+                return Response(status_code=499)
             req = parse(body, bundle, name, chat=chat, default_timeout=request_timeout, defaults=defaults)
         except ApiError as e:
             metrics.requests.labels(endpoint, "bad_request").inc()
