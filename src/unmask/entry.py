@@ -12,6 +12,7 @@ import signal
 import sys
 
 _sigint_seen = False
+_exit_code = 130  # 128 + the signal that stopped the command: SIGINT 130, SIGTERM 143
 
 
 def _on_sigint(signum, frame) -> None:
@@ -23,10 +24,21 @@ def _on_sigint(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM (``kill``, a job scheduler, torchrun) ends a command like Ctrl-C does: the
+    ``finally`` blocks remove staging directories and locks, and the status is 143."""
+    global _exit_code
+    _exit_code = 143
+    _on_sigint(signum, frame)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run the ``unmask`` command line; exit 130 with one line on Ctrl-C at any moment."""
+    """Run the ``unmask`` command line; exit 130 with one line on Ctrl-C at any moment (143 on
+    SIGTERM), leaving no partial output."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _on_sigint)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         from unmask.cli import main as cli_main
 
@@ -57,7 +69,7 @@ def _exit_interrupted() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(130)
+    os._exit(_exit_code)
 
 
 if __name__ == "__main__":
