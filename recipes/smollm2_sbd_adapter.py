@@ -10,14 +10,15 @@ It stays frozen: the adapter is a rank ``--rank`` delta on every attention and M
 active only at mask-token positions, plus the mask token's embedding row, so NTP decoding with
 the adapter loaded is exactly SmolLM2 and lossless SBD reproduces its greedy answers.
 
-Stages, each cached under ``--work-dir`` (a rerun or ``--resume`` skips finished work):
+Stages, each cached under ``--work-dir`` by its settings (a rerun or ``--resume`` skips finished
+work; other ``--prompts`` / ``--max-new-tokens`` / ``--dtype`` get their own files):
 
-1. **Prompts** (``prompts.jsonl``, >= 20,000 chat prompts unless ``--smoke``/``--prompts``):
+1. **Prompts** (``prompts-N.jsonl``, >= 20,000 chat prompts unless ``--smoke``/``--prompts``):
    GSM8K train questions twice (the zero-shot eval instruction, and "step by step"), every MBPP
    task, the HumanEval tasks after the first 50 (those 50 and GSM8K test are held out for
    ``benchmarks/real_base.py``), tinyshakespeare speeches with a rotating instruction
    (paraphrase, summarise, explain), and general questions from a topic x template grid.
-2. **Distillation** (``corpus.jsonl``): SmolLM2's own greedy answers through the chat template
+2. **Distillation** (``corpus-N-tT-DTYPE.jsonl``): SmolLM2's own greedy answers through the chat template
    (``unmask.train.distill``), rows ``{ids, loss_start, ...}``; resumable per batch.
 3. **Training** (``run/``): ``unmask.train.sbd_adapter.train_sbd_adapter`` with answer-only
    loss (prompt tokens are never targets), logits only at target positions, k ~ U{--block-range},
@@ -149,7 +150,9 @@ def build_prompts(data_dir: str | None) -> list[dict]:
 
 
 def write_prompts(args) -> Path:
-    path = args.work_dir / "prompts.jsonl"
+    from unmask.errors import UnmaskError
+
+    path = args.work_dir / f"prompts-{args.prompts or 'all'}.jsonl"  # a cached file only serves the same mix
     if path.is_file():
         log(f"prompts: reusing {path}")
         return path
@@ -158,8 +161,8 @@ def write_prompts(args) -> Path:
         # interleave the sources so a small --prompts still samples every kind
         rows = sorted(rows, key=lambda r: zlib.crc32(r["prompt"].encode()))[: args.prompts]
     elif len(rows) < MIN_PROMPTS:
-        raise SystemExit(f"error: only {len(rows)} prompts were built (the recipe needs >= {MIN_PROMPTS}); "
-                         "check --data-dir holds gsm8k/, humaneval/, mbpp/ and tinyshakespeare/")
+        raise UnmaskError(f"only {len(rows)} prompts were built (the recipe needs >= {MIN_PROMPTS}); check that "
+                          "--data-dir holds gsm8k/, humaneval/, mbpp/ and tinyshakespeare/")
     counts = {}
     for r in rows:
         counts[r["source"]] = counts.get(r["source"], 0) + 1
@@ -173,8 +176,9 @@ def write_prompts(args) -> Path:
 def distill_corpus(args, base_dir: Path, prompts: Path) -> Path:
     from unmask.train.distill import distill
 
-    path = args.work_dir / "corpus.jsonl"
-    done_flag = args.work_dir / "corpus.done"
+    stem = f"{prompts.stem.replace('prompts', 'corpus')}-t{args.max_new_tokens}-{args.dtype}"  # one per setting
+    path = args.work_dir / f"{stem}.jsonl"
+    done_flag = args.work_dir / f"{stem}.done"
     if done_flag.is_file():
         log(f"corpus: reusing {path}")
         return path
