@@ -238,14 +238,15 @@ def data_distill_cmd(
     val_fraction: float = typer.Option(0.05, "--val-fraction", help="share of prompts held out for validation"),
     data_dir: Path = typer.Option(None, "--data-dir", help="folder holding gsm8k/, humaneval/, mbpp/ "
                                   "(default: $UNMASK_DATA_DIR or ../shared/data)"),
-    resume: bool = typer.Option(False, "--resume", help="continue OUT: decode only the prompts it lacks"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT if it exists"),
+    resume: bool = typer.Option(False, "--resume", help="continue OUT: decode only the prompts it lacks (same "
+                                "--model, --adapter, --dtype, -n, -t, --seed, --val-fraction, --system, prompts)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT, once the new corpus is complete"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar (it shows only on a terminal)"),
 ) -> None:
     """Distillation corpus: the model's own AR answers to prompts (chat template applied when it has one) as
-    JSONL rows {ids, loss_start, prompt, answer, source, index, split}."""
+    JSONL rows {ids, loss_start, prompt, answer, source, index, split, settings}."""
     from unmask.cli.progress import bar
     from unmask.compat import quiet_transformers
     from unmask.train.distill import distill

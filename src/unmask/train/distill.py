@@ -25,15 +25,28 @@ are (the plain template for a model without one).
 The split is by prompt: a seeded ``val_fraction`` of the prompt indices (see
 :func:`unmask.train.data.split_documents`), fixed by the prompt list and the seed.
 
-Resuming: rows are appended per finished batch and flushed, so a killed run leaves whole lines
-plus at most one partial last line. ``resume=True`` drops that partial line, checks that every
-row belongs to the same prompt list, and decodes only the prompts whose index is missing.
+Settings: every row also holds ``"settings": {"model", "adapter", "dtype", "max_new_tokens",
+"temperature", "seed", "val_fraction", "system", "prompts"}`` (``prompts``: how many prompts the
+run has), the choices that decide its answer and split. They are kept in the rows rather than in a
+sidecar file so that a corpus is one file, written (and replaced) in one piece.
+
+Writing: every option is checked, and the model loaded, before ``out`` is touched. A new ``out``
+is created with its first batch and appended to per finished batch (flushed), so a killed run
+leaves whole lines plus at most one partial last line, which ``resume`` continues. With
+``overwrite`` the corpus is built in a temporary file next to ``out`` and renamed over it only
+when complete: a failed or interrupted run leaves the old corpus as it was.
+
+Resuming: ``resume=True`` checks that every whole row belongs to the same prompt list and was
+written with the same settings (UnmaskError naming the first differing setting otherwise, the
+file untouched), then drops the partial last line and decodes only the prompts whose index is
+missing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,14 +140,34 @@ def with_stop_token(bundle, prompt_ids: list[int], answer: list[int], max_new_to
     return [*answer, stops[int(torch.argmax(logits[stops]))]]
 
 
-def _read_existing(out: Path, plan: list[DistillPrompt]) -> set[int]:
-    """The prompt indices already in ``out`` (a partial last line is cut off the file first).
-    Raises UnmaskError for a row that is not one of this corpus's rows."""
+_FLAGS = {"adapter": "--adapter", "model": "--model", "dtype": "--dtype", "max_new_tokens": "--max-new-tokens",
+          "temperature": "--temperature", "seed": "--seed", "val_fraction": "--val-fraction", "system": "--system",
+          "prompts": "--prompts/--limit"}
+
+
+def run_settings(bundle, *, n_prompts: int, max_new_tokens: int, temperature: float, seed: int,
+                 val_fraction: float, system: str | None) -> dict:
+    """The ``settings`` every row records (module docstring), in the order a resume compares them."""
+    adapter = bundle.meta.get("adapter") or {}
+    return {"adapter": adapter.get("name"), "model": bundle.name, "dtype": str(bundle.dtype).removeprefix("torch."),
+            "max_new_tokens": max_new_tokens, "temperature": float(temperature), "seed": seed,
+            "val_fraction": float(val_fraction), "system": system, "prompts": n_prompts}
+
+
+def _shown_setting(key: str, value) -> str:
+    if value is None:
+        return f"no {_FLAGS[key]}"
+    if key == "prompts":
+        return f"{value} prompts (--prompts, --limit)"
+    return f"{_FLAGS[key]} {json.dumps(value) if isinstance(value, str) and key == 'system' else value}"
+
+
+def _read_existing(out: Path, plan: list[DistillPrompt], settings: dict) -> tuple[set[int], int]:
+    """(the prompt indices already in ``out``, the length of its whole lines). Reads only: the
+    caller cuts a killed run's partial last line once the resume proceeds. Raises UnmaskError for a
+    row that is not one of this corpus's rows or was written with other settings."""
     data = out.read_bytes()
     end = data.rfind(b"\n") + 1
-    if end < len(data):  # a killed run's partial last line
-        with open(out, "r+b") as f:
-            f.truncate(end)
     done: set[int] = set()
     fix = "resume with the same --prompts, --limit and --model, or pass --overwrite to start over"
     for n, line in enumerate(data[:end].decode("utf-8", errors="replace").splitlines(), 1):
@@ -146,8 +179,17 @@ def _read_existing(out: Path, plan: list[DistillPrompt]) -> set[int]:
             raise UnmaskError(f"{out} line {n} is not a distillation row; {fix}") from None
         if given is None or (row.get("source"), row.get("prompt"), row.get("messages")) != (given.source, *_shown(given.prompt)):
             raise UnmaskError(f"{out} line {n} holds another prompt than prompt {i} of this run; {fix}")
+        was = row.get("settings")
+        if not isinstance(was, dict):
+            raise UnmaskError(f"{out} line {n} records no settings (written by an older unmask), so a resume cannot "
+                              "check them; pass --overwrite to start over")
+        for key, now in settings.items():
+            if was.get(key) != now:
+                raise UnmaskError(f"{out} was written with {_shown_setting(key, was.get(key))}, this run has "
+                                  f"{_shown_setting(key, now)}; resume with the same flags as the run that wrote "
+                                  "it, or pass --overwrite to start over")
         done.add(i)
-    return done
+    return done, end
 
 
 def distill(out: str | os.PathLike, *, model, prompts: Sequence[str | os.PathLike], adapter: str | None = None,
@@ -171,7 +213,7 @@ def distill(out: str | os.PathLike, *, model, prompts: Sequence[str | os.PathLik
         UnmaskError: an existing ``out`` without ``resume`` or ``overwrite`` (or both given), a bad
             source or option, a model the ``ar`` decoder cannot run, ``system`` for a model without
             a chat template, a prompt that does not fit the context, or a resumed ``out`` written
-            from other prompts.
+            from other prompts or with other settings (``out`` is then left as it was).
     """
     from unmask.fileio import check_output_file, output_lock
 
@@ -183,21 +225,28 @@ def distill(out: str | os.PathLike, *, model, prompts: Sequence[str | os.PathLik
             raise UnmaskError(f"{name} must be an integer >= {low} (got {value!r}); pass e.g. {name} 16")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise UnmaskError(f"--limit must be >= 1 (got {limit!r}); leave it out to use every prompt")
-    if not 0 <= val_fraction < 1:
+    if not (isinstance(val_fraction, (int, float)) and not isinstance(val_fraction, bool) and 0 <= val_fraction < 1):
         raise UnmaskError(f"--val-fraction must be in [0, 1) (got {val_fraction}); pass e.g. 0.05")
+    if dtype not in ("float32", "bfloat16"):
+        raise UnmaskError(f"--dtype must be float32 or bfloat16, got {dtype!r}; pass --dtype float32 or bfloat16")
+    if system is not None and not isinstance(system, str):
+        raise UnmaskError(f"--system must be text (got {type(system).__name__}); pass e.g. --system \"Be brief.\"")
+    from unmask.sampling import Sampling
+
+    Sampling(temperature=temperature, seed=seed)  # raises for a bad --temperature or --seed
+    check_output_file(out, "--out", probe=True)  # a directory is named as one
     if out.exists() and not (resume or overwrite):
         raise UnmaskError(f"--out {out} already exists; pass --resume to continue it, --overwrite to replace it, "
                           "or choose another path")
-    check_output_file(out, "--out", probe=True)
     with output_lock(out, "--out"):
         return _distill(out, model=model, prompts=prompts, adapter=adapter, system=system,
                         max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature, seed=seed,
-                        limit=limit, val_fraction=val_fraction, resume=resume, data_dir=data_dir, device=device,
-                        dtype=dtype, progress=progress)
+                        limit=limit, val_fraction=val_fraction, resume=resume, overwrite=overwrite,
+                        data_dir=data_dir, device=device, dtype=dtype, progress=progress)
 
 
 def _distill(out: Path, *, model, prompts, adapter, system, max_new_tokens, batch_size, temperature, seed, limit,
-             val_fraction, resume, data_dir, device, dtype, progress) -> dict:
+             val_fraction, resume, overwrite, data_dir, device, dtype, progress) -> dict:
     from unmask.api import check_fit, generate, prepare_prompts
     from unmask.decode import DECODERS
     from unmask.models import ModelBundle, load
@@ -214,7 +263,9 @@ def _distill(out: Path, *, model, prompts, adapter, system, max_new_tokens, batc
         raise UnmaskError(f"model {bundle.name} has no chat template, so --system has no turn to go in; drop --system")
     plan = collect_prompts(prompts, chat=chat, limit=limit, data_dir=data_dir)
     val = val_indices(len(plan), val_fraction, seed)
-    done = _read_existing(out, plan) if resume and out.exists() else set()
+    settings = run_settings(bundle, n_prompts=len(plan), max_new_tokens=max_new_tokens, temperature=temperature,
+                            seed=seed, val_fraction=val_fraction, system=system)
+    done, whole = _read_existing(out, plan, settings) if resume and out.exists() else (set(), None)
     todo = [i for i in range(len(plan)) if i not in done]
     for i in todo:  # every prompt must fit before the first batch, named by source and number
         try:
@@ -225,10 +276,10 @@ def _distill(out: Path, *, model, prompts, adapter, system, max_new_tokens, batc
     counts = {"written": 0, "tokens": 0, "train": 0, "val": 0, "stopped": 0}
     if progress is not None:
         progress(len(done), len(plan))
-    from unmask.fileio import write_errors
-
-    fix = "free some space or choose another --out, then rerun with --resume"
-    with open(out, "ab" if resume else "wb") as f:
+    if whole is not None and whole < out.stat().st_size:  # the checks passed: cut a killed run's partial line
+        with open(out, "r+b") as f:
+            f.truncate(whole)
+    with _Sink(out, staged=overwrite and not resume) as sink:
         for s in range(0, len(todo), batch_size):
             batch = todo[s:s + batch_size]
             g = generate([plan[i].prompt for i in batch], bundle, "ar", max_new_tokens=max_new_tokens,
@@ -242,15 +293,69 @@ def _distill(out: Path, *, model, prompts, adapter, system, max_new_tokens, batc
                        "split": "val" if i in val else "train"}
                 if messages is not None:
                     row["messages"] = messages
+                row["settings"] = settings
                 lines.append(json.dumps(row, ensure_ascii=False) + "\n")
                 counts["tokens"] += len(row["ids"])
                 counts[row["split"]] += 1
                 counts["stopped"] += len(answer) > len(g.tokens[j])
-            with write_errors(f"--out {out}", fix):  # whole batches: a kill leaves at most one partial line
-                f.write("".join(lines).encode("utf-8"))
-                f.flush()
-                os.fsync(f.fileno())
+            sink.write("".join(lines).encode("utf-8"))
             counts["written"] += len(batch)
             if progress is not None:
                 progress(len(done) + s + len(batch), len(plan))
     return {"out": str(out), "prompts": len(plan), "skipped": len(done), **counts}
+
+
+class _Sink:
+    """Where the batches go (module docstring, Writing): appended to ``out``, which is created with the
+    first batch; or, ``staged``, a temporary file next to ``out`` that replaces it when the ``with``
+    block ends normally and is removed when it does not. Every write is whole batches, flushed and
+    synced, so a kill leaves at most one partial line."""
+
+    def __init__(self, out: Path, *, staged: bool):
+        self.out, self.staged, self.f, self.tmp = out, staged, None, None
+        again = "rerun with --overwrite" if staged else "rerun with --resume"
+        self.fix = f"free some space or choose another --out, then {again}"
+
+    def __enter__(self) -> _Sink:
+        return self
+
+    def _open(self) -> None:
+        from unmask.fileio import write_errors
+
+        with write_errors(f"--out {self.out}", self.fix):
+            if self.staged:
+                fd, tmp = tempfile.mkstemp(prefix=f".{self.out.name}.", suffix=".tmp", dir=self.out.parent)
+                self.tmp = Path(tmp)
+                self.f = os.fdopen(fd, "wb")
+            else:
+                self.out.parent.mkdir(parents=True, exist_ok=True)
+                self.f = open(self.out, "ab")
+
+    def write(self, data: bytes) -> None:
+        from unmask.fileio import write_errors
+
+        if self.f is None:
+            self._open()
+        with write_errors(f"--out {self.out}", self.fix):
+            self.f.write(data)
+            self.f.flush()
+            os.fsync(self.f.fileno())
+
+    def __exit__(self, kind, value, tb) -> None:
+        from unmask.fileio import write_errors
+
+        try:
+            if kind is None:
+                if self.f is None:  # nothing to decode: the (empty or resumed) corpus still exists after the run
+                    self._open()
+                with write_errors(f"--out {self.out}", self.fix):
+                    self.f.close()
+                    if self.tmp is not None:
+                        os.chmod(self.tmp, 0o644)
+                        os.replace(self.tmp, self.out)
+                        self.tmp = None
+        finally:
+            if self.f is not None and not self.f.closed:
+                self.f.close()
+            if self.tmp is not None:  # failed or interrupted: the old corpus stays as it was
+                self.tmp.unlink(missing_ok=True)
