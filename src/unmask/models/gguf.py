@@ -25,6 +25,7 @@ from unmask.errors import UnmaskError
 from unmask.fileio import check_parents, output_lock, probe_writable, publish_dir, staging_dir, write_errors
 
 GGUF_MAGIC = b"GGUF"
+GGUF_HEADER_BYTES = 24  # magic, version (uint32), tensor count and metadata count (uint64 each)
 GGUF_MIN_VERSION = (0, 10)  # transformers' own minimum for its GGUF loader
 GGUF_FIX = "run: pip install 'unmask[smollm2]' (or pip install 'gguf>=0.10')"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -44,7 +45,8 @@ def require_gguf_package() -> None:
 
 
 def check_gguf_file(path: str | os.PathLike) -> Path:
-    """The path of a readable file that starts with the GGUF magic. Raises UnmaskError otherwise."""
+    """The path of a readable file that starts with the GGUF magic and is at least a GGUF header
+    long. Raises UnmaskError otherwise (a shorter file that starts like one is "truncated")."""
     path = Path(path).expanduser()
     if not path.exists():
         raise UnmaskError(f"GGUF file {path} does not exist; pass the path of a .gguf checkpoint")
@@ -52,21 +54,46 @@ def check_gguf_file(path: str | os.PathLike) -> Path:
         raise UnmaskError(f"{path} is a directory; pass the .gguf file inside it")
     try:
         with open(path, "rb") as f:
-            magic = f.read(len(GGUF_MAGIC))
+            head = f.read(GGUF_HEADER_BYTES)
     except OSError as e:
         raise UnmaskError(f"cannot read {path}: {e.strerror or e}; check the file's permissions") from None
+    magic = head[:len(GGUF_MAGIC)]
+    if len(head) < GGUF_HEADER_BYTES and GGUF_MAGIC.startswith(magic):  # also the empty file
+        raise _corrupt(path, f"{len(head)} bytes, shorter than a GGUF header")
     if magic != GGUF_MAGIC:
         raise UnmaskError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes); "
                           "pass a .gguf checkpoint")
     return path
 
 
+def _corrupt(path: Path, reason: str) -> UnmaskError:
+    return UnmaskError(f"{path} is truncated or corrupt ({reason}); re-download or re-export it")
+
+
+def check_gguf_intact(path: str | os.PathLike) -> None:
+    """Raise UnmaskError ("truncated or corrupt") unless the ``gguf`` reader parses the file's
+    header, metadata and tensor table and the tensor data that table describes fits in the file.
+    Takes about 2 s for a 100 MB GGUF (the reader parses the tokenizer's metadata arrays)."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(path)
+        need = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as e:  # a short buffer surfaces as ValueError, IndexError, struct.error, ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+        raise _corrupt(path, f"{size:,} bytes; its header or tensor table cannot be read: {first}") from None
+    if need > size:
+        raise _corrupt(path, f"{size:,} bytes, but its tensor table needs {need:,}")
+
+
 def load_gguf(path: str | os.PathLike):
     """(model, tokenizer) read by transformers' GGUF loader: the model holds float32 dequantised
     weights but still carries the GGUF quantizer (so it cannot be saved; see :func:`to_plain`).
 
-    Raises UnmaskError for a missing or non-GGUF file, a missing ``gguf`` package, or a GGUF
-    transformers cannot read (an architecture it does not map).
+    Raises UnmaskError for a missing, non-GGUF, truncated or corrupt file, a missing ``gguf``
+    package, or a GGUF transformers cannot read (an architecture it does not map).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,7 +105,10 @@ def load_gguf(path: str | os.PathLike):
         with contextlib.redirect_stderr(io.StringIO()):
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError, NotImplementedError) as e:
+    except Exception as e:
+        # A truncated file fails deep in the loader (struct.error, "cannot reshape array"): name
+        # that first, and blame the architecture only for a file the gguf reader reads whole.
+        check_gguf_intact(path)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnmaskError(f"cannot read the GGUF checkpoint {path}: {first.rstrip('.:')}; unmask converts the "
                           "causal-LM architectures transformers' GGUF loader supports (llama, qwen2, mistral, ...)") from None
@@ -121,6 +151,20 @@ def resolve_gguf_dtype(dtype: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def check_out_dir(out_dir: str | os.PathLike, gguf_file: str | os.PathLike) -> Path:
+    """``out_dir`` as a Path, when it can be the new model directory: it has a name (not ``.``,
+    ``..`` or empty: the lock and the staging folder are named after it), no parent is a file, and
+    it does not hold ``gguf_file`` (``--overwrite`` would delete the input). Raises UnmaskError."""
+    out = Path(out_dir)
+    if out.name in ("", ".", ".."):
+        raise UnmaskError(f"OUT_DIR {str(out_dir)!r} names no new directory; give the output directory a name, "
+                          "e.g. smollm2-hf")
+    check_parents(out, "OUT_DIR")
+    if out.resolve() in Path(gguf_file).expanduser().resolve().parents:
+        raise UnmaskError(f"OUT_DIR {out} holds the input file; write to another directory")
+    return out
+
+
 def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
                  dtype: str = "float32") -> Path:
     """``unmask convert gguf``: write a plain Hugging Face directory (safetensors weights in
@@ -131,15 +175,15 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, ov
     temporary sibling and renamed into place, so an interrupted conversion never leaves a
     half-written ``out_dir``; ``out_dir`` is locked against a second writer meanwhile.
 
-    Raises UnmaskError for a missing or non-GGUF file, a missing ``gguf`` package, an unknown
-    dtype, an existing ``out_dir`` without ``overwrite``, another process writing ``out_dir``, or
+    Raises UnmaskError for a missing, non-GGUF, truncated or corrupt file, a missing ``gguf``
+    package, an unknown dtype, an unnamed ``out_dir`` or one holding the input file, an existing
+    ``out_dir`` without ``overwrite``, another process writing ``out_dir``, or
     a write that fails (full disk, no permission).
     """
     torch_dtype = resolve_gguf_dtype(dtype)
     check_gguf_file(gguf_file)
+    out = check_out_dir(out_dir, gguf_file)
     require_gguf_package()
-    out = Path(out_dir)
-    check_parents(out, "OUT_DIR")
     quiet_transformers()
     with output_lock(out, "OUT_DIR"):
         if out.exists() and not overwrite:

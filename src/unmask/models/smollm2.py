@@ -12,7 +12,9 @@ values exactly) into ``<user cache>/models/smollm2-135m`` (see
 :func:`unmask.fileio.user_cache_dir`); later loads read that directory as they would any local
 Hugging Face directory. The conversion is assembled in a temporary sibling and renamed into
 place with a completion marker, so two processes converting at once both end with one complete
-directory and a killed conversion leaves nothing at the final path.
+directory and a killed conversion leaves nothing at the final path. The marker lists the files
+with their sizes: a cache damaged later (a file deleted, truncated or rewritten) is converted
+again on the next use.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from unmask.errors import UnmaskError
@@ -61,16 +64,42 @@ def _facts(source: Path) -> dict:
     return {"model": NAME, "source": source.name, "source_bytes": source.stat().st_size, "dtype": "float32"}
 
 
+def write_marker(folder: Path, source: Path) -> None:
+    """Write the completion marker into the finished ``folder``: the facts of ``source`` and the
+    size in bytes of every file the conversion wrote, so that :func:`is_converted` notices a file
+    later deleted or truncated."""
+    files = {f.name: f.stat().st_size for f in sorted(folder.iterdir()) if f.is_file() and f.name != MARKER}
+    marker = {**_facts(source), "files": files}
+    (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+
+
+def _files_intact(folder: Path, files) -> bool:
+    """Whether every file the marker lists is in ``folder`` with its recorded size, config.json
+    among them and readable as a JSON object."""
+    if not isinstance(files, dict) or "config.json" not in files:
+        return False
+    for name, size in files.items():
+        path = folder / str(name)
+        if Path(str(name)).name != name or not path.is_file() or path.stat().st_size != size:
+            return False
+    try:
+        return isinstance(json.loads((folder / "config.json").read_text(encoding="utf-8")), dict)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+
+
 def is_converted(folder: Path, source: Path | None = None) -> bool:
-    """Whether ``folder`` holds a finished conversion (of ``source``, when given: a different
-    GGUF, e.g. after a wheel upgrade, makes it stale)."""
+    """Whether ``folder`` holds a finished, undamaged conversion (of ``source``, when given: a
+    different GGUF, e.g. after a wheel upgrade, makes it stale). A file the marker lists that is
+    missing or has another size (or a config.json that does not parse) makes it unfinished, so
+    the next use converts again; so does a marker from before files were recorded."""
     try:
         marker = json.loads((folder / MARKER).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    if not isinstance(marker, dict) or marker.get("model") != NAME or not (folder / "config.json").is_file():
+    if not isinstance(marker, dict) or marker.get("model") != NAME or not _files_intact(folder, marker.get("files")):
         return False
-    return source is None or marker == _facts(source)
+    return source is None or {k: v for k, v in marker.items() if k != "files"} == _facts(source)
 
 
 def status() -> str:
@@ -84,6 +113,20 @@ def status() -> str:
     except UnmaskError:
         return f"not installed: {INSTALL}"
     return "installed; converted on first use, about 30 s"
+
+
+def check_cache_writable(final: Path) -> None:
+    """Before the conversion (tens of seconds), raise UnmaskError unless ``final``'s folder can be
+    created and a file written in it."""
+    check_parents(final, "model cache")
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".unmask-probe-", dir=final.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UnmaskError(f"cannot write the model cache {final.parent}: {e.strerror or e}; set UNMASK_CACHE_DIR "
+                          "to a writable folder") from None
 
 
 def ensure_converted() -> Path:
@@ -108,7 +151,7 @@ def ensure_converted() -> Path:
         return final
     if importlib.util.find_spec("gguf") is None:
         raise UnmaskError(MISSING)
-    check_parents(final, "model cache")
+    check_cache_writable(final)
     print(f"unmask: converting {source.name} into {final} (once, about 30 s)", file=sys.stderr, flush=True)
     quiet_transformers()  # as load_dir does: no progress bars from save_pretrained
     plain, tokenizer = read_plain(source)
@@ -118,7 +161,7 @@ def ensure_converted() -> Path:
                           "free disk space or set UNMASK_CACHE_DIR to a writable folder"):
             tmp = staging_dir(final)
             save_plain(plain, tokenizer, tmp)
-            (tmp / MARKER).write_text(json.dumps(_facts(source), indent=2) + "\n", encoding="utf-8")
+            write_marker(tmp, source)
             make_readable(tmp)
             _install(tmp, final, source)
     finally:
