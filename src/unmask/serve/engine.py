@@ -22,8 +22,9 @@ What is continuous and what is not (README "Serving"):
   share forwards (the AR batch, the running batch and the waiting ones) pick K from the
   ``--draft-sizes`` table when their batch forms, and where the table says K = 1 they join the AR
   running batch instead: plain one-token steps, which lossless SBD reproduces token for token.
-  Such a request arriving while a non-AR batch runs joins the AR batch too, rather than waiting
-  for that batch to end.
+  Such a request also joins the AR batch when AR rows already run (one forward then serves every
+  row; a separate sbd batch would add its forwards to theirs) and while a non-AR batch decodes
+  (rather than waiting for that batch to end); when the AR batch is full it waits for a slot.
 
 Each job gets its events through ``job.post`` (called from this thread): ``("step", event)``
 with an :mod:`unmask.trace` step event, then ``("done", result)`` or ``("error", ApiError)``.
@@ -219,6 +220,18 @@ class Scheduler:
         """Rows that would share forwards if ``joining`` more rows started now."""
         return len(self.ar) + len(self.batch_rows) + joining
 
+    def _route_sized(self) -> bool:
+        """Under the lock: whether the waiting sizable sbd jobs go to the AR running batch. They do
+        when the table gives K = 1 at this load, when AR rows already run (a separate sbd batch
+        would add its forwards to theirs, one running batch serves every row with one forward), and
+        while a non-AR batch decodes (it cannot be joined mid-decode). Otherwise they form an sbd
+        batch of their own, with K from the table."""
+        sized = sum(j.sizable for j in self._waiting)
+        if not sized:
+            return False
+        n_ar = sum(j.decoder == "ar" for j in self._waiting)
+        return bool(self._batch) or len(self.ar) > 0 or self.draft_sizes.size(self._load(n_ar + sized)) == 1
+
     def _take_ar(self) -> list[Job]:
         """Under the lock: the waiting AR jobs that fit in the AR batch now, oldest first, with the
         sizable sbd jobs when the draft-size table gives K = 1 at the current load or a non-AR
@@ -226,11 +239,7 @@ class Scheduler:
         if self._paused:
             return []
         free = self.max_batch_size - len(self.ar)
-        sized = [j for j in self._waiting if j.sizable]
-        n_ar = sum(j.decoder == "ar" for j in self._waiting)
-        # K = 1 at this load, or a lossless batch already runs, which a request cannot join
-        # mid-decode: the AR batch serves it at once instead of after that batch (same tokens)
-        route = bool(sized) and (bool(self._batch) or self.draft_sizes.size(self._load(n_ar + len(sized))) == 1)
+        route = self._route_sized()
         jobs = [j for j in self._waiting if j.decoder == "ar" or (route and j.sizable)][:max(0, free)]
         for j in jobs:
             self._waiting.remove(j)
@@ -243,6 +252,10 @@ class Scheduler:
         first = None if self._paused else next((j for j in self._waiting if j.decoder != "ar"), None)
         if first is None:
             return []
+        if first.sizable and self._route_sized():  # they wait for AR slots (the AR batch is full)
+            first = next((j for j in self._waiting if j.decoder != "ar" and not j.sizable), None)
+            if first is None:
+                return []
         key = first.batch_key()
         batch = [j for j in self._waiting if j.decoder != "ar" and j.batch_key() == key][: self.max_batch_size]
         for j in batch:
