@@ -44,6 +44,7 @@ from unmask.eval.code_tasks import evaluate_humaneval
 from unmask.eval.datasets import gsm8k_chat_prompt, humaneval_chat_prompt, load_gsm8k, load_humaneval
 from unmask.eval.extract import gsm8k_score
 from unmask.fileio import atomic_write_json, atomic_write_text
+from unmask.prompts import render
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -63,11 +64,9 @@ def parse_args(argv=None):
 
 
 def chat_ids(bundle, user_turn: str) -> list[int]:
-    """The prompt ids of one user turn through the model's chat template, ready for the answer
-    (the template writes ``<|im_start|>`` itself; the tokenizer adds no second BOS)."""
-    messages = [{"role": "user", "content": user_turn}]
-    ids = bundle.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-    return [int(i) for i in ids]
+    """The prompt ids of one user turn through the model's chat template, ready for the answer:
+    :func:`unmask.prompts.render`, what ``unmask generate --chat`` feeds."""
+    return render(bundle, [{"role": "user", "content": user_turn}])[1]
 
 
 def prompt_set(bundle, limit: int) -> list[dict]:
