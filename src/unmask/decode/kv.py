@@ -1,0 +1,126 @@
+"""One KV-cache interface for every decoder: a growing ``DynamicCache`` (the eager default) or a
+preallocated ``StaticCache`` whose length pointer moves (the fast path, STYLE.md habit 4).
+
+A decoder written against :class:`DynamicKV` / :class:`StaticKV` runs unchanged on either:
+
+- ``kv.forward(inp, positions, mask)`` writes the q query tokens' K/V after the ``kv.length``
+  cached ones and returns their logits; ``mask`` (B, 1, q, length + q) bool says which cached
+  and new keys each query sees (the decoders' masks today).
+- ``kv.crop(n)`` drops the last n cached positions: a ``crop(-n)`` on the dynamic cache, a pointer
+  move on the static one (the next forward overwrites them, as gpt-fast rolls back drafts).
+- ``kv.reset()`` empties the cache (a Fast-dLLM prefix refresh rebuilds it from position 0).
+
+The static cache is sized once (``capacity`` tokens, rounded up to
+:data:`unmask.decode.static.LENGTH_BUCKET`); each forward pads the mask to the full cache width
+(B, 1, q, L) with the columns past ``length + q`` masked, so every step of a given query length
+has the same input shapes and ``compile=True`` reuses one compiled graph per shape
+(:func:`unmask.decode.static.step_function`). Forwards whose length depends on the prompt
+(prefill, refresh) pass ``compiled=False`` and run eagerly on the same cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from unmask.compat import attention_mask, crop, forward, new_cache, set_static_length
+from unmask.errors import UnmaskError
+
+
+class DynamicKV:
+    """The eager cache: a ``DynamicCache`` that grows by ``torch.cat`` and is cropped on rollback."""
+
+    static = False
+
+    def __init__(self, model):
+        self.model = model
+        self.cache = new_cache(model)
+
+    @property
+    def length(self) -> int:
+        """Cached positions (every row has the same count; padding is masked, not skipped)."""
+        return self.cache.get_seq_length()
+
+    def forward(self, inp: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, *,
+                logits_to_keep: int = 0, compiled: bool = True) -> torch.Tensor:
+        """inp, positions (B, q) long; mask (B, 1, q, length + q) bool, or None (causal over the
+        cache). Returns float32 logits (B, q or logits_to_keep, V). ``compiled`` is ignored."""
+        m = None if mask is None else attention_mask(self.model, mask)
+        return forward(self.model, inp, position_ids=positions, attention_mask=m, cache=self.cache,
+                       logits_to_keep=logits_to_keep)
+
+    def crop(self, n: int) -> None:
+        crop(self.cache, n)
+
+    def reset(self) -> None:
+        self.cache = new_cache(self.model)
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values), each (B, H, length, D): views of the cached K/V (tests)."""
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+
+class StaticKV:
+    """A ``StaticCache`` of ``capacity`` tokens for ``batch`` rows, allocated once, with a length
+    pointer. ``compile=True`` runs every ``compiled=True`` forward through a ``torch.compile``-d
+    step (inductor on CPU, CUDA graphs on CUDA). Raises UnmaskError when a forward would run past
+    the capacity (a sizing bug of the caller: the static cache never grows)."""
+
+    static = True
+
+    def __init__(self, model, batch: int, capacity: int, *, compile: bool = False):
+        from unmask.decode.static import static_cache, step_function
+
+        self.model, self.batch = model, batch
+        self.cache, self.capacity = static_cache(model, batch, capacity)
+        self.ptr = 0
+        self._step = step_function(model, compile)
+        self._eager = step_function(model, False)
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}  # (B, q) -> (B, 1, q, L) bool buffer
+        self._device = next(model.parameters()).device
+
+    @property
+    def length(self) -> int:
+        return self.ptr
+
+    def forward(self, inp: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, *,
+                logits_to_keep: int = 0, compiled: bool = True) -> torch.Tensor:
+        """As :meth:`DynamicKV.forward`; ``mask`` None means causal over the cache (no padding).
+        ``compiled=False`` runs this forward eagerly (prefill and refresh, whose lengths vary)."""
+        B, q = inp.shape
+        end = self.ptr + q
+        if end > self.capacity:
+            raise UnmaskError(f"static KV cache overflow: {end} positions needed, {self.capacity} allocated; "
+                              "this is a bug in the decoder's cache sizing, run without --compile")
+        buf = self._masks.get((B, q))
+        if buf is None:
+            buf = self._masks[(B, q)] = torch.zeros((B, 1, q, self.capacity), dtype=torch.bool, device=self._device)
+        if mask is None:
+            cols = torch.arange(self.capacity, device=self._device)  # (L,)
+            rows = torch.arange(self.ptr, end, device=self._device)  # (q,)
+            buf.copy_((cols[None, :] <= rows[:, None]).expand(B, 1, q, self.capacity))
+        else:
+            buf[..., :end] = mask  # (B, 1, q, end), broadcast from the caller's mask
+            buf[..., end:] = False
+        set_static_length(self.cache, self.ptr)
+        step = self._step if compiled else self._eager
+        logits = step(inp, positions, attention_mask(self.model, buf), self.cache)  # (B, q, V)
+        self.ptr = end
+        return logits[:, -logits_to_keep:] if logits_to_keep else logits
+
+    def crop(self, n: int) -> None:
+        if n > 0:
+            self.ptr -= n
+
+    def reset(self) -> None:
+        self.ptr = 0
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys[:, :, : self.ptr], layer.values[:, :, : self.ptr]) for layer in self.cache.layers]
+
+
+def make_kv(model, *, batch: int, capacity: int, static: bool = False, compile: bool = False):
+    """The cache a decoder runs on: :class:`StaticKV` when ``static`` or ``compile``, else
+    :class:`DynamicKV` (``batch`` and ``capacity`` are then unused)."""
+    if static or compile:
+        return StaticKV(model, batch, capacity, compile=compile)
+    return DynamicKV(model)
