@@ -1,5 +1,6 @@
 """The fast path in one run (issue: static-shape decode steps, compiled): every decoder on its
-shipped model, eager, plus ``ar`` and lossless ``sbd`` compiled (unmask.decode.static).
+shipped model, eager and compiled (a preallocated static KV cache, unmask.decode.kv, and a
+torch.compile'd step, unmask.decode.static).
 
 Same story openings for every row (greedy, 128 new tokens, 1 thread), at batch 1 and batch 8.
 Columns: TPF, TPS, ms per forward (decode seconds / batch forwards), TPS relative to eager AR

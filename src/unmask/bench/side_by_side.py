@@ -26,8 +26,8 @@ AR_REFERENCE = ("ar", "stories260K")
 # Decoders benchmarked in several modes: (row label, decoder options). SBD runs lossless
 # (spec/sbd_exact.md, output = AR) and lossy (the EB sampler) side by side.
 VARIANTS = {"sbd": (("sbd --verify", {"verify": True}), ("sbd --no-verify", {"verify": False}))}
-# With ``compile``: the rows that have a compiled fast path (unmask.decode.static), added after their eager rows.
-COMPILED = {"ar": "ar --compile", "sbd --verify": "sbd --verify --compile"}
+# With ``compile``: every row is also run compiled (static KV cache + compiled step), labelled
+# "<row> --compile", right after its eager row.
 
 
 def pairs(*, include_all: bool = False, decoders: list[str] | None = None,
@@ -121,7 +121,7 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     Ratios are to the ``ar`` on ``stories260K`` row (else the first ``ar`` row; ``None``
     without one). A pair that raises is reported with its error and the others still run.
     ``adapters``: also run the :func:`adapter_pairs` rows, model shown as ``<model>+<adapter>``.
-    ``compile``: also run ``ar`` and lossless ``sbd`` with ``compile=True``, each after untimed
+    ``compile``: also run every row with ``compile=True``, each after untimed
     warm-up decodes of the full and the last batch size (the compile, reported as ``compile_s``,
     is not in their TPS).
     Raises :class:`UnmaskError` when no pair is found.
@@ -140,8 +140,7 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     rows = []
     todo = [(d, m, a, label, opts) for d, m, a in todo for label, opts in VARIANTS.get(d, ((d, {}),))]
     if compile:
-        todo = [t for row in todo for t in [row] + ([(row[0], row[1], row[2], COMPILED[row[3]],
-                                                       {**row[4], "compile": True})] if row[3] in COMPILED else [])]
+        todo = [t for row in todo for t in (row, (*row[:3], f"{row[3]} --compile", {**row[4], "compile": True}))]
     for i, (d, m, a, label, opts) in enumerate(todo):
         shown = m if a is None else f"{m}+{a}"
         stage = None

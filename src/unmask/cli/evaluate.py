@@ -193,7 +193,7 @@ def eval_cmd(
     factor: float = typer.Option(None, "--factor", help="Fast-dLLM factor f"),
     tokens_per_step: int = typer.Option(None, "--tokens-per-step", help="tokens committed per step (top-k)"),
     block_size: int = BLOCK, option: list[str] = OPTION, adapter: str = ADAPTER,
-    compile: bool = typer.Option(False, "--compile", help="ar and lossless sbd: static KV cache and a compiled step"),
+    compile: bool = typer.Option(False, "--compile", help="static KV cache and a compiled step (every decoder; same tokens)"),
     out: Path = typer.Option(None, "--out", "-o", help="write every item row and the summary as JSON lines to FILE"),
     workers: int = typer.Option(2, "--workers", help="code tasks: programs run in parallel in the sandbox"),
     chat: bool = CHAT, system: str = SYSTEM, device: str = DEVICE, dtype: str = DTYPE, tp: int = TP,
@@ -300,7 +300,7 @@ def bench_cmd(
     adapter: list[str] = typer.Option(None, "--adapter", help="also bench the models that ship this gated SBD "
                                                                "adapter, with it loaded (repeatable)"),
     judge: str = JUDGE,
-    compile: bool = typer.Option(False, "--compile", help="also run ar and lossless sbd compiled (after an untimed "
+    compile: bool = typer.Option(False, "--compile", help="also run every decoder compiled (after an untimed "
                                  "warm-up that compiles)"),
     as_json: bool = typer.Option(False, "--json", help="print the rows as one JSON object"),
     device: str = DEVICE, dtype: str = DTYPE,

@@ -65,8 +65,8 @@ def generate_cmd(
                                 help="sbd: lossless SBD, the NTP mode verifies the block-mode draft (output = ar); "
                                      "default from the model"),
     draft: str = typer.Option(None, "--draft", help="sbd --verify: draft layout, linear (default) or quadratic"),
-    compile: bool = typer.Option(False, "--compile", help="ar and lossless sbd: static KV cache and a torch.compile'd "
-                                 "step (the first call compiles, ~10-30 s per batch shape on a CPU core)"),
+    compile: bool = typer.Option(False, "--compile", help="every decoder: a preallocated static KV cache and a torch.compile'd "
+                                 "step (the first call compiles, ~10-30 s per batch shape on a CPU core; same tokens)"),
     gen_length: int = typer.Option(None, "--gen-length", help="diffusion: fixed generation length (canvas size)"),
     steps: int = typer.Option(None, "--steps", help="diffusion: total denoising steps (top-k policy, LLaDA; --schedule dream); block: steps per block"),
     cache: str = typer.Option(None, "--cache", help="diffusion: none, prefix or dual (approximate caches)"),

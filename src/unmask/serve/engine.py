@@ -117,7 +117,7 @@ class Scheduler:
         if not isinstance(max_queue, int) or max_queue < 1:
             raise UnmaskError(f"max queue must be an integer >= 1 (got {max_queue!r}); pass e.g. 64")
         self.bundle, self.max_batch_size, self.max_queue = bundle, max_batch_size, max_queue
-        self.compile = compile  # lossless sbd batches on the static, compiled path (unmask.decode.static)
+        self.compile = compile  # non-AR batches on the static, compiled path (unmask.decode.kv, .static)
         self.draft_sizes = draft_sizes  # None: every lossless sbd batch keeps its own block size
         self.draft_log: list[tuple[int, int]] = []  # (rows sharing forwards, K) of each sized batch; 1 = AR
         self.ar = ARBatch(bundle, on_token=self._ar_token)
@@ -353,8 +353,8 @@ class Scheduler:
         if first.sizable:  # K from the load; at least 2 here (K = 1 jobs were routed to the AR batch)
             kwargs["block_size"] = max(2, self.draft_sizes.size(self._load(0)))
             self.draft_log.append((self._load(0), kwargs["block_size"]))
-        if self.compile and first.decoder == "sbd" and runs_lossless(self.bundle, kwargs):
-            kwargs["compile"] = True  # lossy requests stay eager: they have no compiled step
+        if self.compile and "compile" in inspect.signature(decode).parameters:
+            kwargs["compile"] = True  # static KV cache + compiled step; the AR running batch stays eager
         try:
             out = decode(self.bundle, [j.prompt_ids for j in jobs], max_new_tokens=first.max_new_tokens,
                          sampling=first.sampling, stop_token_ids=self.bundle.stop_token_ids,
