@@ -8,7 +8,7 @@ import torch
 from conftest import one_line_error, tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
-from unmask.decode import ar, sbd_verify, static
+from unmask.decode import ar, sbd, sbd_verify, static
 from unmask.models.mask_token import add_mask_token
 from unmask.sampling import Sampling
 
@@ -83,6 +83,9 @@ def test_static_paths_on_tiny_random_models_with_eager_attention(factory):
     for draft in ("linear", "quadratic"):
         kw = dict(max_new_tokens=30, block_size=3, draft=draft)
         _same(sbd_verify.decode(bundle, prompts, **kw), static.verify_decode(bundle, prompts, **kw))
+    for sampling in SAMPLINGS.values():  # lossy SBD: the additive float mask padded to the static cache
+        kw = dict(max_new_tokens=30, block_size=4, verify=False, gamma=0.5, sampling=sampling)
+        _same(sbd.decode(bundle, prompts, **kw), sbd.decode(bundle, prompts, static=True, **kw))
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -100,10 +103,59 @@ def test_compiled_equals_eager_for_ar_and_lossless_sbd(sbd_model, batch):
 
 
 def test_compile_errors_are_one_line(capsys):
-    one_line_error(capsys, "generate", "Once", "--compile", "--no-verify", "-n", "4", match="--compile")
     one_line_error(capsys, "generate", "Once", "--compile", "-m", "stories260K-dlm", "-n", "4", match="--compile")
     one_line_error(capsys, "generate", "Once", "--compile", "-d", "ar", "--trace", "t.json", "-n", "4",
                    match="--show/--trace")
+
+
+LOSSY = {"default": {}, "chat-high": {"preset": "chat-high"}, "k4-gamma0.1": {"block_size": 4, "gamma": 0.1}}
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("options", LOSSY)
+def test_static_lossy_sbd_equals_eager(sbd_model, sampling, batch, options):
+    # 90 tokens: a short last block too (90 = 5·16 + 10, 22·4 + 2), so every query shape is exercised
+    kw = dict(max_new_tokens=90, sampling=SAMPLINGS[sampling], stop_token_ids=sbd_model.stop_token_ids,
+              verify=False, **LOSSY[options])
+    prompts = _prompts(sbd_model, batch)
+    eager = sbd.decode(sbd_model, prompts, **kw)
+    fast = sbd.decode(sbd_model, prompts, static=True, **kw)
+    _same(eager, fast)
+    assert eager.stats.extra["accepts"] == fast.stats.extra["accepts"]
+    assert fast.stats.extra["static_cache"] % static.LENGTH_BUCKET == 0 and eager.stats.extra["static_cache"] is None
+
+
+@pytest.mark.parametrize("stop", [("park",), ("the", "Lily")])
+def test_static_lossy_sbd_stop_strings_and_events(sbd_model, stop):
+    # finished rows ride along masked on the static cache; step events and forward hooks match too
+    kw = dict(max_new_tokens=64, stop_token_ids=sbd_model.stop_token_ids, stop_strings=stop, verify=False,
+              block_size=8)
+    prompts = _prompts(sbd_model, 8)
+    eager_steps, fast_steps, eager_fwd, fast_fwd = [], [], [], []
+    eager = sbd.decode(sbd_model, prompts, on_step=eager_steps.append, on_forward=eager_fwd.append, **kw)
+    fast = sbd.decode(sbd_model, prompts, static=True, on_step=fast_steps.append, on_forward=fast_fwd.append, **kw)
+    _same(eager, fast)
+    assert fast_steps == eager_steps
+    assert [f["inp"].tolist() for f in fast_fwd] == [f["inp"].tolist() for f in eager_fwd]
+    for e, f in zip(eager_fwd, fast_fwd):  # the static cache holds the same committed causal K/V
+        assert all(torch.allclose(ek, fk, atol=1e-5) for (ek, _), (fk, _) in zip(e["cache"], f["cache"]))
+    assert min(fast.stats.tokens_per_row) < 64  # some row stopped early
+
+
+def test_compiled_lossy_sbd_equals_eager(sbd_model):
+    # the one lossy compile test: two query shapes (k and the fused 2k re-feed), about 15 s on a CPU core
+    prompts = _prompts(sbd_model, 2)
+    kw = dict(max_new_tokens=32, stop_token_ids=sbd_model.stop_token_ids, verify=False)
+    eager = sbd.decode(sbd_model, prompts, **kw)
+    compiled = sbd.decode(sbd_model, prompts, compile=True, **kw)
+    _same(eager, compiled)
+    assert compiled.stats.extra["compiled"] is True and eager.stats.extra["compiled"] is False
+
+
+def test_static_option_values():
+    with pytest.raises(unmask.UnmaskError, match="static must be True or False"):
+        sbd.decode(unmask.load("stories260K-sbd"), [[1, 2]], max_new_tokens=2, verify=False, static="yes")
 
 
 def test_static_lossless_sbd_emits_the_eager_step_events(sbd_model):

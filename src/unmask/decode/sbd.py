@@ -9,6 +9,12 @@ The cache stays exact (§4.1): block K/V computed under bidirectional, noisy att
 cropped after every forward, and the first forward of the next block re-feeds the committed
 block causally together with the k new masks (one fused forward over 2k tokens), so only the
 causal K/V of committed text ever stay in the cache.
+
+One loop runs on either cache of :mod:`unmask.decode.kv`: the growing ``DynamicCache`` (the
+default) or, with ``static``/``compile``, a preallocated ``StaticCache`` whose crop is a pointer
+move. No row is ever pruned (a finished row rides along with its masks inactive), so every
+forward of a block has one of at most four query shapes — k or 2k tokens, and the same for a
+shorter last block — and ``compile=True`` reuses one compiled step per shape.
 """
 
 from __future__ import annotations
@@ -19,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.compat import attention_mask, crop, forward, new_cache
 from unmask.decode import sbd_verify
 from unmask.decode.batching import left_pad
+from unmask.decode.kv import make_kv
 from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, causal_mask, sbd_inference_mask, with_key_padding
@@ -80,15 +86,18 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            policy: str | None = None, gamma: float | str | None = None, preset: str | None = None,
            tau: float | None = None, factor: float | None = None, tokens_per_step: int | None = None,
            verify: bool | None = None, draft: str | None = None, on_forward=None, on_step=None,
-           compile: bool = False) -> DecodeOutput:
+           compile: bool = False, static: bool = False) -> DecodeOutput:
     """SBD block decoding of a batch (SBD Alg. 2–3, §4.1 fused re-feed, §4.2 accounting).
 
     ``verify=True`` runs lossless SBD instead (spec/sbd_exact.md, :mod:`unmask.decode.sbd_verify`):
     the block mode only drafts, the NTP mode verifies in the same forward, and the output equals
     ``ar`` decoding of the same model; ``draft`` picks its layout (quadratic or linear) and the
     commit-policy options do not apply. ``verify=None`` takes the checkpoint's ``decode_defaults``
-    unless a policy option is given (then the lossy EB path runs). ``compile=True`` (lossless only)
-    runs the static-cache, compiled fast path (:mod:`unmask.decode.static`).
+    unless a policy option is given (then the lossy EB path runs). ``compile=True`` runs the
+    static-cache, compiled fast path (lossless: :mod:`unmask.decode.static`; lossy: this loop on a
+    :class:`unmask.decode.kv.StaticKV` with a compiled step, the prefill eager); ``static=True``
+    runs the lossy loop on the static cache eagerly (tests, debugging). Both give the eager
+    tokens and NFE; stats.extra records ``compiled`` and ``static_cache`` (its length, or None).
 
     prompts: token ids per row (left-padded internally). Rows advance block by block in
     lockstep; a row whose block is complete waits, and its NFE counts only the forwards in which
@@ -113,10 +122,10 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                                  stop_token_ids=stop_token_ids, stop_strings=stop_strings,
                                  block_size=_first(block_size, defaults.get("verify_block_size"), sbd_verify.DEFAULT_BLOCK_SIZE),
                                  draft=_first(draft, defaults.get("draft"), sbd_verify.DEFAULT_DRAFT),
-                                 on_forward=on_forward, on_step=on_step, compile=compile)
-    if compile:
-        raise UnmaskError("--compile runs the lossless sbd decoder (--verify) and ar; lossy SBD has no compiled "
-                          "step yet: add --verify or drop --compile")
+                                 on_forward=on_forward, on_step=on_step, compile=compile, static=static)
+    for name, value in (("compile", compile), ("static", static)):
+        if not isinstance(value, bool):
+            raise UnmaskError(f"{name} must be True or False (got {value!r}); pass {name}=True")
     defaults = {k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS}
     cfg = SBDConfig.from_options(block_size=block_size, policy=policy, gamma=gamma, preset=preset, tau=tau,
                                  factor=factor, tokens_per_step=tokens_per_step, defaults=defaults)
@@ -131,10 +140,12 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     suppress = list(bundle.suppress_ids)
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 
-    cache = new_cache(model)
+    # the cache never holds more than the prompt and the committed text: a block's noisy K/V
+    # (at most max_new_tokens - start of them) are cropped before the next block is re-fed
+    kv = make_kv(model, batch=B, capacity=P + max_new_tokens, static=static, compile=compile)
     mask = with_key_padding(as_4d(causal_mask(P, device=device), B), valid)  # (B, 1, P, P)
-    forward(model, ids, position_ids=pos, attention_mask=attention_mask(model, mask), cache=cache, logits_to_keep=1)
-    key_valid = valid  # (B, cache columns) grows with every committed block
+    kv.forward(ids, pos, mask, logits_to_keep=1, compiled=False)  # prefill: its length depends on the prompts
+    key_valid = valid  # (B, kv.length) grows with every committed block
 
     out = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -153,14 +164,13 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                 break
             refeed = prev_block if first and prev_block is not None else block[:, :0]
             c = refeed.shape[1]
-            past = key_valid.shape[1]
+            past = kv.length  # == key_valid.shape[1]
             inp = torch.cat([refeed, block], dim=1)  # (B, c + n)
             positions = (row_len + start - c)[:, None] + torch.arange(c + n, device=device)  # (B, c + n)
             kv_valid = torch.cat([key_valid, torch.ones(B, c + n, dtype=torch.bool, device=device)], dim=1)
             m = with_key_padding(as_4d(sbd_inference_mask(past, c, n, device=device), B), kv_valid)  # (B,1,c+n,kv)
-            logits = forward(model, inp, position_ids=positions, attention_mask=attention_mask(model, m),
-                             cache=cache, logits_to_keep=n)  # (B, n, V)
-            crop(cache, n)  # drop the noisy block K/V; a re-fed block's causal K/V stay (§4.1)
+            logits = kv.forward(inp, positions, m, logits_to_keep=n)  # (B, n, V)
+            kv.crop(n)  # drop the noisy block K/V; a re-fed block's causal K/V stay (§4.1)
             if c:
                 key_valid = torch.cat([key_valid, torch.ones(B, c, dtype=torch.bool, device=device)], dim=1)
             first = False
@@ -169,7 +179,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             if on_forward is not None:
                 on_forward({"inp": inp, "positions": positions, "logits": logits, "block": block.clone(),
                             "start": start, "refeed": c,
-                            "cache": [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]})
+                            "cache": [(keys.clone(), values.clone()) for keys, values in kv.layers()]})
             chosen, tokens = commit(logits, masked, cfg.policy, temperature=sampling.temperature,
                                     top_k=sampling.top_k, top_p=sampling.top_p, generator=gens)
             block = torch.where(chosen, tokens, block)
@@ -194,6 +204,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
 
     tokens = [_until_stop(out[b].tolist(), stops) for b in range(B)]
     extra = {"policy": cfg.policy.name, "block_size": k, "accepts": dict(sorted(histogram.items())),
+             "compiled": bool(compile), "static_cache": kv.capacity if kv.static else None,
              "row_extra": [{"policy": cfg.policy.name, "block_size": k, "accepts": a} for a in accepts]}
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
                         seconds=time.perf_counter() - t0, extra=extra)

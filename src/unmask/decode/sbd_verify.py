@@ -199,12 +199,14 @@ def _draw(logits: torch.Tensor, sampling: Sampling, generator) -> tuple[torch.Te
 @torch.inference_mode()
 def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int = DEFAULT_BLOCK_SIZE,
-           draft: str = DEFAULT_DRAFT, on_forward=None, on_step=None, compile: bool = False) -> DecodeOutput:
+           draft: str = DEFAULT_DRAFT, on_forward=None, on_step=None, compile: bool = False,
+           static: bool = False) -> DecodeOutput:
     """Lossless SBD decoding of a batch (spec/sbd_exact.md §1–2).
 
     ``compile=True`` takes the fast path (:func:`unmask.decode.static.verify_decode`): a static KV
     cache whose pointer moves instead of cropping, and a ``torch.compile``-d step; same tokens and
-    NFE and step events; it takes no ``on_forward`` hook (UnmaskError).
+    NFE and step events; it takes no ``on_forward`` hook (UnmaskError). ``static=True`` runs the
+    same static-cache loop eagerly (tests, debugging).
 
     prompts: token ids per row (left-padded internally). One forward per step: prefill = prompt
     (causal) + one draft group; then verify part + draft groups. A row stops at a stop token
@@ -228,15 +230,15 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     if 2 * K > bundle.context_length:
         raise UnmaskError(f"block size {K} is too large for the context window of {bundle.context_length}; "
                           "lower --block-size")
-    if compile:
+    if compile or static:
         if on_forward is not None:
-            raise UnmaskError("compile=True takes no on_forward hook (the static cache is not a DynamicCache); "
-                              "drop one of them")
-        from unmask.decode import static
+            raise UnmaskError("compile=True / static=True take no on_forward hook (the static cache is not a "
+                              "DynamicCache); drop one of them")
+        from unmask.decode import static as fast
 
-        return static.verify_decode(bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                    stop_token_ids=stop_token_ids, stop_strings=stop_strings, block_size=K,
-                                    draft=cfg.draft, compile=True, on_step=on_step)
+        return fast.verify_decode(bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                  stop_token_ids=stop_token_ids, stop_strings=stop_strings, block_size=K,
+                                  draft=cfg.draft, compile=bool(compile), on_step=on_step)
     t0 = time.perf_counter()
     layout = step_layout(K, cfg.draft, device)
     Q, G = layout.queries, layout.groups
