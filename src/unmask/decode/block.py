@@ -20,6 +20,12 @@ Storing a finished block's K/V (§1.2 step 4), ``store=``:
 
 The last block of a row is never stored (nothing follows it). Positions past ``max_new_tokens``
 in the last block stay ``[MASK]``, are never decoded, and never reach the output.
+
+The cache is a :mod:`unmask.decode.kv` object: a growing ``DynamicCache`` by default, or
+(``static=True`` / ``compile=True``) a ``StaticCache`` sized once per batch whose length pointer
+moves on every crop, with the block forwards (B or 2B queries) through a ``torch.compile``-d
+step (:func:`unmask.decode.static.step_function`). One loop runs on either; key validity is a
+preallocated (R, capacity) bool buffer whose first ``kv.length`` columns are live.
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.compat import attention_mask, crop, forward, new_cache
 from unmask.decode.batching import left_pad
+from unmask.decode.kv import make_kv
 from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, block_causal_mask, with_key_padding
@@ -129,24 +135,65 @@ def check_block_model(bundle, decoder: str) -> None:
                           f"(this one is {bundle.kind!r}); use --decoder ar or load a block-diffusion model")
 
 
-def prefill_whole_blocks(model, prompts: list[list[int]], B: int, pad_id: int, device):
-    """Prefill each row's whole prompt blocks block-causally (multiblock.md §3.2 step 1).
+def whole_prompt_blocks(prompts: list[list[int]], B: int) -> int:
+    """F: the prefill width, the longest prompt's whole blocks in tokens (rows are left-padded to it)."""
+    return max(len(p) // B for p in prompts) * B
 
-    Rows are left-padded to the longest prefilled part; every row's pad is a multiple of B, so one
-    block-causal mask over the padded columns is right for every row. Returns (cache, key_valid
-    (R, F) bool, n_full (R,) long: whole prompt blocks per row). With F = 0 no forward runs.
+
+def prefill_whole_blocks(kv, prompts: list[list[int]], B: int, pad_id: int, device):
+    """Prefill each row's whole prompt blocks block-causally into ``kv`` (multiblock.md §3.2 step 1).
+
+    kv: an empty :mod:`unmask.decode.kv` cache (DynamicKV or StaticKV). Rows are left-padded to the
+    longest prefilled part, F = :func:`whole_prompt_blocks`; every row's pad is a multiple of B, so
+    one block-causal mask over the padded columns is right for every row. The forward's length
+    depends on the prompts, so it runs eagerly (``compiled=False``). Returns (kv, key_valid (R, F)
+    bool, n_full (R,) long: whole prompt blocks per row). With F = 0 no forward runs.
     """
     n_full = [len(p) // B for p in prompts]
     heads = [p[: n * B] for p, n in zip(prompts, n_full)]
-    cache = new_cache(model)
     n_full_t = torch.tensor(n_full, dtype=torch.long, device=device)
     if max(len(h) for h in heads) == 0:
-        return cache, torch.zeros((len(prompts), 0), dtype=torch.bool, device=device), n_full_t
+        return kv, torch.zeros((len(prompts), 0), dtype=torch.bool, device=device), n_full_t
     ids, valid, pos = left_pad(heads, pad_id, device)  # (R, F) each
     R, F = ids.shape
     mask = with_key_padding(as_4d(block_causal_mask(F, B, device=device), R), valid)  # (R, 1, F, F)
-    forward(model, ids, position_ids=pos, attention_mask=attention_mask(model, mask), cache=cache, logits_to_keep=1)
-    return cache, valid, n_full_t
+    kv.forward(ids, pos, mask, logits_to_keep=1, compiled=False)
+    return kv, valid, n_full_t
+
+
+def key_valid_buffer(valid: torch.Tensor, capacity: int) -> torch.Tensor:
+    """(R, capacity) bool, the prefill's ``valid`` (R, F) in its first F columns. Column c says
+    whether cache position c is a real key for the row; only the first ``kv.length`` columns (plus
+    a forward's query columns, set True before it) are ever read, the rest are overwritten first."""
+    R, F = valid.shape
+    buf = torch.zeros((R, max(capacity, F)), dtype=torch.bool, device=valid.device)
+    buf[:, :F] = valid
+    return buf
+
+
+def window_forward(kv, key_valid: torch.Tensor, inp: torch.Tensor, positions: torch.Tensor, n_slots: int, B: int,
+                   **kw) -> torch.Tensor:
+    """One forward of ``n_slots`` blocks (inp, positions (R, n_slots*B)) after the cache,
+    block-causal (``block_buffer_mask``: each block sees the valid cached keys, earlier blocks and
+    itself). Marks the query columns of ``key_valid`` (R, capacity) valid; the caller crops and
+    records which kept columns are real. Returns ``kv.forward``'s logits."""
+    R, past, q = inp.shape[0], kv.length, n_slots * B
+    key_valid[:, past: past + q] = True
+    m = with_key_padding(as_4d(block_buffer_mask(past, n_slots, B, device=inp.device), R),
+                         key_valid[:, : past + q])  # (R, 1, q, past + q)
+    return kv.forward(inp, positions, m, **kw)
+
+
+def check_cache_flags(compile, static) -> None:
+    """Raise a one-line UnmaskError unless ``compile`` and ``static`` are True or False."""
+    for name, value in (("compile", compile), ("static", static)):
+        if not isinstance(value, bool):
+            raise UnmaskError(f"{name} must be True or False (got {value!r}); pass {name}=True")
+
+
+def cache_extra(kv, compile: bool) -> dict:
+    """stats.extra keys of the static path: ``compiled`` and ``static_cache`` (its length L)."""
+    return {"compiled": bool(compile), "static_cache": kv.capacity} if kv.static else {}
 
 
 def row_sequences(prompts: list[list[int]], length: int, mask_id: int, device) -> torch.Tensor:
@@ -259,7 +306,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            policy: str | None = None, tau: float | None = None, gamma: float | str | None = None,
            preset: str | None = None, factor: float | None = None, tokens_per_step: int | None = None,
            store: str | None = None, steps: int | None = None, schedule: str | None = None, on_forward=None,
-           on_step=None) -> DecodeOutput:
+           on_step=None, compile: bool = False, static: bool = False) -> DecodeOutput:
     """SingleBD decoding of a batch (multiblock.md §1.2) with an exact block KV cache.
 
     ``schedule="llada2"`` reproduces LLaDA2.0's ``generate`` (block 32, 32 steps, τ 0.95) and
@@ -278,6 +325,15 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     (generated indices), ``canvas`` (the generated region, None where masked). Store forwards
     commit nothing and send no event.
 
+    ``compile=True`` takes the fast path: a static KV cache of L = F + (blocks + 1)·B positions
+    (F the prefilled prompt blocks, rounded up to ``LENGTH_BUCKET``) allocated once, whose pointer
+    moves instead of cropping, and the block forwards (R, B) and fused (R, 2B) through a
+    ``torch.compile``-d step (inductor on CPU, CUDA graphs on CUDA;
+    :func:`unmask.decode.static.step_function`); the prefill runs eagerly. ``static=True`` runs on
+    the preallocated static cache without compiling: what compile runs, eagerly (tests,
+    debugging). Both give the eager tokens, NFE and accepts; every forward's mask covers the
+    whole cache (R, 1, q, L).
+
     NFE versus reference code (SDAR, Diffulex SingleBD): the last block's store forward is not
     run (its K/V would never be read), so NFE is one less per row than theirs; and a row stops
     after the block holding its first stop token, where reference code decodes to the end: pass
@@ -286,10 +342,13 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     Returns DecodeOutput; stats.extra holds ``policy``, ``block_size``, ``store``,
     ``store_forwards`` (the batch's store-only forwards, already inside ``nfe``), ``accepts``
     (histogram: tokens committed per row per forward -> count) and ``row_extra`` (per row:
-    ``accepts`` per denoising forward, ``store_forwards``). Raises UnmaskError for a model that is
-    not block-diffusion, a block size that disagrees with the checkpoint's, or bad policy options.
+    ``accepts`` per denoising forward, ``store_forwards``), and on the static path ``compiled`` and
+    ``static_cache`` (L). ``on_forward`` states carry ``cache``: per layer (keys, values) (R, H,
+    length, D) copies. Raises UnmaskError for a model that is not block-diffusion, a block size that
+    disagrees with the checkpoint's, bad policy options, or ``compile`` / ``static`` not a bool.
     """
     check_block_model(bundle, "block")
+    check_cache_flags(compile, static)
     cfg = BlockConfig.from_options(bundle, block_size=block_size, policy=policy, tau=tau, gamma=gamma, preset=preset,
                                    factor=factor, tokens_per_step=tokens_per_step, store=store, steps=steps,
                                    schedule=schedule)
@@ -302,10 +361,16 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     suppress = list(bundle.suppress_ids) if cfg.steps is None else []
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 
-    cache, key_valid, n_full = prefill_whole_blocks(model, prompts, B, bundle.pad_token_id, device)
     gen_start = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)  # (R,)
     gen_end = gen_start + max_new_tokens
+    n_full = torch.div(gen_start, B, rounding_mode="floor")  # (R,) whole prompt blocks
     n_blocks = torch.div(gen_end - 1, B, rounding_mode="floor") - n_full + 1  # (R,) blocks to decode per row
+    # Block j's forward ends at F + (j + 1)·B at most: j blocks stored, then one block (or the
+    # fused pair, whose first block is the j-th stored); one block of slack.
+    capacity = whole_prompt_blocks(prompts, B) + (int(n_blocks.max()) + 1) * B
+    kv = make_kv(model, batch=R, capacity=capacity, static=static, compile=compile)
+    kv, valid, _ = prefill_whole_blocks(kv, prompts, B, bundle.pad_token_id, device)
+    key_valid = key_valid_buffer(valid, capacity)  # (R, capacity)
     seq = row_sequences(prompts, int((n_full + n_blocks).max()) * B, mask_id, device)  # (R, L)
     arange_b = torch.arange(B, device=device)
     # B denoising forwards (or `steps`: a quota step may commit nothing) + 1 store per block
@@ -321,20 +386,16 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
 
     def run(inp, positions, n_slots, rows_kept):
         """One forward of n_slots blocks; keeps the K/V of the first block when rows_kept is given."""
-        nonlocal key_valid
-        past = key_valid.shape[1]
-        kv_valid = torch.cat([key_valid, torch.ones(R, n_slots * B, dtype=torch.bool, device=device)], dim=1)
-        m = with_key_padding(as_4d(block_buffer_mask(past, n_slots, B, device=device), R), kv_valid)  # (R,1,q,kv)
-        logits = forward(model, inp, position_ids=positions, attention_mask=attention_mask(model, m), cache=cache,
-                         logits_to_keep=B)  # (R, B, V): the last block
+        past = kv.length
+        logits = window_forward(kv, key_valid, inp, positions, n_slots, B, logits_to_keep=B)  # (R, B, V): last block
         keep = B if rows_kept is not None else 0
-        crop(cache, n_slots * B - keep)  # only a stored block's clean K/V stay
+        kv.crop(n_slots * B - keep)  # only a stored block's clean K/V stay
         if rows_kept is not None:
-            key_valid = torch.cat([key_valid, rows_kept[:, None].expand(R, B)], dim=1)
+            key_valid[:, past: past + B] = rows_kept[:, None]  # (R, B)
         if on_forward is not None:
             on_forward({"inp": inp, "positions": positions, "logits": logits, "slots": n_slots,
                         "stored": rows_kept is not None, "past": past,
-                        "cache": [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]})
+                        "cache": [(k.clone(), v.clone()) for k, v in kv.layers()]})
         return logits
 
     for j in range(int(n_blocks.max())):
@@ -404,7 +465,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     tokens = outputs(seq, gen_start, max_new_tokens, stops, mask_id)
     name = cfg.policy.name
     extra = {"policy": name, "block_size": B, "store": cfg.store, "store_forwards": stores, "steps": cfg.steps,
-             "accepts": dict(sorted(histogram.items())),
+             "accepts": dict(sorted(histogram.items())), **cache_extra(kv, compile),
              "row_extra": [{"policy": name, "block_size": B, "store": cfg.store, "accepts": a,
                             "store_forwards": int(s)} for a, s in zip(accepts, store_rows.tolist())]}
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],

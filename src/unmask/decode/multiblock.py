@@ -23,6 +23,11 @@ NFE counts every step forward a row takes part in (prefill excluded), including 
 only effect for the row is storing a block: with N_buf = 1 this is exactly the SingleBD storing
 bubble, and ``slots=1`` reproduces :mod:`unmask.decode.block` (``store="separate"``, threshold
 policy with τ = τ_M2T) token for token and forward for forward.
+
+The cache is a :mod:`unmask.decode.kv` object (multiblock.md §3.6): a growing ``DynamicCache`` by
+default, or (``static=True`` / ``compile=True``) a ``StaticCache`` sized once per batch whose
+pointer moves on each crop; the window forward has the same shape (R, N_buf·B) at every step, so
+``compile=True`` runs it through one ``torch.compile``-d graph. One loop runs on either cache.
 """
 
 from __future__ import annotations
@@ -33,13 +38,13 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.compat import attention_mask, crop, forward
 from unmask.decode import block_buffer as bb
-from unmask.decode.block import (check_block_model, first_stop, hit_stop_string, outputs, prefill_whole_blocks,
-                                 resolve_block_size, row_sequences, step_event)
+from unmask.decode.block import (cache_extra, check_block_model, check_cache_flags, first_stop, hit_stop_string,
+                                 key_valid_buffer, outputs, prefill_whole_blocks, resolve_block_size, row_sequences,
+                                 step_event, whole_prompt_blocks, window_forward)
+from unmask.decode.kv import make_kv
 from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
-from unmask.masks import as_4d, block_buffer_mask, with_key_padding
 from unmask.policies import token_stats
 from unmask.sampling import Sampling, sample
 
@@ -114,7 +119,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
            slots: int | None = None, tau_add: float | None = None, tau_semi: float | None = None,
            tau_m2t: float | None = None, tau_t2t: float | None = None, tau_stable: float | None = None,
-           max_nfe: int | None = None, on_forward=None, on_step=None) -> DecodeOutput:
+           max_nfe: int | None = None, on_forward=None, on_step=None, compile: bool = False,
+           static: bool = False) -> DecodeOutput:
     """Block Buffer decoding of a batch (multiblock.md §3.2–3.3), one static-shape forward per step.
 
     prompts: token ids per row. A row finishes when a stop token was generated (or its last block
@@ -128,14 +134,25 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     the forward, e.g. ``["to-cache", "active", "dummy"]``), ``blocks`` (their block indices) and
     ``running_set`` (|R_s|).
 
+    ``compile=True`` takes the fast path (multiblock.md §3.6): a static KV cache allocated once per
+    batch, whose pointer moves instead of cropping, and the window forward through a
+    ``torch.compile``-d step (inductor on CPU, CUDA graphs on CUDA;
+    :func:`unmask.decode.static.step_function`); the prefill runs eagerly. ``static=True`` runs on
+    the preallocated static cache without compiling: what compile runs, eagerly (tests,
+    debugging). Both give the eager tokens, NFE and statistics. The cache holds the prefill, every
+    block a row may store and one window: L = F + (Σ_rows blocks + N_buf)·B, rounded up to
+    ``LENGTH_BUCKET`` (rows store in different steps, and a step keeps as many columns as the row
+    storing the most), and every forward's mask covers all of it, (R, 1, N_buf·B, L).
+
     Returns DecodeOutput. stats.extra: the thresholds, ``accepts`` (histogram of M2T commits per
     row per step), ``mean_running_set`` (running-set size |R_s| averaged over row-steps), ``edits``,
     and ``row_extra`` per row: ``running_set`` (|R_s| at each of its steps), ``mean_running_set``,
     ``accepts`` (commits per step), ``edits``. Raises UnmaskError for a model that is not
     block-diffusion, slots < 1, a threshold outside [0, 1] or a block size that disagrees with the
-    checkpoint's.
+    checkpoint's. On the static path stats.extra also has ``compiled`` and ``static_cache`` (L).
     """
     check_block_model(bundle, "multiblock")
+    check_cache_flags(compile, static)
     cfg = MultiBlockConfig.from_options(bundle, block_size=block_size, slots=slots, tau_add=tau_add,
                                         tau_semi=tau_semi, tau_m2t=tau_m2t, tau_t2t=tau_t2t, tau_stable=tau_stable,
                                         max_nfe=max_nfe)
@@ -149,8 +166,12 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     suppress = list(bundle.suppress_ids)
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 
-    cache, key_valid, _ = prefill_whole_blocks(model, prompts, B, bundle.pad_token_id, device)
     w = bb.initial_window(prompts, max_new_tokens, S, B, mask_id, device)
+    # Each step keeps max-over-rows stored blocks, so the cache may hold every row's blocks side by side.
+    capacity = whole_prompt_blocks(prompts, B) + (int((w.last_block - w.front + 1).sum()) + S) * B
+    kv = make_kv(model, batch=R, capacity=capacity, static=static, compile=compile)
+    kv, valid, _ = prefill_whole_blocks(kv, prompts, B, bundle.pad_token_id, device)
+    key_valid = key_valid_buffer(valid, capacity)  # (R, capacity); the first kv.length columns are live
     # Room for every real block and the dummies after the last one, so window writes never clamp.
     seq = row_sequences(prompts, int((w.last_block.max() + 1 + S) * B), mask_id, device)  # (R, L)
     seq_pos = torch.arange(seq.shape[1], device=device)
@@ -174,22 +195,20 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
 
         # One forward over the static window; it also writes the to-cache slots' K/V (§3.3 step 2).
         stored = (w.state == bb.TO_CACHE).sum(dim=1)  # (R,) to-cache slots form a prefix
-        past = key_valid.shape[1]
+        past = kv.length
         ids = w.tokens.view(R, S * B)  # (R, S*B)
         positions = w.positions().view(R, S * B)  # (R, S*B)
-        kv_valid = torch.cat([key_valid, torch.ones(R, S * B, dtype=torch.bool, device=device)], dim=1)
-        m = with_key_padding(as_4d(block_buffer_mask(past, S, B, device=device), R), kv_valid)  # (R, 1, S*B, kv)
-        logits = forward(model, ids, position_ids=positions, attention_mask=attention_mask(model, m), cache=cache)
+        logits = window_forward(kv, key_valid, ids, positions, S, B)  # (R, S*B, V)
         keep = int(stored.max())
-        crop(cache, (S - keep) * B)
+        kv.crop((S - keep) * B)
         cols = torch.arange(keep * B, device=device)  # (keep*B,)
-        key_valid = torch.cat([key_valid, cols[None, :] < (stored * B)[:, None]], dim=1)  # other rows: scratch
+        key_valid[:, past: past + keep * B] = cols[None, :] < (stored * B)[:, None]  # other rows: scratch
         if suppress:
             logits[..., suppress] = float("-inf")
         if on_forward is not None:
             on_forward({"inp": ids, "positions": positions, "logits": logits, "window": before, "past": past,
-                        "stored": stored.clone(), "key_valid": key_valid.clone(),
-                        "cache": [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]})
+                        "stored": stored.clone(), "key_valid": key_valid[:, : kv.length].clone(),
+                        "cache": [(k.clone(), v.clone()) for k, v in kv.layers()]})
         top1, kappa = candidates(logits.view(R, S, B, -1), sampling, gens)  # (R, S, B) each
         w, info = bb.transition(w, top1, kappa, tau_m2t=cfg.tau_m2t, tau_semi=cfg.tau_semi, tau_t2t=cfg.tau_t2t,
                                 max_post_edit_steps=cfg.max_post_edit_steps)
@@ -237,7 +256,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     mean_rs = sum(sizes) / max(1, len(sizes))
     extra = {"slots": S, "block_size": B, "tau_add": cfg.tau_add, "tau_semi": cfg.tau_semi, "tau_m2t": cfg.tau_m2t,
              "tau_t2t": cfg.tau_t2t, "tau_stable": cfg.tau_stable, "accepts": dict(sorted(histogram.items())),
-             "mean_running_set": mean_rs, "edits": sum(edits),
+             "mean_running_set": mean_rs, "edits": sum(edits), **cache_extra(kv, compile),
              "row_extra": [{"slots": S, "block_size": B, "running_set": rs,
                             "mean_running_set": sum(rs) / max(1, len(rs)), "accepts": a, "edits": e}
                            for rs, a, e in zip(running, accepts, edits)]}

@@ -1,0 +1,146 @@
+"""The fast path of ``block`` and ``multiblock`` (issue #13): the preallocated static KV cache, eager
+and compiled, gives the dynamic cache's tokens, NFE and accepts (STYLE.md 14: static against
+dynamic, compiled against eager; multiblock.md §1.2, §3.6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_block_decode import bd_bundle
+
+import unmask
+from unmask.decode import block, multiblock
+from unmask.sampling import Sampling
+
+TEXTS = ["Once upon a time", "The cat sat on the", "Lily and Ben went to the park", "One day",
+         "Tom had a red ball and", "She", "The sun was hot and the", "A little bird"]
+SAMPLED = Sampling(temperature=0.9, top_k=20, seed=5)
+
+
+@pytest.fixture(scope="module")
+def bd():
+    return unmask.load("stories260K-bd")
+
+
+@pytest.fixture(scope="module")
+def mbd():
+    return unmask.load("stories260K-mbd")
+
+
+def _prompts(bundle, batch):
+    return [bundle.encode(t) for t in TEXTS[:batch]]
+
+
+def _same(a, b):
+    assert a.tokens == b.tokens
+    assert a.stats.nfe == b.stats.nfe
+    assert a.stats.nfe_per_row == b.stats.nfe_per_row
+    assert a.stats.tokens_per_row == b.stats.tokens_per_row
+    assert a.stats.extra["accepts"] == b.stats.extra["accepts"]
+    assert [r["accepts"] for r in a.stats.extra["row_extra"]] == [r["accepts"] for r in b.stats.extra["row_extra"]]
+
+
+def _static_equals_dynamic(decoder, bundle, prompts, **kw):
+    dynamic = decoder.decode(bundle, prompts, **kw)
+    fast = decoder.decode(bundle, prompts, static=True, **kw)
+    _same(dynamic, fast)
+    assert "compiled" not in dynamic.stats.extra and "static_cache" not in dynamic.stats.extra
+    assert fast.stats.extra["compiled"] is False and fast.stats.extra["static_cache"] % 128 == 0
+    return dynamic, fast
+
+
+BLOCK_CASES = {
+    "separate-b1": ({}, 1, Sampling()),
+    "separate-b8": ({}, 8, Sampling()),
+    "fused-b8": ({"store": "fused"}, 8, Sampling()),
+    "fused-b8-sampled": ({"store": "fused"}, 8, SAMPLED),
+    "sdar-schedule-b8": ({"schedule": "sdar"}, 8, Sampling()),
+}
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES)
+def test_static_block_equals_dynamic(bd, case):
+    opts, batch, sampling = BLOCK_CASES[case]
+    dynamic, fast = _static_equals_dynamic(block, bd, _prompts(bd, batch), max_new_tokens=64, sampling=sampling,
+                                           stop_token_ids=bd.stop_token_ids, **opts)
+    assert fast.stats.extra["store_forwards"] == dynamic.stats.extra["store_forwards"]
+
+
+MULTI_CASES = {
+    "slots1-b8": ({"slots": 1}, 8, Sampling()),
+    "default-b1": ({}, 1, Sampling()),
+    "default-b8": ({}, 8, Sampling()),
+    "default-b8-sampled": ({}, 8, SAMPLED),
+    "slots3-eager-add-b8": ({"slots": 3, "tau_add": 0.5, "tau_semi": 0.5, "tau_m2t": 0.8}, 8, Sampling()),
+    "t2t-b1": ({"tau_m2t": 0.7, "tau_t2t": 0.9}, 1, Sampling()),
+}
+
+
+@pytest.mark.parametrize("case", MULTI_CASES)
+def test_static_multiblock_equals_dynamic(mbd, case):
+    opts, batch, sampling = MULTI_CASES[case]
+    dynamic, fast = _static_equals_dynamic(multiblock, mbd, _prompts(mbd, batch), max_new_tokens=64,
+                                           sampling=sampling, stop_token_ids=mbd.stop_token_ids, **opts)
+    assert fast.stats.extra["mean_running_set"] == dynamic.stats.extra["mean_running_set"]
+    assert fast.stats.extra["edits"] == dynamic.stats.extra["edits"]
+
+
+@pytest.mark.parametrize("decoder,name", [(block, "bd"), (multiblock, "mbd")])
+def test_static_stops_at_a_stop_string(decoder, name, request):
+    bundle = request.getfixturevalue(name)
+    _, fast = _static_equals_dynamic(decoder, bundle, _prompts(bundle, 4), max_new_tokens=64,
+                                     stop_token_ids=bundle.stop_token_ids, stop_strings=("the",))
+    assert any(n < 64 for n in fast.stats.tokens_per_row)
+
+
+def test_static_equals_dynamic_on_a_tiny_eager_attention_model():
+    # eager attention takes the additive float mask over the whole static cache; prompts of 2, 5 and
+    # 12 tokens (no, one and three whole blocks: left padding in the prefill and ragged rows)
+    bundle = bd_bundle("qwen3", "eager", seed=3, initializer_range=0.4)
+    prompts = [[1, 3], [1, 3, 5, 7, 9], [1] + list(range(3, 14))]
+    for store in ("separate", "fused"):
+        _static_equals_dynamic(block, bundle, prompts, max_new_tokens=17, tau=0.6, store=store, stop_token_ids=(5,))
+    _static_equals_dynamic(multiblock, bundle, prompts, max_new_tokens=17, slots=3, tau_add=0.25, tau_semi=0.5,
+                           tau_m2t=0.5, stop_token_ids=(5,))
+
+
+@pytest.mark.parametrize("decoder,opts", [(block, {"store": "fused"}), (multiblock, {"slots": 2})])
+def test_static_on_forward_sees_the_dynamic_logits_and_cache(decoder, opts):
+    bundle = bd_bundle("llama", "sdpa", seed=1)
+    prompts = [[1, 5, 9, 12, 7], [1, 3]]
+    seen = {False: [], True: []}
+    for static in (False, True):
+        decoder.decode(bundle, prompts, max_new_tokens=10, static=static, on_forward=seen[static].append, **opts)
+    assert len(seen[False]) == len(seen[True]) > 3
+    for d, s in zip(seen[False], seen[True]):
+        assert d["past"] == s["past"]
+        torch.testing.assert_close(s["logits"], d["logits"], atol=1e-5, rtol=1e-5)
+        for (dk, dv), (sk, sv) in zip(d["cache"], s["cache"]):
+            assert dk.shape == sk.shape  # the static cache's live part: (R, H, length, D)
+            torch.testing.assert_close(sk, dk, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(sv, dv, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flag", ["compile", "static"])
+def test_cache_flags_must_be_booleans(bd, flag):
+    for decoder in (block, multiblock):
+        with pytest.raises(unmask.UnmaskError, match=f"{flag} must be True or False"):
+            decoder.decode(bd, [[1, 2]], max_new_tokens=2, **{flag: "yes"})
+
+
+def test_compiled_block_equals_eager(bd):
+    # the one compiled block test: two query shapes (B and the fused 2B), batch 2
+    prompts = _prompts(bd, 2)
+    kw = dict(max_new_tokens=32, stop_token_ids=bd.stop_token_ids, store="fused")
+    compiled = block.decode(bd, prompts, compile=True, **kw)
+    _same(block.decode(bd, prompts, **kw), compiled)
+    assert compiled.stats.extra["compiled"] is True
+
+
+def test_compiled_multiblock_equals_eager(mbd):
+    # the one compiled multiblock test: one query shape (R, N_buf·B), batch 2
+    prompts = _prompts(mbd, 2)
+    kw = dict(max_new_tokens=32, stop_token_ids=mbd.stop_token_ids)
+    compiled = multiblock.decode(mbd, prompts, compile=True, **kw)
+    _same(multiblock.decode(mbd, prompts, **kw), compiled)
+    assert compiled.stats.extra["compiled"] is True
