@@ -144,3 +144,31 @@ def test_a_client_gone_before_its_body_arrived_is_no_server_error(bundle):
         assert health["status"] == "ok"
         metrics = urllib.request.urlopen(s.url + "/metrics", timeout=10).read().decode()
         assert 'outcome="cancelled"' in metrics
+
+
+def test_a_sized_sbd_batch_moves_into_the_ar_batch_when_ar_rows_start(bundle):
+    """A greedy lossless sbd request alone on an idle server decodes in an sbd batch of its own
+    (K > 1); once an AR row runs beside it, the batch moves into the AR running batch at the next
+    step (one forward then serves both) and goes on from its committed tokens: same text and
+    stream as AR's, NFE below one forward per token."""
+    import openai
+
+    app = create_app(bundle, max_batch_size=4, max_queue=8)
+    gen = unmask.generate(PROMPTS[0], bundle, "ar", max_new_tokens=300)
+    ref = gen.texts[0]
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        stream = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=300, stream=True,
+                                      extra_body={"decoder": "sbd"})
+        chunks = [next(iter(stream))]
+        assert sched.batch_rows and sched.draft_log[-1][1] > 1  # its own sbd batch, K from an idle server
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=48, extra_body={"decoder": "ar"})
+        chunks += list(stream)
+        assert sched.migrated_rows == 1
+        assert "".join(x.choices[0].text for x in chunks) == ref
+        usage = chunks[-1].usage
+        assert usage.completion_tokens == len(gen.tokens[0])
+        assert usage.model_extra["nfe"] < usage.completion_tokens
+        assert r.choices[0].text == unmask.generate(PROMPTS[1], bundle, "ar", max_new_tokens=48).texts[0]
+        wait_until(lambda: sched.active == 0)

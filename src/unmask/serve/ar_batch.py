@@ -75,13 +75,19 @@ class ARBatch:
     @torch.inference_mode()
     def join(self, jobs: list) -> list[Row]:
         """Prefill each job alone and add it to the running batch. Returns the rows that already
-        finished on their first token (max_new_tokens 1, a stop token or a stop string)."""
+        finished on their first token (max_new_tokens 1, a stop token or a stop string). A job
+        with ``resume`` tokens (committed elsewhere, greedy, equal to AR's) is prefilled with
+        them and continues after them; ``resume_nfe`` forwards are already counted."""
         done = []
         for job in jobs:
             sampling: Sampling = job.sampling
             gens = sampling.row_generators([job.prompt_ids], self.bundle.device)  # the generator `unmask generate` gives it
             row = Row(job=job, generator=gens[0] if gens else sampling.generator(self.bundle.device))
-            ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=self.bundle.device)  # (1, P)
+            # A row moved here mid-decode (greedy lossless sbd: its committed tokens are AR's) goes on
+            # from them: they are prefilled with the prompt and count as already generated.
+            resume = list(getattr(job, "resume", ()))
+            row.tokens, row.nfe = list(resume), int(getattr(job, "resume_nfe", 0))
+            ids = torch.tensor([job.prompt_ids + resume], dtype=torch.long, device=self.bundle.device)  # (1, P)
             P = ids.shape[1]
             pos = torch.arange(P, device=ids.device)[None]  # (1, P)
             cache = new_cache(self.bundle.model)

@@ -25,6 +25,9 @@ What is continuous and what is not (README "Serving"):
   Such a request also joins the AR batch when AR rows already run (one forward then serves every
   row; a separate sbd batch would add its forwards to theirs) and while a non-AR batch decodes
   (rather than waiting for that batch to end); when the AR batch is full it waits for a slot.
+  Conversely, a sized sbd batch that formed on an idle server moves into the AR running batch at
+  its next step once AR rows run beside it (each row goes on from its committed tokens, which
+  are AR's), so two batches never spend two forwards per step where one would serve every row.
 
 Each job gets its events through ``job.post`` (called from this thread): ``("step", event)``
 with an :mod:`unmask.trace` step event, then ``("done", result)`` or ``("error", ApiError)``.
@@ -57,6 +60,10 @@ class _Abandoned(Exception):
     """Raised from ``on_step`` to stop a batch none of whose requests is still wanted."""
 
 
+class _Migrate(Exception):
+    """Raised from ``on_step`` to move a sized lossless sbd batch into the AR running batch."""
+
+
 @dataclass(eq=False)
 class Job:
     """One request as the scheduler sees it.
@@ -78,6 +85,8 @@ class Job:
     submitted: float = field(default_factory=time.monotonic)
     closed: bool = False  # set by the scheduler after the final event
     sizable: bool = False  # set by the scheduler: greedy lossless sbd whose K follows the load
+    resume: list[int] = field(default_factory=list)  # tokens committed before moving to the AR batch
+    resume_nfe: int = 0  # forwards already spent on them
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request at its next step boundary (thread-safe)."""
@@ -128,6 +137,7 @@ class Scheduler:
         self._paused = False
         self.peak_running = 0  # the most rows holding slots at once so far (tests, benchmarks)
         self.abandoned_batches = 0  # non-AR batches stopped early: every request answered or gone
+        self.migrated_rows = 0  # sized lossless sbd rows moved mid-decode into the AR running batch
         self.batch_rows: dict[int, int] = {}  # job id -> row in the running non-AR batch
         self._batch: list[Job] = []  # the running non-AR batch
         self._thread = threading.Thread(target=self._loop, name="unmask-scheduler", daemon=True)
@@ -304,6 +314,24 @@ class Scheduler:
 
     # -- every other decoder: one batch per decode call -----------------------------------------
 
+    def _migrate(self, jobs: list[Job], committed: list[list[int]], steps: list[int]) -> None:
+        """Move the open rows of a sized lossless sbd batch to the front of the queue, bound for the
+        AR running batch, each with the tokens it committed so far (greedy lossless SBD commits
+        exactly AR's tokens, so AR steps from there give the same answer). Runs when AR rows
+        started beside the batch: a separate sbd batch would add its forwards to theirs, while the
+        running batch serves every row with one forward. The batch's last forward is discarded
+        (its events were not posted)."""
+        moved = []
+        for i, j in enumerate(jobs):
+            if j.gone:
+                self._finish_gone(j)
+            elif not j.closed:
+                j.resume, j.resume_nfe = committed[i], steps[i]
+                moved.append(j)
+        self.migrated_rows += len(moved)
+        with self._lock:
+            self._waiting.extendleft(reversed(moved))
+
     def _final(self, job: Job, canvas: list) -> tuple[list[int], str] | None:
         """(tokens, finish reason) when a row's committed canvas already fixes its answer: the
         committed prefix reaches a stop token, ``max_new_tokens`` or a stop string. Committed
@@ -330,10 +358,14 @@ class Scheduler:
         steps = [0] * len(jobs)  # forwards in which each row had work (its step events)
         edits = edits_committed(self.bundle, first.decoder, first.options)
 
+        committed = [[] for _ in jobs]  # each row's committed tokens after its last posted step
+
         def on_step(event: dict) -> None:
             if event["step"] != last_step[0]:  # a new forward of the batch: let the AR batch advance too
                 last_step[0] = event["step"]
                 self._interleave_ar()
+                if first.sizable and len(self.ar):  # AR rows run: one forward can serve every row
+                    raise _Migrate
             row = int(event["row"])
             job = jobs[row]
             if job.gone:
@@ -341,6 +373,7 @@ class Scheduler:
             elif not job.closed:
                 job.post("step", event)
                 steps[row] += 1
+                committed[row] = list(itertools.takewhile(lambda t: t is not None, event["canvas"]))
                 final = None if edits else self._final(job, event["canvas"])
                 if final is not None:  # the answer cannot change any more: send it now
                     job.finish("done", {"tokens": final[0], "nfe": steps[row], "finish_reason": final[1]})
@@ -363,6 +396,9 @@ class Scheduler:
             self.abandoned_batches += 1
             for j in jobs:
                 self._finish_gone(j)
+            return
+        except _Migrate:
+            self._migrate(jobs, committed, steps)
             return
         except UnmaskError as e:  # the decoder's own validation (block size, policy, ...): a bad request
             message = api_message(str(e).splitlines()[0])
