@@ -6,9 +6,9 @@ GPU with a random-weight model of the Llama-3.1-8B shape in bf16 (built on the d
 weight initialisation skipped, by ``benchmarks/gpu_forward_cost.py``'s ``build_model``; no
 download). Greedy decoding of ``--batch`` rows of ``--prompt-len`` random prompt ids, exactly
 ``--max-new-tokens`` new tokens per row (no stop tokens). Each decoder runs eagerly and, where a
-compiled path exists, with ``compile=True`` (``unmask.decode.static``: a StaticCache and a
-``torch.compile``-d step, ``mode="reduce-overhead"`` on CUDA). Multiblock has no compiled path
-and runs eager only.
+compiled path exists, with ``compile=True`` (``unmask.decode.static`` / ``unmask.decode.kv``: a
+StaticCache and a ``torch.compile``-d step, ``mode="reduce-overhead"`` on CUDA); multiblock's
+Block Buffer runs on the same static cache.
 
 Random weights. Drafts are accepted only by chance, so the tokens per forward (TPF) are what
 these weights gave, not what a trained SBD or block-diffusion model gives: the TPS ratios show
@@ -62,7 +62,7 @@ from unmask.sampling import Sampling
 REFUSAL = ("gpu_decode needs a CUDA GPU and none is visible; run it on an H200, "
            "or pass --tiny for the CPU smoke test")
 # (decoder, compiled) in run order: compiled AR first, the baseline of every ratio
-RUNS = (("ar", True), ("ar", False), ("sbd", True), ("sbd", False), ("multiblock", False))
+RUNS = (("ar", True), ("ar", False), ("sbd", True), ("sbd", False), ("multiblock", True), ("multiblock", False))
 DEFAULTS = dict(batch=1, prompt_len=128, max_new_tokens=256, block_size=8, mb_block_size=32, mb_slots=2, reps=3)
 TINY_DEFAULTS = dict(batch=1, prompt_len=12, max_new_tokens=24, block_size=4, mb_block_size=4, mb_slots=2, reps=1)
 
@@ -117,8 +117,7 @@ def decode_fn(name: str, bundle: ModelBundle, prompts: list[list[int]], *, compi
     if name == "sbd":
         return lambda: sbd_verify.decode(bundle, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                                          draft="linear", compile=compiled)
-    assert not compiled, "multiblock has no compiled path"
-    return lambda: multiblock.decode(bundle, prompts, max_new_tokens=max_new_tokens, slots=mb_slots)
+    return lambda: multiblock.decode(bundle, prompts, max_new_tokens=max_new_tokens, slots=mb_slots, compile=compiled)
 
 
 def queries(name: str, *, block_size: int, mb_block_size: int, mb_slots: int) -> int:
@@ -165,8 +164,7 @@ def run(*, tiny: bool = False, batch: int, prompt_len: int, max_new_tokens: int,
     log(f"{setup['shape']} shape, random weights, {setup['dtype']} on {hw}; built in {setup['build_s']:.1f} s; "
         f"batch {batch}, prompt {prompt_len}, {max_new_tokens} new tokens (greedy, no stops), median of {reps} "
         "after 1 warm-up")
-    log(f"lossless SBD: linear drafts, K = {block_size}; multiblock: block {mb_block_size}, {mb_slots} slots, "
-        "eager only (it has no compiled path)")
+    log(f"lossless SBD: linear drafts, K = {block_size}; multiblock: block {mb_block_size}, {mb_slots} slots")
     log(f"roofline: corrected mode, {cost.gpu.name}, {precision.weight:g}/{precision.kv:g}/{precision.act:g} bytes "
         f"(weights/KV/activations), logits for every query, {kv_mean} cached keys")
     log("random weights: drafts are accepted by chance only; TPS ratios show per-step cost at the TPF measured here")
