@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from unmask.decode.batching import left_pad
-from unmask.decode.dllm_cache import CACHE_MODES, WindowForward
+from unmask.decode.dllm_cache import CACHE_MODES, WindowForward, check_fast_path
 from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import SAMPLERS, default_sampler, realign
@@ -178,7 +178,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            steps: int | None = None, cache: str | None = None, refresh_every: int | None = None,
            eos_early_stop: bool = False, sampler: str | None = None, schedule: str | None = None,
            alg: str | None = None, alg_temp: float | None = None, eps: float | None = None, on_step=None,
-           on_forward=None) -> DecodeOutput:
+           on_forward=None, compile: bool = False, static: bool = False) -> DecodeOutput:
     """Semi-AR masked-diffusion decoding of a batch (diffusion.md §3, §6–§9).
 
     prompts: token ids per row (left-padded; positions count real tokens only, so every row
@@ -206,19 +206,32 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     With ``steps`` larger than the generation length LLaDA's trailing steps have a quota of 0 and
     commit nothing; they are skipped (same tokens, fewer forwards).
 
+    Fast path: ``static=True`` runs the K/V on a preallocated ``StaticKV`` with fixed-shape
+    forwards (what ``compile`` runs, eagerly; for tests and debugging); ``compile=True`` also runs
+    them through ``torch.compile`` (inductor on CPU, CUDA graphs on CUDA), one graph per shape:
+    no cache compiles the canvas forward (B, P + L), the caches the refresh (B, P + L) and the
+    window step (a prefix window padded to a power-of-two bucket), see
+    :mod:`unmask.decode.dllm_cache`. Same tokens and NFE as the eager run up to float rounding.
+    stats.extra adds ``compiled`` and, on a static cache, ``static_cache`` (its positions).
+
     ``schedule="dream"`` runs Dream's own ``diffusion_generate`` instead (§5, no blocks; ``steps``,
     ``alg`` origin / maskgit_plus / topk_margin / entropy, ``alg_temp``, ``eps``): see
     :mod:`unmask.decode.dream_compat`.
 
     Raises UnmaskError for a model without a mask token, max_new_tokens above an explicit
-    gen_length, a block size that does not divide the generation length, a bad step budget, bad policy options, an unknown cache or sampler, or a
-    canvas longer than the context window.
+    gen_length, a block size that does not divide the generation length, a bad step budget, bad policy options, an unknown cache or sampler, a
+    canvas longer than the context window, or ``compile`` / ``static`` on a remote-code model or
+    with ``schedule="dream"``.
     """
     if bundle.mask_token_id is None:
         raise UnmaskError("the diffusion decoder needs a masked-diffusion model with a mask token; "
                           "load it with mask_token_id=ID or name it in unmask_config.json")
     if schedule is not None or alg is not None or alg_temp is not None or eps is not None:
+        if compile or static:
+            raise UnmaskError("compile/static do not apply to --schedule dream (Dream's own loop runs eagerly); "
+                              "drop --compile or use the semi-AR diffusion schedule")
         return _dream_schedule(bundle, prompts, schedule, locals())
+    check_fast_path(bundle, static, compile, "the diffusion decoder")
     cfg = DiffusionConfig.from_options(
         max_new_tokens=max_new_tokens, gen_length=gen_length, block_size=block_size, policy=policy, gamma=gamma,
         preset=preset, tau=tau, factor=factor, factor_compat=factor_compat, tokens_per_step=tokens_per_step,
@@ -246,7 +259,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     ids = torch.cat([ids_p, torch.full((B, L), mask_id, dtype=torch.long, device=device)], dim=1)  # (B, T)
     pos = torch.cat([pos_p, row_len[:, None] + torch.arange(L, device=device)], dim=1)  # (B, T)
     valid = torch.cat([valid_p, torch.ones(B, L, dtype=torch.bool, device=device)], dim=1)  # (B, T)
-    run = WindowForward(bundle, cfg.cache, ids, pos, valid)
+    run = WindowForward(bundle, cfg.cache, ids, pos, valid, static=static, compile=compile, P=P, shift=shift)
 
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
     suppress = list(bundle.suppress_ids)
@@ -307,7 +320,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                  for r in range(B)]
     extra = {"policy": cfg.policy.name, "cache": cfg.cache, "gen_length": L, "block_size": Bk,
              "sampler": cfg.sampler, "accepts": dict(sorted(histogram.items())), "n_committed": n_committed,
-             "row_extra": row_extra}
+             "row_extra": row_extra, "compiled": bool(compile)}
+    if run.static_capacity is not None:
+        extra["static_cache"] = run.static_capacity
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
                         seconds=time.perf_counter() - t0, extra=extra)
     return DecodeOutput(tokens=tokens, stats=stats)

@@ -44,9 +44,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from unmask.compat import crop, new_cache
 from unmask.decode.batching import left_pad
 from unmask.decode.diffusion import early_stop, hit_stop_string, until_stop
+from unmask.decode.dllm_cache import BUCKET_STEP, bucket, canvas_call, check_fast_path, kv_forward
+from unmask.decode.kv import canvas_forward, make_kv
 from unmask.decode.eb_select import (GAP_METRICS, PATH_NAMES, POS_MODES, lps_features, pack_rows, select_block,
                                      union_accept)
 from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
@@ -115,28 +116,50 @@ class EarlyBirdConfig:
 class _Forwards:
     """The base-model forwards of one decode; every call returns realigned logits (B, n, V) that
     score generated positions [lo, hi). ``full()`` refreshes the cache; ``set_window(lo, hi)``
-    keeps the K/V outside the union window (see the module doc); ``window(lo, hi)`` feeds it."""
+    keeps the K/V outside the union window (see the module doc); ``window(lo, hi)`` feeds it.
 
-    def __init__(self, bundle, mode: str, ids, pos, valid, P: int, L: int):
+    The K/V live in a :mod:`unmask.decode.kv` cache: the eager ``DynamicKV``, or with ``static`` /
+    ``compile`` a preallocated ``StaticKV`` (capacity T + L + shift for the dual cache, whose
+    steps append after the whole canvas; T + BUCKET_STEP for the prefix cache). On the static path every forward has a bounded shape: the refresh and the
+    no-cache step are the whole canvas (the no-cache step scores all L rows and slices the
+    window), and a cached window step, whose length depends on the selected blocks, is padded to
+    :func:`unmask.decode.dllm_cache.bucket` (at most 6 + L / 64 shapes)."""
+
+    def __init__(self, bundle, mode: str, ids, pos, valid, P: int, L: int, *, static: bool = False,
+                 compile: bool = False):
         if mode != "none" and not supports_cache(bundle):
             raise UnmaskError(f"cache {mode!r} needs a transformers-native model; this checkpoint runs its own "
                               "model code, so use --cache none")
         self.bundle, self.mode, self.shift = bundle, mode, bundle.logit_shift
         self.ids, self.pos, self.valid, self.P, self.L = ids, pos, valid, P, L
         self.T = ids.shape[1]
-        self.cache, self.kept_valid, self.span = None, None, None  # span: (w0, w1, glo, ghi)
+        self.kept_valid, self.span = None, None  # span: (w0, w1, glo, ghi)
         self.refreshes = 0
+        self.q_max = L + self.shift  # the longest window: the whole generation region
+        self.kv = self.canvas = None
+        if mode != "none":
+            extra = self.q_max if mode == "dual" else BUCKET_STEP  # what a padded window step writes past T
+            self.kv = make_kv(bundle.model, batch=ids.shape[0], capacity=self.T + extra, static=static,
+                              compile=compile)
+        elif static or compile:
+            self.canvas = canvas_forward(bundle.model, compile)
+
+    @property
+    def static_capacity(self) -> int | None:
+        return self.kv.capacity if self.kv is not None and self.kv.static else None
 
     def _scored(self, raw):
         return realign(raw, self.shift)[:, self.shift:]  # (B, n, V)
 
     def full(self) -> torch.Tensor:
         rows = (self.P - self.shift, self.P + self.L)
-        if self.mode != "none":
-            self.cache, self.span = new_cache(self.bundle.model), None
-            self.refreshes += 1
-        raw = bidirectional_forward(self.bundle, self.ids, position_ids=self.pos, key_valid=self.valid,
-                                    cache=self.cache, rows=rows)  # (B, shift + L, V)
+        if self.mode == "none":
+            raw = canvas_call(self.bundle, self.canvas, self.ids, self.pos, self.valid, rows)  # (B, shift + L, V)
+            return self._scored(raw)
+        self.kv.reset()
+        self.span = None
+        self.refreshes += 1
+        raw = kv_forward(self.bundle, self.kv, self.ids, self.pos, self.valid, rows)  # (B, shift + L, V)
         return self._scored(raw)
 
     def set_window(self, lo: int, hi: int) -> None:
@@ -145,7 +168,7 @@ class _Forwards:
         w0 = self.P + lo - self.shift
         w1 = self.P + hi if self.mode == "dual" else self.T
         if self.mode == "prefix":
-            crop(self.cache, self.T - w0)  # keep the K/V of [0, w0)
+            self.kv.crop(self.T - w0)  # keep the K/V of [0, w0)
             self.kept_valid = self.valid[:, :w0]  # (B, w0)
         else:
             kept = self.valid.clone()  # (B, T): the cache keeps all T keys ...
@@ -156,6 +179,8 @@ class _Forwards:
     def window(self, lo: int, hi: int) -> torch.Tensor:
         a, b = self.P + lo - self.shift, self.P + hi
         if self.mode == "none":
+            if self.canvas is not None:  # one shape: score the whole generation region, keep the window
+                return self.full()[:, lo:hi]  # (B, hi - lo, V)
             raw = bidirectional_forward(self.bundle, self.ids, position_ids=self.pos, key_valid=self.valid,
                                         rows=(a, b))  # (B, b - a, V)
             return self._scored(raw)
@@ -164,9 +189,10 @@ class _Forwards:
             raise RuntimeError(f"rows [{a}, {b}) outside the cached window [{w0}, {w1})")
         win = slice(w0, w1)
         key_valid = torch.cat([self.kept_valid, self.valid[:, win]], dim=1)  # (B, kept + n)
-        raw = bidirectional_forward(self.bundle, self.ids[:, win], position_ids=self.pos[:, win], key_valid=key_valid,
-                                    cache=self.cache, rows=(a - w0, b - w0))  # (B, b - a, V)
-        crop(self.cache, w1 - w0)  # drop this step's K/V again
+        pad_to = bucket(w1 - w0, self.q_max) if self.kv.static else w1 - w0
+        raw = kv_forward(self.bundle, self.kv, self.ids[:, win], self.pos[:, win], key_valid, (a - w0, b - w0),
+                         pad_to=pad_to)  # (B, b - a, V)
+        self.kv.crop(pad_to)  # drop this step's K/V again
         return self._scored(raw)
 
 
@@ -244,7 +270,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            l_min: int | None = None, g_max: int | None = None, lps: bool | None = None, cache: str | None = None,
            gap_metric: str | None = None, pos_mode: str | None = None, eos_early_stop: bool = False,
            sampler: str | None = None, routers=None, lbs_router=None, lps_router=None, on_step=None,
-           on_forward=None) -> DecodeOutput:
+           on_forward=None, compile: bool = False, static: bool = False) -> DecodeOutput:
     """Early-Bird decoding of a batch (spec/early_bird.md §5, Alg. 5).
 
     prompts: token ids per row (left-padded; positions count real tokens only). Routers: the
@@ -264,12 +290,19 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
 
     Returns DecodeOutput; stats.extra: decoder settings, ``accepts`` (histogram of per-row commits
     per forward), ``n_committed``, ``blocks`` (selections), ``mean_block``, ``paths`` (selection
-    rule counts), ``lps_only`` (commits only LPS allowed), ``refreshes`` (cache), router timing
-    and ``row_extra``.
+    rule counts), ``lps_only`` (commits only LPS allowed), ``refreshes`` (cache), router timing,
+    ``compiled``, ``static_cache`` (positions, on a static cache) and ``row_extra``.
+
+    Fast path: ``static=True`` runs the forwards on a preallocated ``StaticKV`` with bounded
+    shapes (what ``compile`` runs, eagerly; for tests and debugging); ``compile=True`` also runs
+    them through ``torch.compile`` (inductor on CPU, CUDA graphs on CUDA), one graph per shape
+    (see :class:`_Forwards`). Routers and the commit rule stay eager. Same tokens and NFE as the
+    eager run up to float rounding.
 
     Raises UnmaskError for a model without a mask token, missing routers (saying how to train
     them), an LBS router of another vocabulary or L, g_max < 1, L_min < 1, τ_ψ outside (0, 1),
-    an unknown cache / gap metric / pos mode, or a canvas longer than the context window.
+    an unknown cache / gap metric / pos mode, a canvas longer than the context window, or
+    ``compile`` / ``static`` on a remote-code model.
     """
     if bundle.mask_token_id is None:
         raise UnmaskError("the early-bird decoder needs a masked-diffusion model with a mask token; "
@@ -280,6 +313,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     for flag, value in (("lps", lps), ("eos_early_stop", eos_early_stop)):
         if value is not None and not isinstance(value, bool):
             raise UnmaskError(f"{flag} must be true or false (got {value!r})")
+    check_fast_path(bundle, static, compile, "the early-bird decoder")
     use_lps = True if lps is None else lps
     lbs, lps_net, tau_psi, serving = _resolve_routers(bundle, use_lps, routers, lbs_router, lps_router, tau_psi)
     L = lbs.config.gen_length
@@ -315,14 +349,14 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         r.eval()
     try:
         return _run(bundle, prompts, cfg, lbs, lps_net, sampling, stop_token_ids, stop_strings, P, L, report,
-                    shift, mask_id, device, on_step, on_forward)
+                    shift, mask_id, device, on_step, on_forward, static, compile)
     finally:
         for r, was in modes:
             r.train(was)
 
 
 def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_token_ids, stop_strings, P, L, report,
-         shift, mask_id, device, on_step, on_forward) -> DecodeOutput:
+         shift, mask_id, device, on_step, on_forward, static=False, compile=False) -> DecodeOutput:
     t_start = _sync(device)
     ids_p, valid_p, pos_p = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
     B = ids_p.shape[0]
@@ -330,7 +364,7 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
     ids = torch.cat([ids_p, torch.full((B, L), mask_id, dtype=torch.long, device=device)], dim=1)  # (B, T)
     pos = torch.cat([pos_p, row_len[:, None] + torch.arange(L, device=device)], dim=1)  # (B, T)
     valid = torch.cat([valid_p, torch.ones(B, L, dtype=torch.bool, device=device)], dim=1)  # (B, T)
-    run = _Forwards(bundle, cfg.cache, ids, pos, valid, P, L)
+    run = _Forwards(bundle, cfg.cache, ids, pos, valid, P, L, static=static, compile=compile)
     gen = ids[:, P:]  # (B, L) view: commits write through it
 
     stops_list = sorted(set(stop_token_ids))
@@ -475,7 +509,10 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
              "lps_only": lps_only, "refreshes": run.refreshes, "lbs_seconds": t_lbs, "lps_seconds": t_lps,
              "router_seconds": router, "forward_seconds": t_fwd, "step_seconds": t_steps,
              "router_share": router / t_steps if t_steps > 0 else 0.0,
-             "router_vs_forward": router / t_fwd if t_fwd > 0 else 0.0, "row_extra": row_extra}
+             "router_vs_forward": router / t_fwd if t_fwd > 0 else 0.0, "row_extra": row_extra,
+             "compiled": bool(compile)}
+    if run.static_capacity is not None:
+        extra["static_cache"] = run.static_capacity
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens_out],
                         seconds=seconds, extra=extra)
     return DecodeOutput(tokens=tokens_out, stats=stats)

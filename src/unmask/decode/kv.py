@@ -20,6 +20,8 @@ has the same input shapes and ``compile=True`` reuses one compiled graph per sha
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from unmask.compat import attention_mask, crop, forward, new_cache, set_static_length
@@ -124,3 +126,39 @@ def make_kv(model, *, batch: int, capacity: int, static: bool = False, compile: 
     if static or compile:
         return StaticKV(model, batch, capacity, compile=compile)
     return DynamicKV(model)
+
+
+_canvas_steps: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def canvas_forward(model, compile: bool = False):
+    """The cache-free bidirectional forward of a whole canvas, ``f(inp, positions, mask, rows) ->
+    logits``, for decoders without a KV cache (a no-cache dLLM step, spec/diffusion.md §3).
+
+    inp, positions (B, T) long; mask (B, 1, T, T) in the backend's form, or None when no key is
+    padding (attention then runs unmasked, ``is_causal=False``); rows (n,) long, the query rows
+    whose logits are wanted (the LM head runs on those only). Returns float32 logits (B, n, V).
+    With ``compile`` the forward is ``torch.compile``-d once per (model, input shapes), each graph
+    on a code object of its own as in :func:`unmask.decode.static.step_function` (inductor on
+    CPU, CUDA graphs on CUDA); a decode's canvas has one shape, so it compiles once.
+    """
+    from unmask.decode.static import _own_code
+
+    def step(inp, positions, mask, rows):
+        out = model(input_ids=inp, position_ids=positions, attention_mask=mask, use_cache=False,
+                    logits_to_keep=rows, is_causal=False)
+        return out.logits.float()
+
+    if not compile:
+        return step
+    table = _canvas_steps.setdefault(model, {})
+    mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
+
+    def compiled(inp, positions, mask, rows):
+        key = (tuple(inp.shape), None if mask is None else (tuple(mask.shape), mask.dtype), tuple(rows.shape))
+        fn = table.get(key)
+        if fn is None:
+            fn = table[key] = torch.compile(_own_code(step), dynamic=False, mode=mode)
+        return fn(inp, positions, mask, rows)
+
+    return compiled

@@ -1,0 +1,160 @@
+"""The fast path of the diffusion and early-bird decoders (issue #13): ``static=True`` (the
+preallocated ``StaticKV`` and fixed-shape forwards, run eagerly) gives the eager dynamic run's
+tokens, NFE and per-row counts for every cache mode; ``compile=True`` gives the eager tokens
+(one small test per decoder: compiling costs seconds per shape); padding buckets are bounded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_bundle, tiny_llama, tiny_qwen3
+
+import unmask
+from unmask.decode import diffusion, early_bird
+from unmask.decode.dllm_cache import BUCKET_STEP, bucket
+from unmask.errors import UnmaskError
+from unmask.models.mask_token import add_mask_token
+from unmask.routers import LBSConfig, LBSRouter, LPSConfig, LPSRouter
+from unmask.sampling import Sampling
+
+STORIES = ["Once upon a time", "Lily wanted to play with her big red ball", "Tom", "The sun was"]
+
+
+@pytest.fixture(autouse=True)
+def _inference():
+    with torch.inference_mode():
+        yield
+
+
+@pytest.fixture(scope="module")
+def stories():
+    bundle = unmask.load("stories260K-dlm")
+    return bundle, [bundle.encode(t) for t in STORIES]
+
+
+def same(a, b):
+    """Identical tokens, NFE, per-row NFE and per-row token counts."""
+    assert a.tokens == b.tokens
+    assert a.stats.nfe == b.stats.nfe
+    assert a.stats.nfe_per_row == b.stats.nfe_per_row
+    assert a.stats.tokens_per_row == b.stats.tokens_per_row
+
+
+def tiny_dllm(factory, shift):
+    model = factory(vocab=64, seed=0, attn_implementation="eager", initializer_range=0.4)
+    bundle = tiny_bundle(model, kind="masked-diffusion", mask_token_id=add_mask_token(model))
+    bundle.logit_shift = shift
+    return bundle
+
+
+# -- diffusion -------------------------------------------------------------------------------------------
+
+POLICIES = [dict(policy="top-k", steps=8), dict(policy="threshold"), dict(policy="factor", factor=1.0)]
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_diffusion_static_equals_dynamic_on_stories(stories, cache):
+    bundle, prompts = stories
+    for policy in POLICIES:
+        for rows in (prompts[1:2], prompts):  # batch 1 and 4 (4 is left-padded)
+            kw = dict(max_new_tokens=32, block_size=8, cache=cache, stop_token_ids=bundle.stop_token_ids, **policy)
+            eager = diffusion.decode(bundle, rows, **kw)
+            static = diffusion.decode(bundle, rows, static=True, **kw)
+            same(static, eager)
+            assert static.stats.extra["compiled"] is False and eager.stats.extra["compiled"] is False
+            assert ("static_cache" in static.stats.extra) == (cache != "none")
+            assert "static_cache" not in eager.stats.extra
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_diffusion_static_equals_dynamic_when_sampling(stories, cache):
+    bundle, prompts = stories
+    kw = dict(max_new_tokens=32, block_size=8, cache=cache, sampling=Sampling(temperature=0.8, seed=7))
+    same(diffusion.decode(bundle, prompts, static=True, **kw), diffusion.decode(bundle, prompts, **kw))
+
+
+@pytest.mark.parametrize("factory, shift", [(tiny_llama, 0), (tiny_qwen3, 1)])
+def test_diffusion_static_equals_dynamic_on_a_tiny_eager_model(factory, shift):
+    bundle = tiny_dllm(factory, shift)
+    prompts = [[1, 5, 9, 3, 11, 12], [1, 7], [1, 20, 21, 22]]
+    for cache in ("none", "prefix", "dual"):
+        for policy in (dict(policy="threshold", tau=0.5), dict(policy="top-k", steps=6)):
+            kw = dict(max_new_tokens=24, block_size=8, cache=cache, refresh_every=3 if cache == "dual" else None,
+                      **policy)
+            same(diffusion.decode(bundle, prompts, static=True, **kw), diffusion.decode(bundle, prompts, **kw))
+
+
+def test_diffusion_compiled_equals_eager(stories):
+    bundle, prompts = stories
+    kw = dict(max_new_tokens=32, block_size=8, cache="none", stop_token_ids=bundle.stop_token_ids)
+    eager = diffusion.decode(bundle, prompts[:2], **kw)
+    fast = diffusion.decode(bundle, prompts[:2], compile=True, **kw)
+    same(fast, eager)
+    assert fast.stats.extra["compiled"] is True
+
+
+# -- early-bird ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_early_bird_static_equals_dynamic_on_stories(stories, cache):
+    """The shipped LBS and LPS routers; windows of every length are padded to buckets."""
+    bundle, prompts = stories
+    for lps in (False, True):
+        for rows in (prompts[:1], prompts):
+            kw = dict(max_new_tokens=16, cache=cache, lps=lps, stop_token_ids=bundle.stop_token_ids)
+            eager = early_bird.decode(bundle, rows, **kw)
+            static = early_bird.decode(bundle, rows, static=True, **kw)
+            same(static, eager)
+            assert static.stats.extra["refreshes"] == eager.stats.extra["refreshes"]
+            assert ("static_cache" in static.stats.extra) == (cache != "none")
+
+
+def test_early_bird_static_equals_dynamic_when_sampling(stories):
+    bundle, prompts = stories
+    kw = dict(max_new_tokens=24, cache="dual", sampling=Sampling(temperature=0.8, seed=3))
+    same(early_bird.decode(bundle, prompts, static=True, **kw), early_bird.decode(bundle, prompts, **kw))
+
+
+def test_early_bird_static_equals_dynamic_on_a_tiny_eager_model():
+    bundle = tiny_dllm(tiny_llama, 1)
+    torch.manual_seed(1)
+    lbs = LBSRouter(LBSConfig(gen_length=32, d_base=32, vocab_size=65)).eval()
+    torch.manual_seed(2)
+    lps = LPSRouter(LPSConfig()).eval()
+    prompts = [[1, 5, 9, 3], [1, 7], [1, 2, 3, 4, 5, 6]]
+    for cache in ("none", "prefix", "dual"):
+        kw = dict(max_new_tokens=32, lbs_router=lbs, lps_router=lps, tau_psi=0.6, block_size=8, l_min=2, g_max=2,
+                  cache=cache)
+        same(early_bird.decode(bundle, prompts, static=True, **kw), early_bird.decode(bundle, prompts, **kw))
+
+
+def test_early_bird_compiled_equals_eager(stories):
+    bundle, prompts = stories
+    kw = dict(max_new_tokens=32, cache="none", stop_token_ids=bundle.stop_token_ids)
+    eager = early_bird.decode(bundle, prompts[:2], **kw)
+    fast = early_bird.decode(bundle, prompts[:2], compile=True, **kw)
+    same(fast, eager)
+    assert fast.stats.extra["compiled"] is True
+
+
+# -- shapes and refusals ---------------------------------------------------------------------------------
+
+
+def test_window_buckets_are_few_and_pad_little():
+    for q_max in (1, 9, 40, 64, 65, 129, 257, 513):
+        shapes = {bucket(q, q_max) for q in range(1, q_max + 1)}
+        assert len(shapes) <= 4 + -(-q_max // BUCKET_STEP)
+        for q in range(1, q_max + 1):
+            assert q <= bucket(q, q_max) <= q_max
+            assert bucket(q, q_max) - q < max(BUCKET_STEP, 8)
+
+
+def test_fast_path_refusals(stories):
+    bundle, prompts = stories
+    with pytest.raises(UnmaskError, match="compile/static do not apply to --schedule dream"):
+        diffusion.decode(bundle, prompts[:1], max_new_tokens=8, schedule="dream", compile=True)
+    with pytest.raises(UnmaskError, match="static must be true or false"):
+        diffusion.decode(bundle, prompts[:1], max_new_tokens=8, static="yes")
+    with pytest.raises(UnmaskError, match="compile must be true or false"):
+        early_bird.decode(bundle, prompts[:1], max_new_tokens=8, compile=1)
