@@ -33,8 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.decode.batching import left_pad
-from unmask.decode.dllm_cache import CACHE_MODES, WindowForward, check_fast_path
+from unmask.decode.dllm_cache import CACHE_MODES, WindowForward, check_fast_path, left_pad_to, prompt_width
 from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import SAMPLERS, default_sampler, realign
@@ -253,7 +252,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                           f"{bundle.context_length}; lower --gen-length or --max-new-tokens")
     t0 = time.perf_counter()
 
-    ids_p, valid_p, pos_p = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
+    P = prompt_width(P, L, bundle.context_length, static or compile)  # the fast path pads to a bucket
+    ids_p, valid_p, pos_p = left_pad_to(prompts, bundle.pad_token_id, device, P)  # (B, P) each
     B = ids_p.shape[0]
     row_len = valid_p.sum(dim=1)  # (B,)
     ids = torch.cat([ids_p, torch.full((B, L), mask_id, dtype=torch.long, device=device)], dim=1)  # (B, T)

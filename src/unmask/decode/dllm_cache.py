@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from unmask.compat import attention_mask
+from unmask.decode.batching import left_pad
 from unmask.decode.kv import canvas_forward, make_kv
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
@@ -45,6 +46,7 @@ from unmask.models.adapters import bidirectional_forward, supports_cache
 
 CACHE_MODES = ("none", "prefix", "dual")
 MIN_BUCKET = 8
+PROMPT_BUCKET = 16  # the fast path left-pads prompts to a multiple of this: one canvas shape for similar prompts
 BUCKET_STEP = 64  # past this, padded lengths are multiples of it: at most BUCKET_STEP - 1 padding tokens
 
 
@@ -57,6 +59,28 @@ def check_fast_path(bundle, static: bool, compile: bool, decoder: str) -> None:
     if (static or compile) and not supports_cache(bundle):
         raise UnmaskError(f"{'compile' if compile else 'static'} needs a transformers-native model; this checkpoint "
                           f"runs its own model code, so decode with {decoder} without compile/static")
+
+
+def prompt_width(P: int, L: int, context_length: int, fast: bool) -> int:
+    """The prompt region's width: the longest prompt P, or on the fast path (``fast``) P rounded
+    up to PROMPT_BUCKET (within the context window), so that prompts of similar lengths share the
+    canvas shape (B, width + L) and its compiled graphs."""
+    if not fast:
+        return P
+    return max(P, min(-(-P // PROMPT_BUCKET) * PROMPT_BUCKET, context_length - L))
+
+
+def left_pad_to(prompts: list[list[int]], pad_id: int, device, width: int):
+    """:func:`unmask.decode.batching.left_pad` to ``width`` >= the longest prompt: ids (B, width)
+    long, valid (B, width) bool (False on padding), positions (B, width) long (real tokens from 0)."""
+    ids, valid, pos = left_pad(prompts, pad_id, device)  # (B, P) each
+    extra = width - ids.shape[1]
+    if extra > 0:  # more left padding: masked keys at position 0, as left_pad's own
+        B = ids.shape[0]
+        ids = torch.cat([ids.new_full((B, extra), pad_id), ids], dim=1)  # (B, width)
+        valid = torch.cat([valid.new_zeros(B, extra), valid], dim=1)  # (B, width)
+        pos = torch.cat([pos.new_zeros(B, extra), pos], dim=1)  # (B, width)
+    return ids, valid, pos
 
 
 def bucket(q: int, q_max: int) -> int:

@@ -44,9 +44,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from unmask.decode.batching import left_pad
 from unmask.decode.diffusion import early_stop, hit_stop_string, until_stop
-from unmask.decode.dllm_cache import BUCKET_STEP, bucket, canvas_call, check_fast_path, kv_forward
+from unmask.decode.dllm_cache import (BUCKET_STEP, bucket, canvas_call, check_fast_path, kv_forward, left_pad_to,
+                                      prompt_width)
 from unmask.decode.kv import canvas_forward, make_kv
 from unmask.decode.eb_select import (GAP_METRICS, PATH_NAMES, POS_MODES, lps_features, pack_rows, select_block,
                                      union_accept)
@@ -120,9 +120,10 @@ class _Forwards:
 
     The K/V live in a :mod:`unmask.decode.kv` cache: the eager ``DynamicKV``, or with ``static`` /
     ``compile`` a preallocated ``StaticKV`` (capacity T + L + shift for the dual cache, whose
-    steps append after the whole canvas; T + BUCKET_STEP for the prefix cache). On the static path every forward has a bounded shape: the refresh and the
-    no-cache step are the whole canvas (the no-cache step scores all L rows and slices the
-    window), and a cached window step, whose length depends on the selected blocks, is padded to
+    steps append after the whole canvas; T + BUCKET_STEP for the prefix cache). On the static
+    path every forward has a bounded shape: the refresh and the no-cache step are the whole
+    canvas (the no-cache step scores all L rows and slices the window), and a cached window step,
+    whose length depends on the selected blocks, is padded to
     :func:`unmask.decode.dllm_cache.bucket` (at most 6 + L / 64 shapes)."""
 
     def __init__(self, bundle, mode: str, ids, pos, valid, P: int, L: int, *, static: bool = False,
@@ -358,7 +359,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
 def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_token_ids, stop_strings, P, L, report,
          shift, mask_id, device, on_step, on_forward, static=False, compile=False) -> DecodeOutput:
     t_start = _sync(device)
-    ids_p, valid_p, pos_p = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
+    P = prompt_width(P, L, bundle.context_length, static or compile)  # the fast path pads to a bucket
+    ids_p, valid_p, pos_p = left_pad_to(prompts, bundle.pad_token_id, device, P)  # (B, P) each
     B = ids_p.shape[0]
     row_len = valid_p.sum(dim=1)  # (B,)
     ids = torch.cat([ids_p, torch.full((B, L), mask_id, dtype=torch.long, device=device)], dim=1)  # (B, T)
