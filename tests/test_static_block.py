@@ -144,3 +144,36 @@ def test_compiled_multiblock_equals_eager(mbd):
     compiled = multiblock.decode(mbd, prompts, compile=True, **kw)
     _same(multiblock.decode(mbd, prompts, **kw), compiled)
     assert compiled.stats.extra["compiled"] is True
+
+
+def test_compact_slides_each_rows_valid_keys_right_in_order():
+    from conftest import tiny_llama
+
+    from unmask.decode.kv import StaticKV
+
+    kv = StaticKV(tiny_llama(), 2, 16)
+    kv.forward(torch.randint(3, 60, (2, 10)), torch.arange(10).expand(2, 10), None, compiled=False)
+    key_valid = torch.zeros((2, kv.capacity), dtype=torch.bool)
+    key_valid[0, [1, 2, 5, 7, 9]] = True  # 5 valid keys
+    key_valid[1, [0, 4, 8]] = True  # 3 valid keys
+    before = [(k.clone(), v.clone()) for k, v in kv.layers()]
+    multiblock.compact(kv, key_valid)
+    assert kv.length == 5
+    assert key_valid[:, :5].tolist() == [[True] * 5, [False, False, True, True, True]]
+    for (k0, v0), (k1, v1) in zip(before, kv.layers()):
+        for old, new in ((k0, k1), (v0, v1)):  # (R, H, n, D)
+            assert torch.equal(new[0], old[0][:, [1, 2, 5, 7, 9]])
+            assert torch.equal(new[1, :, 2:], old[1][:, [0, 4, 8]])
+
+
+def test_compacted_static_multiblock_equals_dynamic_on_eager_attention():
+    # rows store blocks in different steps: the static cache (sized for the longest row) fills with
+    # holes and is compacted, the additive eager mask following the moved keys
+    bundle = bd_bundle("qwen3", "eager", seed=3, initializer_range=0.4)
+    prompts = [[1, 3], [1, 3, 5, 7, 9], [1] + list(range(3, 14))]
+    pasts = []
+    _, fast = _static_equals_dynamic(multiblock, bundle, prompts, max_new_tokens=100, slots=3, tau_add=0.25,
+                                     tau_semi=0.5, tau_m2t=0.5)
+    multiblock.decode(bundle, prompts, max_new_tokens=100, slots=3, tau_add=0.25, tau_semi=0.5, tau_m2t=0.5,
+                      static=True, on_forward=lambda s: pasts.append(s["past"]))
+    assert fast.stats.extra["static_cache"] == 128 and any(b < a for a, b in zip(pasts, pasts[1:]))

@@ -114,6 +114,33 @@ def candidates(logits: torch.Tensor, sampling: Sampling, generator) -> tuple[tor
     return tokens, log_q.gather(-1, tokens[..., None])[..., 0].exp()
 
 
+def compact(kv, key_valid: torch.Tensor) -> None:
+    """Reclaim the holes of a batch's static cache in place (multiblock.md §3.6).
+
+    Rows store their to-cache blocks in different steps and the cache pointer is shared, so a
+    row's valid keys (``key_valid`` (R, C) bool, first ``kv.length`` columns) are interleaved
+    with columns it did not store (and its prefill padding). Each row's valid K/V are slid to the
+    right end of columns 0..M-1, order kept (M = the most valid keys of any row), through the
+    ``kv.layers()`` views; ``key_valid`` is rewritten to match and the pointer moved back to M.
+    Keys carry their RoPE positions, so only which columns hold them changes.
+    """
+    n = kv.length
+    valid = key_valid[:, :n]  # (R, n)
+    counts = valid.sum(dim=1)  # (R,)
+    M = int(counts.max())
+    if M == n:
+        return
+    order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices  # (R, n): invalid columns first
+    src = order[:, n - M:]  # (R, M) source column of each kept column; a short row's first ones are invalid
+    for keys, values in kv.layers():
+        for t in (keys, values):  # (R, H, n, D) views of the cache
+            R, H, _, D = t.shape
+            t[:, :, :M] = t.gather(2, src[:, None, :, None].expand(R, H, M, D))  # (R, H, M, D)
+    cols = torch.arange(M, device=key_valid.device)  # (M,)
+    key_valid[:, :M] = cols[None, :] >= (M - counts)[:, None]  # (R, M)
+    kv.crop(n - M)
+
+
 @torch.inference_mode()
 def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
@@ -139,10 +166,11 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     ``torch.compile``-d step (inductor on CPU, CUDA graphs on CUDA;
     :func:`unmask.decode.static.step_function`); the prefill runs eagerly. ``static=True`` runs on
     the preallocated static cache without compiling: what compile runs, eagerly (tests,
-    debugging). Both give the eager tokens, NFE and statistics. The cache holds the prefill, every
-    block a row may store and one window: L = F + (Σ_rows blocks + N_buf)·B, rounded up to
-    ``LENGTH_BUCKET`` (rows store in different steps, and a step keeps as many columns as the row
-    storing the most), and every forward's mask covers all of it, (R, 1, N_buf·B, L).
+    debugging). Both give the eager tokens, NFE and statistics. The cache holds the prefill, the
+    longest row's blocks and one window: L = F + (blocks + N_buf)·B, rounded up to
+    ``LENGTH_BUCKET``; rows store in different steps, leaving holes under the shared pointer, so a
+    full cache is compacted in place (:func:`compact`). Every forward's mask covers all of it,
+    (R, 1, N_buf·B, L).
 
     Returns DecodeOutput. stats.extra: the thresholds, ``accepts`` (histogram of M2T commits per
     row per step), ``mean_running_set`` (running-set size |R_s| averaged over row-steps), ``edits``,
@@ -167,11 +195,14 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 
     w = bb.initial_window(prompts, max_new_tokens, S, B, mask_id, device)
-    # Each step keeps max-over-rows stored blocks, so the cache may hold every row's blocks side by side.
-    capacity = whole_prompt_blocks(prompts, B) + (int((w.last_block - w.front + 1).sum()) + S) * B
-    kv = make_kv(model, batch=R, capacity=capacity, static=static, compile=compile)
+    # Each step keeps max-over-rows stored blocks, so rows storing in different steps leave holes:
+    # the dynamic cache may come to hold every row's blocks side by side (``worst``); the static one
+    # is sized for the longest row plus a window and compacted when a forward would not fit.
+    F, blocks = whole_prompt_blocks(prompts, B), w.last_block - w.front + 1  # blocks (R,) per row
+    kv = make_kv(model, batch=R, capacity=F + (int(blocks.max()) + S) * B, static=static, compile=compile)
     kv, valid, _ = prefill_whole_blocks(kv, prompts, B, bundle.pad_token_id, device)
-    key_valid = key_valid_buffer(valid, capacity)  # (R, capacity); the first kv.length columns are live
+    worst = F + (int(blocks.sum()) + S) * B
+    key_valid = key_valid_buffer(valid, kv.capacity if kv.static else worst)  # (R, C); first kv.length live
     # Room for every real block and the dummies after the last one, so window writes never clamp.
     seq = row_sequences(prompts, int((w.last_block.max() + 1 + S) * B), mask_id, device)  # (R, L)
     seq_pos = torch.arange(seq.shape[1], device=device)
@@ -187,14 +218,16 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     running: list[list[int]] = [[] for _ in range(R)]
     accepts: list[list[int]] = [[] for _ in range(R)]
     edits = [0] * R
+    stop_pos = first_stop(seq, w.gen_start, w.gen_end, stops)  # (R,)
     while not bool(done.all()):
-        stop_pos = first_stop(seq, w.gen_start, w.gen_end, stops)  # (R,)
         w, _ = bb.activate(w, done | (stop_pos < seq.shape[1]), tau_add=cfg.tau_add, tau_stable=cfg.tau_stable)
         live = ~done  # rows this forward works for
         before = w
 
         # One forward over the static window; it also writes the to-cache slots' K/V (§3.3 step 2).
         stored = (w.state == bb.TO_CACHE).sum(dim=1)  # (R,) to-cache slots form a prefix
+        if kv.length + S * B > key_valid.shape[1]:  # only the static cache fills up
+            compact(kv, key_valid)
         past = kv.length
         ids = w.tokens.view(R, S * B)  # (R, S*B)
         positions = w.positions().view(R, S * B)  # (R, S*B)
@@ -282,4 +315,4 @@ def _stop_string_rows(bundle, prompts, seq, seq_pos, w, stops, max_new_tokens, r
                            stop_strings)
 
 
-__all__ = ["MultiBlockConfig", "candidates", "decode"]
+__all__ = ["MultiBlockConfig", "candidates", "compact", "decode"]
