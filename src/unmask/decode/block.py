@@ -434,8 +434,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             check_nfe(nfe, ceiling, "block")
             had = masked.any(dim=1)  # (R,)
             nfe_rows += had.long()
+            counts = chosen.sum(dim=1).tolist()  # (R,) commits per row, one host read
             for r in torch.nonzero(had).flatten().tolist():
-                count = int(chosen[r].sum())
+                count = counts[r]
                 accepts[r].append(count)
                 histogram[count] += 1
                 if on_step is not None:

@@ -45,7 +45,6 @@ from unmask.decode.block import (cache_extra, check_block_model, check_cache_fla
 from unmask.decode.kv import make_kv
 from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
-from unmask.policies import token_stats
 from unmask.sampling import Sampling, sample
 
 
@@ -106,9 +105,9 @@ def candidates(logits: torch.Tensor, sampling: Sampling, generator) -> tuple[tor
     Greedy (T = 0): the argmax and its softmax probability (Diffulex). T > 0: a token drawn after
     top-k/top-p filtering, with its probability under the tempered, unfiltered softmax.
     """
-    if sampling.greedy:
-        s = token_stats(logits.reshape(1, -1, logits.shape[-1]))
-        return s.top1.view(logits.shape[:-1]), s.confidence.view(logits.shape[:-1])
+    if sampling.greedy:  # token_stats' top-1 and confidence, without its entropy and margin
+        q = torch.log_softmax(logits.reshape(1, -1, logits.shape[-1]).float(), dim=-1).exp()  # (1, n, V)
+        return q.argmax(-1).view(logits.shape[:-1]), q.amax(-1).view(logits.shape[:-1])
     tokens = sample(logits, sampling, generator)  # (...)
     log_q = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)  # (..., V)
     return tokens, log_q.gather(-1, tokens[..., None])[..., 0].exp()
@@ -251,11 +250,12 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         size = (before.state != bb.DUMMY).sum(dim=1)  # (R,) |R_s| of this step
         n_commit = info.committed.sum(dim=(1, 2))  # (R,)
         n_edit = info.edited.sum(dim=(1, 2))  # (R,)
+        sizes, commits, n_edits = size.tolist(), n_commit.tolist(), n_edit.tolist()  # one host read each
         for r in torch.nonzero(live).flatten().tolist():
-            running[r].append(int(size[r]))
-            accepts[r].append(int(n_commit[r]))
-            edits[r] += int(n_edit[r])
-            histogram[int(n_commit[r])] += 1
+            running[r].append(sizes[r])
+            accepts[r].append(commits[r])
+            edits[r] += n_edits[r]
+            histogram[commits[r]] += 1
 
         # Write the window back into the row sequences (popped blocks were written when they were
         # complete: to-cache blocks never change).
@@ -270,7 +270,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                 on_step(step_event(nfe - 1, r, at[r][c], top1[r][c], seq[r], w.gen_start[r], w.gen_end[r], mask_id,
                                    edited=edited, slots=before.describe(r),
                                    blocks=(before.front[r] + torch.arange(S, device=device)).tolist(),
-                                   running_set=int(size[r])))
+                                   running_set=sizes[r]))
 
         stop_pos = first_stop(seq, w.gen_start, w.gen_end, stops)  # (R,)
         stop_block = torch.where(stop_pos < seq.shape[1], torch.div(stop_pos, B, rounding_mode="floor"),
