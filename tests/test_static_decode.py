@@ -100,10 +100,37 @@ def test_compiled_equals_eager_for_ar_and_lossless_sbd(sbd_model, batch):
     compiled = sbd_verify.decode(sbd_model, prompts, compile=True, **kw)
     _same(eager, compiled)
     assert compiled.tokens == eager_ar.tokens and compiled.stats.extra["compiled"] is True
+    if batch == 1:  # sampling: the forward compiled, the acceptance eager (per-row generators)
+        kw["sampling"] = SAMPLINGS["sampled"]
+        _same(sbd_verify.decode(sbd_model, prompts, **kw), sbd_verify.decode(sbd_model, prompts, compile=True, **kw))
+
+
+@pytest.mark.parametrize("draft", ["linear", "quadratic"])
+def test_verify_step_mask_is_key_validity_then_layout_then_nothing(draft):
+    # the mask built inside the step from a pointer tensor equals slicing the layout in at the pointer
+    K, L, B = 3, 24, 4
+    layout = sbd_verify.step_layout(K, draft)
+    Q = layout.queries
+    gen = torch.Generator().manual_seed(0)
+    for ptr in range(0, L - Q + 1):
+        key_valid = torch.zeros(B, L, dtype=torch.bool)
+        key_valid[:, :ptr] = torch.rand(B, ptr, generator=gen) < 0.7
+        draft_len = torch.tensor([K - 1, 0, K - 1, 0])
+        st = static.VerifyState(b=torch.arange(B), s=torch.ones(B, K - 1, dtype=torch.long), q=None,
+                                draft_len=draft_len, p_b=torch.full((B,), ptr), key_valid=key_valid,
+                                n=torch.ones(B, dtype=torch.long), out=torch.zeros(B, 9, dtype=torch.long),
+                                live=torch.ones(B, dtype=torch.bool))
+        inp, positions, mask = static.step_inputs(layout, st, torch.tensor(ptr), 99, draft == "linear")
+        Li = [K - 1 if (d > 0 or draft == "quadratic") else 0 for d in draft_len.tolist()]
+        want = torch.zeros(B, 1, Q, L, dtype=torch.bool)
+        want[:, 0, :, :ptr] = key_valid[:, None, :ptr]
+        want[:, 0, :, ptr: ptr + Q] = layout.mask[Li]
+        assert torch.equal(mask, want)
+        assert torch.equal(positions, ptr + layout.offsets[Li])
+        assert inp[:, 0].tolist() == list(range(B)) and (inp[1, 1:] == 99).all() and (inp[0, 1:K] == 1).all()
 
 
 def test_compile_errors_are_one_line(capsys):
-    one_line_error(capsys, "generate", "Once", "--compile", "-m", "stories260K-dlm", "-n", "4", match="--compile")
     one_line_error(capsys, "generate", "Once", "--compile", "-d", "ar", "--trace", "t.json", "-n", "4",
                    match="--show/--trace")
 
