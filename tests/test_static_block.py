@@ -177,3 +177,16 @@ def test_compacted_static_multiblock_equals_dynamic_on_eager_attention():
     multiblock.decode(bundle, prompts, max_new_tokens=100, slots=3, tau_add=0.25, tau_semi=0.5, tau_m2t=0.5,
                       static=True, on_forward=lambda s: pasts.append(s["past"]))
     assert fast.stats.extra["static_cache"] == 128 and any(b < a for a, b in zip(pasts, pasts[1:]))
+
+
+def test_window_mask_equals_the_padded_block_buffer_mask():
+    from unmask.masks import as_4d, block_buffer_mask, with_key_padding
+
+    gen = torch.Generator().manual_seed(0)
+    for past in (0, 3, 8, 13):
+        for n_slots, B in ((1, 4), (2, 4), (3, 2), (1, 1)):
+            q = n_slots * B
+            key_valid = torch.rand((3, past + q + 5), generator=gen) < 0.6  # (R, C): columns past the window ignored
+            key_valid[:, past: past + q] = True
+            want = with_key_padding(as_4d(block_buffer_mask(past, n_slots, B), 3), key_valid[:, : past + q])
+            assert torch.equal(block.window_mask(key_valid, past, n_slots, B), want)

@@ -171,17 +171,26 @@ def key_valid_buffer(valid: torch.Tensor, capacity: int) -> torch.Tensor:
     return buf
 
 
+def window_mask(key_valid: torch.Tensor, past: int, n_slots: int, B: int) -> torch.Tensor:
+    """The mask of a forward of ``n_slots`` blocks after ``past`` cached keys: (R, 1, q, past + q)
+    bool, q = n_slots·B. Equals ``with_key_padding(block_buffer_mask(past, n_slots, B), key_valid)``
+    (multiblock.md §3.1: each block sees the valid cached keys, earlier blocks and itself) when the
+    query columns ``key_valid[:, past:past + q]`` are True: no query row is then left empty.
+    key_valid (R, C >= past + q) bool."""
+    R, q = key_valid.shape[0], n_slots * B
+    m = key_valid[:, None, None, : past + q].expand(R, 1, q, past + q).clone()  # (R, 1, q, past + q)
+    m[..., past:] &= block_buffer_mask(0, n_slots, B, device=key_valid.device)  # (q, q) block-causal window
+    return m
+
+
 def window_forward(kv, key_valid: torch.Tensor, inp: torch.Tensor, positions: torch.Tensor, n_slots: int, B: int,
                    **kw) -> torch.Tensor:
-    """One forward of ``n_slots`` blocks (inp, positions (R, n_slots*B)) after the cache,
-    block-causal (``block_buffer_mask``: each block sees the valid cached keys, earlier blocks and
-    itself). Marks the query columns of ``key_valid`` (R, capacity) valid; the caller crops and
-    records which kept columns are real. Returns ``kv.forward``'s logits."""
-    R, past, q = inp.shape[0], kv.length, n_slots * B
-    key_valid[:, past: past + q] = True
-    m = with_key_padding(as_4d(block_buffer_mask(past, n_slots, B, device=inp.device), R),
-                         key_valid[:, : past + q])  # (R, 1, q, past + q)
-    return kv.forward(inp, positions, m, **kw)
+    """One forward of ``n_slots`` blocks (inp, positions (R, n_slots*B)) after the cache, masked by
+    :func:`window_mask`. Marks the query columns of ``key_valid`` (R, capacity) valid; the caller
+    crops and records which kept columns are real. Returns ``kv.forward``'s logits."""
+    past = kv.length
+    key_valid[:, past: past + n_slots * B] = True
+    return kv.forward(inp, positions, window_mask(key_valid, past, n_slots, B), **kw)
 
 
 def check_cache_flags(compile, static) -> None:
