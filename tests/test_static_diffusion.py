@@ -85,12 +85,13 @@ def test_diffusion_static_equals_dynamic_on_a_tiny_eager_model(factory, shift):
 
 
 def test_diffusion_compiled_equals_eager(stories):
+    """The dual cache: the compiled window step on the StaticKV (one graph; the refresh is eager)."""
     bundle, prompts = stories
-    kw = dict(max_new_tokens=32, block_size=8, cache="none", stop_token_ids=bundle.stop_token_ids)
+    kw = dict(max_new_tokens=32, block_size=8, cache="dual", stop_token_ids=bundle.stop_token_ids)
     eager = diffusion.decode(bundle, prompts[:2], **kw)
     fast = diffusion.decode(bundle, prompts[:2], compile=True, **kw)
     same(fast, eager)
-    assert fast.stats.extra["compiled"] is True
+    assert fast.stats.extra["compiled"] is True and fast.stats.extra["static_cache"] == 128
 
 
 # -- early-bird ------------------------------------------------------------------------------------------
@@ -130,6 +131,7 @@ def test_early_bird_static_equals_dynamic_on_a_tiny_eager_model():
 
 
 def test_early_bird_compiled_equals_eager(stories):
+    """No cache: the compiled canvas forward (one graph)."""
     bundle, prompts = stories
     kw = dict(max_new_tokens=32, cache="none", stop_token_ids=bundle.stop_token_ids)
     eager = early_bird.decode(bundle, prompts[:2], **kw)

@@ -208,9 +208,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     Fast path: ``static=True`` runs the K/V on a preallocated ``StaticKV`` with fixed-shape
     forwards (what ``compile`` runs, eagerly; for tests and debugging); ``compile=True`` also runs
     them through ``torch.compile`` (inductor on CPU, CUDA graphs on CUDA), one graph per shape:
-    no cache compiles the canvas forward (B, P + L), the caches the refresh (B, P + L) and the
-    window step (a prefix window padded to a power-of-two bucket), see
-    :mod:`unmask.decode.dllm_cache`. Same tokens and NFE as the eager run up to float rounding.
+    no cache compiles the canvas forward (B, P + L), the caches the window step (a prefix window
+    padded to a bucket; the block-start refresh stays eager), see :mod:`unmask.decode.dllm_cache`.
+    Prompts are left-padded to a multiple of 16 there, so similar prompts share the graphs. Same tokens and NFE as the eager run up to float rounding.
     stats.extra adds ``compiled`` and, on a static cache, ``static_cache`` (its positions).
 
     ``schedule="dream"`` runs Dream's own ``diffusion_generate`` instead (§5, no blocks; ``steps``,

@@ -26,11 +26,12 @@ the window's fresh K/V and crops them again. This is Fast-dLLM's in-place ``repl
 expressed with the cache interface of :mod:`unmask.decode.kv` (append + crop): on the eager
 ``DynamicKV`` a ``crop(-n)``, on the preallocated ``StaticKV`` a pointer move.
 
-**The fast path** (``static`` / ``compile``): the K/V live in a ``StaticKV`` sized once; every
-forward has a fixed shape per call: the refresh is the whole canvas (B, T), a dual step the
+**The fast path** (``static`` / ``compile``): the K/V live in a ``StaticKV`` sized once and the
+prompts are left-padded to a multiple of PROMPT_BUCKET, so every forward has a bounded shape:
+the refresh is the whole canvas (B, T) and runs eagerly (COMPILE_REFRESH), a dual step is the
 window (B, w1 - w0), and a prefix step, whose length shrinks block by block, is padded to
-:func:`bucket` with masked tokens, so a decode compiles a bounded number of graphs (at most
-6 + L / 64). The no-cache step is :func:`unmask.decode.kv.canvas_forward`.
+:func:`bucket` with masked tokens, so a decode compiles few graphs (at most 5 + L / 64). The
+no-cache step is :func:`unmask.decode.kv.canvas_forward`, compiled once per canvas shape.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ from unmask.models.adapters import bidirectional_forward, supports_cache
 CACHE_MODES = ("none", "prefix", "dual")
 MIN_BUCKET = 8
 PROMPT_BUCKET = 16  # the fast path left-pads prompts to a multiple of this: one canvas shape for similar prompts
+# The refresh (the whole canvas) runs eagerly on the static cache even under compile=True: measured
+# on stories260K-dlm (1 thread, batch 1, 128 tokens) a compiled refresh was no faster for diffusion's
+# dual cache (774 vs 751 TPS) and slower for early-bird's (230 vs 419 TPS; inductor's attention over
+# the long canvas loses to eager SDPA), and it costs a compile per canvas shape.
+COMPILE_REFRESH = False
 BUCKET_STEP = 64  # past this, padded lengths are multiples of it: at most BUCKET_STEP - 1 padding tokens
 
 
@@ -94,15 +100,15 @@ def bucket(q: int, q_max: int) -> int:
 
 
 def kv_forward(bundle, kv, ids: torch.Tensor, pos: torch.Tensor, key_valid: torch.Tensor, rows: tuple[int, int],
-               *, pad_to: int | None = None) -> torch.Tensor:
+               *, pad_to: int | None = None, compiled: bool = True) -> torch.Tensor:
     """One bidirectional forward that appends q = ids.shape[1] K/V to ``kv`` (q padded to ``pad_to``
     on a static cache). ids, pos (B, q) long; key_valid (B, kv.length + q) bool. Returns the raw
     logits (B, rows[1] - rows[0], V) of query rows [rows[0], rows[1]), float32.
 
     On ``DynamicKV`` this is exactly the eager forward (:func:`bidirectional_forward` on its
-    ``DynamicCache``). On ``StaticKV`` the padding tokens (mask-free copies of the last token,
-    their keys masked for every query) only fix the shape; the caller crops the ``written``
-    positions, reported as ``kv.length`` growth."""
+    ``DynamicCache``). On ``StaticKV`` the padding tokens (copies of the last token, their keys
+    masked for every query) only fix the shape; the cache then holds ``pad_to`` new positions,
+    which is what the caller crops. ``compiled=False`` runs a static forward eagerly."""
     if not kv.static:
         return bidirectional_forward(bundle, ids, position_ids=pos, key_valid=key_valid, cache=kv.cache, rows=rows)
     B, q = ids.shape
@@ -112,7 +118,7 @@ def kv_forward(bundle, kv, ids: torch.Tensor, pos: torch.Tensor, key_valid: torc
         pos = torch.cat([pos, pos[:, -1:].expand(B, pad)], dim=1)  # (B, q + pad)
         key_valid = torch.cat([key_valid, key_valid.new_zeros(B, pad)], dim=1)  # (B, length + q + pad)
     mask = key_valid[:, None, None, :].expand(B, 1, q + pad, key_valid.shape[1])  # (B, 1, q + pad, length + q + pad)
-    logits = kv.forward(ids, pos, mask)  # (B, q + pad, V)
+    logits = kv.forward(ids, pos, mask, compiled=compiled)  # (B, q + pad, V)
     return logits[:, rows[0]: rows[1]].clone()  # a copy: CUDA graphs reuse their output buffer
 
 
@@ -211,7 +217,7 @@ class WindowForward:
         self.kv.reset()
         first = self.T - n  # the window's first row in this order
         raw = kv_forward(self.bundle, self.kv, self.ids[:, order], self.pos[:, order], valid,
-                         (first, first + self.e - self.w0))  # (B, e - w0, V)
+                         (first, first + self.e - self.w0), compiled=COMPILE_REFRESH)  # (B, e - w0, V)
         self.kv.crop(n)
         self.kept_valid = valid[:, :first]  # (B, T - n) prefix (+ suffix) keys
         self.fresh = True

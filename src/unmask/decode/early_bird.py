@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from unmask.decode import dllm_cache
 from unmask.decode.diffusion import early_stop, hit_stop_string, until_stop
 from unmask.decode.dllm_cache import (BUCKET_STEP, bucket, canvas_call, check_fast_path, kv_forward, left_pad_to,
                                       prompt_width)
@@ -119,12 +120,13 @@ class _Forwards:
     keeps the K/V outside the union window (see the module doc); ``window(lo, hi)`` feeds it.
 
     The K/V live in a :mod:`unmask.decode.kv` cache: the eager ``DynamicKV``, or with ``static`` /
-    ``compile`` a preallocated ``StaticKV`` (capacity T + L + shift for the dual cache, whose
-    steps append after the whole canvas; T + BUCKET_STEP for the prefix cache). On the static
-    path every forward has a bounded shape: the refresh and the no-cache step are the whole
-    canvas (the no-cache step scores all L rows and slices the window), and a cached window step,
-    whose length depends on the selected blocks, is padded to
-    :func:`unmask.decode.dllm_cache.bucket` (at most 6 + L / 64 shapes)."""
+    ``compile`` a preallocated ``StaticKV`` of T + BUCKET_STEP positions, where the dual cache
+    slides the suffix's K/V over the window's once it is selected (a copy per selection instead
+    of attending to T hidden keys at every step). On the static path every forward has a
+    bounded shape: the refresh (eager, ``dllm_cache.COMPILE_REFRESH``) and the no-cache step are
+    the whole canvas (the no-cache step scores all L rows and slices the window), and a cached
+    window step, whose length depends on the selected blocks, is padded to
+    :func:`unmask.decode.dllm_cache.bucket` (at most 5 + L / 64 shapes)."""
 
     def __init__(self, bundle, mode: str, ids, pos, valid, P: int, L: int, *, static: bool = False,
                  compile: bool = False):
@@ -139,8 +141,8 @@ class _Forwards:
         self.q_max = L + self.shift  # the longest window: the whole generation region
         self.kv = self.canvas = None
         if mode != "none":
-            extra = self.q_max if mode == "dual" else BUCKET_STEP  # what a padded window step writes past T
-            self.kv = make_kv(bundle.model, batch=ids.shape[0], capacity=self.T + extra, static=static,
+            # a padded window step writes fewer than BUCKET_STEP positions past the canvas end
+            self.kv = make_kv(bundle.model, batch=ids.shape[0], capacity=self.T + BUCKET_STEP, static=static,
                               compile=compile)
         elif static or compile:
             self.canvas = canvas_forward(bundle.model, compile)
@@ -160,7 +162,8 @@ class _Forwards:
         self.kv.reset()
         self.span = None
         self.refreshes += 1
-        raw = kv_forward(self.bundle, self.kv, self.ids, self.pos, self.valid, rows)  # (B, shift + L, V)
+        raw = kv_forward(self.bundle, self.kv, self.ids, self.pos, self.valid, rows,
+                         compiled=dllm_cache.COMPILE_REFRESH)  # (B, shift + L, V)
         return self._scored(raw)
 
     def set_window(self, lo: int, hi: int) -> None:
@@ -171,6 +174,16 @@ class _Forwards:
         if self.mode == "prefix":
             self.kv.crop(self.T - w0)  # keep the K/V of [0, w0)
             self.kept_valid = self.valid[:, :w0]  # (B, w0)
+        elif self.kv.static:
+            # Slide the suffix's K/V left over the window's stale ones (keys carry their RoPE
+            # positions, and bidirectional attention ignores key order): the cache then holds
+            # [prefix | suffix] and each step's window K/V go after them, within T + BUCKET_STEP.
+            n = w1 - w0
+            for keys, values in self.kv.layers():  # views of the static cache, (B, H, T, D) each
+                keys[:, :, w0: self.T - n] = keys[:, :, w1:].clone()
+                values[:, :, w0: self.T - n] = values[:, :, w1:].clone()
+            self.kv.crop(n)
+            self.kept_valid = torch.cat([self.valid[:, :w0], self.valid[:, w1:]], dim=1)  # (B, T - n)
         else:
             kept = self.valid.clone()  # (B, T): the cache keeps all T keys ...
             kept[:, w0:w1] = False  # ... but the window's stale ones are hidden
