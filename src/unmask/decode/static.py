@@ -230,11 +230,12 @@ def advance(st: VerifyState, a, last, step_tok, s, q, ptr, stops, N, linear: boo
 
 
 def _group_draft(x: torch.Tensor, g: torch.Tensor, K: int) -> torch.Tensor:
-    """x (B, G·K, ...) per-group outputs -> (B, K-1, ...): group g's offsets 1..K-1 (the new draft)."""
-    B = x.shape[0]
-    x = x.view(B, -1, K, *x.shape[2:])  # (B, G, K, ...)
-    idx = g.view(B, 1, 1, *([1] * (x.dim() - 3))).expand(B, 1, K, *x.shape[3:])
-    return x.gather(1, idx)[:, 0, 1:].contiguous()  # contiguous like the prefill's draft: one graph, not two
+    """x (B, G·K, ...) per-group outputs -> (B, K-1, ...): group g's offsets 1..K-1 (the new draft).
+    A gather, not a slice, so the draft is laid out like the prefill's and the step compiles once."""
+    idx = g[:, None] * K + torch.arange(1, K, device=g.device)  # (B, K-1) query index in the groups
+    if x.dim() == 3:
+        idx = idx[:, :, None].expand(-1, -1, x.shape[2])  # (B, K-1, V)
+    return x.gather(1, idx)
 
 
 def verify_step(model, layout, *, mask_id: int, suppress: list[int], linear: bool, sampling: Sampling, gens,
