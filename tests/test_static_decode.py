@@ -180,9 +180,14 @@ def test_compiled_lossy_sbd_equals_eager(sbd_model):
     assert compiled.stats.extra["compiled"] is True and eager.stats.extra["compiled"] is False
 
 
-def test_static_option_values():
+def test_static_option_values(sbd_model):
     with pytest.raises(unmask.UnmaskError, match="static must be True or False"):
-        sbd.decode(unmask.load("stories260K-sbd"), [[1, 2]], max_new_tokens=2, verify=False, static="yes")
+        sbd.decode(sbd_model, [[1, 2]], max_new_tokens=2, verify=False, static="yes")
+    # static=True reaches the lossless path too (its static loop, eagerly)
+    prompts = _prompts(sbd_model, 2)
+    lossless = sbd.decode(sbd_model, prompts, max_new_tokens=24, verify=True, static=True)
+    assert lossless.stats.extra["static_cache"] and lossless.stats.extra["compiled"] is False
+    _same(sbd.decode(sbd_model, prompts, max_new_tokens=24, verify=True), lossless)
 
 
 def test_static_lossless_sbd_emits_the_eager_step_events(sbd_model):
