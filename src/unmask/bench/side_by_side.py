@@ -17,6 +17,7 @@ agreement with the greedy AR output of the same model.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -121,9 +122,9 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     Ratios are to the ``ar`` on ``stories260K`` row (else the first ``ar`` row; ``None``
     without one). A pair that raises is reported with its error and the others still run.
     ``adapters``: also run the :func:`adapter_pairs` rows, model shown as ``<model>+<adapter>``.
-    ``compile``: also run every row with ``compile=True``, each after untimed
-    warm-up decodes of the full and the last batch size (the compile, reported as ``compile_s``,
-    is not in their TPS).
+    ``compile``: also run every row with ``compile=True``, each after an untimed warm-up pass over
+    the same prompts that compiles every shape (its seconds, compiles included, are reported as
+    ``compile_s``; they are not in the row's TPS).
     Raises :class:`UnmaskError` when no pair is found.
     """
     from unmask.eval.runner import References, evaluate
@@ -159,8 +160,12 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
                     from unmask.models import load
 
                     model = load(m, device=device, dtype=dtype)
-                shapes = sorted({min(batch_size, limit), limit % batch_size} - {0})  # full and last batch
-                compile_s = _warm_up(model, d, opts, shapes, max_new_tokens, device, dtype)
+                # an untimed pass over the same prompts compiles every shape the timed pass meets (prompt
+                # lengths set the canvas and cache buckets of some decoders)
+                t0 = time.perf_counter()
+                evaluate("stories", model, d, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                         judge=judge, device=device, dtype=dtype, references=refs, **opts)
+                compile_s = time.perf_counter() - t0
             res = evaluate("stories", model, d, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
                            judge=judge, device=device, dtype=dtype, references=refs, progress=stage, **opts)
         except Exception as e:  # noqa: BLE001 - one broken pair must not hide the others
@@ -186,16 +191,3 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
                 "device": device, "dtype": dtype, "include_all": include_all, "compile": compile,
                 "reference": f"{ref['decoder']}@{ref['model']}" if ref else None}
     return BenchResult(rows, settings)
-
-
-def _warm_up(model, decoder, opts, batch_sizes, max_new_tokens, device, dtype) -> float:
-    """Compile the step for these batch sizes with untimed decodes; returns their seconds."""
-    import time
-
-    from unmask.api import generate
-
-    t0 = time.perf_counter()
-    for b in batch_sizes:
-        generate(["Once upon a time"] * b, model, decoder, max_new_tokens=max_new_tokens, device=device,
-                 dtype=dtype, **opts)
-    return time.perf_counter() - t0
