@@ -26,8 +26,9 @@ What is continuous and what is not (README "Serving"):
   row; a separate sbd batch would add its forwards to theirs) and while a non-AR batch decodes
   (rather than waiting for that batch to end); when the AR batch is full it waits for a slot.
   Conversely, a sized sbd batch that formed on an idle server moves into the AR running batch at
-  its next step once AR rows run beside it (each row goes on from its committed tokens, which
-  are AR's), so two batches never spend two forwards per step where one would serve every row.
+  its next step once AR rows run beside it and the AR batch has a slot for each of its open rows
+  (each row goes on from its committed tokens, which are AR's; a moved row never decodes in an sbd
+  batch again), so two batches never spend two forwards per step where one would serve every row.
 
 Each job gets its events through ``job.post`` (called from this thread): ``("step", event)``
 with an :mod:`unmask.trace` step event, then ``("done", result)`` or ``("error", ApiError)``.
@@ -250,7 +251,9 @@ class Scheduler:
             return []
         free = self.max_batch_size - len(self.ar)
         route = self._route_sized()
-        jobs = [j for j in self._waiting if j.decoder == "ar" or (route and j.sizable)][:max(0, free)]
+        # A row moved out of an sbd batch (``resume``) goes on in the AR batch only: a new sbd batch
+        # would decode it from the prompt again (its stream would go back to step 0).
+        jobs = [j for j in self._waiting if j.decoder == "ar" or j.resume or (route and j.sizable)][:max(0, free)]
         for j in jobs:
             self._waiting.remove(j)
         if route and any(j.sizable for j in jobs):
@@ -259,7 +262,7 @@ class Scheduler:
 
     def _take_batch(self) -> list[Job]:
         """Under the lock: the oldest waiting non-AR job and the compatible ones behind it."""
-        first = None if self._paused else next((j for j in self._waiting if j.decoder != "ar"), None)
+        first = None if self._paused else next((j for j in self._waiting if j.decoder != "ar" and not j.resume), None)
         if first is None:
             return []
         if first.sizable and self._route_sized():  # they wait for AR slots (the AR batch is full)
@@ -267,7 +270,8 @@ class Scheduler:
             if first is None:
                 return []
         key = first.batch_key()
-        batch = [j for j in self._waiting if j.decoder != "ar" and j.batch_key() == key][: self.max_batch_size]
+        batch = [j for j in self._waiting if j.decoder != "ar" and not j.resume
+                 and j.batch_key() == key][: self.max_batch_size]
         for j in batch:
             self._waiting.remove(j)
         return batch
@@ -364,7 +368,10 @@ class Scheduler:
             if event["step"] != last_step[0]:  # a new forward of the batch: let the AR batch advance too
                 last_step[0] = event["step"]
                 self._interleave_ar()
-                if first.sizable and len(self.ar):  # AR rows run: one forward can serve every row
+                # AR rows run: one forward can serve every row. Only when every open row gets an AR
+                # slot at once: a row left waiting in the queue would make no progress at all.
+                open_rows = sum(not (j.gone or j.closed) for j in jobs)
+                if first.sizable and len(self.ar) and len(self.ar) + open_rows <= self.max_batch_size:
                     raise _Migrate
             row = int(event["row"])
             job = jobs[row]
