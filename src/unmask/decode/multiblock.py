@@ -223,21 +223,14 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         live = ~done  # rows this forward works for
         before = w
 
-        # One forward over the static window; it also writes the to-cache slots' K/V (§3.3 step 2).
-        stored = (w.state == bb.TO_CACHE).sum(dim=1)  # (R,) to-cache slots form a prefix
         if kv.length + S * B > key_valid.shape[1]:  # only the static cache fills up
             compact(kv, key_valid)
         past = kv.length
-        ids = w.tokens.view(R, S * B)  # (R, S*B)
-        positions = w.positions().view(R, S * B)  # (R, S*B)
-        logits = window_forward(kv, key_valid, ids, positions, S, B)  # (R, S*B, V)
-        keep = int(stored.max())
-        kv.crop((S - keep) * B)
-        cols = torch.arange(keep * B, device=device)  # (keep*B,)
-        key_valid[:, past: past + keep * B] = cols[None, :] < (stored * B)[:, None]  # other rows: scratch
+        logits, stored = window_step(kv, key_valid, w)  # (R, S*B, V), (R,)
         if suppress:
             logits[..., suppress] = float("-inf")
         if on_forward is not None:
+            ids, positions = w.tokens.view(R, S * B), w.positions().view(R, S * B)  # (R, S*B) each
             on_forward({"inp": ids, "positions": positions, "logits": logits, "window": before, "past": past,
                         "stored": stored.clone(), "key_valid": key_valid[:, : kv.length].clone(),
                         "cache": [(k.clone(), v.clone()) for k, v in kv.layers()]})
@@ -257,28 +250,18 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             edits[r] += n_edits[r]
             histogram[commits[r]] += 1
 
-        # Write the window back into the row sequences (popped blocks were written when they were
-        # complete: to-cache blocks never change).
-        flat = w.positions().view(R, S * B)
-        real = (w.state != bb.DUMMY)[..., None].expand(R, S, B).reshape(R, S * B)
-        seq.scatter_(1, flat, torch.where(real, w.tokens.view(R, S * B), seq.gather(1, flat)))
+        write_window(seq, w)
         if on_step is not None:
             at = before.positions()  # (R, S, B)
             for r in torch.nonzero(live).flatten().tolist():
-                c, e = info.committed[r], info.edited[r]
-                edited = (at[r][e] - w.gen_start[r]).tolist()
-                on_step(step_event(nfe - 1, r, at[r][c], top1[r][c], seq[r], w.gen_start[r], w.gen_end[r], mask_id,
-                                   edited=edited, slots=before.describe(r),
-                                   blocks=(before.front[r] + torch.arange(S, device=device)).tolist(),
-                                   running_set=sizes[r]))
+                on_step(row_event(nfe - 1, r, at, before, info, top1, seq, w, sizes[r]))
 
         stop_pos = first_stop(seq, w.gen_start, w.gen_end, stops)  # (R,)
-        stop_block = torch.where(stop_pos < seq.shape[1], torch.div(stop_pos, B, rounding_mode="floor"),
-                                 torch.full_like(stop_pos, bb.NO_STOP))
+        stop_block = stop_blocks(stop_pos, seq.shape[1], B)  # (R,)
         ended = live & bb.finished(w, stop_block)
         if stop_strings:
-            ended |= _stop_string_rows(bundle, prompts, seq, seq_pos, w, stops, max_new_tokens, live & ~ended,
-                                       checked, stop_strings)
+            ended |= stop_string_rows(bundle, prompts, seq, seq_pos, w, stops, max_new_tokens, live & ~ended,
+                                      checked, stop_strings)
         if cfg.max_nfe is not None:
             ended |= live & (nfe_rows >= cfg.max_nfe)
         done |= ended
@@ -298,7 +281,58 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     return DecodeOutput(tokens=tokens, stats=stats)
 
 
-def _stop_string_rows(bundle, prompts, seq, seq_pos, w, stops, max_new_tokens, rows, checked, stop_strings):
+def window_step(kv, key_valid: torch.Tensor, w: bb.Window) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Block Buffer forward (multiblock.md §3.3 step 2) of window ``w`` after ``kv``'s keys.
+
+    Every row's S·B slot tokens go through :func:`window_forward`; the forward also yields the
+    clean K/V of each row's to-cache slots (a prefix of its window). The cache keeps as many
+    columns as the row storing the most needs, the rest is cropped, and ``key_valid`` (R, C >=
+    kv.length + S·B) marks the kept columns a row did not store as scratch (§3.6). Returns the
+    logits (R, S·B, V) and ``stored`` (R,) long, the to-cache slots of each row.
+    """
+    R, S, B = w.tokens.shape
+    stored = (w.state == bb.TO_CACHE).sum(dim=1)  # (R,) to-cache slots form a prefix
+    past = kv.length
+    ids = w.tokens.view(R, S * B)  # (R, S*B)
+    positions = w.positions().view(R, S * B)  # (R, S*B)
+    logits = window_forward(kv, key_valid, ids, positions, S, B)  # (R, S*B, V)
+    keep = int(stored.max())
+    kv.crop((S - keep) * B)
+    cols = torch.arange(keep * B, device=key_valid.device)  # (keep*B,)
+    key_valid[:, past: past + keep * B] = cols[None, :] < (stored * B)[:, None]  # other rows: scratch
+    return logits, stored
+
+
+def write_window(seq: torch.Tensor, w: bb.Window) -> None:
+    """Write the real slots of ``w`` into the row sequences ``seq`` (R, L) in place (dummies leave
+    ``seq`` alone; popped blocks were written when they were complete: to-cache blocks never change)."""
+    R, S, B = w.tokens.shape
+    flat = w.positions().view(R, S * B)  # (R, S*B)
+    real = (w.state != bb.DUMMY)[..., None].expand(R, S, B).reshape(R, S * B)  # (R, S*B)
+    seq.scatter_(1, flat, torch.where(real, w.tokens.view(R, S * B), seq.gather(1, flat)))
+
+
+def stop_blocks(stop_pos: torch.Tensor, length: int, B: int) -> torch.Tensor:
+    """(R,) long block index of each row's first stop token (:func:`first_stop`'s ``stop_pos``
+    (R,); ``length`` = no stop), :data:`block_buffer.NO_STOP` where there is none."""
+    return torch.where(stop_pos < length, torch.div(stop_pos, B, rounding_mode="floor"),
+                       torch.full_like(stop_pos, bb.NO_STOP))
+
+
+def row_event(step: int, r: int, at: torch.Tensor, before: bb.Window, info: bb.StepInfo, top1: torch.Tensor,
+              seq: torch.Tensor, w: bb.Window, running_set: int, row: int | None = None) -> dict:
+    """The ``on_step`` event of row ``r`` after one step (``unmask.trace`` contract plus the Block
+    Buffer view: ``edited``, ``slots``, ``blocks``, ``running_set``). at: (R, S, B) positions of
+    ``before`` (the window the forward saw); top1 (R, S, B); seq (R, L) after the write-back.
+    ``row`` is the event's row index (default ``r``)."""
+    c, e = info.committed[r], info.edited[r]
+    S = before.slots
+    return step_event(step, r if row is None else row, at[r][c], top1[r][c], seq[r], w.gen_start[r], w.gen_end[r],
+                      w.mask_id, edited=(at[r][e] - w.gen_start[r]).tolist(), slots=before.describe(r),
+                      blocks=(before.front[r] + torch.arange(S, device=at.device)).tolist(), running_set=running_set)
+
+
+def stop_string_rows(bundle, prompts, seq, seq_pos, w, stops, max_new_tokens, rows, checked, stop_strings):
     """Rows whose completed blocks (the contiguous complete prefix of the output) contain a stop
     string. Only rows whose complete prefix grew since the last check are decoded."""
     B = w.block_size
@@ -315,4 +349,5 @@ def _stop_string_rows(bundle, prompts, seq, seq_pos, w, stops, max_new_tokens, r
                            stop_strings)
 
 
-__all__ = ["MultiBlockConfig", "candidates", "compact", "decode"]
+__all__ = ["MultiBlockConfig", "candidates", "compact", "decode", "row_event", "stop_blocks", "stop_string_rows",
+           "window_step", "write_window"]
