@@ -152,3 +152,24 @@ def test_a_migrated_row_held_in_the_queue_goes_on_in_the_ar_batch_not_from_scrat
         assert sched.active == 0 and sched.queue_depth == 0
     finally:
         sched.close()
+
+
+def test_a_sized_request_arriving_with_an_ar_request_joins_the_ar_batch_at_once(bundle):
+    """Found by the fault pass: an AR request and a sized sbd request taken together on an idle
+    server formed a sized sbd batch (K > 1) beside the AR rows joining in the same pass, which then
+    moved into the AR batch at its first forward: that forward (and, with --compile, compiling its
+    shape) was spent for nothing. Waiting AR requests count as running AR rows when routing."""
+    sched = Scheduler(bundle, max_batch_size=8, max_queue=8).start()
+    try:
+        sched.pause()
+        a, ra = job(bundle, {"prompt": "Zoo", "max_tokens": 10, "decoder": "ar"})
+        s, rs = job(bundle, {"prompt": "Once upon a time", "max_tokens": 40, "decoder": "sbd"})
+        sched.submit(a)
+        sched.submit(s)
+        sched.resume()
+        assert rs.result["tokens"] == ar_tokens(bundle, "Once upon a time", 40)
+        assert ra.result["tokens"] == ar_tokens(bundle, "Zoo", 10)
+        assert sched.draft_log == [(2, 1)] and sched.migrated_rows == 0
+        assert sched.active == 0 and sched.queue_depth == 0
+    finally:
+        sched.close()

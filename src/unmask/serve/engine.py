@@ -233,7 +233,8 @@ class Scheduler:
 
     def _route_sized(self) -> bool:
         """Under the lock: whether the waiting sizable sbd jobs go to the AR running batch. They do
-        when the table gives K = 1 at this load, when AR rows already run (a separate sbd batch
+        when the table gives K = 1 at this load, when AR rows already run or AR jobs wait to join
+        in this same pass (a separate sbd batch
         would add its forwards to theirs, one running batch serves every row with one forward), and
         while a non-AR batch decodes (it cannot be joined mid-decode). Otherwise they form an sbd
         batch of their own, with K from the table."""
@@ -241,7 +242,8 @@ class Scheduler:
         if not sized:
             return False
         n_ar = sum(j.decoder == "ar" for j in self._waiting)
-        return bool(self._batch) or len(self.ar) > 0 or self.draft_sizes.size(self._load(n_ar + sized)) == 1
+        # waiting AR jobs count as running AR rows: they join in the same pass as the sized ones would
+        return bool(self._batch) or len(self.ar) + n_ar > 0 or self.draft_sizes.size(self._load(n_ar + sized)) == 1
 
     def _take_ar(self) -> list[Job]:
         """Under the lock: the waiting AR jobs that fit in the AR batch now, oldest first, with the
