@@ -233,11 +233,10 @@ class Scheduler:
 
     def _route_sized(self) -> bool:
         """Under the lock: whether the waiting sizable sbd jobs go to the AR running batch. They do
-        when the table gives K = 1 at this load, when AR rows already run or AR jobs wait to join
-        in this same pass (a separate sbd batch
-        would add its forwards to theirs, one running batch serves every row with one forward), and
-        while a non-AR batch decodes (it cannot be joined mid-decode). Otherwise they form an sbd
-        batch of their own, with K from the table."""
+        when the table gives K = 1 at this load, when AR rows already run or AR jobs wait to join in
+        this same pass (a separate sbd batch would add its forwards to theirs, one running batch
+        serves every row with one forward), and while a non-AR batch decodes (it cannot be joined
+        mid-decode). Otherwise they form an sbd batch of their own, with K from the table."""
         sized = sum(j.sizable for j in self._waiting)
         if not sized:
             return False
