@@ -529,3 +529,41 @@ def test_compiled_server_serves_lossless_and_lossy_sbd_identically(bundle, monke
         n = len(compiled)
         r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, extra_body={"gamma": 0.35})
         assert r.choices[0].text == lossy and len(compiled) == n  # lossy: sbd.decode's own compiled loop
+
+
+def test_multiblock_requests_join_and_leave_a_running_batch_mid_decode():
+    """Continuous batching for the Block Buffer: a long multiblock request is decoding; requests
+    that arrive meanwhile join its running batch at a step boundary and finish before it, each
+    with unmask.generate's text; a cancelled stream frees its slots at once; bad options are 400."""
+    b = unmask.load("stories260K-mbd")
+    prompts = ["Once upon a time", "Tom had a red ball", "The sun", "Lily and Ben went to the park."]
+    refs = [unmask.generate(p, b, "multiblock", max_new_tokens=n).texts[0]
+            for p, n in zip(prompts, (300, 24, 24, 24))]
+    app = create_app(b, max_batch_size=4)
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        long = c.completions.create(model=b.name, prompt=prompts[0], max_tokens=300, stream=True,
+                                    extra_body={"decoder": "multiblock"})
+        chunks = [next(iter(long))]
+        wait_until(lambda: sum(len(x) for x in sched.running_batches.values()) == 1)
+        with ThreadPoolExecutor(3) as pool:
+            short = list(pool.map(lambda p: c.completions.create(model=b.name, prompt=p, max_tokens=24,
+                                                                 extra_body={"decoder": "multiblock"}), prompts[1:]))
+        assert [r.choices[0].text for r in short] == refs[1:]
+        assert len(sched.running_batches) == 1 and len(next(iter(sched.running_batches.values()))) == 1
+        assert sched.peak_running >= 2  # they shared the long request's batch, not one batch after it
+        chunks += list(long)
+        assert "".join(x.choices[0].text for x in chunks) == refs[0]
+        wait_until(lambda: sched.active == 0 and not sched.running_batches)
+
+        gone = c.completions.create(model=b.name, prompt=prompts[0], max_tokens=300, stream=True,
+                                    extra_body={"decoder": "multiblock"})
+        next(iter(gone))
+        gone.close()
+        wait_until(lambda: sched.active == 0 and not sched.running_batches)
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model=b.name, prompt=prompts[0], max_tokens=8,
+                                 extra_body={"decoder": "multiblock", "slots": 0})
+        r = c.completions.create(model=b.name, prompt=prompts[1], max_tokens=24, extra_body={"decoder": "multiblock"})
+        assert r.choices[0].text == refs[1]

@@ -5,7 +5,12 @@ What is continuous and what is not (README "Serving"):
 - ``ar`` requests share one running batch (:class:`~unmask.serve.ar_batch.ARBatch`). A request
   joins at the next step boundary and leaves the step it finishes, is cancelled or times out,
   freeing its slot and its cache rows at once.
-- Every other decoder (``sbd``, ``diffusion``, ``early-bird``, ``block``, ``multiblock``) runs
+- ``multiblock`` requests share continuous running batches too
+  (:class:`~unmask.serve.block_batch.MultiBlockBatch`), one per set of Block Buffer options: a
+  request joins at the next step boundary (its prompt blocks prefilled, its N_buf slots added)
+  and leaves the step it finishes, is cancelled or times out, freeing its slots and cache rows.
+  Each row's tokens, NFE and events equal ``multiblock.decode`` on its prompt alone.
+- Every other decoder (``sbd``, ``diffusion``, ``early-bird``, ``block``) runs
   a whole batch in one call of its ``decode`` function, so those batches are formed from
   *compatible* queued requests (same decoder, options, sampling, length and stop strings) and
   run to completion: a request cannot join one mid-block, and its slot is freed when the batch
@@ -14,9 +19,9 @@ What is continuous and what is not (README "Serving"):
   batch; a cancelled or timed-out request stops receiving events at once; and the batch stops at
   the next step when none of its requests is still waiting for an answer. Sampled (temperature
   > 0) requests of these decoders run alone, so a seed reproduces ``unmask generate``.
-- While such a batch runs, the AR batch still advances: after each forward of the batch (its
-  ``on_step`` boundary) the scheduler admits waiting AR requests and runs one AR step, so AR
-  requests never wait for a non-AR batch to finish.
+- While such a batch runs, the running batches still advance: after each forward of the batch
+  (its ``on_step`` boundary) the scheduler admits waiting AR and multiblock requests and runs one
+  step of each running batch, so they never wait for a per-call batch to finish.
 - Greedy lossless ``sbd`` requests whose block size neither the request nor the server fixed get
   their draft block size K from the load (:mod:`unmask.serve.draft_sizing`): the rows that would
   share forwards (the AR batch, the running batch and the waiting ones) pick K from the
@@ -49,11 +54,14 @@ from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.decode.sbd import runs_lossless
 from unmask.serve.ar_batch import ARBatch, Row
+from unmask.serve.block_batch import MultiBlockBatch
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes
 from unmask.serve.errors import ApiError
 from unmask.serve.protocol import api_message, edits_committed
 
 log = logging.getLogger("unmask.serve")
+# Decoders served by continuous running batches other than AR's, and their batch classes.
+RUNNING = {"multiblock": MultiBlockBatch}
 _ids = itertools.count()
 
 
@@ -140,6 +148,7 @@ class Scheduler:
         self.abandoned_batches = 0  # non-AR batches stopped early: every request answered or gone
         self.migrated_rows = 0  # sized lossless sbd rows moved mid-decode into the AR running batch
         self.batch_rows: dict[int, int] = {}  # job id -> row in the running non-AR batch
+        self.running_batches: dict[tuple, MultiBlockBatch] = {}  # (decoder, options) -> continuous batch
         self._batch: list[Job] = []  # the running non-AR batch
         self._thread = threading.Thread(target=self._loop, name="unmask-scheduler", daemon=True)
 
@@ -154,7 +163,7 @@ class Scheduler:
         and queued ones are answered 503."""
         with self._lock:
             self._stop = True
-            for job in [r.job for r in self.ar.rows] + list(self._batch):
+            for job in [r.job for r in self.ar.rows] + list(self._batch) + self._running_jobs():
                 job.cancel()
             self._lock.notify_all()
         if self._thread.is_alive():
@@ -166,8 +175,12 @@ class Scheduler:
 
     @property
     def active(self) -> int:
-        """Requests holding a slot: the AR rows plus the running non-AR batch."""
-        return len(self.ar) + len(self.batch_rows)
+        """Requests holding a slot: the AR rows, the continuous multiblock rows and the running
+        per-call batch."""
+        return len(self.ar) + sum(len(b) for b in list(self.running_batches.values())) + len(self.batch_rows)
+
+    def _running_jobs(self) -> list[Job]:
+        return [r.job for b in list(self.running_batches.values()) for r in b.rows]
 
     running = active  # the running batch size reported in /metrics
 
@@ -195,15 +208,16 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and not len(self.ar) and (self._paused or not self._waiting):
+                while not self._stop and not self._busy() and (self._paused or not self._waiting):
                     self._lock.wait(timeout=0.5)
                     self._reap_waiting()
                 if self._stop:
                     break
                 self._reap_waiting()
-                ar_jobs, batch = self._take_ar(), self._take_batch()
+                ar_jobs, joining, batch = self._take_ar(), self._take_running(), self._take_batch()
             try:
                 self._ar_step(ar_jobs)
+                self._running_step(joining)
                 if batch:
                     self._run_batch(batch)
             except Exception:  # a bug must not kill the scheduler: fail those requests, keep serving
@@ -212,8 +226,12 @@ class Scheduler:
                     job.finish("error", ApiError(500, "internal error while decoding; see the server log",
                                                  type="server_error"))
                 self.ar = ARBatch(self.bundle, on_token=self._ar_token)
-        for job in list(self._waiting) + [r.job for r in self.ar.rows]:
+        for job in list(self._waiting) + [r.job for r in self.ar.rows] + self._running_jobs():
             job.finish("error", ApiError(503, "the server is shutting down; retry later", type="server_error"))
+
+    def _busy(self) -> bool:
+        """Whether a running batch has rows (the loop then steps without waiting for new jobs)."""
+        return bool(len(self.ar)) or any(len(b) for b in self.running_batches.values())
 
     def _reap_waiting(self) -> None:
         """Answer queued jobs that were cancelled or timed out before they started."""
@@ -263,11 +281,13 @@ class Scheduler:
 
     def _take_batch(self) -> list[Job]:
         """Under the lock: the oldest waiting non-AR job and the compatible ones behind it."""
-        first = None if self._paused else next((j for j in self._waiting if j.decoder != "ar" and not j.resume), None)
+        first = None if self._paused else next((j for j in self._waiting if j.decoder != "ar" and not j.resume
+                                                and j.decoder not in RUNNING), None)
         if first is None:
             return []
         if first.sizable and self._route_sized():  # they wait for AR slots (the AR batch is full)
-            first = next((j for j in self._waiting if j.decoder != "ar" and not j.sizable), None)
+            first = next((j for j in self._waiting if j.decoder != "ar" and not j.sizable
+                          and j.decoder not in RUNNING), None)
             if first is None:
                 return []
         key = first.batch_key()
@@ -276,6 +296,20 @@ class Scheduler:
         for j in batch:
             self._waiting.remove(j)
         return batch
+
+    def _take_running(self) -> dict[tuple, list[Job]]:
+        """Under the lock: waiting jobs of the continuous decoders (``RUNNING``), oldest first, by
+        running-batch key (decoder and options), as many as each batch has free slots."""
+        if self._paused:
+            return {}
+        out: dict[tuple, list[Job]] = {}
+        for j in [j for j in self._waiting if j.decoder in RUNNING]:
+            key = (j.decoder, tuple(sorted(j.options.items())))
+            running = self.running_batches.get(key)
+            if (len(running) if running is not None else 0) + len(out.get(key, ())) < self.max_batch_size:
+                out.setdefault(key, []).append(j)
+                self._waiting.remove(j)
+        return out
 
     def _finish_gone(self, job: Job) -> None:
         if job.cancelled.is_set():
@@ -301,11 +335,13 @@ class Scheduler:
             row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": row.finish})
 
     def _interleave_ar(self) -> None:
-        """Between two forwards of a non-AR batch: admit waiting AR jobs and run one AR step. A
-        failure here fails the AR requests only, never the batch around it."""
+        """Between two forwards of a per-call batch: admit waiting AR and continuous-decoder jobs and
+        run one step of each running batch. A failure here fails those requests only, never the
+        batch around it."""
         with self._lock:
             self._reap_waiting()
-            joining = self._take_ar()
+            joining, running = self._take_ar(), self._take_running()
+        self._running_step(running)
         if not joining and not len(self.ar):
             return
         try:
@@ -316,6 +352,54 @@ class Scheduler:
                 job.finish("error", ApiError(500, "internal error while decoding; see the server log",
                                              type="server_error"))
             self.ar = ARBatch(self.bundle, on_token=self._ar_token)
+
+    # -- multiblock: continuous -----------------------------------------------------------------
+
+    def _running_step(self, joining: dict[tuple, list[Job]]) -> None:
+        """One step of every continuous batch, after admitting ``joining`` (key -> jobs). Options the
+        decoder refuses fail the joining requests (400); a failed step fails that batch's requests
+        only (500)."""
+        for key in list(dict.fromkeys([*self.running_batches, *joining])):
+            batch = self.running_batches.get(key)
+            if batch is None:
+                try:
+                    batch = self.running_batches[key] = RUNNING[key[0]](self.bundle, dict(key[1]),
+                                                                        on_step=self._running_event)
+                except UnmaskError as e:  # the options failed the decoder's own validation
+                    for j in joining.get(key, []):
+                        j.finish("error", ApiError(400, api_message(str(e).splitlines()[0])))
+                    continue
+            try:
+                for row in batch.drop(lambda r: r.job.gone):
+                    self._finish_gone(row.job)
+                for job in joining.get(key, []):
+                    self._join_running(batch, job)
+                self.peak_running = max(self.peak_running, self.active)
+                for row in batch.step():
+                    row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": row.finish})
+            except Exception:
+                log.exception("a %s running batch failed", key[0])
+                for j in [r.job for r in batch.rows]:
+                    j.finish("error", ApiError(500, "internal error while decoding; see the server log",
+                                               type="server_error"))
+                batch.drop(lambda r: True)
+            if not len(batch):
+                del self.running_batches[key]  # frees its cache; a new batch forms with the next request
+
+    def _join_running(self, batch, job: Job) -> None:
+        """Admit one job; a prefill that fails fails this request only."""
+        try:
+            batch.join([job])
+        except UnmaskError as e:
+            job.finish("error", ApiError(400, api_message(str(e).splitlines()[0])))
+        except Exception:
+            log.exception("joining a %s running batch failed", job.decoder)
+            job.finish("error", ApiError(500, "internal error while decoding; see the server log",
+                                         type="server_error"))
+
+    def _running_event(self, row, event: dict) -> None:
+        if not (row.job.gone or row.job.closed):
+            row.job.post("step", event)
 
     # -- every other decoder: one batch per decode call -----------------------------------------
 
