@@ -146,13 +146,14 @@ def test_early_bird_compiled_equals_eager(stories):
 def test_window_buckets_are_few_and_pad_little():
     for q_max in (1, 9, 40, 64, 65, 129, 257, 513):
         shapes = {bucket(q, q_max) for q in range(1, q_max + 1)}
-        assert len(shapes) <= 4 + -(-q_max // BUCKET_STEP)
+        assert len(shapes) <= 6 + q_max // BUCKET_STEP
         for q in range(1, q_max + 1):
             assert q <= bucket(q, q_max) <= q_max
-            assert bucket(q, q_max) - q < max(BUCKET_STEP, 8)
+            assert bucket(q, q_max) - q < (16 if q <= BUCKET_STEP else BUCKET_STEP)
+    assert bucket(33, 257) == 48 and bucket(65, 257) == 128 and bucket(200, 257) == 256 and bucket(257, 257) == 257
 
 
-def test_fast_path_refusals(stories):
+def test_fast_path_refusals(stories, monkeypatch):
     bundle, prompts = stories
     with pytest.raises(UnmaskError, match="compile/static do not apply to --schedule dream"):
         diffusion.decode(bundle, prompts[:1], max_new_tokens=8, schedule="dream", compile=True)
@@ -160,3 +161,8 @@ def test_fast_path_refusals(stories):
         diffusion.decode(bundle, prompts[:1], max_new_tokens=8, static="yes")
     with pytest.raises(UnmaskError, match="compile must be true or false"):
         early_bird.decode(bundle, prompts[:1], max_new_tokens=8, compile=1)
+    monkeypatch.setattr("unmask.decode.dllm_cache.supports_cache", lambda bundle: False)  # a remote-code model
+    with pytest.raises(UnmaskError, match="compile needs a transformers-native model"):
+        diffusion.decode(bundle, prompts[:1], max_new_tokens=8, compile=True)
+    with pytest.raises(UnmaskError, match="static needs a transformers-native model"):
+        early_bird.decode(bundle, prompts[:1], max_new_tokens=8, static=True)

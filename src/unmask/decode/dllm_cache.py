@@ -30,7 +30,7 @@ expressed with the cache interface of :mod:`unmask.decode.kv` (append + crop): o
 prompts are left-padded to a multiple of PROMPT_BUCKET, so every forward has a bounded shape:
 the refresh is the whole canvas (B, T) and runs eagerly (COMPILE_REFRESH), a dual step is the
 window (B, w1 - w0), and a prefix step, whose length shrinks block by block, is padded to
-:func:`bucket` with masked tokens, so a decode compiles few graphs (at most 5 + L / 64). The
+:func:`bucket` with masked tokens, so a decode compiles few graphs (at most 6 + L / 64). The
 no-cache step is :func:`unmask.decode.kv.canvas_forward`, compiled once per canvas shape.
 """
 
@@ -90,13 +90,15 @@ def left_pad_to(prompts: list[list[int]], pad_id: int, device, width: int):
 
 
 def bucket(q: int, q_max: int) -> int:
-    """The padded query length of a variable-length window step: the next power of two >= q (at
-    least MIN_BUCKET) up to BUCKET_STEP, then the next multiple of BUCKET_STEP, capped at q_max
-    (the longest window of the decode, a shape of its own). A decode of L tokens therefore has at
-    most 4 + L / BUCKET_STEP window shapes, and a step pads fewer than BUCKET_STEP tokens."""
-    if q <= BUCKET_STEP:
-        return min(q_max, max(MIN_BUCKET, 1 << (q - 1).bit_length()))
-    return min(q_max, -(-q // BUCKET_STEP) * BUCKET_STEP)
+    """The padded query length of a variable-length window step, capped at q_max (the longest
+    window of the decode, a shape of its own): 8 or 16 up to 16, the next multiple of 16 up to
+    BUCKET_STEP (an early-bird block of 32 plus the shift token pads to 48, not 64), then the
+    next multiple of BUCKET_STEP. A decode of L tokens therefore has at most 6 + L / BUCKET_STEP
+    window shapes, and a step pads fewer than BUCKET_STEP tokens (16 below BUCKET_STEP)."""
+    if q <= 2 * MIN_BUCKET:
+        return min(q_max, MIN_BUCKET if q <= MIN_BUCKET else 2 * MIN_BUCKET)
+    step = 2 * MIN_BUCKET if q <= BUCKET_STEP else BUCKET_STEP
+    return min(q_max, -(-q // step) * step)
 
 
 def kv_forward(bundle, kv, ids: torch.Tensor, pos: torch.Tensor, key_valid: torch.Tensor, rows: tuple[int, int],

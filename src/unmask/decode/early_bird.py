@@ -126,7 +126,7 @@ class _Forwards:
     bounded shape: the refresh (eager, ``dllm_cache.COMPILE_REFRESH``) and the no-cache step are
     the whole canvas (the no-cache step scores all L rows and slices the window), and a cached
     window step, whose length depends on the selected blocks, is padded to
-    :func:`unmask.decode.dllm_cache.bucket` (at most 5 + L / 64 shapes)."""
+    :func:`unmask.decode.dllm_cache.bucket` (at most 6 + L / 64 shapes)."""
 
     def __init__(self, bundle, mode: str, ids, pos, valid, P: int, L: int, *, static: bool = False,
                  compile: bool = False):
