@@ -173,3 +173,39 @@ def test_a_sized_request_arriving_with_an_ar_request_joins_the_ar_batch_at_once(
         assert sched.active == 0 and sched.queue_depth == 0
     finally:
         sched.close()
+
+
+def test_rows_moved_out_of_an_sbd_batch_do_not_count_against_the_queue_bound(bundle):
+    """Found by the fault pass: rows moved out of an sbd batch pass through the queue on their way
+    to the AR batch (there until its next pass, or while the scheduler is paused); they counted as
+    requests waiting to start, so a new request got 429 (QueueFull) because of requests already
+    running. ``max_queue`` bounds requests waiting to start."""
+    sched = Scheduler(bundle, max_batch_size=8, max_queue=1).start()
+    try:
+        paused = []
+
+        def on_ar(kind, p):  # pause as the AR row starts: the sbd batch moves, then waits in the queue
+            if kind == "step" and not paused:
+                paused.append(1)
+                sched.pause()
+
+        a, ra = job(bundle, {"prompt": "Zoo", "max_tokens": 10, "decoder": "ar"}, on_ar)
+        fired = []
+
+        def on_s(kind, p):
+            if kind == "step" and p["step"] == 2 and not fired:
+                fired.append(1)
+                sched.submit(a)
+
+        s, rs = job(bundle, {"prompt": "Once upon a time", "max_tokens": 60, "decoder": "sbd"}, on_s)
+        sched.submit(s)
+        assert ra.result["tokens"] == ar_tokens(bundle, "Zoo", 10)
+        assert sched.migrated_rows == 1 and [j.resume for j in sched._waiting] == [s.resume] and s.resume
+        x, rx = job(bundle, {"prompt": "One day", "max_tokens": 5, "decoder": "ar"})
+        sched.submit(x)  # one request waiting to start: within max_queue = 1
+        sched.resume()
+        assert rs.result["tokens"] == ar_tokens(bundle, "Once upon a time", 60)
+        assert rx.result["tokens"] == ar_tokens(bundle, "One day", 5)
+        assert sched.active == 0 and sched.queue_depth == 0
+    finally:
+        sched.close()

@@ -187,8 +187,8 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue a job; raises QueueFull when ``max_queue`` jobs already wait."""
         job.sizable = self._sizable(job)
-        with self._lock:
-            if len(self._waiting) >= self.max_queue:
+        with self._lock:  # rows moved out of an sbd batch on their way to the AR batch already started
+            if sum(not j.resume for j in self._waiting) >= self.max_queue:
                 raise QueueFull
             self._waiting.append(job)
             self._lock.notify_all()
