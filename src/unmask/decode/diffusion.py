@@ -210,17 +210,18 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     them through ``torch.compile`` (inductor on CPU, CUDA graphs on CUDA), one graph per shape:
     no cache compiles the canvas forward (B, P + L), the caches the window step (a prefix window
     padded to a bucket; the block-start refresh stays eager), see :mod:`unmask.decode.dllm_cache`.
-    Prompts are left-padded to a multiple of 16 there, so similar prompts share the graphs. Same tokens and NFE as the eager run up to float rounding.
-    stats.extra adds ``compiled`` and, on a static cache, ``static_cache`` (its positions).
+    Prompts are left-padded to a multiple of 16 there, so similar prompts share the graphs. Same
+    tokens and NFE as the eager run up to float rounding. stats.extra adds ``compiled`` and, on a
+    static cache, ``static_cache`` (its positions).
 
     ``schedule="dream"`` runs Dream's own ``diffusion_generate`` instead (§5, no blocks; ``steps``,
     ``alg`` origin / maskgit_plus / topk_margin / entropy, ``alg_temp``, ``eps``): see
     :mod:`unmask.decode.dream_compat`.
 
     Raises UnmaskError for a model without a mask token, max_new_tokens above an explicit
-    gen_length, a block size that does not divide the generation length, a bad step budget, bad policy options, an unknown cache or sampler, a
-    canvas longer than the context window, or ``compile`` / ``static`` on a remote-code model or
-    with ``schedule="dream"``.
+    gen_length, a block size that does not divide the generation length, a bad step budget, bad
+    policy options, an unknown cache or sampler, a canvas longer than the context window, or
+    ``compile`` / ``static`` on a remote-code model or with ``schedule="dream"``.
     """
     if bundle.mask_token_id is None:
         raise UnmaskError("the diffusion decoder needs a masked-diffusion model with a mask token; "
