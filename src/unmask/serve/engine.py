@@ -60,7 +60,7 @@ from unmask.serve.errors import ApiError
 from unmask.serve.protocol import api_message, edits_committed
 
 log = logging.getLogger("unmask.serve")
-# Decoders served by continuous running batches other than AR's, and their batch classes.
+# Continuous running batches other than AR's: batch kind -> class (see Scheduler._running_kind).
 RUNNING = {"multiblock": MultiBlockBatch}
 _ids = itertools.count()
 
@@ -282,12 +282,12 @@ class Scheduler:
     def _take_batch(self) -> list[Job]:
         """Under the lock: the oldest waiting non-AR job and the compatible ones behind it."""
         first = None if self._paused else next((j for j in self._waiting if j.decoder != "ar" and not j.resume
-                                                and j.decoder not in RUNNING), None)
+                                                and self._running_kind(j) is None), None)
         if first is None:
             return []
         if first.sizable and self._route_sized():  # they wait for AR slots (the AR batch is full)
             first = next((j for j in self._waiting if j.decoder != "ar" and not j.sizable
-                          and j.decoder not in RUNNING), None)
+                          and self._running_kind(j) is None), None)
             if first is None:
                 return []
         key = first.batch_key()
@@ -297,14 +297,22 @@ class Scheduler:
             self._waiting.remove(j)
         return batch
 
+    def _running_kind(self, job: Job) -> str | None:
+        """The kind of continuous batch (a key of ``RUNNING``) ``job`` joins, or None when it runs in
+        a per-call batch (or, for AR and sized lossless sbd, in the AR batch)."""
+        return job.decoder if job.decoder in RUNNING else None
+
     def _take_running(self) -> dict[tuple, list[Job]]:
         """Under the lock: waiting jobs of the continuous decoders (``RUNNING``), oldest first, by
         running-batch key (decoder and options), as many as each batch has free slots."""
         if self._paused:
             return {}
         out: dict[tuple, list[Job]] = {}
-        for j in [j for j in self._waiting if j.decoder in RUNNING]:
-            key = (j.decoder, tuple(sorted(j.options.items())))
+        for j in list(self._waiting):
+            kind = self._running_kind(j)
+            if kind is None:
+                continue
+            key = (kind, tuple(sorted(j.options.items())))
             running = self.running_batches.get(key)
             if (len(running) if running is not None else 0) + len(out.get(key, ())) < self.max_batch_size:
                 out.setdefault(key, []).append(j)
