@@ -567,3 +567,30 @@ def test_multiblock_requests_join_and_leave_a_running_batch_mid_decode():
                                  extra_body={"decoder": "multiblock", "slots": 0})
         r = c.completions.create(model=b.name, prompt=prompts[1], max_tokens=24, extra_body={"decoder": "multiblock"})
         assert r.choices[0].text == refs[1]
+
+
+def test_lossless_sbd_with_a_fixed_block_size_joins_a_running_batch_mid_decode(bundle):
+    """Lossless sbd requests that fix K (or sample) share a continuous VerifyBatch per (K, draft):
+    requests arriving during a long one join it at a step boundary and finish first, each with AR's
+    text (greedy) or unmask.generate's (seeded); a different K forms its own running batch."""
+    prompts = PROMPTS[:4]
+    refs = [unmask.generate(p, bundle, "ar", max_new_tokens=n).texts[0] for p, n in zip(prompts, (300, 24, 24, 24))]
+    sampled = unmask.generate(prompts[1], bundle, "sbd", max_new_tokens=24, block_size=4, verify=True,
+                              temperature=0.8, seed=3).texts[0]
+    app = create_app(bundle, max_batch_size=4)
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        knobs = {"decoder": "sbd", "verify": True, "block_size": 4}
+        long = c.completions.create(model=MODEL, prompt=prompts[0], max_tokens=300, stream=True, extra_body=knobs)
+        chunks = [next(iter(long))]
+        wait_until(lambda: sum(len(x) for x in sched.running_batches.values()) == 1)
+        bodies = [(p, knobs, 0.0) for p in prompts[1:]] + [(prompts[1], knobs, 0.8), (prompts[2], {**knobs, "block_size": 2}, 0.0)]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            out = list(pool.map(lambda a: c.completions.create(model=MODEL, prompt=a[0], max_tokens=24, extra_body=a[1],
+                                                               temperature=a[2], seed=3).choices[0].text, bodies))
+        assert out == refs[1:] + [sampled, refs[2]]
+        assert sched.peak_running >= 2 and sum(len(x) for x in sched.running_batches.values()) == 1
+        chunks += list(long)
+        assert "".join(x.choices[0].text for x in chunks) == refs[0]
+        wait_until(lambda: sched.active == 0 and not sched.running_batches)

@@ -9,8 +9,10 @@ What is continuous and what is not (README "Serving"):
   (:class:`~unmask.serve.block_batch.MultiBlockBatch`), one per set of Block Buffer options: a
   request joins at the next step boundary (its prompt blocks prefilled, its N_buf slots added)
   and leaves the step it finishes, is cancelled or times out, freeing its slots and cache rows.
-  Each row's tokens, NFE and events equal ``multiblock.decode`` on its prompt alone.
-- Every other decoder (``sbd``, ``diffusion``, ``early-bird``, ``block``) runs
+  Each row's tokens, NFE and events equal ``multiblock.decode`` on its prompt alone. Lossless
+  ``sbd`` requests that fix their block size or sample share a
+  :class:`~unmask.serve.sbd_batch.VerifyBatch` per (K, draft layout) the same way.
+- Every other decoder (lossy ``sbd``, ``diffusion``, ``early-bird``, ``block``) runs
   a whole batch in one call of its ``decode`` function, so those batches are formed from
   *compatible* queued requests (same decoder, options, sampling, length and stop strings) and
   run to completion: a request cannot join one mid-block, and its slot is freed when the batch
@@ -49,19 +51,20 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from unmask.decode import get_decoder
+from unmask.decode import get_decoder, sbd_verify
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.decode.sbd import runs_lossless
 from unmask.serve.ar_batch import ARBatch, Row
 from unmask.serve.block_batch import MultiBlockBatch
+from unmask.serve.sbd_batch import VerifyBatch
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes
 from unmask.serve.errors import ApiError
 from unmask.serve.protocol import api_message, edits_committed
 
 log = logging.getLogger("unmask.serve")
 # Continuous running batches other than AR's: batch kind -> class (see Scheduler._running_kind).
-RUNNING = {"multiblock": MultiBlockBatch}
+RUNNING = {"multiblock": MultiBlockBatch, "sbd-lossless": VerifyBatch}
 _ids = itertools.count()
 
 
@@ -115,6 +118,15 @@ class Job:
         if not self.closed:
             self.closed = True
             self.post(kind, payload)
+
+
+def _bad_request(e: UnmaskError, options: dict) -> ApiError:
+    """A 400 for a decoder's own validation error, ``param`` the knob the message names, if any
+    (longest name first: tau_add before tau)."""
+    message = api_message(str(e).splitlines()[0])
+    low = message.lower()
+    param = next((k for k in sorted(options, key=len, reverse=True) if k in low or k.replace("_", " ") in low), None)
+    return ApiError(400, message, param=param)
 
 
 class QueueFull(Exception):
@@ -297,10 +309,21 @@ class Scheduler:
             self._waiting.remove(j)
         return batch
 
-    def _running_kind(self, job: Job) -> str | None:
-        """The kind of continuous batch (a key of ``RUNNING``) ``job`` joins, or None when it runs in
-        a per-call batch (or, for AR and sized lossless sbd, in the AR batch)."""
-        return job.decoder if job.decoder in RUNNING else None
+    def _running_kind(self, job: Job) -> tuple[str, tuple] | None:
+        """The continuous batch ``job`` joins: (kind, a key of ``RUNNING``; its options as sorted
+        items), or None when it runs in a per-call batch (or, for AR and sized lossless sbd, in the
+        AR batch). Lossless sbd with a fixed block size, or sampled, joins a :class:`VerifyBatch`
+        of its block size and draft layout (the checkpoint's defaults filled in, as sbd.decode does)."""
+        if job.decoder == "multiblock":
+            return "multiblock", tuple(sorted(job.options.items()))
+        if job.decoder == "sbd" and not job.sizable and runs_lossless(self.bundle, job.options):
+            defaults = self.bundle.meta.get("decode_defaults") or {}
+            K = next(v for v in (job.options.get("block_size"), defaults.get("verify_block_size"),
+                                 sbd_verify.DEFAULT_BLOCK_SIZE) if v is not None)
+            draft = next(v for v in (job.options.get("draft"), defaults.get("draft"), sbd_verify.DEFAULT_DRAFT)
+                         if v is not None)
+            return "sbd-lossless", (("block_size", K), ("draft", draft))
+        return None
 
     def _take_running(self) -> dict[tuple, list[Job]]:
         """Under the lock: waiting jobs of the continuous decoders (``RUNNING``), oldest first, by
@@ -309,10 +332,9 @@ class Scheduler:
             return {}
         out: dict[tuple, list[Job]] = {}
         for j in list(self._waiting):
-            kind = self._running_kind(j)
-            if kind is None:
+            key = None if j.resume else self._running_kind(j)
+            if key is None:
                 continue
-            key = (kind, tuple(sorted(j.options.items())))
             running = self.running_batches.get(key)
             if (len(running) if running is not None else 0) + len(out.get(key, ())) < self.max_batch_size:
                 out.setdefault(key, []).append(j)
@@ -375,7 +397,7 @@ class Scheduler:
                                                                         on_step=self._running_event)
                 except UnmaskError as e:  # the options failed the decoder's own validation
                     for j in joining.get(key, []):
-                        j.finish("error", ApiError(400, api_message(str(e).splitlines()[0])))
+                        j.finish("error", _bad_request(e, j.options))
                     continue
             try:
                 for row in batch.drop(lambda r: r.job.gone):
@@ -399,7 +421,7 @@ class Scheduler:
         try:
             batch.join([job])
         except UnmaskError as e:
-            job.finish("error", ApiError(400, api_message(str(e).splitlines()[0])))
+            job.finish("error", _bad_request(e, job.options))
         except Exception:
             log.exception("joining a %s running batch failed", job.decoder)
             job.finish("error", ApiError(500, "internal error while decoding; see the server log",
@@ -501,12 +523,8 @@ class Scheduler:
             self._migrate(jobs, committed, steps)
             return
         except UnmaskError as e:  # the decoder's own validation (block size, policy, ...): a bad request
-            message = api_message(str(e).splitlines()[0])
-            low = message.lower()  # the knob the message names, if any (longest name first: tau_add before tau)
-            param = next((k for k in sorted(first.options, key=len, reverse=True)
-                          if k in low or k.replace("_", " ") in low), None)
             for j in jobs:
-                j.finish("error", ApiError(400, message, param=param))
+                j.finish("error", _bad_request(e, first.options))
             return
         except Exception:  # a bug fails this batch only; the AR batch and the queue keep going
             log.exception("decoding a %s batch failed", first.decoder)
