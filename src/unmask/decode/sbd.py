@@ -133,9 +133,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     if k > bundle.context_length:
         raise UnmaskError(f"block size {k} exceeds the context window of {bundle.context_length}; lower --block-size")
     t0 = time.perf_counter()
-    ids, valid, pos = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
-    B, P = ids.shape
-    row_len = valid.sum(dim=1)  # (B,) real prompt length per row
+    B, P = len(prompts), max(len(p) for p in prompts)
     gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
     suppress = list(bundle.suppress_ids)
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
@@ -143,9 +141,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     # the cache never holds more than the prompt and the committed text: a block's noisy K/V
     # (at most max_new_tokens - start of them) are cropped before the next block is re-fed
     kv = make_kv(model, batch=B, capacity=P + max_new_tokens, static=static, compile=compile)
-    mask = with_key_padding(as_4d(causal_mask(P, device=device), B), valid)  # (B, 1, P, P)
-    kv.forward(ids, pos, mask, logits_to_keep=1, compiled=False)  # prefill: its length depends on the prompts
-    key_valid = valid  # (B, kv.length) grows with every committed block
+    key_valid = prefill(kv, prompts, bundle.pad_token_id, device)  # (B, kv.length) grows with every committed block
+    row_len = key_valid.sum(dim=1)  # (B,) real prompt length per row
 
     out = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -202,13 +199,24 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         if bool(done.all()):
             break
 
-    tokens = [_until_stop(out[b].tolist(), stops) for b in range(B)]
+    tokens = [until_stop(out[b].tolist(), stops) for b in range(B)]
     extra = {"policy": cfg.policy.name, "block_size": k, "accepts": dict(sorted(histogram.items())),
              "compiled": bool(compile), "static_cache": kv.capacity if kv.static else None,
              "row_extra": [{"policy": cfg.policy.name, "block_size": k, "accepts": a} for a in accepts]}
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
                         seconds=time.perf_counter() - t0, extra=extra)
     return DecodeOutput(tokens=tokens, stats=stats)
+
+
+def prefill(kv, prompts: list[list[int]], pad_id: int, device) -> torch.Tensor:
+    """Prefill the left-padded prompts causally into the empty cache ``kv`` (SBD Alg. 2 step 1).
+    Its length depends on the prompts, so it runs eagerly. Returns valid (B, P) bool, False on
+    the left padding."""
+    ids, valid, pos = left_pad(prompts, pad_id, device)  # (B, P) each
+    B, P = ids.shape
+    mask = with_key_padding(as_4d(causal_mask(P, device=device), B), valid)  # (B, 1, P, P)
+    kv.forward(ids, pos, mask, logits_to_keep=1, compiled=False)
+    return valid
 
 
 def _first(*values):
@@ -240,7 +248,8 @@ def _lossless(verify, given: list[str], draft, defaults: dict) -> bool:
     return lossless
 
 
-def _until_stop(row: list[int], stops: torch.Tensor) -> list[int]:
+def until_stop(row: list[int], stops: torch.Tensor) -> list[int]:
+    """The generated ids of ``row`` before its first stop token (or -1, an undecoded position)."""
     stop_set = set(stops.tolist())
     out = []
     for t in row:

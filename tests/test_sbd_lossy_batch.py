@@ -1,0 +1,336 @@
+"""Continuous batching for lossy SBD (``SBDBatch``) and SingleBD (``BlockBatch``), issue 16: whenever a
+row joins and whatever runs beside it, its tokens, NFE, per-row statistics and step events equal
+``sbd.decode`` / ``block.decode`` on its prompt alone (STYLE.md 14)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from test_block_decode import bd_bundle, scripted_bundle
+from test_sbd_decode import sbd_bundle
+
+import unmask
+from unmask.decode import block, sbd
+from unmask.errors import UnmaskError
+from unmask.sampling import Sampling
+from unmask.serve.sbd_lossy_batch import BlockBatch, SBDBatch
+
+GREEDY = Sampling()
+DECODE = {SBDBatch: sbd.decode, BlockBatch: block.decode}
+
+
+def job(prompt, max_new_tokens, sampling=GREEDY, stop=()):
+    return SimpleNamespace(prompt_ids=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
+                           stop=tuple(stop))
+
+
+class Run:
+    """A batch plus everything it reported: finished rows and each job's events."""
+
+    def __init__(self, cls, bundle, options, **kw):
+        self.events: dict[int, tuple[list[dict], object]] = {}  # id(job) -> (events, job kept alive)
+        self.batch = cls(bundle, options, on_step=self._on_step, **kw)
+        self.done = []
+        self.steps = 0
+        self.layouts = []  # each step forward's query validity (R, q): padding where rows differ
+        forward = self.batch._forward
+
+        def recorded(inp, positions, q_valid, *args):
+            self.layouts.append(q_valid.clone())
+            return forward(inp, positions, q_valid, *args)
+
+        self.batch._forward = recorded
+
+    def _on_step(self, row, event):
+        self.events.setdefault(id(row.job), ([], row.job))[0].append(event)
+
+    def join(self, jobs):
+        self.done += self.batch.join(jobs)
+        self.check_cache()
+
+    def step(self, n=1):
+        for _ in range(n):
+            self.steps += bool(len(self.batch))
+            self.done += self.batch.step()
+            self.check_cache()
+
+    def drain(self):
+        while len(self.batch):
+            self.step()
+
+    def mixed(self) -> bool:
+        """Whether some forward laid out rows at different points (padding in some row)."""
+        return any(not bool(v.all()) for v in self.layouts)
+
+    def check_cache(self):
+        b = self.batch
+        if not len(b):
+            assert b.cache is None and b.kv is None
+            return
+        assert b.key_valid.shape == (len(b), b.kv.length)
+        for r, row in enumerate(b.rows):  # each row attends to exactly its prompt and stored text
+            if isinstance(b, SBDBatch):
+                want = row.prompt_len + row.start - row.refeed.numel()
+            else:
+                want = (row.n_full + row.j - (row.store is not None)) * b.cfg.block_size
+            assert int(b.key_valid[r].sum()) == want
+
+
+def assert_rows_equal_single_decodes(bundle, run, options, stop_token_ids):
+    decode = DECODE[type(run.batch)]
+    for row in run.done:
+        j = row.job
+        events = []
+        out = decode(bundle, [j.prompt_ids], max_new_tokens=j.max_new_tokens, sampling=j.sampling,
+                     stop_token_ids=stop_token_ids, stop_strings=j.stop, on_step=events.append, **options)
+        assert row.tokens == out.tokens[0]
+        assert row.nfe == out.stats.nfe_per_row[0]
+        assert row.extra == out.stats.extra["row_extra"][0]
+        assert row.finish == ("length" if len(row.tokens) >= j.max_new_tokens else "stop")
+        assert run.events.get(id(j), ([],))[0] == events
+
+
+PROMPTS = [[1] + list(range(3, 3 + n)) for n in (1, 4, 2, 9, 5, 3, 7, 6, 11)]
+LENGTHS = [3, 30, 14, 22, 5, 30, 9, 17, 26]
+
+
+def staggered(run, jobs):
+    run.join(jobs[:1])
+    run.step(3)
+    run.join(jobs[1:4])
+    run.step(2)
+    run.join(jobs[4:5])
+    run.step()
+    run.join(jobs[5:])
+    run.drain()
+
+
+SBD_SETTINGS = [dict(block_size=4, gamma=0.5),
+                dict(block_size=3, policy="confidence-bound", gamma=0.8),
+                dict(block_size=5, policy="threshold", tau=0.2)]
+
+
+@pytest.mark.parametrize("options", SBD_SETTINGS)
+def test_sbd_rows_joining_at_different_steps_equal_single_prompt_decodes(options):
+    bundle = sbd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)
+    stops = (55, 29)
+    jobs = [job(p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    run = Run(SBDBatch, bundle, options, stop_token_ids=stops)
+    staggered(run, jobs)
+    assert sorted(id(r.job) for r in run.done) == sorted(id(j) for j in jobs)
+    assert len({r.nfe for r in run.done}) > 2
+    assert_rows_equal_single_decodes(bundle, run, options, stops)
+    assert run.mixed() and len(run.layouts) == run.steps
+    assert run.batch.forwards == len(jobs) + run.steps  # prefills alone + one forward per step
+
+
+BLOCK_SETTINGS = [dict(tau=0.6), dict(store="fused", tau=0.5), dict(policy="entropy-bound", gamma=0.4),
+                  dict(steps=2, tau=0.7)]
+
+
+@pytest.mark.parametrize("options", BLOCK_SETTINGS)
+def test_block_rows_joining_at_different_steps_equal_single_prompt_decodes(options):
+    bundle = bd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)
+    stops = (55, 29)
+    jobs = [job(p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    run = Run(BlockBatch, bundle, options, stop_token_ids=stops)
+    staggered(run, jobs)
+    assert sorted(id(r.job) for r in run.done) == sorted(id(j) for j in jobs)
+    assert len({r.nfe for r in run.done}) > 2
+    assert_rows_equal_single_decodes(bundle, run, options, stops)
+    assert run.mixed() and len(run.layouts) == run.steps
+    assert run.batch.forwards == sum(len(p) >= 4 for p in PROMPTS) + run.steps
+
+
+@pytest.mark.parametrize("cls,make,options", [(SBDBatch, sbd_bundle, dict(block_size=4, gamma=0.3)),
+                                              (BlockBatch, bd_bundle, dict(tau=0.5)),
+                                              (BlockBatch, bd_bundle, dict(store="fused", tau=0.5))])
+def test_a_row_dropped_mid_decode_leaves_the_others_unchanged(cls, make, options):
+    bundle = make("llama", "eager", seed=1, initializer_range=0.4)
+    jobs = [job(p, 24) for p in PROMPTS[:5]]
+    run = Run(cls, bundle, options, stop_token_ids=())
+    run.join(jobs[:3])
+    run.step(4)
+    gone = run.batch.drop(lambda r: r.job is jobs[1])
+    assert [r.job for r in gone] == [jobs[1]] and len(run.batch) == 2
+    seen = len(run.events[id(jobs[1])][0])
+    run.check_cache()
+    run.step(2)
+    run.join(jobs[3:])
+    run.step()
+    assert run.batch.drop(lambda r: False) == []
+    run.drain()
+    assert sorted(id(r.job) for r in run.done) == sorted(id(j) for j in jobs if j is not jobs[1])
+    assert len(run.events[id(jobs[1])][0]) == seen > 0  # nothing after the drop
+    assert_rows_equal_single_decodes(bundle, run, options, ())
+
+
+@pytest.mark.parametrize("cls,make,options", [(SBDBatch, sbd_bundle, dict(block_size=4, gamma=0.3)),
+                                              (BlockBatch, bd_bundle, dict(tau=0.5))])
+def test_a_batch_emptied_by_drop_frees_its_cache_and_takes_new_rows(cls, make, options):
+    bundle = make("qwen3", "sdpa", seed=2, initializer_range=0.4)
+    run = Run(cls, bundle, options, stop_token_ids=())
+    run.join([job(PROMPTS[3], 20), job(PROMPTS[4], 20)])
+    run.step(3)
+    assert run.batch.cache is not None and run.batch.cache.get_seq_length() > 0
+    assert len(run.batch.drop(lambda r: True)) == 2
+    assert len(run.batch) == 0 and run.batch.cache is None and run.batch.key_valid is None
+    assert run.batch.step() == []
+    run.join([job(PROMPTS[0], 13)])  # for SingleBD a prompt shorter than a block: nothing to prefill
+    run.step(2)
+    run.join([job(PROMPTS[8], 11)])
+    run.drain()
+    assert len(run.done) == 2 and run.batch.cache is None
+    assert_rows_equal_single_decodes(bundle, run, options, ())
+
+
+@pytest.mark.parametrize("cls,make,options", [(SBDBatch, sbd_bundle, dict(block_size=4, gamma=0.6)),
+                                              (BlockBatch, bd_bundle, dict(tau=0.3)),
+                                              (BlockBatch, bd_bundle, dict(steps=4, tau=0.6))])
+def test_seeded_sampled_rows_equal_single_prompt_decodes(cls, make, options):
+    bundle = make("llama", "sdpa", seed=2, initializer_range=0.4)
+    samplings = [Sampling(temperature=1.0, seed=5), GREEDY, Sampling(temperature=0.7, top_k=8, seed=1),
+                 Sampling(temperature=1.0, seed=5), Sampling(temperature=1.2, top_p=0.9, seed=9)]
+    jobs = [job(p, 16, s) for p, s in zip(PROMPTS[2:7], samplings)]
+    jobs.append(job(PROMPTS[2], 16, samplings[0]))  # the same prompt and seed: the same draws as row 0
+    run = Run(cls, bundle, options, stop_token_ids=(11,))
+    run.join(jobs[:2])
+    run.step(2)
+    run.join(jobs[2:4])
+    run.step()
+    run.join(jobs[4:])
+    run.drain()
+    assert_rows_equal_single_decodes(bundle, run, options, (11,))
+    by_job = {id(r.job): r for r in run.done}
+    assert by_job[id(jobs[0])].tokens == by_job[id(jobs[-1])].tokens
+    greedy = DECODE[cls](bundle, [jobs[0].prompt_ids], max_new_tokens=16, **options)
+    assert by_job[id(jobs[0])].tokens != greedy.tokens[0]  # really sampled
+
+
+def tok(p):
+    return (p * 7) % 50 + 3  # the scripted model's token at position p
+
+
+def test_block_stop_tokens_stop_strings_and_lengths_end_rows_like_decode():
+    bundle = scripted_bundle(lambda p: [0.99, 0.3, 0.97, 0.6][p % 4])
+    stops = (tok(9),)
+    jobs = [job([1, 2, 3, 4], 20),  # reaches position 9: the stop token ends it
+            job([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 12),  # starts past position 9: length
+            job([1, 2, 3], 12, stop=[f" {tok(5)}"]),  # a stop string, found once its block is complete
+            job([1, 2], 12, stop=[f" {tok(5)}", "never"]),
+            job([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], 2),  # max_new_tokens short
+            job([1, 2, 3], 1)]
+    for options in (dict(tau=0.9), dict(tau=0.9, store="fused")):
+        run = Run(BlockBatch, bundle, options, stop_token_ids=stops)
+        run.join(jobs[:2])
+        run.step()
+        run.join(jobs[2:])
+        run.drain()
+        rows = {id(r.job): r for r in run.done}
+        assert rows[id(jobs[0])].tokens == [tok(p) for p in range(4, 9)] and rows[id(jobs[0])].finish == "stop"
+        assert rows[id(jobs[1])].finish == "length" and len(rows[id(jobs[1])].tokens) == 12
+        assert rows[id(jobs[2])].finish == "stop" and rows[id(jobs[3])].finish == "stop"
+        assert rows[id(jobs[4])].tokens == [tok(13), tok(14)]
+        assert_rows_equal_single_decodes(bundle, run, options, stops)
+
+
+def test_sbd_stop_tokens_stop_strings_and_lengths_end_rows_like_decode():
+    bundle = sbd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)
+    options = dict(block_size=4, gamma=0.5)
+    probe = sbd.decode(bundle, [PROMPTS[1]], max_new_tokens=16, **options).tokens[0]
+    first = next(i for i in range(4, 8) if probe[i] not in probe[:i])
+    stops = (probe[first],)  # a token the row first commits in its second block
+    jobs = [job(PROMPTS[1], 16),
+            job(PROMPTS[1], 16, Sampling(temperature=0.9, seed=3)),
+            job(PROMPTS[2], 16, stop=[f" {probe[2]}"]),  # another prompt may or may not hit it
+            job(PROMPTS[1], 16, stop=[f" {probe[1]} {probe[2]}"]),  # found after the first block
+            job(PROMPTS[5], 1), job(PROMPTS[6], 2), job(PROMPTS[7], 7)]
+    run = Run(SBDBatch, bundle, options, stop_token_ids=stops)
+    run.join(jobs[:3])
+    run.step()
+    run.join(jobs[3:])
+    run.drain()
+    rows = {id(r.job): r for r in run.done}
+    assert rows[id(jobs[0])].tokens == probe[:first] and rows[id(jobs[0])].finish == "stop"
+    assert rows[id(jobs[3])].tokens == probe[:4] and rows[id(jobs[3])].nfe < 8
+    assert [len(rows[id(j)].tokens) for j in jobs[4:6]] == [1, 2]
+    assert_rows_equal_single_decodes(bundle, run, options, stops)
+
+
+@pytest.fixture(scope="module")
+def stories_sbd():
+    return unmask.load("stories260K-sbd")
+
+
+@pytest.fixture(scope="module")
+def stories_bd():
+    return unmask.load("stories260K-bd")
+
+
+def _shipped(bundle, cls, settings):
+    prompts = [bundle.tokenizer.encode(s) for s in ("Once upon a time", "The cat",
+                                                   "Lily wanted to play with her ball in the park")]
+    stops = tuple(bundle.stop_token_ids)
+    for options in settings:
+        jobs = [job(prompts[0], 40), job(prompts[1], 24, stop=["."]), job(prompts[2], 40),
+                job(prompts[0], 33, Sampling(temperature=0.8, top_k=40, seed=2))]
+        run = Run(cls, bundle, options)  # the bundle's stop tokens
+        run.join(jobs[:1])
+        run.step(3)
+        run.join(jobs[1:3])
+        run.step(5)
+        run.join(jobs[3:])
+        run.drain()
+        assert len(run.done) == 4
+        assert_rows_equal_single_decodes(bundle, run, options, stops)
+
+
+def test_shipped_sbd_model_rows_joining_mid_decode_equal_single_prompt_decodes(stories_sbd):
+    _shipped(stories_sbd, SBDBatch, [dict(verify=False), dict(block_size=4, gamma=0.1)])
+
+
+def test_shipped_bd_model_rows_joining_mid_decode_equal_single_prompt_decodes(stories_bd):
+    _shipped(stories_bd, BlockBatch, [dict(), dict(store="fused", tau=0.7), dict(schedule="sdar")])
+
+
+def test_options_are_validated_once(stories_sbd):
+    sb, bb = sbd_bundle(), bd_bundle()
+    for options, msg in [(dict(block_size=0), "block size"), (dict(gamma=0.1, preset="chat-low"), "both"),
+                         (dict(compile=True), "do not apply"), (dict(verify=True), "lossless"),
+                         (dict(store="fused"), "do not apply"), (dict(block_size=999), "context window")]:
+        with pytest.raises(UnmaskError, match=msg):
+            SBDBatch(sb, options)
+    with pytest.raises(UnmaskError, match="lossless"):
+        SBDBatch(stories_sbd, {})  # its decode_defaults select lossless SBD
+    with pytest.raises(UnmaskError, match="mask token"):
+        from conftest import tiny_bundle
+        SBDBatch(tiny_bundle(sb.model), {})
+    for options, msg in [(dict(block_size=8), "disagrees"), (dict(store="x"), "store"), (dict(slots=2), "do not apply"),
+                         (dict(schedule="x"), "schedule")]:
+        with pytest.raises(UnmaskError, match=msg):
+            BlockBatch(bb, options)
+    with pytest.raises(UnmaskError, match="block-diffusion"):
+        BlockBatch(sb, {})
+    b = SBDBatch(sb, dict(block_size=None, gamma=0.2))  # None = the default
+    assert b.cfg.block_size == sbd.DEFAULT_BLOCK_SIZE and b.cfg.policy.gamma == 0.2
+    assert len(b) == 0 and b.step() == [] and b.drop(lambda r: True) == []
+    assert BlockBatch(bb, {}).cfg.block_size == 4
+
+
+@pytest.mark.parametrize("cls,make,options", [(SBDBatch, sbd_bundle, dict(block_size=3, gamma=0.4)),
+                                              (BlockBatch, bd_bundle, dict(tau=0.8))])
+def test_cache_stays_small_under_churn(cls, make, options):
+    # many short rows joining and leaving every few steps: holes are compacted, leavers take their rows
+    bundle = make("llama", "sdpa", seed=3, initializer_range=0.4)
+    run = Run(cls, bundle, options, stop_token_ids=())
+    jobs = [job(PROMPTS[i % len(PROMPTS)], 6 + (5 * i) % 17) for i in range(12)]
+    for chunk in (jobs[i: i + 2] for i in range(0, 12, 2)):
+        run.join(chunk)
+        run.step(3)
+        if len(run.batch):
+            live = int(run.batch.key_valid.sum(dim=1).max())
+            assert run.batch.kv.length <= 2 * live + 8
+    run.drain()
+    assert len(run.done) == 12
+    assert_rows_equal_single_decodes(bundle, run, options, ())
