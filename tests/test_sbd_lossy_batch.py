@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from conftest import tiny_bundle
 from test_block_decode import bd_bundle, scripted_bundle
 from test_sbd_decode import sbd_bundle
 
@@ -304,7 +305,6 @@ def test_options_are_validated_once(stories_sbd):
     with pytest.raises(UnmaskError, match="lossless"):
         SBDBatch(stories_sbd, {})  # its decode_defaults select lossless SBD
     with pytest.raises(UnmaskError, match="mask token"):
-        from conftest import tiny_bundle
         SBDBatch(tiny_bundle(sb.model), {})
     for options, msg in [(dict(block_size=8), "disagrees"), (dict(store="x"), "store"), (dict(slots=2), "do not apply"),
                          (dict(schedule="x"), "schedule")]:
