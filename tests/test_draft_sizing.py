@@ -103,8 +103,9 @@ def test_serve_cli_refuses_a_bad_table_in_one_line(capsys):
 
 
 def test_a_request_arriving_during_a_running_batch_joins_the_ar_batch_at_once(bundle):
-    """A long lossy sbd batch runs; a greedy lossless sbd request that arrives meanwhile is served by
-    the AR running batch before that batch ends (it cannot join it mid-decode), with the same text."""
+    """A long sized sbd batch runs on its own (K > 1, formed on an idle server); a greedy lossless
+    sbd request that arrives meanwhile is served by the AR running batch at once (it cannot join
+    that batch mid-decode), with the same text; the long batch then moves into the AR batch too."""
     import openai
 
     app = create_app(bundle, max_batch_size=4, max_queue=8)
@@ -112,10 +113,10 @@ def test_a_request_arriving_during_a_running_batch_joins_the_ar_batch_at_once(bu
         sched = app.state.scheduler
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
         long = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=400, stream=True,
-                                    extra_body={"decoder": "sbd", "gamma": 0})  # lossy, one token per forward
+                                    extra_body={"decoder": "sbd"})
         next(iter(long))
+        assert sched.batch_rows and sched.draft_log[-1][1] > 1
         r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, extra_body={"decoder": "sbd"})
-        assert sched.batch_rows  # the long batch has not finished
         assert r.choices[0].text == unmask.generate(PROMPTS[1], bundle, "sbd", max_new_tokens=16).texts[0]
         assert (sched.draft_log[-1][1]) == 1
         long.close()

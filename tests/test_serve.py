@@ -258,8 +258,8 @@ def test_ar_batch_join_and_leave_mid_run_equals_single_rows(bundle):
 
 
 def test_ar_requests_advance_while_a_non_ar_batch_runs(bundle):
-    """An AR request that arrives during a long SBD batch joins at the batch's next forward and
-    finishes while the batch is still running (and is still equal to unmask.generate)."""
+    """An AR request that arrives during a long (lossy) SBD request joins the AR batch at the next
+    step and finishes while the SBD request is still running (and is still equal to unmask.generate)."""
     app = create_app(bundle, max_batch_size=4, max_queue=8)
     with ServerThread(app) as s:
         sched = app.state.scheduler
@@ -268,15 +268,15 @@ def test_ar_requests_advance_while_a_non_ar_batch_runs(bundle):
                                     extra_body={"decoder": "sbd", "gamma": 0})  # one token per forward
         next(iter(long))
         r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, extra_body={"decoder": "ar"})
-        assert sched.batch_rows  # the SBD batch has not finished
+        assert sched.running_batches  # the SBD request has not finished
         assert r.choices[0].text == unmask.generate(PROMPTS[1], bundle, "ar", max_new_tokens=12).texts[0]
         long.close()
         wait_until(lambda: sched.active == 0)
 
 
 def test_a_finished_row_is_answered_before_its_batch_ends(bundle):
-    """Two SBD requests share a batch; the one whose committed text reaches the stop string at
-    once is answered while the other is still decoding (it does not wait for the slowest row)."""
+    """Two SBD requests share a running batch; the one whose committed text reaches the stop string
+    at once is answered while the other is still decoding (it does not wait for the slowest row)."""
     app = create_app(bundle, max_batch_size=4, max_queue=8)
     quick, slow = "Once upon a time", "The cat sat on the mat and"  # "Lily" comes early / never
     body = {"max_tokens": 160, "decoder": "sbd", "gamma": 0, "stop": ["Lily"]}
@@ -289,7 +289,7 @@ def test_a_finished_row_is_answered_before_its_batch_ends(bundle):
             wait_until(lambda: sched.queue_depth == 2)
             sched.resume()
             status, _, r = f_quick.result()
-            assert status == 200 and sched.batch_rows  # the batch still runs for the slow row
+            assert status == 200 and sched.running_batches  # the batch still runs for the slow row
             assert not f_slow.done()
             assert f_slow.result()[0] == 200
     assert sched.peak_running == 2
@@ -368,14 +368,18 @@ def test_timeout_answers_408_and_frees_the_slot(bundle):
         assert post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 4})[0] == 200
 
 
-@pytest.mark.parametrize("decoder", ["ar", "sbd"])
+@pytest.mark.parametrize("decoder", ["ar", "sbd", "diffusion"])
 def test_client_disconnect_cancels_the_request(bundle, decoder):
-    app = create_app(bundle, max_batch_size=4, max_queue=4)
+    """A client gone mid-stream frees its slot: AR and lossy sbd leave their running batches; a
+    per-call (diffusion) batch stops at its next step, abandoned."""
+    model = bundle if decoder != "diffusion" else unmask.load("stories260K-dlm")
+    app = create_app(model, max_batch_size=4, max_queue=4)
     with ServerThread(app) as s:
         sched = app.state.scheduler
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
-        stream = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=500, stream=True,
-                                      extra_body={"decoder": decoder, "gamma": 0} if decoder == "sbd" else {"decoder": decoder})
+        knobs = {"ar": {}, "sbd": {"gamma": 0}, "diffusion": {"gen_length": 480, "block_size": 32, "steps": 480}}
+        stream = c.completions.create(model=model.name, prompt="Once upon a time", max_tokens=480, stream=True,
+                                      extra_body={"decoder": decoder, **knobs[decoder]})
         for _, _ in zip(range(3), stream):
             pass
         assert sched.active == 1
@@ -383,10 +387,10 @@ def test_client_disconnect_cancels_the_request(bundle, decoder):
         wait_until(lambda: sched.active == 0)
         forwards = sched.ar.forwards
         time.sleep(0.3)
-        assert sched.ar.forwards == forwards  # nothing decodes for the gone client
-        assert sched.abandoned_batches == (decoder == "sbd")  # the SBD batch stopped mid-run
+        assert sched.ar.forwards == forwards and not sched.running_batches  # nothing decodes for the gone client
+        assert sched.abandoned_batches == (decoder == "diffusion")  # the per-call batch stopped mid-run
         wait_until(lambda: metric(s, 'unmask_requests_total{endpoint="completions",outcome="cancelled"}') == 1)
-        r = c.completions.create(model=MODEL, prompt="Zoo", max_tokens=4)
+        r = c.completions.create(model=model.name, prompt="Zoo", max_tokens=4, extra_body={"decoder": decoder})
         assert r.usage.completion_tokens == 4
 
 

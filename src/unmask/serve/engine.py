@@ -5,16 +5,18 @@ What is continuous and what is not (README "Serving"):
 - ``ar`` requests share one running batch (:class:`~unmask.serve.ar_batch.ARBatch`). A request
   joins at the next step boundary and leaves the step it finishes, is cancelled or times out,
   freeing its slot and its cache rows at once.
-- ``multiblock`` requests share continuous running batches too
-  (:class:`~unmask.serve.block_batch.MultiBlockBatch`), one per set of Block Buffer options: a
-  request joins at the next step boundary (its prompt blocks prefilled, its N_buf slots added)
-  and leaves the step it finishes, is cancelled or times out, freeing its slots and cache rows.
-  Each row's tokens, NFE and events equal ``multiblock.decode`` on its prompt alone. Lossless
-  ``sbd`` requests that fix their block size or sample share a
-  :class:`~unmask.serve.sbd_batch.VerifyBatch` per (K, draft layout) the same way.
-- Every other decoder (lossy ``sbd``, ``diffusion``, ``early-bird``, ``block``) runs
-  a whole batch in one call of its ``decode`` function, so those batches are formed from
-  *compatible* queued requests (same decoder, options, sampling, length and stop strings) and
+- The other decoders' requests share continuous running batches too, one per decoder and set
+  of options (``RUNNING``, :meth:`Scheduler._running_kind`): ``multiblock``
+  (:class:`~unmask.serve.block_batch.MultiBlockBatch`: a joining request's prompt blocks are
+  prefilled and its N_buf slots added), ``block`` and lossy ``sbd``
+  (:mod:`unmask.serve.sbd_lossy_batch`), and lossless ``sbd`` that fixes its block size or samples
+  (:class:`~unmask.serve.sbd_batch.VerifyBatch`, per K and draft layout). A request joins at the
+  next step boundary and leaves the step it finishes, is cancelled or times out, freeing its
+  slots and cache rows at once; each row's tokens, NFE and events equal its decoder's ``decode``
+  on its prompt alone, greedy or seeded, whatever else runs.
+- ``diffusion`` and ``early-bird`` (whole canvases) and greedy lossless ``sbd`` sized by the load
+  (below) run a whole batch in one call of their ``decode`` function, so those batches are formed
+  from *compatible* queued requests (same decoder, options, sampling, length and stop strings) and
   run to completion: a request cannot join one mid-block, and its slot is freed when the batch
   ends. A request whose committed tokens already fix its answer (a stop token, ``max_tokens`` or
   a stop string in the committed prefix) is answered at once, without waiting for the rest of the
@@ -22,8 +24,8 @@ What is continuous and what is not (README "Serving"):
   the next step when none of its requests is still waiting for an answer. Sampled (temperature
   > 0) requests of these decoders run alone, so a seed reproduces ``unmask generate``.
 - While such a batch runs, the running batches still advance: after each forward of the batch
-  (its ``on_step`` boundary) the scheduler admits waiting AR and multiblock requests and runs one
-  step of each running batch, so they never wait for a per-call batch to finish.
+  (its ``on_step`` boundary) the scheduler admits waiting requests into the running batches and
+  runs one step of each, so they never wait for a per-call batch to finish.
 - Greedy lossless ``sbd`` requests whose block size neither the request nor the server fixed get
   their draft block size K from the load (:mod:`unmask.serve.draft_sizing`): the rows that would
   share forwards (the AR batch, the running batch and the waiting ones) pick K from the
@@ -58,13 +60,14 @@ from unmask.decode.sbd import runs_lossless
 from unmask.serve.ar_batch import ARBatch, Row
 from unmask.serve.block_batch import MultiBlockBatch
 from unmask.serve.sbd_batch import VerifyBatch
+from unmask.serve.sbd_lossy_batch import BlockBatch, SBDBatch
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes
 from unmask.serve.errors import ApiError
 from unmask.serve.protocol import api_message, edits_committed
 
 log = logging.getLogger("unmask.serve")
 # Continuous running batches other than AR's: batch kind -> class (see Scheduler._running_kind).
-RUNNING = {"multiblock": MultiBlockBatch, "sbd-lossless": VerifyBatch}
+RUNNING = {"multiblock": MultiBlockBatch, "sbd-lossless": VerifyBatch, "sbd": SBDBatch, "block": BlockBatch}
 _ids = itertools.count()
 
 
@@ -314,8 +317,8 @@ class Scheduler:
         items), or None when it runs in a per-call batch (or, for AR and sized lossless sbd, in the
         AR batch). Lossless sbd with a fixed block size, or sampled, joins a :class:`VerifyBatch`
         of its block size and draft layout (the checkpoint's defaults filled in, as sbd.decode does)."""
-        if job.decoder == "multiblock":
-            return "multiblock", tuple(sorted(job.options.items()))
+        if job.decoder in ("multiblock", "block"):
+            return job.decoder, tuple(sorted(job.options.items()))
         if job.decoder == "sbd" and not job.sizable and runs_lossless(self.bundle, job.options):
             defaults = self.bundle.meta.get("decode_defaults") or {}
             K = next(v for v in (job.options.get("block_size"), defaults.get("verify_block_size"),
@@ -323,6 +326,8 @@ class Scheduler:
             draft = next(v for v in (job.options.get("draft"), defaults.get("draft"), sbd_verify.DEFAULT_DRAFT)
                          if v is not None)
             return "sbd-lossless", (("block_size", K), ("draft", draft))
+        if job.decoder == "sbd" and not job.sizable:
+            return "sbd", tuple(sorted(job.options.items()))
         return None
 
     def _take_running(self) -> dict[tuple, list[Job]]:
@@ -419,7 +424,8 @@ class Scheduler:
     def _join_running(self, batch, job: Job) -> None:
         """Admit one job; a prefill that fails fails this request only."""
         try:
-            batch.join([job])
+            for row in batch.join([job]):  # finished at its prefill (a stop token, max_tokens 1)
+                row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": row.finish})
         except UnmaskError as e:
             job.finish("error", _bad_request(e, job.options))
         except Exception:
