@@ -1,0 +1,204 @@
+"""Continuous batching for masked-diffusion decoding (``DiffusionBatch``, issue 16): whenever a row
+joins and whatever runs beside it, its tokens, NFE, row_extra and step events equal
+``diffusion.decode`` on its prompt alone (STYLE.md 14)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_diffusion_decode import dllm
+
+import unmask
+from unmask.decode import diffusion
+from unmask.errors import UnmaskError
+from unmask.sampling import Sampling
+from unmask.serve.diffusion_batch import DiffusionBatch
+
+GREEDY = Sampling()
+
+
+@pytest.fixture(scope="module")
+def stories_dlm():
+    return unmask.load("stories260K-dlm")
+
+
+def job(prompt, max_new_tokens, sampling=GREEDY, stop=()):
+    return SimpleNamespace(prompt_ids=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
+                           stop=tuple(stop))
+
+
+class Run:
+    """A batch plus what it reported: finished rows and each job's step events."""
+
+    def __init__(self, bundle, options, **kw):
+        self.events: dict[int, list[dict]] = {}
+        self.batch = DiffusionBatch(bundle, options, on_step=self._on_step, **kw)
+        self.done = []
+        self.mixed = False  # whether some forward held rows at different blocks
+
+    def _on_step(self, row, event):
+        self.events.setdefault(id(row.job), []).append(event)
+
+    def join(self, jobs):
+        self.done += self.batch.join(jobs)
+
+    def step(self, n=1):
+        for _ in range(n):
+            if len({row.block for row in self.batch.rows}) > 1:
+                self.mixed = True
+            self.done += self.batch.step()
+            if not len(self.batch):
+                assert self.batch.canvas is None and self.batch.cache is None
+
+    def drain(self):
+        while len(self.batch):
+            self.step()
+
+
+def single(bundle, j, options, stop_token_ids=None):
+    """diffusion.decode on the job's prompt alone: (tokens, nfe, row_extra, n_committed, events)."""
+    events = []
+    stops = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
+    out = diffusion.decode(bundle, [j.prompt_ids], max_new_tokens=j.max_new_tokens, sampling=j.sampling,
+                           stop_token_ids=stops, stop_strings=j.stop, on_step=events.append, **options)
+    return out, events
+
+
+def check(run: Run, bundle, jobs, options, stop_token_ids=None):
+    rows = {id(row.job): row for row in run.done}
+    assert set(rows) == {id(j) for j in jobs}
+    for j in jobs:
+        row = rows[id(j)]
+        out, events = single(bundle, j, options, stop_token_ids)
+        assert row.tokens == out.tokens[0]
+        assert row.nfe == out.stats.nfe == out.stats.nfe_per_row[0]
+        assert row.finish == ("length" if len(row.tokens) >= j.max_new_tokens else "stop")
+        want = dict(out.stats.extra["row_extra"][0], n_committed=out.stats.extra["n_committed"][0])
+        assert row.extra == want
+        assert run.events[id(j)] == events
+
+
+PROMPTS = [[1, 403, 407, 261, 378], [1, 60, 70], [1, 300, 310, 320, 330, 340, 350, 360], [1, 90]]
+
+POLICIES = [
+    {"policy": "top-k", "steps": 16, "gen_length": 16, "block_size": 8},  # LLaDA top-k with a step budget
+    {"policy": "threshold", "tau": 0.5, "block_size": 8},
+    {"policy": "factor", "factor": 1.0, "block_size": 4},
+]
+
+
+@pytest.mark.parametrize("options", POLICIES, ids=["topk-steps", "threshold", "factor"])
+def test_staggered_joins_equal_single_runs(stories_dlm, options):
+    mnt = [16, 12, 16, 9] if "gen_length" in options else [16, 12, 20, 9]
+    jobs = [job(p, n) for p, n in zip(PROMPTS, mnt)]
+    run = Run(stories_dlm, options)
+    run.join(jobs[:1])
+    run.step(2)
+    run.join(jobs[1:3])
+    run.step(1)
+    run.join(jobs[3:])
+    run.drain()
+    assert run.mixed
+    check(run, stories_dlm, jobs, options)
+
+
+def test_dropped_row_leaves_others_exact(stories_dlm):
+    options = {"policy": "top-k", "steps": 32, "gen_length": 16, "block_size": 8}
+    jobs = [job(p, 16) for p in PROMPTS[:3]]
+    run = Run(stories_dlm, options)
+    run.join(jobs[:2])
+    run.step(3)
+    gone = run.batch.drop(lambda row: row.job is jobs[0])
+    assert [row.job for row in gone] == [jobs[0]]
+    run.join(jobs[2:])
+    run.drain()
+    check(run, stories_dlm, jobs[1:], options)
+    assert len(run.events[id(jobs[0])]) == 3
+
+
+def test_stop_token_and_stop_string():
+    """A random tiny model (eager attention) with stop ids it commits, early stop off and on, and a
+    stop string: rows end at different blocks, each as decode ends it alone."""
+    bundle = dllm(shift=0, impl="eager", seed=3, stops=(29, 51, 63))
+    prompts = [[1, 9, 12, 30], [1, 40], [1, 22, 23, 24, 25, 26]]
+    for options in ({"policy": "top-k", "tokens_per_step": 2, "block_size": 4},
+                    {"policy": "threshold", "tau": 0.3, "block_size": 4, "eos_early_stop": True}):
+        jobs = [job(prompts[0], 24, stop=(" 30",)), job(prompts[1], 13), job(prompts[2], 20)]
+        run = Run(bundle, options)
+        run.join(jobs[:2])
+        run.step()
+        run.join(jobs[2:])
+        run.drain()
+        assert run.mixed
+        check(run, bundle, jobs, options)
+        by_job = {id(row.job): row for row in run.done}
+        assert by_job[id(jobs[0])].finish == "stop"  # the stop string, after the block that holds it
+        assert sum(row.finish == "stop" for row in run.done) >= 2  # and a stop id
+    assert any(row.finish == "stop" and row.extra["n_committed"] == 16 for row in run.done)  # early-stop fill
+
+
+def test_seeded_sampling_per_row(stories_dlm):
+    options = {"policy": "threshold", "tau": 0.7, "block_size": 8}
+    hot, warm = Sampling(temperature=0.8, seed=3), Sampling(temperature=1.2, top_k=20, seed=5)
+    jobs = [job(PROMPTS[0], 16, hot), job(PROMPTS[0], 16, hot), job(PROMPTS[1], 12, warm), job(PROMPTS[2], 16)]
+    run = Run(stories_dlm, options)
+    run.join(jobs[:1])
+    run.step(2)
+    run.join(jobs[1:])
+    run.drain()
+    # identical prompts joined at different times: each one's generator is the one decode gives it
+    check(run, stories_dlm, jobs, options)
+
+
+def test_sampling_dream_sampler_shift1(stories_dlm):
+    options = {"policy": "top-k", "steps": 8, "gen_length": 8, "block_size": 4, "sampler": "dream"}
+    jobs = [job(PROMPTS[2], 8, Sampling(temperature=1.0, seed=1)), job(PROMPTS[3], 6)]
+    run = Run(stories_dlm, options)
+    run.join(jobs[:1])
+    run.step()
+    run.join(jobs[1:])
+    run.drain()
+    check(run, stories_dlm, jobs, options)
+
+
+def test_emptied_batch_frees_canvas(stories_dlm):
+    run = Run(stories_dlm, {"block_size": 4})
+    run.join([job(PROMPTS[0], 4), job(PROMPTS[1], 8)])
+    assert run.batch.canvas.shape == (2, len(PROMPTS[1]) + 8)  # the longer canvas sets the width
+    run.drain()
+    assert len(run.batch) == 0 and run.batch.canvas is None and run.batch.cache is None
+    run.join([job(PROMPTS[3], 4)])
+    assert run.batch.canvas.shape == (1, len(PROMPTS[3]) + 4)
+    run.batch.drop(lambda row: True)
+    assert run.batch.canvas is None and run.batch.step() == []
+
+
+def test_refused_options(stories_dlm):
+    for options, word in (({"cache": "dual"}, "cache 'none'"), ({"schedule": "dream"}, "schedule"),
+                          ({"compile": True}, "compile"), ({"policy": "nope"}, "nope"),
+                          ({"block_size": 8, "gen_length": 12}, "block size")):
+        with pytest.raises(UnmaskError, match=word) as e:
+            DiffusionBatch(stories_dlm, options)
+        assert "\n" not in str(e.value)
+    batch = DiffusionBatch(stories_dlm, {"policy": "top-k", "steps": 4, "block_size": 4})
+    with pytest.raises(UnmaskError, match="multiple"):  # 12 tokens = 3 blocks; 4 steps do not divide
+        batch.join([job(PROMPTS[0], 8), job(PROMPTS[1], 12)])
+    assert len(batch) == 0  # a bad job adds none
+    with pytest.raises(UnmaskError, match="at least one token"):
+        batch.join([job([], 4)])
+    with pytest.raises(UnmaskError, match="exceeds gen length"):
+        DiffusionBatch(stories_dlm, {"gen_length": 8, "block_size": 4}).join([job(PROMPTS[0], 9)])
+
+
+def test_row_positions_ignore_padding(stories_dlm):
+    """Canvases are right-aligned; positions count each row's real tokens from 0."""
+    batch = DiffusionBatch(stories_dlm, {"block_size": 4})
+    batch.join([job(PROMPTS[1], 4), job(PROMPTS[2], 8)])
+    T = batch.canvas.shape[1]
+    assert T == len(PROMPTS[2]) + 8
+    n = len(PROMPTS[1]) + 4
+    assert batch.valid[0].tolist() == [False] * (T - n) + [True] * n
+    assert batch.pos[0, T - n:].tolist() == list(range(n))
+    assert torch.equal(batch.pos[1], torch.arange(T))
