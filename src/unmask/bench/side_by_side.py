@@ -180,8 +180,14 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
                      "agreement_positional": s["agreement_positional"],
                      "agreement_prefix": s["agreement_prefix"],
                      "agreement_reference": s["config"]["agreement_reference"],
-                     "options": s["config"]["options"], "env": s["env"], "compile_s": compile_s})
+                     "options": s["config"]["options"], "env": s["env"], "compile_s": compile_s,
+                     "_outputs": [(item["text"], item["nfe"]) for item in res.rows]})
     ok = [r for r in rows if not r.get("error")]
+    outputs = {(r["decoder"], r["model"]): r.pop("_outputs") for r in ok}
+    for r in ok:  # compiled rows: the share of prompts whose text and NFE equal the eager row's
+        eager = outputs.get((r["decoder"].removesuffix(" --compile"), r["model"]))
+        r["same_as_eager"] = (sum(a == b for a, b in zip(outputs[r["decoder"], r["model"]], eager)) / len(eager)
+                              if r["decoder"].endswith(" --compile") and eager else None)
     ref = next((r for r in ok if (r["decoder"], r["model"]) == AR_REFERENCE), None) or \
         next((r for r in ok if r["decoder"] == "ar"), None)
     for r in ok:
