@@ -37,6 +37,7 @@ class Run:
         self.batch = DiffusionBatch(bundle, options, on_step=self._on_step, **kw)
         self.done = []
         self.mixed = False  # whether some forward held rows at different blocks
+        self.mixed_refresh = False  # whether some forward refreshed one row's cache and stepped another's window
 
     def _on_step(self, row, event):
         self.events.setdefault(id(row.job), []).append(event)
@@ -48,9 +49,28 @@ class Run:
         for _ in range(n):
             if len({row.block for row in self.batch.rows}) > 1:
                 self.mixed = True
+            if len({row.step == 0 for row in self.batch.rows}) > 1:
+                self.mixed_refresh = True
             self.done += self.batch.step()
-            if not len(self.batch):
-                assert self.batch.canvas is None and self.batch.cache is None
+            self.check_cache()
+
+    def check_cache(self):
+        b = self.batch
+        if not len(b):
+            assert b.canvas is None and b.cache is None
+            return
+        if b.cfg.cache == "none":
+            assert b.cache is None
+            return
+        K = b.kept_valid.shape[1]
+        assert all(k.shape[2] == K and v.shape[2] == K for k, v in b.cache)
+        assert int(b.kept_valid.sum(dim=1).max()) == K  # no column that no row keeps
+        for r, row in enumerate(b.rows):
+            if row.step == 0:  # a new block: refreshed at its next forward
+                continue
+            w0 = row.prompt_len + row.block * b.cfg.block_size - b.bundle.logit_shift
+            window = b.cfg.block_size + b.bundle.logit_shift if b.cfg.cache == "dual" else row.width - w0
+            assert int(b.kept_valid[r].sum()) == row.width - window  # exactly its prefix (+ suffix) K/V
 
     def drain(self):
         while len(self.batch):
@@ -102,6 +122,30 @@ def test_staggered_joins_equal_single_runs(stories_dlm, options):
     run.drain()
     assert run.mixed
     check(run, stories_dlm, jobs, options)
+
+
+CACHES = [
+    {"cache": "dual", "block_size": 4, "tau": 0.6},
+    {"cache": "prefix", "policy": "top-k", "steps": 16, "gen_length": 16, "block_size": 8},
+    {"cache": "dual", "refresh_every": 2, "policy": "factor", "block_size": 8},
+]
+
+
+@pytest.mark.parametrize("options", CACHES, ids=["dual", "prefix-topk", "dual-refresh"])
+def test_caches_per_row_equal_single_runs(stories_dlm, options):
+    """Fast-dLLM's approximate caches (diffusion.md §8) per row: a row refreshes at its own block
+    starts while others step their windows, and ends with decode's own (cached) tokens."""
+    jobs = [job(p, n) for p, n in zip(PROMPTS, [16, 12, 16, 9])]
+    run = Run(stories_dlm, options)
+    run.join(jobs[:1])
+    run.step(2)
+    run.join(jobs[1:3])
+    run.step(1)
+    gone = run.batch.drop(lambda row: row.job is jobs[1])
+    run.join(jobs[3:])
+    run.drain()
+    assert run.mixed and run.mixed_refresh and [row.job for row in gone] == [jobs[1]]
+    check(run, stories_dlm, [jobs[0], *jobs[2:]], options)
 
 
 def test_dropped_row_leaves_others_exact(stories_dlm):
@@ -176,7 +220,7 @@ def test_emptied_batch_frees_canvas(stories_dlm):
 
 
 def test_refused_options(stories_dlm):
-    for options, word in (({"cache": "dual"}, "cache 'none'"), ({"schedule": "dream"}, "schedule"),
+    for options, word in (({"cache": "bogus"}, "unknown cache"), ({"schedule": "dream"}, "schedule"),
                           ({"compile": True}, "compile"), ({"policy": "nope"}, "nope"),
                           ({"block_size": 8, "gen_length": 12}, "block size")):
         with pytest.raises(UnmaskError, match=word) as e:

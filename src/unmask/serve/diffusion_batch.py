@@ -9,10 +9,16 @@ are left-padded into one (R, T) tensor with a per-row key validity mask and expl
 (real tokens from 0), so a row's forward does not depend on its neighbours.
 
 A step is ONE bidirectional forward over every running row: the one that row would get at that
-point of ``diffusion.decode(bundle, [prompt], ...)`` (with ``cache="none"`` a forward over the
-whole canvas). The LM head runs on the columns [min w0, max e) that cover every row's current
-block (plus the token before it for a shift-1 model); each row then reads its own block's logits
-and commits with diffusion.py's own pieces (``commit_rows``, ``llada_quota``, ``early_stop``,
+point of ``diffusion.decode(bundle, [prompt], ...)``. With ``cache="none"`` that is a forward over
+every whole canvas, the LM head on the columns [min w0, max e) that cover every row's current
+block (plus the token before it for a shift-1 model). With Fast-dLLM's approximate caches
+(``"prefix"`` / ``"dual"``, §8) each row keeps its own prefix (and, dual, suffix) K/V, right-aligned
+in one set of per-layer tensors with a per-row validity mask; in one forward a row at a refresh
+(its block start, or every ``refresh_every`` steps) feeds its whole canvas in WindowForward's
+order ``[x[:w0] | x[w1:] | x[w0:w1]]`` ignoring its old K/V, while the other rows feed only their
+windows against their kept K/V (queries right-aligned, padding masked); then each refreshed row's
+kept K/V are gathered from the new columns. Each row then reads its own block's logits and
+commits with diffusion.py's own pieces (``commit_rows``, ``llada_quota``, ``early_stop``,
 ``hit_stop_string``, ``until_stop``). Between forwards a row whose block has no masks left moves on
 exactly as ``decode``'s block loop does: the stop-token and stop-string checks after the block, then
 the next block or the end (its stop, its reported length, its last block).
@@ -25,11 +31,10 @@ so a row's draws do not depend on the batch. Rows with different sampling settin
 separate calls. Only the float summation order over masked padding keys differs from the
 single-prompt run (as in a batched ``decode``).
 
-Not supported (refused with a one-line UnmaskError): ``cache="prefix"``/``"dual"`` (their kept K/V
-are refreshed per row at that row's block starts, which needs per-row cache re-layout each step;
-not implemented), ``schedule="dream"`` and its ``alg``/``alg_temp``/``eps`` (no blocks),
-``compile``/``static``, and remote-code models other than Dream's (LLaDA's remote forward takes no
-positions, so left padding would shift a row's positions).
+Not supported (refused with a one-line UnmaskError): ``schedule="dream"`` and its
+``alg``/``alg_temp``/``eps`` (no blocks), ``compile``/``static`` (the eager ``DynamicCache`` only),
+the prefix/dual caches on remote-code models (as ``decode``), and remote-code models other than
+Dream's (LLaDA's remote forward takes no positions, so left padding would shift a row's positions).
 """
 
 from __future__ import annotations
@@ -40,14 +45,15 @@ import torch
 
 from unmask.decode.diffusion import (DEFAULT_BLOCK_SIZE, DiffusionConfig, commit_rows, early_stop, hit_stop_string,
                                      llada_quota, until_stop)
+from unmask.decode.kv import DynamicKV
 from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
-from unmask.models.adapters import bidirectional_forward, default_sampler, is_remote, realign
+from unmask.models.adapters import bidirectional_forward, default_sampler, is_remote, realign, supports_cache
 from unmask.trace import step_event
 
 OPTIONS = ("gen_length", "block_size", "policy", "gamma", "preset", "tau", "factor", "factor_compat",
            "tokens_per_step", "eta", "steps", "cache", "refresh_every", "eos_early_stop", "sampler")
-CACHES = ("none",)
+CACHES = ("none", "prefix", "dual")
 
 
 @dataclass
@@ -107,7 +113,7 @@ class DiffusionBatch:
     no row can finish before it); ``step()`` runs one forward for every running row and returns the
     rows that finished in it (removed); ``drop(pred)`` evicts rows (cancelled, timed out).
     Raises UnmaskError for a model without a mask token, an unknown or unsupported option
-    (``schedule``, ``compile``, the prefix/dual caches) or a bad value; ``join`` raises it for a job
+    (``schedule``, ``compile``, a cache on a remote-code model) or a bad value; ``join`` raises it for a job
     the options do not fit (empty prompt, canvas past the context window, a step budget that does
     not divide into its blocks, ``max_new_tokens`` above ``gen_length``) before adding any job.
     """
@@ -123,10 +129,10 @@ class DiffusionBatch:
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous diffusion batch "
-                              f"(semi-AR blocks, no cache); use only {', '.join(OPTIONS)}")
-        if str(options.get("cache", "none")) not in CACHES:
-            raise UnmaskError(f"cache {options['cache']!r} is not supported by a continuous diffusion batch (its "
-                              "per-block K/V refresh is per row); use cache 'none' or per-call diffusion batches")
+                              f"(semi-AR blocks, eager forwards); use only {', '.join(OPTIONS)}")
+        if str(options.get("cache", "none")) != "none" and not supports_cache(bundle):
+            raise UnmaskError(f"cache {options['cache']!r} needs a transformers-native model; this checkpoint runs "
+                              "its own model code, so use cache 'none'")
         if not isinstance(options.get("eos_early_stop", False), bool):
             raise UnmaskError(f"eos_early_stop must be true or false (got {options['eos_early_stop']!r})")
         options.setdefault("sampler", default_sampler(bundle))
@@ -150,14 +156,18 @@ class DiffusionBatch:
         self.ids: torch.Tensor | None = None  # (R, T) long: left-padded canvases
         self.pos: torch.Tensor | None = None  # (R, T) long: positions, real tokens from 0
         self.valid: torch.Tensor | None = None  # (R, T) bool: False on padding
+        # prefix/dual caches: per layer (keys, values) (R, H, K, D) of each row's kept K/V, right-aligned
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.kept_valid: torch.Tensor | None = None  # (R, K) bool: the kept columns each row attends to
 
     def __len__(self) -> int:
         return len(self.rows)
 
     @property
     def cache(self):
-        """The K/V cache: always None (``cache="none"`` keeps no K/V; the canvases are ``ids``)."""
-        return None
+        """The rows' kept K/V (prefix/dual: per layer (keys, values) (R, H, K, D)); None with
+        ``cache="none"`` and when no row has run a forward."""
+        return self.kept
 
     @property
     def canvas(self) -> torch.Tensor | None:
@@ -204,6 +214,9 @@ class DiffusionBatch:
                 self.pos = torch.cat([_pad_left(self.pos, T - self.pos.shape[1], 0), _pad_left(pos, T - C, 0)])
                 self.valid = torch.cat([_pad_left(self.valid, T - self.valid.shape[1], False),
                                         _pad_left(valid, T - C, False)])  # (R + 1, T)
+            if self.kept is not None:  # no kept K/V yet: its first forward is a refresh
+                self.kept = [tuple(torch.cat([t, t.new_zeros((1, *t.shape[1:]))]) for t in kv) for kv in self.kept]
+                self.kept_valid = torch.cat([self.kept_valid, self.kept_valid.new_zeros(1, self.kept_valid.shape[1])])
             self.rows.append(row)
         return []
 
@@ -225,11 +238,14 @@ class DiffusionBatch:
         Bk, shift, dev, mask_id = self.cfg.block_size, self.shift, self.device, self.mask_id
         R = len(self.rows)
         starts = [self._gen_start(r) + row.block * Bk for r, row in enumerate(self.rows)]  # block start columns
-        lo, hi = min(starts) - shift, max(starts) + Bk
-        raw = bidirectional_forward(self.bundle, self.ids, position_ids=self.pos, key_valid=self.valid,
-                                    rows=(lo, hi))  # (R, hi - lo, V)
+        if self.cfg.cache == "none":
+            lo, hi = min(starts) - shift, max(starts) + Bk
+            raw = bidirectional_forward(self.bundle, self.ids, position_ids=self.pos, key_valid=self.valid,
+                                        rows=(lo, hi))  # (R, hi - lo, V)
+            first = torch.tensor(starts, device=dev) - shift - lo  # (R,) each row's window in raw
+        else:
+            raw, first = self._cached_forward()
         self.forwards += 1
-        first = torch.tensor(starts, device=dev) - shift - lo  # (R,) each row's window in raw
         at = first[:, None] + torch.arange(shift + Bk, device=dev)  # (R, shift + Bk)
         win = raw.gather(1, at[:, :, None].expand(R, shift + Bk, raw.shape[2]))  # (R, shift + Bk, V)
         logits = realign(win, shift)[:, shift:].clone()  # (R, Bk, V): index j scores the row's block start + j
@@ -262,6 +278,61 @@ class DiffusionBatch:
             ids = {id(row) for row in finished}
             self.drop(lambda row: id(row) in ids)
         return finished
+
+    def _cached_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of the prefix/dual caches (diffusion.md §8, :class:`~unmask.decode.dllm_cache.WindowForward`'s
+        layout) for every row at its own phase: a row at a refresh (its block's first step, or every
+        ``refresh_every``) feeds its whole canvas as ``[x[:w0] | x[w1:] | x[w0:w1]]`` and ignores its
+        kept K/V; any other row feeds its window x[w0:w1] against its kept K/V. Queries are
+        right-aligned in (R, Q), padding masked as keys. Afterwards each refreshed row keeps the K/V of
+        its prefix (and, dual, suffix); the others keep theirs. Returns the raw logits (R, n, V) of a
+        column range and (R,) each row's first scored column in it (its window starts the scored rows)."""
+        Bk, shift, dev = self.cfg.block_size, self.shift, self.device
+        R, T = self.ids.shape
+        plans = []  # per row: (canvas columns fed, in order; window length; refresh)
+        for r, row in enumerate(self.rows):
+            C, off = row.width, T - row.width
+            w0 = row.prompt_len + row.block * Bk - shift
+            w1 = w0 + shift + Bk if row.cfg.cache == "dual" else C
+            every = row.cfg.refresh_every
+            refresh = row.step == 0 or (every is not None and row.step % every == 0)
+            order = [*range(w0), *range(w1, C), *range(w0, w1)] if refresh else list(range(w0, w1))
+            plans.append(([off + c for c in order], w1 - w0, refresh))
+        Q = max(len(cols) for cols, _, _ in plans)
+        cols = torch.zeros(R, Q, dtype=torch.long, device=dev)  # (R, Q) canvas column of each query
+        q_valid = torch.zeros(R, Q, dtype=torch.bool, device=dev)  # (R, Q)
+        for r, (c, _, _) in enumerate(plans):
+            cols[r, Q - len(c):] = torch.tensor(c, dtype=torch.long, device=dev)
+            q_valid[r, Q - len(c):] = True
+        refreshing = torch.tensor([p[2] for p in plans], device=dev)  # (R,)
+        kv = DynamicKV(self.bundle.model)
+        K = 0
+        if self.kept is not None:
+            K = self.kept_valid.shape[1]
+            for i, (k, v) in enumerate(self.kept):
+                kv.cache.update(k, v, i)
+        kept_valid = (self.kept_valid & ~refreshing[:, None]) if K else q_valid[:, :0]  # (R, K)
+        key_valid = torch.cat([kept_valid, q_valid], dim=1)  # (R, K + Q)
+        firsts = [Q - n for _, n, _ in plans]  # each row's window start among the queries
+        lo, hi = min(firsts), max(firsts) + shift + Bk
+        raw = bidirectional_forward(self.bundle, self.ids.gather(1, cols), position_ids=self.pos.gather(1, cols),
+                                    key_valid=key_valid, cache=kv.cache, rows=(lo, hi))  # (R, hi - lo, V)
+        keep = []  # per row: the cache columns (of K + Q) it keeps
+        for r, (c, n, refresh) in enumerate(plans):
+            keep.append(list(range(K + Q - len(c), K + Q - n)) if refresh
+                        else torch.nonzero(self.kept_valid[r]).flatten().tolist())
+        K2 = max(len(k) for k in keep)
+        idx = torch.zeros(R, K2, dtype=torch.long, device=dev)  # (R, K2) right-aligned kept columns
+        self.kept_valid = torch.zeros(R, K2, dtype=torch.bool, device=dev)  # (R, K2)
+        for r, k in enumerate(keep):
+            if k:
+                idx[r, K2 - len(k):] = torch.tensor(k, dtype=torch.long, device=dev)
+                self.kept_valid[r, K2 - len(k):] = True
+        layers = [(layer.keys, layer.values) for layer in kv.cache.layers]  # (R, H, K + Q, D) each
+        H, D = layers[0][0].shape[1], layers[0][0].shape[3]
+        at = idx[:, None, :, None].expand(R, H, K2, D)  # (R, H, K2, D)
+        self.kept = [(k.gather(2, at), v.gather(2, at)) for k, v in layers]  # (R, H, K2, D) each
+        return raw, torch.tensor(firsts, device=dev) - lo
 
     def _commit(self, logits, masked, quota):
         """``commit_rows`` per group of rows sharing a sampling setting, each row with its own generator."""
@@ -329,6 +400,11 @@ class DiffusionBatch:
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # (R',)
         cut = self.ids.shape[1] - max(row.width for row in self.rows)  # leading columns nobody uses
         self.ids, self.pos, self.valid = (t[idx, cut:] for t in (self.ids, self.pos, self.valid))  # (R', T') each
+        if self.kept is not None:  # the kept K/V are right-aligned: cut the columns no remaining row keeps
+            self.kept_valid = self.kept_valid[idx]  # (R', K)
+            cut = self.kept_valid.shape[1] - int(self.kept_valid.sum(dim=1).max())
+            self.kept_valid = self.kept_valid[:, cut:]  # (R', K')
+            self.kept = [(k[idx, :, cut:], v[idx, :, cut:]) for k, v in self.kept]  # (R', H, K', D) each
         return gone
 
 
