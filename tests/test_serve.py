@@ -368,17 +368,19 @@ def test_timeout_answers_408_and_frees_the_slot(bundle):
         assert post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 4})[0] == 200
 
 
-@pytest.mark.parametrize("decoder", ["ar", "sbd", "diffusion"])
+@pytest.mark.parametrize("decoder", ["ar", "sbd", "diffusion", "early-bird"])
 def test_client_disconnect_cancels_the_request(bundle, decoder):
-    """A client gone mid-stream frees its slot: AR and lossy sbd leave their running batches; a
-    per-call (diffusion) batch stops at its next step, abandoned."""
-    model = bundle if decoder != "diffusion" else unmask.load("stories260K-dlm")
+    """A client gone mid-stream frees its slot: AR, lossy sbd and diffusion leave their running
+    batches; a per-call (early-bird) batch stops at its next step, abandoned."""
+    model = bundle if decoder in ("ar", "sbd") else unmask.load("stories260K-dlm")
     app = create_app(model, max_batch_size=4, max_queue=4)
     with ServerThread(app) as s:
         sched = app.state.scheduler
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
-        knobs = {"ar": {}, "sbd": {"gamma": 0}, "diffusion": {"gen_length": 480, "block_size": 32, "steps": 480}}
-        stream = c.completions.create(model=model.name, prompt="Once upon a time", max_tokens=480, stream=True,
+        knobs = {"ar": {}, "sbd": {"gamma": 0}, "diffusion": {"gen_length": 480, "block_size": 32, "steps": 480},
+                 "early-bird": {}}
+        stream = c.completions.create(model=model.name, prompt="Once upon a time", stream=True,
+                                      max_tokens=256 if decoder == "early-bird" else 480,  # its LBS router's length
                                       extra_body={"decoder": decoder, **knobs[decoder]})
         for _, _ in zip(range(3), stream):
             pass
@@ -388,7 +390,7 @@ def test_client_disconnect_cancels_the_request(bundle, decoder):
         forwards = sched.ar.forwards
         time.sleep(0.3)
         assert sched.ar.forwards == forwards and not sched.running_batches  # nothing decodes for the gone client
-        assert sched.abandoned_batches == (decoder == "diffusion")  # the per-call batch stopped mid-run
+        assert sched.abandoned_batches == (decoder == "early-bird")  # the per-call batch stopped mid-run
         wait_until(lambda: metric(s, 'unmask_requests_total{endpoint="completions",outcome="cancelled"}') == 1)
         r = c.completions.create(model=model.name, prompt="Zoo", max_tokens=4, extra_body={"decoder": decoder})
         assert r.usage.completion_tokens == 4
@@ -597,4 +599,25 @@ def test_lossless_sbd_with_a_fixed_block_size_joins_a_running_batch_mid_decode(b
         assert sched.peak_running >= 2 and sum(len(x) for x in sched.running_batches.values()) == 1
         chunks += list(long)
         assert "".join(x.choices[0].text for x in chunks) == refs[0]
+        wait_until(lambda: sched.active == 0 and not sched.running_batches)
+
+
+def test_diffusion_requests_share_running_batches_by_block_size():
+    """Diffusion requests join running batches keyed by their options and effective block size (a
+    short request without block_size decodes with a shorter block, so it gets a batch of its own);
+    every text equals unmask.generate's."""
+    b = unmask.load("stories260K-dlm")
+    cases = [("Once upon a time", 40), ("Tom had a red ball", 24), ("The sun", 40), ("Lily", 24), ("A cat", 8)]
+    refs = [unmask.generate(p, b, "diffusion", max_new_tokens=n).texts[0] for p, n in cases]
+    app = create_app(b, max_batch_size=4)
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        sched.pause()
+        with ThreadPoolExecutor(len(cases)) as pool:
+            futures = [pool.submit(post, s.url + "/v1/completions", {"prompt": p, "max_tokens": n, "decoder": "diffusion"})
+                       for p, n in cases]
+            wait_until(lambda: sched.queue_depth == len(cases))
+            sched.resume()
+            texts = [f.result()[2]["choices"][0]["text"] for f in futures]
+        assert texts == refs and sched.peak_running == len(cases)
         wait_until(lambda: sched.active == 0 and not sched.running_batches)

@@ -182,6 +182,9 @@ class DiffusionBatch:
         if not prompt:
             raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
         cfg = DiffusionConfig.from_options(max_new_tokens=job.max_new_tokens, **self.options)
+        if cfg.block_size != self.cfg.block_size:  # without --block-size a short request gets a shorter block
+            raise UnmaskError(f"this request decodes with block size {cfg.block_size}, the running batch with "
+                              f"{self.cfg.block_size}; give it a batch of its own (block_size={cfg.block_size})")
         if "gen_length" in self.options and isinstance(job.max_new_tokens, int) and job.max_new_tokens > cfg.gen_length:
             raise UnmaskError(f"max_new_tokens {job.max_new_tokens} exceeds gen length {cfg.gen_length}; lower "
                               "--max-new-tokens or raise --gen-length")

@@ -9,13 +9,14 @@ What is continuous and what is not (README "Serving"):
   of options (``RUNNING``, :meth:`Scheduler._running_kind`): ``multiblock``
   (:class:`~unmask.serve.block_batch.MultiBlockBatch`: a joining request's prompt blocks are
   prefilled and its N_buf slots added), ``block`` and lossy ``sbd``
-  (:mod:`unmask.serve.sbd_lossy_batch`), and lossless ``sbd`` that fixes its block size or samples
-  (:class:`~unmask.serve.sbd_batch.VerifyBatch`, per K and draft layout). A request joins at the
+  (:mod:`unmask.serve.sbd_lossy_batch`), lossless ``sbd`` that fixes its block size or samples
+  (:class:`~unmask.serve.sbd_batch.VerifyBatch`, per K and draft layout) and ``diffusion``
+  (:class:`~unmask.serve.diffusion_batch.DiffusionBatch`, per knobs and effective block size). A request joins at the
   next step boundary and leaves the step it finishes, is cancelled or times out, freeing its
   slots and cache rows at once; each row's tokens, NFE and events equal its decoder's ``decode``
   on its prompt alone, greedy or seeded, whatever else runs.
-- ``diffusion`` and ``early-bird`` (whole canvases) and greedy lossless ``sbd`` sized by the load
-  (below) run a whole batch in one call of their ``decode`` function, so those batches are formed
+- ``early-bird`` (learned variable blocks), ``diffusion`` with Dream's ``schedule`` and greedy
+  lossless ``sbd`` sized by the load (below) run a whole batch in one call of their ``decode`` function, so those batches are formed
   from *compatible* queued requests (same decoder, options, sampling, length and stop strings) and
   run to completion: a request cannot join one mid-block, and its slot is freed when the batch
   ends. A request whose committed tokens already fix its answer (a stop token, ``max_tokens`` or
@@ -54,11 +55,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from unmask.decode import get_decoder, sbd_verify
+from unmask.decode.diffusion import DiffusionConfig
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.decode.sbd import runs_lossless
 from unmask.serve.ar_batch import ARBatch, Row
+from unmask.serve import block_batch, diffusion_batch, sbd_lossy_batch
 from unmask.serve.block_batch import MultiBlockBatch
+from unmask.serve.diffusion_batch import DiffusionBatch
 from unmask.serve.sbd_batch import VerifyBatch
 from unmask.serve.sbd_lossy_batch import BlockBatch, SBDBatch
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes
@@ -67,7 +71,11 @@ from unmask.serve.protocol import api_message, edits_committed
 
 log = logging.getLogger("unmask.serve")
 # Continuous running batches other than AR's: batch kind -> class (see Scheduler._running_kind).
-RUNNING = {"multiblock": MultiBlockBatch, "sbd-lossless": VerifyBatch, "sbd": SBDBatch, "block": BlockBatch}
+RUNNING = {"multiblock": MultiBlockBatch, "sbd-lossless": VerifyBatch, "sbd": SBDBatch, "block": BlockBatch,
+           "diffusion": DiffusionBatch}
+# The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
+RUNNING_OPTIONS = {"multiblock": block_batch.OPTIONS, "sbd": sbd_lossy_batch.SBD_OPTIONS,
+                   "block": sbd_lossy_batch.BLOCK_OPTIONS, "diffusion": diffusion_batch.OPTIONS}
 _ids = itertools.count()
 
 
@@ -164,6 +172,7 @@ class Scheduler:
         self.migrated_rows = 0  # sized lossless sbd rows moved mid-decode into the AR running batch
         self.batch_rows: dict[int, int] = {}  # job id -> row in the running non-AR batch
         self.running_batches: dict[tuple, MultiBlockBatch] = {}  # (decoder, options) -> continuous batch
+        self._diffusion_runs = self._diffusion_batches_fit(bundle)
         self._batch: list[Job] = []  # the running non-AR batch
         self._thread = threading.Thread(target=self._loop, name="unmask-scheduler", daemon=True)
 
@@ -244,6 +253,18 @@ class Scheduler:
         for job in list(self._waiting) + [r.job for r in self.ar.rows] + self._running_jobs():
             job.finish("error", ApiError(503, "the server is shutting down; retry later", type="server_error"))
 
+    @staticmethod
+    def _diffusion_batches_fit(bundle) -> bool:
+        """Whether this model's diffusion requests can share running batches (a remote-code
+        LLaDA takes no positions, so its rows cannot be padded: those run per call)."""
+        if bundle.kind != "masked-diffusion":
+            return False
+        try:
+            DiffusionBatch(bundle)
+        except UnmaskError:
+            return False
+        return True
+
     def _busy(self) -> bool:
         """Whether a running batch has rows (the loop then steps without waiting for new jobs)."""
         return bool(len(self.ar)) or any(len(b) for b in self.running_batches.values())
@@ -317,7 +338,17 @@ class Scheduler:
         items), or None when it runs in a per-call batch (or, for AR and sized lossless sbd, in the
         AR batch). Lossless sbd with a fixed block size, or sampled, joins a :class:`VerifyBatch`
         of its block size and draft layout (the checkpoint's defaults filled in, as sbd.decode does)."""
-        if job.decoder in ("multiblock", "block"):
+        if job.decoder in RUNNING_OPTIONS and not set(job.options) <= set(RUNNING_OPTIONS[job.decoder]):
+            return None
+        if job.decoder == "diffusion" and not self._diffusion_runs:
+            return None
+        if job.decoder == "diffusion" and job.options.get("block_size") is None:
+            try:  # the block size this request decodes with (a short one gets a shorter block): part of the key
+                block = DiffusionConfig.from_options(max_new_tokens=job.max_new_tokens, **job.options).block_size
+            except (UnmaskError, TypeError):
+                return None  # its decode call reports the problem
+            return "diffusion", tuple(sorted({**job.options, "block_size": block}.items()))
+        if job.decoder in ("multiblock", "block", "diffusion"):
             return job.decoder, tuple(sorted(job.options.items()))
         if job.decoder == "sbd" and not job.sizable and runs_lossless(self.bundle, job.options):
             defaults = self.bundle.meta.get("decode_defaults") or {}
