@@ -277,6 +277,48 @@ def _resolve_routers(bundle, use_lps: bool, routers, lbs_router, lps_router, tau
     return lbs_router, lps_router, tau, serving
 
 
+def configure(bundle, *, max_new_tokens: int | None = None, gen_length=None, block_size=None, tau=None,
+              tau_psi=None, l_min=None, g_max=None, lps=None, cache=None, gap_metric=None, pos_mode=None,
+              eos_early_stop=False, sampler=None, routers=None, lbs_router=None, lps_router=None, static=False,
+              compile=False) -> tuple[EarlyBirdConfig, object, object]:
+    """Validate :func:`decode`'s options and resolve its routers: (cfg, LBS router, LPS router | None).
+    ``max_new_tokens`` None skips its checks (a continuous batch checks it per job). Raises the
+    UnmaskErrors :func:`decode` documents for these options."""
+    if bundle.mask_token_id is None:
+        raise UnmaskError("the early-bird decoder needs a masked-diffusion model with a mask token; "
+                          "load it with mask_token_id=ID or name it in unmask_config.json")
+    if tau_psi is not None and (not isinstance(tau_psi, (int, float)) or not 0 < tau_psi < 1):
+        raise UnmaskError(f"tau_psi must be in (0, 1) (got {tau_psi!r}); use lps=False (--no-lps) to turn the LPS "
+                          "router off")
+    for flag, value in (("lps", lps), ("eos_early_stop", eos_early_stop)):
+        if value is not None and not isinstance(value, bool):
+            raise UnmaskError(f"{flag} must be true or false (got {value!r})")
+    check_fast_path(bundle, static, compile, "the early-bird decoder")
+    use_lps = True if lps is None else lps
+    lbs, lps_net, tau_psi, serving = _resolve_routers(bundle, use_lps, routers, lbs_router, lps_router, tau_psi)
+    L = lbs.config.gen_length
+    if gen_length is not None and gen_length != L:
+        raise UnmaskError(f"the LBS router works at gen length {L} only (E_pos has {L} rows), got {gen_length}; "
+                          f"use --gen-length {L} or train LBS for {gen_length}")
+    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens):
+        raise UnmaskError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
+    if max_new_tokens is not None and max_new_tokens > L:
+        raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds the LBS router's gen length {L}; lower it "
+                          f"or train LBS for a longer gen length")
+    # Unset options: the serving configuration the LPS router was trained under, else App. F.
+    defaults = {"block_size": DEFAULT_BLOCK_SIZE, "tau": DEFAULT_TAU, "l_min": DEFAULT_L_MIN, "g_max": DEFAULT_G_MAX}
+    defaults.update({k: serving[k] for k in defaults if k in serving})
+    cfg = EarlyBirdConfig(
+        gen_length=L, block_size=defaults["block_size"] if block_size is None else block_size,
+        tau=defaults["tau"] if tau is None else tau, tau_psi=tau_psi,
+        l_min=defaults["l_min"] if l_min is None else l_min,
+        g_max=defaults["g_max"] if g_max is None else g_max, cache="none" if cache is None else str(cache),
+        gap_metric=gap_metric or "absolute",
+        pos_mode=pos_mode or (lps_net.config.pos_mode if lps_net is not None else "literal"),
+        eos_early_stop=bool(eos_early_stop), sampler=sampler or default_sampler(bundle))
+    return cfg, lbs, lps_net
+
+
 @torch.inference_mode()
 def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), gen_length: int | None = None,
@@ -318,38 +360,12 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     an unknown cache / gap metric / pos mode, a canvas longer than the context window, or
     ``compile`` / ``static`` on a remote-code model.
     """
-    if bundle.mask_token_id is None:
-        raise UnmaskError("the early-bird decoder needs a masked-diffusion model with a mask token; "
-                          "load it with mask_token_id=ID or name it in unmask_config.json")
-    if tau_psi is not None and (not isinstance(tau_psi, (int, float)) or not 0 < tau_psi < 1):
-        raise UnmaskError(f"tau_psi must be in (0, 1) (got {tau_psi!r}); use lps=False (--no-lps) to turn the LPS "
-                          "router off")
-    for flag, value in (("lps", lps), ("eos_early_stop", eos_early_stop)):
-        if value is not None and not isinstance(value, bool):
-            raise UnmaskError(f"{flag} must be true or false (got {value!r})")
-    check_fast_path(bundle, static, compile, "the early-bird decoder")
-    use_lps = True if lps is None else lps
-    lbs, lps_net, tau_psi, serving = _resolve_routers(bundle, use_lps, routers, lbs_router, lps_router, tau_psi)
-    L = lbs.config.gen_length
-    if gen_length is not None and gen_length != L:
-        raise UnmaskError(f"the LBS router works at gen length {L} only (E_pos has {L} rows), got {gen_length}; "
-                          f"use --gen-length {L} or train LBS for {gen_length}")
-    if not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens:
-        raise UnmaskError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
-    if max_new_tokens > L:
-        raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds the LBS router's gen length {L}; lower it "
-                          f"or train LBS for a longer gen length")
-    # Unset options: the serving configuration the LPS router was trained under, else App. F.
-    defaults = {"block_size": DEFAULT_BLOCK_SIZE, "tau": DEFAULT_TAU, "l_min": DEFAULT_L_MIN, "g_max": DEFAULT_G_MAX}
-    defaults.update({k: serving[k] for k in defaults if k in serving})
-    cfg = EarlyBirdConfig(
-        gen_length=L, block_size=defaults["block_size"] if block_size is None else block_size,
-        tau=defaults["tau"] if tau is None else tau, tau_psi=tau_psi,
-        l_min=defaults["l_min"] if l_min is None else l_min,
-        g_max=defaults["g_max"] if g_max is None else g_max, cache="none" if cache is None else str(cache),
-        gap_metric=gap_metric or "absolute",
-        pos_mode=pos_mode or (lps_net.config.pos_mode if lps_net is not None else "literal"),
-        eos_early_stop=bool(eos_early_stop), sampler=sampler or default_sampler(bundle))
+    cfg, lbs, lps_net = configure(bundle, max_new_tokens=max_new_tokens, gen_length=gen_length,
+                                  block_size=block_size, tau=tau, tau_psi=tau_psi, l_min=l_min, g_max=g_max, lps=lps,
+                                  cache=cache, gap_metric=gap_metric, pos_mode=pos_mode,
+                                  eos_early_stop=eos_early_stop, sampler=sampler, routers=routers,
+                                  lbs_router=lbs_router, lps_router=lps_router, static=static, compile=compile)
+    L = cfg.gen_length
     report = max_new_tokens  # ≤ L; a row stops once its first report tokens are committed
     if any(len(p) == 0 for p in prompts):
         raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
