@@ -371,14 +371,14 @@ def test_timeout_answers_408_and_frees_the_slot(bundle):
 @pytest.mark.parametrize("decoder", ["ar", "sbd", "diffusion", "early-bird"])
 def test_client_disconnect_cancels_the_request(bundle, decoder):
     """A client gone mid-stream frees its slot: AR, lossy sbd and diffusion leave their running
-    batches; a per-call (early-bird) batch stops at its next step, abandoned."""
+    batches; a per-call (early-bird with a cache) batch stops at its next step, abandoned."""
     model = bundle if decoder in ("ar", "sbd") else unmask.load("stories260K-dlm")
     app = create_app(model, max_batch_size=4, max_queue=4)
     with ServerThread(app) as s:
         sched = app.state.scheduler
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
         knobs = {"ar": {}, "sbd": {"gamma": 0}, "diffusion": {"gen_length": 480, "block_size": 32, "steps": 480},
-                 "early-bird": {}}
+                 "early-bird": {"cache": "dual"}}  # a cached early-bird batch runs per call
         stream = c.completions.create(model=model.name, prompt="Once upon a time", stream=True,
                                       max_tokens=256 if decoder == "early-bird" else 480,  # its LBS router's length
                                       extra_body={"decoder": decoder, **knobs[decoder]})
@@ -620,4 +620,23 @@ def test_diffusion_requests_share_running_batches_by_block_size():
             sched.resume()
             texts = [f.result()[2]["choices"][0]["text"] for f in futures]
         assert texts == refs and sched.peak_running == len(cases)
+        wait_until(lambda: sched.active == 0 and not sched.running_batches)
+
+
+def test_early_bird_requests_share_a_running_batch():
+    """Early-bird requests (no cache) join one running batch; each text equals unmask.generate's."""
+    b = unmask.load("stories260K-dlm")
+    cases = [("Once upon a time", 40), ("Tom had a red ball", 24), ("The sun", 32)]
+    refs = [unmask.generate(p, b, "early-bird", max_new_tokens=n).texts[0] for p, n in cases]
+    app = create_app(b, max_batch_size=4)
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        sched.pause()
+        with ThreadPoolExecutor(len(cases)) as pool:
+            futures = [pool.submit(post, s.url + "/v1/completions", {"prompt": p, "max_tokens": n, "decoder": "early-bird"})
+                       for p, n in cases]
+            wait_until(lambda: sched.queue_depth == len(cases))
+            sched.resume()
+            texts = [f.result()[2]["choices"][0]["text"] for f in futures]
+        assert texts == refs and sched.peak_running == len(cases) and sched.abandoned_batches == 0
         wait_until(lambda: sched.active == 0 and not sched.running_batches)

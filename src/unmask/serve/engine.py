@@ -11,12 +11,13 @@ What is continuous and what is not (README "Serving"):
   prefilled and its N_buf slots added), ``block`` and lossy ``sbd``
   (:mod:`unmask.serve.sbd_lossy_batch`), lossless ``sbd`` that fixes its block size or samples
   (:class:`~unmask.serve.sbd_batch.VerifyBatch`, per K and draft layout) and ``diffusion``
-  (:class:`~unmask.serve.diffusion_batch.DiffusionBatch`, per knobs and effective block size). A request joins at the
+  (:class:`~unmask.serve.diffusion_batch.DiffusionBatch`, per knobs and effective block size), and
+  ``early-bird`` without a cache (:class:`~unmask.serve.early_bird_batch.EarlyBirdBatch`). A request joins at the
   next step boundary and leaves the step it finishes, is cancelled or times out, freeing its
   slots and cache rows at once; each row's tokens, NFE and events equal its decoder's ``decode``
   on its prompt alone, greedy or seeded, whatever else runs.
-- ``early-bird`` (learned variable blocks), ``diffusion`` with Dream's ``schedule`` and greedy
-  lossless ``sbd`` sized by the load (below) run a whole batch in one call of their ``decode`` function, so those batches are formed
+- Cached ``early-bird`` (a refresh serves every row), ``diffusion`` with Dream's ``schedule`` and
+  greedy lossless ``sbd`` sized by the load (below) run a whole batch in one call of their ``decode`` function, so those batches are formed
   from *compatible* queued requests (same decoder, options, sampling, length and stop strings) and
   run to completion: a request cannot join one mid-block, and its slot is freed when the batch
   ends. A request whose committed tokens already fix its answer (a stop token, ``max_tokens`` or
@@ -60,9 +61,10 @@ from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.decode.sbd import runs_lossless
 from unmask.serve.ar_batch import ARBatch, Row
-from unmask.serve import block_batch, diffusion_batch, sbd_lossy_batch
+from unmask.serve import block_batch, diffusion_batch, early_bird_batch, sbd_lossy_batch
 from unmask.serve.block_batch import MultiBlockBatch
 from unmask.serve.diffusion_batch import DiffusionBatch
+from unmask.serve.early_bird_batch import EarlyBirdBatch
 from unmask.serve.sbd_batch import VerifyBatch
 from unmask.serve.sbd_lossy_batch import BlockBatch, SBDBatch
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes
@@ -72,10 +74,11 @@ from unmask.serve.protocol import api_message, edits_committed
 log = logging.getLogger("unmask.serve")
 # Continuous running batches other than AR's: batch kind -> class (see Scheduler._running_kind).
 RUNNING = {"multiblock": MultiBlockBatch, "sbd-lossless": VerifyBatch, "sbd": SBDBatch, "block": BlockBatch,
-           "diffusion": DiffusionBatch}
+           "diffusion": DiffusionBatch, "early-bird": EarlyBirdBatch}
 # The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
 RUNNING_OPTIONS = {"multiblock": block_batch.OPTIONS, "sbd": sbd_lossy_batch.SBD_OPTIONS,
-                   "block": sbd_lossy_batch.BLOCK_OPTIONS, "diffusion": diffusion_batch.OPTIONS}
+                   "block": sbd_lossy_batch.BLOCK_OPTIONS, "diffusion": diffusion_batch.OPTIONS,
+                   "early-bird": early_bird_batch.OPTIONS}
 _ids = itertools.count()
 
 
@@ -340,15 +343,17 @@ class Scheduler:
         of its block size and draft layout (the checkpoint's defaults filled in, as sbd.decode does)."""
         if job.decoder in RUNNING_OPTIONS and not set(job.options) <= set(RUNNING_OPTIONS[job.decoder]):
             return None
-        if job.decoder == "diffusion" and not self._diffusion_runs:
+        if job.decoder in ("diffusion", "early-bird") and not self._diffusion_runs:
             return None
+        if job.decoder == "early-bird" and str(job.options.get("cache", "none")) != "none":
+            return None  # a cached early-bird refresh serves every row of a batch: per call
         if job.decoder == "diffusion" and job.options.get("block_size") is None:
             try:  # the block size this request decodes with (a short one gets a shorter block): part of the key
                 block = DiffusionConfig.from_options(max_new_tokens=job.max_new_tokens, **job.options).block_size
             except (UnmaskError, TypeError):
                 return None  # its decode call reports the problem
             return "diffusion", tuple(sorted({**job.options, "block_size": block}.items()))
-        if job.decoder in ("multiblock", "block", "diffusion"):
+        if job.decoder in ("multiblock", "block", "diffusion", "early-bird"):
             return job.decoder, tuple(sorted(job.options.items()))
         if job.decoder == "sbd" and not job.sizable and runs_lossless(self.bundle, job.options):
             defaults = self.bundle.meta.get("decode_defaults") or {}
