@@ -39,6 +39,7 @@ from unmask.decode.multiblock import (MultiBlockConfig, candidates, compact, row
                                       window_step, write_window)
 from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
+from unmask.serve.running import kv_layers, merge_kv, pad_right, rebuild_kv, split_rows
 
 OPTIONS = ("block_size", "slots", "tau_add", "tau_semi", "tau_m2t", "tau_t2t", "tau_stable", "max_nfe")
 
@@ -74,20 +75,6 @@ def _cat_windows(a: bb.Window | None, b: bb.Window) -> bb.Window:
 def _take_window(w: bb.Window, idx: torch.Tensor) -> bb.Window:
     """Rows ``idx`` (n,) long of ``w``."""
     return replace(w, **{f.name: getattr(w, f.name)[idx] for f in fields(w) if f.name != "mask_id"})
-
-
-def _pad_cols(t: torch.Tensor, left: int, right: int, fill) -> torch.Tensor:
-    """Pad dim 1 of ``t`` (R, L) with ``left`` / ``right`` columns of ``fill``."""
-    if left == 0 and right == 0:
-        return t
-    R = t.shape[0]
-    return torch.cat([t.new_full((R, left), fill), t, t.new_full((R, right), fill)], dim=1)
-
-
-def _layers(kv: DynamicKV) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """Per layer (keys, values) (R, H, n, D), or None while the cache holds no tensors yet."""
-    layers = [(layer.keys, layer.values) for layer in kv.cache.layers if getattr(layer, "keys", None) is not None]
-    return layers if layers and layers[0][0].numel() > 0 else None
 
 
 class MultiBlockBatch:
@@ -173,43 +160,14 @@ class MultiBlockBatch:
             self.stop_block, self.checked = torch.full_like(zero, bb.NO_STOP), zero
             return
         L = max(self.seq.shape[1], seq.shape[1])
-        self.seq = torch.cat([_pad_cols(self.seq, 0, L - self.seq.shape[1], self.mask_id),
-                              _pad_cols(seq, 0, L - seq.shape[1], self.mask_id)])  # (R + 1, L)
+        self.seq = torch.cat([pad_right(self.seq, L - self.seq.shape[1], 1, self.mask_id),
+                              pad_right(seq, L - seq.shape[1], 1, self.mask_id)])  # (R + 1, L)
         self.w = _cat_windows(self.w, w)
         self.stop_block = torch.cat([self.stop_block, torch.full_like(zero, bb.NO_STOP)])
         self.checked = torch.cat([self.checked, zero])
         # Cache columns: both sides left-padded to the longer one; the padding is masked out.
-        n_old, n_new = self.key_valid.shape[1], valid.shape[1]
-        T = max(n_old, n_new)
-        old, new = _layers(self.kv), _layers(kv)
-        R = len(self.rows)
-        if old is not None or new is not None:
-            like = old if old is not None else new
-
-            def side(layers, rows, n, k):
-                t = layers[k] if layers is not None else None
-                if t is None:  # no tensors yet: zeros shaped like the other side's (masked anyway)
-                    shape = list(like[k][0].shape)
-                    shape[0], shape[2] = rows, 0
-                    t = (like[k][0].new_zeros(shape), like[k][1].new_zeros(shape))
-                return tuple(torch.cat([x.new_zeros((*x.shape[:2], T - n, x.shape[3])), x], dim=2) for x in t)
-
-            merged = []
-            for k in range(len(like)):
-                (ko, vo), (kn, vn) = side(old, R, n_old, k), side(new, 1, n_new, k)
-                merged.append((torch.cat([ko, kn]), torch.cat([vo, vn])))  # (R + 1, H, T, D) each
-            self.kv = self._rebuild(merged)
-        else:  # neither side holds keys (prompts shorter than a block, nothing stored yet)
-            self.kv = DynamicKV(self.bundle.model)
-        self.key_valid = torch.cat([_pad_cols(self.key_valid, T - n_old, 0, False),
-                                    _pad_cols(valid, T - n_new, 0, False)])  # (R + 1, T)
+        self.kv, self.key_valid = merge_kv(self.bundle.model, self.kv, self.key_valid, kv, valid)  # (R + 1, T)
         self.rows.append(row)
-
-    def _rebuild(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicKV:
-        kv = DynamicKV(self.bundle.model)
-        for i, (k, v) in enumerate(layers):
-            kv.cache.update(k, v, i)
-        return kv
 
     # -- stepping -----------------------------------------------------------------------------
 
@@ -227,7 +185,7 @@ class MultiBlockBatch:
         w, _ = bb.activate(self.w, self.stop_block != bb.NO_STOP, tau_add=cfg.tau_add, tau_stable=cfg.tau_stable)
         before = w
         self._compact_if_sparse()
-        key_valid = _pad_cols(self.key_valid, 0, S * B, False)  # (R, n + S*B): the forward's query columns
+        key_valid = pad_right(self.key_valid, S * B, 1, False)  # (R, n + S*B): the forward's query columns
         logits, _ = window_step(self.kv, key_valid, w)  # (R, S*B, V)
         self.key_valid = key_valid[:, : self.kv.length]
         self.forwards += 1
@@ -328,20 +286,18 @@ class MultiBlockBatch:
     def drop(self, pred) -> list[Row]:
         """Remove the rows for which ``pred(row)`` is true, with their slots and cache rows. A batch
         left empty frees its cache (``cache`` None). Returns the removed rows."""
-        gone = [row for row in self.rows if pred(row)]
+        gone, kept, idx = split_rows(self.rows, pred, self.device)  # idx (R',)
         if not gone:
             return []
-        keep = [i for i, row in enumerate(self.rows) if not pred(row)]
-        self.rows = [self.rows[i] for i in keep]
+        self.rows = kept
         if not self.rows:
             self._empty()
             return gone
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # (R',)
         self.w, self.seq = _take_window(self.w, idx), self.seq[idx]
         self.stop_block, self.checked, self.key_valid = self.stop_block[idx], self.checked[idx], self.key_valid[idx]
-        layers = _layers(self.kv)
+        layers = kv_layers(self.kv)
         if layers is not None:
-            self.kv = self._rebuild([(k[idx], v[idx]) for k, v in layers])  # (R', H, n, D) each
+            self.kv = rebuild_kv(self.bundle.model, [(k[idx], v[idx]) for k, v in layers])  # (R', H, n, D) each
             self._compact_if_sparse()
         elif self.kv.length == 0:
             self.kv = DynamicKV(self.bundle.model)

@@ -45,6 +45,7 @@ from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, sbd_inference_mask, with_key_padding
 from unmask.policies import commit
+from unmask.serve.running import kv_layers, merge_kv, rebuild_kv, split_rows
 from unmask.trace import step_event
 
 POLICY_OPTIONS = ("policy", "gamma", "preset", "tau", "factor", "tokens_per_step")
@@ -66,21 +67,6 @@ class Row:
     finish: str | None = None
     accepts: list[int] = field(default_factory=list)  # tokens committed at each denoising forward
     extra: dict | None = None
-
-
-def _pad_left(t: torch.Tensor, n: int, dim: int, fill=0) -> torch.Tensor:
-    """Prepend ``n`` slices of ``fill`` along ``dim``."""
-    if n == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = n
-    return torch.cat([t.new_full(shape, fill), t], dim=dim)
-
-
-def _layers(kv: DynamicKV) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """Per layer (keys, values) (R, H, n, D), or None while the cache holds no keys."""
-    layers = [(layer.keys, layer.values) for layer in kv.cache.layers if getattr(layer, "keys", None) is not None]
-    return layers if layers and layers[0][0].numel() > 0 else None
 
 
 class _RunningBatch:
@@ -111,36 +97,8 @@ class _RunningBatch:
         if not self.rows:
             self.rows, self.kv, self.key_valid = [row], kv, valid
             return
-        n_old, n_new = self.key_valid.shape[1], valid.shape[1]
-        T = max(n_old, n_new)
-        old, new = _layers(self.kv), _layers(kv)
-        if old is None and new is None:  # no keys on either side (SingleBD prompts shorter than a block)
-            self.kv = DynamicKV(self.bundle.model)
-        else:
-            like = old if old is not None else new
-
-            def side(layers, rows, i):
-                if layers is None:  # no keys yet: zeros shaped like the other side's (masked anyway)
-                    shape = list(like[i][0].shape)
-                    shape[0], shape[2] = rows, 0
-                    return like[i][0].new_zeros(shape), like[i][1].new_zeros(shape)
-                return layers[i]
-
-            merged = []
-            for i in range(len(like)):
-                (ko, vo), (kn, vn) = side(old, len(self.rows), i), side(new, 1, i)
-                merged.append((torch.cat([_pad_left(ko, T - n_old, 2), _pad_left(kn, T - n_new, 2)]),
-                               torch.cat([_pad_left(vo, T - n_old, 2), _pad_left(vn, T - n_new, 2)])))  # (R+1, H, T, D)
-            self.kv = self._rebuild(merged)
-        self.key_valid = torch.cat([_pad_left(self.key_valid, T - n_old, 1, False),
-                                    _pad_left(valid, T - n_new, 1, False)])  # (R + 1, T)
+        self.kv, self.key_valid = merge_kv(self.bundle.model, self.kv, self.key_valid, kv, valid)  # (R + 1, T)
         self.rows.append(row)
-
-    def _rebuild(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicKV:
-        kv = DynamicKV(self.bundle.model)
-        for i, (k, v) in enumerate(layers):
-            kv.cache.update(k, v, i)
-        return kv
 
     def _forward(self, inp: torch.Tensor, positions: torch.Tensor, q_valid: torch.Tensor, structure, n_logits: int,
                  n_crop: int) -> torch.Tensor:
@@ -195,21 +153,19 @@ class _RunningBatch:
     def drop(self, pred) -> list:
         """Remove the rows for which ``pred(row)`` is true, with their cache rows. A batch left empty
         frees its cache (``cache`` None). Returns the removed rows."""
-        gone = [row for row in self.rows if pred(row)]
+        gone, kept, idx = split_rows(self.rows, pred, self.device)  # idx (R',)
         if not gone:
             return []
-        keep = [i for i, row in enumerate(self.rows) if not pred(row)]
-        self.rows = [self.rows[i] for i in keep]
+        self.rows = kept
         if not self.rows:
             self.kv, self.key_valid = None, None
             return gone
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # (R',)
         self.key_valid = self.key_valid[idx]  # (R', n)
-        layers = _layers(self.kv)
+        layers = kv_layers(self.kv)
         if layers is None:
             self.kv = DynamicKV(self.bundle.model)
         else:
-            self.kv = self._rebuild([(k[idx], v[idx]) for k, v in layers])  # (R', H, n, D) each
+            self.kv = rebuild_kv(self.bundle.model, [(k[idx], v[idx]) for k, v in layers])  # (R', H, n, D) each
             self._compact_if_sparse()
         return gone
 
