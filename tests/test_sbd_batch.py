@@ -17,7 +17,7 @@ from unmask.compat import forward, new_cache
 from unmask.decode import ar, sbd_verify
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.serve import sbd_batch
+from unmask.serve import running
 from unmask.serve.ar_batch import ARBatch
 from unmask.serve.sbd_batch import VerifyBatch
 
@@ -214,7 +214,7 @@ def test_a_batch_emptied_by_drop_frees_its_cache_and_takes_new_rows():
 def test_the_cache_holds_exactly_the_committed_causal_kv_and_is_compacted():
     bundle = verify_bundle("llama", "eager", vocab=8, seed=1)
     compactions = []
-    real = sbd_batch.compact
+    real = running.compact  # the batch compacts through running.compact_if_sparse
     run = Run(bundle, {"block_size": 4, "draft": "quadratic"})
     # a long prompt that leaves early: its columns become holes of the short rows
     jobs = [job([1] + [4, 5, 6, 7] * 6, 6), job([1, 7], 40), job([1, 3, 3, 7, 5, 5], 40), job([1, 6], 30)]
@@ -234,7 +234,7 @@ def test_the_cache_holds_exactly_the_committed_causal_kv_and_is_compacted():
         compactions.append(kv.length)
         real(kv, key_valid)
 
-    with mock.patch.object(sbd_batch, "compact", counted):
+    with mock.patch.object(running, "compact", counted):
         run.join(jobs[:2])
         for _ in range(4):
             run.step()

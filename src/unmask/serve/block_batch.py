@@ -35,11 +35,11 @@ import torch
 from unmask.decode import block_buffer as bb
 from unmask.decode.block import check_block_model, first_stop, outputs, prefill_whole_blocks, row_sequences
 from unmask.decode.kv import DynamicKV
-from unmask.decode.multiblock import (MultiBlockConfig, candidates, compact, row_event, stop_blocks, stop_string_rows,
+from unmask.decode.multiblock import (MultiBlockConfig, candidates, row_event, stop_blocks, stop_string_rows,
                                       window_step, write_window)
 from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
-from unmask.serve.running import kv_layers, merge_kv, pad_right, rebuild_kv, split_rows
+from unmask.serve.running import compact_if_sparse, kv_layers, merge_kv, pad_right, rebuild_kv, split_rows
 
 OPTIONS = ("block_size", "slots", "tau_add", "tau_semi", "tau_m2t", "tau_t2t", "tau_stable", "max_nfe")
 
@@ -273,13 +273,7 @@ class MultiBlockBatch:
     def _compact_if_sparse(self) -> None:
         """Compact the cache in place when the columns no row attends to (rows store in different
         steps, and rows leave) make up more than half of it and at least one window."""
-        n = self.kv.length
-        if n == 0:
-            return
-        most = int(self.key_valid.sum(dim=1).max())  # the most valid keys of any row
-        if n - most >= max(most, self.cfg.slots * self.cfg.block_size):
-            compact(self.kv, self.key_valid)  # right-aligns each row's keys in the first `most` columns
-            self.key_valid = self.key_valid[:, : self.kv.length]
+        self.key_valid = compact_if_sparse(self.kv, self.key_valid, self.cfg.slots * self.cfg.block_size)
 
     # -- leaving ------------------------------------------------------------------------------
 

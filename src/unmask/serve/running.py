@@ -1,5 +1,6 @@
 """Pure plumbing the continuous running batches share (issue 16): left-padding columns and caches,
-merging a newcomer's cache into the running one, and splitting rows on leaving.
+merging a newcomer's cache into the running one, compacting a sparse cache, and splitting rows on
+leaving.
 
 Every running batch (:mod:`ar_batch`, :mod:`block_batch`, :mod:`sbd_batch`, :mod:`sbd_lossy_batch`,
 :mod:`diffusion_batch`, :mod:`early_bird_batch`) keeps its rows' keys left-padded to one length with
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from unmask.decode.kv import DynamicKV
+from unmask.decode.multiblock import compact
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -82,6 +84,21 @@ def merge_kv(model, kv: DynamicKV, valid: torch.Tensor, new_kv: DynamicKV,
     return merged, key_valid
 
 
+def compact_if_sparse(kv: DynamicKV, key_valid: torch.Tensor, slack: int) -> torch.Tensor:
+    """Compact ``kv`` in place when the columns no row attends to (left padding, rows that left,
+    rejected drafts, blocks stored in different steps) make up more than half of it and at least
+    ``slack`` columns. key_valid (R, n) bool; returns the validity of the (possibly shorter) cache,
+    (R, n') with each row's keys right-aligned (``multiblock.compact``)."""
+    n = kv.length
+    if n == 0:
+        return key_valid
+    most = int(key_valid.sum(dim=1).max())  # the most valid keys of any row
+    if n - most >= max(most, slack):
+        compact(kv, key_valid)  # right-aligns each row's keys in the first `most` columns
+        key_valid = key_valid[:, : kv.length]
+    return key_valid
+
+
 def split_rows(rows: list, pred, device) -> tuple[list, list, torch.Tensor]:
     """Split ``rows`` on leaving: (gone, kept, idx) where ``gone`` are the rows with ``pred(row)``
     true, ``kept`` the others in order and ``idx`` (R',) long their indices in ``rows`` (on ``device``),
@@ -93,4 +110,4 @@ def split_rows(rows: list, pred, device) -> tuple[list, list, torch.Tensor]:
     return gone, [rows[i] for i in keep], idx
 
 
-__all__ = ["kv_layers", "merge_kv", "pad_left", "pad_right", "rebuild_kv", "split_rows"]
+__all__ = ["compact_if_sparse", "kv_layers", "merge_kv", "pad_left", "pad_right", "rebuild_kv", "split_rows"]

@@ -36,9 +36,9 @@ import torch
 from unmask.compat import attention_mask, forward, keep_rows
 from unmask.decode import sbd_verify as sv
 from unmask.decode.kv import DynamicKV
-from unmask.decode.multiblock import compact
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
+from unmask.serve.running import compact_if_sparse, merge_kv, split_rows
 from unmask.trace import step_event
 
 OPTIONS = ("block_size", "draft")
@@ -63,15 +63,6 @@ class Row:
     tokens: list[int] | None = None
     finish: str | None = None
     extra: dict | None = None
-
-
-def _pad_cols(t: torch.Tensor, left: int, dim: int) -> torch.Tensor:
-    """Prepend ``left`` zero (False) slices to ``t`` along ``dim``."""
-    if left == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = left
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 class VerifyBatch:
@@ -181,17 +172,7 @@ class VerifyBatch:
             self.rows, self.kv, self.key_valid = [row], kv, valid
             self.b, self.s, self.q, self.draft_len, self.p_b = b, s, q, draft_len, pos
             return
-        n_old, n_new = self.key_valid.shape[1], valid.shape[1]
-        T = max(n_old, n_new)
-        layers = []
-        for old, new in zip(self.kv.cache.layers, kv.cache.layers):
-            # keys/values (R, H, n_old, D) and (1, H, n_new, D) -> (R + 1, H, T, D), padding on the left
-            k = torch.cat([_pad_cols(old.keys, T - n_old, 2), _pad_cols(new.keys, T - n_new, 2)])
-            v = torch.cat([_pad_cols(old.values, T - n_old, 2), _pad_cols(new.values, T - n_new, 2)])
-            layers.append((k, v))
-        self.kv = self._rebuild(layers)
-        self.key_valid = torch.cat([_pad_cols(self.key_valid, T - n_old, 1),
-                                    _pad_cols(valid, T - n_new, 1)])  # (R + 1, T)
+        self.kv, self.key_valid = merge_kv(self.bundle.model, self.kv, self.key_valid, kv, valid)  # (R + 1, T)
         if q is not None or self.q is not None:  # greedy rows hold zeros (never read)
             like = q if q is not None else self.q
             old_q = self.q if self.q is not None else like.new_zeros((len(self.rows), *like.shape[1:]))
@@ -199,12 +180,6 @@ class VerifyBatch:
         self.b, self.s = torch.cat([self.b, b]), torch.cat([self.s, s])
         self.draft_len, self.p_b = torch.cat([self.draft_len, draft_len]), torch.cat([self.p_b, pos])
         self.rows.append(row)
-
-    def _rebuild(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicKV:
-        kv = DynamicKV(self.bundle.model)
-        for i, (k, v) in enumerate(layers):
-            kv.cache.update(k, v, i)
-        return kv
 
     # -- stepping -----------------------------------------------------------------------------
 
@@ -333,15 +308,13 @@ class VerifyBatch:
     def drop(self, pred) -> list[Row]:
         """Remove the rows for which ``pred(row)`` is true, with their draft state and cache rows. A
         batch left empty frees its cache (``cache`` None). Returns the removed rows."""
-        gone = [row for row in self.rows if pred(row)]
+        gone, kept, idx = split_rows(self.rows, pred, self.device)  # idx (R',)
         if not gone:
             return []
-        keep = [i for i, row in enumerate(self.rows) if not pred(row)]
-        self.rows = [self.rows[i] for i in keep]
+        self.rows = kept
         if not self.rows:
             self._empty()
             return gone
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # (R',)
         keep_rows(self.kv.cache, idx)
         self.key_valid, self.b, self.s = self.key_valid[idx], self.b[idx], self.s[idx]  # (R', ...) each
         self.draft_len, self.p_b = self.draft_len[idx], self.p_b[idx]
@@ -353,11 +326,7 @@ class VerifyBatch:
     def _compact_if_sparse(self) -> None:
         """Reclaim the cache columns no row attends to (rejected drafts, left padding, rows that left)
         when they make up more than half of the cache and at least one block."""
-        n = self.kv.length
-        most = int(self.key_valid.sum(dim=1).max())  # the most valid keys of any row
-        if n - most >= max(most, self.cfg.block_size):
-            compact(self.kv, self.key_valid)  # right-aligns each row's keys in the first `most` columns
-            self.key_valid = self.key_valid[:, : self.kv.length]
+        self.key_valid = compact_if_sparse(self.kv, self.key_valid, self.cfg.block_size)
 
 
 __all__ = ["OPTIONS", "Row", "VerifyBatch"]

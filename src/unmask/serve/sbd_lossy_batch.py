@@ -40,12 +40,11 @@ from unmask.decode import sbd
 from unmask.decode.block import (BlockConfig, block_quota, check_block_model, first_stop, hit_stop_string, outputs,
                                  prefill_whole_blocks, quota_threshold_commit, row_sequences, step_event as bd_event)
 from unmask.decode.kv import DynamicKV
-from unmask.decode.multiblock import compact
 from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, sbd_inference_mask, with_key_padding
 from unmask.policies import commit
-from unmask.serve.running import kv_layers, merge_kv, rebuild_kv, split_rows
+from unmask.serve.running import compact_if_sparse, kv_layers, merge_kv, rebuild_kv, split_rows
 from unmask.trace import step_event
 
 POLICY_OPTIONS = ("policy", "gamma", "preset", "tau", "factor", "tokens_per_step")
@@ -137,13 +136,7 @@ class _RunningBatch:
 
     def _compact_if_sparse(self) -> None:
         """Compact the cache when columns no row attends to make up more than half of it."""
-        n = self.kv.length
-        if n == 0:
-            return
-        most = int(self.key_valid.sum(dim=1).max())  # the most valid keys of any row
-        if n - most >= max(most, self.slack):
-            compact(self.kv, self.key_valid)  # right-aligns each row's keys in the first `most` columns
-            self.key_valid = self.key_valid[:, : self.kv.length]
+        self.key_valid = compact_if_sparse(self.kv, self.key_valid, self.slack)
 
     def _leave(self, finished: list) -> list:
         ids = {id(row) for row in finished}
