@@ -49,6 +49,7 @@ from unmask.decode.kv import DynamicKV
 from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import bidirectional_forward, default_sampler, is_remote, realign, supports_cache
+from unmask.serve.running import append_canvas, row_canvas, split_rows, take_canvas
 from unmask.trace import step_event
 
 OPTIONS = ("gen_length", "block_size", "policy", "gamma", "preset", "tau", "factor", "factor_compat",
@@ -89,13 +90,6 @@ class Row:
     def width(self) -> int:
         """The row's canvas length P + L."""
         return self.prompt_len + self.cfg.gen_length
-
-
-def _pad_left(t: torch.Tensor, n: int, fill) -> torch.Tensor:
-    """Prepend ``n`` columns of ``fill`` to ``t`` (R, T)."""
-    if n == 0:
-        return t
-    return torch.cat([t.new_full((t.shape[0], n), fill), t], dim=1)  # (R, n + T)
 
 
 class DiffusionBatch:
@@ -203,20 +197,12 @@ class DiffusionBatch:
             gens = job.sampling.row_generators([list(job.prompt_ids)], dev)  # the generator decode gives it
             row = Row(job=job, cfg=cfg, generator=None if gens is None else gens[0],
                       report=min(job.max_new_tokens, cfg.gen_length), n_start=cfg.block_size)
-            C = row.width
-            ids = torch.cat([torch.tensor(list(job.prompt_ids), dtype=torch.long, device=dev),
-                             torch.full((cfg.gen_length,), self.mask_id, dtype=torch.long, device=dev)])[None]  # (1, C)
-            pos = torch.arange(C, device=dev)[None]  # (1, C)
-            valid = torch.ones(1, C, dtype=torch.bool, device=dev)  # (1, C)
+            canvas = row_canvas(job.prompt_ids, cfg.gen_length, self.mask_id, dev)  # (1, C) each, C = row.width
             if not self.rows:
-                self.ids, self.pos, self.valid = ids, pos, valid
+                self.ids, self.pos, self.valid = canvas
             else:
-                T = max(self.ids.shape[1], C)
-                self.ids = torch.cat([_pad_left(self.ids, T - self.ids.shape[1], self.bundle.pad_token_id),
-                                      _pad_left(ids, T - C, self.bundle.pad_token_id)])  # (R + 1, T)
-                self.pos = torch.cat([_pad_left(self.pos, T - self.pos.shape[1], 0), _pad_left(pos, T - C, 0)])
-                self.valid = torch.cat([_pad_left(self.valid, T - self.valid.shape[1], False),
-                                        _pad_left(valid, T - C, False)])  # (R + 1, T)
+                self.ids, self.pos, self.valid = append_canvas((self.ids, self.pos, self.valid), canvas,
+                                                               self.bundle.pad_token_id)  # (R + 1, T) each
             if self.kept is not None:  # no kept K/V yet: its first forward is a refresh
                 self.kept = [tuple(torch.cat([t, t.new_zeros((1, *t.shape[1:]))]) for t in kv) for kv in self.kept]
                 self.kept_valid = torch.cat([self.kept_valid, self.kept_valid.new_zeros(1, self.kept_valid.shape[1])])
@@ -392,17 +378,15 @@ class DiffusionBatch:
     def drop(self, pred) -> list[Row]:
         """Remove the rows for which ``pred(row)`` is true with their canvases, and the leading
         columns no remaining row uses. A batch left empty frees its canvases. Returns the removed rows."""
-        gone = [row for row in self.rows if pred(row)]
+        gone, kept, idx = split_rows(self.rows, pred, self.device)  # idx (R',)
         if not gone:
             return []
-        keep = [i for i, row in enumerate(self.rows) if not pred(row)]
-        self.rows = [self.rows[i] for i in keep]
+        self.rows = kept
         if not self.rows:
             self._empty()
             return gone
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # (R',)
-        cut = self.ids.shape[1] - max(row.width for row in self.rows)  # leading columns nobody uses
-        self.ids, self.pos, self.valid = (t[idx, cut:] for t in (self.ids, self.pos, self.valid))  # (R', T') each
+        self.ids, self.pos, self.valid = take_canvas((self.ids, self.pos, self.valid), idx,
+                                                     max(row.width for row in self.rows))  # (R', T') each
         if self.kept is not None:  # the kept K/V are right-aligned: cut the columns no remaining row keeps
             self.kept_valid = self.kept_valid[idx]  # (R', K)
             cut = self.kept_valid.shape[1] - int(self.kept_valid.sum(dim=1).max())

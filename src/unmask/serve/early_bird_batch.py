@@ -39,6 +39,7 @@ from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import bidirectional_forward, is_remote, realign
 from unmask.policies import Threshold, token_stats
+from unmask.serve.running import append_canvas, row_canvas, split_rows, take_canvas
 from unmask.trace import step_event
 
 OPTIONS = ("gen_length", "block_size", "tau", "tau_psi", "l_min", "g_max", "lps", "cache", "gap_metric", "pos_mode",
@@ -69,13 +70,6 @@ class Row:
     @property
     def prompt_len(self) -> int:
         return len(self.job.prompt_ids)
-
-
-def _pad_left(t: torch.Tensor, n: int, fill) -> torch.Tensor:
-    """Prepend ``n`` columns of ``fill`` to ``t`` (R, T)."""
-    if n == 0:
-        return t
-    return torch.cat([t.new_full((t.shape[0], n), fill), t], dim=1)  # (R, n + T)
 
 
 class EarlyBirdBatch:
@@ -171,20 +165,12 @@ class EarlyBirdBatch:
             gens = job.sampling.row_generators([list(job.prompt_ids)], dev)  # the generator decode gives it
             row = Row(job=job, generator=None if gens is None else gens[0],
                       block=torch.zeros(L, dtype=torch.bool, device=dev))
-            C = row.prompt_len + L
-            ids = torch.cat([torch.tensor(list(job.prompt_ids), dtype=torch.long, device=dev),
-                             torch.full((L,), self.mask_id, dtype=torch.long, device=dev)])[None]  # (1, C)
-            pos = torch.arange(C, device=dev)[None]  # (1, C)
-            valid = torch.ones(1, C, dtype=torch.bool, device=dev)  # (1, C)
+            canvas = row_canvas(job.prompt_ids, L, self.mask_id, dev)  # (1, C) each, C = prompt_len + L
             if not self.rows:
-                self.ids, self.pos, self.valid = ids, pos, valid
+                self.ids, self.pos, self.valid = canvas
             else:
-                T, pad = max(self.ids.shape[1], C), self.bundle.pad_token_id
-                self.ids = torch.cat([_pad_left(self.ids, T - self.ids.shape[1], pad),
-                                      _pad_left(ids, T - C, pad)])  # (R + 1, T)
-                self.pos = torch.cat([_pad_left(self.pos, T - self.pos.shape[1], 0), _pad_left(pos, T - C, 0)])
-                self.valid = torch.cat([_pad_left(self.valid, T - self.valid.shape[1], False),
-                                        _pad_left(valid, T - C, False)])  # (R + 1, T)
+                self.ids, self.pos, self.valid = append_canvas((self.ids, self.pos, self.valid), canvas,
+                                                               self.bundle.pad_token_id)  # (R + 1, T) each
             self.rows.append(row)
         return []
 
@@ -310,17 +296,15 @@ class EarlyBirdBatch:
     def drop(self, pred) -> list[Row]:
         """Remove the rows for which ``pred(row)`` is true with their canvases, and the leading
         columns no remaining row uses. A batch left empty frees its canvases. Returns the removed rows."""
-        gone = [row for row in self.rows if pred(row)]
+        gone, kept, idx = split_rows(self.rows, pred, self.device)  # idx (R',)
         if not gone:
             return []
-        keep = [i for i, row in enumerate(self.rows) if not pred(row)]
-        self.rows = [self.rows[i] for i in keep]
+        self.rows = kept
         if not self.rows:
             self._empty()
             return gone
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # (R',)
-        cut = self.ids.shape[1] - max(row.prompt_len + self.L for row in self.rows)  # leading columns nobody uses
-        self.ids, self.pos, self.valid = (t[idx, cut:] for t in (self.ids, self.pos, self.valid))  # (R', T') each
+        self.ids, self.pos, self.valid = take_canvas((self.ids, self.pos, self.valid), idx,
+                                                     max(row.prompt_len + self.L for row in self.rows))  # (R', T') each
         return gone
 
 

@@ -1,6 +1,6 @@
 """Pure plumbing the continuous running batches share (issue 16): left-padding columns and caches,
-merging a newcomer's cache into the running one, compacting a sparse cache, and splitting rows on
-leaving.
+merging a newcomer's cache into the running one, compacting a sparse cache, building and merging the
+bidirectional decoders' left-padded canvases, and splitting rows on leaving.
 
 Every running batch (:mod:`ar_batch`, :mod:`block_batch`, :mod:`sbd_batch`, :mod:`sbd_lossy_batch`,
 :mod:`diffusion_batch`, :mod:`early_bird_batch`) keeps its rows' keys left-padded to one length with
@@ -99,6 +99,35 @@ def compact_if_sparse(kv: DynamicKV, key_valid: torch.Tensor, slack: int) -> tor
     return key_valid
 
 
+def row_canvas(prompt: list[int], gen_length: int, mask_id: int, device) -> tuple[torch.Tensor, ...]:
+    """One row's canvas [prompt | mask^L] for a bidirectional running batch (diffusion, early-bird):
+    (ids, pos, valid), each (1, C) with C = len(prompt) + L (long, long from 0, bool all True)."""
+    C = len(prompt) + gen_length
+    ids = torch.cat([torch.tensor(list(prompt), dtype=torch.long, device=device),
+                     torch.full((gen_length,), mask_id, dtype=torch.long, device=device)])[None]  # (1, C)
+    pos = torch.arange(C, device=device)[None]  # (1, C)
+    valid = torch.ones(1, C, dtype=torch.bool, device=device)  # (1, C)
+    return ids, pos, valid
+
+
+def append_canvas(running: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...],
+                  pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Append a row's canvas ``new`` (ids, pos, valid) (1, C) below the running canvases (R, T0),
+    both left-padded to T = max(T0, C) columns (ids with ``pad_id``, positions 0, validity False).
+    Returns (ids, pos, valid) (R + 1, T) each."""
+    T = max(running[0].shape[1], new[0].shape[1])
+    return tuple(torch.cat([pad_left(old, T - old.shape[1], 1, fill), pad_left(one, T - one.shape[1], 1, fill)])
+                 for old, one, fill in zip(running, new, (pad_id, 0, False)))  # (R + 1, T) each
+
+
+def take_canvas(canvas: tuple[torch.Tensor, ...], idx: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """Rows ``idx`` (R',) of the left-padded canvases (ids, pos, valid) (R, T), keeping only the last
+    ``width`` columns (the widest remaining row's; the leading ones are padding for every kept row).
+    Returns (R', width) each."""
+    cut = canvas[0].shape[1] - width  # leading columns nobody uses
+    return tuple(t[idx, cut:] for t in canvas)  # (R', T') each
+
+
 def split_rows(rows: list, pred, device) -> tuple[list, list, torch.Tensor]:
     """Split ``rows`` on leaving: (gone, kept, idx) where ``gone`` are the rows with ``pred(row)``
     true, ``kept`` the others in order and ``idx`` (R',) long their indices in ``rows`` (on ``device``),
@@ -110,4 +139,5 @@ def split_rows(rows: list, pred, device) -> tuple[list, list, torch.Tensor]:
     return gone, [rows[i] for i in keep], idx
 
 
-__all__ = ["compact_if_sparse", "kv_layers", "merge_kv", "pad_left", "pad_right", "rebuild_kv", "split_rows"]
+__all__ = ["append_canvas", "compact_if_sparse", "kv_layers", "merge_kv", "pad_left", "pad_right", "rebuild_kv",
+           "row_canvas", "split_rows", "take_canvas"]
