@@ -22,6 +22,7 @@ import torch
 
 from unmask.compat import attention_mask, forward, keep_rows, new_cache
 from unmask.sampling import Sampling, sample
+from unmask.serve.running import pad_left, split_rows
 
 
 @dataclass
@@ -38,15 +39,6 @@ class Row:
     next_pos: int = 0
     nfe: int = 0  # forwards that committed a token for this row (the stop token's included)
     finish: str | None = None  # "stop" or "length" once the row is done
-
-
-def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    """Prepend ``n`` zero slices along ``dim``."""
-    if n == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = n
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 class ARBatch:
@@ -111,12 +103,12 @@ class ARBatch:
         layers = []
         for old, new in zip(self.cache.layers, cache.layers):
             # keys/values (b, H, L, D) and (1, H, P, D) -> (b + 1, H, T, D), padding on the left
-            k = torch.cat([_pad_left(old.keys, T - L, 2), _pad_left(new.keys, T - P, 2)], dim=0)
-            v = torch.cat([_pad_left(old.values, T - L, 2), _pad_left(new.values, T - P, 2)], dim=0)
+            k = torch.cat([pad_left(old.keys, T - L, 2), pad_left(new.keys, T - P, 2)], dim=0)
+            v = torch.cat([pad_left(old.values, T - L, 2), pad_left(new.values, T - P, 2)], dim=0)
             layers.append((k, v))
         self.cache = self._rebuild(layers)
         new_valid = torch.ones((1, P), dtype=torch.bool, device=self.key_valid.device)
-        self.key_valid = torch.cat([_pad_left(self.key_valid, T - L, 1), _pad_left(new_valid, T - P, 1)], dim=0)  # (b+1, T)
+        self.key_valid = torch.cat([pad_left(self.key_valid, T - L, 1), pad_left(new_valid, T - P, 1)], dim=0)  # (b+1, T)
         self.rows.append(row)
 
     def _rebuild(self, layers: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -175,15 +167,13 @@ class ARBatch:
     def drop(self, pred) -> list[Row]:
         """Remove the rows for which ``pred(row)`` is true; frees their cache rows and trims
         leading columns no remaining row attends to. Returns the removed rows."""
-        gone = [r for r in self.rows if pred(r)]
+        gone, kept, idx = split_rows(self.rows, pred, self.bundle.device)  # idx (b',)
         if not gone:
             return []
-        keep = [i for i, r in enumerate(self.rows) if not pred(r)]
-        self.rows = [self.rows[i] for i in keep]
+        self.rows = kept
         if not self.rows:
             self.cache, self.key_valid = None, None
             return gone
-        idx = torch.tensor(keep, dtype=torch.long, device=self.key_valid.device)  # (b',)
         keep_rows(self.cache, idx)
         self.key_valid = self.key_valid[idx]  # (b', L)
         first = int(self.key_valid.any(dim=0).long().argmax())  # first column some row still needs
