@@ -175,6 +175,8 @@ def test_canvas_stream_shows_masks_and_commits(bundle, client):
     ({"prompt": "x", "stream_mode": "pixels"}, "stream_mode", None),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate", None),
     ({"prompt": "x", "stop": [""]}, "stop", None),
+    ({"prompt": "x", "compile": True}, "compile", None),  # server-wide (unmask serve --compile), not per request
+    ({"prompt": "x", "adapter": "sbd"}, "adapter", None),
 ])
 def test_bad_requests_answer_400_openai_style(server, body, param, code):
     for stream in (False, True):
@@ -640,3 +642,9 @@ def test_early_bird_requests_share_a_running_batch():
             texts = [f.result()[2]["choices"][0]["text"] for f in futures]
         assert texts == refs and sched.peak_running == len(cases) and sched.abandoned_batches == 0
         wait_until(lambda: sched.active == 0 and not sched.running_batches)
+
+
+def test_a_cli_switch_in_an_error_is_named_as_the_request_field(server):
+    """Found by the new-user pass: the error told API users to pass 'no_verify', which is refused."""
+    status, _, err = post(server.url + "/v1/completions", {"prompt": "x", "decoder": "sbd", "verify": True, "gamma": 0.3})
+    assert status == 400 and '"verify": false' in err["error"]["message"] and "no_verify" not in err["error"]["message"]

@@ -127,12 +127,18 @@ def generate_cmd(
         from rich.console import Console
 
         from unmask.api import prepare_prompts
-        from unmask.decode import default_decoder, get_decoder
+        from unmask.decode import DECODERS, default_decoder, get_decoder
         from unmask.trace import attach_trace
+
+        def decoders_for(kind):
+            return [d for d, info in DECODERS.items() if kind in info.kinds]
 
         name = decoder or default_decoder(bundle.kind)
         if "on_step" not in inspect.signature(get_decoder(name, bundle.kind)).parameters:
-            raise UnmaskError(f"--show/--trace are not available for decoder {name!r}; use --decoder diffusion or sbd")
+            able = [d for d in DECODERS if d in decoders_for(bundle.kind)
+                    and "on_step" in inspect.signature(get_decoder(d, bundle.kind)).parameters]
+            raise UnmaskError(f"--show/--trace are not available for decoder {name!r}; use --decoder "
+                              f"{' or '.join(able) or 'diffusion, sbd, early-bird, block or multiblock on their models'}")
         shown = prepare_prompts(bundle, texts, chat=chat, system=system)[0]  # the rendered chat prompts
         # With --json the live view goes to stderr so that stdout stays one JSON object per line.
         extra = attach_trace(show=show, trace_file=trace, bundle=bundle, prompts=shown,

@@ -121,10 +121,8 @@ class MaskEmbedding(nn.Module):
         is_mask = ids == self.mask_id  # (B, T)
         safe = ids.masked_fill(is_mask, 0) if self.mask_id >= self.base.num_embeddings else ids
         emb = self.base(safe)  # (B, T, d)
-        n = int(is_mask.sum())
-        if n == 0:
-            return emb
-        return emb.index_put((is_mask,), self.row.to(emb.dtype).expand(n, -1))
+        # a select, not an index_put of the mask count: no host sync, so a compiled step has no graph break
+        return torch.where(is_mask[..., None], self.row.to(emb.dtype), emb)  # (B, T, d)
 
 
 class MaskLogitHead(nn.Module):

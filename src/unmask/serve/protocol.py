@@ -30,7 +30,9 @@ DEFAULT_MAX_TOKENS = 128
 STREAM_MODES = ("committed", "canvas")
 # Option of ``unmask generate`` that are not decoder knobs.
 _NOT_KNOBS = {"prompts", "prompts_file", "model", "kind", "decoder", "max_new_tokens", "temperature", "top_k", "top_p",
-              "seed", "stop", "show", "trace", "as_json", "device", "dtype", "chat", "system"}
+              "seed", "stop", "show", "trace", "as_json", "device", "dtype", "chat", "system",
+              # set once for the whole server (``unmask serve --adapter/--compile/--tp``), or CLI-only
+              "adapter", "compile", "overwrite", "tp", "no_progress"}
 # Knobs a decoder may take that the CLI does not have yet (the lossless SBD decoder's switch).
 _EXTRA_KNOBS = {"verify": "bool"}
 # OpenAI fields that are accepted only at their neutral value.
@@ -67,8 +69,10 @@ def _typed(name: str, value, kind: str):
 
 def api_message(message: str) -> str:
     """A CLI error message in API terms: ``--block-size`` -> ``block_size``, ``--max-new-tokens``
-    -> ``max_tokens``."""
+    -> ``max_tokens``, ``--no-verify`` -> ``"verify": false``."""
     message = message.replace("--max-new-tokens", "max_tokens").replace("max_new_tokens", "max_tokens")
+    # a CLI switch's "off" form is the field set to false: --no-verify -> "verify": false
+    message = re.sub(r"--no-([a-z][a-z0-9-]*)", lambda m: f'"{m.group(1).replace("-", "_")}": false', message)
     return re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), message)
 
 
