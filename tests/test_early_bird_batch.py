@@ -4,10 +4,9 @@ and whatever runs beside it, its tokens, NFE, row_extra and step events equal
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+from batch_helpers import GREEDY, check_canvas_rows, job, single_decode
 
 import unmask
 from unmask.decode import early_bird
@@ -15,7 +14,6 @@ from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.serve.early_bird_batch import EarlyBirdBatch
 
-GREEDY = Sampling()
 PROMPTS = [[1, 403, 407, 261, 378], [1, 60, 70], [1, 300, 310, 320, 330, 340, 350, 360], [1, 90]]
 LBS_ONLY = {"lps": False}
 LBS_LPS = {}  # the shipped LPS router with its saved τ_ψ
@@ -24,11 +22,6 @@ LBS_LPS = {}  # the shipped LPS router with its saved τ_ψ
 @pytest.fixture(scope="module")
 def stories_dlm():
     return unmask.load("stories260K-dlm")
-
-
-def job(prompt, max_new_tokens, sampling=GREEDY, stop=()):
-    return SimpleNamespace(prompt_ids=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
-                           stop=tuple(stop))
 
 
 class Run:
@@ -63,25 +56,13 @@ class Run:
 
 
 def single(bundle, j, options, stop_token_ids=None):
-    events = []
+    """early_bird.decode on the job's prompt alone: (output, step events)."""
     stops = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
-    out = early_bird.decode(bundle, [j.prompt_ids], max_new_tokens=j.max_new_tokens, sampling=j.sampling,
-                            stop_token_ids=stops, stop_strings=j.stop, on_step=events.append, **options)
-    return out, events
+    return single_decode(early_bird.decode, bundle, j, options, stops)
 
 
 def check(run: Run, bundle, jobs, options, stop_token_ids=None):
-    rows = {id(row.job): row for row in run.done}
-    assert set(rows) == {id(j) for j in jobs}
-    for j in jobs:
-        row = rows[id(j)]
-        out, events = single(bundle, j, options, stop_token_ids)
-        assert row.tokens == out.tokens[0]
-        assert row.nfe == out.stats.nfe == out.stats.nfe_per_row[0]
-        assert row.finish == ("length" if len(row.tokens) >= j.max_new_tokens else "stop")
-        want = dict(out.stats.extra["row_extra"][0], n_committed=out.stats.extra["n_committed"][0])
-        assert row.extra == want
-        assert run.events[id(j)] == events
+    check_canvas_rows(run, bundle, jobs, options, early_bird.decode, stop_token_ids)
 
 
 @pytest.mark.parametrize("options", [LBS_ONLY, LBS_LPS], ids=["lbs", "lbs+lps"])

@@ -1,0 +1,60 @@
+"""Shared helpers of the continuous running-batch tests (issue 16; ``test_*_batch.py``): the fake
+scheduler job, the single-prompt decode a row must equal, and the equality asserts (STYLE.md 14).
+
+Imported like the conftest helpers (``from batch_helpers import job``); tests/ is on sys.path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unmask.sampling import Sampling
+
+GREEDY = Sampling()
+
+
+@dataclass(eq=True)
+class Job:
+    """What a batch reads of a scheduler job. Compared by value like the ``SimpleNamespace`` it
+    replaces; batches and tests key rows by ``id(job)``."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: Sampling = GREEDY
+    stop: tuple[str, ...] = ()
+
+
+def job(prompt, max_new_tokens, sampling=GREEDY, stop=()) -> Job:
+    return Job(prompt_ids=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop))
+
+
+def single_decode(decode, bundle, j, options, stop_token_ids):
+    """``decode`` on the job's prompt alone (a batch of one): (output, step events)."""
+    events = []
+    out = decode(bundle, [j.prompt_ids], max_new_tokens=j.max_new_tokens, sampling=j.sampling,
+                 stop_token_ids=stop_token_ids, stop_strings=j.stop, on_step=events.append, **options)
+    return out, events
+
+
+def assert_row_equals_single(row, out, events, got) -> None:
+    """A finished row's tokens, NFE and step events ``got`` equal the single-prompt decode's
+    (``out``, ``events``)."""
+    assert row.tokens == out.tokens[0]
+    assert row.nfe == out.stats.nfe_per_row[0]
+    assert got == events
+
+
+def check_canvas_rows(run, bundle, jobs, options, decode, stop_token_ids=None) -> None:
+    """Every job finished in ``run`` (a diffusion or early-bird batch run whose ``events`` map
+    ``id(job)`` to its step events) exactly as ``decode`` on its prompt alone: tokens, NFE, finish,
+    row_extra (with its ``n_committed``) and step events."""
+    rows = {id(row.job): row for row in run.done}
+    assert set(rows) == {id(j) for j in jobs}
+    stops = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
+    for j in jobs:
+        row = rows[id(j)]
+        out, events = single_decode(decode, bundle, j, options, stops)
+        assert_row_equals_single(row, out, events, run.events[id(j)])
+        assert row.nfe == out.stats.nfe
+        assert row.finish == ("length" if len(row.tokens) >= j.max_new_tokens else "stop")
+        want = dict(out.stats.extra["row_extra"][0], n_committed=out.stats.extra["n_committed"][0])
+        assert row.extra == want
