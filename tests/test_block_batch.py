@@ -4,9 +4,8 @@ whatever runs beside it, its tokens, NFE, per-row statistics and step events equ
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
+from batch_helpers import GREEDY, assert_row_equals_single, job, single_decode
 from test_block_decode import bd_bundle, scripted_bundle
 
 import unmask
@@ -15,16 +14,9 @@ from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.serve.block_batch import MultiBlockBatch
 
-GREEDY = Sampling()
-
 
 def tok(p):
     return (p * 7) % 50 + 3  # the scripted model's token at position p
-
-
-def job(prompt, max_new_tokens, sampling=GREEDY, stop=()):
-    return SimpleNamespace(prompt_ids=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
-                           stop=tuple(stop))
 
 
 class Run:
@@ -66,23 +58,19 @@ class Run:
 
 
 def single(bundle, j, options, stop_token_ids):
-    events = []
-    out = multiblock.decode(bundle, [j.prompt_ids], max_new_tokens=j.max_new_tokens, sampling=j.sampling,
-                            stop_token_ids=stop_token_ids, stop_strings=j.stop, on_step=events.append, **options)
-    return out, events
+    return single_decode(multiblock.decode, bundle, j, options, stop_token_ids)
 
 
 def assert_rows_equal_single_decodes(bundle, run, options, stop_token_ids, replay=True):
     for row in run.done:
         out, events = single(bundle, row.job, options, stop_token_ids)
-        assert row.tokens == out.tokens[0]
-        assert row.nfe == out.stats.nfe_per_row[0]
+        got = run.events[id(row.job)][0]
+        assert_row_equals_single(row, out, events, got)
         assert row.extra == out.stats.extra["row_extra"][0]
         capped = options.get("max_nfe") is not None and row.nfe >= options["max_nfe"]
         if not capped:  # a capped row ends "length" unless a stop ended it in the same step
             assert row.finish == ("length" if len(row.tokens) >= row.job.max_new_tokens else "stop")
-        got = run.events[id(row.job)][0]
-        assert got == events and len(got) == row.nfe
+        assert len(got) == row.nfe
         assert got[-1]["canvas"][: len(row.tokens)] == row.tokens
         if replay:  # the commits, applied in order, build the final canvas
             canvas = [None] * len(got[-1]["canvas"])

@@ -4,11 +4,11 @@ prompt alone, greedy and seeded-sampled, and greedy rows are AR's tokens (STYLE.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
+from batch_helpers import GREEDY, assert_row_equals_single, job, single_decode
 from conftest import tiny_bundle, tiny_llama
 from test_sbd_verify import verify_bundle
 
@@ -21,15 +21,9 @@ from unmask.serve import running
 from unmask.serve.ar_batch import ARBatch
 from unmask.serve.sbd_batch import VerifyBatch
 
-GREEDY = Sampling()
 SAMPLED = Sampling(temperature=0.9, top_k=20, seed=5)
 TEXTS = ["Once upon a time", "The cat sat on the", "Lily and Ben went to the park", "One day",
          "Tom had a red ball and", "She"]
-
-
-def job(prompt, max_new_tokens, sampling=GREEDY, stop=()):
-    return SimpleNamespace(prompt_ids=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
-                           stop=tuple(stop))
 
 
 class Run:
@@ -75,19 +69,14 @@ class Run:
 
 
 def single(bundle, j, options, stop_token_ids):
-    events = []
-    out = sbd_verify.decode(bundle, [j.prompt_ids], max_new_tokens=j.max_new_tokens, sampling=j.sampling,
-                            stop_token_ids=stop_token_ids, stop_strings=j.stop, on_step=events.append, **options)
-    return out, events
+    return single_decode(sbd_verify.decode, bundle, j, options, stop_token_ids)
 
 
 def assert_rows_equal_single_decodes(run, options, stop_token_ids):
     for row in run.done:
         out, events = single(run.bundle, row.job, options, stop_token_ids)
-        assert row.tokens == out.tokens[0]
-        assert row.nfe == out.stats.nfe_per_row[0]
+        assert_row_equals_single(row, out, events, run.events[id(row.job)][0])
         assert row.extra == out.stats.extra["row_extra"][0]
-        assert run.events[id(row.job)][0] == events
 
 
 def ar_rows(bundle, jobs):

@@ -4,9 +4,8 @@ row joins and whatever runs beside it, its tokens, NFE, per-row statistics and s
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
+from batch_helpers import GREEDY, assert_row_equals_single, job, single_decode
 from conftest import tiny_bundle
 from test_block_decode import bd_bundle, scripted_bundle
 from test_sbd_decode import sbd_bundle
@@ -17,13 +16,7 @@ from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.serve.sbd_lossy_batch import BlockBatch, SBDBatch
 
-GREEDY = Sampling()
 DECODE = {SBDBatch: sbd.decode, BlockBatch: block.decode}
-
-
-def job(prompt, max_new_tokens, sampling=GREEDY, stop=()):
-    return SimpleNamespace(prompt_ids=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
-                           stop=tuple(stop))
 
 
 class Run:
@@ -82,14 +75,10 @@ def assert_rows_equal_single_decodes(bundle, run, options, stop_token_ids):
     decode = DECODE[type(run.batch)]
     for row in run.done:
         j = row.job
-        events = []
-        out = decode(bundle, [j.prompt_ids], max_new_tokens=j.max_new_tokens, sampling=j.sampling,
-                     stop_token_ids=stop_token_ids, stop_strings=j.stop, on_step=events.append, **options)
-        assert row.tokens == out.tokens[0]
-        assert row.nfe == out.stats.nfe_per_row[0]
+        out, events = single_decode(decode, bundle, j, options, stop_token_ids)
+        assert_row_equals_single(row, out, events, run.events.get(id(j), ([],))[0])
         assert row.extra == out.stats.extra["row_extra"][0]
         assert row.finish == ("length" if len(row.tokens) >= j.max_new_tokens else "stop")
-        assert run.events.get(id(j), ([],))[0] == events
 
 
 PROMPTS = [[1] + list(range(3, 3 + n)) for n in (1, 4, 2, 9, 5, 3, 7, 6, 11)]
