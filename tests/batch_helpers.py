@@ -58,3 +58,35 @@ def check_canvas_rows(run, bundle, jobs, options, decode, stop_token_ids=None) -
         assert row.finish == ("length" if len(row.tokens) >= j.max_new_tokens else "stop")
         want = dict(out.stats.extra["row_extra"][0], n_committed=out.stats.extra["n_committed"][0])
         assert row.extra == want
+
+
+class RecordingRun:
+    """A running batch plus everything it reported: finished rows (``done``), each job's step events
+    (``events``: id(job) -> (events, job), the job kept alive so ids stay unique) and the step
+    forwards run (``steps``). A subclass builds ``self.batch`` with ``on_step=self._on_step`` and
+    defines ``check_cache()``, which runs after every join and step."""
+
+    def __init__(self):
+        self.events: dict[int, tuple[list[dict], object]] = {}
+        self.done = []
+        self.steps = 0
+
+    def _on_step(self, row, event):
+        self.events.setdefault(id(row.job), ([], row.job))[0].append(event)
+
+    def check_cache(self):
+        raise NotImplementedError
+
+    def join(self, jobs):
+        self.done += self.batch.join(jobs)
+        self.check_cache()
+
+    def step(self, n=1):
+        for _ in range(n):
+            self.steps += bool(len(self.batch))
+            self.done += self.batch.step()
+            self.check_cache()
+
+    def drain(self):
+        while len(self.batch):
+            self.step()

@@ -5,7 +5,7 @@ whatever runs beside it, its tokens, NFE, per-row statistics and step events equ
 from __future__ import annotations
 
 import pytest
-from batch_helpers import GREEDY, assert_row_equals_single, job, single_decode
+from batch_helpers import GREEDY, RecordingRun, assert_row_equals_single, job, single_decode
 from test_block_decode import bd_bundle, scripted_bundle
 
 import unmask
@@ -19,31 +19,12 @@ def tok(p):
     return (p * 7) % 50 + 3  # the scripted model's token at position p
 
 
-class Run:
-    """A batch plus everything it reported: finished rows and each job's events (keyed by id)."""
+class Run(RecordingRun):
+    """A Block Buffer batch plus everything it reported."""
 
     def __init__(self, bundle, options, **kw):
-        self.events: dict[int, tuple[list[dict], object]] = {}  # id(job) -> (events, job)
+        super().__init__()
         self.batch = MultiBlockBatch(bundle, options, on_step=self._on_step, **kw)
-        self.done = []
-        self.steps = 0  # step forwards run
-
-    def _on_step(self, row, event):
-        self.events.setdefault(id(row.job), ([], row.job))[0].append(event)  # the job kept alive: ids stay unique
-
-    def join(self, jobs):
-        self.done += self.batch.join(jobs)
-        self.check_cache()
-
-    def step(self, n=1):
-        for _ in range(n):
-            self.steps += bool(len(self.batch))
-            self.done += self.batch.step()
-            self.check_cache()
-
-    def drain(self):
-        while len(self.batch):
-            self.step()
 
     def check_cache(self):
         """Each row attends to exactly its cached blocks: the whole prompt blocks and the blocks popped

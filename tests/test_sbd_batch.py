@@ -8,7 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
-from batch_helpers import GREEDY, assert_row_equals_single, job, single_decode
+from batch_helpers import GREEDY, RecordingRun, assert_row_equals_single, job, single_decode
 from conftest import tiny_bundle, tiny_llama
 from test_sbd_verify import verify_bundle
 
@@ -26,32 +26,13 @@ TEXTS = ["Once upon a time", "The cat sat on the", "Lily and Ben went to the par
          "Tom had a red ball and", "She"]
 
 
-class Run:
-    """A batch plus everything it reported: finished rows and each job's events (keyed by id)."""
+class Run(RecordingRun):
+    """A lossless SBD batch plus everything it reported."""
 
     def __init__(self, bundle, options, **kw):
+        super().__init__()
         self.bundle = bundle
-        self.events: dict[int, tuple[list[dict], object]] = {}  # id(job) -> (events, job)
         self.batch = VerifyBatch(bundle, options, on_step=self._on_step, **kw)
-        self.done = []
-        self.steps = 0  # step forwards run
-
-    def _on_step(self, row, event):
-        self.events.setdefault(id(row.job), ([], row.job))[0].append(event)  # the job kept alive: ids stay unique
-
-    def join(self, jobs):
-        self.done += self.batch.join(jobs)
-        self.check_cache()
-
-    def step(self, n=1):
-        for _ in range(n):
-            self.steps += bool(len(self.batch))
-            self.done += self.batch.step()
-            self.check_cache()
-
-    def drain(self):
-        while len(self.batch):
-            self.step()
 
     def check_cache(self):
         """Each row attends to exactly its prompt and its committed tokens but the bonus (fed by the

@@ -5,7 +5,7 @@ row joins and whatever runs beside it, its tokens, NFE, per-row statistics and s
 from __future__ import annotations
 
 import pytest
-from batch_helpers import GREEDY, assert_row_equals_single, job, single_decode
+from batch_helpers import GREEDY, RecordingRun, assert_row_equals_single, job, single_decode
 from conftest import tiny_bundle
 from test_block_decode import bd_bundle, scripted_bundle
 from test_sbd_decode import sbd_bundle
@@ -19,14 +19,12 @@ from unmask.serve.sbd_lossy_batch import BlockBatch, SBDBatch
 DECODE = {SBDBatch: sbd.decode, BlockBatch: block.decode}
 
 
-class Run:
-    """A batch plus everything it reported: finished rows and each job's events."""
+class Run(RecordingRun):
+    """A lossy SBD or SingleBD batch plus everything it reported, and each step forward's layout."""
 
     def __init__(self, cls, bundle, options, **kw):
-        self.events: dict[int, tuple[list[dict], object]] = {}  # id(job) -> (events, job kept alive)
+        super().__init__()
         self.batch = cls(bundle, options, on_step=self._on_step, **kw)
-        self.done = []
-        self.steps = 0
         self.layouts = []  # each step forward's query validity (R, q): padding where rows differ
         forward = self.batch._forward
 
@@ -35,23 +33,6 @@ class Run:
             return forward(inp, positions, q_valid, *args)
 
         self.batch._forward = recorded
-
-    def _on_step(self, row, event):
-        self.events.setdefault(id(row.job), ([], row.job))[0].append(event)
-
-    def join(self, jobs):
-        self.done += self.batch.join(jobs)
-        self.check_cache()
-
-    def step(self, n=1):
-        for _ in range(n):
-            self.steps += bool(len(self.batch))
-            self.done += self.batch.step()
-            self.check_cache()
-
-    def drain(self):
-        while len(self.batch):
-            self.step()
 
     def mixed(self) -> bool:
         """Whether some forward laid out rows at different points (padding in some row)."""
