@@ -113,6 +113,7 @@ class Job:
     sizable: bool = False  # set by the scheduler: greedy lossless sbd whose K follows the load
     resume: list[int] = field(default_factory=list)  # tokens committed before moving to the AR batch
     resume_nfe: int = 0  # forwards already spent on them
+    running_key: tuple | None = None  # set by the scheduler: the continuous batch it joins (None: per call or AR)
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request at its next step boundary (thread-safe)."""
@@ -214,6 +215,7 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue a job; raises QueueFull when ``max_queue`` jobs already wait."""
         job.sizable = self._sizable(job)
+        job.running_key = self._running_kind(job)  # once: the scheduler loop reads it every iteration
         with self._lock:  # rows moved out of an sbd batch on their way to the AR batch already started
             if sum(not j.resume for j in self._waiting) >= self.max_queue:
                 raise QueueFull
@@ -321,12 +323,12 @@ class Scheduler:
     def _take_batch(self) -> list[Job]:
         """Under the lock: the oldest waiting non-AR job and the compatible ones behind it."""
         first = None if self._paused else next((j for j in self._waiting if j.decoder != "ar" and not j.resume
-                                                and self._running_kind(j) is None), None)
+                                                and j.running_key is None), None)
         if first is None:
             return []
         if first.sizable and self._route_sized():  # they wait for AR slots (the AR batch is full)
             first = next((j for j in self._waiting if j.decoder != "ar" and not j.sizable
-                          and self._running_kind(j) is None), None)
+                          and j.running_key is None), None)
             if first is None:
                 return []
         key = first.batch_key()
@@ -373,7 +375,7 @@ class Scheduler:
             return {}
         out: dict[tuple, list[Job]] = {}
         for j in list(self._waiting):
-            key = None if j.resume else self._running_kind(j)
+            key = None if j.resume else j.running_key
             if key is None:
                 continue
             running = self.running_batches.get(key)
