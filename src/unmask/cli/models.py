@@ -18,9 +18,9 @@ def models_cmd() -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from unmask.models.adapter_io import list_adapters, read_adapter_config
+    from unmask.models.adapter_io import list_adapters
     from unmask.models.bundle import read_unmask_config
-    from unmask.models.registry import DESCRIPTIONS, WHEEL_MODELS, default_model, shipped
+    from unmask.models.registry import CHECKPOINTS, DESCRIPTIONS, WHEEL_MODELS, default_model, shipped
     from unmask.models.smollm2 import status
 
     table = Table(title="shipped models")
@@ -30,15 +30,24 @@ def models_cmd() -> None:
     for name, path in shipped().items():
         kind = read_unmask_config(path).get("kind", "causal")
         table.add_row(name + (" (default)" if name == default else ""), kind, DESCRIPTIONS.get(name, ""))
-        for adapter, adir in list_adapters(path).items():
-            cfg = read_adapter_config(adir)
-            size = "full-rank" if cfg.get("rank") is None else f"rank {cfg['rank']}"
-            table.add_row(f"  └ --adapter {adapter}", "sbd (adapter)",
-                          f"gated SBD adapter ({size}); {name}'s weights and NTP output unchanged")
+        _adapter_rows(table, name, list_adapters(path))
     for name, description in WHEEL_MODELS.items():
         table.add_row(name, "causal", escape(f"{description} ({status()})"))  # keeps 'unmask[smollm2]'
+        # its adapters ship inside the package (checkpoints/<name>/adapters/), its weights do not
+        _adapter_rows(table, name, list_adapters(CHECKPOINTS / name))
 
     Console().print(table)
+
+
+def _adapter_rows(table, model: str, adapters: dict) -> None:
+    """One row per gated SBD adapter shipped for ``model`` ({name: directory})."""
+    from unmask.models.adapter_io import read_adapter_config
+
+    for adapter, adir in adapters.items():
+        cfg = read_adapter_config(adir)
+        size = "full-rank" if cfg.get("rank") is None else f"rank {cfg['rank']}"
+        table.add_row(f"  └ --adapter {adapter}", "sbd (adapter)",
+                      f"gated SBD adapter ({size}); {model}'s weights and NTP output unchanged")
 
 
 @convert_app.command("llama2c")

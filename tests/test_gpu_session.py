@@ -1,0 +1,160 @@
+"""scripts/gpu_session.py (issue 27): the rehearsal of the GPU session on the CPU, the device's
+limits it plans and packs within, chunk reassembly, bring-back, and where the brought-back
+adapter shows up (``unmask models``, benchmarks/real_base.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import gpu_session  # noqa: E402
+import gpu_stage  # noqa: E402
+from gpu_session import SessionError  # noqa: E402
+
+MiB = 1 << 20
+
+
+def test_the_rehearsal_runs_every_phase_cuts_the_overrun_and_brings_back(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run([sys.executable, "scripts/gpu_session.py", "--rehearse", "--keep", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rehearsal passed" in proc.stdout
+    records = {r["phase"]: r for r in json.loads((tmp_path / "work" / "session.json").read_text())}
+    assert list(records) == ["stage1", "stage2", "distill", "train", "check", "bench", "overrun", "pack"]
+    assert records["overrun"]["status"] == "cut" and records["overrun"]["seconds"] < records["overrun"]["budget_s"] + 6
+    assert all(r["status"] == "ok" for n, r in records.items() if n != "overrun")  # pack ran after the cut
+    out = tmp_path / "out"
+    files = [p.relative_to(out) for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and all(len(f.parts) <= 3 for f in files)
+    assert any(f.name.startswith("adapter.safetensors.part-") for f in files)  # split, then joined by bring-back
+    shipped = tmp_path / "shipped" / "sbd"
+    assert sorted(p.name for p in shipped.iterdir()) == ["adapter.json", "adapter.safetensors"]
+    report = json.loads((tmp_path / "results" / "gpu_session.json").read_text())
+    check = report["results"]["check"]["tasks"]["all"]
+    assert check["identical"] == check["prompts"] == 4
+    assert "| overrun | 2 |" in (tmp_path / "results" / "gpu_session.md").read_text()
+
+
+def test_a_file_over_16_mib_is_split_and_an_over_limit_pack_is_refused(tmp_path):
+    assert gpu_stage.limit_checks(tmp_path) == []
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        f.truncate(33 * MiB)
+    pieces = gpu_session.pack_plan([("adapter/w.safetensors", big)])
+    assert [p["dest"] for p in pieces] == [f"adapter/w.safetensors.part-{k}" for k in range(3)]
+    assert sum(p["bytes"] for p in pieces) == 33 * MiB and max(p["bytes"] for p in pieces) <= 16 * MiB
+    with pytest.raises(SessionError, match="at most 8"):
+        gpu_session.pack_plan([(f"x{i}", big) for i in range(3)])  # 9 pieces
+
+
+def test_write_pack_pieces_join_back_bit_exactly_and_damage_is_caught(tmp_path):
+    src = tmp_path / "w.bin"
+    src.write_bytes(os.urandom(1000))
+    plan = gpu_session.pack_plan([("a/w.bin", src)], max_file=300)
+    files = gpu_session.write_pack(plan, tmp_path / "out")
+    assert len(files) == 4
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps({"profile": "gpu", "files": files}))
+    have = gpu_stage._verified(tmp_path / "out", tmp_path / "joined")
+    assert have["a/w.bin"].read_bytes() == src.read_bytes()
+    piece = tmp_path / "out" / "a" / "w.bin.part-2"
+    piece.write_bytes(b"x" + piece.read_bytes()[1:])
+    with pytest.raises(SessionError, match="damaged"):
+        gpu_stage._verified(tmp_path / "out", tmp_path / "joined2")
+
+
+def test_chunks_join_only_when_complete_and_intact(tmp_path):
+    src = tmp_path / "model.gguf"
+    src.write_bytes(os.urandom(5001))
+    m = gpu_stage.stage_chunks(tmp_path / "stage", src)
+    parts = [tmp_path / "stage" / f"part{i + 1}" / p["name"] for i, p in enumerate(m["pieces"])]
+    assert [p["bytes"] for p in m["pieces"]] == [2501, 2500]
+    dest = tmp_path / "model" / "x.gguf"
+    assert gpu_session.join_files(parts, dest, sha256=m["sha256"], pieces=m["pieces"]).read_bytes() == src.read_bytes()
+    dest.unlink()
+    parts[1].write_bytes(parts[1].read_bytes()[:-1] + b"\0")
+    with pytest.raises(SessionError, match="damaged"):
+        gpu_session.join_files(parts, dest, sha256=m["sha256"], pieces=m["pieces"])
+    parts[1].unlink()
+    with pytest.raises(SessionError, match="missing; rerun the staging command"):
+        gpu_session.join_files(parts, dest, sha256=m["sha256"], pieces=m["pieces"])
+    assert not dest.exists()
+
+
+def test_the_gpu_plan_fits_the_device_limits():
+    plan = gpu_session.plan()
+    assert [c["phases"] for c in plan["commands"]] == [
+        {"stage1": 30}, {"stage2": 50, "distill": 180, "train": 180, "pack": 15}, {"check": 60, "bench": 85, "pack": 15}]
+    assert plan["total_s"] <= 12 * 60
+    for c in plan["commands"]:
+        assert len(c["command"]) <= 2000 and c["timeout_s"] <= 600 and len(c["carry"]) <= 8
+        assert c["budget_s"] < c["timeout_s"]  # the runner ends its phases before the tool's timeout
+    # each staging command carries half the GGUF next to the working tree: both under 64 MiB
+    half = 98_362_432 // 2 + 1
+    assert plan["tree_bytes"] + half + 4 * MiB <= 64 * MiB
+
+
+def test_run_names_unknown_phases_in_one_line(capsys):
+    assert gpu_session.main(["run", "--phases", "stage1,warp", "--out", "/tmp/x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown phase(s) warp; choose from stage1") and err.count("\n") == 1
+
+
+def test_bring_back_keeps_a_rehearsal_out_of_the_package(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"profile": "rehearse", "files": {}}))
+    with pytest.raises(SessionError, match="pass --adapter-dest and --results-dir"):
+        gpu_stage.bring_back(out)
+    with pytest.raises(SessionError, match="no manifest.json"):
+        gpu_stage.bring_back(tmp_path, adapter_dest=tmp_path / "a", results_dir=tmp_path / "r")
+
+
+def _package_with_smollm2_adapter(tmp_path, monkeypatch):
+    from unmask.models import registry
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    os.symlink(registry.CHECKPOINTS / "stories260K", pkg / "stories260K")
+    adapter = pkg / "smollm2-135m" / "adapters" / "sbd"
+    adapter.mkdir(parents=True)
+    cfg = json.loads((registry.CHECKPOINTS / "stories260K" / "adapters" / "sbd" / "adapter.json").read_text())
+    (adapter / "adapter.json").write_text(json.dumps({**cfg, "rank": 32, "base": {"name": "smollm2-135m",
+                                                                                   "sha256": "sha256:0"}}))
+    monkeypatch.setattr(registry, "CHECKPOINTS", pkg)
+
+
+def test_unmask_models_lists_the_brought_back_smollm2_adapter(tmp_path, monkeypatch, capsys):
+    _package_with_smollm2_adapter(tmp_path, monkeypatch)
+    monkeypatch.setenv("COLUMNS", "400")
+    code, out, err = run_cli(capsys, "models")
+    assert code == 0, err
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if "smollm2-135m" in line and "SmolLM2-135M-Instruct" in line)
+    assert "--adapter sbd" in lines[at + 1] and "rank 32" in lines[at + 1] and "smollm2-135m's" in lines[at + 1]
+
+
+def test_real_base_takes_the_shipped_adapter_when_present(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("real_base_under_test", REPO / "benchmarks" / "real_base.py")
+    real_base = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(real_base)
+    assert real_base.parse_args([]).adapter == "auto"
+    assert real_base.chosen_adapter("smollm2-135m", "auto") is None or (
+        real_base.shipped_adapter("smollm2-135m") == "sbd")
+    _package_with_smollm2_adapter(tmp_path, monkeypatch)
+    assert real_base.chosen_adapter("smollm2-135m", "auto") == "sbd"
+    assert real_base.chosen_adapter("smollm2-135m", "none") is None
+    assert real_base.chosen_adapter("smollm2-135m", "/some/dir") == "/some/dir"
+    shutil.rmtree(tmp_path / "pkg" / "smollm2-135m")
+    assert real_base.chosen_adapter("smollm2-135m", "auto") is None
