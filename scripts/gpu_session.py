@@ -67,13 +67,16 @@ class Phase:
 # recipe's measured pieces (a 135M bf16 forward at batch 1024 is launch-bound, ~15 ms; one
 # 32 x 2*512-token training step ~0.1 s) and cut cooperatively at their deadline.
 GPU_PHASES = (
-    Phase("stage1", 30, 1), Phase("stage2", 50, 2), Phase("distill", 180, 2), Phase("train", 180, 2),
+    Phase("stage1", 30, 1), Phase("stage2", 60, 2), Phase("distill", 170, 2), Phase("train", 180, 2),
     Phase("pack", 15, 2), Phase("check", 60, 3), Phase("bench", 85, 3), Phase("pack", 15, 3),
 )
 REHEARSAL_PHASES = (
     Phase("stage1", 30, 0), Phase("stage2", 30, 0), Phase("distill", 40, 0), Phase("train", 40, 0),
     Phase("check", 40, 0), Phase("bench", 60, 0), Phase("overrun", 2, 0), Phase("pack", 20, 0),
 )
+# rehearse --smollm2: the real base on a 2-core CPU converts in ~1 min and loads in ~10 s per phase
+SMOLLM2_REHEARSAL_PHASES = tuple(dataclasses.replace(p, budget_s=p.budget_s if p.name in ("stage1", "overrun", "pack")
+                                                     else 240) for p in REHEARSAL_PHASES)
 CARRY = {1: (".stage/part1", ".stage/wheels", ".stage/data"), 2: (".stage/part2",), 3: ()}
 SLACK_S = 25  # per command, inside timeout_s: the runner's start and its one import of torch + transformers
 

@@ -81,7 +81,8 @@ def test_chunks_join_only_when_complete_and_intact(tmp_path):
     parts = [tmp_path / "stage" / f"part{i + 1}" / p["name"] for i, p in enumerate(m["pieces"])]
     assert [p["bytes"] for p in m["pieces"]] == [2501, 2500]
     dest = tmp_path / "model" / "x.gguf"
-    assert gpu_session.join_files(parts, dest, sha256=m["sha256"], pieces=m["pieces"]).read_bytes() == src.read_bytes()
+    joined = gpu_session.join_files(parts, dest, sha256=m["sha256"], pieces=m["pieces"])
+    assert joined.read_bytes() == src.read_bytes()
     dest.unlink()
     parts[1].write_bytes(parts[1].read_bytes()[:-1] + b"\0")
     with pytest.raises(SessionError, match="damaged"):
@@ -95,7 +96,7 @@ def test_chunks_join_only_when_complete_and_intact(tmp_path):
 def test_the_gpu_plan_fits_the_device_limits():
     plan = gpu_session.plan()
     assert [c["phases"] for c in plan["commands"]] == [
-        {"stage1": 30}, {"stage2": 50, "distill": 180, "train": 180, "pack": 15}, {"check": 60, "bench": 85, "pack": 15}]
+        {"stage1": 30}, {"stage2": 60, "distill": 170, "train": 180, "pack": 15}, {"check": 60, "bench": 85, "pack": 15}]
     assert plan["total_s"] <= 12 * 60
     for c in plan["commands"]:
         assert len(c["command"]) <= 2000 and c["timeout_s"] <= 600 and len(c["carry"]) <= 8
@@ -150,8 +151,6 @@ def test_real_base_takes_the_shipped_adapter_when_present(tmp_path, monkeypatch)
     real_base = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(real_base)
     assert real_base.parse_args([]).adapter == "auto"
-    assert real_base.chosen_adapter("smollm2-135m", "auto") is None or (
-        real_base.shipped_adapter("smollm2-135m") == "sbd")
     _package_with_smollm2_adapter(tmp_path, monkeypatch)
     assert real_base.chosen_adapter("smollm2-135m", "auto") == "sbd"
     assert real_base.chosen_adapter("smollm2-135m", "none") is None
