@@ -69,13 +69,14 @@ def parse_args(argv=None):
 
 
 def shipped_adapter(model: str) -> str | None:
-    """``"sbd"`` when the package ships an adapter of that name for ``model`` (a registry name;
-    smollm2-135m's lives in checkpoints/smollm2-135m/adapters/ though its weights do not), else
-    None. Reads no weights and converts nothing."""
+    """``"sbd"`` when the package ships an adapter of that name for ``model``, a registry name
+    (smollm2-135m's lives in checkpoints/smollm2-135m/adapters/ though its weights do not); None
+    otherwise, and for a directory. Reads no weights and converts nothing."""
     from unmask.models.adapter_io import list_adapters
-    from unmask.models.registry import CHECKPOINTS
+    from unmask.models.registry import CHECKPOINTS, WHEEL_MODELS, shipped
 
-    return "sbd" if "sbd" in list_adapters(CHECKPOINTS / model) else None
+    folder = shipped().get(model) or (CHECKPOINTS / model if model in WHEEL_MODELS else None)
+    return "sbd" if folder is not None and "sbd" in list_adapters(folder) else None
 
 
 def chosen_adapter(model: str, option: str | None) -> str | None:

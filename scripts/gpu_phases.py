@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_session import (GGUF_NAME, OUT_FILES, SessionError, join_files, log, pack_plan,  # noqa: E402
+from gpu_session import (GGUF_NAME, OUT_FILE_BYTES, OUT_FILES, SessionError, join_files, log, pack_plan,  # noqa: E402
                          sha256_file, write_pack)
 
 # What each profile runs: the GPU session, the CI rehearsal (stories260K), and a longer local
@@ -37,15 +37,16 @@ PROFILES = {
                 eval_every=100, check_max_new_tokens=128, bench_tiny=False, pack_piece=16 << 20),
     "rehearse": dict(base="stories260K", convert=False, device="cpu", dtype="float32", check_dtype="float32",
                      max_new_tokens=16, gen_batch=8, rank=4, seq_len=64, batch_size=2, block_size=4, steps=4,
-                     eval_every=2, check_max_new_tokens=16, bench_tiny=True, pack_piece=64 << 10),
+                     eval_every=2, check_max_new_tokens=16, bench_tiny=True, pack_piece=0),
     "rehearse-smollm2": dict(base="smollm2-135m", convert=True, device="cpu", dtype="float32",
                              check_dtype="float32", max_new_tokens=8, gen_batch=4, rank=4, seq_len=64, batch_size=2,
                              block_size=4, steps=2, eval_every=2, check_max_new_tokens=8, bench_tiny=True,
-                             pack_piece=64 << 10),
+                             pack_piece=0),
 }
 LOG_TAIL = 4 << 20  # bytes of session.log that travel back
-# pack_piece: the largest file the pack writes (the device returns <= 16 MiB each); the
-# rehearsals' is small so that their ~100 KB adapter is split and joined again, as the GPU's is.
+# pack_piece: the largest file the pack writes (the device returns <= 16 MiB each); 0 (the
+# rehearsals): half the adapter's weights, so that their small adapter is split in two and
+# joined again by bring-back, as the GPU's 19.5 MB one is.
 
 
 def write_json(path: Path, obj) -> None:
@@ -197,8 +198,8 @@ def train_phase(ctx) -> dict:
         steps = max(1, int(0.9 * left / (step_s * (1 + 2 / cfg["eval_every"]))))
         log(f"train: {step_s:.3f} s/step, {left:.0f} s left -> {steps} steps")
     out = ctx.work / "adapter"
-    result = train_sbd_adapter(
-        base=str(base_dir), data=[corpus], out=out, run_dir=ctx.work / "run", rank=cfg["rank"],
+    result = train_sbd_adapter(  # the registry name, which adapter.json records (bring-back ships by it)
+        base=cfg["base"], data=[corpus], out=out, run_dir=ctx.work / "run", rank=cfg["rank"],
         seq_len=cfg["seq_len"], block_range=(2, 16), draft_fraction=0.75, block_size=cfg["block_size"],
         answer_only=True, overwrite=True, device=cfg["device"], dtype=cfg["dtype"], steps=steps,
         batch_size=cfg["batch_size"], lr=1e-3, warmup=min(50, max(1, steps // 10)), ckpt_every=cfg["eval_every"],
@@ -294,29 +295,34 @@ def pack_phase(ctx) -> dict:
             (staging / "session.log").write_bytes(f.read())
         items.append(("session.log", staging / "session.log"))
     adapter = ctx.work / "adapter"
+    piece = ctx.cfg["pack_piece"]
     if (adapter / "adapter.json").is_file():
-        items.append(("adapter/adapter.json", adapter / "adapter.json"))
-        items.append(("adapter/adapter.safetensors", compact_adapter(adapter, staging)))
+        weights = compact_adapter(adapter, staging)
+        items += [("adapter/adapter.json", adapter / "adapter.json"), ("adapter/adapter.safetensors", weights)]
+        piece = piece or -(-weights.stat().st_size // 2)
     # manifest.json and session.json come on top of these
-    plan = pack_plan(items, max_files=OUT_FILES - 2, max_file=ctx.cfg["pack_piece"])
+    plan = pack_plan(items, max_files=OUT_FILES - 2, max_file=piece or OUT_FILE_BYTES)
     files = write_pack(plan, ctx.out)
     write_json(ctx.out / "manifest.json", {"profile": ctx.profile, "files": files})
     return {"files": sorted([*files, "manifest.json", "session.json"])}
 
 
 def compact_adapter(adapter: Path, staging: Path) -> Path:
-    """The adapter's weights in bfloat16 when every tensor is exactly a bf16 value (an adapter
-    trained in bf16, saved as float32 copies: half the bytes, nothing lost); else the file."""
+    """The adapter's weights with every float tensor that is exactly a bf16 value stored in
+    bfloat16 (an adapter trained in bf16 is saved as float32 copies: half the bytes, nothing
+    lost; the loader casts back); the file itself when no tensor is."""
     import torch
     from safetensors.torch import load_file, save_file
 
     src = adapter / "adapter.safetensors"
     state = load_file(str(src))
-    if all(torch.equal(t.to(torch.bfloat16).to(t.dtype), t) for t in state.values() if t.is_floating_point()):
-        dest = staging / "adapter.safetensors"
-        save_file({k: t.to(torch.bfloat16) if t.is_floating_point() else t for k, t in state.items()}, str(dest))
-        return dest
-    return src
+    exact = {k for k, t in state.items() if t.is_floating_point() and t.dtype != torch.bfloat16
+             and torch.equal(t.to(torch.bfloat16).to(t.dtype), t)}
+    if not exact:
+        return src
+    dest = staging / "adapter.safetensors"
+    save_file({k: t.to(torch.bfloat16) if k in exact else t for k, t in state.items()}, str(dest))
+    return dest
 
 
 def preload() -> None:

@@ -340,7 +340,12 @@ def run_session(phases: list[Phase], *, profile: str, work: Path, stage: Path, o
     with open(work / "session.log", "a", encoding="utf-8") as logf:
         for phase in phases:
             log(f"{phase.name}: budget {phase.budget_s:g} s")
+            start = (work / "session.log").stat().st_size
             rec = run_phase(phase, profile=profile, work=work, stage=stage, out=out, logf=logf)
+            with open(work / "session.log", "rb") as f:
+                f.seek(start)  # the phase's last lines reach the device tool's output_tail too
+                for line in f.read().decode("utf-8", "replace").splitlines()[-5:-1]:
+                    print(f"    {line[:300]}", flush=True)
             log(f"{phase.name}: {rec['status']} in {rec['seconds']} s")
             records.append(rec)
             records_path.write_text(json.dumps(records, indent=2) + "\n")

@@ -165,7 +165,7 @@ def bring_back(out_dir: Path, *, adapter_dest: Path | None = None, results_dir: 
     from unmask.errors import UnmaskError
     from unmask.fileio import atomic_write_json, atomic_write_text, publish_dir, staging_dir
     from unmask.models.adapter_io import read_adapter_config
-    from unmask.models.registry import CHECKPOINTS
+    from unmask.models.registry import CHECKPOINTS, WHEEL_MODELS, shipped
 
     mpath = out_dir / "manifest.json"
     profile = json.loads(mpath.read_text()).get("profile") if mpath.is_file() else None
@@ -177,7 +177,7 @@ def bring_back(out_dir: Path, *, adapter_dest: Path | None = None, results_dir: 
         have = _verified(out_dir, Path(tmp))
         results = json.loads(have["results.json"].read_text()) if "results.json" in have else {}
         session = json.loads((out_dir / "session.json").read_text()) if (out_dir / "session.json").is_file() else []
-        shipped = None
+        brought = None
         if "adapter/adapter.json" in have and "adapter/adapter.safetensors" in have:
             staged = Path(tmp) / "adapter-ready"
             staged.mkdir()
@@ -186,9 +186,11 @@ def bring_back(out_dir: Path, *, adapter_dest: Path | None = None, results_dir: 
             try:
                 cfg = read_adapter_config(staged)
                 base = cfg["base"]["name"]
+                rounded = fit_adapter(staged)
                 size = sum(f.stat().st_size for f in staged.iterdir())
-                if size > SHIPPED_ADAPTER_BYTES:
-                    raise SessionError(f"the adapter has {size / 1e6:.1f} MB, at most 20 MB ship; train a lower rank")
+                if adapter_dest is None and base not in (*shipped(), *WHEEL_MODELS):
+                    raise SessionError(f"the adapter's base {base!r} is not a model of the package; pass "
+                                       "--adapter-dest to put it elsewhere")
                 dest = adapter_dest or CHECKPOINTS / base / "adapters" / "sbd"
                 if dest.exists() and not overwrite:
                     raise SessionError(f"{dest} exists; pass --overwrite to replace it")
@@ -206,14 +208,34 @@ def bring_back(out_dir: Path, *, adapter_dest: Path | None = None, results_dir: 
                 publish_dir(final, dest)
             except UnmaskError as e:
                 raise SessionError(str(e).splitlines()[0]) from None
-            shipped = {"path": str(dest), "bytes": size, "base": base, "load_checked": loaded}
+            brought = {"path": str(dest), "bytes": size, "base": base, "load_checked": loaded,
+                       "rounded_to_bf16": rounded}
             log(f"bring-back: adapter -> {dest} ({size / 1e6:.1f} MB)")
-        report = {"profile": profile, "session": session, "results": results, "adapter": shipped}
+        report = {"profile": profile, "session": session, "results": results, "adapter": brought}
         results_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(results_dir / f"{RESULT_NAME}.json", report)
         atomic_write_text(results_dir / f"{RESULT_NAME}.md", markdown(report))
         log(f"bring-back: results -> {results_dir / RESULT_NAME}.{{json,md}}")
     return report
+
+
+def fit_adapter(staged: Path) -> bool:
+    """Make ``staged``'s weights fit the package's 20 MB: when they do not, round the float32
+    tensors to bfloat16 (returns True). Lossless decoding stays exact whatever the drafts are
+    (verify commits the base's own tokens); only acceptance can move, by bf16 rounding. Raises
+    SessionError when even that does not fit."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = staged / "adapter.safetensors"
+    if sum(f.stat().st_size for f in staged.iterdir()) <= SHIPPED_ADAPTER_BYTES:
+        return False
+    state = load_file(str(weights))
+    save_file({k: t.to(torch.bfloat16) if t.dtype == torch.float32 else t for k, t in state.items()}, str(weights))
+    size = sum(f.stat().st_size for f in staged.iterdir())
+    if size > SHIPPED_ADAPTER_BYTES:
+        raise SessionError(f"the adapter has {size / 1e6:.1f} MB even in bf16, at most 20 MB ship; train a lower rank")
+    return True
 
 
 def markdown(report: dict) -> str:
@@ -293,15 +315,8 @@ def rehearse(*, smollm2: bool = False, root: Path | None = None) -> int:
         problems = [f"{r['phase']} {r['status']}" for r in records
                     if r["status"] != ("cut" if r["phase"] == "overrun" else "ok")]
         problems += limit_checks(root / "limits")
-        report = bring_back(out, adapter_dest=root / "shipped" / "sbd", results_dir=root / "results")
-        check = report["results"].get("check", {}).get("tasks", {}).get("all", {})
-        if not check or check["identical"] != check["prompts"]:
-            problems.append(f"lossless check: {check or 'missing'}")
-        if report["adapter"] is None or not report["adapter"]["load_checked"]:
-            problems.append("bring-back: no adapter loaded")
-        files = json.loads((out / "manifest.json").read_text())["files"]
-        if not any(n.startswith("adapter/adapter.safetensors.part-") for n in files):
-            problems.append("pack: the adapter was not split into pieces, so their joining went untested")
+        if (out / "manifest.json").is_file():
+            problems += _brought_back(out, root)
         print("\nphase      budget s  seconds  status")
         for r in records:
             print(f"{r['phase']:<10} {r['budget_s']:>8g} {r['seconds']:>8.1f}  {r['status']}")
@@ -315,6 +330,26 @@ def rehearse(*, smollm2: bool = False, root: Path | None = None) -> int:
     finally:
         if own:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _brought_back(out: Path, root: Path) -> list[str]:
+    """Bring-back of a rehearsal's ``out`` into ``root``: the problems found."""
+    problems = []
+    files = json.loads((out / "manifest.json").read_text())["files"]
+    if not any(n.startswith("adapter/adapter.safetensors.part-") for n in files):
+        problems.append("pack: the adapter was not split into pieces, so their joining went untested")
+    try:
+        report = bring_back(out, adapter_dest=root / "shipped" / "sbd", results_dir=root / "results")
+    except SessionError as e:
+        return [*problems, f"bring-back: {e}"]
+    check = report["results"].get("check", {}).get("tasks", {}).get("all", {})
+    if not check or check["identical"] != check["prompts"]:
+        problems.append(f"lossless check: {check or 'missing'}")
+    if report["adapter"] is None or not report["adapter"]["load_checked"]:
+        problems.append("bring-back: no adapter loaded")
+    elif report["adapter"]["base"] not in ("stories260K", "smollm2-135m"):
+        problems.append(f"the adapter names its base {report['adapter']['base']!r}, not the registry name")
+    return problems
 
 
 def limit_checks(scratch: Path) -> list[str]:

@@ -155,5 +155,87 @@ def test_real_base_takes_the_shipped_adapter_when_present(tmp_path, monkeypatch)
     assert real_base.chosen_adapter("smollm2-135m", "auto") == "sbd"
     assert real_base.chosen_adapter("smollm2-135m", "none") is None
     assert real_base.chosen_adapter("smollm2-135m", "/some/dir") == "/some/dir"
+    converted = tmp_path / "cache" / "smollm2-135m"  # a directory, even one named like the model
+    converted.mkdir(parents=True)
+    assert real_base.chosen_adapter(str(converted), "auto") is None
     shutil.rmtree(tmp_path / "pkg" / "smollm2-135m")
     assert real_base.chosen_adapter("smollm2-135m", "auto") is None
+
+
+def test_pack_halves_a_bf16_trained_adapter_exactly_and_keeps_other_tensors(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import gpu_phases
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    g = torch.Generator().manual_seed(0)
+    lora = torch.randn(64, 32, generator=g).to(torch.bfloat16).float()  # what a bf16 run saves
+    row = torch.randn(32, generator=g)  # a float32 value bf16 cannot hold
+    save_file({"lora": lora, "row": row}, str(adapter / "adapter.safetensors"))
+    out = gpu_phases.compact_adapter(adapter, tmp_path)
+    back = load_file(str(out))
+    assert back["lora"].dtype == torch.bfloat16 and torch.equal(back["lora"].float(), lora)
+    assert back["row"].dtype == torch.float32 and torch.equal(back["row"], row)
+    save_file({"row": row}, str(adapter / "adapter.safetensors"))
+    assert gpu_phases.compact_adapter(adapter, tmp_path / "x") == adapter / "adapter.safetensors"
+
+
+def test_bring_back_rounds_an_adapter_over_20_mb_to_bf16_or_refuses(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    staged = tmp_path / "a"
+    staged.mkdir()
+    (staged / "adapter.json").write_text("{}")
+    save_file({"w": torch.ones(1000)}, str(staged / "adapter.safetensors"))
+    assert gpu_stage.fit_adapter(staged) is False
+    save_file({"w": torch.full((6_000_000,), 0.1)}, str(staged / "adapter.safetensors"))  # 24 MB
+    assert gpu_stage.fit_adapter(staged) is True
+    assert load_file(str(staged / "adapter.safetensors"))["w"].dtype == torch.bfloat16
+    save_file({"w": torch.zeros(11_000_000)}, str(staged / "adapter.safetensors"))  # 22 MB in bf16
+    with pytest.raises(SessionError, match="even in bf16"):
+        gpu_stage.fit_adapter(staged)
+
+
+def _gpu_out(tmp_path, adapter_cfg: dict) -> Path:
+    """A returned $OUT of the GPU profile holding stories260K's shipped adapter (config edited)."""
+    from unmask.models import registry
+
+    src = registry.CHECKPOINTS / "stories260K" / "adapters" / "sbd"
+    (tmp_path / "ad").mkdir()
+    (tmp_path / "ad" / "adapter.json").write_text(json.dumps(adapter_cfg))
+    items = [("adapter/adapter.json", tmp_path / "ad" / "adapter.json"),
+             ("adapter/adapter.safetensors", src / "adapter.safetensors")]
+    out = tmp_path / "out"
+    files = gpu_session.write_pack(gpu_session.pack_plan(items, max_file=400_000), out)  # 3 pieces
+    (out / "manifest.json").write_text(json.dumps({"profile": "gpu", "files": files}))
+    return out
+
+
+def test_bring_back_ships_into_the_base_models_package_folder(tmp_path, monkeypatch):
+    from unmask.models import registry
+
+    real = registry.CHECKPOINTS / "stories260K"
+    cfg = json.loads((real / "adapters" / "sbd" / "adapter.json").read_text())
+    pkg = tmp_path / "pkg"
+    shutil.copytree(real, pkg / "stories260K")
+    monkeypatch.setattr(registry, "CHECKPOINTS", pkg)
+    out = _gpu_out(tmp_path, cfg)
+    with pytest.raises(SessionError, match="exists; pass --overwrite"):
+        gpu_stage.bring_back(out, results_dir=tmp_path / "results")
+    report = gpu_stage.bring_back(out, results_dir=tmp_path / "results", overwrite=True)
+    shipped = pkg / "stories260K" / "adapters" / "sbd"
+    assert report["adapter"]["path"] == str(shipped) and report["adapter"]["load_checked"]
+    assert (shipped / "adapter.safetensors").read_bytes() == (real / "adapters" / "sbd" / "adapter.safetensors").read_bytes()
+    assert (tmp_path / "results" / "gpu_session.json").is_file()
+
+
+def test_bring_back_refuses_an_adapter_whose_base_is_a_path(tmp_path):
+    from unmask.models import registry
+
+    cfg = json.loads((registry.CHECKPOINTS / "stories260K" / "adapters" / "sbd" / "adapter.json").read_text())
+    out = _gpu_out(tmp_path, {**cfg, "base": {**cfg["base"], "name": "/machine/.stage/work/cache/models/x"}})
+    with pytest.raises(SessionError, match="is not a model of the package; pass --adapter-dest"):
+        gpu_stage.bring_back(out, results_dir=tmp_path / "results")
