@@ -33,15 +33,16 @@ from gpu_session import (GGUF_NAME, OUT_FILE_BYTES, OUT_FILES, SessionError, joi
 # rehearsal on the real SmolLM2 base (conversion of the reassembled GGUF included).
 PROFILES = {
     "gpu": dict(base="smollm2-135m", convert=True, device="cuda", dtype="bfloat16", check_dtype="float32",
-                max_new_tokens=192, gen_batch=1024, rank=32, seq_len=512, batch_size=32, block_size=8, steps=0,
-                eval_every=100, check_max_new_tokens=128, bench_tiny=False, pack_piece=16 << 20),
+                max_new_tokens=192, gen_batch=1024, rank=32, seq_len=512, batch_size=32, block_size=8,
+                steps=0, max_steps=0, eval_every=100, check_max_new_tokens=128, bench_tiny=False,
+                pack_piece=16 << 20),
     "rehearse": dict(base="stories260K", convert=False, device="cpu", dtype="float32", check_dtype="float32",
-                     max_new_tokens=16, gen_batch=8, rank=4, seq_len=64, batch_size=2, block_size=4, steps=4,
-                     eval_every=2, check_max_new_tokens=16, bench_tiny=True, pack_piece=0),
+                     max_new_tokens=16, gen_batch=8, rank=4, seq_len=64, batch_size=2, block_size=4,
+                     steps=0, max_steps=4, eval_every=2, check_max_new_tokens=16, bench_tiny=True, pack_piece=0),
     "rehearse-smollm2": dict(base="smollm2-135m", convert=True, device="cpu", dtype="float32",
-                             check_dtype="float32", max_new_tokens=8, gen_batch=4, rank=4, seq_len=64, batch_size=2,
-                             block_size=4, steps=2, eval_every=2, check_max_new_tokens=8, bench_tiny=True,
-                             pack_piece=0),
+                             check_dtype="float32", max_new_tokens=8, gen_batch=4, rank=4, seq_len=64,
+                             batch_size=2, block_size=4, steps=2, max_steps=0, eval_every=2,
+                             check_max_new_tokens=8, bench_tiny=True, pack_piece=0),
 }
 LOG_TAIL = 4 << 20  # bytes of session.log that travel back
 # pack_piece: the largest file the pack writes (the device returns <= 16 MiB each); 0 (the
@@ -196,6 +197,7 @@ def train_phase(ctx) -> dict:
         step_s = recipe.time_step(targs, base_dir)
         left = ctx.deadline - time.time() - reserve
         steps = max(1, int(0.9 * left / (step_s * (1 + 2 / cfg["eval_every"]))))
+        steps = min(steps, cfg["max_steps"] or steps)  # the CI rehearsal fits, then caps
         log(f"train: {step_s:.3f} s/step, {left:.0f} s left -> {steps} steps")
     out = ctx.work / "adapter"
     result = train_sbd_adapter(  # the registry name, which adapter.json records (bring-back ships by it)
@@ -249,13 +251,21 @@ def check_phase(ctx) -> dict:
 
 
 def bench_phase(ctx) -> dict:
-    """benchmarks/gpu_forward_cost.py, then benchmarks/gpu_decode.py (their ``main``), each with
-    its own ``--budget-s`` share of the time left. On the CPU: ``--tiny``, and gpu_decode eager
-    only (compiling even the tiny model takes minutes there)."""
+    """benchmarks/gpu_forward_cost.py, benchmarks/gpu_decode.py eager (AR, lossless SBD,
+    multiblock), then gpu_decode.py with its compiled runs too, each through its ``main`` with
+    its own ``--budget-s`` share of the time left (a run past its script's deadline is skipped).
+    The eager decode comes first because compiling a decoder of the 8B shape can take longer
+    than this phase has; a cut then loses only the compiled run: WORK/bench.json is rewritten
+    after each. On the CPU: ``--tiny``, eager only (compiling even the tiny model takes minutes)."""
     out = {}
-    tiny = ["--tiny", "--no-compile"] if ctx.cfg["bench_tiny"] else ["--max-new-tokens", "128", "--reps", "2"]
-    runs = (("forward_cost", "gpu_forward_cost.py", 0.35, ["--tiny"] if ctx.cfg["bench_tiny"] else ["--reps", "5"]),
-            ("decode", "gpu_decode.py", 1.0, tiny))
+    if ctx.cfg["bench_tiny"]:
+        runs = (("forward_cost", "gpu_forward_cost.py", 0.35, ["--tiny"]),
+                ("decode", "gpu_decode.py", 1.0, ["--tiny", "--no-compile"]))
+    else:
+        decode = ["--max-new-tokens", "128", "--reps", "2"]
+        runs = (("forward_cost", "gpu_forward_cost.py", 0.3, ["--reps", "5"]),
+                ("decode", "gpu_decode.py", 0.3, [*decode, "--no-compile"]),
+                ("decode_compiled", "gpu_decode.py", 1.0, decode))
     for name, script, share, extra in runs:
         left = ctx.deadline - time.time() - 5
         budget = max(1.0, share * left * 0.85)  # the script's deadline skips runs; model build is outside it
@@ -269,6 +279,7 @@ def bench_phase(ctx) -> dict:
             rc = 1
         out[name] = {"rc": rc, "seconds": time.monotonic() - t0,
                      "result": json.loads(dest.read_text()) if dest.is_file() else None}
+        write_json(ctx.work / "bench.json", out)
     return out
 
 

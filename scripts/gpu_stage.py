@@ -263,11 +263,12 @@ def markdown(report: dict) -> str:
             acc = " ".join(f"{k}:{v}" for k, v in r["accepts"].items()) or "-"
             lines.append(f"| {task} ({r['prompts']}) | {r['identical']}/{r['prompts']} | {r['tpf']:.2f} | {acc} |")
     bench = res.get("bench", {})
-    if (bench.get("decode") or {}).get("result"):
-        sys.path.insert(0, str(REPO / "benchmarks"))
-        from gpu_decode import format_table
+    for name, title in (("decode", "gpu_decode.py, eager"), ("decode_compiled", "gpu_decode.py, eager and compiled")):
+        if (bench.get(name) or {}).get("result"):
+            sys.path.insert(0, str(REPO / "benchmarks"))
+            from gpu_decode import format_table
 
-        lines += ["", "gpu_decode.py:", "", "```", format_table(bench["decode"]["result"]["rows"]), "```"]
+            lines += ["", f"{title}:", "", "```", format_table(bench[name]["result"]["rows"]), "```"]
     if (bench.get("forward_cost") or {}).get("result"):
         cells = bench["forward_cost"]["result"]["cells"]
         lines += ["", "gpu_forward_cost.py (time(k) / time(1)):", "", "| batch | KV | k | ms | measured | roofline |",

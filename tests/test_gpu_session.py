@@ -96,7 +96,8 @@ def test_chunks_join_only_when_complete_and_intact(tmp_path):
 def test_the_gpu_plan_fits_the_device_limits():
     plan = gpu_session.plan()
     assert [c["phases"] for c in plan["commands"]] == [
-        {"stage1": 30}, {"stage2": 60, "distill": 170, "train": 180, "pack": 15}, {"check": 60, "bench": 85, "pack": 15}]
+        {"stage1": 30}, {"stage2": 60, "distill": 170, "train": 180, "pack": 15},
+        {"check": 60, "bench": 85, "pack": 15}]
     assert plan["total_s"] <= 12 * 60
     for c in plan["commands"]:
         assert len(c["command"]) <= 2000 and c["timeout_s"] <= 600 and len(c["carry"]) <= 8
@@ -228,7 +229,8 @@ def test_bring_back_ships_into_the_base_models_package_folder(tmp_path, monkeypa
     report = gpu_stage.bring_back(out, results_dir=tmp_path / "results", overwrite=True)
     shipped = pkg / "stories260K" / "adapters" / "sbd"
     assert report["adapter"]["path"] == str(shipped) and report["adapter"]["load_checked"]
-    assert (shipped / "adapter.safetensors").read_bytes() == (real / "adapters" / "sbd" / "adapter.safetensors").read_bytes()
+    weights = "adapter.safetensors"
+    assert (shipped / weights).read_bytes() == (real / "adapters" / "sbd" / weights).read_bytes()
     assert (tmp_path / "results" / "gpu_session.json").is_file()
 
 
