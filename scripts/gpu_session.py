@@ -16,8 +16,8 @@ each (64 MiB together), at most two folders deep. The SmolLM2 GGUF (98 MB) there
 two chunks under ``.stage/`` (git-ignored) in two back-to-back commands; what a command leaves in
 an ignored folder stays on the machine while it is held, so the later commands find it.
 
-Every phase runs in a forked child process with a hard time budget: one that overruns is cut (SIGTERM,
-then SIGKILL), logged as ``cut``, and the next phase still runs. Phases that can stop early
+Every phase runs in a forked child process with a hard time budget: one that overruns is cut
+(SIGTERM, then SIGKILL), logged as ``cut``, and the next phase still runs. Phases that can stop early
 (distill, train) also get the deadline and stop at a batch/step boundary before it.
 """
 
@@ -63,9 +63,11 @@ class Phase:
     command: int  # which device command (1-based) runs it; 0 = rehearsal only
 
 
-# The GPU plan. Budgets in seconds of command time; distill + train get 6 min, sized from the
-# recipe's measured pieces (a 135M bf16 forward at batch 1024 is launch-bound, ~15 ms; one
-# 32 x 2*512-token training step ~0.1 s) and cut cooperatively at their deadline.
+# The GPU plan. Budgets in seconds of command time; distill + train get 6 min. Their sizes are
+# estimates, not measurements (no GPU has run this yet): a 135M bf16 forward at batch 1024 is
+# launch-bound at ~15 ms, one 32 x 2*512-token training step ~0.1 s. Both phases stop themselves
+# before their deadline (distill at a batch boundary; train's step count is fitted to the time
+# left from a timing of the real step), so a wrong estimate costs corpus or steps, not the run.
 GPU_PHASES = (
     Phase("stage1", 30, 1), Phase("stage2", 60, 2), Phase("distill", 170, 2), Phase("train", 180, 2),
     Phase("pack", 15, 2), Phase("check", 60, 3), Phase("bench", 85, 3), Phase("pack", 15, 3),
@@ -74,7 +76,7 @@ REHEARSAL_PHASES = (
     Phase("stage1", 30, 0), Phase("stage2", 30, 0), Phase("distill", 40, 0), Phase("train", 40, 0),
     Phase("check", 40, 0), Phase("bench", 60, 0), Phase("overrun", 2, 0), Phase("pack", 20, 0),
 )
-# rehearse --smollm2: the real base on a 2-core CPU converts in ~1 min and loads in ~10 s per phase
+# rehearse --smollm2: on a busy 2-core CPU the real base took 94-108 s to convert, ~20-40 s per phase
 SMOLLM2_REHEARSAL_PHASES = tuple(dataclasses.replace(p, budget_s=p.budget_s if p.name in ("stage1", "overrun", "pack")
                                                      else 240) for p in REHEARSAL_PHASES)
 CARRY = {1: (".stage/part1", ".stage/wheels", ".stage/data"), 2: (".stage/part2",), 3: ()}
