@@ -11,6 +11,7 @@ from unmask.errors import UnmaskError
 from unmask.models import ModelBundle, load
 from unmask.models.bundle import check_finite_weights
 from unmask.sampling import Sampling
+from unmask.threads import scoped, use_for
 
 
 @dataclass
@@ -132,6 +133,7 @@ def as_prompt_list(prompts) -> list:
     return [list(p) if isinstance(p, tuple) else p for p in prompts]
 
 
+@scoped
 def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: str | ModelBundle | None = None,
              decoder: str | None = None, *, max_new_tokens: int | None = None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, stop: list[str] | None = None,
@@ -164,6 +166,7 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
         if not isinstance(s, str) or not s:
             raise UnmaskError(f"stop strings must be non-empty text (got {s!r}); drop it or give the text to stop at")
     bundle = model if isinstance(model, ModelBundle) else load(model, device=device, dtype=dtype)
+    use_for(bundle.model)  # the auto thread count for this call, unless the user chose one (unmask.threads)
     decoder = decoder or default_decoder(bundle.kind)
     decode = get_decoder(decoder, bundle.kind)
     if "compile" in options and not isinstance(options["compile"], bool):
@@ -194,6 +197,7 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
                       decoder=decoder, model=bundle.name)
 
 
+@scoped
 def generate_sharded(prompts: str | list[str], model: str | ModelBundle | None = None, decoder: str | None = None,
                      **kwargs) -> Generation:
     """:func:`generate` data-parallel under torchrun: rank r decodes the r-th contiguous share of

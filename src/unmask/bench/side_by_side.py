@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from unmask.errors import UnmaskError
+from unmask.threads import scoped
 
 AR_REFERENCE = ("ar", "stories260K")
 # Decoders benchmarked in several modes: (row label, decoder options). SBD runs lossless
@@ -111,6 +112,7 @@ def adapter_pairs(adapters: list[str] | None, *, decoders: list[str] | None = No
     return out
 
 
+@scoped
 def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, include_all: bool = False,
           decoders: list[str] | None = None, models: list[str] | None = None, adapters: list[str] | None = None,
           judge: str = "stories260K", compile: bool = False,

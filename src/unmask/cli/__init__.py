@@ -9,6 +9,7 @@ import sys
 import warnings
 
 import typer
+import typer.main
 
 from unmask.errors import UnmaskError
 
@@ -25,8 +26,9 @@ app.add_typer(convert_app, name="convert")
 
 @app.callback()
 def _root(threads: str = typer.Option("auto", "--threads", envvar="UNMASK_THREADS", metavar="N|auto",
-                                      help="CPU threads for torch; auto: 1 for models below 100M parameters "
-                                           "(faster on small models and shared machines), torch's default above")):
+                                      help="CPU threads for torch (1 to 4 per core; also after the command); auto: 1 for "
+                                           "models below 100M parameters (faster on small models and shared machines), "
+                                           "above torch's default capped at the idle cores")):
     from unmask.threads import set_threads
 
     set_threads(threads)
@@ -44,6 +46,49 @@ from unmask.cli import evaluate as _evaluate  # noqa: E402,F401
 from unmask.cli import models as _models  # noqa: E402,F401
 from unmask.cli import serve as _serve  # noqa: E402,F401
 from unmask.cli import train as _train  # noqa: E402,F401
+
+
+THREADS_HELP = "CPU threads for torch, as 'unmask --threads N' (1 to 4 per core, or auto)"
+
+
+def _threads_given(ctx, param, value):
+    """``COMMAND --threads N``: the same setting as ``unmask --threads N``, which the root callback
+    applied before this command's options are parsed, so this one wins."""
+    if value is not None:
+        from unmask.threads import set_threads
+
+        set_threads(value)
+    return value
+
+
+def _threads_param():
+    """A ``--threads`` option as typer builds it (its click classes are typer's own), applied by
+    its callback and not passed to the command function."""
+    probe = typer.Typer()
+
+    @probe.command()
+    def _probe(threads: str = typer.Option(None, "--threads", metavar="N|auto", help=THREADS_HELP,
+                                           callback=_threads_given)) -> None:
+        pass
+
+    param = next(p for p in typer.main.get_command(probe).params if p.name == "threads")
+    param.expose_value = False
+    return param
+
+
+def command():
+    """The click command tree of ``app``, with ``--threads`` added to every command that does not
+    declare its own (a typer option belongs to one command, and users put it after the command)."""
+    root = typer.main.get_command(app)
+    param = _threads_param()
+    todo = list(root.commands.values())
+    while todo:
+        cmd = todo.pop()
+        if hasattr(cmd, "commands"):  # a command group (train, data, convert)
+            todo.extend(cmd.commands.values())
+        elif not any("--threads" in getattr(p, "opts", ()) for p in cmd.params):
+            cmd.params.append(param)
+    return root
 
 
 def _fail(message: str) -> None:
@@ -70,7 +115,7 @@ def _run(argv: list[str] | None) -> None:
     try:
         # standalone_mode=False: typer *returns* an exit code instead of exiting, 130 for a
         # KeyboardInterrupt it caught, so it must be turned into the process's exit status here.
-        rc = app(args=argv, prog_name="unmask", standalone_mode=False)
+        rc = command().main(args=argv, prog_name="unmask", standalone_mode=False)
     except UnmaskError as e:
         _fail(str(e).splitlines()[0])
     except typer.Abort:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from unmask.errors import UnmaskError
+from unmask.threads import scoped
 from unmask.eval import tasks as T
 from unmask.eval.env import fingerprint
 
@@ -146,6 +147,7 @@ def _reference(bundle, judge, items: list[T.Item], gens, *, budget: int, batch_s
     return refs.continuations[key]
 
 
+@scoped
 def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | None = None,
              batch_size: int = 8, max_new_tokens: int | None = None, shots: int | None = None,
              data_dir: str | os.PathLike | None = None, judge="stories260K", temperature: float = 0.0,

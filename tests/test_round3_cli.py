@@ -1,0 +1,154 @@
+"""Issue 28, the command line's share: threads (items 1, 2, 25), README drift (4), the adapter hint
+(5), reference NFE (13), interrupts (20, 26), training logs, --json rows and scripts/test.sh (6)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+import unmask
+from conftest import one_line_error, run_cli
+from unmask import threads
+
+
+@pytest.fixture
+def clean_threads(monkeypatch):
+    """No thread choice made by anyone, torch at its (pretended) import-time default of 2."""
+    before, policy = torch.get_num_threads(), threads._policy
+    for var in (threads.ENV, "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    threads._policy = None  # an in-process CLI run leaves "auto" behind
+    monkeypatch.setattr(threads, "_DEFAULT", 2)
+    torch.set_num_threads(2)
+    yield
+    threads._policy = policy
+    torch.set_num_threads(before)
+
+
+def _spy_decoder(monkeypatch):
+    """Record torch's thread count inside each decoder call of unmask.generate."""
+    import unmask.api as api
+
+    seen: list[int] = []
+    real = api.get_decoder
+
+    def get_decoder(name, kind):
+        decode = real(name, kind)
+
+        @functools.wraps(decode)
+        def spy(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return decode(*args, **kwargs)
+
+        return spy
+
+    monkeypatch.setattr(api, "get_decoder", get_decoder)
+    return seen
+
+
+# -- item 1: the Python API applies the auto policy per call --------------------------------------
+
+def test_python_generate_runs_a_small_model_on_one_thread_and_restores_torch(clean_threads, monkeypatch):
+    bundle = unmask.load("stories260K")
+    seen = _spy_decoder(monkeypatch)
+    unmask.generate("Zoo", bundle, "ar", max_new_tokens=4)
+    assert seen == [1]  # the 260K model: one thread inside the call
+    assert torch.get_num_threads() == 2  # and torch's count is the user's again afterwards
+
+
+def test_python_generate_restores_torch_after_an_error(clean_threads):
+    bundle = unmask.load("stories260K")
+    with pytest.raises(unmask.UnmaskError):
+        unmask.generate("Zoo", bundle, "ar", max_new_tokens=10**6)
+    assert torch.get_num_threads() == 2 and threads._depth == 0
+
+
+@pytest.mark.parametrize("how", ["torch", "set_threads", "env", "omp"])
+def test_a_users_own_thread_choice_wins_over_the_per_call_policy(clean_threads, monkeypatch, how):
+    bundle = unmask.load("stories260K")
+    seen = _spy_decoder(monkeypatch)
+    if how == "torch":
+        torch.set_num_threads(3)  # differs from the import-time default: the user's choice
+    elif how == "set_threads":
+        unmask.set_threads(3)
+    elif how == "env":
+        monkeypatch.setenv(threads.ENV, "3")
+        torch.set_num_threads(3)  # what a load under UNMASK_THREADS=3 leaves
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    expected = torch.get_num_threads()
+    unmask.generate("Zoo", bundle, "ar", max_new_tokens=4)
+    assert seen == [expected] and torch.get_num_threads() == expected
+
+
+def test_evaluate_runs_on_the_auto_count_and_restores_torch(clean_threads, monkeypatch):
+    from unmask.eval.runner import evaluate
+
+    seen = _spy_decoder(monkeypatch)
+    evaluate("stories", "stories260K", "ar", limit=1, max_new_tokens=4, warmup=False)
+    assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+
+
+# -- item 2: auto never uses more threads than idle cores; --threads after the command ------------
+
+@pytest.mark.parametrize("load, expected", [(0.0, 2), (0.4, 2), (1.0, 1), (1.8, 1), (7.5, 1)])
+def test_auto_for_a_large_model_is_capped_at_the_idle_cores(monkeypatch, load, expected):
+    monkeypatch.setattr(threads, "_DEFAULT", 2)
+    monkeypatch.setattr(threads, "cores", lambda: 2)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (load, load, load))
+    assert threads.for_model(135_000_000) == expected
+    assert threads.for_model(260_000) == 1  # small models: one thread whatever the load
+
+
+def test_idle_cores_without_a_load_average_is_every_core(monkeypatch):
+    def no_load():
+        raise OSError("unavailable")
+
+    monkeypatch.setattr(threads.os, "getloadavg", no_load)
+    assert threads.idle_cores() == threads.cores()
+
+
+@pytest.mark.parametrize("argv", [["generate", "--threads", "1", "Zoo"], ["generate", "Zoo", "--threads", "1"],
+                                  ["eval", "--task", "stories", "--threads", "1"]])
+def test_threads_is_accepted_after_the_subcommand(capsys, clean_threads, argv):
+    extra = ["--model", "stories260K", "--decoder", "ar", "-n", "2"] + (["--limit", "1", "--no-progress"]
+                                                                       if argv[0] == "eval" else [])
+    code, out, err = run_cli(capsys, *argv, *extra)
+    assert code == 0, err
+    assert threads._policy == 1 and torch.get_num_threads() == 1
+
+
+def test_threads_after_the_subcommand_wins_over_the_global_option(capsys, clean_threads):
+    code, _, err = run_cli(capsys, "--threads", "2", "generate", "Zoo", "--threads", "1", "-m", "stories260K", "-n", "2")
+    assert code == 0, err
+    assert torch.get_num_threads() == 1
+
+
+# -- item 25: absurd thread counts are refused with one line ---------------------------------------
+
+@pytest.mark.parametrize("value", [str(10**5), str(2**31), str(10**10), str(10**30)])
+@pytest.mark.parametrize("where", ["global", "after", "train"])
+def test_absurd_thread_counts_are_one_line_errors(capsys, clean_threads, value, where):
+    argv = {"global": ["--threads", value, "models"], "after": ["generate", "Zoo", "--threads", value],
+            "train": ["train", "sbd-adapter", "--threads", value, "--data", "x.jsonl", "--out", "o"]}[where]
+    one_line_error(capsys, *argv, match="threads must be at most")
+    assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("value", [10**5, 2**31, 1e10])
+def test_absurd_thread_counts_are_refused_in_python_and_in_the_environment(clean_threads, monkeypatch, value):
+    with pytest.raises(unmask.UnmaskError, match="threads must be at most"):
+        unmask.set_threads(value)
+    monkeypatch.setenv(threads.ENV, str(int(value)))
+    with pytest.raises(unmask.UnmaskError, match="threads must be at most"):
+        unmask.load("stories260K")
+    assert torch.get_num_threads() == 2
+
+
+def test_the_largest_accepted_count_is_four_per_core(clean_threads):
+    assert threads.parse(threads.max_threads()) == 4 * threads.cores()
+    with pytest.raises(unmask.UnmaskError):
+        threads.parse(threads.max_threads() + 1)
