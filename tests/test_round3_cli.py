@@ -152,3 +152,81 @@ def test_the_largest_accepted_count_is_four_per_core(clean_threads):
     assert threads.parse(threads.max_threads()) == 4 * threads.cores()
     with pytest.raises(unmask.UnmaskError):
         threads.parse(threads.max_threads() + 1)
+
+
+# -- item 5: sbd on a causal model names the adapter route -----------------------------------------
+
+def test_sbd_on_a_causal_model_names_the_adapter_and_its_trainer(capsys):
+    line = one_line_error(capsys, "generate", "Zoo", "--model", "stories260K", "--decoder", "sbd", "--verify",
+                          match="--adapter")
+    assert "train sbd-adapter" in line and "--decoder ar" in line
+
+
+def test_sbd_on_a_diffusion_model_does_not_offer_an_adapter(capsys):
+    line = one_line_error(capsys, "generate", "Zoo", "--model", "stories260K-dlm", "--decoder", "sbd")
+    assert "adapter" not in line
+
+
+# -- item 6: scripts/test.sh runs the paths it is given ---------------------------------------------
+
+def test_the_test_script_runs_only_the_given_paths():
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(["bash", "scripts/test.sh", "tests/test_test_script.py", "--collect-only"], cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "1 test collected" in run.stdout, run.stdout[-2000:]
+
+
+# -- item 6: piped training logs: one unwrapped line per interval ------------------------------------
+
+def test_piped_training_progress_is_one_unwrapped_line_per_interval(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import unmask.train.progress as P
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(P.time, "monotonic", lambda: float(next(clock)))  # one second per call
+    piped = Console(file=io.StringIO(), width=80)  # not a terminal: what a pipe or log file gets
+    terms = {f"term_{i}": 1.0 + i for i in range(12)}  # a line far wider than 80 columns
+    with P.TrainProgress(piped, total=30, start=0, term_names=tuple(terms), interval=10) as progress:
+        for step in range(1, 31):
+            progress.update(step, terms, 1234.0)
+    lines = piped.file.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["1/30", "11/30", "21/30", "30/30"]
+    assert all(line.startswith("step ") and "term_11 12.000" in line and line.endswith("tok/s") for line in lines)
+
+
+def test_training_progress_defaults_to_thirty_seconds():
+    from unmask.train.progress import TrainProgress
+
+    assert TrainProgress(None, 10, 0, ()).interval == 30.0
+
+
+# -- item 6: --json rows give per-row and batch figures apart ----------------------------------------
+
+def test_json_rows_have_per_row_and_batch_speed(capsys):
+    code, out, err = run_cli(capsys, "generate", "Zoo", "Once upon a time", "--model", "stories260K", "--decoder", "ar",
+                             "-n", "8", "--json")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 2
+    total = sum(len(r["tokens"]) for r in rows)
+    for r in rows:
+        assert r["seconds"] == r["batch_seconds"] > 0
+        assert r["tps"] == pytest.approx(len(r["tokens"]) / r["seconds"])
+        assert r["batch_tps"] == pytest.approx(total / r["batch_seconds"])
+    assert rows[0]["tps"] < rows[0]["batch_tps"]  # a row's own speed is its share, not the batch's
+
+
+def test_eval_rows_have_per_row_and_batch_speed():
+    from unmask.eval.runner import evaluate
+
+    res = evaluate("stories", "stories260K", "ar", limit=2, batch_size=2, max_new_tokens=6, warmup=False)
+    for r in res.rows:
+        assert r["tps"] == pytest.approx(r["n_tokens"] / r["seconds"])
+        assert r["batch_tps"] == pytest.approx(sum(x["n_tokens"] for x in res.rows) / r["batch_seconds"])

@@ -27,12 +27,19 @@ class Generation:
     model: str
 
     def rows(self) -> list[dict]:
-        """One JSON-ready dict per prompt: the CLI ``--json`` contract."""
+        """One JSON-ready dict per prompt: the CLI ``--json`` contract.
+
+        Per row: ``nfe`` and ``tpf`` (its forwards), ``seconds`` (the call's wall-clock: the rows of
+        a batch are decoded together and all arrive when it ends) and ``tps`` (the row's own tokens
+        per second, ``len(tokens) / seconds``). Per batch: ``batch_seconds`` and ``batch_tps`` (every
+        row's tokens per second of the call, the figure the text output prints)."""
         out = []
+        secs = self.stats.seconds
         for i, prompt in enumerate(self.prompts):
             row = self.stats.row(i)
             out.append({"prompt": prompt, "text": self.texts[i], "tokens": self.tokens[i], "nfe": row["nfe"],
-                        "tpf": row["tpf"], "seconds": self.stats.seconds, "tps": self.stats.tps,
+                        "tpf": row["tpf"], "seconds": secs, "tps": row["generated"] / secs if secs > 0 else 0.0,
+                        "batch_seconds": secs, "batch_tps": self.stats.tps,
                         "decoder": self.decoder, "model": self.model, **self.stats.extra.get("row_extra", [{}] * len(self.prompts))[i]})
         return out
 

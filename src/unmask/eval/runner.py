@@ -103,7 +103,9 @@ def _generate_batches(prompts: list[str], bundle, decoder: str, *, batch_size: i
             row = g.stats.row(i)
             local.append((s + i, {"prompt": g.prompts[i], "text": g.texts[i], "tokens": g.tokens[i], "prompt_tokens": g.prompt_tokens[i],
                                   "n_tokens": row["generated"], "nfe": row["nfe"], "tpf": row["tpf"],
-                                  "seconds": g.stats.seconds, "tps": g.stats.tps, "batch": b,
+                                  "seconds": g.stats.seconds, "tps": row["generated"] / g.stats.seconds
+                                  if g.stats.seconds > 0 else 0.0, "batch_seconds": g.stats.seconds,
+                                  "batch_tps": g.stats.tps, "batch": b,
                                   "batch_nfe": g.stats.nfe}))
         if progress is not None:  # this rank's share, scaled to the whole run
             progress(min(len(prompts), done * (1 if tp else dist.world()) * batch_size), len(prompts), stage)
@@ -255,7 +257,8 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
     for it, g, s in zip(items, gens, scores):
         rows.append({"type": "item", "task": task, "id": it.id, "model": bundle.name, "decoder": decoder,
                      "prompt": g["prompt"], "text": g["text"], "n_tokens": g["n_tokens"], "nfe": g["nfe"],
-                     "tpf": g["tpf"], "seconds": g["seconds"], "tps": g["tps"], "batch": g["batch"],
+                     "tpf": g["tpf"], "seconds": g["seconds"], "tps": g["tps"], "batch_seconds": g["batch_seconds"],
+                     "batch_tps": g["batch_tps"], "batch": g["batch"],
                      **s, "config": config, "env": env})
     metrics = T.summarize(task, scores)
     qname = spec.quality_metrics[0]
