@@ -230,3 +230,135 @@ def test_eval_rows_have_per_row_and_batch_speed():
     for r in res.rows:
         assert r["tps"] == pytest.approx(r["n_tokens"] / r["seconds"])
         assert r["batch_tps"] == pytest.approx(sum(x["n_tokens"] for x in res.rows) / r["batch_seconds"])
+
+
+# -- items 20 and 26: a signal once the output is published ----------------------------------------
+
+# Runs `unmask ARGV` like the console script, with a pause announced on stdout ("PAUSE") at one
+# moment, so that the test's SIGINT lands exactly there: after the trainer printed "wrote OUT"
+# (inside the command), after the command returned (inside entry.main), or after entry.main
+# returned (interpreter shutdown).
+_PAUSED_RUN = r"""
+import json, sys, time
+moment, argv = sys.argv[1], json.loads(sys.argv[2])
+
+def pause():
+    print("PAUSE", flush=True)
+    time.sleep(20)
+
+if moment == "after-wrote":
+    import unmask.cli.train as t
+    echo = t.typer.echo
+    def echo_then_pause(message=None, *a, **k):
+        echo(message, *a, **k)
+        if str(message).startswith("wrote "):
+            pause()
+    t.typer.echo = echo_then_pause
+if moment == "after-command":
+    import unmask.cli
+    run = unmask.cli.main
+    def run_then_pause(argv):
+        run(argv)
+        pause()
+    unmask.cli.main = run_then_pause
+from unmask.entry import main
+main(argv)
+if moment == "shutdown":
+    pause()
+"""
+
+
+def _train_argv(tmp_path) -> list[str]:
+    from conftest import ids_file
+
+    corpus = ids_file(tmp_path / "c.jsonl")
+    return ["train", "sbd", "--base", "stories260K", "--data", str(corpus), "--out", str(tmp_path / "m"),
+            "--steps", "1", "--seq-len", "16", "--batch-size", "1", "--warmup", "0", "--eval-every", "0",
+            "--ckpt-every", "0", "--no-progress"]
+
+
+def _interrupt_at_pause(tmp_path, moment: str, argv: list[str]):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(unmask.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSED_RUN, moment, json.dumps(argv)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.strip() == "PAUSE":
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, err = proc.communicate(timeout=120)
+    return proc.returncode, "".join(out) + rest, err
+
+
+@pytest.mark.parametrize("moment", ["after-wrote", "after-command", "shutdown"])
+def test_a_signal_after_the_output_is_published_keeps_it_and_exits_0(tmp_path, moment):
+    code, out, err = _interrupt_at_pause(tmp_path, moment, _train_argv(tmp_path))
+    assert "PAUSE" in out, (code, out, err)
+    assert (tmp_path / "m" / "config.json").is_file()
+    assert code == 0, (code, err)  # published: the output stands (before: 130 "interrupted", or -2)
+    assert "Traceback" not in err and "interrupted\n" not in err.replace("warning: interrupted", "")
+    if moment != "shutdown":  # the command had not ended yet: it says what happened
+        assert f"warning: interrupted after {tmp_path / 'm'} was written complete" in err
+
+
+def test_a_signal_before_anything_is_published_still_exits_130(tmp_path):
+    # the pause is after a command that publishes nothing (generate prints to stdout)
+    code, out, err = _interrupt_at_pause(tmp_path, "after-command", ["generate", "Zoo", "-m", "stories260K", "-n", "2"])
+    assert code == 130 and err.strip().splitlines()[-1] == "interrupted", (code, err)
+
+
+def test_publishing_defers_a_signal_until_the_output_is_recorded(tmp_path):
+    import os
+    import signal
+
+    from unmask import fileio
+
+    fileio.forget_published()
+    src = fileio.staging_dir(tmp_path / "out")
+    (src / "f").write_text("x")
+    real = os.replace
+
+    def replace_with_a_signal(a, b):
+        os.kill(os.getpid(), signal.SIGINT)  # lands mid-publish
+        real(a, b)
+
+    with fileio.output_lock(tmp_path / "out"):
+        os.replace = replace_with_a_signal
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                fileio.publish_dir(src, tmp_path / "out")
+        finally:
+            os.replace = real
+    assert (tmp_path / "out" / "f").read_text() == "x"
+    assert fileio.published_outputs() == [tmp_path / "out"]  # the interrupt came after the record
+    fileio.forget_published()
+
+
+def test_ctrl_c_while_compile_compiles_is_exit_130_with_one_line(tmp_path):
+    """Guard (issue 28 item 26): SIGINT a few seconds into torch.compile's first compile."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    src = str(Path(unmask.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": src}
+    proc = subprocess.Popen([sys.executable, "-m", "unmask", "generate", "Zoo", "-m", "stories260K", "--compile",
+                             "-n", "8", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=tmp_path)
+    time.sleep(8)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the compile finished before the signal")
+    assert proc.returncode == 130 and err.strip().splitlines() == ["interrupted"], (proc.returncode, err[-2000:])

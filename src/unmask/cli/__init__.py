@@ -97,9 +97,21 @@ def _fail(message: str) -> None:
 
 
 def interrupted() -> None:
-    """Ctrl-C: one line, exit status 130 (128 + SIGINT), as a shell pipeline expects."""
+    """Ctrl-C: one line, exit status 130 (128 + SIGINT), as a shell pipeline expects; or, when the
+    command had already published its output complete (:func:`unmask.fileio.published_outputs`),
+    a warning and exit 0, since the output stands (issue 28 item 20)."""
+    done = _published()
+    if done:
+        print(f"warning: interrupted after {done} was written complete; it is kept", file=sys.stderr)
+        raise SystemExit(0)
     print("interrupted", file=sys.stderr)
     raise SystemExit(130)
+
+
+def _published() -> str:
+    """The outputs this command published, as text ("" for none)."""
+    fileio = sys.modules.get("unmask.fileio")  # not imported: nothing was published
+    return ", ".join(str(p) for p in fileio.published_outputs()) if fileio is not None else ""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(argv: list[str] | None) -> None:
+    from unmask.fileio import forget_published
+
+    forget_published()  # a new command (tests run several in one process)
     try:
         # standalone_mode=False: typer *returns* an exit code instead of exiting, 130 for a
         # KeyboardInterrupt it caught, so it must be turned into the process's exit status here.

@@ -285,7 +285,7 @@ def sweep_cmd(
     if out is not None:
         from unmask.fileio import atomic_write_json
 
-        atomic_write_json(out, res.to_dict(), "--out")
+        atomic_write_json(out, res.to_dict(), "--out", output=True)
         typer.echo(f"wrote {out}")
 
 

@@ -47,7 +47,7 @@ class EvalResult:
         """Write :meth:`jsonl` to ``path`` atomically."""
         from unmask.fileio import atomic_write_text
 
-        atomic_write_text(path, self.jsonl())
+        atomic_write_text(path, self.jsonl(), output=True)
 
 
 @dataclass
