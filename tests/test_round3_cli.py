@@ -362,3 +362,178 @@ def test_ctrl_c_while_compile_compiles_is_exit_130_with_one_line(tmp_path):
     if proc.returncode == 0:
         pytest.skip("the compile finished before the signal")
     assert proc.returncode == 130 and err.strip().splitlines() == ["interrupted"], (proc.returncode, err[-2000:])
+
+
+# -- item 13: --reference-nfe reproduces the reference code's forward counts ------------------------
+
+def _early_stop_dlm():
+    """stories260K-dlm with "." as a stop token: its rows stop blocks before the canvas ends."""
+    bundle = unmask.load("stories260K-dlm")
+    bundle.stop_token_ids = tuple(bundle.encode(".")[-1:])
+    return bundle
+
+
+def test_reference_nfe_decodes_the_whole_canvas_as_the_reference_does():
+    from unmask.decode import diffusion
+
+    bundle = _early_stop_dlm()
+    kw = dict(max_new_tokens=64, block_size=8)
+    ours = unmask.generate("Once upon a time", bundle, "diffusion", **kw)
+    ref = unmask.generate("Once upon a time", bundle, "diffusion", reference_nfe=True, **kw)
+    raw = diffusion.decode(bundle, ref.prompt_tokens, stop_token_ids=(), **kw)  # the API's old only way
+    assert ours.stats.nfe < ref.stats.nfe == raw.stats.nfe  # the default stops after the stop token's block
+    assert ref.tokens == ours.tokens and ref.texts == ours.texts  # text cut at the stop token all the same
+    assert ref.stats.tokens_per_row == [len(t) for t in ref.tokens]
+
+
+def test_reference_nfe_on_the_command_line(capsys, monkeypatch):
+    import unmask.models as models
+
+    bundle = _early_stop_dlm()
+    monkeypatch.setattr(models, "load", lambda *a, **k: bundle)
+    argv = ["generate", "Once upon a time", "--model", "stories260K-dlm", "--block-size", "8", "-n", "64", "--json"]
+    rows = []
+    for extra in ([], ["--reference-nfe"]):
+        code, out, err = run_cli(capsys, *argv, *extra)
+        assert code == 0, err
+        rows.append(json.loads(out.splitlines()[0]))
+    assert rows[0]["nfe"] < rows[1]["nfe"] and rows[0]["tokens"] == rows[1]["tokens"]
+
+
+def test_reference_nfe_with_more_steps_than_tokens_warns_of_the_skipped_steps(capsys):
+    code, _, err = run_cli(capsys, "generate", "Zoo", "--model", "stories260K-dlm", "--gen-length", "16",
+                           "--block-size", "8", "--policy", "top-k", "--steps", "32", "--reference-nfe")
+    assert code == 0
+    assert "warning: --steps 32 is above the gen length 16" in err and "16 below the reference's" in err
+
+
+def test_reference_nfe_is_refused_for_decoders_whose_reference_stops_at_eos(capsys):
+    one_line_error(capsys, "generate", "Zoo", "--model", "stories260K", "--decoder", "ar", "--reference-nfe",
+                   match="--reference-nfe applies to the dLLM decoders")
+
+
+def test_eval_takes_reference_nfe_and_records_it(capsys):
+    from unmask.eval.runner import evaluate
+
+    res = evaluate("stories", _early_stop_dlm(), "diffusion", limit=1, max_new_tokens=32, block_size=8,
+                   warmup=False, reference_nfe=True)
+    assert res.summary["config"]["reference_nfe"] is True
+    assert "--reference-nfe" in run_cli(capsys, "eval", "--help")[1]
+    assert "--reference-nfe" in run_cli(capsys, "bench", "--help")[1]
+
+
+# -- item 4: every `unmask ...` line of README.md parses as pasted -----------------------------------
+
+README_PLACEHOLDER = r"^(\[.*|[A-Z][A-Z_]*|.*\|.*)$"  # [--opt X], DIR / N / TEXT, a|b alternatives
+
+
+def _readme_commands() -> list[tuple[int, list[str]]]:
+    """(line number, argv after 'unmask') of every unmask invocation in README.md's bash blocks, in
+    document order: continuation lines joined, comments dropped, `&&`/`;`/`|` chains split, and
+    `torchrun ... -m unmask ...` included."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    found, in_bash, pending, start = [], False, "", 0
+    for n, line in enumerate(text.splitlines(), start=1):
+        if line.startswith("```"):
+            in_bash = line.strip() in ("```bash", "```sh", "```shell") and not in_bash
+            continue
+        if not in_bash:
+            continue
+        if not pending:
+            start = n
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        logical, pending = pending + line, ""
+        tokens = shlex.split(logical, comments=True)
+        segment: list[str] = []
+        for tok in tokens + [";"]:
+            if tok in ("&&", "||", ";", "|"):
+                if "unmask" in segment:
+                    i = segment.index("unmask")
+                    if i == 0 or segment[i - 1] == "-m":
+                        found.append((start, segment[i + 1:]))
+                segment = []
+            else:
+                segment.append(tok)
+    assert re.compile(README_PLACEHOLDER)  # the pattern compiles
+    return found
+
+
+def _parse_unmask(argv: list[str]):
+    """Parse ``unmask ARGV`` with the real command tree without running it -> (command path, the
+    leaf's parameter values). Raises click's UsageError for unknown commands or options."""
+    from unmask.cli import command
+
+    cmd, name, parent, path = command(), "unmask", None, []
+    args = list(argv)
+    while True:
+        ctx = cmd.make_context(name, list(args), parent=parent)
+        if not hasattr(cmd, "commands"):
+            return path, ctx.params
+        rest = list(getattr(ctx, "_protected_args", [])) + list(ctx.args)
+        assert rest, f"no subcommand in {argv}"
+        name, cmd, args = cmd.resolve_command(ctx, rest)
+        path.append(name)
+        parent = ctx
+
+
+def test_readme_lists_unmask_commands():
+    commands = _readme_commands()
+    assert len(commands) > 40 and any(argv[:1] == ["serve"] for _, argv in commands)
+
+
+def test_every_readme_unmask_line_parses_and_has_no_placeholders(clean_threads):
+    import re
+
+    bad = []
+    for line, argv in _readme_commands():
+        holders = [a for a in argv if re.match(README_PLACEHOLDER, a)]
+        if holders:
+            bad.append(f"README.md:{line}: placeholder(s) {holders} in 'unmask {' '.join(argv)}'")
+            continue
+        try:
+            _parse_unmask(argv)
+        except Exception as e:  # noqa: BLE001 - reported per line
+            bad.append(f"README.md:{line}: 'unmask {' '.join(argv)}' does not parse: {e}")
+    assert not bad, "\n".join(bad)
+
+
+def test_readme_commands_use_only_inputs_that_exist_or_an_earlier_line_makes(clean_threads):
+    """A corpus, prompt file or model directory a README line reads is in the repository, a shipped
+    model, an explicit path of the user's own (./DIR, /DIR) or written by an earlier line."""
+    import re
+    from pathlib import Path
+
+    from unmask.models.registry import WHEEL_MODELS, shipped
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text(encoding="utf-8")
+    made: set[str] = {m for m in re.findall(r"> ?([\w./-]+)", text)}  # shell redirections (printf > FILE)
+    names = set(shipped()) | set(WHEEL_MODELS)
+    bad = []
+    for line, argv in _readme_commands():
+        try:
+            path, params = _parse_unmask(argv)
+        except Exception:  # noqa: BLE001 - the parse test reports it
+            continue
+        keys = ("data", "prompts_file", "model", "base", "adapter") + (("prompts",) if path == ["data", "distill"] else ())
+        reads = {k: params.get(k) for k in keys}
+        for key, value in reads.items():
+            for v in (value if isinstance(value, (list, tuple)) else [value]):
+                if v is None:
+                    continue
+                v = str(v).removeprefix("./")
+                known = (v in made or v in names or (root / v).exists() or v.startswith(("/", "..", "$"))
+                         or (key == "adapter" and v == "sbd") or (key == "prompts" and v in ("gsm8k", "humaneval", "mbpp"))
+                         or (key in ("model", "base") and str(value).startswith("./")))
+                if not known:
+                    bad.append(f"README.md:{line}: --{key.replace('_', '-')} {v} is read before any line makes it")
+        for key in ("out", "out_dir"):
+            if params.get(key) is not None:
+                made.add(str(params[key]).removeprefix("./"))
+    assert not bad, "\n".join(bad)

@@ -156,7 +156,8 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
              top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, device: str = "cpu",
              dtype: str = "float32", warmup: bool = True, workers: int = 2, timeout_s: float = 10.0,
              progress: Progress | None = None, references: References | None = None,
-             chat: bool | None = None, system: str | None = None, **decoder_options) -> EvalResult:
+             chat: bool | None = None, system: str | None = None, reference_nfe: bool = False,
+             **decoder_options) -> EvalResult:
     """Evaluate ``decoder`` on ``model`` over ``task`` (``stories``, ``gsm8k``, ``humaneval``, ``mbpp``).
 
     Args:
@@ -176,6 +177,8 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
         chat: ask gsm8k, humaneval and mbpp in chat form (:func:`unmask.eval.tasks.load_items`)
             through the model's chat template; ``None`` (default): when the model has one.
             ``stories`` is always raw. system: a system turn for chat prompts.
+        reference_nfe: the dLLM decoders decode whole canvases, as the reference code does
+            (:func:`unmask.api.generate`); the AR reference of ``stories`` is unaffected.
         decoder_options: passed to the decoder (``policy``, ``gamma``, ``block_size``, ...).
 
     Returns:
@@ -209,6 +212,10 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
         raise UnmaskError(f"--system applies to chat prompts, and {task} is asked raw here; drop --system "
                           "(or add --chat)")
     asked = {"chat": chat, "system": system}
+    if reference_nfe:  # only when asked: generate() refuses it for the decoders whose reference stops at EOS
+        decoder_run = {"reference_nfe": True}
+    else:
+        decoder_run = {}
     decoder = decoder or default_decoder(bundle.kind)
     if decoder_options.get("compile") is False:  # an explicit "off" is every decoder's default
         decoder_options = {k: v for k, v in decoder_options.items() if k != "compile"}
@@ -222,10 +229,11 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
     if warmup:
         from unmask.api import generate
 
-        generate(items[0].query, bundle, decoder, max_new_tokens=2, **asked, **sampling, **decoder_options)
+        generate(items[0].query, bundle, decoder, max_new_tokens=2, **asked, **sampling, **decoder_run,
+                 **decoder_options)
     gens = _generate_batches([it.query for it in items], bundle, decoder, batch_size=batch_size,
                              progress=progress, stage="decode", max_new_tokens=budget, stop=stop,
-                             **asked, **sampling, **decoder_options)
+                             **asked, **sampling, **decoder_run, **decoder_options)
     refs = references if references is not None else References()
     extra: dict[str, Any] = {}
     if task == "stories":
@@ -251,7 +259,7 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
     config = {"task": task, "model": bundle.name, "kind": bundle.kind, "decoder": decoder,
               "options": dict(sorted(decoder_options.items())), "max_new_tokens": budget, "stop": stop,
               "shots": spec.default_shots if shots is None else shots, "batch_size": batch_size,
-              **asked, **sampling, **extra}
+              **asked, **sampling, **decoder_run, **extra}
     env = fingerprint(device=str(bundle.device), dtype=str(bundle.dtype), batch_size=batch_size)
     rows = []
     for it, g, s in zip(items, gens, scores):
