@@ -537,3 +537,12 @@ def test_readme_commands_use_only_inputs_that_exist_or_an_earlier_line_makes(cle
             if params.get(key) is not None:
                 made.add(str(params[key]).removeprefix("./"))
     assert not bad, "\n".join(bad)
+
+
+def test_a_signal_after_data_distill_wrote_its_corpus_keeps_it_and_exits_0(tmp_path):
+    (tmp_path / "p.txt").write_text("Once upon a time\nZoo\n")
+    argv = ["data", "distill", "--model", "stories260K", "--prompts", str(tmp_path / "p.txt"), "--out",
+            str(tmp_path / "d.jsonl"), "--max-new-tokens", "4", "--no-progress"]
+    code, out, err = _interrupt_at_pause(tmp_path, "after-command", argv)
+    assert code == 0 and "was written complete" in err, (code, err)
+    assert len((tmp_path / "d.jsonl").read_text().splitlines()) == 2

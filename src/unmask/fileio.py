@@ -33,6 +33,19 @@ def published_outputs() -> list[Path]:
     return list(_published)
 
 
+def replace_output(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """``os.replace(src, dst)`` for a command's finished output file: SIGINT/SIGTERM wait for the
+    rename, and ``dst`` then counts as published (:func:`published_outputs`)."""
+    with _signals_deferred(Path(dst), True):
+        os.replace(src, dst)
+
+
+def mark_published(path: str | os.PathLike) -> None:
+    """Record ``path`` as a complete output of this command (one written in place, such as a
+    corpus appended to row by row, once its last row is on disk)."""
+    _published.append(Path(path))
+
+
 def forget_published() -> None:
     """Start a new command: no output published yet."""
     _published.clear()

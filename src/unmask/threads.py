@@ -162,8 +162,8 @@ def scoped(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         with call_scope():
-            first = args[0] if args else None
-            use_for(getattr(first, "model", None) if hasattr(first, "encode") else None)
+            model = getattr(args[0], "model", None) if args else None
+            use_for(model if isinstance(model, torch.nn.Module) else None)
             return fn(*args, **kwargs)
 
     return wrapper
