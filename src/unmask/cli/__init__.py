@@ -18,8 +18,15 @@ try:  # typer >= 0.20 vendors click
 except ImportError:  # pragma: no cover - older typer on real click
     from click import exceptions as _click_errors
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="unmask: commit many tokens per forward pass (SBD, MBD, Early-Bird, dLLM baselines).")
+class _App(typer.Typer):
+    """The ``unmask`` typer app, run through :func:`command`'s tree (``--threads`` on every command)."""
+
+    def __call__(self, *args, **kwargs):
+        return command(self)(*args, **kwargs)
+
+
+app = _App(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+           help="unmask: commit many tokens per forward pass (SBD, MBD, Early-Bird, dLLM baselines).")
 convert_app = typer.Typer(no_args_is_help=True, help="Convert checkpoints into Hugging Face directories.")
 app.add_typer(convert_app, name="convert")
 
@@ -76,10 +83,11 @@ def _threads_param():
     return param
 
 
-def command():
-    """The click command tree of ``app``, with ``--threads`` added to every command that does not
-    declare its own (a typer option belongs to one command, and users put it after the command)."""
-    root = typer.main.get_command(app)
+def command(typer_app: typer.Typer | None = None):
+    """The click command tree of ``typer_app`` (default ``app``), with ``--threads`` added to every
+    command that does not declare its own (a typer option belongs to one command, and users put it
+    after the command)."""
+    root = typer.main.get_command(app if typer_app is None else typer_app)
     param = _threads_param()
     todo = list(root.commands.values())
     while todo:
@@ -130,7 +138,7 @@ def _run(argv: list[str] | None) -> None:
     try:
         # standalone_mode=False: typer *returns* an exit code instead of exiting, 130 for a
         # KeyboardInterrupt it caught, so it must be turned into the process's exit status here.
-        rc = command().main(args=argv, prog_name="unmask", standalone_mode=False)
+        rc = app(args=argv, prog_name="unmask", standalone_mode=False)
     except UnmaskError as e:
         _fail(str(e).splitlines()[0])
     except typer.Abort:
