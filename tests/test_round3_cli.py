@@ -122,7 +122,8 @@ def test_threads_is_accepted_after_the_subcommand(capsys, clean_threads, argv):
 
 
 def test_threads_after_the_subcommand_wins_over_the_global_option(capsys, clean_threads):
-    code, _, err = run_cli(capsys, "--threads", "2", "generate", "Zoo", "--threads", "1", "-m", "stories260K", "-n", "2")
+    code, _, err = run_cli(capsys, "--threads", "2", "generate", "Zoo", "--threads", "1", "-m", "stories260K",
+                           "-n", "2")
     assert code == 0, err
     assert torch.get_num_threads() == 1
 
@@ -521,7 +522,8 @@ def test_readme_commands_use_only_inputs_that_exist_or_an_earlier_line_makes(cle
             path, params = _parse_unmask(argv)
         except Exception:  # noqa: BLE001 - the parse test reports it
             continue
-        keys = ("data", "prompts_file", "model", "base", "adapter") + (("prompts",) if path == ["data", "distill"] else ())
+        keys = ("data", "prompts_file", "model", "base", "adapter")
+        keys += ("prompts",) if path == ["data", "distill"] else ()
         reads = {k: params.get(k) for k in keys}
         for key, value in reads.items():
             for v in (value if isinstance(value, (list, tuple)) else [value]):
@@ -529,7 +531,8 @@ def test_readme_commands_use_only_inputs_that_exist_or_an_earlier_line_makes(cle
                     continue
                 v = str(v).removeprefix("./")
                 known = (v in made or v in names or (root / v).exists() or v.startswith(("/", "..", "$"))
-                         or (key == "adapter" and v == "sbd") or (key == "prompts" and v in ("gsm8k", "humaneval", "mbpp"))
+                         or (key == "adapter" and v == "sbd")
+                         or (key == "prompts" and v in ("gsm8k", "humaneval", "mbpp"))
                          or (key in ("model", "base") and str(value).startswith("./")))
                 if not known:
                     bad.append(f"README.md:{line}: --{key.replace('_', '-')} {v} is read before any line makes it")

@@ -33,9 +33,9 @@ app.add_typer(convert_app, name="convert")
 
 @app.callback()
 def _root(threads: str = typer.Option("auto", "--threads", envvar="UNMASK_THREADS", metavar="N|auto",
-                                      help="CPU threads for torch (1 to 4 per core; also after the command); auto: 1 for "
-                                           "models below 100M parameters (faster on small models and shared machines), "
-                                           "above torch's default capped at the idle cores")):
+                                      help="CPU threads for torch (1 to 4 per core; also after the command); "
+                                           "auto: 1 for models below 100M parameters (faster on small models and "
+                                           "shared machines), above torch's default capped at the idle cores")):
     from unmask.threads import set_threads
 
     set_threads(threads)
