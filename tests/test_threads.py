@@ -20,7 +20,10 @@ def restore(monkeypatch):
     torch.set_num_threads(before)
 
 
-def test_auto_uses_one_thread_for_small_models_and_torch_default_for_large():
+def test_auto_uses_one_thread_for_small_models_and_torch_default_for_large(monkeypatch):
+    # an idle machine (issue 28 item 2: above the threshold auto is capped at the idle cores)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(threads, "cores", lambda: max(threads._DEFAULT, 1))
     assert threads.for_model(260_000) == 1
     assert threads.for_model(threads.SMALL_MODEL_PARAMS - 1) == 1
     assert threads.for_model(threads.SMALL_MODEL_PARAMS) == threads._DEFAULT

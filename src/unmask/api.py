@@ -11,6 +11,7 @@ from unmask.errors import UnmaskError
 from unmask.models import ModelBundle, load
 from unmask.models.bundle import check_finite_weights
 from unmask.sampling import Sampling
+from unmask.threads import scoped, use_for
 
 
 @dataclass
@@ -26,12 +27,19 @@ class Generation:
     model: str
 
     def rows(self) -> list[dict]:
-        """One JSON-ready dict per prompt: the CLI ``--json`` contract."""
+        """One JSON-ready dict per prompt: the CLI ``--json`` contract.
+
+        Per row: ``nfe`` and ``tpf`` (its forwards), ``seconds`` (the call's wall-clock: the rows of
+        a batch are decoded together and all arrive when it ends) and ``tps`` (the row's own tokens
+        per second, ``len(tokens) / seconds``). Per batch: ``batch_seconds`` and ``batch_tps`` (every
+        row's tokens per second of the call, the figure the text output prints)."""
         out = []
+        secs = self.stats.seconds
         for i, prompt in enumerate(self.prompts):
             row = self.stats.row(i)
             out.append({"prompt": prompt, "text": self.texts[i], "tokens": self.tokens[i], "nfe": row["nfe"],
-                        "tpf": row["tpf"], "seconds": self.stats.seconds, "tps": self.stats.tps,
+                        "tpf": row["tpf"], "seconds": secs, "tps": row["generated"] / secs if secs > 0 else 0.0,
+                        "batch_seconds": secs, "batch_tps": self.stats.tps,
                         "decoder": self.decoder, "model": self.model, **self.stats.extra.get("row_extra", [{}] * len(self.prompts))[i]})
         return out
 
@@ -132,11 +140,12 @@ def as_prompt_list(prompts) -> list:
     return [list(p) if isinstance(p, tuple) else p for p in prompts]
 
 
+@scoped
 def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: str | ModelBundle | None = None,
              decoder: str | None = None, *, max_new_tokens: int | None = None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, stop: list[str] | None = None,
              chat: bool = False, system: str | None = None, device: str = "cpu", dtype: str = "float32",
-             **options) -> Generation:
+             reference_nfe: bool = False, **options) -> Generation:
     """Generate continuations of ``prompts`` with any decoder.
 
     prompts: a text, a list of texts, a conversation (a list of ``{"role", "content"}`` messages)
@@ -151,6 +160,12 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     ``options`` go to the decoder (e.g. ``policy="entropy-bound", gamma=0.35, block_size=16``).
     max_new_tokens: tokens reported per prompt; default 128, or the whole canvas when a
     diffusion ``gen_length`` is given (a smaller value cuts the canvas and ends decoding early).
+    reference_nfe: the dLLM decoders (``diffusion``, ``early-bird``, ``block``, ``multiblock``)
+    decode the whole canvas as the published reference code does, instead of stopping after the
+    block that holds EOS (and after the block that holds ``max_new_tokens``), so NFE is the
+    reference's; the text and token counts are still cut at the first stop token and at
+    ``max_new_tokens``. LLaDA's zero-quota steps (``steps`` above the gen length) stay skipped,
+    with a warning. ``ar`` and ``sbd`` stop at EOS as their references do: refused there.
     Raises UnmaskError for every invalid input, and for a model whose weights are not finite.
     """
     if not (model is None or isinstance(model, (str, os.PathLike, ModelBundle))):
@@ -164,6 +179,7 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
         if not isinstance(s, str) or not s:
             raise UnmaskError(f"stop strings must be non-empty text (got {s!r}); drop it or give the text to stop at")
     bundle = model if isinstance(model, ModelBundle) else load(model, device=device, dtype=dtype)
+    use_for(bundle.model)  # the auto thread count for this call, unless the user chose one (unmask.threads)
     decoder = decoder or default_decoder(bundle.kind)
     decode = get_decoder(decoder, bundle.kind)
     if "compile" in options and not isinstance(options["compile"], bool):
@@ -181,8 +197,13 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     prompts, ids = prepare_prompts(bundle, prompts, chat=chat, system=system)
     check_fit(bundle, ids, max_new_tokens, options.get("gen_length"))
     check_finite_weights(bundle)
-    out = decode(bundle, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                 stop_token_ids=bundle.stop_token_ids, stop_strings=tuple(stop or ()), **options)
+    if not isinstance(reference_nfe, bool):
+        raise UnmaskError(f"reference_nfe must be True or False (got {reference_nfe!r}); pass reference_nfe=True")
+    if reference_nfe:
+        out = _reference_decode(decode, decoder, bundle, ids, max_new_tokens, sampling, stop, options)
+    else:
+        out = decode(bundle, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                     stop_token_ids=bundle.stop_token_ids, stop_strings=tuple(stop or ()), **options)
     texts = []
     for p, toks in zip(ids, out.tokens):
         text = bundle.decode_continuation(p, toks)
@@ -194,6 +215,42 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
                       decoder=decoder, model=bundle.name)
 
 
+REFERENCE_NFE_DECODERS = ("diffusion", "early-bird", "block", "multiblock")
+
+
+def _reference_decode(decode, decoder: str, bundle: ModelBundle, ids: list[list[int]], max_new_tokens: int,
+                      sampling: Sampling, stop: list[str], options: dict):
+    """:func:`generate`'s ``reference_nfe=True``: decode the whole canvas without stop tokens or
+    strings (the reference code's forwards), then cut each row at its first stop token and at
+    ``max_new_tokens``, recounting its generated tokens (NFE stays the whole canvas's).
+    Raises UnmaskError for a decoder outside :data:`REFERENCE_NFE_DECODERS`."""
+    import warnings
+
+    from unmask.decode import DecodeOutput
+
+    if decoder not in REFERENCE_NFE_DECODERS:
+        raise UnmaskError(f"--reference-nfe applies to the dLLM decoders ({', '.join(REFERENCE_NFE_DECODERS)}), "
+                          f"not {decoder!r}, whose reference stops at EOS too; drop --reference-nfe")
+    gen_length = options.get("gen_length")
+    budget = max(max_new_tokens, gen_length) if isinstance(gen_length, int) else max_new_tokens
+    out = decode(bundle, ids, max_new_tokens=budget, sampling=sampling, stop_token_ids=(), stop_strings=(), **options)
+    stops = set(bundle.stop_token_ids)
+    tokens = []
+    for row in out.tokens:
+        cut = next((i for i, t in enumerate(row) if t in stops), len(row))
+        tokens.append(row[:min(cut, max_new_tokens)])
+    s = out.stats
+    stats = DecodeStats(nfe=s.nfe, nfe_per_row=s.nfe_per_row, tokens_per_row=[len(t) for t in tokens],
+                        seconds=s.seconds, extra={**s.extra, "reference_nfe": True})
+    steps, length = options.get("steps"), s.extra.get("gen_length")
+    if decoder == "diffusion" and isinstance(steps, int) and isinstance(length, int) and steps > length:
+        warnings.warn(f"--steps {steps} is above the gen length {length}: the reference runs all {steps} forwards, "
+                      f"unmask skips the {steps - length} that commit nothing (LLaDA's zero-quota steps), so NFE "
+                      f"{s.nfe} is {steps - length} below the reference's", stacklevel=4)
+    return DecodeOutput(tokens=tokens, stats=stats)
+
+
+@scoped
 def generate_sharded(prompts: str | list[str], model: str | ModelBundle | None = None, decoder: str | None = None,
                      **kwargs) -> Generation:
     """:func:`generate` data-parallel under torchrun: rank r decodes the r-th contiguous share of

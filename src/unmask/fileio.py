@@ -12,11 +12,82 @@ import errno
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from unmask.errors import UnmaskError
+
+
+_held: set[str] = set()  # outputs this process holds an output_lock on (resolved paths)
+_published: list[Path] = []  # outputs published complete by this command (see published_outputs)
+
+
+def published_outputs() -> list[Path]:
+    """The outputs this command has published complete: a directory or file renamed into place
+    at a path it held an :func:`output_lock` on, or written with ``output=True``. The command
+    line's Ctrl-C handling reads it (issue 28 item 20): an interrupt after the output is
+    published ends with exit 0 and a warning, before it with exit 130 and nothing published."""
+    return list(_published)
+
+
+def replace_output(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """``os.replace(src, dst)`` for a command's finished output file: SIGINT/SIGTERM wait for the
+    rename, and ``dst`` then counts as published (:func:`published_outputs`)."""
+    with _signals_deferred(Path(dst), True):
+        os.replace(src, dst)
+
+
+def mark_published(path: str | os.PathLike) -> None:
+    """Record ``path`` as a complete output of this command (one written in place, such as a
+    corpus appended to row by row, once its last row is on disk)."""
+    _published.append(Path(path))
+
+
+def forget_published() -> None:
+    """Start a new command: no output published yet."""
+    _published.clear()
+
+
+@contextlib.contextmanager
+def _signals_deferred(final: Path, output: bool) -> Iterator[None]:
+    """Hold SIGINT/SIGTERM while the block renames ``final`` into place, then record it as
+    published when it is a command output (``output`` or a path under this process's output
+    lock) and deliver a signal that came meanwhile: the rename and its record are one step, so
+    the command line never reports "interrupted" for an output that is in place, or success for
+    one that is not. Off the main thread (where signals cannot be caught) only the record."""
+    is_output = output or str(Path(final).absolute()) in _held or _resolved(final) in _held
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        if is_output:
+            _published.append(Path(final))
+        return
+    pending: list[tuple[int, object]] = []
+    old = {sig: signal.signal(sig, lambda signum, frame: pending.append((signum, frame)))
+           for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+        if is_output:
+            _published.append(Path(final))
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if pending:
+            signum, frame = pending[0]
+            handler = old[signum]
+            if callable(handler):
+                handler(signum, frame)  # raises KeyboardInterrupt for the default SIGINT handler
+            elif handler in (signal.SIG_DFL, None):
+                os.kill(os.getpid(), signum)
+
+
+def _resolved(path: str | os.PathLike) -> str:
+    try:
+        return str(Path(path).resolve())
+    except OSError:
+        return str(Path(path).absolute())
 
 
 def staging_dir(final: Path) -> Path:
@@ -54,28 +125,33 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def publish_dir(src: Path, dst: Path) -> None:
+def publish_dir(src: Path, dst: Path, *, output: bool = False) -> None:
     """Move the finished directory ``src`` to ``dst`` atomically, readable by all.
 
     An existing ``dst`` is swapped with ``src`` in one step (``renameat2(RENAME_EXCHANGE)``), so
     a crash at any moment leaves either the old or the new directory at ``dst``, never neither;
     the old one is removed afterwards. Where the swap is not supported the old ``dst`` is renamed
-    aside first (a crash between the two renames then leaves it at ``.NAME.old-PID``).
+    aside first (a crash between the two renames then leaves it at ``.NAME.old-PID``). SIGINT and
+    SIGTERM wait for the renames; ``dst`` then counts as published (:func:`published_outputs`)
+    when it is under this process's :func:`output_lock` or ``output`` is true.
     """
     make_readable(src)
-    if dst.exists():
-        if _exchange(src, dst):  # src now holds the old directory (or file)
-            if src.is_dir() and not src.is_symlink():
-                shutil.rmtree(src, ignore_errors=True)
+    old = None
+    with _signals_deferred(dst, output):
+        if dst.exists():
+            if _exchange(src, dst):  # src now holds the old directory (or file)
+                old = src
             else:
-                src.unlink(missing_ok=True)
-            return
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-        return
-    os.replace(src, dst)
+                old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+                os.replace(dst, old)
+                os.replace(src, dst)
+        else:
+            os.replace(src, dst)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -147,9 +223,12 @@ def output_lock(path: str | os.PathLike, what: str = "output") -> Iterator[Path]
         if same:
             break
         os.close(fd)
+    key = _resolved(path)
+    _held.add(key)
     try:
         yield path
     finally:
+        _held.discard(key)
         with contextlib.suppress(OSError):
             os.unlink(lock)  # while still holding it: a waiter re-checks the inode
         os.close(fd)
@@ -202,8 +281,9 @@ def check_parents(path: str | os.PathLike, what: str = "output") -> Path:
     return path
 
 
-def _write_via_temp(path: Path, write, what: str) -> None:
-    """Create ``path`` through a temporary sibling file written by ``write(tmp_path)`` and a rename."""
+def _write_via_temp(path: Path, write, what: str, output: bool = False) -> None:
+    """Create ``path`` through a temporary sibling file written by ``write(tmp_path)`` and a rename
+    (SIGINT/SIGTERM wait for the rename; ``output``: the command's output, see :func:`published_outputs`)."""
     check_output_file(path, what)
     tmp = None
     try:
@@ -212,7 +292,8 @@ def _write_via_temp(path: Path, write, what: str) -> None:
         os.close(fd)
         write(tmp)
         os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        with _signals_deferred(path, output):
+            os.replace(tmp, path)
     except OSError as e:
         raise UnmaskError(f"cannot write {what} {path}: {e.strerror or e}; choose a writable path") from None
     finally:
@@ -220,15 +301,16 @@ def _write_via_temp(path: Path, write, what: str) -> None:
             Path(tmp).unlink(missing_ok=True)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str, what: str = "file") -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename. Raises UnmaskError
-    when the path is a directory or not writable."""
+def atomic_write_text(path: str | os.PathLike, text: str, what: str = "file", *, output: bool = False) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename; ``output``: it is the
+    command's output (:func:`published_outputs`). Raises UnmaskError when the path is a
+    directory or not writable."""
 
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
 
-    _write_via_temp(Path(path), write, what)
+    _write_via_temp(Path(path), write, what, output)
 
 
 def atomic_savefig(fig, path: str | os.PathLike, **kwargs) -> Path:
@@ -240,12 +322,12 @@ def atomic_savefig(fig, path: str | os.PathLike, **kwargs) -> Path:
     fmt = kwargs.pop("format", None) or path.suffix[1:].lower()
     if fmt not in fig.canvas.get_supported_filetypes():
         raise UnmaskError(f"cannot plot to {path}: unknown image format {fmt!r}; use a .png, .pdf or .svg file name")
-    _write_via_temp(path, lambda tmp: fig.savefig(tmp, format=fmt, **kwargs), "plot")
+    _write_via_temp(path, lambda tmp: fig.savefig(tmp, format=fmt, **kwargs), "plot", True)
     return path
 
 
-def atomic_write_json(path: str | os.PathLike, obj, what: str = "file") -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", what)
+def atomic_write_json(path: str | os.PathLike, obj, what: str = "file", *, output: bool = False) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", what, output=output)
 
 
 def user_cache_dir() -> Path:

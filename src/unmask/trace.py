@@ -159,7 +159,7 @@ class Trace:
                 self._live.console.line()
         if write and self.trace_file is not None:
             try:
-                atomic_write_json(self.trace_file, self.to_dict(summary))
+                atomic_write_json(self.trace_file, self.to_dict(summary), output=True)
             except OSError as e:
                 raise UnmaskError(f"cannot write the trace to {self.trace_file}: {e.strerror or e}; "
                                   "choose a writable --trace path") from None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from unmask.errors import UnmaskError
+from unmask.threads import scoped
 
 AR_REFERENCE = ("ar", "stories260K")
 # Decoders benchmarked in several modes: (row label, decoder options). SBD runs lossless
@@ -111,11 +112,12 @@ def adapter_pairs(adapters: list[str] | None, *, decoders: list[str] | None = No
     return out
 
 
+@scoped
 def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, include_all: bool = False,
           decoders: list[str] | None = None, models: list[str] | None = None, adapters: list[str] | None = None,
           judge: str = "stories260K", compile: bool = False,
           device: str = "cpu", dtype: str = "float32",
-          progress: Callable[[int, int, str], None] | None = None) -> BenchResult:
+          progress: Callable[[int, int, str], None] | None = None, reference_nfe: bool = False) -> BenchResult:
     """Run every pair of :func:`pairs` on the same prompts and collect the comparison.
 
     Batch size 1 by default, the setting in which TPS is "model TPS" (diffusion spec §10).
@@ -125,6 +127,8 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     ``compile``: also run every row with ``compile=True``, each after an untimed warm-up pass over
     the same prompts that compiles every shape (its seconds, compiles included, are reported as
     ``compile_s``; they are not in the row's TPS).
+    ``reference_nfe``: the dLLM rows decode whole canvases, as the reference code does
+    (:func:`unmask.api.generate`); ``ar`` and ``sbd`` rows stop at EOS as their references do.
     Raises :class:`UnmaskError` when no pair is found.
     """
     from unmask.eval.runner import References, evaluate
@@ -140,6 +144,11 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     refs = References()
     rows = []
     todo = [(d, m, a, label, opts) for d, m, a in todo for label, opts in VARIANTS.get(d, ((d, {}),))]
+    if reference_nfe:
+        from unmask.api import REFERENCE_NFE_DECODERS
+
+        todo = [(d, m, a, label, {**opts, "reference_nfe": True} if d in REFERENCE_NFE_DECODERS else opts)
+                for d, m, a, label, opts in todo]
     if compile:
         todo = [t for row in todo for t in (row, (*row[:3], f"{row[3]} --compile", {**row[4], "compile": True}))]
     for i, (d, m, a, label, opts) in enumerate(todo):
@@ -195,5 +204,6 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
         r["nfe_vs_ar"] = ref["nfe"] / r["nfe"] if ref and r["nfe"] else None
     settings = {"limit": limit, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "judge": judge,
                 "device": device, "dtype": dtype, "include_all": include_all, "compile": compile,
+                "reference_nfe": reference_nfe,
                 "reference": f"{ref['decoder']}@{ref['model']}" if ref else None}
     return BenchResult(rows, settings)

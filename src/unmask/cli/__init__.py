@@ -9,6 +9,7 @@ import sys
 import warnings
 
 import typer
+import typer.main
 
 from unmask.errors import UnmaskError
 
@@ -17,16 +18,24 @@ try:  # typer >= 0.20 vendors click
 except ImportError:  # pragma: no cover - older typer on real click
     from click import exceptions as _click_errors
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="unmask: commit many tokens per forward pass (SBD, MBD, Early-Bird, dLLM baselines).")
+class _App(typer.Typer):
+    """The ``unmask`` typer app, run through :func:`command`'s tree (``--threads`` on every command)."""
+
+    def __call__(self, *args, **kwargs):
+        return command(self)(*args, **kwargs)
+
+
+app = _App(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+           help="unmask: commit many tokens per forward pass (SBD, MBD, Early-Bird, dLLM baselines).")
 convert_app = typer.Typer(no_args_is_help=True, help="Convert checkpoints into Hugging Face directories.")
 app.add_typer(convert_app, name="convert")
 
 
 @app.callback()
 def _root(threads: str = typer.Option("auto", "--threads", envvar="UNMASK_THREADS", metavar="N|auto",
-                                      help="CPU threads for torch; auto: 1 for models below 100M parameters "
-                                           "(faster on small models and shared machines), torch's default above")):
+                                      help="CPU threads for torch (1 to 4 per core; also after the command); "
+                                           "auto: 1 for models below 100M parameters (faster on small models and "
+                                           "shared machines), above torch's default capped at the idle cores")):
     from unmask.threads import set_threads
 
     set_threads(threads)
@@ -46,15 +55,71 @@ from unmask.cli import serve as _serve  # noqa: E402,F401
 from unmask.cli import train as _train  # noqa: E402,F401
 
 
+THREADS_HELP = "CPU threads for torch, as 'unmask --threads N' (1 to 4 per core, or auto)"
+
+
+def _threads_given(ctx, param, value):
+    """``COMMAND --threads N``: the same setting as ``unmask --threads N``, which the root callback
+    applied before this command's options are parsed, so this one wins."""
+    if value is not None:
+        from unmask.threads import set_threads
+
+        set_threads(value)
+    return value
+
+
+def _threads_param():
+    """A ``--threads`` option as typer builds it (its click classes are typer's own), applied by
+    its callback and not passed to the command function."""
+    probe = typer.Typer()
+
+    @probe.command()
+    def _probe(threads: str = typer.Option(None, "--threads", metavar="N|auto", help=THREADS_HELP,
+                                           callback=_threads_given)) -> None:
+        pass
+
+    param = next(p for p in typer.main.get_command(probe).params if p.name == "threads")
+    param.expose_value = False
+    return param
+
+
+def command(typer_app: typer.Typer | None = None):
+    """The click command tree of ``typer_app`` (default ``app``), with ``--threads`` added to every
+    command that does not declare its own (a typer option belongs to one command, and users put it
+    after the command)."""
+    root = typer.main.get_command(app if typer_app is None else typer_app)
+    param = _threads_param()
+    todo = list(root.commands.values())
+    while todo:
+        cmd = todo.pop()
+        if hasattr(cmd, "commands"):  # a command group (train, data, convert)
+            todo.extend(cmd.commands.values())
+        elif not any("--threads" in getattr(p, "opts", ()) for p in cmd.params):
+            cmd.params.append(param)
+    return root
+
+
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
 def interrupted() -> None:
-    """Ctrl-C: one line, exit status 130 (128 + SIGINT), as a shell pipeline expects."""
+    """Ctrl-C: one line, exit status 130 (128 + SIGINT), as a shell pipeline expects; or, when the
+    command had already published its output complete (:func:`unmask.fileio.published_outputs`),
+    a warning and exit 0, since the output stands (issue 28 item 20)."""
+    done = _published()
+    if done:
+        print(f"warning: interrupted after {done} was written complete; it is kept", file=sys.stderr)
+        raise SystemExit(0)
     print("interrupted", file=sys.stderr)
     raise SystemExit(130)
+
+
+def _published() -> str:
+    """The outputs this command published, as text ("" for none)."""
+    fileio = sys.modules.get("unmask.fileio")  # not imported: nothing was published
+    return ", ".join(str(p) for p in fileio.published_outputs()) if fileio is not None else ""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,6 +132,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(argv: list[str] | None) -> None:
+    from unmask.fileio import forget_published
+
+    forget_published()  # a new command (tests run several in one process)
     try:
         # standalone_mode=False: typer *returns* an exit code instead of exiting, 130 for a
         # KeyboardInterrupt it caught, so it must be turned into the process's exit status here.

@@ -43,6 +43,8 @@ OVERWRITE = typer.Option(False, "--overwrite", help="replace existing output fil
 CHAT = typer.Option(None, "--chat/--no-chat", help="gsm8k, humaneval, mbpp: ask in chat form through the model's "
                     "chat template (default: when the model has one; stories is always raw)")
 SYSTEM = typer.Option(None, "--system", help="a system turn for chat prompts")
+REFERENCE_NFE = typer.Option(False, "--reference-nfe", help="dLLM decoders: decode the whole canvas as the reference "
+                             "code does (no stop after the EOS block), so NFE equals theirs; text still cut at EOS")
 TP = typer.Option(None, "--tp", help="under torchrun: load the model tensor-parallel over N processes "
                                      "(default: data parallel, prompts split over the processes)")
 
@@ -194,6 +196,7 @@ def eval_cmd(
     tokens_per_step: int = typer.Option(None, "--tokens-per-step", help="tokens committed per step (top-k)"),
     block_size: int = BLOCK, option: list[str] = OPTION, adapter: str = ADAPTER,
     compile: bool = typer.Option(False, "--compile", help="static KV cache and a compiled step (every decoder; same tokens)"),
+    reference_nfe: bool = REFERENCE_NFE,
     out: Path = typer.Option(None, "--out", "-o", help="write every item row and the summary as JSON lines to FILE"),
     workers: int = typer.Option(2, "--workers", help="code tasks: programs run in parallel in the sandbox"),
     chat: bool = CHAT, system: str = SYSTEM, device: str = DEVICE, dtype: str = DTYPE, tp: int = TP,
@@ -218,7 +221,7 @@ def eval_cmd(
         result = evaluate(task, model, decoder, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
                           shots=shots, data_dir=data_dir, judge=judge, temperature=temperature, seed=seed,
                           device=device, dtype=dtype, workers=workers, progress=progress, chat=chat,
-                          system=system, **opts)
+                          system=system, reference_nfe=reference_nfe, **opts)
     if env_rank() != 0:  # under torchrun every rank holds the gathered result; rank 0 reports it
         return
     if out is not None:
@@ -285,7 +288,7 @@ def sweep_cmd(
     if out is not None:
         from unmask.fileio import atomic_write_json
 
-        atomic_write_json(out, res.to_dict(), "--out")
+        atomic_write_json(out, res.to_dict(), "--out", output=True)
         typer.echo(f"wrote {out}")
 
 
@@ -303,6 +306,7 @@ def bench_cmd(
     compile: bool = typer.Option(False, "--compile", help="also run every decoder compiled (after an untimed "
                                  "warm-up that compiles)"),
     as_json: bool = typer.Option(False, "--json", help="print the rows as one JSON object"),
+    reference_nfe: bool = REFERENCE_NFE,
     device: str = DEVICE, dtype: str = DTYPE,
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
 ) -> None:
@@ -312,7 +316,7 @@ def bench_cmd(
     with _progress(not no_progress and not as_json) as progress:
         res = bench(limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size, include_all=include_all,
                     decoders=decoder or None, models=model or None, adapters=adapter or None, judge=judge,
-                    compile=compile, device=device, dtype=dtype, progress=progress)
+                    compile=compile, device=device, dtype=dtype, progress=progress, reference_nfe=reference_nfe)
     if as_json:
         typer.echo(json.dumps(res.to_dict(), ensure_ascii=False))
         return

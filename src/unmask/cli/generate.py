@@ -65,6 +65,9 @@ def generate_cmd(
                                 help="sbd: lossless SBD, the NTP mode verifies the block-mode draft (output = ar); "
                                      "default from the model"),
     draft: str = typer.Option(None, "--draft", help="sbd --verify: draft layout, linear (default) or quadratic"),
+    reference_nfe: bool = typer.Option(False, "--reference-nfe", help="dLLM decoders (diffusion, early-bird, block, "
+                                       "multiblock): decode the whole canvas as the reference code does, not stopping "
+                                       "after the EOS block, so NFE equals theirs (the text is still cut at EOS)"),
     compile: bool = typer.Option(False, "--compile", help="every decoder: a preallocated static KV cache and a torch.compile'd "
                                  "step (the first call compiles, ~10-30 s per batch shape on a CPU core; same tokens)"),
     gen_length: int = typer.Option(None, "--gen-length", help="diffusion: fixed generation length (canvas size)"),
@@ -151,7 +154,7 @@ def generate_cmd(
         with spinner:
             result = generate_sharded(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, chat=chat,
-                                      system=system, **options)
+                                      system=system, reference_nfe=reference_nfe, **options)
     except BaseException:
         if tracer is not None:
             tracer.close(write=False)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from unmask.errors import UnmaskError
+from unmask.threads import scoped
 from unmask.eval import tasks as T
 from unmask.eval.env import fingerprint
 
@@ -46,7 +47,7 @@ class EvalResult:
         """Write :meth:`jsonl` to ``path`` atomically."""
         from unmask.fileio import atomic_write_text
 
-        atomic_write_text(path, self.jsonl())
+        atomic_write_text(path, self.jsonl(), output=True)
 
 
 @dataclass
@@ -102,7 +103,9 @@ def _generate_batches(prompts: list[str], bundle, decoder: str, *, batch_size: i
             row = g.stats.row(i)
             local.append((s + i, {"prompt": g.prompts[i], "text": g.texts[i], "tokens": g.tokens[i], "prompt_tokens": g.prompt_tokens[i],
                                   "n_tokens": row["generated"], "nfe": row["nfe"], "tpf": row["tpf"],
-                                  "seconds": g.stats.seconds, "tps": g.stats.tps, "batch": b,
+                                  "seconds": g.stats.seconds, "tps": row["generated"] / g.stats.seconds
+                                  if g.stats.seconds > 0 else 0.0, "batch_seconds": g.stats.seconds,
+                                  "batch_tps": g.stats.tps, "batch": b,
                                   "batch_nfe": g.stats.nfe}))
         if progress is not None:  # this rank's share, scaled to the whole run
             progress(min(len(prompts), done * (1 if tp else dist.world()) * batch_size), len(prompts), stage)
@@ -146,13 +149,15 @@ def _reference(bundle, judge, items: list[T.Item], gens, *, budget: int, batch_s
     return refs.continuations[key]
 
 
+@scoped
 def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | None = None,
              batch_size: int = 8, max_new_tokens: int | None = None, shots: int | None = None,
              data_dir: str | os.PathLike | None = None, judge="stories260K", temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, device: str = "cpu",
              dtype: str = "float32", warmup: bool = True, workers: int = 2, timeout_s: float = 10.0,
              progress: Progress | None = None, references: References | None = None,
-             chat: bool | None = None, system: str | None = None, **decoder_options) -> EvalResult:
+             chat: bool | None = None, system: str | None = None, reference_nfe: bool = False,
+             **decoder_options) -> EvalResult:
     """Evaluate ``decoder`` on ``model`` over ``task`` (``stories``, ``gsm8k``, ``humaneval``, ``mbpp``).
 
     Args:
@@ -172,6 +177,8 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
         chat: ask gsm8k, humaneval and mbpp in chat form (:func:`unmask.eval.tasks.load_items`)
             through the model's chat template; ``None`` (default): when the model has one.
             ``stories`` is always raw. system: a system turn for chat prompts.
+        reference_nfe: the dLLM decoders decode whole canvases, as the reference code does
+            (:func:`unmask.api.generate`); the AR reference of ``stories`` is unaffected.
         decoder_options: passed to the decoder (``policy``, ``gamma``, ``block_size``, ...).
 
     Returns:
@@ -205,6 +212,10 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
         raise UnmaskError(f"--system applies to chat prompts, and {task} is asked raw here; drop --system "
                           "(or add --chat)")
     asked = {"chat": chat, "system": system}
+    if reference_nfe:  # only when asked: generate() refuses it for the decoders whose reference stops at EOS
+        decoder_run = {"reference_nfe": True}
+    else:
+        decoder_run = {}
     decoder = decoder or default_decoder(bundle.kind)
     if decoder_options.get("compile") is False:  # an explicit "off" is every decoder's default
         decoder_options = {k: v for k, v in decoder_options.items() if k != "compile"}
@@ -218,10 +229,11 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
     if warmup:
         from unmask.api import generate
 
-        generate(items[0].query, bundle, decoder, max_new_tokens=2, **asked, **sampling, **decoder_options)
+        generate(items[0].query, bundle, decoder, max_new_tokens=2, **asked, **sampling, **decoder_run,
+                 **decoder_options)
     gens = _generate_batches([it.query for it in items], bundle, decoder, batch_size=batch_size,
                              progress=progress, stage="decode", max_new_tokens=budget, stop=stop,
-                             **asked, **sampling, **decoder_options)
+                             **asked, **sampling, **decoder_run, **decoder_options)
     refs = references if references is not None else References()
     extra: dict[str, Any] = {}
     if task == "stories":
@@ -247,13 +259,14 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
     config = {"task": task, "model": bundle.name, "kind": bundle.kind, "decoder": decoder,
               "options": dict(sorted(decoder_options.items())), "max_new_tokens": budget, "stop": stop,
               "shots": spec.default_shots if shots is None else shots, "batch_size": batch_size,
-              **asked, **sampling, **extra}
+              **asked, **sampling, **decoder_run, **extra}
     env = fingerprint(device=str(bundle.device), dtype=str(bundle.dtype), batch_size=batch_size)
     rows = []
     for it, g, s in zip(items, gens, scores):
         rows.append({"type": "item", "task": task, "id": it.id, "model": bundle.name, "decoder": decoder,
                      "prompt": g["prompt"], "text": g["text"], "n_tokens": g["n_tokens"], "nfe": g["nfe"],
-                     "tpf": g["tpf"], "seconds": g["seconds"], "tps": g["tps"], "batch": g["batch"],
+                     "tpf": g["tpf"], "seconds": g["seconds"], "tps": g["tps"], "batch_seconds": g["batch_seconds"],
+                     "batch_tps": g["batch_tps"], "batch": g["batch"],
                      **s, "config": config, "env": env})
     metrics = T.summarize(task, scores)
     qname = spec.quality_metrics[0]

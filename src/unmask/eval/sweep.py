@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from unmask.errors import UnmaskError
+from unmask.threads import scoped
 from unmask.eval import tasks as T
 from unmask.eval.aup import aup_report
 from unmask.fileio import atomic_savefig
@@ -120,6 +121,7 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, flo
     return sorted(set(keep))
 
 
+@scoped
 def sweep(task: str, model=None, decoder: str | None = None, *, param: str,
           values: str | Sequence[float], metric: str | None = None, y_max: float | None = None,
           device: str = "cpu", dtype: str = "float32", progress: Progress | None = None,

@@ -342,7 +342,7 @@ class _Sink:
             os.fsync(self.f.fileno())
 
     def __exit__(self, kind, value, tb) -> None:
-        from unmask.fileio import write_errors
+        from unmask.fileio import mark_published, replace_output, write_errors
 
         try:
             if kind is None:
@@ -352,8 +352,10 @@ class _Sink:
                     self.f.close()
                     if self.tmp is not None:
                         os.chmod(self.tmp, 0o644)
-                        os.replace(self.tmp, self.out)
+                        replace_output(self.tmp, self.out)  # a Ctrl-C from here on keeps the corpus (exit 0)
                         self.tmp = None
+                    else:
+                        mark_published(self.out)  # every row is on disk
         finally:
             if self.f is not None and not self.f.closed:
                 self.f.close()

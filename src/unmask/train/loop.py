@@ -445,7 +445,7 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
     window: dict[str, float] = {}
     window_steps, window_tokens, window_t0 = 0, 0, time.monotonic()
     stopped, flags = "done", (0.0, 0.0)
-    progress = TrainProgress(console, config.steps, step, objective.term_names, every=config.log_every)
+    progress = TrainProgress(console, config.steps, step, objective.term_names)
     with _StopFlag() as stop, progress:
         while step < config.steps:
             # Decided on the flags every rank summed after the last step, so all ranks stop together.

@@ -6,12 +6,16 @@ import time
 
 
 class TrainProgress:
-    """A rich progress bar with the loss terms and tokens/s on a terminal; plain lines when the
-    console is not a terminal: every ``every`` steps (the run's ``log_every``, the steps that
-    log.jsonl gets a line), or every 30 s when ``every`` is 0; validation lines via ``note``."""
+    """A rich progress bar with the loss terms and tokens/s on a terminal; when the console is not
+    a terminal (a pipe, a log file), one plain unwrapped line at the first step, then at most one
+    every ``interval`` seconds (README: every 30 s), and at the last step; validation lines via
+    ``note``. ``log.jsonl`` keeps its own cadence (``log_every`` steps)."""
 
-    def __init__(self, console, total: int, start: int, term_names: tuple[str, ...], every: int = 0):
-        self.console, self.total, self.terms, self.every = console, total, term_names, every
+    INTERVAL = 30.0  # seconds between plain lines
+
+    def __init__(self, console, total: int, start: int, term_names: tuple[str, ...], interval: float | None = None):
+        self.console, self.total, self.terms = console, total, term_names
+        self.interval = self.INTERVAL if interval is None else interval
         self.live = console is not None and console.is_terminal
         self.bar = None
         if self.live:
@@ -27,7 +31,7 @@ class TrainProgress:
                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                                 console=console)
             self.task = self.bar.add_task("train", total=total, completed=start, info="")
-        self._last_plain = time.monotonic()
+        self._last_plain: float | None = None  # no plain line yet
 
     def __enter__(self):
         if self.bar is not None:
@@ -45,12 +49,14 @@ class TrainProgress:
             info += f" · {tok_s:,.0f} tok/s"
         if self.bar is not None:
             self.bar.update(self.task, completed=step, info=info)
-        elif self.console is not None and (step == self.total or (step % self.every == 0 if self.every else
-                                                                  time.monotonic() - self._last_plain > 30)):
-            self._last_plain = time.monotonic()
-            self.console.print(f"step {step}/{self.total} {info}", highlight=False)
+        elif self.console is not None:
+            now = time.monotonic()
+            if step == self.total or self._last_plain is None or now - self._last_plain >= self.interval:
+                self._last_plain = now
+                # soft_wrap: a console that is not a terminal is 80 columns wide and would wrap mid-line
+                self.console.print(f"step {step}/{self.total} {info}", highlight=False, markup=False, soft_wrap=True)
 
     def note(self, step: int, val: dict) -> None:
         if self.console is not None:
             self.console.print(f"step {step}: validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()),
-                               highlight=False)
+                               highlight=False, markup=False, soft_wrap=True)
