@@ -247,3 +247,62 @@ def test_code_rows_keep_the_failure_reason():
     rows = T.score_texts("humaneval", [T.Item("HumanEval/0", he.prompt, he)] * 2,
                          ["    return 1\n", "    while True:\n        pass\n"], timeout_s=1.0)
     assert [r["reason"] for r in rows] == [None, "timeout"]
+
+
+# ---------------------------------------------------------------- item 7: lm-eval, the real package
+
+LM_EVAL_TASKS = __import__("pathlib").Path(__file__).parent / "data" / "lm_eval"
+
+
+def test_lm_eval_runs_the_local_gsm8k_task_with_decoder_knobs(tmp_path, monkeypatch, data_dir):
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is installed by .ci/run (pip install 'lm_eval>=0.4')")
+    from lm_eval.tasks import TaskManager
+
+    import unmask.api
+    from unmask.eval.lm_eval_adapter import UnmaskLM  # noqa: F401  (registers the model "unmask")
+
+    # No hub access: the task reads the local JSONL with the json builder, offline.
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    # The YAML names ../shared/data/gsm8k relative to the working directory (the repository root);
+    # lay that out around a scratch directory so the test holds wherever the data lives.
+    (tmp_path / "shared" / "data").mkdir(parents=True)
+    (tmp_path / "shared" / "data" / "gsm8k").symlink_to(data_dir / "gsm8k")
+    (tmp_path / "repo").mkdir()
+    monkeypatch.chdir(tmp_path / "repo")
+
+    calls = []
+    real = unmask.api.generate
+
+    def spy(*args, **kwargs):
+        g = real(*args, **kwargs)
+        calls.append((args[2], kwargs, g.stats.extra))
+        return g
+
+    monkeypatch.setattr(unmask.api, "generate", spy)
+    tm = TaskManager(include_path=str(LM_EVAL_TASKS))
+    res = lm_eval.simple_evaluate(model="unmask", tasks=["unmask_gsm8k_local"], task_manager=tm, limit=3,
+                                  model_args="model=stories260K-dlm,decoder=diffusion,tau=0.7,block_size=8",
+                                  batch_size=2, log_samples=True, bootstrap_iters=0)
+    row = res["results"]["unmask_gsm8k_local"]
+    assert 0.0 <= row["exact_match,flexible-extract"] <= 1.0
+    assert res["n-samples"]["unmask_gsm8k_local"]["effective"] == 3
+    assert len(res["samples"]["unmask_gsm8k_local"]) == 3
+    gold = res["samples"]["unmask_gsm8k_local"][0]["target"]
+    assert gold == "18"  # the first test problem of the local file, Janet's ducks
+    # The knobs reached the decoder: two batches (3 prompts, batch size 2) of the diffusion decoder
+    # with τ = 0.7 and blocks of 8, as its own statistics say.
+    assert [c[0] for c in calls] == ["diffusion", "diffusion"]
+    assert all(c[1]["tau"] == 0.7 and c[1]["block_size"] == 8 for c in calls)
+    assert all(c[2]["block_size"] == 8 and c[2]["policy"] == "threshold" for c in calls)
+
+
+def test_lm_eval_adapter_needs_a_model():
+    pytest.importorskip("lm_eval", reason="lm-eval is installed by .ci/run")
+    from unmask.eval.lm_eval_adapter import UnmaskLM
+
+    with pytest.raises(UnmaskError, match="needs a model"):
+        UnmaskLM(decoder="ar")
+    with pytest.raises(UnmaskError, match="name two models"):
+        UnmaskLM(model="stories260K", pretrained="stories260K-sbd")
