@@ -38,7 +38,7 @@ import torch
 
 from unmask.decode.batching import left_pad
 from unmask.decode.kv import make_kv
-from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, block_causal_mask, with_key_padding
 from unmask.policies import CONFIDENCES, Policy, Threshold, commit, make_policy
@@ -228,6 +228,13 @@ def first_stop(seq: torch.Tensor, gen_start: torch.Tensor, gen_end: torch.Tensor
     pos = torch.arange(L, device=seq.device)  # (L,)
     hit = torch.isin(seq, stops) & (pos >= gen_start[:, None]) & (pos < gen_end[:, None])  # (R, L)
     return torch.where(hit.any(dim=1), hit.float().argmax(dim=1), torch.full_like(gen_start, L))
+
+
+def output_stops(seq: torch.Tensor, gen_start: torch.Tensor, max_new_tokens: int, stops: torch.Tensor,
+                 tokens: list[list[int]]) -> list[int]:
+    """:func:`unmask.decode.stats.stop_flags` of the rows :func:`outputs` returned."""
+    full = [seq[r, int(s): int(s) + max_new_tokens].tolist() for r, s in enumerate(gen_start.tolist())]
+    return stop_flags(full, tokens, stops.tolist())
 
 
 def outputs(seq: torch.Tensor, gen_start: torch.Tensor, max_new_tokens: int, stops: torch.Tensor,
@@ -488,5 +495,6 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
              "row_extra": [{"policy": name, "block_size": B, "store": cfg.store, "accepts": a,
                             "store_forwards": int(s)} for a, s in zip(accepts, store_rows.tolist())]}
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
-                        seconds=time.perf_counter() - t0, extra=extra)
+                        seconds=time.perf_counter() - t0, extra=extra,
+                        stops_per_row=output_stops(seq, gen_start, max_new_tokens, stops, tokens))
     return DecodeOutput(tokens=tokens, stats=stats)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from unmask.decode.dllm_cache import CACHE_MODES, WindowForward, check_fast_path, left_pad_to, prompt_width
-from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.models.adapters import SAMPLERS, default_sampler, realign
 from unmask.policies import CONFIDENCES, Policy, TopK, commit, make_policy
@@ -332,7 +332,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             break
 
     gen = ids[:, P:]  # (B, L)
-    tokens = [until_stop(gen[r, :report].tolist(), set(stops.tolist()) | {mask_id}) for r in range(B)]
+    full = gen[:, :report].tolist()
+    tokens = [until_stop(full[r], set(stops.tolist()) | {mask_id}) for r in range(B)]
     n_committed = (gen != mask_id).sum(dim=1).tolist()
     row_extra = [{"policy": cfg.policy.name, "cache": cfg.cache, "steps": int(nfe_rows[r]), "commits": commits[r]}
                  for r in range(B)]
@@ -342,6 +343,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     if run.static_capacity is not None:
         extra["static_cache"] = run.static_capacity
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
+                        stops_per_row=stop_flags(full, tokens, stop_token_ids),
                         seconds=time.perf_counter() - t0, extra=extra)
     return DecodeOutput(tokens=tokens, stats=stats)
 

@@ -51,7 +51,7 @@ from unmask.decode.dllm_cache import (BUCKET_STEP, bucket, canvas_call, check_fa
 from unmask.decode.kv import canvas_forward, make_kv
 from unmask.decode.eb_select import (GAP_METRICS, PATH_NAMES, POS_MODES, lps_features, pack_rows, select_block,
                                      union_accept)
-from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.models.adapters import SAMPLERS, bidirectional_forward, default_sampler, realign, supports_cache
 from unmask.policies import CONFIDENCES, Threshold, commit, token_stats
@@ -542,7 +542,8 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
         nfe += 1
         check_nfe(nfe, 2 * L, "early-bird")  # ≥ 1 commit per forward; L blocks at most (size 1)
 
-    tokens_out = [until_stop(gen[r, :report].tolist(), set(stops_list) | {mask_id}) for r in range(B)]
+    full = gen[:, :report].tolist()
+    tokens_out = [until_stop(full[r], set(stops_list) | {mask_id}) for r in range(B)]
     seconds = _sync(device) - t_start
     router = t_lbs + t_lps
     row_extra = [{"decoder": "early-bird", "lps": lps_net is not None, "cache": cfg.cache, "steps": int(nfe_rows[r]),
@@ -560,5 +561,6 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
     if run.static_capacity is not None:
         extra["static_cache"] = run.static_capacity
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens_out],
+                        stops_per_row=stop_flags(full, tokens_out, stops_list),
                         seconds=seconds, extra=extra)
     return DecodeOutput(tokens=tokens_out, stats=stats)
