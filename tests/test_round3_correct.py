@@ -63,6 +63,18 @@ def test_dreams_tempered_convention_stays_available_by_name(dlm):
         _dlm_decode(dlm, 0.1, confidence="warm")
 
 
+def test_early_bird_at_low_temperature_needs_about_as_many_forwards_as_greedy(dlm):
+    from unmask.decode import early_bird
+
+    prompt = dlm.encode("Once upon a time")
+    greedy = early_bird.decode(dlm, [prompt], max_new_tokens=32)
+    cold = early_bird.decode(dlm, [prompt], max_new_tokens=32, sampling=Sampling(temperature=0.1, seed=0))
+    hot = early_bird.decode(dlm, [prompt], max_new_tokens=32, sampling=Sampling(temperature=0.1, seed=0),
+                            confidence="tempered")
+    assert cold.stats.nfe >= greedy.stats.nfe / 1.5  # before: 5 forwards against greedy's 23
+    assert hot.stats.nfe < greedy.stats.nfe / 2 and hot.stats.extra["confidence"] == "tempered"
+
+
 @pytest.mark.parametrize("T", [0.05, 0.1, 1.0])
 def test_sbd_gamma_zero_commits_one_token_per_forward_at_any_temperature(sbd_model, T):
     prompt = sbd_model.encode("Once upon a time")
@@ -306,3 +318,42 @@ def test_lm_eval_adapter_needs_a_model():
         UnmaskLM(decoder="ar")
     with pytest.raises(UnmaskError, match="name two models"):
         UnmaskLM(model="stories260K", pretrained="stories260K-sbd")
+
+
+# ---------------------------------------------------------------- item 6: the stop token in TPF
+
+def test_ar_stopping_on_eos_has_tpf_one(stories):
+    from unmask.decode import ar, static
+
+    prompt = stories.encode("Once upon a time")
+    free = ar.decode(stories, [prompt], max_new_tokens=24)
+    stop = free.tokens[0][9]  # make the 10th generated token the stop token
+    first = free.tokens[0].index(stop)
+    for run in (ar.decode, static.ar_decode):
+        out = run(stories, [prompt], max_new_tokens=24, stop_token_ids=(stop,))
+        assert out.tokens[0] == free.tokens[0][:first]  # the text excludes the stop token
+        assert out.stats.tokens_per_row == [first] and out.stats.generated == first
+        assert out.stats.nfe_per_row == [first + 1] and out.stats.stops_per_row == [1]
+        assert out.stats.tpf == 1.0 and out.stats.row(0)["tpf"] == 1.0  # before: first / (first + 1)
+    assert free.stats.tpf == 1.0 and free.stats.stops_per_row == [0]
+
+
+def test_every_decoder_counts_the_stop_token_the_same_way(dlm):
+    prompt = dlm.encode("Once upon a time")
+    free = diffusion.decode(dlm, [prompt], max_new_tokens=16, block_size=8, policy="top-k", steps=16)
+    assert free.stats.tpf == 1.0  # one token per forward
+    stop = free.tokens[0][5]
+    first = free.tokens[0].index(stop)
+    out = diffusion.decode(dlm, [prompt], max_new_tokens=16, block_size=8, policy="top-k", steps=16,
+                           stop_token_ids=(stop,))
+    assert out.tokens[0] == free.tokens[0][:first] and out.stats.stops_per_row == [1]
+    # The row's forwards: the 8 of the block holding the stop; TPF counts the stop token too.
+    assert out.stats.tpf == pytest.approx((first + 1) / out.stats.nfe_per_row[0])
+
+
+def test_stop_flags():
+    from unmask.decode.stats import stop_flags
+
+    assert stop_flags([[5, 2, 7], [5, 6], [5, -1]], [[5], [5, 6], [5]], (2,)) == [1, 0, 0]
+    assert stop_flags([[5, 2]], [[5]], (2,), limit=1) == [0]  # the stop lies past the budget
+    assert stop_flags([[5, -1]], [[5]], (-1,)) == [0]  # -1 is "no stop ids", never a stop
