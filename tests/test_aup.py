@@ -40,7 +40,7 @@ def test_low_middle_points_are_dropped_and_reported():
 
 
 @pytest.mark.parametrize("points, y_max, match", [
-    ([(1.0, 0.72), (2.0, 0.7)], 0.72, None),  # fractions: legal percent values, but y_max is checked below
+    ([(1.0, 0.72), (2.0, 0.7)], 0.72, "looks like fractions"),  # issue 28 item 9: refused, not scored 6.38
     ([(1.0, 72.0), (2.0, 170.0)], 100.0, r"accuracy must be in percent, in \[0, 100\], got 170"),
     ([(1.0, -1.0)], 50.0, "accuracy must be in percent"),
     ([(1.0, 72.0), (2.0, 71.0)], 70.0, "y_max 70 is below the best accuracy of the points \\(72\\)"),

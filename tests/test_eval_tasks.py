@@ -134,7 +134,10 @@ def test_eval_gsm8k_end_to_end_through_the_cli(capsys, tmp_path, data_dir):
     assert [r["type"] for r in items] == ["item"] * 3 and summary["type"] == "summary"
     for r in items:
         assert ROW_KEYS | {"strict", "flexible", "gold"} <= set(r)
-        assert r["nfe"] >= 1 and r["n_tokens"] <= 32 and r["tpf"] == pytest.approx(r["n_tokens"] / r["nfe"])
+        # TPF counts a committed stop token (issue 28 item 6); the text and n_tokens do not.
+        assert r["stop_token"] in (0, 1)
+        assert r["nfe"] >= 1 and r["n_tokens"] <= 32
+        assert r["tpf"] == pytest.approx((r["n_tokens"] + r["stop_token"]) / r["nfe"])
         assert ENV_KEYS <= set(r["env"]) and r["env"]["torch"] == torch.__version__
         assert r["env"]["batch_size"] == 2 and r["env"]["device"] == "cpu" and r["env"]["dtype"] == "float32"
         assert r["config"]["decoder"] == "ar" and r["config"]["max_new_tokens"] == 32

@@ -220,8 +220,9 @@ def test_untempered_confidence_ignores_temperature():
     logits = torch.tensor([[[3.0, 0, 0, 0], [3.0, 0, 0, 0]]])  # κ = 0.87 at T = 1, 0.60 at T = 2
     masked = mask_of(1, 1)
     kw = dict(temperature=2.0, top_k=1)  # top_k = 1 keeps the sampled token at the argmax
-    assert committed(commit(logits, masked, Threshold(0.8), **kw)) == [0]
+    assert committed(commit(logits, masked, Threshold(0.8), confidence="tempered", **kw)) == [0]  # Dream's
     assert committed(commit(logits, masked, Threshold(0.8), confidence="untempered", **kw)) == [0, 1]
+    assert committed(commit(logits, masked, Threshold(0.8), **kw)) == [0, 1]  # the default is untempered
 
 
 # ---------------------------------------------------------------- Factor

@@ -40,7 +40,7 @@ def test_tempered_confidence_ranks_correctly_when_it_saturates():
     # top_k=1 draws the top-1 token, so κ is its tempered probability; the order is the one a
     # moderate temperature gives, where nothing saturates.
     for T in (0.01, 0.5, 1.0):
-        chosen, _ = commit(logits, masked, TopK(1), temperature=T, top_k=1)
+        chosen, _ = commit(logits, masked, TopK(1), temperature=T, top_k=1, confidence="tempered")
         assert chosen.tolist() == [[False, True]]
 
 
@@ -53,9 +53,11 @@ def test_eb_confidence_proxy_ranks_correctly_when_max_q_rounds_to_one():
 
 def test_saturated_confidence_still_compares_as_probability():
     logits, masked = _two_positions(), torch.ones(1, 2, dtype=torch.bool)
-    # κ = 1.0 at both: every κ ≥ τ commits, and the factor rule accepts both ranks.
-    assert commit(logits, masked, Threshold(0.9), temperature=0.01, top_k=1)[0].tolist() == [[True, True]]
-    assert commit(logits, masked, Factor(1.0), temperature=0.01, top_k=1)[0].tolist() == [[True, True]]
+    # Tempered κ (Dream's convention, by name) = 1.0 at both: every κ ≥ τ commits, and the factor
+    # rule accepts both ranks.
+    kw = dict(temperature=0.01, top_k=1, confidence="tempered")
+    assert commit(logits, masked, Threshold(0.9), **kw)[0].tolist() == [[True, True]]
+    assert commit(logits, masked, Factor(1.0), **kw)[0].tolist() == [[True, True]]
 
 
 def test_equal_confidences_still_tie_to_the_lower_position():

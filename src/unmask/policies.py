@@ -5,7 +5,12 @@ It is a pure, batched function of the logits and the mask; the policy is a froze
 
 Conventions shared by every policy (SBD §5, diffusion.md §0, §4, §6, §7):
 
-* q = softmax(logits / T) for T > 0 and softmax(logits) for T = 0, in float32 (SBD §5.1 step 1).
+* Tokens are drawn from softmax(logits / T) for T > 0 (the argmax for T = 0), in float32 (SBD §5.1 step 1).
+* Commit decisions (κ, H, Δ) read softmax(logits), the untempered q, at every T unless asked otherwise:
+  a decoder then tends to its T = 0 behaviour as T → 0 (at T = 0.1 the tempered κ of most positions
+  rounds to 1.0, which would commit a whole block in one step and make γ = 0 commit several tokens).
+  Dream's convention, κ and H under softmax(logits / T), is ``confidence="tempered"`` (diffusion.md §4,
+  SBD §5.2, which read the tempered q; our choice to default to the untempered one).
 * Ranking is a stable sort: equal scores go to the lower position. Non-masked positions are never ranked
   before masked ones and are never committed.
 * A row with r >= 1 masked positions commits between 1 and r of them; a row with r = 0 commits nothing.
@@ -35,6 +40,8 @@ GAMMA_PRESETS: dict[str, float] = {
     "chat-high": 0.6,
 }
 _PROXIES = ("entropy", "confidence", "margin")
+# Which distribution commit decisions read, by name (see :func:`commit`; None is the default).
+CONFIDENCES = ("untempered", "tempered")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -349,7 +356,7 @@ def commit(
     top_k: int = 0,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     quota: Tensor | None = None,
-    confidence: Literal["tempered", "untempered"] = "tempered",
+    confidence: Literal["tempered", "untempered"] | None = None,
     sampling: Literal["categorical", "gumbel"] = "categorical",
 ) -> tuple[Tensor, Tensor]:
     """Choose the positions to commit this step and their tokens (SBD §5, diffusion.md §3, §4, §6, §7).
@@ -365,11 +372,16 @@ def commit(
             one generator, or B of them (row b drawn with generator b; rows without masks draw nothing).
         quota: (B,) long, TopK only: tokens to commit per row this step (LLaDA's schedule), overriding k;
             clamped to the row's masked count. A 0 entry commits nothing in that row.
-        confidence: κ for Threshold, Factor and TopK is the probability of the chosen token under the
-            tempered float32 q ("tempered", Dream) or under softmax(logits) in float64 ("untempered",
-            LLaDA / Fast-dLLM, diffusion.md §3–4). ``Factor(compat=True)`` always uses "untempered".
-            Tempered κ (and the EB confidence proxy) is ranked by −log(1 − κ), computed from the other
-            tokens' log-probabilities, so the order survives any T > 0 where κ itself rounds to 1.0.
+        confidence: which distribution the commit decision reads. None (default): κ (Threshold,
+            Factor, TopK) and the EB / entropy-threshold statistics (H, max q, Δ) come from the
+            float32 softmax(logits) at every T, the arithmetic of T = 0, so as T → 0 every policy
+            tends to its T = 0 rule. "untempered" (LLaDA / Fast-dLLM, diffusion.md §3–4): the same
+            distribution, with κ in float64 and ranked as the reference code does.
+            "tempered" (Dream's convention): both from the float32 softmax(logits / T); at T = 0.1
+            most κ round to 1.0 (a whole block commits at once) and many H to 0.
+            ``Factor(compat=True)`` always uses "untempered". κ read in float32 (and the EB
+            confidence proxy) is ranked by −log(1 − κ), computed from the other tokens'
+            log-probabilities, so the order survives κ rounding to 1.0.
 
     Returns:
         (commit, tokens): commit (B, N) bool, True only at masked positions; tokens (B, N) long, the
@@ -385,15 +397,17 @@ def commit(
              f"masked must be a bool tensor of shape {(B, N)} (got {masked.dtype} {tuple(masked.shape)})")
     _require(_is_number(top_p) and 0 < top_p <= 1, f"top_p must be in (0, 1] (got {top_p!r}); use 1.0 to disable")
     _require(isinstance(top_k, int) and top_k >= 0, f"top_k must be an integer >= 0 (got {top_k!r}); use 0 to disable")
-    _require(confidence in ("tempered", "untempered"),
-             f"confidence must be 'tempered' or 'untempered' (got {confidence!r})")
+    _require(confidence is None or confidence in CONFIDENCES,
+             f"confidence must be 'untempered' or 'tempered' (Dream's convention) (got {confidence!r})")
     _require(sampling in ("categorical", "gumbel"), f"sampling must be 'categorical' or 'gumbel' (got {sampling!r})")
     _require(isinstance(policy, (EntropyBound, Threshold, Factor, TopK, EntropyThreshold)),
              f"policy must be one of {list(POLICY_NAMES)} built by make_policy (got {type(policy).__name__})")
     _require(quota is None or isinstance(policy, TopK), f"quota applies only to the top-k policy (got {policy.name!r})")
 
-    log_q = _log_q(logits, temperature)  # (B, N, V)
-    stats = _stats(log_q)
+    log_q = _log_q(logits, temperature)  # (B, N, V), the sampling distribution
+    # The distribution commit decisions read: untempered unless Dream's tempered convention is asked for.
+    log_c = log_q if confidence == "tempered" or temperature == 0 else _log_q(logits, 0.0)  # (B, N, V)
+    stats = _stats(log_c)
 
     # Candidate tokens (SBD §5.1 step 3).
     if temperature == 0:
@@ -411,7 +425,7 @@ def commit(
     if isinstance(policy, EntropyBound):
         # SBD §5.1 steps 4–5 / EB Fig. 4. Cumulative ops run over positions (dim 1), never the batch.
         if policy.proxy == "confidence":  # max q, ranked by a key that survives small T (diffusion.md §4)
-            score = _certainty(log_q, stats.top1)
+            score = _certainty(log_c, stats.top1)
         else:
             score = -stats.entropy if policy.proxy == "entropy" else stats.margin
         order = _rank(score, masked)
@@ -430,10 +444,10 @@ def commit(
             kappa = F.softmax(logits.to(torch.float64), dim=-1).gather(-1, tokens[..., None])[..., 0]  # (B, N)
             order = _rank(kappa, masked)
         else:
-            # Dream: tempered p(chosen). At small T it rounds to 1.0 at many positions; rank by the
-            # equivalent non-saturating key, compare the probability itself with τ / the factor rule.
-            kappa = log_q.gather(-1, tokens[..., None])[..., 0].exp()  # (B, N)
-            order = _rank(_certainty(log_q, tokens), masked)
+            # p(chosen) under log_c. Where it rounds to 1.0 (tempered at small T, or a sure model), rank
+            # by the equivalent non-saturating key; compare the probability itself with τ / the factor rule.
+            kappa = log_c.gather(-1, tokens[..., None])[..., 0].exp()  # (B, N)
+            order = _rank(_certainty(log_c, tokens), masked)
         kappa_sorted = kappa.gather(1, order)  # (B, N)
         if isinstance(policy, Threshold):
             count = _prefix_len(kappa_sorted > policy.tau if policy.strict else kappa_sorted >= policy.tau)

@@ -52,6 +52,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     running = list(range(B))  # original index of each running row
     tokens: list[list[int]] = [[] for _ in range(B)]
     nfe_rows = [N] * B
+    stops_rows = [0] * B  # 1 where a row ended on a stop token (it counts for TPF, not in the text)
     buf = torch.empty((B, N), dtype=torch.long, device=device)  # (b, N)
     next_pos = pos[:, -1] + 1  # (b,)
     logits = forward(model, ids, position_ids=pos, attention_mask=None if mask is None else valid.long(),
@@ -76,6 +77,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                     # A stop token is not part of the output; the token completing a stop string is.
                     tokens[running[i]] = buf[i, : step if at_stop else step + 1].tolist()
                     nfe_rows[running[i]] = step + 1
+                    stops_rows[running[i]] = int(at_stop)
                 running = [running[i] for i in keep]
                 if not running:
                     break
@@ -94,7 +96,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     for i, row in enumerate(buf.tolist() if running else []):  # rows that ran to max_new_tokens
         tokens[running[i]] = row
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows, tokens_per_row=[len(t) for t in tokens],
-                        seconds=time.perf_counter() - t0)
+                        seconds=time.perf_counter() - t0, stops_per_row=stops_rows)
     return DecodeOutput(tokens=tokens, stats=stats)
 
 

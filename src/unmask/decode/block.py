@@ -38,10 +38,10 @@ import torch
 
 from unmask.decode.batching import left_pad
 from unmask.decode.kv import make_kv
-from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, block_causal_mask, with_key_padding
-from unmask.policies import Policy, Threshold, commit, make_policy
+from unmask.policies import CONFIDENCES, Policy, Threshold, commit, make_policy
 from unmask.sampling import Sampling, filter_logits
 
 DEFAULT_TAU = 0.95  # τ_M2T of every SingleBD row of multiblock.md Table 4 (LLaDA2-Mini, SDAR)
@@ -60,13 +60,17 @@ def block_quota(block_size: int, steps: int, s: int) -> int:
 
 
 def quota_threshold_commit(logits: torch.Tensor, masked: torch.Tensor, tau: float, quota: int,
-                           sampling: Sampling, generator: torch.Generator | list | None):
+                           sampling: Sampling, generator: torch.Generator | list | None,
+                           confidence: str | None = None):
     """The LLaDA2 ``generate`` / SDAR ``low_confidence_dynamic`` commit rule (multiblock.md §1.2 step 3).
 
     logits (R, B, V); masked (R, B) bool. Tokens are the argmax (temperature 0) or a draw from
-    softmax(logits / T) after top-k then top-p filtering; κ is the chosen token's probability
-    under that distribution. A row commits every masked position with κ > τ (strict) when there
-    are at least ``quota`` of them, else its ``quota`` most confident masked positions.
+    softmax(logits / T) after top-k then top-p filtering. κ is the chosen token's probability
+    under the same filtering of softmax(logits) (``confidence`` None or "untempered", the default: as
+    T → 0 the rule tends to its T = 0 one) or, as the published code does, of softmax(logits / T)
+    (``"tempered"``: at T = 0.1 most κ round to 1.0 and a block commits at once). A row commits
+    every masked position with κ > τ (strict) when there are at least ``quota`` of them, else its
+    ``quota`` most confident masked positions.
     (The published ``generate`` draws from softmax(logits) even at temperature 0; here 0 is greedy.)
     Returns (chosen (R, B) bool, tokens (R, B) long).
     """
@@ -74,13 +78,18 @@ def quota_threshold_commit(logits: torch.Tensor, masked: torch.Tensor, tau: floa
     z = logits.float()
     if sampling.temperature > 0:
         z = z / sampling.temperature
-    probs = filter_logits(z, sampling.top_k, sampling.top_p).softmax(-1)  # (R, B, V)
+    kept = filter_logits(z, sampling.top_k, sampling.top_p)  # (R, B, V), -inf outside top-k / top-p
+    probs = kept.softmax(-1)  # (R, B, V)
     if sampling.temperature > 0 and isinstance(generator, (list, tuple)):  # one generator per row
         tokens = torch.stack([torch.multinomial(probs[r], 1, generator=g)[:, 0] for r, g in enumerate(generator)])
     elif sampling.temperature > 0:
         tokens = torch.multinomial(probs.reshape(R * B, V), 1, generator=generator).reshape(R, B)
     else:
         tokens = probs.argmax(-1)  # (R, B)
+    if confidence is not None and confidence not in CONFIDENCES:
+        raise UnmaskError(f"confidence must be one of {', '.join(CONFIDENCES)} (got {confidence!r})")
+    if sampling.temperature > 0 and confidence != "tempered":
+        probs = logits.float().masked_fill(kept == float("-inf"), float("-inf")).softmax(-1)  # (R, B, V), same support
     conf = probs.gather(-1, tokens[..., None])[..., 0].masked_fill(~masked, float("-inf"))  # (R, B)
     high = (conf > tau) & masked  # (R, B)
     k = masked.sum(dim=1).clamp(max=quota)  # (R,)
@@ -219,6 +228,13 @@ def first_stop(seq: torch.Tensor, gen_start: torch.Tensor, gen_end: torch.Tensor
     pos = torch.arange(L, device=seq.device)  # (L,)
     hit = torch.isin(seq, stops) & (pos >= gen_start[:, None]) & (pos < gen_end[:, None])  # (R, L)
     return torch.where(hit.any(dim=1), hit.float().argmax(dim=1), torch.full_like(gen_start, L))
+
+
+def output_stops(seq: torch.Tensor, gen_start: torch.Tensor, max_new_tokens: int, stops: torch.Tensor,
+                 tokens: list[list[int]]) -> list[int]:
+    """:func:`unmask.decode.stats.stop_flags` of the rows :func:`outputs` returned."""
+    full = [seq[r, int(s): int(s) + max_new_tokens].tolist() for r, s in enumerate(gen_start.tolist())]
+    return stop_flags(full, tokens, stops.tolist())
 
 
 def outputs(seq: torch.Tensor, gen_start: torch.Tensor, max_new_tokens: int, stops: torch.Tensor,
@@ -479,5 +495,6 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
              "row_extra": [{"policy": name, "block_size": B, "store": cfg.store, "accepts": a,
                             "store_forwards": int(s)} for a, s in zip(accepts, store_rows.tolist())]}
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
-                        seconds=time.perf_counter() - t0, extra=extra)
+                        seconds=time.perf_counter() - t0, extra=extra,
+                        stops_per_row=output_stops(seq, gen_start, max_new_tokens, stops, tokens))
     return DecodeOutput(tokens=tokens, stats=stats)

@@ -14,9 +14,12 @@ Policies (:mod:`unmask.policies`):
   ``confidence-bound`` / ``margin-bound`` (EB sampler §7, default γ = 0.1), ``entropy-threshold``
   (η = 0.4).
 
-Temperature (§4): ``sampler="llada"`` draws with float64 Gumbel-max and ranks by the untempered
-confidence; ``sampler="dream"`` draws from the tempered categorical and ranks by its probability.
-The default comes from the model family (:func:`unmask.models.adapters.default_sampler`). Each row
+Temperature (§4): ``sampler="llada"`` draws with float64 Gumbel-max, ``sampler="dream"`` from the
+tempered categorical; the default comes from the model family
+(:func:`unmask.models.adapters.default_sampler`). Commit decisions read κ under the untempered
+softmax (``confidence="untempered"``, the default for every sampler), so as T → 0 a decode tends
+to its T = 0 one; Dream's convention, κ under softmax(logits / T), is ``confidence="tempered"``
+(at T = 0.1 it rounds most κ to 1.0 and commits whole blocks at once). Each row
 has its own seeded generator (:meth:`Sampling.row_generators`), so a batched run equals single
 runs even when sampling, and identical prompts draw independently.
 
@@ -34,10 +37,10 @@ from dataclasses import dataclass
 import torch
 
 from unmask.decode.dllm_cache import CACHE_MODES, WindowForward, check_fast_path, left_pad_to, prompt_width
-from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.models.adapters import SAMPLERS, default_sampler, realign
-from unmask.policies import Policy, TopK, commit, make_policy
+from unmask.policies import CONFIDENCES, Policy, TopK, commit, make_policy
 from unmask.sampling import Sampling
 from unmask.trace import step_event
 
@@ -68,7 +71,10 @@ class DiffusionConfig:
     only, a multiple of the block count) or None. cache: none / prefix / dual. refresh_every: a
     full refresh forward every this many steps inside a block (None: at block starts only).
     eos_early_stop: stop a row as soon as its text before the first EOS is final (§9).
-    sampler: "llada" or "dream" (§4).
+    sampler: "llada" or "dream" (§4), how tokens are drawn at T > 0.
+    confidence: the distribution κ is read from: None (default) or "untempered", softmax(logits)
+    (float64 with the llada sampler, as its reference; float32 with dream's); "tempered", Dream's
+    softmax(logits / T). See :func:`unmask.policies.commit`.
     """
 
     gen_length: int
@@ -79,6 +85,7 @@ class DiffusionConfig:
     refresh_every: int | None = None
     eos_early_stop: bool = False
     sampler: str = "llada"
+    confidence: str | None = None
 
     def __post_init__(self):
         L, B = self.gen_length, self.block_size
@@ -97,6 +104,8 @@ class DiffusionConfig:
                               "leave it unset to refresh at block starts only")
         if self.sampler not in SAMPLERS:
             raise UnmaskError(f"unknown sampler {self.sampler!r}; choose one of: {', '.join(SAMPLERS)}")
+        if self.confidence is not None and self.confidence not in CONFIDENCES:
+            raise UnmaskError(f"unknown confidence {self.confidence!r}; choose one of: {', '.join(CONFIDENCES)}")
         if self.steps is not None:
             nb = L // B
             if not isinstance(self.policy, TopK):
@@ -106,6 +115,12 @@ class DiffusionConfig:
                 low = max(nb, (self.steps // nb) * nb) if isinstance(self.steps, int) else nb
                 raise UnmaskError(f"steps must be a positive multiple of the {nb} blocks (gen length {L} / block "
                                   f"size {B}), got {self.steps!r}; use e.g. {low} or {low + nb}")
+
+    @property
+    def commit_confidence(self) -> str | None:
+        """``confidence`` as :func:`unmask.policies.commit` takes it: the llada sampler's untempered κ
+        is float64, as in the LLaDA / Fast-dLLM reference."""
+        return "untempered" if self.confidence is None and self.sampler == "llada" else self.confidence
 
     @property
     def n_blocks(self) -> int:
@@ -123,7 +138,7 @@ class DiffusionConfig:
     def from_options(cls, *, max_new_tokens: int, gen_length=None, block_size=None, policy=None, gamma=None,
                      preset=None, tau=None, factor=None, factor_compat=None, tokens_per_step=None, eta=None,
                      steps=None, cache=None, refresh_every=None, eos_early_stop=False,
-                     sampler="llada") -> "DiffusionConfig":
+                     sampler="llada", confidence=None) -> "DiffusionConfig":
         """Build from API/CLI options (None = default). Raises UnmaskError for bad combinations.
 
         gen_length defaults to max_new_tokens rounded up to a multiple of the block size; the block
@@ -152,7 +167,8 @@ class DiffusionConfig:
             gen_length = math.ceil(requested / block) * block if isinstance(block, int) and block >= 1 else requested
         return cls(gen_length=gen_length, block_size=block, policy=built, steps=steps,
                    cache="none" if cache is None else str(cache), refresh_every=refresh_every,
-                   eos_early_stop=bool(eos_early_stop), sampler=sampler)
+                   eos_early_stop=bool(eos_early_stop), sampler=sampler,
+                   confidence=confidence)
 
 
 def _infer_policy(gamma, tau, factor, tokens_per_step, steps, eta) -> str:
@@ -175,7 +191,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            preset: str | None = None, tau: float | None = None, factor: float | None = None,
            factor_compat: bool | None = None, tokens_per_step: int | None = None, eta: float | None = None,
            steps: int | None = None, cache: str | None = None, refresh_every: int | None = None,
-           eos_early_stop: bool = False, sampler: str | None = None, schedule: str | None = None,
+           eos_early_stop: bool = False, sampler: str | None = None, confidence: str | None = None,
+           schedule: str | None = None,
            alg: str | None = None, alg_temp: float | None = None, eps: float | None = None, on_step=None,
            on_forward=None, compile: bool = False, static: bool = False) -> DecodeOutput:
     """Semi-AR masked-diffusion decoding of a batch (diffusion.md §3, §6–§9).
@@ -200,7 +217,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
 
     Returns DecodeOutput. NFE counts forwards (the block-start refresh included, §10); per row,
     the forwards in which that row still had masks. stats.extra: policy, cache, gen_length,
-    block_size, sampler, ``accepts`` (histogram of per-row commits per forward), ``n_committed``
+    block_size, sampler, confidence, ``accepts`` (histogram of per-row commits per forward), ``n_committed``
     and per-row ``row_extra`` {policy, cache, steps (forwards used), commits (per-step counts)}.
     With ``steps`` larger than the generation length LLaDA's trailing steps have a quota of 0 and
     commit nothing; they are skipped (same tokens, fewer forwards).
@@ -236,7 +253,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         max_new_tokens=max_new_tokens, gen_length=gen_length, block_size=block_size, policy=policy, gamma=gamma,
         preset=preset, tau=tau, factor=factor, factor_compat=factor_compat, tokens_per_step=tokens_per_step,
         eta=eta, steps=steps, cache=cache, refresh_every=refresh_every, eos_early_stop=eos_early_stop,
-        sampler=sampler or default_sampler(bundle))
+        sampler=sampler or default_sampler(bundle), confidence=confidence)
     if gen_length is not None and isinstance(max_new_tokens, int) and max_new_tokens > cfg.gen_length:
         raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds gen length {cfg.gen_length}; lower "
                           "--max-new-tokens or raise --gen-length")
@@ -266,7 +283,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     suppress = list(bundle.suppress_ids)
     # One generator per row: a row's random draws do not depend on the rest of the batch.
     gens = sampling.row_generators(prompts, device)
-    confidence, draw = ("untempered", "gumbel") if cfg.sampler == "llada" else ("tempered", "categorical")
+    confidence, draw = cfg.commit_confidence, ("gumbel" if cfg.sampler == "llada" else "categorical")
     steps_per_block = None if cfg.steps is None else cfg.steps // cfg.n_blocks
 
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -315,16 +332,18 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             break
 
     gen = ids[:, P:]  # (B, L)
-    tokens = [until_stop(gen[r, :report].tolist(), set(stops.tolist()) | {mask_id}) for r in range(B)]
+    full = gen[:, :report].tolist()
+    tokens = [until_stop(full[r], set(stops.tolist()) | {mask_id}) for r in range(B)]
     n_committed = (gen != mask_id).sum(dim=1).tolist()
     row_extra = [{"policy": cfg.policy.name, "cache": cfg.cache, "steps": int(nfe_rows[r]), "commits": commits[r]}
                  for r in range(B)]
     extra = {"policy": cfg.policy.name, "cache": cfg.cache, "gen_length": L, "block_size": Bk,
-             "sampler": cfg.sampler, "accepts": dict(sorted(histogram.items())), "n_committed": n_committed,
+             "sampler": cfg.sampler, "confidence": cfg.confidence or "untempered", "accepts": dict(sorted(histogram.items())), "n_committed": n_committed,
              "row_extra": row_extra, "compiled": bool(compile)}
     if run.static_capacity is not None:
         extra["static_cache"] = run.static_capacity
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
+                        stops_per_row=stop_flags(full, tokens, stop_token_ids),
                         seconds=time.perf_counter() - t0, extra=extra)
     return DecodeOutput(tokens=tokens, stats=stats)
 
@@ -342,7 +361,7 @@ def _dream_schedule(bundle, prompts, schedule, options: dict) -> DecodeOutput:
                           "diffusion_generate) or leave it unset" if schedule is not None else
                           "--alg/--alg-temp/--eps apply to Dream's schedule; add --schedule dream")
     unused = {"block_size", "policy", "gamma", "preset", "tau", "factor", "factor_compat", "tokens_per_step", "eta",
-              "cache", "refresh_every", "sampler", "stop_strings"}
+              "cache", "refresh_every", "sampler", "confidence", "stop_strings"}
     given = sorted(k for k in unused if options.get(k) not in (None, (), "none"))
     if options.get("eos_early_stop"):
         given.append("eos_early_stop")

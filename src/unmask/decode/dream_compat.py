@@ -28,7 +28,7 @@ import time
 import torch
 
 from unmask.decode.batching import left_pad
-from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.decode.stats import DecodeOutput, DecodeStats, stop_flags
 from unmask.errors import UnmaskError
 from unmask.models.adapters import bidirectional_forward, realign
 from unmask.sampling import Sampling
@@ -177,9 +177,10 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         nfe += 1
     stops = set(stop_token_ids) | {mask_id}
     out = []
+    full = ids[:, P: P + min(max_new_tokens, L)].tolist()
     for r in range(B):
         row = []
-        for t in ids[r, P: P + min(max_new_tokens, L)].tolist():
+        for t in full[r]:
             if t in stops:
                 break
             row.append(t)
@@ -188,5 +189,6 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
              "cache": "none", "sampler": "dream",
              "row_extra": [{"schedule": "dream", "alg": alg, "commits": c} for c in commits]}
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in out],
+                        stops_per_row=stop_flags(full, out, stop_token_ids),
                         seconds=time.perf_counter() - t0, extra=extra)
     return DecodeOutput(tokens=out, stats=stats)

@@ -51,10 +51,10 @@ from unmask.decode.dllm_cache import (BUCKET_STEP, bucket, canvas_call, check_fa
 from unmask.decode.kv import canvas_forward, make_kv
 from unmask.decode.eb_select import (GAP_METRICS, PATH_NAMES, POS_MODES, lps_features, pack_rows, select_block,
                                      union_accept)
-from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.models.adapters import SAMPLERS, bidirectional_forward, default_sampler, realign, supports_cache
-from unmask.policies import Threshold, commit, token_stats
+from unmask.policies import CONFIDENCES, Threshold, commit, token_stats
 from unmask.sampling import Sampling
 from unmask.trace import step_event
 
@@ -78,7 +78,9 @@ class EarlyBirdConfig:
     block. tau: confidence threshold τ. tau_psi: LPS threshold τ_ψ in (0, 1), None for LBS only.
     l_min: L_min. g_max: largest allowed gap. cache: none / prefix / dual. gap_metric: absolute or
     masked_rank. pos_mode: literal or rank (must match the LPS router). eos_early_stop: §9.
-    sampler: llada or dream (how κ and sampled tokens are computed, diffusion.md §4).
+    sampler: llada or dream (how sampled tokens are drawn, diffusion.md §4). confidence: None
+    (default) or "untempered", κ under softmax(logits) at every T, so T → 0 tends to T = 0 (float64
+    with the llada sampler, as its reference); "tempered", Dream's κ under softmax(logits / T).
     """
 
     gen_length: int
@@ -92,6 +94,7 @@ class EarlyBirdConfig:
     pos_mode: str = "literal"
     eos_early_stop: bool = False
     sampler: str = "llada"
+    confidence: str | None = None
 
     def __post_init__(self):
         _int_at_least(self.gen_length, 1, "gen length", "it is the LBS router's training length")
@@ -112,6 +115,13 @@ class EarlyBirdConfig:
             raise UnmaskError(f"unknown pos mode {self.pos_mode!r}; choose one of: {', '.join(POS_MODES)}")
         if self.sampler not in SAMPLERS:
             raise UnmaskError(f"unknown sampler {self.sampler!r}; choose one of: {', '.join(SAMPLERS)}")
+        if self.confidence is not None and self.confidence not in CONFIDENCES:
+            raise UnmaskError(f"unknown confidence {self.confidence!r}; choose one of: {', '.join(CONFIDENCES)}")
+
+    @property
+    def commit_confidence(self) -> str | None:
+        """``confidence`` as :func:`unmask.policies.commit` takes it (float64 κ with the llada sampler)."""
+        return "untempered" if self.confidence is None and self.sampler == "llada" else self.confidence
 
 
 class _Forwards:
@@ -210,18 +220,20 @@ class _Forwards:
         return self._scored(raw)
 
 
-def _commit_confidence(logits, tokens, cand, sampler: str, temperature: float, lo: int, L: int) -> torch.Tensor:
-    """κ of the chosen tokens as the diffusion threshold rule computes it (diffusion.md §4):
-    untempered float64 softmax for the LLaDA sampler, tempered probability for Dream's.
+def _commit_confidence(logits, tokens, cand, confidence: str | None, temperature: float, lo: int,
+                       L: int) -> torch.Tensor:
+    """κ of the chosen tokens as the diffusion threshold rule computes it (diffusion.md §4): the
+    untempered softmax in float64 ("untempered", LLaDA's) or float32 (None), or the tempered
+    probability ("tempered", Dream's).
 
     logits (B, n, V), tokens and cand (B, n) over generated positions [lo, lo + n). Computed at the
     candidates only; returns (B, L) float64, 0 elsewhere."""
     r, c = torch.nonzero(cand, as_tuple=True)  # (k,) each
     z, t = logits[r, c], tokens[r, c]  # (k, V), (k,)
-    if sampler == "llada":
+    if confidence == "untempered":
         k = F.softmax(z.double(), dim=-1).gather(-1, t[:, None])[:, 0]
     else:
-        z = z.float() / temperature if temperature > 0 else z.float()
+        z = z.float() / temperature if temperature > 0 and confidence == "tempered" else z.float()
         k = F.log_softmax(z, dim=-1).gather(-1, t[:, None])[:, 0].exp().double()
     kappa = torch.zeros(cand.shape[0], L, dtype=torch.float64, device=logits.device)
     kappa[r, c + lo] = k
@@ -279,7 +291,7 @@ def _resolve_routers(bundle, use_lps: bool, routers, lbs_router, lps_router, tau
 
 def configure(bundle, *, max_new_tokens: int | None = None, gen_length=None, block_size=None, tau=None,
               tau_psi=None, l_min=None, g_max=None, lps=None, cache=None, gap_metric=None, pos_mode=None,
-              eos_early_stop=False, sampler=None, routers=None, lbs_router=None, lps_router=None, static=False,
+              eos_early_stop=False, sampler=None, confidence=None, routers=None, lbs_router=None, lps_router=None, static=False,
               compile=False) -> tuple[EarlyBirdConfig, object, object]:
     """Validate :func:`decode`'s options and resolve its routers: (cfg, LBS router, LPS router | None).
     ``max_new_tokens`` None skips its checks (a continuous batch checks it per job). Raises the
@@ -315,7 +327,8 @@ def configure(bundle, *, max_new_tokens: int | None = None, gen_length=None, blo
         g_max=defaults["g_max"] if g_max is None else g_max, cache="none" if cache is None else str(cache),
         gap_metric=gap_metric or "absolute",
         pos_mode=pos_mode or (lps_net.config.pos_mode if lps_net is not None else "literal"),
-        eos_early_stop=bool(eos_early_stop), sampler=sampler or default_sampler(bundle))
+        eos_early_stop=bool(eos_early_stop), sampler=sampler or default_sampler(bundle),
+        confidence=confidence)
     return cfg, lbs, lps_net
 
 
@@ -325,7 +338,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            block_size: int | None = None, tau: float | None = None, tau_psi: float | None = None,
            l_min: int | None = None, g_max: int | None = None, lps: bool | None = None, cache: str | None = None,
            gap_metric: str | None = None, pos_mode: str | None = None, eos_early_stop: bool = False,
-           sampler: str | None = None, routers=None, lbs_router=None, lps_router=None, on_step=None,
+           sampler: str | None = None, confidence: str | None = None, routers=None, lbs_router=None,
+           lps_router=None, on_step=None,
            on_forward=None, compile: bool = False, static: bool = False) -> DecodeOutput:
     """Early-Bird decoding of a batch (spec/early_bird.md §5, Alg. 5).
 
@@ -363,7 +377,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     cfg, lbs, lps_net = configure(bundle, max_new_tokens=max_new_tokens, gen_length=gen_length,
                                   block_size=block_size, tau=tau, tau_psi=tau_psi, l_min=l_min, g_max=g_max, lps=lps,
                                   cache=cache, gap_metric=gap_metric, pos_mode=pos_mode,
-                                  eos_early_stop=eos_early_stop, sampler=sampler, routers=routers,
+                                  eos_early_stop=eos_early_stop, sampler=sampler, confidence=confidence,
+                                  routers=routers,
                                   lbs_router=lbs_router, lps_router=lps_router, static=static, compile=compile)
     L = cfg.gen_length
     report = max_new_tokens  # ≤ L; a row stops once its first report tokens are committed
@@ -403,7 +418,7 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
     suppress = list(bundle.suppress_ids)
     embed = bundle.model.get_input_embeddings()
     gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
-    confidence, draw = ("untempered", "gumbel") if cfg.sampler == "llada" else ("tempered", "categorical")
+    confidence, draw = cfg.commit_confidence, ("gumbel" if cfg.sampler == "llada" else "categorical")
     threshold = Threshold(cfg.tau)
 
     block = torch.zeros(B, L, dtype=torch.bool, device=device)  # active block per row, as selected
@@ -466,7 +481,7 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
                                                         confidence, draw)
         tokens = torch.zeros(B, L, dtype=torch.long, device=device)
         tokens[:, lo:hi] = tok_w
-        kappa = _commit_confidence(logits, tok_w, cand_w, cfg.sampler, sampling.temperature, lo, L)  # (B, L)
+        kappa = _commit_confidence(logits, tok_w, cand_w, cfg.commit_confidence, sampling.temperature, lo, L)  # (B, L)
         t3 = _sync(device)
 
         feats = p_lps = None
@@ -527,14 +542,15 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
         nfe += 1
         check_nfe(nfe, 2 * L, "early-bird")  # ≥ 1 commit per forward; L blocks at most (size 1)
 
-    tokens_out = [until_stop(gen[r, :report].tolist(), set(stops_list) | {mask_id}) for r in range(B)]
+    full = gen[:, :report].tolist()
+    tokens_out = [until_stop(full[r], set(stops_list) | {mask_id}) for r in range(B)]
     seconds = _sync(device) - t_start
     router = t_lbs + t_lps
     row_extra = [{"decoder": "early-bird", "lps": lps_net is not None, "cache": cfg.cache, "steps": int(nfe_rows[r]),
                   "blocks": int(block_no[r]) + 1, "commits": commits[r]} for r in range(B)]
     extra = {"lps": lps_net is not None, "cache": cfg.cache, "gen_length": L, "block_size": cfg.block_size,
              "tau": cfg.tau, "tau_psi": cfg.tau_psi, "l_min": cfg.l_min, "g_max": cfg.g_max,
-             "gap_metric": cfg.gap_metric, "pos_mode": cfg.pos_mode, "sampler": cfg.sampler,
+             "gap_metric": cfg.gap_metric, "pos_mode": cfg.pos_mode, "sampler": cfg.sampler, "confidence": cfg.confidence or "untempered",
              "accepts": dict(sorted(histogram.items())), "n_committed": (gen != mask_id).sum(dim=1).tolist(),
              "blocks": n_blocks, "mean_block": block_total / max(1, n_blocks), "paths": dict(paths),
              "lps_only": lps_only, "refreshes": run.refreshes, "lbs_seconds": t_lbs, "lps_seconds": t_lps,
@@ -545,5 +561,6 @@ def _run(bundle, prompts, cfg: EarlyBirdConfig, lbs, lps_net, sampling, stop_tok
     if run.static_capacity is not None:
         extra["static_cache"] = run.static_capacity
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens_out],
+                        stops_per_row=stop_flags(full, tokens_out, stops_list),
                         seconds=seconds, extra=extra)
     return DecodeOutput(tokens=tokens_out, stats=stats)

@@ -20,12 +20,23 @@ has the same input shapes and ``compile=True`` reuses one compiled graph per sha
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
 
 from unmask.compat import attention_mask, crop, forward, new_cache, set_static_length
 from unmask.errors import UnmaskError
+
+
+def _check_crop(n: int, length: int) -> None:
+    try:
+        n = operator.index(n)  # an int, numpy or 0-d integer tensor
+    except TypeError:
+        raise UnmaskError(f"KV cache crop takes an integer count of positions (got {n!r})") from None
+    if n > length:
+        raise UnmaskError(f"cannot crop {n} positions from a KV cache holding {length}; crop at most {length} "
+                          "(or reset() to empty it)")
 
 
 class DynamicKV:
@@ -51,6 +62,8 @@ class DynamicKV:
                        logits_to_keep=logits_to_keep)
 
     def crop(self, n: int) -> None:
+        """Drop the last ``n`` cached positions (n <= 0: nothing). Raises UnmaskError for n > length."""
+        _check_crop(n, self.length)
         crop(self.cache, n)
 
     def reset(self) -> None:
@@ -110,6 +123,9 @@ class StaticKV:
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
     def crop(self, n: int) -> None:
+        """Move the pointer back ``n`` positions (n <= 0: nothing). Raises UnmaskError for n > length:
+        a negative pointer would make the next forward index before the cache's start."""
+        _check_crop(n, self.ptr)
         if n > 0:
             self.ptr -= n
 

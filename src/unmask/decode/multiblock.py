@@ -40,8 +40,8 @@ import torch
 
 from unmask.decode import block_buffer as bb
 from unmask.decode.block import (cache_extra, check_block_model, check_cache_flags, first_stop, hit_stop_string,
-                                 key_valid_buffer, outputs, prefill_whole_blocks, resolve_block_size, row_sequences,
-                                 step_event, whole_prompt_blocks, window_forward)
+                                 key_valid_buffer, output_stops, outputs, prefill_whole_blocks, resolve_block_size,
+                                 row_sequences, step_event, whole_prompt_blocks, window_forward)
 from unmask.decode.kv import make_kv
 from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
 from unmask.errors import UnmaskError
@@ -277,7 +277,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                             "mean_running_set": sum(rs) / max(1, len(rs)), "accepts": a, "edits": e}
                            for rs, a, e in zip(running, accepts, edits)]}
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
-                        seconds=time.perf_counter() - t0, extra=extra)
+                        seconds=time.perf_counter() - t0, extra=extra,
+                        stops_per_row=output_stops(seq, w.gen_start, max_new_tokens, stops, tokens))
     return DecodeOutput(tokens=tokens, stats=stats)
 
 

@@ -28,7 +28,7 @@ import torch
 from unmask.decode import sbd_verify
 from unmask.decode.batching import left_pad
 from unmask.decode.kv import make_kv
-from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
+from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, causal_mask, sbd_inference_mask, with_key_padding
 from unmask.policies import EntropyBound, Policy, commit, make_policy
@@ -199,12 +199,14 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         if bool(done.all()):
             break
 
-    tokens = [until_stop(out[b].tolist(), stops) for b in range(B)]
+    full = out.tolist()
+    tokens = [until_stop(full[b], stops) for b in range(B)]
     extra = {"policy": cfg.policy.name, "block_size": k, "accepts": dict(sorted(histogram.items())),
              "compiled": bool(compile), "static_cache": kv.capacity if kv.static else None,
              "row_extra": [{"policy": cfg.policy.name, "block_size": k, "accepts": a} for a in accepts]}
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
-                        seconds=time.perf_counter() - t0, extra=extra)
+                        seconds=time.perf_counter() - t0, extra=extra,
+                        stops_per_row=stop_flags(full, tokens, stops.tolist()))
     return DecodeOutput(tokens=tokens, stats=stats)
 
 

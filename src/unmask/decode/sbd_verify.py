@@ -278,11 +278,12 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     n = torch.ones(B, dtype=torch.long, device=device)  # (B,) committed tokens per row
     rows = list(range(B))  # original index of each running row
     tokens: list[list[int]] = [[] for _ in range(B)]
+    stopped = [0] * B  # 1 where a row ended on a stop token (counts for TPF, see DecodeStats)
     nfe, nfe_rows = 1, [1] * B
     row_accepts: list[list[int]] = [[1] for _ in range(B)]
 
     ended = _ended(out[:, :1], torch.ones(B, dtype=torch.bool, device=device), n, N, stops)
-    rows, state = _retire(bundle, prompts, rows, tokens, N, n, ended, stops, stop_strings, cache,
+    rows, state = _retire(bundle, prompts, rows, (tokens, stopped), N, n, ended, stops, stop_strings, cache,
                           (key_valid, b, s, q, p_b, draft_len, out, n))
     key_valid, b, s, q, p_b, draft_len, out, n = state
     while rows:
@@ -350,7 +351,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
             on_forward({"step": nfe - 1, "inp": inp, "positions": positions, "logits": logits, "cache": cache,
                         "key_valid": key_valid, "accepted": a, "rows": list(rows), "committed": n.clone()})
         if stop_strings or done:
-            rows, state = _retire(bundle, prompts, rows, tokens, N, n, ended, stops, stop_strings, cache,
+            rows, state = _retire(bundle, prompts, rows, (tokens, stopped), N, n, ended, stops, stop_strings, cache,
                                   (key_valid, b, s, q, p_b, draft_len, out, n), n_before=n_before)
             key_valid, b, s, q, p_b, draft_len, out, n = state
 
@@ -361,7 +362,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
              "row_extra": [{"verify": True, "draft": cfg.draft, "block_size": K, "accepts": ra}
                            for ra in row_accepts]}
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows, tokens_per_row=[len(t) for t in tokens],
-                        seconds=time.perf_counter() - t0, extra=extra)
+                        seconds=time.perf_counter() - t0, extra=extra, stops_per_row=stopped)
     return DecodeOutput(tokens=tokens, stats=stats)
 
 
@@ -370,22 +371,26 @@ def _ended(step_tok: torch.Tensor, new: torch.Tensor, n: torch.Tensor, N: int, s
     return (torch.isin(step_tok, stops) & new).any(dim=1) | (n >= N)
 
 
-def _retire(bundle, prompts, rows, tokens, N, n, ended, stops, stop_strings, cache, state, n_before=None):
-    """Move finished rows' tokens into ``tokens`` and prune them from the batch and the cache.
+def _retire(bundle, prompts, rows, outs, N, n, ended, stops, stop_strings, cache, state, n_before=None):
+    """Move finished rows' tokens into ``outs`` = (tokens, stopped) and prune them from the batch
+    and the cache (``stopped[r]`` = 1 when the row was cut before a stop token).
 
     ``state`` is the tuple of per-row tensors (``out`` (B, N + K), the committed ids, at index 6). A
     row's output is cut at its first stop token (excluded) or after the token completing a stop
     string, and at N tokens. Returns the running rows and the pruned ``state`` tensors."""
     out = state[6]
+    tokens, stopped = outs
     ended = ended.tolist()
     counts = n.tolist()
     stop_set = set(stops.tolist())
     keep = []
     for i, r in enumerate(rows):
         start = 0 if n_before is None else int(n_before[i])
-        row, hit = cut_row(bundle, prompts[r], out[i, : counts[i]].tolist(), stop_set, stop_strings, start)
+        full = out[i, : counts[i]].tolist()
+        row, hit = cut_row(bundle, prompts[r], full, stop_set, stop_strings, start)
         if ended[i] or hit:
             tokens[r] = row[:N]
+            stopped[r] = int(not hit and len(row) < min(len(full), N))  # cut before a stop token
         else:
             keep.append(i)
     if len(keep) == len(rows):

@@ -141,6 +141,7 @@ def ar_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling
     stop = torch.tensor(sorted(set(stop_token_ids)) or [-1], dtype=torch.long, device=device)
     buf = torch.empty((B, N), dtype=torch.long, device=device)  # (B, N) generated tokens
     end = torch.full((B,), -1, dtype=torch.long, device=device)  # (B,) output length of a finished row
+    on_stop = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) ended on a stop token (counts for TPF)
     nfe_rows = [N] * B
 
     logits = _forward(model, ids, pos, _prefill_mask(model, causal_mask(P, device=device), valid, L), cache,
@@ -161,6 +162,7 @@ def ar_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling
                 ended = ended | (_hit_stop_string(bundle, prompts, buf[:, : t + 1], rows, stop_strings) & running)
             if bool(ended.any()):  # the one host sync per step, as in the eager decoder
                 end = torch.where(at_stop, t, torch.where(ended, t + 1, end))
+                on_stop |= at_stop
                 for r in ended.nonzero()[:, 0].tolist():
                     nfe_rows[r] = t + 1
                 if bool((end >= 0).all()):
@@ -174,7 +176,8 @@ def ar_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling
     lengths = torch.where(end >= 0, end, N).tolist()
     tokens = [row[:n] for row, n in zip(buf.tolist(), lengths)]
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows, tokens_per_row=lengths, seconds=time.perf_counter() - t0,
-                        extra={"compiled": bool(compile), "static_cache": L})
+                        extra={"compiled": bool(compile), "static_cache": L},
+                        stops_per_row=on_stop.long().tolist())
     return DecodeOutput(tokens=tokens, stats=stats)
 
 
@@ -369,6 +372,7 @@ def verify_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, samp
                      out=out, live=torch.ones(B, dtype=torch.bool, device=device))
     alive = [True] * B  # a finished row rides along, its n frozen
     tokens: list[list[int]] = [[] for _ in range(B)]
+    stopped = [0] * B  # 1 where a row ended on a stop token (counts for TPF, see DecodeStats)
     nfe, nfe_rows = 1, [1] * B
     row_accepts: list[list[int]] = [[1] for _ in range(B)]
     ended = sv._ended(out[:, :1], torch.ones((B, 1), dtype=torch.bool, device=device), st.n, N, stops)
@@ -376,7 +380,7 @@ def verify_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, samp
         for r in range(B):
             canvas = torch.cat([b[r: r + 1], torch.full((K - 1,), mask_id, device=device)])
             on_step(step_event(0, r, torch.ones(1, dtype=torch.bool), b[r: r + 1], 0, canvas, mask_id))
-    _finish(bundle, prompts, alive, tokens, out, st.n, ended.tolist(), None, stops, stop_strings, N)
+    _finish(bundle, prompts, alive, (tokens, stopped), out, st.n, ended.tolist(), None, stops, stop_strings, N)
     st = st._replace(live=torch.tensor(alive, device=device))
     ptr_t = torch.zeros((), dtype=torch.long, device=device)  # the pointer as a tensor: no recompile per value
     N_t = torch.tensor(N, device=device)
@@ -396,7 +400,7 @@ def verify_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, samp
                 canvas = torch.cat([st.out[i, : st.n[i]], torch.full((K - 1,), mask_id, device=device)])
                 on_step(step_event(nfe - 1, i, new[i], step_tok[i], int(n_before[i]), canvas, mask_id))
         if stop_strings or any(host[B + i] for i in live):
-            _finish(bundle, prompts, alive, tokens, st.out, st.n, host[B:], n_before, stops, stop_strings, N)
+            _finish(bundle, prompts, alive, (tokens, stopped), st.out, st.n, host[B:], n_before, stops, stop_strings, N)
             st = st._replace(live=torch.tensor(alive, device=device))
         if any(alive) and ptr + Q > L:
             ptr = _compact(cache, st.key_valid, ptr)
@@ -407,25 +411,29 @@ def verify_decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, samp
              "accepted_drafts": dict(sorted(drafted.items())), "compiled": bool(compile), "static_cache": L,
              "row_extra": [{"verify": True, "draft": cfg.draft, "block_size": K, "accepts": ra} for ra in row_accepts]}
     stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows, tokens_per_row=[len(t) for t in tokens],
-                        seconds=time.perf_counter() - t0, extra=extra)
+                        seconds=time.perf_counter() - t0, extra=extra, stops_per_row=stopped)
     return DecodeOutput(tokens=tokens, stats=stats)
 
 
-def _finish(bundle, prompts, alive, tokens, out, n, ended, n_before, stops, stop_strings, N) -> None:
-    """Retire finished rows in place: ``alive[i] = False`` and ``tokens[i]`` = the row's output,
+def _finish(bundle, prompts, alive, outs, out, n, ended, n_before, stops, stop_strings, N) -> None:
+    """Retire finished rows in place: ``alive[i] = False``, ``stopped[i]`` (1 when cut before a stop
+    token) and ``tokens[i]`` = the row's output, with ``outs`` = (tokens, stopped),
     cut at its first stop token (excluded) or after the token completing a stop string, and at
     N tokens (the eager decoder's ``_retire`` without pruning)."""
     from unmask.decode.sbd_verify import cut_row
 
+    tokens, stopped = outs
     counts = n.tolist()
     stop_set = set(stops.tolist())
     for i in range(len(alive)):
         if not alive[i]:
             continue
         start = 0 if n_before is None else int(n_before[i])
-        row, hit = cut_row(bundle, prompts[i], out[i, : counts[i]].tolist(), stop_set, stop_strings, start)
+        full = out[i, : counts[i]].tolist()
+        row, hit = cut_row(bundle, prompts[i], full, stop_set, stop_strings, start)
         if ended[i] or hit:
             tokens[i], alive[i] = row[:N], False
+            stopped[i] = int(not hit and len(row) < min(len(full), N))  # cut before a stop token
 
 
 def _compact(cache, key_valid: torch.Tensor, ptr: int) -> int:

@@ -18,6 +18,18 @@ def check_nfe(nfe: int, ceiling: int, decoder: str) -> None:
                           "command line")
 
 
+def stop_flags(full: list[list[int]], kept: list[list[int]], stop_ids, limit: int | None = None) -> list[int]:
+    """1 per row whose output ``kept[r]`` (a prefix of its committed ids ``full[r]``) ends because
+    the next committed id is a stop id within ``limit`` generated tokens, else 0 (the stop token
+    rule of :class:`DecodeStats`). Negative ids are ignored."""
+    stop_set = {int(t) for t in stop_ids if int(t) >= 0}  # -1 stands for "no stop ids" / undecoded
+    flags = []
+    for f, k in zip(full, kept):
+        n = len(k)
+        flags.append(int(n < len(f) and (limit is None or n < limit) and int(f[n]) in stop_set))
+    return flags
+
+
 @dataclass
 class DecodeStats:
     """Counters of one decode run over a batch.
@@ -27,6 +39,11 @@ class DecodeStats:
     tokens_per_row: generated tokens per row, up to (not including) the stop token.
     seconds: wall-clock of the whole run, prefill included.
     extra: decoder-specific details (per-step accept histogram, commit counts, ...).
+    stops_per_row: 1 where the row ended on a stop token (EOS) it committed, else 0 (empty: none).
+
+    The stop token rule, the same for every decoder: a stop token a row commits counts as a
+    generated token for TPF (a forward was spent committing it, so AR stopping on EOS has TPF 1.0),
+    while the text, ``tokens_per_row``, ``generated`` and TPS exclude it (they measure output).
 
     NFE counts the forwards that commit tokens: for AR the prefill forward commits the first
     token and counts; for SBD and diffusion decoders the prefill commits nothing and is not
@@ -38,15 +55,19 @@ class DecodeStats:
     tokens_per_row: list[int]
     seconds: float
     extra: dict = field(default_factory=dict)
+    stops_per_row: list[int] = field(default_factory=list)
 
     @property
     def generated(self) -> int:
         return sum(self.tokens_per_row)
 
+    def _stop(self, i: int) -> int:
+        return self.stops_per_row[i] if i < len(self.stops_per_row) else 0
+
     @property
     def tpf(self) -> float:
-        """Tokens per forward: generated tokens / per-row forwards, pooled over rows."""
-        return self.generated / max(1, sum(self.nfe_per_row))
+        """Tokens per forward: committed tokens (generated + stop tokens) / per-row forwards, pooled."""
+        return (self.generated + sum(self.stops_per_row)) / max(1, sum(self.nfe_per_row))
 
     @property
     def tps(self) -> float:
@@ -56,10 +77,12 @@ class DecodeStats:
     def row(self, i: int) -> dict:
         nfe = self.nfe_per_row[i]
         n = self.tokens_per_row[i]
-        return {"nfe": nfe, "generated": n, "tpf": n / nfe if nfe else 0.0}
+        stop = self._stop(i)
+        return {"nfe": nfe, "generated": n, "stop_token": stop, "tpf": (n + stop) / nfe if nfe else 0.0}
 
     def to_dict(self) -> dict:
         return {"nfe": self.nfe, "nfe_per_row": self.nfe_per_row, "tokens_per_row": self.tokens_per_row,
+                "stops_per_row": self.stops_per_row,
                 "generated": self.generated, "tpf": self.tpf, "seconds": self.seconds, "tps": self.tps,
                 **self.extra}
 

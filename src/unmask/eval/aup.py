@@ -27,9 +27,13 @@ class AUPReport(NamedTuple):
     dropped: list[tuple[float, float]]
 
 
+Unit = Literal["auto", "percent", "fraction"]
+UNITS = ("auto", "percent", "fraction")
+
+
 def aup(points: Sequence[tuple[float, float]], y_max: float, alpha: float = 3.0,
         y_min_offset: float = 5.0,
-        variant: Literal["d3llm", "trapezoid"] = "d3llm") -> float:
+        variant: Literal["d3llm", "trapezoid"] = "d3llm", unit: Unit = "auto") -> float:
     """Accuracy Under Parallelism of one method on one task (diffusion spec §10).
 
     The value of :func:`aup_report`; dropped points are reported with a one-line warning.
@@ -46,17 +50,23 @@ def aup(points: Sequence[tuple[float, float]], y_max: float, alpha: float = 3.0,
             ``"trapezoid"`` is the plain Σ ½·(ρ_{i+1} − ρ_i)·(y_i + y_{i+1}) of
             arXiv 2606.29215 eq. 4.1 (no rectangle, no weight, no filter, so one point
             scores 0; ``y_max``, ``alpha`` and ``y_min_offset`` are unused).
+        unit: how the accuracies (and ``y_max``) are given. ``"percent"``: as they are.
+            ``"fraction"``: in [0, 1], multiplied by 100 first. ``"auto"`` (default): percent,
+            but when every accuracy and ``y_max`` lie in [0, 1] the input is ambiguous (0.72 is
+            far more often a fraction than 0.72 %) and is refused; pass the unit to settle it.
 
     Returns:
         AUP in units of TPF × percent. A single point (1, y) scores y in the d3llm variant.
 
     Raises:
         UnmaskError: no points, ρ ≤ 0 or not finite, y outside [0, 100] (percent, not a fraction),
+            every y and y_max in [0, 1] with ``unit="auto"``, y outside [0, 1] with
+            ``unit="fraction"``, an unknown unit,
             y_max outside (0, 100] or below the best y of the points, an unknown variant, or
             (d3llm) accuracy at the largest ρ more than ``y_min_offset`` below y_1, which d3LLM
             asserts against.
     """
-    report = aup_report(points, y_max, alpha=alpha, y_min_offset=y_min_offset, variant=variant)
+    report = aup_report(points, y_max, alpha=alpha, y_min_offset=y_min_offset, variant=variant, unit=unit)
     if report.dropped:
         shown = ", ".join(f"({r:g}, {y:g})" for r, y in report.dropped)
         warnings.warn(f"aup: dropped {len(report.dropped)} point(s) more than {y_min_offset:g} below the accuracy "
@@ -65,11 +75,26 @@ def aup(points: Sequence[tuple[float, float]], y_max: float, alpha: float = 3.0,
 
 
 def aup_report(points: Sequence[tuple[float, float]], y_max: float, *, alpha: float = 3.0,
-               y_min_offset: float = 5.0, variant: Literal["d3llm", "trapezoid"] = "d3llm") -> AUPReport:
-    """:func:`aup` with the dropped points returned instead of warned about (same arguments, same errors)."""
+               y_min_offset: float = 5.0, variant: Literal["d3llm", "trapezoid"] = "d3llm",
+               unit: Unit = "auto") -> AUPReport:
+    """:func:`aup` with the dropped points returned instead of warned about (same arguments, same errors).
+
+    With ``unit="fraction"`` the points in the report (``dropped``) are in percent too."""
     if not points:
         raise UnmaskError("aup needs at least one (tpf, accuracy) point")
+    if unit not in UNITS:
+        raise UnmaskError(f"aup: unknown unit {unit!r}; use one of {', '.join(UNITS)}")
     pts = sorted(((float(r), float(y)) for r, y in points), key=lambda p: p[0])
+    if unit == "fraction":
+        for _, y in pts:
+            if not (math.isfinite(y) and 0 <= y <= 1):
+                raise UnmaskError(f"aup: with unit 'fraction' accuracy must be in [0, 1], got {y}; "
+                                  "pass unit='percent' for percentages")
+        pts = [(r, 100.0 * y) for r, y in pts]
+        y_max = 100.0 * float(y_max) if isinstance(y_max, (int, float)) and math.isfinite(y_max) else y_max
+    elif unit == "auto" and all(0 <= y <= 1 for _, y in pts) and (variant == "trapezoid" or 0 <= y_max <= 1):
+        raise UnmaskError("aup: every accuracy is in [0, 1], which looks like fractions, but AUP takes percent; "
+                          "multiply by 100, or pass unit='fraction' (or unit='percent' if they are percent)")
     for r, y in pts:
         if not (math.isfinite(r) and r > 0):
             raise UnmaskError(f"aup: TPF must be a finite number > 0, got {r}; drop that point")

@@ -65,13 +65,31 @@ def postprocess_humaneval(completion: str, *, entry_point: str | None = None) ->
     return truncate_at(code, HUMANEVAL_STOPS)
 
 
+def _unquoted(code: str) -> str:
+    """Drop the quotes of the original MBPP prompt's ``[BEGIN] 'code' [DONE]`` form.
+
+    Only when the text starts and ends with one ``'`` (not a triple quote) and is not valid
+    Python as it stands: a quoted multi-line program is an unterminated string, while a program
+    that merely ends in a string literal compiles and is kept."""
+    inner = code.strip()
+    if len(inner) < 2 or inner[0] != "'" or inner[-1] != "'" or inner.startswith("'''") or inner.endswith("'''"):
+        return code
+    try:
+        compile(inner, "<mbpp>", "exec")
+        return code
+    except (SyntaxError, ValueError):
+        return inner[1:-1].strip("\n")
+
+
 def postprocess_mbpp(completion: str) -> str:
     """Turn a raw MBPP completion (after ``[BEGIN]``) into code: cut at ``[DONE]`` or the next
-    prompt, drop a repeated ``[BEGIN]``, and unwrap a Markdown fence if there is one."""
-    text = truncate_at(completion.replace("\r\n", "\n"), MBPP_STOPS).strip()
+    prompt, drop a repeated ``[BEGIN]``, unwrap a Markdown fence if there is one, and drop the
+    quotes of the ``[BEGIN] 'code' [DONE]`` form. Line ends CRLF and CR become LF first."""
+    text = completion.replace("\r\n", "\n").replace("\r", "\n")
+    text = truncate_at(text, MBPP_STOPS).strip()
     text = text.removeprefix("[BEGIN]").strip()
     fenced = _fenced(text)
-    return (fenced if fenced is not None else text).strip("\n")
+    return _unquoted((fenced if fenced is not None else text).strip("\n"))
 
 
 def humaneval_program(task: HumanEvalTask, completion: str) -> str:
@@ -92,12 +110,61 @@ def mbpp_program(task: MBPPTask, code: str, *, challenge: bool = False) -> str:
     return "\n\n".join(p for p in parts if p.strip()) + "\n"
 
 
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
+_SYNTAX = ("SyntaxError", "IndentationError", "TabError")
+REASON_CHARS = 160  # a reason is one short line; the stderr tail keeps the rest
+
+
+def failure_reason(result: RunResult, code: str | None = None) -> str | None:
+    """Why a program did not pass, in one short line; None when it passed.
+
+    ``code`` is the post-processed completion: an empty one is ``"empty completion"`` whatever
+    the program did. Otherwise: ``"timeout"``, ``"crash (signal N)"``, ``"assertion failed"``
+    (with the assert's message if it has one), ``"syntax error: <message>"``, ``"<ExceptionType>:
+    <message>"`` from the traceback's last line (cut to :data:`REASON_CHARS`), the sandbox's own
+    note (an exit with status 0 before the last statement, the disk quota), else the exit status.
+    """
+    if result.passed:
+        return None
+    if code is not None and not code.strip():
+        return "empty completion"
+    if result.status == "timeout":
+        return "timeout"
+    if result.status == "crash":
+        rc = result.returncode
+        return f"crash (signal {-rc})" if isinstance(rc, int) and rc < 0 else "crash"
+    lines = [ln for ln in result.stderr_tail.splitlines() if ln.strip()]
+    last = lines[-1] if lines else ""
+    if last.startswith("unmask sandbox: "):
+        return last.removeprefix("unmask sandbox: ")[:REASON_CHARS]
+    m = _EXCEPTION_LINE.match(last)
+    if m and "Traceback" in result.stderr_tail:
+        name, message = m.group(1), (m.group(2) or "").strip()
+        short = name.rsplit(".", 1)[-1]
+        if short == "AssertionError":
+            reason = "assertion failed" + (f": {message}" if message else "")
+        elif short in _SYNTAX:
+            reason = f"syntax error: {message}" if message else "syntax error"
+        else:
+            reason = f"{short}: {message}" if message else short
+        return reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 3] + "..."
+    return f"exit status {result.returncode}"
+
+
 @dataclass(frozen=True)
 class CodeEvalResult:
-    """pass@1 over a task list: ``results[i]`` belongs to ``task_ids[i]``."""
+    """pass@1 over a task list: ``results[i]`` belongs to ``task_ids[i]``; ``codes[i]`` is the
+    post-processed completion when known (for :attr:`reasons`)."""
 
     task_ids: tuple[str, ...]
     results: tuple[RunResult, ...]
+    codes: tuple[str | None, ...] = ()
+
+    @property
+    def reasons(self) -> list[str | None]:
+        """:func:`failure_reason` per task (None for a pass)."""
+        codes = self.codes or (None,) * len(self.results)
+        return [failure_reason(r, c) for r, c in zip(self.results, codes)]
 
     @property
     def pass_at_1(self) -> float:
@@ -110,9 +177,9 @@ class CodeEvalResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"pass_at_1": self.pass_at_1, "n": len(self.results),
-                "tasks": [{"task_id": t, "status": r.status, "seconds": round(r.seconds, 4),
+                "tasks": [{"task_id": t, "status": r.status, "reason": why, "seconds": round(r.seconds, 4),
                            "stderr_tail": r.stderr_tail[-300:]}
-                          for t, r in zip(self.task_ids, self.results)]}
+                          for t, r, why in zip(self.task_ids, self.results, self.reasons)]}
 
 
 def pass_at_1(*, programs: Sequence[str], task_ids: Sequence[str] | None = None,
@@ -150,9 +217,11 @@ def evaluate_humaneval(*, tasks: Sequence[HumanEvalTask], completions: Sequence[
     """pass@1 of one completion per HumanEval task (``limits`` go to :func:`pass_at_1`)."""
     if len(tasks) != len(completions):
         raise UnmaskError(f"{len(tasks)} HumanEval tasks but {len(completions)} completions")
-    programs = [humaneval_program(t, postprocess_humaneval(c, entry_point=t.entry_point)
-                                  if postprocess else c) for t, c in zip(tasks, completions)]
-    return pass_at_1(programs=programs, task_ids=[t.task_id for t in tasks], **limits)
+    codes = [postprocess_humaneval(c, entry_point=t.entry_point) if postprocess else c
+             for t, c in zip(tasks, completions)]
+    programs = [humaneval_program(t, c) for t, c in zip(tasks, codes)]
+    res = pass_at_1(programs=programs, task_ids=[t.task_id for t in tasks], **limits)
+    return CodeEvalResult(res.task_ids, res.results, tuple(codes))
 
 
 def evaluate_mbpp(*, tasks: Sequence[MBPPTask], completions: Sequence[str],
@@ -161,7 +230,7 @@ def evaluate_mbpp(*, tasks: Sequence[MBPPTask], completions: Sequence[str],
     adds the ``challenge_test_list`` asserts (not part of the published score)."""
     if len(tasks) != len(completions):
         raise UnmaskError(f"{len(tasks)} MBPP tasks but {len(completions)} completions")
-    programs = [mbpp_program(t, postprocess_mbpp(c) if postprocess else c, challenge=challenge)
-                for t, c in zip(tasks, completions)]
-    return pass_at_1(programs=programs, task_ids=[f"Mbpp/{t.task_id}" for t in tasks],
-                     **limits)
+    codes = [postprocess_mbpp(c) if postprocess else c for c in completions]
+    programs = [mbpp_program(t, c, challenge=challenge) for t, c in zip(tasks, codes)]
+    res = pass_at_1(programs=programs, task_ids=[f"Mbpp/{t.task_id}" for t in tasks], **limits)
+    return CodeEvalResult(res.task_ids, res.results, tuple(codes))

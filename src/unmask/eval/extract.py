@@ -94,3 +94,12 @@ def gsm8k_score(pred_text: str, gold_answer: str, *,
     text = truncate_at(pred_text, stop)
     gold = gold_number(gold_answer)
     return {"strict": extract_strict(text) == gold, "flexible": extract_flexible(text) == gold}
+
+
+def gsm8k_extract(pred_text: str, *, stop: Sequence[str] = GSM8K_STOP) -> dict[str, str | bool | None]:
+    """The answers :func:`gsm8k_score` compares, for the eval rows: ``{"extracted": flexible number
+    or None, "extracted_strict": number after #### or None, "no_answer": no number at all}``
+    (normalised, from the text cut at the earliest ``stop`` string)."""
+    text = truncate_at(pred_text, stop)
+    flexible = extract_flexible(text)
+    return {"extracted": flexible, "extracted_strict": extract_strict(text), "no_answer": flexible is None}

@@ -7,12 +7,14 @@ core dependency). Importing this module registers the model; without lm_eval the
     import lm_eval
     import unmask.eval.lm_eval_adapter  # registers "unmask"
     lm_eval.simple_evaluate(model="unmask", tasks=["gsm8k"],
-                            model_args="pretrained=stories260K-sbd,decoder=sbd,gamma=0.35")
+                            model_args="model=stories260K-sbd,decoder=sbd,gamma=0.35")
 
-or from the shell, ``python -m unmask.eval.lm_eval_adapter run --model unmask --model_args ...``
-(lm-eval's own command line, with the model registered first).
+or from the shell, ``python -m unmask.eval.lm_eval_adapter --model unmask --model_args ...``
+(lm-eval's own command line, with the model registered first; a plain ``lm_eval`` does not
+know the model ``unmask``).
 
-``model_args``: ``pretrained`` (shipped name or local directory), ``decoder``, ``kind``,
+``model_args``: ``model`` (or lm-eval's usual ``pretrained``: a shipped name or local
+directory), ``decoder``, ``kind``,
 ``dtype``, ``batch_size``, ``max_length`` (context override) and any decoder option
 (``policy``, ``gamma``, ``block_size``, ...). ``generate_until`` runs
 :func:`unmask.generate` on batches of requests that share their generation arguments; a
@@ -56,9 +58,16 @@ class UnmaskLM(LM):
 
     def __init__(self, pretrained: str | None = None, decoder: str | None = None, kind: str | None = None,
                  device: str | None = None, dtype: str = "float32", batch_size: Any = 1,
-                 max_batch_size: Any = None, max_length: int | None = None, **decoder_options: Any):
+                 max_batch_size: Any = None, max_length: int | None = None, model: str | None = None,
+                 **decoder_options: Any):
         super().__init__()
         from unmask.models import load
+
+        if model is not None and pretrained is not None and model != pretrained:
+            raise UnmaskError(f"model_args name two models (model={model}, pretrained={pretrained}); give one")
+        pretrained = pretrained if pretrained is not None else model
+        if pretrained is None:
+            raise UnmaskError("the unmask lm-eval model needs a model; pass --model_args model=NAME_OR_DIR,decoder=...")
 
         device = device or "cpu"
         if str(device).startswith("cuda") and not torch.cuda.is_available():

@@ -106,7 +106,7 @@ def _generate_batches(prompts: list[str], bundle, decoder: str, *, batch_size: i
                                   "seconds": g.stats.seconds, "tps": row["generated"] / g.stats.seconds
                                   if g.stats.seconds > 0 else 0.0, "batch_seconds": g.stats.seconds,
                                   "batch_tps": g.stats.tps, "batch": b,
-                                  "batch_nfe": g.stats.nfe}))
+                                  "batch_nfe": g.stats.nfe, "stop_token": row.get("stop_token", 0)}))
         if progress is not None:  # this rank's share, scaled to the whole run
             progress(min(len(prompts), done * (1 if tp else dist.world()) * batch_size), len(prompts), stage)
     return [row for _, row in local] if tp else dist.gather_ordered(local)
@@ -265,8 +265,8 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
     for it, g, s in zip(items, gens, scores):
         rows.append({"type": "item", "task": task, "id": it.id, "model": bundle.name, "decoder": decoder,
                      "prompt": g["prompt"], "text": g["text"], "n_tokens": g["n_tokens"], "nfe": g["nfe"],
-                     "tpf": g["tpf"], "seconds": g["seconds"], "tps": g["tps"], "batch_seconds": g["batch_seconds"],
-                     "batch_tps": g["batch_tps"], "batch": g["batch"],
+                     "tpf": g["tpf"], "stop_token": g["stop_token"], "seconds": g["seconds"], "tps": g["tps"],
+                     "batch_seconds": g["batch_seconds"], "batch_tps": g["batch_tps"], "batch": g["batch"],
                      **s, "config": config, "env": env})
     metrics = T.summarize(task, scores)
     qname = spec.quality_metrics[0]
@@ -292,11 +292,13 @@ def _score_sharded(task: str, items: list[T.Item], texts: list[str], **kwargs) -
 
 
 def _throughput(gens: list[dict[str, Any]]) -> dict[str, float]:
-    """Summary NFE (mean per row), TPF (pooled), TPS and seconds (over batches)."""
+    """Summary NFE (mean per row), TPF (pooled; a stop token a row committed counts, as in
+    :class:`unmask.decode.stats.DecodeStats`), TPS and seconds (over batches)."""
     tokens = sum(g["n_tokens"] for g in gens)
+    committed = tokens + sum(g.get("stop_token", 0) for g in gens)
     row_nfe = sum(g["nfe"] for g in gens)
     batches = {g["batch"]: (g["seconds"], g["batch_nfe"]) for g in gens}
     seconds = sum(s for s, _ in batches.values())
-    return {"generated": tokens, "nfe": row_nfe / len(gens), "tpf": tokens / max(row_nfe, 1),
+    return {"generated": tokens, "nfe": row_nfe / len(gens), "tpf": committed / max(row_nfe, 1),
             "tps": tokens / seconds if seconds > 0 else 0.0, "seconds": seconds,
             "forwards": sum(n for _, n in batches.values())}

@@ -174,7 +174,7 @@ def sweep(task: str, model=None, decoder: str | None = None, *, param: str,
         error = f"every point has {metric} = 0, so AUP's weight is undefined"
     else:
         try:
-            score, dropped = aup_report(usable, y_max)
+            score, dropped = aup_report(usable, y_max, unit="percent")  # quality metrics are percent
         except UnmaskError as e:
             error = str(e)
     return SweepResult(task, param, metric, vals, results, y_max, score, error, points, dropped)

@@ -32,7 +32,7 @@ from unmask.eval.code_tasks import (
     evaluate_humaneval,
     evaluate_mbpp,
 )
-from unmask.eval.extract import GSM8K_STOP, gsm8k_score
+from unmask.eval.extract import GSM8K_STOP, gsm8k_extract, gsm8k_score
 
 
 @dataclass(frozen=True)
@@ -150,18 +150,24 @@ def score_texts(task: str, items: Sequence[Item], texts: Sequence[str], *, worke
                 timeout_s: float = 10.0) -> list[dict[str, Any]]:
     """Per-item scores of a labelled task (gsm8k, humaneval, mbpp) from generated texts.
 
-    gsm8k: ``{"strict", "flexible", "gold"}``; code: ``{"passed", "status"}``. ``workers``
-    and ``timeout_s`` are the sandbox's (see :func:`unmask.eval.code_tasks.pass_at_1`).
+    gsm8k: ``{"strict", "flexible", "gold", "extracted", "extracted_strict", "no_answer"}``:
+    ``extracted`` is the flexible answer (the last number of the text cut at the stop strings),
+    ``extracted_strict`` the number after ``####``, each None when absent; ``no_answer`` is True
+    when the text holds no number at all. Code: ``{"passed", "status", "reason"}``, ``reason``
+    None for a pass, else one short line (:func:`unmask.eval.code_tasks.failure_reason`:
+    assertion, exception type and message, timeout, syntax error, empty completion).
+    ``workers`` and ``timeout_s`` are the sandbox's (see :func:`unmask.eval.code_tasks.pass_at_1`).
     """
     if len(items) != len(texts):
         raise UnmaskError(f"{len(items)} items but {len(texts)} texts")
     if task == "gsm8k":
-        return [{**gsm8k_score(t, it.data.answer), "gold": it.data.target} for it, t in zip(items, texts)]
+        return [{**gsm8k_score(t, it.data.answer), "gold": it.data.target, **gsm8k_extract(t)}
+                for it, t in zip(items, texts)]
     if task in ("humaneval", "mbpp"):
         run = evaluate_humaneval if task == "humaneval" else evaluate_mbpp
         res = run(tasks=[it.data for it in items], completions=list(texts), workers=workers,
                   timeout_s=timeout_s)
-        return [{"passed": r.passed, "status": r.status} for r in res.results]
+        return [{"passed": r.passed, "status": r.status, "reason": why} for r, why in zip(res.results, res.reasons)]
     raise UnmaskError(f"task {task!r} is not scored from texts alone")
 
 

@@ -162,6 +162,8 @@ def _read_hf_config(path: Path) -> dict:
 def _as_id(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise UnmaskError(f"{what} must be an integer token id (got {value!r}); give the id of the mask token")
+    if value < 0:  # a negative id would index the vocabulary from its end (or overflow the tokenizer)
+        raise UnmaskError(f"{what} must be a token id >= 0 (got {value}); give the id of the mask token")
     return value
 
 

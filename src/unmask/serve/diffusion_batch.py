@@ -53,7 +53,8 @@ from unmask.serve.running import append_canvas, row_canvas, split_rows, take_can
 from unmask.trace import step_event
 
 OPTIONS = ("gen_length", "block_size", "policy", "gamma", "preset", "tau", "factor", "factor_compat",
-           "tokens_per_step", "eta", "steps", "cache", "refresh_every", "eos_early_stop", "sampler")
+           "tokens_per_step", "eta", "steps", "cache", "refresh_every", "eos_early_stop", "sampler",
+           "confidence")
 CACHES = ("none", "prefix", "dual")
 
 
@@ -140,8 +141,7 @@ class DiffusionBatch:
         self.stops = torch.tensor(sorted(set(ids)) or [-1], device=self.device)
         self.stop_set = set(self.stops.tolist()) | {self.mask_id}
         self.suppress = list(bundle.suppress_ids)
-        self.confidence, self.draw = (("untempered", "gumbel") if self.cfg.sampler == "llada"
-                                      else ("tempered", "categorical"))
+        self.confidence, self.draw = self.cfg.commit_confidence, ("gumbel" if self.cfg.sampler == "llada" else "categorical")
         self.rows: list[Row] = []
         self.forwards = 0
         self._empty()

@@ -43,7 +43,7 @@ from unmask.serve.running import append_canvas, row_canvas, split_rows, take_can
 from unmask.trace import step_event
 
 OPTIONS = ("gen_length", "block_size", "tau", "tau_psi", "l_min", "g_max", "lps", "cache", "gap_metric", "pos_mode",
-           "eos_early_stop", "sampler", "routers", "lbs_router", "lps_router")
+           "eos_early_stop", "sampler", "confidence", "routers", "lbs_router", "lps_router")
 
 
 @dataclass
@@ -115,8 +115,7 @@ class EarlyBirdBatch:
         self.suppress = list(bundle.suppress_ids)
         self.embed = bundle.model.get_input_embeddings()
         self.threshold = Threshold(self.cfg.tau)
-        self.confidence, self.draw = (("untempered", "gumbel") if self.cfg.sampler == "llada"
-                                      else ("tempered", "categorical"))
+        self.confidence, self.draw = self.cfg.commit_confidence, ("gumbel" if self.cfg.sampler == "llada" else "categorical")
         self.rows: list[Row] = []
         self.forwards = 0
         self._empty()
@@ -244,7 +243,7 @@ class EarlyBirdBatch:
                                                                  [row.generator], self.confidence, self.draw)
         tokens = torch.zeros(1, L, dtype=torch.long, device=dev)
         tokens[:, lo:hi] = tok_w
-        kappa = _commit_confidence(logits, tok_w, cand_w, cfg.sampler, sampling.temperature, lo, L)  # (1, L)
+        kappa = _commit_confidence(logits, tok_w, cand_w, cfg.commit_confidence, sampling.temperature, lo, L)  # (1, L)
         p_lps = None
         if self.lps is not None:
             p_lps = torch.zeros(1, L, device=dev)
