@@ -404,3 +404,27 @@ def test_a_signal_drains_open_streams_and_exits_in_bounded_time(tmp_path, sig, c
     text = log.read()
     assert "Traceback" not in text and "Cancel" not in text, text
     assert text.rstrip().splitlines()[-1] == "interrupted"
+
+
+def test_an_sbd_stream_started_before_an_ar_request_stays_in_its_own_batch(bundle):
+    """The playground sends the sbd stream first, then AR's: the running sbd batch used to move
+    into the AR batch as soon as the AR row started. Below the crossover (2 rows, default table)
+    it stays: TPF > 1, text identical to AR's."""
+    openai = pytest.importorskip("openai")
+
+    app = create_app(bundle, max_batch_size=4, max_queue=8)
+    prompt = "Once upon a time"
+    gen = unmask.generate(prompt, bundle, "ar", max_new_tokens=200)
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=200, stream=True,
+                                      extra_body={"decoder": "sbd"})
+        chunks = [next(iter(stream))]
+        assert sched.batch_rows and sched.draft_log[-1][1] > 1
+        r = c.completions.create(model=MODEL, prompt="Zoo", max_tokens=48, extra_body={"decoder": "ar"})
+        chunks += list(stream)
+    assert "".join(x.choices[0].text for x in chunks) == gen.texts[0]
+    assert sched.migrated_rows == 0
+    assert chunks[-1].usage.model_extra["tpf"] > 1.5
+    assert r.choices[0].text == unmask.generate("Zoo", bundle, "ar", max_new_tokens=48).texts[0]
