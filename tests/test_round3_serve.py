@@ -428,3 +428,14 @@ def test_an_sbd_stream_started_before_an_ar_request_stays_in_its_own_batch(bundl
     assert sched.migrated_rows == 0
     assert chunks[-1].usage.model_extra["tpf"] > 1.5
     assert r.choices[0].text == unmask.generate("Zoo", bundle, "ar", max_new_tokens=48).texts[0]
+
+
+def test_stop_strings_are_bounded(server):
+    """Found while checking item 15: up to 2 MiB of stop strings were accepted, and every one is
+    matched against the text at every step (on the event loop for a stream)."""
+    url = server.url + "/v1/completions"
+    for stop in (["x%d" % i for i in range(5000)], ["y" * 10_000]):
+        status, err = post(url, {"prompt": "Zoo", "max_tokens": 4, "stop": stop, "stream": True})
+        msg = one_line_400(status, err, param="stop")
+        assert "at most 64 strings of at most 256 characters" in msg
+    assert post(url, {"prompt": "Zoo", "max_tokens": 4, "stop": ["x%d" % i for i in range(64)]})[0] == 200

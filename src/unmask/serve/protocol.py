@@ -29,6 +29,7 @@ from unmask.serve.errors import ApiError
 from unmask.serve.limits import Limits, check_cost
 
 DEFAULT_MAX_TOKENS = 128
+MAX_STOP, MAX_STOP_CHARS = 64, 256  # stop strings per request (OpenAI takes 4) and their length
 STREAM_MODES = ("committed", "canvas")
 # Option of ``unmask generate`` that are not decoder knobs.
 _NOT_KNOBS = {"prompts", "prompts_file", "model", "kind", "decoder", "max_new_tokens", "temperature", "top_k", "top_p",
@@ -147,6 +148,11 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "stop must be a non-empty string or a list of them", param="stop")
+    # every stop string is matched against the text at every step, on the event loop (streams)
+    if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each "
+                            f"(got {len(stop)}, the longest {max(map(len, stop))}); send fewer or shorter ones",
+                       param="stop")
 
     defaults = dict(defaults or {})
     server_decoder = defaults.pop("decoder", None) or default_decoder(bundle.kind)
