@@ -149,12 +149,13 @@ def test_a_client_gone_before_its_body_arrived_is_no_server_error(bundle):
 
 def test_a_sized_sbd_batch_moves_into_the_ar_batch_when_ar_rows_start(bundle):
     """A greedy lossless sbd request alone on an idle server decodes in an sbd batch of its own
-    (K > 1); once an AR row runs beside it, the batch moves into the AR running batch at the next
+    (K > 1); once an AR row runs beside it and the load is past the table's crossover, the batch moves into the AR running batch at the next
     step (one forward then serves both) and goes on from its committed tokens: same text and
     stream as AR's, NFE below one forward per token."""
     import openai
 
-    app = create_app(bundle, max_batch_size=4, max_queue=8)
+    # the crossover at 2 rows: one AR row beside the sbd one is past it (the default table's is at 6)
+    app = create_app(bundle, max_batch_size=4, max_queue=8, draft_sizes="1:4,2:1")
     gen = unmask.generate(PROMPTS[0], bundle, "ar", max_new_tokens=300)
     ref = gen.texts[0]
     with ServerThread(app) as s:

@@ -10,10 +10,14 @@ import time
 import pytest
 
 import unmask
+from unmask.serve.draft_sizing import DraftSizes
 from unmask.serve.engine import Job, QueueFull, Scheduler
 from unmask.serve.protocol import parse
 
 MODEL = "stories260K-sbd"
+# Sized rows move into / route to the AR batch only past the table's crossover (K = 1); these
+# tests place the crossover at 2 rows, so one AR row beside one sbd row is past it.
+CROSS_AT_2 = DraftSizes.parse("1:4,2:1")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +75,8 @@ def test_migrated_rows_never_wait_for_an_ar_slot(bundle):
     slot; the second row sat in the queue, making no progress, until the AR row ended (its answer
     delayed by the whole AR request, its deadline running) and, counted as waiting, turned new
     requests away with 429 (QueueFull). The batch moves only when every open row gets a slot."""
-    sched = Scheduler(bundle, max_batch_size=2, max_queue=2).start()
+    # the batch forms at 2 rows (K = 4) and moves once the AR row makes the load 3 (K = 1)
+    sched = Scheduler(bundle, max_batch_size=2, max_queue=2, draft_sizes=DraftSizes.parse("1:4,3:1")).start()
     try:
         sched.pause()
         extra, rx = job(bundle, {"prompt": "One day", "max_tokens": 3, "decoder": "ar"})
@@ -115,7 +120,8 @@ def test_a_migrated_row_held_in_the_queue_goes_on_in_the_ar_batch_not_from_scrat
     (or otherwise found no AR rows when it was next taken) formed a new sbd batch and decoded from
     the prompt again: its resume tokens were ignored, the canvas stream went back to step 0 and
     committed positions became masked again, and the first batch's forwards dropped from its NFE."""
-    sched = Scheduler(bundle, max_batch_size=8, max_queue=8).start()
+    # a table whose crossover is at 2 rows: one AR row beside the sbd one is past it
+    sched = Scheduler(bundle, max_batch_size=8, max_queue=8, draft_sizes=CROSS_AT_2).start()
     try:
         paused = []
 
@@ -159,7 +165,8 @@ def test_a_sized_request_arriving_with_an_ar_request_joins_the_ar_batch_at_once(
     server formed a sized sbd batch (K > 1) beside the AR rows joining in the same pass, which then
     moved into the AR batch at its first forward: that forward (and, with --compile, compiling its
     shape) was spent for nothing. Waiting AR requests count as running AR rows when routing."""
-    sched = Scheduler(bundle, max_batch_size=8, max_queue=8).start()
+    # a table whose crossover is at 2 rows: one AR row beside the sbd one is past it
+    sched = Scheduler(bundle, max_batch_size=8, max_queue=8, draft_sizes=CROSS_AT_2).start()
     try:
         sched.pause()
         a, ra = job(bundle, {"prompt": "Zoo", "max_tokens": 10, "decoder": "ar"})
@@ -180,7 +187,7 @@ def test_rows_moved_out_of_an_sbd_batch_do_not_count_against_the_queue_bound(bun
     to the AR batch (there until its next pass, or while the scheduler is paused); they counted as
     requests waiting to start, so a new request got 429 (QueueFull) because of requests already
     running. ``max_queue`` bounds requests waiting to start."""
-    sched = Scheduler(bundle, max_batch_size=8, max_queue=1).start()
+    sched = Scheduler(bundle, max_batch_size=8, max_queue=1, draft_sizes=CROSS_AT_2).start()
     try:
         paused = []
 

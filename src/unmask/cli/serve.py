@@ -29,13 +29,26 @@ def serve_cmd(
     max_batch_size: int = typer.Option(8, "--max-batch-size", help="rows decoded together"),
     max_queue: int = typer.Option(64, "--max-queue", help="requests that may wait; more are answered 429"),
     timeout: float = typer.Option(600.0, "--timeout", help="default per-request timeout in seconds"),
+    max_query_tokens: int = typer.Option(2048, "--max-query-tokens", help="query tokens one request may put into "
+                                         "one forward (lossless sbd: 2K linear, K + K² quadratic; diffusion: gen_length); "
+                                         "more are answered 400"),
+    max_cache_tokens: int = typer.Option(None, "--max-cache-tokens", help="prompt + completion tokens one request may "
+                                         "keep in its KV cache (default: the model's context window)"),
+    max_body_bytes: int = typer.Option(2 * 2**20, "--max-body-bytes", help="request body size; larger bodies are "
+                                       "answered 413 before they are read"),
+    max_prompt_chars: int = typer.Option(None, "--max-prompt-chars", help="prompt characters, checked before "
+                                         "tokenizing (default: 32 per cache token)"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
 ) -> None:
     """Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics and the playground at /. Requests may set decoder knobs as extra body fields."""
+    from unmask.serve.limits import Limits
     from unmask.serve.server import serve
 
-    serve(model, kind=kind, adapter=adapter, compile=compile, draft_sizes=draft_sizes, host=host, port=port, max_batch_size=max_batch_size, max_queue=max_queue,
+    limits = Limits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
+                    max_query_tokens=max_query_tokens, max_cache_tokens=max_cache_tokens)
+    serve(model, kind=kind, adapter=adapter, compile=compile, draft_sizes=draft_sizes, limits=limits, host=host,
+          port=port, max_batch_size=max_batch_size, max_queue=max_queue,
           request_timeout=timeout, device=device, dtype=dtype, decoder=decoder, block_size=block_size, policy=policy,
           gamma=gamma, preset=preset, tau=tau)

@@ -19,13 +19,16 @@ from starlette.requests import ClientDisconnect
 from unmask.decode import DECODERS, default_decoder, get_decoder
 from unmask.errors import UnmaskError
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option
-from unmask.serve.engine import Job, QueueFull, Scheduler
+from unmask.serve.engine import Job, QueueFull, Scheduler, ShuttingDown
 from unmask.serve.errors import ApiError
+from unmask.serve.limits import Limits
 from unmask.serve.metrics import Metrics
 from unmask.serve.protocol import ServeRequest, edits_committed, parse
 from unmask.serve.stream import TextStream
 
 POLL_S = 0.2  # how often a waiting handler checks for a client disconnect
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+SHUTTING_DOWN = "the server is shutting down; retry later"
 
 
 class _Gone(Exception):
@@ -36,9 +39,73 @@ def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+def outcome_of(status: int) -> str:
+    """The ``unmask_requests_total`` outcome of a response with this HTTP status (README "Serving")."""
+    if status < 400:
+        return "ok"
+    return {499: "cancelled", 408: "timeout", 429: "rejected"}.get(status, "bad_request" if status < 500 else "error")
+
+
+class _CountResponses:
+    """ASGI middleware: counts every response of the completion endpoints once, by the outcome the
+    handler set in ``scope["state"]["outcome"]`` (a stream decides it at its end) or else by its
+    status; a request that raised with no outcome set counts as ``error`` (the app answers it 500)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        endpoint = ENDPOINTS.get(scope.get("path")) if scope["type"] == "http" else None
+        if endpoint is None:
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        failed = False
+        try:
+            await self.app(scope, receive, send_status)
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            outcome = scope.get("state", {}).get("outcome") or ("error" if failed else outcome_of(status[0]))
+            self.metrics.requests.labels(endpoint, outcome).inc()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to pass ``limit`` bytes: from its
+    Content-Length before reading, or while reading (a chunked body has none)."""
+    too_big = ApiError(413, f"the request body is larger than this server's limit of {limit} bytes; send a "
+                            "smaller body, or start the server with a larger --max-body-bytes",
+                       code="request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.strip().isdigit() and int(length) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json(raw: bytes):
+    try:
+        return json.loads(raw)
+    except RecursionError:  # e.g. 100,000 nested arrays: the parser's recursion limit
+        raise ApiError(400, "the request body is nested too deeply; send a flat JSON object") from None
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+
+
 def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8, max_queue: int = 64,
                request_timeout: float = 600.0, defaults: dict | None = None, compile: bool = False,
-               draft_sizes: "str | DraftSizes | None" = DEFAULT_DRAFT_SIZES) -> FastAPI:
+               draft_sizes: "str | DraftSizes | None" = DEFAULT_DRAFT_SIZES, limits: Limits | None = None) -> FastAPI:
     """The server app for a loaded ModelBundle. ``defaults``: the server's default decoder and
     knobs (e.g. ``{"decoder": "sbd", "gamma": 0.35}``), checked here like a request. The
     scheduler thread starts with the app's lifespan and stops with it; ``app.state.scheduler``
@@ -46,7 +113,11 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     default knob. ``compile``: every non-AR batch runs its decoder's static-cache, compiled step (the
     first batch of each shape compiles it); the ``ar`` running batch stays eager. ``draft_sizes``: the
     running-batch -> K table of greedy lossless ``sbd`` requests that fix no block size
-    (:mod:`unmask.serve.draft_sizing`; text like ``"1:8,2:4,4:1"``, or ``"off"``/None)."""
+    (:mod:`unmask.serve.draft_sizing`; text like ``"1:8,2:4,4:1"``, or ``"off"``/None). ``limits``: the
+    per-request body, prompt, query-token and cache limits (:class:`unmask.serve.limits.Limits`).
+    ``app.state.drain()`` stops admitting (503) and ends every open request with a 503 error (a
+    stream: a final error event and ``[DONE]``); the server calls it when it shuts down."""
+    limits = limits or Limits()
     name = model_name or bundle.name
     defaults = dict(defaults or {})
     try:  # the defaults are checked like a request, then by one tiny decode (the decoder's own checks)
@@ -68,6 +139,7 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue, compile=compile,
                           draft_sizes=sizes)
     metrics = Metrics(scheduler)
+    draft_k = max(k for _, k in sizes.steps) if sizes is not None and bundle.kind == "sbd" else 1
 
     @asynccontextmanager
     async def lifespan(app):
@@ -78,7 +150,9 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
             scheduler.close()
 
     app = FastAPI(title="unmask", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.scheduler, app.state.metrics, app.state.bundle = scheduler, metrics, bundle
+    app.state.scheduler, app.state.metrics, app.state.bundle, app.state.limits = scheduler, metrics, bundle, limits
+    app.add_middleware(_CountResponses, metrics=metrics)
+    app.state.drain = lambda: scheduler.drain(ApiError(503, SHUTTING_DOWN, type="server_error"))
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -115,20 +189,17 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
                                             "context_length": bundle.context_length}]}
 
     async def handle(request: Request, chat: bool):
-        endpoint = "chat" if chat else "completions"
+        if scheduler.draining:
+            raise ApiError(503, SHUTTING_DOWN, type="server_error", headers={"Retry-After": "1"})
         try:
-            try:
-                body = json.loads(await request.body())
-            except (ValueError, UnicodeDecodeError):
-                raise ApiError(400, "the request body is not valid JSON") from None
-            except ClientDisconnect:  # gone before its body arrived: nobody to answer
-                metrics.requests.labels(endpoint, "cancelled").inc()
-                return Response(status_code=499)
-            req = parse(body, bundle, name, chat=chat, default_timeout=request_timeout, defaults=defaults)
-        except ApiError as e:
-            metrics.requests.labels(endpoint, "bad_request").inc()
-            return _error_response(e)
-        call = _Call(request, req, chat, name, bundle, scheduler, metrics, endpoint)
+            raw = await _read_body(request, limits.max_body_bytes)
+        except ClientDisconnect:  # gone before its body arrived: nobody to answer
+            return Response(status_code=499)
+        # parsing and tokenizing are CPU work: off the event loop, so /health and streams go on
+        body = await asyncio.to_thread(_json, raw)
+        req = await asyncio.to_thread(parse, body, bundle, name, chat=chat, default_timeout=request_timeout,
+                                      defaults=defaults, limits=limits, draft_k=draft_k)
+        call = _Call(request, req, chat, name, bundle, scheduler, metrics, endpoint="chat" if chat else "completions")
         return await call.respond()
 
     @app.post("/v1/completions")
@@ -157,6 +228,7 @@ class _Call:
         self.t0 = time.monotonic()
         self.first_token_at: float | None = None
         self.counted = False
+        self.check_at = self.t0 + POLL_S  # next client-disconnect check (next_event)
         loop = asyncio.get_running_loop()
 
         def post(kind, payload):  # called by the scheduler thread
@@ -169,18 +241,25 @@ class _Call:
                        max_new_tokens=req.max_tokens, stop=req.stop, deadline=self.t0 + req.timeout, post=post)
 
     async def next_event(self) -> tuple[str, object]:
-        """The job's next event; cancels the job and raises _Gone when the client disconnects."""
+        """The job's next event; cancels the job and raises _Gone when the client disconnects.
+        The disconnect is checked every POLL_S even while events keep coming (a non-streamed
+        request's steps arrive faster than that: it would hold its slot to the end)."""
         while True:
+            if time.monotonic() >= self.check_at:
+                self.check_at = time.monotonic() + POLL_S
+                if await self.request.is_disconnected():
+                    self.job.cancel()
+                    raise _Gone
             try:
                 return await asyncio.wait_for(self.queue.get(), timeout=POLL_S)
             except asyncio.TimeoutError:
-                if await self.request.is_disconnected():
-                    self.job.cancel()
-                    raise _Gone from None
+                pass
 
     def outcome(self, outcome: str) -> None:
-        self.counted = True
-        self.metrics.requests.labels(self.endpoint, outcome).inc()
+        """Set this response's outcome (the first one set wins; _CountResponses counts it)."""
+        if not self.counted:
+            self.counted = True
+            self.request.scope.setdefault("state", {})["outcome"] = outcome
 
     def record(self, result: dict) -> dict:
         """Usage of a finished request; updates the metrics."""
@@ -206,6 +285,8 @@ class _Call:
     async def respond(self):
         try:
             self.scheduler.submit(self.job)
+        except ShuttingDown:
+            return _error_response(ApiError(503, SHUTTING_DOWN, type="server_error", headers={"Retry-After": "1"}))
         except QueueFull:
             self.outcome("rejected")
             return _error_response(ApiError(
@@ -220,7 +301,7 @@ class _Call:
             self.job.cancel()
             raise
         if first[0] == "error":
-            self.outcome("timeout" if first[1].status == 408 else "error")
+            self.outcome(outcome_of(first[1].status))
             return _error_response(first[1])
         if self.req.stream:
             return StreamingResponse(self.sse(first), media_type="text/event-stream",
@@ -241,7 +322,7 @@ class _Call:
             raise
         kind, payload = event
         if kind == "error":
-            self.outcome("timeout" if payload.status == 408 else "error")
+            self.outcome(outcome_of(payload.status))
             return _error_response(payload)
         if kind == "cancelled":
             self.outcome("cancelled")
@@ -290,7 +371,7 @@ class _Call:
                     yield "data: [DONE]\n\n"
                     return
                 elif kind == "error":
-                    self.outcome("timeout" if payload.status == 408 else "error")
+                    self.outcome(outcome_of(payload.status))
                     yield f"data: {json.dumps(payload.body())}\n\n"
                     yield "data: [DONE]\n\n"
                     return

@@ -33,13 +33,15 @@ What is continuous and what is not (README "Serving"):
   share forwards (the AR batch, the running batch and the waiting ones) pick K from the
   ``--draft-sizes`` table when their batch forms, and where the table says K = 1 they join the AR
   running batch instead: plain one-token steps, which lossless SBD reproduces token for token.
-  Such a request also joins the AR batch when AR rows already run (one forward then serves every
-  row; a separate sbd batch would add its forwards to theirs) and while a non-AR batch decodes
-  (rather than waiting for that batch to end); when the AR batch is full it waits for a slot.
-  Conversely, a sized sbd batch that formed on an idle server moves into the AR running batch at
-  its next step once AR rows run beside it and the AR batch has a slot for each of its open rows
-  (each row goes on from its committed tokens, which are AR's; a moved row never decodes in an sbd
-  batch again), so two batches never spend two forwards per step where one would serve every row.
+  Such a request also joins the AR batch while a non-AR batch decodes (rather than waiting for
+  that batch to end); when the AR batch is full it waits for a slot. Beside a few AR rows (fewer
+  than the table's K = 1 load) it forms its own sbd batch: the draft still pays there, so an AR
+  and an sbd request side by side (the playground) show SBD's fewer forwards.
+  Conversely, a sized sbd batch moves into the AR running batch at its next step once AR rows run
+  beside it, the load (AR rows + its open rows) reaches the table's K = 1 and the AR batch has a
+  slot for each of its open rows (each row goes on from its committed tokens, which are AR's; a
+  moved row never decodes in an sbd batch again): past the crossover one forward serving every
+  row beats two forwards per step.
 
 Each job gets its events through ``job.post`` (called from this thread): ``("step", event)``
 with an :mod:`unmask.trace` step event, then ``("done", result)`` or ``("error", ApiError)``.
@@ -148,6 +150,10 @@ class QueueFull(Exception):
     """The bounded queue is full (HTTP 429)."""
 
 
+class ShuttingDown(Exception):
+    """The scheduler is draining for shutdown and admits nothing (HTTP 503)."""
+
+
 class Scheduler:
     """Owns the model; runs queued jobs in a background thread (see the module docstring).
 
@@ -171,6 +177,7 @@ class Scheduler:
         self._lock = threading.Condition()
         self._stop = False
         self._paused = False
+        self.draining = False  # set by drain(): submit refuses, every request was ended
         self.peak_running = 0  # the most rows holding slots at once so far (tests, benchmarks)
         self.abandoned_batches = 0  # non-AR batches stopped early: every request answered or gone
         self.migrated_rows = 0  # sized lossless sbd rows moved mid-decode into the AR running batch
@@ -197,6 +204,19 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
 
+    def drain(self, error) -> None:
+        """Shutdown, first step (any thread): refuse new jobs (``submit`` raises ShuttingDown) and
+        end every queued and running request now with ``("error", error)`` (a stream then ends
+        with that error event and ``[DONE]``); their rows leave at the next step boundary."""
+        with self._lock:
+            self.draining = True
+            jobs = list(self._waiting) + [r.job for r in self.ar.rows] + list(self._batch) + self._running_jobs()
+            self._waiting.clear()
+            self._lock.notify_all()
+        for job in jobs:
+            job.cancel()
+            job.finish("error", error)
+
     @property
     def queue_depth(self) -> int:
         return len(self._waiting)
@@ -213,10 +233,13 @@ class Scheduler:
     running = active  # the running batch size reported in /metrics
 
     def submit(self, job: Job) -> None:
-        """Queue a job; raises QueueFull when ``max_queue`` jobs already wait."""
+        """Queue a job; raises QueueFull when ``max_queue`` jobs already wait, ShuttingDown after
+        :meth:`drain`."""
         job.sizable = self._sizable(job)
         job.running_key = self._running_kind(job)  # once: the scheduler loop reads it every iteration
         with self._lock:  # rows moved out of an sbd batch on their way to the AR batch already started
+            if self.draining:
+                raise ShuttingDown
             if sum(not j.resume for j in self._waiting) >= self.max_queue:
                 raise QueueFull
             self._waiting.append(job)
@@ -292,16 +315,17 @@ class Scheduler:
 
     def _route_sized(self) -> bool:
         """Under the lock: whether the waiting sizable sbd jobs go to the AR running batch. They do
-        when the table gives K = 1 at this load, when AR rows already run or AR jobs wait to join in
-        this same pass (a separate sbd batch would add its forwards to theirs, one running batch
-        serves every row with one forward), and while a non-AR batch decodes (it cannot be joined
-        mid-decode). Otherwise they form an sbd batch of their own, with K from the table."""
+        when the table gives K = 1 at this load (running and waiting rows: past the draft's
+        crossover one forward serving every row beats an sbd batch's forwards beside the AR
+        batch's), and while a non-AR batch decodes (it cannot be joined mid-decode). Otherwise they
+        form an sbd batch of their own, with K from the table, even beside a few AR rows (an AR
+        and an sbd request side by side: the draft still pays there)."""
         sized = sum(j.sizable for j in self._waiting)
         if not sized:
             return False
         n_ar = sum(j.decoder == "ar" for j in self._waiting)
         # waiting AR jobs count as running AR rows: they join in the same pass as the sized ones would
-        return bool(self._batch) or len(self.ar) + n_ar > 0 or self.draft_sizes.size(self._load(n_ar + sized)) == 1
+        return bool(self._batch) or self.draft_sizes.size(self._load(n_ar + sized)) == 1
 
     def _take_ar(self) -> list[Job]:
         """Under the lock: the waiting AR jobs that fit in the AR batch now, oldest first, with the
@@ -527,10 +551,12 @@ class Scheduler:
             if event["step"] != last_step[0]:  # a new forward of the batch: let the AR batch advance too
                 last_step[0] = event["step"]
                 self._interleave_ar()
-                # AR rows run: one forward can serve every row. Only when every open row gets an AR
+                # AR rows run beside the batch, past the draft's crossover (the table gives K = 1 at
+                # this load): one forward can serve every row. Only when every open row gets an AR
                 # slot at once: a row left waiting in the queue would make no progress at all.
                 open_rows = sum(not (j.gone or j.closed) for j in jobs)
-                if first.sizable and len(self.ar) and len(self.ar) + open_rows <= self.max_batch_size:
+                if (first.sizable and len(self.ar) and len(self.ar) + open_rows <= self.max_batch_size
+                        and self.draft_sizes.size(len(self.ar) + open_rows) == 1):
                     raise _Migrate
             row = int(event["row"])
             job = jobs[row]

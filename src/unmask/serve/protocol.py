@@ -14,6 +14,7 @@ tokenizer's chat template tokenized by itself, or the plain template when the to
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -25,8 +26,10 @@ from unmask.errors import UnmaskError
 from unmask.prompts import check_messages, render
 from unmask.sampling import Sampling
 from unmask.serve.errors import ApiError
+from unmask.serve.limits import Limits, check_cost
 
 DEFAULT_MAX_TOKENS = 128
+MAX_STOP, MAX_STOP_CHARS = 64, 256  # stop strings per request (OpenAI takes 4) and their length
 STREAM_MODES = ("committed", "canvas")
 # Option of ``unmask generate`` that are not decoder knobs.
 _NOT_KNOBS = {"prompts", "prompts_file", "model", "kind", "decoder", "max_new_tokens", "temperature", "top_k", "top_p",
@@ -100,10 +103,14 @@ def edits_committed(bundle, decoder: str, options: dict) -> bool:
 
 
 def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
-          defaults: dict | None = None) -> ServeRequest:
+          defaults: dict | None = None, limits: Limits | None = None, draft_k: int = 1) -> ServeRequest:
     """Validate a request body. ``defaults``: the server's decoder and knobs (``unmask serve
     --decoder sbd --gamma 0.35``); the knobs apply only to requests that use that decoder, and a
-    request's own knobs win. Raises ApiError (400) naming the offending field."""
+    request's own knobs win. ``limits``: the server's per-request limits (prompt characters,
+    checked before tokenizing; query and cache tokens, :func:`unmask.serve.limits.check_cost`);
+    ``draft_k``: the largest K the server's draft-size table gives. Raises ApiError (400 naming
+    the offending field; 404 ``model_not_found`` for another model, as OpenAI answers)."""
+    limits = limits or Limits()
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     knobs = decoder_knobs()
@@ -114,12 +121,16 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
             raise ApiError(400, f"unknown parameter {name!r}; drop it (unmask fields: decoder, stream_mode, timeout, top_k, {', '.join(sorted(knobs))})",
                            param=name)
     for name, neutral in _NEUTRAL.items():
-        if neutral is not None and name in body and body[name] not in neutral:
+        # bool is an int in Python (True == 1): a boolean is refused where a number is expected
+        wrong_type = isinstance(body.get(name), bool) and not any(isinstance(v, bool) for v in neutral or ())
+        if neutral is not None and name in body and (wrong_type or body[name] not in neutral):
+            if wrong_type:
+                raise ApiError(400, f"{name} must be a number, not {json.dumps(body[name])}; drop {name!r}", param=name)
             what = "logprobs are not defined for parallel decoders" if "logprobs" in name else f"{name} is not supported"
             raise ApiError(400, f"{what}; drop {name!r}", param=name)
     model = body.get("model")
     if model is not None and model != model_name:
-        raise ApiError(400, f"unknown model {model!r}; this server serves {model_name!r}", param="model",
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", param="model",
                        code="model_not_found")
 
     stream = body.get("stream", False) or False
@@ -137,6 +148,11 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "stop must be a non-empty string or a list of them", param="stop")
+    # every stop string is matched against the text at every step, on the event loop (streams)
+    if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each "
+                            f"(got {len(stop)}, the longest {max(map(len, stop))}); send fewer or shorter ones",
+                       param="stop")
 
     defaults = dict(defaults or {})
     server_decoder = defaults.pop("decoder", None) or default_decoder(bundle.kind)
@@ -178,6 +194,11 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string (one prompt per request)", param="prompt")
+    chars = len(prompt) if isinstance(prompt, str) else sum(len(str(m.get("content", ""))) for m in prompt)
+    if chars > limits.prompt_chars(bundle):  # before tokenizing: a 5 MB prompt costs seconds of CPU
+        raise ApiError(400, f"the prompt has {chars} characters, more than this server's limit of "
+                            f"{limits.prompt_chars(bundle)}; shorten it, or start the server with a larger "
+                            "--max-prompt-chars", param=field, code="context_length_exceeded")
     try:
         ids = encode_prompts(bundle, [prompt], max_tokens, options.get("gen_length"))[0]
         if chat:
@@ -187,5 +208,7 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
         code = "context_length_exceeded" if "context window" in msg else None
         param = "max_tokens" if msg.startswith("max_tokens") else field
         raise ApiError(400, msg.replace("prompt 1 ", "the prompt "), param=param, code=code) from None
+    check_cost(bundle, limits, decoder=decoder, options=options, prompt_tokens=len(ids), max_tokens=max_tokens,
+               draft_k=draft_k)
     return ServeRequest(prompt=prompt, prompt_ids=ids, decoder=decoder, options=options, sampling=sampling,
                         max_tokens=max_tokens, stop=tuple(stop), stream=stream, stream_mode=mode, timeout=float(timeout))

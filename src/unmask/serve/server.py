@@ -3,13 +3,20 @@ an already bound loopback socket (tests, ``benchmarks/serve_load.py``)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import sys
 import threading
 import time
 
 from unmask.errors import UnmaskError
 from unmask.serve import create_app, require
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, draft_sizes_option
+from unmask.serve.limits import Limits
+
+GRACE_S = 5  # seconds open connections get to finish after the drain
+EXIT_WATCHDOG_S = 20  # a foreground server that has not exited this long after a signal is ended hard
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -25,11 +32,36 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server(app, sock: socket.socket, log_level: str):
+def _server(app, sock: socket.socket, log_level: str, watchdog: bool = False):
     import uvicorn
 
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
-    return uvicorn.Server(config)
+    class _Server(uvicorn.Server):
+        """uvicorn's server, draining the app before it closes connections: new requests get 503
+        and every open request ends with a 503 error (a stream: a final SSE error event and
+        ``[DONE]``), so connections finish within the grace time instead of being cut.
+        ``signal``: the first SIGINT/SIGTERM received (None: stopped otherwise)."""
+
+        signal: int | None = None
+
+        def handle_exit(self, sig, frame):
+            if self.signal is None:
+                self.signal = sig
+                if watchdog:  # whatever still runs (a long forward, a stuck client), exit in bounded time
+                    code = 128 + int(sig)
+                    t = threading.Timer(EXIT_WATCHDOG_S, lambda: (print("interrupted", file=sys.stderr, flush=True),
+                                                                  os._exit(code)))
+                    t.daemon = True
+                    t.start()
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None):
+            drain = getattr(app.state, "drain", None)
+            if drain is not None:
+                drain()
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=GRACE_S)
+    return _Server(config)
 
 
 class ServerThread:
@@ -72,12 +104,14 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
           port: int = 8000,
           max_batch_size: int = 8, max_queue: int = 64, request_timeout: float = 600.0, device: str = "cpu",
           dtype: str = "float32", log_level: str = "info", compile: bool = False, draft_sizes: str | None = None,
-          **defaults) -> None:
+          limits: Limits | None = None, **defaults) -> None:
     """Load ``model`` (with the gated SBD ``adapter``, a name it ships or a directory, when given)
     and serve it until interrupted (``unmask serve``). ``defaults``: the default
     decoder and knobs of requests (``decoder="sbd", gamma=0.35``); ``draft_sizes``: the running-batch
-    -> K table of lossless sbd (``"1:8,2:4,4:1"``, ``"off"``; None: the default table). Raises UnmaskError for a bad
-    model, option or address, and KeyboardInterrupt after a signal stopped the server."""
+    -> K table of lossless sbd (``"1:8,2:4,4:1"``, ``"off"``; None: the default table); ``limits``: the
+    per-request limits (:class:`unmask.serve.limits.Limits`). Raises UnmaskError for a bad model, option or
+    address (``draft_sizes`` on a model that does not run lossless sbd), KeyboardInterrupt after SIGINT and
+    SystemExit(143) after SIGTERM, once open requests were drained (see ``_server``)."""
     require()
     from unmask.models import load
 
@@ -87,16 +121,32 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
         raise UnmaskError(f"request timeout must be > 0 seconds (got {request_timeout!r}); pass e.g. 600")
     sizes = DEFAULT_DRAFT_SIZES if draft_sizes is None else draft_sizes_option(draft_sizes)  # bad text fails before loading
     bundle = load(model, kind=kind, device=device, dtype=dtype, adapter=adapter)
+    if draft_sizes is not None and bundle.kind != "sbd":
+        raise UnmaskError(f"--draft-sizes applies to lossless sbd, which {bundle.name} ({bundle.kind}) does not run; "
+                          "drop --draft-sizes, or serve an sbd model (or a causal one with --adapter sbd)")
     app = create_app(bundle, max_batch_size=max_batch_size, max_queue=max_queue, request_timeout=float(request_timeout),
                      defaults={k: v for k, v in defaults.items() if v is not None}, compile=compile,
-                     draft_sizes=sizes)
+                     draft_sizes=sizes, limits=limits)
     sock = _bind(host, port)
     print(f"unmask serve: {bundle.name} ({bundle.kind}) on http://{host}:{sock.getsockname()[1]}  "
           f"(playground at /, API at /v1)", flush=True)
-    server = _server(app, sock, log_level)
-    server.run(sockets=[sock])
+    server = _server(app, sock, log_level, watchdog=True)
+    # uvicorn re-raises the signal it caught once it has shut down; SIGTERM's handler here turns
+    # that into exit status 143 with one line (the default handler would kill the process).
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if not server.started:
         raise UnmaskError("the server did not start; see the log above")
-    # A started foreground server only returns after SIGINT/SIGTERM (uvicorn handles them and shuts
-    # down cleanly): report it as an interrupt, so the command exits non-zero.
+    if server.signal == signal.SIGTERM:
+        _terminated()
+    # A started foreground server only returns after SIGINT (uvicorn handles it and shuts down
+    # cleanly): report it as an interrupt, so the command exits non-zero (130).
     raise KeyboardInterrupt
+
+
+def _terminated(*_):
+    print("interrupted", file=sys.stderr, flush=True)
+    raise SystemExit(143)

@@ -1,0 +1,129 @@
+"""What one request may cost the server, checked before it is admitted.
+
+A request's memory is set by the query tokens it puts into each forward (the attention scores of
+one row are ``heads x Q x (cache + Q)`` floats) and by its KV cache (prompt + completion tokens).
+Both are known from the decoder and its knobs before anything runs, so a request over a limit is
+answered 400 at once, naming the limit and the ``unmask serve`` flag that raises it, instead of
+being allowed to run the process out of memory (lossless ``sbd`` with ``draft: quadratic`` and
+``block_size: 128`` puts K + K² = 16,512 queries into each forward). A batch's forward is bounded
+by ``--max-batch-size`` x ``--max-query-tokens``.
+
+Body and prompt sizes are bounded too: the body by ``--max-body-bytes`` (413, checked from
+``Content-Length`` and while reading, before parsing) and the prompt text by
+``--max-prompt-chars`` (400, before tokenizing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unmask.errors import UnmaskError
+from unmask.serve.errors import ApiError
+
+DEFAULT_MAX_BODY_BYTES = 2 * 2**20  # 2 MiB: a full 128k-token prompt as JSON fits, a 16 MiB body does not
+DEFAULT_MAX_QUERY_TOKENS = 2048  # per request and forward, like vLLM's default --max-num-batched-tokens
+CHARS_PER_TOKEN = 32  # default prompt cap: context window x 32 characters (no tokenizer averages more)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits of one server. ``max_body_bytes``: request body bytes (413 above it);
+    ``max_prompt_chars``: prompt characters (None: ``CHARS_PER_TOKEN`` x the cache limit);
+    ``max_query_tokens``: query tokens one request puts into one decode forward (the prompt's
+    prefill aside); ``max_cache_tokens``: prompt + completion tokens one request keeps in its
+    KV cache (None: the model's context window).
+
+    Raises:
+        UnmaskError: a limit that is not an integer >= 1.
+    """
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompt_chars: int | None = None
+    max_query_tokens: int = DEFAULT_MAX_QUERY_TOKENS
+    max_cache_tokens: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_body_bytes", "max_prompt_chars", "max_query_tokens", "max_cache_tokens"):
+            value = getattr(self, name)
+            if value is None and name in ("max_prompt_chars", "max_cache_tokens"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                flag = "--" + name.replace("_", "-")
+                raise UnmaskError(f"{flag} must be an integer >= 1 (got {value!r}); pass e.g. "
+                                  f"{flag} {getattr(Limits, name) or 4096}")
+
+    def cache_tokens(self, bundle) -> int:
+        return self.max_cache_tokens if self.max_cache_tokens is not None else int(bundle.context_length)
+
+    def prompt_chars(self, bundle) -> int:
+        return self.max_prompt_chars if self.max_prompt_chars is not None else CHARS_PER_TOKEN * self.cache_tokens(bundle)
+
+
+def _first(*values):
+    return next(v for v in values if v is not None)
+
+
+def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: int = 1) -> tuple[int, str, str]:
+    """(query tokens one row puts into one decode forward, how they arise, the knob that sets them)
+    for a request, from
+    the decoder's knobs and the checkpoint's decode defaults. ``draft_k``: the largest K the
+    server's draft-size table may give a lossless sbd request that fixes no block size. Knobs the
+    decoder will refuse count as the defaults (the decoder reports them)."""
+    from unmask.decode import sbd_verify
+    from unmask.decode.sbd import DEFAULT_BLOCK_SIZE, runs_lossless
+
+    defaults = bundle.meta.get("decode_defaults") or {}
+
+    def knob(name, *fallbacks):
+        v = options.get(name)
+        return _first(v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None, *fallbacks)
+
+    if decoder == "sbd" and runs_lossless(bundle, options):
+        if options.get("block_size") is not None:
+            k = knob("block_size", sbd_verify.DEFAULT_BLOCK_SIZE)
+        else:  # the draft-size table's K or the checkpoint's default, whichever is larger
+            k = max(draft_k, _first(defaults.get("verify_block_size"), sbd_verify.DEFAULT_BLOCK_SIZE))
+        draft = _first(options.get("draft"), defaults.get("draft"), sbd_verify.DEFAULT_DRAFT)
+        if draft == "quadratic":
+            return k + k * k, f"lossless sbd with draft quadratic and block_size {k}: K + K² queries per row", "block_size"
+        return 2 * k, f"lossless sbd with block_size {k}: 2K queries per row", "block_size"
+    if decoder in ("sbd", "block"):
+        k = knob("block_size", defaults.get("block_size"), DEFAULT_BLOCK_SIZE)
+        return k, f"{decoder} with block_size {k}", "block_size"
+    if decoder == "multiblock":
+        from unmask.decode.block import native_block_size
+
+        b = knob("block_size", native_block_size(bundle), 1)
+        s = knob("slots", defaults.get("slots"), 2)
+        return s * b, f"multiblock with {s} slots of block_size {b}", "slots"
+    if decoder in ("diffusion", "early-bird"):
+        from unmask.decode.diffusion import DiffusionConfig
+
+        try:  # the whole canvas is scored in a refresh (or every step without a cache)
+            length = DiffusionConfig.from_options(max_new_tokens=max_tokens, **{
+                k: v for k, v in options.items() if k in ("gen_length", "block_size")}).gen_length
+        except (UnmaskError, TypeError):
+            length = knob("gen_length", max_tokens)
+        return length, f"{decoder} over a canvas of {length} tokens (gen_length)", "gen_length"
+    return 1, decoder, "decoder"
+
+
+def check_cost(bundle, limits: Limits, *, decoder: str, options: dict, prompt_tokens: int, max_tokens: int,
+               draft_k: int = 1) -> None:
+    """Raise ApiError (400, code ``request_too_large``) when a request's query tokens per forward
+    or its cache tokens pass the server's limits; the message names the flag that raises them."""
+    q, why, param = query_tokens(bundle, decoder, options, max_tokens, draft_k)
+    if q > limits.max_query_tokens:
+        raise ApiError(400, f"this request puts {q} query tokens into each forward ({why}), more than this "
+                            f"server's limit of {limits.max_query_tokens}; lower {param}"
+                            f"{' or use draft linear' if 'quadratic' in why else ''}, or start the server with "
+                            f"a larger --max-query-tokens", param=param, code="request_too_large")
+    length = max_tokens
+    if param == "gen_length":  # a diffusion canvas is cached whole, however few tokens are asked for
+        length = max(length, q)
+    cache = prompt_tokens + length
+    if cache > limits.cache_tokens(bundle):
+        raise ApiError(400, f"this request keeps {cache} tokens in its cache ({prompt_tokens} prompt + {length} "
+                            f"completion), more than this server's limit of {limits.cache_tokens(bundle)}; lower "
+                            "max_tokens or shorten the prompt, or start the server with a larger --max-cache-tokens",
+                       param="max_tokens", code="request_too_large")
