@@ -566,3 +566,13 @@ def test_set_decode_defaults_of_a_trained_model_refuses_unknown_keys(tmp_path):
     with pytest.raises(UnmaskError, match="unknown decode_defaults key 'gama'; the sbd decoder's options are"):
         set_decode_defaults(tmp_path, block_size=4, gama=0.3)
     assert json.loads((tmp_path / "unmask_config.json").read_text()) == {"kind": "sbd"}
+
+
+@pytest.mark.parametrize("seed", [2**70, -(2**62)])
+def test_data_stories_names_the_seed_it_was_given(capsys, tmp_path, seed):
+    """The corpus samples batch b with seed * 100_003 + b: an out-of-range --seed was reported as
+    that derived number, which the user never typed."""
+    out = tmp_path / "s.jsonl"
+    one_line_error(capsys, "data", "stories", "--out", out, "--sampled", 1, "--greedy", 0, "--no-progress",
+                   "--seed", seed, match=f"(got {seed})")
+    assert not out.exists()
