@@ -576,3 +576,19 @@ def test_data_stories_names_the_seed_it_was_given(capsys, tmp_path, seed):
     one_line_error(capsys, "data", "stories", "--out", out, "--sampled", 1, "--greedy", 0, "--no-progress",
                    "--seed", seed, match=f"(got {seed})")
     assert not out.exists()
+
+
+def test_publishing_a_trained_adapter_sweeps_its_stale_staging(tmp_path, corpus):
+    """A run killed while publishing leaves .OUT.staging-PID-*; the next run of the same OUT
+    removes it (its owner is gone), and leaves another live process's alone."""
+    from unmask.train.sbd_adapter import train_sbd_adapter
+
+    out = tmp_path / "ad"
+    dead = tmp_path / f".ad.staging-{_dead_pid()}-k1ll3d00"
+    dead.mkdir()
+    (dead / ADAPTER_WEIGHTS).write_bytes(b"half")
+    live = tmp_path / f".ad.staging-{os.getppid()}-l1ve0000"
+    live.mkdir()
+    train_sbd_adapter(base="stories260K", data=corpus, out=out, rank=2, steps=1, seq_len=32, batch_size=2, warmup=1,
+                      eval_every=0, progress=False)
+    assert (out / ADAPTER_WEIGHTS).is_file() and not dead.exists() and live.is_dir()
