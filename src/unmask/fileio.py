@@ -90,10 +90,55 @@ def _resolved(path: str | os.PathLike) -> str:
         return str(Path(path).absolute())
 
 
+def _staging_prefix(final: Path, pid: int | None = None) -> str:
+    return f".{final.name}.staging-{os.getpid() if pid is None else pid}-"
+
+
 def staging_dir(final: Path) -> Path:
-    """A fresh temporary directory next to ``final`` (same filesystem, so rename is atomic)."""
+    """A fresh temporary directory next to ``final`` (same filesystem, so rename is atomic),
+    named ``.NAME.staging-PID-XXXXXXXX`` after the process that owns it (see
+    :func:`sweep_stale_staging`)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    return Path(tempfile.mkdtemp(prefix=_staging_prefix(final), dir=final.parent))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, under another user
+        return True
+    return True
+
+
+def sweep_stale_staging(final: str | os.PathLike) -> list[Path]:
+    """Remove the staging directories of ``final`` that a killed writer left behind (a killed
+    GGUF conversion left 478 MiB): ``.NAME.staging-PID-*`` folders next to ``final`` whose owner
+    process PID no longer exists. Returns the folders removed.
+
+    Call it only while holding :func:`output_lock` on ``final``: every writer of ``final`` holds
+    that lock, so no live writer (even one whose PID this process cannot see, in another PID
+    namespace on a shared disk) can own them. Folders of live processes, of this process, other
+    outputs' folders, links and plain files are never touched.
+    """
+    import re
+
+    final = Path(final)
+    if not final.parent.is_dir():
+        return []
+    pattern = re.compile(re.escape(f".{final.name}.staging-") + r"(\d+)-[^/]+")
+    removed = []
+    for entry in final.parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if match is None or entry.is_symlink() or not entry.is_dir():
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or _alive(pid):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
 
 
 def make_readable(directory: Path) -> None:

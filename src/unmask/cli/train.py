@@ -184,7 +184,7 @@ def train_sbd_adapter_cmd(
 
     _start(data, out)
     low_high = _sbd_options(threads, dtype, block_range, min_block, max_block)
-    names = [t.strip() for t in targets.split(",") if t.strip()] if targets is not None else None
+    names = [t.strip() for t in targets.split(",")] if targets is not None else None  # "" entries are refused
     _finish(train_sbd_adapter(
         base=base, data=data, out=out, run_dir=run_dir, rank=rank, full_rank=full_rank, targets=names,
         seq_len=seq_len, block_range=low_high, draft_fraction=draft_fraction, block_size=block_size,

@@ -27,7 +27,7 @@ import torch
 
 from unmask.errors import UnmaskError
 from unmask.fileio import atomic_write_json, check_output_file
-from unmask.models.sbd_adapter import AdapterSpec, SBDAdapter, attach
+from unmask.models.sbd_adapter import AdapterSpec, SBDAdapter, attach, check_targets
 
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_JSON = "adapter.json"
@@ -84,7 +84,11 @@ def adapter_config(adapter: SBDAdapter, *, base_name: str, base_sha256: str, dec
 
 
 def save_adapter_weights(adapter: SBDAdapter, directory: str | os.PathLike) -> Path:
-    """Write ``directory/adapter.safetensors`` atomically (float32 CPU copies of the tensors)."""
+    """Write ``directory/adapter.safetensors`` atomically (float32 CPU copies of the tensors).
+
+    A failed write (a full disk: safetensors raises SafetensorError there, not OSError) removes
+    the temporary file and propagates as raised, so that the caller names what it was writing
+    (:func:`unmask.fileio.write_errors`; :func:`save_adapter` does)."""
     from safetensors.torch import save_file
 
     path = check_output_file(Path(directory) / ADAPTER_WEIGHTS, "adapter weights")
@@ -95,8 +99,6 @@ def save_adapter_weights(adapter: SBDAdapter, directory: str | os.PathLike) -> P
         save_file(tensors, str(tmp), metadata={"format": ADAPTER_FORMAT})
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    except OSError as e:
-        raise UnmaskError(f"cannot write {path}: {e.strerror or e}; choose a writable --out") from None
     finally:
         tmp.unlink(missing_ok=True)
     return path
@@ -115,21 +117,79 @@ def load_adapter_weights(adapter: SBDAdapter, directory: str | os.PathLike) -> N
         state = load_file(str(path))
     except (SafetensorError, OSError) as e:
         raise UnmaskError(f"cannot read {path} ({e}); restore the adapter or retrain it") from None
+    for key, t in state.items():  # an integer tensor would be cast to float silently (values truncated)
+        if not t.is_floating_point():
+            raise UnmaskError(f"{path}: tensor {key} is {str(t.dtype).removeprefix('torch.')}, not a floating-point "
+                              "dtype; an adapter holds float weights, restore the file or retrain the adapter")
     adapter.load_state_dict(state, where=str(path))
 
 
 def save_adapter(adapter: SBDAdapter, directory: str | os.PathLike, config: dict) -> Path:
     """Write ``adapter.safetensors`` and ``adapter.json`` (``config``, see :func:`adapter_config`)
-    into ``directory``, each atomically. Returns the directory."""
+    into ``directory``, each atomically. Returns the directory. Raises UnmaskError (one line)
+    when a file cannot be written (full disk, no permission)."""
+    from unmask.fileio import write_errors
+
     directory = Path(directory)
-    save_adapter_weights(adapter, directory)
+    with write_errors(f"the adapter {directory}", "free disk space or choose a writable directory"):
+        save_adapter_weights(adapter, directory)
     atomic_write_json(directory / ADAPTER_JSON, config, "adapter config")
     return directory
 
 
+def _bad(f: Path, key: str, value, want: str) -> UnmaskError:
+    return UnmaskError(f"{f}: {key!r} must be {want} (got {value!r}); restore the adapter or retrain it")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_decode_defaults(defaults, where: str) -> dict:
+    """``defaults`` (a model's or adapter's ``decode_defaults``) checked as SBD decoder options:
+    a JSON object whose keys are options of :func:`unmask.decode.sbd.decode` (``block_size``,
+    ``policy``, ``gamma``, ``preset``, ``tau``, ``factor``, ``tokens_per_step``, ``verify``,
+    ``verify_block_size``, ``draft``) with valid values. Returns a copy.
+
+    Raises:
+        UnmaskError: naming ``where`` and the key, for a non-object, an unknown key or a bad value.
+    """
+    import inspect
+
+    from unmask.decode.sbd import LOSSLESS_KEYS, SBDConfig
+    from unmask.decode.sbd_verify import VerifyConfig
+
+    if not isinstance(defaults, dict):
+        raise UnmaskError(f"{where}: 'decode_defaults' must be a JSON object of decoder options (got "
+                          f"{type(defaults).__name__} {defaults!r}); restore it or set it with set_adapter_decode_defaults")
+    lossy_keys = [k for k in inspect.signature(SBDConfig.from_options).parameters if k != "defaults"]
+    known = (*lossy_keys, *LOSSLESS_KEYS)
+    for key, value in defaults.items():
+        if key not in known:
+            raise UnmaskError(f"{where}: unknown decode_defaults key {key!r}; the sbd decoder's options are "
+                              f"{', '.join(known)}")
+        if not isinstance(value, (bool, int, float, str)) and value is not None:
+            raise UnmaskError(f"{where}: decode_defaults {key}={value!r} is not a number, string or boolean; "
+                              "pass a plain value")
+    try:
+        SBDConfig.from_options(**{k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS})
+        if "verify" in defaults and not isinstance(defaults["verify"], bool):
+            raise UnmaskError(f"verify must be true or false (got {defaults['verify']!r}); pass verify=True or False")
+        if any(k in defaults for k in LOSSLESS_KEYS):
+            VerifyConfig(block_size=defaults.get("verify_block_size", VerifyConfig.block_size),
+                         draft=defaults.get("draft", VerifyConfig.draft))
+    except (UnmaskError, TypeError) as e:
+        raise UnmaskError(f"{where}: decode_defaults: {e}") from None
+    return dict(defaults)
+
+
 def read_adapter_config(directory: str | os.PathLike) -> dict:
-    """``adapter.json`` of ``directory``, checked; UnmaskError for a missing/invalid file or an
-    unknown format or version."""
+    """``adapter.json`` of ``directory``, checked; UnmaskError (naming the file and the key) for a
+    missing/invalid file, an unknown format or version, or a field of the wrong type: ``base``
+    an object with string ``name`` and ``sha256``; ``mask_token_id`` an integer >= 0;
+    ``base_vocab_size`` an integer >= 1; ``target_modules`` a non-empty list of names; ``rank``
+    null or an integer >= 1; ``hidden_size`` an integer; ``decode_defaults`` valid SBD options
+    (:func:`check_decode_defaults`)."""
     f = Path(directory) / ADAPTER_JSON
     try:
         cfg = json.loads(f.read_text(encoding="utf-8"))
@@ -147,6 +207,25 @@ def read_adapter_config(directory: str | os.PathLike) -> dict:
     for key in ("base", "mask_token_id", "target_modules", "base_vocab_size"):
         if key not in cfg:
             raise UnmaskError(f"{f} lacks {key!r}; restore the adapter or retrain it")
+    base = cfg["base"]
+    if not isinstance(base, dict) or not all(isinstance(base.get(k), str) for k in ("name", "sha256")):
+        raise _bad(f, "base", base, 'an object {"name": ..., "sha256": ...} of strings')
+    if not _is_int(cfg["mask_token_id"]) or cfg["mask_token_id"] < 0:
+        raise _bad(f, "mask_token_id", cfg["mask_token_id"], "an integer token id >= 0")
+    if not _is_int(cfg["base_vocab_size"]) or cfg["base_vocab_size"] < 1:
+        raise _bad(f, "base_vocab_size", cfg["base_vocab_size"], "an integer >= 1")
+    targets = cfg["target_modules"]
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t.strip() for t in targets):
+        raise _bad(f, "target_modules", targets, 'a non-empty list of layer names such as ["q_proj", "v_proj"]')
+    rank = cfg.get("rank")
+    if rank is not None and (not _is_int(rank) or rank < 1):
+        raise _bad(f, "rank", rank, "null (full rank) or an integer >= 1")
+    if "full_rank" in cfg and cfg["full_rank"] is not (rank is None):
+        raise _bad(f, "full_rank", cfg["full_rank"], f"{rank is None} with rank {rank!r}")
+    if cfg.get("hidden_size") is not None and (not _is_int(cfg["hidden_size"]) or cfg["hidden_size"] < 0):
+        raise _bad(f, "hidden_size", cfg["hidden_size"], "an integer")
+    if cfg.get("decode_defaults") is not None:
+        check_decode_defaults(cfg["decode_defaults"], str(f))
     return cfg
 
 
@@ -221,8 +300,15 @@ def apply_adapter(bundle, adapter: str | os.PathLike):
     if int(cfg["base_vocab_size"]) != vocab:
         raise UnmaskError(f"adapter {name!r} expects a vocabulary of {cfg['base_vocab_size']}, {bundle.name} has "
                           f"{vocab}; load it on the base it was trained on")
-    spec = AdapterSpec(rank=cfg.get("rank"), mask_token_id=int(cfg["mask_token_id"]), base_vocab=vocab,
+    spec = AdapterSpec(rank=cfg.get("rank"), mask_token_id=cfg["mask_token_id"], base_vocab=vocab,
                        targets=tuple(cfg["target_modules"]))
+    where = f"adapter {name!r} ({directory / ADAPTER_JSON})"
+    hidden = getattr(model.config, "hidden_size", None)
+    if spec.rank is not None and isinstance(hidden, int) and spec.rank > hidden:
+        raise UnmaskError(f"{where}: 'rank' {spec.rank} exceeds the hidden size {hidden} of {bundle.name}; the "
+                          "file was not written for this base, restore the adapter or retrain it")
+    check_targets(model, spec.targets, f"{where}: 'target_modules'")
+    check_adapter_mask_id(bundle, spec.mask_token_id, where)
     ad = attach(model, spec)
     load_adapter_weights(ad, directory)
     ad_meta = {"name": name, "path": str(directory), "base": cfg["base"].get("name"), "base_sha256": have,
@@ -235,15 +321,41 @@ def apply_adapter(bundle, adapter: str | os.PathLike):
     return bundle
 
 
+def check_adapter_mask_id(bundle, mask_id: int, what: str) -> None:
+    """Refuse an adapter mask id that is an ordinary or special token of ``bundle``'s vocabulary,
+    as :func:`unmask.models.bundle.load_dir` refuses such an explicit ``mask_token_id``: the
+    gate turns every occurrence of the id in a prompt or in committed text into a mask query,
+    so lossless SBD would stop matching AR wherever that token (",", " was", EOS) appears.
+
+    Accepted: the new id one past the vocabulary, the id the base itself names as its mask
+    token, or a row the tokenizer has no token for or whose token's name says mask.
+
+    Raises:
+        UnmaskError: naming ``what``, the id and its token.
+    """
+    from unmask.models.bundle import vocabulary_token
+
+    vocab = bundle.model.get_input_embeddings().weight.shape[0]
+    if mask_id == vocab:
+        return
+    if bundle.mask_token_id is not None:
+        if mask_id != bundle.mask_token_id:
+            raise UnmaskError(f"{what} uses mask token id {mask_id}, but {bundle.name} names {bundle.mask_token_id} "
+                              "as its mask token; retrain the adapter on this base")
+        return
+    token = vocabulary_token(mask_id, bundle.tokenizer)
+    if token is not None:
+        raise UnmaskError(f"{what} uses mask token id {mask_id}, which is the {token} of {bundle.name}: every "
+                          "occurrence of it in a text would be read as a mask, so lossless SBD would not match AR; "
+                          f"retrain the adapter with the new id {vocab} (the default)")
+
+
 def set_adapter_decode_defaults(directory: str | os.PathLike, **defaults) -> dict:
     """Replace ``decode_defaults`` in ``directory/adapter.json`` (e.g. ``verify=True, verify_block_size=4,
     draft="quadratic"``), which the sbd decoder reads from ``bundle.meta["decode_defaults"]``
     when no option is given. Rewritten atomically; returns the new config. Raises UnmaskError
     for a directory that is not an adapter or a value that is not a JSON scalar."""
     cfg = read_adapter_config(directory)
-    for key, value in defaults.items():
-        if not isinstance(value, (bool, int, float, str)) and value is not None:
-            raise UnmaskError(f"decode default {key}={value!r} is not a number, string or boolean; pass a plain value")
-    cfg["decode_defaults"] = dict(defaults)
+    cfg["decode_defaults"] = check_decode_defaults(dict(defaults), "decode defaults")
     atomic_write_json(Path(directory) / ADAPTER_JSON, cfg, "adapter config")
     return cfg

@@ -215,6 +215,24 @@ def _block_size(meta: dict, hf_config: dict, family) -> int | None:
     if family is not None and not any(k in hf_config for k in ("block_size", "block_length")):
         return family.block_size
     return None
+def vocabulary_token(token_id: int, tokenizer) -> str | None:
+    """``"ordinary vocabulary token ','"`` / ``"special token '</s>'"`` when ``token_id`` is a
+    token of ``tokenizer`` that cannot serve as a mask, else None: no tokenizer, the tokenizer's
+    mask token, a token whose name says mask, or a row the tokenizer has no token for (an
+    added embedding row)."""
+    if token_id == getattr(tokenizer, "mask_token_id", None):
+        return None
+    try:
+        size = len(tokenizer)
+        token = tokenizer.convert_ids_to_tokens(token_id) if token_id < size else None
+    except (TypeError, ValueError, IndexError):
+        return None
+    if token is None or "mask" in str(token).lower():
+        return None
+    special = token_id in set(getattr(tokenizer, "all_special_ids", []) or [])
+    return f"{'special token' if special else 'ordinary vocabulary token'} {token!r}"
+
+
 def _check_explicit_mask_id(mask_id: int, declared: list[int], tokenizer, path: Path) -> None:
     """Refuse an explicit mask id that is a special or ordinary token of the vocabulary (issue 15).
 
@@ -222,19 +240,13 @@ def _check_explicit_mask_id(mask_id: int, declared: list[int], tokenizer, path: 
     mask, or a row the tokenizer has no token for (an added embedding row). Decoders suppress the
     mask id and read it as "not yet decoded", so using EOS or <unk> corrupts every decode silently.
     """
-    if mask_id in declared or mask_id == getattr(tokenizer, "mask_token_id", None):
+    if mask_id in declared:
         return
-    try:
-        size = len(tokenizer)
-        token = tokenizer.convert_ids_to_tokens(mask_id) if mask_id < size else None
-    except (TypeError, ValueError, IndexError):
+    token = vocabulary_token(mask_id, tokenizer)
+    if token is None:
         return
-    if token is None or "mask" in str(token).lower():
-        return
-    special = mask_id in set(getattr(tokenizer, "all_special_ids", []) or [])
-    which = "special token" if special else "ordinary vocabulary token"
     named = f"the checkpoint's is {declared[0]}" if declared else "the checkpoint names none"
-    raise UnmaskError(f"mask_token_id {mask_id} is the {which} {token!r} of {path.name} ({named}); pass the "
+    raise UnmaskError(f"mask_token_id {mask_id} is the {token} of {path.name} ({named}); pass the "
                       "model's mask token id, or force_mask_id=True to use this token as the mask anyway")
 
 

@@ -22,13 +22,17 @@ import torch
 
 from unmask.compat import quiet_transformers
 from unmask.errors import UnmaskError
-from unmask.fileio import check_parents, output_lock, probe_writable, publish_dir, staging_dir, write_errors
+from unmask.fileio import (check_parents, output_lock, probe_writable, publish_dir, staging_dir, sweep_stale_staging,
+                           write_errors)
 
 GGUF_MAGIC = b"GGUF"
 GGUF_HEADER_BYTES = 24  # magic, version (uint32), tensor count and metadata count (uint64 each)
 GGUF_MIN_VERSION = (0, 10)  # transformers' own minimum for its GGUF loader
 GGUF_FIX = "run: pip install 'unmask[smollm2]' (or pip install 'gguf>=0.10')"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# general.architecture values converted: the decoder-only transformers unmask's decoders run (Llama-style
+# attention with a KV cache and explicit positions).
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def require_gguf_package() -> None:
@@ -88,23 +92,71 @@ def check_gguf_intact(path: str | os.PathLike) -> None:
         raise _corrupt(path, f"{size:,} bytes, but its tensor table needs {need:,}")
 
 
+def gguf_architecture(path: Path) -> tuple[str | None, int | None]:
+    """(``general.architecture``, ``<arch>.block_count``) of a GGUF file, each None when absent.
+    Raises UnmaskError ("truncated or corrupt") when the gguf reader cannot parse the file."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # a short buffer surfaces as ValueError, IndexError, struct.error, ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+        size = path.stat().st_size
+        raise _corrupt(path, f"{size:,} bytes; its header or tensor table cannot be read: {first}") from None
+
+    def scalar(key: str):
+        field = reader.fields.get(key)
+        if field is None or not field.data:
+            return None
+        value = field.parts[field.data[0]]
+        return bytes(value).decode("utf-8", errors="replace") if value.dtype.kind == "u" and value.itemsize == 1 \
+            else value.tolist()[0]
+
+    arch = scalar("general.architecture")
+    blocks = scalar(f"{arch}.block_count") if isinstance(arch, str) else None
+    return (arch if isinstance(arch, str) else None), (blocks if isinstance(blocks, int) else None)
+
+
+def gguf_tensor_name(hf_name: str, arch: str, blocks: int | None) -> str:
+    """The GGUF tensor name (``blk.0.attn_v.weight``) of a Hugging Face parameter name
+    (``model.layers.0.self_attn.v_proj.weight``), or the HF name when gguf's map has none."""
+    import gguf
+
+    archs = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
+    if arch not in archs:
+        return hf_name
+    name = gguf.get_tensor_name_map(archs[arch], blocks or 1).get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    return name or hf_name
+
+
 def load_gguf(path: str | os.PathLike):
     """(model, tokenizer) read by transformers' GGUF loader: the model holds float32 dequantised
     weights but still carries the GGUF quantizer (so it cannot be saved; see :func:`to_plain`).
 
     Raises UnmaskError for a missing, non-GGUF, truncated or corrupt file, a missing ``gguf``
-    package, or a GGUF transformers cannot read (an architecture it does not map).
+    package, an architecture (``general.architecture``) outside GGUF_ARCHITECTURES, a GGUF
+    transformers cannot read, or one that lacks a tensor of its architecture (named, e.g.
+    ``blk.0.attn_v.weight``) or holds one in another shape.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = check_gguf_file(path)
     require_gguf_package()
+    arch, blocks = gguf_architecture(path)
+    if arch not in GGUF_ARCHITECTURES:
+        # transformers maps more architectures (mamba, t5, ...), and builds the model of the one the
+        # file names whatever tensors it holds: a mamba header over Llama tensors "converted" to a
+        # randomly initialised Mamba with exit 0.
+        raise UnmaskError(f"{path} holds a {arch or 'unnamed'} model (general.architecture); unmask converts the "
+                          f"decoder-only transformer architectures {', '.join(GGUF_ARCHITECTURES)}; pass a GGUF of "
+                          "one of those")
     try:
         # The loader's tqdm bar ("Converting and de-quantizing GGUF tensors") ignores
         # transformers' progress-bar switch; the CLI prints its own line instead.
         with contextlib.redirect_stderr(io.StringIO()):
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            model, info = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                               output_loading_info=True)
     except Exception as e:
         # A truncated file fails deep in the loader (struct.error, "cannot reshape array"): name
         # that first, and blame the architecture only for a file the gguf reader reads whole.
@@ -112,6 +164,13 @@ def load_gguf(path: str | os.PathLike):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnmaskError(f"cannot read the GGUF checkpoint {path}: {first.rstrip('.:')}; unmask converts the "
                           "causal-LM architectures transformers' GGUF loader supports (llama, qwen2, mistral, ...)") from None
+    # transformers initialises a parameter the file lacks at random and only logs it: refuse instead
+    missing = sorted(info.get("missing_keys") or ()) + sorted(k for k, *_ in info.get("mismatched_keys") or ())
+    if missing:
+        tensor = gguf_tensor_name(missing[0], arch, blocks)
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise UnmaskError(f"{path} lacks the tensor {tensor} ({missing[0]}){more} of a {arch} model with "
+                          f"{blocks} layers, or holds it in another shape; the file is incomplete, re-export it")
     return model.eval(), tokenizer
 
 
@@ -173,7 +232,9 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, ov
     Quantised tensors (e.g. Q4_1) are dequantised to float32 by transformers' loader; ``float32``
     keeps those values exactly, ``bfloat16`` rounds them. The directory is assembled in a
     temporary sibling and renamed into place, so an interrupted conversion never leaves a
-    half-written ``out_dir``; ``out_dir`` is locked against a second writer meanwhile.
+    half-written ``out_dir``; ``out_dir`` is locked against a second writer meanwhile, and the
+    staging folders of earlier conversions to ``out_dir`` that were killed are removed
+    (:func:`unmask.fileio.sweep_stale_staging`).
 
     Raises UnmaskError for a missing, non-GGUF, truncated or corrupt file, a missing ``gguf``
     package, an unknown dtype, an unnamed ``out_dir`` or one holding the input file, an existing
@@ -191,6 +252,7 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, ov
         if out.exists() and not out.is_dir():
             raise UnmaskError(f"{out} is a file, not a model directory; choose another OUT_DIR or remove the file")
         probe_writable(out.parent, f"OUT_DIR {out}")
+        sweep_stale_staging(out)  # a killed conversion's half-written copy
         plain, tokenizer = read_plain(gguf_file, torch_dtype)
         tmp = None
         try:

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from unmask.errors import UnmaskError
-from unmask.fileio import check_parents, output_lock, probe_writable, publish_dir, staging_dir, write_errors
+from unmask.fileio import (check_parents, output_lock, probe_writable, publish_dir, staging_dir, sweep_stale_staging,
+                           write_errors)
 
 # sha256 of the genuine files (spec/models.md §1.1); look-alikes with the same header exist.
 KNOWN_SHA256 = {
@@ -302,6 +303,7 @@ def _convert(checkpoint, tokenizer, out: Path, *, overwrite: bool, verify: bool)
     if out.exists() and not out.is_dir():
         raise UnmaskError(f"{out} is a file, not a model directory; choose another OUT_DIR or remove the file")
     probe_writable(out.parent, f"OUT_DIR {out}")
+    sweep_stale_staging(out)  # a killed conversion's half-written copy (the caller holds the lock)
     header, tensors = read_checkpoint(checkpoint, verify=verify)
     pieces, scores = read_tokenizer(tokenizer, vocab_size=abs(header.vocab_size), verify=verify)
     model = build_hf_model(header, tensors)

@@ -233,6 +233,28 @@ def _set_gate(gate: _Gate, mask_id: int):
     return pre, post
 
 
+def linear_names(model) -> list[str]:
+    """The names (last path component, e.g. ``q_proj``) of ``model``'s ``nn.Linear`` layers an
+    adapter can wrap: every one but the LM head, sorted."""
+    head = model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and m is not head and name})
+
+
+def check_targets(model, targets, what: str = "--targets") -> None:
+    """Raise UnmaskError, naming the layers ``model`` has, unless ``targets`` is a non-empty
+    sequence of names each matching an ``nn.Linear`` of ``model`` (see :func:`linear_names`)."""
+    have = linear_names(model)
+    names = list(targets) if isinstance(targets, (list, tuple)) else None
+    if not names or not all(isinstance(t, str) and t for t in names):
+        raise UnmaskError(f"{what} must be layer names, at least one and none empty (got {targets!r}); pass some "
+                          f"of the linear layers of {type(model).__name__}: {', '.join(have)}")
+    unknown = [t for t in names if t not in have]
+    if unknown:
+        raise UnmaskError(f"{what}: {type(model).__name__} has no linear layer named {', '.join(map(repr, unknown))}; "
+                          f"its layers are: {', '.join(have)}")
+
+
 def attach(model, spec: AdapterSpec, *, seed: int = 0):
     """Wrap ``model`` (a ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``) in
     place with a fresh gated adapter and return the :class:`SBDAdapter`.
@@ -242,7 +264,8 @@ def attach(model, spec: AdapterSpec, *, seed: int = 0):
     at the base's own mask row; ``lora_A`` is drawn from a generator seeded with ``seed`` (the
     same adapter init every run). The model gets ``unmask_weights_io`` (the adapter) so training
     checkpoints save and load only the adapter. Raises UnmaskError for a model that already
-    carries an adapter, one without a decoder stack/embedding, or targets that match nothing.
+    carries an adapter, one without a decoder stack/embedding, a rank above the hidden size, or
+    targets that match nothing.
     """
     if getattr(model, "unmask_weights_io", None) is not None:
         raise UnmaskError("this model already carries an SBD adapter; load the base afresh to attach another")
@@ -251,20 +274,21 @@ def attach(model, spec: AdapterSpec, *, seed: int = 0):
     if stack is None or stack is model or not isinstance(embed, nn.Embedding):
         raise UnmaskError(f"{type(model).__name__} is not a decoder-only causal LM with an embedding table; "
                           "gated adapters support Llama, Qwen2 and Qwen3 causal LMs")
+    hidden = getattr(model.config, "hidden_size", None)
+    if spec.rank is not None and isinstance(hidden, int) and spec.rank > hidden:
+        raise UnmaskError(f"adapter rank {spec.rank} exceeds the hidden size {hidden} of {type(model).__name__} (a "
+                          "low-rank delta of higher rank has more parameters than a full one and no more expressive "
+                          f"power); pass --rank {hidden} or less, or --full-rank")
+    check_targets(model, spec.targets)
     for p in model.parameters():
         p.requires_grad_(False)
     gate = _Gate()
     generator = torch.Generator(device=embed.weight.device).manual_seed(seed)
-    wrapped = 0
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
         if isinstance(module, nn.Linear) and leaf in spec.targets and module is not model.get_output_embeddings():
             parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             setattr(parent, leaf, GatedLinear(module, spec.rank, gate, generator))
-            wrapped += 1
-    if wrapped == 0:
-        raise UnmaskError(f"no nn.Linear named {', '.join(spec.targets)} in {type(model).__name__}; "
-                          f"pass --targets with names of its projection layers")
     with torch.no_grad():
         base_rows = embed.weight  # (V, d)
         row = base_rows.mean(dim=0) if spec.added else base_rows[spec.mask_token_id]  # (d,)

@@ -8,6 +8,7 @@ leaves the previous one.
 
 from __future__ import annotations
 
+import math
 import shutil
 import warnings
 from collections.abc import Callable
@@ -76,8 +77,11 @@ def save_checkpoint(run_dir: str | Path, step: int, model, trainer_state: dict,
     """
     final = Path(run_dir) / CKPT_DIR / f"step-{step:08d}"
     for name, p in model.named_parameters():  # never save (or later publish) diverged weights
-        if not bool(torch.isfinite(p.detach()).all()):
-            raise diverged(f"parameter {name} is not finite", step, run_dir)
+        problem = weight_problem(name, p.detach()) if p.requires_grad else None
+        if problem is None and not bool(torch.isfinite(p.detach()).all()):
+            problem = f"parameter {name} is not finite"
+        if problem is not None:
+            raise diverged(problem, step, run_dir)
     try:
         tmp = staging_dir(final)
     except OSError as e:
@@ -103,6 +107,40 @@ def diverged(what: str, step: int, run_dir: str | Path) -> UnmaskError:
     kept = f"the checkpoint {last} is kept" if last is not None else "no checkpoint was written"
     return UnmaskError(f"training diverged: {what} at step {step}; nothing was published and {kept}; "
                        "lower --lr (or --weight-decay) or check the data")
+
+
+# The largest finite float16 value. A trained weight beyond it cannot be stored in half precision
+# and is orders of magnitude past any language model's weights: a run that produced one diverged
+# (lr 1e30 gave |w| = 2.7e30 with a finite loss, so the nan/inf guard alone let it through).
+MAX_WEIGHT = 65504.0
+
+
+def weight_problem(name: str, p: torch.Tensor) -> str | None:
+    """Why the trained parameter ``p`` must not be saved (not finite, or some ``|w|`` above
+    MAX_WEIGHT), or None when it is fine."""
+    if not bool(torch.isfinite(p).all()):
+        return f"parameter {name} is not finite"
+    peak = float(p.abs().max()) if p.numel() else 0.0
+    if peak > MAX_WEIGHT:
+        return f"parameter {name} reaches |w| = {peak:.3g}, beyond float16's range ({MAX_WEIGHT:g})"
+    return None
+
+
+def exploded(initial: float | None, final: float | None, vocab: int | None) -> bool:
+    """Whether a run whose loss started at ``initial`` (the first step's training loss, before
+    any update) and ended at ``final`` (the last held-out loss, else the last training loss) is
+    too broken to publish: ``final`` is not finite, or it exceeds ``initial`` by more than
+    ln V (V = ``vocab``), the loss of a uniform guess over the vocabulary. A run that ends that
+    far above where it started predicts worse than the untrained model by more than knowing
+    nothing at all would cost; ordinary noise and overfitting stay well inside the margin.
+    Without ``initial`` or ``vocab`` only the finiteness is checked."""
+    if final is None:
+        return False
+    if not math.isfinite(final):
+        return True
+    if initial is None or not math.isfinite(initial) or not vocab or vocab < 2:
+        return False
+    return final > initial + math.log(vocab)
 
 
 def install(tmp: Path, final: Path) -> None:

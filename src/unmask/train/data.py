@@ -42,6 +42,9 @@ SPLITS = ("train", "val")
 # ---------------------------------------------------------------------------------------------
 
 
+STORY_SEED_MAX = 2**63 // 100_003 - 1_000_000  # seeds of the batches: seed * 100_003 + batch
+
+
 @dataclass(frozen=True)
 class StoryCorpusConfig:
     """How :func:`generate_stories` draws its documents.
@@ -77,6 +80,11 @@ class StoryCorpusConfig:
         if not 0 <= self.val_fraction < 1:
             raise UnmaskError(f"--val-fraction must be in [0, 1), got {self.val_fraction}; "
                               "pass a share below 1, e.g. --val-fraction 0.05")
+        # each batch samples with seed * 100_003 + batch (generate_stories): bound the seed so that
+        # this stays a valid generator seed, and name the user's value rather than the derived one
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or abs(self.seed) > STORY_SEED_MAX:
+            raise UnmaskError(f"--seed must be an integer between -{STORY_SEED_MAX:,} and {STORY_SEED_MAX:,} (got "
+                              f"{self.seed!r}); pass e.g. --seed 0")
         if not self.temperature > 0:
             raise UnmaskError(f"temperature must be > 0, got {self.temperature}; pass a positive temperature, e.g. 1.0")
 

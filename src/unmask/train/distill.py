@@ -39,7 +39,9 @@ when complete: a failed or interrupted run leaves the old corpus as it was.
 Resuming: ``resume=True`` checks that every whole row belongs to the same prompt list and was
 written with the same settings (UnmaskError naming the first differing setting otherwise, the
 file untouched), then drops the partial last line and decodes only the prompts whose index is
-missing.
+missing. A prompt index on two lines (a corpus concatenated or edited by hand) is refused, the
+file untouched, rather than deduplicated: the two rows may differ, and which one to keep is the
+user's decision.
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ def _read_existing(out: Path, plan: list[DistillPrompt], settings: dict) -> tupl
     row that is not one of this corpus's rows or was written with other settings."""
     data = out.read_bytes()
     end = data.rfind(b"\n") + 1
-    done: set[int] = set()
+    done: dict[int, int] = {}  # prompt index -> its line
     fix = "resume with the same --prompts, --limit and --model, or pass --overwrite to start over"
     for n, line in enumerate(data[:end].decode("utf-8", errors="replace").splitlines(), 1):
         try:
@@ -188,8 +190,11 @@ def _read_existing(out: Path, plan: list[DistillPrompt], settings: dict) -> tupl
                 raise UnmaskError(f"{out} was written with {_shown_setting(key, was.get(key))}, this run has "
                                   f"{_shown_setting(key, now)}; resume with the same flags as the run that wrote "
                                   "it, or pass --overwrite to start over")
-        done.add(i)
-    return done, end
+        if i in done:  # training on it would count the prompt twice; which copy to keep is the user's call
+            raise UnmaskError(f"{out} line {n} repeats prompt {i} of line {done[i]} ({given.source}); a corpus holds "
+                              f"each prompt once, delete one of the two lines or pass --overwrite to start over")
+        done[i] = n
+    return set(done), end
 
 
 def distill(out: str | os.PathLike, *, model, prompts: Sequence[str | os.PathLike], adapter: str | None = None,
@@ -213,7 +218,8 @@ def distill(out: str | os.PathLike, *, model, prompts: Sequence[str | os.PathLik
         UnmaskError: an existing ``out`` without ``resume`` or ``overwrite`` (or both given), a bad
             source or option, a model the ``ar`` decoder cannot run, ``system`` for a model without
             a chat template, a prompt that does not fit the context, or a resumed ``out`` written
-            from other prompts or with other settings (``out`` is then left as it was).
+            from other prompts or with other settings or holding a prompt twice (``out`` is then
+            left as it was).
     """
     from unmask.fileio import check_output_file, output_lock
 
@@ -313,6 +319,7 @@ class _Sink:
 
     def __init__(self, out: Path, *, staged: bool):
         self.out, self.staged, self.f, self.tmp = out, staged, None, None
+        self.created = False  # this run created out (appending): a failed first write removes it again
         again = "rerun with --overwrite" if staged else "rerun with --resume"
         self.fix = f"free some space or choose another --out, then {again}"
 
@@ -329,6 +336,7 @@ class _Sink:
                 self.f = os.fdopen(fd, "wb")
             else:
                 self.out.parent.mkdir(parents=True, exist_ok=True)
+                self.created = not self.out.exists()
                 self.f = open(self.out, "ab")
 
     def write(self, data: bytes) -> None:
@@ -336,10 +344,28 @@ class _Sink:
 
         if self.f is None:
             self._open()
-        with write_errors(f"--out {self.out}", self.fix):
-            self.f.write(data)
-            self.f.flush()
-            os.fsync(self.f.fileno())
+        whole = self.f.tell()  # the file ends with whole batches up to here
+        try:
+            with write_errors(f"--out {self.out}", self.fix):
+                self.f.write(data)
+                self.f.flush()
+                os.fsync(self.f.fileno())
+        except BaseException:
+            self._cut(whole)
+            raise
+
+    def _cut(self, whole: int) -> None:
+        """After a failed write (a full disk): drop the partial batch, so that the file holds whole
+        lines only, and remove a file this run created and never completed a batch of."""
+        import contextlib
+
+        with contextlib.suppress(OSError):
+            self.f.close()
+        with contextlib.suppress(OSError):
+            if self.created and whole == 0 and self.tmp is None:
+                self.out.unlink(missing_ok=True)
+            else:
+                os.truncate(self.tmp if self.tmp is not None else self.out, whole)
 
     def __exit__(self, kind, value, tb) -> None:
         from unmask.fileio import mark_published, replace_output, write_errors

@@ -53,6 +53,7 @@ from unmask.train.checkpoint import (  # noqa: F401  (re-exported: the checkpoin
     WEIGHTS_FILE,
     checkpoints,
     diverged,
+    exploded,
     latest_checkpoint,
     load_state,
     load_weights,
@@ -69,6 +70,18 @@ FLAG_OPTIONS = ("lr", "warmup", "steps", "batch_size", "grad_accum", "weight_dec
                 "eval_every", "log_every", "keep_checkpoints", "max_minutes", "seed", "fsdp")
 
 
+# Bounds past which an option is refused as absurd (TrainConfig.__post_init__ says why).
+MAX_LR = 1.0
+MAX_STEPS = 100_000_000
+MAX_BATCH = 65_536
+_INT_FIELDS = ("warmup", "steps", "batch_size", "grad_accum", "ckpt_every", "eval_every", "eval_batches", "log_every",
+               "keep_checkpoints", "seed")
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}" if name in FLAG_OPTIONS else name
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimisation settings of one run.
@@ -83,6 +96,10 @@ class TrainConfig:
     eval_batches: validation micro-batches per evaluation. keep_checkpoints: newest checkpoints
     kept. max_minutes: wall-clock budget of this invocation; when the next step would exceed
     it, training stops, checkpoints and returns (None = no budget).
+
+    Raises UnmaskError for a value of the wrong type or out of range, including the bounds past
+    which a setting is a typo: lr in (0, MAX_LR], lr · weight_decay < 1, steps and warmup <=
+    MAX_STEPS, batch_size, grad_accum and eval_batches <= MAX_BATCH, seed in [0, 2**63).
     """
 
     lr: float = 3e-4
@@ -104,6 +121,17 @@ class TrainConfig:
     fsdp: bool = False
 
     def __post_init__(self):
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise UnmaskError(f"{_flag(name)} must be an integer, got {value!r}; pass a whole number")
+        for name in ("lr", "weight_decay", "clip", "min_lr_ratio", "max_minutes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise UnmaskError(f"{_flag(name)} must be a number, got {value!r}; pass a number")
+        if not isinstance(self.betas, (tuple, list)) or not all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) for b in self.betas):
+            raise UnmaskError(f"betas must be two numbers, got {self.betas!r}; pass e.g. betas=(0.9, 0.95)")
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         for name in ("lr", "weight_decay", "clip", "min_lr_ratio", "max_minutes"):
             value = getattr(self, name)
@@ -135,6 +163,25 @@ class TrainConfig:
                                          "pass 1 or more"),
             (self.max_minutes is None or self.max_minutes > 0, f"--max-minutes must be > 0, got {self.max_minutes}; "
                                                                "pass a positive budget or leave it out"),
+            # Upper bounds (issue 28): beyond them a run is a typo, not a setting. AdamW moves every
+            # weight by about lr per step, so lr > 1 destroys any model in one step (lr 1e30 published
+            # weights of 1e30 whose logits were all equal); decoupled decay multiplies each weight by
+            # (1 - lr·wd) per step, which for lr·wd >= 1 zeroes or flips it.
+            (self.lr <= MAX_LR, f"--lr {self.lr:g} is above {MAX_LR:g} (AdamW moves every weight by about lr per "
+                                "step); pass a learning rate such as --lr 3e-4"),
+            (self.lr * self.weight_decay < 1, f"--lr {self.lr:g} x --weight-decay {self.weight_decay:g} is >= 1, so "
+                                              "each step would zero or flip every weight; lower --weight-decay"),
+            (self.steps <= MAX_STEPS, f"--steps {self.steps} is above {MAX_STEPS:,}; pass a realistic step count "
+                                      "(--max-minutes bounds a run by time)"),
+            (self.warmup <= MAX_STEPS, f"--warmup {self.warmup} is above {MAX_STEPS:,}; pass a warm-up shorter "
+                                       "than the run"),
+            (self.batch_size <= MAX_BATCH, f"--batch-size {self.batch_size} is above {MAX_BATCH:,} sequences per "
+                                           "micro-batch; pass a smaller one and raise --grad-accum"),
+            (self.grad_accum <= MAX_BATCH, f"--grad-accum {self.grad_accum} is above {MAX_BATCH:,}; pass a "
+                                           "smaller one"),
+            (self.eval_batches <= MAX_BATCH, f"eval_batches {self.eval_batches} is above {MAX_BATCH:,}; pass a "
+                                             "smaller one"),
+            (0 <= self.seed < 2**63, f"--seed must be in [0, 2**63), got {self.seed}; pass e.g. --seed 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -347,7 +394,10 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
         TrainResult. The model is left in training mode with the final weights.
 
     Raises:
-        UnmaskError: empty data, or a checkpoint whose settings or data do not match.
+        UnmaskError: empty data, a checkpoint whose settings or data do not match, or a run that
+            diverged: a non-finite loss, a trained weight that is not finite or beyond float16's
+            range (:func:`unmask.train.checkpoint.weight_problem`), or a final loss that exploded
+            (:func:`unmask.train.checkpoint.exploded`); nothing is then saved or published.
     """
     from unmask import dist
     from unmask.train import parallel
@@ -408,9 +458,9 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
     elif not has_val and main and config.eval_every > 0:
         warnings.warn("no validation row fills --seq-len tokens, so this run reports no validation numbers; "
                       "lower --seq-len or add held-out data")
-    val, val_step, last = None, None, {}
+    val, val_step, last, first_loss = None, None, {}, None
     if ckpt is not None:
-        val, last = state.get("val"), state.get("last") or {}
+        val, last, first_loss = state.get("val"), state.get("last") or {}, state.get("first_loss")
         val_step = step if val is not None else None
 
     def trainer_state(stopped: str) -> dict:
@@ -420,6 +470,7 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
             "val": val, "last": last, "meta": json.dumps(meta or {}), "labelled": train_labels is not None,
+            "first_loss": first_loss,
         }
 
     def checkpoint(stopped: str) -> None:
@@ -487,6 +538,8 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
             local[-1] = float(budget is not None and time.monotonic() - t_start + step_seconds > budget)
             total = dist.all_reduce_sum(local)  # global means, tokens and any rank's stop request
             sums = dict(zip(names, total[: len(names)].tolist()))
+            if first_loss is None:  # the untrained model's loss, the reference of the explosion check
+                first_loss = sums["loss"]
             window_tokens += int(total[-3])
             flags = (float(total[-2]), float(total[-1]))
             for name, value in sums.items():
@@ -511,6 +564,13 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
         if has_val and val_step != step and stopped != "interrupted":
             val, val_step = validate(), step
             log({"step": step, **{f"val_{k}": v for k, v in val.items()}})
+        final = (val or last).get("loss")
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if stopped != "interrupted" and exploded(first_loss, final, vocab if isinstance(vocab, int) else None):
+            which = "held-out" if val else "training"
+            raise diverged(f"the {which} loss ended at {final:.4g}, more than ln V = {math.log(vocab):.2f} (a uniform "
+                           f"guess over the vocabulary) above the untrained model's {first_loss:.4g}"
+                           if math.isfinite(final) else f"the {which} loss ended at {final}", step, run_dir)
         if saved_at != step:
             checkpoint(stopped)
     log({"step": step, "stopped": stopped, "seconds": time.monotonic() - t_start})

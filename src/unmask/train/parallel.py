@@ -32,7 +32,7 @@ from unmask import dist
 from unmask.errors import UnmaskError
 from unmask.fileio import staging_dir
 from unmask.fileio import write_errors
-from unmask.train.checkpoint import CKPT_DIR, STATE_FILE, diverged, install, prune, save_model
+from unmask.train.checkpoint import CKPT_DIR, STATE_FILE, diverged, install, prune, save_model, weight_problem
 
 DCP_DIR = "dcp"
 
@@ -194,8 +194,11 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, trainer_state: dict,
     try:
         for name, p in inner(model).named_parameters():  # never save (or later publish) diverged weights
             local = p.detach().to_local() if hasattr(p, "to_local") else p.detach()  # an FSDP2 shard
-            if not bool(torch.isfinite(local).all()):
-                raise diverged(f"parameter {name} is not finite", step, run_dir)
+            problem = weight_problem(name, local) if p.requires_grad else None
+            if problem is None and not bool(torch.isfinite(local).all()):
+                problem = f"parameter {name} is not finite"
+            if problem is not None:
+                raise diverged(problem, step, run_dir)
         with write_errors(f"checkpoint {final}", "free disk space or pass another --run-dir"):
             model_sd, optim_sd = get_state_dict(model, opt)
             with _quiet_single_process():

@@ -156,7 +156,8 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
         out: adapter directory (``adapter.safetensors`` + ``adapter.json``), written atomically
             when training ends; not written when the run is interrupted.
         rank: r of ``ΔW = B A``; ``full_rank=True`` trains a full ``ΔW`` instead (tiny models).
-        targets: names of the adapted ``nn.Linear`` layers (default q/k/v/o + MLP projections).
+        targets: names of the adapted ``nn.Linear`` layers (default q/k/v/o + MLP projections);
+            an empty list or a name the base has no linear layer of is refused, naming its layers.
         seq_len: L per row (a forward sees 2L). block_range: training k ~ U{low..high}.
         draft_fraction: share of rows with all-mask blocks (η = 1); the rest η ~ U(0,1).
         block_size: the validation block size, and the lossless decode block size recorded in
@@ -173,12 +174,14 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
         TrainResult with ``out`` set (None when interrupted).
 
     Raises:
-        UnmaskError: bad data/paths/options, a base that is not a causal LM, an output that exists
-            without overwrite/resume.
+        UnmaskError: bad data/paths/options (a rank above the hidden size, unknown ``targets``,
+            out-of-range loop options), a base that is not a causal LM, an output that exists
+            without overwrite/resume, a run that diverged or whose loss exploded (nothing is
+            published), or an output that cannot be written (full disk).
     """
-    from unmask.fileio import publish_dir, staging_dir
-    from unmask.models.adapter_io import ADAPTER_JSON, adapter_config, save_adapter, weights_hash
-    from unmask.models.sbd_adapter import DEFAULT_TARGETS, AdapterSpec, attach
+    from unmask.fileio import atomic_write_json, publish_dir, staging_dir, sweep_stale_staging, write_errors
+    from unmask.models.adapter_io import ADAPTER_JSON, adapter_config, save_adapter_weights, weights_hash
+    from unmask.models.sbd_adapter import DEFAULT_TARGETS, AdapterSpec, attach, check_targets, linear_names
 
     cfg = train_config(config)
     paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)
@@ -195,8 +198,11 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
         raise UnmaskError(f"--block-size {block_size} must be between 1 and --seq-len ({seq_len}); pass e.g. 8")
     vocab = bundle.model.get_input_embeddings().weight.shape[0]
     mask_id = bundle.mask_token_id if bundle.mask_token_id is not None else vocab
+    if targets is None:  # the default projections this model has (all seven on Llama/Qwen)
+        targets = [t for t in DEFAULT_TARGETS if t in linear_names(bundle.model)] or list(DEFAULT_TARGETS)
+    check_targets(bundle.model, list(targets) if isinstance(targets, (list, tuple)) else targets)
     spec = AdapterSpec(rank=None if full_rank else rank, mask_token_id=int(mask_id), base_vocab=vocab,
-                       targets=tuple(targets or DEFAULT_TARGETS))
+                       targets=tuple(targets))
     base_sha = weights_hash(bundle.path)
     adapter = attach(bundle.model, spec, seed=cfg.seed)
     rows = load_labelled_chunks(paths, bundle.tokenizer, vocab, seq_len, val_fraction=val_fraction, seed=cfg.seed,
@@ -230,13 +236,19 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
                    val_labels=rows.val_labels)
     if result.stopped == "interrupted" or not dist.is_main():  # under torchrun rank 0 publishes
         return result
-    tmp = staging_dir(out)
+    sweep_stale_staging(out)  # a killed run's half-published copy (out is locked, run_paths)
+    tmp = None
     try:
-        save_adapter(adapter, tmp, json_for({"step": result.step, "stopped": result.stopped, "last": result.last,
-                                             "val": result.val}))
-        publish_dir(tmp, out)
+        with write_errors(f"the adapter to {out}", f"free disk space; the run is kept in {run_dir}, publish it with "
+                                                   "--resume"):
+            tmp = staging_dir(out)
+            save_adapter_weights(adapter, tmp)
+            atomic_write_json(tmp / ADAPTER_JSON, json_for({"step": result.step, "stopped": result.stopped,
+                                                            "last": result.last, "val": result.val}), "adapter config")
+            publish_dir(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     result.out = out
     return result

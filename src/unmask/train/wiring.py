@@ -23,7 +23,7 @@ import torch
 from unmask.dist import env_rank
 from unmask.errors import UnmaskError
 from unmask.fileio import (atomic_write_json, check_parents, output_lock, probe_writable, publish_dir,
-                           staging_dir, write_errors)
+                           staging_dir, sweep_stale_staging, write_errors)
 from unmask.train.data import check_data_files, load_corpus, load_records, pack_labelled, separator_id
 from unmask.train.loop import TrainConfig, TrainResult, checkpoints, save_model, train
 
@@ -209,19 +209,14 @@ def set_decode_defaults(model_dir: str | Path, **defaults) -> dict:
     """
     import json
 
-    from unmask.decode.sbd import LOSSLESS_KEYS, SBDConfig
-    from unmask.decode.sbd_verify import VerifyConfig
+    from unmask.models.adapter_io import check_decode_defaults
 
     path = Path(model_dir) / UNMASK_CONFIG
     if not path.is_file():
         raise UnmaskError(f"{model_dir} has no {UNMASK_CONFIG}; pass a directory written by 'unmask train'")
-    lossy = {k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS}
-    SBDConfig.from_options(**lossy)  # validates: block size >= 1, γ >= 0, a known policy
-    if "verify" in defaults and not isinstance(defaults["verify"], bool):
-        raise UnmaskError(f"verify must be true or false (got {defaults['verify']!r}); pass verify=True or False")
-    if any(k in defaults for k in LOSSLESS_KEYS):  # validates: block size >= 2, a known draft layout
-        VerifyConfig(block_size=defaults.get("verify_block_size", VerifyConfig.block_size),
-                     draft=defaults.get("draft", VerifyConfig.draft))
+    # known keys only (an unknown one was a raw TypeError), block size >= 1, γ >= 0, a known
+    # policy, a lossless block size >= 2 and a known draft layout
+    check_decode_defaults(dict(defaults), "decode defaults")
     meta = json.loads(path.read_text())
     meta["decode_defaults"] = dict(defaults)
     atomic_write_json(path, meta)
@@ -292,6 +287,7 @@ def train_and_publish(bundle, objective, train_chunks: torch.Tensor, val_chunks:
     if dist.is_main():  # under torchrun rank 0 publishes; the others learn whether it did
         tmp = None
         try:
+            sweep_stale_staging(out)  # a killed run's half-published copy (out is locked, run_paths)
             with write_errors(f"the model to {out}", "free disk space or choose another --out"):
                 tmp = staging_dir(out)
             with write_errors(f"the model to {out}", f"free disk space; the run is kept in {run_dir}, publish it "
