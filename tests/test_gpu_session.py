@@ -132,7 +132,7 @@ def _package_with_smollm2_adapter(tmp_path, monkeypatch):
     adapter = pkg / "smollm2-135m" / "adapters" / "sbd"
     adapter.mkdir(parents=True)
     cfg = json.loads((registry.CHECKPOINTS / "stories260K" / "adapters" / "sbd" / "adapter.json").read_text())
-    (adapter / "adapter.json").write_text(json.dumps({**cfg, "rank": 32, "base": {"name": "smollm2-135m",
+    (adapter / "adapter.json").write_text(json.dumps({**cfg, "rank": 32, "full_rank": False, "base": {"name": "smollm2-135m",
                                                                                    "sha256": "sha256:0"}}))
     monkeypatch.setattr(registry, "CHECKPOINTS", pkg)
 

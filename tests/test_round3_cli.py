@@ -549,3 +549,15 @@ def test_a_signal_after_data_distill_wrote_its_corpus_keeps_it_and_exits_0(tmp_p
     code, out, err = _interrupt_at_pause(tmp_path, "after-command", argv)
     assert code == 0 and "was written complete" in err, (code, err)
     assert len((tmp_path / "d.jsonl").read_text().splitlines()) == 2
+
+
+def test_models_lists_the_decoders_of_each_model_and_the_routers(capsys, monkeypatch):
+    # README's model table has a decoders column and names stories260K-dlm's LBS/LPS routers;
+    # `unmask models` printed neither (new-user pass)
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, err = run_cli(capsys, "models")
+    assert code == 0, err
+    row = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") >= 4}
+    assert "decoders: diffusion, early-bird." in row["stories260K-dlm"] and "routers: lbs, lps" in row["stories260K-dlm"]
+    assert "block, multiblock" in row["stories260K-bd"] and "ar, sbd" in row["stories260K-sbd (default)"]
+    assert "ar, sbd" in row["└ --adapter sbd"]

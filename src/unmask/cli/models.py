@@ -18,10 +18,14 @@ def models_cmd() -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from unmask.decode import DECODERS
     from unmask.models.adapter_io import list_adapters
     from unmask.models.bundle import read_unmask_config
     from unmask.models.registry import CHECKPOINTS, DESCRIPTIONS, WHEEL_MODELS, default_model, shipped
     from unmask.models.smollm2 import status
+
+    def decoders(kind: str) -> str:  # the decoders that work on this kind (the registry's own list)
+        return "decoders: " + ", ".join(d.name for d in DECODERS.values() if kind in d.kinds) + ". "
 
     table = Table(title="shipped models")
     for col in ("name", "kind", "description"):
@@ -29,17 +33,21 @@ def models_cmd() -> None:
     default = default_model()
     for name, path in shipped().items():
         kind = read_unmask_config(path).get("kind", "causal")
-        table.add_row(name + (" (default)" if name == default else ""), kind, DESCRIPTIONS.get(name, ""))
-        _adapter_rows(table, name, list_adapters(path))
+        description = DESCRIPTIONS.get(name, "")
+        if (path / "routers").is_dir():  # early-bird's LBS/LPS routers ship beside the model
+            description += f" (+ routers: {', '.join(sorted(p.stem for p in (path / 'routers').glob('*.json')))})"
+        table.add_row(name + (" (default)" if name == default else ""), kind, decoders(kind) + description)
+        _adapter_rows(table, name, list_adapters(path), decoders("sbd"))
     for name, description in WHEEL_MODELS.items():
-        table.add_row(name, "causal", escape(f"{description} ({status()})"))  # keeps 'unmask[smollm2]'
+        # escape keeps 'unmask[smollm2]' literal in rich markup
+        table.add_row(name, "causal", decoders("causal") + escape(f"{description} ({status()})"))
         # its adapters ship inside the package (checkpoints/<name>/adapters/), its weights do not
-        _adapter_rows(table, name, list_adapters(CHECKPOINTS / name))
+        _adapter_rows(table, name, list_adapters(CHECKPOINTS / name), decoders("sbd"))
 
     Console().print(table)
 
 
-def _adapter_rows(table, model: str, adapters: dict) -> None:
+def _adapter_rows(table, model: str, adapters: dict, decoders: str) -> None:
     """One row per gated SBD adapter shipped for ``model`` ({name: directory})."""
     from unmask.models.adapter_io import read_adapter_config
 
@@ -47,7 +55,7 @@ def _adapter_rows(table, model: str, adapters: dict) -> None:
         cfg = read_adapter_config(adir)
         size = "full-rank" if cfg.get("rank") is None else f"rank {cfg['rank']}"
         table.add_row(f"  └ --adapter {adapter}", "sbd (adapter)",
-                      f"gated SBD adapter ({size}); {model}'s weights and NTP output unchanged")
+                      f"{decoders}gated SBD adapter ({size}); {model}'s weights and NTP output unchanged")
 
 
 @convert_app.command("llama2c")
