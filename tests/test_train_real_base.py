@@ -323,7 +323,10 @@ def _answer_corpus(path, n: int = 24, length: int = 40):
 
 
 @pytest.mark.parametrize("command", ["sbd", "sbd-adapter"])
-def test_train_flags_end_to_end(tmp_path, capsys, command):
+def test_train_flags_end_to_end(tmp_path, capsys, monkeypatch, command):
+    from unmask.train.progress import TrainProgress
+
+    monkeypatch.setattr(TrainProgress, "INTERVAL", 0.0)  # piped lines every 30 s in use; every step here
     corpus = _answer_corpus(tmp_path / "c.jsonl")
     out = tmp_path / "m"
     extra = ["--full-rank"] if command == "sbd-adapter" else ["--no-progress"]
@@ -332,7 +335,7 @@ def test_train_flags_end_to_end(tmp_path, capsys, command):
                            "--block-size", 4, "--log-every", 1, "--ckpt-every", 1, "--keep-checkpoints", 2,
                            "--eval-every", 2, "--threads", 1, "--dtype", "float32")
     assert code == 0, err
-    if command == "sbd-adapter":  # stderr is no terminal here: one plain line per --log-every steps
+    if command == "sbd-adapter":  # stderr is no terminal here: one plain line per interval (0 s: every step)
         assert [line.split()[1] for line in err.splitlines() if line.startswith("step ") and "/" in line.split()[1]] \
             == ["1/3", "2/3", "3/3"], err
     run = out.with_name("m.run")
