@@ -357,3 +357,44 @@ def test_stop_flags():
     assert stop_flags([[5, 2, 7], [5, 6], [5, -1]], [[5], [5, 6], [5]], (2,)) == [1, 0, 0]
     assert stop_flags([[5, 2]], [[5]], (2,), limit=1) == [0]  # the stop lies past the budget
     assert stop_flags([[5, -1]], [[5]], (-1,)) == [0]  # -1 is "no stop ids", never a stop
+
+
+# ---------------------------------------------------------------- fault pass after the merge
+
+@pytest.mark.parametrize("T", [1e-6, 1e-3])
+def test_multiblock_at_a_tiny_temperature_is_its_greedy_run(T):
+    # multiblock's κ read softmax(logits / T): at T = 1e-6 every κ rounded to 1 and whole blocks
+    # committed at once (stories260K-mbd: NFE 5 against 26 greedy, tokens differed from position 25)
+    from unmask.decode import multiblock
+
+    bundle = unmask.load("stories260K-mbd")
+    prompt = bundle.encode("Once upon a time")
+    greedy = multiblock.decode(bundle, [prompt], max_new_tokens=32)
+    cold = multiblock.decode(bundle, [prompt], max_new_tokens=32, sampling=Sampling(temperature=T, seed=1))
+    assert cold.tokens == greedy.tokens and cold.stats.nfe == greedy.stats.nfe
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: aup([(1, 50), (2, 10)], 50, y_min_offset=float("nan")), "y_min_offset must be a finite number"),
+    (lambda: aup([(1, 50), (2, 49)], 50, alpha=float("nan")), "alpha must be a finite number"),
+    (lambda: aup([(1, 50), (2, 49)], 50, y_min_offset=-1), "y_min_offset must be a finite number >= 0"),
+    (lambda: aup([(1, 0.5), (2, 40)], 50), "fractions mixed with percent"),
+    (lambda: aup([(1, "50")], 50), "pair of numbers"),
+    (lambda: aup([(1, True)], 50), "pair of numbers"),
+    (lambda: aup([(1, 50, 3)], 50), "pair of numbers"),
+    (lambda: aup([(1, 50)], "50"), "y_max must be a number"),
+])
+def test_aup_refuses_every_malformed_argument_with_one_error(call, match):
+    with pytest.raises(UnmaskError, match=match):
+        call()
+
+
+def test_aup_mixed_small_percentages_pass_with_the_unit_named():
+    assert aup([(1, 0.5), (2, 40)], 50, unit="percent", y_min_offset=50) > 0
+
+
+def test_gsm8k_extracts_a_number_longer_than_pythons_int_string_limit():
+    # int("9" * 5000) raises ValueError (4,300-digit limit): eval crashed on a long run of 9s
+    items = [T.Item("gsm8k/0", "q", GSM8KExample("q", "... #### 42", "42"))]
+    row = T.score_texts("gsm8k", items, ["9" * 5000])[0]
+    assert row["extracted"] == "9" * 5000 and row["no_answer"] is False

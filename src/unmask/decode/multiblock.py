@@ -103,13 +103,16 @@ def candidates(logits: torch.Tensor, sampling: Sampling, generator) -> tuple[tor
     """Candidate token and its confidence at every position: logits (..., V) -> (tokens, kappa) (...).
 
     Greedy (T = 0): the argmax and its softmax probability (Diffulex). T > 0: a token drawn after
-    top-k/top-p filtering, with its probability under the tempered, unfiltered softmax.
+    top-k/top-p filtering, with its probability under the untempered, unfiltered softmax: the
+    commit thresholds then read the same κ as at T = 0, so decoding tends to the greedy run as
+    T -> 0 (under softmax(logits / T) every κ rounds to 1 at T = 1e-3 and whole blocks commit at
+    once; policies.py's default, issue 28 item 8).
     """
     if sampling.greedy:  # token_stats' top-1 and confidence, without its entropy and margin
         q = torch.log_softmax(logits.reshape(1, -1, logits.shape[-1]).float(), dim=-1).exp()  # (1, n, V)
         return q.argmax(-1).view(logits.shape[:-1]), q.amax(-1).view(logits.shape[:-1])
     tokens = sample(logits, sampling, generator)  # (...)
-    log_q = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)  # (..., V)
+    log_q = torch.log_softmax(logits.float(), dim=-1)  # (..., V) untempered: κ as at T = 0
     return tokens, log_q.gather(-1, tokens[..., None])[..., 0].exp()
 
 

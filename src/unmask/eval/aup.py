@@ -15,6 +15,19 @@ from typing import Literal, NamedTuple, Sequence
 from unmask.errors import UnmaskError
 
 
+def _is_number(value) -> bool:
+    """A real number: int or float, not bool (True would score as 1 %), not a string."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _point(p) -> tuple[float, float]:
+    """One (ρ, y) point as floats; UnmaskError for anything but a pair of real numbers."""
+    if not (isinstance(p, (tuple, list)) and len(p) == 2 and all(_is_number(v) for v in p)):
+        raise UnmaskError(f"aup: each point must be a (tpf, accuracy) pair of numbers, got {p!r}; "
+                          "pass [(tpf, accuracy_percent), ...]")
+    return float(p[0]), float(p[1])
+
+
 def aup_weight(y: float, *, y_max: float, alpha: float = 3.0) -> float:
     """W(y) = min(exp(−α·(1 − y / y_max)), 1) (diffusion spec §10, step 3)."""
     return min(math.exp(-alpha * (1.0 - y / y_max)), 1.0)
@@ -59,8 +72,11 @@ def aup(points: Sequence[tuple[float, float]], y_max: float, alpha: float = 3.0,
         AUP in units of TPF × percent. A single point (1, y) scores y in the d3llm variant.
 
     Raises:
-        UnmaskError: no points, ρ ≤ 0 or not finite, y outside [0, 100] (percent, not a fraction),
-            every y and y_max in [0, 1] with ``unit="auto"``, y outside [0, 1] with
+        UnmaskError: no points, a point that is not a pair of numbers (strings and bools are
+            refused), ρ ≤ 0 or not finite, y outside [0, 100] (percent, not a fraction), every y
+            and y_max in [0, 1] with ``unit="auto"``, accuracies in (0, 1) next to ones above 1
+            with ``unit="auto"`` (fractions mixed with percent), alpha or y_min_offset negative or
+            not finite, y outside [0, 1] with
             ``unit="fraction"``, an unknown unit,
             y_max outside (0, 100] or below the best y of the points, an unknown variant, or
             (d3llm) accuracy at the largest ρ more than ``y_min_offset`` below y_1, which d3LLM
@@ -84,7 +100,14 @@ def aup_report(points: Sequence[tuple[float, float]], y_max: float, *, alpha: fl
         raise UnmaskError("aup needs at least one (tpf, accuracy) point")
     if unit not in UNITS:
         raise UnmaskError(f"aup: unknown unit {unit!r}; use one of {', '.join(UNITS)}")
-    pts = sorted(((float(r), float(y)) for r, y in points), key=lambda p: p[0])
+    if not _is_number(y_max):
+        raise UnmaskError(f"aup: y_max must be a number (percent), got {y_max!r}; pass the best accuracy over "
+                          "all methods on the task")
+    pts = sorted((_point(p) for p in points), key=lambda p: p[0])
+    for name, value in (("alpha", alpha), ("y_min_offset", y_min_offset)):
+        if not (_is_number(value) and math.isfinite(value) and value >= 0):
+            raise UnmaskError(f"aup: {name} must be a finite number >= 0, got {value!r}; "
+                              f"use the default ({3.0 if name == 'alpha' else 5.0:g})")
     if unit == "fraction":
         for _, y in pts:
             if not (math.isfinite(y) and 0 <= y <= 1):
@@ -95,6 +118,9 @@ def aup_report(points: Sequence[tuple[float, float]], y_max: float, *, alpha: fl
     elif unit == "auto" and all(0 <= y <= 1 for _, y in pts) and (variant == "trapezoid" or 0 <= y_max <= 1):
         raise UnmaskError("aup: every accuracy is in [0, 1], which looks like fractions, but AUP takes percent; "
                           "multiply by 100, or pass unit='fraction' (or unit='percent' if they are percent)")
+    elif unit == "auto" and any(0 < y < 1 for _, y in pts) and any(y > 1 for _, y in pts):
+        raise UnmaskError("aup: some accuracies are in (0, 1) and others above 1, which looks like fractions mixed "
+                          "with percent; give every accuracy in percent (or pass unit='percent' if they are)")
     for r, y in pts:
         if not (math.isfinite(r) and r > 0):
             raise UnmaskError(f"aup: TPF must be a finite number > 0, got {r}; drop that point")

@@ -46,8 +46,12 @@ def normalize_number(raw: str) -> str:
         value = Decimal(s)
     except InvalidOperation:
         return raw.strip()
+    if not value.is_finite() or value.adjusted() > 10_000:  # NaN/Infinity, or "1e999999999": no digits to write
+        return s
     if value == value.to_integral_value():
-        return str(int(value))
+        # formatted as a Decimal: int() refuses strings of more than 4,300 digits, which a model's
+        # long run of 9s reaches (fault pass); "-0" is 0
+        return "0" if value == 0 else format(value.to_integral_value(), "f")
     return format(value.normalize(), "f")
 
 
