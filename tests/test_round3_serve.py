@@ -439,3 +439,93 @@ def test_stop_strings_are_bounded(server):
         msg = one_line_400(status, err, param="stop")
         assert "at most 64 strings of at most 256 characters" in msg
     assert post(url, {"prompt": "Zoo", "max_tokens": 4, "stop": ["x%d" % i for i in range(64)]})[0] == 200
+
+
+# --- round 3 fault pass on the limits ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache", [None, "prefix"])
+def test_early_bird_is_sized_by_its_router_s_canvas_not_by_max_tokens(dlm, cache):
+    """Found by the fault pass: early-bird always decodes the LBS router's canvas (256 tokens), but
+    a request asking for 8 tokens was sized as 8 and passed --max-query-tokens 64 and
+    --max-cache-tokens 128."""
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "decoder": "early-bird",
+            **({"cache": cache} if cache else {})}
+    app = create_app(dlm, limits=Limits(max_query_tokens=64, max_cache_tokens=128))
+    with ServerThread(app) as s:
+        msg = one_line_400(*post(s.url + "/v1/completions", body), param="gen_length", code="request_too_large")
+        assert "256 query tokens" in msg and "--max-query-tokens" in msg
+        assert app.state.scheduler.active == 0 and not app.state.scheduler.running_batches
+    app = create_app(dlm, limits=Limits(max_query_tokens=256, max_cache_tokens=128))
+    with ServerThread(app) as s:  # the queries fit; the cached canvas does not
+        msg = one_line_400(*post(s.url + "/v1/completions", body), param="max_tokens", code="request_too_large")
+        assert "+ 256 completion" in msg and "--max-cache-tokens" in msg
+
+
+def test_diffusion_is_sized_by_the_canvas_its_defaults_give(dlm):
+    """A diffusion request naming no gen_length decodes max_tokens rounded up to its block size."""
+    app = create_app(dlm, limits=Limits(max_query_tokens=64))
+    with ServerThread(app) as s:
+        msg = one_line_400(*post(s.url + "/v1/completions", {
+            "prompt": "Once upon a time", "max_tokens": 8, "decoder": "diffusion", "block_size": 128}),
+            param="gen_length", code="request_too_large")
+        assert "canvas of 128 tokens" in msg
+        status, ok = post(s.url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8,
+                                                       "decoder": "diffusion", "block_size": 8})
+        assert status == 200 and ok["usage"]["completion_tokens"] <= 8
+
+
+def test_a_conversation_counts_its_chat_template_toward_the_prompt_limit(bundle, monkeypatch):
+    """Found by the fault pass: 63,000 empty messages (1.8 MB) passed --max-prompt-chars (only the
+    contents were counted) and were rendered and tokenized to 378,010 tokens before the 400."""
+    calls = []
+    real = type(bundle.tokenizer).__call__
+
+    def counting(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+
+    url = "/v1/chat/completions"
+    for limits, messages, expect in (
+            (Limits(), [{"role": "user", "content": ""}] * 63_000, "63000 messages and 2 characters"),
+            # contents 240 + 2 x 120 pass 1000; rendered, 120 x "User: ab\n" + "Assistant:" = 1090 do not
+            (Limits(max_prompt_chars=1000), [{"role": "user", "content": "ab"}] * 120,
+             "1090 characters as the chat template renders its 120 messages")):
+        app = create_app(bundle, limits=limits)
+        with ServerThread(app) as s:
+            monkeypatch.setattr(type(bundle.tokenizer), "__call__", counting)
+            monkeypatch.setattr(type(bundle.tokenizer), "encode", lambda self, *a, **k: calls.append(1) or [1])
+            status, err = post(s.url + url, {"messages": messages, "max_tokens": 4})
+            monkeypatch.undo()
+            msg = one_line_400(status, err, param="messages", code="context_length_exceeded")
+            assert expect in msg and "--max-prompt-chars" in msg
+            assert calls == []  # refused before tokenizing
+            ok = post(s.url + url, {"messages": messages[:3], "max_tokens": 4})
+            assert ok[0] == 200, ok
+
+
+def test_reference_nfe_is_not_advertised_and_refused_with_the_cli_way(server):
+    """Found by the fault pass: the unknown-parameter message listed reference_nfe, which every
+    decoder then refused ("does not apply to decoder 'diffusion'")."""
+    url = server.url + "/v1/completions"
+    msg = one_line_400(*post(url, {"prompt": "Zoo", "bogus": 1}), param="bogus")
+    assert "unmask fields:" in msg and "reference_nfe" not in msg
+    for decoder in ("ar", "sbd"):
+        msg = one_line_400(*post(url, {"prompt": "Zoo", "decoder": decoder, "reference_nfe": True}),
+                           param="reference_nfe")
+        assert "unmask generate --reference-nfe" in msg
+    assert post(url, {"prompt": "Zoo", "max_tokens": 2, "reference_nfe": False})[0] == 200
+
+
+def test_a_huge_integer_is_400_naming_the_problem_not_bad_json(server):
+    """Found by the fault pass: a 5,000-digit max_tokens was "not valid JSON" (Python's int-string
+    limit), and 10**400 was echoed whole in the message (next test)."""
+    url = server.url + "/v1/completions"
+    msg = one_line_400(*post(url, None, raw=b'{"prompt": "Zoo", "max_tokens": ' + b"9" * 5000 + b"}"))
+    assert "integer of 5000 digits" in msg and "not valid JSON" not in msg
+
+
+def test_an_echoed_value_is_cut_to_40_characters(server):
+    url = server.url + "/v1/completions"
+    msg = one_line_400(*post(url, {"prompt": "Zoo", "max_tokens": 10**400}), param="max_tokens")
+    assert "1" + "0" * 39 + "..." in msg and len(msg) < 200

@@ -29,6 +29,7 @@ from unmask.serve.stream import TextStream
 POLL_S = 0.2  # how often a waiting handler checks for a client disconnect
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 SHUTTING_DOWN = "the server is shutting down; retry later"
+MAX_INT_DIGITS = 1000  # well below Python's int-string limit (4300) and far above any real count
 
 
 class _Gone(Exception):
@@ -94,9 +95,16 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def _int(text: str) -> int:
+    if len(text) > MAX_INT_DIGITS:  # int() refuses it (Python's int-string limit): not a JSON error
+        raise ApiError(400, f"the request body holds an integer of {len(text)} digits; numbers take at most "
+                            f"{MAX_INT_DIGITS} digits")
+    return int(text)
+
+
 def _json(raw: bytes):
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_int=_int)
     except RecursionError:  # e.g. 100,000 nested arrays: the parser's recursion limit
         raise ApiError(400, "the request body is nested too deeply; send a flat JSON object") from None
     except (ValueError, UnicodeDecodeError):

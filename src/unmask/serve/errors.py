@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import re
+
+ECHO_CHARS = 40  # an echoed value (a word of the message) is cut to this many characters
+
 
 class ApiError(Exception):
     """An error answered to the client. status: HTTP status (400 bad request, 408 timeout, 429
     queue full, 5xx server); type/param/code: the OpenAI error fields; headers: extra response
-    headers (``Retry-After`` on 429)."""
+    headers (``Retry-After`` on 429). A word of the message longer than ``ECHO_CHARS`` + 8
+    characters (an echoed value) is cut to ``ECHO_CHARS`` and ``...``."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict | None = None):
+        # a request's values are echoed in messages: 10**400 as max_tokens is 401 digits
+        message = re.sub(rf"\S{{{ECHO_CHARS + 8},}}", lambda m: m.group()[:ECHO_CHARS] + "...", message)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = dict(headers or {})

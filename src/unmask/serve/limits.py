@@ -96,7 +96,10 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
         b = knob("block_size", native_block_size(bundle), 1)
         s = knob("slots", defaults.get("slots"), 2)
         return s * b, f"multiblock with {s} slots of block_size {b}", "slots"
-    if decoder in ("diffusion", "early-bird"):
+    if decoder == "early-bird":  # its canvas is the LBS router's length, whatever max_tokens asks for
+        length = early_bird_length(bundle, options) or knob("gen_length", max_tokens)
+        return length, f"early-bird over a canvas of {length} tokens (the LBS router's gen_length)", "gen_length"
+    if decoder == "diffusion":
         from unmask.decode.diffusion import DiffusionConfig
 
         try:  # the whole canvas is scored in a refresh (or every step without a cache)
@@ -106,6 +109,22 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
             length = knob("gen_length", max_tokens)
         return length, f"{decoder} over a canvas of {length} tokens (gen_length)", "gen_length"
     return 1, decoder, "decoder"
+
+
+def early_bird_length(bundle, options: dict) -> int | None:
+    """The canvas length an early-bird request decodes: the ``gen_length`` of the LBS router it
+    will load (``options["routers"]`` or the model's own), read from ``lbs.json`` without loading
+    the weights. None when no router is found (the decoder reports that when the batch starts)."""
+    import json
+
+    from unmask.routers.io import routers_dir
+
+    try:
+        where = routers_dir(bundle, options.get("routers"))
+        length = json.loads((where / "lbs.json").read_text())["config"]["gen_length"]
+    except Exception:  # noqa: BLE001 - any unreadable router is the decoder's error to report
+        return None
+    return length if isinstance(length, int) and not isinstance(length, bool) and length >= 1 else None
 
 
 def check_cost(bundle, limits: Limits, *, decoder: str, options: dict, prompt_tokens: int, max_tokens: int,

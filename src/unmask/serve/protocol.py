@@ -23,7 +23,7 @@ from functools import lru_cache
 from unmask.api import check_options, encode_prompts
 from unmask.decode import default_decoder, get_decoder
 from unmask.errors import UnmaskError
-from unmask.prompts import check_messages, render
+from unmask.prompts import check_messages, has_chat_template, plain_template, render
 from unmask.sampling import Sampling
 from unmask.serve.errors import ApiError
 from unmask.serve.limits import Limits, check_cost
@@ -31,11 +31,16 @@ from unmask.serve.limits import Limits, check_cost
 DEFAULT_MAX_TOKENS = 128
 MAX_STOP, MAX_STOP_CHARS = 64, 256  # stop strings per request (OpenAI takes 4) and their length
 STREAM_MODES = ("committed", "canvas")
+# template characters counted per message before rendering (the plain template adds 2 to a system
+# turn, 7 to a user turn): bounds the template's work on a huge list of empty messages
+MESSAGE_CHARS = 2
 # Option of ``unmask generate`` that are not decoder knobs.
 _NOT_KNOBS = {"prompts", "prompts_file", "model", "kind", "decoder", "max_new_tokens", "temperature", "top_k", "top_p",
               "seed", "stop", "show", "trace", "as_json", "device", "dtype", "chat", "system",
               # set once for the whole server (``unmask serve --adapter/--compile/--tp``), or CLI-only
-              "adapter", "compile", "overwrite", "tp", "no_progress"}
+              "adapter", "compile", "overwrite", "tp", "no_progress",
+              # a measurement mode of generate(): it decodes past the stop tokens the server stops at
+              "reference_nfe"}
 # Knobs a decoder may take that the CLI does not have yet (the lossless SBD decoder's switch).
 _EXTRA_KNOBS = {"verify": "bool"}
 # OpenAI fields that are accepted only at their neutral value.
@@ -79,6 +84,42 @@ def api_message(message: str) -> str:
     return re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), message)
 
 
+def check_prompt_chars(bundle, prompt: str | list[dict], limits: Limits, field: str) -> None:
+    """Raise ApiError (400 ``context_length_exceeded``) when the prompt passes ``--max-prompt-chars``,
+    before anything is tokenized. A conversation counts as the chat template renders it (63,000
+    empty messages are 441,000 characters of ``User: \n``): first as its contents plus
+    ``MESSAGE_CHARS`` per message, so a huge message list is refused before the template runs
+    over it, then as rendered (untokenized)."""
+    limit = limits.prompt_chars(bundle)
+
+    def refuse(chars: int, what: str):
+        raise ApiError(400, f"the prompt has {chars} characters{what}, more than this server's limit of {limit}; "
+                            "shorten it, or start the server with a larger --max-prompt-chars", param=field,
+                       code="context_length_exceeded")
+
+    if isinstance(prompt, str):
+        if len(prompt) > limit:  # before tokenizing: a 5 MB prompt costs seconds of CPU
+            refuse(len(prompt), "")
+        return
+    n = f"{len(prompt)} message{'s' if len(prompt) != 1 else ''}"
+    contents = sum(len(m["content"]) for m in prompt)
+    if contents > limit:
+        refuse(contents, "")
+    if contents + MESSAGE_CHARS * len(prompt) > limit:
+        refuse(contents + MESSAGE_CHARS * len(prompt),
+               f" (the contents of its {n} and {MESSAGE_CHARS} characters of chat template per message)")
+    what = f" as the chat template renders its {n}"
+    if not has_chat_template(bundle):
+        text = plain_template(prompt)
+    else:
+        try:
+            text = bundle.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that refuses the messages is reported by render()
+            return
+    if len(text) > limit:
+        refuse(len(text), what)
+
+
 @dataclass(frozen=True)
 class ServeRequest:
     """A validated completion request (one prompt)."""
@@ -115,11 +156,15 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
         raise ApiError(400, "the request body must be a JSON object")
     knobs = decoder_knobs()
     known = {"model", "messages" if chat else "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-             "stream", "stream_mode", "timeout", "decoder", *knobs, *_NEUTRAL}
+             "stream", "stream_mode", "timeout", "decoder", "reference_nfe", *knobs, *_NEUTRAL}
     for name in body:
         if name not in known:
             raise ApiError(400, f"unknown parameter {name!r}; drop it (unmask fields: decoder, stream_mode, timeout, top_k, {', '.join(sorted(knobs))})",
                            param=name)
+    if body.get("reference_nfe") is not None and body["reference_nfe"] is not False:
+        raise ApiError(400, "reference_nfe is not served (the server stops every request at its stop tokens); "
+                            "measure the reference NFE with `unmask generate --reference-nfe`, and drop "
+                            "'reference_nfe'", param="reference_nfe")
     for name, neutral in _NEUTRAL.items():
         # bool is an int in Python (True == 1): a boolean is refused where a number is expected
         wrong_type = isinstance(body.get(name), bool) and not any(isinstance(v, bool) for v in neutral or ())
@@ -194,11 +239,7 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string (one prompt per request)", param="prompt")
-    chars = len(prompt) if isinstance(prompt, str) else sum(len(str(m.get("content", ""))) for m in prompt)
-    if chars > limits.prompt_chars(bundle):  # before tokenizing: a 5 MB prompt costs seconds of CPU
-        raise ApiError(400, f"the prompt has {chars} characters, more than this server's limit of "
-                            f"{limits.prompt_chars(bundle)}; shorten it, or start the server with a larger "
-                            "--max-prompt-chars", param=field, code="context_length_exceeded")
+    check_prompt_chars(bundle, prompt, limits, field)
     try:
         ids = encode_prompts(bundle, [prompt], max_tokens, options.get("gen_length"))[0]
         if chat:
