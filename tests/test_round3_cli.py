@@ -401,11 +401,18 @@ def test_reference_nfe_on_the_command_line(capsys, monkeypatch):
     assert rows[0]["nfe"] < rows[1]["nfe"] and rows[0]["tokens"] == rows[1]["tokens"]
 
 
-def test_reference_nfe_with_more_steps_than_tokens_warns_of_the_skipped_steps(capsys):
-    code, _, err = run_cli(capsys, "generate", "Zoo", "--model", "stories260K-dlm", "--gen-length", "16",
-                           "--block-size", "8", "--policy", "top-k", "--steps", "32", "--reference-nfe")
-    assert code == 0
-    assert "warning: --steps 32 is above the gen length 16" in err and "16 below the reference's" in err
+def test_reference_nfe_with_more_steps_than_tokens_runs_llada_s_zero_quota_steps(capsys):
+    # LLaDA's generate runs every one of its steps, also the trailing ones whose quota is 0
+    argv = ["generate", "Zoo", "--model", "stories260K-dlm", "--gen-length", "16", "--block-size", "8",
+            "--policy", "top-k", "--steps", "32", "--json"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    ours = json.loads(out)
+    code, out, err = run_cli(capsys, *argv, "--reference-nfe")
+    assert code == 0, err
+    ref = json.loads(out)
+    assert ours["nfe"] == 16 and ref["nfe"] == 32 and ref["tokens"] == ours["tokens"][:len(ref["tokens"])]
+    assert "warning" not in err
 
 
 def test_reference_nfe_is_refused_for_decoders_whose_reference_stops_at_eos(capsys):

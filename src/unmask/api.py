@@ -164,8 +164,8 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     decode the whole canvas as the published reference code does, instead of stopping after the
     block that holds EOS (and after the block that holds ``max_new_tokens``), so NFE is the
     reference's; the text and token counts are still cut at the first stop token and at
-    ``max_new_tokens``. LLaDA's zero-quota steps (``steps`` above the gen length) stay skipped,
-    with a warning. ``ar`` and ``sbd`` stop at EOS as their references do: refused there.
+    ``max_new_tokens``. LLaDA's zero-quota steps (``steps`` above the gen length) run too, as in
+    the reference (NFE = steps). ``ar`` and ``sbd`` stop at EOS as their references do: refused there.
     Raises UnmaskError for every invalid input, and for a model whose weights are not finite.
     """
     if not (model is None or isinstance(model, (str, os.PathLike, ModelBundle))):
@@ -224,8 +224,6 @@ def _reference_decode(decode, decoder: str, bundle: ModelBundle, ids: list[list[
     strings (the reference code's forwards), then cut each row at its first stop token and at
     ``max_new_tokens``, recounting its generated tokens (NFE stays the whole canvas's).
     Raises UnmaskError for a decoder outside :data:`REFERENCE_NFE_DECODERS`."""
-    import warnings
-
     from unmask.decode import DecodeOutput
 
     if decoder not in REFERENCE_NFE_DECODERS:
@@ -233,6 +231,8 @@ def _reference_decode(decode, decoder: str, bundle: ModelBundle, ids: list[list[
                           f"not {decoder!r}, whose reference stops at EOS too; drop --reference-nfe")
     gen_length = options.get("gen_length")
     budget = max(max_new_tokens, gen_length) if isinstance(gen_length, int) else max_new_tokens
+    if decoder == "diffusion":
+        options = {**options, "reference_steps": True}  # LLaDA's zero-quota steps run too (NFE = steps)
     out = decode(bundle, ids, max_new_tokens=budget, sampling=sampling, stop_token_ids=(), stop_strings=(), **options)
     stops = set(bundle.stop_token_ids)
     tokens = []
@@ -242,11 +242,6 @@ def _reference_decode(decode, decoder: str, bundle: ModelBundle, ids: list[list[
     s = out.stats
     stats = DecodeStats(nfe=s.nfe, nfe_per_row=s.nfe_per_row, tokens_per_row=[len(t) for t in tokens],
                         seconds=s.seconds, extra={**s.extra, "reference_nfe": True})
-    steps, length = options.get("steps"), s.extra.get("gen_length")
-    if decoder == "diffusion" and isinstance(steps, int) and isinstance(length, int) and steps > length:
-        warnings.warn(f"--steps {steps} is above the gen length {length}: the reference runs all {steps} forwards, "
-                      f"unmask skips the {steps - length} that commit nothing (LLaDA's zero-quota steps), so NFE "
-                      f"{s.nfe} is {steps - length} below the reference's", stacklevel=4)
     return DecodeOutput(tokens=tokens, stats=stats)
 
 

@@ -192,7 +192,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            factor_compat: bool | None = None, tokens_per_step: int | None = None, eta: float | None = None,
            steps: int | None = None, cache: str | None = None, refresh_every: int | None = None,
            eos_early_stop: bool = False, sampler: str | None = None, confidence: str | None = None,
-           schedule: str | None = None,
+           schedule: str | None = None, reference_steps: bool = False,
            alg: str | None = None, alg_temp: float | None = None, eps: float | None = None, on_step=None,
            on_forward=None, compile: bool = False, static: bool = False) -> DecodeOutput:
     """Semi-AR masked-diffusion decoding of a batch (diffusion.md §3, §6–§9).
@@ -220,7 +220,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     block_size, sampler, confidence, ``accepts`` (histogram of per-row commits per forward), ``n_committed``
     and per-row ``row_extra`` {policy, cache, steps (forwards used), commits (per-step counts)}.
     With ``steps`` larger than the generation length LLaDA's trailing steps have a quota of 0 and
-    commit nothing; they are skipped (same tokens, fewer forwards).
+    commit nothing; they are skipped (same tokens, fewer forwards). ``reference_steps=True`` runs
+    them as LLaDA's ``generate`` does (NFE = steps; what ``--reference-nfe`` asks for).
 
     Fast path: ``static=True`` runs the K/V on a preallocated ``StaticKV`` with fixed-shape
     forwards (what ``compile`` runs, eagerly; for tests and debugging); ``compile=True`` also runs
@@ -297,7 +298,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         step = 0
         while True:
             masked = (ids[:, s:e] == mask_id) & ~done[:, None]  # (B, Bk)
-            if not bool(masked.any()):
+            # LLaDA's zero-quota trailing steps commit nothing: skipped unless the reference's count is asked for
+            if not bool(masked.any()) and not (reference_steps and steps_per_block is not None
+                                               and step < steps_per_block):
                 break
             refresh = step == 0 or (cfg.refresh_every is not None and step % cfg.refresh_every == 0)
             raw = run(refresh)  # (B, shift + Bk, V): rows s - shift .. e - 1
@@ -312,7 +315,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                             "tokens": tokens})
             ids[:, s:e] = torch.where(chosen, tokens, ids[:, s:e])
             had = masked.any(dim=1)  # (B,)
-            nfe_rows += had.long()
+            nfe_rows += (had | ~done).long() if reference_steps else had.long()  # the reference counts every step
             for r in torch.nonzero(had).flatten().tolist():
                 count = int(chosen[r].sum())
                 commits[r].append(count)
@@ -320,7 +323,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                 if on_step is not None:
                     on_step(step_event(nfe, r, chosen[r], tokens[r], s - P, ids[r, P:], mask_id, block=b))
             nfe += 1
-            check_nfe(nfe, L + cfg.n_blocks, "diffusion")
+            check_nfe(nfe, max(L, cfg.steps or 0) + cfg.n_blocks, "diffusion")
             step += 1
             if cfg.eos_early_stop:
                 done |= early_stop(ids[:, P:], mask_id, stops) & had
