@@ -12,7 +12,14 @@ done
 if [ "$has_path" -eq 1 ]; then
   python -m pytest -p no:cacheprovider "$@"
 else
-  python -m pytest tests -p no:cacheprovider "$@"
+  # The whole suite runs on 2 pytest-xdist workers (UNMASK_TEST_WORKERS to change; 0 = one process):
+  # its tests are single-threaded, so 2 workers halve it on 2 cores (7 min instead of 15).
+  workers=${UNMASK_TEST_WORKERS:-2}
+  if [ "$workers" != "0" ] && python -c "import xdist" 2>/dev/null; then
+    python -m pytest tests -p no:cacheprovider -n "$workers" "$@"
+  else
+    python -m pytest tests -p no:cacheprovider "$@"
+  fi
 fi
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
