@@ -29,6 +29,11 @@ from unmask.serve.stream import TextStream
 POLL_S = 0.2  # how often a waiting handler checks for a client disconnect
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 SHUTTING_DOWN = "the server is shutting down; retry later"
+
+
+def _shutting_down(retry_after: bool = True) -> "ApiError":
+    """The 503 of a draining server: new requests get Retry-After; the requests it ends do not."""
+    return ApiError(503, SHUTTING_DOWN, type="server_error", headers={"Retry-After": "1"} if retry_after else None)
 MAX_INT_DIGITS = 1000  # well below Python's int-string limit (4300) and far above any real count
 
 
@@ -160,7 +165,7 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     app = FastAPI(title="unmask", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler, app.state.metrics, app.state.bundle, app.state.limits = scheduler, metrics, bundle, limits
     app.add_middleware(_CountResponses, metrics=metrics)
-    app.state.drain = lambda: scheduler.drain(ApiError(503, SHUTTING_DOWN, type="server_error"))
+    app.state.drain = lambda: scheduler.drain(_shutting_down(retry_after=False))
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -198,7 +203,7 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
 
     async def handle(request: Request, chat: bool):
         if scheduler.draining:
-            raise ApiError(503, SHUTTING_DOWN, type="server_error", headers={"Retry-After": "1"})
+            raise _shutting_down()
         try:
             raw = await _read_body(request, limits.max_body_bytes)
         except ClientDisconnect:  # gone before its body arrived: nobody to answer
@@ -294,7 +299,7 @@ class _Call:
         try:
             self.scheduler.submit(self.job)
         except ShuttingDown:
-            return _error_response(ApiError(503, SHUTTING_DOWN, type="server_error", headers={"Retry-After": "1"}))
+            return _error_response(_shutting_down())
         except QueueFull:
             self.outcome("rejected")
             return _error_response(ApiError(
