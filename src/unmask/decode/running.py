@@ -1,0 +1,146 @@
+"""The one engine's contract (DESIGN.md "One engine"): every decoder is one running-batch class that
+``decode()``, the compiled path and the server all drive.
+
+A decoder class ``D(bundle, cfg, *, static=False, compile=False, capacity=8, on_step=None, on_token=None)``:
+
+- ``join(requests) -> finished rows``: prefills the requests into free slots, together in one
+  forward where the decoder's prefill allows it (so ``decode`` of B prompts counts one prefill, as
+  before); a row may finish at once (AR's first token is a stop token, ``max_new_tokens`` 1).
+- ``step() -> finished rows``: ONE forward for every running row, the commit rule as a pure tensor
+  function, at most one host sync (the accepted counts / ended flags the rows' bookkeeping needs).
+- ``drop(ids) -> dropped rows``: cancel or time out rows by request id; their slots are free at once.
+- ``len(d)``: running rows; ``d.forwards``: forwards run so far (the batch's NFE).
+- ``stats_extra(rows) -> dict``: the decoder-specific ``DecodeStats.extra`` of finished rows (in
+  request order), e.g. accept histograms.
+
+Per-row state lives in tensors of ``capacity`` slots indexed by ``Row.slot``; :class:`Slots` hands
+out the lowest free slot, so live rows stay packed at the front and a forward over slots
+``[0, high)`` (``Slots.high``) covers them without re-packing when a row leaves.
+
+:func:`drain` is ``decode()`` for every decoder: join every prompt, step until empty, and assemble
+the :class:`~unmask.decode.stats.DecodeOutput` exactly as the per-decoder loops did.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.errors import UnmaskError
+from unmask.sampling import Sampling
+
+
+@dataclass(eq=False)
+class Request:
+    """What a running decoder reads of a request: the scheduler's ``Job`` has the same fields.
+
+    prompt_ids: token ids; max_new_tokens: the generation budget; sampling: the request's
+    ``Sampling``; stop: stop strings (a completing token is kept); generator: the row's
+    ``torch.Generator`` when sampled (None: the decoder draws it from ``sampling``); id: the key
+    ``drop`` takes (the scheduler's job id; ``drain`` uses the prompt index)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()
+    generator: object = None
+    id: int = 0
+
+
+@dataclass(eq=False)
+class Row:
+    """One running (then finished) request. ``tokens``: generated ids (the stop token excluded);
+    ``nfe``: forwards in which the row had work; ``stop_token``: 1 when it ended on a stop token it
+    committed (it counts for TPF, not in the text); ``finish``: "stop" or "length" once done;
+    ``extra``: per-row statistics the decoder's ``stats_extra`` reads."""
+
+    job: Request
+    slot: int
+    tokens: list[int] = field(default_factory=list)
+    nfe: int = 0
+    stop_token: int = 0
+    finish: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Slots:
+    """A fixed-capacity free list of slot indices: ``take`` the lowest free ones, ``give`` them back.
+
+    ``high`` is one past the highest slot in use (0 when empty): a step's tensors cover slots
+    ``[0, high)``. Raises UnmaskError when more slots are taken than are free."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise UnmaskError(f"a running batch needs at least one slot (got capacity {capacity})")
+        self.capacity = capacity
+        self._free = list(range(capacity))  # a heap: the lowest free slot first
+        self._used: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self._used)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def high(self) -> int:
+        return max(self._used) + 1 if self._used else 0
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise UnmaskError(f"running batch full: {n} slots asked, {len(self._free)} of {self.capacity} free; "
+                              "join fewer rows or raise the capacity")
+        got = [heapq.heappop(self._free) for _ in range(n)]
+        self._used.update(got)
+        return got
+
+    def give(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            if s in self._used:
+                self._used.remove(s)
+                heapq.heappush(self._free, s)
+
+
+class RunningDecoder(Protocol):
+    forwards: int
+
+    def __len__(self) -> int: ...
+    def join(self, requests: list[Request]) -> list[Row]: ...
+    def step(self) -> list[Row]: ...
+    def drop(self, ids) -> list[Row]: ...
+    def stats_extra(self, rows: list[Row]) -> dict: ...
+
+
+def requests_for(prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling, stop_strings=(),
+                 device=None) -> list[Request]:
+    """One :class:`Request` per prompt (id = its index), each with the generator ``unmask generate``
+    gives that row (``Sampling.row_generators``: seeded by prompt, so a row draws the same tokens
+    whatever else runs)."""
+    gens = sampling.row_generators(prompts, device) or [None] * len(prompts)
+    return [Request(prompt_ids=list(p), max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop_strings),
+                    generator=g, id=i) for i, (p, g) in enumerate(zip(prompts, gens))]
+
+
+def drain(make: Callable[[int], RunningDecoder], requests: list[Request], *, nfe: Callable | None = None
+          ) -> DecodeOutput:
+    """``decode()`` on the one engine: build the decoder for ``len(requests)`` slots (``make(capacity)``),
+    join every request, ``step()`` until no row runs, and return the rows' tokens and DecodeStats in
+    request order. ``nfe(decoder, rows)`` overrides the batch NFE (default ``decoder.forwards``)."""
+    t0 = time.perf_counter()
+    dec = make(max(1, len(requests)))
+    done = list(dec.join(requests))
+    while len(dec):
+        done += dec.step()
+    by_id = {row.job.id: row for row in done}
+    rows = [by_id[r.id] for r in requests]
+    stats = DecodeStats(nfe=dec.forwards if nfe is None else nfe(dec, rows), nfe_per_row=[r.nfe for r in rows],
+                        tokens_per_row=[len(r.tokens) for r in rows], seconds=time.perf_counter() - t0,
+                        extra=dec.stats_extra(rows), stops_per_row=[r.stop_token for r in rows])
+    return DecodeOutput(tokens=[r.tokens for r in rows], stats=stats)
+
+
+__all__ = ["Request", "Row", "RunningDecoder", "Slots", "drain", "requests_for"]
