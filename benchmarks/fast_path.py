@@ -29,7 +29,7 @@ import torch
 
 import unmask
 from unmask.bench.side_by_side import bench
-from unmask.decode import ar, sbd_verify, static
+from unmask.decode import ar, kv, sbd_verify, static
 from unmask.eval.story_openings import STORY_OPENINGS
 from unmask.fileio import atomic_write_json, atomic_write_text
 
@@ -63,18 +63,18 @@ def profile(bundle, prompts, max_new_tokens) -> list[dict]:
             return out
         return wrapper
 
-    setups = [("ar", ar, lambda p, **k: ar.decode(bundle, p, max_new_tokens=max_new_tokens, **k)),
-              ("sbd --verify", sbd_verify, lambda p, **k: sbd_verify.decode(bundle, p, max_new_tokens=max_new_tokens, **k))]
+    # both run the one AR / lossless SBD batch (unmask.decode.lossless), whose eager forwards go
+    # through unmask.decode.kv.forward and whose compiled ones through static.step_function
+    setups = [("ar", kv, lambda p, **k: ar.decode(bundle, p, max_new_tokens=max_new_tokens, **k)),
+              ("sbd --verify", kv, lambda p, **k: sbd_verify.decode(bundle, p, max_new_tokens=max_new_tokens, **k))]
     for name, module, run in setups:
         for compiled in (False, True):
             if compiled:
                 run(prompts[:1], compile=True)  # warm: compile outside the timing
                 # only the compiled step is timed (patching what it traces would recompile it);
                 # the eager prefill counts as outside
-                # (ar: the forward; lossless sbd: the whole greedy step, forward + acceptance in one graph)
-                orig_step, orig_fn = static.step_function, static._compiled_fn
+                orig_step = static.step_function
                 static.step_function = lambda m, c, f=orig_step, **kw: timed(f(m, c, **kw))
-                static._compiled_fn = lambda m, key, fn, f=orig_fn: timed(f(m, key, fn))
             else:
                 orig_fwd = module.forward
                 module.forward = timed(orig_fwd)
@@ -87,7 +87,7 @@ def profile(bundle, prompts, max_new_tokens) -> list[dict]:
                     nfe += out.stats.nfe
             finally:
                 if compiled:
-                    static.step_function, static._compiled_fn = orig_step, orig_fn
+                    static.step_function = orig_step
                 else:
                     module.forward = orig_fwd
             rows.append({"decoder": name + (" --compile" if compiled else ""), "ms_per_forward": 1e3 * total / nfe,

@@ -323,13 +323,19 @@ def test_lm_eval_adapter_needs_a_model():
 # ---------------------------------------------------------------- item 6: the stop token in TPF
 
 def test_ar_stopping_on_eos_has_tpf_one(stories):
-    from unmask.decode import ar, static
+    from unmask.decode import ar, lossless
+    from unmask.decode.running import drain, requests_for
+
+    def static_ar(bundle, prompts, *, max_new_tokens, stop_token_ids):  # the static cache, eagerly
+        reqs = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=Sampling())
+        return drain(lambda cap: lossless.Verify(bundle, static=True, capacity=cap, ar=True,
+                                                 stop_token_ids=stop_token_ids, length=64), reqs)
 
     prompt = stories.encode("Once upon a time")
     free = ar.decode(stories, [prompt], max_new_tokens=24)
     stop = free.tokens[0][9]  # make the 10th generated token the stop token
     first = free.tokens[0].index(stop)
-    for run in (ar.decode, static.ar_decode):
+    for run in (ar.decode, static_ar):
         out = run(stories, [prompt], max_new_tokens=24, stop_token_ids=(stop,))
         assert out.tokens[0] == free.tokens[0][:first]  # the text excludes the stop token
         assert out.stats.tokens_per_row == [first] and out.stats.generated == first

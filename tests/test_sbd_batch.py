@@ -1,14 +1,16 @@
-"""Continuous batching for lossless SBD (``VerifyBatch``, issue 16): whenever a row joins and whatever
-runs beside it, its tokens, NFE, accept counts and step events equal ``sbd_verify.decode`` on its
-prompt alone, greedy and seeded-sampled, and greedy rows are AR's tokens (STYLE.md 14)."""
+"""Continuous batching for lossless SBD on the one engine's batch (``lossless.Verify``, issues 16 and
+25): whenever a row joins and whatever runs beside it, its tokens, NFE, accept counts and step events
+equal ``sbd_verify.decode`` on its prompt alone, greedy and seeded-sampled, and greedy rows are AR's
+tokens (STYLE.md 14)."""
 
 from __future__ import annotations
 
+import itertools
 from unittest import mock
 
 import pytest
 import torch
-from batch_helpers import GREEDY, RecordingRun, assert_row_equals_single, job, single_decode
+from batch_helpers import GREEDY, RecordingRun, assert_row_equals_single, single_decode
 from conftest import tiny_bundle, tiny_llama
 from test_sbd_verify import verify_bundle
 
@@ -17,13 +19,26 @@ from unmask.compat import forward, new_cache
 from unmask.decode import ar, sbd_verify
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.serve import running
-from unmask.serve.ar_batch import ARBatch
-from unmask.serve.sbd_batch import VerifyBatch
+from unmask.decode import lossless
+from unmask.decode.lossless import Verify
+from unmask.decode.running import Request
 
 SAMPLED = Sampling(temperature=0.9, top_k=20, seed=5)
 TEXTS = ["Once upon a time", "The cat sat on the", "Lily and Ben went to the park", "One day",
          "Tom had a red ball and", "She"]
+
+
+_ids = itertools.count()
+
+
+def job(prompt, max_new_tokens, sampling=GREEDY, stop=()) -> Request:
+    return Request(prompt_ids=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop),
+                   id=next(_ids))
+
+
+def verify(bundle, options, **kw) -> Verify:
+    cfg = sbd_verify.VerifyConfig(**{k: v for k, v in options.items() if v is not None})
+    return Verify(bundle, cfg, **kw)
 
 
 class Run(RecordingRun):
@@ -32,21 +47,25 @@ class Run(RecordingRun):
     def __init__(self, bundle, options, **kw):
         super().__init__()
         self.bundle = bundle
-        self.batch = VerifyBatch(bundle, options, on_step=self._on_step, **kw)
+        self.batch = verify(bundle, options, on_step=self._on_step, **{"capacity": 32, **kw})
 
     def check_cache(self):
         """Each row attends to exactly its prompt and its committed tokens but the bonus (fed by the
-        next step); the key mask covers the whole cache; a finished row is gone."""
+        next step); the key mask covers the whole cache; a finished row is gone, its slot attends to
+        nothing."""
         b = self.batch
         if not len(b):
-            assert b.cache is None and b.key_valid is None
+            assert b.kv.length == 0 and b.key_valid.numel() == 0
             return
-        assert b.key_valid.shape == (len(b), b.kv.length)
-        want = [len(r.job.prompt_ids) + len(r.committed) - 1 for r in b.rows]
-        assert b.key_valid.sum(dim=1).tolist() == want
-        assert b.p_b.tolist() == [len(r.job.prompt_ids) + len(r.committed) - 1 for r in b.rows]
-        assert b.b.tolist() == [r.committed[-1] for r in b.rows]
-        assert all(r.finish is None for r in b.rows)
+        assert b.key_valid.shape[1] == b.kv.length
+        rows = b.rows.values()
+        want = [len(r.job.prompt_ids) + len(r.committed) - 1 for r in rows]
+        assert [int(b.key_valid[r.slot].sum()) for r in rows] == want
+        assert [int(b.p_b[r.slot]) for r in rows] == want
+        assert [int(b.b[r.slot]) for r in rows] == [r.committed[-1] for r in rows]
+        free = [s for s in range(b.key_valid.shape[0]) if s not in b.rows]
+        assert not b.key_valid[free].any()
+        assert all(r.finish is None for r in rows)
 
 
 def single(bundle, j, options, stop_token_ids):
@@ -61,8 +80,8 @@ def assert_rows_equal_single_decodes(run, options, stop_token_ids):
 
 
 def ar_rows(bundle, jobs):
-    """The jobs run through the continuous AR batch: {id(job): (tokens, finish)}."""
-    batch, done = ARBatch(bundle), []
+    """The jobs run as AR rows (K = 1) of the one batch: {id(job): (tokens, finish)}."""
+    batch, done = Verify(bundle, capacity=len(jobs), ar=True), []
     done += batch.join(jobs)
     while len(batch):
         done += batch.step()
@@ -101,7 +120,7 @@ def test_rows_joining_at_different_steps_equal_single_prompt_decodes_and_ar(K, d
     for row in run.done:
         assert (row.tokens, row.finish) == want[id(row.job)]
     assert max(c for r in run.done for c in r.accepts) >= 2  # multi-token commits were exercised
-    assert run.batch.forwards == len(jobs) + run.steps  # one prefill per job, one forward per step
+    assert run.batch.forwards == 4 + run.steps  # one prefill per join (its jobs together), one forward per step
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "sampled"])
@@ -155,11 +174,11 @@ def test_a_row_dropped_mid_decode_is_gone_and_the_others_go_on_unchanged():
     run = Run(bundle, options)
     run.join(jobs)
     run.step(3)
-    gone = run.batch.drop(lambda r: r.job is jobs[1])
+    gone = run.batch.drop([jobs[1].id])
     assert [r.job for r in gone] == [jobs[1]] and len(run.batch) == 2
     run.check_cache()
     assert run.batch.q is None  # no sampled row left: no proposal distributions kept
-    assert run.batch.drop(lambda r: False) == []
+    assert run.batch.drop([]) == []
     run.drain()
     assert {id(r.job) for r in run.done} == {id(jobs[0]), id(jobs[2])}
     assert_rows_equal_single_decodes(run, options, ())
@@ -172,8 +191,8 @@ def test_a_batch_emptied_by_drop_frees_its_cache_and_takes_new_rows():
     run = Run(bundle, options)
     run.join([job([1, 4, 5], 30), job([1, 6, 6, 6, 3], 30)])
     run.step(2)
-    assert len(run.batch.drop(lambda r: True)) == 2
-    assert len(run.batch) == 0 and run.batch.cache is None and run.batch.key_valid is None
+    assert len(run.batch.drop([r.job.id for r in run.batch.rows.values()])) == 2
+    assert len(run.batch) == 0 and run.batch.kv.length == 0 and run.batch.key_valid.numel() == 0
     assert run.batch.step() == []
     later = [job([1, 7, 3], 12), job([1, 5], 16)]
     run.join(later)
@@ -184,14 +203,14 @@ def test_a_batch_emptied_by_drop_frees_its_cache_and_takes_new_rows():
 def test_the_cache_holds_exactly_the_committed_causal_kv_and_is_compacted():
     bundle = verify_bundle("llama", "eager", vocab=8, seed=1)
     compactions = []
-    real = running.compact  # the batch compacts through running.compact_if_sparse
+    real = lossless.compact  # the batch reclaims holes through lossless.compact
     run = Run(bundle, {"block_size": 4, "draft": "quadratic"})
     # a long prompt that leaves early: its columns become holes of the short rows
     jobs = [job([1] + [4, 5, 6, 7] * 6, 6), job([1, 7], 40), job([1, 3, 3, 7, 5, 5], 40), job([1, 6], 30)]
 
     def check():
         b = run.batch
-        for i, row in enumerate(b.rows):
+        for i, row in b.rows.items():
             cols = torch.nonzero(b.key_valid[i]).flatten()  # (n,) the row's valid cache columns
             seq = row.job.prompt_ids + row.committed[:-1]  # everything but the bonus
             cache = new_cache(bundle.model)
@@ -200,11 +219,11 @@ def test_the_cache_holds_exactly_the_committed_causal_kv_and_is_compacted():
                 torch.testing.assert_close(layer.keys[i][:, cols], fresh.keys[0], atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(layer.values[i][:, cols], fresh.values[0], atol=1e-5, rtol=1e-5)
 
-    def counted(kv, key_valid):
+    def counted(kv, key_valid, M):
         compactions.append(kv.length)
-        real(kv, key_valid)
+        return real(kv, key_valid, M)
 
-    with mock.patch.object(running, "compact", counted):
+    with mock.patch.object(lossless, "compact", counted):
         run.join(jobs[:2])
         for _ in range(4):
             run.step()
@@ -238,8 +257,7 @@ def test_stop_tokens_stop_strings_and_lengths_end_rows_like_decode_and_ar():
         assert_rows_equal_single_decodes(run, options, (2,))
         want = ar_rows(bundle, jobs)
         for row in run.done:
-            if row.job.max_new_tokens > 0:  # ARBatch commits one token before it checks the length
-                assert (row.tokens, row.finish) == want[id(row.job)], row.job
+            assert (row.tokens, row.finish) == want[id(row.job)], row.job
         finishes = [r.finish for r in run.done]
         assert "stop" in finishes and "length" in finishes
         assert any(r.job.stop and r.finish == "stop" for r in run.done)  # a stop string ended a row
@@ -250,16 +268,14 @@ def test_stop_tokens_stop_strings_and_lengths_end_rows_like_decode_and_ar():
 
 def test_options_are_validated_once():
     bundle = verify_bundle("llama", "eager", vocab=8, seed=0)
-    with pytest.raises(UnmaskError, match="tau_add"):
-        VerifyBatch(bundle, {"block_size": 4, "tau_add": 0.5})
     with pytest.raises(UnmaskError, match="block size"):
-        VerifyBatch(bundle, {"block_size": 1})
+        verify(bundle, {"block_size": 1})
     with pytest.raises(UnmaskError, match="draft layout"):
-        VerifyBatch(bundle, {"draft": "cubic"})
+        verify(bundle, {"draft": "cubic"})
     with pytest.raises(UnmaskError, match="mask token"):
-        VerifyBatch(tiny_bundle(tiny_llama(vocab=8)), {})
-    b = VerifyBatch(bundle, {"block_size": None, "draft": None})
+        verify(tiny_bundle(tiny_llama(vocab=8)), {})
+    b = verify(bundle, {"block_size": None, "draft": None})
     with pytest.raises(UnmaskError, match="non-empty prompt"):
         b.join([job([1, 4], 5), job([], 5)])
-    assert len(b) == 0 and b.forwards == 0  # nothing joined  # None = the decoder's defaults
+    assert len(b) == 0 and b.forwards == 0 and b.slots.free == b.slots.capacity  # nothing joined
     assert (b.cfg.block_size, b.cfg.draft) == (sbd_verify.DEFAULT_BLOCK_SIZE, sbd_verify.DEFAULT_DRAFT)

@@ -1,5 +1,6 @@
-"""The fast path (unmask.decode.static): the static-cache loop, eager and compiled, gives the eager
-decoders' tokens, NFE and accept histograms (STYLE.md 14: compiled against eager)."""
+"""The fast path: the static cache (unmask.decode.kv.StaticKV), eager and compiled, gives the eager
+decoders' tokens, NFE and accept histograms (STYLE.md 14: compiled against eager). AR and lossless
+SBD run it through their one running batch (unmask.decode.lossless.Verify, issue 25)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 from conftest import one_line_error, tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
-from unmask.decode import ar, sbd, sbd_verify, static
+from unmask.decode import ar, lossless, sbd, sbd_verify, static
+from unmask.decode.running import drain, requests_for
 from unmask.models.mask_token import add_mask_token
 from unmask.sampling import Sampling
 
@@ -26,6 +28,14 @@ def _prompts(bundle, batch):
     return [bundle.encode(t) for t in TEXTS[:batch]]
 
 
+def static_ar(bundle, prompts, *, max_new_tokens, sampling=Sampling(), stop_token_ids=(), stop_strings=()):
+    """AR on the static cache, eagerly: the one batch with static=True (ar.decode's compile=True path uncompiled)."""
+    reqs = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings)
+    P = max(len(p) for p in prompts)
+    return drain(lambda cap: lossless.Verify(bundle, static=True, capacity=cap, ar=True, stop_token_ids=stop_token_ids,
+                                             length=P + max_new_tokens + 1), reqs)
+
+
 def _same(a, b):
     assert a.tokens == b.tokens
     assert a.stats.nfe == b.stats.nfe
@@ -38,7 +48,7 @@ def _same(a, b):
 def test_static_ar_equals_eager_ar(sbd_model, sampling, batch):
     kw = dict(max_new_tokens=96, sampling=SAMPLINGS[sampling], stop_token_ids=sbd_model.stop_token_ids)
     eager = ar.decode(sbd_model, _prompts(sbd_model, batch), **kw)
-    _same(eager, static.ar_decode(sbd_model, _prompts(sbd_model, batch), **kw))
+    _same(eager, static_ar(sbd_model, _prompts(sbd_model, batch), **kw))
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
@@ -48,7 +58,7 @@ def test_static_lossless_sbd_equals_eager(sbd_model, sampling, batch, K, draft):
     kw = dict(max_new_tokens=96, sampling=SAMPLINGS[sampling], stop_token_ids=sbd_model.stop_token_ids,
               block_size=K, draft=draft)
     eager = sbd_verify.decode(sbd_model, _prompts(sbd_model, batch), **kw)
-    fast = static.verify_decode(sbd_model, _prompts(sbd_model, batch), **kw)
+    fast = sbd_verify.decode(sbd_model, _prompts(sbd_model, batch), static=True, **kw)
     _same(eager, fast)
     assert eager.stats.extra["accepts"] == fast.stats.extra["accepts"]
     if sampling == "greedy":  # and both are AR's text
@@ -61,12 +71,12 @@ def test_full_static_cache_is_compacted_in_place_without_changing_tokens(sbd_mod
     # A batch's shared pointer moves by the largest acceptance, so rejected drafts leave holes:
     # 200 tokens in a 256-slot cache force a compaction.
     calls = []
-    compact = static._compact
-    monkeypatch.setattr(static, "_compact", lambda *a: (calls.append(1), compact(*a))[1])
+    compact = lossless.compact
+    monkeypatch.setattr(lossless, "compact", lambda *a: (calls.append(1), compact(*a))[1])
     kw = dict(max_new_tokens=200, stop_token_ids=sbd_model.stop_token_ids, stop_strings=stop, block_size=8,
               draft="linear")
     prompts = _prompts(sbd_model, 8)
-    fast = static.verify_decode(sbd_model, prompts, **kw)
+    fast = sbd_verify.decode(sbd_model, prompts, static=True, **kw)
     assert calls, "the cache never filled: the compaction path went untested"
     _same(sbd_verify.decode(sbd_model, prompts, **kw), fast)
     assert fast.tokens == ar.decode(sbd_model, prompts, max_new_tokens=200, stop_token_ids=sbd_model.stop_token_ids,
@@ -79,10 +89,10 @@ def test_static_paths_on_tiny_random_models_with_eager_attention(factory):
     bundle = tiny_bundle(model, kind="sbd", mask_token_id=add_mask_token(model))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 8, (n,), generator=gen).tolist() for n in (3, 7, 1, 5)]
-    _same(ar.decode(bundle, prompts, max_new_tokens=30), static.ar_decode(bundle, prompts, max_new_tokens=30))
+    _same(ar.decode(bundle, prompts, max_new_tokens=30), static_ar(bundle, prompts, max_new_tokens=30))
     for draft in ("linear", "quadratic"):
         kw = dict(max_new_tokens=30, block_size=3, draft=draft)
-        _same(sbd_verify.decode(bundle, prompts, **kw), static.verify_decode(bundle, prompts, **kw))
+        _same(sbd_verify.decode(bundle, prompts, **kw), sbd_verify.decode(bundle, prompts, static=True, **kw))
     for sampling in SAMPLINGS.values():  # lossy SBD: the additive float mask padded to the static cache
         kw = dict(max_new_tokens=30, block_size=4, verify=False, gamma=0.5, sampling=sampling)
         _same(sbd.decode(bundle, prompts, **kw), sbd.decode(bundle, prompts, static=True, **kw))
@@ -106,28 +116,27 @@ def test_compiled_equals_eager_for_ar_and_lossless_sbd(sbd_model, batch):
 
 
 @pytest.mark.parametrize("draft", ["linear", "quadratic"])
-def test_verify_step_mask_is_key_validity_then_layout_then_nothing(draft):
-    # the mask built inside the step from a pointer tensor equals slicing the layout in at the pointer
-    K, L, B = 3, 24, 4
-    layout = sbd_verify.step_layout(K, draft)
-    Q = layout.queries
-    gen = torch.Generator().manual_seed(0)
-    for ptr in range(0, L - Q + 1):
-        key_valid = torch.zeros(B, L, dtype=torch.bool)
-        key_valid[:, :ptr] = torch.rand(B, ptr, generator=gen) < 0.7
-        draft_len = torch.tensor([K - 1, 0, K - 1, 0])
-        st = static.VerifyState(b=torch.arange(B), s=torch.ones(B, K - 1, dtype=torch.long), q=None,
-                                draft_len=draft_len, p_b=torch.full((B,), ptr), key_valid=key_valid,
-                                n=torch.ones(B, dtype=torch.long), out=torch.zeros(B, 9, dtype=torch.long),
-                                live=torch.ones(B, dtype=torch.bool))
-        inp, positions, mask = static.step_inputs(layout, st, torch.tensor(ptr), 99, draft == "linear")
-        Li = [K - 1 if (d > 0 or draft == "quadratic") else 0 for d in draft_len.tolist()]
-        want = torch.zeros(B, 1, Q, L, dtype=torch.bool)
-        want[:, 0, :, :ptr] = key_valid[:, None, :ptr]
-        want[:, 0, :, ptr: ptr + Q] = layout.mask[Li]
-        assert torch.equal(mask, want)
-        assert torch.equal(positions, ptr + layout.offsets[Li])
-        assert inp[:, 0].tolist() == list(range(B)) and (inp[1, 1:] == 99).all() and (inp[0, 1:K] == 1).all()
+def test_embedded_layouts_are_each_draft_sizes_own_layout_with_padding_seeing_only_itself(draft):
+    # a row of draft size K inside a step of the largest size Kmax: its queries carry its own
+    # layout (step_layout(K)), every other query of the window sees only itself at offset 0
+    Kmax = 4
+    mask, offsets = lossless.embedded_layout(Kmax, draft)
+    Q = lossless.queries(Kmax, draft)
+    assert mask.shape == (Kmax, Kmax, Q, Q) and offsets.shape == (Kmax, Kmax, Q)
+    for K in range(1, Kmax + 1):
+        for L in range(1, K + 1):
+            if K == 1:
+                at = [0]
+                want_m, want_o = torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long)
+            else:
+                lay = sbd_verify.step_layout(K, draft)
+                at = [j if j < K else Kmax + (j - K) // K * Kmax + (j - K) % K for j in range(lay.queries)]
+                want_m, want_o = lay.mask[L - 1], lay.offsets[L - 1]
+            m, o = mask[K - 1, L - 1], offsets[K - 1, L - 1]
+            assert torch.equal(m[at][:, at], want_m) and torch.equal(o[at], want_o)
+            pad = [j for j in range(Q) if j not in at]
+            assert torch.equal(m[pad], torch.eye(Q, dtype=torch.bool)[pad]) and not m[at][:, pad].any()
+            assert not o[pad].any()
 
 
 def test_compile_errors_are_one_line(capsys):
@@ -195,7 +204,7 @@ def test_static_lossless_sbd_emits_the_eager_step_events(sbd_model):
     prompts = _prompts(sbd_model, 3)
     eager, fast = [], []
     sbd_verify.decode(sbd_model, prompts, on_step=eager.append, **kw)
-    static.verify_decode(sbd_model, prompts, on_step=fast.append, **kw)
+    sbd_verify.decode(sbd_model, prompts, static=True, on_step=fast.append, **kw)
     assert fast == eager and len(eager) > 3
 
 

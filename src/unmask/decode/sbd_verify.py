@@ -19,25 +19,23 @@ Two drafting layouts (spec §1):
   after ``b`` and verifies nothing (it commits one token and gets a fresh draft).
 
 Batching (spec §2): rows accept different lengths. Every row appends its K verify tokens to the
-``DynamicCache``; rejected ones stay as invalid keys of that row (``key_valid``), and the tail that
-no row accepted is cropped, so a batch of one keeps an exactly compact cache.
+cache; rejected ones stay as invalid keys of that row (``key_valid``), and the tail that no row
+accepted is cropped, so a batch of one keeps an exactly compact cache. This module holds the pure
+pieces (layouts, the prefill's inputs, the accept rules) and ``decode``; the running batch that
+applies them is :class:`unmask.decode.lossless.Verify` (AR is its K = 1 case).
 """
 
 from __future__ import annotations
 
-import time
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
-from unmask.compat import attention_mask, crop, forward, keep_rows, new_cache
 from unmask.decode.batching import left_pad
-from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
-from unmask.masks import as_4d, causal_mask, with_key_padding
+from unmask.masks import causal_mask
 from unmask.sampling import Sampling, filter_logits
-from unmask.trace import step_event
 
 DRAFTS = ("quadratic", "linear")
 # the fastest lossless setting in tokens per second on both shipped SBD models (batch 1, 1 thread,
@@ -116,7 +114,7 @@ def prefill_inputs(bundle, prompts: list[list[int]], K: int):
     ids, valid, pos = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
     B, P = ids.shape
     row_len = valid.sum(dim=1)  # (B,)
-    group = torch.full((B, K), bundle.mask_token_id, dtype=torch.long, device=device)  # (B, K)
+    group = torch.full((B, K), bundle.mask_token_id or 0, dtype=torch.long, device=device)  # (B, K); K = 0: AR
     inp = torch.cat([ids, group], dim=1)  # (B, P+K)
     positions = torch.cat([pos, row_len[:, None] + torch.arange(K, device=device)], dim=1)  # (B, P+K)
     m = causal_mask(P + K, device=device)  # (P+K, P+K)
@@ -201,204 +199,47 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int = DEFAULT_BLOCK_SIZE,
            draft: str = DEFAULT_DRAFT, on_forward=None, on_step=None, compile: bool = False,
            static: bool = False) -> DecodeOutput:
-    """Lossless SBD decoding of a batch (spec/sbd_exact.md §1–2).
-
-    ``compile=True`` takes the fast path (:func:`unmask.decode.static.verify_decode`): a static KV
-    cache whose pointer moves instead of cropping, and a ``torch.compile``-d step; same tokens and
-    NFE and step events; it takes no ``on_forward`` hook (UnmaskError). ``static=True`` runs the
-    same static-cache loop eagerly (tests, debugging).
+    """Lossless SBD decoding of a batch (spec/sbd_exact.md §1–2), on the one engine's AR / lossless
+    SBD batch (:class:`unmask.decode.lossless.Verify`, every row at draft size K = ``block_size``).
 
     prompts: token ids per row (left-padded internally). One forward per step: prefill = prompt
     (causal) + one draft group; then verify part + draft groups. A row stops at a stop token
     (excluded, later tokens of the same step dropped), a stop string (the completing token kept)
-    or ``max_new_tokens``, and is then pruned from the batch and the cache. ``on_forward(info)``
-    (tests) sees each forward's inputs, logits and the cache after the step's rollback;
-    ``on_step(event)`` gets :mod:`unmask.trace` step events (the committed tokens of each row; the
-    canvas shows the unverified draft as masks).
+    or ``max_new_tokens``, and its slot is freed. ``compile=True`` runs the same batch on a static KV
+    cache whose pointer moves instead of cropping, with a ``torch.compile``-d forward; ``static=True``
+    the static cache eagerly (tests, debugging); same tokens, NFE and step events, and stats.extra
+    then records ``compiled`` and ``static_cache``; neither takes ``on_forward`` (UnmaskError).
+    ``on_forward(info)`` (tests) sees each forward's inputs, logits and the cache after the step's
+    rollback; ``on_step(event)`` gets :mod:`unmask.trace` step events (the committed tokens of each
+    row; the canvas shows the unverified draft as masks).
 
     Returns DecodeOutput; stats.extra holds ``accepts`` (tokens committed per row per forward ->
     count), ``accepted_drafts`` (accepted draft tokens per row per verify forward -> count),
-    ``draft``, ``block_size`` and ``verify: True``. Greedy output equals ``ar`` decoding of the
-    same model token for token; sampled output has its distribution.
+    ``draft``, ``block_size``, ``verify: True`` and ``row_extra``. Greedy output equals ``ar``
+    decoding of the same model token for token; sampled output has its distribution.
     Raises UnmaskError for a model without a mask token or a bad block size / draft layout.
     """
+    from unmask.decode.lossless import Verify, queries
+    from unmask.decode.running import drain, requests_for
+
     if bundle.mask_token_id is None:
         raise UnmaskError("lossless SBD needs a model with a mask token (an SBD model, or a base with an "
                           "SBD adapter: --adapter); train one with 'unmask train sbd' or 'unmask train sbd-adapter'")
     cfg = VerifyConfig(block_size=block_size, draft=draft)
-    K, model, device, mask_id = cfg.block_size, bundle.model, bundle.device, bundle.mask_token_id
-    if 2 * K > bundle.context_length:
-        raise UnmaskError(f"block size {K} is too large for the context window of {bundle.context_length}; "
-                          "lower --block-size")
-    if compile or static:
-        if on_forward is not None:
-            raise UnmaskError("compile=True / static=True take no on_forward hook (the static cache is not a "
-                              "DynamicCache); drop one of them")
-        from unmask.decode import static as fast
+    if (compile or static) and on_forward is not None:
+        raise UnmaskError("compile=True / static=True take no on_forward hook (the static cache is not a "
+                          "DynamicCache); drop one of them")
+    requests = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings,
+                            device=bundle.device)
+    K = cfg.block_size
+    length = max((len(p) for p in prompts), default=1) + max_new_tokens + K + queries(K, cfg.draft)
+    events = None if on_step is None else (lambda row, event: on_step({**event, "row": row.job.id}))
 
-        return fast.verify_decode(bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                  stop_token_ids=stop_token_ids, stop_strings=stop_strings, block_size=K,
-                                  draft=cfg.draft, compile=bool(compile), on_step=on_step)
-    t0 = time.perf_counter()
-    layout = step_layout(K, cfg.draft, device)
-    Q, G = layout.queries, layout.groups
-    N = max_new_tokens
-    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy): batch-invariant samples
-    suppress = list(bundle.suppress_ids)
-    stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
-    no_stops = not stop_token_ids
-    ar = torch.arange(K, device=device)  # (K,)
+    def make(capacity: int) -> Verify:
+        return Verify(bundle, cfg, static=static, compile=compile, capacity=capacity, on_step=events,
+                      on_forward=on_forward, stop_token_ids=stop_token_ids, length=length)
 
-    # ---- prefill: the prompt (causal) and one draft group right after it
-    inp, positions, m, kv_valid, valid, row_len = prefill_inputs(bundle, prompts, K)
-    B = valid.shape[0]
-    m = with_key_padding(as_4d(m, B), kv_valid)  # (B, 1, P+K, P+K)
-    cache = new_cache(model)
-    logits = forward(model, inp, position_ids=positions, attention_mask=attention_mask(model, m),
-                     cache=cache, logits_to_keep=K + 1)  # (B, K+1, V): last prompt token + group
-    crop(cache, K)
-    key_valid = valid  # (B, cache columns)
-    if suppress:
-        logits[..., suppress] = float("-inf")
-    first, _ = _draw(logits[:, 0], sampling, gens)  # (B,) the first bonus b
-    s, q = _draw(logits[:, 2:], sampling, gens)  # (B, K-1) draft from group offsets 1..K-1
-    draft_len = torch.full((B,), K - 1, dtype=torch.long, device=device)
-    b = first
-    p_b = row_len.clone()  # (B,) position of b
-    if on_step is not None:
-        for r in range(B):
-            canvas = torch.cat([b[r: r + 1], torch.full((K - 1,), mask_id, device=device)])
-            on_step(step_event(0, r, torch.ones(1, dtype=torch.bool), b[r: r + 1], 0, canvas, mask_id))
-    if on_forward is not None:
-        on_forward({"step": 0, "inp": inp, "positions": positions, "logits": logits, "cache": cache,
-                    "key_valid": key_valid})
-
-    out = torch.full((B, N + K), -1, dtype=torch.long, device=device)  # slack for a full step
-    out[:, 0] = b
-    n = torch.ones(B, dtype=torch.long, device=device)  # (B,) committed tokens per row
-    rows = list(range(B))  # original index of each running row
-    tokens: list[list[int]] = [[] for _ in range(B)]
-    stopped = [0] * B  # 1 where a row ended on a stop token (counts for TPF, see DecodeStats)
-    nfe, nfe_rows = 1, [1] * B
-    row_accepts: list[list[int]] = [[1] for _ in range(B)]
-
-    ended = _ended(out[:, :1], torch.ones(B, dtype=torch.bool, device=device), n, N, stops)
-    rows, state = _retire(bundle, prompts, rows, (tokens, stopped), N, n, ended, stops, stop_strings, cache,
-                          (key_valid, b, s, q, p_b, draft_len, out, n))
-    key_valid, b, s, q, p_b, draft_len, out, n = state
-    while rows:
-        Bn = len(rows)
-        if cfg.draft == "linear":
-            L = torch.where(draft_len > 0, K - 1, 0)  # (B,) layout index: the group follows K verify tokens, or 1
-            lay_m, lay_o = layout.mask[L], layout.offsets[L]  # (B, Q, Q), (B, Q)
-        else:
-            lay_m, lay_o = layout.mask[K - 1].expand(Bn, Q, Q), layout.offsets[K - 1].expand(Bn, Q)
-        draft_in = torch.where(draft_len[:, None] > 0, s, mask_id)  # (B, K-1): no draft -> mask placeholders
-        inp = torch.cat([b[:, None], draft_in, torch.full((Bn, G * K), mask_id, dtype=torch.long, device=device)],
-                        dim=1)  # (B, Q)
-        positions = p_b[:, None] + lay_o  # (B, Q)
-        past = key_valid.shape[1]
-        m = torch.cat([key_valid[:, None, :].expand(Bn, Q, past), lay_m], dim=2)[:, None]  # (B, 1, Q, past+Q)
-        logits = forward(model, inp, position_ids=positions, attention_mask=attention_mask(model, m),
-                         cache=cache)  # (B, Q, V)
-        nfe += 1
-        if suppress:
-            logits[..., suppress] = float("-inf")
-        if sampling.greedy:
-            top = logits.argmax(dim=-1)  # (B, Q): NTP targets at b, s_1..s_{K-1}, then the groups' fills
-            target = top[:, :K]  # (B, K)
-            a = greedy_accept(target, s, draft_len)  # (B,)
-            step_tok = target  # accepted drafts equal their targets: tokens 0..a are s_1..s_a, then the bonus
-            last = target.gather(1, a[:, None])[:, 0]  # (B,)
-        else:
-            verify = logits[:, :K]  # (B, K, V) NTP at b, s_1..s_{K-1}
-            a, last = speculative_accept(_probs(verify, sampling), q, s, draft_len, gens and [gens[r] for r in rows])
-            # committed this step: s_1..s_a then `last`, i.e. (b-relative) positions 1..a+1
-            step_tok = torch.where(ar[None, :] < a[:, None], torch.cat([s, s[:, :1]], dim=1), 0)  # (B, K)
-            step_tok = step_tok.scatter(1, a[:, None], last[:, None])  # (B, K): tokens 0..a valid
-        out.scatter_(1, n[:, None] + ar, step_tok)  # entries past a are overwritten later
-        # the next draft: group a's offsets 1..K-1 (quadratic), or the single group when usable
-        g = a if cfg.draft == "quadratic" else torch.zeros_like(a)
-        row_idx = torch.arange(Bn, device=device)
-        if sampling.greedy:
-            s, q = top[:, K:].view(Bn, G, K)[row_idx, g, 1:], None  # (B, K-1)
-        else:
-            next_logits = logits[:, K:].view(Bn, G, K, -1)[row_idx, g, 1:]  # (B, K-1, V)
-            s, q = _draw(next_logits, sampling, gens and [gens[r] for r in rows])
-        # quadratic: always usable; linear: usable when the group followed every real verify token
-        if cfg.draft == "linear":
-            draft_len = torch.where(a == draft_len, K - 1, 0)
-        committed = a + 1
-        new = ar[None, :] < committed[:, None]  # (B, K) which step tokens are real
-        n_before = n
-        n = n + committed
-        p_b = p_b + committed
-        b = last
-        ended = n >= N if no_stops else _ended(step_tok, new, n, N, stops)  # (B,)
-        host = torch.cat([committed, ended.long()]).tolist()  # the step's one host sync
-        done = any(host[Bn:])
-        # cache: keep b, s_1..s_a of each row; the groups' K/V and the tail no row accepted go
-        unused = K - max(host[:Bn])
-        crop(cache, G * K + unused)
-        key_valid = torch.cat([key_valid, new[:, : K - unused]], dim=1)  # (B, past + K - unused)
-        for i, (r, c) in enumerate(zip(rows, host[:Bn])):
-            nfe_rows[r] += 1
-            row_accepts[r].append(c)
-            if on_step is not None:
-                canvas = torch.cat([out[i, : n[i]], torch.full((K - 1,), mask_id, device=device)])
-                on_step(step_event(nfe - 1, r, new[i], step_tok[i], int(n_before[i]), canvas, mask_id))
-        if on_forward is not None:
-            on_forward({"step": nfe - 1, "inp": inp, "positions": positions, "logits": logits, "cache": cache,
-                        "key_valid": key_valid, "accepted": a, "rows": list(rows), "committed": n.clone()})
-        if stop_strings or done:
-            rows, state = _retire(bundle, prompts, rows, (tokens, stopped), N, n, ended, stops, stop_strings, cache,
-                                  (key_valid, b, s, q, p_b, draft_len, out, n), n_before=n_before)
-            key_valid, b, s, q, p_b, draft_len, out, n = state
-
-    accepts = Counter(c for ra in row_accepts for c in ra)
-    drafted = Counter(c - 1 for ra in row_accepts for c in ra[1:])
-    extra = {"verify": True, "draft": cfg.draft, "block_size": K, "accepts": dict(sorted(accepts.items())),
-             "accepted_drafts": dict(sorted(drafted.items())),
-             "row_extra": [{"verify": True, "draft": cfg.draft, "block_size": K, "accepts": ra}
-                           for ra in row_accepts]}
-    stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows, tokens_per_row=[len(t) for t in tokens],
-                        seconds=time.perf_counter() - t0, extra=extra, stops_per_row=stopped)
-    return DecodeOutput(tokens=tokens, stats=stats)
-
-
-def _ended(step_tok: torch.Tensor, new: torch.Tensor, n: torch.Tensor, N: int, stops: torch.Tensor) -> torch.Tensor:
-    """(B,) rows that committed a stop token this step or reached N tokens."""
-    return (torch.isin(step_tok, stops) & new).any(dim=1) | (n >= N)
-
-
-def _retire(bundle, prompts, rows, outs, N, n, ended, stops, stop_strings, cache, state, n_before=None):
-    """Move finished rows' tokens into ``outs`` = (tokens, stopped) and prune them from the batch
-    and the cache (``stopped[r]`` = 1 when the row was cut before a stop token).
-
-    ``state`` is the tuple of per-row tensors (``out`` (B, N + K), the committed ids, at index 6). A
-    row's output is cut at its first stop token (excluded) or after the token completing a stop
-    string, and at N tokens. Returns the running rows and the pruned ``state`` tensors."""
-    out = state[6]
-    tokens, stopped = outs
-    ended = ended.tolist()
-    counts = n.tolist()
-    stop_set = set(stops.tolist())
-    keep = []
-    for i, r in enumerate(rows):
-        start = 0 if n_before is None else int(n_before[i])
-        full = out[i, : counts[i]].tolist()
-        row, hit = cut_row(bundle, prompts[r], full, stop_set, stop_strings, start)
-        if ended[i] or hit:
-            tokens[r] = row[:N]
-            stopped[r] = int(not hit and len(row) < min(len(full), N))  # cut before a stop token
-        else:
-            keep.append(i)
-    if len(keep) == len(rows):
-        return rows, state
-    idx = torch.tensor(keep, dtype=torch.long, device=out.device)
-    if keep:
-        keep_rows(cache, idx)
-    return [rows[i] for i in keep], tuple(None if t is None else t[idx] for t in state)
+    return drain(make, requests)
 
 
 def cut_row(bundle, prompt, row: list[int], stop_set: set, stop_strings, start: int) -> tuple[list[int], bool]:

@@ -1,0 +1,565 @@
+"""The one running batch of AR and lossless SBD rows (issue 25, DESIGN.md "One engine"): AR is
+lossless SBD with draft size K = 1.
+
+:class:`Verify` holds up to ``capacity`` rows in slot tensors (:class:`~unmask.decode.running.Slots`);
+each row carries its own draft block size K (1: a plain one-token AR step; >= 2: lossless SBD,
+spec/sbd_exact.md §1–2), which the server may change between steps (``resize``: greedy output
+does not depend on K). One step is ONE forward of every row: a row of size K feeds its bonus and
+K-1 draft tokens (causal) and its draft groups; rows of a smaller K than the step's largest leave
+the rest of the query window as padding that sees only itself and is never kept
+(:func:`embedded_layout`). The commit rule is the pure :func:`advance`; the step syncs with the
+host once (committed counts, ended flags and the committed ids), and the rows' Python bookkeeping
+(stop strings, events) runs after it.
+
+The cache is :class:`~unmask.decode.kv.DynamicKV` (eager: the forward covers slots ``[0, high)``)
+or :class:`~unmask.decode.kv.StaticKV` (``static``/``compile``: every slot rides along, so a step's
+shapes are fixed per query length and the compiled forward is reused). Every row appends the
+step's verify columns at the shared length; what a row rejected stays as an invalid key of that row
+(``key_valid``), the tail no row kept and the groups' K/V are cut (a crop, or a pointer move).
+A join prefills its requests together, eagerly, on a fresh cache (one forward per draft size) and
+places their K/V in their slots; columns no row attends to are reclaimed (:func:`compact`) when they
+are more than half of a dynamic cache, or when a static one is full.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from unmask.decode import sbd_verify as sv
+from unmask.decode.kv import DynamicKV, StaticKV
+from unmask.decode.running import Request, Row, Slots
+from unmask.errors import UnmaskError
+from unmask.masks import as_4d, with_key_padding
+from unmask.sampling import sample
+from unmask.trace import step_event
+
+
+@dataclass(eq=False)
+class VerifyRow(Row):
+    """A :class:`~unmask.decode.running.Row` of AR or lossless SBD: ``committed`` every id committed
+    so far (a stop token and what its step committed after it included), ``accepts`` the tokens each
+    of its forwards committed, ``K`` its draft size now, ``generator`` its own (None: greedy)."""
+
+    committed: list[int] = field(default_factory=list)
+    accepts: list[int] = field(default_factory=list)
+    K: int = 1
+    generator: object = None
+
+
+def queries(K: int, draft: str) -> int:
+    """Query tokens per row of a step of draft size K: 1 for an AR step, else K + G·K (spec §1)."""
+    return 1 if K == 1 else K + (K if draft == "quadratic" else 1) * K
+
+
+def embedded_layout(Kmax: int, draft: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's step layout inside one query window of ``queries(Kmax, draft)`` tokens. Pure.
+
+    Returns mask (Kmax, Kmax, Q, Q) bool and offsets (Kmax, Kmax, Q) long, indexed [K - 1, L - 1]
+    for a row of draft size K whose group follows L verify tokens (linear; quadratic uses L = K):
+    the layout of :func:`~unmask.decode.sbd_verify.step_layout` with verify token j at query j and
+    group g's offset o at query Kmax + g·Kmax + o; the other queries are padding that see only
+    themselves (never an all-masked query row) at offset 0. K = 1 is the AR step: query 0 alone."""
+    Q = queries(Kmax, draft)
+    mask = torch.eye(Q, dtype=torch.bool, device=device).repeat(Kmax, Kmax, 1, 1)  # (Kmax, Kmax, Q, Q)
+    offsets = torch.zeros((Kmax, Kmax, Q), dtype=torch.long, device=device)
+    for K in range(2, Kmax + 1):
+        lay = sv.step_layout(K, draft, device)
+        q = torch.arange(lay.queries, device=device)  # (Q_K,)
+        at = torch.where(q < K, q, Kmax + (q - K) // K * Kmax + (q - K) % K)  # (Q_K,) query index in the window
+        for L in range(K):
+            mask[K - 1, L][at[:, None], at[None, :]] = lay.mask[L]  # (Q_K, Q_K) into (Q, Q)
+            offsets[K - 1, L, at] = lay.offsets[L]
+    return mask, offsets
+
+
+def advance(a: torch.Tensor, step_tok: torch.Tensor, draft_len: torch.Tensor, K: torch.Tensor, n: torch.Tensor,
+            N: torch.Tensor, live: torch.Tensor, stops: torch.Tensor, linear: bool):
+    """The commit rule of a step (spec §1, Accept). Pure.
+
+    a (R,) accepted draft tokens; step_tok (R, W) the step's ids (the first a + 1 committed); draft_len
+    (R,), K (R,) draft sizes, n (R,) committed counts, N (R,) budgets, live (R,) bool rows; stops (S,)
+    stop ids. A dead slot commits nothing. Returns committed (R,), new (R, W) bool (which of step_tok
+    are committed), n (R,), draft_len (R,) of the next draft (linear: usable only after a fully
+    accepted one, K - 1 = 0 for AR rows) and ended (R,) bool (a stop token committed or N reached)."""
+    committed = (a + 1) * live  # (R,)
+    new = torch.arange(step_tok.shape[1], device=a.device)[None, :] < committed[:, None]  # (R, W)
+    n = n + committed
+    nxt = torch.where(a == draft_len, K - 1, 0) if linear else K - 1  # (R,)
+    ended = ((torch.isin(step_tok, stops) & new).any(dim=1) | (n >= N)) & live  # (R,)
+    return committed, new, n, nxt, ended
+
+
+def compact(kv, key_valid: torch.Tensor, M: int) -> torch.Tensor:
+    """Slide each row's valid keys (key_valid (R, C) over the cache's C columns) to the right end of
+    columns 0..M-1, order kept, in every layer; M >= every row's valid count (known on the host, so
+    no sync). Returns the new key validity (R, M); the cache is cut to M columns (crop or pointer)."""
+    R, C = key_valid.shape
+    order = torch.sort(key_valid.to(torch.uint8), dim=1, stable=True).indices  # (R, C): invalid columns first
+    src = order[:, C - M:]  # (R, M) source column of each kept column
+    for keys, values in kv.layers():
+        for t in (keys, values):  # (R', H, C, D), R' >= R
+            H, D = t.shape[1], t.shape[3]
+            t[:R, :, :M] = t[:R].gather(2, src[:, None, :, None].expand(R, H, M, D))  # (R, H, M, D)
+    kept = key_valid.gather(1, src)  # (R, M)
+    kv.crop(C - M)
+    return kept
+
+
+class Verify:
+    """The running batch of AR (K = 1) and lossless SBD rows of one model (the one engine's contract,
+    :mod:`unmask.decode.running`).
+
+    cfg: the lossless :class:`~unmask.decode.sbd_verify.VerifyConfig` (the draft layout of every row
+    and the default K of a joining row; ``join(..., block_size=1)`` joins AR rows). ``static`` /
+    ``compile``: the static cache of ``length`` columns (default: the context window plus a step) and
+    the compiled forward. ``on_step(row, event)``: each row's :mod:`unmask.trace` step events as
+    ``decode`` of that prompt alone emits them (row 0, step = the row's own forward index; the prefill
+    is step 0); ``on_token(row)`` after each token appended to ``row.tokens``; ``on_forward(info)``
+    (tests) each forward's inputs, logits and cache for the live rows. ``stop_token_ids`` default to
+    the bundle's. ``ar``: rows join with K = 1 unless told otherwise, and ``stats_extra`` is AR's.
+    Raises UnmaskError for a model without a mask token (unless ``ar``) or a block size too large
+    for the context window.
+    """
+
+    def __init__(self, bundle, cfg: sv.VerifyConfig = sv.VerifyConfig(), *, static: bool = False,
+                 compile: bool = False, capacity: int = 8, on_step=None, on_token=None, on_forward=None,
+                 stop_token_ids=None, length: int | None = None, ar: bool = False):
+        if bundle.mask_token_id is None and not ar:
+            raise UnmaskError("lossless SBD needs a model with a mask token (an SBD model, or a base with an "
+                              "SBD adapter: --adapter); train one with 'unmask train sbd' or 'unmask train sbd-adapter'")
+        if 2 * cfg.block_size > bundle.context_length and not ar:
+            raise UnmaskError(f"block size {cfg.block_size} is too large for the context window of "
+                              f"{bundle.context_length}; lower --block-size")
+        self.bundle, self.cfg, self.model, self.device = bundle, cfg, bundle.model, bundle.device
+        self.on_step, self.on_token, self.on_forward = on_step, on_token, on_forward
+        self.static, self.compile = bool(static or compile), bool(compile)
+        self.ar, self.default_K = ar, 1 if ar else cfg.block_size  # ar: rows join as AR rows (K = 1)
+        self.linear = cfg.draft == "linear"
+        self.mask_id = -1 if bundle.mask_token_id is None else bundle.mask_token_id
+        self.suppress = list(bundle.suppress_ids)
+        stop_ids = sorted(set(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids))
+        self.stop_set = set(stop_ids)
+        self.stops = torch.tensor(stop_ids or [-1], dtype=torch.long, device=self.device)  # (S,)
+        self.slots = Slots(capacity)
+        self.rows: dict[int, VerifyRow] = {}  # slot -> running row
+        self.forwards = 0
+        cap, dev = capacity, self.device
+        W = max(cfg.block_size - 1, 1)
+        self.b = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) the bonus: committed, not yet cached
+        self.s = torch.zeros((cap, W), dtype=torch.long, device=dev)  # (cap, W) the draft after b
+        self.q: torch.Tensor | None = None  # (cap, W, V) its proposal distributions (sampled rows only)
+        self.draft_len = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) real draft tokens
+        self.K = torch.ones(cap, dtype=torch.long, device=dev)  # (cap,) draft size per slot (1: AR)
+        self.p_b = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) position of b
+        self.n = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) committed tokens
+        self.N = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) max_new_tokens
+        self.live = torch.zeros(cap, dtype=torch.bool, device=dev)  # (cap,)
+        self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # Kmax -> embedded_layout
+        if self.static:
+            L = length or bundle.context_length + 2 * queries(max(cfg.block_size, 2), cfg.draft)
+            self.kv = StaticKV(self.model, cap, L, compile=compile)
+        self._empty()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def cache(self):
+        """The running cache object (a ``DynamicCache`` or ``StaticCache``)."""
+        return self.kv.cache
+
+    def _empty(self) -> None:
+        """No row runs: a fresh dynamic cache, or the static one's pointer back at 0."""
+        if self.static:
+            self.kv.reset()
+        else:
+            self.kv = DynamicKV(self.model)
+        self.key_valid = torch.zeros((self.slots.capacity if self.static else 0, 0), dtype=torch.bool,
+                                     device=self.device)  # (R, C): the cache columns each slot attends to
+
+    # -- joining ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def join(self, requests: list[Request], *, block_size: int | None = None) -> list[VerifyRow]:
+        """Prefill ``requests`` into free slots with draft size ``block_size`` (default the config's,
+        1 with ``ar``; 1: AR rows). Returns the rows finished by their first token (a stop token, a stop string or
+        ``max_new_tokens`` <= 1), never added. Raises UnmaskError, before any request joins, for an
+        empty prompt or more requests than free slots."""
+        K = self.default_K if block_size is None else int(block_size)
+        if K < 1:
+            raise UnmaskError(f"a draft size must be >= 1 (got {K}); 1 means plain AR steps")
+        if any(len(r.prompt_ids) == 0 for r in requests):  # the verify step needs a cached prefix
+            raise UnmaskError("decoding needs a non-empty prompt; start it with the BOS token")
+        if not requests:
+            return []
+        if K > 1 and self.bundle.mask_token_id is None:
+            raise UnmaskError("lossless SBD needs a model with a mask token; drop the draft size or load an SBD model")
+        self._widen(K)
+        slots = self.slots.take(len(requests))
+        prompts = [list(r.prompt_ids) for r in requests]
+        Kp = K if K > 1 else 0  # an AR prefill is the prompt alone
+        inp, positions, m, kv_valid, valid, row_len = sv.prefill_inputs(self.bundle, prompts, Kp)  # (n, P+Kp) ...
+        new_kv = DynamicKV(self.model)
+        ragged = len({len(p) for p in prompts}) > 1
+        mask = with_key_padding(as_4d(m, len(prompts)), kv_valid) if (ragged or Kp) else None  # (n, 1, P+Kp, P+Kp)
+        logits = new_kv.forward(inp, positions, mask, logits_to_keep=Kp + 1)  # (n, Kp+1, V)
+        new_kv.crop(Kp)
+        self.forwards += 1
+        if self.suppress:
+            logits[..., self.suppress] = float("-inf")
+        rows = []
+        for i, (req, slot) in enumerate(zip(requests, slots)):
+            gens = getattr(req, "generator", None)
+            if gens is None and not req.sampling.greedy:  # the generator `unmask generate` gives the row
+                gens = req.sampling.row_generators([prompts[i]], self.device)[0]
+            rows.append(VerifyRow(job=req, slot=slot, K=K, generator=gens))
+        b, s, q = self._prefill_draws(rows, logits, K)  # (n,), (n, K-1), (n, K-1, V) or None
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)  # (n,)
+        try:
+            self._place(new_kv, valid, slots)
+        except UnmaskError:
+            self.slots.give(slots)
+            raise
+        self.b[idx], self.p_b[idx], self.K[idx] = b, row_len, K
+        self.draft_len[idx] = K - 1
+        self.n[idx] = 1
+        self.N[idx] = torch.tensor([r.max_new_tokens for r in requests], dtype=torch.long, device=self.device)
+        self.live[idx] = True
+        if K > 1:
+            self.s[idx, : K - 1] = s
+            if q is not None:
+                self._q_like(q)[idx, : K - 1] = q
+        if self.on_forward is not None:
+            self.on_forward({"step": 0, "inp": inp, "positions": positions, "logits": logits,
+                             "cache": new_kv.cache, "key_valid": valid})
+        done = []
+        for row, t in zip(rows, b.tolist()):  # join is not a step: its host syncs are the prefill's
+            self.rows[row.slot] = row
+            row.committed, row.nfe, row.accepts = [t], 1, [1]
+            if self.on_step is not None:
+                canvas = torch.tensor(row.committed + [self.mask_id] * (K - 1), device=self.device)  # (K,)
+                self.on_step(row, step_event(0, 0, torch.ones(1, dtype=torch.bool), canvas[:1], 0, canvas, self.mask_id))
+            if self._settle(row, 0):
+                done.append(row)
+        self._free(done)
+        return done
+
+    def _prefill_draws(self, rows: list[VerifyRow], logits: torch.Tensor, K: int):
+        """The first bonus (n,) and draft (n, K-1) (with proposals (n, K-1, V) when sampled) from the
+        prefill logits (n, K+1, V): the last prompt token, then the group. Rows grouped by sampling."""
+        n = len(rows)
+        b = logits[:, 0].argmax(dim=-1)  # (n,)
+        s = logits[:, 2:].argmax(dim=-1)  # (n, K-1)
+        q = None
+        for sampling, at in _groups(enumerate(rows), lambda r: r.job.sampling).items():
+            if sampling.greedy:
+                continue
+            gens = [rows[i].generator for i in at]
+            idx = torch.tensor(at, dtype=torch.long, device=self.device)
+            if K == 1:  # AR's own draw, so a sampled AR row equals ar.decode's
+                b[idx] = sample(logits[idx, 0], sampling, gens)
+                continue
+            b[idx], _ = sv._draw(logits[idx, 0], sampling, gens)
+            s[idx], qi = sv._draw(logits[idx, 2:], sampling, gens)
+            if q is None:
+                q = qi.new_zeros((n, *qi.shape[1:]))  # (n, K-1, V)
+            q[idx] = qi
+        return b, s, q
+
+    def _widen(self, K: int) -> None:
+        """Grow the draft buffers to hold drafts of K - 1 tokens."""
+        W = self.s.shape[1]
+        if K - 1 > W:
+            self.s = torch.cat([self.s, self.s.new_zeros((self.s.shape[0], K - 1 - W))], dim=1)
+            if self.q is not None:
+                self.q = torch.cat([self.q, self.q.new_zeros((self.q.shape[0], K - 1 - W, self.q.shape[2]))], dim=1)
+
+    def _q_like(self, q: torch.Tensor) -> torch.Tensor:
+        if self.q is None:
+            self.q = q.new_zeros((self.slots.capacity, self.s.shape[1], q.shape[-1]))  # (cap, W, V)
+        return self.q
+
+    def _place(self, new_kv: DynamicKV, valid: torch.Tensor, slots: list[int]) -> None:
+        """Put the prefilled K/V (n rows, P columns, key validity ``valid`` (n, P)) into ``slots``,
+        right-aligned at the running cache's length T = max(length, P): running rows get the columns
+        past their old length as invalid keys."""
+        n, P = valid.shape
+        C = self.kv.length
+        T = max(C, P)
+        rows = torch.tensor(slots, dtype=torch.long, device=self.device)  # (n,)
+        if self.static:
+            if T > self.kv.capacity:
+                raise UnmaskError(f"a prompt of {P} tokens does not fit the static cache of {self.kv.capacity}; "
+                                  "shorten it or run without --compile")
+            for layer, (k, v) in zip(self.kv.cache.layers, new_kv.layers()):
+                if not layer.is_initialized:  # allocate the static cache for every slot
+                    shape = (self.slots.capacity, k.shape[1], 1, k.shape[3])
+                    layer.lazy_initialization(k.new_zeros(shape), v.new_zeros((*shape[:3], v.shape[3])))
+                layer.keys[rows, :, T - P: T] = k
+                layer.values[rows, :, T - P: T] = v
+            self.kv.ptr = T
+            kvld = _pad_cols(self.key_valid, T - C)  # (cap, T)
+        elif not self.rows and slots == list(range(n)):  # an empty batch adopts the prefill cache
+            self.kv, self.key_valid = new_kv, valid
+            return
+        else:
+            R = max(self.key_valid.shape[0], max(slots) + 1)
+            layers = []
+            for (ko, vo), (k, v) in zip(self.kv.layers() if C else [(None, None)] * len(new_kv.cache.layers),
+                                        new_kv.layers()):
+                out = []
+                for old, new in ((ko, k), (vo, v)):
+                    t = new.new_zeros((R, new.shape[1], T, new.shape[3]))  # (R, H, T, D)
+                    if old is not None:
+                        t[: old.shape[0], :, :C] = old
+                    t[rows, :, T - P:] = new
+                    out.append(t)
+                layers.append(out)
+            self.kv = DynamicKV(self.model)
+            for i, (k, v) in enumerate(layers):
+                self.kv.cache.update(k, v, i)
+            kvld = _pad_cols(self.key_valid, T - C)
+            kvld = torch.cat([kvld, kvld.new_zeros((R - kvld.shape[0], T))])  # (R, T)
+        kvld[rows] = False
+        kvld[rows, T - P:] = valid
+        self.key_valid = kvld
+
+    # -- stepping -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def resize(self, K: int, ids=None) -> None:
+        """Set the draft size of the running rows ``ids`` (job ids; None: all) to K from the next step
+        on (the server's load table). A shorter draft is cut (greedy acceptance of any draft prefix is
+        still lossless); a longer one fills in after the next step. Sampled rows keep their K (their
+        proposal distributions are drawn for it)."""
+        want = None if ids is None else set(ids)
+        moved = [r.slot for r in self.rows.values() if (want is None or r.job.id in want)
+                 and r.job.sampling.greedy and r.K != K]
+        if not moved:
+            return
+        if K > 1 and self.bundle.mask_token_id is None:
+            raise UnmaskError("lossless SBD needs a model with a mask token; keep a draft size of 1")
+        self._widen(K)
+        for slot in moved:
+            self.rows[slot].K = K
+        idx = torch.tensor(moved, dtype=torch.long, device=self.device)
+        self.K[idx] = K
+        self.draft_len[idx] = torch.clamp(self.draft_len[idx], max=K - 1)
+
+    @torch.inference_mode()
+    def step(self) -> list[VerifyRow]:
+        """One forward of every running row, (R, Q) queries with Q = ``queries(Kmax)`` for the
+        largest draft size running; each row commits its accepted draft prefix and a bonus token and
+        takes its next draft. Returns the rows that finished in it (a stop token, a stop string,
+        ``max_new_tokens``), already removed, with ``tokens``, ``nfe``, ``finish`` and ``extra`` set.
+        One host sync (none more unless ``on_step``/``on_forward`` is set or a row has stop strings)."""
+        if not self.rows:
+            return []
+        Kmax = max(r.K for r in self.rows.values())
+        Q = queries(Kmax, self.cfg.draft)
+        R = self._rows_in_forward()
+        self._reclaim(Q)
+        C, dev = self.kv.length, self.device
+        lay_m, lay_o = self._layouts.get(Kmax) or self._layouts.setdefault(
+            Kmax, embedded_layout(Kmax, self.cfg.draft, dev))
+        K, dl, s = self.K[:R], self.draft_len[:R], self.s[:R, : Kmax - 1].clone()  # the draft _accept replaces
+        L = dl + 1 if self.linear else K  # (R,) verify tokens the group follows
+        m, o = lay_m[K - 1, L - 1], lay_o[K - 1, L - 1]  # (R, Q, Q), (R, Q)
+        draft_in = torch.where(torch.arange(Kmax - 1, device=dev)[None, :] < dl[:, None], s, self.mask_id)  # (R, Kmax-1)
+        inp = torch.cat([self.b[:R, None], draft_in, torch.full((R, Q - Kmax), self.mask_id, dtype=torch.long,
+                                                                device=dev)], dim=1)  # (R, Q)
+        positions = self.p_b[:R, None] + o  # (R, Q)
+        mask = None if self._all_valid(R, C, Q) else torch.cat(
+            [self.key_valid[:R, None, :].expand(R, Q, C), m], dim=2)[:, None]  # (R, 1, Q, C+Q)
+        logits = self.kv.forward(inp, positions, mask)  # (R, Q, V)
+        self.forwards += 1
+        if self.suppress:
+            logits[..., self.suppress] = float("-inf")
+        a, step_tok = self._accept(logits, R, Kmax, s, dl)  # (R,), (R, Kmax)
+        live = self.live[:R]
+        committed, new, n, nxt, ended = advance(a, step_tok, dl, K, self.n[:R], self.N[:R], live, self.stops,
+                                                self.linear)
+        self.b[:R] = torch.where(live, step_tok.gather(1, a[:, None])[:, 0], self.b[:R])
+        self.p_b[:R] += committed
+        self.n[:R], self.draft_len[:R] = n, nxt
+        host = torch.cat([committed, ended.long(), step_tok.flatten()]).tolist()  # the step's one host sync
+        kept = max(host[i] for i in self.rows)  # verify columns some running row keeps
+        self.kv.crop(Q - kept)
+        self.key_valid = torch.cat([self.key_valid[:R], new[:, :kept]], dim=1)  # (R, C + kept)
+        if self.on_forward is not None:
+            self._report(inp, positions, logits, a)
+        finished = []
+        for slot, row in list(self.rows.items()):
+            c = host[slot]
+            start = len(row.committed)
+            row.committed += host[2 * R + slot * Kmax: 2 * R + slot * Kmax + c]
+            row.nfe += 1
+            row.accepts.append(c)
+            if self.on_step is not None:
+                canvas = torch.tensor(row.committed + [self.mask_id] * (row.K - 1), device=dev)
+                self.on_step(row, step_event(row.nfe - 1, 0, new[slot], step_tok[slot], start, canvas, self.mask_id))
+            if (host[R + slot] or row.job.stop or self.on_token is not None) and self._settle(row, start):
+                finished.append(row)
+        self._free(finished)
+        return finished
+
+    def _rows_in_forward(self) -> int:
+        """Slots a step covers: every slot on the static cache (fixed shapes), else [0, high); the
+        dynamic cache is cut to them when the top rows left."""
+        if self.static:
+            return self.slots.capacity
+        R = self.slots.high
+        if self.key_valid.shape[0] > R:
+            self.kv.cache.batch_select_indices(torch.arange(R, device=self.device))
+            self.key_valid = self.key_valid[:R]
+        return R
+
+    def _held(self, row: VerifyRow) -> int:
+        """Valid cache columns of a running row: its prompt and every committed token but the bonus."""
+        return len(row.job.prompt_ids) + len(row.committed) - 1
+
+    def _all_valid(self, R: int, C: int, Q: int) -> bool:
+        """An AR step over a cache every row fully attends to needs no mask (the causal default)."""
+        return Q == 1 and not self.static and len(self.rows) == R and all(
+            self._held(r) == C for r in self.rows.values())
+
+    def _reclaim(self, Q: int) -> None:
+        """Compact the cache (host-known counts, no sync) when the columns no row attends to are more
+        than half of a dynamic cache, or when a static one cannot take the next Q columns."""
+        C = self.kv.length
+        most = max(self._held(r) for r in self.rows.values())
+        if self.static:
+            if C + Q <= self.kv.capacity:
+                return
+            if most + Q > self.kv.capacity:
+                raise UnmaskError(f"static KV cache overflow: {most + Q} positions needed, {self.kv.capacity} "
+                                  "allocated; lower max_new_tokens or run without --compile")
+        elif C - most < max(most, self.cfg.block_size):
+            return
+        self.key_valid = compact(self.kv, self.key_valid, most)  # (R, most)
+
+    def _accept(self, logits: torch.Tensor, R: int, Kmax: int, s: torch.Tensor, dl: torch.Tensor):
+        """Accept and redraft every slot from the step's logits (R, Q, V) (spec §1, Accept): greedy
+        for all, then each sampled group (same sampling and K) with its rows' own generators. Sets the
+        next draft; returns a (R,) accepted draft tokens and step_tok (R, Kmax), whose first a + 1
+        entries are committed (s_1..s_a, then the bonus)."""
+        dev = self.device
+        top = logits.argmax(dim=-1)  # (R, Q): NTP targets at b, s_1..s_{Kmax-1}, then the groups' fills
+        step_tok = top[:, :Kmax]  # (R, Kmax): accepted drafts equal their targets, then the bonus
+        a = sv.greedy_accept(step_tok, s, dl)  # (R,)
+        g = a if not self.linear else torch.zeros_like(a)  # the group the next draft comes from
+        at_q = (Kmax + g[:, None] * Kmax + torch.arange(1, Kmax, device=dev)).clamp(max=logits.shape[1] - 1)  # (R, Kmax-1)
+        self.s[:R, : Kmax - 1] = top.gather(1, at_q)
+        sampled = {k: v for k, v in _groups(self.rows.items(), lambda r: (r.job.sampling, r.K)).items()
+                   if not k[0].greedy}
+        if not sampled:
+            return a, step_tok
+        a, step_tok = a.clone(), step_tok.clone()
+        for (sampling, K), slots in sampled.items():
+            idx = torch.tensor(slots, dtype=torch.long, device=dev)  # (n,)
+            gens = [self.rows[i].generator for i in slots]
+            if K == 1:
+                step_tok[idx, 0], a[idx] = sample(logits[idx, 0], sampling, gens), 0
+                continue
+            ai, last = sv.speculative_accept(sv._probs(logits[idx, :K], sampling), self.q[idx, : K - 1],
+                                             s[idx, : K - 1], dl[idx], gens)
+            ar = torch.arange(K, device=dev)
+            tok = torch.where(ar[None, :] < ai[:, None], torch.cat([s[idx, : K - 1], s[idx, :1]], dim=1), 0)  # (n, K)
+            step_tok[idx, :K] = tok.scatter(1, ai[:, None], last[:, None])
+            a[idx] = ai
+            gi = ai if not self.linear else torch.zeros_like(ai)
+            qi = (Kmax + gi[:, None] * Kmax + torch.arange(1, K, device=dev))[:, :, None]  # (n, K-1, 1)
+            group = logits[idx].gather(1, qi.expand(-1, -1, logits.shape[2]))  # (n, K-1, V)
+            self.s[idx, : K - 1], self.q[idx, : K - 1] = sv._draw(group, sampling, gens)
+        return a, step_tok
+
+    def _report(self, inp, positions, logits, a) -> None:
+        """``on_forward`` (tests): the step's per-row tensors and the cache, for the live slots in order."""
+        live = sorted(self.rows)
+        at = torch.tensor(live, dtype=torch.long, device=self.device)
+        cache = SimpleNamespace(layers=[SimpleNamespace(keys=k[at], values=v[at]) for k, v in self.kv.layers()])
+        self.on_forward({"step": self.forwards - 1, "inp": inp[at], "positions": positions[at], "logits": logits[at],
+                         "cache": cache, "key_valid": self.key_valid[at], "accepted": a[at],
+                         "rows": [self.rows[i].job.id for i in live], "committed": self.n[at].clone()})
+
+    def _settle(self, row: VerifyRow, start: int) -> bool:
+        """Update ``row.tokens`` (calling ``on_token`` per new token) after a commit (``start``: its
+        committed count before); True when the row ends: a stop token, a stop string completed by a
+        token from ``start`` on, or ``max_new_tokens``. Sets ``finish``, ``stop_token`` and ``extra``."""
+        job, N = row.job, row.job.max_new_tokens
+        ids, hit = sv.cut_row(self.bundle, list(job.prompt_ids), row.committed, self.stop_set, job.stop, start)
+        at_stop = len(ids) < len(row.committed) and not hit  # cut before a stop token
+        ended = at_stop or hit or len(row.committed) >= N
+        for t in ids[len(row.tokens): N]:
+            row.tokens.append(t)
+            if self.on_token is not None:
+                self.on_token(row)
+        if not ended:
+            return False
+        # a stop token past N or a stop string completed past N comes after the length limit
+        row.finish = "stop" if (at_stop and len(ids) < N) or (hit and len(ids) <= N) else "length"
+        row.stop_token = int(not hit and len(ids) < min(len(row.committed), N))
+        row.extra = {"verify": True, "draft": self.cfg.draft, "block_size": row.K, "accepts": row.accepts}
+        return True
+
+    # -- leaving ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def drop(self, ids) -> list[VerifyRow]:
+        """Remove the running rows whose job id is in ``ids``; their slots are free at once. Returns them."""
+        want = set(ids)
+        gone = [r for r in self.rows.values() if r.job.id in want]
+        self._free(gone)
+        return gone
+
+    def _free(self, rows: list[VerifyRow]) -> None:
+        if not rows:
+            return
+        slots = [r.slot for r in rows if self.rows.get(r.slot) is r]
+        for s in slots:
+            del self.rows[s]
+        self.slots.give(slots)
+        if not self.rows:
+            self._empty()
+            self.live.zero_()
+            return
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.live[idx], self.K[idx], self.draft_len[idx] = False, 1, 0
+        self.key_valid[[s for s in slots if s < self.key_valid.shape[0]]] = False
+        if self.q is not None and all(r.job.sampling.greedy for r in self.rows.values()):
+            self.q = None  # no sampled row left: no proposal distributions kept
+
+    def stats_extra(self, rows: list[VerifyRow]) -> dict:
+        """``sbd_verify.decode``'s extra for finished ``rows`` (request order): accept histograms
+        (tokens committed per row per forward; accepted draft tokens per verify forward), the draft
+        layout, the block size and each row's extra; ``compiled`` and ``static_cache`` when static
+        (only those with ``ar``: ``ar.decode``'s extra)."""
+        static = {"compiled": self.compile, "static_cache": self.kv.capacity} if self.static else {}
+        if self.ar:
+            return static
+        accepts = Counter(c for r in rows for c in r.accepts)
+        drafted = Counter(c - 1 for r in rows for c in r.accepts[1:])
+        extra = {"verify": True, "draft": self.cfg.draft, "block_size": self.cfg.block_size,
+                 "accepts": dict(sorted(accepts.items())), "accepted_drafts": dict(sorted(drafted.items())),
+                 "row_extra": [r.extra for r in rows]}
+        return {**extra, **static}
+
+
+def _groups(pairs, key) -> dict:
+    """``(index, row)`` pairs -> {key(row): [index, ...]}, in order."""
+    out: dict = {}
+    for i, row in pairs:
+        out.setdefault(key(row), []).append(i)
+    return out
+
+
+def _pad_cols(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Append ``n`` False columns to a (R, C) bool tensor."""
+    return torch.cat([t, t.new_zeros((t.shape[0], n))], dim=1) if n else t
+
+
+__all__ = ["Verify", "VerifyRow", "advance", "compact", "embedded_layout", "queries"]
