@@ -64,12 +64,12 @@ def _run(bundle, bodies, **app_kwargs):
 
 @pytest.mark.parametrize("rows, expect_k", [(1, 8), (2, 4), (5, 1)])
 def test_the_load_sets_k_and_the_output_stays_ar_s(bundle, rows, expect_k):
-    """Greedy lossless sbd requests that fix no block size: K from the table at the load they form
-    (5 rows: routed to the AR running batch); every text equals unmask.generate's (and AR's)."""
+    """Greedy lossless sbd requests that fix no block size: K from the table at the load they join
+    (5 rows: K = 1, AR steps), chosen again as rows leave; every text equals unmask.generate's (and AR's)."""
     bodies = [{"prompt": PROMPTS[i], "max_tokens": 24, "decoder": "sbd"} for i in range(rows)]
     texts, log = _run(bundle, bodies, draft_sizes="1:8,2:4,4:1")
-    assert log and {k for _, k in log} == {expect_k}
-    assert log[0][0] == rows
+    assert log and log[0] == (rows, expect_k)
+    assert all(k == {1: 8, 2: 4, 3: 4}.get(n, 1) for n, k in log)  # every later K is the table's at its load
     for p, t in zip(PROMPTS, texts):
         assert t == unmask.generate(p, bundle, "ar", max_new_tokens=24).texts[0]
         assert t == unmask.generate(p, bundle, "sbd", max_new_tokens=24).texts[0]
@@ -102,10 +102,10 @@ def test_serve_cli_refuses_a_bad_table_in_one_line(capsys):
     assert e.value.code == 2 and err.startswith("error: bad draft-size entry '2'") and err.count("\n") == 1
 
 
-def test_a_request_arriving_during_a_running_batch_joins_the_ar_batch_at_once(bundle):
-    """A long sized sbd batch runs on its own (K > 1, formed on an idle server); a greedy lossless
-    sbd request that arrives meanwhile is served by the AR running batch at once (it cannot join
-    that batch mid-decode), with the same text; the long batch then moves into the AR batch too."""
+def test_a_request_arriving_during_a_running_batch_joins_it_at_once(bundle):
+    """A long sized sbd request runs (K from an idle server's table); a greedy lossless sbd request
+    that arrives meanwhile joins the same running batch at the next step, with the same text as
+    alone, and both rows take the table's K at the new load."""
     import openai
 
     app = create_app(bundle, max_batch_size=4, max_queue=8)
@@ -115,10 +115,10 @@ def test_a_request_arriving_during_a_running_batch_joins_the_ar_batch_at_once(bu
         long = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=400, stream=True,
                                     extra_body={"decoder": "sbd"})
         next(iter(long))
-        assert sched.batch_rows and sched.draft_log[-1][1] > 1
+        assert len(sched.ar) == 1 and sched.draft_log[-1] == (1, 4)
         r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, extra_body={"decoder": "sbd"})
         assert r.choices[0].text == unmask.generate(PROMPTS[1], bundle, "sbd", max_new_tokens=16).texts[0]
-        assert (sched.draft_log[-1][1]) == 1
+        assert (2, 4) in sched.draft_log and sched.peak_running == 2  # one batch, the default table's K at 2 rows
         long.close()
         wait_until(lambda: sched.active == 0)
 
@@ -147,11 +147,11 @@ def test_a_client_gone_before_its_body_arrived_is_no_server_error(bundle):
         assert 'outcome="cancelled"' in metrics
 
 
-def test_a_sized_sbd_batch_moves_into_the_ar_batch_when_ar_rows_start(bundle):
-    """A greedy lossless sbd request alone on an idle server decodes in an sbd batch of its own
-    (K > 1); once an AR row runs beside it and the load is past the table's crossover, the batch moves into the AR running batch at the next
-    step (one forward then serves both) and goes on from its committed tokens: same text and
-    stream as AR's, NFE below one forward per token."""
+def test_a_sized_sbd_row_steps_at_k_1_while_ar_rows_push_the_load_past_the_crossover(bundle):
+    """A greedy lossless sbd request alone on an idle server drafts (K > 1); once an AR row runs
+    beside it and the load is past the table's crossover, the same row takes K = 1 (plain AR steps)
+    at the next step, without moving anywhere, and drafts again when the AR row has left: same text
+    and stream as AR's, NFE below one forward per token."""
     import openai
 
     # the crossover at 2 rows: one AR row beside the sbd one is past it (the default table's is at 6)
@@ -164,10 +164,11 @@ def test_a_sized_sbd_batch_moves_into_the_ar_batch_when_ar_rows_start(bundle):
         stream = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=300, stream=True,
                                       extra_body={"decoder": "sbd"})
         chunks = [next(iter(stream))]
-        assert sched.batch_rows and sched.draft_log[-1][1] > 1  # its own sbd batch, K from an idle server
+        assert sched.draft_log[-1] == (1, 4)  # K from an idle server
         r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=48, extra_body={"decoder": "ar"})
         chunks += list(stream)
-        assert sched.migrated_rows == 1
+        log = sched.draft_log
+        assert (2, 1) in log and log.index((2, 1)) < len(log) - 1 and log[-1] == (1, 4)
         assert "".join(x.choices[0].text for x in chunks) == ref
         usage = chunks[-1].usage
         assert usage.completion_tokens == len(gen.tokens[0])

@@ -235,28 +235,26 @@ def test_sixteen_concurrent_requests_are_batch_invariant(bundle, server, client)
 
 
 def test_ar_batch_join_and_leave_mid_run_equals_single_rows(bundle):
-    from types import SimpleNamespace
-
-    from unmask.sampling import Sampling
-    from unmask.serve.ar_batch import ARBatch
+    from unmask.decode.lossless import Verify
+    from unmask.decode.running import Request
 
     lengths = [30, 12, 40, 25, 33]
-    jobs = [SimpleNamespace(prompt_ids=bundle.encode(p), max_new_tokens=n, sampling=Sampling(), stop=())
-            for p, n in zip(PROMPTS, lengths)]
+    jobs = [Request(prompt_ids=bundle.encode(p), max_new_tokens=n, id=i) for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
     refs = [unmask.generate(p, bundle, "ar", max_new_tokens=n).tokens[0] for p, n in zip(PROMPTS, lengths)]
-    batch, done, widths = ARBatch(bundle), [], []
+    batch, done, widths = Verify(bundle, ar=True), [], []  # the server's AR rows: K = 1
     done += batch.join(jobs[:2])
     for step in range(200):
         if step in (3, 9):
             done += batch.join(jobs[2:4] if step == 3 else jobs[4:])
         done += batch.step()
-        widths.append(0 if batch.key_valid is None else batch.key_valid.shape[1])
+        widths.append(batch.kv.length)
         if not batch.rows:
             break
     assert {id(r.job): r.tokens for r in done} == {id(j): ref for j, ref in zip(jobs, refs)}
-    assert batch.cache is None  # every slot freed
+    assert batch.kv.length == 0 and batch.slots.free == batch.slots.capacity  # every slot freed
     longest = max(len(j.prompt_ids) + n for j, n in zip(jobs, lengths))
-    assert max(widths) <= longest  # leading columns nobody needs are trimmed
+    # columns nobody attends to are reclaimed once they are half the cache (lossless.compact)
+    assert max(widths) <= 2 * longest
 
 
 def test_ar_requests_advance_while_a_non_ar_batch_runs(bundle):
@@ -307,22 +305,21 @@ def test_ar_batch_on_tiny_models_equals_the_ar_decoder(family, attn):
     """Rows joining a running batch mid-run, with prompts of different lengths (so padded cache
     columns and the 4D key mask are in play), equal ``unmask.decode.ar`` on each row alone, on
     both attention backends (additive mask for eager, bool for SDPA)."""
-    from types import SimpleNamespace
 
     import torch
     from conftest import tiny_bundle, tiny_llama, tiny_qwen3
 
     from unmask.decode import ar
-    from unmask.sampling import Sampling
-    from unmask.serve.ar_batch import ARBatch
+    from unmask.decode.lossless import Verify
+    from unmask.decode.running import Request
 
     model = (tiny_llama if family == "llama" else tiny_qwen3)(attn_implementation=attn)
     b = tiny_bundle(model)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (3, 17, 8, 30, 1, 12)]
     lengths = [20, 9, 25, 14, 30, 18]
-    jobs = [SimpleNamespace(prompt_ids=p, max_new_tokens=n, sampling=Sampling(), stop=()) for p, n in zip(prompts, lengths)]
-    batch, done = ARBatch(b), []
+    jobs = [Request(prompt_ids=p, max_new_tokens=n, id=i) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    batch, done = Verify(b, ar=True), []
     done += batch.join(jobs[:1])
     for step in range(100):
         if step in (2, 5, 11):
@@ -461,14 +458,14 @@ def test_interrupted_serve_exits_non_zero(capsys, monkeypatch):
 
 
 def test_a_crashing_decoder_answers_500_and_the_server_keeps_serving(bundle, monkeypatch):
-    import unmask.decode.sbd as sbd_module
+    from unmask.decode.lossless import Verify  # greedy lossless sbd runs in the AR / lossless batch
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated bug")
 
     app = create_app(bundle, max_batch_size=2, max_queue=4)
     with ServerThread(app) as s:
-        monkeypatch.setattr(sbd_module, "decode", broken)
+        monkeypatch.setattr(Verify, "step", broken)
         status, _, err = post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 4, "decoder": "sbd"})
         assert status == 500 and err["error"]["type"] == "server_error" and "simulated" not in err["error"]["message"]
         monkeypatch.undo()
@@ -517,15 +514,13 @@ def test_serve_with_a_gated_adapter_serves_the_base_models_own_text(capsys, monk
     one_line_error(capsys, "serve", "--model", "stories260K", "--adapter", "no-such-adapter", match="adapter")
 
 
-def test_compiled_server_serves_lossless_and_lossy_sbd_identically(bundle, monkeypatch):
-    from unmask.decode import static
+def test_compiled_server_serves_lossless_and_lossy_sbd_identically(bundle):
+    from unmask.decode.kv import StaticKV
 
-    compiled = []
-    fast = static.verify_decode
-    monkeypatch.setattr(static, "verify_decode", lambda *a, **kw: (compiled.append(kw["compile"]), fast(*a, **kw))[1])
     ref = unmask.generate(PROMPTS[:2], bundle, "sbd", max_new_tokens=24).texts
     lossy = unmask.generate(PROMPTS[0], bundle, "sbd", max_new_tokens=24, gamma=0.35).texts[0]
-    with ServerThread(create_app(bundle, max_batch_size=2, compile=True)) as s:
+    app = create_app(bundle, max_batch_size=2, compile=True)
+    with ServerThread(app) as s:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         with ThreadPoolExecutor(2) as pool:
             texts = list(pool.map(lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=24).choices[0].text,
@@ -533,10 +528,11 @@ def test_compiled_server_serves_lossless_and_lossy_sbd_identically(bundle, monke
         assert texts == ref
         streamed = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, stream=True)
         assert "".join(x.choices[0].text for x in streamed) == ref[0]
-        assert compiled and all(compiled)  # the lossless batches took the compiled path
-        n = len(compiled)
+        batch = app.state.scheduler.ar  # lossless sbd and ar rows: one batch, compiled on the static cache
+        assert batch.compile and isinstance(batch.kv, StaticKV) and batch.forwards > 0
+        assert list(app.state.scheduler.verify) == ["linear"]
         r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, extra_body={"gamma": 0.35})
-        assert r.choices[0].text == lossy and len(compiled) == n  # lossy: sbd.decode's own compiled loop
+        assert r.choices[0].text == lossy
 
 
 def test_multiblock_requests_join_and_leave_a_running_batch_mid_decode():
@@ -578,9 +574,10 @@ def test_multiblock_requests_join_and_leave_a_running_batch_mid_decode():
 
 
 def test_lossless_sbd_with_a_fixed_block_size_joins_a_running_batch_mid_decode(bundle):
-    """Lossless sbd requests that fix K (or sample) share a continuous VerifyBatch per (K, draft):
-    requests arriving during a long one join it at a step boundary and finish first, each with AR's
-    text (greedy) or unmask.generate's (seeded); a different K forms its own running batch."""
+    """Lossless sbd requests that fix K (or sample) share the running batch of their draft layout
+    (lossless.Verify): requests arriving during a long one join it at a step boundary and finish
+    first, each with AR's text (greedy) or unmask.generate's (seeded); a different K joins the same
+    batch with its own draft size."""
     prompts = PROMPTS[:4]
     refs = [unmask.generate(p, bundle, "ar", max_new_tokens=n).texts[0] for p, n in zip(prompts, (300, 24, 24, 24))]
     sampled = unmask.generate(prompts[1], bundle, "sbd", max_new_tokens=24, block_size=4, verify=True,
@@ -592,13 +589,13 @@ def test_lossless_sbd_with_a_fixed_block_size_joins_a_running_batch_mid_decode(b
         knobs = {"decoder": "sbd", "verify": True, "block_size": 4}
         long = c.completions.create(model=MODEL, prompt=prompts[0], max_tokens=300, stream=True, extra_body=knobs)
         chunks = [next(iter(long))]
-        wait_until(lambda: sum(len(x) for x in sched.running_batches.values()) == 1)
+        wait_until(lambda: len(sched.ar) == 1)
         bodies = [(p, knobs, 0.0) for p in prompts[1:]] + [(prompts[1], knobs, 0.8), (prompts[2], {**knobs, "block_size": 2}, 0.0)]
         with ThreadPoolExecutor(len(bodies)) as pool:
             out = list(pool.map(lambda a: c.completions.create(model=MODEL, prompt=a[0], max_tokens=24, extra_body=a[1],
                                                                temperature=a[2], seed=3).choices[0].text, bodies))
         assert out == refs[1:] + [sampled, refs[2]]
-        assert sched.peak_running >= 2 and sum(len(x) for x in sched.running_batches.values()) == 1
+        assert sched.peak_running >= 2 and len(sched.ar) == 1 and not sched.running_batches
         chunks += list(long)
         assert "".join(x.choices[0].text for x in chunks) == refs[0]
         wait_until(lambda: sched.active == 0 and not sched.running_batches)

@@ -118,7 +118,8 @@ class Verify:
     ``compile``: the static cache of ``length`` columns (default: the context window plus a step) and
     the compiled forward. ``on_step(row, event)``: each row's :mod:`unmask.trace` step events as
     ``decode`` of that prompt alone emits them (row 0, step = the row's own forward index; the prefill
-    is step 0); ``on_token(row)`` after each token appended to ``row.tokens``; ``on_forward(info)``
+    is step 0; a request whose ``events`` is False gets none: the server's AR rows stream through
+    ``on_token``); ``on_token(row)`` after each token appended to ``row.tokens``; ``on_forward(info)``
     (tests) each forward's inputs, logits and cache for the live rows. ``stop_token_ids`` default to
     the bundle's. ``ar``: rows join with K = 1 unless told otherwise, and ``stats_extra`` is AR's.
     Raises UnmaskError for a model without a mask token (unless ``ar``) or a block size too large
@@ -237,10 +238,10 @@ class Verify:
             self.on_forward({"step": 0, "inp": inp, "positions": positions, "logits": logits,
                              "cache": new_kv.cache, "key_valid": valid})
         done = []
-        for row, t in zip(rows, b.tolist()):  # join is not a step: its host syncs are the prefill's
+        for req, row, t in zip(requests, rows, b.tolist()):  # join is not a step: its host syncs are the prefill's
             self.rows[row.slot] = row
             row.committed, row.nfe, row.accepts = [t], 1, [1]
-            if self.on_step is not None:
+            if self.on_step is not None and getattr(req, "events", True):
                 canvas = torch.tensor(row.committed + [self.mask_id] * (K - 1), device=self.device)  # (K,)
                 self.on_step(row, step_event(0, 0, torch.ones(1, dtype=torch.bool), canvas[:1], 0, canvas, self.mask_id))
             if self._settle(row, 0):
@@ -399,7 +400,7 @@ class Verify:
             row.committed += host[2 * R + slot * Kmax: 2 * R + slot * Kmax + c]
             row.nfe += 1
             row.accepts.append(c)
-            if self.on_step is not None:
+            if self.on_step is not None and getattr(row.job, "events", True):
                 canvas = torch.tensor(row.committed + [self.mask_id] * (row.K - 1), device=dev)
                 self.on_step(row, step_event(row.nfe - 1, 0, new[slot], step_tok[slot], start, canvas, self.mask_id))
             if (host[R + slot] or row.job.stop or self.on_token is not None) and self._settle(row, start):
