@@ -215,7 +215,7 @@ def test_the_cache_holds_exactly_the_committed_causal_kv_and_is_compacted():
             seq = row.job.prompt_ids + row.committed[:-1]  # everything but the bonus
             cache = new_cache(bundle.model)
             forward(bundle.model, torch.tensor([seq]), position_ids=torch.arange(len(seq))[None], cache=cache)
-            for layer, fresh in zip(b.cache.layers, cache.layers):
+            for layer, fresh in zip(b.kv.cache.layers, cache.layers):
                 torch.testing.assert_close(layer.keys[i][:, cols], fresh.keys[0], atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(layer.values[i][:, cols], fresh.values[0], atol=1e-5, rtol=1e-5)
 

@@ -120,8 +120,8 @@ def test_embedded_layouts_are_each_draft_sizes_own_layout_with_padding_seeing_on
     # a row of draft size K inside a step of the largest size Kmax: its queries carry its own
     # layout (step_layout(K)), every other query of the window sees only itself at offset 0
     Kmax = 4
-    mask, offsets = lossless.embedded_layout(Kmax, draft)
-    Q = lossless.queries(Kmax, draft)
+    mask, offsets = sbd_verify.embedded_layout(Kmax, draft)
+    Q = sbd_verify.queries(Kmax, draft)
     assert mask.shape == (Kmax, Kmax, Q, Q) and offsets.shape == (Kmax, Kmax, Q)
     for K in range(1, Kmax + 1):
         for L in range(1, K + 1):

@@ -13,8 +13,8 @@ def serve_cmd(
     kind: str = typer.Option(None, "--kind", help="model kind for a local directory: causal, sbd, masked-diffusion, block-diffusion"),
     adapter: str = typer.Option(None, "--adapter", help="gated SBD adapter: a name the model ships (e.g. sbd) or a "
                                 "directory; lossless sbd then serves the base model's own output"),
-    compile: bool = typer.Option(False, "--compile", help="non-AR batches on a static KV cache with a compiled step "
-                                 "(the first batch of each size compiles, ~10 s on a CPU core); the AR running batch stays eager"),
+    compile: bool = typer.Option(False, "--compile", help="the ar / lossless sbd running batch on a static KV cache with "
+                                 "a compiled step (each query length compiles once, ~10-20 s on a CPU core)"),
     draft_sizes: str = typer.Option(None, "--draft-sizes", metavar="ROWS:K,...|off",
                                     help="lossless sbd: draft block size K by running-batch rows (K = 1: plain AR "
                                     "steps, same output); default 1:4,4:2,6:1, measured on a CPU; off: keep K"),

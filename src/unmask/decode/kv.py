@@ -136,6 +136,50 @@ class StaticKV:
         return [(layer.keys[:, :, : self.ptr], layer.values[:, :, : self.ptr]) for layer in self.cache.layers]
 
 
+def place(kv, key_valid: torch.Tensor, new: DynamicKV, valid: torch.Tensor, slots: list[int], *, rows: bool = True):
+    """Put a prefill's K/V (``new``: n rows, P columns, key validity ``valid`` (n, P) bool) into batch
+    rows ``slots`` of a running cache ``kv`` (key validity ``key_valid`` (R, C)), right-aligned at
+    T = max(C, P) columns: the running rows get the columns past their C as invalid keys. A static
+    cache is written in place (allocated for all its rows on first use); a dynamic one is rebuilt,
+    grown to the highest slot, or adopted when it is empty (``rows`` False) and ``slots`` are 0..n-1.
+    Returns (kv, key_valid (R', T)). Raises UnmaskError when a static cache cannot hold T columns."""
+    n, P = valid.shape
+    C = kv.length
+    T = max(C, P)
+    at = torch.tensor(slots, dtype=torch.long, device=valid.device)  # (n,)
+    if not kv.static and not rows and slots == list(range(n)):
+        return new, valid
+    if kv.static and T > kv.capacity:
+        raise UnmaskError(f"a prompt of {P} tokens does not fit the static cache of {kv.capacity}; "
+                          "shorten it or run without --compile")
+    R = key_valid.shape[0] if kv.static else max(key_valid.shape[0], max(slots) + 1)
+    out = kv if kv.static else DynamicKV(kv.model)
+    old_layers = kv.layers() if C and not kv.static else None
+    for i, (k, v) in enumerate(new.layers()):
+        if kv.static:
+            layer = kv.cache.layers[i]
+            if not layer.is_initialized:  # allocate the static cache for every row
+                shape = (R, k.shape[1], 1, k.shape[3])
+                layer.lazy_initialization(k.new_zeros(shape), v.new_zeros((*shape[:3], v.shape[3])))
+            layer.keys[at, :, T - P: T], layer.values[at, :, T - P: T] = k, v
+            continue
+        full = []
+        for old, t in zip(old_layers[i] if old_layers else (None, None), (k, v)):
+            f = t.new_zeros((R, t.shape[1], T, t.shape[3]))  # (R, H, T, D)
+            if old is not None:
+                f[: old.shape[0], :, :C] = old
+            f[at, :, T - P:] = t
+            full.append(f)
+        out.cache.update(full[0], full[1], i)
+    if kv.static:
+        kv.ptr = T
+    kvld = torch.zeros((R, T), dtype=torch.bool, device=valid.device)  # (R, T)
+    kvld[: key_valid.shape[0], :C] = key_valid
+    kvld[at] = False
+    kvld[at, T - P:] = valid
+    return out, kvld
+
+
 def make_kv(model, *, batch: int, capacity: int, static: bool = False, compile: bool = False):
     """The cache a decoder runs on: :class:`StaticKV` when ``static`` or ``compile``, else
     :class:`DynamicKV` (``batch`` and ``capacity`` are then unused)."""

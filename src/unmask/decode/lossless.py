@@ -1,24 +1,16 @@
 """The one running batch of AR and lossless SBD rows (issue 25, DESIGN.md "One engine"): AR is
 lossless SBD with draft size K = 1.
 
-:class:`Verify` holds up to ``capacity`` rows in slot tensors (:class:`~unmask.decode.running.Slots`);
-each row carries its own draft block size K (1: a plain one-token AR step; >= 2: lossless SBD,
-spec/sbd_exact.md §1–2), which the server may change between steps (``resize``: greedy output
-does not depend on K). One step is ONE forward of every row: a row of size K feeds its bonus and
-K-1 draft tokens (causal) and its draft groups; rows of a smaller K than the step's largest leave
-the rest of the query window as padding that sees only itself and is never kept
-(:func:`embedded_layout`). The commit rule is the pure :func:`advance`; the step syncs with the
-host once (committed counts, ended flags and the committed ids), and the rows' Python bookkeeping
-(stop strings, events) runs after it.
-
-The cache is :class:`~unmask.decode.kv.DynamicKV` (eager: the forward covers slots ``[0, high)``)
-or :class:`~unmask.decode.kv.StaticKV` (``static``/``compile``: every slot rides along, so a step's
-shapes are fixed per query length and the compiled forward is reused). Every row appends the
-step's verify columns at the shared length; what a row rejected stays as an invalid key of that row
-(``key_valid``), the tail no row kept and the groups' K/V are cut (a crop, or a pointer move).
-A join prefills its requests together, eagerly, on a fresh cache (one forward per draft size) and
-places their K/V in their slots; columns no row attends to are reclaimed (:func:`compact`) when they
-are more than half of a dynamic cache, or when a static one is full.
+Rows live in slot tensors (:class:`~unmask.decode.running.Slots`), each with its own K (1: a plain
+AR step; >= 2: lossless SBD, spec/sbd_exact.md §1–2), which may change between steps (greedy output
+does not depend on K). A step is ONE forward of every row, each row's layout embedded in the
+step's query window (:func:`~unmask.decode.sbd_verify.embedded_layout`), the pure commit rule
+:func:`~unmask.decode.sbd_verify.advance` and one host sync; Python bookkeeping (stop strings,
+events) runs after it. The cache is ``DynamicKV`` (the forward covers slots ``[0, high)``) or
+``StaticKV`` (``static``/``compile``: every slot rides along, so shapes are fixed per query length).
+Rejected verify columns stay as invalid keys of their row (``key_valid``); the tail no row kept is
+cut (a crop, or a pointer move); holes are compacted once they are half a dynamic cache, or when a
+static one is full.
 """
 
 from __future__ import annotations
@@ -30,11 +22,11 @@ from types import SimpleNamespace
 import torch
 
 from unmask.decode import sbd_verify as sv
-from unmask.decode.kv import DynamicKV, StaticKV
+from unmask.decode.sbd_verify import advance, compact, embedded_layout, queries
+from unmask.decode.kv import DynamicKV, StaticKV, place
 from unmask.decode.running import Request, Row, Slots
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
-from unmask.sampling import sample
 from unmask.trace import step_event
 
 
@@ -50,80 +42,17 @@ class VerifyRow(Row):
     generator: object = None
 
 
-def queries(K: int, draft: str) -> int:
-    """Query tokens per row of a step of draft size K: 1 for an AR step, else K + G·K (spec §1)."""
-    return 1 if K == 1 else K + (K if draft == "quadratic" else 1) * K
-
-
-def embedded_layout(Kmax: int, draft: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row's step layout inside one query window of ``queries(Kmax, draft)`` tokens. Pure.
-
-    Returns mask (Kmax, Kmax, Q, Q) bool and offsets (Kmax, Kmax, Q) long, indexed [K - 1, L - 1]
-    for a row of draft size K whose group follows L verify tokens (linear; quadratic uses L = K):
-    the layout of :func:`~unmask.decode.sbd_verify.step_layout` with verify token j at query j and
-    group g's offset o at query Kmax + g·Kmax + o; the other queries are padding that see only
-    themselves (never an all-masked query row) at offset 0. K = 1 is the AR step: query 0 alone."""
-    Q = queries(Kmax, draft)
-    mask = torch.eye(Q, dtype=torch.bool, device=device).repeat(Kmax, Kmax, 1, 1)  # (Kmax, Kmax, Q, Q)
-    offsets = torch.zeros((Kmax, Kmax, Q), dtype=torch.long, device=device)
-    for K in range(2, Kmax + 1):
-        lay = sv.step_layout(K, draft, device)
-        q = torch.arange(lay.queries, device=device)  # (Q_K,)
-        at = torch.where(q < K, q, Kmax + (q - K) // K * Kmax + (q - K) % K)  # (Q_K,) query index in the window
-        for L in range(K):
-            mask[K - 1, L][at[:, None], at[None, :]] = lay.mask[L]  # (Q_K, Q_K) into (Q, Q)
-            offsets[K - 1, L, at] = lay.offsets[L]
-    return mask, offsets
-
-
-def advance(a: torch.Tensor, step_tok: torch.Tensor, draft_len: torch.Tensor, K: torch.Tensor, n: torch.Tensor,
-            N: torch.Tensor, live: torch.Tensor, stops: torch.Tensor, linear: bool):
-    """The commit rule of a step (spec §1, Accept). Pure.
-
-    a (R,) accepted draft tokens; step_tok (R, W) the step's ids (the first a + 1 committed); draft_len
-    (R,), K (R,) draft sizes, n (R,) committed counts, N (R,) budgets, live (R,) bool rows; stops (S,)
-    stop ids. A dead slot commits nothing. Returns committed (R,), new (R, W) bool (which of step_tok
-    are committed), n (R,), draft_len (R,) of the next draft (linear: usable only after a fully
-    accepted one, K - 1 = 0 for AR rows) and ended (R,) bool (a stop token committed or N reached)."""
-    committed = (a + 1) * live  # (R,)
-    new = torch.arange(step_tok.shape[1], device=a.device)[None, :] < committed[:, None]  # (R, W)
-    n = n + committed
-    nxt = torch.where(a == draft_len, K - 1, 0) if linear else K - 1  # (R,)
-    ended = ((torch.isin(step_tok, stops) & new).any(dim=1) | (n >= N)) & live  # (R,)
-    return committed, new, n, nxt, ended
-
-
-def compact(kv, key_valid: torch.Tensor, M: int) -> torch.Tensor:
-    """Slide each row's valid keys (key_valid (R, C) over the cache's C columns) to the right end of
-    columns 0..M-1, order kept, in every layer; M >= every row's valid count (known on the host, so
-    no sync). Returns the new key validity (R, M); the cache is cut to M columns (crop or pointer)."""
-    R, C = key_valid.shape
-    order = torch.sort(key_valid.to(torch.uint8), dim=1, stable=True).indices  # (R, C): invalid columns first
-    src = order[:, C - M:]  # (R, M) source column of each kept column
-    for keys, values in kv.layers():
-        for t in (keys, values):  # (R', H, C, D), R' >= R
-            H, D = t.shape[1], t.shape[3]
-            t[:R, :, :M] = t[:R].gather(2, src[:, None, :, None].expand(R, H, M, D))  # (R, H, M, D)
-    kept = key_valid.gather(1, src)  # (R, M)
-    kv.crop(C - M)
-    return kept
-
-
 class Verify:
-    """The running batch of AR (K = 1) and lossless SBD rows of one model (the one engine's contract,
-    :mod:`unmask.decode.running`).
+    """The running batch of AR (K = 1) and lossless SBD rows of one model (the contract of
+    :mod:`unmask.decode.running`; ``join(..., block_size=K)`` sets a joining row's K).
 
-    cfg: the lossless :class:`~unmask.decode.sbd_verify.VerifyConfig` (the draft layout of every row
-    and the default K of a joining row; ``join(..., block_size=1)`` joins AR rows). ``static`` /
-    ``compile``: the static cache of ``length`` columns (default: the context window plus a step) and
-    the compiled forward. ``on_step(row, event)``: each row's :mod:`unmask.trace` step events as
-    ``decode`` of that prompt alone emits them (row 0, step = the row's own forward index; the prefill
-    is step 0; a request whose ``events`` is False gets none: the server's AR rows stream through
-    ``on_token``); ``on_token(row)`` after each token appended to ``row.tokens``; ``on_forward(info)``
-    (tests) each forward's inputs, logits and cache for the live rows. ``stop_token_ids`` default to
-    the bundle's. ``ar``: rows join with K = 1 unless told otherwise, and ``stats_extra`` is AR's.
-    Raises UnmaskError for a model without a mask token (unless ``ar``) or a block size too large
-    for the context window.
+    cfg: the draft layout of every row and the default K (``ar``: rows join at K = 1 and
+    ``stats_extra`` is AR's). ``static`` / ``compile``: the static cache of ``length`` columns and
+    the compiled forward. ``on_step(row, event)``: each row's step events as ``decode`` of its prompt
+    alone emits them (row 0; none for a request whose ``events`` is False: the server's AR rows
+    stream through ``on_token(row)``, called per token appended to ``row.tokens``); ``on_forward``
+    (tests): each forward's tensors for the live rows. Raises UnmaskError for a model without a mask
+    token (unless ``ar``) or a block size too large for the context window.
     """
 
     def __init__(self, bundle, cfg: sv.VerifyConfig = sv.VerifyConfig(), *, static: bool = False,
@@ -168,11 +97,6 @@ class Verify:
     def __len__(self) -> int:
         return len(self.rows)
 
-    @property
-    def cache(self):
-        """The running cache object (a ``DynamicCache`` or ``StaticCache``)."""
-        return self.kv.cache
-
     def _empty(self) -> None:
         """No row runs: a fresh dynamic cache, or the static one's pointer back at 0."""
         if self.static:
@@ -195,10 +119,10 @@ class Verify:
             raise UnmaskError(f"a draft size must be >= 1 (got {K}); 1 means plain AR steps")
         if any(len(r.prompt_ids) == 0 for r in requests):  # the verify step needs a cached prefix
             raise UnmaskError("decoding needs a non-empty prompt; start it with the BOS token")
-        if not requests:
-            return []
         if K > 1 and self.bundle.mask_token_id is None:
             raise UnmaskError("lossless SBD needs a model with a mask token; drop the draft size or load an SBD model")
+        if not requests:
+            return []
         self._widen(K)
         slots = self.slots.take(len(requests))
         prompts = [list(r.prompt_ids) for r in requests]
@@ -218,22 +142,24 @@ class Verify:
             if gens is None and not req.sampling.greedy:  # the generator `unmask generate` gives the row
                 gens = req.sampling.row_generators([prompts[i]], self.device)[0]
             rows.append(VerifyRow(job=req, slot=slot, K=K, generator=gens))
-        b, s, q = self._prefill_draws(rows, logits, K)  # (n,), (n, K-1), (n, K-1, V) or None
+        groups = _groups(enumerate(rows), lambda r: r.job.sampling)  # sampling -> row indices
+        b, s, q = sv.prefill_draws(logits, K, {k: (v, [rows[i].generator for i in v]) for k, v in groups.items()})
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)  # (n,)
         try:
-            self._place(new_kv, valid, slots)
+            self.kv, self.key_valid = place(self.kv, self.key_valid, new_kv, valid, slots, rows=bool(self.rows))
         except UnmaskError:
             self.slots.give(slots)
             raise
         self.b[idx], self.p_b[idx], self.K[idx] = b, row_len, K
-        self.draft_len[idx] = K - 1
-        self.n[idx] = 1
+        self.draft_len[idx], self.n[idx] = K - 1, 1
         self.N[idx] = torch.tensor([r.max_new_tokens for r in requests], dtype=torch.long, device=self.device)
         self.live[idx] = True
         if K > 1:
             self.s[idx, : K - 1] = s
             if q is not None:
-                self._q_like(q)[idx, : K - 1] = q
+                if self.q is None:
+                    self.q = q.new_zeros((self.slots.capacity, self.s.shape[1], q.shape[-1]))  # (cap, W, V)
+                self.q[idx, : K - 1] = q
         if self.on_forward is not None:
             self.on_forward({"step": 0, "inp": inp, "positions": positions, "logits": logits,
                              "cache": new_kv.cache, "key_valid": valid})
@@ -249,28 +175,6 @@ class Verify:
         self._free(done)
         return done
 
-    def _prefill_draws(self, rows: list[VerifyRow], logits: torch.Tensor, K: int):
-        """The first bonus (n,) and draft (n, K-1) (with proposals (n, K-1, V) when sampled) from the
-        prefill logits (n, K+1, V): the last prompt token, then the group. Rows grouped by sampling."""
-        n = len(rows)
-        b = logits[:, 0].argmax(dim=-1)  # (n,)
-        s = logits[:, 2:].argmax(dim=-1)  # (n, K-1)
-        q = None
-        for sampling, at in _groups(enumerate(rows), lambda r: r.job.sampling).items():
-            if sampling.greedy:
-                continue
-            gens = [rows[i].generator for i in at]
-            idx = torch.tensor(at, dtype=torch.long, device=self.device)
-            if K == 1:  # AR's own draw, so a sampled AR row equals ar.decode's
-                b[idx] = sample(logits[idx, 0], sampling, gens)
-                continue
-            b[idx], _ = sv._draw(logits[idx, 0], sampling, gens)
-            s[idx], qi = sv._draw(logits[idx, 2:], sampling, gens)
-            if q is None:
-                q = qi.new_zeros((n, *qi.shape[1:]))  # (n, K-1, V)
-            q[idx] = qi
-        return b, s, q
-
     def _widen(self, K: int) -> None:
         """Grow the draft buffers to hold drafts of K - 1 tokens."""
         W = self.s.shape[1]
@@ -279,71 +183,17 @@ class Verify:
             if self.q is not None:
                 self.q = torch.cat([self.q, self.q.new_zeros((self.q.shape[0], K - 1 - W, self.q.shape[2]))], dim=1)
 
-    def _q_like(self, q: torch.Tensor) -> torch.Tensor:
-        if self.q is None:
-            self.q = q.new_zeros((self.slots.capacity, self.s.shape[1], q.shape[-1]))  # (cap, W, V)
-        return self.q
-
-    def _place(self, new_kv: DynamicKV, valid: torch.Tensor, slots: list[int]) -> None:
-        """Put the prefilled K/V (n rows, P columns, key validity ``valid`` (n, P)) into ``slots``,
-        right-aligned at the running cache's length T = max(length, P): running rows get the columns
-        past their old length as invalid keys."""
-        n, P = valid.shape
-        C = self.kv.length
-        T = max(C, P)
-        rows = torch.tensor(slots, dtype=torch.long, device=self.device)  # (n,)
-        if self.static:
-            if T > self.kv.capacity:
-                raise UnmaskError(f"a prompt of {P} tokens does not fit the static cache of {self.kv.capacity}; "
-                                  "shorten it or run without --compile")
-            for layer, (k, v) in zip(self.kv.cache.layers, new_kv.layers()):
-                if not layer.is_initialized:  # allocate the static cache for every slot
-                    shape = (self.slots.capacity, k.shape[1], 1, k.shape[3])
-                    layer.lazy_initialization(k.new_zeros(shape), v.new_zeros((*shape[:3], v.shape[3])))
-                layer.keys[rows, :, T - P: T] = k
-                layer.values[rows, :, T - P: T] = v
-            self.kv.ptr = T
-            kvld = _pad_cols(self.key_valid, T - C)  # (cap, T)
-        elif not self.rows and slots == list(range(n)):  # an empty batch adopts the prefill cache
-            self.kv, self.key_valid = new_kv, valid
-            return
-        else:
-            R = max(self.key_valid.shape[0], max(slots) + 1)
-            layers = []
-            for (ko, vo), (k, v) in zip(self.kv.layers() if C else [(None, None)] * len(new_kv.cache.layers),
-                                        new_kv.layers()):
-                out = []
-                for old, new in ((ko, k), (vo, v)):
-                    t = new.new_zeros((R, new.shape[1], T, new.shape[3]))  # (R, H, T, D)
-                    if old is not None:
-                        t[: old.shape[0], :, :C] = old
-                    t[rows, :, T - P:] = new
-                    out.append(t)
-                layers.append(out)
-            self.kv = DynamicKV(self.model)
-            for i, (k, v) in enumerate(layers):
-                self.kv.cache.update(k, v, i)
-            kvld = _pad_cols(self.key_valid, T - C)
-            kvld = torch.cat([kvld, kvld.new_zeros((R - kvld.shape[0], T))])  # (R, T)
-        kvld[rows] = False
-        kvld[rows, T - P:] = valid
-        self.key_valid = kvld
-
     # -- stepping -----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def resize(self, K: int, ids=None) -> None:
-        """Set the draft size of the running rows ``ids`` (job ids; None: all) to K from the next step
-        on (the server's load table). A shorter draft is cut (greedy acceptance of any draft prefix is
-        still lossless); a longer one fills in after the next step. Sampled rows keep their K (their
-        proposal distributions are drawn for it)."""
+        """Set the draft size of the greedy running rows ``ids`` (job ids; None: all) to K from the next
+        step on: a draft is cut to K - 1 (any greedy draft is lossless). Sampled rows keep their K."""
         want = None if ids is None else set(ids)
         moved = [r.slot for r in self.rows.values() if (want is None or r.job.id in want)
                  and r.job.sampling.greedy and r.K != K]
         if not moved:
             return
-        if K > 1 and self.bundle.mask_token_id is None:
-            raise UnmaskError("lossless SBD needs a model with a mask token; keep a draft size of 1")
         self._widen(K)
         for slot in moved:
             self.rows[slot].K = K
@@ -353,11 +203,10 @@ class Verify:
 
     @torch.inference_mode()
     def step(self) -> list[VerifyRow]:
-        """One forward of every running row, (R, Q) queries with Q = ``queries(Kmax)`` for the
-        largest draft size running; each row commits its accepted draft prefix and a bonus token and
-        takes its next draft. Returns the rows that finished in it (a stop token, a stop string,
-        ``max_new_tokens``), already removed, with ``tokens``, ``nfe``, ``finish`` and ``extra`` set.
-        One host sync (none more unless ``on_step``/``on_forward`` is set or a row has stop strings)."""
+        """One forward of every row, (R, Q) queries (Q = ``queries(Kmax)``, Kmax the largest K running):
+        each row commits its accepted draft prefix and a bonus and takes its next draft. Returns the
+        rows that finished (removed, ``tokens``/``nfe``/``finish``/``extra`` set). One host sync, more
+        only with ``on_step``/``on_forward`` or a row's stop strings."""
         if not self.rows:
             return []
         Kmax = max(r.K for r in self.rows.values())
@@ -409,8 +258,7 @@ class Verify:
         return finished
 
     def _rows_in_forward(self) -> int:
-        """Slots a step covers: every slot on the static cache (fixed shapes), else [0, high); the
-        dynamic cache is cut to them when the top rows left."""
+        """Slots a step covers: all on the static cache (fixed shapes), else [0, high) (the cache cut to them)."""
         if self.static:
             return self.slots.capacity
         R = self.slots.high
@@ -444,10 +292,8 @@ class Verify:
         self.key_valid = compact(self.kv, self.key_valid, most)  # (R, most)
 
     def _accept(self, logits: torch.Tensor, R: int, Kmax: int, s: torch.Tensor, dl: torch.Tensor):
-        """Accept and redraft every slot from the step's logits (R, Q, V) (spec §1, Accept): greedy
-        for all, then each sampled group (same sampling and K) with its rows' own generators. Sets the
-        next draft; returns a (R,) accepted draft tokens and step_tok (R, Kmax), whose first a + 1
-        entries are committed (s_1..s_a, then the bonus)."""
+        """Accept and redraft every slot from the logits (R, Q, V) (spec §1, Accept): greedy for all, then
+        each sampled group (same sampling and K). Returns a (R,) and step_tok (R, Kmax) (a + 1 committed)."""
         dev = self.device
         top = logits.argmax(dim=-1)  # (R, Q): NTP targets at b, s_1..s_{Kmax-1}, then the groups' fills
         step_tok = top[:, :Kmax]  # (R, Kmax): accepted drafts equal their targets, then the bonus
@@ -463,19 +309,11 @@ class Verify:
         for (sampling, K), slots in sampled.items():
             idx = torch.tensor(slots, dtype=torch.long, device=dev)  # (n,)
             gens = [self.rows[i].generator for i in slots]
-            if K == 1:
-                step_tok[idx, 0], a[idx] = sample(logits[idx, 0], sampling, gens), 0
-                continue
-            ai, last = sv.speculative_accept(sv._probs(logits[idx, :K], sampling), self.q[idx, : K - 1],
-                                             s[idx, : K - 1], dl[idx], gens)
-            ar = torch.arange(K, device=dev)
-            tok = torch.where(ar[None, :] < ai[:, None], torch.cat([s[idx, : K - 1], s[idx, :1]], dim=1), 0)  # (n, K)
-            step_tok[idx, :K] = tok.scatter(1, ai[:, None], last[:, None])
-            a[idx] = ai
-            gi = ai if not self.linear else torch.zeros_like(ai)
-            qi = (Kmax + gi[:, None] * Kmax + torch.arange(1, K, device=dev))[:, :, None]  # (n, K-1, 1)
-            group = logits[idx].gather(1, qi.expand(-1, -1, logits.shape[2]))  # (n, K-1, V)
-            self.s[idx, : K - 1], self.q[idx, : K - 1] = sv._draw(group, sampling, gens)
+            q = None if K == 1 else self.q[idx, : K - 1]
+            a[idx], step_tok[idx, :K], s_i, q_i = sv.accept_sampled(logits[idx], q, s[idx, : K - 1], dl[idx], K, Kmax,
+                                                                    self.linear, sampling, gens)
+            if K > 1:
+                self.s[idx, : K - 1], self.q[idx, : K - 1] = s_i, q_i
         return a, step_tok
 
     def _report(self, inp, positions, logits, a) -> None:
@@ -535,10 +373,8 @@ class Verify:
             self.q = None  # no sampled row left: no proposal distributions kept
 
     def stats_extra(self, rows: list[VerifyRow]) -> dict:
-        """``sbd_verify.decode``'s extra for finished ``rows`` (request order): accept histograms
-        (tokens committed per row per forward; accepted draft tokens per verify forward), the draft
-        layout, the block size and each row's extra; ``compiled`` and ``static_cache`` when static
-        (only those with ``ar``: ``ar.decode``'s extra)."""
+        """``sbd_verify.decode``'s extra for finished ``rows`` (request order): accept histograms, layout,
+        block size, row extras; ``compiled`` and ``static_cache`` when static (only those with ``ar``)."""
         static = {"compiled": self.compile, "static_cache": self.kv.capacity} if self.static else {}
         if self.ar:
             return static
@@ -558,9 +394,4 @@ def _groups(pairs, key) -> dict:
     return out
 
 
-def _pad_cols(t: torch.Tensor, n: int) -> torch.Tensor:
-    """Append ``n`` False columns to a (R, C) bool tensor."""
-    return torch.cat([t, t.new_zeros((t.shape[0], n))], dim=1) if n else t
-
-
-__all__ = ["Verify", "VerifyRow", "advance", "compact", "embedded_layout", "queries"]
+__all__ = ["Verify", "VerifyRow"]

@@ -35,7 +35,7 @@ from unmask.decode.batching import left_pad
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.masks import causal_mask
-from unmask.sampling import Sampling, filter_logits
+from unmask.sampling import Sampling, filter_logits, sample
 
 DRAFTS = ("quadratic", "linear")
 # the fastest lossless setting in tokens per second on both shipped SBD models (batch 1, 1 thread,
@@ -104,6 +104,65 @@ def step_layout(K: int, draft: str, device=None) -> StepLayout:
     return StepLayout(mask=torch.stack(masks), offsets=torch.stack(offsets), groups=G, K=K)
 
 
+def queries(K: int, draft: str) -> int:
+    """Query tokens per row of a step of draft size K: 1 for an AR step, else K + G·K (spec §1)."""
+    return 1 if K == 1 else K + (K if draft == "quadratic" else 1) * K
+
+
+def embedded_layout(Kmax: int, draft: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's step layout inside one query window of ``queries(Kmax, draft)`` tokens. Pure.
+
+    Returns mask (Kmax, Kmax, Q, Q) bool and offsets (Kmax, Kmax, Q) long, indexed [K - 1, L - 1]
+    for a row of draft size K whose group follows L verify tokens (linear; quadratic uses L = K):
+    the layout of :func:`step_layout` with verify token j at query j and
+    group g's offset o at query Kmax + g·Kmax + o; the other queries are padding that see only
+    themselves (never an all-masked query row) at offset 0. K = 1 is the AR step: query 0 alone."""
+    Q = queries(Kmax, draft)
+    mask = torch.eye(Q, dtype=torch.bool, device=device).repeat(Kmax, Kmax, 1, 1)  # (Kmax, Kmax, Q, Q)
+    offsets = torch.zeros((Kmax, Kmax, Q), dtype=torch.long, device=device)
+    for K in range(2, Kmax + 1):
+        lay = step_layout(K, draft, device)
+        q = torch.arange(lay.queries, device=device)  # (Q_K,)
+        at = torch.where(q < K, q, Kmax + (q - K) // K * Kmax + (q - K) % K)  # (Q_K,) query index in the window
+        for L in range(K):
+            mask[K - 1, L][at[:, None], at[None, :]] = lay.mask[L]  # (Q_K, Q_K) into (Q, Q)
+            offsets[K - 1, L, at] = lay.offsets[L]
+    return mask, offsets
+
+
+def advance(a: torch.Tensor, step_tok: torch.Tensor, draft_len: torch.Tensor, K: torch.Tensor, n: torch.Tensor,
+            N: torch.Tensor, live: torch.Tensor, stops: torch.Tensor, linear: bool):
+    """The commit rule of a step (spec §1, Accept). Pure.
+
+    a (R,) accepted draft tokens; step_tok (R, W) the step's ids (the first a + 1 committed); draft_len
+    (R,), K (R,) draft sizes, n (R,) committed counts, N (R,) budgets, live (R,) bool rows; stops (S,)
+    stop ids. A dead slot commits nothing. Returns committed (R,), new (R, W) bool (which of step_tok
+    are committed), n (R,), draft_len (R,) of the next draft (linear: usable only after a fully
+    accepted one, K - 1 = 0 for AR rows) and ended (R,) bool (a stop token committed or N reached)."""
+    committed = (a + 1) * live  # (R,)
+    new = torch.arange(step_tok.shape[1], device=a.device)[None, :] < committed[:, None]  # (R, W)
+    n = n + committed
+    nxt = torch.where(a == draft_len, K - 1, 0) if linear else K - 1  # (R,)
+    ended = ((torch.isin(step_tok, stops) & new).any(dim=1) | (n >= N)) & live  # (R,)
+    return committed, new, n, nxt, ended
+
+
+def compact(kv, key_valid: torch.Tensor, M: int) -> torch.Tensor:
+    """Slide each row's valid keys (key_valid (R, C) over the cache's C columns) to the right end of
+    columns 0..M-1, order kept, in every layer; M >= every row's valid count (known on the host, so
+    no sync). Returns the new key validity (R, M); the cache is cut to M columns (crop or pointer)."""
+    R, C = key_valid.shape
+    order = torch.sort(key_valid.to(torch.uint8), dim=1, stable=True).indices  # (R, C): invalid columns first
+    src = order[:, C - M:]  # (R, M) source column of each kept column
+    for keys, values in kv.layers():
+        for t in (keys, values):  # (R', H, C, D), R' >= R
+            H, D = t.shape[1], t.shape[3]
+            t[:R, :, :M] = t[:R].gather(2, src[:, None, :, None].expand(R, H, M, D))  # (R, H, M, D)
+    kept = key_valid.gather(1, src)  # (R, M)
+    kv.crop(C - M)
+    return kept
+
+
 def prefill_inputs(bundle, prompts: list[list[int]], K: int):
     """The prefill of lossless SBD (spec §1): each left-padded prompt, causal, then one group of
     K masks at the positions after it, which sees the whole prompt and itself.
@@ -164,6 +223,44 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, dr
     final = torch.where(final.sum(dim=1, keepdim=True) > 0, final, p[rows, a])
     last = _multinomial(final, generator)  # (B,)
     return a, last
+
+
+def prefill_draws(logits: torch.Tensor, K: int, groups: dict) -> tuple:
+    """The first bonus (n,) and draft (n, K-1) with its proposals (n, K-1, V) (None: all greedy) from
+    a prefill's logits (n, K+1, V) (the last prompt token, then the group; spec §1, Prefill).
+    groups: {sampling: (row indices, their generators)}; K = 1 draws AR's token with ``sample``."""
+    b, s, q = logits[:, 0].argmax(dim=-1), logits[:, 2:].argmax(dim=-1), None  # (n,), (n, K-1)
+    for sampling, (at, gens) in groups.items():
+        if sampling.greedy:
+            continue
+        idx = torch.tensor(at, dtype=torch.long, device=logits.device)
+        if K == 1:
+            b[idx] = sample(logits[idx, 0], sampling, gens)
+            continue
+        b[idx], _ = _draw(logits[idx, 0], sampling, gens)
+        s[idx], qi = _draw(logits[idx, 2:], sampling, gens)
+        q = qi.new_zeros((logits.shape[0], *qi.shape[1:])) if q is None else q  # (n, K-1, V)
+        q[idx] = qi
+    return b, s, q
+
+
+def accept_sampled(logits: torch.Tensor, q, s: torch.Tensor, draft_len: torch.Tensor, K: int, Kmax: int,
+                   linear: bool, sampling: Sampling, gens) -> tuple:
+    """Accept and redraft rows of one sampling setting and draft size K inside a step's query window
+    (:func:`embedded_layout` of Kmax; spec §1, Accept, sampling): logits (n, Q, V), q (n, K-1, V) the
+    draft's proposals, s (n, K-1), draft_len (n,), one generator per row. K = 1 draws AR's token with
+    :func:`unmask.sampling.sample`, as ``ar.decode`` does. Returns a (n,), step_tok (n, K) (the first
+    a + 1 committed), the next draft (n, K-1) and its proposals (n, K-1, V) (None for K = 1)."""
+    if K == 1:
+        return torch.zeros(len(gens), dtype=torch.long, device=logits.device), sample(logits[:, :1], sampling, gens), None, None
+    a, last = speculative_accept(_probs(logits[:, :K], sampling), q, s, draft_len, gens)
+    ar = torch.arange(K, device=a.device)
+    tok = torch.where(ar[None, :] < a[:, None], torch.cat([s, s[:, :1]], dim=1), 0)  # (n, K)
+    tok = tok.scatter(1, a[:, None], last[:, None])
+    g = torch.zeros_like(a) if linear else a  # the group the next draft comes from
+    at = (Kmax + g[:, None] * Kmax + torch.arange(1, K, device=a.device))[:, :, None]  # (n, K-1, 1) query index
+    s_next, q_next = _draw(logits.gather(1, at.expand(-1, -1, logits.shape[2])), sampling, gens)  # (n, K-1), (n, K-1, V)
+    return a, tok, s_next, q_next
 
 
 def _uniform(shape: tuple[int, int], generator, device) -> torch.Tensor:

@@ -26,101 +26,25 @@ Each job gets its events through ``job.post`` (called from this thread): ``("ste
 
 from __future__ import annotations
 
-import inspect
-import itertools
 import logging
 import threading
-import time
 from collections import deque
-from dataclasses import dataclass, field
 
-from unmask.decode import get_decoder, sbd_verify
+from unmask.decode import sbd_verify
 from unmask.decode.diffusion import DiffusionConfig
 from unmask.decode.lossless import Verify
 from unmask.decode.sbd import runs_lossless
 from unmask.errors import UnmaskError
-from unmask.sampling import Sampling
-from unmask.serve import block_batch, diffusion_batch, early_bird_batch, sbd_lossy_batch
+from unmask.serve import block_batch, diffusion_batch, early_bird_batch, per_call, sbd_lossy_batch
 from unmask.serve.block_batch import MultiBlockBatch
 from unmask.serve.diffusion_batch import DiffusionBatch
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes
 from unmask.serve.early_bird_batch import EarlyBirdBatch
 from unmask.serve.errors import ApiError
-from unmask.serve.protocol import api_message, edits_committed
+from unmask.serve.jobs import Job, QueueFull, ShuttingDown, bad_request, finish_gone, server_error
 from unmask.serve.sbd_lossy_batch import BlockBatch, SBDBatch
 
 log = logging.getLogger("unmask.serve")
-# Continuous running batches of the other decoders: batch kind -> class (see Scheduler._running_kind).
-RUNNING = {"multiblock": MultiBlockBatch, "sbd": SBDBatch, "block": BlockBatch, "diffusion": DiffusionBatch,
-           "early-bird": EarlyBirdBatch}
-# The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
-RUNNING_OPTIONS = {"multiblock": block_batch.OPTIONS, "sbd": sbd_lossy_batch.SBD_OPTIONS,
-                   "block": sbd_lossy_batch.BLOCK_OPTIONS, "diffusion": diffusion_batch.OPTIONS,
-                   "early-bird": early_bird_batch.OPTIONS}
-VERIFY_OPTIONS = ("block_size", "draft", "verify")  # what a lossless sbd request may set
-_ids = itertools.count()
-_SERVER_ERROR = "internal error while decoding; see the server log"
-
-
-class _Abandoned(Exception):
-    """Raised from ``on_step`` to stop a per-call batch none of whose requests is still wanted."""
-
-
-@dataclass(eq=False)
-class Job:
-    """One request as the scheduler sees it.
-
-    prompt_ids: the encoded prompt; options: decoder knobs; stop: stop strings; deadline:
-    ``time.monotonic()`` after which the request times out. ``post(kind, payload)`` delivers an event
-    to the waiting HTTP handler (thread-safe)."""
-
-    prompt_ids: list[int]
-    decoder: str
-    options: dict
-    sampling: Sampling
-    max_new_tokens: int
-    stop: tuple[str, ...]
-    deadline: float
-    post: object
-    id: int = field(default_factory=lambda: next(_ids))
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    submitted: float = field(default_factory=time.monotonic)
-    closed: bool = False  # set by the scheduler after the final event
-    sizable: bool = False  # set by the scheduler: greedy lossless sbd whose K follows the load
-    running_key: tuple | None = None  # set by the scheduler: the running batch it joins (None: per call)
-
-    def cancel(self) -> None:
-        """Ask the scheduler to drop this request at its next step boundary (thread-safe)."""
-        self.cancelled.set()
-
-    @property
-    def gone(self) -> bool:
-        return self.cancelled.is_set() or time.monotonic() > self.deadline
-
-    @property
-    def events(self) -> bool:
-        """Whether its running batch builds step events for it (an AR row streams through ``on_token``)."""
-        return self.decoder != "ar"
-
-    def batch_key(self) -> tuple:
-        """Requests with equal keys can share one per-call ``decode``."""
-        solo = self.id if not self.sampling.greedy else None
-        return (self.decoder, tuple(sorted(self.options.items())), self.sampling, self.max_new_tokens,
-                self.stop, solo)
-
-    def finish(self, kind: str, payload) -> None:
-        if not self.closed:
-            self.closed = True
-            self.post(kind, payload)
-
-
-def _bad_request(e: UnmaskError, options: dict) -> ApiError:
-    """A 400 for a decoder's own validation error, ``param`` the knob the message names, if any
-    (longest name first: tau_add before tau)."""
-    message = api_message(str(e).splitlines()[0])
-    low = message.lower()
-    param = next((k for k in sorted(options, key=len, reverse=True) if k in low or k.replace("_", " ") in low), None)
-    return ApiError(400, message, param=param)
 
 
 def _rows(batch) -> list:
@@ -131,12 +55,14 @@ def _done(row) -> None:
     row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": row.finish})
 
 
-class QueueFull(Exception):
-    """The bounded queue is full (HTTP 429)."""
-
-
-class ShuttingDown(Exception):
-    """The scheduler is draining for shutdown and admits nothing (HTTP 503)."""
+# Continuous running batches of the other decoders: batch kind -> class (see Scheduler._running_kind).
+RUNNING = {"multiblock": MultiBlockBatch, "sbd": SBDBatch, "block": BlockBatch, "diffusion": DiffusionBatch,
+           "early-bird": EarlyBirdBatch}
+# The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
+RUNNING_OPTIONS = {"multiblock": block_batch.OPTIONS, "sbd": sbd_lossy_batch.SBD_OPTIONS,
+                   "block": sbd_lossy_batch.BLOCK_OPTIONS, "diffusion": diffusion_batch.OPTIONS,
+                   "early-bird": early_bird_batch.OPTIONS}
+VERIFY_OPTIONS = ("block_size", "draft", "verify")  # what a lossless sbd request may set
 
 
 class Scheduler:
@@ -268,7 +194,7 @@ class Scheduler:
                 joining, batch = self._take_running(), self._take_batch()
             self._advance(joining)
             if batch:
-                self._run_batch(batch)
+                per_call.run_batch(self, batch)
         for job in list(self._waiting) + self._running_jobs():
             job.finish("error", ApiError(503, "the server is shutting down; retry later", type="server_error"))
 
@@ -291,7 +217,7 @@ class Scheduler:
         """Answer queued jobs that were cancelled or timed out before they started."""
         for job in [j for j in self._waiting if j.gone]:
             self._waiting.remove(job)
-            self._finish_gone(job)
+            finish_gone(job)
 
     def _sizable(self, job: Job) -> bool:
         """Greedy lossless sbd with no block size fixed by the request, while the server has a
@@ -357,13 +283,6 @@ class Scheduler:
             self._waiting.remove(j)
         return batch
 
-    def _finish_gone(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            job.finish("cancelled", None)
-        else:
-            job.finish("error", ApiError(408, "the request timed out; raise 'timeout' or lower max_tokens",
-                                         type="timeout_error", code="timeout"))
-
     # -- the running decoders: admit, one step each, answer -------------------------------------
 
     def _advance(self, joining: dict[tuple, list[Job]]) -> None:
@@ -378,14 +297,14 @@ class Scheduler:
                     batch = self.running_batches[key] = RUNNING[key[0]](self.bundle, dict(key[1]), on_step=self._event)
             except UnmaskError as e:  # the options failed the decoder's own validation
                 for j in jobs:
-                    j.finish("error", _bad_request(e, j.options))
+                    j.finish("error", bad_request(e, j.options))
                 continue
             try:
                 if key[0] == "verify":
                     self._step_verify(batch, key[1], jobs)
                 else:
                     for row in batch.drop(lambda r: r.job.gone):
-                        self._finish_gone(row.job)
+                        finish_gone(row.job)
                     for job in jobs:
                         self._join(batch, [job])
                     self.peak_running = max(self.peak_running, self.active)
@@ -394,7 +313,7 @@ class Scheduler:
             except Exception:
                 log.exception("a %s running batch failed", key[0])
                 for row in _rows(batch):
-                    row.job.finish("error", ApiError(500, _SERVER_ERROR, type="server_error"))
+                    row.job.finish("error", server_error())
                 if key[0] == "verify":
                     batch.drop([r.job.id for r in _rows(batch)])
                 else:
@@ -406,14 +325,14 @@ class Scheduler:
         """Drop gone rows, admit ``jobs`` (grouped by draft size: one prefill each), give sizable rows
         the table's K at the new load, run one step and answer the finished rows."""
         for row in batch.drop([r.job.id for r in _rows(batch) if r.job.gone]):
-            self._finish_gone(row.job)
+            finish_gone(row.job)
         sized = self._size(draft, len(batch) + len(jobs), any(j.sizable for j in jobs))  # logged before the prefill's events
         by_k: dict[int, list[Job]] = {}
         for job in jobs:
             try:
                 by_k.setdefault(self._block_size(job, sized), []).append(job)
             except UnmaskError as e:
-                job.finish("error", _bad_request(e, job.options))
+                job.finish("error", bad_request(e, job.options))
         for K, group in by_k.items():
             self._join(batch, group, block_size=K)
         self.peak_running = max(self.peak_running, self.active)
@@ -462,11 +381,11 @@ class Scheduler:
                 for job in jobs:
                     self._join(batch, [job], **kw)
                 return
-            jobs[0].finish("error", _bad_request(e, jobs[0].options))
+            jobs[0].finish("error", bad_request(e, jobs[0].options))
         except Exception:
             log.exception("joining a %s running batch failed", jobs[0].decoder)
             for job in jobs:
-                job.finish("error", ApiError(500, _SERVER_ERROR, type="server_error"))
+                job.finish("error", server_error())
 
     def _event(self, row, event: dict) -> None:
         if not (row.job.gone or row.job.closed) and row.job.events:
@@ -478,87 +397,3 @@ class Scheduler:
         n = len(row.tokens)
         row.job.post("step", {"step": n - 1, "row": 0, "positions": [n - 1], "tokens": [row.tokens[-1]],
                               "canvas": list(row.tokens)})
-
-    # -- what still runs per call ---------------------------------------------------------------
-
-    def _interleave(self) -> None:
-        """Between two forwards of a per-call batch: admit waiting jobs and step the running decoders."""
-        with self._lock:
-            self._reap_waiting()
-            joining = self._take_running()
-        self._advance(joining)
-
-    def _final(self, job: Job, canvas: list) -> tuple[list[int], str] | None:
-        """(tokens, finish reason) when a row's committed canvas already fixes its answer: the
-        committed prefix reaches a stop token, ``max_new_tokens`` or a stop string."""
-        tokens = []
-        for t in canvas[: job.max_new_tokens]:
-            if t is None:
-                return None
-            if t in self.stop_ids:
-                return tokens, "stop"
-            tokens.append(t)
-        if len(tokens) >= job.max_new_tokens:
-            return tokens, "length"
-        if job.stop and any(s in self.bundle.decode_continuation(job.prompt_ids, tokens) for s in job.stop):
-            return tokens, "stop"
-        return None
-
-    def _run_batch(self, jobs: list[Job]) -> None:
-        first = jobs[0]
-        decode = get_decoder(first.decoder, self.bundle.kind)
-        self.batch_rows, self._batch = {j.id: i for i, j in enumerate(jobs)}, jobs
-        self.peak_running = max(self.peak_running, self.active)
-        last_step, steps = [None], [0] * len(jobs)  # forwards in which each row had work (its step events)
-        edits = edits_committed(self.bundle, first.decoder, first.options)
-
-        def on_step(event: dict) -> None:
-            if event["step"] != last_step[0]:  # a new forward of the batch: the running decoders advance too
-                last_step[0] = event["step"]
-                self._interleave()
-            row = int(event["row"])
-            job = jobs[row]
-            if job.gone:
-                self._finish_gone(job)
-            elif not job.closed:
-                job.post("step", event)
-                steps[row] += 1
-                final = None if edits else self._final(job, event["canvas"])
-                if final is not None:  # the answer cannot change any more: send it now
-                    job.finish("done", {"tokens": final[0], "nfe": steps[row], "finish_reason": final[1]})
-            if all(j.gone or j.closed for j in jobs):
-                raise _Abandoned
-
-        kwargs = dict(first.options)
-        params = inspect.signature(decode).parameters
-        if "on_step" in params:
-            kwargs["on_step"] = on_step
-        if self.compile and "compile" in params:
-            kwargs["compile"] = True
-        try:
-            out = decode(self.bundle, [j.prompt_ids for j in jobs], max_new_tokens=first.max_new_tokens,
-                         sampling=first.sampling, stop_token_ids=self.bundle.stop_token_ids,
-                         stop_strings=first.stop, **kwargs)
-        except _Abandoned:
-            self.abandoned_batches += 1
-            for j in jobs:
-                self._finish_gone(j)
-            return
-        except UnmaskError as e:  # the decoder's own validation (block size, policy, ...): a bad request
-            for j in jobs:
-                j.finish("error", _bad_request(e, first.options))
-            return
-        except Exception:  # a bug fails this batch only; the running batches and the queue keep going
-            log.exception("decoding a %s batch failed", first.decoder)
-            for j in jobs:
-                j.finish("error", ApiError(500, _SERVER_ERROR, type="server_error"))
-            return
-        finally:
-            self.batch_rows, self._batch = {}, []
-        for i, j in enumerate(jobs):
-            if j.gone:
-                self._finish_gone(j)
-                continue
-            toks = out.tokens[i]
-            reason = "length" if len(toks) >= j.max_new_tokens else "stop"
-            j.finish("done", {"tokens": toks, "nfe": int(out.stats.nfe_per_row[i]), "finish_reason": reason})

@@ -1,0 +1,95 @@
+"""A request as the server's scheduler sees it (:class:`Job`), and the scheduler's answers to the
+HTTP layer: queue full (429), shutting down (503), a decoder's validation error (400), a timeout
+(408) or cancellation."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from unmask.errors import UnmaskError
+from unmask.sampling import Sampling
+from unmask.serve.errors import ApiError
+from unmask.serve.protocol import api_message
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Job:
+    """One request as the scheduler sees it.
+
+    prompt_ids: the encoded prompt; options: decoder knobs; stop: stop strings; deadline:
+    ``time.monotonic()`` after which the request times out. ``post(kind, payload)`` delivers an event
+    to the waiting HTTP handler (thread-safe)."""
+
+    prompt_ids: list[int]
+    decoder: str
+    options: dict
+    sampling: Sampling
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    deadline: float
+    post: object
+    id: int = field(default_factory=lambda: next(_ids))
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)
+    closed: bool = False  # set by the scheduler after the final event
+    sizable: bool = False  # set by the scheduler: greedy lossless sbd whose K follows the load
+    running_key: tuple | None = None  # set by the scheduler: the running batch it joins (None: per call)
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this request at its next step boundary (thread-safe)."""
+        self.cancelled.set()
+
+    @property
+    def gone(self) -> bool:
+        return self.cancelled.is_set() or time.monotonic() > self.deadline
+
+    @property
+    def events(self) -> bool:
+        """Whether its running batch builds step events for it (an AR row streams through ``on_token``)."""
+        return self.decoder != "ar"
+
+    def batch_key(self) -> tuple:
+        """Requests with equal keys can share one per-call ``decode``."""
+        solo = self.id if not self.sampling.greedy else None
+        return (self.decoder, tuple(sorted(self.options.items())), self.sampling, self.max_new_tokens,
+                self.stop, solo)
+
+    def finish(self, kind: str, payload) -> None:
+        if not self.closed:
+            self.closed = True
+            self.post(kind, payload)
+
+
+def bad_request(e: UnmaskError, options: dict) -> ApiError:
+    """A 400 for a decoder's own validation error, ``param`` the knob the message names, if any
+    (longest name first: tau_add before tau)."""
+    message = api_message(str(e).splitlines()[0])
+    low = message.lower()
+    param = next((k for k in sorted(options, key=len, reverse=True) if k in low or k.replace("_", " ") in low), None)
+    return ApiError(400, message, param=param)
+
+
+def finish_gone(job: Job) -> None:
+    """Answer a cancelled (no payload) or timed-out (408) request."""
+    if job.cancelled.is_set():
+        job.finish("cancelled", None)
+    else:
+        job.finish("error", ApiError(408, "the request timed out; raise 'timeout' or lower max_tokens",
+                                     type="timeout_error", code="timeout"))
+
+
+def server_error() -> ApiError:
+    return ApiError(500, "internal error while decoding; see the server log", type="server_error")
+
+
+class QueueFull(Exception):
+    """The bounded queue is full (HTTP 429)."""
+
+
+class ShuttingDown(Exception):
+    """The scheduler is draining for shutdown and admits nothing (HTTP 503)."""
