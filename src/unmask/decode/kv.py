@@ -82,13 +82,13 @@ class StaticKV:
 
     static = True
 
-    def __init__(self, model, batch: int, capacity: int, *, compile: bool = False):
+    def __init__(self, model, batch: int, capacity: int, *, compile: bool = False, cpp_wrapper: bool = False):
         from unmask.decode.static import static_cache, step_function
 
         self.model, self.batch = model, batch
         self.cache, self.capacity = static_cache(model, batch, capacity)
         self.ptr = 0
-        self._step = step_function(model, compile)
+        self._step = step_function(model, compile, cpp_wrapper=cpp_wrapper)  # cpp_wrapper: CPU only
         self._eager = step_function(model, False)
         self._masks: dict[tuple[int, int], torch.Tensor] = {}  # (B, q) -> (B, 1, q, L) bool buffer
         self._device = next(model.parameters()).device

@@ -123,9 +123,8 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     knobs (e.g. ``{"decoder": "sbd", "gamma": 0.35}``), checked here like a request. The
     scheduler thread starts with the app's lifespan and stops with it; ``app.state.scheduler``
     and ``app.state.metrics`` expose them. Raises UnmaskError for a bad batch size, queue bound or
-    default knob. ``compile``: the AR / lossless sbd running batch runs on a static KV cache with a
-    compiled forward (the first step of each query length compiles it), and per-call decoders take
-    ``compile=True``. ``draft_sizes``: the
+    default knob. ``compile``: the ar / lossless sbd running batch on a static KV cache with a compiled
+    forward (each query length compiles once); per-call decoders take ``compile=True``. ``draft_sizes``: the
     running-batch -> K table of greedy lossless ``sbd`` requests that fix no block size
     (:mod:`unmask.serve.draft_sizing`; text like ``"1:8,2:4,4:1"``, or ``"off"``/None). ``limits``: the
     per-request body, prompt, query-token and cache limits (:class:`unmask.serve.limits.Limits`).
