@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import unmask
-from unmask.decode import block, diffusion, early_bird, multiblock, sbd
+from unmask.decode import block, diffusion_engine, early_bird, multiblock, sbd
 from unmask.errors import UnmaskError
 from unmask.policies import TokenStats
 
@@ -34,7 +34,7 @@ def _mask_commits(module, name, mask_id, counter):
 
 
 CASES = {  # decoder -> (module, function to corrupt, model)
-    "diffusion": (diffusion, "commit_rows", "stories260K-dlm"),
+    "diffusion": (diffusion_engine, "commit_rows", "stories260K-dlm"),  # the running batch's step
     "sbd": (sbd, "commit", "stories260K-sbd"),
     "block": (block, "commit", "stories260K-bd"),
 }

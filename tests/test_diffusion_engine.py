@@ -1,0 +1,104 @@
+"""The diffusion decoder's one running batch (issue 25, :class:`~unmask.decode.diffusion_engine.Diffusion`):
+host syncs per step, slot canvases that widen, lockstep (decode) and free (server) block progress."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import unmask
+from unmask.decode import diffusion
+from unmask.decode.diffusion import DiffusionConfig
+from unmask.decode.diffusion_engine import Diffusion
+from unmask.decode.running import Request, requests_for
+from unmask.sampling import Sampling
+
+SYNCS = ("item", "tolist", "__bool__", "__int__", "cpu")
+
+
+@pytest.fixture(scope="module")
+def dlm():
+    return unmask.load("stories260K-dlm")
+
+
+def prompts(bundle):
+    return [bundle.encode(t) for t in ("Once upon a time", "Tom", "Lily wanted to play with her big red ball")]
+
+
+class SyncCounter:
+    """Counts calls of the Tensor methods that wait for the device while active."""
+
+    def __init__(self, monkeypatch):
+        self.count, self.on = 0, False
+        for name in SYNCS:
+            real = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(real))
+
+    def _wrap(self, real):
+        def counted(t, *args, **kwargs):
+            self.count += self.on
+            return real(t, *args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("cache, policy", [("none", "threshold"), ("prefix", "top-k"), ("dual", "factor"),
+                                           ("dual", "entropy-bound")])
+def test_a_step_syncs_with_the_host_once(dlm, monkeypatch, cache, policy):
+    """Greedy, no on_step, no stop strings: one host sync per step (the per-row counts and flags),
+    one more in a step where rows finish (their tokens)."""
+    cfg = DiffusionConfig.from_options(max_new_tokens=24, block_size=8, cache=cache, policy=policy, sampler="llada")
+    dec = Diffusion(dlm, cfg, capacity=3, width=64)
+    dec.join(requests_for(prompts(dlm), max_new_tokens=24, sampling=Sampling()))
+    counter = SyncCounter(monkeypatch)
+    per_step = []
+    while len(dec):
+        counter.count, counter.on = 0, True
+        finished = dec.step()
+        counter.on = False
+        per_step.append((counter.count, len(finished)))
+    assert len(per_step) > 3
+    assert all(n == (1 if not done else 2) for n, done in per_step), per_step
+
+
+def test_a_widened_canvas_pads_earlier_rows(dlm):
+    """A wider row joining later left-pads the running rows: their new columns are padding (invalid)."""
+    cfg = DiffusionConfig.from_options(max_new_tokens=8, block_size=8)
+    dec = Diffusion(dlm, cfg, capacity=2, options={"block_size": 8})
+    short, wide = Request(prompt_ids=[1, 60], max_new_tokens=8, id=0), Request(prompt_ids=[1] + [70] * 9,
+                                                                                max_new_tokens=8, id=1)
+    dec.join([short])
+    dec.step()
+    dec.join([wide])
+    T = dec.canvas.width
+    assert T == 10 + 8
+    assert dec.canvas.valid[0].tolist() == [False] * (T - 10) + [True] * 10
+    assert dec.canvas.pos[0, T - 10:].tolist() == list(range(10))
+    assert dec.canvas.padded == [True, False]  # the widest row has no padding: no mask needed for it alone
+
+
+def test_lockstep_keeps_decode_nfe_and_free_rows_finish_sooner(dlm):
+    """decode's batch advances block by block together (its NFE, as before the one engine); the
+    server's rows advance each on its own. Same tokens and per-row NFE either way."""
+    ps = prompts(dlm)
+    cfg = DiffusionConfig.from_options(max_new_tokens=32, block_size=8, policy="threshold", tau=0.7, sampler="llada")
+    runs = {}
+    for lockstep in (True, False):
+        dec = Diffusion(dlm, cfg, capacity=3, width=max(map(len, ps)) + 32, lockstep=lockstep)
+        done = dec.join(requests_for(ps, max_new_tokens=32, sampling=Sampling()))
+        while len(dec):
+            done += dec.step()
+        runs[lockstep] = (dec.forwards, sorted((r.job.id, r.tokens, r.nfe) for r in done))
+    alone = [diffusion.decode(dlm, [p], max_new_tokens=32, block_size=8, policy="threshold", tau=0.7) for p in ps]
+    assert runs[True][1] == runs[False][1] == [(i, a.tokens[0], a.stats.nfe) for i, a in enumerate(alone)]
+    batch = diffusion.decode(dlm, ps, max_new_tokens=32, block_size=8, policy="threshold", tau=0.7)
+    assert batch.stats.nfe == runs[True][0] > runs[False][0] >= max(a.stats.nfe for a in alone)
+
+
+def test_a_full_batch_refuses_in_one_line(dlm):
+    cfg = DiffusionConfig.from_options(max_new_tokens=8, block_size=8)
+    dec = Diffusion(dlm, cfg, capacity=1, width=16)
+    dec.join([Request(prompt_ids=[1, 5], max_new_tokens=8, id=0)])
+    with pytest.raises(unmask.UnmaskError, match="running batch full") as e:
+        dec.join([Request(prompt_ids=[1, 6], max_new_tokens=8, id=1)])
+    assert "\n" not in str(e.value) and len(dec) == 1
