@@ -102,3 +102,78 @@ def test_a_full_batch_refuses_in_one_line(dlm):
     with pytest.raises(unmask.UnmaskError, match="running batch full") as e:
         dec.join([Request(prompt_ids=[1, 6], max_new_tokens=8, id=1)])
     assert "\n" not in str(e.value) and len(dec) == 1
+
+
+# -- Dream's schedule: a running batch of its own ------------------------------------------------------
+
+
+def test_dream_rows_joining_mid_flight_equal_decode_alone(dlm):
+    """Dream-schedule rows join and leave a running DreamSchedule at any step; each row's tokens,
+    NFE, row_extra and step events equal diffusion.decode(schedule="dream") on its prompt alone."""
+    from unmask.decode.dream_compat import DreamSchedule
+
+    opts = {"alg": "entropy", "steps": 6}
+    events: dict[int, list] = {}
+    dec = DreamSchedule.serving(dlm, {"schedule": "dream", **opts}, capacity=3,
+                                on_step=lambda row, e: events.setdefault(row.job.id, []).append(e))
+    hot = Sampling(temperature=0.9, seed=4)
+    ps = prompts(dlm)
+    reqs = [Request(prompt_ids=ps[0], max_new_tokens=12, id=0), Request(prompt_ids=ps[1], max_new_tokens=8, id=1),
+            Request(prompt_ids=ps[2], max_new_tokens=12, sampling=hot, id=2),
+            Request(prompt_ids=ps[1], max_new_tokens=10, id=3)]
+    done = dec.join(reqs[:1])
+    for _ in range(2):
+        done += dec.step()
+    done += dec.join(reqs[1:3])
+    done += dec.step()
+    assert [row.job.id for row in dec.drop([1])] == [1]
+    done += dec.join(reqs[3:])  # into the slot the dropped row freed
+    while len(dec):
+        done += dec.step()
+    assert sorted(row.job.id for row in done) == [0, 2, 3]
+    for row in done:
+        j = row.job
+        seen = []
+        alone = diffusion.decode(dlm, [j.prompt_ids], max_new_tokens=j.max_new_tokens, sampling=j.sampling,
+                                 stop_token_ids=dlm.stop_token_ids, schedule="dream", on_step=seen.append, **opts)
+        assert row.tokens == alone.tokens[0] and row.nfe == alone.stats.nfe == alone.stats.nfe_per_row[0]
+        assert row.extra == alone.stats.extra["row_extra"][0] and events[j.id] == seen
+
+
+def test_dream_batch_refuses_what_decode_refuses(dlm):
+    from unmask.decode.dream_compat import DreamSchedule
+
+    with pytest.raises(unmask.UnmaskError, match="do not apply to --schedule dream"):
+        DreamSchedule.serving(dlm, {"schedule": "dream", "block_size": 4})
+    dec = DreamSchedule.serving(dlm, {"schedule": "dream"})
+    with pytest.raises(unmask.UnmaskError, match="stop strings do not apply"):
+        dec.join([Request(prompt_ids=[1, 5], max_new_tokens=4, stop=("x",), id=0)])
+    assert len(dec) == 0
+
+
+def test_the_server_runs_dream_requests_in_one_running_batch(dlm):
+    """Dream-schedule requests no longer run per call: they share a running batch (which a request
+    joins mid-flight) and every text equals unmask.generate's."""
+    pytest.importorskip("fastapi")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_serve import post, wait_until
+
+    from unmask.serve import create_app
+    from unmask.serve.server import ServerThread
+
+    knobs = {"schedule": "dream", "alg": "maskgit_plus", "steps": 8}
+    cases = [("Once upon a time", 16), ("Tom had a red ball", 8), ("The sun", 12)]
+    refs = [unmask.generate(p, dlm, "diffusion", max_new_tokens=n, **knobs).texts[0] for p, n in cases]
+    app = create_app(dlm, max_batch_size=4)
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        sched.pause()
+        with ThreadPoolExecutor(len(cases)) as pool:
+            futures = [pool.submit(post, s.url + "/v1/completions",
+                                   {"prompt": p, "max_tokens": n, "decoder": "diffusion", **knobs}) for p, n in cases]
+            wait_until(lambda: sched.queue_depth == len(cases))
+            sched.resume()
+            texts = [f.result()[2]["choices"][0]["text"] for f in futures]
+        assert texts == refs and sched.peak_running == len(cases)
+        wait_until(lambda: sched.active == 0 and not sched.running_batches)
