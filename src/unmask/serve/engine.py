@@ -11,12 +11,15 @@ What is continuous and what is not (README "Serving"):
   prefilled and its N_buf slots added), ``block`` and lossy ``sbd``
   (:mod:`unmask.serve.sbd_lossy_batch`), lossless ``sbd`` that fixes its block size or samples
   (:class:`~unmask.serve.sbd_batch.VerifyBatch`, per K and draft layout) and ``diffusion``
-  (:class:`~unmask.serve.diffusion_batch.DiffusionBatch`, per knobs and effective block size), and
+  (:class:`~unmask.decode.diffusion_engine.Diffusion`, the class ``diffusion.decode`` runs, per knobs
+  and effective block size), and
   ``early-bird`` without a cache (:class:`~unmask.serve.early_bird_batch.EarlyBirdBatch`). A request joins at the
   next step boundary and leaves the step it finishes, is cancelled or times out, freeing its
   slots and cache rows at once; each row's tokens, NFE and events equal its decoder's ``decode``
   on its prompt alone, greedy or seeded, whatever else runs.
-- Cached ``early-bird`` (a refresh serves every row), ``diffusion`` with Dream's ``schedule`` and
+  ``diffusion`` with Dream's ``schedule`` joins a running
+  :class:`~unmask.decode.dream_compat.DreamSchedule` per set of options.
+- Cached ``early-bird`` (a refresh serves every row) and
   greedy lossless ``sbd`` sized by the load (below) run a whole batch in one call of their ``decode`` function, so those batches are formed
   from *compatible* queued requests (same decoder, options, sampling, length and stop strings) and
   run to completion: a request cannot join one mid-block, and its slot is freed when the batch
@@ -63,9 +66,10 @@ from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.decode.sbd import runs_lossless
 from unmask.serve.ar_batch import ARBatch, Row
-from unmask.serve import block_batch, diffusion_batch, early_bird_batch, sbd_lossy_batch
+from unmask.decode.diffusion_engine import OPTIONS as DIFFUSION_OPTIONS, Diffusion
+from unmask.decode.dream_compat import OPTIONS as DREAM_OPTIONS, DreamSchedule
+from unmask.serve import block_batch, early_bird_batch, sbd_lossy_batch
 from unmask.serve.block_batch import MultiBlockBatch
-from unmask.serve.diffusion_batch import DiffusionBatch
 from unmask.serve.early_bird_batch import EarlyBirdBatch
 from unmask.serve.sbd_batch import VerifyBatch
 from unmask.serve.sbd_lossy_batch import BlockBatch, SBDBatch
@@ -76,12 +80,20 @@ from unmask.serve.protocol import api_message, edits_committed
 log = logging.getLogger("unmask.serve")
 # Continuous running batches other than AR's: batch kind -> class (see Scheduler._running_kind).
 RUNNING = {"multiblock": MultiBlockBatch, "sbd-lossless": VerifyBatch, "sbd": SBDBatch, "block": BlockBatch,
-           "diffusion": DiffusionBatch, "early-bird": EarlyBirdBatch}
+           "diffusion": Diffusion.serving, "dream": DreamSchedule.serving, "early-bird": EarlyBirdBatch}
 # The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
 RUNNING_OPTIONS = {"multiblock": block_batch.OPTIONS, "sbd": sbd_lossy_batch.SBD_OPTIONS,
-                   "block": sbd_lossy_batch.BLOCK_OPTIONS, "diffusion": diffusion_batch.OPTIONS,
+                   "block": sbd_lossy_batch.BLOCK_OPTIONS, "diffusion": DIFFUSION_OPTIONS,
                    "early-bird": early_bird_batch.OPTIONS}
 _ids = itertools.count()
+
+
+def _drop(batch, pred) -> list:
+    """The rows ``pred`` picks, dropped from ``batch``: the one-engine decoders (issue 25) drop by
+    job id, the older running batches by predicate."""
+    if isinstance(batch, (Diffusion, DreamSchedule)):
+        return batch.drop([r.job.id for r in batch.rows if pred(r)])
+    return batch.drop(pred)
 
 
 class _Abandoned(Exception):
@@ -288,7 +300,7 @@ class Scheduler:
         if bundle.kind != "masked-diffusion":
             return False
         try:
-            DiffusionBatch(bundle)
+            Diffusion.serving(bundle, capacity=1)
         except UnmaskError:
             return False
         return True
@@ -367,6 +379,9 @@ class Scheduler:
         items), or None when it runs in a per-call batch (or, for AR and sized lossless sbd, in the
         AR batch). Lossless sbd with a fixed block size, or sampled, joins a :class:`VerifyBatch`
         of its block size and draft layout (the checkpoint's defaults filled in, as sbd.decode does)."""
+        if job.decoder == "diffusion" and "schedule" in job.options:  # Dream's schedule: a running batch of its own
+            fits = self._diffusion_runs and set(job.options) <= {"schedule", *DREAM_OPTIONS}
+            return ("dream", tuple(sorted(job.options.items()))) if fits else None
         if job.decoder in RUNNING_OPTIONS and not set(job.options) <= set(RUNNING_OPTIONS[job.decoder]):
             return None
         if job.decoder in ("diffusion", "early-bird") and not self._diffusion_runs:
@@ -460,14 +475,15 @@ class Scheduler:
             batch = self.running_batches.get(key)
             if batch is None:
                 try:
+                    sized = {"capacity": self.max_batch_size} if key[0] in ("diffusion", "dream") else {}
                     batch = self.running_batches[key] = RUNNING[key[0]](self.bundle, dict(key[1]),
-                                                                        on_step=self._running_event)
+                                                                        on_step=self._running_event, **sized)
                 except UnmaskError as e:  # the options failed the decoder's own validation
                     for j in joining.get(key, []):
                         j.finish("error", _bad_request(e, j.options))
                     continue
             try:
-                for row in batch.drop(lambda r: r.job.gone):
+                for row in _drop(batch, lambda r: r.job.gone):
                     self._finish_gone(row.job)
                 for job in joining.get(key, []):
                     self._join_running(batch, job)
@@ -479,7 +495,7 @@ class Scheduler:
                 for j in [r.job for r in batch.rows]:
                     j.finish("error", ApiError(500, "internal error while decoding; see the server log",
                                                type="server_error"))
-                batch.drop(lambda r: True)
+                _drop(batch, lambda r: True)
             if not len(batch):
                 del self.running_batches[key]  # frees its cache; a new batch forms with the next request
 
