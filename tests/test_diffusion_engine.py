@@ -177,3 +177,47 @@ def test_the_server_runs_dream_requests_in_one_running_batch(dlm):
             texts = [f.result()[2]["choices"][0]["text"] for f in futures]
         assert texts == refs and sched.peak_running == len(cases)
         wait_until(lambda: sched.active == 0 and not sched.running_batches)
+
+
+# -- early-bird: the same canvas machinery ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_an_early_bird_step_syncs_with_the_host_once(dlm, monkeypatch, cache):
+    """LBS only, greedy, no on_step, no stop strings: one host sync per step, one more in a step
+    where rows finish (with the LPS router the open rows and their packing add up to two)."""
+    from unmask.decode.early_bird import configure
+    from unmask.decode.early_bird_engine import EarlyBird
+
+    cfg, lbs, lps = configure(dlm, cache=cache, lps=False)
+    dec = EarlyBird(dlm, cfg, lbs, lps, capacity=2, width=300)
+    dec.join(requests_for(prompts(dlm)[:2], max_new_tokens=32, sampling=Sampling()))
+    counter = SyncCounter(monkeypatch)
+    per_step = []
+    with torch.inference_mode():
+        while len(dec):
+            counter.count, counter.on = 0, True
+            finished = dec.step()
+            counter.on = False
+            per_step.append((counter.count, len(finished)))
+    assert len(per_step) > 3
+    assert all(n == (1 if not done else 2) for n, done in per_step), per_step
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_a_cached_early_bird_batch_equals_its_rows_alone(cache):
+    """Every row refreshes its own cache (issue 25): decode of a batch with a cache equals each
+    prompt decoded alone (it did not while one refresh, one window, served every row). A random
+    LBS router on a tiny model selects different blocks per row, so the windows differ."""
+    from test_early_bird import SMALL, dllm, lbs
+
+    from unmask.decode import early_bird
+
+    bundle = dllm(1)
+    ps = [[1, 5, 9, 3], [1, 7], [1, 2, 3, 4, 5, 6]]
+    kw = dict(max_new_tokens=32, cache=cache, lps=False, **SMALL)
+    with torch.inference_mode():
+        batch = early_bird.decode(bundle, ps, lbs_router=lbs(seed=0), **kw)
+        for i, p in enumerate(ps):
+            alone = early_bird.decode(bundle, [p], lbs_router=lbs(seed=0), **kw)
+            assert batch.tokens[i] == alone.tokens[0] and batch.stats.nfe_per_row[i] == alone.stats.nfe

@@ -153,7 +153,7 @@ class SlotCanvas:
     depend on key order, so this equals Fast-dLLM's in-place ``replace_position`` layout.
     """
 
-    def __init__(self, bundle, mode: str, capacity: int, width: int, block: int, *, static: bool = False,
+    def __init__(self, bundle, mode: str, capacity: int, width: int, block: int | None, *, static: bool = False,
                  compile: bool = False):
         if mode not in CACHE_MODES:
             raise UnmaskError(f"unknown cache {mode!r}; choose one of: {', '.join(CACHE_MODES)}")
@@ -219,56 +219,74 @@ class SlotCanvas:
             self.kept = [(pad(k, 0, 2), pad(v, 0, 2)) for k, v in self.kept]  # (C', H, T + d, D)
 
     def forward(self, n: int, starts: list[int], refresh: list[bool]) -> torch.Tensor:
-        """One forward of slots [0, n): row r scores its block [starts[r], starts[r] + block) (canvas
-        columns) from the rows [w0, e) = [starts[r] - shift, starts[r] + block); ``refresh[r]``: the
-        row refreshes its cache in this forward (ignored without one). Returns the raw logits
-        (n, shift + block, V) float32 of each row's [w0, e)."""
-        dev, sh, Bk = self.ids.device, self.shift, self.block
-        w0 = torch.tensor(starts, device=dev) - sh  # (n,)
-        lo, hi = min(starts) - sh, max(starts) + Bk  # the columns every row's scored rows lie in
-        ids, pos, valid = self.ids[:n], self.pos[:n], self.valid[:n]  # (n, T) each
-        if self.mode == "none":
-            raw = canvas_call(self.bundle, self.canvas, ids, pos, valid, (lo, hi), padded=any(self.padded[:n]))
-            offset = w0 - lo  # raw (n, hi - lo, V)
-        else:
-            raw, offset = self._cached(n, w0, lo, hi, refresh)
-        at = offset[:, None] + torch.arange(sh + Bk, device=dev)  # (n, shift + block)
+        """One forward of slots [0, n) for block decoding: row r scores its block [starts[r], starts[r]
+        + block) (canvas columns) from the rows [w0, e) = [starts[r] - shift, starts[r] + block);
+        ``refresh[r]``: the row refreshes its cache in this forward (ignored without one). Returns
+        the raw logits (n, shift + block, V) float32 of each row's [w0, e)."""
+        dev, sh, Bk, T = self.ids.device, self.shift, self.block, self.width
+        w0 = [s - sh for s in starts]
+        w1 = [s + Bk for s in starts] if self.mode == "dual" else [T] * n
+        raw, col0 = self.run(n, w0, w1, refresh, min(w0), max(starts) + Bk)  # (n, m, V), (n,)
+        at = (torch.tensor(w0, device=dev) - col0)[:, None] + torch.arange(sh + Bk, device=dev)  # (n, shift + block)
         return raw.gather(1, at[:, :, None].expand(n, sh + Bk, raw.shape[2]))  # (n, shift + block, V)
 
-    def _cached(self, n, w0, lo, hi, refresh) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prefix/dual forward: (raw logits (n, m, V), (n,) long each row's w0 among the m rows)."""
-        dev, T, sh, Bk = self.ids.device, self.width, self.shift, self.block
+    def run(self, n: int, w0: list[int], w1: list[int], refresh: list[bool], lo: int, hi: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of slots [0, n). Row r's window is the canvas columns [w0[r], w1[r]); a row
+        with ``refresh[r]`` feeds its whole canvas and then keeps its K/V of every column, valid
+        outside that window (see :meth:`hide`); the others feed their window against their kept
+        K/V (no cache: every row feeds its whole canvas). [lo, hi): the canvas columns whose logits
+        the caller reads. Returns (raw (n, m, V) float32, col0 (n,) long: the canvas column of
+        ``raw[r, 0]``); a dual window step returns each row's window (col0 = w0), any other forward
+        the columns [lo, hi)."""
+        dev, T = self.ids.device, self.width
+        if self.mode == "none":
+            raw = canvas_call(self.bundle, self.canvas, self.ids[:n], self.pos[:n], self.valid[:n], (lo, hi),
+                              padded=any(self.padded[:n]))  # (n, hi - lo, V)
+            return raw, torch.full((n,), lo, device=dev)
+        a, b = torch.tensor(w0, device=dev), torch.tensor(w1, device=dev)  # (n,) each
         cols = torch.arange(T, device=dev)  # (T,)
-        end = (w0 + sh + Bk)[:, None] if self.mode == "dual" else T
-        window = (cols[None, :] >= w0[:, None]) & (cols[None, :] < end)  # (n, T) each row's window
+        window = (cols[None, :] >= a[:, None]) & (cols[None, :] < b[:, None])  # (n, T) each row's window
         first = self.kv.length == 0 if self.static else self.kept is None
-        fresh = torch.tensor(refresh, device=dev)  # (n,)
-        if first or any(refresh):  # whole canvases: a refreshing row's queries are all its columns
+        fresh = torch.tensor(refresh, device=dev) | first  # (n,)
+        full = first or any(refresh)
+        if full:  # whole canvases: a refreshing row's queries are all its columns
             q0, width = 0, T
             q_ids, q_pos = self.ids[:n], self.pos[:n]  # (n, T)
             q_valid = self.valid[:n] & (fresh[:, None] | window)  # (n, T)
         elif self.mode == "prefix":  # windows [w0, T): the last T - min(w0) columns, masked per row
-            q0, width = lo, T - lo
-            q_ids, q_pos, q_valid = self.ids[:n, lo:], self.pos[:n, lo:], window[:, lo:]  # (n, T - lo)
-        else:  # dual windows [w0, e): gathered, each row's own
-            q0, width = None, sh + Bk
-            at = w0[:, None] + torch.arange(width, device=dev)  # (n, shift + block)
-            q_ids, q_pos, q_valid = self.ids[:n].gather(1, at), self.pos[:n].gather(1, at), window.gather(1, at)
+            q0 = min(w0)
+            width = T - q0
+            q_ids, q_pos, q_valid = self.ids[:n, q0:], self.pos[:n, q0:], window[:, q0:]  # (n, T - q0)
+        else:  # dual windows [w0, w1): gathered, each row's own (shorter ones masked at the end)
+            q0, width = None, max(e - s for s, e in zip(w0, w1))
+            at = (a[:, None] + torch.arange(width, device=dev)).clamp(max=T - 1)  # (n, W)
+            inside = torch.arange(width, device=dev)[None, :] < (b - a)[:, None]  # (n, W)
+            q_ids, q_pos = self.ids[:n].gather(1, at), self.pos[:n].gather(1, at)  # (n, W) each
+            q_valid = window.gather(1, at) & inside  # (n, W)
         K = 0 if first else T
         key_valid = q_valid if first else torch.cat([self.kept_valid[:n] & ~fresh[:, None], q_valid], dim=1)
         rows = (lo - q0, hi - q0) if q0 is not None else (0, width)
-        pad_to = bucket(width, T) if self.static and self.mode == "prefix" and q0 else width
+        # a window whose length varies (prefix; early-bird's blocks) is padded to a bucket: few static shapes
+        pad_to = bucket(width, T) if self.static and not full and (self.mode == "prefix" or not self.block) else width
         kv = self.kv if self.static else self._dynamic(n)
         # only the first forward (no kept K/V yet) of unpadded canvases sees every key
         padded = not first or any(self.padded[:n])
         raw = kv_forward(self.bundle, kv, q_ids, q_pos, key_valid, rows, pad_to=pad_to,
-                         compiled=COMPILE_REFRESH or width != T, padded=padded)  # (n, hi - lo, V)
-        if width == T:  # a refreshing row keeps its new K/V of every column, valid outside its window
-            self._keep(kv, n, K, fresh | first)
-            self.kept_valid[:n] = torch.where((fresh | first)[:, None], self.valid[:n] & ~window, self.kept_valid[:n])
+                         compiled=COMPILE_REFRESH or not full, padded=padded)  # (n, m, V)
+        if full:  # a refreshing row keeps its new K/V of every column, valid outside its window
+            self._keep(kv, n, K, fresh)
+            self.kept_valid[:n] = torch.where(fresh[:, None], self.valid[:n] & ~window, self.kept_valid[:n])
         if self.static:
             kv.crop(kv.length - T)
-        return raw, (w0 - lo if q0 is not None else torch.zeros_like(w0))
+        return raw, (torch.full((n,), q0 + rows[0], device=dev) if q0 is not None else a)
+
+    def hide(self, n: int, rows: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor) -> None:
+        """Mark the kept K/V of the window [w0, w1) (n,) long each as stale for the ``rows`` (n,) bool:
+        for a decoder that picks its window after the refresh forward (early-bird)."""
+        cols = torch.arange(self.width, device=self.ids.device)  # (T,)
+        window = (cols[None, :] >= w0[:, None]) & (cols[None, :] < w1[:, None])  # (n, T)
+        self.kept_valid[:n] &= ~(window & rows[:, None])
 
     def _dynamic(self, n: int):
         """A DynamicKV over the kept K/V of slots [0, n) (empty before the first forward)."""
