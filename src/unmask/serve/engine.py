@@ -13,14 +13,14 @@ What is continuous and what is not (README "Serving"):
   (:class:`~unmask.serve.sbd_batch.VerifyBatch`, per K and draft layout) and ``diffusion``
   (:class:`~unmask.decode.diffusion_engine.Diffusion`, the class ``diffusion.decode`` runs, per knobs
   and effective block size), and
-  ``early-bird`` without a cache (:class:`~unmask.serve.early_bird_batch.EarlyBirdBatch`). A request joins at the
+  ``early-bird`` with every cache (:class:`~unmask.decode.early_bird_engine.EarlyBird`, a row's
+  refresh its own). A request joins at the
   next step boundary and leaves the step it finishes, is cancelled or times out, freeing its
   slots and cache rows at once; each row's tokens, NFE and events equal its decoder's ``decode``
   on its prompt alone, greedy or seeded, whatever else runs.
   ``diffusion`` with Dream's ``schedule`` joins a running
   :class:`~unmask.decode.dream_compat.DreamSchedule` per set of options.
-- Cached ``early-bird`` (a refresh serves every row) and
-  greedy lossless ``sbd`` sized by the load (below) run a whole batch in one call of their ``decode`` function, so those batches are formed
+- Greedy lossless ``sbd`` sized by the load (below) runs a whole batch in one call of their ``decode`` function, so those batches are formed
   from *compatible* queued requests (same decoder, options, sampling, length and stop strings) and
   run to completion: a request cannot join one mid-block, and its slot is freed when the batch
   ends. A request whose committed tokens already fix its answer (a stop token, ``max_tokens`` or
@@ -68,9 +68,9 @@ from unmask.decode.sbd import runs_lossless
 from unmask.serve.ar_batch import ARBatch, Row
 from unmask.decode.diffusion_engine import OPTIONS as DIFFUSION_OPTIONS, Diffusion
 from unmask.decode.dream_compat import OPTIONS as DREAM_OPTIONS, DreamSchedule
-from unmask.serve import block_batch, early_bird_batch, sbd_lossy_batch
+from unmask.decode.early_bird_engine import OPTIONS as EARLY_BIRD_OPTIONS, EarlyBird
+from unmask.serve import block_batch, sbd_lossy_batch
 from unmask.serve.block_batch import MultiBlockBatch
-from unmask.serve.early_bird_batch import EarlyBirdBatch
 from unmask.serve.sbd_batch import VerifyBatch
 from unmask.serve.sbd_lossy_batch import BlockBatch, SBDBatch
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes
@@ -80,18 +80,22 @@ from unmask.serve.protocol import api_message, edits_committed
 log = logging.getLogger("unmask.serve")
 # Continuous running batches other than AR's: batch kind -> class (see Scheduler._running_kind).
 RUNNING = {"multiblock": MultiBlockBatch, "sbd-lossless": VerifyBatch, "sbd": SBDBatch, "block": BlockBatch,
-           "diffusion": Diffusion.serving, "dream": DreamSchedule.serving, "early-bird": EarlyBirdBatch}
+           "diffusion": Diffusion.serving, "dream": DreamSchedule.serving,
+           "early-bird": EarlyBird.serving}
 # The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
 RUNNING_OPTIONS = {"multiblock": block_batch.OPTIONS, "sbd": sbd_lossy_batch.SBD_OPTIONS,
                    "block": sbd_lossy_batch.BLOCK_OPTIONS, "diffusion": DIFFUSION_OPTIONS,
-                   "early-bird": early_bird_batch.OPTIONS}
+                   "early-bird": EARLY_BIRD_OPTIONS}
 _ids = itertools.count()
+
+
+ONE_ENGINE = (Diffusion, DreamSchedule, EarlyBird)  # the decoders' own classes (issue 25): sized, drop by id
 
 
 def _drop(batch, pred) -> list:
     """The rows ``pred`` picks, dropped from ``batch``: the one-engine decoders (issue 25) drop by
     job id, the older running batches by predicate."""
-    if isinstance(batch, (Diffusion, DreamSchedule)):
+    if isinstance(batch, ONE_ENGINE):
         return batch.drop([r.job.id for r in batch.rows if pred(r)])
     return batch.drop(pred)
 
@@ -386,8 +390,6 @@ class Scheduler:
             return None
         if job.decoder in ("diffusion", "early-bird") and not self._diffusion_runs:
             return None
-        if job.decoder == "early-bird" and str(job.options.get("cache", "none")) != "none":
-            return None  # a cached early-bird refresh serves every row of a batch: per call
         if job.decoder == "diffusion" and job.options.get("block_size") is None:
             try:  # the block size this request decodes with (a short one gets a shorter block): part of the key
                 block = DiffusionConfig.from_options(max_new_tokens=job.max_new_tokens, **job.options).block_size
@@ -475,7 +477,7 @@ class Scheduler:
             batch = self.running_batches.get(key)
             if batch is None:
                 try:
-                    sized = {"capacity": self.max_batch_size} if key[0] in ("diffusion", "dream") else {}
+                    sized = {"capacity": self.max_batch_size} if key[0] in ("diffusion", "dream", "early-bird") else {}
                     batch = self.running_batches[key] = RUNNING[key[0]](self.bundle, dict(key[1]),
                                                                         on_step=self._running_event, **sized)
                 except UnmaskError as e:  # the options failed the decoder's own validation
