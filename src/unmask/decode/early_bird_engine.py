@@ -289,7 +289,6 @@ class EarlyBird:
         reports = torch.tensor([L if row is None else row.job.max_new_tokens for row in rows], device=dev)  # (n,)
         before = torch.arange(L, device=dev)[None, :] < reports[:, None]  # (n, L) reported positions
         self.done[:n] |= had & (reports < L) & ~((gen == mask_id) & before).any(dim=1)  # the reported part is in
-        idx = torch.arange(L, device=dev)  # (L,)
         b_lo = torch.where(block.any(dim=1), block.long().argmax(dim=1), 0)  # (n,) min B
         b_hi = L - torch.where(block.any(dim=1), block.flip(1).long().argmax(dim=1), L)  # (n,) max B + 1
         o_lo = torch.where(open_block.any(dim=1), open_block.long().argmax(dim=1), 0)  # (n,) live span
@@ -302,7 +301,6 @@ class EarlyBird:
         flags = torch.stack([chosen.sum(dim=1), had.long(), resolved.long(), self.done[:n].long(),
                              open_block.any(dim=1).long(), (gen == mask_id).any(dim=1).long(), b_lo, b_hi, o_lo, o_hi,
                              path, block.sum(dim=1), lps_only.long(), (gen != mask_id).sum(dim=1)]).tolist()
-        del idx
         self.seconds["step"] += _sync(dev) - t0
         finished = []
         for r, row in enumerate(rows):
