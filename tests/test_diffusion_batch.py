@@ -1,19 +1,29 @@
-"""Continuous batching for masked-diffusion decoding (``DiffusionBatch``, issue 16): whenever a row
-joins and whatever runs beside it, its tokens, NFE, row_extra and step events equal
-``diffusion.decode`` on its prompt alone (STYLE.md 14)."""
+"""The diffusion decoder's running batch (:class:`~unmask.decode.diffusion_engine.Diffusion`, the
+server's, issues 16 and 25): whenever a row joins and whatever runs beside it, its tokens, NFE,
+row_extra and step events equal ``diffusion.decode`` on its prompt alone (STYLE.md 14)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-from batch_helpers import GREEDY, check_canvas_rows, job, single_decode
+from batch_helpers import GREEDY, check_canvas_rows, single_decode
 from test_diffusion_decode import dllm
 
 import unmask
 from unmask.decode import diffusion
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.serve.diffusion_batch import DiffusionBatch
+from unmask.decode.diffusion_engine import Diffusion
+from unmask.decode.running import Request
+
+_ids = itertools.count()
+
+
+def job(prompt, max_new_tokens, sampling=GREEDY, stop=()) -> Request:
+    return Request(prompt_ids=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop),
+                   id=next(_ids))
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +36,7 @@ class Run:
 
     def __init__(self, bundle, options, **kw):
         self.events: dict[int, list[dict]] = {}
-        self.batch = DiffusionBatch(bundle, options, on_step=self._on_step, **kw)
+        self.batch = Diffusion.serving(bundle, options, on_step=self._on_step, **kw)
         self.done = []
         self.mixed = False  # whether some forward held rows at different blocks
         self.mixed_refresh = False  # whether some forward refreshed one row's cache and stepped another's window
@@ -48,21 +58,17 @@ class Run:
 
     def check_cache(self):
         b = self.batch
-        if not len(b):
-            assert b.canvas is None and b.cache is None
-            return
         if b.cfg.cache == "none":
-            assert b.cache is None
+            assert b.canvas.kept is None
             return
-        K = b.kept_valid.shape[1]
-        assert all(k.shape[2] == K and v.shape[2] == K for k, v in b.cache)
-        assert int(b.kept_valid.sum(dim=1).max()) == K  # no column that no row keeps
-        for r, row in enumerate(b.rows):
+        T = b.canvas.width
+        for row in b.rows:
             if row.step == 0:  # a new block: refreshed at its next forward
                 continue
-            w0 = row.prompt_len + row.block * b.cfg.block_size - b.bundle.logit_shift
-            window = b.cfg.block_size + b.bundle.logit_shift if b.cfg.cache == "dual" else row.width - w0
-            assert int(b.kept_valid[r].sum()) == row.width - window  # exactly its prefix (+ suffix) K/V
+            w0 = T - row.cfg.gen_length + row.block * b.cfg.block_size - b.bundle.logit_shift
+            window = b.cfg.block_size + b.bundle.logit_shift if b.cfg.cache == "dual" else T - w0
+            width = len(row.job.prompt_ids) + row.cfg.gen_length
+            assert int(b.canvas.kept_valid[row.slot].sum()) == width - window  # exactly its prefix (+ suffix) K/V
 
     def drain(self):
         while len(self.batch):
@@ -120,7 +126,7 @@ def test_caches_per_row_equal_single_runs(stories_dlm, options):
     run.step(2)
     run.join(jobs[1:3])
     run.step(1)
-    gone = run.batch.drop(lambda row: row.job is jobs[1])
+    gone = run.batch.drop([jobs[1].id])
     run.join(jobs[3:])
     run.drain()
     assert run.mixed and run.mixed_refresh and [row.job for row in gone] == [jobs[1]]
@@ -133,7 +139,7 @@ def test_dropped_row_leaves_others_exact(stories_dlm):
     run = Run(stories_dlm, options)
     run.join(jobs[:2])
     run.step(3)
-    gone = run.batch.drop(lambda row: row.job is jobs[0])
+    gone = run.batch.drop([jobs[0].id])
     assert [row.job for row in gone] == [jobs[0]]
     run.join(jobs[2:])
     run.drain()
@@ -189,16 +195,18 @@ def test_sampling_dream_sampler_shift1(stories_dlm):
     check(run, stories_dlm, jobs, options)
 
 
-def test_emptied_batch_frees_canvas(stories_dlm):
-    run = Run(stories_dlm, {"block_size": 4})
+def test_emptied_batch_frees_its_slots(stories_dlm):
+    run = Run(stories_dlm, {"block_size": 4}, capacity=2)
     run.join([job(PROMPTS[0], 4), job(PROMPTS[1], 8)])
-    assert run.batch.canvas.shape == (2, len(PROMPTS[1]) + 8)  # the longer canvas sets the width
+    assert run.batch.canvas.width == len(PROMPTS[1]) + 8  # the longer canvas sets the width
     run.drain()
-    assert len(run.batch) == 0 and run.batch.canvas is None and run.batch.cache is None
-    run.join([job(PROMPTS[3], 4)])
-    assert run.batch.canvas.shape == (1, len(PROMPTS[3]) + 4)
-    run.batch.drop(lambda row: True)
-    assert run.batch.canvas is None and run.batch.step() == []
+    assert len(run.batch) == 0 and run.batch.slots.free == 2
+    forwards = run.batch.forwards
+    assert run.batch.step() == [] and run.batch.forwards == forwards  # an empty batch runs no forward
+    late = job(PROMPTS[3], 4)
+    run.join([late, job(PROMPTS[2], 4)])  # both slots are free again
+    run.batch.drop([late.id])
+    assert [row.slot for row in run.batch.rows] == [1] and run.batch.slots.free == 1
 
 
 def test_refused_options(stories_dlm):
@@ -206,25 +214,25 @@ def test_refused_options(stories_dlm):
                           ({"compile": True}, "compile"), ({"policy": "nope"}, "nope"),
                           ({"block_size": 8, "gen_length": 12}, "block size")):
         with pytest.raises(UnmaskError, match=word) as e:
-            DiffusionBatch(stories_dlm, options)
+            Diffusion.serving(stories_dlm, options)
         assert "\n" not in str(e.value)
-    batch = DiffusionBatch(stories_dlm, {"policy": "top-k", "steps": 4, "block_size": 4})
+    batch = Diffusion.serving(stories_dlm, {"policy": "top-k", "steps": 4, "block_size": 4})
     with pytest.raises(UnmaskError, match="multiple"):  # 12 tokens = 3 blocks; 4 steps do not divide
         batch.join([job(PROMPTS[0], 8), job(PROMPTS[1], 12)])
     assert len(batch) == 0  # a bad job adds none
     with pytest.raises(UnmaskError, match="at least one token"):
         batch.join([job([], 4)])
     with pytest.raises(UnmaskError, match="exceeds gen length"):
-        DiffusionBatch(stories_dlm, {"gen_length": 8, "block_size": 4}).join([job(PROMPTS[0], 9)])
+        Diffusion.serving(stories_dlm, {"gen_length": 8, "block_size": 4}).join([job(PROMPTS[0], 9)])
 
 
 def test_row_positions_ignore_padding(stories_dlm):
     """Canvases are right-aligned; positions count each row's real tokens from 0."""
-    batch = DiffusionBatch(stories_dlm, {"block_size": 4})
+    batch = Diffusion.serving(stories_dlm, {"block_size": 4})
     batch.join([job(PROMPTS[1], 4), job(PROMPTS[2], 8)])
-    T = batch.canvas.shape[1]
+    T = batch.canvas.width
     assert T == len(PROMPTS[2]) + 8
     n = len(PROMPTS[1]) + 4
-    assert batch.valid[0].tolist() == [False] * (T - n) + [True] * n
-    assert batch.pos[0, T - n:].tolist() == list(range(n))
-    assert torch.equal(batch.pos[1], torch.arange(T))
+    assert batch.canvas.valid[0].tolist() == [False] * (T - n) + [True] * n
+    assert batch.canvas.pos[0, T - n:].tolist() == list(range(n))
+    assert torch.equal(batch.canvas.pos[1], torch.arange(T))

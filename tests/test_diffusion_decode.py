@@ -13,7 +13,7 @@ from conftest import tiny_bundle, tiny_llama, tiny_qwen3
 import unmask
 from unmask.compat import forward, new_cache
 from unmask.decode import diffusion, get_decoder
-from unmask.decode.dllm_cache import WindowForward
+from unmask.decode.dllm_cache import SlotCanvas
 from unmask.errors import UnmaskError
 from unmask.models.adapters import bidirectional_forward, realign
 from unmask.models.mask_token import add_mask_token
@@ -220,24 +220,23 @@ def test_caches_are_approximate_on_deeper_models():
 
 
 def test_dual_cache_holds_prefix_and_suffix_kv_of_the_refresh():
-    """The dual refresh feeds [prefix | suffix | window] and crops the window: what stays equals the
-    natural-order forward's K/V with the window's columns removed."""
+    """A dual refresh keeps the K/V of every canvas column, valid outside the window [w0, w1): what
+    stays equals the natural-order forward's K/V; a window step leaves the kept K/V as they were."""
     bundle = dllm(0, impl="eager")
     T, w0, w1 = 12, 4, 8
-    ids = torch.tensor([[1, 5, 9, 3] + [64] * 8])
-    pos, valid = torch.arange(T)[None], torch.ones(1, T, dtype=torch.bool)
-    run = WindowForward(bundle, "dual", ids, pos, valid)
-    run.begin(w0, w1)
-    run(refresh=True)
+    canvas = SlotCanvas(bundle, "dual", 1, T, w1 - w0)
+    canvas.place(0, [1, 5, 9, 3], 8, bundle.mask_token_id)
+    canvas.forward(1, [w0], [True])
     ref = new_cache(bundle.model)
-    forward(bundle.model, ids, position_ids=pos, cache=ref, is_causal=False)
+    forward(bundle.model, canvas.ids, position_ids=canvas.pos, cache=ref, is_causal=False)
     keep = torch.cat([torch.arange(0, w0), torch.arange(w1, T)])
-    for layer, want in zip(run.cache.layers, ref.layers):
-        torch.testing.assert_close(layer.keys, want.keys[:, :, keep], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(layer.values, want.values[:, :, keep], atol=1e-5, rtol=1e-5)
-    before = run.cache.layers[0].keys.shape[-2]
-    run(refresh=False)
-    assert run.cache.layers[0].keys.shape[-2] == before  # the step's window K/V were cropped again
+    assert torch.nonzero(canvas.kept_valid[0]).flatten().tolist() == keep.tolist()
+    for (keys, values), want in zip(canvas.kept, ref.layers):
+        torch.testing.assert_close(keys[:, :, keep], want.keys[:, :, keep], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values[:, :, keep], want.values[:, :, keep], atol=1e-5, rtol=1e-5)
+    before = [keys.clone() for keys, _ in canvas.kept]
+    canvas.forward(1, [w0], [False])
+    assert all(torch.equal(keys, old) for (keys, _), old in zip(canvas.kept, before))  # the window's K/V dropped
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])

@@ -1,18 +1,29 @@
-"""Continuous batching for Early-Bird decoding (``EarlyBirdBatch``, issue 16): whenever a row joins
-and whatever runs beside it, its tokens, NFE, row_extra and step events equal
-``early_bird.decode`` on its prompt alone (STYLE.md 14), with the shipped stories260K-dlm routers."""
+"""Early-Bird's running batch (:class:`~unmask.decode.early_bird_engine.EarlyBird`, the server's, issues
+16 and 25): whenever a row joins and whatever runs beside it, with every cache, its tokens, NFE,
+row_extra and step events equal ``early_bird.decode`` on its prompt alone (STYLE.md 14), with the
+shipped stories260K-dlm routers."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-from batch_helpers import GREEDY, check_canvas_rows, job, single_decode
+from batch_helpers import GREEDY, check_canvas_rows, single_decode
 
 import unmask
 from unmask.decode import early_bird
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.serve.early_bird_batch import EarlyBirdBatch
+from unmask.decode.early_bird_engine import EarlyBird
+from unmask.decode.running import Request
+
+_ids = itertools.count()
+
+
+def job(prompt, max_new_tokens, sampling=GREEDY, stop=()) -> Request:
+    return Request(prompt_ids=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop),
+                   id=next(_ids))
 
 PROMPTS = [[1, 403, 407, 261, 378], [1, 60, 70], [1, 300, 310, 320, 330, 340, 350, 360], [1, 90]]
 LBS_ONLY = {"lps": False}
@@ -29,7 +40,7 @@ class Run:
 
     def __init__(self, bundle, options, **kw):
         self.events: dict[int, list[dict]] = {}
-        self.batch = EarlyBirdBatch(bundle, options, on_step=self._on_step, **kw)
+        self.batch = EarlyBird.serving(bundle, options, on_step=self._on_step, **kw)
         self.done = []
         self.mixed = False  # whether some forward held one row selecting and another inside its block
 
@@ -42,13 +53,10 @@ class Run:
     def step(self, n=1):
         for _ in range(n):
             b = self.batch
-            if len(b) and b.canvas is not None:
-                live = [bool((row.block & (b.canvas[r, -b.L:] == b.mask_id)).any()) for r, row in enumerate(b.rows)]
-                self.mixed |= len(set(live)) > 1
+            self.mixed |= len({row.has_block for row in b.rows}) > 1
             self.done += b.step()
-            assert b.cache is None
             if not len(b):
-                assert b.canvas is None
+                assert b.slots.free == b.slots.capacity
 
     def drain(self):
         while len(self.batch):
@@ -98,9 +106,9 @@ def test_a_row_dropped_mid_decode_leaves_the_others_exact(stories_dlm):
     run = Run(stories_dlm, LBS_LPS)
     run.join(jobs)
     run.step(2)
-    gone = run.batch.drop(lambda row: row.job is jobs[0])  # the longest prompt: its padding columns go too
+    gone = run.batch.drop([jobs[0].id])  # the longest prompt: its slot is free at once
     assert [row.job for row in gone] == [jobs[0]]
-    assert run.batch.canvas.shape[1] == len(PROMPTS[0]) + run.batch.L  # the longest prompt left
+    assert run.batch.slots.free == run.batch.slots.capacity - 2
     run.drain()
     check(run, stories_dlm, jobs[1:], LBS_LPS)
 
@@ -135,6 +143,25 @@ def test_stop_strings_end_rows_as_single_runs(stories_dlm, options):
     assert all(len(row.tokens) < 48 for row in run.done if row.job.stop)
 
 
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+@pytest.mark.parametrize("options", [LBS_ONLY, LBS_LPS], ids=["lbs", "lbs+lps"])
+def test_cached_rows_refresh_on_their_own_and_equal_single_runs(stories_dlm, cache, options):
+    """Cached early-bird joins mid-flight (issue 25): a row's refresh is its own (its selection
+    forward), so while one row refreshes another steps its window, and each equals its decode alone."""
+    options = {**options, "cache": cache}
+    jobs = [job(p, n) for p, n in zip(PROMPTS, [24, 12, 40, 9])]
+    run = Run(stories_dlm, options)
+    run.join(jobs[:1])
+    run.step(2)
+    run.join(jobs[1:3])
+    run.step(1)
+    gone = run.batch.drop([jobs[1].id])
+    run.join(jobs[3:])
+    run.drain()
+    assert run.mixed and [row.job for row in gone] == [jobs[1]]
+    check(run, stories_dlm, [jobs[0], *jobs[2:]], options)
+
+
 def test_eos_early_stop_equals_single_runs(stories_dlm):
     options = {"eos_early_stop": True}
     probe = single(stories_dlm, job(PROMPTS[1], 48), options)[0].tokens[0]
@@ -149,11 +176,11 @@ def test_eos_early_stop_equals_single_runs(stories_dlm):
 
 
 def test_bad_options_and_jobs_are_refused(stories_dlm):
-    for options, match in [({"cache": "dual"}, "cache 'dual'"), ({"compile": True}, "compile"),
+    for options, match in [({"cache": "bogus"}, "unknown cache"), ({"compile": True}, "compile"),
                            ({"tau": 2.0}, "tau"), ({"gen_length": 64}, "gen length 256")]:
         with pytest.raises(UnmaskError, match=match):
-            EarlyBirdBatch(stories_dlm, options)
-    batch = EarlyBirdBatch(stories_dlm, LBS_ONLY)
+            EarlyBird.serving(stories_dlm, options)
+    batch = EarlyBird.serving(stories_dlm, LBS_ONLY)
     for bad, match in [(job([], 8), "at least one token"), (job([1], 257), "exceeds"), (job([1], 0), ">= 1"),
                        (job([1] * 300, 8), "context window")]:
         with pytest.raises(UnmaskError, match=match):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import unmask
-from unmask.decode import block, diffusion, early_bird, multiblock, sbd
+from unmask.decode import block, diffusion_engine, early_bird_engine, multiblock, sbd
 from unmask.errors import UnmaskError
 from unmask.policies import TokenStats
 
@@ -34,7 +34,7 @@ def _mask_commits(module, name, mask_id, counter):
 
 
 CASES = {  # decoder -> (module, function to corrupt, model)
-    "diffusion": (diffusion, "commit_rows", "stories260K-dlm"),
+    "diffusion": (diffusion_engine, "commit_rows", "stories260K-dlm"),  # the running batch's step
     "sbd": (sbd, "commit", "stories260K-sbd"),
     "block": (block, "commit", "stories260K-bd"),
 }
@@ -54,14 +54,14 @@ def test_a_step_that_commits_the_mask_id_hits_the_ceiling(monkeypatch, decoder):
 
 def test_early_bird_hits_the_ceiling(monkeypatch):
     bundle = unmask.load("stories260K-dlm")
-    real, counter = early_bird.token_stats, [0]
+    real, counter = early_bird_engine.token_stats, [0]  # the running batch's step
 
     def stats(logits, **kw):
         _guard(counter)
         s = real(logits, **kw)
         return TokenStats(torch.full_like(s.top1, bundle.mask_token_id), *s[1:])
 
-    monkeypatch.setattr(early_bird, "token_stats", stats)
+    monkeypatch.setattr(early_bird_engine, "token_stats", stats)
     with pytest.raises(UnmaskError, match="the early-bird decoder ran .* above its ceiling of 512"):
         unmask.generate(["Once upon a time"], bundle, "early-bird", max_new_tokens=16)
 

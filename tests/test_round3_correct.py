@@ -109,12 +109,12 @@ def test_quota_threshold_rule_reads_untempered_confidence():
 
 
 def test_serve_batches_take_the_confidence_option(dlm):
-    from unmask.serve.diffusion_batch import DiffusionBatch
+    from unmask.decode.diffusion_engine import Diffusion
 
-    assert DiffusionBatch(dlm, {"confidence": "tempered"}).confidence == "tempered"
-    assert DiffusionBatch(dlm, {}).confidence is None  # dream sampler: float32 untempered
+    assert Diffusion.serving(dlm, {"confidence": "tempered"}).confidence == "tempered"
+    assert Diffusion.serving(dlm, {}).confidence is None  # dream sampler: float32 untempered
     with pytest.raises(UnmaskError, match="unknown confidence"):
-        DiffusionBatch(dlm, {"confidence": "hot"})
+        Diffusion.serving(dlm, {"confidence": "hot"})
 
 
 # ---------------------------------------------------------------- item 9: AUP units

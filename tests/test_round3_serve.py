@@ -244,9 +244,9 @@ def test_parsing_and_tokenizing_run_off_the_event_loop(bundle, monkeypatch):
 def test_a_non_streamed_request_whose_client_left_is_dropped_and_counted_cancelled(dlm, monkeypatch):
     """Found by the fault pass: the handler checked for a disconnect only when no event came for
     0.2 s, and a running request's steps come faster: it kept its slot to the end, counted ok."""
-    from unmask.serve.diffusion_batch import DiffusionBatch
+    from unmask.decode.diffusion_engine import Diffusion
 
-    real_step = DiffusionBatch.step
+    real_step = Diffusion.step
     steps = []
 
     def slow_step(self):  # >= 2.4 s for the whole request, whatever this machine's speed
@@ -254,7 +254,7 @@ def test_a_non_streamed_request_whose_client_left_is_dropped_and_counted_cancell
         time.sleep(0.005)
         return real_step(self)
 
-    monkeypatch.setattr(DiffusionBatch, "step", slow_step)
+    monkeypatch.setattr(Diffusion, "step", slow_step)
     app = create_app(dlm, max_batch_size=4, max_queue=4)
     with ServerThread(app) as s:
         sched = app.state.scheduler

@@ -29,20 +29,18 @@ Caches (§8, approximate): ``cache="none" | "prefix" | "dual"``, see :mod:`unmas
 from __future__ import annotations
 
 import math
-import time
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
-from unmask.decode.dllm_cache import CACHE_MODES, WindowForward, check_fast_path, left_pad_to, prompt_width
-from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe, stop_flags
+from unmask.decode.dllm_cache import CACHE_MODES, check_fast_path, prompt_width
+from unmask.decode.running import drain, requests_for
+from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
-from unmask.models.adapters import SAMPLERS, default_sampler, realign
+from unmask.models.adapters import SAMPLERS, default_sampler
 from unmask.policies import CONFIDENCES, Policy, TopK, commit, make_policy
 from unmask.sampling import Sampling
-from unmask.trace import step_event
 
 DEFAULT_BLOCK_SIZE = 32  # Fast-dLLM's LLaDA setting (models.md §2.3)
 DEFAULT_POLICY = "threshold"  # with τ = 0.9 (Fast-dLLM, diffusion.md §6)
@@ -261,94 +259,21 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     if not isinstance(eos_early_stop, bool):
         raise UnmaskError(f"eos_early_stop must be true or false (got {eos_early_stop!r})")
     cfg.warn_degenerate()
-    report = min(max_new_tokens, cfg.gen_length)
-    shift, mask_id, device = bundle.logit_shift, bundle.mask_token_id, bundle.device
     if any(len(p) == 0 for p in prompts):
         raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
-    P, L, Bk = max(len(p) for p in prompts), cfg.gen_length, cfg.block_size
+    P, L = max(len(p) for p in prompts), cfg.gen_length
     if P + L > bundle.context_length:
         raise UnmaskError(f"prompt ({P} tokens) + gen length {L} exceeds the context window of "
                           f"{bundle.context_length}; lower --gen-length or --max-new-tokens")
-    t0 = time.perf_counter()
+    width = prompt_width(P, L, bundle.context_length, static or compile) + L  # the fast path pads to a bucket
+    requests = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings,
+                            device=bundle.device)
+    from unmask.decode.diffusion_engine import Diffusion  # it builds on this module's config and pieces
 
-    P = prompt_width(P, L, bundle.context_length, static or compile)  # the fast path pads to a bucket
-    ids_p, valid_p, pos_p = left_pad_to(prompts, bundle.pad_token_id, device, P)  # (B, P) each
-    B = ids_p.shape[0]
-    row_len = valid_p.sum(dim=1)  # (B,)
-    ids = torch.cat([ids_p, torch.full((B, L), mask_id, dtype=torch.long, device=device)], dim=1)  # (B, T)
-    pos = torch.cat([pos_p, row_len[:, None] + torch.arange(L, device=device)], dim=1)  # (B, T)
-    valid = torch.cat([valid_p, torch.ones(B, L, dtype=torch.bool, device=device)], dim=1)  # (B, T)
-    run = WindowForward(bundle, cfg.cache, ids, pos, valid, static=static, compile=compile, P=P, shift=shift)
-
-    stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
-    suppress = list(bundle.suppress_ids)
-    # One generator per row: a row's random draws do not depend on the rest of the batch.
-    gens = sampling.row_generators(prompts, device)
-    confidence, draw = cfg.commit_confidence, ("gumbel" if cfg.sampler == "llada" else "categorical")
-    steps_per_block = None if cfg.steps is None else cfg.steps // cfg.n_blocks
-
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    nfe, nfe_rows = 0, torch.zeros(B, dtype=torch.long, device=device)
-    commits: list[list[int]] = [[] for _ in range(B)]
-    histogram: Counter = Counter()
-    for b in range(cfg.n_blocks):
-        s, e = P + b * Bk, P + (b + 1) * Bk
-        run.begin(s - shift, e)
-        n_start = (ids[:, s:e] == mask_id).sum(dim=1)  # (B,) masks at block start
-        step = 0
-        while True:
-            masked = (ids[:, s:e] == mask_id) & ~done[:, None]  # (B, Bk)
-            # LLaDA's zero-quota trailing steps commit nothing: skipped unless the reference's count is asked for
-            if not bool(masked.any()) and not (reference_steps and steps_per_block is not None
-                                               and step < steps_per_block):
-                break
-            refresh = step == 0 or (cfg.refresh_every is not None and step % cfg.refresh_every == 0)
-            raw = run(refresh)  # (B, shift + Bk, V): rows s - shift .. e - 1
-            logits = realign(raw, shift)[:, shift:].clone()  # (B, Bk, V): index j scores s + j
-            if suppress:
-                logits[..., suppress] = float("-inf")
-            quota = None if steps_per_block is None else llada_quota(n_start, steps_per_block, step)  # (B,)
-            chosen, tokens = commit_rows(logits, masked, cfg.policy, sampling, gens, quota, confidence, draw)
-            if on_forward is not None:
-                on_forward({"nfe": nfe, "block": b, "step": step, "start": s - P, "refresh": refresh,
-                            "canvas": ids.clone(), "logits": logits, "masked": masked, "chosen": chosen,
-                            "tokens": tokens})
-            ids[:, s:e] = torch.where(chosen, tokens, ids[:, s:e])
-            had = masked.any(dim=1)  # (B,)
-            nfe_rows += (had | ~done).long() if reference_steps else had.long()  # the reference counts every step
-            for r in torch.nonzero(had).flatten().tolist():
-                count = int(chosen[r].sum())
-                commits[r].append(count)
-                histogram[count] += 1
-                if on_step is not None:
-                    on_step(step_event(nfe, r, chosen[r], tokens[r], s - P, ids[r, P:], mask_id, block=b))
-            nfe += 1
-            check_nfe(nfe, max(L, cfg.steps or 0) + cfg.n_blocks, "diffusion")
-            step += 1
-            if cfg.eos_early_stop:
-                done |= early_stop(ids[:, P:], mask_id, stops) & had
-        if cfg.eos_early_stop is False:
-            done |= torch.isin(ids[:, P:e], stops).any(dim=1)
-        if stop_strings:
-            done |= hit_stop_string(bundle, prompts, ids[:, P:e], mask_id, stop_strings)
-        if bool(done.all()) or e - P >= report:
-            break
-
-    gen = ids[:, P:]  # (B, L)
-    full = gen[:, :report].tolist()
-    tokens = [until_stop(full[r], set(stops.tolist()) | {mask_id}) for r in range(B)]
-    n_committed = (gen != mask_id).sum(dim=1).tolist()
-    row_extra = [{"policy": cfg.policy.name, "cache": cfg.cache, "steps": int(nfe_rows[r]), "commits": commits[r]}
-                 for r in range(B)]
-    extra = {"policy": cfg.policy.name, "cache": cfg.cache, "gen_length": L, "block_size": Bk,
-             "sampler": cfg.sampler, "confidence": cfg.confidence or "untempered", "accepts": dict(sorted(histogram.items())), "n_committed": n_committed,
-             "row_extra": row_extra, "compiled": bool(compile)}
-    if run.static_capacity is not None:
-        extra["static_cache"] = run.static_capacity
-    stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
-                        stops_per_row=stop_flags(full, tokens, stop_token_ids),
-                        seconds=time.perf_counter() - t0, extra=extra)
-    return DecodeOutput(tokens=tokens, stats=stats)
+    hook = None if on_step is None else (lambda row, event: on_step(event))
+    return drain(lambda capacity: Diffusion(bundle, cfg, static=static, compile=compile, capacity=capacity,
+                                            on_step=hook, stop_token_ids=stop_token_ids, lockstep=True, width=width,
+                                            reference_steps=reference_steps, on_forward=on_forward), requests)
 
 
 _DREAM_OPTIONS = ("max_new_tokens", "sampling", "stop_token_ids", "gen_length", "steps", "alg", "alg_temp", "eps",
@@ -402,15 +327,21 @@ def early_stop(gen: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.Te
     A row whose first committed stop id at e has every position before e committed gets all
     positions after e set to that id. Returns (B,) bool: the rows that stopped.
     """
-    L = gen.shape[1]
-    is_stop = torch.isin(gen, stops)  # (B, L)
-    first = torch.where(is_stop.any(dim=1), is_stop.float().argmax(dim=1), torch.full_like(gen[:, 0], L))  # (B,)
-    cols = torch.arange(L, device=gen.device)  # (L,)
-    before = cols[None, :] < first[:, None]  # (B, L)
-    ready = (first < L) & ~((gen == mask_id) & before).any(dim=1)  # (B,)
-    fill_value = gen.gather(1, first.clamp(max=L - 1)[:, None])  # (B, 1) the stop id found
-    fill = ready[:, None] & (cols[None, :] > first[:, None])  # (B, L)
-    gen.copy_(torch.where(fill, fill_value, gen))
+    return early_stop_in(gen, torch.ones_like(gen, dtype=torch.bool), mask_id, stops)
+
+
+def early_stop_in(ids: torch.Tensor, gen: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.Tensor:
+    """:func:`early_stop` on canvases ids (B, T) whose generated columns are ``gen`` (B, T) bool (a
+    row's last L columns), in place. Returns (B,) bool: the rows that stopped."""
+    T = ids.shape[1]
+    is_stop = torch.isin(ids, stops) & gen  # (B, T)
+    first = torch.where(is_stop.any(dim=1), is_stop.float().argmax(dim=1), torch.full_like(ids[:, 0], T))  # (B,)
+    cols = torch.arange(T, device=ids.device)  # (T,)
+    before = gen & (cols[None, :] < first[:, None])  # (B, T)
+    ready = (first < T) & ~((ids == mask_id) & before).any(dim=1)  # (B,)
+    fill_value = ids.gather(1, first.clamp(max=T - 1)[:, None])  # (B, 1) the stop id found
+    fill = ready[:, None] & (cols[None, :] > first[:, None])  # (B, T)
+    ids.copy_(torch.where(fill, fill_value, ids))
     return ready
 
 

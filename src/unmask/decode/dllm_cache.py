@@ -1,16 +1,16 @@
-"""Window forwards of a bidirectional dLLM with no cache or Fast-dLLM's approximate caches
-(spec/diffusion.md §8), on a growing or a preallocated, compilable KV cache.
+"""Forwards of a bidirectional dLLM with no cache or Fast-dLLM's approximate caches
+(spec/diffusion.md §8), on a growing or a preallocated, compilable KV cache, for running batches
+(:class:`SlotCanvas`; early-bird's decode uses the forward helpers too).
 
-Each block b (canvas positions [s, e)) is decoded through a **window** [w0, w1) of the canvas:
-w0 = s - shift (a Dream-style model scores s from the output at s-1, so that token is re-fed
-too) and w1 = e for the dual cache, T (canvas end) otherwise. Every call returns the raw
-logits of rows [w0, e) only.
+Each row decodes its current block b (canvas positions [s, e)) through a **window** [w0, w1):
+w0 = s - shift (a Dream-style model scores s from the output at s-1, so that token is re-fed too)
+and w1 = e for the dual cache, the canvas end otherwise.
 
 - ``none``: every step is one full forward over the canvas (no K/V kept).
-- ``prefix``: a *refresh* is a full forward with a cache; the K/V of [0, w0) are kept (``crop``)
-  and each further step feeds only x[w0:] (block and whole suffix) against them.
+- ``prefix``: a *refresh* is a full forward whose K/V of [0, w0) are kept; each further step
+  feeds only x[w0:] (block and whole suffix) against them.
 - ``dual``: a refresh keeps the K/V of [0, w0) **and** of the suffix [w1, T); each further step
-  feeds only the window x[w0:w1] against them; its own fresh K/V take the place of the block's.
+  feeds only the window x[w0:w1] against them.
 
 Both caches are approximate: in a bidirectional model the kept K/V depend on the block (and, for
 the prefix, the suffix) contents, which change inside the block, so they are stale until the next
@@ -18,18 +18,10 @@ refresh (at each block start; ``refresh_every`` adds refreshes inside a block). 
 only when the kept K/V cannot see the block, e.g. a one-layer model, where layer-0 K/V depend on
 their own token only: the tests use that.
 
-**Layout (our choice).** Bidirectional attention with explicit ``position_ids`` does not depend on
-the order of the keys (RoPE is applied per token, the mask is all-ones apart from padding), so a
-refresh feeds the canvas as ``[x[:w0] | x[w1:] | x[w0:w1]]``. The window's K/V then sit at the
-cache end and ``crop(-n)`` drops them: the cache holds prefix and suffix, and every step appends
-the window's fresh K/V and crops them again. This is Fast-dLLM's in-place ``replace_position``
-expressed with the cache interface of :mod:`unmask.decode.kv` (append + crop): on the eager
-``DynamicKV`` a ``crop(-n)``, on the preallocated ``StaticKV`` a pointer move.
-
 **The fast path** (``static`` / ``compile``): the K/V live in a ``StaticKV`` sized once and the
 prompts are left-padded to a multiple of PROMPT_BUCKET, so every forward has a bounded shape:
-the refresh is the whole canvas (B, T) and runs eagerly (COMPILE_REFRESH), a dual step is the
-window (B, w1 - w0), and a prefix step, whose length shrinks block by block, is padded to
+a refresh is the whole canvas and runs eagerly (COMPILE_REFRESH), a dual step is the window
+(R, shift + block), and a prefix step, whose length shrinks block by block, is padded to
 :func:`bucket` with masked tokens, so a decode compiles few graphs (at most 6 + L / 64). The
 no-cache step is :func:`unmask.decode.kv.canvas_forward`, compiled once per canvas shape.
 """
@@ -40,7 +32,7 @@ import torch
 
 from unmask.compat import attention_mask
 from unmask.decode.batching import left_pad
-from unmask.decode.kv import canvas_forward, make_kv
+from unmask.decode.kv import DynamicKV, canvas_forward, make_kv
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
 from unmask.models.adapters import bidirectional_forward, supports_cache
@@ -102,7 +94,7 @@ def bucket(q: int, q_max: int) -> int:
 
 
 def kv_forward(bundle, kv, ids: torch.Tensor, pos: torch.Tensor, key_valid: torch.Tensor, rows: tuple[int, int],
-               *, pad_to: int | None = None, compiled: bool = True) -> torch.Tensor:
+               *, pad_to: int | None = None, compiled: bool = True, padded: bool | None = None) -> torch.Tensor:
     """One bidirectional forward that appends q = ids.shape[1] K/V to ``kv`` (q padded to ``pad_to``
     on a static cache). ids, pos (B, q) long; key_valid (B, kv.length + q) bool. Returns the raw
     logits (B, rows[1] - rows[0], V) of query rows [rows[0], rows[1]), float32.
@@ -110,9 +102,11 @@ def kv_forward(bundle, kv, ids: torch.Tensor, pos: torch.Tensor, key_valid: torc
     On ``DynamicKV`` this is exactly the eager forward (:func:`bidirectional_forward` on its
     ``DynamicCache``). On ``StaticKV`` the padding tokens (copies of the last token, their keys
     masked for every query) only fix the shape; the cache then holds ``pad_to`` new positions,
-    which is what the caller crops. ``compiled=False`` runs a static forward eagerly."""
+    which is what the caller crops. ``compiled=False`` runs a static forward eagerly. ``padded``:
+    whether some key is invalid, when the caller knows (None: read from key_valid, a host sync)."""
     if not kv.static:
-        return bidirectional_forward(bundle, ids, position_ids=pos, key_valid=key_valid, cache=kv.cache, rows=rows)
+        return bidirectional_forward(bundle, ids, position_ids=pos, key_valid=key_valid, cache=kv.cache, rows=rows,
+                                     padded=padded)
     B, q = ids.shape
     pad = (pad_to or q) - q
     if pad:
@@ -125,102 +119,198 @@ def kv_forward(bundle, kv, ids: torch.Tensor, pos: torch.Tensor, key_valid: torc
 
 
 def canvas_call(bundle, step, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
-                rows: tuple[int, int]) -> torch.Tensor:
+                rows: tuple[int, int], padded: bool | None = None) -> torch.Tensor:
     """The cache-free forward of the whole canvas through ``step`` (a :func:`canvas_forward`), or
     :func:`bidirectional_forward` when ``step`` is None (the eager default, remote models too).
-    ids, pos, valid (B, T). Returns raw logits (B, rows[1] - rows[0], V) float32."""
+    ids, pos, valid (B, T); ``padded`` as :func:`kv_forward`'s. Returns raw logits (B, rows[1] -
+    rows[0], V) float32."""
     if step is None:
-        return bidirectional_forward(bundle, ids, position_ids=pos, key_valid=valid, rows=rows)
+        return bidirectional_forward(bundle, ids, position_ids=pos, key_valid=valid, rows=rows, padded=padded)
     B, T = ids.shape
     mask = None
-    if not bool(valid.all()):  # as bidirectional_forward: unmasked attention when nothing is padding
+    if (not bool(valid.all())) if padded is None else padded:  # as bidirectional_forward: unmasked attention when nothing is padding
         full = torch.ones(T, T, dtype=torch.bool, device=ids.device)  # (T, T)
         mask = attention_mask(bundle.model, with_key_padding(as_4d(full, B), valid))  # (B, 1, T, T)
     keep = torch.arange(rows[0], rows[1], device=ids.device)  # (n,)
     return step(ids, pos, mask, keep).clone()  # (B, n, V); a copy: CUDA graphs reuse their output buffer
 
 
-class WindowForward:
-    """Runs the forwards of one decode for one cache mode.
+class SlotCanvas:
+    """The canvases of a running diffusion batch and their forwards, for one cache mode (§8).
 
-    ids/pos/valid are the canvas tensors (B, T) owned by the decoder; ``ids`` is read afresh at
-    every call (the decoder commits into it in place). ``begin(w0, e)`` starts a block whose
-    scored rows are [w0, e) (the block, plus the token before it for a shift-1 model); each
-    ``__call__(refresh)`` returns their raw logits (B, e - w0, V). The LM head runs on those rows
-    only, never on the suffix (on the static cache it runs on every fed row). ``static`` puts
-    the K/V in a preallocated ``StaticKV``, ``compile`` also compiles the forwards
-    (:mod:`unmask.decode.kv`); ``shift`` bounds the first block's window (static prefix padding).
+    Slot tensors, ``capacity`` rows of width T: ``ids`` (long), ``pos`` (long, real tokens from 0),
+    ``valid`` (bool, False on padding); each row's canvas ``[prompt | m^L]`` is right-aligned (left
+    padding), so its generated region is its last L columns. A forward covers slots ``[0, n)``.
+
+    The caches keep, per row, the K/V of every canvas column from the row's last refresh and
+    ``kept_valid`` (cap, T): its prefix (and, dual, suffix) columns. A forward then feeds per row
+    either its whole canvas (a refresh: its kept K/V are ignored and afterwards replaced) or only
+    its window ([w0, T) for the prefix cache, [w0, e) for the dual one, w0 = block start - shift)
+    against its kept K/V; rows at either phase share one forward. The fed queries' K/V sit after
+    the T kept columns and are dropped again (``crop``): on ``DynamicKV`` a fresh cache over the
+    kept tensors, on the preallocated ``StaticKV`` (``static``/``compile``) a pointer move, the kept
+    K/V being its first T positions. Bidirectional attention with explicit positions does not
+    depend on key order, so this equals Fast-dLLM's in-place ``replace_position`` layout.
     """
 
-    def __init__(self, bundle, mode: str, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, *,
-                 static: bool = False, compile: bool = False, P: int | None = None, shift: int = 0):
+    def __init__(self, bundle, mode: str, capacity: int, width: int, block: int | None, *, static: bool = False,
+                 compile: bool = False):
         if mode not in CACHE_MODES:
             raise UnmaskError(f"unknown cache {mode!r}; choose one of: {', '.join(CACHE_MODES)}")
         if mode != "none" and not supports_cache(bundle):
             raise UnmaskError(f"cache {mode!r} needs a transformers-native model; this checkpoint runs its own "
                               "model code, so use --cache none")
-        self.bundle, self.mode = bundle, mode
-        self.ids, self.pos, self.valid = ids, pos, valid
-        B, self.T = ids.shape
-        self.w0 = self.w1 = self.e = 0
-        self.fresh = False  # whether the cache holds this block's kept K/V
-        self.kept_valid = None  # (B, kept keys) validity of the cached prefix (+ suffix) keys
-        # the longest prefix window: the first block's, [P - shift, T)
-        self.q_max = self.T - ((P if P is not None else 0) - shift)
+        self.bundle, self.mode, self.block, self.shift = bundle, mode, block, bundle.logit_shift
+        self.static, self.compile = static or compile, compile
+        dev, C, T = bundle.device, capacity, width
+        # unused slots hold a finite dummy canvas: a row whose keys were all masked would give NaN K/V
+        self.ids = torch.full((C, T), bundle.pad_token_id, dtype=torch.long, device=dev)  # (C, T)
+        self.pos = torch.arange(T, device=dev).repeat(C, 1)  # (C, T)
+        self.valid = torch.ones(C, T, dtype=torch.bool, device=dev)  # (C, T)
+        self.kept_valid = torch.zeros(C, T, dtype=torch.bool, device=dev)  # (C, T)
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # DynamicKV: (C', H, T, D) per layer
+        self.padded = [False] * C  # per slot: its canvas has left padding (known here: no host sync per forward)
         self.kv = self.canvas = None
-        if mode != "none":
-            # a padded prefix step writes up to BUCKET_STEP - 1 positions past the canvas end
-            capacity = self.T + (BUCKET_STEP if mode == "prefix" else 0)
-            self.kv = make_kv(bundle.model, batch=B, capacity=capacity, static=static, compile=compile)
-        elif static or compile:
+        if mode != "none" and self.static:  # kept K/V in [0, T), a forward's queries in [T, 2T)
+            self.kv = make_kv(bundle.model, batch=C, capacity=2 * T, static=True, compile=compile)
+        elif mode == "none" and self.static:
             self.canvas = canvas_forward(bundle.model, compile)
 
     @property
-    def cache(self):
-        """The cache object (a ``DynamicCache`` on the eager path; tests read its layers)."""
-        return None if self.kv is None else self.kv.cache
+    def width(self) -> int:
+        return self.ids.shape[1]
 
     @property
     def static_capacity(self) -> int | None:
         """Positions of the preallocated cache, None without one."""
-        return self.kv.capacity if self.kv is not None and self.kv.static else None
+        return None if self.kv is None else self.kv.capacity
 
-    def begin(self, w0: int, e: int) -> None:
-        """Start a block: the window is [w0, e) for the dual cache and [w0, T) otherwise; the next
-        call refreshes."""
-        if not 0 <= w0 < e <= self.T:
-            raise ValueError(f"rows [{w0}, {e}) outside the canvas of {self.T}")
-        self.w0, self.e = w0, e
-        self.w1 = e if self.mode == "dual" else self.T
-        self.fresh = False
+    def place(self, slot: int, prompt: list[int], gen_length: int, mask_id: int) -> None:
+        """Write a row's canvas ``[prompt | m^L]`` right-aligned into ``slot``, widening every canvas
+        (more left padding) when it is the widest; a static canvas cannot widen (UnmaskError)."""
+        C = len(prompt) + gen_length
+        if C > self.width:
+            if self.static:
+                raise UnmaskError(f"a canvas of {C} tokens does not fit the static batch's {self.width}; "
+                                  "decode it without static/compile")
+            self._widen(C - self.width)
+        T, dev = self.width, self.ids.device
+        row = torch.tensor(list(prompt) + [mask_id] * gen_length, dtype=torch.long, device=dev)  # (C,)
+        self.ids[slot] = self.bundle.pad_token_id
+        self.ids[slot, T - C:] = row
+        self.pos[slot] = 0
+        self.pos[slot, T - C:] = torch.arange(C, device=dev)
+        self.valid[slot] = False
+        self.valid[slot, T - C:] = True
+        self.kept_valid[slot] = False
+        self.padded[slot] = C < T
 
-    def __call__(self, refresh: bool) -> torch.Tensor:
+    def _widen(self, d: int) -> None:
+        """d more left-padding columns on every slot tensor and kept K/V."""
+        def pad(t, fill, dim=1):
+            shape = list(t.shape)
+            shape[dim] = d
+            return torch.cat([t.new_full(shape, fill), t], dim=dim)
+
+        self.ids, self.pos = pad(self.ids, self.bundle.pad_token_id), pad(self.pos, 0)  # (C, T + d)
+        self.valid, self.kept_valid = pad(self.valid, False), pad(self.kept_valid, False)  # (C, T + d)
+        self.padded = [True] * len(self.padded)
+        if self.kept is not None:
+            self.kept = [(pad(k, 0, 2), pad(v, 0, 2)) for k, v in self.kept]  # (C', H, T + d, D)
+
+    def forward(self, n: int, starts: list[int], refresh: list[bool]) -> torch.Tensor:
+        """One forward of slots [0, n) for block decoding: row r scores its block [starts[r], starts[r]
+        + block) (canvas columns) from the rows [w0, e) = [starts[r] - shift, starts[r] + block);
+        ``refresh[r]``: the row refreshes its cache in this forward (ignored without one). Returns
+        the raw logits (n, shift + block, V) float32 of each row's [w0, e)."""
+        dev, sh, Bk, T = self.ids.device, self.shift, self.block, self.width
+        w0 = [s - sh for s in starts]
+        w1 = [s + Bk for s in starts] if self.mode == "dual" else [T] * n
+        raw, col0 = self.run(n, w0, w1, refresh, min(w0), max(starts) + Bk)  # (n, m, V), (n,)
+        at = (torch.tensor(w0, device=dev) - col0)[:, None] + torch.arange(sh + Bk, device=dev)  # (n, shift + block)
+        return raw.gather(1, at[:, :, None].expand(n, sh + Bk, raw.shape[2]))  # (n, shift + block, V)
+
+    def run(self, n: int, w0: list[int], w1: list[int], refresh: list[bool], lo: int, hi: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of slots [0, n). Row r's window is the canvas columns [w0[r], w1[r]); a row
+        with ``refresh[r]`` feeds its whole canvas and then keeps its K/V of every column, valid
+        outside that window (see :meth:`hide`); the others feed their window against their kept
+        K/V (no cache: every row feeds its whole canvas). [lo, hi): the canvas columns whose logits
+        the caller reads. Returns (raw (n, m, V) float32, col0 (n,) long: the canvas column of
+        ``raw[r, 0]``); a dual window step returns each row's window (col0 = w0), any other forward
+        the columns [lo, hi)."""
+        dev, T = self.ids.device, self.width
         if self.mode == "none":
-            return canvas_call(self.bundle, self.canvas, self.ids, self.pos, self.valid, (self.w0, self.e))
-        if refresh or not self.fresh:
-            return self._refresh()
-        n = self.w1 - self.w0
-        win = slice(self.w0, self.w1)
-        key_valid = torch.cat([self.kept_valid, self.valid[:, win]], dim=1)  # (B, kept + n)
-        # a prefix window shrinks block by block: pad it to a bucket so the static shapes repeat
-        pad_to = bucket(n, self.q_max) if self.kv.static and self.mode == "prefix" else n
-        raw = kv_forward(self.bundle, self.kv, self.ids[:, win], self.pos[:, win], key_valid,
-                         (0, self.e - self.w0), pad_to=pad_to)
-        self.kv.crop(pad_to)
-        return raw  # (B, e - w0, V)
+            raw = canvas_call(self.bundle, self.canvas, self.ids[:n], self.pos[:n], self.valid[:n], (lo, hi),
+                              padded=any(self.padded[:n]))  # (n, hi - lo, V)
+            return raw, torch.full((n,), lo, device=dev)
+        a, b = torch.tensor(w0, device=dev), torch.tensor(w1, device=dev)  # (n,) each
+        cols = torch.arange(T, device=dev)  # (T,)
+        window = (cols[None, :] >= a[:, None]) & (cols[None, :] < b[:, None])  # (n, T) each row's window
+        first = self.kv.length == 0 if self.static else self.kept is None
+        fresh = torch.tensor(refresh, device=dev) | first  # (n,)
+        full = first or any(refresh)
+        if full:  # whole canvases: a refreshing row's queries are all its columns
+            q0, width = 0, T
+            q_ids, q_pos = self.ids[:n], self.pos[:n]  # (n, T)
+            q_valid = self.valid[:n] & (fresh[:, None] | window)  # (n, T)
+        elif self.mode == "prefix":  # windows [w0, T): the last T - min(w0) columns, masked per row
+            q0 = min(w0)
+            width = T - q0
+            q_ids, q_pos, q_valid = self.ids[:n, q0:], self.pos[:n, q0:], window[:, q0:]  # (n, T - q0)
+        else:  # dual windows [w0, w1): gathered, each row's own (shorter ones masked at the end)
+            q0, width = None, max(e - s for s, e in zip(w0, w1))
+            at = (a[:, None] + torch.arange(width, device=dev)).clamp(max=T - 1)  # (n, W)
+            inside = torch.arange(width, device=dev)[None, :] < (b - a)[:, None]  # (n, W)
+            q_ids, q_pos = self.ids[:n].gather(1, at), self.pos[:n].gather(1, at)  # (n, W) each
+            q_valid = window.gather(1, at) & inside  # (n, W)
+        K = 0 if first else T
+        key_valid = q_valid if first else torch.cat([self.kept_valid[:n] & ~fresh[:, None], q_valid], dim=1)
+        rows = (lo - q0, hi - q0) if q0 is not None else (0, width)
+        # a window whose length varies (prefix; early-bird's blocks) is padded to a bucket: few static shapes
+        pad_to = bucket(width, T) if self.static and not full and (self.mode == "prefix" or not self.block) else width
+        kv = self.kv if self.static else self._dynamic(n)
+        # only the first forward (no kept K/V yet) of unpadded canvases sees every key
+        padded = not first or any(self.padded[:n])
+        raw = kv_forward(self.bundle, kv, q_ids, q_pos, key_valid, rows, pad_to=pad_to,
+                         compiled=COMPILE_REFRESH or not full, padded=padded)  # (n, m, V)
+        if full:  # a refreshing row keeps its new K/V of every column, valid outside its window
+            self._keep(kv, n, K, fresh)
+            self.kept_valid[:n] = torch.where(fresh[:, None], self.valid[:n] & ~window, self.kept_valid[:n])
+        if self.static:
+            kv.crop(kv.length - T)
+        return raw, (torch.full((n,), q0 + rows[0], device=dev) if q0 is not None else a)
 
-    def _refresh(self) -> torch.Tensor:
-        """Block-start (or periodic) full forward that also refills the cache (diffusion.md §8 step 1)."""
-        device = self.ids.device
-        n = self.w1 - self.w0
-        order = torch.cat([torch.arange(0, self.w0, device=device), torch.arange(self.w1, self.T, device=device),
-                           torch.arange(self.w0, self.w1, device=device)])  # (T,) window last
-        valid = self.valid[:, order]  # (B, T)
-        self.kv.reset()
-        first = self.T - n  # the window's first row in this order
-        raw = kv_forward(self.bundle, self.kv, self.ids[:, order], self.pos[:, order], valid,
-                         (first, first + self.e - self.w0), compiled=COMPILE_REFRESH)  # (B, e - w0, V)
-        self.kv.crop(n)
-        self.kept_valid = valid[:, :first]  # (B, T - n) prefix (+ suffix) keys
-        self.fresh = True
-        return raw
+    def hide(self, n: int, rows: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor) -> None:
+        """Mark the kept K/V of the window [w0, w1) (n,) long each as stale for the ``rows`` (n,) bool:
+        for a decoder that picks its window after the refresh forward (early-bird)."""
+        cols = torch.arange(self.width, device=self.ids.device)  # (T,)
+        window = (cols[None, :] >= w0[:, None]) & (cols[None, :] < w1[:, None])  # (n, T)
+        self.kept_valid[:n] &= ~(window & rows[:, None])
+
+    def _dynamic(self, n: int):
+        """A DynamicKV over the kept K/V of slots [0, n) (empty before the first forward)."""
+        kv = DynamicKV(self.bundle.model)
+        if self.kept is not None:
+            if self.kept[0][0].shape[0] < n:  # a slot past the kept rows: zeros, masked until it refreshes
+                self.kept = [(_grow(k, n), _grow(v, n)) for k, v in self.kept]
+            for i, (k, v) in enumerate(self.kept):
+                kv.cache.update(k[:n], v[:n], i)
+        return kv
+
+    def _keep(self, kv, n: int, K: int, rows: torch.Tensor) -> None:
+        """Copy the new K/V (after the K kept columns) of the ``rows`` (n,) bool into the kept store."""
+        T, pick = self.width, rows[:, None, None, None]  # (n, 1, 1, 1)
+        if not self.static and self.kept is None:  # the first forward: every row refreshed
+            self.kept = [(layer.keys.clone(), layer.values.clone()) for layer in kv.cache.layers]  # (n, H, T, D)
+            return
+        for i, layer in enumerate(kv.cache.layers):
+            new_k, new_v = layer.keys[:n, :, K: K + T], layer.values[:n, :, K: K + T]  # (n, H, T, D)
+            k, v = (layer.keys, layer.values) if self.static else self.kept[i]
+            k[:n, :, :T] = torch.where(pick, new_k, k[:n, :, :T])
+            v[:n, :, :T] = torch.where(pick, new_v, v[:n, :, :T])
+
+
+def _grow(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` (R, ...) with zero rows appended up to n rows."""
+    return torch.cat([t, t.new_zeros((n - t.shape[0], *t.shape[1:]))])

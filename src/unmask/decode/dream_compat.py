@@ -23,20 +23,23 @@ fewer forwards). ``steps`` defaults to the canvas length L (Dream's generation_c
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass, field
 
 import torch
 
-from unmask.decode.batching import left_pad
-from unmask.decode.stats import DecodeOutput, DecodeStats, stop_flags
+from unmask.decode.diffusion import until_stop
+from unmask.decode.dllm_cache import canvas_call
+from unmask.decode.running import Request, Row, Slots, drain
+from unmask.decode.stats import DecodeOutput, stop_flags
 from unmask.errors import UnmaskError
-from unmask.models.adapters import bidirectional_forward, realign
+from unmask.models.adapters import realign
 from unmask.sampling import Sampling
 from unmask.trace import step_event
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 DEFAULT_ALG = "origin"  # Dream's generation_config.json
 DEFAULT_EPS = 1e-3
+OPTIONS = ("gen_length", "steps", "alg", "alg_temp", "eps")  # what a server's Dream batch takes (and "schedule")
 
 
 def _top_p(z: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -123,6 +126,162 @@ def validate(steps, alg: str, alg_temp, eps, L: int) -> int:
     return steps
 
 
+@dataclass(eq=False)
+class DreamRow(Row):
+    """A running row of Dream's schedule: ``L`` (its canvas of masks), ``steps`` (its schedule's
+    length), ``i`` (steps run), ``report`` (tokens reported), ``generator``, ``commits`` per step."""
+
+    L: int = 0
+    steps: int = 0
+    i: int = 0
+    report: int = 0
+    generator: object = None
+    commits: list[int] = field(default_factory=list)
+
+
+class DreamSchedule:
+    """Dream's schedule as a running batch (``decode/running.py``'s contract; DESIGN.md "One engine").
+
+    Every row runs its own schedule ``t_i = linspace(1, eps, steps + 1)`` over its own canvas
+    (steps default to its L = ``gen_length`` or its ``max_new_tokens``) and leaves once no mask is
+    left or its steps are run; a step is ONE forward for every running row. Each row draws from
+    ``sampling.generator`` (Dream's draws need one even at T = 0), so a row equals its decode
+    alone whenever it joined. ``lockstep`` (decode) numbers step events by the batch forward and
+    the request id, else by the row's own forward (row 0). The per-row commit
+    (:func:`commit_row`, Dream's own index arithmetic) syncs with the host per row. Raises
+    UnmaskError for bad options; ``join`` for a request that does not fit.
+    """
+
+    def __init__(self, bundle, *, gen_length=None, steps=None, alg=None, alg_temp=None, eps=None, capacity=8,
+                 on_step=None, on_token=None, stop_token_ids=None, width=0, lockstep=False, on_forward=None):
+        from unmask.decode.dllm_cache import SlotCanvas
+
+        self.alg = DEFAULT_ALG if alg is None else alg
+        self.eps = DEFAULT_EPS if eps is None else eps
+        self.gen_length, self.steps, self.alg_temp = gen_length, steps, alg_temp
+        validate(steps, self.alg, alg_temp, self.eps, 1)
+        self.bundle, self.on_step, self.on_forward, self.lockstep = bundle, on_step, on_forward, lockstep
+        ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
+        self.stop_ids, self.stop_set = tuple(ids), set(ids) | {bundle.mask_token_id}
+        self.slots = Slots(capacity)
+        self.canvas = SlotCanvas(bundle, "none", capacity, max(width, 1), 1)
+        self.running: dict[int, DreamRow] = {}
+        self.forwards = 0
+
+    @classmethod
+    def serving(cls, bundle, options: dict | None = None, on_step=None, *, capacity: int = 64):
+        """The server's running batch for Dream-schedule requests of one set of ``options``
+        (:data:`OPTIONS`). Raises UnmaskError for another option or schedule, or a bad value."""
+        options = {k: v for k, v in dict(options or {}).items() if v is not None}
+        if options.pop("schedule", "dream") != "dream":
+            raise UnmaskError("unknown schedule for the diffusion decoder; use \"dream\" or leave it unset")
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to --schedule dream; use only "
+                              f"{', '.join(OPTIONS)}")
+        return cls(bundle, capacity=capacity, on_step=on_step, **options)
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    @property
+    def rows(self) -> list[DreamRow]:
+        """The running rows in slot order (a copy: the server's other threads read it)."""
+        return sorted(list(self.running.values()), key=lambda row: row.slot)
+
+    @torch.inference_mode()
+    def join(self, requests) -> list[DreamRow]:
+        """Place each request's canvas (no forward; every request is validated first). Returns []."""
+        plans = []
+        for job in requests:
+            L = job.max_new_tokens if self.gen_length is None else self.gen_length
+            if not isinstance(L, int) or L < 1:
+                raise UnmaskError(f"gen length must be an integer >= 1 (got {L!r}); pass e.g. --gen-length 64")
+            if not list(job.prompt_ids):
+                raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i "
+                                  "from i-1)")
+            if job.stop:
+                raise UnmaskError("stop strings do not apply to --schedule dream (Dream's own loop ends on masks "
+                                  "and steps only); drop them")
+            if len(job.prompt_ids) + L > self.bundle.context_length:
+                raise UnmaskError(f"prompt ({len(job.prompt_ids)} tokens) + gen length {L} exceeds the context "
+                                  f"window of {self.bundle.context_length}; lower --gen-length or --max-new-tokens")
+            plans.append((job, L, validate(self.steps, self.alg, self.alg_temp, self.eps, L)))
+        if len(requests) > self.slots.free:
+            self.slots.take(len(requests))  # raises the one-line "running batch full"
+        for (job, L, steps), slot in zip(plans, self.slots.take(len(requests))):
+            self.canvas.place(slot, list(job.prompt_ids), L, self.bundle.mask_token_id)
+            gen = getattr(job, "generator", None) or job.sampling.generator(self.bundle.device)
+            self.running[slot] = DreamRow(job=job, slot=slot, L=L, steps=steps, report=min(job.max_new_tokens, L),
+                                          generator=gen)
+        return []
+
+    def drop(self, ids) -> list[DreamRow]:
+        """Remove the rows of these request ids; their slots are free at once."""
+        ids = set(ids)
+        gone = [row for row in self.rows if row.job.id in ids]
+        for row in gone:
+            del self.running[row.slot]
+        self.slots.give([row.slot for row in gone])
+        return gone
+
+    @torch.inference_mode()
+    def step(self) -> list[DreamRow]:
+        """One forward for every running row, then each row's step of its schedule; returns the rows
+        that finished (no mask left, or their steps run), removed, with ``tokens`` etc. set."""
+        if not self.running:
+            return []
+        c, mask_id, shift = self.canvas, self.bundle.mask_token_id, self.bundle.logit_shift
+        n, T, rows = self.slots.high, c.width, self.rows
+        Lmax = max(row.L for row in rows)
+        raw = canvas_call(self.bundle, None, c.ids[:n], c.pos[:n], c.valid[:n], (T - Lmax - shift, T),
+                          padded=any(c.padded[:n]))  # (n, shift + Lmax, V)
+        logits = realign(raw, shift)[:, shift:]  # (n, Lmax, V): index j scores column T - Lmax + j
+        masked_all = c.ids[:n, T - Lmax:] == mask_id  # (n, Lmax) before this step's commits
+        finished = []
+        for row in rows:
+            gen = c.ids[row.slot, T - row.L:]  # (L,) view: commits write through it
+            masked = gen == mask_id  # (L,)
+            ts = torch.linspace(1, self.eps, row.steps + 1)  # float32, as Dream
+            last = row.i == row.steps - 1
+            k = transfer_counts(masked.sum()[None], ts[row.i], ts[row.i + 1], last)  # (1,)
+            p_transfer = 1.0 if last else float(1 - ts[row.i + 1] / ts[row.i])
+            chosen, tokens = commit_row(logits[row.slot, Lmax - row.L:], masked, self.alg, self.alg_temp, int(k[0]),
+                                        p_transfer, row.job.sampling, row.generator)
+            gen.copy_(torch.where(chosen, tokens, gen))
+            landed = chosen & (tokens != mask_id)
+            row.commits.append(int(landed.sum()))
+            if self.on_step is not None:
+                at, who = (self.forwards, row.job.id) if self.lockstep else (row.nfe, 0)
+                self.on_step(row, step_event(at, who, landed, tokens, 0, gen, mask_id))
+            row.nfe += 1
+            row.i += 1
+            if row.i == row.steps or not bool((gen == mask_id).any()):
+                finished.append(self._finish(row, gen))
+        if self.on_forward is not None:
+            self.on_forward({"nfe": self.forwards, "step": rows[0].i - 1, "canvas": c.ids[:n].clone(),
+                             "logits": logits, "masked": masked_all})
+        self.forwards += 1
+        return finished
+
+    def _finish(self, row: DreamRow, gen: torch.Tensor) -> DreamRow:
+        full = gen[: row.report].tolist()
+        row.tokens = until_stop(full, self.stop_set)
+        row.stop_token = stop_flags([full], [row.tokens], self.stop_ids)[0]
+        row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
+        row.extra = {"schedule": "dream", "alg": self.alg, "commits": list(row.commits)}
+        del self.running[row.slot]
+        self.slots.give([row.slot])
+        return row
+
+    def stats_extra(self, rows: list[DreamRow]) -> dict:
+        """decode's ``stats.extra`` for finished rows in request order."""
+        L = rows[0].L if rows else self.gen_length
+        steps = rows[0].steps if rows else self.steps
+        return {"schedule": "dream", "alg": self.alg, "steps": steps, "gen_length": L, "policy": f"dream-{self.alg}",
+                "cache": "none", "sampler": "dream", "row_extra": [dict(row.extra) for row in rows]}
+
+
 @torch.inference_mode()
 def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
            stop_token_ids: tuple[int, ...] = (), gen_length: int | None = None, steps: int | None = None,
@@ -140,55 +299,14 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     alg = DEFAULT_ALG if alg is None else alg
     eps = DEFAULT_EPS if eps is None else eps
     steps = validate(steps, alg, alg_temp, eps, L)
-    shift, mask_id, device = bundle.logit_shift, bundle.mask_token_id, bundle.device
+    device = bundle.device
     P = max(len(p) for p in prompts)
     if P + L > bundle.context_length:
         raise UnmaskError(f"prompt ({P} tokens) + gen length {L} exceeds the context window of "
                           f"{bundle.context_length}; lower --gen-length or --max-new-tokens")
-    t0 = time.perf_counter()
-    ids_p, valid_p, pos_p = left_pad(prompts, bundle.pad_token_id, device)  # (B, P) each
-    B = ids_p.shape[0]
-    ids = torch.cat([ids_p, torch.full((B, L), mask_id, dtype=torch.long, device=device)], dim=1)  # (B, P + L)
-    pos = torch.cat([pos_p, valid_p.sum(1, keepdim=True) + torch.arange(L, device=device)], dim=1)  # (B, P + L)
-    valid = torch.cat([valid_p, torch.ones(B, L, dtype=torch.bool, device=device)], dim=1)  # (B, P + L)
-    gens = [sampling.generator(device) for _ in range(B)]
-    ts = torch.linspace(1, eps, steps + 1)  # float32, as Dream
-    nfe, nfe_rows = 0, torch.zeros(B, dtype=torch.long, device=device)
-    commits: list[list[int]] = [[] for _ in range(B)]
-    for i in range(steps):
-        masked = ids[:, P:] == mask_id  # (B, L)
-        if not bool(masked.any()):
-            break
-        raw = bidirectional_forward(bundle, ids, position_ids=pos, key_valid=valid, rows=(P - shift, P + L))
-        logits = realign(raw, shift)[:, shift:]  # (B, L, V): index j scores canvas position P + j
-        last = i == steps - 1
-        k = transfer_counts(masked.sum(1), ts[i], ts[i + 1], last)  # (B,)
-        p_transfer = 1.0 if last else float(1 - ts[i + 1] / ts[i])
-        for r in torch.nonzero(masked.any(1)).flatten().tolist():
-            chosen, tokens = commit_row(logits[r], masked[r], alg, alg_temp, int(k[r]), p_transfer, sampling, gens[r])
-            ids[r, P:] = torch.where(chosen, tokens, ids[r, P:])
-            landed = chosen & (tokens != mask_id)
-            commits[r].append(int(landed.sum()))
-            nfe_rows[r] += 1
-            if on_step is not None:
-                on_step(step_event(nfe, r, landed, tokens, 0, ids[r, P:], mask_id))
-        if on_forward is not None:
-            on_forward({"nfe": nfe, "step": i, "canvas": ids.clone(), "logits": logits, "masked": masked})
-        nfe += 1
-    stops = set(stop_token_ids) | {mask_id}
-    out = []
-    full = ids[:, P: P + min(max_new_tokens, L)].tolist()
-    for r in range(B):
-        row = []
-        for t in full[r]:
-            if t in stops:
-                break
-            row.append(t)
-        out.append(row)
-    extra = {"schedule": "dream", "alg": alg, "steps": steps, "gen_length": L, "policy": f"dream-{alg}",
-             "cache": "none", "sampler": "dream",
-             "row_extra": [{"schedule": "dream", "alg": alg, "commits": c} for c in commits]}
-    stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in out],
-                        stops_per_row=stop_flags(full, out, stop_token_ids),
-                        seconds=time.perf_counter() - t0, extra=extra)
-    return DecodeOutput(tokens=out, stats=stats)
+    requests = [Request(prompt_ids=list(p), max_new_tokens=max_new_tokens, sampling=sampling,
+                        generator=sampling.generator(device), id=r) for r, p in enumerate(prompts)]
+    hook = None if on_step is None else (lambda row, event: on_step(event))
+    return drain(lambda capacity: DreamSchedule(bundle, gen_length=L, steps=steps, alg=alg, alg_temp=alg_temp, eps=eps,
+                                                capacity=capacity, on_step=hook, stop_token_ids=stop_token_ids,
+                                                width=P + L, lockstep=True, on_forward=on_forward), requests)

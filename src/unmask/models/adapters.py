@@ -134,17 +134,18 @@ def realign(logits: torch.Tensor, shift: int) -> torch.Tensor:
 
 
 def bidirectional_forward(bundle, ids: torch.Tensor, *, position_ids: torch.Tensor, key_valid: torch.Tensor,
-                          cache=None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+                          cache=None, rows: tuple[int, int] | None = None, padded: bool | None = None) -> torch.Tensor:
     """One bidirectional forward of a masked-diffusion model; returns **raw** logits (not realigned).
 
     ids, position_ids: (B, q) long. key_valid: (B, kv) bool over every key the queries see (the
     cache's keys first, then ``ids``), False at padding. cache: an HF ``Cache`` (native models
     only) extended by the q new K/V. rows: (start, stop) query rows whose logits are wanted (the LM
-    head runs on those only); None = all. Returns (B, stop - start or q, V) float32.
+    head runs on those only); None = all. padded: whether some key is invalid, when the caller knows
+    (None: read from key_valid, a host sync). Returns (B, stop - start or q, V) float32.
     Raises UnmaskError when a cache is asked of a remote model.
     """
     model = bundle.model
-    padded = not bool(key_valid.all())
+    padded = not bool(key_valid.all()) if padded is None else padded
     if not is_remote(model):
         from unmask.compat import attention_mask, forward
         from unmask.masks import as_4d, with_key_padding

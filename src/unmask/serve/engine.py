@@ -12,9 +12,11 @@ alone, greedy or seeded, whatever else runs (README "Serving").
   ``--draft-sizes`` table (:mod:`unmask.serve.draft_sizing`) at the batch's load, chosen again before
   every step; their output does not depend on K, and no row ever moves between batches.
   ``compile=True`` runs these batches on the static cache with the compiled forward.
-- ``multiblock``, ``block``, lossy ``sbd``, ``diffusion`` and ``early-bird`` without a cache share the
-  continuous batches of ``RUNNING``, one per decoder and options (:meth:`Scheduler._running_kind`).
-- What still runs per call (cached ``early-bird``, Dream's ``schedule``, a remote-code LLaDA): one
+- ``multiblock``, ``block``, lossy ``sbd``, ``diffusion`` (any cache; Dream's ``schedule`` in a
+  :class:`~unmask.decode.dream_compat.DreamSchedule`) and ``early-bird`` (any cache, a row's refresh its
+  own) share the continuous batches of ``RUNNING``, one per decoder and options
+  (:meth:`Scheduler._running_kind`).
+- What still runs per call (a remote-code LLaDA, whose forward takes no positions): one
   ``decode`` over compatible queued requests (same decoder, options, sampling, length and stops;
   sampled ones alone). A row whose committed prefix fixes its answer is answered at once; the batch
   stops when none of its requests is still wanted; after each of its forwards the running decoders
@@ -35,11 +37,12 @@ from unmask.decode.diffusion import DiffusionConfig
 from unmask.decode.lossless import Verify
 from unmask.decode.sbd import runs_lossless
 from unmask.errors import UnmaskError
-from unmask.serve import block_batch, diffusion_batch, early_bird_batch, per_call, sbd_lossy_batch
+from unmask.decode.diffusion_engine import OPTIONS as DIFFUSION_OPTIONS, Diffusion
+from unmask.decode.dream_compat import OPTIONS as DREAM_OPTIONS, DreamSchedule
+from unmask.decode.early_bird_engine import OPTIONS as EARLY_BIRD_OPTIONS, EarlyBird
+from unmask.serve import block_batch, per_call, sbd_lossy_batch
 from unmask.serve.block_batch import MultiBlockBatch
-from unmask.serve.diffusion_batch import DiffusionBatch
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes
-from unmask.serve.early_bird_batch import EarlyBirdBatch
 from unmask.serve.errors import ApiError
 from unmask.serve.jobs import Job, QueueFull, ShuttingDown, bad_request, finish_gone, server_error
 from unmask.serve.sbd_lossy_batch import BlockBatch, SBDBatch
@@ -56,13 +59,23 @@ def _done(row) -> None:
 
 
 # Continuous running batches of the other decoders: batch kind -> class (see Scheduler._running_kind).
-RUNNING = {"multiblock": MultiBlockBatch, "sbd": SBDBatch, "block": BlockBatch, "diffusion": DiffusionBatch,
-           "early-bird": EarlyBirdBatch}
+RUNNING = {"multiblock": MultiBlockBatch, "sbd": SBDBatch, "block": BlockBatch, "diffusion": Diffusion.serving,
+           "dream": DreamSchedule.serving, "early-bird": EarlyBird.serving}
 # The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
 RUNNING_OPTIONS = {"multiblock": block_batch.OPTIONS, "sbd": sbd_lossy_batch.SBD_OPTIONS,
-                   "block": sbd_lossy_batch.BLOCK_OPTIONS, "diffusion": diffusion_batch.OPTIONS,
-                   "early-bird": early_bird_batch.OPTIONS}
+                   "block": sbd_lossy_batch.BLOCK_OPTIONS, "diffusion": DIFFUSION_OPTIONS,
+                   "early-bird": EARLY_BIRD_OPTIONS}
 VERIFY_OPTIONS = ("block_size", "draft", "verify")  # what a lossless sbd request may set
+ONE_ENGINE = (Diffusion, DreamSchedule, EarlyBird)  # the decoders' own classes (issue 25): sized, drop by id
+SIZED = ("diffusion", "dream", "early-bird")  # RUNNING kinds built with capacity = max batch size
+
+
+def _drop(batch, pred) -> list:
+    """The rows ``pred`` picks, dropped from ``batch``: the one-engine decoders drop by job id, the
+    older running batches by predicate."""
+    if isinstance(batch, ONE_ENGINE):
+        return batch.drop([r.job.id for r in _rows(batch) if pred(r)])
+    return batch.drop(pred)
 
 
 class Scheduler:
@@ -205,7 +218,7 @@ class Scheduler:
         if bundle.kind != "masked-diffusion":
             return False
         try:
-            DiffusionBatch(bundle)
+            Diffusion.serving(bundle, capacity=1)
         except UnmaskError:
             return False
         return True
@@ -240,12 +253,13 @@ class Scheduler:
         if lossless:
             return "verify", next(v for v in (job.options.get("draft"), self.defaults.get("draft"),
                                               sbd_verify.DEFAULT_DRAFT) if v is not None)
+        if job.decoder == "diffusion" and "schedule" in job.options:  # Dream's schedule: a running batch of its own
+            fits = self._diffusion_runs and set(job.options) <= {"schedule", *DREAM_OPTIONS}
+            return ("dream", tuple(sorted(job.options.items()))) if fits else None
         if job.decoder in RUNNING_OPTIONS and not set(job.options) <= set(RUNNING_OPTIONS[job.decoder]):
             return None
         if job.decoder in ("diffusion", "early-bird") and not self._diffusion_runs:
             return None
-        if job.decoder == "early-bird" and str(job.options.get("cache", "none")) != "none":
-            return None  # a cached early-bird refresh serves every row of a batch: per call
         if job.decoder == "diffusion" and job.options.get("block_size") is None:
             try:  # the block size this request decodes with (a short one gets a shorter block): part of the key
                 block = DiffusionConfig.from_options(max_new_tokens=job.max_new_tokens, **job.options).block_size
@@ -294,7 +308,9 @@ class Scheduler:
             try:
                 batch = self._verify_batch(key[1]) if key[0] == "verify" else self.running_batches.get(key)
                 if batch is None:
-                    batch = self.running_batches[key] = RUNNING[key[0]](self.bundle, dict(key[1]), on_step=self._event)
+                    sized = {"capacity": self.max_batch_size} if key[0] in SIZED else {}
+                    batch = self.running_batches[key] = RUNNING[key[0]](self.bundle, dict(key[1]), on_step=self._event,
+                                                                        **sized)
             except UnmaskError as e:  # the options failed the decoder's own validation
                 for j in jobs:
                     j.finish("error", bad_request(e, j.options))
@@ -303,7 +319,7 @@ class Scheduler:
                 if key[0] == "verify":
                     self._step_verify(batch, key[1], jobs)
                 else:
-                    for row in batch.drop(lambda r: r.job.gone):
+                    for row in _drop(batch, lambda r: r.job.gone):
                         finish_gone(row.job)
                     for job in jobs:
                         self._join(batch, [job])
@@ -317,7 +333,7 @@ class Scheduler:
                 if key[0] == "verify":
                     batch.drop([r.job.id for r in _rows(batch)])
                 else:
-                    batch.drop(lambda r: True)
+                    _drop(batch, lambda r: True)
             if key[0] != "verify" and not len(batch):
                 del self.running_batches[key]  # frees its cache; a new batch forms with the next request
 

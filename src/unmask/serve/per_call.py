@@ -1,6 +1,5 @@
 """What still runs per call in the server: one ``decode`` over a batch of compatible queued requests
-(cached ``early-bird``, Dream's ``schedule``, a remote-code LLaDA), until their decoders become
-running batches (issue 25). While such a batch runs, the scheduler's running decoders admit and
+(a remote-code LLaDA, whose forward takes no positions, so its rows cannot share a padded batch). While such a batch runs, the scheduler's running decoders admit and
 step after each of its forwards; a row whose committed prefix fixes its answer is answered at
 once, and the batch stops when none of its requests is still wanted. Functions of the
 :class:`~unmask.serve.engine.Scheduler` (``sched``), run on its thread."""

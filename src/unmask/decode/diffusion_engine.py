@@ -1,0 +1,322 @@
+"""The diffusion decoder as one running batch (DESIGN.md "One engine"; spec/diffusion.md §3, §6–§9):
+``diffusion.decode``, its static/compiled fast path and the server all run :class:`Diffusion`.
+
+Each row has its own canvas ``[prompt | m^L]`` (a slot of :class:`~unmask.decode.dllm_cache.SlotCanvas`),
+its own block progress (block index, forwards in the block) and its own seeded generator, so a
+row decodes exactly as it would alone, whenever it joined. A step is ONE forward for every
+running row: each row scores its current block, the commit policy (a pure tensor function,
+:func:`unmask.policies.commit`) reveals some masks, and one host sync reads the per-row counts
+and flags the rows' bookkeeping needs. A row whose block holds no masks then applies decode's end
+of block (stop ids unless early stop, stop strings) and moves on or finishes.
+
+``lockstep=True`` (what ``decode`` asks for) makes the rows of one ``join`` advance block by block
+together, as decode's batch always has: a row whose block is complete waits, committing nothing,
+until every row of its join finished that block. Tokens are the same either way (a waiting row's
+canvas does not change); lockstep keeps decode's batch NFE and step numbering.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from unmask.decode.diffusion import (DEFAULT_BLOCK_SIZE, DiffusionConfig, commit_rows, early_stop_in,
+                                     hit_stop_string, llada_quota, until_stop)
+from unmask.decode.dllm_cache import SlotCanvas, check_fast_path
+from unmask.decode.running import Request, Row, Slots
+from unmask.decode.stats import check_nfe, stop_flags
+from unmask.errors import UnmaskError
+from unmask.models.adapters import default_sampler, is_remote, realign, supports_cache
+from unmask.trace import step_event
+
+OPTIONS = ("gen_length", "block_size", "policy", "gamma", "preset", "tau", "factor", "factor_compat",
+           "tokens_per_step", "eta", "steps", "cache", "refresh_every", "eos_early_stop", "sampler", "confidence")
+
+
+@dataclass(eq=False)
+class DiffusionRow(Row):
+    """A running row plus its block progress: ``cfg`` (its gen length), ``report`` (tokens reported),
+    ``block``, ``step`` (forwards in the block), ``commits`` (per forward), ``cohort`` (its join, for
+    lockstep), ``complete`` (its block is done), ``done`` (a stop seen)."""
+
+    cfg: DiffusionConfig = None
+    generator: object = None
+    report: int = 0
+    block: int = 0
+    step: int = 0
+    commits: list[int] = field(default_factory=list)
+    cohort: int = 0
+    complete: bool = False
+    done: bool = False
+
+
+class Diffusion:
+    """Semi-AR masked-diffusion decoding as a running batch (``decode/running.py``'s contract).
+
+    cfg: the validated knobs every row shares; a row's gen length is ``cfg.gen_length``, or with
+    ``options`` (the server) the one ``DiffusionConfig.from_options(max_new_tokens=..., **options)``
+    gives its request. ``width``: the canvas width to allocate (grows on join unless static).
+    ``stop_token_ids`` (None: the bundle's); ``on_step(row, event)`` step events (lockstep: the
+    batch forward index and the request id as row, else the row's own forward index and row 0);
+    ``on_forward(state)`` (tests) before each commit; ``reference_steps`` runs LLaDA's zero-quota
+    steps. ``static``/``compile`` run the forwards on the preallocated cache / compiled (every
+    forward then covers all ``capacity`` slots). Raises UnmaskError for a model without a mask
+    token and for fast-path options the model cannot run; ``join`` for a request that does not fit.
+    """
+
+    def __init__(self, bundle, cfg: DiffusionConfig, *, static=False, compile=False, capacity=8, on_step=None,
+                 on_token=None, stop_token_ids=None, lockstep=False, width=0, reference_steps=False,
+                 on_forward=None, options: dict | None = None):
+        if bundle.mask_token_id is None:
+            raise UnmaskError("the diffusion decoder needs a masked-diffusion model with a mask token; "
+                              "load it with mask_token_id=ID or name it in unmask_config.json")
+        check_fast_path(bundle, static, compile, "the diffusion decoder")
+        self.bundle, self.cfg, self.options = bundle, cfg, options
+        self.static, self.compile = static or compile, compile
+        self.on_step, self.on_forward, self.lockstep, self.reference = on_step, on_forward, lockstep, reference_steps
+        self.slots = Slots(capacity)
+        self.canvas = SlotCanvas(bundle, cfg.cache, capacity, max(width, 1), cfg.block_size, static=static,
+                                 compile=compile)
+        dev = bundle.device
+        ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
+        self.stop_ids = tuple(ids)
+        self.stops = torch.tensor(sorted(set(ids)) or [-1], device=dev)
+        self.stop_set = set(self.stops.tolist()) | {bundle.mask_token_id}
+        self.suppress = list(bundle.suppress_ids)
+        self.done = torch.zeros(capacity, dtype=torch.bool, device=dev)  # (C,) a stop seen (early stop)
+        self.running: dict[int, DiffusionRow] = {}  # slot -> row
+        self.forwards, self._cohorts = 0, 0
+
+    @classmethod
+    def serving(cls, bundle, options: dict | None = None, on_step=None, *, stop_token_ids=None, capacity: int = 64):
+        """The server's running batch for one set of diffusion ``options`` (:data:`OPTIONS`, None =
+        default), each row with its own gen length. Raises UnmaskError for an unknown option
+        (e.g. ``schedule``, ``compile``), a bad value, or a remote-code model other than Dream's
+        (LLaDA's remote forward takes no positions, so left padding would shift a row's)."""
+        if is_remote(bundle.model) and bundle.meta.get("family") != "dream":
+            raise UnmaskError("a continuous diffusion batch needs explicit positions per row; this checkpoint's "
+                              "own model code takes none, so decode it with per-call diffusion batches")
+        options = {k: v for k, v in dict(options or {}).items() if v is not None}
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous diffusion batch "
+                              f"(semi-AR blocks, eager forwards); use only {', '.join(OPTIONS)}")
+        if str(options.get("cache", "none")) != "none" and not supports_cache(bundle):
+            raise UnmaskError(f"cache {options['cache']!r} needs a transformers-native model; this checkpoint runs "
+                              "its own model code, so use cache 'none'")
+        if not isinstance(options.get("eos_early_stop", False), bool):
+            raise UnmaskError(f"eos_early_stop must be true or false (got {options['eos_early_stop']!r})")
+        options.setdefault("sampler", default_sampler(bundle))
+        # validated once on a nominal length that fits any block size; per-row lengths are checked at join
+        nominal = options.get("gen_length") or options.get("block_size") or DEFAULT_BLOCK_SIZE
+        cfg = DiffusionConfig.from_options(max_new_tokens=nominal if isinstance(nominal, int) else 1, **options)
+        return cls(bundle, cfg, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids, options=options)
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    @property
+    def rows(self) -> list[DiffusionRow]:
+        """The running rows in slot order (a copy: the server's other threads read it)."""
+        return sorted(list(self.running.values()), key=lambda row: row.slot)
+
+    @property
+    def confidence(self) -> str | None:
+        return self.cfg.confidence
+
+    # -- joining ------------------------------------------------------------------------------------
+
+    def _config(self, job) -> DiffusionConfig:
+        """The request's config; UnmaskError when it does not fit."""
+        if not list(job.prompt_ids):
+            raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
+        if self.options is None:
+            return self.cfg
+        cfg = DiffusionConfig.from_options(max_new_tokens=job.max_new_tokens, **self.options)
+        if cfg.block_size != self.cfg.block_size:  # without --block-size a short request gets a shorter block
+            raise UnmaskError(f"this request decodes with block size {cfg.block_size}, the running batch with "
+                              f"{self.cfg.block_size}; give it a batch of its own (block_size={cfg.block_size})")
+        if "gen_length" in self.options and isinstance(job.max_new_tokens, int) and job.max_new_tokens > cfg.gen_length:
+            raise UnmaskError(f"max_new_tokens {job.max_new_tokens} exceeds gen length {cfg.gen_length}; lower "
+                              "--max-new-tokens or raise --gen-length")
+        if len(job.prompt_ids) + cfg.gen_length > self.bundle.context_length:
+            raise UnmaskError(f"prompt ({len(job.prompt_ids)} tokens) + gen length {cfg.gen_length} exceeds the "
+                              f"context window of {self.bundle.context_length}; lower --gen-length or --max-new-tokens")
+        return cfg
+
+    @torch.inference_mode()
+    def join(self, requests: list[Request]) -> list[DiffusionRow]:
+        """Place each request's canvas at block 0 of a free slot (no forward: a row's first forward
+        is its first step). Every request is validated first, so a bad one adds none. Returns []."""
+        cfgs = [self._config(job) for job in requests]
+        if len(requests) > self.slots.free:
+            self.slots.take(len(requests))  # raises the one-line "running batch full"
+        self._cohorts += 1
+        for job, cfg, slot in zip(requests, cfgs, self.slots.take(len(requests))):
+            gen = getattr(job, "generator", None)
+            if gen is None and not job.sampling.greedy:  # the generator decode gives a lone prompt
+                gen = job.sampling.row_generators([list(job.prompt_ids)], self.bundle.device)[0]
+            self.canvas.place(slot, list(job.prompt_ids), cfg.gen_length, self.bundle.mask_token_id)
+            self.done[slot] = False
+            self.running[slot] = DiffusionRow(job=job, slot=slot, cfg=cfg, generator=gen, cohort=self._cohorts,
+                                              report=min(job.max_new_tokens, cfg.gen_length))
+        return []
+
+    def drop(self, ids) -> list[DiffusionRow]:
+        """Remove the rows of these request ids; their slots are free at once."""
+        ids = set(ids)
+        gone = [row for row in self.rows if row.job.id in ids]
+        for row in gone:
+            del self.running[row.slot]
+        self.slots.give([row.slot for row in gone])
+        return gone
+
+    # -- stepping -----------------------------------------------------------------------------------
+
+    def _start(self, row: DiffusionRow) -> int:
+        """Canvas column of the row's current block start."""
+        return self.canvas.width - row.cfg.gen_length + row.block * self.cfg.block_size
+
+    @torch.inference_mode()
+    def step(self) -> list[DiffusionRow]:
+        """One forward for every running row; returns the rows that finished in it (removed), with
+        ``tokens``, ``nfe``, ``finish``, ``stop_token`` and ``extra`` set."""
+        if not self.running:
+            return []
+        cfg, canvas, dev, mask_id = self.cfg, self.canvas, self.bundle.device, self.bundle.mask_token_id
+        Bk, sh, T = cfg.block_size, self.bundle.logit_shift, canvas.width
+        n = self.slots.capacity if self.static else self.slots.high
+        rows = [self.running.get(s) for s in range(n)]  # None: a free slot, carried along
+        active = [r is not None and not (r.complete and self.lockstep) for r in rows]
+        starts = [self._start(r) if r is not None else T - Bk for r in rows]
+        every = cfg.refresh_every
+        refresh = [a and (r.step == 0 or (every is not None and r.step % every == 0)) for r, a in zip(rows, active)]
+        logits = realign(canvas.forward(n, starts, refresh), sh)[:, sh:].clone()  # (n, Bk, V): j scores start + j
+        if self.suppress:
+            logits[..., self.suppress] = float("-inf")
+        cols = torch.tensor(starts, device=dev)[:, None] + torch.arange(Bk, device=dev)  # (n, Bk)
+        block = canvas.ids[:n].gather(1, cols)  # (n, Bk)
+        live = torch.tensor(active, device=dev) & ~self.done[:n]  # (n,)
+        masked = (block == mask_id) & live[:, None]  # (n, Bk)
+        quota = None
+        if cfg.steps is not None:  # LLaDA's schedule: each row's own steps per block (its gen length's blocks)
+            steps = torch.tensor([0 if r is None else r.step for r in rows], device=dev)  # (n,)
+            per_block = torch.tensor([1 if r is None else r.cfg.steps // r.cfg.n_blocks for r in rows], device=dev)
+            quota = llada_quota(torch.full_like(steps, Bk), per_block, steps)  # (n,)
+        chosen, tokens = self._commit(rows, logits, masked, quota)  # (n, Bk) each
+        if self.on_forward is not None:
+            first = next(r for r, a in zip(rows, active) if a)
+            self.on_forward({"nfe": self.forwards, "block": first.block, "step": first.step, "start": first.block * Bk,
+                             "refresh": any(refresh), "canvas": canvas.ids[:n].clone(), "logits": logits,
+                             "masked": masked, "chosen": chosen, "tokens": tokens})
+        canvas.ids[:n].scatter_(1, cols, torch.where(chosen, tokens, block))
+        gen_cols = torch.arange(T, device=dev)[None, :] >= torch.tensor(
+            [T - (r.cfg.gen_length if r else Bk) for r in rows], device=dev)[:, None]  # (n, T) generated columns
+        had = masked.any(dim=1)  # (n,)
+        if cfg.eos_early_stop:
+            self.done[:n] |= early_stop_in(canvas.ids[:n], gen_cols, mask_id, self.stops) & had
+        left = ((canvas.ids[:n].gather(1, cols) == mask_id) & ~self.done[:n, None]).any(dim=1)  # (n,)
+        ended = (torch.isin(canvas.ids[:n], self.stops) & gen_cols & (torch.arange(T, device=dev) < cols[:, -1:] + 1)
+                 ).any(dim=1)  # (n,) a stop id at or before the block's end
+        committed = ((canvas.ids[:n] != mask_id) & gen_cols).sum(dim=1)  # (n,)
+        # the step's one host sync: what each row's bookkeeping reads
+        flags = torch.stack([chosen.sum(dim=1), had.long(), left.long(), self.done[:n].long(), ended.long(),
+                             committed]).tolist()
+        self.forwards += 1
+        for r, row in enumerate(rows):
+            if row is None or not active[r]:
+                continue
+            count, was, more, done, stop, row.extra["n_committed"] = (flags[i][r] for i in range(6))
+            if was:
+                row.commits.append(count)
+                if self.on_step is not None:
+                    at, who = (self.forwards - 1, row.job.id) if self.lockstep else (row.nfe, 0)
+                    gen = canvas.ids[r, T - row.cfg.gen_length:]  # (L,)
+                    self.on_step(row, step_event(at, who, chosen[r], tokens[r], row.block * Bk, gen, mask_id,
+                                                 block=row.block))
+            row.nfe += int(bool(was) or (self.reference and not done))
+            row.step += 1
+            check_nfe(row.nfe, max(row.cfg.gen_length, row.cfg.steps or 0) + row.cfg.n_blocks, "diffusion")
+            row.done = bool(done)
+            pending = self.reference and cfg.steps is not None and row.step < row.cfg.steps // row.cfg.n_blocks
+            row.complete = not more and not pending
+            if row.complete and not cfg.eos_early_stop:
+                row.done |= bool(stop)
+        return self._advance()
+
+    def _commit(self, rows, logits, masked, quota):
+        """``commit_rows`` per group of rows sharing a sampling setting, each row with its generator."""
+        groups: dict = {}
+        for r, row in enumerate(rows):
+            if row is not None:
+                groups.setdefault(row.job.sampling, []).append(r)
+        draw = "gumbel" if self.cfg.sampler == "llada" else "categorical"
+        conf = self.cfg.commit_confidence
+        if len(groups) == 1:  # free slots have no masks: they draw nothing
+            sampling = next(iter(groups))
+            gens = None if sampling.greedy else [None if row is None else row.generator for row in rows]
+            return commit_rows(logits, masked, self.cfg.policy, sampling, gens, quota, conf, draw)
+        chosen = torch.zeros_like(masked)
+        tokens = torch.zeros(masked.shape, dtype=torch.long, device=masked.device)
+        for sampling, idx in groups.items():
+            at = torch.tensor(idx, dtype=torch.long, device=masked.device)  # (m,)
+            gens = None if sampling.greedy else [rows[r].generator for r in idx]
+            c, t = commit_rows(logits[at], masked[at], self.cfg.policy, sampling, gens,
+                               None if quota is None else quota[at], conf, draw)  # (m, Bk) each
+            chosen[at], tokens[at] = c, t
+        return chosen, tokens
+
+    def _advance(self) -> list[DiffusionRow]:
+        """Rows whose block is complete (lockstep: every row of their join) take decode's end of block:
+        stop strings, then finish (a stop, the reported length, the last block) or the next block."""
+        waiting: dict[int, bool] = {}
+        for row in self.running.values():
+            waiting[row.cohort] = waiting.get(row.cohort, True) and row.complete
+        finished = []
+        for row in self.rows:
+            if not row.complete or (self.lockstep and not waiting[row.cohort]):
+                continue
+            e = (row.block + 1) * self.cfg.block_size
+            if row.job.stop and not row.done:
+                gen = self.canvas.ids[row.slot, self.canvas.width - row.cfg.gen_length:]  # (L,)
+                row.done = bool(hit_stop_string(self.bundle, [list(row.job.prompt_ids)], gen[None, :e],
+                                                self.bundle.mask_token_id, tuple(row.job.stop))[0])
+            if row.done or e >= row.report or row.block + 1 == row.cfg.n_blocks:
+                finished.append(row)
+            else:
+                row.block, row.step, row.complete = row.block + 1, 0, False
+        if finished:
+            self._finish(finished)
+        return finished
+
+    def _finish(self, rows: list[DiffusionRow]) -> None:
+        """Set the rows' outputs as decode reports them (cut at the reported length and the first
+        stop id; one host sync for all) and free their slots."""
+        canvases = self.canvas.ids[[row.slot for row in rows]].tolist()  # (m, T)
+        for row, ids in zip(rows, canvases):
+            full = ids[len(ids) - row.cfg.gen_length:][: row.report]
+            row.tokens = until_stop(full, self.stop_set)
+            row.stop_token = stop_flags([full], [row.tokens], self.stop_ids)[0]
+            row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
+            row.extra = {"policy": row.cfg.policy.name, "cache": row.cfg.cache, "steps": row.nfe,
+                         "commits": list(row.commits), "n_committed": row.extra["n_committed"]}
+            del self.running[row.slot]
+        self.slots.give([row.slot for row in rows])
+
+    def stats_extra(self, rows: list[DiffusionRow]) -> dict:
+        """decode's ``stats.extra`` for finished rows in request order."""
+        cfg = self.cfg
+        extra = {"policy": cfg.policy.name, "cache": cfg.cache, "gen_length": cfg.gen_length,
+                 "block_size": cfg.block_size, "sampler": cfg.sampler, "confidence": cfg.confidence or "untempered",
+                 "accepts": dict(sorted(Counter(c for row in rows for c in row.commits).items())),
+                 "n_committed": [row.extra["n_committed"] for row in rows],
+                 "row_extra": [{k: row.extra[k] for k in ("policy", "cache", "steps", "commits")} for row in rows],
+                 "compiled": bool(self.compile)}
+        if self.canvas.static_capacity is not None:
+            extra["static_cache"] = self.canvas.static_capacity
+        return extra
+
+
+__all__ = ["Diffusion", "DiffusionRow", "OPTIONS"]

@@ -1,0 +1,385 @@
+"""Early-Bird decoding as one running batch (DESIGN.md "One engine"; spec/early_bird.md §5–§6, §9):
+``early_bird.decode``, its static/compiled fast path and the server all run :class:`EarlyBird`.
+
+Each row has its own canvas ``[prompt | m^L]`` (a :class:`~unmask.decode.dllm_cache.SlotCanvas`
+slot; L is the LBS router's, so every row's generation region is the canvas's last L columns),
+its own active block (selected by LBS, fixed until resolved) and its own generator. A step is ONE
+forward for every running row: a row without an active block scores its whole region and
+selects (with a cache this forward is the row's own refresh, after which the K/V of its window
+[min B, max B] are hidden as stale); the others score their block's window (with a cache: feed
+only that window). Then, batched over the rows (the routers over the rows that need them), the
+commit rule of EB-Decode: A = {i ∈ B ∩ M : κ ≥ τ or p_ψ > τ_ψ}, the argmax-κ candidate when A is
+empty; and one host sync reads what the rows' bookkeeping needs.
+
+``lockstep=True`` (decode) runs each router once over every row that needs it and numbers step
+events by the batch forward and the request id, as decode always has; otherwise (the server) each
+row runs the routers alone, so its inputs have exactly the shapes of its decode alone, and events
+count the row's own forwards (row 0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from unmask.decode.diffusion import early_stop, hit_stop_string, until_stop
+from unmask.decode.dllm_cache import SlotCanvas
+from unmask.decode.early_bird import _commit_confidence, _draw_rows, _sync, configure
+from unmask.decode.eb_select import PATH_NAMES, lps_features, pack_rows, select_block, union_accept
+from unmask.decode.running import Request, Row, Slots
+from unmask.decode.stats import check_nfe, stop_flags
+from unmask.errors import UnmaskError
+from unmask.models.adapters import is_remote
+from unmask.policies import Threshold, token_stats
+from unmask.trace import step_event
+
+OPTIONS = ("gen_length", "block_size", "tau", "tau_psi", "l_min", "g_max", "lps", "cache", "gap_metric", "pos_mode",
+           "eos_early_stop", "sampler", "confidence", "routers", "lbs_router", "lps_router")
+
+
+@dataclass(eq=False)
+class EarlyBirdRow(Row):
+    """A running row plus its router state: ``has_block`` (an active block with masks), ``window``
+    [lo, hi) (generated positions its next forward scores), ``blocks`` (selections), ``sizes`` /
+    ``paths`` (of its selections), ``lps_only``, ``commits`` per forward, ``generator``."""
+
+    generator: object = None
+    has_block: bool = False
+    window: tuple[int, int] = (0, 0)
+    blocks: int = 0
+    sizes: int = 0
+    paths: list[str] = field(default_factory=list)
+    lps_only: int = 0
+    commits: list[int] = field(default_factory=list)
+
+
+class EarlyBird:
+    """EB-Decode as a running batch (``decode/running.py``'s contract).
+
+    cfg, lbs, lps: :func:`unmask.decode.early_bird.configure`'s (routers in eval mode). ``width``:
+    the canvas width to allocate (grows on join unless static). ``stop_token_ids`` (None: the
+    bundle's); ``on_step(row, event)``; ``on_forward(state)`` (trace collection, tests) after every
+    commit. ``static``/``compile``: the preallocated cache / compiled forwards (every forward then
+    covers all ``capacity`` slots). Raises UnmaskError from ``join`` for a request that does not fit.
+    """
+
+    def __init__(self, bundle, cfg, lbs, lps, *, static=False, compile=False, capacity=8, on_step=None, on_token=None,
+                 stop_token_ids=None, width=0, lockstep=False, on_forward=None):
+        self.bundle, self.cfg, self.lbs, self.lps = bundle, cfg, lbs, lps
+        self.static, self.compile = static or compile, compile
+        self.on_step, self.on_forward, self.lockstep = on_step, on_forward, lockstep
+        self.slots = Slots(capacity)
+        self.canvas = SlotCanvas(bundle, cfg.cache, capacity, max(width, cfg.gen_length + 1), None, static=static,
+                                 compile=compile)
+        dev, L = bundle.device, cfg.gen_length
+        ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
+        self.stop_ids = sorted(set(ids))
+        self.stops = torch.tensor(self.stop_ids or [-1], device=dev)
+        self.suppress = list(bundle.suppress_ids)
+        self.embed = bundle.model.get_input_embeddings()
+        self.threshold = Threshold(cfg.tau)
+        self.draw = "gumbel" if cfg.sampler == "llada" else "categorical"
+        self.block = torch.zeros(capacity, L, dtype=torch.bool, device=dev)  # (C, L) active block, as selected
+        self.done = torch.zeros(capacity, dtype=torch.bool, device=dev)  # (C,) a stop seen
+        self.running: dict[int, EarlyBirdRow] = {}
+        self.forwards = self.refreshes = 0
+        self.seconds = Counter()  # lbs, lps, forward, step
+
+    @classmethod
+    def serving(cls, bundle, options: dict | None = None, on_step=None, *, stop_token_ids=None, capacity: int = 64):
+        """The server's running batch for one set of early-bird ``options`` (:data:`OPTIONS`; every
+        cache). Raises UnmaskError for an unknown option (``compile``), a bad value, missing routers
+        or a remote-code model (no explicit positions per row)."""
+        if is_remote(bundle.model):
+            raise UnmaskError("a continuous early-bird batch needs explicit positions per row; this checkpoint's own "
+                              "model code takes none, so decode it with per-call early-bird batches")
+        options = {k: v for k, v in dict(options or {}).items() if v is not None}
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous early-bird batch "
+                              f"(eager forwards); use only {', '.join(OPTIONS)}")
+        cfg, lbs, lps = configure(bundle, **options)
+        for net in (lbs, lps):
+            if net is not None:
+                net.eval()
+        return cls(bundle, cfg, lbs, lps, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids)
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    @property
+    def rows(self) -> list[EarlyBirdRow]:
+        """The running rows in slot order (a copy: the server's other threads read it)."""
+        return sorted(list(self.running.values()), key=lambda row: row.slot)
+
+    @property
+    def confidence(self) -> str | None:
+        return self.cfg.confidence
+
+    # -- joining and leaving ------------------------------------------------------------------------
+
+    def _check(self, job) -> None:
+        prompt, n, L = list(job.prompt_ids), job.max_new_tokens, self.cfg.gen_length
+        if not prompt:
+            raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise UnmaskError(f"max_new_tokens must be an integer >= 1 (got {n!r})")
+        if n > L:
+            raise UnmaskError(f"max_new_tokens {n} exceeds the LBS router's gen length {L}; lower it "
+                              f"or train LBS for a longer gen length")
+        if len(prompt) + L > self.bundle.context_length:
+            raise UnmaskError(f"prompt ({len(prompt)} tokens) + gen length {L} exceeds the context window of "
+                              f"{self.bundle.context_length}; shorten the prompt or use a model with a longer window")
+
+    @torch.inference_mode()
+    def join(self, requests: list[Request]) -> list[EarlyBirdRow]:
+        """Place each request's canvas with no active block (no forward; every request is validated
+        first, so a bad one adds none). Returns []."""
+        for job in requests:
+            self._check(job)
+        if len(requests) > self.slots.free:
+            self.slots.take(len(requests))  # raises the one-line "running batch full"
+        for job, slot in zip(requests, self.slots.take(len(requests))):
+            gen = getattr(job, "generator", None)
+            if gen is None and not job.sampling.greedy:  # the generator decode gives a lone prompt
+                gen = job.sampling.row_generators([list(job.prompt_ids)], self.bundle.device)[0]
+            self.canvas.place(slot, list(job.prompt_ids), self.cfg.gen_length, self.bundle.mask_token_id)
+            self.block[slot], self.done[slot] = False, False
+            self.running[slot] = EarlyBirdRow(job=job, slot=slot, generator=gen)
+        return []
+
+    def drop(self, ids) -> list[EarlyBirdRow]:
+        """Remove the rows of these request ids; their slots are free at once."""
+        ids = set(ids)
+        gone = [row for row in self.rows if row.job.id in ids]
+        for row in gone:
+            del self.running[row.slot]
+        self.slots.give([row.slot for row in gone])
+        return gone
+
+    # -- stepping -----------------------------------------------------------------------------------
+
+    def _forward(self, n: int, rows: list, select: list[bool]) -> tuple[torch.Tensor, int, int]:
+        """One forward of slots [0, n): (logits (n, HI - LO, V) realigned, LO, HI), index j scoring
+        generated position LO + j; [LO, HI) covers every row's window (all L when a row selects)."""
+        c, cfg, sh = self.canvas, self.cfg, self.bundle.logit_shift
+        T, L = c.width, cfg.gen_length
+        g0 = T - L
+        spans = [(0, L) if s else row.window for row, s in zip(rows, select) if row is not None]
+        LO, HI = min(a for a, _ in spans), max(b for _, b in spans)
+        w0, w1 = [], []
+        for row, s in zip(rows, select):
+            if row is None or s:  # a free slot, or a refresh: its window is hidden once selected
+                w0.append(T - 1 if row is None else T)
+                w1.append(T)
+            else:
+                w0.append(g0 + row.window[0] - sh)
+                w1.append(g0 + row.window[1] if cfg.cache == "dual" else T)
+        refresh = [row is not None and s for row, s in zip(rows, select)]
+        if cfg.cache != "none" and any(refresh):
+            self.refreshes += 1
+        raw, col0 = c.run(n, w0, w1, refresh, g0 + LO - sh, g0 + HI)  # (n, m, V), (n,)
+        at = (g0 + LO - sh - col0)[:, None] + torch.arange(HI - LO, device=raw.device)  # (n, HI - LO)
+        at = at.clamp(0, raw.shape[1] - 1)  # outside a row's own window: unused (no candidates there)
+        logits = raw.gather(1, at[:, :, None].expand(n, HI - LO, raw.shape[2]))  # (n, HI - LO, V)
+        if self.suppress:
+            logits[..., self.suppress] = float("-inf")
+        return logits, LO, HI
+
+    def _groups(self, idx: list[int]) -> list[list[int]]:
+        """Rows that run a router together: all at once in lockstep (decode), else one by one."""
+        return ([idx] if idx else []) if self.lockstep else [[r] for r in idx]
+
+    @torch.inference_mode()
+    def step(self) -> list[EarlyBirdRow]:
+        """One forward for every running row, then EB-Decode's selection and commit (Alg. 5) and the
+        stop checks (§9). Returns the finished rows (removed) with ``tokens``, ``nfe``, ``finish``,
+        ``stop_token`` and ``extra`` set."""
+        if not self.running:
+            return []
+        cfg, dev, mask_id, c = self.cfg, self.bundle.device, self.bundle.mask_token_id, self.canvas
+        L = cfg.gen_length
+        n = self.slots.capacity if self.static else self.slots.high
+        rows = [self.running.get(s) for s in range(n)]  # None: a free slot, carried along
+        select = [row is not None and not row.has_block for row in rows]
+        t0 = _sync(dev)
+        logits, LO, HI = self._forward(n, rows, select)  # (n, HI - LO, V)
+        self.seconds["forward"] += _sync(dev) - t0
+        gen = c.ids[:n, c.width - L:]  # (n, L) view: commits write through it
+        live = torch.tensor([row is not None for row in rows], device=dev)  # (n,)
+        masked = (gen == mask_id) & (live & ~self.done[:n])[:, None]  # (n, L)
+        st = token_stats(logits)  # (n, HI - LO) each, T = 0: the router features
+        top1, conf, ent, margin = (torch.zeros(n, L, dtype=x.dtype, device=dev) for x in st[:4])
+        top1[:, LO:HI], conf[:, LO:HI], ent[:, LO:HI], margin[:, LO:HI] = st
+        norm_ent = ent / math.log(logits.shape[-1])  # (n, L) H / log|V|
+        t1 = _sync(dev)
+        sel = [r for r, s in enumerate(select) if s]
+        path = torch.full((n,), -1, dtype=torch.long, device=dev)
+        for g in self._groups(sel):
+            at = torch.tensor(g, device=dev)  # (b,)
+            p = torch.sigmoid(self.lbs(norm_ent[at], self.embed(top1[at]), masked[at]))  # (b, L)
+            new, how = select_block(p, masked[at], top1[at], eos_ids=self.stop_ids, l_min=cfg.l_min,
+                                    fallback_block=cfg.block_size, g_max=cfg.g_max, gap_metric=cfg.gap_metric)
+            self.block[at], path[at] = new, how
+        block = self.block[:n]  # (n, L)
+        self.seconds["lbs"] += _sync(dev) - t1
+        cand = block & masked  # (n, L) B ∩ M
+        cand_w = cand[:, LO:HI]  # (n, HI - LO)
+        tok_w, kappa = self._tokens(rows, logits, cand_w, st.top1, LO)  # (n, HI - LO), (n, L)
+        tokens = torch.zeros(n, L, dtype=torch.long, device=dev)
+        tokens[:, LO:HI] = tok_w
+        t3 = _sync(dev)
+        feats = p_lps = None
+        if self.lps is not None or self.on_forward is not None:
+            feats = lps_features(conf, norm_ent, margin, block, masked, cfg.pos_mode)  # (n, L, 5)
+        if self.lps is not None:
+            p_lps = torch.zeros(n, L, device=dev)
+            # LPS cannot change A for a row whose candidates all pass κ ≥ τ or that has a single
+            # candidate (committed anyway, by the anti-stall rule): those rows skip the router.
+            open_rows = (cand.sum(dim=1) >= 2) & (cand & (kappa < cfg.tau)).any(dim=1)  # (n,)
+            for g in self._groups(torch.nonzero(open_rows).flatten().tolist()):
+                at = torch.tensor(g, device=dev)  # (b,)
+                index, ok = pack_rows(cand[at])  # (b, N) each
+                x = feats[at].gather(1, index[..., None].expand(-1, -1, feats.shape[-1]))  # (b, N, 5)
+                p = torch.sigmoid(self.lps(x, ok))  # (b, N)
+                p_lps[at] = torch.zeros(len(g), L, device=dev).scatter(1, index, torch.where(ok, p, 0.0))
+        self.seconds["lps"] += _sync(dev) - t3
+        tau_psi = cfg.tau_psi if cfg.tau_psi is not None else 1.0
+        chosen = union_accept(kappa, p_lps, cand, cfg.tau, tau_psi)  # (n, L)
+        lps_only = (chosen & (kappa < cfg.tau) & (p_lps > tau_psi)).sum(dim=1) if p_lps is not None else path * 0
+        gen.copy_(torch.where(chosen, tokens, gen))
+        return self._settle(rows, select, masked, chosen, tokens, path, lps_only, feats, top1, kappa, p_lps,
+                            (LO, HI), t0)
+
+    def _tokens(self, rows, logits, cand_w, top1_w, LO):
+        """The candidates' tokens (n, HI - LO) (argmax, or each sampled row's draw with its generator)
+        and their κ (n, L), per group of rows sharing a sampling setting."""
+        cfg, L = self.cfg, self.cfg.gen_length
+        groups: dict = {}
+        for r, row in enumerate(rows):
+            if row is not None:
+                groups.setdefault(row.job.sampling, []).append(r)
+        tokens, kappa = top1_w, torch.zeros(len(rows), L, dtype=torch.float64, device=logits.device)
+        for sampling, idx in groups.items():
+            pick = torch.zeros_like(cand_w)
+            pick[idx] = cand_w[idx]
+            if not sampling.greedy:
+                gens = [None if row is None else row.generator for row in rows]
+                tokens = _draw_rows(logits, pick, tokens, self.threshold, sampling, gens, cfg.commit_confidence,
+                                    self.draw)
+            kappa = kappa + _commit_confidence(logits, tokens, pick, cfg.commit_confidence, sampling.temperature, LO, L)
+        return tokens, kappa
+
+    def _settle(self, rows, select, masked, chosen, tokens, path, lps_only, feats, top1, kappa, p_lps, window, t0):
+        """After the commit: stop checks (§9), cached windows of new blocks, the step's one host sync
+        and the rows' bookkeeping. Returns the finished rows."""
+        cfg, dev, mask_id, c = self.cfg, self.bundle.device, self.bundle.mask_token_id, self.canvas
+        L, n, sh = cfg.gen_length, len(rows), self.bundle.logit_shift
+        gen, block = c.ids[:n, c.width - L:], self.block[:n]  # (n, L) each
+        had = masked.any(dim=1)  # (n,)
+        open_block = block & (gen == mask_id)  # (n, L)
+        resolved = had & ~open_block.any(dim=1)  # (n,) blocks finished by this step
+        if cfg.eos_early_stop:
+            self.done[:n] |= early_stop(gen, mask_id, self.stops) & had
+        else:
+            self.done[:n] |= early_stop(gen.clone(), mask_id, self.stops) & resolved  # check only: no fill
+        reports = torch.tensor([L if row is None else row.job.max_new_tokens for row in rows], device=dev)  # (n,)
+        before = torch.arange(L, device=dev)[None, :] < reports[:, None]  # (n, L) reported positions
+        self.done[:n] |= had & (reports < L) & ~((gen == mask_id) & before).any(dim=1)  # the reported part is in
+        b_lo = torch.where(block.any(dim=1), block.long().argmax(dim=1), 0)  # (n,) min B
+        b_hi = L - torch.where(block.any(dim=1), block.flip(1).long().argmax(dim=1), L)  # (n,) max B + 1
+        o_lo = torch.where(open_block.any(dim=1), open_block.long().argmax(dim=1), 0)  # (n,) live span
+        o_hi = L - torch.where(open_block.any(dim=1), open_block.flip(1).long().argmax(dim=1), L)
+        if cfg.cache != "none" and any(select):  # a new block's window: its stale K/V are hidden from now on
+            g0 = c.width - L
+            new = torch.tensor(select, device=dev) & open_block.any(dim=1) & ~self.done[:n]  # (n,)
+            end = g0 + b_hi if cfg.cache == "dual" else torch.full_like(b_hi, c.width)
+            c.hide(n, new, g0 + b_lo - sh, end)
+        flags = torch.stack([chosen.sum(dim=1), had.long(), resolved.long(), self.done[:n].long(),
+                             open_block.any(dim=1).long(), (gen == mask_id).any(dim=1).long(), b_lo, b_hi, o_lo, o_hi,
+                             path, block.sum(dim=1), lps_only.long(), (gen != mask_id).sum(dim=1)]).tolist()
+        self.seconds["step"] += _sync(dev) - t0
+        finished = []
+        for r, row in enumerate(rows):
+            if row is None:
+                continue
+            count, was, done_block, done, has_block, left, blo, bhi, olo, ohi, how, size, only, committed = (
+                f[r] for f in flags)
+            if select[r]:
+                row.blocks, row.sizes = row.blocks + 1, row.sizes + size
+                row.paths.append(PATH_NAMES[how])
+            row.lps_only += only
+            row.has_block = bool(has_block)
+            row.window = (blo, bhi) if cfg.cache != "none" else (olo, ohi)
+            if was:
+                row.commits.append(count)
+                if self.on_step is not None:
+                    extra = {"block": row.blocks - 1}
+                    if select[r]:
+                        extra["selected"] = torch.nonzero(self.block[r]).flatten().tolist()
+                    at, who = (self.forwards, row.job.id) if self.lockstep else (row.nfe, 0)
+                    self.on_step(row, step_event(at, who, chosen[r], tokens[r], 0, gen[r], mask_id, **extra))
+            row.nfe += int(bool(was))
+            check_nfe(row.nfe, 2 * L, "early-bird")  # ≥ 1 commit per forward; L blocks at most (size 1)
+            if row.job.stop and done_block and not done:
+                done = bool(hit_stop_string(self.bundle, [list(row.job.prompt_ids)], gen[r: r + 1], mask_id,
+                                            tuple(row.job.stop))[0])
+            row.extra["n_committed"] = committed
+            if done or not left:
+                finished.append(row)
+        if self.on_forward is not None:
+            self.on_forward({"nfe": self.forwards, "masked": masked, "block": self.block[:n].clone(),
+                             "cand": self.block[:n] & masked, "features": feats, "top1": top1, "kappa": kappa,
+                             "p_lps": p_lps, "chosen": chosen, "tokens": tokens, "canvas": gen.clone(),
+                             "selected": torch.tensor(select, device=dev), "path": path, "window": window})
+        self.forwards += 1
+        if finished:
+            self._finish(finished)
+        return finished
+
+    def _finish(self, rows: list[EarlyBirdRow]) -> None:
+        """Set the rows' outputs as decode reports them (one host sync for all) and free their slots."""
+        L = self.cfg.gen_length
+        canvases = self.canvas.ids[[row.slot for row in rows], -L:].tolist()  # (m, L)
+        stop_set = set(self.stop_ids) | {self.bundle.mask_token_id}
+        for row, gen in zip(rows, canvases):
+            full = gen[: row.job.max_new_tokens]
+            row.tokens = until_stop(full, stop_set)
+            row.stop_token = stop_flags([full], [row.tokens], self.stop_ids)[0]
+            row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
+            row.extra = {"decoder": "early-bird", "lps": self.lps is not None, "cache": self.cfg.cache,
+                         "steps": row.nfe, "blocks": row.blocks, "commits": list(row.commits),
+                         "n_committed": row.extra["n_committed"]}
+            del self.running[row.slot]
+        self.slots.give([row.slot for row in rows])
+
+    def stats_extra(self, rows: list[EarlyBirdRow]) -> dict:
+        """decode's ``stats.extra`` for finished rows in request order."""
+        cfg, t = self.cfg, self.seconds
+        blocks = sum(row.blocks for row in rows)
+        router = t["lbs"] + t["lps"]
+        extra = {"lps": self.lps is not None, "cache": cfg.cache, "gen_length": cfg.gen_length,
+                 "block_size": cfg.block_size, "tau": cfg.tau, "tau_psi": cfg.tau_psi, "l_min": cfg.l_min,
+                 "g_max": cfg.g_max, "gap_metric": cfg.gap_metric, "pos_mode": cfg.pos_mode, "sampler": cfg.sampler,
+                 "confidence": cfg.confidence or "untempered",
+                 "accepts": dict(sorted(Counter(k for row in rows for k in row.commits).items())),
+                 "n_committed": [row.extra["n_committed"] for row in rows], "blocks": blocks,
+                 "mean_block": sum(row.sizes for row in rows) / max(1, blocks),
+                 "paths": dict(Counter(p for row in rows for p in row.paths)),
+                 "lps_only": sum(row.lps_only for row in rows), "refreshes": self.refreshes,
+                 "lbs_seconds": t["lbs"], "lps_seconds": t["lps"], "router_seconds": router,
+                 "forward_seconds": t["forward"], "step_seconds": t["step"],
+                 "router_share": router / t["step"] if t["step"] > 0 else 0.0,
+                 "router_vs_forward": router / t["forward"] if t["forward"] > 0 else 0.0,
+                 "row_extra": [{k: row.extra[k] for k in ("decoder", "lps", "cache", "steps", "blocks", "commits")}
+                               for row in rows],
+                 "compiled": bool(self.compile)}
+        if self.canvas.static_capacity is not None:
+            extra["static_cache"] = self.canvas.static_capacity
+        return extra
+
+
+__all__ = ["EarlyBird", "EarlyBirdRow", "OPTIONS"]
