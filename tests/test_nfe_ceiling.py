@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import unmask
-from unmask.decode import block, diffusion, early_bird, multiblock, sbd
+from unmask.decode import blocks, diffusion, early_bird, multiblock
 from unmask.errors import UnmaskError
 from unmask.policies import TokenStats
 
@@ -35,8 +35,8 @@ def _mask_commits(module, name, mask_id, counter):
 
 CASES = {  # decoder -> (module, function to corrupt, model)
     "diffusion": (diffusion, "commit_rows", "stories260K-dlm"),
-    "sbd": (sbd, "commit", "stories260K-sbd"),
-    "block": (block, "commit", "stories260K-bd"),
+    "sbd": (blocks, "commit", "stories260K-sbd"),
+    "block": (blocks, "commit", "stories260K-bd"),  # the one running batch of block and lossy sbd
 }
 
 

@@ -116,7 +116,7 @@ def candidates(logits: torch.Tensor, sampling: Sampling, generator) -> tuple[tor
     return tokens, log_q.gather(-1, tokens[..., None])[..., 0].exp()
 
 
-def compact(kv, key_valid: torch.Tensor) -> None:
+def compact(kv, key_valid: torch.Tensor, most: int | None = None) -> None:
     """Reclaim the holes of a batch's static cache in place (multiblock.md §3.6).
 
     Rows store their to-cache blocks in different steps and the cache pointer is shared, so a
@@ -129,7 +129,7 @@ def compact(kv, key_valid: torch.Tensor) -> None:
     n = kv.length
     valid = key_valid[:, :n]  # (R, n)
     counts = valid.sum(dim=1)  # (R,)
-    M = int(counts.max())
+    M = int(counts.max()) if most is None else most  # a caller that knows M spares the host read
     if M == n:
         return
     order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices  # (R, n): invalid columns first
