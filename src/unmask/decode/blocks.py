@@ -128,6 +128,7 @@ class BlockDecoder:
         self.stops = torch.tensor(sorted(set(ids)) or [-1], device=self.device)
         self.stop_ids = sorted(set(ids))  # host copies: finishing a row reads no tensor
         self.forwards = self.store_forwards = 0  # step forwards (the batch's NFE) and the store-only ones
+        self.prefills = 0  # join forwards (one per join that has prompt keys to cache)
         self.by_slot: dict[int, BlockRow] = {}
         self.kv, self.R = None, 0  # the cache and its rows (slots [0, R) go through every forward)
         C, dev = capacity, self.device
@@ -193,6 +194,7 @@ class BlockDecoder:
             new, valid, _ = block.prefill_whole_blocks(new, prompts, B, self.bundle.pad_token_id, dev)  # (n, F)
         else:
             valid = sbd.prefill(new, prompts, self.bundle.pad_token_id, dev)  # (n, P)
+        self.prefills += int(valid.shape[1] > 0)
         self._place(rows, new, valid)
         L = max(ends) + 2 * B  # room for a whole last block past gen_end and a window that never clamps
         if L > self.seq.shape[1]:
@@ -328,9 +330,9 @@ class BlockDecoder:
             logits[..., self.suppress] = float("-inf")
         editable = (dpos >= self.gen_start[: self.R, None]) & (dpos < self.edit_end[: self.R, None])  # (R, N)
         masked = editable & (block == self.mask_id) & denoising[:, None]  # (R, N)
-        groups: dict = {}
+        groups: dict = {}  # a row that only stores draws nothing (the quota rule draws for every row it gets)
         for r in self.rows:
-            groups.setdefault(r.job.sampling if r.generator is not None else None, []).append(r)
+            groups.setdefault(r.job.sampling if r.generator is not None and r.denoising else None, []).append(r)
         if list(groups) == [None]:
             chosen, tokens = self._rule(logits, masked, None, None)
         else:
@@ -484,6 +486,49 @@ class BlockDecoder:
                 "static_cache": self.kv.capacity if self.static else None, "row_extra": [r.extra for r in rows]}
 
 
+POLICY_OPTIONS = ("policy", "gamma", "preset", "tau", "factor", "tokens_per_step")
+# The request options each decoder's running batch takes (the server keys its batches by them).
+OPTIONS = {"block": ("block_size", *POLICY_OPTIONS, "store", "steps", "schedule"),
+           "sbd": ("block_size", *POLICY_OPTIONS, "verify", "draft")}
+
+
+def serving_batch(decoder: str, bundle, options: dict | None = None, *, capacity: int = 8, on_step=None,
+                  on_token=None, stop_token_ids=None) -> BlockDecoder:
+    """The server's running batch of ``decoder`` ("block" or lossy "sbd") for one set of request
+    ``options`` (None = default; the checkpoint's ``decode_defaults`` fill the rest, as in
+    ``decode``), validated once. ``stop_token_ids`` defaults to the bundle's. Raises UnmaskError for
+    a model the decoder cannot run, an unknown option, a bad value, or (sbd) options selecting
+    lossless SBD, which runs in its own batch."""
+    from unmask.decode import block, sbd
+
+    options = dict(options or {})
+    if decoder == "block":
+        block.check_block_model(bundle, "block")
+    elif bundle.mask_token_id is None:
+        raise UnmaskError("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); "
+                          "train one with 'unmask train sbd'")
+    unknown = sorted(set(options) - set(OPTIONS[decoder]))
+    if unknown:
+        raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous {'lossy ' * (decoder == 'sbd')}"
+                          f"{decoder} batch; use only {', '.join(OPTIONS[decoder])}")
+    if decoder == "block":
+        cfg = block.BlockConfig.from_options(bundle, **options)
+    else:
+        given = [f"--{k.replace('_', '-')}" for k in POLICY_OPTIONS if options.get(k) is not None]
+        defaults = dict(bundle.meta.get("decode_defaults") or {})
+        if sbd._lossless(options.get("verify"), given, options.get("draft"), defaults):
+            raise UnmaskError("these options run lossless SBD (--verify), which the lossy sbd batch does not decode; "
+                              "pass --no-verify or a policy option")
+        defaults = {k: v for k, v in defaults.items() if k not in sbd.LOSSLESS_KEYS}
+        cfg = sbd.SBDConfig.from_options(**{k: options.get(k) for k in ("block_size", *POLICY_OPTIONS)},
+                                         defaults=defaults)
+        if cfg.block_size > bundle.context_length:
+            raise UnmaskError(f"block size {cfg.block_size} exceeds the context window of {bundle.context_length}; "
+                              "lower --block-size")
+    return BlockDecoder(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token,
+                        stop_token_ids=stop_token_ids)
+
+
 def _pad(t: torch.Tensor, dim: int, n: int, fill, *, left: bool = False) -> torch.Tensor:
     """``t`` with ``n`` slices of ``fill`` added along ``dim`` (before when ``left``)."""
     if n <= 0:
@@ -494,4 +539,4 @@ def _pad(t: torch.Tensor, dim: int, n: int, fill, *, left: bool = False) -> torc
     return torch.cat([pad, t] if left else [t, pad], dim=dim)
 
 
-__all__ = ["BlockDecoder", "BlockRow", "Kind", "advance", "quota"]
+__all__ = ["BlockDecoder", "BlockRow", "Kind", "OPTIONS", "advance", "quota", "serving_batch"]
