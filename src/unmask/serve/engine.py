@@ -9,7 +9,7 @@ What is continuous and what is not (README "Serving"):
   of options (``RUNNING``, :meth:`Scheduler._running_kind`): ``multiblock``
   (:class:`~unmask.serve.block_batch.MultiBlockBatch`: a joining request's prompt blocks are
   prefilled and its N_buf slots added), ``block`` and lossy ``sbd``
-  (:mod:`unmask.serve.sbd_lossy_batch`), lossless ``sbd`` that fixes its block size or samples
+  (:class:`~unmask.decode.blocks.BlockDecoder`, the class their ``decode`` drains), lossless ``sbd`` that fixes its block size or samples
   (:class:`~unmask.serve.sbd_batch.VerifyBatch`, per K and draft layout) and ``diffusion``
   (:class:`~unmask.serve.diffusion_batch.DiffusionBatch`, per knobs and effective block size), and
   ``early-bird`` without a cache (:class:`~unmask.serve.early_bird_batch.EarlyBirdBatch`). A request joins at the
@@ -49,6 +49,7 @@ with an :mod:`unmask.trace` step event, then ``("done", result)`` or ``("error",
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import logging
@@ -63,25 +64,34 @@ from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.decode.sbd import runs_lossless
 from unmask.serve.ar_batch import ARBatch, Row
-from unmask.serve import block_batch, diffusion_batch, early_bird_batch, sbd_lossy_batch
+from unmask.decode import blocks
+from unmask.serve import block_batch, diffusion_batch, early_bird_batch
 from unmask.serve.block_batch import MultiBlockBatch
 from unmask.serve.diffusion_batch import DiffusionBatch
 from unmask.serve.early_bird_batch import EarlyBirdBatch
 from unmask.serve.sbd_batch import VerifyBatch
-from unmask.serve.sbd_lossy_batch import BlockBatch, SBDBatch
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes
 from unmask.serve.errors import ApiError
 from unmask.serve.protocol import api_message, edits_committed
 
 log = logging.getLogger("unmask.serve")
 # Continuous running batches other than AR's: batch kind -> class (see Scheduler._running_kind).
-RUNNING = {"multiblock": MultiBlockBatch, "sbd-lossless": VerifyBatch, "sbd": SBDBatch, "block": BlockBatch,
+RUNNING = {"multiblock": MultiBlockBatch, "sbd-lossless": VerifyBatch,
+           "sbd": functools.partial(blocks.serving_batch, "sbd"), "block": functools.partial(blocks.serving_batch, "block"),
            "diffusion": DiffusionBatch, "early-bird": EarlyBirdBatch}
+ONE_ENGINE = ("sbd", "block")  # kinds whose batch is the decoder's own class: drop takes job ids, sized by slots
 # The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
-RUNNING_OPTIONS = {"multiblock": block_batch.OPTIONS, "sbd": sbd_lossy_batch.SBD_OPTIONS,
-                   "block": sbd_lossy_batch.BLOCK_OPTIONS, "diffusion": diffusion_batch.OPTIONS,
+RUNNING_OPTIONS = {"multiblock": block_batch.OPTIONS, "sbd": blocks.OPTIONS["sbd"],
+                   "block": blocks.OPTIONS["block"], "diffusion": diffusion_batch.OPTIONS,
                    "early-bird": early_bird_batch.OPTIONS}
 _ids = itertools.count()
+
+
+def _drop(key, batch, pred) -> list:
+    """Drop the rows of a running batch for which ``pred(row)`` holds; the one-engine classes take job ids."""
+    if key[0] in ONE_ENGINE:
+        return batch.drop([r.job.id for r in batch.rows if pred(r)])
+    return batch.drop(pred)
 
 
 class _Abandoned(Exception):
@@ -460,14 +470,15 @@ class Scheduler:
             batch = self.running_batches.get(key)
             if batch is None:
                 try:
+                    slots = {"capacity": self.max_batch_size} if key[0] in ONE_ENGINE else {}
                     batch = self.running_batches[key] = RUNNING[key[0]](self.bundle, dict(key[1]),
-                                                                        on_step=self._running_event)
+                                                                        on_step=self._running_event, **slots)
                 except UnmaskError as e:  # the options failed the decoder's own validation
                     for j in joining.get(key, []):
                         j.finish("error", _bad_request(e, j.options))
                     continue
             try:
-                for row in batch.drop(lambda r: r.job.gone):
+                for row in _drop(key, batch, lambda r: r.job.gone):
                     self._finish_gone(row.job)
                 for job in joining.get(key, []):
                     self._join_running(batch, job)
@@ -479,7 +490,7 @@ class Scheduler:
                 for j in [r.job for r in batch.rows]:
                     j.finish("error", ApiError(500, "internal error while decoding; see the server log",
                                                type="server_error"))
-                batch.drop(lambda r: True)
+                _drop(key, batch, lambda r: True)
             if not len(batch):
                 del self.running_batches[key]  # frees its cache; a new batch forms with the next request
 
