@@ -213,34 +213,11 @@ class BlockDecoder:
         self.qstep[at], self.live[at], self.denoise[at], self.store[at] = 0, True, True, False
 
     def _place(self, rows: list[BlockRow], new, valid: torch.Tensor) -> None:
-        """Put the joined rows' prefilled cache ``new`` (validity (n, F)) into their slots, both
-        sides left-padded to the longer cache (positions are explicit; padding is invalid)."""
-        slots = [r.slot for r in rows]
-        if self.kv is None or (not self.by_slot and slots == list(range(len(rows)))):
+        if self.kv is None or (not self.by_slot and [r.slot for r in rows] == list(range(len(rows)))):
             self.kv, self.R, self.key_valid = new, len(rows), valid
-            return
-        R = max(self.R, max(slots) + 1)
-        old_n, new_n = self.kv.length, new.length
-        T = max(old_n, new_n)
-        at = torch.tensor(slots, dtype=torch.long, device=self.device)
-        kv_valid = _pad(_pad(self.key_valid[:, :old_n], 1, T - old_n, False, left=True), 0, R - self.R, False)
-        kv_valid[at] = _pad(valid, 1, T - new_n, False, left=True)  # (R, T)
-        old, fresh = self.kv.layers() if old_n else None, new.layers() if new_n else None
-        layers = []
-        for i in range(len(old or fresh or [])):
-            like = (old or fresh)[i][0]
-            parts = []
-            for j in range(2):
-                o = old[i][j] if old else like.new_zeros((self.R, like.shape[1], 0, like.shape[3]))
-                t = _pad(_pad(o, 2, T - old_n, 0, left=True), 0, R - self.R, 0)  # (R, H, T, D)
-                if fresh:
-                    t[at] = _pad(fresh[i][j], 2, T - new_n, 0, left=True)
-                parts.append(t)
-            layers.append(tuple(parts))
-        self.kv = DynamicKV(self.bundle.model)
-        for i, (k, v) in enumerate(layers):
-            self.kv.cache.update(k, v, i)
-        self.R, self.key_valid = R, kv_valid
+        else:
+            self.kv, self.R, self.key_valid = place(self.bundle.model, self.kv, self.R, self.key_valid,
+                                                    [r.slot for r in rows], new, valid)
 
     # -- stepping -----------------------------------------------------------------------------
 
@@ -456,6 +433,7 @@ class BlockDecoder:
         if not self.by_slot and not self.static:
             self.kv, self.R = None, 0
 
+    @torch.inference_mode()
     def drop(self, ids) -> list[BlockRow]:
         """Cancel rows by request id (``job.id``): their slots are free at once. Returns them."""
         ids = set(ids)
@@ -529,6 +507,32 @@ def serving_batch(decoder: str, bundle, options: dict | None = None, *, capacity
                         stop_token_ids=stop_token_ids)
 
 
+def place(model, kv, R: int, key_valid: torch.Tensor, slots: list[int], new, valid: torch.Tensor):
+    """Put joining rows' prefilled cache ``new`` (validity ``valid`` (n, F)) into ``slots`` of the
+    running DynamicKV ``kv`` (R rows, validity ``key_valid`` (R, >= kv.length)): both sides are
+    left-padded to the longer cache (positions are explicit; padding is invalid) and the rows grow
+    to cover every slot. Returns (kv, rows, key_valid (rows, T))."""
+    rows = max(R, max(slots) + 1)
+    old_n, new_n = kv.length, new.length
+    T = max(old_n, new_n)
+    at = torch.tensor(slots, dtype=torch.long, device=key_valid.device)  # (n,)
+    kv_valid = _pad(_pad(key_valid[:, :old_n], 1, T - old_n, False, left=True), 0, rows - R, False)  # (rows, T)
+    kv_valid[at] = _pad(valid, 1, T - new_n, False, left=True)
+    old, fresh = kv.layers() if old_n else None, new.layers() if new_n else None
+    out = DynamicKV(model)
+    for i in range(len(old or fresh or [])):
+        like = (old or fresh)[i][0]
+        kept = []
+        for j in range(2):  # keys, values (R, H, n, D)
+            o = old[i][j] if old else like.new_zeros((R, like.shape[1], 0, like.shape[3]))
+            t = _pad(_pad(o, 2, T - old_n, 0, left=True), 0, rows - R, 0)  # (rows, H, T, D)
+            if fresh:
+                t[at] = _pad(fresh[i][j], 2, T - new_n, 0, left=True)
+            kept.append(t)
+        out.cache.update(kept[0], kept[1], i)
+    return out, rows, kv_valid
+
+
 def _pad(t: torch.Tensor, dim: int, n: int, fill, *, left: bool = False) -> torch.Tensor:
     """``t`` with ``n`` slices of ``fill`` added along ``dim`` (before when ``left``)."""
     if n <= 0:
@@ -539,4 +543,4 @@ def _pad(t: torch.Tensor, dim: int, n: int, fill, *, left: bool = False) -> torc
     return torch.cat([pad, t] if left else [t, pad], dim=dim)
 
 
-__all__ = ["BlockDecoder", "BlockRow", "Kind", "OPTIONS", "advance", "quota", "serving_batch"]
+__all__ = ["BlockDecoder", "BlockRow", "Kind", "OPTIONS", "advance", "place", "quota", "serving_batch"]
