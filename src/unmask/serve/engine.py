@@ -7,8 +7,8 @@ What is continuous and what is not (README "Serving"):
   freeing its slot and its cache rows at once.
 - The other decoders' requests share continuous running batches too, one per decoder and set
   of options (``RUNNING``, :meth:`Scheduler._running_kind`): ``multiblock``
-  (:class:`~unmask.serve.block_batch.MultiBlockBatch`: a joining request's prompt blocks are
-  prefilled and its N_buf slots added), ``block`` and lossy ``sbd``
+  (:class:`~unmask.decode.multiblock_engine.MultiBlockDecoder`: a joining request's prompt blocks
+  are prefilled and its N_buf slots added), ``block`` and lossy ``sbd``
   (:class:`~unmask.decode.blocks.BlockDecoder`, the class their ``decode`` drains), lossless ``sbd`` that fixes its block size or samples
   (:class:`~unmask.serve.sbd_batch.VerifyBatch`, per K and draft layout) and ``diffusion``
   (:class:`~unmask.serve.diffusion_batch.DiffusionBatch`, per knobs and effective block size), and
@@ -64,9 +64,8 @@ from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.decode.sbd import runs_lossless
 from unmask.serve.ar_batch import ARBatch, Row
-from unmask.decode import blocks
-from unmask.serve import block_batch, diffusion_batch, early_bird_batch
-from unmask.serve.block_batch import MultiBlockBatch
+from unmask.decode import blocks, multiblock_engine
+from unmask.serve import diffusion_batch, early_bird_batch
 from unmask.serve.diffusion_batch import DiffusionBatch
 from unmask.serve.early_bird_batch import EarlyBirdBatch
 from unmask.serve.sbd_batch import VerifyBatch
@@ -76,12 +75,12 @@ from unmask.serve.protocol import api_message, edits_committed
 
 log = logging.getLogger("unmask.serve")
 # Continuous running batches other than AR's: batch kind -> class (see Scheduler._running_kind).
-RUNNING = {"multiblock": MultiBlockBatch, "sbd-lossless": VerifyBatch,
+RUNNING = {"multiblock": multiblock_engine.serving_batch, "sbd-lossless": VerifyBatch,
            "sbd": functools.partial(blocks.serving_batch, "sbd"), "block": functools.partial(blocks.serving_batch, "block"),
            "diffusion": DiffusionBatch, "early-bird": EarlyBirdBatch}
-ONE_ENGINE = ("sbd", "block")  # kinds whose batch is the decoder's own class: drop takes job ids, sized by slots
+ONE_ENGINE = ("sbd", "block", "multiblock")  # kinds whose batch is the decoder's own class: drop takes job ids, sized by slots
 # The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
-RUNNING_OPTIONS = {"multiblock": block_batch.OPTIONS, "sbd": blocks.OPTIONS["sbd"],
+RUNNING_OPTIONS = {"multiblock": multiblock_engine.OPTIONS, "sbd": blocks.OPTIONS["sbd"],
                    "block": blocks.OPTIONS["block"], "diffusion": diffusion_batch.OPTIONS,
                    "early-bird": early_bird_batch.OPTIONS}
 _ids = itertools.count()
@@ -192,7 +191,7 @@ class Scheduler:
         self.abandoned_batches = 0  # non-AR batches stopped early: every request answered or gone
         self.migrated_rows = 0  # sized lossless sbd rows moved mid-decode into the AR running batch
         self.batch_rows: dict[int, int] = {}  # job id -> row in the running non-AR batch
-        self.running_batches: dict[tuple, MultiBlockBatch] = {}  # (decoder, options) -> continuous batch
+        self.running_batches: dict[tuple, object] = {}  # (decoder, options) -> continuous batch
         self._diffusion_runs = self._diffusion_batches_fit(bundle)
         self._batch: list[Job] = []  # the running non-AR batch
         self._thread = threading.Thread(target=self._loop, name="unmask-scheduler", daemon=True)
