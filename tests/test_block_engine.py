@@ -9,9 +9,9 @@ from batch_helpers import job
 from test_block_decode import bd_bundle
 from test_sbd_decode import sbd_bundle
 
-from unmask.decode import blocks
+from unmask.decode import block, blocks, sbd
 from unmask.decode.block import BlockConfig
-from unmask.decode.blocks import BlockDecoder, serving_batch
+from unmask.decode.blocks import BlockDecoder
 from unmask.decode.running import requests_for
 from unmask.decode.sbd import SBDConfig
 from unmask.sampling import Sampling
@@ -59,7 +59,8 @@ def _bundle(decoder):
 @pytest.mark.parametrize("sampled", [False, True])
 def test_a_server_step_reads_the_host_once(monkeypatch, decoder, options, sampled):
     bundle = _bundle(decoder)
-    dec = serving_batch(decoder, bundle, options, capacity=8, stop_token_ids=(55, 29))
+    make = block.serving_batch if decoder == "block" else sbd.serving_batch
+    dec = make(bundle, options, capacity=8, stop_token_ids=(55, 29))
     sampling = Sampling(temperature=0.9, seed=4) if sampled else Sampling()
     jobs = [job(p, n, sampling) for p, n in zip(PROMPTS, (14, 9, 20, 11))]
     for i, j in enumerate(jobs):

@@ -18,10 +18,13 @@ import unmask
 from unmask.decode import block, sbd
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.decode.blocks import serving_batch
-
 SBDBatch, BlockBatch = "sbd", "block"  # the decoders' names, as the server keys their batches
 DECODE = {SBDBatch: sbd.decode, BlockBatch: block.decode}
+SERVING = {SBDBatch: sbd.serving_batch, BlockBatch: block.serving_batch}  # the server's running batches
+
+
+def serving_batch(decoder, bundle, options, **kw):
+    return SERVING[decoder](bundle, options, **kw)
 _ids = itertools.count()
 
 

@@ -37,7 +37,7 @@ import torch
 
 from unmask.decode.batching import left_pad
 from unmask.decode.running import drain, requests_for
-from unmask.decode.stats import DecodeOutput, stop_flags
+from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, block_causal_mask, with_key_padding
 from unmask.policies import CONFIDENCES, Policy, Threshold, make_policy
@@ -169,16 +169,6 @@ def prefill_whole_blocks(kv, prompts: list[list[int]], B: int, pad_id: int, devi
     return kv, valid, n_full_t
 
 
-def key_valid_buffer(valid: torch.Tensor, capacity: int) -> torch.Tensor:
-    """(R, capacity) bool, the prefill's ``valid`` (R, F) in its first F columns. Column c says
-    whether cache position c is a real key for the row; only the first ``kv.length`` columns (plus
-    a forward's query columns, set True before it) are ever read, the rest are overwritten first."""
-    R, F = valid.shape
-    buf = torch.zeros((R, max(capacity, F)), dtype=torch.bool, device=valid.device)
-    buf[:, :F] = valid
-    return buf
-
-
 def window_mask(key_valid: torch.Tensor, past: int, n_slots: int, B: int) -> torch.Tensor:
     """The mask of a forward of ``n_slots`` blocks after ``past`` cached keys: (R, 1, q, past + q)
     bool, q = n_slots·B. Equals ``with_key_padding(block_buffer_mask(past, n_slots, B), key_valid)``
@@ -208,32 +198,12 @@ def check_cache_flags(compile, static) -> None:
             raise UnmaskError(f"{name} must be True or False (got {value!r}); pass {name}=True")
 
 
-def cache_extra(kv, compile: bool) -> dict:
-    """stats.extra keys of the static path: ``compiled`` and ``static_cache`` (its length L)."""
-    return {"compiled": bool(compile), "static_cache": kv.capacity} if kv.static else {}
-
-
-def row_sequences(prompts: list[list[int]], length: int, mask_id: int, device) -> torch.Tensor:
-    """(R, length) long: each prompt at positions 0.., ``mask_id`` everywhere after it."""
-    seq = torch.full((len(prompts), length), mask_id, dtype=torch.long, device=device)
-    for r, p in enumerate(prompts):
-        seq[r, : len(p)] = torch.tensor(p, dtype=torch.long, device=device)
-    return seq
-
-
 def first_stop(seq: torch.Tensor, gen_start: torch.Tensor, gen_end: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
     """(R,) long: position of the first generated stop token per row, ``seq.shape[1]`` if none."""
     L = seq.shape[1]
     pos = torch.arange(L, device=seq.device)  # (L,)
     hit = torch.isin(seq, stops) & (pos >= gen_start[:, None]) & (pos < gen_end[:, None])  # (R, L)
     return torch.where(hit.any(dim=1), hit.float().argmax(dim=1), torch.full_like(gen_start, L))
-
-
-def output_stops(seq: torch.Tensor, gen_start: torch.Tensor, max_new_tokens: int, stops: torch.Tensor,
-                 tokens: list[list[int]]) -> list[int]:
-    """:func:`unmask.decode.stats.stop_flags` of the rows :func:`outputs` returned."""
-    full = [seq[r, int(s): int(s) + max_new_tokens].tolist() for r, s in enumerate(gen_start.tolist())]
-    return stop_flags(full, tokens, stops.tolist())
 
 
 def outputs(seq: torch.Tensor, gen_start: torch.Tensor, max_new_tokens: int, stops: torch.Tensor,
@@ -322,6 +292,28 @@ class BlockConfig:
             built = Threshold(built.tau, strict=True)
         return cls(block_size=resolve_block_size(bundle, block_size), policy=built, store=store or "separate",
                    steps=steps)
+
+
+POLICY_OPTIONS = ("policy", "gamma", "preset", "tau", "factor", "tokens_per_step")
+BATCH_OPTIONS = ("block_size", *POLICY_OPTIONS, "store", "steps", "schedule")  # the server keys batches by them
+
+
+def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_step=None, on_token=None,
+                  stop_token_ids=None):
+    """The server's running batch of SingleBD rows for one set of request ``options``
+    (:data:`BATCH_OPTIONS`; None = default), validated once: a
+    :class:`~unmask.decode.blocks.BlockDecoder`. ``stop_token_ids`` defaults to the bundle's.
+    Raises UnmaskError for a model that is not block-diffusion, an unknown option or a bad value."""
+    from unmask.decode.blocks import BlockDecoder
+
+    check_block_model(bundle, "block")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(BATCH_OPTIONS))
+    if unknown:
+        raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous block batch; "
+                          f"use only {', '.join(BATCH_OPTIONS)}")
+    return BlockDecoder(bundle, BlockConfig.from_options(bundle, **options), capacity=capacity, on_step=on_step,
+                        on_token=on_token, stop_token_ids=stop_token_ids)
 
 
 @torch.inference_mode()

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from unmask.decode.kv import DynamicKV, make_kv
+from unmask.decode.rowcache import pad, place
 from unmask.decode.running import Row, Slots
 from unmask.decode.stats import check_nfe, stop_flags
 from unmask.errors import UnmaskError
@@ -198,7 +199,7 @@ class BlockDecoder:
         self._place(rows, new, valid)
         L = max(ends) + 2 * B  # room for a whole last block past gen_end and a window that never clamps
         if L > self.seq.shape[1]:
-            self.seq = _pad(self.seq, 1, L - self.seq.shape[1], self.mask_id)
+            self.seq = pad(self.seq, 1, L - self.seq.shape[1], self.mask_id)
         at = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)  # (n,)
         self.seq[at] = self.mask_id
         for r, p in zip(rows, prompts):
@@ -292,7 +293,7 @@ class BlockDecoder:
         else:
             structure = block_buffer_mask(past, q // B, B, device=self.device)  # (q, past + q)
         if self.key_valid.shape[1] < past + q:
-            self.key_valid = _pad(self.key_valid, 1, past + q - self.key_valid.shape[1], False)
+            self.key_valid = pad(self.key_valid, 1, past + q - self.key_valid.shape[1], False)
         self.key_valid[:, past: past + q] = qv
         mask = as_4d(structure, R) & self.key_valid[:, None, None, : past + q]  # (R, 1, q, past + q)
         # A padding query sees itself only, so no query row is empty (and nothing attends to it).
@@ -464,83 +465,4 @@ class BlockDecoder:
                 "static_cache": self.kv.capacity if self.static else None, "row_extra": [r.extra for r in rows]}
 
 
-POLICY_OPTIONS = ("policy", "gamma", "preset", "tau", "factor", "tokens_per_step")
-# The request options each decoder's running batch takes (the server keys its batches by them).
-OPTIONS = {"block": ("block_size", *POLICY_OPTIONS, "store", "steps", "schedule"),
-           "sbd": ("block_size", *POLICY_OPTIONS, "verify", "draft")}
-
-
-def serving_batch(decoder: str, bundle, options: dict | None = None, *, capacity: int = 8, on_step=None,
-                  on_token=None, stop_token_ids=None) -> BlockDecoder:
-    """The server's running batch of ``decoder`` ("block" or lossy "sbd") for one set of request
-    ``options`` (None = default; the checkpoint's ``decode_defaults`` fill the rest, as in
-    ``decode``), validated once. ``stop_token_ids`` defaults to the bundle's. Raises UnmaskError for
-    a model the decoder cannot run, an unknown option, a bad value, or (sbd) options selecting
-    lossless SBD, which runs in its own batch."""
-    from unmask.decode import block, sbd
-
-    options = dict(options or {})
-    if decoder == "block":
-        block.check_block_model(bundle, "block")
-    elif bundle.mask_token_id is None:
-        raise UnmaskError("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); "
-                          "train one with 'unmask train sbd'")
-    unknown = sorted(set(options) - set(OPTIONS[decoder]))
-    if unknown:
-        raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous {'lossy ' * (decoder == 'sbd')}"
-                          f"{decoder} batch; use only {', '.join(OPTIONS[decoder])}")
-    if decoder == "block":
-        cfg = block.BlockConfig.from_options(bundle, **options)
-    else:
-        given = [f"--{k.replace('_', '-')}" for k in POLICY_OPTIONS if options.get(k) is not None]
-        defaults = dict(bundle.meta.get("decode_defaults") or {})
-        if sbd._lossless(options.get("verify"), given, options.get("draft"), defaults):
-            raise UnmaskError("these options run lossless SBD (--verify), which the lossy sbd batch does not decode; "
-                              "pass --no-verify or a policy option")
-        defaults = {k: v for k, v in defaults.items() if k not in sbd.LOSSLESS_KEYS}
-        cfg = sbd.SBDConfig.from_options(**{k: options.get(k) for k in ("block_size", *POLICY_OPTIONS)},
-                                         defaults=defaults)
-        if cfg.block_size > bundle.context_length:
-            raise UnmaskError(f"block size {cfg.block_size} exceeds the context window of {bundle.context_length}; "
-                              "lower --block-size")
-    return BlockDecoder(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token,
-                        stop_token_ids=stop_token_ids)
-
-
-def place(model, kv, R: int, key_valid: torch.Tensor, slots: list[int], new, valid: torch.Tensor):
-    """Put joining rows' prefilled cache ``new`` (validity ``valid`` (n, F)) into ``slots`` of the
-    running DynamicKV ``kv`` (R rows, validity ``key_valid`` (R, >= kv.length)): both sides are
-    left-padded to the longer cache (positions are explicit; padding is invalid) and the rows grow
-    to cover every slot. Returns (kv, rows, key_valid (rows, T))."""
-    rows = max(R, max(slots) + 1)
-    old_n, new_n = kv.length, new.length
-    T = max(old_n, new_n)
-    at = torch.tensor(slots, dtype=torch.long, device=key_valid.device)  # (n,)
-    kv_valid = _pad(_pad(key_valid[:, :old_n], 1, T - old_n, False, left=True), 0, rows - R, False)  # (rows, T)
-    kv_valid[at] = _pad(valid, 1, T - new_n, False, left=True)
-    old, fresh = kv.layers() if old_n else None, new.layers() if new_n else None
-    out = DynamicKV(model)
-    for i in range(len(old or fresh or [])):
-        like = (old or fresh)[i][0]
-        kept = []
-        for j in range(2):  # keys, values (R, H, n, D)
-            o = old[i][j] if old else like.new_zeros((R, like.shape[1], 0, like.shape[3]))
-            t = _pad(_pad(o, 2, T - old_n, 0, left=True), 0, rows - R, 0)  # (rows, H, T, D)
-            if fresh:
-                t[at] = _pad(fresh[i][j], 2, T - new_n, 0, left=True)
-            kept.append(t)
-        out.cache.update(kept[0], kept[1], i)
-    return out, rows, kv_valid
-
-
-def _pad(t: torch.Tensor, dim: int, n: int, fill, *, left: bool = False) -> torch.Tensor:
-    """``t`` with ``n`` slices of ``fill`` added along ``dim`` (before when ``left``)."""
-    if n <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = n
-    pad = t.new_full(shape, fill)
-    return torch.cat([pad, t] if left else [t, pad], dim=dim)
-
-
-__all__ = ["BlockDecoder", "BlockRow", "Kind", "OPTIONS", "advance", "place", "quota", "serving_batch"]
+__all__ = ["BlockDecoder", "BlockRow", "Kind", "advance", "quota"]

@@ -23,10 +23,10 @@ import torch
 
 from unmask.decode import block_buffer as bb
 from unmask.decode.block import first_stop, prefill_whole_blocks, whole_prompt_blocks
-from unmask.decode.blocks import _pad, place
 from unmask.decode.kv import DynamicKV, make_kv
 from unmask.decode.multiblock import (candidates, compact, row_event, stop_blocks, stop_string_rows, window_step,
                                       write_window)
+from unmask.decode.rowcache import pad, place
 from unmask.decode.running import Row, Slots
 from unmask.decode.stats import check_nfe, stop_flags
 from unmask.errors import UnmaskError
@@ -50,7 +50,7 @@ class BufferRow(Row):
 def _window_rows(w: bb.Window, n: int) -> bb.Window:
     """``w`` with ``n`` more rows of dummies (tokens ``mask_id``, nothing editable, gen range empty)."""
     def grow(t, fill):
-        return _pad(t, 0, n, fill)
+        return pad(t, 0, n, fill)
 
     return replace(w, state=grow(w.state, bb.DUMMY), tokens=grow(w.tokens, w.mask_id), editable=grow(w.editable, False),
                    argmax=grow(w.argmax, w.mask_id), edit_steps=grow(w.edit_steps, 0), front=grow(w.front, 0),
@@ -134,7 +134,7 @@ class MultiBlockDecoder:
         if self.kv is None:
             self.kv, self.R, self.key_valid = new, len(rows), valid
             if self.static:
-                self.key_valid = _pad(valid, 1, new.capacity - valid.shape[1], False)
+                self.key_valid = pad(valid, 1, new.capacity - valid.shape[1], False)
             self.w, self.live = w, torch.ones(len(rows), dtype=torch.bool, device=dev)
             self.checked = torch.zeros(len(rows), dtype=torch.long, device=dev)
             self.nfe_rows = torch.zeros(len(rows), dtype=torch.long, device=dev)
@@ -144,13 +144,13 @@ class MultiBlockDecoder:
             self.kv, self.R, self.key_valid = place(model, self.kv, R0, self.key_valid, slots, new, valid)
             self.w = _window_rows(self.w, self.R - R0)
             _set_rows(self.w, at, w)
-            self.live, self.checked, self.nfe_rows = (_pad(t, 0, self.R - R0, v) for t, v in
+            self.live, self.checked, self.nfe_rows = (pad(t, 0, self.R - R0, v) for t, v in
                                                       ((self.live, False), (self.checked, 0), (self.nfe_rows, 0)))
-            self.seq = _pad(self.seq, 0, self.R - R0, self.mask_id)
+            self.seq = pad(self.seq, 0, self.R - R0, self.mask_id)
         # Room for every real block and the dummies after the last one, so window writes never clamp.
         L = int((w.last_block.max() + 1 + S) * B)
         if L > self.seq.shape[1]:
-            self.seq = _pad(self.seq, 1, L - self.seq.shape[1], self.mask_id)
+            self.seq = pad(self.seq, 1, L - self.seq.shape[1], self.mask_id)
         self.seq[at] = self.mask_id
         for r, p in zip(rows, prompts):
             self.seq[r.slot, : len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
@@ -173,7 +173,7 @@ class MultiBlockDecoder:
         self._make_room()
         past = self.kv.length
         if self.key_valid.shape[1] < past + S * B:
-            self.key_valid = _pad(self.key_valid, 1, past + S * B - self.key_valid.shape[1], False)
+            self.key_valid = pad(self.key_valid, 1, past + S * B - self.key_valid.shape[1], False)
         logits, stored = window_step(self.kv, self.key_valid, w)  # (R, S*B, V), (R,)
         self.forwards += 1
         if self.suppress:

@@ -134,6 +134,41 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                       compile=compile, static=static)
 
 
+POLICY_OPTIONS = ("policy", "gamma", "preset", "tau", "factor", "tokens_per_step")
+BATCH_OPTIONS = ("block_size", *POLICY_OPTIONS, "verify", "draft")  # the server keys lossy batches by them
+
+
+def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_step=None, on_token=None,
+                  stop_token_ids=None):
+    """The server's running batch of lossy SBD rows for one set of request ``options``
+    (:data:`BATCH_OPTIONS`; None = default, the checkpoint's ``decode_defaults`` filling the rest as
+    in :func:`decode`), validated once: a :class:`~unmask.decode.blocks.BlockDecoder`.
+    ``stop_token_ids`` defaults to the bundle's. Raises UnmaskError for a model without a mask
+    token, an unknown option, a bad value, or options selecting lossless SBD (its own batch)."""
+    from unmask.decode.blocks import BlockDecoder
+
+    if bundle.mask_token_id is None:
+        raise UnmaskError("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); "
+                          "train one with 'unmask train sbd'")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(BATCH_OPTIONS))
+    if unknown:
+        raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous lossy sbd batch; "
+                          f"use only {', '.join(BATCH_OPTIONS)}")
+    given = [f"--{k.replace('_', '-')}" for k in POLICY_OPTIONS if options.get(k) is not None]
+    defaults = dict(bundle.meta.get("decode_defaults") or {})
+    if _lossless(options.get("verify"), given, options.get("draft"), defaults):
+        raise UnmaskError("these options run lossless SBD (--verify), which the lossy sbd batch does not decode; "
+                          "pass --no-verify or a policy option")
+    defaults = {k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS}
+    cfg = SBDConfig.from_options(**{k: options.get(k) for k in ("block_size", *POLICY_OPTIONS)}, defaults=defaults)
+    if cfg.block_size > bundle.context_length:
+        raise UnmaskError(f"block size {cfg.block_size} exceeds the context window of {bundle.context_length}; "
+                          "lower --block-size")
+    return BlockDecoder(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token,
+                        stop_token_ids=stop_token_ids)
+
+
 def prefill(kv, prompts: list[list[int]], pad_id: int, device) -> torch.Tensor:
     """Prefill the left-padded prompts causally into the empty cache ``kv`` (SBD Alg. 2 step 1).
     Its length depends on the prompts, so it runs eagerly. Returns valid (B, P) bool, False on
