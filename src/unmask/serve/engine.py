@@ -49,7 +49,6 @@ with an :mod:`unmask.trace` step event, then ``("done", result)`` or ``("error",
 
 from __future__ import annotations
 
-import functools
 import inspect
 import itertools
 import logging
@@ -64,7 +63,7 @@ from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.decode.sbd import runs_lossless
 from unmask.serve.ar_batch import ARBatch, Row
-from unmask.decode import blocks, multiblock_engine
+from unmask.decode import block as single_bd, multiblock_engine, sbd as lossy_sbd
 from unmask.serve import diffusion_batch, early_bird_batch
 from unmask.serve.diffusion_batch import DiffusionBatch
 from unmask.serve.early_bird_batch import EarlyBirdBatch
@@ -76,12 +75,12 @@ from unmask.serve.protocol import api_message, edits_committed
 log = logging.getLogger("unmask.serve")
 # Continuous running batches other than AR's: batch kind -> class (see Scheduler._running_kind).
 RUNNING = {"multiblock": multiblock_engine.serving_batch, "sbd-lossless": VerifyBatch,
-           "sbd": functools.partial(blocks.serving_batch, "sbd"), "block": functools.partial(blocks.serving_batch, "block"),
+           "sbd": lossy_sbd.serving_batch, "block": single_bd.serving_batch,
            "diffusion": DiffusionBatch, "early-bird": EarlyBirdBatch}
 ONE_ENGINE = ("sbd", "block", "multiblock")  # kinds whose batch is the decoder's own class: drop takes job ids, sized by slots
 # The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
-RUNNING_OPTIONS = {"multiblock": multiblock_engine.OPTIONS, "sbd": blocks.OPTIONS["sbd"],
-                   "block": blocks.OPTIONS["block"], "diffusion": diffusion_batch.OPTIONS,
+RUNNING_OPTIONS = {"multiblock": multiblock_engine.OPTIONS, "sbd": lossy_sbd.BATCH_OPTIONS,
+                   "block": single_bd.BATCH_OPTIONS, "diffusion": diffusion_batch.OPTIONS,
                    "early-bird": early_bird_batch.OPTIONS}
 _ids = itertools.count()
 
