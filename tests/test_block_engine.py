@@ -9,11 +9,12 @@ from batch_helpers import job
 from test_block_decode import bd_bundle
 from test_sbd_decode import sbd_bundle
 
-from unmask.decode import block, blocks, sbd
+from unmask.decode import block, block_rule, sbd
 from unmask.decode.block import BlockConfig
 from unmask.decode.blocks import BlockDecoder
 from unmask.decode.running import requests_for
 from unmask.decode.sbd import SBDConfig
+from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.policies import Threshold
 
@@ -109,11 +110,11 @@ def test_advance_is_pure_and_waits_for_every_row_in_lockstep():
     args = (dpos, block, chosen, tokens, editable, on, on, torch.tensor([1, 1]), torch.tensor([1, 1]),
             torch.tensor([3, 3]), torch.tensor([5]), 2)
     before = seq.clone()
-    out, new_block, had, go, ended = blocks.advance(seq, *args, lockstep=False, mask_id=9)
+    out, new_block, had, go, ended = block_rule.advance(seq, *args, lockstep=False, mask_id=9)
     assert torch.equal(seq, before)  # pure: the input is not written
     assert out.tolist() == [[1, 4, 5, 0], [1, 6, 9, 0]] and new_block.tolist() == [[4, 5], [6, 9]]
     assert had.tolist() == [True, True] and go.tolist() == [True, False] and ended.tolist() == [True, False]
-    _, _, _, go, ended = blocks.advance(seq, *args, lockstep=True, mask_id=9)
+    _, _, _, go, ended = block_rule.advance(seq, *args, lockstep=True, mask_id=9)
     assert go.tolist() == [False, False] and ended.tolist() == [False, False]  # row 0 waits for row 1
 
 
@@ -122,11 +123,11 @@ def test_the_quota_per_row_follows_block_quota():
 
     step = torch.arange(8)
     for B, steps in ((4, 4), (5, 2), (8, 3), (4, 1)):
-        assert blocks.quota(B, steps, step).tolist() == [block_quota(B, steps, int(s)) for s in step]
+        assert block_rule.quota(B, steps, step).tolist() == [block_quota(B, steps, int(s)) for s in step]
 
 
 def test_a_static_batch_takes_one_full_join():
     bundle = _bundle("block")
     dec = BlockDecoder(bundle, BlockConfig(block_size=4, policy=Threshold(0.5, strict=True)), capacity=2, static=True)
-    with pytest.raises(blocks.UnmaskError, match="one join that fills every slot"):
+    with pytest.raises(UnmaskError, match="one join that fills every slot"):
         dec.join(requests_for([[1, 2, 3]], max_new_tokens=4, sampling=Sampling()))

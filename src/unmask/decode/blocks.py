@@ -25,11 +25,12 @@ today's), and step events are numbered by batch forward and slot; the server run
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
+from unmask.decode import block_report as report
+from unmask.decode.block_rule import SBD, SINGLE_BD, advance, quota
 from unmask.decode.kv import DynamicKV, make_kv
 from unmask.decode.rowcache import pad, place
 from unmask.decode.running import Row, Slots
@@ -37,7 +38,6 @@ from unmask.decode.stats import check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, sbd_inference_mask
 from unmask.policies import commit
-from unmask.trace import step_event as trace_event
 
 
 @dataclass(eq=False)
@@ -54,50 +54,6 @@ class BlockRow(Row):
     accepts: list = field(default_factory=list)
     stores: int = 0
     keys: int = 0  # cached keys the row attends to (prefill and stored blocks): compaction reads no tensor
-
-
-def quota(block_size: int, steps: int, step: torch.Tensor) -> torch.Tensor:
-    """:func:`unmask.decode.block.block_quota` per row: step (R,) long -> tokens to commit (R,) long."""
-    base, rem = divmod(block_size, steps)
-    return base + (step.clamp(max=steps - 1) < rem).long()
-
-
-def advance(seq, dpos, block, chosen, tokens, editable, live, denoise, bstart, gen_start, gen_end, stops, B: int,
-            lockstep: bool, mask_id: int):
-    """The commit rule's bookkeeping (pure): write the commits, say which rows' blocks end.
-
-    seq (R, L); dpos, block, chosen, tokens, editable (R, N); live, denoise (R,) bool; bstart,
-    gen_start, gen_end (R,) long; stops (s,) long. A denoising row's block is complete when no
-    editable position is masked; with ``lockstep`` it moves on only when every live row's is. A
-    moving row ends when its block holds its first generated stop token or reaches ``gen_end``.
-    Returns (seq, block (R, N), had (R,) bool: the row had masks, go (R,) bool: its block is done,
-    ended (R,) bool)."""
-    from unmask.decode.block import first_stop
-
-    work = live & denoise  # (R,)
-    had = (editable & (block == mask_id)).any(dim=1) & work  # (R,)
-    block = torch.where(chosen, tokens, block)  # (R, N)
-    seq = seq.scatter(1, dpos, torch.where(work[:, None], block, seq.gather(1, dpos)))  # (R, L)
-    left = (editable & (block == mask_id)).any(dim=1) & work  # (R,)
-    go = work & ~left
-    if lockstep:
-        go &= ~left.any()
-    end = bstart + B  # (R,)
-    ended = go & ((first_stop(seq, gen_start, gen_end, stops) < end) | (end >= gen_end))
-    return seq, block, had, go, ended
-
-
-@dataclass(frozen=True)
-class Kind:
-    """What differs between SingleBD and lossy SBD (see the module docstring)."""
-
-    name: str
-    aligned: bool  # blocks start at multiples of B (SingleBD) or at the prompt's end (SBD)
-    causal_store: bool  # the store region is causal (SBD re-feed) or one bidirectional block
-
-
-SINGLE_BD = Kind("block", aligned=True, causal_store=False)
-SBD = Kind("sbd", aligned=False, causal_store=True)
 
 
 class BlockDecoder:
@@ -259,7 +215,7 @@ class BlockDecoder:
             self.key_valid[:, past: past + B] = store[:, None]
         self.forwards += 1
         if self.on_forward is not None:
-            self._report_forward(inp, pos, logits, past, S, D, N)
+            self.on_forward(report.forward_state(self, inp, pos, logits, past, S, D, N))
         if D:
             blk = inp[:, -N:]
             chosen, tokens, editable = self._commit(logits, blk, dpos, live & denoise)
@@ -280,7 +236,7 @@ class BlockDecoder:
         self.denoise[:R] = ~adv | self.fused
         self.live[:R] &= ~ended
         if self.on_step is not None and D:
-            self._events(rows, had, chosen, tokens, block, dpos)
+            report.events(self, rows, had, chosen, tokens, block, dpos)
         info = torch.cat([torch.stack([counts, had.long(), adv.long(), ended.long()], 1), block], 1).tolist()
         return self._bookkeep(rows, info, S and not D)
 
@@ -390,42 +346,7 @@ class BlockDecoder:
         row.tokens = self._cut(row.full)
         row.stop_token = stop_flags([row.full], [row.tokens], self.stop_ids)[0]
         row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
-        row.extra = self._row_extra(row)
-
-    def _row_extra(self, row) -> dict:
-        cfg = self.cfg
-        if self.kind.aligned:
-            return {"policy": cfg.policy.name, "block_size": self.B, "store": cfg.store, "accepts": row.accepts,
-                    "store_forwards": row.stores}
-        return {"policy": cfg.policy.name, "block_size": self.B, "accepts": row.accepts}
-
-    def _events(self, rows, had, chosen, tokens, block, dpos) -> None:
-        """on_step events of the rows that denoised (host reads: tracing only)."""
-        for row in rows:
-            r = row.slot
-            if not bool(had[r]):
-                continue
-            step, at = (self.forwards - 1, r) if self.lockstep else (row.nfe, 0)
-            start, end = int(self.gen_start[r]), int(self.gen_end[r])
-            if self.kind.aligned:
-                from unmask.decode.block import step_event
-
-                ev = step_event(step, at, dpos[r][chosen[r]], block[r][chosen[r]], self.seq[r], start, end,
-                                self.mask_id, block=row.bstart // self.B)
-            else:
-                n = min(block.shape[1], end - row.bstart)
-                ev = trace_event(step, at, chosen[r, :n], tokens[r, :n], row.bstart - start,
-                                 self.seq[r, start: row.bstart + n], self.mask_id)
-            self.on_step(row, ev)
-
-    def _report_forward(self, inp, pos, logits, past, S, D, N) -> None:
-        self.on_forward({"inp": inp, "positions": pos, "logits": logits, "slots": int(S) + int(D),
-                         "stored": S, "past": past, "refeed": self.B if S else 0,
-                         "block": inp[:, -N:].clone() if D else inp[:, :0],
-                         "start": int(self.bstart[0] - self.gen_start[0]),
-                         "cache": [(k.clone(), v.clone()) for k, v in self.kv.layers()]})
-
-    # -- leaving ------------------------------------------------------------------------------
+        row.extra = report.row_extra(self, row)
 
     def _leave(self, row: BlockRow) -> None:
         self.by_slot.pop(row.slot, None)
@@ -455,14 +376,7 @@ class BlockDecoder:
 
     def stats_extra(self, rows: list[BlockRow]) -> dict:
         """``DecodeStats.extra`` of finished rows, as ``block.decode`` / ``sbd.decode`` report it."""
-        cfg, hist = self.cfg, Counter(a for r in rows for a in r.accepts)
-        common = {"policy": cfg.policy.name, "block_size": self.B}
-        if self.kind.aligned:
-            cache = {"compiled": bool(self.compile), "static_cache": self.kv.capacity} if self.static else {}
-            return {**common, "store": cfg.store, "store_forwards": self.store_forwards, "steps": cfg.steps,
-                    "accepts": dict(sorted(hist.items())), **cache, "row_extra": [r.extra for r in rows]}
-        return {**common, "accepts": dict(sorted(hist.items())), "compiled": bool(self.compile),
-                "static_cache": self.kv.capacity if self.static else None, "row_extra": [r.extra for r in rows]}
+        return report.stats_extra(self, rows)
 
 
-__all__ = ["BlockDecoder", "BlockRow", "Kind", "advance", "quota"]
+__all__ = ["BlockDecoder", "BlockRow"]
