@@ -131,3 +131,43 @@ def test_a_static_batch_takes_one_full_join():
     dec = BlockDecoder(bundle, BlockConfig(block_size=4, policy=Threshold(0.5, strict=True)), capacity=2, static=True)
     with pytest.raises(UnmaskError, match="one join that fills every slot"):
         dec.join(requests_for([[1, 2, 3]], max_new_tokens=4, sampling=Sampling()))
+
+
+@pytest.mark.parametrize("options", [dict(slots=2, tau_m2t=0.6, tau_add=0.3), dict(slots=3, tau_m2t=0.8, tau_t2t=0.5),
+                                     dict(slots=1, tau_m2t=0.7, max_nfe=12)])
+def test_a_multiblock_step_reads_the_host_once(monkeypatch, options):
+    from unmask.decode import multiblock_engine
+
+    bundle = _bundle("block")
+    dec = multiblock_engine.serving_batch(bundle, options, capacity=8, stop_token_ids=(55, 29))
+    jobs = [job(p, n) for p, n in zip(PROMPTS, (14, 9, 20, 11))]
+    for i, j in enumerate(jobs):
+        j.id = i
+    counter = SyncCounter(monkeypatch)
+    dec.join(jobs[:2])
+    steps = 0
+    while len(dec):
+        _, syncs = counter.step(dec)
+        assert syncs <= 1, f"step {steps} read the host {syncs} times"
+        steps += 1
+        if steps == 3:
+            dec.join(jobs[2:])
+    assert steps > 5 and dec.forwards == steps
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_multiblock_decode_step_reads_the_host_once(monkeypatch, static):
+    from unmask.decode.multiblock import MultiBlockConfig
+    from unmask.decode.multiblock_engine import MultiBlockDecoder
+
+    bundle = _bundle("block")
+    cfg = MultiBlockConfig.from_options(bundle, slots=3, tau_m2t=0.7, tau_add=0.25, tau_semi=0.5)
+    dec = MultiBlockDecoder(bundle, cfg, capacity=len(PROMPTS), drained=True, static=static, stop_token_ids=(55,))
+    dec.join(requests_for(PROMPTS, max_new_tokens=40, sampling=Sampling()))
+    counter = SyncCounter(monkeypatch)
+    steps = 0
+    while len(dec):
+        _, syncs = counter.step(dec)
+        assert syncs <= 1
+        steps += 1
+    assert steps == dec.forwards > 5

@@ -194,14 +194,16 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                                     stop_strings=stop_strings, device=bundle.device))
 
 
-def window_step(kv, key_valid: torch.Tensor, w: bb.Window) -> tuple[torch.Tensor, torch.Tensor]:
+def window_step(kv, key_valid: torch.Tensor, w: bb.Window, keep: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """One Block Buffer forward (multiblock.md §3.3 step 2) of window ``w`` after ``kv``'s keys.
 
     Every row's S·B slot tokens go through :func:`window_forward`; the forward also yields the
     clean K/V of each row's to-cache slots (a prefix of its window). The cache keeps as many
     columns as the row storing the most needs, the rest is cropped, and ``key_valid`` (R, C >=
     kv.length + S·B) marks the kept columns a row did not store as scratch (§3.6). Returns the
-    logits (R, S·B, V) and ``stored`` (R,) long, the to-cache slots of each row.
+    logits (R, S·B, V) and ``stored`` (R,) long, the to-cache slots of each row. ``keep``: the
+    most to-cache slots of any row, when the caller knows it (spares a host read).
     """
     R, S, B = w.tokens.shape
     stored = (w.state == bb.TO_CACHE).sum(dim=1)  # (R,) to-cache slots form a prefix
@@ -209,7 +211,7 @@ def window_step(kv, key_valid: torch.Tensor, w: bb.Window) -> tuple[torch.Tensor
     ids = w.tokens.view(R, S * B)  # (R, S*B)
     positions = w.positions().view(R, S * B)  # (R, S*B)
     logits = window_forward(kv, key_valid, ids, positions, S, B)  # (R, S*B, V)
-    keep = int(stored.max())
+    keep = int(stored.max()) if keep is None else keep
     kv.crop((S - keep) * B)
     cols = torch.arange(keep * B, device=key_valid.device)  # (keep*B,)
     key_valid[:, past: past + keep * B] = cols[None, :] < (stored * B)[:, None]  # other rows: scratch

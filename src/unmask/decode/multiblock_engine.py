@@ -45,6 +45,7 @@ class BufferRow(Row):
     accepts: list = field(default_factory=list)
     edits: int = 0
     keys: int = 0
+    to_cache: int = 0  # its window's to-cache slots after the last step: the next forward stores them
 
 
 def _window_rows(w: bb.Window, n: int) -> bb.Window:
@@ -174,7 +175,8 @@ class MultiBlockDecoder:
         past = self.kv.length
         if self.key_valid.shape[1] < past + S * B:
             self.key_valid = pad(self.key_valid, 1, past + S * B - self.key_valid.shape[1], False)
-        logits, stored = window_step(self.kv, self.key_valid, w)  # (R, S*B, V), (R,)
+        keep = max(r.to_cache for r in rows)  # to-cache slots are marked by a step, so the host knows them
+        logits, stored = window_step(self.kv, self.key_valid, w, keep)  # (R, S*B, V), (R,)
         self.forwards += 1
         if self.suppress:
             logits[..., self.suppress] = float("-inf")
@@ -206,7 +208,7 @@ class MultiBlockDecoder:
         self.w = bb.release(w, ended)
         self.live &= ~ended
         packed = torch.stack([size, info.committed.sum(dim=(1, 2)), info.edited.sum(dim=(1, 2)), stored,
-                              ended.long(), stopped.long()], 1)  # (R, 6)
+                              ended.long(), stopped.long(), (self.w.state == bb.TO_CACHE).sum(dim=1)], 1)  # (R, 7)
         return self._bookkeep(rows, torch.cat([packed, self.seq], 1).tolist())
 
     def _make_room(self) -> None:
@@ -262,11 +264,11 @@ class MultiBlockDecoder:
 
     def _bookkeep(self, rows, info) -> list[BufferRow]:
         """Per-row statistics and ends from the step's one host read (per slot: |R_s|, commits, edits,
-        stored slots, ended, stopped, then the row's sequence)."""
+        stored slots, ended, stopped, to-cache slots for the next step, then the row's sequence)."""
         cfg, B, done = self.cfg, self.cfg.block_size, []
         edit_steps = cfg.max_post_edit_steps if cfg.tau_t2t is not None else 0
         for row in rows:
-            size, commits, edits, stored, ended, stopped, *seq = info[row.slot]
+            size, commits, edits, stored, ended, stopped, row.to_cache, *seq = info[row.slot]
             row.nfe += 1
             P, M = len(row.job.prompt_ids), row.job.max_new_tokens
             blocks = (P + M - 1) // B - P // B + 1
