@@ -1,18 +1,31 @@
-"""Continuous batching for the Block Buffer (``MultiBlockBatch``, issue 16): whenever a row joins and
-whatever runs beside it, its tokens, NFE, per-row statistics and step events equal
-``multiblock.decode`` on its prompt alone (STYLE.md 14)."""
+"""Continuous batching for the Block Buffer on its one running batch
+(:class:`unmask.decode.multiblock_engine.MultiBlockDecoder`, the server's ``serving_batch``), issues
+16 and 25: whenever a row joins and whatever runs beside it, its tokens, NFE, per-row statistics
+and step events equal ``multiblock.decode`` on its prompt alone (STYLE.md 14)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
-from batch_helpers import GREEDY, RecordingRun, assert_row_equals_single, job, single_decode
+from batch_helpers import GREEDY, RecordingRun, assert_row_equals_single, single_decode
+from batch_helpers import job as _job
 from test_block_decode import bd_bundle, scripted_bundle
 
 import unmask
 from unmask.decode import multiblock
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.serve.block_batch import MultiBlockBatch
+from unmask.decode.multiblock_engine import serving_batch as MultiBlockBatch
+
+_ids = itertools.count()
+
+
+def job(*args, **kw):
+    """A scheduler job with the ``id`` that ``drop`` takes."""
+    j = _job(*args, **kw)
+    j.id = next(_ids)
+    return j
 
 
 def tok(p):
@@ -24,18 +37,18 @@ class Run(RecordingRun):
 
     def __init__(self, bundle, options, **kw):
         super().__init__()
-        self.batch = MultiBlockBatch(bundle, options, on_step=self._on_step, **kw)
+        self.batch = MultiBlockBatch(bundle, options, capacity=16, on_step=self._on_step, **kw)
 
     def check_cache(self):
         """Each row attends to exactly its cached blocks: the whole prompt blocks and the blocks popped
         from its window, i.e. front·B keys; and the key mask covers the whole cache."""
         b = self.batch
         if not len(b):
-            assert b.cache is None and b.kv is None
+            assert b.kv is None
             return
-        assert b.key_valid.shape == (len(b), b.kv.length)
-        assert b.key_valid.sum(dim=1).tolist() == (b.w.front * b.cfg.block_size).tolist()
-        assert b.w.tokens.shape[0] == b.seq.shape[0] == len(b)
+        at = [r.slot for r in b.rows]
+        assert b.key_valid[at, : b.kv.length].sum(dim=1).tolist() == (b.w.front[at] * b.cfg.block_size).tolist()
+        assert b.w.tokens.shape[0] == b.seq.shape[0] == b.key_valid.shape[0] == b.R > max(at)
 
 
 def single(bundle, j, options, stop_token_ids):
@@ -88,7 +101,9 @@ def test_rows_joining_at_different_steps_equal_single_prompt_decodes(options):
     assert {r.finish for r in run.done} == {"stop", "length"}
     assert len({r.nfe for r in run.done}) > 2
     assert_rows_equal_single_decodes(bundle, run, options, stops)
-    assert run.batch.forwards == sum(len(p) >= 4 for p in PROMPTS) + run.steps  # prefills alone + one per step
+    joins = (PROMPTS[:1], PROMPTS[1:4], PROMPTS[4:5], PROMPTS[5:])
+    assert run.batch.forwards == run.steps  # a join prefills its rows' whole prompt blocks in one forward, if any
+    assert run.batch.prefills == sum(any(len(p) >= 4 for p in group) for group in joins) == 3
 
 
 def test_a_row_dropped_mid_decode_frees_its_slots_and_the_others_go_on_unchanged():
@@ -98,7 +113,7 @@ def test_a_row_dropped_mid_decode_frees_its_slots_and_the_others_go_on_unchanged
     run = Run(bundle, options, stop_token_ids=())
     run.join(jobs[:3])
     run.step(4)
-    gone = run.batch.drop(lambda r: r.job is jobs[1])
+    gone = run.batch.drop([jobs[1].id])
     assert [r.job for r in gone] == [jobs[1]] and len(run.batch) == 2
     assert all(r.job is not jobs[1] for r in run.batch.rows)
     seen = len(run.events[id(jobs[1])][0])
@@ -106,7 +121,7 @@ def test_a_row_dropped_mid_decode_frees_its_slots_and_the_others_go_on_unchanged
     run.step(2)
     run.join(jobs[3:])
     run.step()
-    assert run.batch.drop(lambda r: False) == []
+    assert run.batch.drop([]) == [] and run.batch.drop([jobs[1].id]) == []
     run.drain()
     assert sorted(id(r.job) for r in run.done) == sorted(id(j) for j in jobs if j is not jobs[1])
     assert len(run.events[id(jobs[1])][0]) == seen == 4  # nothing after the drop
@@ -119,15 +134,15 @@ def test_a_batch_emptied_by_drop_frees_its_cache_and_takes_new_rows():
     run = Run(bundle, options, stop_token_ids=())
     run.join([job(PROMPTS[3], 20), job(PROMPTS[4], 20)])
     run.step(3)
-    assert run.batch.cache is not None and run.batch.cache.get_seq_length() > 0
-    assert len(run.batch.drop(lambda r: True)) == 2
-    assert len(run.batch) == 0 and run.batch.cache is None
+    assert run.batch.kv is not None and run.batch.kv.length > 0
+    assert len(run.batch.drop([r.job.id for r in run.batch.rows])) == 2
+    assert len(run.batch) == 0 and run.batch.kv is None and run.batch.slots.free == run.batch.capacity
     assert run.batch.step() == []
     run.join([job(PROMPTS[0], 13)])  # a prompt shorter than a block: nothing to prefill
     run.step(2)
     run.join([job(PROMPTS[8], 11)])
     run.drain()
-    assert len(run.done) == 2 and run.batch.cache is None
+    assert len(run.done) == 2 and run.batch.kv is None
     assert_rows_equal_single_decodes(bundle, run, options, ())
 
 
@@ -222,7 +237,7 @@ def test_options_are_validated_once():
         MultiBlockBatch(tiny_bundle(bundle.model, kind="causal"), {})
     b = MultiBlockBatch(bundle, dict(slots=None, tau_add=0.2))  # None = the default
     assert (b.cfg.slots, b.cfg.tau_add, b.cfg.block_size) == (2, 0.2, 4)
-    assert len(b) == 0 and b.step() == [] and b.drop(lambda r: True) == []
+    assert len(b) == 0 and b.step() == [] and b.drop([0, 1]) == []
 
 
 def test_window_and_cache_stay_consistent_under_churn():
@@ -234,8 +249,9 @@ def test_window_and_cache_stay_consistent_under_churn():
     for chunk in (jobs[i: i + 2] for i in range(0, 12, 2)):
         run.join(chunk)
         run.step(3)
-        live = run.batch.key_valid.sum(dim=1)
-        assert run.batch.kv.length <= max(2 * int(live.max()), int(live.max()) + 8) + 8
+        b = run.batch
+        live = b.key_valid[[r.slot for r in b.rows], : b.kv.length].sum(dim=1)
+        assert b.kv.length <= max(2 * int(live.max()), int(live.max()) + 8) + 8
     run.drain()
     assert len(run.done) == 12
     assert_rows_equal_single_decodes(bundle, run, options, ())

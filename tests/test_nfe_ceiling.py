@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import unmask
-from unmask.decode import block, diffusion_engine, early_bird_engine, multiblock, sbd
+from unmask.decode import blocks, diffusion_engine, early_bird_engine, multiblock_engine
 from unmask.errors import UnmaskError
 from unmask.policies import TokenStats
 
@@ -35,8 +35,8 @@ def _mask_commits(module, name, mask_id, counter):
 
 CASES = {  # decoder -> (module, function to corrupt, model)
     "diffusion": (diffusion_engine, "commit_rows", "stories260K-dlm"),  # the running batch's step
-    "sbd": (sbd, "commit", "stories260K-sbd"),
-    "block": (block, "commit", "stories260K-bd"),
+    "sbd": (blocks, "commit", "stories260K-sbd"),
+    "block": (blocks, "commit", "stories260K-bd"),  # the one running batch of block and lossy sbd
 }
 
 
@@ -68,14 +68,14 @@ def test_early_bird_hits_the_ceiling(monkeypatch):
 
 def test_multiblock_hits_the_ceiling(monkeypatch):
     bundle = unmask.load("stories260K-mbd")
-    real, counter = multiblock.candidates, [0]
+    real, counter = multiblock_engine.candidates, [0]
 
     def cands(*args):
         _guard(counter)
         tokens, kappa = real(*args)
         return torch.full_like(tokens, bundle.mask_token_id), kappa
 
-    monkeypatch.setattr(multiblock, "candidates", cands)
+    monkeypatch.setattr(multiblock_engine, "candidates", cands)  # the Block Buffer's running batch calls it
     with pytest.raises(UnmaskError, match="the multiblock decoder ran .* above its ceiling"):
         unmask.generate(["Once upon a time"], bundle, "multiblock", max_new_tokens=16)
 

@@ -1,11 +1,15 @@
-"""Continuous batching for lossy SBD (``SBDBatch``) and SingleBD (``BlockBatch``), issue 16: whenever a
-row joins and whatever runs beside it, its tokens, NFE, per-row statistics and step events equal
-``sbd.decode`` / ``block.decode`` on its prompt alone (STYLE.md 14)."""
+"""Continuous batching for lossy SBD and SingleBD on their one running batch
+(:class:`unmask.decode.blocks.BlockDecoder`, the server's ``serving_batch``), issues 16 and 25:
+whenever a row joins and whatever runs beside it, its tokens, NFE, per-row statistics and step
+events equal ``sbd.decode`` / ``block.decode`` on its prompt alone (STYLE.md 14)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
-from batch_helpers import GREEDY, RecordingRun, assert_row_equals_single, job, single_decode
+from batch_helpers import GREEDY, RecordingRun, assert_row_equals_single, single_decode
+from batch_helpers import job as _job
 from conftest import tiny_bundle
 from test_block_decode import bd_bundle, scripted_bundle
 from test_sbd_decode import sbd_bundle
@@ -14,9 +18,21 @@ import unmask
 from unmask.decode import block, sbd
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.serve.sbd_lossy_batch import BlockBatch, SBDBatch
-
+SBDBatch, BlockBatch = "sbd", "block"  # the decoders' names, as the server keys their batches
 DECODE = {SBDBatch: sbd.decode, BlockBatch: block.decode}
+SERVING = {SBDBatch: sbd.serving_batch, BlockBatch: block.serving_batch}  # the server's running batches
+
+
+def serving_batch(decoder, bundle, options, **kw):
+    return SERVING[decoder](bundle, options, **kw)
+_ids = itertools.count()
+
+
+def job(*args, **kw):
+    """A scheduler job with the ``id`` that ``drop`` takes."""
+    j = _job(*args, **kw)
+    j.id = next(_ids)
+    return j
 
 
 class Run(RecordingRun):
@@ -24,7 +40,7 @@ class Run(RecordingRun):
 
     def __init__(self, cls, bundle, options, **kw):
         super().__init__()
-        self.batch = cls(bundle, options, on_step=self._on_step, **kw)
+        self.batch = serving_batch(cls, bundle, options, capacity=16, on_step=self._on_step, **kw)
         self.layouts = []  # each step forward's query validity (R, q): padding where rows differ
         forward = self.batch._forward
 
@@ -41,19 +57,16 @@ class Run(RecordingRun):
     def check_cache(self):
         b = self.batch
         if not len(b):
-            assert b.cache is None and b.kv is None
+            assert b.kv is None
             return
-        assert b.key_valid.shape == (len(b), b.kv.length)
-        for r, row in enumerate(b.rows):  # each row attends to exactly its prompt and stored text
-            if isinstance(b, SBDBatch):
-                want = row.prompt_len + row.start - row.refeed.numel()
-            else:
-                want = (row.n_full + row.j - (row.store is not None)) * b.cfg.block_size
-            assert int(b.key_valid[r].sum()) == want
+        assert b.key_valid.shape[0] == b.R > max(r.slot for r in b.rows)
+        for row in b.rows:  # each row attends to exactly its prompt and stored (SBD: re-fed) text
+            want = row.bstart - b.B * row.storing  # a block waiting to be stored is not cached yet
+            assert int(b.key_valid[row.slot, : b.kv.length].sum()) == want
 
 
 def assert_rows_equal_single_decodes(bundle, run, options, stop_token_ids):
-    decode = DECODE[type(run.batch)]
+    decode = DECODE[run.batch.kind.name]
     for row in run.done:
         j = row.job
         out, events = single_decode(decode, bundle, j, options, stop_token_ids)
@@ -93,7 +106,7 @@ def test_sbd_rows_joining_at_different_steps_equal_single_prompt_decodes(options
     assert len({r.nfe for r in run.done}) > 2
     assert_rows_equal_single_decodes(bundle, run, options, stops)
     assert run.mixed() and len(run.layouts) == run.steps
-    assert run.batch.forwards == len(jobs) + run.steps  # prefills alone + one forward per step
+    assert run.batch.forwards == run.steps and run.batch.prefills == 4  # a join's prompts prefill together
 
 
 BLOCK_SETTINGS = [dict(tau=0.6), dict(store="fused", tau=0.5), dict(policy="entropy-bound", gamma=0.4),
@@ -111,7 +124,9 @@ def test_block_rows_joining_at_different_steps_equal_single_prompt_decodes(optio
     assert len({r.nfe for r in run.done}) > 2
     assert_rows_equal_single_decodes(bundle, run, options, stops)
     assert run.mixed() and len(run.layouts) == run.steps
-    assert run.batch.forwards == sum(len(p) >= 4 for p in PROMPTS) + run.steps
+    joins = (PROMPTS[:1], PROMPTS[1:4], PROMPTS[4:5], PROMPTS[5:])  # staggered's joins
+    assert run.batch.forwards == run.steps  # a join prefills its rows' whole prompt blocks in one forward, if any
+    assert run.batch.prefills == sum(any(len(p) >= 4 for p in group) for group in joins) == 3
 
 
 @pytest.mark.parametrize("cls,make,options", [(SBDBatch, sbd_bundle, dict(block_size=4, gamma=0.3)),
@@ -123,14 +138,14 @@ def test_a_row_dropped_mid_decode_leaves_the_others_unchanged(cls, make, options
     run = Run(cls, bundle, options, stop_token_ids=())
     run.join(jobs[:3])
     run.step(4)
-    gone = run.batch.drop(lambda r: r.job is jobs[1])
+    gone = run.batch.drop([jobs[1].id])
     assert [r.job for r in gone] == [jobs[1]] and len(run.batch) == 2
     seen = len(run.events[id(jobs[1])][0])
     run.check_cache()
     run.step(2)
     run.join(jobs[3:])
     run.step()
-    assert run.batch.drop(lambda r: False) == []
+    assert run.batch.drop([]) == [] and run.batch.drop([jobs[1].id]) == []
     run.drain()
     assert sorted(id(r.job) for r in run.done) == sorted(id(j) for j in jobs if j is not jobs[1])
     assert len(run.events[id(jobs[1])][0]) == seen > 0  # nothing after the drop
@@ -144,15 +159,15 @@ def test_a_batch_emptied_by_drop_frees_its_cache_and_takes_new_rows(cls, make, o
     run = Run(cls, bundle, options, stop_token_ids=())
     run.join([job(PROMPTS[3], 20), job(PROMPTS[4], 20)])
     run.step(3)
-    assert run.batch.cache is not None and run.batch.cache.get_seq_length() > 0
-    assert len(run.batch.drop(lambda r: True)) == 2
-    assert len(run.batch) == 0 and run.batch.cache is None and run.batch.key_valid is None
+    assert run.batch.kv is not None and run.batch.kv.length > 0
+    assert len(run.batch.drop([r.job.id for r in run.batch.rows])) == 2
+    assert len(run.batch) == 0 and run.batch.kv is None and run.batch.slots.free == run.batch.capacity
     assert run.batch.step() == []
     run.join([job(PROMPTS[0], 13)])  # for SingleBD a prompt shorter than a block: nothing to prefill
     run.step(2)
     run.join([job(PROMPTS[8], 11)])
     run.drain()
-    assert len(run.done) == 2 and run.batch.cache is None
+    assert len(run.done) == 2 and run.batch.kv is None
     assert_rows_equal_single_decodes(bundle, run, options, ())
 
 
@@ -271,21 +286,21 @@ def test_options_are_validated_once(stories_sbd):
                          (dict(compile=True), "do not apply"), (dict(verify=True), "lossless"),
                          (dict(store="fused"), "do not apply"), (dict(block_size=999), "context window")]:
         with pytest.raises(UnmaskError, match=msg):
-            SBDBatch(sb, options)
+            serving_batch(SBDBatch, sb, options)
     with pytest.raises(UnmaskError, match="lossless"):
-        SBDBatch(stories_sbd, {})  # its decode_defaults select lossless SBD
+        serving_batch(SBDBatch, stories_sbd, {})  # its decode_defaults select lossless SBD
     with pytest.raises(UnmaskError, match="mask token"):
-        SBDBatch(tiny_bundle(sb.model), {})
+        serving_batch(SBDBatch, tiny_bundle(sb.model), {})
     for options, msg in [(dict(block_size=8), "disagrees"), (dict(store="x"), "store"), (dict(slots=2), "do not apply"),
                          (dict(schedule="x"), "schedule")]:
         with pytest.raises(UnmaskError, match=msg):
-            BlockBatch(bb, options)
+            serving_batch(BlockBatch, bb, options)
     with pytest.raises(UnmaskError, match="block-diffusion"):
-        BlockBatch(sb, {})
-    b = SBDBatch(sb, dict(block_size=None, gamma=0.2))  # None = the default
+        serving_batch(BlockBatch, sb, {})
+    b = serving_batch(SBDBatch, sb, dict(block_size=None, gamma=0.2))  # None = the default
     assert b.cfg.block_size == sbd.DEFAULT_BLOCK_SIZE and b.cfg.policy.gamma == 0.2
-    assert len(b) == 0 and b.step() == [] and b.drop(lambda r: True) == []
-    assert BlockBatch(bb, {}).cfg.block_size == 4
+    assert len(b) == 0 and b.step() == [] and b.drop([0, 1]) == []
+    assert serving_batch(BlockBatch, bb, {}).cfg.block_size == 4
 
 
 @pytest.mark.parametrize("cls,make,options", [(SBDBatch, sbd_bundle, dict(block_size=3, gamma=0.4)),
@@ -299,8 +314,9 @@ def test_cache_stays_small_under_churn(cls, make, options):
         run.join(chunk)
         run.step(3)
         if len(run.batch):
-            live = int(run.batch.key_valid.sum(dim=1).max())
-            assert run.batch.kv.length <= 2 * live + 8
+            b = run.batch
+            live = max(int(b.key_valid[r.slot, : b.kv.length].sum()) for r in b.rows)
+            assert b.kv.length <= 2 * live + 8
     run.drain()
     assert len(run.done) == 12
     assert_rows_equal_single_decodes(bundle, run, options, ())

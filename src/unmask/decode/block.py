@@ -21,27 +21,26 @@ Storing a finished block's K/V (§1.2 step 4), ``store=``:
 The last block of a row is never stored (nothing follows it). Positions past ``max_new_tokens``
 in the last block stay ``[MASK]``, are never decoded, and never reach the output.
 
-The cache is a :mod:`unmask.decode.kv` object: a growing ``DynamicCache`` by default, or
-(``static=True`` / ``compile=True``) a ``StaticCache`` sized once per batch whose length pointer
-moves on every crop, with the block forwards (B or 2B queries) through a ``torch.compile``-d
-step (:func:`unmask.decode.static.step_function`). One loop runs on either; key validity is a
-preallocated (R, capacity) bool buffer whose first ``kv.length`` columns are live.
+The decoding is :class:`unmask.decode.blocks.BlockDecoder`, the one running batch SingleBD shares
+with lossy SBD and that the server runs; :func:`decode` drains it (:func:`run_blocks`). Its cache
+is a :mod:`unmask.decode.kv` object: a growing ``DynamicCache`` by default, or (``static=True`` /
+``compile=True``) a ``StaticCache`` sized once per batch whose length pointer moves on every crop,
+with the block forwards (B or 2B queries) through a ``torch.compile``-d step
+(:func:`unmask.decode.static.step_function`).
 """
 
 from __future__ import annotations
 
-import time
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from unmask.decode.batching import left_pad
-from unmask.decode.kv import make_kv
-from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe, stop_flags
+from unmask.decode.running import drain, requests_for
+from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, block_causal_mask, with_key_padding
-from unmask.policies import CONFIDENCES, Policy, Threshold, commit, make_policy
+from unmask.policies import CONFIDENCES, Policy, Threshold, make_policy
 from unmask.sampling import Sampling, filter_logits
 
 DEFAULT_TAU = 0.95  # τ_M2T of every SingleBD row of multiblock.md Table 4 (LLaDA2-Mini, SDAR)
@@ -170,16 +169,6 @@ def prefill_whole_blocks(kv, prompts: list[list[int]], B: int, pad_id: int, devi
     return kv, valid, n_full_t
 
 
-def key_valid_buffer(valid: torch.Tensor, capacity: int) -> torch.Tensor:
-    """(R, capacity) bool, the prefill's ``valid`` (R, F) in its first F columns. Column c says
-    whether cache position c is a real key for the row; only the first ``kv.length`` columns (plus
-    a forward's query columns, set True before it) are ever read, the rest are overwritten first."""
-    R, F = valid.shape
-    buf = torch.zeros((R, max(capacity, F)), dtype=torch.bool, device=valid.device)
-    buf[:, :F] = valid
-    return buf
-
-
 def window_mask(key_valid: torch.Tensor, past: int, n_slots: int, B: int) -> torch.Tensor:
     """The mask of a forward of ``n_slots`` blocks after ``past`` cached keys: (R, 1, q, past + q)
     bool, q = n_slots·B. Equals ``with_key_padding(block_buffer_mask(past, n_slots, B), key_valid)``
@@ -209,32 +198,12 @@ def check_cache_flags(compile, static) -> None:
             raise UnmaskError(f"{name} must be True or False (got {value!r}); pass {name}=True")
 
 
-def cache_extra(kv, compile: bool) -> dict:
-    """stats.extra keys of the static path: ``compiled`` and ``static_cache`` (its length L)."""
-    return {"compiled": bool(compile), "static_cache": kv.capacity} if kv.static else {}
-
-
-def row_sequences(prompts: list[list[int]], length: int, mask_id: int, device) -> torch.Tensor:
-    """(R, length) long: each prompt at positions 0.., ``mask_id`` everywhere after it."""
-    seq = torch.full((len(prompts), length), mask_id, dtype=torch.long, device=device)
-    for r, p in enumerate(prompts):
-        seq[r, : len(p)] = torch.tensor(p, dtype=torch.long, device=device)
-    return seq
-
-
 def first_stop(seq: torch.Tensor, gen_start: torch.Tensor, gen_end: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
     """(R,) long: position of the first generated stop token per row, ``seq.shape[1]`` if none."""
     L = seq.shape[1]
     pos = torch.arange(L, device=seq.device)  # (L,)
     hit = torch.isin(seq, stops) & (pos >= gen_start[:, None]) & (pos < gen_end[:, None])  # (R, L)
     return torch.where(hit.any(dim=1), hit.float().argmax(dim=1), torch.full_like(gen_start, L))
-
-
-def output_stops(seq: torch.Tensor, gen_start: torch.Tensor, max_new_tokens: int, stops: torch.Tensor,
-                 tokens: list[list[int]]) -> list[int]:
-    """:func:`unmask.decode.stats.stop_flags` of the rows :func:`outputs` returned."""
-    full = [seq[r, int(s): int(s) + max_new_tokens].tolist() for r, s in enumerate(gen_start.tolist())]
-    return stop_flags(full, tokens, stops.tolist())
 
 
 def outputs(seq: torch.Tensor, gen_start: torch.Tensor, max_new_tokens: int, stops: torch.Tensor,
@@ -325,6 +294,28 @@ class BlockConfig:
                    steps=steps)
 
 
+POLICY_OPTIONS = ("policy", "gamma", "preset", "tau", "factor", "tokens_per_step")
+BATCH_OPTIONS = ("block_size", *POLICY_OPTIONS, "store", "steps", "schedule")  # the server keys batches by them
+
+
+def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_step=None, on_token=None,
+                  stop_token_ids=None):
+    """The server's running batch of SingleBD rows for one set of request ``options``
+    (:data:`BATCH_OPTIONS`; None = default), validated once: a
+    :class:`~unmask.decode.blocks.BlockDecoder`. ``stop_token_ids`` defaults to the bundle's.
+    Raises UnmaskError for a model that is not block-diffusion, an unknown option or a bad value."""
+    from unmask.decode.blocks import BlockDecoder
+
+    check_block_model(bundle, "block")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(BATCH_OPTIONS))
+    if unknown:
+        raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous block batch; "
+                          f"use only {', '.join(BATCH_OPTIONS)}")
+    return BlockDecoder(bundle, BlockConfig.from_options(bundle, **options), capacity=capacity, on_step=on_step,
+                        on_token=on_token, stop_token_ids=stop_token_ids)
+
+
 @torch.inference_mode()
 def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
@@ -377,124 +368,21 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     cfg = BlockConfig.from_options(bundle, block_size=block_size, policy=policy, tau=tau, gamma=gamma, preset=preset,
                                    factor=factor, tokens_per_step=tokens_per_step, store=store, steps=steps,
                                    schedule=schedule)
-    B, model, device, mask_id = cfg.block_size, bundle.model, bundle.device, bundle.mask_token_id
-    t0 = time.perf_counter()
-    R = len(prompts)
-    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
-    # The published quota-threshold loops rank by the model's own softmax, mask column included (a
-    # "committed" mask simply stays masked); elsewhere the mask token is never a candidate.
-    suppress = list(bundle.suppress_ids) if cfg.steps is None else []
-    stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
+    return run_blocks(bundle, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                      stop_token_ids=stop_token_ids, stop_strings=stop_strings, on_forward=on_forward, on_step=on_step,
+                      compile=compile, static=static)
 
-    gen_start = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)  # (R,)
-    gen_end = gen_start + max_new_tokens
-    n_full = torch.div(gen_start, B, rounding_mode="floor")  # (R,) whole prompt blocks
-    n_blocks = torch.div(gen_end - 1, B, rounding_mode="floor") - n_full + 1  # (R,) blocks to decode per row
-    # Block j's forward ends at F + (j + 1)·B at most: j blocks stored, then one block (or the
-    # fused pair, whose first block is the j-th stored); one block of slack.
-    capacity = whole_prompt_blocks(prompts, B) + (int(n_blocks.max()) + 1) * B
-    kv = make_kv(model, batch=R, capacity=capacity, static=static, compile=compile)
-    kv, valid, _ = prefill_whole_blocks(kv, prompts, B, bundle.pad_token_id, device)
-    key_valid = key_valid_buffer(valid, capacity)  # (R, capacity)
-    seq = row_sequences(prompts, int((n_full + n_blocks).max()) * B, mask_id, device)  # (R, L)
-    arange_b = torch.arange(B, device=device)
-    # B denoising forwards (or `steps`: a quota step may commit nothing) + 1 store per block
-    ceiling = int(n_blocks.max()) * (max(B, cfg.steps or 0) + 1)
 
-    done = torch.zeros(R, dtype=torch.bool, device=device)
-    nfe, stores = 0, 0
-    nfe_rows = torch.zeros(R, dtype=torch.long, device=device)
-    store_rows = torch.zeros(R, dtype=torch.long, device=device)
-    histogram: Counter = Counter()
-    accepts: list[list[int]] = [[] for _ in range(R)]
-    pending = None  # fused store: (tokens (R, B), positions (R, B), rows (R,)) of the block to store
+def run_blocks(bundle, cfg, prompts, *, max_new_tokens, sampling, stop_token_ids, stop_strings, on_forward, on_step,
+               compile, static) -> DecodeOutput:
+    """``decode()`` of SingleBD or lossy SBD: :func:`unmask.decode.running.drain` of a lockstep
+    :class:`~unmask.decode.blocks.BlockDecoder` (``cfg`` a BlockConfig or an SBDConfig)."""
+    from unmask.decode.blocks import BlockDecoder
 
-    def run(inp, positions, n_slots, rows_kept):
-        """One forward of n_slots blocks; keeps the K/V of the first block when rows_kept is given."""
-        past = kv.length
-        logits = window_forward(kv, key_valid, inp, positions, n_slots, B, logits_to_keep=B)  # (R, B, V): last block
-        keep = B if rows_kept is not None else 0
-        kv.crop(n_slots * B - keep)  # only a stored block's clean K/V stay
-        if rows_kept is not None:
-            key_valid[:, past: past + B] = rows_kept[:, None]  # (R, B)
-        if on_forward is not None:
-            on_forward({"inp": inp, "positions": positions, "logits": logits, "slots": n_slots,
-                        "stored": rows_kept is not None, "past": past,
-                        "cache": [(k.clone(), v.clone()) for k, v in kv.layers()]})
-        return logits
+    def make(capacity):
+        return BlockDecoder(bundle, cfg, static=static, compile=compile, capacity=capacity, lockstep=True,
+                            on_step=None if on_step is None else (lambda row, event: on_step(event)),
+                            on_forward=on_forward, stop_token_ids=tuple(stop_token_ids))
 
-    for j in range(int(n_blocks.max())):
-        active = ~done & (j < n_blocks)  # (R,)
-        if not bool(active.any()):
-            break
-        pos = (n_full + j)[:, None] * B + arange_b  # (R, B) absolute positions of block j
-        pos_safe = pos.clamp(max=seq.shape[1] - 1)  # finished rows may run past their sequence
-        block = seq.gather(1, pos_safe)  # (R, B)
-        # The published quota-threshold loops denoise the whole last block, past max_new_tokens too.
-        edit_end = gen_end if cfg.steps is None else (n_full + n_blocks) * B  # (R,)
-        editable = (pos >= gen_start[:, None]) & (pos < edit_end[:, None]) & active[:, None]
-        step = 0
-        while True:
-            masked = editable & (block == mask_id)  # (R, B)
-            if not bool(masked.any()):
-                break
-            if pending is not None:  # fused store: [finished block ; this block], 2B queries
-                p_tok, p_pos, p_rows = pending
-                logits = run(torch.cat([p_tok, block], 1), torch.cat([p_pos, pos], 1), 2, p_rows)
-                pending = None
-            else:
-                logits = run(block, pos, 1, None)
-            if suppress:
-                logits[..., suppress] = float("-inf")
-            if cfg.steps is not None:
-                chosen, tokens = quota_threshold_commit(logits, masked, cfg.policy.tau, block_quota(B, cfg.steps, step),
-                                                        sampling, gens)
-            else:
-                chosen, tokens = commit(logits, masked, cfg.policy, temperature=sampling.temperature,
-                                        top_k=sampling.top_k, top_p=sampling.top_p, generator=gens)
-            step += 1
-            block = torch.where(chosen, tokens, block)
-            seq.scatter_(1, pos_safe, torch.where(active[:, None], block, seq.gather(1, pos_safe)))
-            nfe += 1
-            check_nfe(nfe, ceiling, "block")
-            had = masked.any(dim=1)  # (R,)
-            nfe_rows += had.long()
-            counts = chosen.sum(dim=1).tolist()  # (R,) commits per row, one host read
-            for r in torch.nonzero(had).flatten().tolist():
-                count = counts[r]
-                accepts[r].append(count)
-                histogram[count] += 1
-                if on_step is not None:
-                    on_step(step_event(nfe - 1, r, pos[r][chosen[r]], block[r][chosen[r]], seq[r], gen_start[r],
-                                       gen_end[r], mask_id, block=int(n_full[r]) + j))
-
-        # A row ends after the block holding its first stop token, or after its last block.
-        stop_at = first_stop(seq, gen_start, gen_end, stops)  # (R,)
-        block_end = (n_full + j + 1) * B
-        ended = active & ((stop_at < block_end) | (j == n_blocks - 1))
-        if stop_strings:
-            ended |= hit_stop_string(bundle, prompts, outputs(seq, gen_start, max_new_tokens, stops, mask_id),
-                                     active & ~ended, stop_strings)
-        done |= ended
-        going = active & ~done  # rows that need this block's K/V
-        if not bool(going.any()):
-            continue
-        if cfg.store == "separate":
-            run(block, pos, 1, going)
-            nfe += 1
-            stores += 1
-            nfe_rows += going.long()
-            store_rows += going.long()
-        else:
-            pending = (block, pos, going)
-
-    tokens = outputs(seq, gen_start, max_new_tokens, stops, mask_id)
-    name = cfg.policy.name
-    extra = {"policy": name, "block_size": B, "store": cfg.store, "store_forwards": stores, "steps": cfg.steps,
-             "accepts": dict(sorted(histogram.items())), **cache_extra(kv, compile),
-             "row_extra": [{"policy": name, "block_size": B, "store": cfg.store, "accepts": a,
-                            "store_forwards": int(s)} for a, s in zip(accepts, store_rows.tolist())]}
-    stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
-                        seconds=time.perf_counter() - t0, extra=extra,
-                        stops_per_row=output_stops(seq, gen_start, max_new_tokens, stops, tokens))
-    return DecodeOutput(tokens=tokens, stats=stats)
+    return drain(make, requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                    stop_strings=stop_strings, device=bundle.device))

@@ -32,18 +32,15 @@ pointer moves on each crop; the window forward has the same shape (R, N_buf·B) 
 
 from __future__ import annotations
 
-import time
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from unmask.decode import block_buffer as bb
-from unmask.decode.block import (cache_extra, check_block_model, check_cache_flags, first_stop, hit_stop_string,
-                                 key_valid_buffer, output_stops, outputs, prefill_whole_blocks, resolve_block_size,
-                                 row_sequences, step_event, whole_prompt_blocks, window_forward)
-from unmask.decode.kv import make_kv
-from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe
+from unmask.decode.block import (check_block_model, check_cache_flags, hit_stop_string, outputs, resolve_block_size,
+                                 step_event, window_forward)
+from unmask.decode.running import drain, requests_for
+from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling, sample
 
@@ -116,7 +113,7 @@ def candidates(logits: torch.Tensor, sampling: Sampling, generator) -> tuple[tor
     return tokens, log_q.gather(-1, tokens[..., None])[..., 0].exp()
 
 
-def compact(kv, key_valid: torch.Tensor) -> None:
+def compact(kv, key_valid: torch.Tensor, most: int | None = None) -> None:
     """Reclaim the holes of a batch's static cache in place (multiblock.md §3.6).
 
     Rows store their to-cache blocks in different steps and the cache pointer is shared, so a
@@ -129,7 +126,7 @@ def compact(kv, key_valid: torch.Tensor) -> None:
     n = kv.length
     valid = key_valid[:, :n]  # (R, n)
     counts = valid.sum(dim=1)  # (R,)
-    M = int(counts.max())
+    M = int(counts.max()) if most is None else most  # a caller that knows M spares the host read
     if M == n:
         return
     order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices  # (R, n): invalid columns first
@@ -186,113 +183,27 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     cfg = MultiBlockConfig.from_options(bundle, block_size=block_size, slots=slots, tau_add=tau_add,
                                         tau_semi=tau_semi, tau_m2t=tau_m2t, tau_t2t=tau_t2t, tau_stable=tau_stable,
                                         max_nfe=max_nfe)
-    B, S, model, device, mask_id = cfg.block_size, cfg.slots, bundle.model, bundle.device, bundle.mask_token_id
-    if S * B > bundle.context_length:
-        raise UnmaskError(f"--slots {S} × block size {B} = {S * B} positions exceeds the context window of "
-                          f"{bundle.context_length}; use --slots {max(1, bundle.context_length // B)} or fewer")
-    t0 = time.perf_counter()
-    R = len(prompts)
-    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
-    suppress = list(bundle.suppress_ids)
-    stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
+    from unmask.decode.multiblock_engine import MultiBlockDecoder
 
-    w = bb.initial_window(prompts, max_new_tokens, S, B, mask_id, device)
-    # Each step keeps max-over-rows stored blocks, so rows storing in different steps leave holes:
-    # the dynamic cache may come to hold every row's blocks side by side (``worst``); the static one
-    # is sized for the longest row plus a window and compacted when a forward would not fit.
-    F, blocks = whole_prompt_blocks(prompts, B), w.last_block - w.front + 1  # blocks (R,) per row
-    kv = make_kv(model, batch=R, capacity=F + (int(blocks.max()) + S) * B, static=static, compile=compile)
-    kv, valid, _ = prefill_whole_blocks(kv, prompts, B, bundle.pad_token_id, device)
-    worst = F + (int(blocks.sum()) + S) * B
-    key_valid = key_valid_buffer(valid, kv.capacity if kv.static else worst)  # (R, C); first kv.length live
-    # Room for every real block and the dummies after the last one, so window writes never clamp.
-    seq = row_sequences(prompts, int((w.last_block.max() + 1 + S) * B), mask_id, device)  # (R, L)
-    seq_pos = torch.arange(seq.shape[1], device=device)
-    # Per block: B commit steps, one store, and the post-edit steps T2T may add; S to drain the window.
-    edit_steps = cfg.max_post_edit_steps if cfg.tau_t2t is not None else 0
-    ceiling = int((w.last_block - w.front + 1).max()) * (B + 2 + edit_steps) + S
+    def make(capacity):
+        return MultiBlockDecoder(bundle, cfg, static=static, compile=compile, capacity=capacity, drained=True,
+                                 on_step=None if on_step is None else (lambda row, event: on_step(event)),
+                                 on_forward=on_forward, stop_token_ids=tuple(stop_token_ids))
 
-    done = torch.zeros(R, dtype=torch.bool, device=device)
-    checked = torch.zeros(R, dtype=torch.long, device=device)  # complete tokens already checked for stop strings
-    nfe = 0
-    nfe_rows = torch.zeros(R, dtype=torch.long, device=device)
-    histogram: Counter = Counter()
-    running: list[list[int]] = [[] for _ in range(R)]
-    accepts: list[list[int]] = [[] for _ in range(R)]
-    edits = [0] * R
-    stop_pos = first_stop(seq, w.gen_start, w.gen_end, stops)  # (R,)
-    while not bool(done.all()):
-        w, _ = bb.activate(w, done | (stop_pos < seq.shape[1]), tau_add=cfg.tau_add, tau_stable=cfg.tau_stable)
-        live = ~done  # rows this forward works for
-        before = w
-
-        if kv.length + S * B > key_valid.shape[1]:  # only the static cache fills up
-            compact(kv, key_valid)
-        past = kv.length
-        logits, stored = window_step(kv, key_valid, w)  # (R, S*B, V), (R,)
-        if suppress:
-            logits[..., suppress] = float("-inf")
-        if on_forward is not None:
-            ids, positions = w.tokens.view(R, S * B), w.positions().view(R, S * B)  # (R, S*B) each
-            on_forward({"inp": ids, "positions": positions, "logits": logits, "window": before, "past": past,
-                        "stored": stored.clone(), "key_valid": key_valid[:, : kv.length].clone(),
-                        "cache": [(k.clone(), v.clone()) for k, v in kv.layers()]})
-        top1, kappa = candidates(logits.view(R, S, B, -1), sampling, gens)  # (R, S, B) each
-        w, info = bb.transition(w, top1, kappa, tau_m2t=cfg.tau_m2t, tau_semi=cfg.tau_semi, tau_t2t=cfg.tau_t2t,
-                                max_post_edit_steps=cfg.max_post_edit_steps)
-        nfe += 1
-        check_nfe(nfe, ceiling, "multiblock")
-        nfe_rows += live.long()
-        size = (before.state != bb.DUMMY).sum(dim=1)  # (R,) |R_s| of this step
-        n_commit = info.committed.sum(dim=(1, 2))  # (R,)
-        n_edit = info.edited.sum(dim=(1, 2))  # (R,)
-        sizes, commits, n_edits = size.tolist(), n_commit.tolist(), n_edit.tolist()  # one host read each
-        for r in torch.nonzero(live).flatten().tolist():
-            running[r].append(sizes[r])
-            accepts[r].append(commits[r])
-            edits[r] += n_edits[r]
-            histogram[commits[r]] += 1
-
-        write_window(seq, w)
-        if on_step is not None:
-            at = before.positions()  # (R, S, B)
-            for r in torch.nonzero(live).flatten().tolist():
-                on_step(row_event(nfe - 1, r, at, before, info, top1, seq, w, sizes[r]))
-
-        stop_pos = first_stop(seq, w.gen_start, w.gen_end, stops)  # (R,)
-        stop_block = stop_blocks(stop_pos, seq.shape[1], B)  # (R,)
-        ended = live & bb.finished(w, stop_block)
-        if stop_strings:
-            ended |= stop_string_rows(bundle, prompts, seq, seq_pos, w, stops, max_new_tokens, live & ~ended,
-                                      checked, stop_strings)
-        if cfg.max_nfe is not None:
-            ended |= live & (nfe_rows >= cfg.max_nfe)
-        done |= ended
-        w = bb.release(w, ended)
-
-    tokens = outputs(seq, w.gen_start, max_new_tokens, stops, mask_id)
-    sizes = [x for r in running for x in r]
-    mean_rs = sum(sizes) / max(1, len(sizes))
-    extra = {"slots": S, "block_size": B, "tau_add": cfg.tau_add, "tau_semi": cfg.tau_semi, "tau_m2t": cfg.tau_m2t,
-             "tau_t2t": cfg.tau_t2t, "tau_stable": cfg.tau_stable, "accepts": dict(sorted(histogram.items())),
-             "mean_running_set": mean_rs, "edits": sum(edits), **cache_extra(kv, compile),
-             "row_extra": [{"slots": S, "block_size": B, "running_set": rs,
-                            "mean_running_set": sum(rs) / max(1, len(rs)), "accepts": a, "edits": e}
-                           for rs, a, e in zip(running, accepts, edits)]}
-    stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
-                        seconds=time.perf_counter() - t0, extra=extra,
-                        stops_per_row=output_stops(seq, w.gen_start, max_new_tokens, stops, tokens))
-    return DecodeOutput(tokens=tokens, stats=stats)
+    return drain(make, requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                    stop_strings=stop_strings, device=bundle.device))
 
 
-def window_step(kv, key_valid: torch.Tensor, w: bb.Window) -> tuple[torch.Tensor, torch.Tensor]:
+def window_step(kv, key_valid: torch.Tensor, w: bb.Window, keep: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """One Block Buffer forward (multiblock.md §3.3 step 2) of window ``w`` after ``kv``'s keys.
 
     Every row's S·B slot tokens go through :func:`window_forward`; the forward also yields the
     clean K/V of each row's to-cache slots (a prefix of its window). The cache keeps as many
     columns as the row storing the most needs, the rest is cropped, and ``key_valid`` (R, C >=
     kv.length + S·B) marks the kept columns a row did not store as scratch (§3.6). Returns the
-    logits (R, S·B, V) and ``stored`` (R,) long, the to-cache slots of each row.
+    logits (R, S·B, V) and ``stored`` (R,) long, the to-cache slots of each row. ``keep``: the
+    most to-cache slots of any row, when the caller knows it (spares a host read).
     """
     R, S, B = w.tokens.shape
     stored = (w.state == bb.TO_CACHE).sum(dim=1)  # (R,) to-cache slots form a prefix
@@ -300,7 +211,7 @@ def window_step(kv, key_valid: torch.Tensor, w: bb.Window) -> tuple[torch.Tensor
     ids = w.tokens.view(R, S * B)  # (R, S*B)
     positions = w.positions().view(R, S * B)  # (R, S*B)
     logits = window_forward(kv, key_valid, ids, positions, S, B)  # (R, S*B, V)
-    keep = int(stored.max())
+    keep = int(stored.max()) if keep is None else keep
     kv.crop((S - keep) * B)
     cols = torch.arange(keep * B, device=key_valid.device)  # (keep*B,)
     key_valid[:, past: past + keep * B] = cols[None, :] < (stored * B)[:, None]  # other rows: scratch

@@ -10,30 +10,25 @@ cropped after every forward, and the first forward of the next block re-feeds th
 block causally together with the k new masks (one fused forward over 2k tokens), so only the
 causal K/V of committed text ever stay in the cache.
 
-One loop runs on either cache of :mod:`unmask.decode.kv`: the growing ``DynamicCache`` (the
-default) or, with ``static``/``compile``, a preallocated ``StaticCache`` whose crop is a pointer
-move. No row is ever pruned (a finished row rides along with its masks inactive), so every
-forward of a block has one of at most four query shapes — k or 2k tokens, and the same for a
-shorter last block — and ``compile=True`` reuses one compiled step per shape.
+The decoding itself is :class:`unmask.decode.blocks.BlockDecoder`, the running batch SBD shares
+with SingleBD (the re-feed is its causal store region) and that the server runs too; ``decode``
+drains it. On the static cache every forward has one of at most four query shapes — k or 2k
+tokens, and the same for a shorter last block — so ``compile=True`` reuses one graph per shape.
 """
 
 from __future__ import annotations
 
-import time
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from unmask.decode import sbd_verify
 from unmask.decode.batching import left_pad
-from unmask.decode.kv import make_kv
-from unmask.decode.stats import DecodeOutput, DecodeStats, check_nfe, stop_flags
+from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
-from unmask.masks import as_4d, causal_mask, sbd_inference_mask, with_key_padding
-from unmask.policies import EntropyBound, Policy, commit, make_policy
+from unmask.masks import as_4d, causal_mask, with_key_padding
+from unmask.policies import EntropyBound, Policy, make_policy
 from unmask.sampling import Sampling
-from unmask.trace import step_event
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PRESET = "chat-low"
@@ -129,85 +124,49 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     defaults = {k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS}
     cfg = SBDConfig.from_options(block_size=block_size, policy=policy, gamma=gamma, preset=preset, tau=tau,
                                  factor=factor, tokens_per_step=tokens_per_step, defaults=defaults)
-    k, model, device, mask_id = cfg.block_size, bundle.model, bundle.device, bundle.mask_token_id
-    if k > bundle.context_length:
-        raise UnmaskError(f"block size {k} exceeds the context window of {bundle.context_length}; lower --block-size")
-    t0 = time.perf_counter()
-    B, P = len(prompts), max(len(p) for p in prompts)
-    gens = sampling.row_generators(prompts, device)  # one per row (None when greedy)
-    suppress = list(bundle.suppress_ids)
-    stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
+    if cfg.block_size > bundle.context_length:
+        raise UnmaskError(f"block size {cfg.block_size} exceeds the context window of {bundle.context_length}; "
+                          "lower --block-size")
+    from unmask.decode.block import run_blocks
 
-    # the cache never holds more than the prompt and the committed text: a block's noisy K/V
-    # (at most max_new_tokens - start of them) are cropped before the next block is re-fed
-    kv = make_kv(model, batch=B, capacity=P + max_new_tokens, static=static, compile=compile)
-    key_valid = prefill(kv, prompts, bundle.pad_token_id, device)  # (B, kv.length) grows with every committed block
-    row_len = key_valid.sum(dim=1)  # (B,) real prompt length per row
+    return run_blocks(bundle, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                      stop_token_ids=stop_token_ids, stop_strings=stop_strings, on_forward=on_forward, on_step=on_step,
+                      compile=compile, static=static)
 
-    out = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    nfe, nfe_rows = 0, torch.zeros(B, dtype=torch.long, device=device)
-    histogram: Counter = Counter()
-    accepts: list[list[int]] = [[] for _ in range(B)]
-    prev_block = None  # (B, k_prev) committed tokens not yet in the cache
-    for start in range(0, max_new_tokens, k):
-        n = min(k, max_new_tokens - start)
-        block = torch.full((B, n), mask_id, dtype=torch.long, device=device)  # (B, n)
-        active = ~done  # rows that decode this block
-        first = True
-        while True:
-            masked = (block == mask_id) & active[:, None]  # (B, n)
-            if not bool(masked.any()):
-                break
-            refeed = prev_block if first and prev_block is not None else block[:, :0]
-            c = refeed.shape[1]
-            past = kv.length  # == key_valid.shape[1]
-            inp = torch.cat([refeed, block], dim=1)  # (B, c + n)
-            positions = (row_len + start - c)[:, None] + torch.arange(c + n, device=device)  # (B, c + n)
-            kv_valid = torch.cat([key_valid, torch.ones(B, c + n, dtype=torch.bool, device=device)], dim=1)
-            m = with_key_padding(as_4d(sbd_inference_mask(past, c, n, device=device), B), kv_valid)  # (B,1,c+n,kv)
-            logits = kv.forward(inp, positions, m, logits_to_keep=n)  # (B, n, V)
-            kv.crop(n)  # drop the noisy block K/V; a re-fed block's causal K/V stay (§4.1)
-            if c:
-                key_valid = torch.cat([key_valid, torch.ones(B, c, dtype=torch.bool, device=device)], dim=1)
-            first = False
-            if suppress:
-                logits[..., suppress] = float("-inf")
-            if on_forward is not None:
-                on_forward({"inp": inp, "positions": positions, "logits": logits, "block": block.clone(),
-                            "start": start, "refeed": c,
-                            "cache": [(keys.clone(), values.clone()) for keys, values in kv.layers()]})
-            chosen, tokens = commit(logits, masked, cfg.policy, temperature=sampling.temperature,
-                                    top_k=sampling.top_k, top_p=sampling.top_p, generator=gens)
-            block = torch.where(chosen, tokens, block)
-            nfe += 1
-            check_nfe(nfe, max_new_tokens + -(-max_new_tokens // k), "sbd")
-            had = masked.any(dim=1)  # (B,)
-            nfe_rows += had.long()
-            for b in torch.nonzero(had).flatten().tolist():
-                count = int(chosen[b].sum())
-                accepts[b].append(count)
-                histogram[count] += 1
-                if on_step is not None:  # unmask.trace event; canvas = committed blocks + this block
-                    canvas = torch.cat([out[b, :start], block[b]])
-                    on_step(step_event(nfe - 1, b, chosen[b], tokens[b], start, canvas, mask_id))
-        out[:, start:start + n] = torch.where(active[:, None], block, -1)
-        done |= active & torch.isin(block, stops).any(dim=1)
-        if stop_strings:
-            done |= _hit_stop_string(bundle, prompts, out[:, : start + n], stop_strings) & active
-        prev_block = block
-        if bool(done.all()):
-            break
 
-    full = out.tolist()
-    tokens = [until_stop(full[b], stops) for b in range(B)]
-    extra = {"policy": cfg.policy.name, "block_size": k, "accepts": dict(sorted(histogram.items())),
-             "compiled": bool(compile), "static_cache": kv.capacity if kv.static else None,
-             "row_extra": [{"policy": cfg.policy.name, "block_size": k, "accepts": a} for a in accepts]}
-    stats = DecodeStats(nfe=nfe, nfe_per_row=nfe_rows.tolist(), tokens_per_row=[len(t) for t in tokens],
-                        seconds=time.perf_counter() - t0, extra=extra,
-                        stops_per_row=stop_flags(full, tokens, stops.tolist()))
-    return DecodeOutput(tokens=tokens, stats=stats)
+POLICY_OPTIONS = ("policy", "gamma", "preset", "tau", "factor", "tokens_per_step")
+BATCH_OPTIONS = ("block_size", *POLICY_OPTIONS, "verify", "draft")  # the server keys lossy batches by them
+
+
+def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_step=None, on_token=None,
+                  stop_token_ids=None):
+    """The server's running batch of lossy SBD rows for one set of request ``options``
+    (:data:`BATCH_OPTIONS`; None = default, the checkpoint's ``decode_defaults`` filling the rest as
+    in :func:`decode`), validated once: a :class:`~unmask.decode.blocks.BlockDecoder`.
+    ``stop_token_ids`` defaults to the bundle's. Raises UnmaskError for a model without a mask
+    token, an unknown option, a bad value, or options selecting lossless SBD (its own batch)."""
+    from unmask.decode.blocks import BlockDecoder
+
+    if bundle.mask_token_id is None:
+        raise UnmaskError("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); "
+                          "train one with 'unmask train sbd'")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(BATCH_OPTIONS))
+    if unknown:
+        raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous lossy sbd batch; "
+                          f"use only {', '.join(BATCH_OPTIONS)}")
+    given = [f"--{k.replace('_', '-')}" for k in POLICY_OPTIONS if options.get(k) is not None]
+    defaults = dict(bundle.meta.get("decode_defaults") or {})
+    if _lossless(options.get("verify"), given, options.get("draft"), defaults):
+        raise UnmaskError("these options run lossless SBD (--verify), which the lossy sbd batch does not decode; "
+                          "pass --no-verify or a policy option")
+    defaults = {k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS}
+    cfg = SBDConfig.from_options(**{k: options.get(k) for k in ("block_size", *POLICY_OPTIONS)}, defaults=defaults)
+    if cfg.block_size > bundle.context_length:
+        raise UnmaskError(f"block size {cfg.block_size} exceeds the context window of {bundle.context_length}; "
+                          "lower --block-size")
+    return BlockDecoder(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token,
+                        stop_token_ids=stop_token_ids)
 
 
 def prefill(kv, prompts: list[list[int]], pad_id: int, device) -> torch.Tensor:
@@ -248,22 +207,3 @@ def _lossless(verify, given: list[str], draft, defaults: dict) -> bool:
     if draft is not None and not lossless:
         raise UnmaskError("--draft applies to lossless SBD only; add --verify or drop --draft")
     return lossless
-
-
-def until_stop(row: list[int], stops: torch.Tensor) -> list[int]:
-    """The generated ids of ``row`` before its first stop token (or -1, an undecoded position)."""
-    stop_set = set(stops.tolist())
-    out = []
-    for t in row:
-        if t < 0 or t in stop_set:
-            break
-        out.append(t)
-    return out
-
-
-def _hit_stop_string(bundle, prompts, out, stop_strings) -> torch.Tensor:
-    hit = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
-    for b in range(out.shape[0]):
-        text = bundle.decode_continuation(prompts[b], [t for t in out[b].tolist() if t >= 0])
-        hit[b] = any(s in text for s in stop_strings)
-    return hit

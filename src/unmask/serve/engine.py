@@ -40,12 +40,11 @@ from unmask.errors import UnmaskError
 from unmask.decode.diffusion_engine import OPTIONS as DIFFUSION_OPTIONS, Diffusion
 from unmask.decode.dream_compat import OPTIONS as DREAM_OPTIONS, DreamSchedule
 from unmask.decode.early_bird_engine import OPTIONS as EARLY_BIRD_OPTIONS, EarlyBird
-from unmask.serve import block_batch, per_call, sbd_lossy_batch
-from unmask.serve.block_batch import MultiBlockBatch
+from unmask.decode import block as single_bd, multiblock_engine, sbd as lossy_sbd
+from unmask.serve import per_call
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes
 from unmask.serve.errors import ApiError
 from unmask.serve.jobs import Job, QueueFull, ShuttingDown, bad_request, finish_gone, server_error
-from unmask.serve.sbd_lossy_batch import BlockBatch, SBDBatch
 
 log = logging.getLogger("unmask.serve")
 
@@ -59,23 +58,13 @@ def _done(row) -> None:
 
 
 # Continuous running batches of the other decoders: batch kind -> class (see Scheduler._running_kind).
-RUNNING = {"multiblock": MultiBlockBatch, "sbd": SBDBatch, "block": BlockBatch, "diffusion": Diffusion.serving,
-           "dream": DreamSchedule.serving, "early-bird": EarlyBird.serving}
+RUNNING = {"multiblock": multiblock_engine.serving_batch, "sbd": lossy_sbd.serving_batch, "block": single_bd.serving_batch,
+           "diffusion": Diffusion.serving, "dream": DreamSchedule.serving, "early-bird": EarlyBird.serving}
 # The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
-RUNNING_OPTIONS = {"multiblock": block_batch.OPTIONS, "sbd": sbd_lossy_batch.SBD_OPTIONS,
-                   "block": sbd_lossy_batch.BLOCK_OPTIONS, "diffusion": DIFFUSION_OPTIONS,
+RUNNING_OPTIONS = {"multiblock": multiblock_engine.OPTIONS, "sbd": lossy_sbd.BATCH_OPTIONS,
+                   "block": single_bd.BATCH_OPTIONS, "diffusion": DIFFUSION_OPTIONS,
                    "early-bird": EARLY_BIRD_OPTIONS}
 VERIFY_OPTIONS = ("block_size", "draft", "verify")  # what a lossless sbd request may set
-ONE_ENGINE = (Diffusion, DreamSchedule, EarlyBird)  # the decoders' own classes (issue 25): sized, drop by id
-SIZED = ("diffusion", "dream", "early-bird")  # RUNNING kinds built with capacity = max batch size
-
-
-def _drop(batch, pred) -> list:
-    """The rows ``pred`` picks, dropped from ``batch``: the one-engine decoders drop by job id, the
-    older running batches by predicate."""
-    if isinstance(batch, ONE_ENGINE):
-        return batch.drop([r.job.id for r in _rows(batch) if pred(r)])
-    return batch.drop(pred)
 
 
 class Scheduler:
@@ -308,9 +297,8 @@ class Scheduler:
             try:
                 batch = self._verify_batch(key[1]) if key[0] == "verify" else self.running_batches.get(key)
                 if batch is None:
-                    sized = {"capacity": self.max_batch_size} if key[0] in SIZED else {}
                     batch = self.running_batches[key] = RUNNING[key[0]](self.bundle, dict(key[1]), on_step=self._event,
-                                                                        **sized)
+                                                                        capacity=self.max_batch_size)
             except UnmaskError as e:  # the options failed the decoder's own validation
                 for j in jobs:
                     j.finish("error", bad_request(e, j.options))
@@ -319,7 +307,7 @@ class Scheduler:
                 if key[0] == "verify":
                     self._step_verify(batch, key[1], jobs)
                 else:
-                    for row in _drop(batch, lambda r: r.job.gone):
+                    for row in batch.drop([r.job.id for r in _rows(batch) if r.job.gone]):
                         finish_gone(row.job)
                     for job in jobs:
                         self._join(batch, [job])
@@ -330,10 +318,7 @@ class Scheduler:
                 log.exception("a %s running batch failed", key[0])
                 for row in _rows(batch):
                     row.job.finish("error", server_error())
-                if key[0] == "verify":
-                    batch.drop([r.job.id for r in _rows(batch)])
-                else:
-                    _drop(batch, lambda r: True)
+                batch.drop([r.job.id for r in _rows(batch)])
             if key[0] != "verify" and not len(batch):
                 del self.running_batches[key]  # frees its cache; a new batch forms with the next request
 

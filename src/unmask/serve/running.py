@@ -2,7 +2,7 @@
 merging a newcomer's cache into the running one, compacting a sparse cache, building and merging the
 bidirectional decoders' left-padded canvases, and splitting rows on leaving.
 
-Every running batch (:mod:`ar_batch`, :mod:`block_batch`, :mod:`sbd_batch`, :mod:`sbd_lossy_batch`,
+Every running batch (:mod:`ar_batch`, :mod:`sbd_batch`,
 :mod:`diffusion_batch`, :mod:`early_bird_batch`) keeps its rows' keys left-padded to one length with
 a per-row key validity mask (R, T) bool; positions are explicit, so padding columns are simply
 masked out. These helpers hold that logic once; each batch keeps its own per-row state.

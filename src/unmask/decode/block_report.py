@@ -1,0 +1,61 @@
+"""What the block decoders' running batch (:mod:`unmask.decode.blocks`) reports, gathered after
+its step: per-row and batch statistics (``DecodeStats.extra``), ``on_step`` trace events and the
+tests' ``on_forward`` states. Host reads here are tracing's and statistics', never the step's."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from unmask.trace import step_event as trace_event
+
+
+def row_extra(dec, row) -> dict:
+    """A finished row's ``row_extra`` entry (its decoder's per-row statistics)."""
+    cfg = dec.cfg
+    if dec.kind.aligned:
+        return {"policy": cfg.policy.name, "block_size": dec.B, "store": cfg.store, "accepts": row.accepts,
+                "store_forwards": row.stores}
+    return {"policy": cfg.policy.name, "block_size": dec.B, "accepts": row.accepts}
+
+
+def events(dec, rows, had, chosen, tokens, block, dpos) -> None:
+    """on_step events of the rows that denoised (host reads: tracing only)."""
+    for row in rows:
+        r = row.slot
+        if not bool(had[r]):
+            continue
+        step, at = (dec.forwards - 1, r) if dec.lockstep else (row.nfe, 0)
+        start, end = int(dec.gen_start[r]), int(dec.gen_end[r])
+        if dec.kind.aligned:
+            from unmask.decode.block import step_event  # block imports this module's users
+
+            ev = step_event(step, at, dpos[r][chosen[r]], block[r][chosen[r]], dec.seq[r], start, end,
+                            dec.mask_id, block=row.bstart // dec.B)
+        else:
+            n = min(block.shape[1], end - row.bstart)
+            ev = trace_event(step, at, chosen[r, :n], tokens[r, :n], row.bstart - start,
+                             dec.seq[r, start: row.bstart + n], dec.mask_id)
+        dec.on_step(row, ev)
+
+
+def forward_state(dec, inp, pos, logits, past, S, D, N) -> dict:
+    """The ``on_forward`` state (tests) of one forward: its inputs, logits and the cache after it."""
+    return {"inp": inp, "positions": pos, "logits": logits, "slots": int(S) + int(D), "stored": S, "past": past,
+            "refeed": dec.B if S else 0, "block": inp[:, -N:].clone() if D else inp[:, :0],
+            "start": int(dec.bstart[0] - dec.gen_start[0]),
+            "cache": [(k.clone(), v.clone()) for k, v in dec.kv.layers()]}
+
+
+def stats_extra(dec, rows: list) -> dict:
+    """``DecodeStats.extra`` of finished rows, as ``block.decode`` / ``sbd.decode`` report it."""
+    cfg, hist = dec.cfg, Counter(a for r in rows for a in r.accepts)
+    common = {"policy": cfg.policy.name, "block_size": dec.B}
+    if dec.kind.aligned:
+        cache = {"compiled": bool(dec.compile), "static_cache": dec.kv.capacity} if dec.static else {}
+        return {**common, "store": cfg.store, "store_forwards": dec.store_forwards, "steps": cfg.steps,
+                "accepts": dict(sorted(hist.items())), **cache, "row_extra": [r.extra for r in rows]}
+    return {**common, "accepts": dict(sorted(hist.items())), "compiled": bool(dec.compile),
+            "static_cache": dec.kv.capacity if dec.static else None, "row_extra": [r.extra for r in rows]}
+
+
+__all__ = ["events", "forward_state", "row_extra", "stats_extra"]

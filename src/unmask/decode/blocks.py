@@ -1,0 +1,382 @@
+"""The one running batch of the block decoders (DESIGN.md "One engine"): SingleBD
+(:mod:`unmask.decode.block`, multiblock.md §1.2) and lossy SBD (:mod:`unmask.decode.sbd`, SBD
+Alg. 2–3) are the same machine, so it is written once.
+
+Every row denoises one block at a time over an exact KV cache. A step is ONE forward of every
+row's query window ``[store region (B) ; denoise region (N)]``:
+
+- the store region carries the row's just-finished block, whose clean K/V stay in the cache:
+  block-causal for SingleBD (its own forward with ``store="separate"``, or together with the next
+  block, ``"fused"``), causal for SBD (the re-feed of §4.1, always fused);
+- the denoise region is the row's current block, whose noisy K/V are cropped afterwards.
+
+The two decoders differ only in a :class:`Kind`: where blocks start (SingleBD: aligned to position
+0, the prompt's tail inside the first block; SBD: at the prompt's end), the prefill (whole prompt
+blocks block-causally; the whole prompt causally), the store region's mask, and their statistics.
+
+Per-row state lives in slot tensors (``Slots``): the sequence, generation bounds, the block start,
+the denoising step, and the phase (denoise / store). :func:`advance` is the commit rule's
+bookkeeping as a pure tensor function; the step's only host sync is one ``tolist`` of the packed
+per-row results (commits, block ends and the block's tokens). ``lockstep=True`` is ``decode()``'s
+batch semantics: a row whose block is complete waits until every row's is (so a batch's NFE is
+today's), and step events are numbered by batch forward and slot; the server runs
+``lockstep=False`` (each row moves on at once, events numbered by the row's own forwards, row 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from unmask.decode import block_report as report
+from unmask.decode.block_rule import SBD, SINGLE_BD, advance, quota
+from unmask.decode.kv import DynamicKV, make_kv
+from unmask.decode.rowcache import pad, place
+from unmask.decode.running import Row, Slots
+from unmask.decode.stats import check_nfe, stop_flags
+from unmask.errors import UnmaskError
+from unmask.masks import as_4d, block_buffer_mask, sbd_inference_mask
+from unmask.policies import commit
+
+
+@dataclass(eq=False)
+class BlockRow(Row):
+    """A running block row: ``full`` its committed generated ids (whole blocks, up to
+    ``max_new_tokens``); ``bstart`` its block's first absolute position; ``storing`` /
+    ``denoising`` its next forward's regions; ``accepts`` commits per denoising forward."""
+
+    generator: object = None
+    full: list = field(default_factory=list)
+    bstart: int = 0
+    storing: bool = False
+    denoising: bool = True
+    accepts: list = field(default_factory=list)
+    stores: int = 0
+    keys: int = 0  # cached keys the row attends to (prefill and stored blocks): compaction reads no tensor
+
+
+class BlockDecoder:
+    """The running batch of SingleBD (``cfg`` a :class:`~unmask.decode.block.BlockConfig`) or lossy
+    SBD rows (an :class:`~unmask.decode.sbd.SBDConfig`), one forward per :meth:`step`.
+
+    ``static`` / ``compile``: a :class:`~unmask.decode.kv.StaticKV` sized at the first join (which
+    must fill every slot: ``decode``), the block forwards through the compiled step. ``on_step(row,
+    event)``: :mod:`unmask.trace` events; ``on_token(row)`` after each committed token;
+    ``on_forward(state)`` (tests) sees every forward. Rows end on their first stop token (the
+    block holding it is kept whole, the output cut before it), a stop string, or ``max_new_tokens``.
+    Raises UnmaskError for a bad capacity, or a static cache joined twice.
+    """
+
+    def __init__(self, bundle, cfg, *, static=False, compile=False, capacity=8, on_step=None, on_token=None,
+                 on_forward=None, lockstep=False, stop_token_ids=None):
+        from unmask.decode.block import BlockConfig
+
+        self.kind = SINGLE_BD if isinstance(cfg, BlockConfig) else SBD
+        self.bundle, self.cfg, self.static, self.compile = bundle, cfg, static or compile, compile
+        self.on_step, self.on_token, self.on_forward, self.lockstep = on_step, on_token, on_forward, lockstep
+        self.slots, self.capacity = Slots(capacity), capacity
+        self.B, self.device, self.mask_id = cfg.block_size, bundle.device, bundle.mask_token_id
+        self.quota_steps = getattr(cfg, "steps", None)
+        self.fused = self.kind is SBD or cfg.store == "fused"
+        # The published quota-threshold loops rank by the model's own softmax, mask column included.
+        self.suppress = list(bundle.suppress_ids) if self.quota_steps is None else []
+        ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
+        self.stops = torch.tensor(sorted(set(ids)) or [-1], device=self.device)
+        self.stop_ids = sorted(set(ids))  # host copies: finishing a row reads no tensor
+        self.forwards = self.store_forwards = 0  # step forwards (the batch's NFE) and the store-only ones
+        self.prefills = 0  # join forwards (one per join that has prompt keys to cache)
+        self.by_slot: dict[int, BlockRow] = {}
+        self.kv, self.R = None, 0  # the cache and its rows (slots [0, R) go through every forward)
+        C, dev = capacity, self.device
+        self.seq = torch.full((C, 0), self.mask_id, dtype=torch.long, device=dev)  # (C, L) prompt, generated, masks
+        self.gen_start, self.gen_end, self.edit_end, self.bstart, self.qstep = (
+            torch.zeros(C, dtype=torch.long, device=dev) for _ in range(5))  # (C,) each
+        self.live, self.denoise, self.store = (torch.zeros(C, dtype=torch.bool, device=dev) for _ in range(3))
+        self.key_valid = torch.zeros((C, 0), dtype=torch.bool, device=dev)  # (R, W >= kv.length)
+
+    def __len__(self) -> int:
+        return len(self.by_slot)
+
+    @property
+    def rows(self) -> list[BlockRow]:
+        return [self.by_slot[s] for s in sorted(self.by_slot)]
+
+    # -- joining ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def join(self, requests) -> list[BlockRow]:
+        """Prefill the requests together (one forward: SingleBD's whole prompt blocks, block-causal;
+        SBD's prompts, causal) into free slots. Returns the rows that finished at once
+        (``max_new_tokens`` <= 0). Raises UnmaskError when the slots are full."""
+        if not requests:
+            return []
+        B, dev = self.B, self.device
+        slots = self.slots.take(len(requests))
+        rows, done = [], []
+        for job, s in zip(requests, slots):
+            gen = getattr(job, "generator", None)
+            if gen is None and not job.sampling.greedy:
+                gen = job.sampling.row_generators([list(job.prompt_ids)], dev)[0]
+            P = len(job.prompt_ids)
+            start = (P // B) * B if self.kind.aligned else P
+            row = BlockRow(job=job, slot=s, generator=gen, bstart=start, keys=start)
+            (done if job.max_new_tokens <= 0 else rows).append(row)
+        for row in done:
+            self.slots.give([row.slot])
+            self._finish(row)
+        if rows:
+            self._prefill(rows)
+        return done
+
+    def _prefill(self, rows: list[BlockRow]) -> None:
+        from unmask.decode import block, sbd
+
+        B, dev, model = self.B, self.device, self.bundle.model
+        prompts = [list(r.job.prompt_ids) for r in rows]
+        ends = [len(p) + r.job.max_new_tokens for p, r in zip(prompts, rows)]
+        if self.static:
+            if self.kv is not None or len(rows) != self.capacity:
+                raise UnmaskError("a static-cache block batch takes one join that fills every slot (decode); "
+                                  "run the server without --compile for these decoders")
+            if self.kind.aligned:  # j stored blocks, then one block (or the fused pair); one block of slack
+                n_blocks = max((e - 1) // B - len(p) // B + 1 for p, e in zip(prompts, ends))
+                size = block.whole_prompt_blocks(prompts, B) + (n_blocks + 1) * B
+            else:  # the prompt and the committed text: noisy K/V are cropped before the next re-feed
+                size = max(len(p) for p in prompts) + max(r.job.max_new_tokens for r in rows)
+            new = make_kv(model, batch=len(rows), capacity=size, static=True, compile=self.compile)
+        else:
+            new = DynamicKV(model)
+        if self.kind.aligned:
+            new, valid, _ = block.prefill_whole_blocks(new, prompts, B, self.bundle.pad_token_id, dev)  # (n, F)
+        else:
+            valid = sbd.prefill(new, prompts, self.bundle.pad_token_id, dev)  # (n, P)
+        self.prefills += int(valid.shape[1] > 0)
+        self._place(rows, new, valid)
+        L = max(ends) + 2 * B  # room for a whole last block past gen_end and a window that never clamps
+        if L > self.seq.shape[1]:
+            self.seq = pad(self.seq, 1, L - self.seq.shape[1], self.mask_id)
+        at = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)  # (n,)
+        self.seq[at] = self.mask_id
+        for r, p in zip(rows, prompts):
+            self.seq[r.slot, : len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
+            self.by_slot[r.slot] = r
+        P = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)  # (n,)
+        E = torch.tensor(ends, dtype=torch.long, device=dev)  # (n,)
+        self.gen_start[at], self.gen_end[at] = P, E
+        self.bstart[at] = torch.tensor([r.bstart for r in rows], dtype=torch.long, device=dev)
+        # The published quota-threshold loops denoise the whole last block, past max_new_tokens too.
+        self.edit_end[at] = E if self.quota_steps is None else torch.div(E - 1, B, rounding_mode="floor") * B + B
+        self.qstep[at], self.live[at], self.denoise[at], self.store[at] = 0, True, True, False
+
+    def _place(self, rows: list[BlockRow], new, valid: torch.Tensor) -> None:
+        if self.kv is None or (not self.by_slot and [r.slot for r in rows] == list(range(len(rows)))):
+            self.kv, self.R, self.key_valid = new, len(rows), valid
+        else:
+            self.kv, self.R, self.key_valid = place(self.bundle.model, self.kv, self.R, self.key_valid,
+                                                    [r.slot for r in rows], new, valid)
+
+    # -- stepping -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[BlockRow]:
+        """One forward for every running row (its store region, its block, or both), the commit
+        rule, and one host sync. Returns the rows that finished in it (slots freed)."""
+        if not self.by_slot:
+            return []
+        if not self.static and not self.lockstep:
+            self._compact()
+        B, dev, R = self.B, self.device, self.R
+        rows = self.rows
+        S = any(r.storing for r in rows)
+        D = any(r.denoising for r in rows)
+        N = max(min(B, r.job.max_new_tokens + len(r.job.prompt_ids) - r.bstart) for r in rows) if D else 0
+        if self.kind.aligned:
+            N = B if D else 0
+        live, denoise, store = self.live[:R], self.denoise[:R], self.store[:R] & self.live[:R]
+        bstart, gen_start, gen_end = self.bstart[:R], self.gen_start[:R], self.gen_end[:R]
+        inp, pos, qv = [], [], []
+        if S:  # the finished block, B columns before this block
+            spos = (bstart - B).clamp(min=0)[:, None] + torch.arange(B, device=dev)  # (R, B)
+            inp.append(self.seq[:R].gather(1, spos))
+            pos.append(spos)
+            qv.append(store[:, None].expand(R, B))
+        if D:
+            dpos = bstart[:, None] + torch.arange(N, device=dev)  # (R, N)
+            inp.append(self.seq[:R].gather(1, dpos))
+            pos.append(dpos)
+            real = dpos < gen_end[:, None] if not self.kind.aligned else torch.ones_like(dpos, dtype=torch.bool)
+            qv.append(real & (live & denoise)[:, None])
+        inp, pos, qv = torch.cat(inp, 1), torch.cat(pos, 1), torch.cat(qv, 1)  # (R, q) each
+        past, q = self.kv.length, inp.shape[1]
+        logits = self._forward(inp, pos, qv, past, S, D)  # (R, N or B, V)
+        self.kv.crop(q - (B if S else 0))  # only the stored block's clean K/V stay
+        if S:
+            self.key_valid[:, past: past + B] = store[:, None]
+        self.forwards += 1
+        if self.on_forward is not None:
+            self.on_forward(report.forward_state(self, inp, pos, logits, past, S, D, N))
+        if D:
+            blk = inp[:, -N:]
+            chosen, tokens, editable = self._commit(logits, blk, dpos, live & denoise)
+            seq, block, had, go, ended = advance(self.seq[:R], dpos, blk, chosen, tokens, editable, live, denoise,
+                                                 bstart, gen_start, gen_end, self.stops, B, self.lockstep,
+                                                 self.mask_id)
+            self.seq[:R] = seq
+            self.qstep[:R] += had.long()
+            counts = chosen.sum(dim=1)  # (R,)
+        else:
+            block = torch.full((R, 0), 0, dtype=torch.long, device=dev)
+            had = go = ended = torch.zeros_like(live)
+            counts = torch.zeros(R, dtype=torch.long, device=dev)
+        adv = go & ~ended
+        self.bstart[:R] += adv.long() * B
+        self.qstep[:R] *= (~adv).long()
+        self.store[:R] = adv
+        self.denoise[:R] = ~adv | self.fused
+        self.live[:R] &= ~ended
+        if self.on_step is not None and D:
+            report.events(self, rows, had, chosen, tokens, block, dpos)
+        info = torch.cat([torch.stack([counts, had.long(), adv.long(), ended.long()], 1), block], 1).tolist()
+        return self._bookkeep(rows, info, S and not D)
+
+    def _forward(self, inp, pos, qv, past, S, D) -> torch.Tensor:
+        B, R, q = self.B, self.R, inp.shape[1]
+        if S and not D:  # a separate store forward: one block-causal block
+            structure = block_buffer_mask(past, 1, B, device=self.device)
+        elif self.kind.causal_store:
+            structure = sbd_inference_mask(past, B if S else 0, q - (B if S else 0), device=self.device)
+        else:
+            structure = block_buffer_mask(past, q // B, B, device=self.device)  # (q, past + q)
+        if self.key_valid.shape[1] < past + q:
+            self.key_valid = pad(self.key_valid, 1, past + q - self.key_valid.shape[1], False)
+        self.key_valid[:, past: past + q] = qv
+        mask = as_4d(structure, R) & self.key_valid[:, None, None, : past + q]  # (R, 1, q, past + q)
+        # A padding query sees itself only, so no query row is empty (and nothing attends to it).
+        idx = torch.arange(q, device=self.device)
+        mask[:, 0, idx, past + idx] |= ~qv
+        return self.kv.forward(inp, pos, mask, logits_to_keep=q - (B if S and D else 0))
+
+    def _commit(self, logits, block, dpos, denoising):
+        """The commit rule of every row (greedy rows together; each sampling setting with its rows'
+        own generators). Returns (chosen, tokens, editable) (R, N) each."""
+        if self.suppress:
+            logits[..., self.suppress] = float("-inf")
+        editable = (dpos >= self.gen_start[: self.R, None]) & (dpos < self.edit_end[: self.R, None])  # (R, N)
+        masked = editable & (block == self.mask_id) & denoising[:, None]  # (R, N)
+        groups: dict = {}  # a row that only stores draws nothing (the quota rule draws for every row it gets)
+        for r in self.rows:
+            groups.setdefault(r.job.sampling if r.generator is not None and r.denoising else None, []).append(r)
+        if list(groups) == [None]:
+            chosen, tokens = self._rule(logits, masked, None, None)
+        else:
+            chosen, tokens = torch.zeros_like(masked), torch.zeros_like(block)
+            for sampling, members in groups.items():
+                at = torch.tensor([r.slot for r in members], dtype=torch.long, device=self.device)
+                gens = None if sampling is None else [r.generator for r in members]
+                chosen[at], tokens[at] = self._rule(logits[at], masked[at], sampling, gens, at)
+        return chosen, tokens, editable
+
+    def _rule(self, logits, masked, sampling, gens, at=None):
+        from unmask.decode.block import quota_threshold_commit
+        from unmask.sampling import Sampling
+
+        s = sampling or Sampling()
+        if self.quota_steps is None:
+            return commit(logits, masked, self.cfg.policy, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                          generator=gens)
+        step = self.qstep[: self.R] if at is None else self.qstep[at]
+        return quota_threshold_commit(logits, masked, self.cfg.policy.tau, quota(self.B, self.quota_steps, step), s,
+                                      gens)
+
+    def _bookkeep(self, rows, info, store_only: bool) -> list[BlockRow]:
+        """Per-row statistics and ends from the step's one host read ``info`` (per slot: commits,
+        had masks, moves on, ended, then the block's tokens)."""
+        if store_only:
+            self.store_forwards += 1
+        finished = []
+        for row in rows:
+            count, had, adv, ended, *block = info[row.slot]
+            row.keys += self.B if row.storing else 0
+            if row.storing and not row.denoising:
+                row.stores += 1
+                row.nfe += 1
+            if had:
+                row.nfe += 1
+                row.accepts.append(count)
+            M = row.job.max_new_tokens
+            check_nfe(row.nfe, self._ceiling(row), self.kind.name)
+            if adv or ended:
+                P = len(row.job.prompt_ids)
+                lo, hi = max(0, P - row.bstart), min(len(block), P + M - row.bstart)
+                row.full += block[lo:hi]
+                if self.on_token is not None:
+                    for _ in block[lo:hi]:
+                        self.on_token(row)
+            if adv and row.job.stop and self._stop_string(row):
+                ended = True
+            if ended:
+                finished.append(row)
+            elif adv:
+                row.bstart += self.B
+                row.storing, row.denoising = True, self.fused
+            else:
+                row.storing, row.denoising = False, True
+        for row in finished:
+            self._leave(row)
+            self._finish(row)
+        return finished
+
+    def _ceiling(self, row) -> int:
+        B, M = self.B, row.job.max_new_tokens
+        if self.kind.aligned:
+            P = len(row.job.prompt_ids)
+            return ((P + M - 1) // B - P // B + 1) * (max(B, self.quota_steps or 0) + 1)
+        return M + -(-M // B)
+
+    def _stop_string(self, row) -> bool:
+        text = self.bundle.decode_continuation(list(row.job.prompt_ids), self._cut(row.full))
+        return any(s in text for s in row.job.stop)
+
+    def _cut(self, full: list[int]) -> list[int]:
+        stop = set(self.stop_ids) | {self.mask_id}
+        return next((full[:i] for i, t in enumerate(full) if t in stop), list(full))
+
+    def _finish(self, row: BlockRow) -> None:
+        row.tokens = self._cut(row.full)
+        row.stop_token = stop_flags([row.full], [row.tokens], self.stop_ids)[0]
+        row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
+        row.extra = report.row_extra(self, row)
+
+    def _leave(self, row: BlockRow) -> None:
+        self.by_slot.pop(row.slot, None)
+        self.slots.give([row.slot])
+        self.live[row.slot] = self.store[row.slot] = False
+        if not self.by_slot and not self.static:
+            self.kv, self.R = None, 0
+
+    @torch.inference_mode()
+    def drop(self, ids) -> list[BlockRow]:
+        """Cancel rows by request id (``job.id``): their slots are free at once. Returns them."""
+        ids = set(ids)
+        gone = [r for r in self.rows if r.job.id in ids]
+        for row in gone:
+            self._leave(row)
+        return gone
+
+    def _compact(self) -> None:
+        """Reclaim cache columns no row attends to (rows store in different steps, rows leave) when
+        they are more than half of the cache (``multiblock.compact``)."""
+        from unmask.decode.multiblock import compact
+
+        n, most = self.kv.length, max(r.keys for r in self.by_slot.values())
+        if n and n - most >= max(most, self.B):
+            self.key_valid = self.key_valid[:, :n] & self.live[: self.R, None]  # a free slot's keys count for nobody
+            compact(self.kv, self.key_valid, most)
+
+    def stats_extra(self, rows: list[BlockRow]) -> dict:
+        """``DecodeStats.extra`` of finished rows, as ``block.decode`` / ``sbd.decode`` report it."""
+        return report.stats_extra(self, rows)
+
+
+__all__ = ["BlockDecoder", "BlockRow"]

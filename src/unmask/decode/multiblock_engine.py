@@ -1,0 +1,346 @@
+"""The Block Buffer's running batch (multiblock.md §3; DESIGN.md "One engine"): the one class that
+``multiblock.decode`` drains and the server runs.
+
+Each slot holds one row's window of N_buf blocks (:class:`~unmask.decode.block_buffer.Window`, one
+row per slot), its sequence and its stop bookkeeping. A step is one Block Buffer iteration for
+every slot: activate, one forward of the N_buf·B window tokens that also stores the to-cache
+slots' K/V (:func:`~unmask.decode.multiblock.window_step`), M2T/T2T (``block_buffer.transition``),
+write-back and termination, all tensor ops, then ONE host read of the packed per-row results
+(running-set size, commits, edits, stored slots, ended, and the rows' sequences, so a finishing
+row needs no further read). A free slot's window is all dummies: it rides along in the forward.
+
+``drained=True`` is ``decode()``'s numbering (events by batch forward and slot; the dynamic cache
+is never compacted, as before); the server runs ``drained=False`` (events by the row's own
+forwards, row 0; the cache compacted when holes are most of it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+from unmask.decode import block_buffer as bb
+from unmask.decode.block import first_stop, prefill_whole_blocks, whole_prompt_blocks
+from unmask.decode.kv import DynamicKV, make_kv
+from unmask.decode.multiblock import (candidates, compact, row_event, stop_blocks, stop_string_rows, window_step,
+                                      write_window)
+from unmask.decode.rowcache import pad, place
+from unmask.decode.running import Row, Slots
+from unmask.decode.stats import check_nfe, stop_flags
+from unmask.errors import UnmaskError
+from unmask.sampling import Sampling
+
+OPTIONS = ("block_size", "slots", "tau_add", "tau_semi", "tau_m2t", "tau_t2t", "tau_stable", "max_nfe")
+
+
+@dataclass(eq=False)
+class BufferRow(Row):
+    """A running Block Buffer row: its generator, |R_s| and M2T commits per step, T2T edits, and
+    ``keys`` (cache columns it attends to, for compaction without a host read)."""
+
+    generator: object = None
+    running_set: list = field(default_factory=list)
+    accepts: list = field(default_factory=list)
+    edits: int = 0
+    keys: int = 0
+    to_cache: int = 0  # its window's to-cache slots after the last step: the next forward stores them
+
+
+def _window_rows(w: bb.Window, n: int) -> bb.Window:
+    """``w`` with ``n`` more rows of dummies (tokens ``mask_id``, nothing editable, gen range empty)."""
+    def grow(t, fill):
+        return pad(t, 0, n, fill)
+
+    return replace(w, state=grow(w.state, bb.DUMMY), tokens=grow(w.tokens, w.mask_id), editable=grow(w.editable, False),
+                   argmax=grow(w.argmax, w.mask_id), edit_steps=grow(w.edit_steps, 0), front=grow(w.front, 0),
+                   admitted=grow(w.admitted, 0), gen_start=grow(w.gen_start, 0), gen_end=grow(w.gen_end, 0))
+
+
+def _set_rows(w: bb.Window, at: torch.Tensor, new: bb.Window) -> None:
+    """Write the rows of ``new`` into rows ``at`` (n,) of ``w``, in place."""
+    for f in fields(w):
+        if f.name != "mask_id":
+            getattr(w, f.name)[at] = getattr(new, f.name)
+
+
+class MultiBlockDecoder:
+    """The running batch of Block Buffer rows of one :class:`~unmask.decode.multiblock.MultiBlockConfig`.
+
+    ``static`` / ``compile``: a StaticKV sized at the first join (which must fill every slot), the
+    window forward compiled. ``on_step(row, event)``, ``on_token(row)`` (once per output token, at the
+    end: T2T may still edit committed tokens), ``on_forward(state)`` (tests). Raises UnmaskError
+    when N_buf·B exceeds the context window, or a static cache is joined twice.
+    """
+
+    def __init__(self, bundle, cfg, *, static=False, compile=False, capacity=8, on_step=None, on_token=None,
+                 on_forward=None, drained=False, stop_token_ids=None):
+        S, B = cfg.slots, cfg.block_size
+        if S * B > bundle.context_length:
+            raise UnmaskError(f"--slots {S} × block size {B} = {S * B} positions exceeds the context window of "
+                              f"{bundle.context_length}; use --slots {max(1, bundle.context_length // B)} or fewer")
+        self.bundle, self.cfg, self.static, self.compile = bundle, cfg, static or compile, compile
+        self.on_step, self.on_token, self.on_forward, self.drained = on_step, on_token, on_forward, drained
+        self.slots, self.capacity = Slots(capacity), capacity
+        self.device, self.mask_id = bundle.device, bundle.mask_token_id
+        ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
+        self.stops, self.stop_ids = torch.tensor(sorted(set(ids)) or [-1], device=self.device), sorted(set(ids))
+        self.suppress = list(bundle.suppress_ids)
+        self.forwards = self.prefills = 0
+        self.by_slot: dict[int, BufferRow] = {}
+        self._empty()
+
+    def _empty(self) -> None:
+        self.kv, self.R, self.w = None, 0, None
+        self.seq = self.key_valid = self.checked = self.nfe_rows = self.live = None
+
+    def __len__(self) -> int:
+        return len(self.by_slot)
+
+    @property
+    def rows(self) -> list[BufferRow]:
+        return [self.by_slot[s] for s in sorted(self.by_slot)]
+
+    @torch.inference_mode()
+    def join(self, requests) -> list[BufferRow]:
+        """Prefill the requests' whole prompt blocks together (one forward) into free slots (multiblock.md
+        §3.2). A Block Buffer row commits nothing before its first step: returns []."""
+        if not requests:
+            return []
+        S, B, dev, model = self.cfg.slots, self.cfg.block_size, self.device, self.bundle.model
+        rows = []
+        for job, s in zip(requests, self.slots.take(len(requests))):
+            gen = getattr(job, "generator", None)
+            if gen is None and not job.sampling.greedy:
+                gen = job.sampling.row_generators([list(job.prompt_ids)], dev)[0]
+            rows.append(BufferRow(job=job, slot=s, generator=gen, keys=len(job.prompt_ids) // B * B))
+        prompts = [list(r.job.prompt_ids) for r in rows]
+        ws = [bb.initial_window([p], r.job.max_new_tokens, S, B, self.mask_id, dev) for p, r in zip(prompts, rows)]
+        w = replace(ws[0], **{f.name: torch.cat([getattr(x, f.name) for x in ws]) for f in fields(ws[0])
+                              if f.name != "mask_id"})
+        if self.static:
+            if self.kv is not None or len(rows) != self.capacity:
+                raise UnmaskError("a static-cache multiblock batch takes one join that fills every slot (decode); "
+                                  "run the server without --compile for this decoder")
+            blocks = w.last_block - w.front + 1  # (n,) blocks per row
+            size = whole_prompt_blocks(prompts, B) + (int(blocks.max()) + S) * B
+            new = make_kv(model, batch=len(rows), capacity=size, static=True, compile=self.compile)
+        else:
+            new = DynamicKV(model)
+        new, valid, _ = prefill_whole_blocks(new, prompts, B, self.bundle.pad_token_id, dev)  # valid (n, F)
+        self.prefills += int(valid.shape[1] > 0)
+        slots = [r.slot for r in rows]
+        at = torch.tensor(slots, dtype=torch.long, device=dev)  # (n,)
+        if self.kv is None:
+            self.kv, self.R, self.key_valid = new, len(rows), valid
+            if self.static:
+                self.key_valid = pad(valid, 1, new.capacity - valid.shape[1], False)
+            self.w, self.live = w, torch.ones(len(rows), dtype=torch.bool, device=dev)
+            self.checked = torch.zeros(len(rows), dtype=torch.long, device=dev)
+            self.nfe_rows = torch.zeros(len(rows), dtype=torch.long, device=dev)
+            self.seq = torch.full((len(rows), 0), self.mask_id, dtype=torch.long, device=dev)
+        else:
+            R0 = self.R
+            self.kv, self.R, self.key_valid = place(model, self.kv, R0, self.key_valid, slots, new, valid)
+            self.w = _window_rows(self.w, self.R - R0)
+            _set_rows(self.w, at, w)
+            self.live, self.checked, self.nfe_rows = (pad(t, 0, self.R - R0, v) for t, v in
+                                                      ((self.live, False), (self.checked, 0), (self.nfe_rows, 0)))
+            self.seq = pad(self.seq, 0, self.R - R0, self.mask_id)
+        # Room for every real block and the dummies after the last one, so window writes never clamp.
+        L = int((w.last_block.max() + 1 + S) * B)
+        if L > self.seq.shape[1]:
+            self.seq = pad(self.seq, 1, L - self.seq.shape[1], self.mask_id)
+        self.seq[at] = self.mask_id
+        for r, p in zip(rows, prompts):
+            self.seq[r.slot, : len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
+            self.by_slot[r.slot] = r
+        self.live[at], self.checked[at], self.nfe_rows[at] = True, 0, 0
+        return []
+
+    @torch.inference_mode()
+    def step(self) -> list[BufferRow]:
+        """One Block Buffer step (multiblock.md §3.3) for every slot: one forward of shape (R, N_buf·B).
+        Returns the rows that finished in it (a stop token with every block up to it complete, a stop
+        string in its complete blocks, ``max_new_tokens`` or ``max_nfe``), their slots freed."""
+        if not self.by_slot:
+            return []
+        cfg, S, B, R = self.cfg, self.cfg.slots, self.cfg.block_size, self.R
+        rows, L = self.rows, self.seq.shape[1]
+        stop_pos = first_stop(self.seq, self.w.gen_start, self.w.gen_end, self.stops)  # (R,)
+        w, _ = bb.activate(self.w, ~self.live | (stop_pos < L), tau_add=cfg.tau_add, tau_stable=cfg.tau_stable)
+        before = w
+        self._make_room()
+        past = self.kv.length
+        if self.key_valid.shape[1] < past + S * B:
+            self.key_valid = pad(self.key_valid, 1, past + S * B - self.key_valid.shape[1], False)
+        keep = max(r.to_cache for r in rows)  # to-cache slots are marked by a step, so the host knows them
+        logits, stored = window_step(self.kv, self.key_valid, w, keep)  # (R, S*B, V), (R,)
+        self.forwards += 1
+        if self.suppress:
+            logits[..., self.suppress] = float("-inf")
+        if self.on_forward is not None:
+            self.on_forward({"inp": w.tokens.view(R, S * B), "positions": w.positions().view(R, S * B),
+                             "logits": logits, "window": before, "past": past, "stored": stored.clone(),
+                             "key_valid": self.key_valid[:, : self.kv.length].clone(),
+                             "cache": [(k.clone(), v.clone()) for k, v in self.kv.layers()]})
+        top1, kappa = self._candidates(logits.view(R, S, B, -1))  # (R, S, B) each
+        w, info = bb.transition(w, top1, kappa, tau_m2t=cfg.tau_m2t, tau_semi=cfg.tau_semi, tau_t2t=cfg.tau_t2t,
+                                max_post_edit_steps=cfg.max_post_edit_steps)
+        write_window(self.seq, w)
+        self.nfe_rows += self.live.long()
+        size = (before.state != bb.DUMMY).sum(dim=1)  # (R,) |R_s| of this step
+        if self.on_step is not None:
+            at, sizes = before.positions(), size.tolist()  # (R, S, B); tracing reads the host
+            for row in rows:
+                step, r = (self.forwards - 1, row.slot) if self.drained else (row.nfe, 0)
+                self.on_step(row, row_event(step, row.slot, at, before, info, top1, self.seq, w, sizes[row.slot],
+                                            row=r))
+        stop_block = stop_blocks(first_stop(self.seq, w.gen_start, w.gen_end, self.stops), L, B)  # (R,)
+        ended = self.live & bb.finished(w, stop_block)  # (R,)
+        stopped = (stop_block != bb.NO_STOP) & ended
+        if any(r.job.stop for r in rows):
+            hit = self._stop_strings(rows, w, ended)
+            ended, stopped = ended | hit, stopped | hit
+        if cfg.max_nfe is not None:
+            ended |= self.live & (self.nfe_rows >= cfg.max_nfe)
+        self.w = bb.release(w, ended)
+        self.live &= ~ended
+        packed = torch.stack([size, info.committed.sum(dim=(1, 2)), info.edited.sum(dim=(1, 2)), stored,
+                              ended.long(), stopped.long(), (self.w.state == bb.TO_CACHE).sum(dim=1)], 1)  # (R, 7)
+        return self._bookkeep(rows, torch.cat([packed, self.seq], 1).tolist())
+
+    def _make_room(self) -> None:
+        """The static cache is compacted when the next window would not fit; the server's dynamic one
+        when holes are more than half of it and at least a window."""
+        n, window = self.kv.length, self.cfg.slots * self.cfg.block_size
+        if self.static:
+            if n + window > self.kv.capacity:
+                compact(self.kv, self.key_valid)
+        elif not self.drained and n:
+            most = max(r.keys for r in self.by_slot.values())
+            if n - most >= max(most, window):
+                self.key_valid = self.key_valid[:, :n] & self.live[:, None]  # a free slot's keys count for nobody
+                compact(self.kv, self.key_valid, most)
+
+    def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``multiblock.candidates`` for every slot, each sampling setting with its rows' generators:
+        logits (R, S, B, V) -> (top1, kappa) (R, S, B)."""
+        groups: dict = {}
+        for r in self.rows:
+            groups.setdefault(r.job.sampling if r.generator is not None else None, []).append(r)
+        if list(groups) == [None]:
+            return candidates(logits, Sampling(), None)
+        top1 = torch.full(logits.shape[:-1], self.mask_id, dtype=torch.long, device=logits.device)  # (R, S, B)
+        kappa = torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)  # (R, S, B)
+        for sampling, members in groups.items():
+            at = torch.tensor([r.slot for r in members], dtype=torch.long, device=logits.device)  # (n,)
+            gens = None if sampling is None else [r.generator for r in members]
+            t, k = candidates(logits[at], sampling or Sampling(), gens)
+            top1[at], kappa[at] = t, k.float()
+        return top1, kappa
+
+    def _stop_strings(self, rows, w, ended) -> torch.Tensor:
+        """(R,) bool: rows whose complete blocks hold one of their stop strings (rows with different
+        stop strings are checked separately)."""
+        R, dev = self.R, self.device
+        hit = torch.zeros(R, dtype=torch.bool, device=dev)
+        prompts = [[] for _ in range(R)]
+        for r in rows:
+            prompts[r.slot] = list(r.job.prompt_ids)
+        seq_pos = torch.arange(self.seq.shape[1], device=dev)
+        longest = max(r.job.max_new_tokens for r in rows)  # past gen_end every row holds masks
+        by_stop: dict = {}
+        for r in rows:
+            if r.job.stop:
+                by_stop.setdefault(tuple(r.job.stop), []).append(r.slot)
+        for strings, idx in by_stop.items():
+            mine = torch.zeros(R, dtype=torch.bool, device=dev)
+            mine[idx] = True
+            hit |= stop_string_rows(self.bundle, prompts, self.seq, seq_pos, w, self.stops, longest, mine & ~ended,
+                                    self.checked, strings)
+        return hit
+
+    def _bookkeep(self, rows, info) -> list[BufferRow]:
+        """Per-row statistics and ends from the step's one host read (per slot: |R_s|, commits, edits,
+        stored slots, ended, stopped, to-cache slots for the next step, then the row's sequence)."""
+        cfg, B, done = self.cfg, self.cfg.block_size, []
+        edit_steps = cfg.max_post_edit_steps if cfg.tau_t2t is not None else 0
+        for row in rows:
+            size, commits, edits, stored, ended, stopped, row.to_cache, *seq = info[row.slot]
+            row.nfe += 1
+            P, M = len(row.job.prompt_ids), row.job.max_new_tokens
+            blocks = (P + M - 1) // B - P // B + 1
+            check_nfe(row.nfe, blocks * (B + 2 + edit_steps) + cfg.slots, "multiblock")
+            row.running_set.append(size)
+            row.accepts.append(commits)
+            row.edits += edits
+            row.keys += stored * B
+            if not ended:
+                continue
+            full = seq[P: P + M]
+            stop = set(self.stop_ids) | {self.mask_id}
+            row.tokens = next((full[:i] for i, t in enumerate(full) if t in stop), full)
+            row.stop_token = stop_flags([full], [row.tokens], self.stop_ids)[0]
+            row.finish = "stop" if stopped and len(row.tokens) < M else "length"
+            rs = row.running_set
+            row.extra = {"slots": cfg.slots, "block_size": B, "running_set": rs,
+                         "mean_running_set": sum(rs) / max(1, len(rs)), "accepts": row.accepts, "edits": row.edits}
+            if self.on_token is not None:
+                for _ in row.tokens:
+                    self.on_token(row)
+            done.append(row)
+        for row in done:
+            self._leave(row)
+        return done
+
+    def _leave(self, row: BufferRow) -> None:
+        self.by_slot.pop(row.slot, None)
+        self.slots.give([row.slot])
+        if self.live is not None:
+            self.live[row.slot] = False
+            self.w = bb.release(self.w, torch.arange(self.R, device=self.device) == row.slot)
+        if not self.by_slot and not self.static:
+            self._empty()
+
+    @torch.inference_mode()
+    def drop(self, ids) -> list[BufferRow]:
+        """Cancel rows by request id (``job.id``): their slots are free at once. Returns them."""
+        ids = set(ids)
+        gone = [r for r in self.rows if r.job.id in ids]
+        for row in gone:
+            self._leave(row)
+        return gone
+
+    def stats_extra(self, rows: list[BufferRow]) -> dict:
+        """``DecodeStats.extra`` of finished rows, as ``multiblock.decode`` reports it."""
+        cfg = self.cfg
+        hist = Counter(a for r in rows for a in r.accepts)
+        sizes = [x for r in rows for x in r.running_set]
+        cache = {"compiled": bool(self.compile), "static_cache": self.kv.capacity} if self.static else {}
+        return {"slots": cfg.slots, "block_size": cfg.block_size, "tau_add": cfg.tau_add, "tau_semi": cfg.tau_semi,
+                "tau_m2t": cfg.tau_m2t, "tau_t2t": cfg.tau_t2t, "tau_stable": cfg.tau_stable,
+                "accepts": dict(sorted(hist.items())), "mean_running_set": sum(sizes) / max(1, len(sizes)),
+                "edits": sum(r.edits for r in rows), **cache, "row_extra": [r.extra for r in rows]}
+
+
+def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_step=None, on_token=None,
+                  stop_token_ids=None) -> MultiBlockDecoder:
+    """The server's multiblock running batch for one set of request ``options`` (:data:`OPTIONS`;
+    None = default), validated once. ``stop_token_ids`` defaults to the bundle's. Raises
+    UnmaskError for a model that is not block-diffusion, an unknown option or a bad value."""
+    from unmask.decode.block import check_block_model
+    from unmask.decode.multiblock import MultiBlockConfig
+
+    check_block_model(bundle, "multiblock")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous multiblock batch; "
+                          f"use only {', '.join(OPTIONS)}")
+    return MultiBlockDecoder(bundle, MultiBlockConfig.from_options(bundle, **options), capacity=capacity,
+                             on_step=on_step, on_token=on_token, stop_token_ids=stop_token_ids)
+
+
+__all__ = ["BufferRow", "MultiBlockDecoder", "OPTIONS", "serving_batch"]

@@ -1,0 +1,173 @@
+"""The one running batch of SingleBD and lossy SBD (:class:`unmask.decode.blocks.BlockDecoder`,
+issue 25): at most one host sync per ``step()``, and its pure pieces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batch_helpers import job
+from test_block_decode import bd_bundle
+from test_sbd_decode import sbd_bundle
+
+from unmask.decode import block, block_rule, sbd
+from unmask.decode.block import BlockConfig
+from unmask.decode.blocks import BlockDecoder
+from unmask.decode.running import requests_for
+from unmask.decode.sbd import SBDConfig
+from unmask.errors import UnmaskError
+from unmask.sampling import Sampling
+from unmask.policies import Threshold
+
+SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+
+class SyncCounter:
+    """Counts the tensor-to-host reads (``Tensor.item``, ``tolist``, ``bool()``, ``int()``, ...) made
+    while it is on, wherever they come from (the decoder, policies, transformers)."""
+
+    def __init__(self, monkeypatch):
+        self.on, self.count = False, 0
+        for name in SYNCS:
+            real = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _real=real, **kw):
+                if self.on:
+                    self.count += 1
+                return _real(t, *a, **kw)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def step(self, dec):
+        self.on, self.count = True, 0
+        try:
+            done = dec.step()
+        finally:
+            self.on = False
+        return done, self.count
+
+
+PROMPTS = [[1, 3], [1, 3, 5, 7, 9], [1] + list(range(3, 14)), [2, 4, 6, 8]]
+CASES = [("block", dict(tau=0.6)), ("block", dict(tau=0.5, store="fused")), ("block", dict(steps=2, tau=0.7)),
+         ("block", dict(policy="entropy-bound", gamma=0.4)), ("sbd", dict(block_size=4, gamma=0.5)),
+         ("sbd", dict(block_size=3, policy="threshold", tau=0.3))]
+
+
+def _bundle(decoder):
+    return (bd_bundle if decoder == "block" else sbd_bundle)("llama", "sdpa", seed=3, initializer_range=0.4)
+
+
+@pytest.mark.parametrize("decoder,options", CASES)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_server_step_reads_the_host_once(monkeypatch, decoder, options, sampled):
+    bundle = _bundle(decoder)
+    make = block.serving_batch if decoder == "block" else sbd.serving_batch
+    dec = make(bundle, options, capacity=8, stop_token_ids=(55, 29))
+    sampling = Sampling(temperature=0.9, seed=4) if sampled else Sampling()
+    jobs = [job(p, n, sampling) for p, n in zip(PROMPTS, (14, 9, 20, 11))]
+    for i, j in enumerate(jobs):
+        j.id = i
+    counter = SyncCounter(monkeypatch)
+    dec.join(jobs[:2])
+    # Sampled rows draw one by one from their own generators: policies.commit reads which rows have
+    # masks (one more read), the quota rule does not.
+    most = 2 if sampled and "steps" not in options else 1
+    steps = 0
+    while len(dec):
+        _, syncs = counter.step(dec)
+        assert syncs <= most, f"step {steps} read the host {syncs} times"
+        steps += 1
+        if steps == 3:
+            dec.join(jobs[2:])  # mid-flight joins change nothing
+    assert steps > 5 and dec.forwards == steps
+
+
+@pytest.mark.parametrize("decoder,options", CASES)
+def test_a_decode_step_reads_the_host_once(monkeypatch, decoder, options):
+    bundle = _bundle(decoder)
+    cfg = (BlockConfig.from_options(bundle, **options) if decoder == "block"
+           else SBDConfig.from_options(**options))
+    for static in (False, True):
+        dec = BlockDecoder(bundle, cfg, capacity=len(PROMPTS), lockstep=True, static=static, stop_token_ids=(55,))
+        dec.join(requests_for(PROMPTS, max_new_tokens=13, sampling=Sampling()))
+        counter = SyncCounter(monkeypatch)
+        steps = 0
+        while len(dec):
+            _, syncs = counter.step(dec)
+            assert syncs <= 1
+            steps += 1
+        assert steps == dec.forwards > 3
+
+
+def test_advance_is_pure_and_waits_for_every_row_in_lockstep():
+    # two rows, B = 2: row 0 fills its block this step, row 1 still has a mask after it
+    seq = torch.tensor([[1, 9, 9, 0], [1, 9, 9, 0]])  # 9 = mask
+    dpos = torch.tensor([[1, 2], [1, 2]])
+    block = torch.tensor([[9, 9], [9, 9]])
+    chosen = torch.tensor([[True, True], [True, False]])
+    tokens = torch.tensor([[4, 5], [6, 7]])
+    editable = torch.ones(2, 2, dtype=torch.bool)
+    on = torch.ones(2, dtype=torch.bool)
+    args = (dpos, block, chosen, tokens, editable, on, on, torch.tensor([1, 1]), torch.tensor([1, 1]),
+            torch.tensor([3, 3]), torch.tensor([5]), 2)
+    before = seq.clone()
+    out, new_block, had, go, ended = block_rule.advance(seq, *args, lockstep=False, mask_id=9)
+    assert torch.equal(seq, before)  # pure: the input is not written
+    assert out.tolist() == [[1, 4, 5, 0], [1, 6, 9, 0]] and new_block.tolist() == [[4, 5], [6, 9]]
+    assert had.tolist() == [True, True] and go.tolist() == [True, False] and ended.tolist() == [True, False]
+    _, _, _, go, ended = block_rule.advance(seq, *args, lockstep=True, mask_id=9)
+    assert go.tolist() == [False, False] and ended.tolist() == [False, False]  # row 0 waits for row 1
+
+
+def test_the_quota_per_row_follows_block_quota():
+    from unmask.decode.block import block_quota
+
+    step = torch.arange(8)
+    for B, steps in ((4, 4), (5, 2), (8, 3), (4, 1)):
+        assert block_rule.quota(B, steps, step).tolist() == [block_quota(B, steps, int(s)) for s in step]
+
+
+def test_a_static_batch_takes_one_full_join():
+    bundle = _bundle("block")
+    dec = BlockDecoder(bundle, BlockConfig(block_size=4, policy=Threshold(0.5, strict=True)), capacity=2, static=True)
+    with pytest.raises(UnmaskError, match="one join that fills every slot"):
+        dec.join(requests_for([[1, 2, 3]], max_new_tokens=4, sampling=Sampling()))
+
+
+@pytest.mark.parametrize("options", [dict(slots=2, tau_m2t=0.6, tau_add=0.3), dict(slots=3, tau_m2t=0.8, tau_t2t=0.5),
+                                     dict(slots=1, tau_m2t=0.7, max_nfe=12)])
+def test_a_multiblock_step_reads_the_host_once(monkeypatch, options):
+    from unmask.decode import multiblock_engine
+
+    bundle = _bundle("block")
+    dec = multiblock_engine.serving_batch(bundle, options, capacity=8, stop_token_ids=(55, 29))
+    jobs = [job(p, n) for p, n in zip(PROMPTS, (14, 9, 20, 11))]
+    for i, j in enumerate(jobs):
+        j.id = i
+    counter = SyncCounter(monkeypatch)
+    dec.join(jobs[:2])
+    steps = 0
+    while len(dec):
+        _, syncs = counter.step(dec)
+        assert syncs <= 1, f"step {steps} read the host {syncs} times"
+        steps += 1
+        if steps == 3:
+            dec.join(jobs[2:])
+    assert steps > 5 and dec.forwards == steps
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_multiblock_decode_step_reads_the_host_once(monkeypatch, static):
+    from unmask.decode.multiblock import MultiBlockConfig
+    from unmask.decode.multiblock_engine import MultiBlockDecoder
+
+    bundle = _bundle("block")
+    cfg = MultiBlockConfig.from_options(bundle, slots=3, tau_m2t=0.7, tau_add=0.25, tau_semi=0.5)
+    dec = MultiBlockDecoder(bundle, cfg, capacity=len(PROMPTS), drained=True, static=static, stop_token_ids=(55,))
+    dec.join(requests_for(PROMPTS, max_new_tokens=40, sampling=Sampling()))
+    counter = SyncCounter(monkeypatch)
+    steps = 0
+    while len(dec):
+        _, syncs = counter.step(dec)
+        assert syncs <= 1
+        steps += 1
+    assert steps == dec.forwards > 5
