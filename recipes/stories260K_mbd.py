@@ -48,12 +48,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--g-max", type=int, default=4, help="largest noise group; decode with --slots <= this")
     p.add_argument("--n-rand", type=int, default=2, help="random layouts per row besides the systematic ones")
     p.add_argument("--layouts-per-row", type=int, default=1, help="layouts kept per clean row (0 = all |Λ|)")
+    p.add_argument("--preset", choices=("llada2", "sdar-b4"), default=None,
+                   help="released G_max / N_rand instead of --g-max / --n-rand: llada2 = 2 / 0 (decode --slots 2), "
+                        "sdar-b4 = 4 / 2 (--slots 4)")
+    p.add_argument("--loss", choices=("ce", "ipw"), default="ce",
+                   help="ce: mean masked CE (eq. 3.4); ipw: the SDAR code's self-normalised 1/t-weighted CE")
     p.add_argument("--rho", type=float, default=0.01)
     p.add_argument("--batch-size", type=int, default=16, help="clean rows per micro-batch")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=0, help="warm-up steps (0 = 3 %% of the steps)")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.set_defaults(rounding="floor")  # the released rule (multiblock.md §4.2), unlike the bd recipe's stochastic
     args = bd.check_common_args(p, p.parse_args(argv), "stories260K-mbd")
+    if args.preset is not None:
+        from unmask.train.multitf import PRESETS
+
+        args.g_max, args.n_rand = PRESETS[args.preset]
     if args.smoke:
         args.batch_size = 2
     return args
@@ -91,7 +101,7 @@ def main(argv=None) -> int:
         bundle = unmask.load(base)
         objective = MultiTFObjective(bundle.mask_token_id, bundle.block_size, g_max=args.g_max, n_rand=args.n_rand,
                                      scheduler=ChainUniform(rho=args.rho), rounding=args.rounding,
-                                     layouts_per_row=args.layouts_per_row)
+                                     layouts_per_row=args.layouts_per_row, loss_type=args.loss)
         return bd.time_objective(bundle.model, objective, args, threads)
 
     threads, step_s = bd.pick_threads(args, timer)
@@ -104,7 +114,7 @@ def main(argv=None) -> int:
     result = train_multitf(
         base=base, data=[corpus], out=args.out, run_dir=args.work_dir / "run", seq_len=args.seq_len,
         g_max=args.g_max, n_rand=args.n_rand, rho=args.rho, rounding=args.rounding,
-        layouts_per_row=args.layouts_per_row, resume=args.resume, overwrite=not args.resume, steps=steps,
+        layouts_per_row=args.layouts_per_row, loss=args.loss, resume=args.resume, overwrite=not args.resume, steps=steps,
         batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr, warmup=min(warmup, max(1, steps // 10)),
         weight_decay=args.weight_decay, ckpt_every=args.ckpt_every, eval_every=args.eval_every, seed=args.seed,
         max_minutes=args.remaining_minutes, progress=True,
