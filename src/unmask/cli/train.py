@@ -360,6 +360,8 @@ def train_lbs_cmd(
     gen_batch: int = typer.Option(16, "--gen-batch", help="rows per response decode"),
     epochs: int = typer.Option(6, "--epochs"), batch_size: int = typer.Option(32, "--batch-size"),
     lr: float = typer.Option(5e-5, "--lr"), weight_decay: float = typer.Option(0.01, "--weight-decay"),
+    loss: str = typer.Option("eq3", "--loss", help="eq3: the paper's Eq. 3; bce: BCE against its minimiser "
+                                                   "1[CE < 1] (does not collapse to p = 0 on small models)"),
     d: int = typer.Option(32, "--d", help="router width (paper 128)"),
     layers: int = typer.Option(1, "--layers", help="encoder layers (paper 2)"),
     ffn: int = typer.Option(64, "--ffn", help="encoder FFN width (paper 256)"),
@@ -379,7 +381,8 @@ def train_lbs_cmd(
         summary = run_lbs(model=model, data=data, out=out, n_prompts=prompts, gen_length=gen_length, block_size=block_size,
                           response_policy=responses, response_cache=response_cache, gen_batch=gen_batch,
                           train=LBSTrainConfig(block=block_size, epochs=epochs, batch_size=batch_size, lr=lr,
-                                               weight_decay=weight_decay, seed=seed, max_minutes=max_minutes),
+                                               weight_decay=weight_decay, seed=seed, max_minutes=max_minutes,
+                                               loss=loss),
                           router={"d": d, "layers": layers, "ffn": ffn}, overwrite=overwrite, device=device,
                           progress=note)
     if summary:  # under torchrun only rank 0 trains and reports
