@@ -15,11 +15,19 @@ of Table 5 (the released configuration with the smallest block):
   distribution is the paper's, and the compute goes to distinct text instead of 11 noisings of
   one row, which matters on a 40-minute CPU budget (~0.25 steps/s, about one epoch);
 - noise: chain-uniform, t_low 0.001, t_high 1.0, ρ 0.01 (t_eff ≈ 0.99), stochastic rounding as in
-  the bd recipe (B = 8; see its docstring);
-- loss: masked CE on the noisy copy, averaged over the masked positions (eq. 3.4);
+  the bd recipe (B = 8; see its docstring). The released rule is floor (``--rounding floor``,
+  the default of ``unmask train multitf``), which never masks a whole block;
+- loss: masked CE on the noisy copy, averaged over the masked positions (eq. 3.4); ``--loss ipw``
+  is the SDAR code's self-normalised 1/t-weighted CE;
 - optimisation: AdamW, weight decay 0.1 (Table 5), 3 % warm-up and cosine decay, peak lr 5e-4
   (the bd run peaked at 2e-3; post-training uses a quarter of it, as a tiny model's analogue of
   the paper's 1e-5 on 8B-parameter models).
+
+The official-exact recipe is ``--rounding floor --layouts-per-row 0 --batch-size 2`` (all 11
+layouts of 2 clean rows per step); ``--preset llada2`` is G_max 2 / N_rand 0 (decode with
+``--slots 2``). None of them beat training-free multiblock decoding on this model at one step
+budget (benchmarks/multitf_controls.py, benchmarks/results/multitf_controls.md), so the defaults
+stay those that built the shipped checkpoint.
 
 Data: the same story corpus and BOS-aligned rows of L = 288 tokens as ``stories260K_bd.py``.
 ``--minutes`` bounds the whole recipe (hard cap 120). The result is published atomically to
@@ -58,7 +66,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=0, help="warm-up steps (0 = 3 %% of the steps)")
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.set_defaults(rounding="floor")  # the released rule (multiblock.md §4.2), unlike the bd recipe's stochastic
     args = bd.check_common_args(p, p.parse_args(argv), "stories260K-mbd")
     if args.preset is not None:
         from unmask.train.multitf import PRESETS
