@@ -71,6 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--tau-psi", default="0.9,0.95,0.99", help="stricter τ_ψ values besides the saved one")
     p.add_argument("--label-samples", type=int, default=64, help="responses of the LBS label probe")
     p.add_argument("--skip-vanilla", action="store_true", help="no vanilla decode (no precision vs greedy)")
+    p.add_argument("--skip-lps", action="store_true", help="no LBS + LPS decodes (an LBS router on its own)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default="early_bird_routers")
@@ -136,7 +137,7 @@ def lbs_selections(bundle, prompts, routers_dir) -> dict:
             "mean": avg, "max_p_quantiles": _quantiles([r["max_p"] for r in non_size]),
             "router_set_ge_l_min": sum(1 for r in non_size if r["router"] >= LMIN) / max(1, len(non_size)),
             "after_eos_ge_l_min": sum(1 for r in non_size if r["after_eos"] >= LMIN) / max(1, len(non_size)),
-            "nfe": nfe, "generated": sum(len(t) for t in tokens)}
+            "nfe": nfe, "generated": sum(len(t) for t in tokens), "tokens": tokens}
 
 
 def _quantiles(xs: list[float]) -> dict:
@@ -234,10 +235,11 @@ def main(argv=None) -> int:
         methods["vanilla (greedy)"] = {"tokens": v_tokens, "nfe": v_nfe}
     print(f"[{time.time() - t0:.0f} s] baselines", file=sys.stderr, flush=True)
     report["lbs_selections"] = lbs_selections(bundle, prompts, args.routers)
+    methods["lbs only"] = {"tokens": report["lbs_selections"].pop("tokens"), "nfe": report["lbs_selections"]["nfe"]}
     print(f"[{time.time() - t0:.0f} s] LBS selections", file=sys.stderr, flush=True)
     report["lbs_labels"] = lbs_labels(bundle, args.routers, args.label_samples)
     print(f"[{time.time() - t0:.0f} s] LBS labels", file=sys.stderr, flush=True)
-    taus = [None] + [float(x) for x in args.tau_psi.split(",") if x.strip()]
+    taus = [] if args.skip_lps else [None] + [float(x) for x in args.tau_psi.split(",") if x.strip()]
     lps = []
     for t in taus:
         r = lps_run(bundle, prompts, args.routers, t, refs)

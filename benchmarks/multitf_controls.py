@@ -20,8 +20,8 @@ the clean prefix only, as in plain TF; slot s >= 1 sees s noisy predecessors).
 
     python benchmarks/multitf_controls.py --steps 150 [--runs a,b,c,d] [--train-only | --score-only]
 
-Trained models are kept under ``--work-dir`` (runs/ is not in git); a run whose model exists is
-not retrained. Writes ``benchmarks/results/multitf_controls.{md,json}`` after scoring.
+Trained models and their scores are kept under ``--work-dir`` (runs/ is not in git); a run whose
+model exists is not retrained, a model already scored at these settings is not rescored. Writes ``benchmarks/results/multitf_controls.{md,json}`` after scoring.
 """
 
 from __future__ import annotations
@@ -198,12 +198,18 @@ def score_all(args) -> dict:
     results = {}
     for name, (what, bundle, slot_list) in models.items():
         t0 = time.monotonic()
-        entry = {"what": what, "slot_nll": nll_by_slot(bundle, val), "decode": {}}
+        cache = args.work_dir / name / f"score-{args.limit}-{args.max_new_tokens}.json"  # one scoring per model
+        entry = json.loads(cache.read_text()) if cache.is_file() else {"what": what, "decode": {}}
+        if "slot_nll" not in entry:
+            entry["slot_nll"] = nll_by_slot(bundle, val)
         for slots in slot_list:
-            entry["decode"][str(slots)] = decode_scores(bundle, judge, prompts, slots, args)
+            if str(slots) not in entry["decode"]:
+                entry["decode"][str(slots)] = decode_scores(bundle, judge, prompts, slots, args)
         train = args.work_dir / name / "train.json"
         if train.is_file():
             entry["train"] = json.loads(train.read_text())
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(entry, indent=2, default=float) + "\n")
         results[name] = entry
         bd.log(f"scored {name} in {time.monotonic() - t0:.0f} s")
     return results
