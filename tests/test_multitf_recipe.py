@@ -56,8 +56,8 @@ def test_floor_is_the_default_and_never_masks_a_whole_block():
 
 
 def test_recipe_defaults_rebuild_the_shipped_checkpoint():
-    """The recipe's defaults are the objective recorded in the shipped stories260K-mbd (no run of
-    issue 29 beat it, so it was not replaced); the official-exact recipe is a flag away."""
+    """The recipe's defaults are the objective and schedule recorded in the shipped stories260K-mbd
+    (issue 29 run c: the official recipe at G_max 2, floor, all layouts)."""
     import unmask
 
     shipped = json.loads((unmask.load("stories260K-mbd").path / "unmask_config.json").read_text())
@@ -65,9 +65,13 @@ def test_recipe_defaults_rebuild_the_shipped_checkpoint():
     args = _recipe().parse_args([])
     assert (args.rounding, args.layouts_per_row, args.g_max, args.n_rand) == (
         cfg["rounding"], cfg["layouts_per_row"], cfg["g_max"], cfg["n_rand"])
-    assert args.loss == cfg.get("loss_type", "ce") and args.lr == shipped["training"]["config"]["lr"]
-    official = _recipe().parse_args(["--rounding", "floor", "--layouts-per-row", "0"])
-    assert _objective(official).rounding == "floor" and _objective(official).n_layouts == 11
+    train = shipped["training"]["config"]
+    assert args.loss == cfg["loss_type"] and (args.lr, args.steps, args.batch_size) == (
+        train["lr"], train["steps"], train["batch_size"])
+    assert (args.rounding, shipped["train_g_max"]) == ("floor", 2)
+    assert _recipe().parse_args(["--smoke"]).steps == 20 and _recipe().parse_args(["--steps", "0"]).steps == 0
+    sdar = _recipe().parse_args(["--preset", "sdar-b4"])
+    assert _objective(sdar).rounding == "floor" and _objective(sdar).n_layouts == 11
 
 
 # ---------------------------------------------------------------------------------------------
