@@ -24,7 +24,8 @@ baseline (bd + block) at ≤ 2 % worse reference NLL, and MultiTF improves multi
 the training-free run (lower NLL on the same prompts and decoder settings).
 
 Block Buffer thresholds (multiblock.md §3.5): τ_M2T 0.95 (also SingleBD's τ), τ_add 0.1, N_buf 4
-(= the G_max of recipes/stories260K_mbd.py), τ_semi 0.9, the Diffulex default. With B = 8 that
+(the G_max of the pre-issue-29 stories260K-mbd; today's is trained for G_max 2: pass --slots 2
+for it, as benchmarks/multitf_controls.py does), τ_semi 0.9, the Diffulex default. With B = 8 that
 means a later block gets its forced top-1 commit only once its predecessor is complete; later
 blocks still commit every token above τ_M2T. SDAR-b4's 0.75 (``--tau-semi 0.75``) forces a
 low-confidence commit in up to N_buf blocks per step: on stories260K-bd it raised TPF to 1.74 but

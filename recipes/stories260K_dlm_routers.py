@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--response-cache", choices=("none", "prefix", "dual"), default="dual")
     p.add_argument("--gen-batch", type=int, default=8, help="rows per response / trace decode (small: fine budget steps)")
     p.add_argument("--lbs-lr", type=float, default=5e-4)
+    p.add_argument("--lbs-loss", choices=("eq3", "bce"), default="eq3",
+                   help="eq3: the paper's Eq. 3; bce: BCE against its minimiser 1[CE < 1] (Eq. 3 collapses to "
+                        "p_φ ≈ 0 here, see unmask.train.routers)")
     p.add_argument("--lbs-d", type=int, default=32)
     p.add_argument("--lbs-layers", type=int, default=1)
     p.add_argument("--lps-d", type=int, default=32)
@@ -185,7 +188,7 @@ def main(argv=None) -> int:
                            d=args.lbs_d, layers=args.lbs_layers, ffn=2 * args.lbs_d)
     lbs, lbs_report = tr.train_lbs(bundle, lbs_prompts, responses,
                                    tr.LBSTrainConfig(block=args.block_size, epochs=epochs, lr=args.lbs_lr,
-                                                     seed=args.seed, max_minutes=left("lbs")),
+                                                     seed=args.seed, max_minutes=left("lbs"), loss=args.lbs_loss),
                                    lbs_cfg, progress=log)
     lbs_report.update(prompts=len(lbs_prompts), response_policy=args.responses, response_cache=args.response_cache,
                       gen_length=args.gen_length)

@@ -1,25 +1,28 @@
 """Rebuild the shipped ``stories260K-mbd`` checkpoint: stories260K-bd post-trained with MultiTF.
 
-    python recipes/stories260K_mbd.py                 # default budget: 40 minutes on 2 CPU cores
+    python recipes/stories260K_mbd.py                 # the shipped run: 60 steps (~5 min on an idle core)
     python recipes/stories260K_mbd.py --smoke         # ~1 min check on the bd recipe's smoke model
     python recipes/stories260K_mbd.py --resume        # continue an interrupted run (same flags)
 
 Needs ``src/unmask/checkpoints/stories260K-bd`` (``recipes/stories260K_bd.py``), or ``--base``.
 
-Recipe (spec/multiblock.md §4; :mod:`unmask.train.multitf`), scaled from the SDAR-8B-Chat-b4 row
-of Table 5 (the released configuration with the smallest block):
+Recipe (spec/multiblock.md §4; :mod:`unmask.train.multitf`): the official MultiTF recipe in the
+LLaDA2 setting (Table 5: G_max 2, N_rand 0, decoded with N_buf = 2 slots), which won the issue-29
+control runs (benchmarks/multitf_controls.py, benchmarks/results/multitf_controls.md):
 
-- layouts: G_max = 4, so the Block Buffer may run N_buf = 4 slots; the 9 systematic shifted
-  layouts plus N_rand = 2 random ones (|Λ| = 11). Our scaling: each clean row trains on one
-  layout drawn uniformly from its 11 (``--layouts-per-row 1``, 16 rows per step): the layout
-  distribution is the paper's, and the compute goes to distinct text instead of 11 noisings of
-  one row, which matters on a 40-minute CPU budget (~0.25 steps/s, about one epoch);
-- noise: chain-uniform, t_low 0.001, t_high 1.0, ρ 0.01 (t_eff ≈ 0.99), stochastic rounding as in
-  the bd recipe (B = 8; see its docstring);
-- loss: masked CE on the noisy copy, averaged over the masked positions (eq. 3.4);
-- optimisation: AdamW, weight decay 0.1 (Table 5), 3 % warm-up and cosine decay, peak lr 5e-4
-  (the bd run peaked at 2e-3; post-training uses a quarter of it, as a tiny model's analogue of
-  the paper's 1e-5 on 8B-parameter models).
+- layouts: G_max = 2 (``--preset llada2``), both systematic shifted layouts of every clean row
+  (``--layouts-per-row 0``, |Λ| = 2), 11 clean rows (22 training rows) per step;
+- noise: chain-uniform, t_low 0.001, t_high 1.0, ρ 0.01 (t_eff ≈ 0.99), **floor** rounding (the
+  released rule: a block is never fully masked; the bd recipe's stochastic rounding is
+  ``--rounding stochastic``);
+- loss: masked CE on the noisy copy, averaged over the masked positions (eq. 3.4); ``--loss ipw``
+  is the SDAR code's self-normalised 1/t-weighted CE;
+- optimisation: 60 steps, AdamW, weight decay 0.1 (Table 5), 3 % warm-up and cosine decay, peak
+  lr 5e-4 (the paper's 1e-5 is for 8B-parameter models; 1e-4 did worse here).
+
+The earlier recipe (SDAR-b4 scaling: G_max 4, N_rand 2, one sampled layout per row, stochastic
+rounding, 829 steps of 16 rows) is ``--g-max 4 --n-rand 2 --layouts-per-row 1 --rounding
+stochastic --batch-size 16 --steps 0`` (steps fitted to ``--minutes``).
 
 Data: the same story corpus and BOS-aligned rows of L = 288 tokens as ``stories260K_bd.py``.
 ``--minutes`` bounds the whole recipe (hard cap 120). The result is published atomically to
@@ -45,15 +48,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--base", type=str, default=None,
                    help="block-diffusion model to post-train (default: the shipped stories260K-bd; with --smoke the "
                         "bd recipe's smoke model, built first if missing)")
-    p.add_argument("--g-max", type=int, default=4, help="largest noise group; decode with --slots <= this")
-    p.add_argument("--n-rand", type=int, default=2, help="random layouts per row besides the systematic ones")
-    p.add_argument("--layouts-per-row", type=int, default=1, help="layouts kept per clean row (0 = all |Λ|)")
+    p.add_argument("--g-max", type=int, default=2, help="largest noise group; decode with --slots <= this")
+    p.add_argument("--n-rand", type=int, default=0, help="random layouts per row besides the systematic ones")
+    p.add_argument("--layouts-per-row", type=int, default=0, help="layouts kept per clean row (0 = all |Λ|)")
+    p.add_argument("--preset", choices=("llada2", "sdar-b4"), default=None,
+                   help="released G_max / N_rand instead of --g-max / --n-rand: llada2 = 2 / 0 (decode --slots 2), "
+                        "sdar-b4 = 4 / 2 (--slots 4)")
+    p.add_argument("--loss", choices=("ce", "ipw"), default="ce",
+                   help="ce: mean masked CE (eq. 3.4); ipw: the SDAR code's self-normalised 1/t-weighted CE")
     p.add_argument("--rho", type=float, default=0.01)
-    p.add_argument("--batch-size", type=int, default=16, help="clean rows per micro-batch")
+    p.add_argument("--batch-size", type=int, default=11, help="clean rows per micro-batch")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=0, help="warm-up steps (0 = 3 %% of the steps)")
     p.add_argument("--weight-decay", type=float, default=0.1)
-    args = bd.check_common_args(p, p.parse_args(argv), "stories260K-mbd")
+    p.set_defaults(rounding="floor", steps=None)  # the bd recipe's defaults are stochastic and fitted steps
+    args = bd.check_common_args(p, p.parse_args(argv), "stories260K-mbd")  # --smoke: 20 steps
+    if args.steps is None:
+        args.steps = 60  # the shipped run; --steps 0 fits the steps to --minutes
+
+    if args.preset is not None:
+        from unmask.train.multitf import PRESETS
+
+        args.g_max, args.n_rand = PRESETS[args.preset]
     if args.smoke:
         args.batch_size = 2
     return args
@@ -91,7 +107,7 @@ def main(argv=None) -> int:
         bundle = unmask.load(base)
         objective = MultiTFObjective(bundle.mask_token_id, bundle.block_size, g_max=args.g_max, n_rand=args.n_rand,
                                      scheduler=ChainUniform(rho=args.rho), rounding=args.rounding,
-                                     layouts_per_row=args.layouts_per_row)
+                                     layouts_per_row=args.layouts_per_row, loss_type=args.loss)
         return bd.time_objective(bundle.model, objective, args, threads)
 
     threads, step_s = bd.pick_threads(args, timer)
@@ -104,7 +120,7 @@ def main(argv=None) -> int:
     result = train_multitf(
         base=base, data=[corpus], out=args.out, run_dir=args.work_dir / "run", seq_len=args.seq_len,
         g_max=args.g_max, n_rand=args.n_rand, rho=args.rho, rounding=args.rounding,
-        layouts_per_row=args.layouts_per_row, resume=args.resume, overwrite=not args.resume, steps=steps,
+        layouts_per_row=args.layouts_per_row, loss=args.loss, resume=args.resume, overwrite=not args.resume, steps=steps,
         batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr, warmup=min(warmup, max(1, steps // 10)),
         weight_decay=args.weight_decay, ckpt_every=args.ckpt_every, eval_every=args.eval_every, seed=args.seed,
         max_minutes=args.remaining_minutes, progress=True,

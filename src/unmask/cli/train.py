@@ -324,6 +324,11 @@ def train_multitf_cmd(
     rounding: str = typer.Option("floor", "--rounding", help="masks per block: floor(B*t) or stochastic"),
     layouts_per_row: int = typer.Option(0, "--layouts-per-row",
                                         help="train on a random subset of this many layouts per row (0 = all)"),
+    loss: str = typer.Option("ce", "--loss", help="ce: mean masked CE (eq. 3.4); ipw: the SDAR code's "
+                                                  "self-normalised 1/t-weighted CE"),
+    preset: str = typer.Option(None, "--preset", help="released G_max / N_rand, overriding --g-max and --n-rand: "
+                                                      "llada2 (2 / 0, decode --slots 2), llada2-dmax-code (2 / 2), "
+                                                      "sdar-b32 (4 / 3), sdar-b4 (4 / 2, --slots 4)"),
     steps: int = 500, batch_size: int = typer.Option(2, "--batch-size", help="clean rows per micro-batch"),
     lr: float = 3e-4, warmup: int = 15, grad_accum: int = 1, weight_decay: float = 0.1, clip: Clip = 1.0,
     ckpt_every: int = 200, eval_every: int = 200, max_minutes: MaxMinutes = None, seed: int = 0,
@@ -336,7 +341,8 @@ def train_multitf_cmd(
     _start(data, out)
     _finish(train_multitf(
         base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, g_max=g_max, n_rand=n_rand, t_low=t_low,
-        t_high=t_high, rho=rho, rounding=rounding, layouts_per_row=layouts_per_row, resume=resume,
+        t_high=t_high, rho=rho, rounding=rounding, layouts_per_row=layouts_per_row, loss=loss, preset=preset,
+        resume=resume,
         overwrite=overwrite, device=device, progress=not no_progress,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
                         max_minutes, seed, fsdp)))
@@ -354,6 +360,8 @@ def train_lbs_cmd(
     gen_batch: int = typer.Option(16, "--gen-batch", help="rows per response decode"),
     epochs: int = typer.Option(6, "--epochs"), batch_size: int = typer.Option(32, "--batch-size"),
     lr: float = typer.Option(5e-5, "--lr"), weight_decay: float = typer.Option(0.01, "--weight-decay"),
+    loss: str = typer.Option("eq3", "--loss", help="eq3: the paper's Eq. 3; bce: BCE against its minimiser "
+                                                   "1[CE < 1] (does not collapse to p = 0 on small models)"),
     d: int = typer.Option(32, "--d", help="router width (paper 128)"),
     layers: int = typer.Option(1, "--layers", help="encoder layers (paper 2)"),
     ffn: int = typer.Option(64, "--ffn", help="encoder FFN width (paper 256)"),
@@ -373,7 +381,8 @@ def train_lbs_cmd(
         summary = run_lbs(model=model, data=data, out=out, n_prompts=prompts, gen_length=gen_length, block_size=block_size,
                           response_policy=responses, response_cache=response_cache, gen_batch=gen_batch,
                           train=LBSTrainConfig(block=block_size, epochs=epochs, batch_size=batch_size, lr=lr,
-                                               weight_decay=weight_decay, seed=seed, max_minutes=max_minutes),
+                                               weight_decay=weight_decay, seed=seed, max_minutes=max_minutes,
+                                               loss=loss),
                           router={"d": d, "layers": layers, "ffn": ffn}, overwrite=overwrite, device=device,
                           progress=note)
     if summary:  # under torchrun only rank 0 trains and reports

@@ -42,6 +42,8 @@ from unmask.train.wiring import holds_output_locks
 
 IGNORE = -100
 ROUNDINGS = ("floor", "stochastic")
+LOSSES = ("ce", "ipw")
+IPW_EPS = 1e-3  # multiblock.md §4.4: the "small constant" under a 1/t weight (our choice, = t_low)
 NOISES = ("block", "sequence")
 BD_FORMAT_VERSION = 1
 
@@ -158,7 +160,30 @@ def dual_stream_inputs(tokens: torch.Tensor, noise_mask: torch.Tensor, mask_id: 
     }
 
 
-def masked_ce_loss(model, batch: dict, mask_id: int) -> tuple[torch.Tensor, dict]:
+def ipw_weights(ratios: torch.Tensor, block_size: int, eps: float = IPW_EPS) -> torch.Tensor:
+    """Inverse-propensity weights of the SDAR training code (multiblock.md §4.4).
+
+    ratios (R, K) float, the noise ratio t_k each block was masked with (its per-token mask
+    probability p_mask) -> (R, K·B) float32, ``1 / max(t_k, eps)`` at every position of block k.
+    """
+    w = 1.0 / ratios.float().clamp(min=eps)  # (R, K)
+    return w.repeat_interleave(block_size, dim=-1)  # (R, K·B)
+
+
+def weighted_mean_nll(token_nll: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Σ w·ℓ / Σ w over the ``valid`` (masked) positions; w = 1 is the global mean of eq. 3.4,
+    w = :func:`ipw_weights` the self-normalised IPW loss of the released SDAR code
+    (``compute_self_normalized_ipw_losses``, multiblock.md §4.4).
+
+    token_nll (R, L) float (any value where not valid), valid (R, L) bool, weights (R, L) or
+    None -> scalar; 0 (with grad) when nothing is valid.
+    """
+    w = valid.to(token_nll.dtype) if weights is None else weights.to(token_nll) * valid  # (R, L)
+    nll = torch.where(valid, token_nll, torch.zeros_like(token_nll))  # (R, L) NaN-safe outside
+    return (w * nll).sum() / w.sum().clamp(min=1e-12)
+
+
+def masked_ce_loss(model, batch: dict, mask_id: int, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Masked cross-entropy on the noisy copy (multiblock.md §4.4, eq. 3.4), one forward over 2L.
 
     The LM head runs on the noisy copy only (``logits_to_keep``). The mask-token logit is set to
@@ -168,11 +193,14 @@ def masked_ce_loss(model, batch: dict, mask_id: int) -> tuple[torch.Tensor, dict
         model: an HF ``...ForCausalLM`` whose vocabulary contains ``mask_id``.
         batch: ``input_ids`` / ``position_ids`` (R, 2L) long, ``labels`` (R, L) long,
             ``attention`` bool (R or 1, 2L, 2L), all on the model's device.
+        weights: (R, L) float per-position weights (:func:`ipw_weights`), or None for the plain
+            mean; see :func:`weighted_mean_nll`.
 
     Returns:
-        ``(loss, terms)``: the global mean NLL (nats) over the batch's masked positions, a float32
-        scalar with grad (0 when nothing is masked); terms ``mat`` (the same, detached), ``acc``
-        (argmax accuracy there) and ``masked`` (their count).
+        ``(loss, terms)``: the (weighted) mean NLL (nats) over the batch's masked positions, a
+        float32 scalar with grad (0 when nothing is masked); terms ``mat`` (the same, detached),
+        ``acc`` (argmax accuracy there), ``masked`` (their count) and, with ``weights``, ``nll``
+        (the unweighted mean, so runs with different losses compare).
     """
     from unmask.compat import attention_mask, forward
     from unmask.masks import as_4d
@@ -188,14 +216,17 @@ def masked_ce_loss(model, batch: dict, mask_id: int) -> tuple[torch.Tensor, dict
         raise UnmaskError(f"mask_token_id {mask_id} is outside the model vocabulary of {V}; pass a mask token id "
                           "below the vocabulary size")
     logits = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), float("-inf"))  # (R, L, V)
-    nll = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE,
-                          reduction="sum")
+    token_nll = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE,
+                                reduction="none").view(R, L)  # (R, L), 0 where ignored
     valid = labels != IGNORE  # (R, L)
     n = valid.sum()
-    loss = nll / n.clamp(min=1)
+    mean_nll = token_nll.sum() / n.clamp(min=1)
+    loss = mean_nll if weights is None else weighted_mean_nll(token_nll, valid, weights.to(token_nll.device))
     with torch.no_grad():
         correct = (logits.argmax(dim=-1) == labels) & valid  # (R, L)
         terms = {"mat": loss.detach(), "acc": correct.sum() / n.clamp(min=1), "masked": n}
+        if weights is not None:
+            terms["nll"] = mean_nll.detach()
     return loss, terms
 
 

@@ -13,8 +13,10 @@ Pieces (pure, except for the explicit generator):
   (sizes ~ U{2..G_max} until the blocks are covered, with the released code's fix-ups);
 - the chain-uniform scheduler (§4.2): :class:`ChainUniform`, :func:`chain_uniform_ratios`;
 - the group-aware dual-stream mask (§4.3): :func:`unmask.masks_multitf.group_dual_stream_mask`;
-- the objective (§4.4 default CE): :class:`MultiTFObjective`, every clean row expanded into one
-  training row per layout, masked CE on the noisy copy averaged over all masked positions.
+- the objective (§4.4): :class:`MultiTFObjective`, every clean row expanded into one training row
+  per layout; ``loss="ce"`` (default, eq. 3.4) averages the masked CE over all masked positions,
+  ``loss="ipw"`` is the released SDAR code's self-normalised 1/p-weighted mean (p = the block's
+  noise ratio), the loss the SDAR rows of Table 5 ran with.
 
 :func:`train_multitf` post-trains a block-diffusion checkpoint and publishes the result.
 """
@@ -28,10 +30,12 @@ import torch
 
 from unmask.errors import UnmaskError
 from unmask.train.wiring import holds_output_locks
-from unmask.train.block_diffusion import (ROUNDINGS, _check_layout, _check_ratio_range, dual_stream_inputs, fit,
-                                          load_base, mask_by_ratio, masked_ce_loss, maskable_positions, row_tokens)
+from unmask.train.block_diffusion import (LOSSES, ROUNDINGS, _check_layout, _check_ratio_range, dual_stream_inputs,
+                                          fit, ipw_weights, load_base, mask_by_ratio, masked_ce_loss,
+                                          maskable_positions, row_tokens)
 
-# (G_max, N_rand) of the released configurations (multiblock.md §4.1 "Totals", Table 5).
+# (G_max, N_rand) of the released configurations (multiblock.md §4.1 "Totals", Table 5). Each is
+# decoded with N_buf = G_max slots (Table 1: LLaDA2 (2, 32), SDAR (4, ·)).
 PRESETS = {"llada2": (2, 0), "llada2-dmax-code": (2, 2), "sdar-b32": (4, 3), "sdar-b4": (4, 2)}
 
 
@@ -191,7 +195,10 @@ class MultiTFObjective:
     noise and group-aware mask. ``layouts_per_row`` > 0 keeps a uniformly drawn subset of that
     many of them per row (our option to bound compute; 0 = all, the paper). Blocks with no
     maskable position (a prompt longer than a block) are not group-aware (§4.3 code-only rule).
-    rounding / prompt_len: as :class:`unmask.train.block_diffusion.TFObjective`.
+    rounding / prompt_len: as :class:`unmask.train.block_diffusion.TFObjective` (``floor``, the
+    default and the released rule, never masks a whole block since t <= t_eff < 1).
+    loss_type: ``ce`` (eq. 3.4) or ``ipw`` (Σ ℓ/t_k / Σ 1/t_k over the masked positions,
+    :func:`unmask.train.block_diffusion.weighted_mean_nll`).
     """
 
     mask_token_id: int
@@ -203,6 +210,7 @@ class MultiTFObjective:
     prompt_len: int = 1
     code_fixups: bool = True
     layouts_per_row: int = 0
+    loss_type: str = "ce"
     name: str = "multitf"
     term_names: tuple[str, ...] = ("mat", "acc")
 
@@ -214,6 +222,9 @@ class MultiTFObjective:
         if not isinstance(self.layouts_per_row, int) or not 0 <= self.layouts_per_row <= self.n_layouts:
             raise UnmaskError(f"--layouts-per-row must be in 0..{self.n_layouts} (0 = all), got "
                               f"{self.layouts_per_row!r}; pass a value in that range")
+        if self.loss_type not in LOSSES:
+            raise UnmaskError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss_type!r}; "
+                              f"pass --loss {LOSSES[0]} or --loss {LOSSES[1]}")
 
     @classmethod
     def preset(cls, name: str, **fields) -> "MultiTFObjective":
@@ -272,14 +283,17 @@ class MultiTFObjective:
         return batch
 
     def loss(self, model, chunks: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
-        return masked_ce_loss(model, self.batch(chunks, generator), self.mask_token_id)
+        batch = self.batch(chunks, generator)
+        weights = ipw_weights(batch["ratios"], self.block_size) if self.loss_type == "ipw" else None  # (R·n, L)
+        return masked_ce_loss(model, batch, self.mask_token_id, weights)
 
 
 @holds_output_locks
 def train_multitf(*, base: str, data, out: str | Path, run_dir: str | Path | None = None, seq_len: int = 256,
                   g_max: int = 4, n_rand: int = 2, t_low: float = 0.001, t_high: float = 1.0, rho: float = 0.01,
                   chain_over_prompt: bool = True, rounding: str = "floor", prompt_len: int = 1,
-                  layouts_per_row: int = 0, val_fraction: float = 0.05, resume: bool = False,
+                  layouts_per_row: int = 0, loss: str = "ce", preset: str | None = None,
+                  val_fraction: float = 0.05, resume: bool = False,
                   overwrite: bool = False, device: str = "cpu", dtype: str = "float32", progress: bool = True,
                   **config):
     """MultiTF post-training of a block-diffusion model (multiblock.md §4); publishes ``out``.
@@ -288,8 +302,11 @@ def train_multitf(*, base: str, data, out: str | Path, run_dir: str | Path | Non
         base: shipped name or local directory of a block-diffusion model (e.g. ``stories260K-bd``);
             its mask token and block size are kept.
         data: ``.txt`` / ``.jsonl`` files. seq_len: L, a multiple of the block size.
-        g_max, n_rand: layouts (§4.1). t_low, t_high, rho, chain_over_prompt: the scheduler
+        g_max, n_rand: layouts (§4.1). preset: a name of ``PRESETS`` (``llada2``: G_max 2,
+            N_rand 0, decode with ``--slots 2``; ``sdar-b4``: 4 / 2, ``--slots 4``), which
+            overrides g_max and n_rand. t_low, t_high, rho, chain_over_prompt: the scheduler
             (§4.2). rounding, prompt_len, layouts_per_row: see :class:`MultiTFObjective`.
+            loss: ``ce`` or ``ipw`` (``MultiTFObjective.loss_type``).
         run_dir, resume, overwrite, device, dtype, progress, **config: as
             :func:`unmask.train.block_diffusion.train_block_diffusion`.
 
@@ -305,18 +322,27 @@ def train_multitf(*, base: str, data, out: str | Path, run_dir: str | Path | Non
 
     run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)  # paths and locks before loading the base
     scheduler = ChainUniform(t_low=t_low, t_high=t_high, rho=rho, chain_over_prompt=chain_over_prompt)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise UnmaskError(f"unknown --preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        g_max, n_rand = PRESETS[preset]
+    if loss not in LOSSES:
+        raise UnmaskError(f"--loss must be one of {', '.join(LOSSES)}, got {loss!r}; "
+                          f"pass --loss {LOSSES[0]} or --loss {LOSSES[1]}")
     if rounding not in ROUNDINGS:
         raise UnmaskError(f"--rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}; "
                           f"pass --rounding {ROUNDINGS[0]} or --rounding {ROUNDINGS[1]}")
     bundle, mask_id, B = load_base(base, dtype, block_size=None, allow_causal=False)
     objective = MultiTFObjective(mask_token_id=mask_id, block_size=B, g_max=g_max, n_rand=n_rand, scheduler=scheduler,
-                                 rounding=rounding, prompt_len=prompt_len, layouts_per_row=layouts_per_row)
+                                 rounding=rounding, prompt_len=prompt_len, layouts_per_row=layouts_per_row,
+                                 loss_type=loss)
     K = seq_len // B if isinstance(seq_len, int) and seq_len >= B and seq_len % B == 0 else None
     if K is not None and g_max > K:  # a group larger than a row would never occur (fit checks the seq_len itself)
         lower = f", or lower --g-max to {K}" if K >= 2 else ""
         raise UnmaskError(f"--g-max {g_max} exceeds the {K} blocks per row (--seq-len {seq_len} / block size {B}); "
                           f"raise --seq-len to {g_max * B} or more{lower}")
     meta = {"kind": "block-diffusion", "block_size": B, "mask_token_id": mask_id, "train_g_max": g_max}
+    what = "CE" if loss == "ce" else "self-normalised IPW CE"
     return fit(bundle=bundle, objective=objective, base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len,
                val_fraction=val_fraction, resume=resume, overwrite=overwrite, device=device, progress=progress,
-               config=config, meta=meta, describe="MultiTF: group-aware dual-stream masked CE (multiblock.md §4)")
+               config=config, meta=meta, describe=f"MultiTF: group-aware dual-stream masked {what} (multiblock.md §4)")

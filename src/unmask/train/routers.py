@@ -5,7 +5,13 @@
 cheaper on CPU), padded to L with the stop id the model ended on. Every epoch each sample draws
 a block index n ~ U{0..L/L_B−1} and a ratio r ~ U(0, 1] (:func:`blockwise_mask`, reading #1),
 one frozen forward gives H̃, x̂ and the per-position cross-entropy against the response, and
-R_φ takes a step on Eq. 3: mean_M(σ·CE) − mean_M(σ) (:func:`lbs_loss`).
+R_φ takes a step on Eq. 3: mean_M(σ·CE) − mean_M(σ) (:func:`lbs_loss`, ``loss="eq3"``), or on the
+binary cross-entropy against Eq. 3's own minimiser 1[CE < 1] (:func:`lbs_bce_loss`, ``loss="bce"``,
+our choice). Why the option: Eq. 3 is linear in σ and most masked positions of a far-ahead canvas
+have CE > 1, so its first steps push σ down everywhere; on stories260K-dlm the router settled
+there (train loss 0.29 → 0.007, above 0, while passing the CE < 1 positions would make it
+negative; p_φ ≤ 0.003 at every decode selection, benchmarks/results/early_bird_routers.md).
+BCE weighs a missed positive by −log σ, which grows as σ falls.
 
 **LPS** (Alg. 4). Traces come from the exact serving configuration: Early-Bird decoding with the
 trained LBS and the threshold rule (no LPS), L, L_B, τ, L_min, g_max as served. A step record is
@@ -194,11 +200,39 @@ def lbs_loss(logits: torch.Tensor, ce: torch.Tensor, masked: torch.Tensor) -> to
     return per_row.mean()
 
 
+LBS_LOSSES = ("eq3", "bce")
+
+
+def lbs_bce_loss(logits: torch.Tensor, ce: torch.Tensor, masked: torch.Tensor, margin: float = 1.0,
+                 pos_weight: float = 1.0) -> torch.Tensor:
+    """BCE of σ(O) against y = 1[CE < margin] over M, per sample mean, then batch mean.
+
+    Eq. 3's per-position term σ·(CE − 1) is minimised by σ = y with margin 1, so this trains the
+    same router decision as a classifier: p_φ > 0.5 ⇔ P(CE < 1) > 1 / (1 + pos_weight)
+    (``pos_weight`` > 1 calibrates the decoder's fixed 0.5 cut to a lower probability).
+    logits, ce: (B, L) float; masked: (B, L) bool. Scalar.
+    """
+    y = (ce < margin).float()  # (B, L)
+    z = logits.masked_fill(~masked, 0.0)  # (B, L): -inf outside M would give NaN
+    w = torch.tensor(float(pos_weight), device=z.device)
+    bce = F.binary_cross_entropy_with_logits(z, y, reduction="none", pos_weight=w) * masked  # (B, L)
+    n = masked.sum(dim=1).clamp(min=1)  # (B,)
+    return (bce.sum(dim=1) / n).mean()
+
+
+def _lbs_objective(config: "LBSTrainConfig"):
+    if config.loss == "eq3":
+        return lbs_loss
+    return lambda logits, ce, masked: lbs_bce_loss(logits, ce, masked, pos_weight=config.pos_weight)
+
+
 @dataclass(frozen=True)
 class LBSTrainConfig:
     """LBS optimisation (§3.4; paper: lr 5e-5, 6 epochs on 92k prompts; batch 32, wd 0.01 and
     cosine without warm-up are our choices). block: L_B of Blockwise-Masking. val_fraction of
-    the samples is held out for a validation loss. max_minutes bounds the loop."""
+    the samples is held out for a validation loss. max_minutes bounds the loop. loss: ``eq3``
+    (the paper's Eq. 3) or ``bce`` (:func:`lbs_bce_loss`, module docstring), with ``pos_weight``
+    on its positives."""
 
     block: int = 32
     epochs: int = 6
@@ -208,8 +242,15 @@ class LBSTrainConfig:
     val_fraction: float = 0.05
     seed: int = 0
     max_minutes: float | None = None
+    loss: str = "eq3"
+    pos_weight: float = 1.0
 
     def __post_init__(self):
+        if not (isinstance(self.pos_weight, (int, float)) and math.isfinite(self.pos_weight) and self.pos_weight > 0):
+            raise UnmaskError(f"--pos-weight must be a finite number > 0, got {self.pos_weight!r}; pass e.g. 1 or 3")
+        if self.loss not in LBS_LOSSES:
+            raise UnmaskError(f"--loss must be one of {', '.join(LBS_LOSSES)}, got {self.loss!r}; pass --loss eq3 "
+                              "(the paper) or --loss bce")
         for flag, value in (("--block-size", self.block), ("--epochs", self.epochs), ("--batch-size", self.batch_size)):
             if value < 1:
                 raise UnmaskError(f"{flag} must be >= 1, got {value}; pass {flag} 1 or more")
@@ -269,7 +310,7 @@ def train_lbs(bundle, prompts: list[list[int]], responses: list[list[int]], conf
             masked = blockwise_mask(len(rows), L, config.block, gen)  # (b, L), resampled every epoch
             h, e, ce = lbs_inputs(bundle, [prompts[i] for i in rows], resp[rows], masked)
             m = masked.to(bundle.device)
-            loss = lbs_loss(router(h, e, m), ce, m)
+            loss = _lbs_objective(config)(router(h, e, m), ce, m)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -299,7 +340,7 @@ def _lbs_val_loss(bundle, router, prompts, resp, val_ids, config) -> float:
         masked = blockwise_mask(len(rows), resp.shape[1], config.block, g)
         h, e, ce = lbs_inputs(bundle, [prompts[i] for i in rows], resp[rows], masked)
         m = masked.to(bundle.device)
-        total += float(lbs_loss(router(h, e, m), ce, m)) * len(rows)
+        total += float(_lbs_objective(config)(router(h, e, m), ce, m)) * len(rows)
     return total / len(val_ids)
 
 
