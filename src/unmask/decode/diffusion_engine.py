@@ -25,7 +25,7 @@ import torch
 from unmask.decode.diffusion import (DEFAULT_BLOCK_SIZE, DiffusionConfig, commit_rows, early_stop_in,
                                      hit_stop_string, llada_quota, until_stop)
 from unmask.decode.dllm_cache import SlotCanvas, check_fast_path
-from unmask.decode.running import Request, Row, Slots
+from unmask.decode.running import Request, Row, SlotRows, Slots
 from unmask.decode.stats import check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.models.adapters import default_sampler, is_remote, realign, supports_cache
@@ -52,7 +52,7 @@ class DiffusionRow(Row):
     done: bool = False
 
 
-class Diffusion:
+class Diffusion(SlotRows):
     """Semi-AR masked-diffusion decoding as a running batch (``decode/running.py``'s contract).
 
     cfg: the validated knobs every row shares; a row's gen length is ``cfg.gen_length``, or with
@@ -114,14 +114,6 @@ class Diffusion:
         cfg = DiffusionConfig.from_options(max_new_tokens=nominal if isinstance(nominal, int) else 1, **options)
         return cls(bundle, cfg, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids, options=options)
 
-    def __len__(self) -> int:
-        return len(self.running)
-
-    @property
-    def rows(self) -> list[DiffusionRow]:
-        """The running rows in slot order (a copy: the server's other threads read it)."""
-        return sorted(list(self.running.values()), key=lambda row: row.slot)
-
     @property
     def confidence(self) -> str | None:
         return self.cfg.confidence
@@ -163,15 +155,6 @@ class Diffusion:
             self.running[slot] = DiffusionRow(job=job, slot=slot, cfg=cfg, generator=gen, cohort=self._cohorts,
                                               report=min(job.max_new_tokens, cfg.gen_length))
         return []
-
-    def drop(self, ids) -> list[DiffusionRow]:
-        """Remove the rows of these request ids; their slots are free at once."""
-        ids = set(ids)
-        gone = [row for row in self.rows if row.job.id in ids]
-        for row in gone:
-            del self.running[row.slot]
-        self.slots.give([row.slot for row in gone])
-        return gone
 
     # -- stepping -----------------------------------------------------------------------------------
 

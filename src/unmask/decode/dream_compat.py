@@ -29,7 +29,7 @@ import torch
 
 from unmask.decode.diffusion import until_stop
 from unmask.decode.dllm_cache import canvas_call
-from unmask.decode.running import Request, Row, Slots, drain
+from unmask.decode.running import Request, Row, SlotRows, Slots, drain
 from unmask.decode.stats import DecodeOutput, stop_flags
 from unmask.errors import UnmaskError
 from unmask.models.adapters import realign
@@ -139,7 +139,7 @@ class DreamRow(Row):
     commits: list[int] = field(default_factory=list)
 
 
-class DreamSchedule:
+class DreamSchedule(SlotRows):
     """Dream's schedule as a running batch (``decode/running.py``'s contract; DESIGN.md "One engine").
 
     Every row runs its own schedule ``t_i = linspace(1, eps, steps + 1)`` over its own canvas
@@ -181,14 +181,6 @@ class DreamSchedule:
                               f"{', '.join(OPTIONS)}")
         return cls(bundle, capacity=capacity, on_step=on_step, **options)
 
-    def __len__(self) -> int:
-        return len(self.running)
-
-    @property
-    def rows(self) -> list[DreamRow]:
-        """The running rows in slot order (a copy: the server's other threads read it)."""
-        return sorted(list(self.running.values()), key=lambda row: row.slot)
-
     @torch.inference_mode()
     def join(self, requests) -> list[DreamRow]:
         """Place each request's canvas (no forward; every request is validated first). Returns []."""
@@ -215,15 +207,6 @@ class DreamSchedule:
             self.running[slot] = DreamRow(job=job, slot=slot, L=L, steps=steps, report=min(job.max_new_tokens, L),
                                           generator=gen)
         return []
-
-    def drop(self, ids) -> list[DreamRow]:
-        """Remove the rows of these request ids; their slots are free at once."""
-        ids = set(ids)
-        gone = [row for row in self.rows if row.job.id in ids]
-        for row in gone:
-            del self.running[row.slot]
-        self.slots.give([row.slot for row in gone])
-        return gone
 
     @torch.inference_mode()
     def step(self) -> list[DreamRow]:

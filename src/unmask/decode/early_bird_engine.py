@@ -29,7 +29,7 @@ from unmask.decode.diffusion import early_stop, hit_stop_string, until_stop
 from unmask.decode.dllm_cache import SlotCanvas
 from unmask.decode.early_bird import _commit_confidence, _draw_rows, _sync, configure
 from unmask.decode.eb_select import PATH_NAMES, lps_features, pack_rows, select_block, union_accept
-from unmask.decode.running import Request, Row, Slots
+from unmask.decode.running import Request, Row, SlotRows, Slots
 from unmask.decode.stats import check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.models.adapters import is_remote
@@ -56,7 +56,7 @@ class EarlyBirdRow(Row):
     commits: list[int] = field(default_factory=list)
 
 
-class EarlyBird:
+class EarlyBird(SlotRows):
     """EB-Decode as a running batch (``decode/running.py``'s contract).
 
     cfg, lbs, lps: :func:`unmask.decode.early_bird.configure`'s (routers in eval mode). ``width``:
@@ -107,14 +107,6 @@ class EarlyBird:
                 net.eval()
         return cls(bundle, cfg, lbs, lps, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids)
 
-    def __len__(self) -> int:
-        return len(self.running)
-
-    @property
-    def rows(self) -> list[EarlyBirdRow]:
-        """The running rows in slot order (a copy: the server's other threads read it)."""
-        return sorted(list(self.running.values()), key=lambda row: row.slot)
-
     @property
     def confidence(self) -> str | None:
         return self.cfg.confidence
@@ -150,15 +142,6 @@ class EarlyBird:
             self.block[slot], self.done[slot] = False, False
             self.running[slot] = EarlyBirdRow(job=job, slot=slot, generator=gen)
         return []
-
-    def drop(self, ids) -> list[EarlyBirdRow]:
-        """Remove the rows of these request ids; their slots are free at once."""
-        ids = set(ids)
-        gone = [row for row in self.rows if row.job.id in ids]
-        for row in gone:
-            del self.running[row.slot]
-        self.slots.give([row.slot for row in gone])
-        return gone
 
     # -- stepping -----------------------------------------------------------------------------------
 

@@ -105,6 +105,31 @@ class Slots:
                 heapq.heappush(self._free, s)
 
 
+class SlotRows:
+    """``len``, ``rows`` and ``drop`` for a running batch that keeps its rows in ``self.running``
+    (slot -> :class:`Row`) and its free list in ``self.slots`` (:class:`Slots`)."""
+
+    running: dict
+    slots: Slots
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    @property
+    def rows(self) -> list:
+        """The running rows in slot order (a copy: the server's other threads read it)."""
+        return sorted(self.running.values(), key=lambda row: row.slot)
+
+    def drop(self, ids) -> list:
+        """Remove the rows of these request ids; their slots are free at once."""
+        ids = set(ids)
+        gone = [row for row in self.rows if row.job.id in ids]
+        for row in gone:
+            del self.running[row.slot]
+        self.slots.give([row.slot for row in gone])
+        return gone
+
+
 class RunningDecoder(Protocol):
     forwards: int
 
@@ -143,4 +168,4 @@ def drain(make: Callable[[int], RunningDecoder], requests: list[Request], *, nfe
     return DecodeOutput(tokens=[r.tokens for r in rows], stats=stats)
 
 
-__all__ = ["Request", "Row", "RunningDecoder", "Slots", "drain", "requests_for"]
+__all__ = ["Request", "Row", "RunningDecoder", "SlotRows", "Slots", "drain", "requests_for"]
