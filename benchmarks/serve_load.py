@@ -14,6 +14,7 @@ The closing lines give the default decoder's tokens/s as a ratio of AR's at each
     python benchmarks/serve_load.py                 # the full run (minutes; needs an idle machine)
     python benchmarks/serve_load.py --smoke         # 1 and 4 streams, a few short requests
     python benchmarks/serve_load.py --out benchmarks/results/serve_load.json
+    python benchmarks/serve_load.py --compile      # the same on the static KV cache, compiled step
 """
 
 from __future__ import annotations
@@ -38,10 +39,13 @@ PROMPTS = ["Once upon a time", "Lily", "The sun", "A little cat", "Tom had a big
            "Max was a brave boy. He was not afraid of the dark, but he was afraid of"]
 
 
-def start_server(model: str | None, max_batch_size: int, max_queue: int) -> tuple[subprocess.Popen, str]:
-    """``unmask serve`` on 127.0.0.1 and a free port; returns the process and its base URL."""
+def start_server(model: str | None, max_batch_size: int, max_queue: int,
+                 compile: bool = False) -> tuple[subprocess.Popen, str]:
+    """``unmask serve`` (``--compile`` when asked) on 127.0.0.1 and a free port; returns the process
+    and its base URL."""
     cmd = [sys.executable, "-m", "unmask", "serve", "--host", "127.0.0.1", "--port", "0", "--max-batch-size",
            str(max_batch_size), "--max-queue", str(max_queue)] + (["--model", model] if model else [])
+    cmd += ["--compile"] if compile else []
     log = tempfile.NamedTemporaryFile("w+", prefix="unmask-serve-", suffix=".log", delete=False)
     # The server's log goes to a file: a pipe nobody reads would fill up and block the server.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
@@ -137,11 +141,12 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--decoders", default="ar,default", help="'default' is the model's default decoder")
     ap.add_argument("--smoke", action="store_true", help="1 and 4 streams, 4 requests of 8 tokens")
+    ap.add_argument("--compile", action="store_true", help="serve with --compile (static KV cache, compiled step)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     levels = [1, 4] if args.smoke else [int(x) for x in args.levels.split(",")]
     max_tokens = 8 if args.smoke else args.max_tokens
-    proc, url = start_server(args.model, args.max_batch_size, max(256, 2 * max(levels)))
+    proc, url = start_server(args.model, args.max_batch_size, max(256, 2 * max(levels)), compile=args.compile)
     try:
         info = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())["data"][0]
         decoders = [info["default_decoder"] if d == "default" else d for d in args.decoders.split(",")]
@@ -180,7 +185,7 @@ def main() -> None:
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             tmp = args.out.with_suffix(args.out.suffix + ".tmp")
-            tmp.write_text(json.dumps({"model": info["id"], "max_tokens": max_tokens, "levels": levels,
+            tmp.write_text(json.dumps({"model": info["id"], "compile": args.compile, "max_tokens": max_tokens, "levels": levels,
                                        "rss_before_mib": before["rss_mib"], "rss_after_mib": after["rss_mib"],
                                        "rows": rows}, indent=1))
             tmp.replace(args.out)

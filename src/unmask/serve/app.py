@@ -124,8 +124,8 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     scheduler thread starts with the app's lifespan and stops with it; ``app.state.scheduler``
     and ``app.state.metrics`` expose them. Raises UnmaskError for a bad batch size, queue bound or
     default knob. ``compile``: the ar / lossless sbd running batch on a static KV cache with a compiled
-    forward (each query length compiles once); per-call decoders take ``compile=True``. ``draft_sizes``: the
-    running-batch -> K table of greedy lossless ``sbd`` requests that fix no block size
+    forward (each query length compiles once; the other decoders' running batches stay eager). ``draft_sizes``:
+    the load -> K table, chosen per step, of greedy lossless ``sbd`` requests that fix no block size
     (:mod:`unmask.serve.draft_sizing`; text like ``"1:8,2:4,4:1"``, or ``"off"``/None). ``limits``: the
     per-request body, prompt, query-token and cache limits (:class:`unmask.serve.limits.Limits`).
     ``app.state.drain()`` stops admitting (503) and ends every open request with a 503 error (a
@@ -149,8 +149,7 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
             reason = str(e).splitlines()[0].split(";")[0]
             raise UnmaskError(f"--draft-sizes: K = {k} cannot decode on {name} ({reason}); lower the table's "
                               "largest K") from None
-    scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue, compile=compile,
-                          draft_sizes=sizes)
+    scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue, compile=compile, draft_sizes=sizes)
     metrics = Metrics(scheduler)
     draft_k = max(k for _, k in sizes.steps) if sizes is not None and bundle.kind == "sbd" else 1
 
