@@ -76,3 +76,26 @@ def test_a_failed_forward_fails_its_request_and_leaks_no_slot(dlm, opts):
             drained(sched)
     finally:
         hook.restore()
+
+
+@pytest.mark.parametrize("opts", [{"decoder": "ar"}, {"decoder": "sbd"}, {"decoder": "sbd", "gamma": 0.35}])
+def test_a_failed_forward_in_the_shared_verify_batch_leaks_no_slot(opts):
+    """The AR / lossless batch outlives its rows (it is not dropped when empty): after a failed
+    forward it must still hold no row and serve the next request's exact greedy text."""
+    sbd = unmask.load("stories260K-sbd")
+    app = create_app(sbd, max_batch_size=2, max_queue=8)
+    hook = FailOnce(sbd.model)
+    try:
+        with ServerThread(app) as s:
+            sched = app.state.scheduler
+            hook.arm()
+            status, err = post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 8, **opts})
+            assert status == 500 and "\n" not in err["error"]["message"], err
+            drained(sched)
+            d = {k: v for k, v in opts.items() if k != "decoder"}
+            want = unmask.generate("Once upon a time", sbd, opts["decoder"], max_new_tokens=8, **d).texts[0]
+            status, ok = post(s.url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8, **opts})
+            assert status == 200 and ok["choices"][0]["text"] == want
+            drained(sched)
+    finally:
+        hook.restore()
