@@ -99,3 +99,78 @@ def test_a_failed_forward_in_the_shared_verify_batch_leaks_no_slot(opts):
             drained(sched)
     finally:
         hook.restore()
+
+
+class FailPrefill(FailOnce):
+    """Raises on the first armed forward of more than one token (a join's prefill), never on a
+    running row's one-token AR step."""
+
+    def __call__(self, *a, **kw):
+        ids = kw.get("input_ids", a[0] if a else None)
+        if self.armed and ids is not None and ids.shape[-1] > 1:
+            self.armed = False
+            raise RuntimeError("injected prefill failure")
+        return self.inner(*a, **kw)
+
+
+def test_a_join_that_fails_beside_a_running_row_fails_only_itself():
+    """A request whose prefill raises while another AR row streams: it gets a 500, holds no slot
+    afterwards, and the running row ends with its exact greedy text (the batch is not failed)."""
+    import threading
+
+    sbd = unmask.load("stories260K-sbd")
+    app = create_app(sbd, max_batch_size=4, max_queue=8)
+    hook = FailPrefill(sbd.model)
+    try:
+        with ServerThread(app) as s:
+            sched, first = app.state.scheduler, {}
+            t = threading.Thread(target=lambda: first.update(r=post(s.url + "/v1/completions", {
+                "prompt": "Once upon a time", "max_tokens": 200, "decoder": "ar"})))
+            t.start()
+            deadline = time.monotonic() + 30
+            while not sched.active and time.monotonic() < deadline:
+                time.sleep(0.005)
+            hook.arm()
+            status, err = post(s.url + "/v1/completions", {"prompt": "Zoo and a cat", "max_tokens": 8, "decoder": "ar"})
+            t.join(60)
+            assert status == 500 and "\n" not in err["error"]["message"], err
+            want = unmask.generate("Once upon a time", sbd, "ar", max_new_tokens=200).texts[0]
+            assert first["r"][0] == 200 and first["r"][1]["choices"][0]["text"] == want
+            drained(sched)
+    finally:
+        hook.restore()
+
+
+@pytest.mark.parametrize("model,make,target", [
+    ("stories260K-bd", "unmask.decode.block:serving_batch", "unmask.decode.blocks:BlockDecoder._prefill"),
+    ("stories260K-mbd", "unmask.decode.multiblock_engine:serving_batch", "unmask.decode.multiblock_engine:prefill_whole_blocks"),
+])
+def test_a_failed_prefill_gives_its_slots_back(monkeypatch, model, make, target):
+    """A step covers slots [0, high): a join whose prefill raised must not keep its slots, or the
+    next step of the rows already running would cover a slot with no cache row."""
+    import importlib
+
+    from unmask.decode.running import Request
+
+    bundle = unmask.load(model)
+    mod, name = make.split(":")
+    batch = getattr(importlib.import_module(mod), name)(bundle, {}, capacity=4)
+    assert batch.join([Request(prompt_ids=bundle.tokenizer.encode("Once upon a time"), max_new_tokens=16, id=1)]) == []
+    free = batch.slots.free
+    mod, attr = target.split(":")
+    owner = importlib.import_module(mod)
+    *path, leaf = attr.split(".")
+    for p in path:
+        owner = getattr(owner, p)
+
+    def boom(*a, **kw):
+        raise RuntimeError("injected prefill failure")
+
+    monkeypatch.setattr(owner, leaf, boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        batch.join([Request(prompt_ids=bundle.tokenizer.encode("Zoo and a cat"), max_new_tokens=8, id=2)])
+    monkeypatch.undo()
+    assert batch.slots.free == free and batch.slots.high == 1
+    while len(batch):
+        done = batch.step()
+    assert [r.job.id for r in done] == [1]

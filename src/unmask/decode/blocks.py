@@ -126,7 +126,11 @@ class BlockDecoder:
             self.slots.give([row.slot])
             self._finish(row)
         if rows:
-            self._prefill(rows)
+            try:
+                self._prefill(rows)
+            except BaseException:  # a failed prefill gives its slots back (a step covers [0, high))
+                self.slots.give([row.slot for row in rows])
+                raise
         return done
 
     def _prefill(self, rows: list[BlockRow]) -> None:

@@ -125,29 +125,29 @@ class Verify:
             return []
         self._widen(K)
         slots = self.slots.take(len(requests))
-        prompts = [list(r.prompt_ids) for r in requests]
-        Kp = K if K > 1 else 0  # an AR prefill is the prompt alone
-        inp, positions, m, kv_valid, valid, row_len = sv.prefill_inputs(self.bundle, prompts, Kp)  # (n, P+Kp) ...
-        new_kv = DynamicKV(self.model)
-        ragged = len({len(p) for p in prompts}) > 1
-        mask = with_key_padding(as_4d(m, len(prompts)), kv_valid) if (ragged or Kp) else None  # (n, 1, P+Kp, P+Kp)
-        logits = new_kv.forward(inp, positions, mask, logits_to_keep=Kp + 1)  # (n, Kp+1, V)
-        new_kv.crop(Kp)
-        self.forwards += 1
-        if self.suppress:
-            logits[..., self.suppress] = float("-inf")
-        rows = []
-        for i, (req, slot) in enumerate(zip(requests, slots)):
-            gens = getattr(req, "generator", None)
-            if gens is None and not req.sampling.greedy:  # the generator `unmask generate` gives the row
-                gens = req.sampling.row_generators([prompts[i]], self.device)[0]
-            rows.append(VerifyRow(job=req, slot=slot, K=K, generator=gens))
-        groups = _groups(enumerate(rows), lambda r: r.job.sampling)  # sampling -> row indices
-        b, s, q = sv.prefill_draws(logits, K, {k: (v, [rows[i].generator for i in v]) for k, v in groups.items()})
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)  # (n,)
-        try:
+        try:  # a failed prefill (or placement) gives its slots back: a step covers [0, high)
+            prompts = [list(r.prompt_ids) for r in requests]
+            Kp = K if K > 1 else 0  # an AR prefill is the prompt alone
+            inp, positions, m, kv_valid, valid, row_len = sv.prefill_inputs(self.bundle, prompts, Kp)  # (n, P+Kp) ...
+            new_kv = DynamicKV(self.model)
+            ragged = len({len(p) for p in prompts}) > 1
+            mask = with_key_padding(as_4d(m, len(prompts)), kv_valid) if (ragged or Kp) else None  # (n, 1, P+Kp, P+Kp)
+            logits = new_kv.forward(inp, positions, mask, logits_to_keep=Kp + 1)  # (n, Kp+1, V)
+            new_kv.crop(Kp)
+            self.forwards += 1
+            if self.suppress:
+                logits[..., self.suppress] = float("-inf")
+            rows = []
+            for i, (req, slot) in enumerate(zip(requests, slots)):
+                gens = getattr(req, "generator", None)
+                if gens is None and not req.sampling.greedy:  # the generator `unmask generate` gives the row
+                    gens = req.sampling.row_generators([prompts[i]], self.device)[0]
+                rows.append(VerifyRow(job=req, slot=slot, K=K, generator=gens))
+            groups = _groups(enumerate(rows), lambda r: r.job.sampling)  # sampling -> row indices
+            b, s, q = sv.prefill_draws(logits, K, {k: (v, [rows[i].generator for i in v]) for k, v in groups.items()})
+            idx = torch.tensor(slots, dtype=torch.long, device=self.device)  # (n,)
             self.kv, self.key_valid = place(self.kv, self.key_valid, new_kv, valid, slots, rows=bool(self.rows))
-        except UnmaskError:
+        except BaseException:
             self.slots.give(slots)
             raise
         self.b[idx], self.p_b[idx], self.K[idx] = b, row_len, K

@@ -115,20 +115,24 @@ class MultiBlockDecoder:
             if gen is None and not job.sampling.greedy:
                 gen = job.sampling.row_generators([list(job.prompt_ids)], dev)[0]
             rows.append(BufferRow(job=job, slot=s, generator=gen, keys=len(job.prompt_ids) // B * B))
-        prompts = [list(r.job.prompt_ids) for r in rows]
-        ws = [bb.initial_window([p], r.job.max_new_tokens, S, B, self.mask_id, dev) for p, r in zip(prompts, rows)]
-        w = replace(ws[0], **{f.name: torch.cat([getattr(x, f.name) for x in ws]) for f in fields(ws[0])
-                              if f.name != "mask_id"})
-        if self.static:
-            if self.kv is not None or len(rows) != self.capacity:
-                raise UnmaskError("a static-cache multiblock batch takes one join that fills every slot (decode); "
-                                  "run the server without --compile for this decoder")
-            blocks = w.last_block - w.front + 1  # (n,) blocks per row
-            size = whole_prompt_blocks(prompts, B) + (int(blocks.max()) + S) * B
-            new = make_kv(model, batch=len(rows), capacity=size, static=True, compile=self.compile)
-        else:
-            new = DynamicKV(model)
-        new, valid, _ = prefill_whole_blocks(new, prompts, B, self.bundle.pad_token_id, dev)  # valid (n, F)
+        try:  # a failed prefill gives its slots back (a step covers [0, high))
+            prompts = [list(r.job.prompt_ids) for r in rows]
+            ws = [bb.initial_window([p], r.job.max_new_tokens, S, B, self.mask_id, dev) for p, r in zip(prompts, rows)]
+            w = replace(ws[0], **{f.name: torch.cat([getattr(x, f.name) for x in ws]) for f in fields(ws[0])
+                                  if f.name != "mask_id"})
+            if self.static:
+                if self.kv is not None or len(rows) != self.capacity:
+                    raise UnmaskError("a static-cache multiblock batch takes one join that fills every slot (decode); "
+                                      "run the server without --compile for this decoder")
+                blocks = w.last_block - w.front + 1  # (n,) blocks per row
+                size = whole_prompt_blocks(prompts, B) + (int(blocks.max()) + S) * B
+                new = make_kv(model, batch=len(rows), capacity=size, static=True, compile=self.compile)
+            else:
+                new = DynamicKV(model)
+            new, valid, _ = prefill_whole_blocks(new, prompts, B, self.bundle.pad_token_id, dev)  # valid (n, F)
+        except BaseException:
+            self.slots.give([r.slot for r in rows])
+            raise
         self.prefills += int(valid.shape[1] > 0)
         slots = [r.slot for r in rows]
         at = torch.tensor(slots, dtype=torch.long, device=dev)  # (n,)

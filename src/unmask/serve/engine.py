@@ -106,8 +106,8 @@ class Scheduler:
         """The running batch AR requests join (the checkpoint's default draft layout)."""
         return self._verify_batch(self.defaults.get("draft") or sbd_verify.DEFAULT_DRAFT)
 
-    def _verify_batch(self, draft: str) -> Verify:
-        if draft not in self.verify:
+    def _verify_batch(self, draft: str, fresh: bool = False) -> Verify:
+        if fresh or draft not in self.verify:  # fresh: replaced in one assignment (readers never see none)
             K = self.defaults.get("verify_block_size") or sbd_verify.DEFAULT_BLOCK_SIZE
             self.verify[draft] = Verify(self.bundle, sbd_verify.VerifyConfig(block_size=K, draft=draft),
                                         compile=self.compile, capacity=self.max_batch_size, on_step=self._event,
@@ -316,9 +316,8 @@ class Scheduler:
                         _done(row)
             except Exception:
                 log.exception("a %s running batch failed", key[0])
-                for row in _rows(batch):
-                    row.job.finish("error", server_error())
-                batch.drop([r.job.id for r in _rows(batch)])
+                self._fail(key, batch)
+                continue
             if key[0] != "verify" and not len(batch):
                 del self.running_batches[key]  # frees its cache; a new batch forms with the next request
 
@@ -387,6 +386,17 @@ class Scheduler:
             log.exception("joining a %s running batch failed", jobs[0].decoder)
             for job in jobs:
                 job.finish("error", server_error())
+            batch.drop([job.id for job in jobs])  # rows placed before the failure leave too (drop raising: _fail)
+
+    def _fail(self, key: tuple, batch) -> None:
+        """A step (or a join's clean-up) raised: every row of ``batch`` gets a 500, and the batch, whose
+        state may be half-stepped, is replaced by a fresh one (AR / lossless) or removed."""
+        for row in _rows(batch):
+            row.job.finish("error", server_error())
+        if key[0] == "verify":
+            self._verify_batch(key[1], fresh=True)
+        else:
+            self.running_batches.pop(key, None)
 
     def _event(self, row, event: dict) -> None:
         if not (row.job.gone or row.job.closed) and row.job.events:
