@@ -52,6 +52,10 @@ BlockRange = Annotated[str, typer.Option("--block-range", metavar="LOW:HIGH",
                                          help="training block sizes k ~ U{LOW..HIGH} (alias of --min-block/--max-block)")]
 LogEvery = Annotated[int, typer.Option("--log-every", help="a log.jsonl line every N steps (0 = only at the end)")]
 KeepCheckpoints = Annotated[int, typer.Option("--keep-checkpoints", help="keep the newest N checkpoints in the run dir")]
+Distill = Annotated[bool, typer.Option("--distill", help="self-distilled block mode: --data is a greedy 'unmask data "
+                                      "distill' corpus of --base, loss CE + λ·KL(NTP ‖ block) (sbd_exact.md §5.5)")]
+DistillLambda = Annotated[float, typer.Option("--distill-lambda", help="λ of the --distill KL term (default 1.0)",
+                                              show_default=False)]
 AnswerOnly = Annotated[bool, typer.Option("--answer-only/--no-answer-only",
                                           help="loss on answer tokens only (records' loss_start); default: on when "
                                                "the corpus has loss_start", show_default=False)]
@@ -139,9 +143,11 @@ def train_sbd_cmd(
     no_progress: NoProgress = False, block_range: BlockRange = None,
     block_size: int = typer.Option(8, "--block-size", help="block size of the validation's masked CE per offset"),
     answer_only: AnswerOnly = None, dtype: TrainDtype = "float32", log_every: LogEvery = 10,
-    keep_checkpoints: KeepCheckpoints = 1, threads: Threads = None,
+    keep_checkpoints: KeepCheckpoints = 1, threads: Threads = None, distill: Distill = False,
+    distill_lambda: DistillLambda = None,
 ) -> None:
-    """Fine-tune a causal LM for Set Block Decoding (joint NTP + masked loss, SBD Eq. 14)."""
+    """Fine-tune a causal LM for Set Block Decoding (joint NTP + masked loss, SBD Eq. 14); --base an SBD
+    model continues it (e.g. a --distill stage)."""
     from unmask.train.sbd import train_sbd
 
     _start(data, out)
@@ -149,10 +155,10 @@ def train_sbd_cmd(
     _finish(train_sbd(
         base=base, data=data, out=out, run_dir=run_dir, seq_len=seq_len, block_range=low_high,
         eval_block_size=block_size, answer_only=answer_only, resume=resume, overwrite=overwrite, device=device,
-        dtype=dtype, progress=not no_progress,
+        dtype=dtype, progress=not no_progress, distill=distill, distill_lambda=distill_lambda,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every,
                         eval_every, max_minutes, seed, fsdp, log_every=log_every, keep_checkpoints=keep_checkpoints)),
-        terms=("loss", "ntp", "mat", "d0", "d1", "d7"))
+        terms=("loss", "ntp", "mat", "kl", "d0", "d1", "d7"))
 
 
 @train_app.command("sbd-adapter")
@@ -177,6 +183,9 @@ def train_sbd_adapter_cmd(
     seed: Seed = 0, resume: Resume = False, overwrite: Overwrite = False, device: Device = "cpu", fsdp: Fsdp = False,
     no_progress: NoProgress = False, answer_only: AnswerOnly = None, dtype: TrainDtype = "float32",
     log_every: LogEvery = 10, keep_checkpoints: KeepCheckpoints = 1, threads: Threads = None,
+    init: str = typer.Option(None, "--init", help="start from this adapter of --base (a shipped name such as sbd, "
+                             "or a directory): its rank, targets and weights"),
+    distill: Distill = False, distill_lambda: DistillLambda = None,
 ) -> None:
     """Train a gated SBD adapter on a frozen causal LM (masked term of Eq. 14; spec sbd_exact.md §3).
     CPU threads: ``--threads N`` here or the global ``unmask --threads N``."""
@@ -189,10 +198,10 @@ def train_sbd_adapter_cmd(
         base=base, data=data, out=out, run_dir=run_dir, rank=rank, full_rank=full_rank, targets=names,
         seq_len=seq_len, block_range=low_high, draft_fraction=draft_fraction, block_size=block_size,
         answer_only=answer_only, resume=resume, overwrite=overwrite, device=device, dtype=dtype,
-        progress=not no_progress,
+        progress=not no_progress, init=init, distill=distill, distill_lambda=distill_lambda,
         **_loop_options(steps, batch_size, lr, warmup, grad_accum, weight_decay, clip, ckpt_every, eval_every,
                         max_minutes, seed, fsdp, log_every=log_every, keep_checkpoints=keep_checkpoints)),
-        terms=("loss", "draft", "ntp", "d0", "d1", "d7"))
+        terms=("loss", "draft", "ntp", "kl", "d0", "d1", "d7"))
 
 
 @data_app.command("stories")

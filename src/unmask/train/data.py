@@ -149,6 +149,40 @@ def generate_stories(bundle, config: StoryCorpusConfig, progress: Callable[[int,
     return split_documents(records, config.val_fraction, config.seed)
 
 
+def story_prompts(bundle, n: int, *, seed: int = 0, prefix_range: tuple[int, int] = (4, 40),
+                  exclude: Sequence[str] = (), batch_size: int = 128) -> list[str]:
+    """Story openings for a self-distillation corpus (spec/sbd_exact.md §5.5): the sampled
+    prefixes of :func:`generate_stories`' greedy documents, as text.
+
+    ``n`` rows are sampled at T = 1.0 from BOS (seeded per batch), each cut to a length drawn from
+    ``prefix_range`` (tokens), decoded, stripped and de-duplicated; an opening that starts one of
+    ``exclude`` (held-out prompts), or that one of them starts, is dropped. Returns at most ``n``
+    prompts, in order. Raises UnmaskError when the tokenizer has no BOS token.
+    """
+    from unmask.decode.ar import decode
+    from unmask.sampling import Sampling
+
+    if bundle.bos_token_id is None:
+        raise UnmaskError(f"{bundle.name} has no BOS token to sample openings from; pass a model whose tokenizer "
+                          "has one")
+    lo, hi = prefix_range
+    rng = random.Random(seed)
+    held = [e.strip() for e in exclude]
+    seen: set[str] = set()
+    out: list[str] = []
+    for batch_no, start in enumerate(range(0, n, batch_size)):
+        rows = min(batch_size, n - start)
+        pre = decode(bundle, [[bundle.bos_token_id]] * rows, max_new_tokens=hi,
+                     sampling=Sampling(temperature=1.0, seed=seed * 100_003 + batch_no),
+                     stop_token_ids=bundle.stop_token_ids)
+        for ids in pre.tokens:
+            text = bundle.tokenizer.decode(ids[: rng.randint(lo, hi)], skip_special_tokens=True).strip()
+            if text and text not in seen and not any(h.startswith(text) or text.startswith(h) for h in held):
+                seen.add(text)
+                out.append(text)
+    return out
+
+
 def dedupe(records: Sequence[dict]) -> list[dict]:
     """Drop records whose ``ids`` repeat an earlier record's; order is kept (deterministic)."""
     seen: set[tuple[int, ...]] = set()

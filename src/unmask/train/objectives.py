@@ -220,15 +220,24 @@ class SBDObjective:
     The loop calls :meth:`step_params` once per optimizer step (k ~ U{block_range}, shared by
     every micro-batch of the step, sbd.md §3.1) and :meth:`loss` once per micro-batch; each
     validation adds :meth:`diagnostics` (masked CE per block offset at ``eval_block_size``).
+    With ``distill_lambda`` (λ >= 0) the loss adds λ · KL(NTP ‖ block) at every masked target
+    (spec/sbd_exact.md §5.5, :func:`unmask.train.sbd_distill.sbd_distill_loss`) and logs ``kl``.
     """
 
     mask_token_id: int
     block_range: tuple[int, int] = (2, 16)
     eval_block_size: int = 8
+    distill_lambda: float | None = None
     name: str = "sbd"
     term_names: tuple[str, ...] = ("ntp", "mat")
 
     def __post_init__(self):
+        if self.distill_lambda is not None:  # self-distilled block mode (spec/sbd_exact.md §5.5)
+            from unmask.train.sbd_distill import check_lambda
+
+            object.__setattr__(self, "distill_lambda", check_lambda(self.distill_lambda))
+            object.__setattr__(self, "name", "sbd-distill")
+            object.__setattr__(self, "term_names", ("ntp", "mat", "kl"))
         low, high = self.block_range
         if not 1 <= low <= high:
             raise UnmaskError(f"block_range must satisfy 1 <= low <= high, got {self.block_range}; pass e.g. (2, 8)")
@@ -246,6 +255,10 @@ class SBDObjective:
         """chunks (B, L+1) long (labels (B, L+1) bool or None) on the model's device -> (loss,
         terms) of :func:`sbd_loss`."""
         batch = sbd_batch(chunks, self.mask_token_id, k, generator, labels=labels)
+        if self.distill_lambda is not None:
+            from unmask.train.sbd_distill import sbd_distill_loss
+
+            return sbd_distill_loss(model, batch, k, self.mask_token_id, self.distill_lambda)
         return sbd_loss(model, batch, k, self.mask_token_id)
 
     def diagnostics(self, model, chunks: torch.Tensor, labels: torch.Tensor | None) -> dict[str, float]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from unmask.errors import UnmaskError
 from unmask.train.loop import TrainResult
 from unmask.train.objectives import SBDObjective
+from unmask.train.sbd_distill import check_distill_corpus, check_distill_options
 from unmask.train.wiring import (holds_output_locks, load_labelled_chunks, run_info, run_paths, train_and_publish,
                                  train_config)
 from unmask.train.wiring import UNMASK_CONFIG, default_run_dir  # noqa: F401  (public here before wiring.py)
@@ -43,7 +44,7 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
               seq_len: int = 256, block_range: tuple[int, int] = (2, 16), val_fraction: float = 0.05,
               answer_only: bool | None = None, eval_block_size: int = 8, resume: bool = False,
               overwrite: bool = False, device: str = "cpu", dtype: str = "float32", progress: bool = True,
-              **config) -> TrainResult:
+              distill: bool = False, distill_lambda: float | None = None, **config) -> TrainResult:
     """Fine-tune ``base`` for SBD on ``data`` and publish the model at ``out``.
 
     Args:
@@ -62,6 +63,13 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
         resume: continue from the newest checkpoint in ``run_dir`` (fresh start if none).
         overwrite: replace an existing ``out`` and discard ``run_dir``.
         progress: show a rich progress bar / progress lines.
+        distill: self-distilled block mode (spec/sbd_exact.md §5.5): ``data`` must be a greedy
+            ``unmask data distill`` corpus of ``base`` itself, and the loss adds, at every masked
+            target, ``distill_lambda · KL(p_NTP ‖ p_block)`` with the NTP mode of the same forward
+            as a detached teacher (:mod:`unmask.train.sbd_distill`). Pass an SBD model as
+            ``base`` to fine-tune it (its mask token, decode defaults and training record carry over).
+        distill_lambda: λ of the KL term (default :data:`unmask.train.sbd_distill.DEFAULT_LAMBDA`);
+            only with ``distill``.
         **config: :class:`~unmask.train.loop.TrainConfig` fields (lr, steps, batch_size, ...).
 
     Returns:
@@ -69,10 +77,16 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
 
     Raises:
         UnmaskError: missing/empty data, ``out`` exists without overwrite/resume, a base that is
-            not a causal LM, seq_len beyond the context, data too short for one chunk, bad options.
+            not a causal LM, seq_len beyond the context, data too short for one chunk, bad options,
+            a ``distill`` combination
+            :func:`~unmask.train.sbd_distill.check_distill_options` refuses or a corpus
+            :func:`~unmask.train.sbd_distill.check_distill_corpus` refuses.
     """
     cfg = train_config(config)
+    lam = check_distill_options(distill, distill_lambda, answer_only, cfg.fsdp)
     paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)
+    if distill:
+        check_distill_corpus(paths, base)
     bundle, mask_id, vocab = _load_base(base, dtype)
     context = bundle.context_length
     if not 1 <= seq_len <= context:
@@ -87,11 +101,18 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
     rows = load_labelled_chunks(paths, bundle.tokenizer, vocab, seq_len, val_fraction=val_fraction, seed=cfg.seed,
                                 answer_only=answer_only, config=bundle.model.config)  # (N, L+1), (M, L+1) + labels
     train_chunks, val_chunks = rows.train, rows.val
-    info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective="sbd: NTP + masked (Eq. 14)",
-                    answer_only=rows.answer_only, dtype=dtype)
+    what = "sbd: NTP + masked (Eq. 14)" if lam is None else \
+        f"sbd-distill: NTP + masked (Eq. 14) + {lam:g} KL(NTP || block) on the base's greedy text (sbd_exact.md §5.5)"
+    info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective=what, answer_only=rows.answer_only,
+                    dtype=dtype)
     meta = {"kind": "sbd", "mask_token_id": mask_id, "train_block_range": [low, high], "version": SBD_FORMAT_VERSION,
             "stop_token_ids": list(bundle.stop_token_ids), "base": base}
-    objective = SBDObjective(mask_token_id=mask_id, block_range=(low, high), eval_block_size=eval_block_size)
+    if bundle.kind == "sbd":  # a fine-tune of an SBD model: keep its decode preset and where it came from
+        meta.update({k: bundle.meta[k] for k in ("decode_defaults",) if k in bundle.meta})
+        meta["init"] = {"model": base, "base": bundle.meta.get("base"), "training": bundle.meta.get("training"),
+                        **({"init": bundle.meta["init"]} if "init" in bundle.meta else {})}
+    objective = SBDObjective(mask_token_id=mask_id, block_range=(low, high), eval_block_size=eval_block_size,
+                             distill_lambda=lam)
     return train_and_publish(bundle, objective, train_chunks, val_chunks, cfg, run_dir, out, info=info, meta=meta,
                              device=device, resume=resume, progress=progress, overwrite=overwrite,
                              train_labels=rows.train_labels, val_labels=rows.val_labels)

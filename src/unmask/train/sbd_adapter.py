@@ -56,10 +56,17 @@ class AdapterObjective:
     block_range: tuple[int, int] = (2, 16)
     draft_fraction: float = 0.5
     eval_block_size: int = 8
+    distill_lambda: float | None = None
     name: str = "sbd-adapter"
     term_names: tuple[str, ...] = ("mat", "draft", "ntp") + tuple(f"d{j}" for j in OFFSETS)
 
     def __post_init__(self):
+        if self.distill_lambda is not None:  # self-distilled block mode (spec/sbd_exact.md §5.5)
+            from unmask.train.sbd_distill import check_lambda
+
+            object.__setattr__(self, "distill_lambda", check_lambda(self.distill_lambda))
+            object.__setattr__(self, "name", "sbd-adapter-distill")
+            object.__setattr__(self, "term_names", self.term_names + ("kl",))
         low, high = self.block_range
         if not 1 <= low <= high:
             raise UnmaskError(f"block range must satisfy 1 <= low <= high, got {self.block_range}; pass e.g. 2 16")
@@ -81,10 +88,12 @@ class AdapterObjective:
         else:
             k, draft, eta = self.eval_block_size, torch.ones(B, dtype=torch.bool), torch.ones(B)
         batch = sbd_batch(chunks, self.mask_token_id, k, generator, eta=eta, labels=labels)
-        return adapter_loss(model, batch, k, self.mask_token_id, draft.to(chunks.device), ntp=not model.training)
+        return adapter_loss(model, batch, k, self.mask_token_id, draft.to(chunks.device), ntp=not model.training,
+                            distill_lambda=self.distill_lambda)
 
 
-def adapter_loss(model, batch: dict, k: int, mask_id: int, draft: torch.Tensor, *, ntp: bool) -> tuple[torch.Tensor, dict]:
+def adapter_loss(model, batch: dict, k: int, mask_id: int, draft: torch.Tensor, *, ntp: bool,
+                 distill_lambda: float | None = None) -> tuple[torch.Tensor, dict]:
     """Masked-token CE of Eq. 14 (term 2 only) over the SBD layout, in two forwards.
 
     The clean half runs first without gradients (it is the frozen base: no gate is set on it)
@@ -93,8 +102,13 @@ def adapter_loss(model, batch: dict, k: int, mask_id: int, draft: torch.Tensor, 
     backward through the clean half. batch: :func:`sbd_batch` output; draft: (B,) bool rows
     built with η = 1. The mask logit is −inf. With ``ntp`` the clean half's logits give the
     base's NTP CE term. Logits are formed at target positions only (unmask.train.lm_loss).
+    With ``distill_lambda`` λ the loss is ``(Σ CE + λ Σ KL(p_base ‖ p_block)) / targets`` over the
+    masked targets (spec/sbd_exact.md §5.5), the teacher being the clean half's base logits
+    (:func:`_distill_loss`), and ``terms["kl"]`` its mean.
     Returns (loss, terms) as :class:`AdapterObjective` describes.
     """
+    if distill_lambda is not None:
+        return _distill_loss(model, batch, k, mask_id, draft, ntp=ntp, lam=distill_lambda)
     from unmask.compat import attention_mask, forward, new_cache
     from unmask.masks import as_4d, sbd_training_mask
 
@@ -126,6 +140,47 @@ def adapter_loss(model, batch: dict, k: int, mask_id: int, draft: torch.Tensor, 
     return loss, terms
 
 
+def _distill_loss(model, batch: dict, k: int, mask_id: int, draft: torch.Tensor, *, ntp: bool,
+                  lam: float) -> tuple[torch.Tensor, dict]:
+    """:func:`adapter_loss` with the KL term: the clean half (the frozen base, no gate set) runs
+    under ``no_grad`` and keeps its final hidden states, the teacher's; the noisy half runs on its
+    cache with grad. Same two-forward scheme and terms as :func:`adapter_loss`, plus ``kl``."""
+    from unmask.compat import attention_mask, final_hidden, new_cache
+    from unmask.masks import as_4d, sbd_training_mask
+    from unmask.train.lm_loss import chunked_cross_entropy
+    from unmask.train.sbd_distill import chunked_kl, need_head, teacher_pairs
+
+    L = batch["L"]
+    ids, pos = batch["input_ids"], batch["position_ids"]  # (B, 2L) each
+    B, device = ids.shape[0], ids.device
+    weight, bias = need_head(model)
+    rule = sbd_training_mask(L, k, device=device)  # (2L, 2L) bool
+    cache = new_cache(model)
+    with torch.no_grad():
+        clean = final_hidden(model, ids[:, :L], position_ids=pos[:, :L], cache=cache,
+                             attention_mask=attention_mask(model, as_4d(rule[:L, :L], B)))  # (B, L, d)
+    labels = batch["labels"][:, L:]  # (B, L) unshifted targets
+    valid = labels != IGNORE  # (B, L)
+    noisy = final_hidden(model, ids[:, L:], position_ids=pos[:, L:], cache=cache,
+                         attention_mask=attention_mask(model, as_4d(rule[L:, :], B)))  # (B, L, d)
+    ce = chunked_cross_entropy(noisy[valid], weight, labels[valid], bias=bias, suppress=mask_id)  # (n,)
+    nll = torch.zeros(labels.shape, dtype=torch.float32, device=device).masked_scatter(valid, ce)  # (B, L)
+    student, teacher = teacher_pairs(valid)  # (B, L) each
+    kl = chunked_kl(noisy[student], clean[teacher], weight, bias=bias, suppress=mask_id)  # (m,)
+    loss = (ce.sum() + lam * kl.sum()) / valid.sum().clamp(min=1)
+    with torch.no_grad():
+        dvalid = valid & draft[:, None]  # (B, L)
+        terms = {"mat": nll.sum() / valid.sum().clamp(min=1), "draft": nll[dvalid].sum() / dvalid.sum().clamp(min=1),
+                 **offset_terms(nll, dvalid, k, OFFSETS), "ntp": torch.zeros(()),
+                 "kl": kl.sum() / max(1, kl.numel())}
+        if ntp:
+            seen = batch["labels"][:, :L] != IGNORE  # (B, L)
+            base_nll = chunked_cross_entropy(clean[seen], weight, batch["labels"][:, :L][seen], bias=bias,
+                                             suppress=mask_id)  # (n_seen,)
+            terms["ntp"] = base_nll.sum() / seen.sum().clamp(min=1)
+    return loss, terms
+
+
 def _load_base(base: str, dtype: str):
     from unmask.models import load
 
@@ -147,6 +202,7 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
                       draft_fraction: float = 0.5, block_size: int = 8, decode_defaults: dict | None = None,
                       val_fraction: float = 0.05, answer_only: bool | None = None, resume: bool = False,
                       overwrite: bool = False, device: str = "cpu", dtype: str = "float32", progress: bool = True,
+                      init: str | Path | None = None, distill: bool = False, distill_lambda: float | None = None,
                       **config) -> TrainResult:
     """Train a gated SBD adapter for the frozen ``base`` on ``data`` and publish it at ``out``.
 
@@ -168,6 +224,15 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
         answer_only: train only on tokens from each record's ``loss_start`` on (None: when the
             corpus has ``loss_start``; True requires it; False trains every token).
         dtype: ``float32`` or ``bfloat16``, the dtype the base (and the adapter) are loaded in.
+        init: an adapter of ``base`` to start from (a name it ships, e.g. ``"sbd"``, or a
+            directory): its rank, targets and mask token replace ``rank``/``full_rank``/``targets``,
+            its weights are the starting point, and its decode defaults and training record carry
+            over (a fine-tune, e.g. a ``distill`` stage after the base recipe).
+        distill: self-distilled block mode (spec/sbd_exact.md §5.5): ``data`` must be a greedy
+            ``unmask data distill`` corpus of ``base`` (no adapter), and the loss adds
+            ``distill_lambda · KL(p_base ‖ p_block)`` at every masked target, the untouched
+            base's NTP logits of the clean half being the teacher.
+        distill_lambda: λ (default :data:`unmask.train.sbd_distill.DEFAULT_LAMBDA`); only with ``distill``.
         **config: :class:`~unmask.train.loop.TrainConfig` fields (lr, steps, max_minutes, ...).
 
     Returns:
@@ -177,14 +242,21 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
         UnmaskError: bad data/paths/options (a rank above the hidden size, unknown ``targets``,
             out-of-range loop options), a base that is not a causal LM, an output that exists
             without overwrite/resume, a run that diverged or whose loss exploded (nothing is
-            published), or an output that cannot be written (full disk).
+            published), an output that cannot be written (full disk), an ``init`` adapter of
+            another base, or a ``distill`` combination or corpus :mod:`unmask.train.sbd_distill` refuses.
     """
     from unmask.fileio import atomic_write_json, publish_dir, staging_dir, sweep_stale_staging, write_errors
-    from unmask.models.adapter_io import ADAPTER_JSON, adapter_config, save_adapter_weights, weights_hash
+    from unmask.models.adapter_io import (ADAPTER_JSON, adapter_config, load_adapter_weights, read_adapter_config,
+                                          resolve_adapter, save_adapter_weights, weights_hash)
     from unmask.models.sbd_adapter import DEFAULT_TARGETS, AdapterSpec, attach, check_targets, linear_names
 
+    from unmask.train.sbd_distill import check_distill_corpus, check_distill_options
+
     cfg = train_config(config)
+    lam = check_distill_options(distill, distill_lambda, answer_only, cfg.fsdp)
     paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)
+    if distill:
+        check_distill_corpus(paths, base)
     bundle = _load_base(base, dtype)
     context = bundle.context_length
     if not 1 <= seq_len <= context:
@@ -197,23 +269,43 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
     if not 1 <= block_size <= seq_len:
         raise UnmaskError(f"--block-size {block_size} must be between 1 and --seq-len ({seq_len}); pass e.g. 8")
     vocab = bundle.model.get_input_embeddings().weight.shape[0]
-    mask_id = bundle.mask_token_id if bundle.mask_token_id is not None else vocab
+    base_sha = weights_hash(bundle.path)
+    init_cfg = init_dir = None
+    if init is not None:
+        init_name, init_dir = resolve_adapter(bundle.path, init)
+        init_cfg = read_adapter_config(init_dir)
+        if init_cfg["base"]["sha256"] != base_sha:
+            raise UnmaskError(f"--init adapter {init_name!r} was trained on {init_cfg['base']['name']!r}, not on "
+                              f"{base!r}; pass an adapter of {base!r} or --base {init_cfg['base']['name']}")
+        rank, full_rank, targets = init_cfg.get("rank"), init_cfg.get("rank") is None, init_cfg["target_modules"]
+        mask_id = int(init_cfg["mask_token_id"])
+    else:
+        mask_id = bundle.mask_token_id if bundle.mask_token_id is not None else vocab
     if targets is None:  # the default projections this model has (all seven on Llama/Qwen)
         targets = [t for t in DEFAULT_TARGETS if t in linear_names(bundle.model)] or list(DEFAULT_TARGETS)
     check_targets(bundle.model, list(targets) if isinstance(targets, (list, tuple)) else targets)
     spec = AdapterSpec(rank=None if full_rank else rank, mask_token_id=int(mask_id), base_vocab=vocab,
                        targets=tuple(targets))
-    base_sha = weights_hash(bundle.path)
     adapter = attach(bundle.model, spec, seed=cfg.seed)
+    if init_dir is not None:
+        load_adapter_weights(adapter, init_dir)
     rows = load_labelled_chunks(paths, bundle.tokenizer, vocab, seq_len, val_fraction=val_fraction, seed=cfg.seed,
                                 answer_only=answer_only)  # (N, L+1), (M, L+1) and their label masks
     train_chunks, val_chunks = rows.train, rows.val
     objective = AdapterObjective(mask_token_id=spec.mask_token_id, block_range=(low, high),
-                                 draft_fraction=draft_fraction, eval_block_size=block_size)
-    info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective="sbd-adapter: masked term of Eq. 14, "
-                    f"draft rows {draft_fraction:g}, k ~ U{{{low}..{high}}}", answer_only=rows.answer_only, dtype=dtype)
-    defaults = dict(decode_defaults) if decode_defaults is not None else \
-        {"verify": True, "verify_block_size": block_size, "draft": sbd_verify.DEFAULT_DRAFT}
+                                 draft_fraction=draft_fraction, eval_block_size=block_size, distill_lambda=lam)
+    what = "sbd-adapter: masked term of Eq. 14" + ("" if lam is None else f" + {lam:g} KL(base NTP || block) on the "
+                                                  "base's greedy text (sbd_exact.md §5.5)")
+    info = run_info(seq_len, paths, train_chunks, val_chunks, cfg, objective=f"{what}, draft rows "
+                    f"{draft_fraction:g}, k ~ U{{{low}..{high}}}", answer_only=rows.answer_only, dtype=dtype)
+    if init_cfg is not None:
+        info["init"] = {"adapter": str(init), "training": init_cfg.get("training")}
+    if decode_defaults is not None:
+        defaults = dict(decode_defaults)
+    elif init_cfg is not None and init_cfg.get("decode_defaults"):
+        defaults = dict(init_cfg["decode_defaults"])
+    else:
+        defaults = {"verify": True, "verify_block_size": block_size, "draft": sbd_verify.DEFAULT_DRAFT}
 
     def json_for(state: dict) -> dict:
         training = {**info, "step": state.get("step"), "stopped": state.get("stopped"),
