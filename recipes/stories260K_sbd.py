@@ -3,6 +3,7 @@
     python recipes/stories260K_sbd.py                 # default budget: 100 minutes on 2 CPU cores
     python recipes/stories260K_sbd.py --smoke         # ~30 s end-to-end check, writes under the work dir
     python recipes/stories260K_sbd.py --resume        # continue an interrupted run (same flags)
+    python recipes/stories260K_sbd.py --distill --threads 1 --minutes 25   # stage 2: self-distillation fine-tune
 
 Data provenance. No TinyStories text is available offline, so the corpus is written by the base
 model itself (``unmask.train.data.generate_stories``):
@@ -26,6 +27,19 @@ is published atomically to ``src/unmask/checkpoints/stories260K-sbd`` (checkpoin
 stay in ``WORK/run``) with ``decode_defaults`` (block size 8, γ = 0.35 unless
 ``--default-block-size`` / ``--default-gamma`` say otherwise), the preset ``unmask generate``
 uses; ``benchmarks/sbd_vs_ar.py`` checks the targets at it.
+
+Stage 2, ``--distill`` (spec/sbd_exact.md §5.5, issue 26): a short fine-tune of stage 1's model
+(``--init``, default the checkpoint stage 1 publishes) on *its own* greedy text, the text lossless
+decoding verifies against: ``--distill-prompts`` story openings sampled from it (4–40 tokens, the
+benchmark's hand-written openings excluded) continued greedily for 192 tokens
+(``unmask.train.sbd_distill.make_story_distill_corpus``, cached in WORK/distill/), then
+``train_sbd(base=INIT, distill=True)``: CE to the greedy tokens + λ · KL(NTP ‖ block) with the
+same forward's NTP mode as the teacher, lr 3e-4, warm-up 50, cosine, the step count fitted to
+``--minutes`` (whole stage, corpus included). It writes WORK/distill/stories260K-sbd; that model
+replaces the shipped one only when ``benchmarks/sbd_distill.py`` shows lower held-out masked CE
+at the first offsets, identical lossless/AR output and a higher lossless TPF (then copy it over
+``src/unmask/checkpoints/stories260K-sbd``, or pass ``--out`` there). Its ``unmask_config.json``
+keeps stage 1's training record under ``init``.
 """
 
 from __future__ import annotations
@@ -69,6 +83,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = time 1..cores and pick the fastest)")
     p.add_argument("--resume", action="store_true", help="continue the run in WORK/run")
     p.add_argument("--smoke", action="store_true", help="tiny corpus and 20 steps (~30 s), output under WORK/smoke")
+    p.add_argument("--distill", action="store_true", help="stage 2: self-distillation fine-tune of --init")
+    p.add_argument("--init", default=None,
+                   help="stage 2's starting model (default: the stage-1 checkpoint, src/unmask/checkpoints/stories260K-sbd)")
+    p.add_argument("--distill-lambda", type=float, default=None, help="λ of the KL term (default: the library's)")
+    p.add_argument("--distill-prompts", type=int, default=2000, help="story openings to sample for stage 2")
+    p.add_argument("--distill-lr", type=float, default=3e-4)
     args = p.parse_args(argv)
     if not 0 < args.minutes <= HARD_CAP_MINUTES:
         p.error(f"--minutes must be in (0, {HARD_CAP_MINUTES}]")
@@ -80,6 +100,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.seq_len, args.batch_size, args.warmup = 64, 4, 5
         args.steps, args.ckpt_every, args.eval_every = args.steps or 20, 10, 10
         args.minutes = min(args.minutes, 5)
+    if args.distill:
+        args.init = args.init or str(REPO / "src" / "unmask" / "checkpoints" / "stories260K-sbd")
+        args.out = args.out or args.work_dir / "distill" / "stories260K-sbd"
+        if args.smoke:
+            args.distill_prompts = 24
     if args.out is None:
         args.out = args.work_dir / "stories260K-sbd" if args.smoke else REPO / "src" / "unmask" / "checkpoints" / "stories260K-sbd"
     return args
@@ -117,11 +142,13 @@ def time_steps(args, threads: int, n: int = 3) -> float:
     import unmask
     from unmask.models.mask_token import add_mask_token
     from unmask.train.objectives import SBDObjective
+    from unmask.train.sbd_distill import DEFAULT_LAMBDA
 
     torch.set_num_threads(threads)
     bundle = unmask.load("stories260K")
     model = bundle.model.train()
-    objective = SBDObjective(add_mask_token(model))
+    lam = (DEFAULT_LAMBDA if args.distill_lambda is None else args.distill_lambda) if args.distill else None
+    objective = SBDObjective(add_mask_token(model), distill_lambda=lam)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(0)
     times = []
@@ -159,6 +186,8 @@ def main(argv=None) -> int:
         step_s = timings[threads]
         log("timing: " + ", ".join(f"{t} thread(s) {s:.3f} s/step" for t, s in timings.items()) + f" -> {threads}")
     torch.set_num_threads(threads)
+    if args.distill:
+        return distill_stage(args, t_start, step_s, threads)
     corpus = build_corpus(args)
     run_dir = args.work_dir / "run"
     ckpt = latest_checkpoint(run_dir) if args.resume else None
@@ -189,6 +218,45 @@ def main(argv=None) -> int:
                "steps_per_s": result.step / max(result.seconds, 1e-9) if not args.resume else None,
                "threads": threads, "last": result.last, "val": result.val, "corpus": str(corpus)}
     (args.work_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"done: {json.dumps(summary)}")
+    return 130 if result.stopped == "interrupted" else 0
+
+
+def distill_stage(args, t_start: float, step_s: float, threads: int) -> int:
+    """Stage 2 (module docstring): the init model's greedy corpus, then a --distill fine-tune."""
+    from unmask.train.loop import latest_checkpoint
+    from unmask.train.sbd import train_sbd
+    from unmask.train.sbd_distill import make_story_distill_corpus
+
+    work = args.work_dir / "distill"
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = work / f"corpus-p{args.distill_prompts}-seed{args.seed}.jsonl"
+    t0 = time.monotonic()
+    summary = make_story_distill_corpus(corpus, model=args.init, n_prompts=args.distill_prompts, seed=args.seed,
+                                        max_new_tokens=48 if args.smoke else 192, batch_size=args.gen_batch)
+    log(f"distill corpus: {summary} in {time.monotonic() - t0:.0f} s")
+    run_dir = work / "run"
+    remaining = args.minutes * 60 - (time.monotonic() - t_start) - FINISH_MARGIN_S
+    if remaining <= 30:
+        log(f"no time left to train ({remaining:.0f} s); raise --minutes")
+        return 2
+    ckpt = latest_checkpoint(run_dir) if args.resume else None
+    if ckpt is not None:
+        steps = json.loads((ckpt / "unmask_config.json").read_text())["training"]["config"]["steps"]
+    else:
+        steps = args.steps or max(1, int(0.93 * remaining / (step_s * (1 + 3 / max(1, args.eval_every)))))
+    log(f"distill training: {steps} steps from {args.init}, {remaining / 60:.1f} min left")
+    result = train_sbd(
+        base=args.init, data=[corpus], out=args.out, run_dir=run_dir, seq_len=args.seq_len, resume=args.resume,
+        overwrite=not args.resume, steps=steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        lr=args.distill_lr, warmup=min(50, max(1, steps // 10)), weight_decay=args.weight_decay,
+        ckpt_every=args.ckpt_every, eval_every=args.eval_every, seed=args.seed, max_minutes=remaining / 60,
+        progress=True, distill=True, distill_lambda=args.distill_lambda,
+    )
+    summary = {"out": str(result.out), "step": result.step, "stopped": result.stopped,
+               "train_minutes": result.seconds / 60, "total_minutes": (time.monotonic() - t_start) / 60,
+               "threads": threads, "last": result.last, "val": result.val, "corpus": str(corpus)}
+    (work / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"done: {json.dumps(summary)}")
     return 130 if result.stopped == "interrupted" else 0
 

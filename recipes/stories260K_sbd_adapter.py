@@ -3,6 +3,7 @@
     python recipes/stories260K_sbd_adapter.py --threads 1 --minutes 40   # the shipped run
     python recipes/stories260K_sbd_adapter.py --smoke                    # ~1 min end-to-end check under the work dir
     python recipes/stories260K_sbd_adapter.py --resume                   # continue an interrupted run (same flags)
+    python recipes/stories260K_sbd_adapter.py --distill --threads 1 --minutes 15   # stage 2: self-distillation
 
 The base, the shipped ``stories260K``, stays frozen: the adapter is a full-rank delta on every
 attention and MLP projection, active only at mask-token positions, plus the mask token's
@@ -24,6 +25,17 @@ is published atomically to ``src/unmask/checkpoints/stories260K/adapters/sbd`` w
 ``decode_defaults = {"verify": true, "verify_block_size": --verify-block-size, "draft": --draft}``
 (lossless SBD at K = 8 with linear drafts measured fastest in tokens per second:
 benchmarks/sbd_lossless.py).
+
+Stage 2, ``--distill`` (spec/sbd_exact.md §5.5, issue 26): a fine-tune of stage 1's adapter
+(``--init``, default the shipped ``sbd``) on stories260K's greedy continuations (192 tokens) of
+``--distill-prompts`` story openings sampled from it (the benchmark's hand-written openings
+excluded; ``unmask.train.sbd_distill.make_story_distill_corpus``, cached in WORK/distill/), with
+``train_sbd_adapter(init=..., distill=True)``: CE to the greedy tokens + λ · KL(base NTP ‖ block),
+the untouched base's logits of the clean half being the teacher; lr 5e-4, warm-up 50, cosine,
+steps fitted to ``--minutes``. It writes WORK/distill/sbd; that adapter replaces the shipped one
+only when ``benchmarks/sbd_distill.py`` shows lower held-out masked CE at the first offsets,
+output identical to stories260K's AR and a higher lossless TPF. Its ``adapter.json`` keeps stage
+1's training record under ``training.init``.
 """
 
 from __future__ import annotations
@@ -72,6 +84,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--resume", action="store_true", help="continue the run in WORK/run")
     p.add_argument("--smoke", action="store_true", help="tiny corpus and 20 steps, output under WORK/smoke")
+    p.add_argument("--distill", action="store_true", help="stage 2: self-distillation fine-tune of --init")
+    p.add_argument("--init", default="sbd", help="stage 2's starting adapter (a name stories260K ships, or a directory)")
+    p.add_argument("--distill-lambda", type=float, default=None, help="λ of the KL term (default: the library's)")
+    p.add_argument("--distill-prompts", type=int, default=2000, help="story openings to sample for stage 2")
+    p.add_argument("--distill-lr", type=float, default=5e-4)
     args = p.parse_args(argv)
     if not 0 < args.minutes <= HARD_CAP_MINUTES:
         p.error(f"--minutes must be in (0, {HARD_CAP_MINUTES}]")
@@ -83,6 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.seq_len, args.batch_size, args.warmup = 64, 4, 5
         args.steps, args.ckpt_every, args.eval_every = args.steps or 20, 10, 10
         args.minutes = min(args.minutes, 5)
+    if args.distill:
+        args.out = args.out or args.work_dir / "distill" / "sbd"
+        if args.smoke:
+            args.distill_prompts = 24
     if args.out is None:
         default = REPO / "src" / "unmask" / "checkpoints" / "stories260K" / "adapters" / "sbd"
         args.out = args.work_dir / "sbd" if args.smoke else default
@@ -126,7 +147,11 @@ def time_steps(args, n: int = 3) -> float:
     vocab = model.get_input_embeddings().weight.shape[0]
     adapter = attach(model, AdapterSpec(rank=args.rank or None, mask_token_id=vocab, base_vocab=vocab))
     model.train()
-    objective = AdapterObjective(vocab, block_range=tuple(args.block_range), draft_fraction=args.draft_fraction)
+    from unmask.train.sbd_distill import DEFAULT_LAMBDA
+
+    lam = (DEFAULT_LAMBDA if args.distill_lambda is None else args.distill_lambda) if args.distill else None
+    objective = AdapterObjective(vocab, block_range=tuple(args.block_range), draft_fraction=args.draft_fraction,
+                                 distill_lambda=lam)
     opt = torch.optim.AdamW(adapter.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(0)
     times = []
@@ -154,6 +179,8 @@ def main(argv=None) -> int:
     quiet_transformers()
     step_s = time_steps(args)
     log(f"timing: {args.threads} thread(s) {step_s:.3f} s/step")
+    if args.distill:
+        return distill_stage(args, t_start, step_s)
     corpus = build_corpus(args)
     run_dir = args.work_dir / "run"
     ckpt = latest_checkpoint(run_dir) if args.resume else None
@@ -183,6 +210,45 @@ def main(argv=None) -> int:
                "train_minutes": result.seconds / 60, "total_minutes": (time.monotonic() - t_start) / 60,
                "threads": args.threads, "last": result.last, "val": result.val, "corpus": str(corpus)}
     (args.work_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"done: {json.dumps(summary)}")
+    return 130 if result.stopped == "interrupted" else 0
+
+
+def distill_stage(args, t_start: float, step_s: float) -> int:
+    """Stage 2 (module docstring): stories260K's greedy corpus, then a --distill fine-tune of --init."""
+    from unmask.train.loop import latest_checkpoint
+    from unmask.train.sbd_adapter import train_sbd_adapter
+    from unmask.train.sbd_distill import make_story_distill_corpus
+
+    work = args.work_dir / "distill"
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = work / f"corpus-p{args.distill_prompts}-seed{args.seed}.jsonl"
+    t0 = time.monotonic()
+    summary = make_story_distill_corpus(corpus, model="stories260K", n_prompts=args.distill_prompts, seed=args.seed,
+                                        max_new_tokens=48 if args.smoke else 192, batch_size=args.gen_batch)
+    log(f"distill corpus: {summary} in {time.monotonic() - t0:.0f} s")
+    run_dir = work / "run"
+    remaining = args.minutes * 60 - (time.monotonic() - t_start) - FINISH_MARGIN_S
+    if remaining <= 30:
+        log(f"no time left to train ({remaining:.0f} s); raise --minutes")
+        return 2
+    ckpt = latest_checkpoint(run_dir) if args.resume else None
+    if ckpt is not None:
+        steps = json.loads((ckpt / "adapter.json").read_text())["training"]["config"]["steps"]
+    else:
+        steps = args.steps or max(1, int(0.92 * remaining / (step_s * (1 + 2 / max(1, args.eval_every)))))
+    log(f"distill training: {steps} steps from adapter {args.init}, {remaining / 60:.1f} min left")
+    result = train_sbd_adapter(
+        base="stories260K", data=[corpus], out=args.out, run_dir=run_dir, init=args.init, seq_len=args.seq_len,
+        block_range=tuple(args.block_range), draft_fraction=args.draft_fraction, block_size=args.block_size,
+        resume=args.resume, overwrite=not args.resume, steps=steps, batch_size=args.batch_size, lr=args.distill_lr,
+        warmup=min(50, max(1, steps // 10)), ckpt_every=args.ckpt_every, eval_every=args.eval_every, seed=args.seed,
+        max_minutes=remaining / 60, progress=False, distill=True, distill_lambda=args.distill_lambda,
+    )
+    summary = {"out": str(result.out), "step": result.step, "stopped": result.stopped,
+               "train_minutes": result.seconds / 60, "total_minutes": (time.monotonic() - t_start) / 60,
+               "threads": args.threads, "last": result.last, "val": result.val, "corpus": str(corpus)}
+    (work / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"done: {json.dumps(summary)}")
     return 130 if result.stopped == "interrupted" else 0
 

@@ -331,3 +331,14 @@ def test_train_sbd_adapter_distill_from_the_shipped_adapter(tmp_path, capsys, re
     ar = unmask.generate(prompt, unmask.load("stories260K"), "ar", max_new_tokens=24).tokens
     assert unmask.generate(prompt, bundle, "sbd", max_new_tokens=24, verify=True, block_size=8,
                            draft="linear").tokens == ar
+
+
+def test_story_prompts_are_deduplicated_and_exclude_the_held_out_openings(stories):
+    from unmask.train.data import story_prompts
+
+    first = story_prompts(stories, 24, seed=3)
+    assert first == story_prompts(stories, 24, seed=3)  # seeded
+    assert len(first) == len(set(first)) and all(first)
+    held = [first[0] + " and more", first[1][:3]]  # one opening starts a held-out one, the other is started by one
+    kept = story_prompts(stories, 24, seed=3, exclude=held)
+    assert first[0] not in kept and first[1] not in kept and set(kept) <= set(first)
