@@ -82,6 +82,8 @@ def offset_table(bundle, rows: list[dict], seq_len: int = 256) -> dict[str, floa
 
     chunks, labels = pack_labelled([r["ids"] for r in rows], [r["loss_start"] for r in rows], seq_len,
                                    separator_id(bundle.tokenizer))  # (N, L+1) each
+    if chunks.shape[0] == 0:
+        raise SystemExit(f"the held-out text fills no row of {seq_len + 1} tokens; raise --limit or --max-new-tokens")
     return offset_ce(bundle.model.eval(), chunks, labels, int(bundle.mask_token_id), K, tuple(range(K)))
 
 
