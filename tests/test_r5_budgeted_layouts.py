@@ -272,3 +272,26 @@ def test_cli_budget_runs_and_bad_budgets_are_one_line(capsys):
                    match="draft layout")
     one_line_error(capsys, "generate", "Once", "--model", "stories260K-sbd", "--verify", "--draft", "linear",
                    "--queries", "16", match="--queries")
+
+
+def test_server_budgeted_requests_run_in_their_layouts_batch_and_equal_ar():
+    pytest.importorskip("fastapi")
+    from test_serve import post
+
+    from unmask.serve import create_app
+    from unmask.serve.server import ServerThread
+
+    bundle = unmask.load("stories260K-sbd")
+    prompts = ["Once upon a time", "Tom and his dog"]
+    refs = [unmask.generate(p, bundle, "ar", max_new_tokens=24).texts[0] for p in prompts]
+    app = create_app(bundle, max_batch_size=4)
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        bodies = [{"prompt": prompts[0], "max_tokens": 24, "decoder": "sbd", "verify": True, "draft": "budget",
+                   "queries": 16},
+                  {"prompt": prompts[1], "max_tokens": 24, "decoder": "sbd", "verify": True, "draft": "3/1,3/4"}]
+        texts = [post(s.url + "/v1/completions", b)[2]["choices"][0]["text"] for b in bodies]
+        assert texts == refs
+        assert {dl.PRESETS[16], "3/1,3/4"} <= set(sched.verify)  # one running batch per layout
+        status, _, err = post(s.url + "/v1/completions", {**bodies[0], "queries": 2})
+        assert status == 400 and "query budget" in err["error"]["message"]
