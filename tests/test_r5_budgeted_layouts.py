@@ -255,17 +255,21 @@ def test_api_budget_with_queries_and_a_layout_object_equal_ar():
     texts = ["Once upon a time", "Tom and his dog"]
     want = unmask.generate(texts, bundle, "ar", max_new_tokens=32).tokens
     got = unmask.generate(texts, bundle, "sbd", max_new_tokens=32, verify=True, draft="budget", queries=16)
-    assert got.tokens == want and got.stats.extra["draft"] == dl.PRESETS[16]
+    assert got.tokens == want and got.stats.extra["draft"] == _stored(bundle)[16]  # the model's calibrated layout
     obj = unmask.generate(texts, bundle, "sbd", max_new_tokens=32, verify=True, draft=dl.parse("2/0/5"))
     assert obj.tokens == want and obj.stats.extra["draft"] == "2/0/5"
     assert got.stats.nfe < 2 * 32 * 0.75  # the shipped model's drafts are accepted
+
+
+def _stored(bundle) -> dict[int, str]:
+    return dl.stored_layouts(bundle.meta.get("decode_defaults"))
 
 
 def test_cli_budget_runs_and_bad_budgets_are_one_line(capsys):
     code, out, err = run_cli(capsys, "generate", "Once upon a time", "--model", "stories260K-sbd", "--verify",
                              "--draft", "budget", "--queries", "16", "-n", "16", "--json", "--no-progress")
     assert code == 0, err
-    assert dl.PRESETS[16] in out
+    assert _stored(unmask.load("stories260K-sbd"))[16] in out
     one_line_error(capsys, "generate", "Once", "--model", "stories260K-sbd", "--verify", "--draft", "budget",
                    "--queries", "2", match="query budget")
     one_line_error(capsys, "generate", "Once", "--model", "stories260K-sbd", "--verify", "--draft", "3/0,5/4",
@@ -292,6 +296,29 @@ def test_server_budgeted_requests_run_in_their_layouts_batch_and_equal_ar():
                   {"prompt": prompts[1], "max_tokens": 24, "decoder": "sbd", "verify": True, "draft": "3/1,3/4"}]
         texts = [post(s.url + "/v1/completions", b)[2]["choices"][0]["text"] for b in bodies]
         assert texts == refs
-        assert {dl.PRESETS[16], "3/1,3/4"} <= set(sched.verify)  # one running batch per layout
+        assert {_stored(bundle)[16], "3/1,3/4"} <= set(sched.verify)  # one running batch per layout
         status, _, err = post(s.url + "/v1/completions", {**bodies[0], "queries": 2})
         assert status == 400 and "query budget" in err["error"]["message"]
+
+
+def test_an_explicit_block_size_under_a_budgeted_default_runs_that_k_linear():
+    budget = {"draft": "budget", "queries": 16}
+    assert dl.option(None, None, budget) == "budget" and dl.option(None, 4, budget) == "linear"
+    assert dl.option("quadratic", 4, budget) == "quadratic" and dl.option(None, 4, {"draft": "quadratic"}) == "quadratic"
+    assert dl.option(None, None, {}) == "linear"
+
+
+@pytest.mark.parametrize("name,adapter", [("stories260K-sbd", None), ("stories260K", "sbd")])
+def test_shipped_models_default_to_their_calibrated_16_query_layout(name, adapter):
+    bundle = unmask.load(name, adapter=adapter)
+    d = bundle.meta["decode_defaults"]
+    assert d["draft"] == "budget" and d["queries"] == 16 and d["verify"] is True
+    stored = dl.stored_layouts(d)
+    assert set(stored) == set(dl.BUDGETS) and all(dl.parse(s).queries <= q for q, s in stored.items())
+    texts = ["Once upon a time", "Tom and his dog", "The sun was hot and Lily"]
+    want = unmask.generate(texts, unmask.load(name), "ar", max_new_tokens=48).tokens  # for the adapter: the base's AR
+    out = unmask.generate(texts, bundle, "sbd", max_new_tokens=48)
+    assert out.stats.extra["draft"] == stored[16] and out.tokens == want
+    assert out.stats.tpf > 1.5  # the shipped drafts are accepted
+    k4 = unmask.generate(texts, bundle, "sbd", max_new_tokens=48, block_size=4)
+    assert k4.stats.extra["draft"] == "linear" and k4.stats.extra["block_size"] == 4 and k4.tokens == want

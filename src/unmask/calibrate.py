@@ -89,21 +89,34 @@ def replay(rec: Recording, layout: dl.DraftLayout, *, stop_ids=(), max_new_token
     for G in {K, *layout.lengths}:
         if G not in rec.drafts:
             raise UnmaskError(f"the recording has no groups of {G}; record lengths up to {max(layout.lengths + (K,))}")
-    end = next((i for i, t in enumerate(g[:N]) if t in set(stop_ids)), N)  # first stop token, else N
+    stops = set(stop_ids)
+    end = next((i for i, t in enumerate(g[:N]) if t in stops), N)  # first stop token, else N
     produced = end + 1 if end < N else N
+    rule = _rule(layout)
     c, nfe, d, draft = 1, 1, layout.D, rec.drafts[K][0][1:K]  # the prefill: first token and a group of K
     while c < N and c <= end:
         a = 0
         while a < d and c + a < N and draft[a] == g[c + a]:
             a += 1
         nfe += 1
-        group, first, n = layout.next_draft(d, a)
-        e = layout.groups_for(d)[group] if group >= 0 else 0
+        G, e, first, n = rule[d][a]
         c_next = c + a + 1
         if c_next < N and c_next <= end and n:
-            draft = rec.drafts[layout.lengths[group]][c + e][first: first + n]
+            draft = rec.drafts[G][c + e][first: first + n]
         d, c = (n if c_next < N else 0), c_next
     return produced, nfe
+
+
+def _rule(layout: dl.DraftLayout) -> list[list[tuple[int, int, int, int]]]:
+    """``rule[d][a]`` = (group length, group prefix, first offset, length) of the next draft (spec §5.2)."""
+    out = []
+    for d in range(layout.D + 1):
+        prefixes, row = layout.groups_for(d), []
+        for a in range(d + 1):
+            group, first, n = layout.next_draft(d, a)
+            row.append((layout.lengths[group], prefixes[group], first, n) if n else (0, 0, 0, 0))
+        out.append(row)
+    return out
 
 
 def predicted_tpf(recs: list[Recording], layout: dl.DraftLayout, **kw) -> float:

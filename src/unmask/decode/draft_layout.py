@@ -153,6 +153,19 @@ def format_layouts(table: dict[int, str]) -> str:
     return " ".join(f"{q}={parse(s).spec}" for q, s in sorted(table.items()))
 
 
+def option(draft, block_size=None, defaults: dict | None = None, fallback: str = "linear"):
+    """The draft option a lossless call runs: ``draft`` when given, else the model's default
+    (decode_defaults ``draft``), except that an explicit ``block_size`` under a budgeted default
+    asks for that draft size K, which only a named layout has: then ``fallback`` (linear, the
+    default layout of K). A budget is sized by its queries, never by a block size."""
+    if draft is not None:
+        return draft
+    default = (defaults or {}).get("draft")
+    if default is None or (block_size is not None and is_layout(default)):
+        return fallback
+    return default
+
+
 def resolve(draft, queries=None, defaults: dict | None = None) -> str:
     """The draft option as the decoder takes it: ``linear``/``quadratic`` unchanged, a budgeted one
     (``budget`` with ``queries`` Q, ``budget:Q``, or ``D/S/G``) as ``D/S/G`` text: the model's stored
@@ -185,5 +198,5 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-__all__ = ["DraftLayout", "linear", "quadratic", "parse", "resolve", "is_layout", "stored_layouts", "PRESETS",
+__all__ = ["DraftLayout", "linear", "quadratic", "parse", "option", "resolve", "is_layout", "stored_layouts", "PRESETS",
            "BUDGETS", "DEFAULT_BUDGET"]

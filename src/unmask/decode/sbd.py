@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.decode import sbd_verify
+from unmask.decode import draft_layout, sbd_verify
 from unmask.decode.batching import left_pad
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
@@ -117,7 +117,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         return sbd_verify.decode(bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                  stop_token_ids=stop_token_ids, stop_strings=stop_strings,
                                  block_size=_first(block_size, defaults.get("verify_block_size"), sbd_verify.DEFAULT_BLOCK_SIZE),
-                                 draft=_first(draft, defaults.get("draft"), sbd_verify.DEFAULT_DRAFT),
+                                 draft=draft_layout.option(draft, block_size, defaults, sbd_verify.DEFAULT_DRAFT),
                                  queries=queries, on_forward=on_forward, on_step=on_step, compile=compile, static=static)
     for name, value in (("compile", compile), ("static", static)):
         if not isinstance(value, bool):

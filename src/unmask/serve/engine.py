@@ -242,8 +242,9 @@ class Scheduler:
             return None  # its decode call reports the contradiction
         if lossless:  # a budgeted draft as its D/S/G text: one running batch per layout
             try:
-                return "verify", draft_layout.resolve(next(v for v in (job.options.get("draft"), self.defaults.get(
-                    "draft"), sbd_verify.DEFAULT_DRAFT) if v is not None), job.options.get("queries"), self.defaults)
+                draft = draft_layout.option(job.options.get("draft"), job.options.get("block_size"), self.defaults,
+                                            sbd_verify.DEFAULT_DRAFT)
+                return "verify", draft_layout.resolve(draft, job.options.get("queries"), self.defaults)
             except UnmaskError:
                 return None  # its decode call reports the bad budget
         if job.decoder == "diffusion" and "schedule" in job.options:  # Dream's schedule: a running batch of its own
