@@ -309,16 +309,16 @@ def test_an_explicit_block_size_under_a_budgeted_default_runs_that_k_linear():
 
 
 @pytest.mark.parametrize("name,adapter", [("stories260K-sbd", None), ("stories260K", "sbd")])
-def test_shipped_models_default_to_their_calibrated_16_query_layout(name, adapter):
+def test_shipped_models_budget_uses_their_calibrated_layouts(name, adapter):
     bundle = unmask.load(name, adapter=adapter)
     d = bundle.meta["decode_defaults"]
-    assert d["draft"] == "budget" and d["queries"] == 16 and d["verify"] is True
+    assert d["queries"] == 16 and d["verify"] is True
     stored = dl.stored_layouts(d)
     assert set(stored) == set(dl.BUDGETS) and all(dl.parse(s).queries <= q for q, s in stored.items())
     texts = ["Once upon a time", "Tom and his dog", "The sun was hot and Lily"]
     want = unmask.generate(texts, unmask.load(name), "ar", max_new_tokens=48).tokens  # for the adapter: the base's AR
-    out = unmask.generate(texts, bundle, "sbd", max_new_tokens=48)
+    out = unmask.generate(texts, bundle, "sbd", max_new_tokens=48, draft="budget")
     assert out.stats.extra["draft"] == stored[16] and out.tokens == want
     assert out.stats.tpf > 1.5  # the shipped drafts are accepted
-    k4 = unmask.generate(texts, bundle, "sbd", max_new_tokens=48, block_size=4)
-    assert k4.stats.extra["draft"] == "linear" and k4.stats.extra["block_size"] == 4 and k4.tokens == want
+    q32 = unmask.generate(texts, bundle, "sbd", max_new_tokens=48, draft="budget", queries=32)
+    assert q32.stats.extra["draft"] == stored[32] and q32.tokens == want
