@@ -3,7 +3,9 @@
 On the same story openings (greedy, 128 new tokens, 1 thread) and for each model:
   * AR (the baseline; run first and last, its TPS is the mean of both runs; for NAME+ADAPTER it
     runs on the plain NAME, the model the user had before the adapter),
-  * lossless SBD (spec/sbd_exact.md) at k in {2, 4, 8, 16}, quadratic and linear drafting,
+  * lossless SBD (spec/sbd_exact.md) at k in {2, 4, 8, 16}, quadratic and linear drafting, and the
+    model's budgeted layouts (spec §5) for 8, 16, 24 and 32 query tokens per row per forward, with the
+    replay's predicted TPF (unmask.calibrate, recorded on the same prompts) beside the measured one,
   * the lossy EB sampler (γ = 0.35) at k in {4, 8, 16}, the shipped lossy default included,
 at batch 1 and batch 8. Columns: NFE (summed per-row forwards), TPF, TPS, the TPS ratio vs AR,
 the number of prompts whose tokens are identical to AR, the acceptance histogram (tokens
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 import unmask
+from unmask.decode import draft_layout
 from unmask.eval.story_openings import STORY_OPENINGS
 from unmask.fileio import atomic_write_json, atomic_write_text
 
@@ -47,6 +50,8 @@ def parse_args():
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--blocks", default=",".join(map(str, BLOCKS)))
     p.add_argument("--drafts", default="quadratic,linear")
+    p.add_argument("--budgets", default="8,16,24,32", help="query budgets of the budgeted rows ('' for none)")
+    p.add_argument("--no-replay", action="store_true", help="skip the replay's predicted TPF of the lossless rows")
     p.add_argument("--eb-blocks", default=",".join(map(str, EB_BLOCKS)))
     p.add_argument("--out-dir", type=Path, default=Path("runs/bench_sbd_lossless"))
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = leave as is)")
@@ -60,18 +65,20 @@ def load(spec: str):
 
 def run(bundle, prompts, decoder, batch_size, max_new_tokens, **options) -> dict:
     """Decode every prompt in batches; sums of per-row forwards, forward calls, tokens, seconds."""
-    tokens, nfe_rows, calls, seconds, accepts = [], 0, 0, 0.0, {}
+    tokens, nfe_rows, calls, seconds, accepts, stops = [], 0, 0, 0.0, {}, 0
     for s in range(0, len(prompts), batch_size):
         out = unmask.generate(prompts[s:s + batch_size], bundle, decoder, max_new_tokens=max_new_tokens, **options)
         tokens += out.tokens
         nfe_rows += sum(out.stats.nfe_per_row)
         calls += out.stats.nfe
         seconds += out.stats.seconds
+        stops += sum(out.stats.stops_per_row)
         for k, v in out.stats.extra.get("accepts", {}).items():
             accepts[int(k)] = accepts.get(int(k), 0) + v
     generated = sum(len(t) for t in tokens)
     return {"tokens": tokens, "nfe": nfe_rows, "calls": calls, "generated": generated, "seconds": seconds,
-            "tpf": generated / max(1, nfe_rows), "tps": generated / seconds, "ms_per_call": 1000 * seconds / calls,
+            "tpf": generated / max(1, nfe_rows), "tpf_stats": (generated + stops) / max(1, nfe_rows),
+            "tps": generated / seconds, "ms_per_call": 1000 * seconds / calls,
             "accepts": dict(sorted(accepts.items()))}
 
 
@@ -81,10 +88,14 @@ def bench_model(spec: str, prompts: list[str], args) -> list[dict]:
     ar_bundle = unmask.load(spec.partition("+")[0]) if "+" in spec else bundle
     defaults = bundle.meta.get("decode_defaults") or {}
     rows = []
+    predicted = _replay(bundle, prompts, args)
     for bs in map(int, args.batch_sizes.split(",")):
         ar_first = run(ar_bundle, prompts, "ar", bs, args.max_new_tokens)
         configs = [("lossless", k, d, dict(verify=True, block_size=k, draft=d))
                    for k in map(int, args.blocks.split(",")) for d in args.drafts.split(",")]
+        for q in map(int, filter(None, args.budgets.split(","))):  # the model's stored layout for q queries
+            lay = draft_layout.parse(draft_layout.resolve("budget", q, defaults))
+            configs.append(("lossless", lay.D + 1, f"budget {q}: {lay.spec}", dict(verify=True, draft=lay.spec)))
         configs += [("eb", k, f"γ={EB_GAMMA}", dict(verify=False, block_size=k, gamma=EB_GAMMA))
                     for k in map(int, filter(None, args.eb_blocks.split(",")))]  # --eb-blocks "": none
         results = [(name, k, d, run(bundle, prompts, "sbd", bs, args.max_new_tokens, **opts))
@@ -94,34 +105,57 @@ def bench_model(spec: str, prompts: list[str], args) -> list[dict]:
         ar_tps = (ar_first["tps"] + ar_last["tps"]) / 2
         ar_ms = (ar_first["ms_per_call"] + ar_last["ms_per_call"]) / 2
         base = {"model": spec, "batch": bs}
-        rows.append({**base, "decoder": "ar", "k": 1, "draft": "-", **_cols(ar_first, ar_first, ar_tps, ar_ms),
+        rows.append({**base, "decoder": "ar", "k": 1, "draft": "-", "queries": 1, **_cols(ar_first, ar_first, ar_tps, ar_ms),
                      "tps": ar_tps, "tps_ratio": 1.0, "ms_per_call": ar_ms, "ms_ratio": 1.0,
                      "ar_tps_first_last": [ar_first["tps"], ar_last["tps"]]})
-        for name, k, d, r in results:
-            default = (name == "lossless" and k == defaults.get("verify_block_size") and d == defaults.get("draft")
-                       and defaults.get("verify"))
-            rows.append({**base, "decoder": name, "k": k, "draft": d, "default": bool(default),
-                         **_cols(r, ar_first, ar_tps, ar_ms)})
+        for (name, k, d, opts), (_, _, _, r) in zip(configs, results):
+            lay = _layout(k, opts.get("draft")) if name == "lossless" else None
+            if defaults.get("draft") == "budget":
+                default = lay is not None and lay.spec == draft_layout.resolve("budget", None, defaults)
+            else:
+                default = (name == "lossless" and k == defaults.get("verify_block_size") and d == defaults.get("draft"))
+            extra = {} if lay is None else {"queries": lay.queries, "predicted_tpf": predicted(lay)}
+            rows.append({**base, "decoder": name, "k": k, "draft": d, "default": bool(default and defaults.get("verify")),
+                         **_cols(r, ar_first, ar_tps, ar_ms), **extra})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "accepts"}), flush=True)
     return rows
 
 
+def _layout(k: int, draft: str):
+    """The D/S/G layout a lossless row runs (linear / quadratic of draft size k, or budgeted text)."""
+    return {"linear": draft_layout.linear, "quadratic": draft_layout.quadratic}[draft](k) if draft in (
+        "linear", "quadratic") else draft_layout.parse(draft)
+
+
+def _replay(bundle, prompts: list[str], args):
+    """layout -> the replay's predicted TPF (stop tokens counted, as DecodeStats.tpf) on these prompts,
+    recorded once per model (spec §5.4); None for layouts with groups longer than 8 or --no-replay."""
+    if args.no_replay:
+        return lambda lay: None
+    from unmask import calibrate
+
+    recs = calibrate.record(bundle, [bundle.encode(p) for p in prompts], max_new_tokens=args.max_new_tokens)
+    kw = dict(stop_ids=tuple(bundle.stop_token_ids), max_new_tokens=args.max_new_tokens)
+    return lambda lay: (calibrate.predicted_tpf(recs, lay, **kw) if max(*lay.lengths, lay.D + 1) <= 8 else None)
+
+
 def _cols(r: dict, ar: dict, ar_tps: float, ar_ms: float) -> dict:
     same = sum(a == b for a, b in zip(r["tokens"], ar["tokens"]))
-    return {"nfe": r["nfe"], "tpf": r["tpf"], "tps": r["tps"], "tps_ratio": r["tps"] / ar_tps,
+    return {"nfe": r["nfe"], "tpf": r["tpf"], "tpf_stats": r["tpf_stats"], "tps": r["tps"], "tps_ratio": r["tps"] / ar_tps,
             "identical": same, "prompts": len(ar["tokens"]), "accepts": r["accepts"],
             "ms_per_call": r["ms_per_call"], "ms_ratio": r["ms_per_call"] / ar_ms}
 
 
 def markdown(rows: list[dict], targets: list[dict]) -> str:
-    head = ("| model | batch | decoder | k | draft | NFE | TPF | TPS | TPS vs AR | identical to AR | "
-            "ms/forward vs AR | accepts (tokens: count) |\n|" + "---|" * 12 + "\n")
+    head = ("| model | batch | decoder | k | draft | queries/forward | NFE | TPF | TPF incl. stop (replay) | TPS | "
+            "TPS vs AR | identical to AR | ms/forward vs AR | accepts (tokens: count) |\n|" + "---|" * 14 + "\n")
     lines = []
     for r in rows:
         name = f"**{r['decoder']} (default)**" if r.get("default") else r["decoder"]
         acc = " ".join(f"{k}:{v}" for k, v in r["accepts"].items()) or "-"
-        lines.append(f"| {r['model']} | {r['batch']} | {name} | {r['k']} | {r['draft']} | {r['nfe']} | "
-                     f"{r['tpf']:.2f} | {r['tps']:.0f} | {r['tps_ratio']:.2f}x | {r['identical']}/{r['prompts']} | "
+        pred = "" if r.get("predicted_tpf") is None else f" ({r['predicted_tpf']:.3f})"
+        lines.append(f"| {r['model']} | {r['batch']} | {name} | {r['k']} | {r['draft']} | {r.get('queries', '-')} | "
+                     f"{r['nfe']} | {r['tpf']:.2f} | {r['tpf_stats']:.3f}{pred} | {r['tps']:.0f} | {r['tps_ratio']:.2f}x | {r['identical']}/{r['prompts']} | "
                      f"{r['ms_ratio']:.2f}x | {acc} |")
     out = head + "\n".join(lines) + "\n"
     if targets:

@@ -64,7 +64,10 @@ def generate_cmd(
     verify: bool = typer.Option(None, "--verify/--no-verify",
                                 help="sbd: lossless SBD, the NTP mode verifies the block-mode draft (output = ar); "
                                      "default from the model"),
-    draft: str = typer.Option(None, "--draft", help="sbd --verify: draft layout, linear (default) or quadratic"),
+    draft: str = typer.Option(None, "--draft", help="sbd --verify: draft layout, linear (default), quadratic, "
+                              "budget (the model's calibrated layout for --queries) or D/S/G text such as 3/0,2,3/4"),
+    queries: int = typer.Option(None, "--queries", help="sbd --verify --draft budget: query tokens per row per "
+                                "forward (default: the model's, else 16)"),
     reference_nfe: bool = typer.Option(False, "--reference-nfe", help="dLLM decoders (diffusion, early-bird, block, "
                                        "multiblock): decode the whole canvas as the reference code does, not stopping "
                                        "after the EOS block, so NFE equals theirs (the text is still cut at EOS)"),
@@ -109,7 +112,7 @@ def generate_cmd(
                "factor_compat": factor_compat,
                "tokens_per_step": tokens_per_step, "eta": eta, "block_size": block_size, "gen_length": gen_length,
                "steps": steps, "cache": cache, "slots": slots, "tau_add": tau_add, "tau_semi": tau_semi,
-               "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps, "verify": verify, "draft": draft,
+               "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps, "verify": verify, "draft": draft, "queries": queries,
                "schedule": schedule, "alg": alg}
     options = {k: v for k, v in options.items() if v is not None}
     if compile:

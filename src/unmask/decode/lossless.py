@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from unmask.decode import sbd_verify as sv
-from unmask.decode.sbd_verify import advance, compact, embedded_layout, queries
+from unmask.decode.sbd_verify import advance, compact, family, queries, window_layout
 from unmask.decode.kv import DynamicKV, StaticKV, place
 from unmask.decode.running import Request, Row, Slots
 from unmask.errors import UnmaskError
@@ -68,7 +68,6 @@ class Verify:
         self.on_step, self.on_token, self.on_forward = on_step, on_token, on_forward
         self.static, self.compile = bool(static or compile), bool(compile)
         self.ar, self.default_K = ar, 1 if ar else cfg.block_size  # ar: rows join as AR rows (K = 1)
-        self.linear = cfg.draft == "linear"
         self.mask_id = -1 if bundle.mask_token_id is None else bundle.mask_token_id
         self.suppress = list(bundle.suppress_ids)
         stop_ids = sorted(set(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids))
@@ -88,7 +87,7 @@ class Verify:
         self.n = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) committed tokens
         self.N = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) max_new_tokens
         self.live = torch.zeros(cap, dtype=torch.bool, device=dev)  # (cap,)
-        self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # Kmax -> embedded_layout
+        self._layouts: dict[int, tuple[torch.Tensor, ...]] = {}  # Kmax -> window_layout of the draft layout
         if self.static:
             L = length or bundle.context_length + 2 * queries(max(cfg.block_size, 2), cfg.draft)
             self.kv = StaticKV(self.model, cap, L, compile=compile, cpp_wrapper=True)  # CPU: AR 0.48 -> 0.29 ms
@@ -114,7 +113,7 @@ class Verify:
         1 with ``ar``; 1: AR rows). Returns the rows finished by their first token (a stop token, a stop string or
         ``max_new_tokens`` <= 1), never added. Raises UnmaskError, before any request joins, for an
         empty prompt or more requests than free slots."""
-        K = self.default_K if block_size is None else int(block_size)
+        K = self.default_K if block_size is None else self.cfg.row_size(int(block_size))
         if K < 1:
             raise UnmaskError(f"a draft size must be >= 1 (got {K}); 1 means plain AR steps")
         if any(len(r.prompt_ids) == 0 for r in requests):  # the verify step needs a cached prefix
@@ -189,6 +188,7 @@ class Verify:
     def resize(self, K: int, ids=None) -> None:
         """Set the draft size of the greedy running rows ``ids`` (job ids; None: all) to K from the next
         step on: a draft is cut to K - 1 (any greedy draft is lossless). Sampled rows keep their K."""
+        K = self.cfg.row_size(K)
         want = None if ids is None else set(ids)
         moved = [r.slot for r in self.rows.values() if (want is None or r.job.id in want)
                  and r.job.sampling.greedy and r.K != K]
@@ -214,11 +214,10 @@ class Verify:
         R = self._rows_in_forward()
         self._reclaim(Q)
         C, dev = self.kv.length, self.device
-        lay_m, lay_o = self._layouts.get(Kmax) or self._layouts.setdefault(
-            Kmax, embedded_layout(Kmax, self.cfg.draft, dev))
+        lay_m, lay_o, self._src, lay_n = self._layouts.get(Kmax) or self._layouts.setdefault(
+            Kmax, window_layout(family(self.cfg.draft, Kmax), dev))
         K, dl, s = self.K[:R], self.draft_len[:R], self.s[:R, : Kmax - 1].clone()  # the draft _accept replaces
-        L = dl + 1 if self.linear else K  # (R,) verify tokens the group follows
-        m, o = lay_m[K - 1, L - 1], lay_o[K - 1, L - 1]  # (R, Q, Q), (R, Q)
+        m, o = lay_m[K - 1, dl], lay_o[K - 1, dl]  # (R, Q, Q), (R, Q): each row's layout for its draft length
         draft_in = torch.where(torch.arange(Kmax - 1, device=dev)[None, :] < dl[:, None], s, self.mask_id)  # (R, Kmax-1)
         inp = torch.cat([self.b[:R, None], draft_in, torch.full((R, Q - Kmax), self.mask_id, dtype=torch.long,
                                                                 device=dev)], dim=1)  # (R, Q)
@@ -231,8 +230,8 @@ class Verify:
             logits[..., self.suppress] = float("-inf")
         a, step_tok = self._accept(logits, R, Kmax, s, dl)  # (R,), (R, Kmax)
         live = self.live[:R]
-        committed, new, n, nxt, ended = advance(a, step_tok, dl, K, self.n[:R], self.N[:R], live, self.stops,
-                                                self.linear)
+        committed, new, n, nxt, ended = advance(a, step_tok, self.n[:R], self.N[:R], live, self.stops,
+                                                lay_n[K - 1, dl, a])  # next draft lengths (spec §5.2)
         self.b[:R] = torch.where(live, step_tok.gather(1, a[:, None])[:, 0], self.b[:R])
         self.p_b[:R] += committed
         self.n[:R], self.draft_len[:R] = n, nxt
@@ -298,9 +297,8 @@ class Verify:
         top = logits.argmax(dim=-1)  # (R, Q): NTP targets at b, s_1..s_{Kmax-1}, then the groups' fills
         step_tok = top[:, :Kmax]  # (R, Kmax): accepted drafts equal their targets, then the bonus
         a = sv.greedy_accept(step_tok, s, dl)  # (R,)
-        g = a if not self.linear else torch.zeros_like(a)  # the group the next draft comes from
-        at_q = (Kmax + g[:, None] * Kmax + torch.arange(1, Kmax, device=dev)).clamp(max=logits.shape[1] - 1)  # (R, Kmax-1)
-        self.s[:R, : Kmax - 1] = top.gather(1, at_q)
+        K = self.K[:R]
+        self.s[:R, : Kmax - 1] = top.gather(1, self._src[K - 1, dl, a][:, : Kmax - 1])  # (R, Kmax-1) spec §5.2
         sampled = {k: v for k, v in _groups(self.rows.items(), lambda r: (r.job.sampling, r.K)).items()
                    if not k[0].greedy}
         if not sampled:
@@ -310,8 +308,8 @@ class Verify:
             idx = torch.tensor(slots, dtype=torch.long, device=dev)  # (n,)
             gens = [self.rows[i].generator for i in slots]
             q = None if K == 1 else self.q[idx, : K - 1]
-            a[idx], step_tok[idx, :K], s_i, q_i = sv.accept_sampled(logits[idx], q, s[idx, : K - 1], dl[idx], K, Kmax,
-                                                                    self.linear, sampling, gens)
+            a[idx], step_tok[idx, :K], s_i, q_i = sv.accept_sampled(logits[idx], q, s[idx, : K - 1], dl[idx], K,
+                                                                    self._src[K - 1], sampling, gens)
             if K > 1:
                 self.s[idx, : K - 1], self.q[idx, : K - 1] = s_i, q_i
         return a, step_tok

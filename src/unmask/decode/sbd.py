@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.decode import sbd_verify
+from unmask.decode import draft_layout, sbd_verify
 from unmask.decode.batching import left_pad
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
@@ -33,7 +33,7 @@ from unmask.sampling import Sampling
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PRESET = "chat-low"
 # decode_defaults keys of lossless SBD (spec/sbd_exact.md); "block_size" stays the lossy path's
-LOSSLESS_KEYS = ("verify", "draft", "verify_block_size")
+LOSSLESS_KEYS = ("verify", "draft", "verify_block_size", "queries", "draft_layouts")
 
 
 @dataclass(frozen=True)
@@ -80,13 +80,14 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
            policy: str | None = None, gamma: float | str | None = None, preset: str | None = None,
            tau: float | None = None, factor: float | None = None, tokens_per_step: int | None = None,
-           verify: bool | None = None, draft: str | None = None, on_forward=None, on_step=None,
-           compile: bool = False, static: bool = False) -> DecodeOutput:
+           verify: bool | None = None, draft: str | None = None, queries: int | None = None, on_forward=None,
+           on_step=None, compile: bool = False, static: bool = False) -> DecodeOutput:
     """SBD block decoding of a batch (SBD Alg. 2–3, §4.1 fused re-feed, §4.2 accounting).
 
     ``verify=True`` runs lossless SBD instead (spec/sbd_exact.md, :mod:`unmask.decode.sbd_verify`):
     the block mode only drafts, the NTP mode verifies in the same forward, and the output equals
-    ``ar`` decoding of the same model; ``draft`` picks its layout (quadratic or linear) and the
+    ``ar`` decoding of the same model; ``draft`` picks its layout (quadratic, linear, or budget with
+    ``queries`` query tokens per row: the checkpoint's calibrated layout, spec §5) and the
     commit-policy options do not apply. ``verify=None`` takes the checkpoint's ``decode_defaults``
     unless a policy option is given (then the lossy EB path runs). ``compile=True`` runs the
     static-cache, compiled fast path (lossless: :mod:`unmask.decode.static`; lossy: this loop on a
@@ -111,13 +112,13 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                       "--tokens-per-step": tokens_per_step}
     given = [flag for flag, value in policy_options.items() if value is not None]
     defaults = dict(bundle.meta.get("decode_defaults") or {})
-    lossless = _lossless(verify, given, draft, defaults)
+    lossless = _lossless(verify, given, draft if queries is None else "budget", defaults)
     if lossless:
         return sbd_verify.decode(bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                  stop_token_ids=stop_token_ids, stop_strings=stop_strings,
                                  block_size=_first(block_size, defaults.get("verify_block_size"), sbd_verify.DEFAULT_BLOCK_SIZE),
-                                 draft=_first(draft, defaults.get("draft"), sbd_verify.DEFAULT_DRAFT),
-                                 on_forward=on_forward, on_step=on_step, compile=compile, static=static)
+                                 draft=draft_layout.option(draft, block_size, defaults, sbd_verify.DEFAULT_DRAFT),
+                                 queries=queries, on_forward=on_forward, on_step=on_step, compile=compile, static=static)
     for name, value in (("compile", compile), ("static", static)):
         if not isinstance(value, bool):
             raise UnmaskError(f"{name} must be True or False (got {value!r}); pass {name}=True")

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from unmask.decode import draft_layout as dl
 from unmask.decode.batching import left_pad
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
@@ -46,7 +47,10 @@ DEFAULT_BLOCK_SIZE = 8
 
 @dataclass(frozen=True)
 class VerifyConfig:
-    """Draft block size K (the SBD block size, >= 2) and the drafting layout (spec §1)."""
+    """Draft block size K (the SBD block size, >= 2) and the drafting layout: ``linear``,
+    ``quadratic`` (spec §1) or a budgeted one (spec §5.1: ``budget``, ``budget:Q``, ``D/S/G`` text or
+    a :class:`~unmask.decode.draft_layout.DraftLayout`, kept as its ``D/S/G`` text; then K = D + 1,
+    whatever ``block_size`` says). Raises UnmaskError for a bad size or layout."""
 
     block_size: int = DEFAULT_BLOCK_SIZE
     draft: str = DEFAULT_DRAFT
@@ -55,8 +59,22 @@ class VerifyConfig:
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 2:
             raise UnmaskError(f"lossless SBD needs a block size >= 2 (got {self.block_size!r}); "
                               "pass e.g. --block-size 8")
-        if self.draft not in DRAFTS:
-            raise UnmaskError(f"unknown draft layout {self.draft!r}; choose one of {', '.join(DRAFTS)}")
+        draft = self.draft.spec if isinstance(self.draft, dl.DraftLayout) else self.draft
+        if dl.is_layout(draft):
+            draft = dl.resolve(draft)  # frozen: the resolved text and its K are set once, here
+            object.__setattr__(self, "draft", draft)
+            object.__setattr__(self, "block_size", dl.parse(draft).D + 1)
+        elif draft not in DRAFTS:
+            raise UnmaskError(f"unknown draft layout {draft!r}; choose one of {', '.join(DRAFTS)}, budget "
+                              "(with --queries Q) or D/S/G text such as 3/0,2,3/4")
+
+    @property
+    def budgeted(self) -> bool:
+        return self.draft not in DRAFTS
+
+    def row_size(self, K: int) -> int:
+        """The draft size a row asking for K runs at: K, or at most D + 1 under a budgeted layout."""
+        return min(K, self.block_size) if self.budgeted else K
 
 
 @dataclass(frozen=True)
@@ -105,8 +123,68 @@ def step_layout(K: int, draft: str, device=None) -> StepLayout:
 
 
 def queries(K: int, draft: str) -> int:
-    """Query tokens per row of a step of draft size K: 1 for an AR step, else K + G·K (spec §1)."""
-    return 1 if K == 1 else K + (K if draft == "quadratic" else 1) * K
+    """Query tokens per row of a step of draft size K: 1 for an AR step, else the step window of
+    draft sizes up to K (:func:`window`; K + G·K for linear and quadratic, spec §1 and §5.1)."""
+    return 1 if K == 1 else window(family(draft, K))[2]
+
+
+def family(draft: str, Kmax: int) -> list:
+    """The layout of each draft size K = 1..Kmax (index K - 1; None: an AR step): ``linear(K)``,
+    ``quadratic(K)``, or a budgeted ``D/S/G`` layout cut to K - 1 draft tokens (spec §5.1)."""
+    if draft in DRAFTS:
+        make = dl.quadratic if draft == "quadratic" else dl.linear
+        return [None] + [make(K) for K in range(2, Kmax + 1)]
+    lay = dl.parse(draft)
+    return [None] + [lay.truncated(K - 1) for K in range(2, Kmax + 1)]
+
+
+def window(layouts: list) -> tuple[int, list[int], int]:
+    """The step's query window for these layouts (index K - 1): verify token j at query j < Kmax,
+    group slot h at ``Kmax + starts[h]``, slot h as long as the longest h-th group of any layout.
+    Returns (Kmax, starts, Q). Pure."""
+    Kmax, starts, Q = len(layouts), [], len(layouts)
+    slots = max((len(l.lengths) for l in layouts if l is not None), default=0)
+    for h in range(slots):
+        starts.append(Q - Kmax)
+        Q += max((l.lengths[h] for l in layouts if l is not None and h < len(l.lengths)), default=0)
+    return Kmax, starts, Q
+
+
+def window_layout(layouts: list, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row's step layout and next-draft rule inside one query window (:func:`window`). Pure.
+
+    Returns mask (Kmax, Kmax, Q, Q) bool and offsets (Kmax, Kmax, Q) long, indexed [K - 1, d] for a
+    row of draft size K with a d-token draft; src (Kmax, Kmax, Kmax, max(Kmax - 1, 1)) long, the
+    window query of each next-draft token, and length (Kmax, Kmax, Kmax) long, the next draft's
+    length, both indexed [K - 1, d, a] after accepting a (spec §5.2). Verify token j (<= D) sees
+    verify tokens 0..j at offset j; a group after prefix e (:meth:`DraftLayout.groups_for`) sees
+    verify tokens 0..e and itself, its offset o at e + 1 + o; every other query sees only itself
+    at offset 0 (never an all-masked query row). K = 1 is the AR step: query 0 alone."""
+    Kmax, starts, Q = window(layouts)
+    mask = torch.eye(Q, dtype=torch.bool).repeat(Kmax, Kmax, 1, 1)  # (Kmax, Kmax, Q, Q)
+    offsets = torch.zeros((Kmax, Kmax, Q), dtype=torch.long)
+    src = torch.zeros((Kmax, Kmax, Kmax, max(Kmax - 1, 1)), dtype=torch.long)
+    length = torch.zeros((Kmax, Kmax, Kmax), dtype=torch.long)
+    for k, lay in enumerate(layouts):
+        if lay is None:
+            continue
+        V = lay.D + 1
+        for d in range(V):
+            m = mask[k, d]  # (Q, Q) view
+            m[:V, :V] = torch.ones(V, V, dtype=torch.bool).tril()  # causal verify part
+            offsets[k, d, :V] = torch.arange(V)
+            for g, (e, G) in enumerate(zip(lay.groups_for(d), lay.lengths)):
+                at = slice(Kmax + starts[g], Kmax + starts[g] + G)  # the group's queries
+                m[at, : e + 1] = True
+                m[at, at] = True
+                offsets[k, d, at] = e + 1 + torch.arange(G)
+            for a in range(d + 1):
+                g, first, n = lay.next_draft(d, a)
+                length[k, d, a] = n
+                if n:
+                    src[k, d, a, :n] = Kmax + starts[g] + first + torch.arange(n)
+    dev = dict(device=device)
+    return mask.to(**dev), offsets.to(**dev), src.to(**dev), length.to(**dev)
 
 
 def embedded_layout(Kmax: int, draft: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,35 +194,26 @@ def embedded_layout(Kmax: int, draft: str, device=None) -> tuple[torch.Tensor, t
     for a row of draft size K whose group follows L verify tokens (linear; quadratic uses L = K):
     the layout of :func:`step_layout` with verify token j at query j and
     group g's offset o at query Kmax + g·Kmax + o; the other queries are padding that see only
-    themselves (never an all-masked query row) at offset 0. K = 1 is the AR step: query 0 alone."""
-    Q = queries(Kmax, draft)
-    mask = torch.eye(Q, dtype=torch.bool, device=device).repeat(Kmax, Kmax, 1, 1)  # (Kmax, Kmax, Q, Q)
-    offsets = torch.zeros((Kmax, Kmax, Q), dtype=torch.long, device=device)
-    for K in range(2, Kmax + 1):
-        lay = step_layout(K, draft, device)
-        q = torch.arange(lay.queries, device=device)  # (Q_K,)
-        at = torch.where(q < K, q, Kmax + (q - K) // K * Kmax + (q - K) % K)  # (Q_K,) query index in the window
-        for L in range(K):
-            mask[K - 1, L][at[:, None], at[None, :]] = lay.mask[L]  # (Q_K, Q_K) into (Q, Q)
-            offsets[K - 1, L, at] = lay.offsets[L]
+    themselves (never an all-masked query row) at offset 0. K = 1 is the AR step: query 0 alone.
+    (:func:`window_layout` of :func:`family`: L - 1 is the row's draft length.)"""
+    mask, offsets, _, _ = window_layout(family(draft, Kmax), device)
     return mask, offsets
 
 
-def advance(a: torch.Tensor, step_tok: torch.Tensor, draft_len: torch.Tensor, K: torch.Tensor, n: torch.Tensor,
-            N: torch.Tensor, live: torch.Tensor, stops: torch.Tensor, linear: bool):
+def advance(a: torch.Tensor, step_tok: torch.Tensor, n: torch.Tensor, N: torch.Tensor, live: torch.Tensor,
+            stops: torch.Tensor, next_len: torch.Tensor):
     """The commit rule of a step (spec §1, Accept). Pure.
 
-    a (R,) accepted draft tokens; step_tok (R, W) the step's ids (the first a + 1 committed); draft_len
-    (R,), K (R,) draft sizes, n (R,) committed counts, N (R,) budgets, live (R,) bool rows; stops (S,)
-    stop ids. A dead slot commits nothing. Returns committed (R,), new (R, W) bool (which of step_tok
-    are committed), n (R,), draft_len (R,) of the next draft (linear: usable only after a fully
-    accepted one, K - 1 = 0 for AR rows) and ended (R,) bool (a stop token committed or N reached)."""
+    a (R,) accepted draft tokens; step_tok (R, W) the step's ids (the first a + 1 committed); n (R,)
+    committed counts, N (R,) budgets, live (R,) bool rows; stops (S,) stop ids; next_len (R,) the
+    next draft's length (:func:`window_layout`'s ``length``; 0 for AR rows). A dead slot commits
+    nothing. Returns committed (R,), new (R, W) bool (which of step_tok are committed), n (R,),
+    draft_len (R,) of the next draft and ended (R,) bool (a stop token committed or N reached)."""
     committed = (a + 1) * live  # (R,)
     new = torch.arange(step_tok.shape[1], device=a.device)[None, :] < committed[:, None]  # (R, W)
     n = n + committed
-    nxt = torch.where(a == draft_len, K - 1, 0) if linear else K - 1  # (R,)
     ended = ((torch.isin(step_tok, stops) & new).any(dim=1) | (n >= N)) & live  # (R,)
-    return committed, new, n, nxt, ended
+    return committed, new, n, next_len, ended
 
 
 def compact(kv, key_valid: torch.Tensor, M: int) -> torch.Tensor:
@@ -244,21 +313,22 @@ def prefill_draws(logits: torch.Tensor, K: int, groups: dict) -> tuple:
     return b, s, q
 
 
-def accept_sampled(logits: torch.Tensor, q, s: torch.Tensor, draft_len: torch.Tensor, K: int, Kmax: int,
-                   linear: bool, sampling: Sampling, gens) -> tuple:
+def accept_sampled(logits: torch.Tensor, q, s: torch.Tensor, draft_len: torch.Tensor, K: int, src: torch.Tensor | None,
+                   sampling: Sampling, gens) -> tuple:
     """Accept and redraft rows of one sampling setting and draft size K inside a step's query window
-    (:func:`embedded_layout` of Kmax; spec §1, Accept, sampling): logits (n, Q, V), q (n, K-1, V) the
-    draft's proposals, s (n, K-1), draft_len (n,), one generator per row. K = 1 draws AR's token with
-    :func:`unmask.sampling.sample`, as ``ar.decode`` does. Returns a (n,), step_tok (n, K) (the first
-    a + 1 committed), the next draft (n, K-1) and its proposals (n, K-1, V) (None for K = 1)."""
+    (:func:`window_layout`; spec §1, Accept, sampling): logits (n, Q, V), q (n, K-1, V) the
+    draft's proposals, s (n, K-1), draft_len (n,), src (Kmax, Kmax, W) the window queries of the next
+    draft by [d, a] (this K's slice of ``window_layout``'s ``src``), one generator per row. K = 1
+    draws AR's token with :func:`unmask.sampling.sample`, as ``ar.decode`` does. Returns a (n,),
+    step_tok (n, K) (the first a + 1 committed), the next draft (n, K-1) and its proposals
+    (n, K-1, V) (None for K = 1; past the next draft's length they are unused)."""
     if K == 1:
         return torch.zeros(len(gens), dtype=torch.long, device=logits.device), sample(logits[:, :1], sampling, gens), None, None
     a, last = speculative_accept(_probs(logits[:, :K], sampling), q, s, draft_len, gens)
     ar = torch.arange(K, device=a.device)
     tok = torch.where(ar[None, :] < a[:, None], torch.cat([s, s[:, :1]], dim=1), 0)  # (n, K)
     tok = tok.scatter(1, a[:, None], last[:, None])
-    g = torch.zeros_like(a) if linear else a  # the group the next draft comes from
-    at = (Kmax + g[:, None] * Kmax + torch.arange(1, K, device=a.device))[:, :, None]  # (n, K-1, 1) query index
+    at = src[draft_len, a][:, : K - 1, None]  # (n, K-1, 1) window query of each next-draft token (spec §5.2)
     s_next, q_next = _draw(logits.gather(1, at.expand(-1, -1, logits.shape[2])), sampling, gens)  # (n, K-1), (n, K-1, V)
     return a, tok, s_next, q_next
 
@@ -294,15 +364,17 @@ def _draw(logits: torch.Tensor, sampling: Sampling, generator) -> tuple[torch.Te
 @torch.inference_mode()
 def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int = DEFAULT_BLOCK_SIZE,
-           draft: str = DEFAULT_DRAFT, on_forward=None, on_step=None, compile: bool = False,
-           static: bool = False) -> DecodeOutput:
+           draft: str = DEFAULT_DRAFT, queries: int | None = None, on_forward=None, on_step=None,
+           compile: bool = False, static: bool = False) -> DecodeOutput:
     """Lossless SBD decoding of a batch (spec/sbd_exact.md §1–2), on the one engine's AR / lossless
     SBD batch (:class:`unmask.decode.lossless.Verify`, every row at draft size K = ``block_size``).
 
     prompts: token ids per row (left-padded internally). One forward per step: prefill = prompt
     (causal) + one draft group; then verify part + draft groups. A row stops at a stop token
     (excluded, later tokens of the same step dropped), a stop string (the completing token kept)
-    or ``max_new_tokens``, and its slot is freed. ``compile=True`` runs the same batch on a static KV
+    or ``max_new_tokens``, and its slot is freed. ``draft``: ``linear``, ``quadratic``, ``budget``
+    (the model's stored layout for ``queries`` query tokens per row, default 16; spec §5), ``budget:Q``,
+    ``D/S/G`` text or a :class:`~unmask.decode.draft_layout.DraftLayout`. ``compile=True`` runs the same batch on a static KV
     cache whose pointer moves instead of cropping, with a ``torch.compile``-d forward; ``static=True``
     the static cache eagerly (tests, debugging); same tokens, NFE and step events, and stats.extra
     then records ``compiled`` and ``static_cache``; neither takes ``on_forward`` (UnmaskError).
@@ -314,22 +386,24 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     count), ``accepted_drafts`` (accepted draft tokens per row per verify forward -> count),
     ``draft``, ``block_size``, ``verify: True`` and ``row_extra``. Greedy output equals ``ar``
     decoding of the same model token for token; sampled output has its distribution.
-    Raises UnmaskError for a model without a mask token or a bad block size / draft layout.
+    Raises UnmaskError for a model without a mask token or a bad block size / draft layout / budget.
     """
-    from unmask.decode.lossless import Verify, queries
+    from unmask.decode.lossless import Verify
     from unmask.decode.running import drain, requests_for
 
     if bundle.mask_token_id is None:
         raise UnmaskError("lossless SBD needs a model with a mask token (an SBD model, or a base with an "
                           "SBD adapter: --adapter); train one with 'unmask train sbd' or 'unmask train sbd-adapter'")
-    cfg = VerifyConfig(block_size=block_size, draft=draft)
+    if isinstance(draft, dl.DraftLayout):
+        draft = draft.spec
+    cfg = VerifyConfig(block_size=block_size, draft=dl.resolve(draft, queries, bundle.meta.get("decode_defaults")))
     if (compile or static) and on_forward is not None:
         raise UnmaskError("compile=True / static=True take no on_forward hook (the static cache is not a "
                           "DynamicCache); drop one of them")
     requests = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings,
                             device=bundle.device)
     K = cfg.block_size
-    length = max((len(p) for p in prompts), default=1) + max_new_tokens + K + queries(K, cfg.draft)
+    length = max((len(p) for p in prompts), default=1) + max_new_tokens + K + window(family(cfg.draft, K))[2]
     events = None if on_step is None else (lambda row, event: on_step({**event, "row": row.job.id}))
 
     def make(capacity: int) -> Verify:

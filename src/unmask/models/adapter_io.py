@@ -178,6 +178,10 @@ def check_decode_defaults(defaults, where: str) -> dict:
         if any(k in defaults for k in LOSSLESS_KEYS):
             VerifyConfig(block_size=defaults.get("verify_block_size", VerifyConfig.block_size),
                          draft=defaults.get("draft", VerifyConfig.draft))
+            if "queries" in defaults or "draft_layouts" in defaults:  # a calibrated table (spec §5.4)
+                from unmask.decode import draft_layout
+
+                draft_layout.resolve("budget", defaults.get("queries"), defaults)
     except (UnmaskError, TypeError) as e:
         raise UnmaskError(f"{where}: decode_defaults: {e}") from None
     return dict(defaults)

@@ -32,7 +32,7 @@ import logging
 import threading
 from collections import deque
 
-from unmask.decode import sbd_verify
+from unmask.decode import draft_layout, sbd_verify
 from unmask.decode.diffusion import DiffusionConfig
 from unmask.decode.lossless import Verify
 from unmask.decode.sbd import runs_lossless
@@ -64,7 +64,7 @@ RUNNING = {"multiblock": multiblock_engine.serving_batch, "sbd": lossy_sbd.servi
 RUNNING_OPTIONS = {"multiblock": multiblock_engine.OPTIONS, "sbd": lossy_sbd.BATCH_OPTIONS,
                    "block": single_bd.BATCH_OPTIONS, "diffusion": DIFFUSION_OPTIONS,
                    "early-bird": EARLY_BIRD_OPTIONS}
-VERIFY_OPTIONS = ("block_size", "draft", "verify")  # what a lossless sbd request may set
+VERIFY_OPTIONS = ("block_size", "draft", "verify", "queries")  # what a lossless sbd request may set
 
 
 class Scheduler:
@@ -104,7 +104,8 @@ class Scheduler:
     @property
     def ar(self) -> Verify:
         """The running batch AR requests join (the checkpoint's default draft layout)."""
-        return self._verify_batch(self.defaults.get("draft") or sbd_verify.DEFAULT_DRAFT)
+        return self._verify_batch(draft_layout.resolve(self.defaults.get("draft") or sbd_verify.DEFAULT_DRAFT,
+                                                       None, self.defaults))
 
     def _verify_batch(self, draft: str, fresh: bool = False) -> Verify:
         if fresh or draft not in self.verify:  # fresh: replaced in one assignment (readers never see none)
@@ -234,14 +235,18 @@ class Scheduler:
         """The running batch ``job`` joins: ("verify", draft layout) for ar and lossless sbd, else
         (kind, its options as sorted items) of ``RUNNING``, or None when it runs per call."""
         if job.decoder == "ar":
-            return "verify", self.defaults.get("draft") or sbd_verify.DEFAULT_DRAFT
+            return "verify", self.ar.cfg.draft
         try:
             lossless = job.decoder == "sbd" and runs_lossless(self.bundle, job.options)
         except UnmaskError:
             return None  # its decode call reports the contradiction
-        if lossless:
-            return "verify", next(v for v in (job.options.get("draft"), self.defaults.get("draft"),
-                                              sbd_verify.DEFAULT_DRAFT) if v is not None)
+        if lossless:  # a budgeted draft as its D/S/G text: one running batch per layout
+            try:
+                draft = draft_layout.option(job.options.get("draft"), job.options.get("block_size"), self.defaults,
+                                            sbd_verify.DEFAULT_DRAFT)
+                return "verify", draft_layout.resolve(draft, job.options.get("queries"), self.defaults)
+            except UnmaskError:
+                return None  # its decode call reports the bad budget
         if job.decoder == "diffusion" and "schedule" in job.options:  # Dream's schedule: a running batch of its own
             fits = self._diffusion_runs and set(job.options) <= {"schedule", *DREAM_OPTIONS}
             return ("dream", tuple(sorted(job.options.items()))) if fits else None

@@ -69,7 +69,7 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
     the decoder's knobs and the checkpoint's decode defaults. ``draft_k``: the largest K the
     server's draft-size table may give a lossless sbd request that fixes no block size. Knobs the
     decoder will refuse count as the defaults (the decoder reports them)."""
-    from unmask.decode import sbd_verify
+    from unmask.decode import draft_layout, sbd_verify
     from unmask.decode.sbd import DEFAULT_BLOCK_SIZE, runs_lossless
 
     defaults = bundle.meta.get("decode_defaults") or {}
@@ -83,7 +83,14 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
             k = knob("block_size", sbd_verify.DEFAULT_BLOCK_SIZE)
         else:  # the draft-size table's K or the checkpoint's default, whichever is larger
             k = max(draft_k, _first(defaults.get("verify_block_size"), sbd_verify.DEFAULT_BLOCK_SIZE))
-        draft = _first(options.get("draft"), defaults.get("draft"), sbd_verify.DEFAULT_DRAFT)
+        draft = draft_layout.option(options.get("draft"), options.get("block_size"), defaults, sbd_verify.DEFAULT_DRAFT)
+        try:
+            draft = draft_layout.resolve(draft, options.get("queries"), defaults)
+        except UnmaskError:
+            draft = sbd_verify.DEFAULT_DRAFT  # the decoder reports the bad budget
+        if draft_layout.is_layout(draft):
+            q = draft_layout.parse(draft).queries
+            return q, f"lossless sbd with draft layout {draft}: {q} queries per row", "queries"
         if draft == "quadratic":
             return k + k * k, f"lossless sbd with draft quadratic and block_size {k}: K + K² queries per row", "block_size"
         return 2 * k, f"lossless sbd with block_size {k}: 2K queries per row", "block_size"

@@ -1,0 +1,177 @@
+"""Choose lossless SBD's draft layout per query budget by replay (spec/sbd_exact.md §5.4, issue 26).
+
+Greedy lossless output is the model's greedy AR text whatever the layout, and a group's logits
+equal those of a separate all-mask forward after its prefix (spec §1). So one recording —
+the greedy AR text of each prompt and the block mode's argmax after every prefix of it, for every
+group length — determines every layout's steps without running the decoder: :func:`replay`
+applies the acceptance and the next-draft rule of §5.2 to it and predicts each row's forwards
+exactly (the same tokens, up to float ties between block-mode candidates). :func:`search` tries
+every ``(D, S, G)`` within a budget; :func:`calibrate` records, searches and stores the table in
+the model's ``decode_defaults`` (``draft="budget"``, ``queries``, ``draft_layouts``).
+
+Recording costs one forward per prompt and group length: the prompt and its continuation
+(causal), then one all-mask group per prefix that sees that prefix and itself
+(the quadratic layout over the whole text).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from unmask.decode import draft_layout as dl
+from unmask.errors import UnmaskError
+
+DEFAULT_MAX_D = 7
+DEFAULT_MAX_G = 8
+
+
+@dataclass(frozen=True)
+class Recording:
+    """One prompt's replay data: ``prompt_len`` P, ``text`` the greedy AR continuation (N ids, not
+    cut at stop tokens), ``drafts[G][t]`` the block mode's argmax (G ids) of an all-mask group of G
+    after the prompt and ``text[:t]`` (t = 0..N-1)."""
+
+    prompt_len: int
+    text: tuple[int, ...]
+    drafts: dict
+
+
+@torch.inference_mode()
+def record(bundle, prompts: list[list[int]], *, max_new_tokens: int, lengths=range(2, DEFAULT_MAX_G + 1)) -> list[Recording]:
+    """Greedy AR text of each prompt (``max_new_tokens`` ids, stop tokens not applied: the replay
+    applies them) and the block mode's argmax after every prefix for each group length in
+    ``lengths`` (spec §5.4). One forward per prompt and length. Raises UnmaskError for a model
+    without a mask token or an empty prompt."""
+    from unmask.compat import attention_mask, forward
+    from unmask.decode import ar
+
+    if bundle.mask_token_id is None:
+        raise UnmaskError("calibrating draft layouts needs a model with a mask token (an SBD model, or a base "
+                          "with --adapter)")
+    if any(len(p) == 0 for p in prompts):
+        raise UnmaskError("calibration needs non-empty prompts; drop the empty lines of --prompts")
+    texts = ar.decode(bundle, prompts, max_new_tokens=max_new_tokens, stop_token_ids=()).tokens
+    suppress = list(bundle.suppress_ids)
+    out = []
+    for prompt, text in zip(prompts, texts):
+        P, N = len(prompt), len(text)
+        seq = list(prompt) + list(text[:-1])  # (T,) every prefix the replay can need ends inside it
+        T = len(seq)
+        drafts = {}
+        for G in lengths:
+            m = torch.arange(P, P + N)  # (N,) prefix length of each group
+            Q = T + N * G
+            mask = torch.zeros(Q, Q, dtype=torch.bool)  # (Q, Q)
+            mask[:T, :T] = torch.ones(T, T, dtype=torch.bool).tril()  # causal text
+            grp = torch.arange(N).repeat_interleave(G)  # (N*G,) group of each mask query
+            mask[T:, :T] = torch.arange(T)[None, :] < m[grp][:, None]  # a group sees its prefix
+            mask[T:, T:] = grp[:, None] == grp[None, :]  # and itself, bidirectionally
+            ids = torch.tensor(seq + [bundle.mask_token_id] * (N * G), device=bundle.device)[None]  # (1, Q)
+            pos = torch.cat([torch.arange(T), (m[:, None] + torch.arange(G)[None, :]).flatten()])[None]  # (1, Q)
+            mask4 = attention_mask(bundle.model, mask[None, None].to(bundle.device))  # (1, 1, Q, Q)
+            logits = forward(bundle.model, ids, position_ids=pos.to(bundle.device), attention_mask=mask4)[0, T:]
+            if suppress:
+                logits[..., suppress] = float("-inf")
+            drafts[G] = logits.argmax(dim=-1).view(N, G).tolist()  # (N, G)
+        out.append(Recording(P, tuple(text), drafts))
+    return out
+
+
+def replay(rec: Recording, layout: dl.DraftLayout, *, stop_ids=(), max_new_tokens: int | None = None) -> tuple[int, int]:
+    """The greedy lossless decoder's run of ``layout`` on one recording (spec §1 accept, §5.2 next
+    draft): returns (tokens produced, stop token included as DecodeStats counts it; forwards).
+    Raises UnmaskError when the recording lacks a group length the layout uses."""
+    g, N = rec.text, min(max_new_tokens or len(rec.text), len(rec.text))
+    K = layout.D + 1
+    for G in {K, *layout.lengths}:
+        if G not in rec.drafts:
+            raise UnmaskError(f"the recording has no groups of {G}; record lengths up to {max(layout.lengths + (K,))}")
+    stops = set(stop_ids)
+    end = next((i for i, t in enumerate(g[:N]) if t in stops), N)  # first stop token, else N
+    produced = end + 1 if end < N else N
+    rule = _rule(layout)
+    c, nfe, d, draft = 1, 1, layout.D, rec.drafts[K][0][1:K]  # the prefill: first token and a group of K
+    while c < N and c <= end:
+        a = 0
+        while a < d and c + a < N and draft[a] == g[c + a]:
+            a += 1
+        nfe += 1
+        G, e, first, n = rule[d][a]
+        c_next = c + a + 1
+        if c_next < N and c_next <= end and n:
+            draft = rec.drafts[G][c + e][first: first + n]
+        d, c = (n if c_next < N else 0), c_next
+    return produced, nfe
+
+
+def _rule(layout: dl.DraftLayout) -> list[list[tuple[int, int, int, int]]]:
+    """``rule[d][a]`` = (group length, group prefix, first offset, length) of the next draft (spec §5.2)."""
+    out = []
+    for d in range(layout.D + 1):
+        prefixes, row = layout.groups_for(d), []
+        for a in range(d + 1):
+            group, first, n = layout.next_draft(d, a)
+            row.append((layout.lengths[group], prefixes[group], first, n) if n else (0, 0, 0, 0))
+        out.append(row)
+    return out
+
+
+def predicted_tpf(recs: list[Recording], layout: dl.DraftLayout, **kw) -> float:
+    """Tokens per forward of ``layout`` over the recordings (DecodeStats.tpf's definition)."""
+    runs = [replay(r, layout, **kw) for r in recs]
+    return sum(t for t, _ in runs) / max(1, sum(f for _, f in runs))
+
+
+def layouts(budget: int, *, max_d: int = DEFAULT_MAX_D, max_g: int = DEFAULT_MAX_G):
+    """Every layout (D <= max_d, S any non-empty subset of 0..D, one G in 2..max_g) of at most
+    ``budget`` query tokens, in a fixed order."""
+    for D in range(1, max_d + 1):
+        for size in range(1, D + 2):
+            for S in itertools.combinations(range(D + 1), size):
+                for G in range(2, max_g + 1):
+                    if D + 1 + size * G <= budget:
+                        yield dl.DraftLayout(D, S, (G,) * size)
+
+
+def search(recs: list[Recording], budget: int, **kw) -> tuple[dl.DraftLayout, float]:
+    """The layout of at most ``budget`` query tokens with the highest replayed TPF (ties: fewer
+    queries, then the first found). Raises UnmaskError when none fits (budget < 4)."""
+    best, key = None, None
+    lim = {k: kw.pop(k) for k in ("max_d", "max_g") if k in kw}
+    for lay in layouts(budget, **lim):
+        tpf = predicted_tpf(recs, lay, **kw)
+        if key is None or (tpf, -lay.queries) > key:
+            best, key = lay, (tpf, -lay.queries)
+    if best is None:
+        raise UnmaskError(f"no draft layout fits {budget} query tokens; give a budget >= 4")
+    return best, key[0]
+
+
+def calibrate(bundle, prompts: list[list[int]], *, budgets=dl.BUDGETS, max_new_tokens: int = 128,
+              max_d: int = DEFAULT_MAX_D, max_g: int = DEFAULT_MAX_G) -> list[dict]:
+    """Record ``prompts`` and search every budget (spec §5.4). Returns one row per budget:
+    ``{"queries": Q, "layout": "D/S/G", "layout_queries": q, "tpf": predicted}``, plus rows for the
+    named layouts linear / quadratic at K = 8 (``"budget": None``) to compare."""
+    recs = record(bundle, prompts, max_new_tokens=max_new_tokens, lengths=range(2, max(max_g, max_d + 1) + 1))
+    kw = dict(stop_ids=tuple(bundle.stop_token_ids), max_new_tokens=max_new_tokens)
+    rows = []
+    for Q in budgets:
+        lay, tpf = search(recs, Q, max_d=max_d, max_g=max_g, **kw)
+        rows.append({"budget": Q, "layout": lay.spec, "queries": lay.queries, "tpf": tpf})
+    for name, lay in (("linear", dl.linear(8)), ("quadratic", dl.quadratic(8))):
+        if max(lay.lengths) <= max(max_g, max_d + 1):
+            rows.append({"budget": None, "layout": name, "queries": lay.queries, "tpf": predicted_tpf(recs, lay, **kw)})
+    return rows
+
+
+def stored_defaults(defaults: dict, rows: list[dict], queries: int = dl.DEFAULT_BUDGET) -> dict:
+    """``decode_defaults`` with the calibrated table: lossless SBD on, ``draft="budget"``,
+    ``queries`` and ``draft_layouts`` set; the other keys kept."""
+    table = {r["budget"]: r["layout"] for r in rows if r["budget"] is not None}
+    return {**defaults, "verify": True, "draft": "budget", "queries": queries, "draft_layouts": dl.format_layouts(table)}
+
+
+__all__ = ["Recording", "record", "replay", "predicted_tpf", "layouts", "search", "calibrate", "stored_defaults"]
