@@ -54,6 +54,7 @@ class BlockRow(Row):
     accepts: list = field(default_factory=list)
     stores: int = 0
     keys: int = 0  # cached keys the row attends to (prefill and stored blocks): compaction reads no tensor
+    more: bool = True  # its block has editable masks (the last read): only such rows draw, found with no read
 
 
 class BlockDecoder:
@@ -229,9 +230,10 @@ class BlockDecoder:
             self.seq[:R] = seq
             self.qstep[:R] += had.long()
             counts = chosen.sum(dim=1)  # (R,)
+            left = (editable & (block == self.mask_id)).any(dim=1)  # (R,)
         else:
             block = torch.full((R, 0), 0, dtype=torch.long, device=dev)
-            had = go = ended = torch.zeros_like(live)
+            had = go = ended = left = torch.zeros_like(live)
             counts = torch.zeros(R, dtype=torch.long, device=dev)
         adv = go & ~ended
         self.bstart[:R] += adv.long() * B
@@ -241,7 +243,8 @@ class BlockDecoder:
         self.live[:R] &= ~ended
         if self.on_step is not None and D:
             report.events(self, rows, had, chosen, tokens, block, dpos)
-        info = torch.cat([torch.stack([counts, had.long(), adv.long(), ended.long()], 1), block], 1).tolist()
+        info = torch.cat([torch.stack([counts, had.long(), adv.long(), ended.long(), left.long()], 1), block],
+                         1).tolist()
         return self._bookkeep(rows, info, S and not D)
 
     def _forward(self, inp, pos, qv, past, S, D) -> torch.Tensor:
@@ -278,29 +281,31 @@ class BlockDecoder:
             for sampling, members in groups.items():
                 at = torch.tensor([r.slot for r in members], dtype=torch.long, device=self.device)
                 gens = None if sampling is None else [r.generator for r in members]
-                chosen[at], tokens[at] = self._rule(logits[at], masked[at], sampling, gens, at)
+                draws = [i for i, r in enumerate(members) if r.more]
+                chosen[at], tokens[at] = self._rule(logits[at], masked[at], sampling, gens, at, draws)
         return chosen, tokens, editable
 
-    def _rule(self, logits, masked, sampling, gens, at=None):
+    def _rule(self, logits, masked, sampling, gens, at=None, draws=None):
         from unmask.decode.block import quota_threshold_commit
         from unmask.sampling import Sampling
 
         s = sampling or Sampling()
         if self.quota_steps is None:
             return commit(logits, masked, self.cfg.policy, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                          generator=gens)
+                          generator=gens, draws=draws)
         step = self.qstep[: self.R] if at is None else self.qstep[at]
         return quota_threshold_commit(logits, masked, self.cfg.policy.tau, quota(self.B, self.quota_steps, step), s,
                                       gens)
 
     def _bookkeep(self, rows, info, store_only: bool) -> list[BlockRow]:
         """Per-row statistics and ends from the step's one host read ``info`` (per slot: commits,
-        had masks, moves on, ended, then the block's tokens)."""
+        had masks, moves on, ended, masks left, then the block's tokens)."""
         if store_only:
             self.store_forwards += 1
         finished = []
         for row in rows:
-            count, had, adv, ended, *block = info[row.slot]
+            count, had, adv, ended, left, *block = info[row.slot]
+            row.more = bool(left) if row.denoising else row.more
             row.keys += self.B if row.storing else 0
             if row.storing and not row.denoising:
                 row.stores += 1
@@ -323,7 +328,7 @@ class BlockDecoder:
                 finished.append(row)
             elif adv:
                 row.bstart += self.B
-                row.storing, row.denoising = True, self.fused
+                row.storing, row.denoising, row.more = True, self.fused, True
             else:
                 row.storing, row.denoising = False, True
         for row in finished:

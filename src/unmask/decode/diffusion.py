@@ -305,18 +305,19 @@ def _dream_schedule(bundle, prompts, schedule, options: dict) -> DecodeOutput:
     return dream_compat.decode(bundle, prompts, **{k: options[k] for k in _DREAM_OPTIONS})
 
 
-def commit_rows(logits, masked, policy, sampling: Sampling, gens, quota, confidence, draw):
+def commit_rows(logits, masked, policy, sampling: Sampling, gens, quota, confidence, draw, draws=None):
     """commit() for the whole batch when greedy; row by row with each row's generator when sampling,
-    skipping rows without masks so that they draw nothing (batch == single runs)."""
+    skipping rows without masks so that they draw nothing (batch == single runs). ``draws``: the
+    indices of the rows with masks when the caller knows them (None: read from ``masked``, a host sync)."""
     kwargs = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                   confidence=confidence, sampling=draw)
     if gens is None:
-        return commit(logits, masked, policy, quota=quota, **kwargs)
+        return commit(logits, masked, policy, quota=quota, validate=False, **kwargs)
     chosen = torch.zeros_like(masked)
     tokens = torch.zeros(masked.shape, dtype=torch.long, device=masked.device)
-    for r in torch.nonzero(masked.any(dim=1)).flatten().tolist():
+    for r in torch.nonzero(masked.any(dim=1)).flatten().tolist() if draws is None else draws:
         q = None if quota is None else quota[r: r + 1]
-        c, t = commit(logits[r: r + 1], masked[r: r + 1], policy, quota=q, generator=gens[r], **kwargs)
+        c, t = commit(logits[r: r + 1], masked[r: r + 1], policy, quota=q, generator=gens[r], validate=False, **kwargs)
         chosen[r], tokens[r] = c[0], t[0]
     return chosen, tokens
 
@@ -355,6 +356,12 @@ def until_stop(row: list[int], stop_set: set[int]) -> list[int]:
             break
         out.append(t)
     return out
+
+
+def stop_string_in(bundle, prompt, ids: list[int], mask_id: int, stop_strings) -> bool:
+    """Whether the text of ``ids`` (generated ids, cut at the first mask) holds a stop string."""
+    text = bundle.decode_continuation(list(prompt), until_stop(ids, {mask_id}))
+    return any(s in text for s in stop_strings)
 
 
 def hit_stop_string(bundle, prompts, gen, mask_id, stop_strings) -> torch.Tensor:

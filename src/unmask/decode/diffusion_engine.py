@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unmask.decode.diffusion import (DEFAULT_BLOCK_SIZE, DiffusionConfig, commit_rows, early_stop_in,
-                                     hit_stop_string, llada_quota, until_stop)
+from unmask.decode.diffusion import (DEFAULT_BLOCK_SIZE, DiffusionConfig, commit_rows, early_stop_in, llada_quota,
+                                     stop_string_in, until_stop)
 from unmask.decode.dllm_cache import SlotCanvas, check_fast_path
 from unmask.decode.running import Request, Row, SlotRows, Slots
 from unmask.decode.stats import check_nfe, stop_flags
@@ -39,7 +39,9 @@ OPTIONS = ("gen_length", "block_size", "policy", "gamma", "preset", "tau", "fact
 class DiffusionRow(Row):
     """A running row plus its block progress: ``cfg`` (its gen length), ``report`` (tokens reported),
     ``block``, ``step`` (forwards in the block), ``commits`` (per forward), ``cohort`` (its join, for
-    lockstep), ``complete`` (its block is done), ``done`` (a stop seen)."""
+    lockstep), ``complete`` (its block is done), ``done`` (a stop seen), ``more`` (its block has
+    masks, from the last step's read) and ``gen``: its generated ids as that read left them (a block
+    not reached yet is masks), so finishing reads nothing more."""
 
     cfg: DiffusionConfig = None
     generator: object = None
@@ -50,6 +52,8 @@ class DiffusionRow(Row):
     cohort: int = 0
     complete: bool = False
     done: bool = False
+    more: bool = True
+    gen: list[int] = field(default_factory=list)
 
 
 class Diffusion(SlotRows):
@@ -153,7 +157,8 @@ class Diffusion(SlotRows):
             self.canvas.place(slot, list(job.prompt_ids), cfg.gen_length, self.bundle.mask_token_id)
             self.done[slot] = False
             self.running[slot] = DiffusionRow(job=job, slot=slot, cfg=cfg, generator=gen, cohort=self._cohorts,
-                                              report=min(job.max_new_tokens, cfg.gen_length))
+                                              report=min(job.max_new_tokens, cfg.gen_length),
+                                              gen=[self.bundle.mask_token_id] * cfg.gen_length)
         return []
 
     # -- stepping -----------------------------------------------------------------------------------
@@ -188,7 +193,9 @@ class Diffusion(SlotRows):
             steps = torch.tensor([0 if r is None else r.step for r in rows], device=dev)  # (n,)
             per_block = torch.tensor([1 if r is None else r.cfg.steps // r.cfg.n_blocks for r in rows], device=dev)
             quota = llada_quota(torch.full_like(steps, Bk), per_block, steps)  # (n,)
-        chosen, tokens = self._commit(rows, logits, masked, quota)  # (n, Bk) each
+        # the rows with masks, known from the last read: only they draw, with no read to find them
+        draws = [r for r, row in enumerate(rows) if active[r] and row.more]
+        chosen, tokens = self._commit(rows, logits, masked, quota, draws)  # (n, Bk) each
         if self.on_forward is not None:
             first = next(r for r, a in zip(rows, active) if a)
             self.on_forward({"nfe": self.forwards, "block": first.block, "step": first.step, "start": first.block * Bk,
@@ -204,14 +211,16 @@ class Diffusion(SlotRows):
         ended = (torch.isin(canvas.ids[:n], self.stops) & gen_cols & (torch.arange(T, device=dev) < cols[:, -1:] + 1)
                  ).any(dim=1)  # (n,) a stop id at or before the block's end
         committed = ((canvas.ids[:n] != mask_id) & gen_cols).sum(dim=1)  # (n,)
-        # the step's one host sync: what each row's bookkeeping reads
-        flags = torch.stack([chosen.sum(dim=1), had.long(), left.long(), self.done[:n].long(), ended.long(),
-                             committed]).tolist()
+        # the step's one host sync: what each row's bookkeeping reads, and its block's ids (n, 6 + Bk)
+        flags = torch.cat([torch.stack([chosen.sum(dim=1), had.long(), left.long(), self.done[:n].long(),
+                                        ended.long(), committed], dim=1), canvas.ids[:n].gather(1, cols)], dim=1).tolist()
         self.forwards += 1
         for r, row in enumerate(rows):
             if row is None or not active[r]:
                 continue
-            count, was, more, done, stop, row.extra["n_committed"] = (flags[i][r] for i in range(6))
+            count, was, more, done, stop, row.extra["n_committed"] = flags[r][:6]
+            row.gen[row.block * Bk: (row.block + 1) * Bk] = flags[r][6:]
+            row.more = bool(more)
             if was:
                 row.commits.append(count)
                 if self.on_step is not None:
@@ -229,8 +238,9 @@ class Diffusion(SlotRows):
                 row.done |= bool(stop)
         return self._advance()
 
-    def _commit(self, rows, logits, masked, quota):
-        """``commit_rows`` per group of rows sharing a sampling setting, each row with its generator."""
+    def _commit(self, rows, logits, masked, quota, draws):
+        """``commit_rows`` per group of rows sharing a sampling setting, each row with its generator;
+        ``draws``: the row indices with masks (the only ones that draw)."""
         groups: dict = {}
         for r, row in enumerate(rows):
             if row is not None:
@@ -240,14 +250,15 @@ class Diffusion(SlotRows):
         if len(groups) == 1:  # free slots have no masks: they draw nothing
             sampling = next(iter(groups))
             gens = None if sampling.greedy else [None if row is None else row.generator for row in rows]
-            return commit_rows(logits, masked, self.cfg.policy, sampling, gens, quota, conf, draw)
+            return commit_rows(logits, masked, self.cfg.policy, sampling, gens, quota, conf, draw, draws)
         chosen = torch.zeros_like(masked)
         tokens = torch.zeros(masked.shape, dtype=torch.long, device=masked.device)
         for sampling, idx in groups.items():
             at = torch.tensor(idx, dtype=torch.long, device=masked.device)  # (m,)
             gens = None if sampling.greedy else [rows[r].generator for r in idx]
             c, t = commit_rows(logits[at], masked[at], self.cfg.policy, sampling, gens,
-                               None if quota is None else quota[at], conf, draw)  # (m, Bk) each
+                               None if quota is None else quota[at], conf, draw,
+                               [i for i, r in enumerate(idx) if r in draws])  # (m, Bk) each
             chosen[at], tokens[at] = c, t
         return chosen, tokens
 
@@ -263,23 +274,21 @@ class Diffusion(SlotRows):
                 continue
             e = (row.block + 1) * self.cfg.block_size
             if row.job.stop and not row.done:
-                gen = self.canvas.ids[row.slot, self.canvas.width - row.cfg.gen_length:]  # (L,)
-                row.done = bool(hit_stop_string(self.bundle, [list(row.job.prompt_ids)], gen[None, :e],
-                                                self.bundle.mask_token_id, tuple(row.job.stop))[0])
+                row.done = stop_string_in(self.bundle, row.job.prompt_ids, row.gen[:e], self.bundle.mask_token_id,
+                                          row.job.stop)
             if row.done or e >= row.report or row.block + 1 == row.cfg.n_blocks:
                 finished.append(row)
-            else:
-                row.block, row.step, row.complete = row.block + 1, 0, False
+            else:  # a block not reached yet holds masks only (commits and early-stop fills stay in reached ones)
+                row.block, row.step, row.complete, row.more = row.block + 1, 0, False, True
         if finished:
             self._finish(finished)
         return finished
 
     def _finish(self, rows: list[DiffusionRow]) -> None:
         """Set the rows' outputs as decode reports them (cut at the reported length and the first
-        stop id; one host sync for all) and free their slots."""
-        canvases = self.canvas.ids[[row.slot for row in rows]].tolist()  # (m, T)
-        for row, ids in zip(rows, canvases):
-            full = ids[len(ids) - row.cfg.gen_length:][: row.report]
+        stop id, from the ids the step read) and free their slots."""
+        for row in rows:
+            full = row.gen[: row.report]
             row.tokens = until_stop(full, self.stop_set)
             row.stop_token = stop_flags([full], [row.tokens], self.stop_ids)[0]
             row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"

@@ -136,12 +136,12 @@ def _commit_confidence(logits, tokens, cand, confidence: str | None, temperature
     return kappa
 
 
-def _draw_rows(logits, cand, top1, policy, sampling: Sampling, gens, confidence, draw) -> torch.Tensor:
+def _draw_rows(logits, cand, top1, policy, sampling: Sampling, gens, confidence, draw, draws) -> torch.Tensor:
     """Sampled tokens (B, n) at each row's candidates, drawn with that row's generator over its
     candidates only, so the draws do not depend on the batch's union window (batch == single
-    runs); elsewhere the argmax ``top1``."""
+    runs); elsewhere the argmax ``top1``. ``draws``: the rows with candidates (host-known)."""
     tokens = top1.clone()
-    for r in torch.nonzero(cand.any(dim=1)).flatten().tolist():
+    for r in draws:
         where = torch.nonzero(cand[r]).flatten()  # (k,)
         sub = logits[r: r + 1, where]  # (1, k, V)
         _, t = commit(sub, torch.ones(1, len(where), dtype=torch.bool, device=sub.device), policy,
