@@ -31,6 +31,7 @@ import torch
 
 from unmask.decode import block_report as report
 from unmask.decode.block_rule import SBD, SINGLE_BD, advance, quota
+from unmask.decode.canvas_common import row_generator
 from unmask.decode.kv import DynamicKV, make_kv
 from unmask.decode.rowcache import pad, place
 from unmask.decode.running import Row, Slots
@@ -116,12 +117,9 @@ class BlockDecoder:
         slots = self.slots.take(len(requests))
         rows, done = [], []
         for job, s in zip(requests, slots):
-            gen = getattr(job, "generator", None)
-            if gen is None and not job.sampling.greedy:
-                gen = job.sampling.row_generators([list(job.prompt_ids)], dev)[0]
             P = len(job.prompt_ids)
             start = (P // B) * B if self.kind.aligned else P
-            row = BlockRow(job=job, slot=s, generator=gen, bstart=start, keys=start)
+            row = BlockRow(job=job, slot=s, generator=row_generator(job, dev), bstart=start, keys=start)
             (done if job.max_new_tokens <= 0 else rows).append(row)
         for row in done:
             self.slots.give([row.slot])

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from unmask.decode.diffusion import until_stop
-from unmask.decode.dllm_cache import canvas_call
+from unmask.decode.canvas_common import check_canvas, event_hook, finish, serving_options
+from unmask.decode.dllm_cache import SlotCanvas, canvas_call
 from unmask.decode.running import Request, Row, SlotRows, Slots, drain
-from unmask.decode.stats import DecodeOutput, stop_flags
+from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.models.adapters import realign
 from unmask.sampling import Sampling
@@ -166,15 +166,13 @@ class DreamSchedule(SlotRows):
 
     def __init__(self, bundle, *, gen_length=None, steps=None, alg=None, alg_temp=None, eps=None, capacity=8,
                  on_step=None, on_token=None, stop_token_ids=None, width=0, lockstep=False, on_forward=None):
-        from unmask.decode.dllm_cache import SlotCanvas
-
         self.alg = DEFAULT_ALG if alg is None else alg
         self.eps = DEFAULT_EPS if eps is None else eps
         self.gen_length, self.steps, self.alg_temp = gen_length, steps, alg_temp
         validate(steps, self.alg, alg_temp, self.eps, 1)
         self.bundle, self.on_step, self.on_forward, self.lockstep = bundle, on_step, on_forward, lockstep
         ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
-        self.stop_ids, self.stop_set = tuple(ids), set(ids) | {bundle.mask_token_id}
+        self.stop_ids = tuple(ids)
         self.slots = Slots(capacity)
         self.canvas = SlotCanvas(bundle, "none", capacity, max(width, 1), 1)
         self.running: dict[int, DreamRow] = {}
@@ -184,14 +182,10 @@ class DreamSchedule(SlotRows):
     def serving(cls, bundle, options: dict | None = None, on_step=None, *, capacity: int = 64):
         """The server's running batch for Dream-schedule requests of one set of ``options``
         (:data:`OPTIONS`). Raises UnmaskError for another option or schedule, or a bad value."""
-        options = {k: v for k, v in dict(options or {}).items() if v is not None}
-        if options.pop("schedule", "dream") != "dream":
+        options = dict(options or {})
+        if options.pop("schedule", "dream") not in ("dream", None):
             raise UnmaskError("unknown schedule for the diffusion decoder; use \"dream\" or leave it unset")
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to --schedule dream; use only "
-                              f"{', '.join(OPTIONS)}")
-        return cls(bundle, capacity=capacity, on_step=on_step, **options)
+        return cls(bundle, capacity=capacity, on_step=on_step, **serving_options(options, OPTIONS, "--schedule dream"))
 
     @torch.inference_mode()
     def join(self, requests) -> list[DreamRow]:
@@ -201,15 +195,10 @@ class DreamSchedule(SlotRows):
             L = job.max_new_tokens if self.gen_length is None else self.gen_length
             if not isinstance(L, int) or L < 1:
                 raise UnmaskError(f"gen length must be an integer >= 1 (got {L!r}); pass e.g. --gen-length 64")
-            if not list(job.prompt_ids):
-                raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i "
-                                  "from i-1)")
+            check_canvas(self.bundle, len(job.prompt_ids), L, "lower --gen-length or --max-new-tokens")
             if job.stop:
                 raise UnmaskError("stop strings do not apply to --schedule dream (Dream's own loop ends on masks "
                                   "and steps only); drop them")
-            if len(job.prompt_ids) + L > self.bundle.context_length:
-                raise UnmaskError(f"prompt ({len(job.prompt_ids)} tokens) + gen length {L} exceeds the context "
-                                  f"window of {self.bundle.context_length}; lower --gen-length or --max-new-tokens")
             plans.append((job, L, validate(self.steps, self.alg, self.alg_temp, self.eps, L)))
         if len(requests) > self.slots.free:
             self.slots.take(len(requests))  # raises the one-line "running batch full"
@@ -267,10 +256,7 @@ class DreamSchedule(SlotRows):
         return finished
 
     def _finish(self, row: DreamRow) -> DreamRow:
-        full = row.gen[: row.report]
-        row.tokens = until_stop(full, self.stop_set)
-        row.stop_token = stop_flags([full], [row.tokens], self.stop_ids)[0]
-        row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
+        finish(row, row.gen[: row.report], self.stop_ids, self.bundle.mask_token_id)
         row.extra = {"schedule": "dream", "alg": self.alg, "commits": list(row.commits)}
         del self.running[row.slot]
         self.slots.give([row.slot])
@@ -301,14 +287,11 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     alg = DEFAULT_ALG if alg is None else alg
     eps = DEFAULT_EPS if eps is None else eps
     steps = validate(steps, alg, alg_temp, eps, L)
-    device = bundle.device
-    P = max(len(p) for p in prompts)
-    if P + L > bundle.context_length:
-        raise UnmaskError(f"prompt ({P} tokens) + gen length {L} exceeds the context window of "
-                          f"{bundle.context_length}; lower --gen-length or --max-new-tokens")
+    for p in prompts:  # before the canvases are allocated
+        check_canvas(bundle, len(p), L, "lower --gen-length or --max-new-tokens")
     requests = [Request(prompt_ids=list(p), max_new_tokens=max_new_tokens, sampling=sampling,
-                        generator=sampling.generator(device), id=r) for r, p in enumerate(prompts)]
-    hook = None if on_step is None else (lambda row, event: on_step(event))
+                        generator=sampling.generator(bundle.device), id=r) for r, p in enumerate(prompts)]
     return drain(lambda capacity: DreamSchedule(bundle, gen_length=L, steps=steps, alg=alg, alg_temp=alg_temp, eps=eps,
-                                                capacity=capacity, on_step=hook, stop_token_ids=stop_token_ids,
-                                                width=P + L, lockstep=True, on_forward=on_forward), requests)
+                                                capacity=capacity, on_step=event_hook(on_step),
+                                                stop_token_ids=stop_token_ids, width=max(map(len, prompts)) + L,
+                                                lockstep=True, on_forward=on_forward), requests)

@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unmask.decode.diffusion import early_stop, stop_string_in, until_stop
+from unmask.decode.canvas_common import check_canvas, early_stop, finish, row_generator, serving_options, stop_string_in
 from unmask.decode.dllm_cache import SlotCanvas
-from unmask.decode.early_bird import _commit_confidence, _draw_rows, _sync, configure
+from unmask.decode.early_bird import CANVAS_HINT, _commit_confidence, _draw_rows, _sync, check_max_new_tokens, configure
 from unmask.decode.eb_select import PATH_NAMES, lps_features, pack_rows, select_block, union_accept
 from unmask.decode.running import Request, Row, SlotRows, Slots
-from unmask.decode.stats import check_nfe, stop_flags
+from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import is_remote
 from unmask.policies import Threshold, token_stats
@@ -98,11 +98,7 @@ class EarlyBird(SlotRows):
         if is_remote(bundle.model):
             raise UnmaskError("a continuous early-bird batch needs explicit positions per row; this checkpoint's own "
                               "model code takes none, so decode it with per-call early-bird batches")
-        options = {k: v for k, v in dict(options or {}).items() if v is not None}
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous early-bird batch "
-                              f"(eager forwards); use only {', '.join(OPTIONS)}")
+        options = serving_options(options, OPTIONS, "a continuous early-bird batch (eager forwards)")
         cfg, lbs, lps = configure(bundle, **options)
         for net in (lbs, lps):
             if net is not None:
@@ -116,17 +112,8 @@ class EarlyBird(SlotRows):
     # -- joining and leaving ------------------------------------------------------------------------
 
     def _check(self, job) -> None:
-        prompt, n, L = list(job.prompt_ids), job.max_new_tokens, self.cfg.gen_length
-        if not prompt:
-            raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise UnmaskError(f"max_new_tokens must be an integer >= 1 (got {n!r})")
-        if n > L:
-            raise UnmaskError(f"max_new_tokens {n} exceeds the LBS router's gen length {L}; lower it "
-                              f"or train LBS for a longer gen length")
-        if len(prompt) + L > self.bundle.context_length:
-            raise UnmaskError(f"prompt ({len(prompt)} tokens) + gen length {L} exceeds the context window of "
-                              f"{self.bundle.context_length}; shorten the prompt or use a model with a longer window")
+        check_max_new_tokens(job.max_new_tokens, self.cfg.gen_length)
+        check_canvas(self.bundle, len(job.prompt_ids), self.cfg.gen_length, CANVAS_HINT)
 
     @torch.inference_mode()
     def join(self, requests: list[Request]) -> list[EarlyBirdRow]:
@@ -137,13 +124,10 @@ class EarlyBird(SlotRows):
         if len(requests) > self.slots.free:
             self.slots.take(len(requests))  # raises the one-line "running batch full"
         for job, slot in zip(requests, self.slots.take(len(requests))):
-            gen = getattr(job, "generator", None)
-            if gen is None and not job.sampling.greedy:  # the generator decode gives a lone prompt
-                gen = job.sampling.row_generators([list(job.prompt_ids)], self.bundle.device)[0]
             self.canvas.place(slot, list(job.prompt_ids), self.cfg.gen_length, self.bundle.mask_token_id)
             self.block[slot], self.done[slot] = False, False
-            self.running[slot] = EarlyBirdRow(job=job, slot=slot, generator=gen)
-            self.running[slot].gen = [self.bundle.mask_token_id] * self.cfg.gen_length
+            self.running[slot] = EarlyBirdRow(job=job, slot=slot, generator=row_generator(job, self.bundle.device),
+                                              gen=[self.bundle.mask_token_id] * self.cfg.gen_length)
         return []
 
     # -- stepping -----------------------------------------------------------------------------------
@@ -335,12 +319,8 @@ class EarlyBird(SlotRows):
 
     def _finish(self, rows: list[EarlyBirdRow]) -> None:
         """Set the rows' outputs as decode reports them (from the ids the step read) and free their slots."""
-        stop_set = set(self.stop_ids) | {self.bundle.mask_token_id}
         for row in rows:
-            full = row.gen[: row.job.max_new_tokens]
-            row.tokens = until_stop(full, stop_set)
-            row.stop_token = stop_flags([full], [row.tokens], self.stop_ids)[0]
-            row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
+            finish(row, row.gen[: row.job.max_new_tokens], self.stop_ids, self.bundle.mask_token_id)
             row.extra = {"decoder": "early-bird", "lps": self.lps is not None, "cache": self.cfg.cache,
                          "steps": row.nfe, "blocks": row.blocks, "commits": list(row.commits),
                          "n_committed": row.extra["n_committed"]}

@@ -23,6 +23,7 @@ import torch
 
 from unmask.decode import block_buffer as bb
 from unmask.decode.block import first_stop, prefill_whole_blocks, whole_prompt_blocks
+from unmask.decode.canvas_common import row_generator, serving_options
 from unmask.decode.kv import DynamicKV, make_kv
 from unmask.decode.multiblock import (candidates, compact, row_event, stop_blocks, stop_string_rows, window_step,
                                       write_window)
@@ -111,10 +112,7 @@ class MultiBlockDecoder:
         S, B, dev, model = self.cfg.slots, self.cfg.block_size, self.device, self.bundle.model
         rows = []
         for job, s in zip(requests, self.slots.take(len(requests))):
-            gen = getattr(job, "generator", None)
-            if gen is None and not job.sampling.greedy:
-                gen = job.sampling.row_generators([list(job.prompt_ids)], dev)[0]
-            rows.append(BufferRow(job=job, slot=s, generator=gen, keys=len(job.prompt_ids) // B * B))
+            rows.append(BufferRow(job=job, slot=s, generator=row_generator(job, dev), keys=len(job.prompt_ids) // B * B))
         try:  # a failed prefill gives its slots back (a step covers [0, high))
             prompts = [list(r.job.prompt_ids) for r in rows]
             ws = [bb.initial_window([p], r.job.max_new_tokens, S, B, self.mask_id, dev) for p, r in zip(prompts, rows)]
@@ -338,11 +336,7 @@ def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_
     from unmask.decode.multiblock import MultiBlockConfig
 
     check_block_model(bundle, "multiblock")
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous multiblock batch; "
-                          f"use only {', '.join(OPTIONS)}")
+    options = serving_options(options, OPTIONS, "a continuous multiblock batch")
     return MultiBlockDecoder(bundle, MultiBlockConfig.from_options(bundle, **options), capacity=capacity,
                              on_step=on_step, on_token=on_token, stop_token_ids=stop_token_ids)
 
