@@ -375,7 +375,9 @@ def run_blocks(bundle, cfg, prompts, *, max_new_tokens, sampling, stop_token_ids
     :class:`~unmask.decode.blocks.BlockDecoder` (``cfg`` a BlockConfig or an SBDConfig)."""
     from unmask.decode.blocks import BlockDecoder
 
-    return drain_prompts(lambda capacity: BlockDecoder(bundle, cfg, static=static, compile=compile, capacity=capacity,
-                                                       lockstep=True, on_step=event_hook(on_step), on_forward=on_forward,
-                                                       stop_token_ids=tuple(stop_token_ids)),
-                         bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings)
+    def make(capacity):
+        return BlockDecoder(bundle, cfg, static=static, compile=compile, capacity=capacity, lockstep=True,
+                            on_step=event_hook(on_step), on_forward=on_forward, stop_token_ids=tuple(stop_token_ids))
+
+    return drain_prompts(make, bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                         stop_strings=stop_strings)

@@ -34,7 +34,7 @@ from unmask.decode.block_rule import SBD, SINGLE_BD, advance, quota
 from unmask.decode.canvas_common import row_generator
 from unmask.decode.kv import DynamicKV, make_kv
 from unmask.decode.rowcache import pad, place
-from unmask.decode.running import Row, Slots
+from unmask.decode.running import Row, SlotRows, Slots
 from unmask.decode.stats import check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, sbd_inference_mask
@@ -58,7 +58,7 @@ class BlockRow(Row):
     more: bool = True  # its block has editable masks (the last read): only such rows draw, found with no read
 
 
-class BlockDecoder:
+class BlockDecoder(SlotRows):
     """The running batch of SingleBD (``cfg`` a :class:`~unmask.decode.block.BlockConfig`) or lossy
     SBD rows (an :class:`~unmask.decode.sbd.SBDConfig`), one forward per :meth:`step`.
 
@@ -88,7 +88,7 @@ class BlockDecoder:
         self.stop_ids = sorted(set(ids))  # host copies: finishing a row reads no tensor
         self.forwards = self.store_forwards = 0  # step forwards (the batch's NFE) and the store-only ones
         self.prefills = 0  # join forwards (one per join that has prompt keys to cache)
-        self.by_slot: dict[int, BlockRow] = {}
+        self.running: dict[int, BlockRow] = {}
         self.kv, self.R = None, 0  # the cache and its rows (slots [0, R) go through every forward)
         C, dev = capacity, self.device
         self.seq = torch.full((C, 0), self.mask_id, dtype=torch.long, device=dev)  # (C, L) prompt, generated, masks
@@ -96,13 +96,6 @@ class BlockDecoder:
             torch.zeros(C, dtype=torch.long, device=dev) for _ in range(5))  # (C,) each
         self.live, self.denoise, self.store = (torch.zeros(C, dtype=torch.bool, device=dev) for _ in range(3))
         self.key_valid = torch.zeros((C, 0), dtype=torch.bool, device=dev)  # (R, W >= kv.length)
-
-    def __len__(self) -> int:
-        return len(self.by_slot)
-
-    @property
-    def rows(self) -> list[BlockRow]:
-        return [self.by_slot[s] for s in sorted(self.by_slot)]
 
     # -- joining ------------------------------------------------------------------------------
 
@@ -163,7 +156,7 @@ class BlockDecoder:
         self.seq[at] = self.mask_id
         for r, p in zip(rows, prompts):
             self.seq[r.slot, : len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
-            self.by_slot[r.slot] = r
+            self.running[r.slot] = r
         P = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)  # (n,)
         E = torch.tensor(ends, dtype=torch.long, device=dev)  # (n,)
         self.gen_start[at], self.gen_end[at] = P, E
@@ -173,7 +166,7 @@ class BlockDecoder:
         self.qstep[at], self.live[at], self.denoise[at], self.store[at] = 0, True, True, False
 
     def _place(self, rows: list[BlockRow], new, valid: torch.Tensor) -> None:
-        if self.kv is None or (not self.by_slot and [r.slot for r in rows] == list(range(len(rows)))):
+        if self.kv is None or (not self.running and [r.slot for r in rows] == list(range(len(rows)))):
             self.kv, self.R, self.key_valid = new, len(rows), valid
         else:
             self.kv, self.R, self.key_valid = place(self.bundle.model, self.kv, self.R, self.key_valid,
@@ -185,7 +178,7 @@ class BlockDecoder:
     def step(self) -> list[BlockRow]:
         """One forward for every running row (its store region, its block, or both), the commit
         rule, and one host sync. Returns the rows that finished in it (slots freed)."""
-        if not self.by_slot:
+        if not self.running:
             return []
         if not self.static and not self.lockstep:
             self._compact()
@@ -356,10 +349,10 @@ class BlockDecoder:
         row.extra = report.row_extra(self, row)
 
     def _leave(self, row: BlockRow) -> None:
-        self.by_slot.pop(row.slot, None)
+        self.running.pop(row.slot, None)
         self.slots.give([row.slot])
         self.live[row.slot] = self.store[row.slot] = False
-        if not self.by_slot and not self.static:
+        if not self.running and not self.static:
             self.kv, self.R = None, 0
 
     @torch.inference_mode()
@@ -376,7 +369,7 @@ class BlockDecoder:
         they are more than half of the cache (``multiblock.compact``)."""
         from unmask.decode.multiblock import compact
 
-        n, most = self.kv.length, max(r.keys for r in self.by_slot.values())
+        n, most = self.kv.length, max(r.keys for r in self.running.values())
         if n and n - most >= max(most, self.B):
             self.key_valid = self.key_valid[:, :n] & self.live[: self.R, None]  # a free slot's keys count for nobody
             compact(self.kv, self.key_valid, most)

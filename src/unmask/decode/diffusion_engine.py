@@ -134,8 +134,8 @@ class Diffusion(SlotRows):
         for job, cfg, slot in zip(requests, cfgs, self.slots.take(len(requests))):
             self.canvas.place(slot, list(job.prompt_ids), cfg.gen_length, self.bundle.mask_token_id)
             self.done[slot] = False
-            self.running[slot] = DiffusionRow(job=job, slot=slot, cfg=cfg, generator=row_generator(job, self.bundle.device),
-                                              cohort=self._cohorts,
+            gen = row_generator(job, self.bundle.device)
+            self.running[slot] = DiffusionRow(job=job, slot=slot, cfg=cfg, generator=gen, cohort=self._cohorts,
                                               report=min(job.max_new_tokens, cfg.gen_length),
                                               gen=[self.bundle.mask_token_id] * cfg.gen_length)
         return []

@@ -295,8 +295,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         r.eval()
     try:
         return drain(lambda capacity: EarlyBird(bundle, cfg, lbs, lps_net, static=static, compile=compile,
-                                                capacity=capacity, on_step=event_hook(on_step), stop_token_ids=stop_token_ids,
-                                                width=width, lockstep=True, on_forward=on_forward), requests)
+                                                capacity=capacity, on_step=event_hook(on_step),
+                                                stop_token_ids=stop_token_ids, width=width, lockstep=True,
+                                                on_forward=on_forward), requests)
     finally:
         for r, was in modes:
             r.train(was)

@@ -185,10 +185,12 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                                         max_nfe=max_nfe)
     from unmask.decode.multiblock_engine import MultiBlockDecoder
 
-    return drain_prompts(lambda capacity: MultiBlockDecoder(bundle, cfg, static=static, compile=compile,
-                                                            capacity=capacity, drained=True, on_step=event_hook(on_step),
-                                                            on_forward=on_forward, stop_token_ids=tuple(stop_token_ids)),
-                         bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings)
+    def make(capacity):
+        return MultiBlockDecoder(bundle, cfg, static=static, compile=compile, capacity=capacity, drained=True,
+                                 on_step=event_hook(on_step), on_forward=on_forward, stop_token_ids=tuple(stop_token_ids))
+
+    return drain_prompts(make, bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                         stop_strings=stop_strings)
 
 
 def window_step(kv, key_valid: torch.Tensor, w: bb.Window, keep: int | None = None
