@@ -68,9 +68,9 @@ def test_a_server_step_reads_the_host_once(monkeypatch, decoder, options, sample
         j.id = i
     counter = SyncCounter(monkeypatch)
     dec.join(jobs[:2])
-    # Sampled rows draw one by one from their own generators: policies.commit reads which rows have
-    # masks (one more read), the quota rule does not.
-    most = 2 if sampled and "steps" not in options else 1
+    # Sampled rows draw one by one from their own generators; the rows that draw are known from
+    # the last read, so no step reads more.
+    most = 1
     steps = 0
     while len(dec):
         _, syncs = counter.step(dec)

@@ -13,6 +13,7 @@ from conftest import tiny_bundle, tiny_llama, tiny_qwen3
 import unmask
 from unmask.compat import forward, new_cache
 from unmask.decode import diffusion, get_decoder
+from unmask.decode.canvas_common import early_stop
 from unmask.decode.dllm_cache import SlotCanvas
 from unmask.errors import UnmaskError
 from unmask.models.adapters import bidirectional_forward, realign
@@ -290,7 +291,7 @@ def test_early_stop_fills_trailing_eos():
     gen[1, 1] = 9  # committed, but row 1 below has a mask before its EOS
     gen[0, 3] = 99
     gen[1, 0] = 99
-    stopped = diffusion._early_stop(gen, 99, torch.tensor([2]))
+    stopped = early_stop(gen, 99, torch.tensor([2]))
     assert stopped.tolist() == [True, False, False]
     assert gen[0].tolist() == [4, 2, 2, 2, 2, 2] and gen[1].tolist() == [99, 9, 2, 9, 9, 9]
 

@@ -45,8 +45,8 @@ class SyncCounter:
 @pytest.mark.parametrize("cache, policy", [("none", "threshold"), ("prefix", "top-k"), ("dual", "factor"),
                                            ("dual", "entropy-bound")])
 def test_a_step_syncs_with_the_host_once(dlm, monkeypatch, cache, policy):
-    """Greedy, no on_step, no stop strings: one host sync per step (the per-row counts and flags),
-    one more in a step where rows finish (their tokens)."""
+    """Greedy, no on_step, no stop strings: one host sync per step (the per-row counts, flags and
+    block ids), in the steps where rows finish too."""
     cfg = DiffusionConfig.from_options(max_new_tokens=24, block_size=8, cache=cache, policy=policy, sampler="llada")
     dec = Diffusion(dlm, cfg, capacity=3, width=64)
     dec.join(requests_for(prompts(dlm), max_new_tokens=24, sampling=Sampling()))
@@ -58,7 +58,7 @@ def test_a_step_syncs_with_the_host_once(dlm, monkeypatch, cache, policy):
         counter.on = False
         per_step.append((counter.count, len(finished)))
     assert len(per_step) > 3
-    assert all(n == (1 if not done else 2) for n, done in per_step), per_step
+    assert all(n == 1 for n, _ in per_step) and any(done for _, done in per_step), per_step
 
 
 def test_a_widened_canvas_pads_earlier_rows(dlm):
@@ -184,8 +184,8 @@ def test_the_server_runs_dream_requests_in_one_running_batch(dlm):
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
 def test_an_early_bird_step_syncs_with_the_host_once(dlm, monkeypatch, cache):
-    """LBS only, greedy, no on_step, no stop strings: one host sync per step, one more in a step
-    where rows finish (with the LPS router the open rows and their packing add up to two)."""
+    """LBS only, greedy, no on_step, no stop strings: one host sync per step, in the steps where rows
+    finish too (tests/test_r5_host_syncs.py adds LPS and sampling)."""
     from unmask.decode.early_bird import configure
     from unmask.decode.early_bird_engine import EarlyBird
 
@@ -201,7 +201,7 @@ def test_an_early_bird_step_syncs_with_the_host_once(dlm, monkeypatch, cache):
             counter.on = False
             per_step.append((counter.count, len(finished)))
     assert len(per_step) > 3
-    assert all(n == (1 if not done else 2) for n, done in per_step), per_step
+    assert all(n == 1 for n, _ in per_step) and any(done for _, done in per_step), per_step
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])

@@ -34,7 +34,7 @@ def _mask_commits(module, name, mask_id, counter):
 
 
 CASES = {  # decoder -> (module, function to corrupt, model)
-    "diffusion": (diffusion_engine, "commit_rows", "stories260K-dlm"),  # the running batch's step
+    "diffusion": (diffusion_engine, "commit", "stories260K-dlm"),  # the running batch's step
     "sbd": (blocks, "commit", "stories260K-sbd"),
     "block": (blocks, "commit", "stories260K-bd"),  # the one running batch of block and lossy sbd
 }

@@ -358,6 +358,8 @@ def commit(
     quota: Tensor | None = None,
     confidence: Literal["tempered", "untempered"] | None = None,
     sampling: Literal["categorical", "gumbel"] = "categorical",
+    draws: Sequence[int] | None = None,
+    validate: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Choose the positions to commit this step and their tokens (SBD §5, diffusion.md §3, §4, §6, §7).
 
@@ -370,8 +372,12 @@ def commit(
         sampling: how tokens are drawn at T > 0: "categorical" (Dream; ``torch.multinomial``) or "gumbel"
             (LLaDA's float64 Gumbel-max, :func:`gumbel_argmax`). Randomness comes only from ``generator``:
             one generator, or B of them (row b drawn with generator b; rows without masks draw nothing).
+        draws: with B generators, the rows that have masks when the caller knows them (a decoder's
+            step: no host read); None reads them from ``masked``.
         quota: (B,) long, TopK only: tokens to commit per row this step (LLaDA's schedule), overriding k;
             clamped to the row's masked count. A 0 entry commits nothing in that row.
+        validate: False skips the check that reads ``quota``'s values on the host (a decoder's step,
+            which built them, keeps its one host sync); shapes and dtypes are always checked.
         confidence: which distribution the commit decision reads. None (default): κ (Threshold,
             Factor, TopK) and the EB / entropy-threshold statistics (H, max q, Δ) come from the
             float32 softmax(logits) at every T, the arithmetic of T = 0, so as T → 0 every policy
@@ -416,7 +422,7 @@ def commit(
         # One generator per row; rows without masks draw nothing (a waiting row's stream is unchanged).
         _require(len(generator) == B, f"generator must be one torch.Generator or {B} of them (got {len(generator)})")
         tokens = stats.top1.clone()
-        for b in torch.nonzero(masked.any(dim=1)).flatten().tolist():
+        for b in torch.nonzero(masked.any(dim=1)).flatten().tolist() if draws is None else draws:
             tokens[b] = _draw(logits[b: b + 1], log_q[b: b + 1], temperature, top_k, top_p, sampling, generator[b])[0]
     else:
         tokens = _draw(logits, log_q, temperature, top_k, top_p, sampling, generator)
@@ -464,8 +470,8 @@ def commit(
                 count = torch.full_like(r, policy.k)
             else:
                 _require(quota.shape == (B,), f"quota must have shape {(B,)} (got {tuple(quota.shape)})")
-                _require(not quota.is_floating_point() and bool((quota >= 0).all()),
-                         f"quota must hold integers >= 0 (got {quota.tolist()})")
+                if quota.is_floating_point() or (validate and not bool((quota >= 0).all())):
+                    raise UnmaskError(f"quota must hold integers >= 0 (got {quota.tolist()})")  # read on failure only
                 count = quota.to(device=r.device, dtype=torch.long)
             return _take(order, torch.minimum(count, r)) & masked, tokens
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from unmask.decode.batching import left_pad
-from unmask.decode.running import drain, requests_for
+from unmask.decode.canvas_common import drain_prompts, event_hook, serving_options
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, block_causal_mask, with_key_padding
@@ -307,11 +307,7 @@ def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_
     from unmask.decode.blocks import BlockDecoder
 
     check_block_model(bundle, "block")
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(BATCH_OPTIONS))
-    if unknown:
-        raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous block batch; "
-                          f"use only {', '.join(BATCH_OPTIONS)}")
+    options = serving_options(options, BATCH_OPTIONS, "a continuous block batch")
     return BlockDecoder(bundle, BlockConfig.from_options(bundle, **options), capacity=capacity, on_step=on_step,
                         on_token=on_token, stop_token_ids=stop_token_ids)
 
@@ -381,8 +377,7 @@ def run_blocks(bundle, cfg, prompts, *, max_new_tokens, sampling, stop_token_ids
 
     def make(capacity):
         return BlockDecoder(bundle, cfg, static=static, compile=compile, capacity=capacity, lockstep=True,
-                            on_step=None if on_step is None else (lambda row, event: on_step(event)),
-                            on_forward=on_forward, stop_token_ids=tuple(stop_token_ids))
+                            on_step=event_hook(on_step), on_forward=on_forward, stop_token_ids=tuple(stop_token_ids))
 
-    return drain(make, requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                    stop_strings=stop_strings, device=bundle.device))
+    return drain_prompts(make, bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                         stop_strings=stop_strings)

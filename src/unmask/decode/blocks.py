@@ -31,9 +31,10 @@ import torch
 
 from unmask.decode import block_report as report
 from unmask.decode.block_rule import SBD, SINGLE_BD, advance, quota
+from unmask.decode.canvas_common import row_generator
 from unmask.decode.kv import DynamicKV, make_kv
 from unmask.decode.rowcache import pad, place
-from unmask.decode.running import Row, Slots
+from unmask.decode.running import Row, SlotRows, Slots
 from unmask.decode.stats import check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, sbd_inference_mask
@@ -54,9 +55,10 @@ class BlockRow(Row):
     accepts: list = field(default_factory=list)
     stores: int = 0
     keys: int = 0  # cached keys the row attends to (prefill and stored blocks): compaction reads no tensor
+    more: bool = True  # its block has editable masks (the last read): only such rows draw, found with no read
 
 
-class BlockDecoder:
+class BlockDecoder(SlotRows):
     """The running batch of SingleBD (``cfg`` a :class:`~unmask.decode.block.BlockConfig`) or lossy
     SBD rows (an :class:`~unmask.decode.sbd.SBDConfig`), one forward per :meth:`step`.
 
@@ -86,7 +88,7 @@ class BlockDecoder:
         self.stop_ids = sorted(set(ids))  # host copies: finishing a row reads no tensor
         self.forwards = self.store_forwards = 0  # step forwards (the batch's NFE) and the store-only ones
         self.prefills = 0  # join forwards (one per join that has prompt keys to cache)
-        self.by_slot: dict[int, BlockRow] = {}
+        self.running: dict[int, BlockRow] = {}
         self.kv, self.R = None, 0  # the cache and its rows (slots [0, R) go through every forward)
         C, dev = capacity, self.device
         self.seq = torch.full((C, 0), self.mask_id, dtype=torch.long, device=dev)  # (C, L) prompt, generated, masks
@@ -94,13 +96,6 @@ class BlockDecoder:
             torch.zeros(C, dtype=torch.long, device=dev) for _ in range(5))  # (C,) each
         self.live, self.denoise, self.store = (torch.zeros(C, dtype=torch.bool, device=dev) for _ in range(3))
         self.key_valid = torch.zeros((C, 0), dtype=torch.bool, device=dev)  # (R, W >= kv.length)
-
-    def __len__(self) -> int:
-        return len(self.by_slot)
-
-    @property
-    def rows(self) -> list[BlockRow]:
-        return [self.by_slot[s] for s in sorted(self.by_slot)]
 
     # -- joining ------------------------------------------------------------------------------
 
@@ -115,12 +110,9 @@ class BlockDecoder:
         slots = self.slots.take(len(requests))
         rows, done = [], []
         for job, s in zip(requests, slots):
-            gen = getattr(job, "generator", None)
-            if gen is None and not job.sampling.greedy:
-                gen = job.sampling.row_generators([list(job.prompt_ids)], dev)[0]
             P = len(job.prompt_ids)
             start = (P // B) * B if self.kind.aligned else P
-            row = BlockRow(job=job, slot=s, generator=gen, bstart=start, keys=start)
+            row = BlockRow(job=job, slot=s, generator=row_generator(job, dev), bstart=start, keys=start)
             (done if job.max_new_tokens <= 0 else rows).append(row)
         for row in done:
             self.slots.give([row.slot])
@@ -164,7 +156,7 @@ class BlockDecoder:
         self.seq[at] = self.mask_id
         for r, p in zip(rows, prompts):
             self.seq[r.slot, : len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
-            self.by_slot[r.slot] = r
+            self.running[r.slot] = r
         P = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)  # (n,)
         E = torch.tensor(ends, dtype=torch.long, device=dev)  # (n,)
         self.gen_start[at], self.gen_end[at] = P, E
@@ -174,7 +166,7 @@ class BlockDecoder:
         self.qstep[at], self.live[at], self.denoise[at], self.store[at] = 0, True, True, False
 
     def _place(self, rows: list[BlockRow], new, valid: torch.Tensor) -> None:
-        if self.kv is None or (not self.by_slot and [r.slot for r in rows] == list(range(len(rows)))):
+        if self.kv is None or (not self.running and [r.slot for r in rows] == list(range(len(rows)))):
             self.kv, self.R, self.key_valid = new, len(rows), valid
         else:
             self.kv, self.R, self.key_valid = place(self.bundle.model, self.kv, self.R, self.key_valid,
@@ -186,7 +178,7 @@ class BlockDecoder:
     def step(self) -> list[BlockRow]:
         """One forward for every running row (its store region, its block, or both), the commit
         rule, and one host sync. Returns the rows that finished in it (slots freed)."""
-        if not self.by_slot:
+        if not self.running:
             return []
         if not self.static and not self.lockstep:
             self._compact()
@@ -229,9 +221,10 @@ class BlockDecoder:
             self.seq[:R] = seq
             self.qstep[:R] += had.long()
             counts = chosen.sum(dim=1)  # (R,)
+            left = (editable & (block == self.mask_id)).any(dim=1)  # (R,)
         else:
             block = torch.full((R, 0), 0, dtype=torch.long, device=dev)
-            had = go = ended = torch.zeros_like(live)
+            had = go = ended = left = torch.zeros_like(live)
             counts = torch.zeros(R, dtype=torch.long, device=dev)
         adv = go & ~ended
         self.bstart[:R] += adv.long() * B
@@ -241,7 +234,8 @@ class BlockDecoder:
         self.live[:R] &= ~ended
         if self.on_step is not None and D:
             report.events(self, rows, had, chosen, tokens, block, dpos)
-        info = torch.cat([torch.stack([counts, had.long(), adv.long(), ended.long()], 1), block], 1).tolist()
+        info = torch.cat([torch.stack([counts, had.long(), adv.long(), ended.long(), left.long()], 1), block],
+                         1).tolist()
         return self._bookkeep(rows, info, S and not D)
 
     def _forward(self, inp, pos, qv, past, S, D) -> torch.Tensor:
@@ -278,29 +272,31 @@ class BlockDecoder:
             for sampling, members in groups.items():
                 at = torch.tensor([r.slot for r in members], dtype=torch.long, device=self.device)
                 gens = None if sampling is None else [r.generator for r in members]
-                chosen[at], tokens[at] = self._rule(logits[at], masked[at], sampling, gens, at)
+                draws = [i for i, r in enumerate(members) if r.more]
+                chosen[at], tokens[at] = self._rule(logits[at], masked[at], sampling, gens, at, draws)
         return chosen, tokens, editable
 
-    def _rule(self, logits, masked, sampling, gens, at=None):
+    def _rule(self, logits, masked, sampling, gens, at=None, draws=None):
         from unmask.decode.block import quota_threshold_commit
         from unmask.sampling import Sampling
 
         s = sampling or Sampling()
         if self.quota_steps is None:
             return commit(logits, masked, self.cfg.policy, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                          generator=gens)
+                          generator=gens, draws=draws)
         step = self.qstep[: self.R] if at is None else self.qstep[at]
         return quota_threshold_commit(logits, masked, self.cfg.policy.tau, quota(self.B, self.quota_steps, step), s,
                                       gens)
 
     def _bookkeep(self, rows, info, store_only: bool) -> list[BlockRow]:
         """Per-row statistics and ends from the step's one host read ``info`` (per slot: commits,
-        had masks, moves on, ended, then the block's tokens)."""
+        had masks, moves on, ended, masks left, then the block's tokens)."""
         if store_only:
             self.store_forwards += 1
         finished = []
         for row in rows:
-            count, had, adv, ended, *block = info[row.slot]
+            count, had, adv, ended, left, *block = info[row.slot]
+            row.more = bool(left) if row.denoising else row.more
             row.keys += self.B if row.storing else 0
             if row.storing and not row.denoising:
                 row.stores += 1
@@ -323,7 +319,7 @@ class BlockDecoder:
                 finished.append(row)
             elif adv:
                 row.bstart += self.B
-                row.storing, row.denoising = True, self.fused
+                row.storing, row.denoising, row.more = True, self.fused, True
             else:
                 row.storing, row.denoising = False, True
         for row in finished:
@@ -353,10 +349,10 @@ class BlockDecoder:
         row.extra = report.row_extra(self, row)
 
     def _leave(self, row: BlockRow) -> None:
-        self.by_slot.pop(row.slot, None)
+        self.running.pop(row.slot, None)
         self.slots.give([row.slot])
         self.live[row.slot] = self.store[row.slot] = False
-        if not self.by_slot and not self.static:
+        if not self.running and not self.static:
             self.kv, self.R = None, 0
 
     @torch.inference_mode()
@@ -373,7 +369,7 @@ class BlockDecoder:
         they are more than half of the cache (``multiblock.compact``)."""
         from unmask.decode.multiblock import compact
 
-        n, most = self.kv.length, max(r.keys for r in self.by_slot.values())
+        n, most = self.kv.length, max(r.keys for r in self.running.values())
         if n and n - most >= max(most, self.B):
             self.key_valid = self.key_valid[:, :n] & self.live[: self.R, None]  # a free slot's keys count for nobody
             compact(self.kv, self.key_valid, most)

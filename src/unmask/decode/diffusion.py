@@ -1,29 +1,17 @@
 """Semi-autoregressive decoding of masked-diffusion LMs (spec/diffusion.md §3, §4, §6–§9).
 
 The canvas is ``[prompt | m^L]`` (L = gen_length), split into L / block_size blocks decoded left
-to right. Each step runs one bidirectional forward, reads the current block's logits (realigned
-so index i scores token i, §2) and lets the commit policy reveal some of its masks; committed
-tokens never change. The block is done when it has no masks.
+to right: each step runs one bidirectional forward, reads the current block's logits (realigned,
+§2) and lets the commit policy (:mod:`unmask.policies`) reveal some of its masks; committed tokens
+never change. Policies: ``top-k`` (LLaDA's low-confidence remasking with ``steps``, §3, or a fixed
+``tokens_per_step``), ``threshold`` (default, τ = 0.9, Fast-dLLM §6), ``factor``, ``entropy-bound`` /
+``confidence-bound`` / ``margin-bound`` (§7, γ = 0.1), ``entropy-threshold``.
 
-Policies (:mod:`unmask.policies`):
-
-- ``top-k`` with ``steps``: LLaDA low-confidence remasking (§3): steps / n_blocks steps per block,
-  the block's n masks spread as base = n // S, rem = n % S, k_s = base + 1 for s < rem else base.
-  ``top-k`` with ``tokens_per_step`` instead commits a fixed k per step.
-- ``threshold`` (default, τ = 0.9, Fast-dLLM §6), ``factor`` (f = 1.0), ``entropy-bound`` /
-  ``confidence-bound`` / ``margin-bound`` (EB sampler §7, default γ = 0.1), ``entropy-threshold``
-  (η = 0.4).
-
-Temperature (§4): ``sampler="llada"`` draws with float64 Gumbel-max, ``sampler="dream"`` from the
-tempered categorical; the default comes from the model family
-(:func:`unmask.models.adapters.default_sampler`). Commit decisions read κ under the untempered
-softmax (``confidence="untempered"``, the default for every sampler), so as T → 0 a decode tends
-to its T = 0 one; Dream's convention, κ under softmax(logits / T), is ``confidence="tempered"``
-(at T = 0.1 it rounds most κ to 1.0 and commits whole blocks at once). Each row
-has its own seeded generator (:meth:`Sampling.row_generators`), so a batched run equals single
-runs even when sampling, and identical prompts draw independently.
-
-Caches (§8, approximate): ``cache="none" | "prefix" | "dual"``, see :mod:`unmask.decode.dllm_cache`.
+Temperature (§4): ``sampler="llada"`` draws with float64 Gumbel-max, ``"dream"`` from the tempered
+categorical (default: the model family's); κ is read under the untempered softmax unless
+``confidence="tempered"`` (Dream's). Each row has its own seeded generator, so a batch equals
+single runs. Caches (§8, approximate): none / prefix / dual, :mod:`unmask.decode.dllm_cache`.
+The loop is :class:`~unmask.decode.diffusion_engine.Diffusion`, the server's running batch too.
 """
 
 from __future__ import annotations
@@ -34,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from unmask.decode.canvas_common import check_canvas, check_mask_token, event_hook
 from unmask.decode.dllm_cache import CACHE_MODES, check_fast_path, prompt_width
 from unmask.decode.running import drain, requests_for
 from unmask.decode.stats import DecodeOutput
@@ -45,6 +34,7 @@ from unmask.sampling import Sampling
 DEFAULT_BLOCK_SIZE = 32  # Fast-dLLM's LLaDA setting (models.md §2.3)
 DEFAULT_POLICY = "threshold"  # with τ = 0.9 (Fast-dLLM, diffusion.md §6)
 DEFAULT_EB_GAMMA = 0.1  # confidence proxy (diffusion.md §7, our choice)
+CANVAS_HINT = "lower --gen-length or --max-new-tokens"
 
 
 def _divisors(n: int) -> list[int]:
@@ -144,6 +134,8 @@ class DiffusionConfig:
         """
         if preset is not None and gamma is not None:
             raise UnmaskError("--gamma and --preset both set γ; give either --gamma or --preset, not both")
+        if not isinstance(eos_early_stop, bool):
+            raise UnmaskError(f"eos_early_stop must be true or false (got {eos_early_stop!r})")
         if steps is not None and tokens_per_step is not None:
             raise UnmaskError("--steps and --tokens-per-step conflict; give either --steps (LLaDA schedule) or "
                               "--tokens-per-step, not both")
@@ -163,9 +155,12 @@ class DiffusionConfig:
         block = block_size if block_size is not None else min(DEFAULT_BLOCK_SIZE, requested)
         if gen_length is None:  # an invalid block size is reported by __post_init__
             gen_length = math.ceil(requested / block) * block if isinstance(block, int) and block >= 1 else requested
+        elif isinstance(max_new_tokens, int) and isinstance(gen_length, int) and max_new_tokens > gen_length:
+            raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds gen length {gen_length}; lower "
+                              "--max-new-tokens or raise --gen-length")
         return cls(gen_length=gen_length, block_size=block, policy=built, steps=steps,
                    cache="none" if cache is None else str(cache), refresh_every=refresh_every,
-                   eos_early_stop=bool(eos_early_stop), sampler=sampler,
+                   eos_early_stop=eos_early_stop, sampler=sampler,
                    confidence=confidence)
 
 
@@ -239,9 +234,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     policy options, an unknown cache or sampler, a canvas longer than the context window, or
     ``compile`` / ``static`` on a remote-code model or with ``schedule="dream"``.
     """
-    if bundle.mask_token_id is None:
-        raise UnmaskError("the diffusion decoder needs a masked-diffusion model with a mask token; "
-                          "load it with mask_token_id=ID or name it in unmask_config.json")
+    check_mask_token(bundle, "diffusion")
     if schedule is not None or alg is not None or alg_temp is not None or eps is not None:
         if compile or static:
             raise UnmaskError("compile/static do not apply to --schedule dream (Dream's own loop runs eagerly); "
@@ -253,27 +246,19 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         preset=preset, tau=tau, factor=factor, factor_compat=factor_compat, tokens_per_step=tokens_per_step,
         eta=eta, steps=steps, cache=cache, refresh_every=refresh_every, eos_early_stop=eos_early_stop,
         sampler=sampler or default_sampler(bundle), confidence=confidence)
-    if gen_length is not None and isinstance(max_new_tokens, int) and max_new_tokens > cfg.gen_length:
-        raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds gen length {cfg.gen_length}; lower "
-                          "--max-new-tokens or raise --gen-length")
-    if not isinstance(eos_early_stop, bool):
-        raise UnmaskError(f"eos_early_stop must be true or false (got {eos_early_stop!r})")
     cfg.warn_degenerate()
-    if any(len(p) == 0 for p in prompts):
-        raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
-    P, L = max(len(p) for p in prompts), cfg.gen_length
-    if P + L > bundle.context_length:
-        raise UnmaskError(f"prompt ({P} tokens) + gen length {L} exceeds the context window of "
-                          f"{bundle.context_length}; lower --gen-length or --max-new-tokens")
-    width = prompt_width(P, L, bundle.context_length, static or compile) + L  # the fast path pads to a bucket
+    for p in prompts:  # before the canvases are allocated
+        check_canvas(bundle, len(p), cfg.gen_length, CANVAS_HINT)
+    L = cfg.gen_length
+    width = prompt_width(max(map(len, prompts)), L, bundle.context_length, static or compile) + L  # fast path: a bucket
     requests = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings,
                             device=bundle.device)
     from unmask.decode.diffusion_engine import Diffusion  # it builds on this module's config and pieces
 
-    hook = None if on_step is None else (lambda row, event: on_step(event))
     return drain(lambda capacity: Diffusion(bundle, cfg, static=static, compile=compile, capacity=capacity,
-                                            on_step=hook, stop_token_ids=stop_token_ids, lockstep=True, width=width,
-                                            reference_steps=reference_steps, on_forward=on_forward), requests)
+                                            on_step=event_hook(on_step), stop_token_ids=stop_token_ids, lockstep=True,
+                                            width=width, reference_steps=reference_steps, on_forward=on_forward),
+                 requests)
 
 
 _DREAM_OPTIONS = ("max_new_tokens", "sampling", "stop_token_ids", "gen_length", "steps", "alg", "alg_temp", "eps",
@@ -297,70 +282,21 @@ def _dream_schedule(bundle, prompts, schedule, options: dict) -> DecodeOutput:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
         raise UnmaskError(f"{flags} do(es) not apply to --schedule dream (one forward over the whole canvas per "
                           "step, Dream's own commit rule); drop them")
-    if bundle.mask_token_id is None:
-        raise UnmaskError("the diffusion decoder needs a masked-diffusion model with a mask token; "
-                          "load it with mask_token_id=ID or name it in unmask_config.json")
-    if any(len(p) == 0 for p in prompts):
-        raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
     return dream_compat.decode(bundle, prompts, **{k: options[k] for k in _DREAM_OPTIONS})
 
 
-def commit_rows(logits, masked, policy, sampling: Sampling, gens, quota, confidence, draw):
+def commit_rows(logits, masked, policy, sampling: Sampling, gens, quota, confidence, draw, draws=None):
     """commit() for the whole batch when greedy; row by row with each row's generator when sampling,
-    skipping rows without masks so that they draw nothing (batch == single runs)."""
+    skipping rows without masks so that they draw nothing (batch == single runs). ``draws``: the
+    indices of the rows with masks when the caller knows them (None: read from ``masked``, a host sync)."""
     kwargs = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                   confidence=confidence, sampling=draw)
     if gens is None:
-        return commit(logits, masked, policy, quota=quota, **kwargs)
+        return commit(logits, masked, policy, quota=quota, validate=False, **kwargs)
     chosen = torch.zeros_like(masked)
     tokens = torch.zeros(masked.shape, dtype=torch.long, device=masked.device)
-    for r in torch.nonzero(masked.any(dim=1)).flatten().tolist():
+    for r in torch.nonzero(masked.any(dim=1)).flatten().tolist() if draws is None else draws:
         q = None if quota is None else quota[r: r + 1]
-        c, t = commit(logits[r: r + 1], masked[r: r + 1], policy, quota=q, generator=gens[r], **kwargs)
+        c, t = commit(logits[r: r + 1], masked[r: r + 1], policy, quota=q, generator=gens[r], validate=False, **kwargs)
         chosen[r], tokens[r] = c[0], t[0]
     return chosen, tokens
-
-
-def early_stop(gen: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.Tensor:
-    """diffusion.md §9 early stop on the generation region gen (B, L), in place (also used by early-bird).
-
-    A row whose first committed stop id at e has every position before e committed gets all
-    positions after e set to that id. Returns (B,) bool: the rows that stopped.
-    """
-    return early_stop_in(gen, torch.ones_like(gen, dtype=torch.bool), mask_id, stops)
-
-
-def early_stop_in(ids: torch.Tensor, gen: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.Tensor:
-    """:func:`early_stop` on canvases ids (B, T) whose generated columns are ``gen`` (B, T) bool (a
-    row's last L columns), in place. Returns (B,) bool: the rows that stopped."""
-    T = ids.shape[1]
-    is_stop = torch.isin(ids, stops) & gen  # (B, T)
-    first = torch.where(is_stop.any(dim=1), is_stop.float().argmax(dim=1), torch.full_like(ids[:, 0], T))  # (B,)
-    cols = torch.arange(T, device=ids.device)  # (T,)
-    before = gen & (cols[None, :] < first[:, None])  # (B, T)
-    ready = (first < T) & ~((ids == mask_id) & before).any(dim=1)  # (B,)
-    fill_value = ids.gather(1, first.clamp(max=T - 1)[:, None])  # (B, 1) the stop id found
-    fill = ready[:, None] & (cols[None, :] > first[:, None])  # (B, T)
-    ids.copy_(torch.where(fill, fill_value, ids))
-    return ready
-
-
-_early_stop = early_stop  # the old private name, still used by tests/test_diffusion_decode.py
-
-
-def until_stop(row: list[int], stop_set: set[int]) -> list[int]:
-    out = []
-    for t in row:
-        if t in stop_set:
-            break
-        out.append(t)
-    return out
-
-
-def hit_stop_string(bundle, prompts, gen, mask_id, stop_strings) -> torch.Tensor:
-    hit = torch.zeros(gen.shape[0], dtype=torch.bool, device=gen.device)
-    for r in range(gen.shape[0]):
-        row = until_stop(gen[r].tolist(), {mask_id})
-        text = bundle.decode_continuation(prompts[r], row)
-        hit[r] = any(s in text for s in stop_strings)
-    return hit

@@ -1,18 +1,13 @@
 """The diffusion decoder as one running batch (DESIGN.md "One engine"; spec/diffusion.md §3, §6–§9):
 ``diffusion.decode``, its static/compiled fast path and the server all run :class:`Diffusion`.
 
-Each row has its own canvas ``[prompt | m^L]`` (a slot of :class:`~unmask.decode.dllm_cache.SlotCanvas`),
-its own block progress (block index, forwards in the block) and its own seeded generator, so a
-row decodes exactly as it would alone, whenever it joined. A step is ONE forward for every
-running row: each row scores its current block, the commit policy (a pure tensor function,
-:func:`unmask.policies.commit`) reveals some masks, and one host sync reads the per-row counts
-and flags the rows' bookkeeping needs. A row whose block holds no masks then applies decode's end
-of block (stop ids unless early stop, stop strings) and moves on or finishes.
-
-``lockstep=True`` (what ``decode`` asks for) makes the rows of one ``join`` advance block by block
-together, as decode's batch always has: a row whose block is complete waits, committing nothing,
-until every row of its join finished that block. Tokens are the same either way (a waiting row's
-canvas does not change); lockstep keeps decode's batch NFE and step numbering.
+Each row has its own canvas (a :class:`~unmask.decode.dllm_cache.SlotCanvas` slot), block progress
+and seeded generator, so it decodes as it would alone, whenever it joined. A step is ONE forward
+for every running row, the commit policy (:func:`unmask.policies.commit`, a pure tensor function)
+on each row's block, and one host read of the per-row counts, flags and block ids; a row whose
+block has no masks then takes decode's end of block (stop ids, stop strings) and moves on or
+finishes. ``lockstep=True`` (decode) moves the rows of one ``join`` block by block together, as
+decode's batch always has (same tokens; decode's batch NFE and step numbering).
 """
 
 from __future__ import annotations
@@ -22,13 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unmask.decode.diffusion import (DEFAULT_BLOCK_SIZE, DiffusionConfig, commit_rows, early_stop_in,
-                                     hit_stop_string, llada_quota, until_stop)
+from unmask.decode.canvas_common import (check_canvas, check_mask_token, early_stop_in, finish, row_generator,
+                                         serving_options, stop_string_in)
+from unmask.decode.diffusion import CANVAS_HINT, DEFAULT_BLOCK_SIZE, DiffusionConfig, llada_quota
 from unmask.decode.dllm_cache import SlotCanvas, check_fast_path
 from unmask.decode.running import Request, Row, SlotRows, Slots
-from unmask.decode.stats import check_nfe, stop_flags
+from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import default_sampler, is_remote, realign, supports_cache
+from unmask.policies import commit
 from unmask.trace import step_event
 
 OPTIONS = ("gen_length", "block_size", "policy", "gamma", "preset", "tau", "factor", "factor_compat",
@@ -39,7 +36,9 @@ OPTIONS = ("gen_length", "block_size", "policy", "gamma", "preset", "tau", "fact
 class DiffusionRow(Row):
     """A running row plus its block progress: ``cfg`` (its gen length), ``report`` (tokens reported),
     ``block``, ``step`` (forwards in the block), ``commits`` (per forward), ``cohort`` (its join, for
-    lockstep), ``complete`` (its block is done), ``done`` (a stop seen)."""
+    lockstep), ``complete`` (its block is done), ``done`` (a stop seen), ``more`` (its block has
+    masks, from the last step's read) and ``gen``: its generated ids as that read left them (a block
+    not reached yet is masks), so finishing reads nothing more."""
 
     cfg: DiffusionConfig = None
     generator: object = None
@@ -50,6 +49,8 @@ class DiffusionRow(Row):
     cohort: int = 0
     complete: bool = False
     done: bool = False
+    more: bool = True
+    gen: list[int] = field(default_factory=list)
 
 
 class Diffusion(SlotRows):
@@ -69,9 +70,7 @@ class Diffusion(SlotRows):
     def __init__(self, bundle, cfg: DiffusionConfig, *, static=False, compile=False, capacity=8, on_step=None,
                  on_token=None, stop_token_ids=None, lockstep=False, width=0, reference_steps=False,
                  on_forward=None, options: dict | None = None):
-        if bundle.mask_token_id is None:
-            raise UnmaskError("the diffusion decoder needs a masked-diffusion model with a mask token; "
-                              "load it with mask_token_id=ID or name it in unmask_config.json")
+        check_mask_token(bundle, "diffusion")
         check_fast_path(bundle, static, compile, "the diffusion decoder")
         self.bundle, self.cfg, self.options = bundle, cfg, options
         self.static, self.compile = static or compile, compile
@@ -83,7 +82,6 @@ class Diffusion(SlotRows):
         ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
         self.stop_ids = tuple(ids)
         self.stops = torch.tensor(sorted(set(ids)) or [-1], device=dev)
-        self.stop_set = set(self.stops.tolist()) | {bundle.mask_token_id}
         self.suppress = list(bundle.suppress_ids)
         self.done = torch.zeros(capacity, dtype=torch.bool, device=dev)  # (C,) a stop seen (early stop)
         self.running: dict[int, DiffusionRow] = {}  # slot -> row
@@ -98,16 +96,10 @@ class Diffusion(SlotRows):
         if is_remote(bundle.model) and bundle.meta.get("family") != "dream":
             raise UnmaskError("a continuous diffusion batch needs explicit positions per row; this checkpoint's "
                               "own model code takes none, so decode it with per-call diffusion batches")
-        options = {k: v for k, v in dict(options or {}).items() if v is not None}
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous diffusion batch "
-                              f"(semi-AR blocks, eager forwards); use only {', '.join(OPTIONS)}")
+        options = serving_options(options, OPTIONS, "a continuous diffusion batch (semi-AR blocks, eager forwards)")
         if str(options.get("cache", "none")) != "none" and not supports_cache(bundle):
             raise UnmaskError(f"cache {options['cache']!r} needs a transformers-native model; this checkpoint runs "
                               "its own model code, so use cache 'none'")
-        if not isinstance(options.get("eos_early_stop", False), bool):
-            raise UnmaskError(f"eos_early_stop must be true or false (got {options['eos_early_stop']!r})")
         options.setdefault("sampler", default_sampler(bundle))
         # validated once on a nominal length that fits any block size; per-row lengths are checked at join
         nominal = options.get("gen_length") or options.get("block_size") or DEFAULT_BLOCK_SIZE
@@ -122,20 +114,13 @@ class Diffusion(SlotRows):
 
     def _config(self, job) -> DiffusionConfig:
         """The request's config; UnmaskError when it does not fit."""
-        if not list(job.prompt_ids):
-            raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
-        if self.options is None:
-            return self.cfg
-        cfg = DiffusionConfig.from_options(max_new_tokens=job.max_new_tokens, **self.options)
-        if cfg.block_size != self.cfg.block_size:  # without --block-size a short request gets a shorter block
-            raise UnmaskError(f"this request decodes with block size {cfg.block_size}, the running batch with "
-                              f"{self.cfg.block_size}; give it a batch of its own (block_size={cfg.block_size})")
-        if "gen_length" in self.options and isinstance(job.max_new_tokens, int) and job.max_new_tokens > cfg.gen_length:
-            raise UnmaskError(f"max_new_tokens {job.max_new_tokens} exceeds gen length {cfg.gen_length}; lower "
-                              "--max-new-tokens or raise --gen-length")
-        if len(job.prompt_ids) + cfg.gen_length > self.bundle.context_length:
-            raise UnmaskError(f"prompt ({len(job.prompt_ids)} tokens) + gen length {cfg.gen_length} exceeds the "
-                              f"context window of {self.bundle.context_length}; lower --gen-length or --max-new-tokens")
+        cfg = self.cfg
+        if self.options is not None:
+            cfg = DiffusionConfig.from_options(max_new_tokens=job.max_new_tokens, **self.options)
+            if cfg.block_size != self.cfg.block_size:  # without --block-size a short request gets a shorter block
+                raise UnmaskError(f"this request decodes with block size {cfg.block_size}, the running batch with "
+                                  f"{self.cfg.block_size}; give it a batch of its own (block_size={cfg.block_size})")
+        check_canvas(self.bundle, len(job.prompt_ids), cfg.gen_length, CANVAS_HINT)
         return cfg
 
     @torch.inference_mode()
@@ -147,13 +132,12 @@ class Diffusion(SlotRows):
             self.slots.take(len(requests))  # raises the one-line "running batch full"
         self._cohorts += 1
         for job, cfg, slot in zip(requests, cfgs, self.slots.take(len(requests))):
-            gen = getattr(job, "generator", None)
-            if gen is None and not job.sampling.greedy:  # the generator decode gives a lone prompt
-                gen = job.sampling.row_generators([list(job.prompt_ids)], self.bundle.device)[0]
             self.canvas.place(slot, list(job.prompt_ids), cfg.gen_length, self.bundle.mask_token_id)
             self.done[slot] = False
+            gen = row_generator(job, self.bundle.device)
             self.running[slot] = DiffusionRow(job=job, slot=slot, cfg=cfg, generator=gen, cohort=self._cohorts,
-                                              report=min(job.max_new_tokens, cfg.gen_length))
+                                              report=min(job.max_new_tokens, cfg.gen_length),
+                                              gen=[self.bundle.mask_token_id] * cfg.gen_length)
         return []
 
     # -- stepping -----------------------------------------------------------------------------------
@@ -188,7 +172,9 @@ class Diffusion(SlotRows):
             steps = torch.tensor([0 if r is None else r.step for r in rows], device=dev)  # (n,)
             per_block = torch.tensor([1 if r is None else r.cfg.steps // r.cfg.n_blocks for r in rows], device=dev)
             quota = llada_quota(torch.full_like(steps, Bk), per_block, steps)  # (n,)
-        chosen, tokens = self._commit(rows, logits, masked, quota)  # (n, Bk) each
+        # the rows with masks, known from the last read: only they draw, with no read to find them
+        draws = [r for r, row in enumerate(rows) if active[r] and row.more]
+        chosen, tokens = self._commit(rows, logits, masked, quota, draws)  # (n, Bk) each
         if self.on_forward is not None:
             first = next(r for r, a in zip(rows, active) if a)
             self.on_forward({"nfe": self.forwards, "block": first.block, "step": first.step, "start": first.block * Bk,
@@ -204,14 +190,16 @@ class Diffusion(SlotRows):
         ended = (torch.isin(canvas.ids[:n], self.stops) & gen_cols & (torch.arange(T, device=dev) < cols[:, -1:] + 1)
                  ).any(dim=1)  # (n,) a stop id at or before the block's end
         committed = ((canvas.ids[:n] != mask_id) & gen_cols).sum(dim=1)  # (n,)
-        # the step's one host sync: what each row's bookkeeping reads
-        flags = torch.stack([chosen.sum(dim=1), had.long(), left.long(), self.done[:n].long(), ended.long(),
-                             committed]).tolist()
+        # the step's one host sync: what each row's bookkeeping reads, and its block's ids (n, 6 + Bk)
+        flags = torch.cat([torch.stack([chosen.sum(dim=1), had.long(), left.long(), self.done[:n].long(),
+                                        ended.long(), committed], dim=1), canvas.ids[:n].gather(1, cols)], dim=1).tolist()
         self.forwards += 1
         for r, row in enumerate(rows):
             if row is None or not active[r]:
                 continue
-            count, was, more, done, stop, row.extra["n_committed"] = (flags[i][r] for i in range(6))
+            count, was, more, done, stop, row.extra["n_committed"] = flags[r][:6]
+            row.gen[row.block * Bk: (row.block + 1) * Bk] = flags[r][6:]
+            row.more = bool(more)
             if was:
                 row.commits.append(count)
                 if self.on_step is not None:
@@ -229,25 +217,26 @@ class Diffusion(SlotRows):
                 row.done |= bool(stop)
         return self._advance()
 
-    def _commit(self, rows, logits, masked, quota):
-        """``commit_rows`` per group of rows sharing a sampling setting, each row with its generator."""
+    def _commit(self, rows, logits, masked, quota, draws):
+        """:func:`unmask.policies.commit` per group of rows sharing a sampling setting, each sampled row
+        with its generator; ``draws``: the row indices with masks (the only ones that draw)."""
         groups: dict = {}
         for r, row in enumerate(rows):
             if row is not None:
                 groups.setdefault(row.job.sampling, []).append(r)
-        draw = "gumbel" if self.cfg.sampler == "llada" else "categorical"
-        conf = self.cfg.commit_confidence
-        if len(groups) == 1:  # free slots have no masks: they draw nothing
-            sampling = next(iter(groups))
-            gens = None if sampling.greedy else [None if row is None else row.generator for row in rows]
-            return commit_rows(logits, masked, self.cfg.policy, sampling, gens, quota, conf, draw)
+        if len(groups) == 1:  # the whole batch at once: free slots have no masks, so they commit nothing
+            groups = {next(iter(groups)): list(range(len(rows)))}
+        kw = dict(confidence=self.cfg.commit_confidence, validate=False,
+                  sampling="gumbel" if self.cfg.sampler == "llada" else "categorical")
         chosen = torch.zeros_like(masked)
         tokens = torch.zeros(masked.shape, dtype=torch.long, device=masked.device)
-        for sampling, idx in groups.items():
+        for s, idx in groups.items():
             at = torch.tensor(idx, dtype=torch.long, device=masked.device)  # (m,)
-            gens = None if sampling.greedy else [rows[r].generator for r in idx]
-            c, t = commit_rows(logits[at], masked[at], self.cfg.policy, sampling, gens,
-                               None if quota is None else quota[at], conf, draw)  # (m, Bk) each
+            pick = (lambda t: t) if len(idx) == len(rows) else (lambda t: t[at])  # no copy of the whole logits
+            gens = None if s.greedy else [None if rows[r] is None else rows[r].generator for r in idx]
+            c, t = commit(pick(logits), pick(masked), self.cfg.policy, temperature=s.temperature, top_k=s.top_k,
+                          top_p=s.top_p, generator=gens, quota=None if quota is None else pick(quota),
+                          draws=[i for i, r in enumerate(idx) if r in draws], **kw)  # (m, Bk) each
             chosen[at], tokens[at] = c, t
         return chosen, tokens
 
@@ -263,26 +252,21 @@ class Diffusion(SlotRows):
                 continue
             e = (row.block + 1) * self.cfg.block_size
             if row.job.stop and not row.done:
-                gen = self.canvas.ids[row.slot, self.canvas.width - row.cfg.gen_length:]  # (L,)
-                row.done = bool(hit_stop_string(self.bundle, [list(row.job.prompt_ids)], gen[None, :e],
-                                                self.bundle.mask_token_id, tuple(row.job.stop))[0])
+                row.done = stop_string_in(self.bundle, row.job.prompt_ids, row.gen[:e], self.bundle.mask_token_id,
+                                          row.job.stop)
             if row.done or e >= row.report or row.block + 1 == row.cfg.n_blocks:
                 finished.append(row)
-            else:
-                row.block, row.step, row.complete = row.block + 1, 0, False
+            else:  # a block not reached yet holds masks only (commits and early-stop fills stay in reached ones)
+                row.block, row.step, row.complete, row.more = row.block + 1, 0, False, True
         if finished:
             self._finish(finished)
         return finished
 
     def _finish(self, rows: list[DiffusionRow]) -> None:
         """Set the rows' outputs as decode reports them (cut at the reported length and the first
-        stop id; one host sync for all) and free their slots."""
-        canvases = self.canvas.ids[[row.slot for row in rows]].tolist()  # (m, T)
-        for row, ids in zip(rows, canvases):
-            full = ids[len(ids) - row.cfg.gen_length:][: row.report]
-            row.tokens = until_stop(full, self.stop_set)
-            row.stop_token = stop_flags([full], [row.tokens], self.stop_ids)[0]
-            row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
+        stop id, from the ids the step read) and free their slots."""
+        for row in rows:
+            finish(row, row.gen[: row.report], self.stop_ids, self.bundle.mask_token_id)
             row.extra = {"policy": row.cfg.policy.name, "cache": row.cfg.cache, "steps": row.nfe,
                          "commits": list(row.commits), "n_committed": row.extra["n_committed"]}
             del self.running[row.slot]

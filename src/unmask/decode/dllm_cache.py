@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 
 from unmask.compat import attention_mask
-from unmask.decode.batching import left_pad
 from unmask.decode.kv import DynamicKV, canvas_forward, make_kv
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
@@ -66,19 +65,6 @@ def prompt_width(P: int, L: int, context_length: int, fast: bool) -> int:
     if not fast:
         return P
     return max(P, min(-(-P // PROMPT_BUCKET) * PROMPT_BUCKET, context_length - L))
-
-
-def left_pad_to(prompts: list[list[int]], pad_id: int, device, width: int):
-    """:func:`unmask.decode.batching.left_pad` to ``width`` >= the longest prompt: ids (B, width)
-    long, valid (B, width) bool (False on padding), positions (B, width) long (real tokens from 0)."""
-    ids, valid, pos = left_pad(prompts, pad_id, device)  # (B, P) each
-    extra = width - ids.shape[1]
-    if extra > 0:  # more left padding: masked keys at position 0, as left_pad's own
-        B = ids.shape[0]
-        ids = torch.cat([ids.new_full((B, extra), pad_id), ids], dim=1)  # (B, width)
-        valid = torch.cat([valid.new_zeros(B, extra), valid], dim=1)  # (B, width)
-        pos = torch.cat([pos.new_zeros(B, extra), pos], dim=1)  # (B, width)
-    return ids, valid, pos
 
 
 def bucket(q: int, q_max: int) -> int:

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from unmask.decode.diffusion import until_stop
-from unmask.decode.dllm_cache import canvas_call
+from unmask.decode.canvas_common import check_canvas, event_hook, finish, serving_options
+from unmask.decode.dllm_cache import SlotCanvas, canvas_call
 from unmask.decode.running import Request, Row, SlotRows, Slots, drain
-from unmask.decode.stats import DecodeOutput, stop_flags
+from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.models.adapters import realign
 from unmask.sampling import Sampling
@@ -79,25 +80,32 @@ def dream_sample(logits: torch.Tensor, alg: str, sampling: Sampling,
     return score, tokens
 
 
-def transfer_counts(n_masked: torch.Tensor, t: torch.Tensor, s: torch.Tensor, last: bool) -> torch.Tensor:
-    """k = int(n · (1 - s/t)) per row (all n at the last step), in Dream's float32 arithmetic. n_masked (B,) long."""
-    if last:
-        return n_masked
-    return (n_masked.float() * (1 - s / t)).long()  # (B,), truncation as int()
+def schedule(steps: int, eps: float) -> np.ndarray:
+    """Dream's 1 - s/t per step (t_i = linspace(1, eps, steps + 1)[i], s = t_{i+1}) in its float32
+    arithmetic: (steps,) float32, host values, so a step computes k and p with no device read."""
+    ts = torch.linspace(1, eps, steps + 1)  # float32, as Dream
+    return (1 - ts[1:] / ts[:-1]).numpy()
 
 
-def commit_row(logits: torch.Tensor, masked: torch.Tensor, alg: str, alg_temp: float | None, k: int,
+def transfer_count(n_masked: int, factor: np.float32, last: bool) -> int:
+    """k = int(n · (1 - s/t)) (all n at the last step), in Dream's float32 arithmetic."""
+    return n_masked if last else int(np.float32(n_masked) * factor)  # truncation, as Tensor.long()
+
+
+def commit_row(logits: torch.Tensor, masked: torch.Tensor, n: int, alg: str, alg_temp: float | None, k: int,
                p_transfer: float, sampling: Sampling, generator: torch.Generator | None):
-    """One row's step: logits (L, V), masked (L,) bool -> (chosen (L,) bool, tokens (L,) long)."""
+    """One row's step: logits (L, V), masked (L,) bool with ``n`` masks (host-known) -> (chosen (L,)
+    bool, tokens (L,) long). Reads nothing on the host; origin's draw over the revealed positions
+    indexes by a mask (on CUDA an implicit sync: Dream's draws consume the generator per revealed
+    position, so their number decides the stream)."""
     L = masked.shape[0]
-    idx = torch.nonzero(masked).flatten()  # (n,)
+    idx = (~masked).to(torch.uint8).sort(stable=True).indices[:n]  # (n,) the masked positions, in order
     chosen = torch.zeros(L, dtype=torch.bool, device=masked.device)
     tokens = torch.zeros(L, dtype=torch.long, device=masked.device)
     if alg == "origin":
-        reveal = torch.rand(idx.shape[0], generator=generator, device=masked.device) < p_transfer  # (n,)
-        if bool(reveal.any()):
-            _, tok = dream_sample(logits[idx[reveal]], alg, sampling, generator)
-            chosen[idx[reveal]], tokens[idx[reveal]] = True, tok
+        reveal = torch.rand(n, generator=generator, device=masked.device) < p_transfer  # (n,)
+        _, tok = dream_sample(logits[idx[reveal]], alg, sampling, generator)  # none revealed: no draw
+        chosen[idx[reveal]], tokens[idx[reveal]] = True, tok
         return chosen, tokens
     score, tok = dream_sample(logits[idx], alg, sampling, generator)  # (n,) each
     tokens[idx] = tok
@@ -129,7 +137,8 @@ def validate(steps, alg: str, alg_temp, eps, L: int) -> int:
 @dataclass(eq=False)
 class DreamRow(Row):
     """A running row of Dream's schedule: ``L`` (its canvas of masks), ``steps`` (its schedule's
-    length), ``i`` (steps run), ``report`` (tokens reported), ``generator``, ``commits`` per step."""
+    length), ``i`` (steps run), ``report`` (tokens reported), ``generator``, ``commits`` per step,
+    ``factors`` (:func:`schedule`), ``gen`` (its generated ids as the last step read them)."""
 
     L: int = 0
     steps: int = 0
@@ -137,6 +146,8 @@ class DreamRow(Row):
     report: int = 0
     generator: object = None
     commits: list[int] = field(default_factory=list)
+    factors: object = None
+    gen: list[int] = field(default_factory=list)
 
 
 class DreamSchedule(SlotRows):
@@ -148,21 +159,20 @@ class DreamSchedule(SlotRows):
     ``sampling.generator`` (Dream's draws need one even at T = 0), so a row equals its decode
     alone whenever it joined. ``lockstep`` (decode) numbers step events by the batch forward and
     the request id, else by the row's own forward (row 0). The per-row commit
-    (:func:`commit_row`, Dream's own index arithmetic) syncs with the host per row. Raises
+    (:func:`commit_row`, Dream's own index arithmetic) reads nothing: a row's mask count and
+    schedule are host values, and one read per step returns every row's commits and ids. Raises
     UnmaskError for bad options; ``join`` for a request that does not fit.
     """
 
     def __init__(self, bundle, *, gen_length=None, steps=None, alg=None, alg_temp=None, eps=None, capacity=8,
                  on_step=None, on_token=None, stop_token_ids=None, width=0, lockstep=False, on_forward=None):
-        from unmask.decode.dllm_cache import SlotCanvas
-
         self.alg = DEFAULT_ALG if alg is None else alg
         self.eps = DEFAULT_EPS if eps is None else eps
         self.gen_length, self.steps, self.alg_temp = gen_length, steps, alg_temp
         validate(steps, self.alg, alg_temp, self.eps, 1)
         self.bundle, self.on_step, self.on_forward, self.lockstep = bundle, on_step, on_forward, lockstep
         ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
-        self.stop_ids, self.stop_set = tuple(ids), set(ids) | {bundle.mask_token_id}
+        self.stop_ids = tuple(ids)
         self.slots = Slots(capacity)
         self.canvas = SlotCanvas(bundle, "none", capacity, max(width, 1), 1)
         self.running: dict[int, DreamRow] = {}
@@ -172,14 +182,10 @@ class DreamSchedule(SlotRows):
     def serving(cls, bundle, options: dict | None = None, on_step=None, *, capacity: int = 64):
         """The server's running batch for Dream-schedule requests of one set of ``options``
         (:data:`OPTIONS`). Raises UnmaskError for another option or schedule, or a bad value."""
-        options = {k: v for k, v in dict(options or {}).items() if v is not None}
-        if options.pop("schedule", "dream") != "dream":
+        options = dict(options or {})
+        if options.pop("schedule", "dream") not in ("dream", None):
             raise UnmaskError("unknown schedule for the diffusion decoder; use \"dream\" or leave it unset")
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to --schedule dream; use only "
-                              f"{', '.join(OPTIONS)}")
-        return cls(bundle, capacity=capacity, on_step=on_step, **options)
+        return cls(bundle, capacity=capacity, on_step=on_step, **serving_options(options, OPTIONS, "--schedule dream"))
 
     @torch.inference_mode()
     def join(self, requests) -> list[DreamRow]:
@@ -189,15 +195,10 @@ class DreamSchedule(SlotRows):
             L = job.max_new_tokens if self.gen_length is None else self.gen_length
             if not isinstance(L, int) or L < 1:
                 raise UnmaskError(f"gen length must be an integer >= 1 (got {L!r}); pass e.g. --gen-length 64")
-            if not list(job.prompt_ids):
-                raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i "
-                                  "from i-1)")
+            check_canvas(self.bundle, len(job.prompt_ids), L, "lower --gen-length or --max-new-tokens")
             if job.stop:
                 raise UnmaskError("stop strings do not apply to --schedule dream (Dream's own loop ends on masks "
                                   "and steps only); drop them")
-            if len(job.prompt_ids) + L > self.bundle.context_length:
-                raise UnmaskError(f"prompt ({len(job.prompt_ids)} tokens) + gen length {L} exceeds the context "
-                                  f"window of {self.bundle.context_length}; lower --gen-length or --max-new-tokens")
             plans.append((job, L, validate(self.steps, self.alg, self.alg_temp, self.eps, L)))
         if len(requests) > self.slots.free:
             self.slots.take(len(requests))  # raises the one-line "running batch full"
@@ -205,7 +206,8 @@ class DreamSchedule(SlotRows):
             self.canvas.place(slot, list(job.prompt_ids), L, self.bundle.mask_token_id)
             gen = getattr(job, "generator", None) or job.sampling.generator(self.bundle.device)
             self.running[slot] = DreamRow(job=job, slot=slot, L=L, steps=steps, report=min(job.max_new_tokens, L),
-                                          generator=gen)
+                                          generator=gen, factors=schedule(steps, self.eps),
+                                          gen=[self.bundle.mask_token_id] * L)
         return []
 
     @torch.inference_mode()
@@ -221,37 +223,40 @@ class DreamSchedule(SlotRows):
                           padded=any(c.padded[:n]))  # (n, shift + Lmax, V)
         logits = realign(raw, shift)[:, shift:]  # (n, Lmax, V): index j scores column T - Lmax + j
         masked_all = c.ids[:n, T - Lmax:] == mask_id  # (n, Lmax) before this step's commits
-        finished = []
+        landed_all = torch.zeros_like(masked_all)  # (n, Lmax)
         for row in rows:
             gen = c.ids[row.slot, T - row.L:]  # (L,) view: commits write through it
             masked = gen == mask_id  # (L,)
-            ts = torch.linspace(1, self.eps, row.steps + 1)  # float32, as Dream
+            left = row.gen.count(mask_id)  # the masks the last read saw
             last = row.i == row.steps - 1
-            k = transfer_counts(masked.sum()[None], ts[row.i], ts[row.i + 1], last)  # (1,)
-            p_transfer = 1.0 if last else float(1 - ts[row.i + 1] / ts[row.i])
-            chosen, tokens = commit_row(logits[row.slot, Lmax - row.L:], masked, self.alg, self.alg_temp, int(k[0]),
-                                        p_transfer, row.job.sampling, row.generator)
+            factor = row.factors[row.i]
+            chosen, tokens = commit_row(logits[row.slot, Lmax - row.L:], masked, left, self.alg, self.alg_temp,
+                                        transfer_count(left, factor, last), 1.0 if last else float(factor),
+                                        row.job.sampling, row.generator)
             gen.copy_(torch.where(chosen, tokens, gen))
             landed = chosen & (tokens != mask_id)
-            row.commits.append(int(landed.sum()))
+            landed_all[row.slot, Lmax - row.L:] = landed
             if self.on_step is not None:
                 at, who = (self.forwards, row.job.id) if self.lockstep else (row.nfe, 0)
                 self.on_step(row, step_event(at, who, landed, tokens, 0, gen, mask_id))
+        # the step's one host sync: each row's commits and generated ids (n, 1 + Lmax)
+        read = torch.cat([landed_all.sum(dim=1, keepdim=True), c.ids[:n, T - Lmax:]], dim=1).tolist()
+        finished = []
+        for row in rows:
+            row.commits.append(read[row.slot][0])
+            row.gen = read[row.slot][1 + Lmax - row.L:]
             row.nfe += 1
             row.i += 1
-            if row.i == row.steps or not bool((gen == mask_id).any()):
-                finished.append(self._finish(row, gen))
+            if row.i == row.steps or mask_id not in row.gen:
+                finished.append(self._finish(row))
         if self.on_forward is not None:
             self.on_forward({"nfe": self.forwards, "step": rows[0].i - 1, "canvas": c.ids[:n].clone(),
                              "logits": logits, "masked": masked_all})
         self.forwards += 1
         return finished
 
-    def _finish(self, row: DreamRow, gen: torch.Tensor) -> DreamRow:
-        full = gen[: row.report].tolist()
-        row.tokens = until_stop(full, self.stop_set)
-        row.stop_token = stop_flags([full], [row.tokens], self.stop_ids)[0]
-        row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
+    def _finish(self, row: DreamRow) -> DreamRow:
+        finish(row, row.gen[: row.report], self.stop_ids, self.bundle.mask_token_id)
         row.extra = {"schedule": "dream", "alg": self.alg, "commits": list(row.commits)}
         del self.running[row.slot]
         self.slots.give([row.slot])
@@ -282,14 +287,11 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     alg = DEFAULT_ALG if alg is None else alg
     eps = DEFAULT_EPS if eps is None else eps
     steps = validate(steps, alg, alg_temp, eps, L)
-    device = bundle.device
-    P = max(len(p) for p in prompts)
-    if P + L > bundle.context_length:
-        raise UnmaskError(f"prompt ({P} tokens) + gen length {L} exceeds the context window of "
-                          f"{bundle.context_length}; lower --gen-length or --max-new-tokens")
+    for p in prompts:  # before the canvases are allocated
+        check_canvas(bundle, len(p), L, "lower --gen-length or --max-new-tokens")
     requests = [Request(prompt_ids=list(p), max_new_tokens=max_new_tokens, sampling=sampling,
-                        generator=sampling.generator(device), id=r) for r, p in enumerate(prompts)]
-    hook = None if on_step is None else (lambda row, event: on_step(event))
+                        generator=sampling.generator(bundle.device), id=r) for r, p in enumerate(prompts)]
     return drain(lambda capacity: DreamSchedule(bundle, gen_length=L, steps=steps, alg=alg, alg_temp=alg_temp, eps=eps,
-                                                capacity=capacity, on_step=hook, stop_token_ids=stop_token_ids,
-                                                width=P + L, lockstep=True, on_forward=on_forward), requests)
+                                                capacity=capacity, on_step=event_hook(on_step),
+                                                stop_token_ids=stop_token_ids, width=max(map(len, prompts)) + L,
+                                                lockstep=True, on_forward=on_forward), requests)

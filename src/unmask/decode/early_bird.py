@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from unmask.decode.canvas_common import check_canvas, check_mask_token, event_hook
 from unmask.decode.dllm_cache import check_fast_path, prompt_width
 from unmask.decode.eb_select import GAP_METRICS, POS_MODES
 from unmask.decode.running import drain, requests_for
@@ -55,6 +56,16 @@ DEFAULT_BLOCK_SIZE = 32  # L_B, base and fallback block (App. F)
 DEFAULT_TAU = 0.9
 DEFAULT_L_MIN = 8
 DEFAULT_G_MAX = 5
+CANVAS_HINT = "shorten the prompt or use a model with a longer window"
+
+
+def check_max_new_tokens(n, L: int) -> None:
+    """Raise the one-line UnmaskError unless 1 <= n <= L (the LBS router's gen length)."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise UnmaskError(f"max_new_tokens must be an integer >= 1 (got {n!r})")
+    if n > L:
+        raise UnmaskError(f"max_new_tokens {n} exceeds the LBS router's gen length {L}; lower it or train LBS for a "
+                          "longer gen length")
 
 
 def _int_at_least(value, low: int, what: str, hint: str) -> None:
@@ -136,12 +147,12 @@ def _commit_confidence(logits, tokens, cand, confidence: str | None, temperature
     return kappa
 
 
-def _draw_rows(logits, cand, top1, policy, sampling: Sampling, gens, confidence, draw) -> torch.Tensor:
+def _draw_rows(logits, cand, top1, policy, sampling: Sampling, gens, confidence, draw, draws) -> torch.Tensor:
     """Sampled tokens (B, n) at each row's candidates, drawn with that row's generator over its
     candidates only, so the draws do not depend on the batch's union window (batch == single
-    runs); elsewhere the argmax ``top1``."""
+    runs); elsewhere the argmax ``top1``. ``draws``: the rows with candidates (host-known)."""
     tokens = top1.clone()
-    for r in torch.nonzero(cand.any(dim=1)).flatten().tolist():
+    for r in draws:
         where = torch.nonzero(cand[r]).flatten()  # (k,)
         sub = logits[r: r + 1, where]  # (1, k, V)
         _, t = commit(sub, torch.ones(1, len(where), dtype=torch.bool, device=sub.device), policy,
@@ -192,9 +203,7 @@ def configure(bundle, *, max_new_tokens: int | None = None, gen_length=None, blo
     """Validate :func:`decode`'s options and resolve its routers: (cfg, LBS router, LPS router | None).
     ``max_new_tokens`` None skips its checks (a continuous batch checks it per job). Raises the
     UnmaskErrors :func:`decode` documents for these options."""
-    if bundle.mask_token_id is None:
-        raise UnmaskError("the early-bird decoder needs a masked-diffusion model with a mask token; "
-                          "load it with mask_token_id=ID or name it in unmask_config.json")
+    check_mask_token(bundle, "early-bird")
     if tau_psi is not None and (not isinstance(tau_psi, (int, float)) or not 0 < tau_psi < 1):
         raise UnmaskError(f"tau_psi must be in (0, 1) (got {tau_psi!r}); use lps=False (--no-lps) to turn the LPS "
                           "router off")
@@ -208,11 +217,8 @@ def configure(bundle, *, max_new_tokens: int | None = None, gen_length=None, blo
     if gen_length is not None and gen_length != L:
         raise UnmaskError(f"the LBS router works at gen length {L} only (E_pos has {L} rows), got {gen_length}; "
                           f"use --gen-length {L} or train LBS for {gen_length}")
-    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens):
-        raise UnmaskError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
-    if max_new_tokens is not None and max_new_tokens > L:
-        raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds the LBS router's gen length {L}; lower it "
-                          f"or train LBS for a longer gen length")
+    if max_new_tokens is not None:
+        check_max_new_tokens(max_new_tokens, L)
     # Unset options: the serving configuration the LPS router was trained under, else App. F.
     defaults = {"block_size": DEFAULT_BLOCK_SIZE, "tau": DEFAULT_TAU, "l_min": DEFAULT_L_MIN, "g_max": DEFAULT_G_MAX}
     defaults.update({k: serving[k] for k in defaults if k in serving})
@@ -277,26 +283,21 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                                   routers=routers,
                                   lbs_router=lbs_router, lps_router=lps_router, static=static, compile=compile)
     L = cfg.gen_length
-    if any(len(p) == 0 for p in prompts):
-        raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
-    device = bundle.device
-    P = max(len(p) for p in prompts)
-    if P + L > bundle.context_length:
-        raise UnmaskError(f"prompt ({P} tokens) + gen length {L} exceeds the context window of "
-                          f"{bundle.context_length}; shorten the prompt or use a model with a longer window")
+    for p in prompts:  # before the canvases are allocated
+        check_canvas(bundle, len(p), L, CANVAS_HINT)
     from unmask.decode.early_bird_engine import EarlyBird  # it builds on this module's config and pieces
 
-    width = prompt_width(P, L, bundle.context_length, static or compile) + L  # the fast path pads to a bucket
+    width = prompt_width(max(map(len, prompts)), L, bundle.context_length, static or compile) + L  # fast path: a bucket
     requests = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings,
-                            device=device)
-    hook = None if on_step is None else (lambda row, event: on_step(event))
+                            device=bundle.device)
     modes = [(r, r.training) for r in (lbs, lps_net) if r is not None]
     for r, _ in modes:
         r.eval()
     try:
         return drain(lambda capacity: EarlyBird(bundle, cfg, lbs, lps_net, static=static, compile=compile,
-                                                capacity=capacity, on_step=hook, stop_token_ids=stop_token_ids,
-                                                width=width, lockstep=True, on_forward=on_forward), requests)
+                                                capacity=capacity, on_step=event_hook(on_step),
+                                                stop_token_ids=stop_token_ids, width=width, lockstep=True,
+                                                on_forward=on_forward), requests)
     finally:
         for r, was in modes:
             r.train(was)

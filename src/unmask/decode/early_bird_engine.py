@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unmask.decode.diffusion import early_stop, hit_stop_string, until_stop
+from unmask.decode.canvas_common import check_canvas, early_stop, finish, row_generator, serving_options, stop_string_in
 from unmask.decode.dllm_cache import SlotCanvas
-from unmask.decode.early_bird import _commit_confidence, _draw_rows, _sync, configure
+from unmask.decode.early_bird import CANVAS_HINT, _commit_confidence, _draw_rows, _sync, check_max_new_tokens, configure
 from unmask.decode.eb_select import PATH_NAMES, lps_features, pack_rows, select_block, union_accept
 from unmask.decode.running import Request, Row, SlotRows, Slots
-from unmask.decode.stats import check_nfe, stop_flags
+from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import is_remote
 from unmask.policies import Threshold, token_stats
@@ -44,7 +44,8 @@ OPTIONS = ("gen_length", "block_size", "tau", "tau_psi", "l_min", "g_max", "lps"
 class EarlyBirdRow(Row):
     """A running row plus its router state: ``has_block`` (an active block with masks), ``window``
     [lo, hi) (generated positions its next forward scores), ``blocks`` (selections), ``sizes`` /
-    ``paths`` (of its selections), ``lps_only``, ``commits`` per forward, ``generator``."""
+    ``paths`` (of its selections), ``lps_only``, ``commits`` per forward, ``generator``; ``gen``: its
+    generated ids as the last step's read left them (finishing reads nothing more)."""
 
     generator: object = None
     has_block: bool = False
@@ -54,6 +55,7 @@ class EarlyBirdRow(Row):
     paths: list[str] = field(default_factory=list)
     lps_only: int = 0
     commits: list[int] = field(default_factory=list)
+    gen: list[int] = field(default_factory=list)
 
 
 class EarlyBird(SlotRows):
@@ -96,11 +98,7 @@ class EarlyBird(SlotRows):
         if is_remote(bundle.model):
             raise UnmaskError("a continuous early-bird batch needs explicit positions per row; this checkpoint's own "
                               "model code takes none, so decode it with per-call early-bird batches")
-        options = {k: v for k, v in dict(options or {}).items() if v is not None}
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous early-bird batch "
-                              f"(eager forwards); use only {', '.join(OPTIONS)}")
+        options = serving_options(options, OPTIONS, "a continuous early-bird batch (eager forwards)")
         cfg, lbs, lps = configure(bundle, **options)
         for net in (lbs, lps):
             if net is not None:
@@ -114,17 +112,8 @@ class EarlyBird(SlotRows):
     # -- joining and leaving ------------------------------------------------------------------------
 
     def _check(self, job) -> None:
-        prompt, n, L = list(job.prompt_ids), job.max_new_tokens, self.cfg.gen_length
-        if not prompt:
-            raise UnmaskError("every prompt needs at least one token (a Dream-style model scores position i from i-1)")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise UnmaskError(f"max_new_tokens must be an integer >= 1 (got {n!r})")
-        if n > L:
-            raise UnmaskError(f"max_new_tokens {n} exceeds the LBS router's gen length {L}; lower it "
-                              f"or train LBS for a longer gen length")
-        if len(prompt) + L > self.bundle.context_length:
-            raise UnmaskError(f"prompt ({len(prompt)} tokens) + gen length {L} exceeds the context window of "
-                              f"{self.bundle.context_length}; shorten the prompt or use a model with a longer window")
+        check_max_new_tokens(job.max_new_tokens, self.cfg.gen_length)
+        check_canvas(self.bundle, len(job.prompt_ids), self.cfg.gen_length, CANVAS_HINT)
 
     @torch.inference_mode()
     def join(self, requests: list[Request]) -> list[EarlyBirdRow]:
@@ -135,12 +124,10 @@ class EarlyBird(SlotRows):
         if len(requests) > self.slots.free:
             self.slots.take(len(requests))  # raises the one-line "running batch full"
         for job, slot in zip(requests, self.slots.take(len(requests))):
-            gen = getattr(job, "generator", None)
-            if gen is None and not job.sampling.greedy:  # the generator decode gives a lone prompt
-                gen = job.sampling.row_generators([list(job.prompt_ids)], self.bundle.device)[0]
             self.canvas.place(slot, list(job.prompt_ids), self.cfg.gen_length, self.bundle.mask_token_id)
             self.block[slot], self.done[slot] = False, False
-            self.running[slot] = EarlyBirdRow(job=job, slot=slot, generator=gen)
+            self.running[slot] = EarlyBirdRow(job=job, slot=slot, generator=row_generator(job, self.bundle.device),
+                                              gen=[self.bundle.mask_token_id] * self.cfg.gen_length)
         return []
 
     # -- stepping -----------------------------------------------------------------------------------
@@ -221,14 +208,19 @@ class EarlyBird(SlotRows):
         if self.lps is not None:
             p_lps = torch.zeros(n, L, device=dev)
             # LPS cannot change A for a row whose candidates all pass κ ≥ τ or that has a single
-            # candidate (committed anyway, by the anti-stall rule): those rows skip the router.
+            # candidate (committed anyway, by the anti-stall rule): its p_ψ is zeroed, so it counts
+            # no LPS-only commit. Every running row has candidates (a row without finished last
+            # step), so the router runs over them all, packed to their widest window (host-known):
+            # which rows are open is not read.
             open_rows = (cand.sum(dim=1) >= 2) & (cand & (kappa < cfg.tau)).any(dim=1)  # (n,)
-            for g in self._groups(torch.nonzero(open_rows).flatten().tolist()):
+            for g in self._groups([r for r, row in enumerate(rows) if row is not None]):
                 at = torch.tensor(g, device=dev)  # (b,)
-                index, ok = pack_rows(cand[at])  # (b, N) each
+                N = max(L if select[r] else rows[r].window[1] - rows[r].window[0] for r in g)
+                index, ok = pack_rows(cand[at], N)  # (b, N) each
                 x = feats[at].gather(1, index[..., None].expand(-1, -1, feats.shape[-1]))  # (b, N, 5)
                 p = torch.sigmoid(self.lps(x, ok))  # (b, N)
                 p_lps[at] = torch.zeros(len(g), L, device=dev).scatter(1, index, torch.where(ok, p, 0.0))
+            p_lps = p_lps * open_rows[:, None]
         self.seconds["lps"] += _sync(dev) - t3
         tau_psi = cfg.tau_psi if cfg.tau_psi is not None else 1.0
         chosen = union_accept(kappa, p_lps, cand, cfg.tau, tau_psi)  # (n, L)
@@ -251,8 +243,9 @@ class EarlyBird(SlotRows):
             pick[idx] = cand_w[idx]
             if not sampling.greedy:
                 gens = [None if row is None else row.generator for row in rows]
+                # every running row has candidates (see step), so the group's rows are the ones that draw
                 tokens = _draw_rows(logits, pick, tokens, self.threshold, sampling, gens, cfg.commit_confidence,
-                                    self.draw)
+                                    self.draw, idx)
             kappa = kappa + _commit_confidence(logits, tokens, pick, cfg.commit_confidence, sampling.temperature, LO, L)
         return tokens, kappa
 
@@ -281,16 +274,18 @@ class EarlyBird(SlotRows):
             new = torch.tensor(select, device=dev) & open_block.any(dim=1) & ~self.done[:n]  # (n,)
             end = g0 + b_hi if cfg.cache == "dual" else torch.full_like(b_hi, c.width)
             c.hide(n, new, g0 + b_lo - sh, end)
-        flags = torch.stack([chosen.sum(dim=1), had.long(), resolved.long(), self.done[:n].long(),
-                             open_block.any(dim=1).long(), (gen == mask_id).any(dim=1).long(), b_lo, b_hi, o_lo, o_hi,
-                             path, block.sum(dim=1), lps_only.long(), (gen != mask_id).sum(dim=1)]).tolist()
+        # the step's one host sync: each row's counts and flags, then its generated ids (n, 14 + L)
+        flags = torch.cat([torch.stack([chosen.sum(dim=1), had.long(), resolved.long(), self.done[:n].long(),
+                                        open_block.any(dim=1).long(), (gen == mask_id).any(dim=1).long(), b_lo, b_hi,
+                                        o_lo, o_hi, path, block.sum(dim=1), lps_only.long(),
+                                        (gen != mask_id).sum(dim=1)], dim=1), gen], dim=1).tolist()
         self.seconds["step"] += _sync(dev) - t0
         finished = []
         for r, row in enumerate(rows):
             if row is None:
                 continue
-            count, was, done_block, done, has_block, left, blo, bhi, olo, ohi, how, size, only, committed = (
-                f[r] for f in flags)
+            count, was, done_block, done, has_block, left, blo, bhi, olo, ohi, how, size, only, committed = flags[r][:14]
+            row.gen = flags[r][14:]
             if select[r]:
                 row.blocks, row.sizes = row.blocks + 1, row.sizes + size
                 row.paths.append(PATH_NAMES[how])
@@ -308,8 +303,7 @@ class EarlyBird(SlotRows):
             row.nfe += int(bool(was))
             check_nfe(row.nfe, 2 * L, "early-bird")  # ≥ 1 commit per forward; L blocks at most (size 1)
             if row.job.stop and done_block and not done:
-                done = bool(hit_stop_string(self.bundle, [list(row.job.prompt_ids)], gen[r: r + 1], mask_id,
-                                            tuple(row.job.stop))[0])
+                done = stop_string_in(self.bundle, row.job.prompt_ids, row.gen, mask_id, row.job.stop)
             row.extra["n_committed"] = committed
             if done or not left:
                 finished.append(row)
@@ -324,15 +318,9 @@ class EarlyBird(SlotRows):
         return finished
 
     def _finish(self, rows: list[EarlyBirdRow]) -> None:
-        """Set the rows' outputs as decode reports them (one host sync for all) and free their slots."""
-        L = self.cfg.gen_length
-        canvases = self.canvas.ids[[row.slot for row in rows], -L:].tolist()  # (m, L)
-        stop_set = set(self.stop_ids) | {self.bundle.mask_token_id}
-        for row, gen in zip(rows, canvases):
-            full = gen[: row.job.max_new_tokens]
-            row.tokens = until_stop(full, stop_set)
-            row.stop_token = stop_flags([full], [row.tokens], self.stop_ids)[0]
-            row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
+        """Set the rows' outputs as decode reports them (from the ids the step read) and free their slots."""
+        for row in rows:
+            finish(row, row.gen[: row.job.max_new_tokens], self.stop_ids, self.bundle.mask_token_id)
             row.extra = {"decoder": "early-bird", "lps": self.lps is not None, "cache": self.cfg.cache,
                          "steps": row.nfe, "blocks": row.blocks, "commits": list(row.commits),
                          "n_committed": row.extra["n_committed"]}

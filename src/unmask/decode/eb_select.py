@@ -127,13 +127,14 @@ def lps_features(confidence: Tensor, norm_entropy: Tensor, margin: Tensor, block
     return feats * live[..., None]
 
 
-def pack_rows(select: Tensor) -> tuple[Tensor, Tensor]:
+def pack_rows(select: Tensor, n: int | None = None) -> tuple[Tensor, Tensor]:
     """Gather plan for a ragged set per row: select (B, L) bool -> (index (B, N) long, valid
-    (B, N) bool), N = max(1, largest row count). Row r's selected positions come first, in
-    index order; the padding slots point at distinct unselected positions, so scattering through
-    ``index`` never writes one position twice."""
+    (B, N) bool), N = ``n`` (a bound on every row's count the caller knows, <= L: no host read) or
+    max(1, largest row count). Row r's selected positions come first, in index order; the padding
+    slots point at distinct unselected positions, so scattering through ``index`` never writes
+    one position twice."""
     counts = select.sum(dim=1)  # (B,)
-    N = max(1, int(counts.max())) if select.numel() else 1
+    N = n if n is not None else max(1, int(counts.max())) if select.numel() else 1
     order = (~select).to(torch.uint8).sort(dim=1, stable=True).indices[:, :N]  # (B, N) selected first
     valid = torch.arange(N, device=select.device)[None, :] < counts[:, None]  # (B, N)
     return order, valid

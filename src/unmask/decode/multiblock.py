@@ -39,7 +39,7 @@ import torch
 from unmask.decode import block_buffer as bb
 from unmask.decode.block import (check_block_model, check_cache_flags, hit_stop_string, outputs, resolve_block_size,
                                  step_event, window_forward)
-from unmask.decode.running import drain, requests_for
+from unmask.decode.canvas_common import drain_prompts, event_hook
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling, sample
@@ -187,11 +187,10 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
 
     def make(capacity):
         return MultiBlockDecoder(bundle, cfg, static=static, compile=compile, capacity=capacity, drained=True,
-                                 on_step=None if on_step is None else (lambda row, event: on_step(event)),
-                                 on_forward=on_forward, stop_token_ids=tuple(stop_token_ids))
+                                 on_step=event_hook(on_step), on_forward=on_forward, stop_token_ids=tuple(stop_token_ids))
 
-    return drain(make, requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                    stop_strings=stop_strings, device=bundle.device))
+    return drain_prompts(make, bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                         stop_strings=stop_strings)
 
 
 def window_step(kv, key_valid: torch.Tensor, w: bb.Window, keep: int | None = None

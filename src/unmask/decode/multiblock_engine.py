@@ -23,11 +23,12 @@ import torch
 
 from unmask.decode import block_buffer as bb
 from unmask.decode.block import first_stop, prefill_whole_blocks, whole_prompt_blocks
+from unmask.decode.canvas_common import row_generator, serving_options
 from unmask.decode.kv import DynamicKV, make_kv
 from unmask.decode.multiblock import (candidates, compact, row_event, stop_blocks, stop_string_rows, window_step,
                                       write_window)
 from unmask.decode.rowcache import pad, place
-from unmask.decode.running import Row, Slots
+from unmask.decode.running import Row, SlotRows, Slots
 from unmask.decode.stats import check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
@@ -65,7 +66,7 @@ def _set_rows(w: bb.Window, at: torch.Tensor, new: bb.Window) -> None:
             getattr(w, f.name)[at] = getattr(new, f.name)
 
 
-class MultiBlockDecoder:
+class MultiBlockDecoder(SlotRows):
     """The running batch of Block Buffer rows of one :class:`~unmask.decode.multiblock.MultiBlockConfig`.
 
     ``static`` / ``compile``: a StaticKV sized at the first join (which must fill every slot), the
@@ -88,19 +89,12 @@ class MultiBlockDecoder:
         self.stops, self.stop_ids = torch.tensor(sorted(set(ids)) or [-1], device=self.device), sorted(set(ids))
         self.suppress = list(bundle.suppress_ids)
         self.forwards = self.prefills = 0
-        self.by_slot: dict[int, BufferRow] = {}
+        self.running: dict[int, BufferRow] = {}
         self._empty()
 
     def _empty(self) -> None:
         self.kv, self.R, self.w = None, 0, None
         self.seq = self.key_valid = self.checked = self.nfe_rows = self.live = None
-
-    def __len__(self) -> int:
-        return len(self.by_slot)
-
-    @property
-    def rows(self) -> list[BufferRow]:
-        return [self.by_slot[s] for s in sorted(self.by_slot)]
 
     @torch.inference_mode()
     def join(self, requests) -> list[BufferRow]:
@@ -111,9 +105,7 @@ class MultiBlockDecoder:
         S, B, dev, model = self.cfg.slots, self.cfg.block_size, self.device, self.bundle.model
         rows = []
         for job, s in zip(requests, self.slots.take(len(requests))):
-            gen = getattr(job, "generator", None)
-            if gen is None and not job.sampling.greedy:
-                gen = job.sampling.row_generators([list(job.prompt_ids)], dev)[0]
+            gen = row_generator(job, dev)
             rows.append(BufferRow(job=job, slot=s, generator=gen, keys=len(job.prompt_ids) // B * B))
         try:  # a failed prefill gives its slots back (a step covers [0, high))
             prompts = [list(r.job.prompt_ids) for r in rows]
@@ -159,7 +151,7 @@ class MultiBlockDecoder:
         self.seq[at] = self.mask_id
         for r, p in zip(rows, prompts):
             self.seq[r.slot, : len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
-            self.by_slot[r.slot] = r
+            self.running[r.slot] = r
         self.live[at], self.checked[at], self.nfe_rows[at] = True, 0, 0
         return []
 
@@ -168,7 +160,7 @@ class MultiBlockDecoder:
         """One Block Buffer step (multiblock.md §3.3) for every slot: one forward of shape (R, N_buf·B).
         Returns the rows that finished in it (a stop token with every block up to it complete, a stop
         string in its complete blocks, ``max_new_tokens`` or ``max_nfe``), their slots freed."""
-        if not self.by_slot:
+        if not self.running:
             return []
         cfg, S, B, R = self.cfg, self.cfg.slots, self.cfg.block_size, self.R
         rows, L = self.rows, self.seq.shape[1]
@@ -223,7 +215,7 @@ class MultiBlockDecoder:
             if n + window > self.kv.capacity:
                 compact(self.kv, self.key_valid)
         elif not self.drained and n:
-            most = max(r.keys for r in self.by_slot.values())
+            most = max(r.keys for r in self.running.values())
             if n - most >= max(most, window):
                 self.key_valid = self.key_valid[:, :n] & self.live[:, None]  # a free slot's keys count for nobody
                 compact(self.kv, self.key_valid, most)
@@ -300,12 +292,12 @@ class MultiBlockDecoder:
         return done
 
     def _leave(self, row: BufferRow) -> None:
-        self.by_slot.pop(row.slot, None)
+        self.running.pop(row.slot, None)
         self.slots.give([row.slot])
         if self.live is not None:
             self.live[row.slot] = False
             self.w = bb.release(self.w, torch.arange(self.R, device=self.device) == row.slot)
-        if not self.by_slot and not self.static:
+        if not self.running and not self.static:
             self._empty()
 
     @torch.inference_mode()
@@ -338,11 +330,7 @@ def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_
     from unmask.decode.multiblock import MultiBlockConfig
 
     check_block_model(bundle, "multiblock")
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous multiblock batch; "
-                          f"use only {', '.join(OPTIONS)}")
+    options = serving_options(options, OPTIONS, "a continuous multiblock batch")
     return MultiBlockDecoder(bundle, MultiBlockConfig.from_options(bundle, **options), capacity=capacity,
                              on_step=on_step, on_token=on_token, stop_token_ids=stop_token_ids)
 

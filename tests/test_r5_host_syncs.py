@@ -1,0 +1,182 @@
+"""At most one host sync per ``step()`` for every canvas and block decoder (issue 25, STYLE.md 13):
+diffusion (no / prefix / dual cache), Dream's schedule, early-bird (every cache, LBS only and
+with LPS), block (SingleBD), lossy sbd and multiblock, greedy and sampled, in every step
+including the ones where rows finish. on_step is None and there are no stop strings (the two
+documented per-row reads)."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+from batch_helpers import job
+
+import unmask
+from unmask.decode.running import requests_for
+from unmask.sampling import Sampling
+
+# Every tensor -> Python conversion: ``if t.any()`` goes through __bool__, ``range(t)`` through
+# __index__, ``float(t)`` through __float__.
+SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+GREEDY, SAMPLED = Sampling(), Sampling(temperature=0.9, seed=4)
+
+
+class SyncCounter:
+    """Counts (and remembers where) the tensor-to-host reads made while a ``step()`` runs."""
+
+    def __init__(self, monkeypatch):
+        self.on, self.where = False, []
+        for name in SYNCS:
+            real = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _real=real, _name=name, **kw):
+                if self.on:
+                    self.on = False  # a read made inside another (tolist -> __index__) counts once
+                    try:
+                        self.where.append(_name + " at " + "".join(traceback.format_stack(limit=4)[:-1]).strip())
+                        return _real(t, *a, **kw)
+                    finally:
+                        self.on = True
+                return _real(t, *a, **kw)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def drain(self, dec, joins=()):
+        """Step ``dec`` until empty (joining ``joins[i]`` before step i); asserts every step read the
+        host at most once. Returns (steps, rows finished in some step)."""
+        steps, done = 0, 0
+        joins = list(joins)
+        while len(dec) or joins:
+            if joins:
+                dec.join(joins.pop(0))
+            self.where, self.on = [], True
+            try:
+                with torch.inference_mode():
+                    finished = dec.step()
+            finally:
+                self.on = False
+            assert len(self.where) <= 1, f"step {steps} read the host {len(self.where)} times:\n" + "\n".join(
+                self.where)
+            steps, done = steps + 1, done + len(finished)
+        return steps, done
+
+
+@pytest.fixture(scope="module")
+def dlm():
+    return unmask.load("stories260K-dlm")
+
+
+def texts(bundle):
+    return [bundle.encode(t) for t in ("Once upon a time", "Tom", "Lily wanted to play with her big red ball")]
+
+
+def reqs(ps, n, sampling):
+    return requests_for(ps, max_new_tokens=n, sampling=sampling, device=torch.device("cpu"))
+
+
+# -- diffusion ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("cache, options", [("none", dict(policy="threshold", tau=0.7)),
+                                            ("prefix", dict(policy="top-k", steps=12)),
+                                            ("dual", dict(policy="entropy-bound", gamma=0.3)),
+                                            ("none", dict(policy="threshold", tau=0.8, eos_early_stop=True))])
+@pytest.mark.parametrize("lockstep", [True, False], ids=["decode", "server"])
+def test_a_diffusion_step_reads_the_host_once(dlm, monkeypatch, sampling, cache, options, lockstep):
+    from unmask.decode.diffusion import DiffusionConfig
+    from unmask.decode.diffusion_engine import Diffusion
+
+    cfg = DiffusionConfig.from_options(max_new_tokens=24, block_size=8, cache=cache, sampler="llada", **options)
+    dec = Diffusion(dlm, cfg, capacity=3, width=64, lockstep=lockstep, stop_token_ids=(2,))
+    ps = texts(dlm)
+    steps, done = SyncCounter(monkeypatch).drain(dec, [reqs(ps[:2], 24, sampling), reqs(ps[2:], 24, sampling)])
+    assert steps > 3 and done == 3
+
+
+# -- Dream's schedule -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("options", [dict(alg="origin", steps=6), dict(alg="entropy", steps=5),
+                                     dict(alg="maskgit_plus", alg_temp=0.5, steps=4), dict(alg="topk_margin")])
+def test_a_dream_step_reads_the_host_once(dlm, monkeypatch, sampling, options):
+    from unmask.decode.dream_compat import DreamSchedule
+
+    dec = DreamSchedule(dlm, capacity=3, stop_token_ids=(2,), **options)
+    ps = texts(dlm)
+    first = requests_for(ps[:2], max_new_tokens=10, sampling=sampling)
+    for r in first:
+        r.generator = sampling.generator(torch.device("cpu"))
+    later = requests_for(ps[2:], max_new_tokens=7, sampling=sampling)
+    for r in later:
+        r.generator, r.id = sampling.generator(torch.device("cpu")), 5
+    steps, done = SyncCounter(monkeypatch).drain(dec, [first, later])
+    assert steps > 3 and done == 3
+
+
+# -- early-bird -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("lps", [False, True], ids=["lbs", "lps"])
+@pytest.mark.parametrize("lockstep", [True, False], ids=["decode", "server"])
+def test_an_early_bird_step_reads_the_host_once(dlm, monkeypatch, sampling, cache, lps, lockstep):
+    from unmask.decode.early_bird import configure
+    from unmask.decode.early_bird_engine import EarlyBird
+
+    # a low τ_ψ and τ so that LPS decides for some rows (open rows run the router)
+    cfg, lbs_net, lps_net = configure(dlm, cache=cache, lps=lps, **(dict(tau_psi=0.3, tau=0.95) if lps else {}))
+    dec = EarlyBird(dlm, cfg, lbs_net, lps_net, capacity=3, width=300, lockstep=lockstep, stop_token_ids=(2,))
+    ps = texts(dlm)
+    steps, done = SyncCounter(monkeypatch).drain(dec, [reqs(ps[:2], 40, sampling), reqs(ps[2:], 30, sampling)])
+    assert steps > 3 and done == 3
+
+
+# -- block (SingleBD), lossy sbd, multiblock ------------------------------------------------------------
+
+PROMPTS = [[1, 3], [1, 3, 5, 7, 9], [1] + list(range(3, 14)), [2, 4, 6, 8]]
+
+
+def _bundle(decoder):
+    from test_block_decode import bd_bundle
+    from test_sbd_decode import sbd_bundle
+
+    return (bd_bundle if decoder == "block" else sbd_bundle)("llama", "sdpa", seed=3, initializer_range=0.4)
+
+
+def _jobs(sampling, lengths=(14, 9, 20, 11)):
+    jobs = [job(p, n, sampling) for p, n in zip(PROMPTS, lengths)]
+    for i, j in enumerate(jobs):
+        j.id = i
+    return jobs
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("decoder, options", [("block", dict(tau=0.6)), ("block", dict(tau=0.5, store="fused")),
+                                              ("block", dict(steps=2, tau=0.7)),
+                                              ("block", dict(policy="entropy-bound", gamma=0.4)),
+                                              ("sbd", dict(block_size=4, gamma=0.5)),
+                                              ("sbd", dict(block_size=3, policy="threshold", tau=0.3))])
+def test_a_block_step_reads_the_host_once(monkeypatch, sampling, decoder, options):
+    from unmask.decode import block, sbd
+
+    bundle = _bundle(decoder)
+    make = block.serving_batch if decoder == "block" else sbd.serving_batch
+    dec = make(bundle, options, capacity=8, stop_token_ids=(55, 29))
+    jobs = _jobs(sampling)
+    steps, done = SyncCounter(monkeypatch).drain(dec, [jobs[:2], [], [], jobs[2:]])
+    assert steps > 5 and dec.forwards == steps and done == 4
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("options", [dict(slots=2, tau_m2t=0.6, tau_add=0.3), dict(slots=3, tau_m2t=0.8, tau_t2t=0.5)])
+def test_a_multiblock_step_reads_the_host_once(monkeypatch, sampling, options):
+    from unmask.decode import multiblock_engine
+
+    dec = multiblock_engine.serving_batch(_bundle("block"), options, capacity=8, stop_token_ids=(55, 29))
+    jobs = _jobs(sampling)
+    steps, done = SyncCounter(monkeypatch).drain(dec, [jobs[:2], [], [], jobs[2:]])
+    assert steps > 5 and dec.forwards == steps and done == 4
