@@ -77,8 +77,11 @@ class DynamicKV:
 class StaticKV:
     """A ``StaticCache`` of ``capacity`` tokens for ``batch`` rows, allocated once, with a length
     pointer. ``compile=True`` runs every ``compiled=True`` forward through a ``torch.compile``-d
-    step (inductor on CPU, CUDA graphs on CUDA). Raises UnmaskError when a forward would run past
-    the capacity (a sizing bug of the caller: the static cache never grows)."""
+    step (inductor on CPU, CUDA graphs on CUDA). A forward of B < ``batch`` rows covers rows
+    ``[0, B)`` only, through a cache whose layers are views of those rows of the full buffers
+    (:meth:`rows`), so a running batch pays for its row bucket, not its capacity. Raises
+    UnmaskError when a forward would run past the capacity (a sizing bug of the caller: the static
+    cache never grows) or covers more than ``batch`` rows."""
 
     static = True
 
@@ -91,6 +94,7 @@ class StaticKV:
         self._step = step_function(model, compile, cpp_wrapper=cpp_wrapper)  # cpp_wrapper: CPU only
         self._eager = step_function(model, False)
         self._masks: dict[tuple[int, int], torch.Tensor] = {}  # (B, q) -> (B, 1, q, L) bool buffer
+        self._views: dict[int, object] = {}  # B -> a StaticCache over rows [0, B) of self.cache
         self._device = next(model.parameters()).device
 
     @property
@@ -106,6 +110,9 @@ class StaticKV:
         if end > self.capacity:
             raise UnmaskError(f"static KV cache overflow: {end} positions needed, {self.capacity} allocated; "
                               "this is a bug in the decoder's cache sizing, run without --compile")
+        if B > self.batch:
+            raise UnmaskError(f"a forward of {B} rows on a static cache of {self.batch}; this is a bug in the "
+                              "decoder's row count, run without --compile")
         buf = self._masks.get((B, q))
         if buf is None:
             buf = self._masks[(B, q)] = torch.zeros((B, 1, q, self.capacity), dtype=torch.bool, device=self._device)
@@ -118,9 +125,31 @@ class StaticKV:
             buf[..., end:] = False
         set_static_length(self.cache, self.ptr)
         step = self._step if compiled else self._eager
-        logits = step(inp, positions, attention_mask(self.model, buf), self.cache)  # (B, q, V)
+        logits = step(inp, positions, attention_mask(self.model, buf), self.rows(B))  # (B, q, V)
         self.ptr = end
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
+
+    def rows(self, B: int):
+        """The cache of rows ``[0, B)``: ``self.cache`` itself for B = ``batch`` (or before the first
+        write allocates it), else a ``StaticCache`` whose layers hold views (B, H, L, D) of the first
+        B rows of the full buffers (contiguous: rows lead) and share their length counters, so its
+        writes land in the full cache. Built once per B: a compiled step sees the same objects
+        every call (one graph per (B, q), no recompiles)."""
+        if B == self.batch or not all(layer.is_initialized for layer in self.cache.layers):
+            return self.cache
+        view = self._views.get(B)
+        if view is None:
+            from unmask.decode.static import static_cache
+
+            view, _ = static_cache(self.model, B, self.capacity)
+            for mine, full in zip(view.layers, self.cache.layers):
+                mine.__dict__.update(full.__dict__)  # device, heads, dims and the shared cumulative_length
+                mine.keys, mine.values, mine.batch_size = full.keys[:B], full.values[:B], B  # (B, H, L, D) views
+                if self._device.type == "cuda":  # CUDA graphs replay on fixed addresses
+                    torch._dynamo.mark_static_address(mine.keys)
+                    torch._dynamo.mark_static_address(mine.values)
+            self._views[B] = view
+        return view
 
     def crop(self, n: int) -> None:
         """Move the pointer back ``n`` positions (n <= 0: nothing). Raises UnmaskError for n > length:

@@ -239,7 +239,10 @@ class Verify:
         host = torch.cat([committed, ended.long(), step_tok.flatten()]).tolist()  # the step's one host sync
         kept = max(host[i] for i in self.rows)  # verify columns some running row keeps
         self.kv.crop(Q - kept)
-        self.key_valid = torch.cat([self.key_valid[:R], new[:, :kept]], dim=1)  # (R, C + kept)
+        cols = new[:, :kept]  # (R, kept); a static cache's rows past R ride along as invalid keys
+        if self.key_valid.shape[0] > R:
+            cols = torch.cat([cols, cols.new_zeros((self.key_valid.shape[0] - R, kept))])  # (cap, kept)
+        self.key_valid = torch.cat([self.key_valid, cols], dim=1)  # (R or cap, C + kept)
         if self.on_forward is not None:
             self._report(inp, positions, logits, a)
         finished = []
@@ -258,10 +261,12 @@ class Verify:
         return finished
 
     def _rows_in_forward(self) -> int:
-        """Slots a step covers: all on the static cache (fixed shapes), else [0, high) (the cache cut to them)."""
-        if self.static:
-            return self.slots.capacity
+        """Slots a step covers: [0, high) (the dynamic cache cut to them), or on the static cache the
+        row bucket holding them, the next power of two >= high up to the capacity (one compiled graph
+        per bucket and query length; Slots hands out the lowest free slot, so high stays small)."""
         R = self.slots.high
+        if self.static:
+            return min(1 << (R - 1).bit_length(), self.slots.capacity)
         if self.key_valid.shape[0] > R:
             self.kv.cache.batch_select_indices(torch.arange(R, device=self.device))
             self.key_valid = self.key_valid[:R]

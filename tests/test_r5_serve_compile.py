@@ -1,0 +1,123 @@
+"""Round 5, compiled serving: a step on the static cache covers only the row bucket of its slots
+(1, 2, 4, ... up to the capacity), so one stream pays for one row, not for the server's
+--max-batch-size; compiled == eager and batch == alone while the bucket grows and shrinks
+(STYLE.md 14)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from test_sbd_verify import verify_bundle
+
+from unmask.decode import ar, sbd_verify, static
+from unmask.decode.lossless import Verify
+from unmask.decode.running import Request
+from unmask.decode.sbd_verify import VerifyConfig
+from unmask.sampling import Sampling
+
+_ids = itertools.count()
+
+
+def _req(prompt, n, sampling=Sampling()):
+    return Request(prompt_ids=list(prompt), max_new_tokens=n, sampling=sampling, id=next(_ids))
+
+
+def _prompts(k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 8, (2 + 3 * i % 7,), generator=g).tolist() for i in range(k)]
+
+
+def _rows_per_forward(batch):
+    """Record the row count of every step forward of ``batch``'s cache."""
+    seen, real = [], batch.kv.forward
+
+    def counted(inp, *a, **kw):
+        seen.append(inp.shape[0])
+        return real(inp, *a, **kw)
+
+    batch.kv.forward = counted
+    return seen
+
+
+def _staggered(batch, plan):
+    """plan: [(requests, K, steps after joining, job ids to drop after them)] -> finished rows by id."""
+    done = []
+    for requests, K, steps, drop in plan:
+        done += batch.join(requests, block_size=K)
+        for _ in range(steps):
+            done += batch.step()
+        batch.drop(drop)
+    while len(batch):
+        done += batch.step()
+    return {r.job.id: r for r in done}
+
+
+def _alone(bundle, r, K):
+    kw = dict(max_new_tokens=r.max_new_tokens, sampling=r.sampling)
+    out = ar.decode(bundle, [r.prompt_ids], **kw) if K == 1 else \
+        sbd_verify.decode(bundle, [r.prompt_ids], block_size=K, **kw)
+    return out.tokens[0], out.stats.nfe_per_row[0]
+
+
+def test_a_static_step_covers_the_row_bucket_of_its_slots_not_the_capacity():
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=3)
+    batch = Verify(bundle, VerifyConfig(block_size=4), static=True, capacity=8, length=128)
+    seen = _rows_per_forward(batch)
+    P = _prompts(5)
+    one = _req(P[0], 30)
+    batch.join([one], block_size=1)
+    batch.step()  # slot 0: bucket 1
+    batch.join([_req(p, 30) for p in P[1:3]], block_size=2)
+    batch.step()  # slots 0-2: bucket 4
+    batch.join([_req(p, 30) for p in P[3:5]], block_size=1)
+    batch.step()  # slots 0-4: bucket 8
+    batch.drop([r.job.id for r in batch.rows.values() if r.slot >= 2])
+    batch.step()  # slots 0-1: back to bucket 2
+    batch.drop([r.job.id for r in batch.rows.values() if r.slot == 1])
+    batch.step()  # slot 0 alone again
+    assert seen == [1, 4, 8, 2, 1]
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, top_k=5, seed=4)], ids=["greedy", "sampled"])
+def test_rows_joining_and_leaving_across_buckets_equal_their_decoders_alone(sampling):
+    # AR and lossless rows: the bucket grows 1 -> 4 -> 8 and shrinks as rows finish or are dropped;
+    # a later row reuses a low slot whose stale cache columns the larger bucket left behind
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
+    batch = Verify(bundle, VerifyConfig(block_size=4), static=True, capacity=8, length=256)
+    seen = _rows_per_forward(batch)
+    P = _prompts(8, seed=1)
+    r = [_req(p, n, sampling) for p, n in zip(P, (40, 12, 30, 9, 25, 6, 33, 20))]
+    plan = [([r[0]], 1, 3, ()), (r[1:3], 4, 2, ()), (r[3:6], 1, 4, (r[4].id,)), ([r[6]], 2, 12, ()),
+            ([r[7]], 1, 0, ())]
+    sizes = {q.id: K for rs, K, _, _ in plan for q in rs}
+    done = _staggered(batch, plan)
+    assert batch.slots.free == 8 and r[4].id not in done  # dropped
+    assert seen[0] == 1 and 8 in seen and min(seen[seen.index(8):]) < 8  # grew, then shrank
+    for q in r[:4] + r[5:]:
+        assert (done[q.id].tokens, done[q.id].nfe) == _alone(bundle, q, sizes[q.id]), sizes[q.id]
+
+
+def test_compiled_rows_across_buckets_equal_eager_and_compile_once_per_bucket():
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=5)
+    P = _prompts(4, seed=2)
+
+    def run(compile):
+        batch = Verify(bundle, VerifyConfig(block_size=4), compile=compile, static=True, capacity=4, length=128,
+                       ar=True)
+        seen = _rows_per_forward(batch)
+        reqs = [_req(p, n) for p, n in zip(P, (24, 6, 10, 16))]
+        rows = _staggered(batch, [([reqs[0]], 1, 2, ()), (reqs[1:3], 1, 3, ()), ([reqs[3]], 1, 2, ())])
+        return [rows[r.id].tokens for r in reqs], [rows[r.id].nfe for r in reqs], seen
+
+    eager = run(False)
+    buckets = sorted(set(eager[2]))
+    assert eager[2][0] == 1 and buckets[-1] == 4 and eager[2][-1] == 1  # grew to 4 rows and back to 1
+    before = len(static._compiled.get(bundle.model, {}))
+    counters = torch._dynamo.utils.counters
+    graphs = counters["stats"]["unique_graphs"]
+    assert run(True) == eager
+    keys = list(static._compiled[bundle.model])[before:]
+    assert sorted(k[0] for k in keys) == [(b, 1) for b in buckets]  # one graph per (rows bucket, query length)
+    assert counters["stats"]["unique_graphs"] - graphs == len(buckets)  # and none recompiled per step
