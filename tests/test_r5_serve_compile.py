@@ -121,3 +121,75 @@ def test_compiled_rows_across_buckets_equal_eager_and_compile_once_per_bucket():
     keys = list(static._compiled[bundle.model])[before:]
     assert sorted(k[0] for k in keys) == [(b, 1) for b in buckets]  # one graph per (rows bucket, query length)
     assert counters["stats"]["unique_graphs"] - graphs == len(buckets)  # and none recompiled per step
+
+
+def test_a_static_step_attends_over_the_length_bucket_not_the_whole_cache():
+    # the server's cache holds context_length columns; a short row's step reads the first 128 of them
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=3)
+    batch = Verify(bundle, VerifyConfig(block_size=4), static=True, capacity=2, length=512)
+    widths, real = [], batch.kv._step
+
+    def step(inp, positions, mask, cache):
+        widths.append((mask.shape[-1], cache.layers[0].keys.shape[2]))
+        return real(inp, positions, mask, cache)
+
+    batch.kv._step = step
+    short, long = _req(_prompts(1)[0], 20), _req([3, 4, 5, 6] * 40, 30)
+    done = batch.join([short], block_size=1)
+    for _ in range(3):
+        done += batch.step()
+    assert set(widths) == {(128, 128)}
+    done += batch.join([long], block_size=2)  # 160 prompt tokens: the next bucket
+    while len(batch):
+        done += batch.step()
+    assert widths[-1] == (256, 256) and all(w <= 256 for w, _ in widths)
+    for row in done:
+        assert (row.tokens, row.nfe) == _alone(bundle, row.job, 1 if row.job is short else 2)
+
+
+SYNCS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "cpu", "numpy")
+
+
+class _HostSyncs:
+    """Count the tensor -> host conversions Python code makes while active (``SYNCS`` patched)."""
+
+    def __init__(self):
+        self.count, self._real = 0, {name: getattr(torch.Tensor, name) for name in SYNCS}
+
+    def __enter__(self):
+        for name, real in self._real.items():
+            def counted(t, *a, _real=real, **kw):
+                self.count += 1
+                return _real(t, *a, **kw)
+
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, real in self._real.items():
+            setattr(torch.Tensor, name, real)
+
+
+ROWS = {"ar": [(1, Sampling())] * 3,
+        "lossless greedy": [(4, Sampling())] * 3,
+        "lossless sampled": [(4, Sampling(temperature=1.0, seed=s)) for s in range(3)],
+        "mixed K": [(1, Sampling()), (8, Sampling()), (2, Sampling(temperature=0.8, top_k=4, seed=1)),
+                    (1, Sampling(temperature=1.0, seed=2))]}
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("rows", ROWS)
+def test_every_verify_step_syncs_with_the_host_at_most_once(static, rows):
+    # no on_step, no stop strings: the step's one host sync is the committed counts it hands back
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
+    batch = Verify(bundle, VerifyConfig(block_size=8), static=static, capacity=4, stop_token_ids=(2,), length=256)
+    for prompt, (K, sampling), n in zip(_prompts(4, seed=7), ROWS[rows], (40, 25, 33, 12)):
+        with _HostSyncs() as syncs:
+            batch.join([_req(prompt, n, sampling)], block_size=K)
+        assert syncs.count >= 1  # the counter sees the prefill's token read-back
+    counts = []
+    while len(batch):
+        with _HostSyncs() as syncs:
+            batch.step()
+        counts.append(syncs.count)
+    assert len(counts) >= 5 and max(counts) <= 1, counts
