@@ -193,3 +193,20 @@ def test_every_verify_step_syncs_with_the_host_at_most_once(static, rows):
             batch.step()
         counts.append(syncs.count)
     assert len(counts) >= 5 and max(counts) <= 1, counts
+
+
+def test_step_events_of_lossless_rows_add_no_host_sync():
+    # the server streams lossless rows through on_step: building their events must not sync per row
+    # (it did: a canvas tensor and three .tolist() per row per step made a K = 1 lossless row dearer than AR)
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
+    events = []
+    batch = Verify(bundle, VerifyConfig(block_size=4), capacity=4, stop_token_ids=(2,),
+                   on_step=lambda row, e: events.append(e))
+    for prompt, K in zip(_prompts(4, seed=7), (1, 4, 2, 1)):
+        batch.join([_req(prompt, 30)], block_size=K)
+    counts = []
+    while len(batch):
+        with _HostSyncs() as syncs:
+            batch.step()
+        counts.append(syncs.count)
+    assert len(events) > 4 * 3 and max(counts) <= 1, counts

@@ -27,7 +27,6 @@ from unmask.decode.kv import DynamicKV, StaticKV, place
 from unmask.decode.running import Request, Row, Slots
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
-from unmask.trace import step_event
 
 
 @dataclass(eq=False)
@@ -169,8 +168,7 @@ class Verify:
             self.rows[row.slot] = row
             row.committed, row.nfe, row.accepts = [t], 1, [1]
             if self.on_step is not None and getattr(req, "events", True):
-                canvas = torch.tensor(row.committed + [self.mask_id] * (K - 1), device=self.device)  # (K,)
-                self.on_step(row, step_event(0, 0, torch.ones(1, dtype=torch.bool), canvas[:1], 0, canvas, self.mask_id))
+                self.on_step(row, self._event(row, 0))
             if self._settle(row, 0):
                 done.append(row)
         self._free(done)
@@ -254,12 +252,18 @@ class Verify:
             row.nfe += 1
             row.accepts.append(c)
             if self.on_step is not None and getattr(row.job, "events", True):
-                canvas = torch.tensor(row.committed + [self.mask_id] * (row.K - 1), device=dev)
-                self.on_step(row, step_event(row.nfe - 1, 0, new[slot], step_tok[slot], start, canvas, self.mask_id))
+                self.on_step(row, self._event(row, start))
             if (host[R + slot] or row.job.stop or self.on_token is not None) and self._settle(row, start):
                 finished.append(row)
         self._free(finished)
         return finished
+
+    def _event(self, row: VerifyRow, start: int) -> dict:
+        """The :func:`unmask.trace.step_event` of the row's last forward, built from the host-side
+        ``committed`` (no tensor, no sync): the tokens from ``start`` on, the unverified draft masked."""
+        ids = row.committed
+        return {"step": row.nfe - 1, "row": 0, "positions": list(range(start, len(ids))), "tokens": ids[start:],
+                "canvas": [None if t == self.mask_id or t < 0 else t for t in ids] + [None] * (row.K - 1)}
 
     def _rows_in_forward(self) -> int:
         """Slots a step covers: [0, high) (the dynamic cache cut to them), or on the static cache the
