@@ -210,3 +210,21 @@ def test_step_events_of_lossless_rows_add_no_host_sync():
             batch.step()
         counts.append(syncs.count)
     assert len(events) > 4 * 3 and max(counts) <= 1, counts
+
+
+def test_serve_compile_builds_the_ar_lossless_batch_compiled_with_buckets_and_names_what_stays_eager(capsys):
+    pytest.importorskip("fastapi", reason="the scheduler needs the serve extra: pip install -e '.[test]'")
+    from conftest import run_cli
+
+    from unmask.serve.engine import Scheduler
+
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
+    sched = Scheduler(bundle, compile=True, max_batch_size=16)
+    kv = sched.ar.kv
+    assert sched.ar.compile and kv.static and kv.batch == 16 and kv.length_buckets
+    assert not Scheduler(bundle, max_batch_size=16).ar.static
+    code, out, _ = run_cli(capsys, "serve", "--help")
+    text = " ".join(out.replace("│", " ").split())
+    assert code == 0
+    for eager in ("block, multiblock, lossy sbd, diffusion, early-bird and Dream's schedule stay eager", "buckets"):
+        assert eager in text, eager

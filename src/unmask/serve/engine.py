@@ -11,7 +11,8 @@ alone, greedy or seeded, whatever else runs (README "Serving").
   with its own K. Greedy lossless requests that fix no block size (``sizable``) take K from the
   ``--draft-sizes`` table (:mod:`unmask.serve.draft_sizing`) at the batch's load, chosen again before
   every step; their output does not depend on K, and no row ever moves between batches.
-  ``compile=True`` runs these batches on the static cache with the compiled forward.
+  ``compile=True`` runs these batches on the static cache with the compiled forward (one graph per
+  row bucket, query length and length bucket); the batches below stay eager (README "Serving").
 - ``multiblock``, ``block``, lossy ``sbd``, ``diffusion`` (any cache; Dream's ``schedule`` in a
   :class:`~unmask.decode.dream_compat.DreamSchedule`) and ``early-bird`` (any cache, a row's refresh its
   own) share the continuous batches of ``RUNNING``, one per decoder and options
@@ -71,7 +72,7 @@ class Scheduler:
 
     max_batch_size: rows per running batch (and per per-call batch); max_queue: jobs waiting to start
     before ``submit`` refuses with QueueFull; compile: the AR / lossless batches on the static cache,
-    compiled, and the per-call decoders' ``compile=True``; draft_sizes: the load -> K table of sizable
+    compiled (the other running batches stay eager), and the per-call decoders' ``compile=True``; draft_sizes: the load -> K table of sizable
     requests (None: they keep the checkpoint's K)."""
 
     def __init__(self, bundle, *, max_batch_size: int = 8, max_queue: int = 64, compile: bool = False,
