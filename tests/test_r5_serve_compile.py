@@ -142,7 +142,7 @@ def test_a_static_step_attends_over_the_length_bucket_not_the_whole_cache():
     done += batch.join([long], block_size=2)  # 160 prompt tokens: the next bucket
     while len(batch):
         done += batch.step()
-    assert widths[-1] == (256, 256) and all(w <= 256 for w, _ in widths)
+    assert (256, 256) in widths and all(w <= 256 for w, _ in widths)  # a compaction may shrink it back
     for row in done:
         assert (row.tokens, row.nfe) == _alone(bundle, row.job, 1 if row.job is short else 2)
 

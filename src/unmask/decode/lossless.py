@@ -7,10 +7,10 @@ does not depend on K). A step is ONE forward of every row, each row's layout emb
 step's query window (:func:`~unmask.decode.sbd_verify.embedded_layout`), the pure commit rule
 :func:`~unmask.decode.sbd_verify.advance` and one host sync; Python bookkeeping (stop strings,
 events) runs after it. The cache is ``DynamicKV`` (the forward covers slots ``[0, high)``) or
-``StaticKV`` (``static``/``compile``: every slot rides along, so shapes are fixed per query length).
-Rejected verify columns stay as invalid keys of their row (``key_valid``); the tail no row kept is
-cut (a crop, or a pointer move); holes are compacted once they are half a dynamic cache, or when a
-static one is full.
+``StaticKV`` (``static``/``compile``: the forward covers the row bucket of ``high`` and the length
+bucket of the cache, one compiled graph per shape). Rejected verify columns stay as invalid keys of
+their row (``key_valid``); the tail no row kept is cut (a crop, or a pointer move); holes are
+compacted once they are half the cache, or when a static one is full.
 """
 
 from __future__ import annotations
@@ -176,8 +176,7 @@ class Verify:
 
     def _widen(self, K: int) -> None:
         """Grow the draft buffers to hold drafts of K - 1 tokens."""
-        W = self.s.shape[1]
-        if K - 1 > W:
+        if (W := self.s.shape[1]) < K - 1:
             self.s = torch.cat([self.s, self.s.new_zeros((self.s.shape[0], K - 1 - W))], dim=1)
             if self.q is not None:
                 self.q = torch.cat([self.q, self.q.new_zeros((self.q.shape[0], K - 1 - W, self.q.shape[2]))], dim=1)
@@ -259,16 +258,14 @@ class Verify:
         return finished
 
     def _event(self, row: VerifyRow, start: int) -> dict:
-        """The :func:`unmask.trace.step_event` of the row's last forward, built from the host-side
-        ``committed`` (no tensor, no sync): the tokens from ``start`` on, the unverified draft masked."""
+        """The row's last :func:`unmask.trace.step_event`, from host-side ids (no sync); draft masked."""
         ids = row.committed
         return {"step": row.nfe - 1, "row": 0, "positions": list(range(start, len(ids))), "tokens": ids[start:],
                 "canvas": [None if t == self.mask_id or t < 0 else t for t in ids] + [None] * (row.K - 1)}
 
     def _rows_in_forward(self) -> int:
         """Slots a step covers: [0, high) (the dynamic cache cut to them), or on the static cache the
-        row bucket holding them, the next power of two >= high up to the capacity (one compiled graph
-        per bucket and query length; Slots hands out the lowest free slot, so high stays small)."""
+        row bucket, the next power of two >= high up to the capacity (Slots hands out the lowest first)."""
         R = self.slots.high
         if self.static:
             return min(1 << (R - 1).bit_length(), self.slots.capacity)
@@ -288,16 +285,14 @@ class Verify:
 
     def _reclaim(self, Q: int) -> None:
         """Compact the cache (host-known counts, no sync) when the columns no row attends to are more
-        than half of a dynamic cache, or when a static one cannot take the next Q columns."""
-        C = self.kv.length
+        than half of it (a static cache then steps in a smaller length bucket), or when a static one
+        cannot take the next Q columns."""
+        C, cap = self.kv.length, getattr(self.kv, "capacity", None)
         most = max(self._held(r) for r in self.rows.values())
-        if self.static:
-            if C + Q <= self.kv.capacity:
-                return
-            if most + Q > self.kv.capacity:
-                raise UnmaskError(f"static KV cache overflow: {most + Q} positions needed, {self.kv.capacity} "
-                                  "allocated; lower max_new_tokens or run without --compile")
-        elif C - most < max(most, self.cfg.block_size):
+        if self.static and most + Q > cap:
+            raise UnmaskError(f"static KV cache overflow: {most + Q} positions needed, {cap} "
+                              "allocated; lower max_new_tokens or run without --compile")
+        if not (self.static and C + Q > cap) and C - most < max(most, self.cfg.block_size):
             return
         self.key_valid = compact(self.kv, self.key_valid, most)  # (R, most)
 
@@ -360,8 +355,7 @@ class Verify:
     @torch.inference_mode()
     def drop(self, ids) -> list[VerifyRow]:
         """Remove the running rows whose job id is in ``ids``; their slots are free at once. Returns them."""
-        want = set(ids)
-        gone = [r for r in self.rows.values() if r.job.id in want]
+        gone = [r for r in self.rows.values() if r.job.id in set(ids)]
         self._free(gone)
         return gone
 
@@ -389,11 +383,10 @@ class Verify:
         if self.ar:
             return static
         accepts = Counter(c for r in rows for c in r.accepts)
-        drafted = Counter(c - 1 for r in rows for c in r.accepts[1:])
-        extra = {"verify": True, "draft": self.cfg.draft, "block_size": self.cfg.block_size,
-                 "accepts": dict(sorted(accepts.items())), "accepted_drafts": dict(sorted(drafted.items())),
-                 "row_extra": [r.extra for r in rows]}
-        return {**extra, **static}
+        drafted = Counter(c - 1 for r in rows for c in r.accepts[1:])  # accepted draft tokens per verify forward
+        return {"verify": True, "draft": self.cfg.draft, "block_size": self.cfg.block_size,
+                "accepts": dict(sorted(accepts.items())), "accepted_drafts": dict(sorted(drafted.items())),
+                "row_extra": [r.extra for r in rows], **static}
 
 
 def _groups(pairs, key) -> dict:

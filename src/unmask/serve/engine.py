@@ -72,8 +72,8 @@ class Scheduler:
 
     max_batch_size: rows per running batch (and per per-call batch); max_queue: jobs waiting to start
     before ``submit`` refuses with QueueFull; compile: the AR / lossless batches on the static cache,
-    compiled (the other running batches stay eager), and the per-call decoders' ``compile=True``; draft_sizes: the load -> K table of sizable
-    requests (None: they keep the checkpoint's K)."""
+    compiled (the other running batches stay eager), and the per-call decoders' ``compile=True``;
+    draft_sizes: the load -> K table of sizable requests (None: they keep the checkpoint's K)."""
 
     def __init__(self, bundle, *, max_batch_size: int = 8, max_queue: int = 64, compile: bool = False,
                  draft_sizes: DraftSizes | None = DEFAULT_DRAFT_SIZES):
@@ -317,7 +317,8 @@ class Scheduler:
         the table's K at the new load, run one step and answer the finished rows."""
         for row in batch.drop([r.job.id for r in _rows(batch) if r.job.gone]):
             finish_gone(row.job)
-        sized = self.sizer.size(draft, len(batch) + len(jobs), any(j.sizable for j in jobs), batch)  # before the prefill's events
+        # sized before the prefill, so the log's entry precedes the joining rows' events
+        sized = self.sizer.size(draft, len(batch) + len(jobs), any(j.sizable for j in jobs), batch)
         by_k: dict[int, list[Job]] = {}
         for job in jobs:
             try:
