@@ -16,6 +16,7 @@ the decoder has a compiled path, else eager AR).
 
     python benchmarks/fast_path.py --threads 1                       # full run, all decoders
     python benchmarks/fast_path.py --limit 5 --decoders ar,sbd --batch-sizes 1   # smoke
+    python benchmarks/fast_path.py --limit 3 --decoders ar --batch-sizes 1 --profile-prompts 0  # tables only
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ def profile_every(decoders, texts, max_new_tokens) -> list[dict]:
 
 def main():
     args = parse_args()
+    if args.profile_prompts < 0 or args.limit < 1 or args.max_new_tokens < 1:
+        raise SystemExit("error: --limit and --max-new-tokens must be >= 1 and --profile-prompts >= 0; "
+                         "pass e.g. --limit 5 --profile-prompts 0")
     if args.render:
         return render(args.render)
     if args.threads:
@@ -149,24 +153,27 @@ def main():
                  f"greedy, {torch.get_num_threads()} thread(s), torch {torch.__version__})\n")
     failures = []
     if args.profile_only:
+        if args.profile_prompts < 1:
+            raise SystemExit("error: --profile-only needs --profile-prompts >= 1; pass e.g. --profile-prompts 5")
         return write_profile_only(args, decoders)
     for b in (int(x) for x in args.batch_sizes.split(",")):
         res = bench(limit=args.limit, max_new_tokens=args.max_new_tokens, batch_size=b, decoders=decoders,
                     compile=True)
         lines += batch_lines(b, res.rows, failures)
         results[f"batch_{b}"] = res.to_dict()
-    bundle = unmask.load("stories260K-sbd")
-    prompts = [bundle.encode(t) for t in STORY_OPENINGS[: args.profile_prompts]]
-    prof = profile(bundle, prompts, args.max_new_tokens)
-    results["profile"] = prof
-    lines += [f"\n## profile, batch 1, stories260K-sbd, {len(prompts)} openings (ms per forward)\n",
-              "| decoder | total | model forward (compiled: the compiled step) | outside (masks, acceptance, bookkeeping; "
-              "compiled: + the eager prefill) |", "|---|---|---|---|"]
-    for p in prof:
-        lines.append(f"| {p['decoder']} | {p['ms_per_forward']:.3f} | {p['forward_ms']:.3f} | {p['outside_ms']:.3f} |")
-    every = profile_every(decoders, STORY_OPENINGS[: args.profile_prompts], args.max_new_tokens)
-    results["profile_every"] = every
-    lines += every_lines(every, args)
+    if args.profile_prompts > 0:  # --profile-prompts 0: the batch tables only
+        bundle = unmask.load("stories260K-sbd")
+        prompts = [bundle.encode(t) for t in STORY_OPENINGS[: args.profile_prompts]]
+        prof = profile(bundle, prompts, args.max_new_tokens)
+        results["profile"] = prof
+        lines += [f"\n## profile, batch 1, stories260K-sbd, {len(prompts)} openings (ms per forward)\n",
+                  "| decoder | total | model forward (compiled: the compiled step) | outside (masks, acceptance, "
+                  "bookkeeping; compiled: + the eager prefill) |", "|---|---|---|---|"]
+        for p in prof:
+            lines.append(f"| {p['decoder']} | {p['ms_per_forward']:.3f} | {p['forward_ms']:.3f} | {p['outside_ms']:.3f} |")
+        every = profile_every(decoders, STORY_OPENINGS[: args.profile_prompts], args.max_new_tokens)
+        results["profile_every"] = every
+        lines += every_lines(every, args)
     text = "\n".join(lines) + "\n"
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -157,6 +157,8 @@ def main() -> None:
         for decoder in decoders:
             for streams in levels:
                 n = 4 if args.smoke else (args.requests or max(16, 2 * streams))
+                if args.compile:  # compile the row buckets this level reaches before timing it
+                    asyncio.run(level(url, info["id"], decoder, streams, streams, max_tokens, 300))
                 row, results = asyncio.run(level(url, info["id"], decoder, streams, n, max_tokens, args.level_seconds))
                 texts[(decoder, streams)] = {r["prompt"]: r["text"] for r in results if "error" not in r}
                 h = health(url)

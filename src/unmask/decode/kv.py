@@ -77,20 +77,27 @@ class DynamicKV:
 class StaticKV:
     """A ``StaticCache`` of ``capacity`` tokens for ``batch`` rows, allocated once, with a length
     pointer. ``compile=True`` runs every ``compiled=True`` forward through a ``torch.compile``-d
-    step (inductor on CPU, CUDA graphs on CUDA). Raises UnmaskError when a forward would run past
-    the capacity (a sizing bug of the caller: the static cache never grows)."""
+    step (inductor on CPU, CUDA graphs on CUDA). A forward of B < ``batch`` rows covers rows
+    ``[0, B)`` only, and with ``length_buckets`` only the first Lb columns (Lb: LENGTH_BUCKET
+    doubled until it holds ``length + q``, at most ``capacity``), through a cache whose layers are
+    views of the full buffers (:meth:`view`): a running batch pays for its rows and its length, not
+    for its capacity, at one compiled graph per (B, q, Lb). Raises UnmaskError when a forward would
+    run past the capacity (a sizing bug of the caller: the static cache never grows) or covers more
+    than ``batch`` rows."""
 
     static = True
 
-    def __init__(self, model, batch: int, capacity: int, *, compile: bool = False, cpp_wrapper: bool = False):
+    def __init__(self, model, batch: int, capacity: int, *, compile: bool = False, cpp_wrapper: bool = False,
+                 length_buckets: bool = False):
         from unmask.decode.static import static_cache, step_function
 
-        self.model, self.batch = model, batch
+        self.model, self.batch, self.length_buckets = model, batch, length_buckets
         self.cache, self.capacity = static_cache(model, batch, capacity)
         self.ptr = 0
         self._step = step_function(model, compile, cpp_wrapper=cpp_wrapper)  # cpp_wrapper: CPU only
         self._eager = step_function(model, False)
-        self._masks: dict[tuple[int, int], torch.Tensor] = {}  # (B, q) -> (B, 1, q, L) bool buffer
+        self._masks: dict[tuple[int, int, int], torch.Tensor] = {}  # (B, q, Lb) -> (B, 1, q, Lb) bool buffer
+        self._views: dict[tuple[int, int], object] = {}  # (B, Lb) -> a StaticCache over those rows and columns
         self._device = next(model.parameters()).device
 
     @property
@@ -101,26 +108,57 @@ class StaticKV:
                 logits_to_keep: int = 0, compiled: bool = True) -> torch.Tensor:
         """As :meth:`DynamicKV.forward`; ``mask`` None means causal over the cache (no padding).
         ``compiled=False`` runs this forward eagerly (prefill and refresh, whose lengths vary)."""
+        from unmask.decode.static import LENGTH_BUCKET
+
         B, q = inp.shape
         end = self.ptr + q
         if end > self.capacity:
             raise UnmaskError(f"static KV cache overflow: {end} positions needed, {self.capacity} allocated; "
                               "this is a bug in the decoder's cache sizing, run without --compile")
-        buf = self._masks.get((B, q))
+        if B > self.batch:
+            raise UnmaskError(f"a forward of {B} rows on a static cache of {self.batch}; this is a bug in the "
+                              "decoder's row count, run without --compile")
+        Lb = self.capacity
+        if self.length_buckets:
+            Lb = min(LENGTH_BUCKET << max(0, (-(-end // LENGTH_BUCKET) - 1).bit_length()), self.capacity)
+        buf = self._masks.get((B, q, Lb))
         if buf is None:
-            buf = self._masks[(B, q)] = torch.zeros((B, 1, q, self.capacity), dtype=torch.bool, device=self._device)
+            buf = self._masks[(B, q, Lb)] = torch.zeros((B, 1, q, Lb), dtype=torch.bool, device=self._device)
         if mask is None:
-            cols = torch.arange(self.capacity, device=self._device)  # (L,)
+            cols = torch.arange(Lb, device=self._device)  # (Lb,)
             rows = torch.arange(self.ptr, end, device=self._device)  # (q,)
-            buf.copy_((cols[None, :] <= rows[:, None]).expand(B, 1, q, self.capacity))
+            buf.copy_((cols[None, :] <= rows[:, None]).expand(B, 1, q, Lb))
         else:
             buf[..., :end] = mask  # (B, 1, q, end), broadcast from the caller's mask
             buf[..., end:] = False
         set_static_length(self.cache, self.ptr)
         step = self._step if compiled else self._eager
-        logits = step(inp, positions, attention_mask(self.model, buf), self.cache)  # (B, q, V)
+        logits = step(inp, positions, attention_mask(self.model, buf), self.view(B, Lb))  # (B, q, V)
         self.ptr = end
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
+
+    def view(self, B: int, Lb: int):
+        """The cache of rows ``[0, B)`` and columns ``[0, Lb)``: ``self.cache`` itself when that is all
+        of it (or before the first write allocates it), else a ``StaticCache`` whose layers hold views
+        (B, H, Lb, D) of the full buffers and share their length counters, so its writes land in the
+        full cache. Built once per (B, Lb): a compiled step sees the same objects every call (one
+        graph per shape, no recompiles)."""
+        if (B, Lb) == (self.batch, self.capacity) or not all(layer.is_initialized for layer in self.cache.layers):
+            return self.cache
+        view = self._views.get((B, Lb))
+        if view is None:
+            from transformers import StaticCache
+
+            view = StaticCache(config=self.model.config, max_cache_len=Lb)
+            for mine, full in zip(view.layers, self.cache.layers):
+                mine.__dict__.update(full.__dict__)  # device, heads, dims and the shared cumulative_length
+                mine.keys, mine.values = full.keys[:B, :, :Lb], full.values[:B, :, :Lb]  # (B, H, Lb, D) views
+                mine.batch_size, mine.max_cache_len = B, Lb  # max_cache_len: the mask width HF expects
+                if self._device.type == "cuda":  # CUDA graphs replay on fixed addresses
+                    torch._dynamo.mark_static_address(mine.keys)
+                    torch._dynamo.mark_static_address(mine.values)
+            self._views[(B, Lb)] = view
+        return view
 
     def crop(self, n: int) -> None:
         """Move the pointer back ``n`` positions (n <= 0: nothing). Raises UnmaskError for n > length:

@@ -7,10 +7,10 @@ does not depend on K). A step is ONE forward of every row, each row's layout emb
 step's query window (:func:`~unmask.decode.sbd_verify.embedded_layout`), the pure commit rule
 :func:`~unmask.decode.sbd_verify.advance` and one host sync; Python bookkeeping (stop strings,
 events) runs after it. The cache is ``DynamicKV`` (the forward covers slots ``[0, high)``) or
-``StaticKV`` (``static``/``compile``: every slot rides along, so shapes are fixed per query length).
-Rejected verify columns stay as invalid keys of their row (``key_valid``); the tail no row kept is
-cut (a crop, or a pointer move); holes are compacted once they are half a dynamic cache, or when a
-static one is full.
+``StaticKV`` (``static``/``compile``: the forward covers the row bucket of ``high`` and the length
+bucket of the cache, one compiled graph per shape). Rejected verify columns stay as invalid keys of
+their row (``key_valid``); the tail no row kept is cut (a crop, or a pointer move); holes are
+compacted once they are half the cache, or when a static one is full.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from unmask.decode.kv import DynamicKV, StaticKV, place
 from unmask.decode.running import Request, Row, Slots
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
-from unmask.trace import step_event
 
 
 @dataclass(eq=False)
@@ -90,7 +89,8 @@ class Verify:
         self._layouts: dict[int, tuple[torch.Tensor, ...]] = {}  # Kmax -> window_layout of the draft layout
         if self.static:
             L = length or bundle.context_length + 2 * queries(max(cfg.block_size, 2), cfg.draft)
-            self.kv = StaticKV(self.model, cap, L, compile=compile, cpp_wrapper=True)  # CPU: AR 0.48 -> 0.29 ms
+            self.kv = StaticKV(self.model, cap, L, compile=compile, length_buckets=True,
+                               cpp_wrapper=True)  # CPU: AR 0.48 -> 0.29 ms
         self._empty()
 
     def __len__(self) -> int:
@@ -167,8 +167,7 @@ class Verify:
             self.rows[row.slot] = row
             row.committed, row.nfe, row.accepts = [t], 1, [1]
             if self.on_step is not None and getattr(req, "events", True):
-                canvas = torch.tensor(row.committed + [self.mask_id] * (K - 1), device=self.device)  # (K,)
-                self.on_step(row, step_event(0, 0, torch.ones(1, dtype=torch.bool), canvas[:1], 0, canvas, self.mask_id))
+                self.on_step(row, self._event(row, 0))
             if self._settle(row, 0):
                 done.append(row)
         self._free(done)
@@ -176,8 +175,7 @@ class Verify:
 
     def _widen(self, K: int) -> None:
         """Grow the draft buffers to hold drafts of K - 1 tokens."""
-        W = self.s.shape[1]
-        if K - 1 > W:
+        if (W := self.s.shape[1]) < K - 1:
             self.s = torch.cat([self.s, self.s.new_zeros((self.s.shape[0], K - 1 - W))], dim=1)
             if self.q is not None:
                 self.q = torch.cat([self.q, self.q.new_zeros((self.q.shape[0], K - 1 - W, self.q.shape[2]))], dim=1)
@@ -238,7 +236,10 @@ class Verify:
         host = torch.cat([committed, ended.long(), step_tok.flatten()]).tolist()  # the step's one host sync
         kept = max(host[i] for i in self.rows)  # verify columns some running row keeps
         self.kv.crop(Q - kept)
-        self.key_valid = torch.cat([self.key_valid[:R], new[:, :kept]], dim=1)  # (R, C + kept)
+        cols = new[:, :kept]  # (R, kept); a static cache's rows past R ride along as invalid keys
+        if self.key_valid.shape[0] > R:
+            cols = torch.cat([cols, cols.new_zeros((self.key_valid.shape[0] - R, kept))])  # (cap, kept)
+        self.key_valid = torch.cat([self.key_valid, cols], dim=1)  # (R or cap, C + kept)
         if self.on_forward is not None:
             self._report(inp, positions, logits, a)
         finished = []
@@ -249,18 +250,24 @@ class Verify:
             row.nfe += 1
             row.accepts.append(c)
             if self.on_step is not None and getattr(row.job, "events", True):
-                canvas = torch.tensor(row.committed + [self.mask_id] * (row.K - 1), device=dev)
-                self.on_step(row, step_event(row.nfe - 1, 0, new[slot], step_tok[slot], start, canvas, self.mask_id))
+                self.on_step(row, self._event(row, start))
             if (host[R + slot] or row.job.stop or self.on_token is not None) and self._settle(row, start):
                 finished.append(row)
         self._free(finished)
         return finished
 
+    def _event(self, row: VerifyRow, start: int) -> dict:
+        """The row's last :func:`unmask.trace.step_event`, from host-side ids (no sync); draft masked."""
+        ids = row.committed
+        return {"step": row.nfe - 1, "row": 0, "positions": list(range(start, len(ids))), "tokens": ids[start:],
+                "canvas": [None if t == self.mask_id or t < 0 else t for t in ids] + [None] * (row.K - 1)}
+
     def _rows_in_forward(self) -> int:
-        """Slots a step covers: all on the static cache (fixed shapes), else [0, high) (the cache cut to them)."""
-        if self.static:
-            return self.slots.capacity
+        """Slots a step covers: [0, high) (the dynamic cache cut to them), or on the static cache the
+        row bucket, the next power of two >= high up to the capacity (Slots hands out the lowest first)."""
         R = self.slots.high
+        if self.static:
+            return min(1 << (R - 1).bit_length(), self.slots.capacity)
         if self.key_valid.shape[0] > R:
             self.kv.cache.batch_select_indices(torch.arange(R, device=self.device))
             self.key_valid = self.key_valid[:R]
@@ -277,16 +284,14 @@ class Verify:
 
     def _reclaim(self, Q: int) -> None:
         """Compact the cache (host-known counts, no sync) when the columns no row attends to are more
-        than half of a dynamic cache, or when a static one cannot take the next Q columns."""
-        C = self.kv.length
+        than half of it (a static cache then steps in a smaller length bucket), or when a static one
+        cannot take the next Q columns."""
+        C, cap = self.kv.length, getattr(self.kv, "capacity", None)
         most = max(self._held(r) for r in self.rows.values())
-        if self.static:
-            if C + Q <= self.kv.capacity:
-                return
-            if most + Q > self.kv.capacity:
-                raise UnmaskError(f"static KV cache overflow: {most + Q} positions needed, {self.kv.capacity} "
-                                  "allocated; lower max_new_tokens or run without --compile")
-        elif C - most < max(most, self.cfg.block_size):
+        if self.static and most + Q > cap:
+            raise UnmaskError(f"static KV cache overflow: {most + Q} positions needed, {cap} "
+                              "allocated; lower max_new_tokens or run without --compile")
+        if not (self.static and C + Q > cap) and C - most < max(most, self.cfg.block_size):
             return
         self.key_valid = compact(self.kv, self.key_valid, most)  # (R, most)
 
@@ -348,8 +353,7 @@ class Verify:
     @torch.inference_mode()
     def drop(self, ids) -> list[VerifyRow]:
         """Remove the running rows whose job id is in ``ids``; their slots are free at once. Returns them."""
-        want = set(ids)
-        gone = [r for r in self.rows.values() if r.job.id in want]
+        gone = [r for r in self.rows.values() if r.job.id in set(ids)]
         self._free(gone)
         return gone
 
@@ -377,11 +381,10 @@ class Verify:
         if self.ar:
             return static
         accepts = Counter(c for r in rows for c in r.accepts)
-        drafted = Counter(c - 1 for r in rows for c in r.accepts[1:])
-        extra = {"verify": True, "draft": self.cfg.draft, "block_size": self.cfg.block_size,
-                 "accepts": dict(sorted(accepts.items())), "accepted_drafts": dict(sorted(drafted.items())),
-                 "row_extra": [r.extra for r in rows]}
-        return {**extra, **static}
+        drafted = Counter(c - 1 for r in rows for c in r.accepts[1:])  # accepted draft tokens per verify forward
+        return {"verify": True, "draft": self.cfg.draft, "block_size": self.cfg.block_size,
+                "accepts": dict(sorted(accepts.items())), "accepted_drafts": dict(sorted(drafted.items())),
+                "row_extra": [r.extra for r in rows], **static}
 
 
 def _groups(pairs, key) -> dict:

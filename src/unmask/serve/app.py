@@ -123,8 +123,8 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     knobs (e.g. ``{"decoder": "sbd", "gamma": 0.35}``), checked here like a request. The
     scheduler thread starts with the app's lifespan and stops with it; ``app.state.scheduler``
     and ``app.state.metrics`` expose them. Raises UnmaskError for a bad batch size, queue bound or
-    default knob. ``compile``: the ar / lossless sbd running batch on a static KV cache with a compiled
-    forward (each query length compiles once; the other decoders' running batches stay eager). ``draft_sizes``:
+    default knob. ``compile``: the ar / lossless sbd running batch on a static KV cache, compiled over
+    row and length buckets (each shape compiles once; other running batches stay eager). ``draft_sizes``:
     the load -> K table, chosen per step, of greedy lossless ``sbd`` requests that fix no block size
     (:mod:`unmask.serve.draft_sizing`; text like ``"1:8,2:4,4:1"``, or ``"off"``/None). ``limits``: the
     per-request body, prompt, query-token and cache limits (:class:`unmask.serve.limits.Limits`).

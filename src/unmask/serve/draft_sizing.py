@@ -19,12 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from unmask.decode import sbd_verify
+from unmask.decode.sbd import runs_lossless
 from unmask.errors import UnmaskError
 
 # measured on the 2-core CPU with stories260K-sbd, 1 thread, linear drafts
 # (benchmarks/results/draft_size_crossover.md): TPS vs AR at 1 row K2 1.09x, K4 1.34x, K8 1.23x;
 # 2 rows 1.30x / 1.41x / 1.07x; 4 rows 1.05x / 1.01x / 0.87x; 8 rows every K < 1 (best 0.70x).
 DEFAULT_TEXT = "1:4,4:2,6:1"
+VERIFY_OPTIONS = ("block_size", "draft", "verify", "queries")  # what a lossless sbd request may set
 
 
 @dataclass(frozen=True)
@@ -87,3 +90,59 @@ def draft_sizes_option(value: "str | DraftSizes | None") -> DraftSizes | None:
     if str(value).strip().lower() == "off":
         return None
     return DraftSizes.parse(value)
+
+
+class LoadSizer:
+    """The draft sizes of one server's AR / lossless rows (:class:`~unmask.decode.lossless.Verify`):
+    1 for AR, the request's or checkpoint's K, or for a *sizable* row (greedy lossless, no block size
+    given) the ``table``'s K at its batch's load, chosen again before every step (None: sizing off).
+    ``log``: (rows in the batch, K) whenever sizable rows join or get a new K (tests, benchmarks)."""
+
+    def __init__(self, bundle, table: DraftSizes | None):
+        self.bundle, self.table = bundle, table
+        self.defaults = bundle.meta.get("decode_defaults") or {}
+        self.log: list[tuple[int, int]] = []
+        self._k: dict[str, int] = {}  # draft layout -> the K its sizable rows have now
+
+    def sizable(self, job) -> bool:
+        """Greedy lossless sbd with no block size fixed by the request, while a table is set."""
+        try:
+            lossless = job.decoder == "sbd" and runs_lossless(self.bundle, job.options)
+        except UnmaskError:
+            return False
+        return self.table is not None and lossless and job.sampling.greedy and job.options.get("block_size") is None
+
+    def size(self, draft: str, load: int, joining: bool, batch) -> int | None:
+        """The table's K at ``load`` rows, logged when sizable rows join or it changes for ``batch``'s."""
+        if self.table is None:
+            return None
+        K = self.table.size(load)
+        if joining or (self._k.get(draft) != K and any(r.job.sizable for r in batch.rows.values())):
+            self.log.append((load, K))
+            self._k[draft] = K
+        return K
+
+    def resize(self, batch, draft: str) -> None:
+        """Give ``batch``'s sizable rows the table's K at its load, before a step."""
+        sizable = [r.job.id for r in batch.rows.values() if r.job.sizable]
+        if sizable:
+            batch.resize(self.size(draft, len(batch), False, batch), ids=sizable)
+
+    def block_size(self, job, sized: int | None) -> int:
+        """The draft size a job joins with: 1 for ar, ``sized`` (the table's) for a sizable job, else
+        the request's or the checkpoint's K, validated as ``sbd_verify.decode`` does. Raises UnmaskError."""
+        if job.decoder == "ar":
+            return 1
+        unknown = sorted(set(job.options) - set(VERIFY_OPTIONS))
+        if unknown:
+            raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to lossless SBD; use only "
+                              f"{', '.join(VERIFY_OPTIONS)}")
+        if job.sizable:
+            return sized
+        K = next(v for v in (job.options.get("block_size"), self.defaults.get("verify_block_size"),
+                             sbd_verify.DEFAULT_BLOCK_SIZE) if v is not None)
+        sbd_verify.VerifyConfig(block_size=K, draft=job.running_key[1])
+        if 2 * K > self.bundle.context_length:
+            raise UnmaskError(f"block size {K} is too large for the context window of "
+                              f"{self.bundle.context_length}; lower --block-size")
+        return K

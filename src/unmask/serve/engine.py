@@ -11,7 +11,8 @@ alone, greedy or seeded, whatever else runs (README "Serving").
   with its own K. Greedy lossless requests that fix no block size (``sizable``) take K from the
   ``--draft-sizes`` table (:mod:`unmask.serve.draft_sizing`) at the batch's load, chosen again before
   every step; their output does not depend on K, and no row ever moves between batches.
-  ``compile=True`` runs these batches on the static cache with the compiled forward.
+  ``compile=True`` runs these batches on the static cache with the compiled forward (one graph per
+  row bucket, query length and length bucket); the batches below stay eager (README "Serving").
 - ``multiblock``, ``block``, lossy ``sbd``, ``diffusion`` (any cache; Dream's ``schedule`` in a
   :class:`~unmask.decode.dream_compat.DreamSchedule`) and ``early-bird`` (any cache, a row's refresh its
   own) share the continuous batches of ``RUNNING``, one per decoder and options
@@ -42,7 +43,7 @@ from unmask.decode.dream_compat import OPTIONS as DREAM_OPTIONS, DreamSchedule
 from unmask.decode.early_bird_engine import OPTIONS as EARLY_BIRD_OPTIONS, EarlyBird
 from unmask.decode import block as single_bd, multiblock_engine, sbd as lossy_sbd
 from unmask.serve import per_call
-from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes
+from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, LoadSizer
 from unmask.serve.errors import ApiError
 from unmask.serve.jobs import Job, QueueFull, ShuttingDown, bad_request, finish_gone, server_error
 
@@ -64,7 +65,6 @@ RUNNING = {"multiblock": multiblock_engine.serving_batch, "sbd": lossy_sbd.servi
 RUNNING_OPTIONS = {"multiblock": multiblock_engine.OPTIONS, "sbd": lossy_sbd.BATCH_OPTIONS,
                    "block": single_bd.BATCH_OPTIONS, "diffusion": DIFFUSION_OPTIONS,
                    "early-bird": EARLY_BIRD_OPTIONS}
-VERIFY_OPTIONS = ("block_size", "draft", "verify", "queries")  # what a lossless sbd request may set
 
 
 class Scheduler:
@@ -72,8 +72,8 @@ class Scheduler:
 
     max_batch_size: rows per running batch (and per per-call batch); max_queue: jobs waiting to start
     before ``submit`` refuses with QueueFull; compile: the AR / lossless batches on the static cache,
-    compiled, and the per-call decoders' ``compile=True``; draft_sizes: the load -> K table of sizable
-    requests (None: they keep the checkpoint's K)."""
+    compiled (the other running batches stay eager), and the per-call decoders' ``compile=True``;
+    draft_sizes: the load -> K table of sizable requests (None: they keep the checkpoint's K)."""
 
     def __init__(self, bundle, *, max_batch_size: int = 8, max_queue: int = 64, compile: bool = False,
                  draft_sizes: DraftSizes | None = DEFAULT_DRAFT_SIZES):
@@ -83,11 +83,11 @@ class Scheduler:
             raise UnmaskError(f"max queue must be an integer >= 1 (got {max_queue!r}); pass e.g. 64")
         self.bundle, self.max_batch_size, self.max_queue = bundle, max_batch_size, max_queue
         self.compile, self.draft_sizes = compile, draft_sizes
-        self.draft_log: list[tuple[int, int]] = []  # (rows in the batch, K) whenever sizable rows get a new K
+        self.sizer = LoadSizer(bundle, draft_sizes)
+        self.draft_log = self.sizer.log  # (rows in the batch, K) whenever sizable rows get a new K
         self.stop_ids = set(bundle.stop_token_ids)
         self.defaults = bundle.meta.get("decode_defaults") or {}
         self.verify: dict[str, Verify] = {}  # draft layout -> the AR / lossless running batch
-        self._sized_k: dict[str, int] = {}
         self.running_batches: dict[tuple, object] = {}  # (decoder, options) -> the other running batches
         self._waiting: deque[Job] = deque()
         self._lock = threading.Condition()
@@ -163,7 +163,7 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         """Queue a job; raises QueueFull when ``max_queue`` jobs already wait, ShuttingDown after :meth:`drain`."""
-        job.sizable = self._sizable(job)
+        job.sizable = self.sizer.sizable(job)
         job.running_key = self._running_kind(job)  # once: the loop reads it every pass
         with self._lock:
             if self.draining:
@@ -221,15 +221,6 @@ class Scheduler:
         for job in [j for j in self._waiting if j.gone]:
             self._waiting.remove(job)
             finish_gone(job)
-
-    def _sizable(self, job: Job) -> bool:
-        """Greedy lossless sbd with no block size fixed by the request, while the server has a
-        draft-size table (its K follows the load; the output does not depend on it)."""
-        try:
-            lossless = job.decoder == "sbd" and runs_lossless(self.bundle, job.options)
-        except UnmaskError:
-            return False
-        return self.draft_sizes is not None and lossless and job.sampling.greedy and job.options.get("block_size") is None
 
     def _running_kind(self, job: Job) -> tuple | None:
         """The running batch ``job`` joins: ("verify", draft layout) for ar and lossless sbd, else
@@ -331,50 +322,20 @@ class Scheduler:
         the table's K at the new load, run one step and answer the finished rows."""
         for row in batch.drop([r.job.id for r in _rows(batch) if r.job.gone]):
             finish_gone(row.job)
-        sized = self._size(draft, len(batch) + len(jobs), any(j.sizable for j in jobs))  # logged before the prefill's events
+        # sized before the prefill, so the log's entry precedes the joining rows' events
+        sized = self.sizer.size(draft, len(batch) + len(jobs), any(j.sizable for j in jobs), batch)
         by_k: dict[int, list[Job]] = {}
         for job in jobs:
             try:
-                by_k.setdefault(self._block_size(job, sized), []).append(job)
+                by_k.setdefault(self.sizer.block_size(job, sized), []).append(job)
             except UnmaskError as e:
                 job.finish("error", bad_request(e, job.options))
         for K, group in by_k.items():
             self._join(batch, group, block_size=K)
         self.peak_running = max(self.peak_running, self.active)
-        sizable = [r.job.id for r in _rows(batch) if r.job.sizable]
-        if sizable:
-            batch.resize(self._size(draft, len(batch), False), ids=sizable)
+        self.sizer.resize(batch, draft)
         for row in batch.step():
             _done(row)
-
-    def _size(self, draft: str, load: int, joining: bool) -> int | None:
-        """The table's K at ``load`` rows, logged in ``draft_log`` when sizable rows join or it changes."""
-        if self.draft_sizes is None:
-            return None
-        K = self.draft_sizes.size(load)
-        if joining or (self._sized_k.get(draft) != K and any(r.job.sizable for r in _rows(self.verify[draft]))):
-            self.draft_log.append((load, K))
-            self._sized_k[draft] = K
-        return K
-
-    def _block_size(self, job: Job, sized: int | None) -> int:
-        """The draft size a job joins with: 1 for ar, the table's for a sizable job, else the request's
-        or the checkpoint's K, validated as ``sbd_verify.decode`` does. Raises UnmaskError."""
-        if job.decoder == "ar":
-            return 1
-        unknown = sorted(set(job.options) - set(VERIFY_OPTIONS))
-        if unknown:
-            raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to lossless SBD; use only "
-                              f"{', '.join(VERIFY_OPTIONS)}")
-        if job.sizable:
-            return sized
-        K = next(v for v in (job.options.get("block_size"), self.defaults.get("verify_block_size"),
-                             sbd_verify.DEFAULT_BLOCK_SIZE) if v is not None)
-        sbd_verify.VerifyConfig(block_size=K, draft=job.running_key[1])
-        if 2 * K > self.bundle.context_length:
-            raise UnmaskError(f"block size {K} is too large for the context window of "
-                              f"{self.bundle.context_length}; lower --block-size")
-        return K
 
     def _join(self, batch, jobs: list[Job], **kw) -> None:
         """Admit jobs together; when the prefill refuses one, each alone, so only that request fails."""
