@@ -530,7 +530,7 @@ def test_compiled_server_serves_lossless_and_lossy_sbd_identically(bundle):
         assert "".join(x.choices[0].text for x in streamed) == ref[0]
         batch = app.state.scheduler.ar  # lossless sbd and ar rows: one batch, compiled on the static cache
         assert batch.compile and isinstance(batch.kv, StaticKV) and batch.forwards > 0
-        assert list(app.state.scheduler.verify) == ["linear"]
+        assert list(app.state.scheduler.verify) == [batch.cfg.draft]  # the checkpoint's default layout, no other
         r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, extra_body={"gamma": 0.35})
         assert r.choices[0].text == lossy
 
@@ -589,13 +589,14 @@ def test_lossless_sbd_with_a_fixed_block_size_joins_a_running_batch_mid_decode(b
         knobs = {"decoder": "sbd", "verify": True, "block_size": 4}
         long = c.completions.create(model=MODEL, prompt=prompts[0], max_tokens=300, stream=True, extra_body=knobs)
         chunks = [next(iter(long))]
-        wait_until(lambda: len(sched.ar) == 1)
+        linear = lambda: sched.verify.get("linear", ())  # a fixed K drafts linearly: the batch of that layout
+        wait_until(lambda: len(linear()) == 1)
         bodies = [(p, knobs, 0.0) for p in prompts[1:]] + [(prompts[1], knobs, 0.8), (prompts[2], {**knobs, "block_size": 2}, 0.0)]
         with ThreadPoolExecutor(len(bodies)) as pool:
             out = list(pool.map(lambda a: c.completions.create(model=MODEL, prompt=a[0], max_tokens=24, extra_body=a[1],
                                                                temperature=a[2], seed=3).choices[0].text, bodies))
         assert out == refs[1:] + [sampled, refs[2]]
-        assert sched.peak_running >= 2 and len(sched.ar) == 1 and not sched.running_batches
+        assert sched.peak_running >= 2 and len(linear()) == 1 and not len(sched.ar) and not sched.running_batches
         chunks += list(long)
         assert "".join(x.choices[0].text for x in chunks) == refs[0]
         wait_until(lambda: sched.active == 0 and not sched.running_batches)
