@@ -106,7 +106,7 @@ def table(points: list[dict]) -> str:
 
 def plot(points: list[dict], path: Path) -> Path:
     """Draw TPF vs query tokens per forward: a line per (model, family) of the shipped points, the
-    distillation points as hollow (before) and filled (after) markers joined by an arrow, each
+    distillation points as hollow (before) and filled (after) pentagons joined by an arrow, each
     (model, file) pair shifted right a little so that pairs at the same budget stay apart."""
     import matplotlib
 
@@ -128,13 +128,13 @@ def plot(points: list[dict], path: Path) -> Path:
             shift += 1
             x = {k: v["queries"] * 2 ** (0.04 * shift) for k, v in pair.items()}  # log axis: a fixed offset
             if "before" in pair:
-                ax.plot(x["before"], pair["before"]["tpf"], "o", mfc="none", color=colors[m],
+                ax.plot(x["before"], pair["before"]["tpf"], "p", mfc="none", color=colors[m],
                         label=f"{m} linear K=8 before -> after distillation ({source})")
             if "before" in pair and "after" in pair:
                 ax.annotate("", (x["after"], pair["after"]["tpf"]), (x["before"], pair["before"]["tpf"]),
                             arrowprops={"arrowstyle": "->", "color": colors[m]})
             if "after" in pair:
-                ax.plot(x["after"], pair["after"]["tpf"], "o", color=colors[m])
+                ax.plot(x["after"], pair["after"]["tpf"], "p", color=colors[m])
     ticks = []
     for q in sorted({p["queries"] for p in points}):
         if not ticks or q > ticks[-1] * 1.15:  # neighbours such as 30 and 31 would overprint
