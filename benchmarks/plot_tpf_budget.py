@@ -169,17 +169,21 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     distill = args.distill if args.distill is not None else sorted(args.lossless.parent.glob("sbd_distill*.json"))
+    used = []  # the distillation files that gave points
     for f in distill:
         try:
-            points += distill_points(json.loads(f.read_text(encoding="utf-8")), f.stem)
+            got = distill_points(json.loads(f.read_text(encoding="utf-8")), f.stem)
         except (OSError, json.JSONDecodeError) as e:
             print(f"skipping {f} ({e})", file=sys.stderr)
+            continue
+        points += got
+        used += [f] if got else []
     points.sort(key=lambda p: (p["model"], p["stage"] != "shipped", p["source"], FAMILIES.index(p["family"]),
                                p["queries"], p["stage"] != "before"))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     md = args.out_dir / "tpf_vs_budget.md"
     md.write_text(f"# Lossless SBD: TPF vs query tokens per forward\n\nFrom `{args.lossless.name}` and "
-                  f"{', '.join(f'`{f.name}`' for f in distill) or 'no distillation file'} "
+                  f"{', '.join(f'`{f.name}`' for f in used) or 'no distillation file'} "
                   "(`benchmarks/plot_tpf_budget.py`). The before / after rows come from the distillation "
                   "script's own prompts: compare them with each other.\n\n" + table(points), encoding="utf-8")
     print(table(points))
