@@ -69,7 +69,8 @@ def test_a_failing_pair_is_reported_and_the_others_run(fake_registry):
 def test_sbd_runs_lossless_and_lossy_side_by_side():
     res = side_by_side.bench(limit=2, max_new_tokens=24, models=["stories260K-sbd"], include_all=True)
     rows = {r["decoder"]: r for r in res.rows}
-    assert set(rows) == {"ar", "sbd --verify", "sbd --no-verify"}
+    budget = {side_by_side.BUDGET_LABEL.format(q) for q in (8, 16, 24, 32)}  # its calibrated layouts
+    assert set(rows) == {"ar", "sbd --verify", "sbd --no-verify", *budget}
     assert rows["sbd --verify"]["agreement_positional"] == 1.0  # lossless: the model's own AR text
     assert rows["sbd --verify"]["nfe"] < rows["ar"]["nfe"]
 

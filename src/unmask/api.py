@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -32,14 +33,18 @@ class Generation:
         Per row: ``nfe`` and ``tpf`` (its forwards), ``seconds`` (the call's wall-clock: the rows of
         a batch are decoded together and all arrive when it ends) and ``tps`` (the row's own tokens
         per second, ``len(tokens) / seconds``). Per batch: ``batch_seconds`` and ``batch_tps`` (every
-        row's tokens per second of the call, the figure the text output prints)."""
+        row's tokens per second of the call, the figure the text output prints). ``accept_histogram``:
+        the row's {tokens committed in a forward: forwards} where the decoder keeps it (lossless SBD:
+        summing to its ``nfe``); lossless SBD adds ``queries_per_forward`` (query tokens per row per
+        verify forward, the batch's mean; :class:`~unmask.decode.stats.DecodeStats`)."""
         out = []
         secs = self.stats.seconds
         for i, prompt in enumerate(self.prompts):
             row = self.stats.row(i)
+            lossless = {k: row[k] for k in ("queries_per_forward", "accept_histogram") if k in row}
             out.append({"prompt": prompt, "text": self.texts[i], "tokens": self.tokens[i], "nfe": row["nfe"],
                         "tpf": row["tpf"], "seconds": secs, "tps": row["generated"] / secs if secs > 0 else 0.0,
-                        "batch_seconds": secs, "batch_tps": self.stats.tps,
+                        "batch_seconds": secs, "batch_tps": self.stats.tps, **lossless,
                         "decoder": self.decoder, "model": self.model, **self.stats.extra.get("row_extra", [{}] * len(self.prompts))[i]})
         return out
 
@@ -279,10 +284,14 @@ def generate_sharded(prompts: str | list[str], model: str | ModelBundle | None =
         raise UnmaskError(errors[0])
     parts = [p[2] for p in shares if p[2] is not None]
     row_extra = [x for g in parts for x in g.stats.extra.get("row_extra", [{}] * len(g.prompts))]
+    extra = {"row_extra": row_extra, "processes": w}
+    for key in ("accepts", "query_windows"):  # lossless SBD's histograms: the shares' sums
+        if all(key in g.stats.extra for g in parts):
+            extra[key] = dict(sorted(sum((Counter(g.stats.extra[key]) for g in parts), Counter()).items()))
     stats = DecodeStats(nfe=sum(g.stats.nfe for g in parts),
                         nfe_per_row=[x for g in parts for x in g.stats.nfe_per_row],
                         tokens_per_row=[x for g in parts for x in g.stats.tokens_per_row],
-                        seconds=max(g.stats.seconds for g in parts), extra={"row_extra": row_extra, "processes": w})
+                        seconds=max(g.stats.seconds for g in parts), extra=extra)
     return Generation(prompts=[x for g in parts for x in g.prompts], texts=[x for g in parts for x in g.texts],
                       tokens=[x for g in parts for x in g.tokens],
                       prompt_tokens=[x for g in parts for x in g.prompt_tokens], stats=stats,

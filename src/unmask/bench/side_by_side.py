@@ -28,6 +28,9 @@ AR_REFERENCE = ("ar", "stories260K")
 # Decoders benchmarked in several modes: (row label, decoder options). SBD runs lossless
 # (spec/sbd_exact.md, output = AR) and lossy (the EB sampler) side by side.
 VARIANTS = {"sbd": (("sbd --verify", {"verify": True}), ("sbd --no-verify", {"verify": False}))}
+# A model with calibrated draft layouts (decode_defaults "draft_layouts", `unmask calibrate-drafts`)
+# also runs lossless SBD at each query budget (spec/sbd_exact.md §5), right after "sbd --verify".
+BUDGET_LABEL = "sbd --verify --queries {}"
 # With ``compile``: every row is also run compiled (static KV cache + compiled step), labelled
 # "<row> --compile", right after its eager row.
 
@@ -80,17 +83,55 @@ class BenchResult:
         cols = [("decoder", "left"), ("model", "left"), ("NFE", "right"), ("TPF", "right"), ("TPS", "right"),
                 ("TPS/AR", "right"), ("AR NFE/NFE", "right"), ("NLL", "right"), ("distinct-4", "right"),
                 ("agree AR", "right")]
+        lossless = any(r.get("queries_per_forward") for r in self.rows)  # lossless SBD: query cost and accepts
+        if lossless:
+            cols += [("queries/fwd", "right"), ("accepts (tokens:forwards)", "left")]
         for c, j in cols:
             t.add_column(c, justify=j)
         fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
         for r in self.rows:
             if r.get("error"):
-                t.add_row(r["decoder"], r["model"], f"[red]failed: {r['error']}[/red]", *[""] * 7)
+                t.add_row(r["decoder"], r["model"], f"[red]failed: {r['error']}[/red]", *[""] * (len(cols) - 3))
                 continue
-            t.add_row(r["decoder"], r["model"], fmt(r["nfe"], ".1f"), fmt(r["tpf"], ".2f"), fmt(r["tps"], ".0f"),
-                      fmt(r["tps_vs_ar"], ".2f"), fmt(r["nfe_vs_ar"], ".2f"), fmt(r["nll"], ".3f"),
-                      fmt(r["distinct_4"], ".3f"), fmt(r["agreement_positional"], ".3f"))
+            cells = [fmt(r["nfe"], ".1f"), fmt(r["tpf"], ".2f"), fmt(r["tps"], ".0f"), fmt(r["tps_vs_ar"], ".2f"),
+                     fmt(r["nfe_vs_ar"], ".2f"), fmt(r["nll"], ".3f"), fmt(r["distinct_4"], ".3f"),
+                     fmt(r["agreement_positional"], ".3f")]
+            if lossless:
+                acc = r.get("accepts")
+                cells += [fmt(r.get("queries_per_forward"), ".1f"),
+                          " ".join(f"{k}:{v}" for k, v in acc.items()) if acc else "–"]
+            t.add_row(r["decoder"], r["model"], *cells)
         return t
+
+
+def has_stored_layouts(model: str, adapter: str | None = None) -> bool:
+    """Whether the shipped ``model`` (with its shipped ``adapter``) stores calibrated draft layouts
+    (decode_defaults ``draft_layouts``); read from its config files, nothing is loaded."""
+    from unmask.models.adapter_io import list_adapters, read_adapter_config
+    from unmask.models.bundle import read_unmask_config
+    from unmask.models.registry import shipped
+
+    path = shipped().get(model)
+    if path is None:
+        return False
+    try:
+        cfg = read_unmask_config(path) if adapter is None else read_adapter_config(list_adapters(path)[adapter])
+    except (UnmaskError, KeyError, OSError):  # a broken checkpoint: its own rows report the error
+        return False
+    return bool((cfg.get("decode_defaults") or {}).get("draft_layouts"))
+
+
+def variants(decoder: str, model: str, adapter: str | None = None) -> list[tuple[str, dict]]:
+    """The (row label, decoder options) rows of one pair: :data:`VARIANTS`, plus for lossless SBD on a
+    model with stored layouts one row per query budget of :data:`unmask.decode.draft_layout.BUDGETS`
+    (``draft="budget", queries=Q``)."""
+    from unmask.decode.draft_layout import BUDGETS
+
+    rows = list(VARIANTS.get(decoder, ((decoder, {}),)))
+    if decoder == "sbd" and has_stored_layouts(model, adapter):
+        at = next(i for i, (_, o) in enumerate(rows) if o.get("verify")) + 1
+        rows[at:at] = [(BUDGET_LABEL.format(q), {"verify": True, "draft": "budget", "queries": q}) for q in BUDGETS]
+    return rows
 
 
 def adapter_pairs(adapters: list[str] | None, *, decoders: list[str] | None = None,
@@ -124,6 +165,10 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     Ratios are to the ``ar`` on ``stories260K`` row (else the first ``ar`` row; ``None``
     without one). A pair that raises is reported with its error and the others still run.
     ``adapters``: also run the :func:`adapter_pairs` rows, model shown as ``<model>+<adapter>``.
+    Lossless SBD on a model with calibrated layouts also runs ``sbd --verify --queries Q`` rows for
+    Q = 8, 16, 24, 32 (:func:`variants`). Rows carry ``queries_per_forward`` (lossless SBD, else None)
+    and ``accepts``, the pooled accept histogram where the decoder keeps one
+    (:class:`~unmask.decode.stats.DecodeStats`).
     ``compile``: also run every row with ``compile=True``, each after an untimed warm-up pass over
     the same prompts that compiles every shape (its seconds, compiles included, are reported as
     ``compile_s``; they are not in the row's TPS).
@@ -143,7 +188,7 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
         raise UnmaskError("no decoder has a shipped model of a kind it works on; check 'unmask models'")
     refs = References()
     rows = []
-    todo = [(d, m, a, label, opts) for d, m, a in todo for label, opts in VARIANTS.get(d, ((d, {}),))]
+    todo = [(d, m, a, label, opts) for d, m, a in todo for label, opts in variants(d, m, a)]
     if reference_nfe:
         from unmask.api import REFERENCE_NFE_DECODERS
 
@@ -189,6 +234,7 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
                      "agreement_positional": s["agreement_positional"],
                      "agreement_prefix": s["agreement_prefix"],
                      "agreement_reference": s["config"]["agreement_reference"],
+                     "queries_per_forward": s.get("queries_per_forward"), "accepts": s.get("accept_histogram"),
                      "options": s["config"]["options"], "env": s["env"], "compile_s": compile_s,
                      "_outputs": [(item["text"], item["nfe"]) for item in res.rows]})
     ok = [r for r in rows if not r.get("error")]

@@ -181,5 +181,6 @@ def generate_cmd(
         console.print(Text.assemble((prompt, "bold"), (text, "")), soft_wrap=True)
         console.print()
     s = result.stats
+    q = "" if s.queries_per_forward is None else f" · {s.queries_per_forward:g} queries/forward"  # lossless sbd
     console.print(f"[dim]{result.model} · decoder {result.decoder} · NFE {s.nfe} · generated {s.generated} · "
-                  f"TPF {s.tpf:.2f} · {s.tps:.1f} tok/s · {s.seconds:.2f} s[/dim]", soft_wrap=True)
+                  f"TPF {s.tpf:.2f}{q} · {s.tps:.1f} tok/s · {s.seconds:.2f} s[/dim]", soft_wrap=True)

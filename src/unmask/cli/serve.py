@@ -21,6 +21,12 @@ def serve_cmd(
     draft_sizes: str = typer.Option(None, "--draft-sizes", metavar="ROWS:K,...|off",
                                     help="lossless sbd: draft block size K by running-batch rows (K = 1: plain AR "
                                     "steps, same output); default 1:4,4:2,6:1, measured on a CPU; off: keep K"),
+    draft: str = typer.Option(None, "--draft", help="lossless sbd: the server's draft layout, linear, quadratic, "
+                              "budget (the model's calibrated layout for --queries) or D/S/G text such as 3/0,1,3/4; "
+                              "AR and lossless rows join its batch; a request's own draft/queries win (default: the "
+                              "model's)"),
+    queries: int = typer.Option(None, "--queries", help="with --draft budget: query tokens per row per forward "
+                                "(default: the model's, else 16)"),
     decoder: str = typer.Option(None, "--decoder", "-d", help="default decoder of requests (default: the model kind's natural decoder)"),
     block_size: int = typer.Option(None, "--block-size", "-k", help="default block size"),
     policy: str = typer.Option(None, "--policy", help="default commit policy"),
@@ -54,4 +60,4 @@ def serve_cmd(
     serve(model, kind=kind, adapter=adapter, compile=compile, draft_sizes=draft_sizes, limits=limits, host=host,
           port=port, max_batch_size=max_batch_size, max_queue=max_queue,
           request_timeout=timeout, device=device, dtype=dtype, decoder=decoder, block_size=block_size, policy=policy,
-          gamma=gamma, preset=preset, tau=tau)
+          gamma=gamma, preset=preset, tau=tau, draft=draft, queries=queries)

@@ -74,7 +74,7 @@ class Verify:
         self.stops = torch.tensor(stop_ids or [-1], dtype=torch.long, device=self.device)  # (S,)
         self.slots = Slots(capacity)
         self.rows: dict[int, VerifyRow] = {}  # slot -> running row
-        self.forwards = 0
+        self.forwards, self.windows = 0, Counter()  # windows: verify forwards by query window Q (stats)
         cap, dev = capacity, self.device
         W = max(cfg.block_size - 1, 1)
         self.b = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) the bonus: committed, not yet cached
@@ -224,6 +224,7 @@ class Verify:
             [self.key_valid[:R, None, :].expand(R, Q, C), m], dim=2)[:, None]  # (R, 1, Q, C+Q)
         logits = self.kv.forward(inp, positions, mask)  # (R, Q, V)
         self.forwards += 1
+        self.windows[Q] += 1
         if self.suppress:
             logits[..., self.suppress] = float("-inf")
         a, step_tok = self._accept(logits, R, Kmax, s, dl)  # (R,), (R, Kmax)
@@ -384,7 +385,7 @@ class Verify:
         drafted = Counter(c - 1 for r in rows for c in r.accepts[1:])  # accepted draft tokens per verify forward
         return {"verify": True, "draft": self.cfg.draft, "block_size": self.cfg.block_size,
                 "accepts": dict(sorted(accepts.items())), "accepted_drafts": dict(sorted(drafted.items())),
-                "row_extra": [r.extra for r in rows], **static}
+                "query_windows": dict(sorted(self.windows.items())), "row_extra": [r.extra for r in rows], **static}
 
 
 def _groups(pairs, key) -> dict:

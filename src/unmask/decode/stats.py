@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from unmask.errors import UnmaskError
@@ -30,6 +31,13 @@ def stop_flags(full: list[list[int]], kept: list[list[int]], stop_ids, limit: in
     return flags
 
 
+def mean_window(windows: dict) -> float | None:
+    """{query tokens per row of a forward: forwards} -> the mean query tokens per forward (None: no
+    forward). Keys may be JSON strings."""
+    forwards = sum(windows.values())
+    return sum(int(q) * n for q, n in windows.items()) / forwards if forwards else None
+
+
 @dataclass
 class DecodeStats:
     """Counters of one decode run over a batch.
@@ -40,6 +48,13 @@ class DecodeStats:
     seconds: wall-clock of the whole run, prefill included.
     extra: decoder-specific details (per-step accept histogram, commit counts, ...).
     stops_per_row: 1 where the row ended on a stop token (EOS) it committed, else 0 (empty: none).
+
+    :attr:`queries_per_forward` (lossless SBD only, else None) is read from ``extra["query_windows"]``
+    ({query tokens per row of a verify forward: forwards}); :attr:`accept_histogram` is
+    ``extra["accepts"]`` ({tokens a row committed in one forward: row forwards}) of the decoders that
+    keep one (lossless SBD counts its prefill too, so its counts sum to ``sum(nfe_per_row)``; AR: None).
+    :meth:`row` gives each row's own histogram from ``extra["row_extra"][i]["accepts"]`` (its tokens
+    per forward, in order) where the decoder keeps that list.
 
     The stop token rule, the same for every decoder: a stop token a row commits counts as a
     generated token for TPF (a forward was spent committing it, so AR stopping on EOS has TPF 1.0),
@@ -74,17 +89,44 @@ class DecodeStats:
         """Tokens per second for the whole batch."""
         return self.generated / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def queries_per_forward(self) -> float | None:
+        """Lossless SBD: query tokens per row per verify forward (the step's query window, e.g.
+        D + 1 + |S|·G = 16 for layout ``3/0,1,3/4``, 2K linear, K + K² quadratic; spec/sbd_exact.md
+        §5.1), the mean over the verify forwards (prefills excluded); None for other decoders or
+        when no verify forward ran."""
+        return mean_window(self.extra.get("query_windows") or {})
+
+    @property
+    def accept_histogram(self) -> dict[int, int] | None:
+        """{tokens committed by a row in one forward: row forwards} over the batch (int keys), for the
+        decoders that keep it (lossless SBD: prefill included, counts sum to ``sum(nfe_per_row)``), else None."""
+        acc = self.extra.get("accepts")
+        return None if acc is None else {int(k): v for k, v in sorted(acc.items(), key=lambda kv: int(kv[0]))}
+
     def row(self, i: int) -> dict:
+        """Row i's nfe, generated, stop_token and tpf; ``accept_histogram``, its own, where the decoder
+        keeps per-row accepts (lossless SBD: summing to its nfe), and for lossless SBD the batch's
+        ``queries_per_forward``."""
         nfe = self.nfe_per_row[i]
         n = self.tokens_per_row[i]
         stop = self._stop(i)
-        return {"nfe": nfe, "generated": n, "stop_token": stop, "tpf": (n + stop) / nfe if nfe else 0.0}
+        out = {"nfe": nfe, "generated": n, "stop_token": stop, "tpf": (n + stop) / nfe if nfe else 0.0}
+        rows = self.extra.get("row_extra") or []
+        accepts = rows[i].get("accepts") if i < len(rows) and isinstance(rows[i], dict) else None
+        if self.accept_histogram is not None and isinstance(accepts, list):
+            out["accept_histogram"] = dict(sorted(Counter(accepts).items()))
+        if self.queries_per_forward is not None:
+            out["queries_per_forward"] = self.queries_per_forward
+        return out
 
     def to_dict(self) -> dict:
+        lossless = {k: v for k, v in (("queries_per_forward", self.queries_per_forward),
+                                      ("accept_histogram", self.accept_histogram)) if v is not None}
         return {"nfe": self.nfe, "nfe_per_row": self.nfe_per_row, "tokens_per_row": self.tokens_per_row,
                 "stops_per_row": self.stops_per_row,
                 "generated": self.generated, "tpf": self.tpf, "seconds": self.seconds, "tps": self.tps,
-                **self.extra}
+                **self.extra, **lossless}
 
 
 @dataclass

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -106,7 +107,9 @@ def _generate_batches(prompts: list[str], bundle, decoder: str, *, batch_size: i
                                   "seconds": g.stats.seconds, "tps": row["generated"] / g.stats.seconds
                                   if g.stats.seconds > 0 else 0.0, "batch_seconds": g.stats.seconds,
                                   "batch_tps": g.stats.tps, "batch": b,
-                                  "batch_nfe": g.stats.nfe, "stop_token": row.get("stop_token", 0)}))
+                                  "batch_nfe": g.stats.nfe, "stop_token": row.get("stop_token", 0),
+                                  "accept_histogram": row.get("accept_histogram"),
+                                  "batch_query_windows": g.stats.extra.get("query_windows")}))
         if progress is not None:  # this rank's share, scaled to the whole run
             progress(min(len(prompts), done * (1 if tp else dist.world()) * batch_size), len(prompts), stage)
     return [row for _, row in local] if tp else dist.gather_ordered(local)
@@ -293,12 +296,23 @@ def _score_sharded(task: str, items: list[T.Item], texts: list[str], **kwargs) -
 
 def _throughput(gens: list[dict[str, Any]]) -> dict[str, float]:
     """Summary NFE (mean per row), TPF (pooled; a stop token a row committed counts, as in
-    :class:`unmask.decode.stats.DecodeStats`), TPS and seconds (over batches)."""
+    :class:`unmask.decode.stats.DecodeStats`), TPS and seconds (over batches); the pooled
+    ``accept_histogram`` where every row has one, with ``queries_per_forward`` (lossless SBD: the mean
+    over every batch's verify forwards, else None)."""
     tokens = sum(g["n_tokens"] for g in gens)
     committed = tokens + sum(g.get("stop_token", 0) for g in gens)
     row_nfe = sum(g["nfe"] for g in gens)
     batches = {g["batch"]: (g["seconds"], g["batch_nfe"]) for g in gens}
     seconds = sum(s for s, _ in batches.values())
-    return {"generated": tokens, "nfe": row_nfe / len(gens), "tpf": committed / max(row_nfe, 1),
-            "tps": tokens / seconds if seconds > 0 else 0.0, "seconds": seconds,
-            "forwards": sum(n for _, n in batches.values())}
+    out = {"generated": tokens, "nfe": row_nfe / len(gens), "tpf": committed / max(row_nfe, 1),
+           "tps": tokens / seconds if seconds > 0 else 0.0, "seconds": seconds,
+           "forwards": sum(n for _, n in batches.values())}
+    if all(g.get("accept_histogram") is not None for g in gens):  # DecodeStats.row's, where the decoder keeps it
+        from unmask.decode.stats import mean_window
+
+        windows: Counter = Counter()
+        for w in {g["batch"]: g.get("batch_query_windows") or {} for g in gens}.values():
+            windows.update({int(q): n for q, n in w.items()})
+        out["queries_per_forward"] = mean_window(windows)
+        out["accept_histogram"] = dict(sorted(sum((Counter(g["accept_histogram"]) for g in gens), Counter()).items()))
+    return out

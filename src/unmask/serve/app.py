@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect
 
 from unmask.decode import DECODERS, default_decoder, get_decoder
 from unmask.errors import UnmaskError
-from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option
+from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option, with_server_draft
 from unmask.serve.engine import Job, QueueFull, Scheduler, ShuttingDown
 from unmask.serve.errors import ApiError
 from unmask.serve.limits import Limits
@@ -119,20 +119,19 @@ def _json(raw: bytes):
 def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8, max_queue: int = 64,
                request_timeout: float = 600.0, defaults: dict | None = None, compile: bool = False,
                draft_sizes: "str | DraftSizes | None" = DEFAULT_DRAFT_SIZES, limits: Limits | None = None) -> FastAPI:
-    """The server app for a loaded ModelBundle. ``defaults``: the server's default decoder and
-    knobs (e.g. ``{"decoder": "sbd", "gamma": 0.35}``), checked here like a request. The
-    scheduler thread starts with the app's lifespan and stops with it; ``app.state.scheduler``
-    and ``app.state.metrics`` expose them. Raises UnmaskError for a bad batch size, queue bound or
-    default knob. ``compile``: the ar / lossless sbd running batch on a static KV cache, compiled over
-    row and length buckets (each shape compiles once; other running batches stay eager). ``draft_sizes``:
+    """The server app for a loaded ModelBundle. ``defaults``: the server's default decoder and knobs
+    (e.g. ``{"decoder": "sbd", "gamma": 0.35}``), checked here like a request; its ``draft``/``queries``
+    become the lossless defaults, the layout AR and lossless rows join (``draft_sizing.with_server_draft``).
+    The scheduler thread starts and stops with the app's lifespan (``app.state.scheduler``, ``.metrics``).
+    Raises UnmaskError for a bad batch size, queue bound or default knob. ``compile``: the
+    ar / lossless sbd batch on a static KV cache, compiled over row and length buckets. ``draft_sizes``:
     the load -> K table, chosen per step, of greedy lossless ``sbd`` requests that fix no block size
     (:mod:`unmask.serve.draft_sizing`; text like ``"1:8,2:4,4:1"``, or ``"off"``/None). ``limits``: the
     per-request body, prompt, query-token and cache limits (:class:`unmask.serve.limits.Limits`).
     ``app.state.drain()`` stops admitting (503) and ends every open request with a 503 error (a
     stream: a final error event and ``[DONE]``); the server calls it when it shuts down."""
-    limits = limits or Limits()
-    name = model_name or bundle.name
-    defaults = dict(defaults or {})
+    limits, name, defaults = limits or Limits(), model_name or bundle.name, dict(defaults or {})
+    bundle = with_server_draft(bundle, defaults.pop("draft", None), defaults.pop("queries", None))
     try:  # the defaults are checked like a request, then by one tiny decode (the decoder's own checks)
         probe = parse({"prompt": "x", "max_tokens": 1}, bundle, name, chat=False, default_timeout=1.0, defaults=defaults)
     except ApiError as e:

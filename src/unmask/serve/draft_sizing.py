@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unmask.decode import sbd_verify
+from unmask.decode import draft_layout, sbd_verify
 from unmask.decode.sbd import runs_lossless
 from unmask.errors import UnmaskError
 
@@ -80,6 +80,40 @@ class DraftSizes:
 
 
 DEFAULT = DraftSizes.parse(DEFAULT_TEXT)
+SERVER_DRAFT = ("draft", "queries")  # `unmask serve --draft/--queries`: the server's lossless defaults
+
+
+def check_server_draft(draft: str | None, queries: int | None, defaults: dict | None = None) -> str | None:
+    """``unmask serve --draft D [--queries Q]`` -> the layout they resolve to (``linear``, ``quadratic``
+    or ``D/S/G`` text; with ``defaults``, a checkpoint's decode_defaults, its stored layouts), None
+    when neither is given. Raises UnmaskError (one line): ``--queries`` without ``--draft budget``, a
+    bad budget or layout text (draft_layout.resolve's and VerifyConfig's checks)."""
+    if draft is None and queries is None:
+        return None
+    if draft is None:
+        raise UnmaskError(f"--queries {queries} sets the query budget of --draft budget; add --draft budget "
+                          "or drop --queries")
+    if not isinstance(draft, str):
+        raise UnmaskError(f"--draft must be text (got {draft!r}); pass linear, quadratic, budget or D/S/G text")
+    return sbd_verify.VerifyConfig(draft=draft_layout.resolve(draft, queries, defaults)).draft
+
+
+def with_server_draft(bundle, draft: str | None, queries: int | None):
+    """``bundle`` as the server decodes it: a shallow copy whose decode_defaults take ``draft`` (and
+    ``queries``), so the AR / lossless batch rows join by default and every lossless request that sets
+    no draft runs that layout (its own ``draft``/``queries`` still win). ``bundle`` itself when neither
+    is given. Raises UnmaskError (one line) for bad values (:func:`check_server_draft`) or a model
+    that does not run lossless sbd."""
+    import dataclasses
+
+    defaults = bundle.meta.get("decode_defaults") or {}
+    if check_server_draft(draft, queries, defaults) is None:
+        return bundle
+    if bundle.kind != "sbd" or bundle.mask_token_id is None:
+        raise UnmaskError(f"--draft applies to lossless sbd, which {bundle.name} ({bundle.kind}) does not run; drop "
+                          "--draft/--queries, or serve an sbd model (or a causal one with --adapter sbd)")
+    served = {**defaults, "draft": draft, **({} if queries is None else {"queries": queries})}
+    return dataclasses.replace(bundle, meta={**bundle.meta, "decode_defaults": served})
 
 
 def draft_sizes_option(value: "str | DraftSizes | None") -> DraftSizes | None:

@@ -12,7 +12,7 @@ import time
 
 from unmask.errors import UnmaskError
 from unmask.serve import create_app, require
-from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, draft_sizes_option
+from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, check_server_draft, draft_sizes_option
 from unmask.serve.limits import Limits
 
 GRACE_S = 5  # seconds open connections get to finish after the drain
@@ -107,7 +107,8 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
           limits: Limits | None = None, **defaults) -> None:
     """Load ``model`` (with the gated SBD ``adapter``, a name it ships or a directory, when given)
     and serve it until interrupted (``unmask serve``). ``defaults``: the default
-    decoder and knobs of requests (``decoder="sbd", gamma=0.35``); ``draft_sizes``: the running-batch
+    decoder and knobs of requests (``decoder="sbd", gamma=0.35``; ``draft``/``queries``: the lossless layout
+    AR and lossless rows join, :func:`unmask.serve.draft_sizing.with_server_draft`); ``draft_sizes``: the running-batch
     -> K table of lossless sbd (``"1:8,2:4,4:1"``, ``"off"``; None: the default table); ``limits``: the
     per-request limits (:class:`unmask.serve.limits.Limits`). Raises UnmaskError for a bad model, option or
     address (``draft_sizes`` on a model that does not run lossless sbd), KeyboardInterrupt after SIGINT and
@@ -120,6 +121,7 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
     if not (isinstance(request_timeout, (int, float)) and request_timeout > 0):
         raise UnmaskError(f"request timeout must be > 0 seconds (got {request_timeout!r}); pass e.g. 600")
     sizes = DEFAULT_DRAFT_SIZES if draft_sizes is None else draft_sizes_option(draft_sizes)  # bad text fails before loading
+    check_server_draft(defaults.get("draft"), defaults.get("queries"))  # so does a bad --draft / --queries
     bundle = load(model, kind=kind, device=device, dtype=dtype, adapter=adapter)
     if draft_sizes is not None and bundle.kind != "sbd":
         raise UnmaskError(f"--draft-sizes applies to lossless sbd, which {bundle.name} ({bundle.kind}) does not run; "
