@@ -7,7 +7,10 @@ cd "$(dirname "$0")/.."
 has_path=0
 for a in "$@"; do
   case "$a" in -*) continue ;; esac
-  if [ -e "${a%%::*}" ]; then has_path=1; fi  # a file, folder or file::test node
+  if [ -e "${a%%::*}" ]; then has_path=1  # a file, folder or file::test node
+  elif [[ "${a%%::*}" == *.py || "${a%%::*}" == tests/* ]]; then
+    echo "no such test path: ${a%%::*} (ls tests/ lists them; no path runs the whole suite)" >&2; exit 2
+  fi
 done
 if [ "$has_path" -eq 1 ]; then
   python -m pytest -p no:cacheprovider "$@"

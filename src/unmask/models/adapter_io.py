@@ -271,8 +271,13 @@ def resolve_adapter(model_dir: Path | None, adapter: str | os.PathLike) -> tuple
     if (path / ADAPTER_JSON).is_file():
         return path.name, path
     if not shipped:
-        raise UnmaskError(f"unknown adapter {text!r}: not a directory with {ADAPTER_JSON}, and the model ships no "
-                          "adapter; pass the directory of an adapter trained for it (unmask train sbd-adapter)")
+        from unmask.models.registry import shipped as shipped_models
+
+        hosts = [n for n, d in shipped_models().items() if list_adapters(d)]
+        where = f" (shipped adapters come with {', '.join(hosts)})" if hosts else ""
+        raise UnmaskError(f"unknown adapter {text!r}: not a directory with {ADAPTER_JSON}, and this model ships no "
+                          f"adapter{where}; drop --adapter, or pass the directory of an adapter trained for this "
+                          "model (unmask train sbd-adapter)")
     raise UnmaskError(f"unknown adapter {text!r}: not a directory with {ADAPTER_JSON}, and the model's own "
                       f"adapters are: {', '.join(shipped)}; pass one of those or an adapter directory")
 

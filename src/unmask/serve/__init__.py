@@ -17,7 +17,8 @@ def require() -> None:
     """Raise UnmaskError naming the missing server packages, if any."""
     missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]
     if missing:
-        raise UnmaskError(f"the server needs {', '.join(missing)}; install them with pip install 'unmask[serve]'")
+        raise UnmaskError(f"the server needs {', '.join(missing)}; install them with pip install 'unmask[serve]' "
+                          "(in a clone: pip install -e '.[serve]')")
 
 
 def create_app(bundle, **kwargs):
