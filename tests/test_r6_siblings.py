@@ -111,3 +111,28 @@ def test_tree_search_without_siblings_is_the_chain_search(case):
         assert best.queries <= budget and tpf1 >= tpf and cal.predicted_tpf(recs, best) == tpf1
     with pytest.raises(UnmaskError, match="budget >= 4"):
         cal.search_trees(recs, 3)
+
+
+def test_calibrate_with_siblings_stores_a_table_the_decoder_runs_as_predicted(case):
+    bundle, prompts, _ = case
+    kw = dict(budgets=(8, 16), max_new_tokens=16, max_d=3, max_g=4)
+    rows, plain = cal.calibrate(bundle, prompts, siblings=True, **kw), cal.calibrate(bundle, prompts, **kw)
+    assert all(r["tpf"] >= p["tpf"] and r["queries"] <= r["budget"] for r, p in zip(rows[:2], plain[:2]))
+    spec = dl.resolve("budget", 16, cal.stored_defaults({}, rows))
+    assert spec == rows[1]["layout"]
+    stops = tuple(bundle.stop_token_ids)
+    out = sbd_verify.decode(bundle, prompts, max_new_tokens=16, draft=spec, stop_token_ids=stops)
+    assert out.stats.tpf == pytest.approx(rows[1]["tpf"])
+
+
+def test_calibrate_drafts_cli_searches_siblings(tmp_path, capsys):
+    import json
+
+    from conftest import run_cli
+
+    (tmp_path / "p.txt").write_text("Once upon a time\nThe dog ran\n")
+    code, out, err = run_cli(capsys, "calibrate-drafts", "stories260K-sbd", "--prompts", tmp_path / "p.txt", "-n", "24",
+                             "--budgets", "16", "--siblings", "--dry-run", "--json")
+    assert code == 0, err
+    row = json.loads(out)["rows"][0]
+    assert sl.parse(row["layout"]).queries == row["queries"] <= 16 and json.loads(out)["stored"] is None

@@ -220,18 +220,22 @@ def search_trees(recs: list[Recording], budget: int, *, top: int = 10, sets=None
 
 
 def calibrate(bundle, prompts: list[list[int]], *, budgets=dl.BUDGETS, max_new_tokens: int = 128,
-              max_d: int = DEFAULT_MAX_D, max_g: int = DEFAULT_MAX_G) -> list[dict]:
-    """Record ``prompts`` and search every budget (spec §5.4). Returns one row per budget:
+              max_d: int = DEFAULT_MAX_D, max_g: int = DEFAULT_MAX_G, siblings: bool = False) -> list[dict]:
+    """Record ``prompts`` and search every budget (spec §5.4; ``siblings``: layouts with sibling
+    candidates too, :func:`search_trees`, spec §5.3). Returns one row per budget:
     ``{"queries": Q, "layout": "D/S/G", "layout_queries": q, "tpf": predicted}``, plus rows for the
     named layouts linear / quadratic at K = 8 (``"budget": None``) to compare."""
-    recs = record(bundle, prompts, max_new_tokens=max_new_tokens, lengths=range(2, max(max_g, max_d + 1) + 1))
-    kw = dict(stop_ids=tuple(bundle.stop_token_ids), max_new_tokens=max_new_tokens)
+    longest = max(max_g, max_d + 1)
+    recs = record(bundle, prompts, max_new_tokens=max_new_tokens, lengths=range(2, longest + 1))
+    kw = dict(stop_ids=tuple(bundle.stop_token_ids), max_new_tokens=max_new_tokens, max_d=max_d, max_g=max_g)
     rows = []
     for Q in budgets:
-        lay, tpf = search(recs, Q, max_d=max_d, max_g=max_g, **kw)
+        lay, tpf = (search_trees(recs, Q, sets=list(sibling_sets(max_group=min(6, longest))), **kw) if siblings
+                    else search(recs, Q, **kw))
         rows.append({"budget": Q, "layout": lay.spec, "queries": lay.queries, "tpf": tpf})
+    del kw["max_d"], kw["max_g"]
     for name, lay in (("linear", dl.linear(8)), ("quadratic", dl.quadratic(8))):
-        if max(lay.lengths) <= max(max_g, max_d + 1):
+        if max(lay.lengths) <= longest:
             rows.append({"budget": None, "layout": name, "queries": lay.queries, "tpf": predicted_tpf(recs, lay, **kw)})
     return rows
 
