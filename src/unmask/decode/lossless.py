@@ -304,15 +304,15 @@ class Verify:
 
     def _accept(self, logits: torch.Tensor, inp: torch.Tensor, tw: tv.TreeWindow, R: int, Kmax: int, s: torch.Tensor,
                 dl: torch.Tensor):
-        """Accept and redraft every slot from the logits (R, Q, V) (spec §1, Accept): greedy tree acceptance
-        for all (spec §5.3), then each sampled group (same sampling and K) on the chain alone. Returns a (R,),
-        the path p (R,) and step_tok (R, Kmax) (a + 1 committed)."""
+        """Accept and redraft every slot from the logits (R, Q, V) (spec §1, §5.3): greedy tree acceptance for all,
+        then each sampled group (same sampling and K) on the chain alone. Returns a, path p (R,), step_tok (R, Kmax)."""
         dev, K = self.device, self.K[:R]
         top = logits.argmax(dim=-1)  # (R, Q): NTP targets of every query
         a, p, step_tok = tv.tree_accept(top, inp, tw, K, dl)  # (R,), (R,), (R, Kmax)
         src = tw.src[K - 1, dl, p, a]  # (R, W): the window query of each next-draft token (spec §5.2)
         self.s[:R, : Kmax - 1] = top.gather(1, src[:, : Kmax - 1])  # (R, Kmax-1)
-        self.sib[:R, : tw.H] = tv.siblings(logits, tw, K, src)  # (R, H)
+        if tw.H:
+            self.sib[:R, : tw.H] = tv.siblings(logits, tw, K, src)  # (R, H)
         sampled = {k: v for k, v in group_by(self.rows.items(), lambda r: (r.job.sampling, r.K)).items()
                    if not k[0].greedy}
         if not sampled:

@@ -36,6 +36,7 @@ from unmask.decode import sibling_layout as sl
 from unmask.decode import tree_verify as tv
 from unmask.decode.batching import left_pad
 from unmask.decode.kv import compact  # noqa: F401  (its home is kv; kept importable here)
+from unmask.decode.tree_verify import greedy_accept  # noqa: F401  (its home is tree_verify)
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.masks import causal_mask
@@ -213,18 +214,6 @@ def prefill_inputs(bundle, prompts: list[list[int]], K: int):
     m[P:, P:] = True  # the group is bidirectional and sees the whole prompt
     kv_valid = torch.cat([valid, valid.new_ones(B, K)], dim=1)  # (B, P+K)
     return inp, positions, m, kv_valid, valid, row_len
-
-
-def greedy_accept(target: torch.Tensor, draft: torch.Tensor, draft_len: torch.Tensor) -> torch.Tensor:
-    """Number of accepted draft tokens per row under greedy decoding (spec §1, Accept, greedy).
-
-    target (B, K) long: argmax of the NTP logits at the verify tokens; draft (B, K-1) long;
-    draft_len (B,) long: how many draft tokens are real (K-1, or 0 for a row without a draft).
-    Returns a (B,) long in 0..draft_len: the committed tokens are ``target[:, :a + 1]``.
-    """
-    match = (draft == target[:, :-1]).long()  # (B, K-1)
-    a = match.cumprod(dim=1).sum(dim=1)  # (B,)
-    return torch.minimum(a, draft_len)
 
 
 def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, draft_len: torch.Tensor,

@@ -146,11 +146,27 @@ def inputs(tw: TreeWindow, K: torch.Tensor, dl: torch.Tensor, b: torch.Tensor, s
     return pool.gather(1, tw.tok[K - 1, dl])  # (R, Q)
 
 
+def greedy_accept(target: torch.Tensor, draft: torch.Tensor, draft_len: torch.Tensor) -> torch.Tensor:
+    """Number of accepted draft tokens per row under greedy decoding (spec §1, Accept, greedy).
+
+    target (B, K) long: argmax of the NTP logits at the verify tokens; draft (B, K-1) long;
+    draft_len (B,) long: how many draft tokens are real (K-1, or 0 for a row without a draft).
+    Returns a (B,) long in 0..draft_len: the committed tokens are ``target[:, :a + 1]``.
+    """
+    match = (draft == target[:, :-1]).long()  # (B, K-1)
+    a = match.cumprod(dim=1).sum(dim=1)  # (B,)
+    return torch.minimum(a, draft_len)
+
+
 def tree_accept(top: torch.Tensor, inp: torch.Tensor, tw: TreeWindow, K: torch.Tensor, dl: torch.Tensor):
     """Greedy tree acceptance (spec §5.3): top (R, Q) the NTP argmax of every query, inp (R, Q)
     the input ids, K (R,) draft sizes, dl (R,) draft lengths. Returns a (R,) accepted draft tokens,
     p (R,) the winning path and step_tok (R, Kmax), its argmaxes (the first a + 1 committed).
-    Without siblings it is :func:`~unmask.decode.sbd_verify.greedy_accept` on the chain."""
+    Without siblings it is :func:`greedy_accept` on the chain (its few ops: an AR step stays cheap)."""
+    if tw.H == 0:
+        step_tok = top[:, : tw.path.shape[-1]]  # (R, Kmax): b's target, then the draft's
+        a = greedy_accept(step_tok, inp[:, 1: step_tok.shape[1]], dl)
+        return a, torch.zeros_like(a), step_tok
     pq = tw.path[K - 1, dl]  # (R, P, Kmax)
     R, P, Km = pq.shape
     node = inp.gather(1, pq.flatten(1)).view(R, P, Km)  # (R, P, Kmax) each path's ids
@@ -166,6 +182,8 @@ def kept_columns(tw: TreeWindow, K: torch.Tensor, dl: torch.Tensor, p: torch.Ten
                  Q: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The window queries whose causal K/V a row keeps (its first ``committed`` path nodes):
     keep (R, Q) bool and last (R,) long, one past the last kept query (0: none)."""
+    if tw.H == 0:  # a chain keeps its first `committed` queries
+        return torch.arange(Q, device=K.device)[None, :] < committed[:, None], committed
     R = K.shape[0]
     pq = tw.path[K - 1, dl][torch.arange(R, device=K.device), p]  # (R, Kmax)
     new = torch.arange(pq.shape[1], device=K.device)[None, :] < committed[:, None]  # (R, Kmax)
@@ -194,4 +212,4 @@ def first_siblings(logits: torch.Tensor, tw: TreeWindow, K: int) -> torch.Tensor
     return siblings(logits, tw, torch.full((n,), K, dtype=torch.long, device=logits.device), first)
 
 
-__all__ = ["TreeWindow", "slots", "tree_window", "inputs", "tree_accept", "kept_columns", "siblings", "first_siblings"]
+__all__ = ["TreeWindow", "slots", "tree_window", "inputs", "greedy_accept", "tree_accept", "kept_columns", "siblings", "first_siblings"]
