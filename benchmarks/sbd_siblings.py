@@ -66,11 +66,24 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out_dir / "sbd_siblings.json", {"prompts": "STORY_OPENINGS[100:120]",
                                                             "max_new_tokens": args.max_new_tokens, "rows": rows})
-    lines = ["| model | Q | chain | TPF | chain + siblings | TPF | gain |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['budget']} | {r['chain']} ({r['chain_queries']} q) | {r['chain_tpf']:.3f} | "
-              f"{r['tree']} ({r['tree_queries']} q) | {r['tree_tpf']:.3f} | {100 * r['gain']:+.1f} % |" for r in rows]
-    atomic_write_text(args.out_dir / "sbd_siblings.md", "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    atomic_write_text(args.out_dir / "sbd_siblings.md", markdown(rows))
+    print(markdown(rows))
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table: per model and budget, the best chain and chain + siblings layouts, predicted TPF,
+    the gain, and (with --measure) the measured TPF and whether the output equals AR."""
+    measured = all("tree_measured_tpf" in r for r in rows)
+    head = "| model | Q | chain | TPF | chain + siblings | TPF | gain |" + (" measured TPF chain / tree | = AR |" if measured else "")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        line = (f"| {r['model']} | {r['budget']} | {r['chain']} ({r['chain_queries']} q) | {r['chain_tpf']:.3f} | "
+                f"{r['tree']} ({r['tree_queries']} q) | {r['tree_tpf']:.3f} | {100 * r['gain']:+.1f} % |")
+        if measured:
+            line += (f" {r['chain_measured_tpf']:.3f} / {r['tree_measured_tpf']:.3f} | "
+                     f"{'yes' if r['chain_equals_ar'] and r['tree_equals_ar'] else 'NO'} |")
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
