@@ -5,8 +5,9 @@ equal those of a separate all-mask forward after its prefix (spec §1). So one r
 the greedy AR text of each prompt and the block mode's argmax after every prefix of it, for every
 group length — determines every layout's steps without running the decoder: :func:`replay`
 applies the acceptance and the next-draft rule of §5.2 to it and predicts each row's forwards
-exactly (the same tokens, up to float ties between block-mode candidates). :func:`search` tries
-every ``(D, S, G)`` within a budget; :func:`calibrate` records, searches and stores the table in
+exactly (the same tokens, up to float ties between block-mode candidates); with the block mode's
+top candidates also recorded it replays sibling layouts (§5.3, :mod:`unmask.decode.sibling_layout`).
+:func:`search` tries every ``(D, S, G)`` within a budget, :func:`search_trees` adds siblings; :func:`calibrate` records, searches and stores the table in
 the model's ``decode_defaults`` (``draft="budget"``, ``queries``, ``draft_layouts``).
 
 Recording costs one forward per prompt and group length: the prompt and its continuation
@@ -16,12 +17,14 @@ Recording costs one forward per prompt and group length: the prompt and its cont
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
 import torch
 
 from unmask.decode import draft_layout as dl
+from unmask.decode import sibling_layout as sl
 from unmask.errors import UnmaskError
 
 DEFAULT_MAX_D = 7
@@ -32,18 +35,21 @@ DEFAULT_MAX_G = 8
 class Recording:
     """One prompt's replay data: ``prompt_len`` P, ``text`` the greedy AR continuation (N ids, not
     cut at stop tokens), ``drafts[G][t]`` the block mode's argmax (G ids) of an all-mask group of G
-    after the prompt and ``text[:t]`` (t = 0..N-1)."""
+    after the prompt and ``text[:t]`` (t = 0..N-1), ``cands[G][t][o]`` the top ``sl.TOPK`` ids of
+    that group's offset o, best first (the siblings' candidates, spec §5.3; None: not recorded)."""
 
     prompt_len: int
     text: tuple[int, ...]
     drafts: dict
+    cands: dict | None = None
 
 
 @torch.inference_mode()
 def record(bundle, prompts: list[list[int]], *, max_new_tokens: int, lengths=range(2, DEFAULT_MAX_G + 1)) -> list[Recording]:
     """Greedy AR text of each prompt (``max_new_tokens`` ids, stop tokens not applied: the replay
     applies them) and the block mode's argmax after every prefix for each group length in
-    ``lengths`` (spec §5.4). One forward per prompt and length. Raises UnmaskError for a model
+    ``lengths`` (spec §5.4), and its top ``sl.TOPK`` candidates there (``cands``, spec §5.3). One
+    forward per prompt and length. Raises UnmaskError for a model
     without a mask token or an empty prompt."""
     from unmask.compat import attention_mask, forward
     from unmask.decode import ar
@@ -60,7 +66,7 @@ def record(bundle, prompts: list[list[int]], *, max_new_tokens: int, lengths=ran
         P, N = len(prompt), len(text)
         seq = list(prompt) + list(text[:-1])  # (T,) every prefix the replay can need ends inside it
         T = len(seq)
-        drafts = {}
+        drafts, cands = {}, {}
         for G in lengths:
             m = torch.arange(P, P + N)  # (N,) prefix length of each group
             Q = T + N * G
@@ -76,51 +82,76 @@ def record(bundle, prompts: list[list[int]], *, max_new_tokens: int, lengths=ran
             if suppress:
                 logits[..., suppress] = float("-inf")
             drafts[G] = logits.argmax(dim=-1).view(N, G).tolist()  # (N, G)
-        out.append(Recording(P, tuple(text), drafts))
+            top = logits.topk(min(sl.TOPK, logits.shape[-1]), dim=-1).indices  # (N*G, TOPK)
+            cands[G] = top.view(N, G, -1).tolist()  # (N, G, TOPK)
+        out.append(Recording(P, tuple(text), drafts, cands))
     return out
 
 
-def replay(rec: Recording, layout: dl.DraftLayout, *, stop_ids=(), max_new_tokens: int | None = None) -> tuple[int, int]:
-    """The greedy lossless decoder's run of ``layout`` on one recording (spec §1 accept, §5.2 next
-    draft): returns (tokens produced, stop token included as DecodeStats counts it; forwards).
-    Raises UnmaskError when the recording lacks a group length the layout uses."""
-    g, N = rec.text, min(max_new_tokens or len(rec.text), len(rec.text))
-    K = layout.D + 1
-    for G in {K, *layout.lengths}:
+def replay(rec: Recording, layout, *, stop_ids=(), max_new_tokens: int | None = None) -> tuple[int, int]:
+    """The greedy lossless decoder's run of ``layout`` (a DraftLayout, a TreeLayout with siblings or
+    their text) on one recording (spec §1 accept, §5.3 siblings, §5.2 next draft): returns (tokens
+    produced, stop token included as DecodeStats counts it; forwards). Raises UnmaskError when the
+    recording lacks a group length the layout uses, or the candidates its siblings need."""
+    tree = sl.as_tree(layout)
+    lay, g, N = tree.chain, rec.text, min(max_new_tokens or len(rec.text), len(rec.text))
+    K = lay.D + 1
+    for G in {K, *lay.lengths, *(s.group for s in tree.siblings if s.group)}:
         if G not in rec.drafts:
-            raise UnmaskError(f"the recording has no groups of {G}; record lengths up to {max(layout.lengths + (K,))}")
+            raise UnmaskError(f"the recording has no groups of {G}; record lengths up to {G} or more")
+    if tree.siblings and rec.cands is None:
+        raise UnmaskError("the recording has no block-mode candidates for siblings; record it with calibrate.record")
     stops = set(stop_ids)
     end = next((i for i, t in enumerate(g[:N]) if t in stops), N)  # first stop token, else N
     produced = end + 1 if end < N else N
-    rule = _rule(layout)
-    c, nfe, d, draft = 1, 1, layout.D, rec.drafts[K][0][1:K]  # the prefill: first token and a group of K
+    rule = _rule(lay)
+    at = [[(r, s.cont, s.group) for r, s in zip(tree.ranks, tree.siblings) if s.offset == j] for j in range(K + 1)]
+    c, nfe, d, src = 1, 1, lay.D, (K, 0, 1)  # the prefill: first token and a group of K after the prompt
     while c < N and c <= end:
+        G0, t0, f0 = src  # the group, prefix and first offset the draft came from
+        draft = rec.drafts[G0][t0][f0: f0 + d]
         a = 0
         while a < d and c + a < N and draft[a] == g[c + a]:
             a += 1
+        nxt = rule[d][a][a]
+        if a < d and c + a < N:  # s_{a+1} rejected: a sibling at offset a + 1 may be the NTP argmax
+            for rank, cont, grp in at[a + 1]:  # in rank order; a continuation stops at the draft's end
+                if rec.cands[G0][t0][f0 + a][rank - 1] == g[c + a]:
+                    j, m = a + 1, 0
+                    while m < min(cont, d - a - 1) and c + j + m < N and draft[j + m] == g[c + j + m]:
+                        m += 1
+                    a, first = j + m, m + 1  # the path: s_1..s_{j-1}, the sibling, m continuation tokens
+                    nxt = (grp, j, first, max(0, min(grp - first, lay.D))) if grp else rule[d][j - 1][a]
+                    break
         nfe += 1
-        G, e, first, n = rule[d][a]
+        G, e, first, n = nxt
         c_next = c + a + 1
         if c_next < N and c_next <= end and n:
-            draft = rec.drafts[G][c + e][first: first + n]
+            src = (G, c + e, first)
         d, c = (n if c_next < N else 0), c_next
     return produced, nfe
 
 
-def _rule(layout: dl.DraftLayout) -> list[list[tuple[int, int, int, int]]]:
-    """``rule[d][a]`` = (group length, group prefix, first offset, length) of the next draft (spec §5.2)."""
+@functools.lru_cache(maxsize=None)
+def _rule(layout: dl.DraftLayout) -> list[list[list]]:
+    """``rule[d][p][a]`` = (group length, group prefix, first offset, length) of the next draft after
+    accepting a with the path's longest chain prefix p <= a (p = a: the chain; spec §5.2–5.3)."""
     out = []
     for d in range(layout.D + 1):
-        prefixes, row = layout.groups_for(d), []
-        for a in range(d + 1):
-            group, first, n = layout.next_draft(d, a)
-            row.append((layout.lengths[group], prefixes[group], first, n) if n else (0, 0, 0, 0))
-        out.append(row)
+        prefixes, rows = layout.groups_for(d), []
+        for p in range(d + 1):
+            row = [None] * p
+            for a in range(p, d + 1):
+                group, first, n = layout.next_draft(d, a, p)
+                row.append((layout.lengths[group], prefixes[group], first, n) if n else (0, 0, 0, 0))
+            rows.append(row)
+        out.append(rows)
     return out
 
 
-def predicted_tpf(recs: list[Recording], layout: dl.DraftLayout, **kw) -> float:
-    """Tokens per forward of ``layout`` over the recordings (DecodeStats.tpf's definition)."""
+def predicted_tpf(recs: list[Recording], layout, **kw) -> float:
+    """Tokens per forward of ``layout`` (as :func:`replay` takes it) over the recordings
+    (DecodeStats.tpf's definition)."""
     runs = [replay(r, layout, **kw) for r in recs]
     return sum(t for t, _ in runs) / max(1, sum(f for _, f in runs))
 
@@ -150,19 +181,61 @@ def search(recs: list[Recording], budget: int, **kw) -> tuple[dl.DraftLayout, fl
     return best, key[0]
 
 
+def sibling_sets(max_cont: int = 3, max_group: int = 6):
+    """The sibling sets :func:`search_trees` tries (spec §5.3), in a fixed order: none; one at
+    offset 1 (continuation <= max_cont, group 0 or 2..max_group); two at offset 1 (the second with
+    continuation <= 1 and group <= 4); one at offset 2 (continuation <= 2, group <= 4), alone or
+    after one at offset 1."""
+    one = [sl.Sibling(1, c, g) for c in range(max_cont + 1) for g in (0, *range(2, max_group + 1))]
+    small = [sl.Sibling(1, c, g) for c in range(2) for g in (0, 2, 3, 4)]
+    two = [sl.Sibling(2, c, g) for c in range(3) for g in (0, 2, 3, 4)]
+    yield ()
+    yield from ((s,) for s in one)
+    yield from ((s, t) for s in one for t in small)
+    yield from ((t,) for t in two)
+    yield from ((s, t) for s in one for t in two)
+
+
+def search_trees(recs: list[Recording], budget: int, *, top: int = 10, sets=None, **kw) -> tuple[sl.TreeLayout, float]:
+    """The best chain-plus-siblings layout of at most ``budget`` query tokens (spec §5.3): every
+    sibling set of ``sets`` (default :func:`sibling_sets`) on the ``top`` best chains (replayed
+    TPF) that fit beside it. Ties: fewer queries, then the first found; ``sets=[()]`` is
+    :func:`search`. Raises UnmaskError when no layout fits (budget < 4)."""
+    lim = {k: kw.pop(k) for k in ("max_d", "max_g") if k in kw}
+    chains = [(predicted_tpf(recs, lay, **kw), lay.queries, i, lay) for i, lay in enumerate(layouts(budget, **lim))]
+    if not chains:
+        raise UnmaskError(f"no draft layout fits {budget} query tokens; give a budget >= 4")
+    chains.sort(key=lambda x: (-x[0], x[1], x[2]))  # best first
+    best, key = None, None
+    for sibs in (sibling_sets() if sets is None else sets):
+        cost = sum(s.queries for s in sibs)
+        fits = [(t, lay) for t, _, _, lay in chains
+                if lay.queries + cost <= budget and all(s.offset + s.cont <= lay.D for s in sibs)][:top]
+        for tpf, lay in fits:
+            tree = sl.TreeLayout(lay, tuple(sibs))
+            tpf = predicted_tpf(recs, tree, **kw) if sibs else tpf
+            if key is None or (tpf, -tree.queries) > key:
+                best, key = tree, (tpf, -tree.queries)
+    return best, key[0]
+
+
 def calibrate(bundle, prompts: list[list[int]], *, budgets=dl.BUDGETS, max_new_tokens: int = 128,
-              max_d: int = DEFAULT_MAX_D, max_g: int = DEFAULT_MAX_G) -> list[dict]:
-    """Record ``prompts`` and search every budget (spec §5.4). Returns one row per budget:
+              max_d: int = DEFAULT_MAX_D, max_g: int = DEFAULT_MAX_G, siblings: bool = False) -> list[dict]:
+    """Record ``prompts`` and search every budget (spec §5.4; ``siblings``: layouts with sibling
+    candidates too, :func:`search_trees`, spec §5.3). Returns one row per budget:
     ``{"queries": Q, "layout": "D/S/G", "layout_queries": q, "tpf": predicted}``, plus rows for the
     named layouts linear / quadratic at K = 8 (``"budget": None``) to compare."""
-    recs = record(bundle, prompts, max_new_tokens=max_new_tokens, lengths=range(2, max(max_g, max_d + 1) + 1))
-    kw = dict(stop_ids=tuple(bundle.stop_token_ids), max_new_tokens=max_new_tokens)
+    longest = max(max_g, max_d + 1)
+    recs = record(bundle, prompts, max_new_tokens=max_new_tokens, lengths=range(2, longest + 1))
+    kw = dict(stop_ids=tuple(bundle.stop_token_ids), max_new_tokens=max_new_tokens, max_d=max_d, max_g=max_g)
     rows = []
     for Q in budgets:
-        lay, tpf = search(recs, Q, max_d=max_d, max_g=max_g, **kw)
+        lay, tpf = (search_trees(recs, Q, sets=list(sibling_sets(max_group=min(6, longest))), **kw) if siblings
+                    else search(recs, Q, **kw))
         rows.append({"budget": Q, "layout": lay.spec, "queries": lay.queries, "tpf": tpf})
+    del kw["max_d"], kw["max_g"]
     for name, lay in (("linear", dl.linear(8)), ("quadratic", dl.quadratic(8))):
-        if max(lay.lengths) <= max(max_g, max_d + 1):
+        if max(lay.lengths) <= longest:
             rows.append({"budget": None, "layout": name, "queries": lay.queries, "tpf": predicted_tpf(recs, lay, **kw)})
     return rows
 
@@ -174,4 +247,5 @@ def stored_defaults(defaults: dict, rows: list[dict], queries: int = dl.DEFAULT_
     return {**defaults, "verify": True, "draft": "budget", "queries": queries, "draft_layouts": dl.format_layouts(table)}
 
 
-__all__ = ["Recording", "record", "replay", "predicted_tpf", "layouts", "search", "calibrate", "stored_defaults"]
+__all__ = ["Recording", "record", "replay", "predicted_tpf", "layouts", "search", "sibling_sets", "search_trees", "calibrate",
+           "stored_defaults"]

@@ -21,6 +21,8 @@ def calibrate_drafts_cmd(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="greedy tokens recorded per prompt"),
     budgets: str = typer.Option("8,16,24,32", "--budgets", help="query budgets to search, comma-separated"),
     queries: int = typer.Option(16, "--queries", help="the budget lossless decoding uses by default"),
+    siblings: bool = typer.Option(False, "--siblings", help="also search layouts with sibling candidates "
+                                  "(D/S/G+j[cC][gG], spec/sbd_exact.md §5.3; greedy rows only, sampled ones run the chain)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the table, store nothing"),
     as_json: bool = typer.Option(False, "--json", help="print the table as one JSON object"),
 ) -> None:
@@ -59,7 +61,8 @@ def calibrate_drafts_cmd(
         texts = read_prompts([], prompts)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise UnmaskError(f"--prompts {prompts}: needs plain text prompts (one per line, or 'prompt' rows)")
-    rows = calibrate(bundle, [bundle.encode(t) for t in texts], budgets=wanted, max_new_tokens=max_new_tokens)
+    rows = calibrate(bundle, [bundle.encode(t) for t in texts], budgets=wanted, max_new_tokens=max_new_tokens,
+                     siblings=siblings)
     if not dry_run:
         defaults = stored_defaults(dict(bundle.meta.get("decode_defaults") or {}), rows, queries)
         if adapter:

@@ -65,8 +65,9 @@ def generate_cmd(
                                 help="sbd: lossless SBD, the NTP mode verifies the block-mode draft (output = ar); "
                                      "default from the model"),
     draft: str = typer.Option(None, "--draft", help="sbd --verify: draft layout, linear, quadratic, budget (the "
-                              "model's calibrated layout for --queries) or D/S/G text such as 3/0,2,3/4; default "
-                              "from the model (budget where calibrated, else linear)"),
+                              "model's calibrated layout for --queries) or D/S/G text such as 3/0,2,3/4, with "
+                              "siblings: 3/0,1,3/4+1g3 (spec/sbd_exact.md §5.3); default from the model (budget "
+                              "where calibrated, else linear)"),
     queries: int = typer.Option(None, "--queries", help="sbd --verify --draft budget: query tokens per row per "
                                 "forward (default: the model's, else 16)"),
     reference_nfe: bool = typer.Option(False, "--reference-nfe", help="dLLM decoders (diffusion, early-bird, block, "

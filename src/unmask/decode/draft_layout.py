@@ -73,11 +73,12 @@ class DraftLayout:
                 e[after[0]] = d
         return e
 
-    def next_draft(self, d: int, a: int) -> tuple[int, int, int]:
+    def next_draft(self, d: int, a: int, path: int | None = None) -> tuple[int, int, int]:
         """(group, first offset, length) of the next draft after a step with a d-token draft that
-        accepted a <= d of it (spec §5.2); group -1 and length 0: no draft."""
+        accepted a <= d of it (spec §5.2); group -1 and length 0: no draft. ``path``: the longest
+        chain prefix on the accepted path (default a; a sibling path at offset j: j - 1, spec §5.3)."""
         e = self.groups_for(d)
-        below = [g for g, i in enumerate(e) if i <= a]
+        below = [g for g, i in enumerate(e) if i <= (a if path is None else path)]
         if not below:
             return -1, 0, 0
         g = max(below, key=lambda h: (e[h], h))  # the latest prefix; a tie (a moved group): the later group
@@ -126,8 +127,17 @@ def parse(text: str) -> DraftLayout:
     return DraftLayout(D, S, G)
 
 
+def canonical(text: str) -> str:
+    """The canonical text of a ``D/S/G`` layout, siblings (``+j[cC][gG]``, spec §5.3) included.
+    Raises UnmaskError for bad text."""
+    from unmask.decode import sibling_layout  # it builds on this module
+
+    return sibling_layout.parse(text).spec
+
+
 def is_layout(draft) -> bool:
-    """Whether ``draft`` names a budgeted layout: ``budget``, ``budget:Q`` or ``D/S/G`` text."""
+    """Whether ``draft`` names a budgeted layout: ``budget``, ``budget:Q`` or ``D/S/G`` text (with
+    siblings or not)."""
     return isinstance(draft, str) and (draft == "budget" or draft.startswith("budget:") or "/" in draft)
 
 
@@ -141,7 +151,7 @@ def stored_layouts(defaults: dict | None) -> dict[int, str]:
     try:
         for item in str(text).split():
             q, spec = item.split("=")
-            out[int(q)] = parse(spec).spec
+            out[int(q)] = canonical(spec)
     except (ValueError, UnmaskError):
         raise UnmaskError(f"decode_defaults draft_layouts {text!r} is not 'Q=D/S/G ...'; rerun "
                           "'unmask calibrate-drafts' or remove the key") from None
@@ -150,7 +160,7 @@ def stored_layouts(defaults: dict | None) -> dict[int, str]:
 
 def format_layouts(table: dict[int, str]) -> str:
     """{budget: layout text} -> the decode_defaults ``draft_layouts`` text."""
-    return " ".join(f"{q}={parse(s).spec}" for q, s in sorted(table.items()))
+    return " ".join(f"{q}={canonical(s)}" for q, s in sorted(table.items()))
 
 
 def option(draft, block_size=None, defaults: dict | None = None, fallback: str = "linear"):
@@ -177,7 +187,7 @@ def resolve(draft, queries=None, defaults: dict | None = None) -> str:
     if not is_layout(draft):
         return draft
     if "/" in draft:
-        return parse(draft).spec
+        return canonical(draft)
     if draft.startswith("budget:"):
         try:
             queries = int(draft.split(":", 1)[1])
@@ -198,5 +208,5 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-__all__ = ["DraftLayout", "linear", "quadratic", "parse", "option", "resolve", "is_layout", "stored_layouts", "PRESETS",
+__all__ = ["DraftLayout", "linear", "quadratic", "parse", "canonical", "option", "resolve", "is_layout", "stored_layouts", "PRESETS",
            "BUDGETS", "DEFAULT_BUDGET"]

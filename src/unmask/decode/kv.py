@@ -218,6 +218,22 @@ def place(kv, key_valid: torch.Tensor, new: DynamicKV, valid: torch.Tensor, slot
     return out, kvld
 
 
+def compact(kv, key_valid: torch.Tensor, M: int) -> torch.Tensor:
+    """Slide each row's valid keys (key_valid (R, C) over the cache's C columns) to the right end of
+    columns 0..M-1, order kept, in every layer; M >= every row's valid count (known on the host, so
+    no sync). Returns the new key validity (R, M); the cache is cut to M columns (crop or pointer)."""
+    R, C = key_valid.shape
+    order = torch.sort(key_valid.to(torch.uint8), dim=1, stable=True).indices  # (R, C): invalid columns first
+    src = order[:, C - M:]  # (R, M) source column of each kept column
+    for keys, values in kv.layers():
+        for t in (keys, values):  # (R', H, C, D), R' >= R
+            H, D = t.shape[1], t.shape[3]
+            t[:R, :, :M] = t[:R].gather(2, src[:, None, :, None].expand(R, H, M, D))  # (R, H, M, D)
+    kept = key_valid.gather(1, src)  # (R, M)
+    kv.crop(C - M)
+    return kept
+
+
 def make_kv(model, *, batch: int, capacity: int, static: bool = False, compile: bool = False):
     """The cache a decoder runs on: :class:`StaticKV` when ``static`` or ``compile``, else
     :class:`DynamicKV` (``batch`` and ``capacity`` are then unused)."""

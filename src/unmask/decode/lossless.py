@@ -4,7 +4,8 @@ lossless SBD with draft size K = 1.
 Rows live in slot tensors (:class:`~unmask.decode.running.Slots`), each with its own K (1: a plain
 AR step; >= 2: lossless SBD, spec/sbd_exact.md §1–2), which may change between steps (greedy output
 does not depend on K). A step is ONE forward of every row, each row's layout embedded in the
-step's query window (:func:`~unmask.decode.sbd_verify.embedded_layout`), the pure commit rule
+step's query window (:func:`~unmask.decode.tree_verify.tree_window`; siblings, spec §5.3: greedy rows
+take the longest confirmed path, sampled rows the chain alone), the pure commit rule
 :func:`~unmask.decode.sbd_verify.advance` and one host sync; Python bookkeeping (stop strings,
 events) runs after it. The cache is ``DynamicKV`` (the forward covers slots ``[0, high)``) or
 ``StaticKV`` (``static``/``compile``: the forward covers the row bucket of ``high`` and the length
@@ -22,9 +23,10 @@ from types import SimpleNamespace
 import torch
 
 from unmask.decode import sbd_verify as sv
-from unmask.decode.sbd_verify import advance, compact, family, queries, window_layout
-from unmask.decode.kv import DynamicKV, StaticKV, place
-from unmask.decode.running import Request, Row, Slots
+from unmask.decode import tree_verify as tv
+from unmask.decode.sbd_verify import advance, family, queries
+from unmask.decode.kv import DynamicKV, StaticKV, compact, place
+from unmask.decode.running import Request, Row, Slots, group_by
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
 
@@ -81,12 +83,14 @@ class Verify:
         self.s = torch.zeros((cap, W), dtype=torch.long, device=dev)  # (cap, W) the draft after b
         self.q: torch.Tensor | None = None  # (cap, W, V) its proposal distributions (sampled rows only)
         self.draft_len = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) real draft tokens
+        H = 0 if ar else len(tv.slots(family(cfg.draft, cfg.block_size))[2])
+        self.sib = torch.zeros((cap, H), dtype=torch.long, device=dev)  # (cap, H) the draft's sibling ids
         self.K = torch.ones(cap, dtype=torch.long, device=dev)  # (cap,) draft size per slot (1: AR)
         self.p_b = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) position of b
         self.n = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) committed tokens
         self.N = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) max_new_tokens
         self.live = torch.zeros(cap, dtype=torch.bool, device=dev)  # (cap,)
-        self._layouts: dict[int, tuple[torch.Tensor, ...]] = {}  # Kmax -> window_layout of the draft layout
+        self._layouts: dict[int, tv.TreeWindow] = {}  # Kmax -> the window tables of the draft layout
         if self.static:
             L = length or bundle.context_length + 2 * queries(max(cfg.block_size, 2), cfg.draft)
             self.kv = StaticKV(self.model, cap, L, compile=compile, length_buckets=True,
@@ -142,7 +146,7 @@ class Verify:
                 if gens is None and not req.sampling.greedy:  # the generator `unmask generate` gives the row
                     gens = req.sampling.row_generators([prompts[i]], self.device)[0]
                 rows.append(VerifyRow(job=req, slot=slot, K=K, generator=gens))
-            groups = _groups(enumerate(rows), lambda r: r.job.sampling)  # sampling -> row indices
+            groups = group_by(enumerate(rows), lambda r: r.job.sampling)  # sampling -> row indices
             b, s, q = sv.prefill_draws(logits, K, {k: (v, [rows[i].generator for i in v]) for k, v in groups.items()})
             idx = torch.tensor(slots, dtype=torch.long, device=self.device)  # (n,)
             self.kv, self.key_valid = place(self.kv, self.key_valid, new_kv, valid, slots, rows=bool(self.rows))
@@ -155,6 +159,7 @@ class Verify:
         self.live[idx] = True
         if K > 1:
             self.s[idx, : K - 1] = s
+            self.sib[idx, : self._tables(K).H] = tv.first_siblings(logits, self._tables(K), K)
             if q is not None:
                 if self.q is None:
                     self.q = q.new_zeros((self.slots.capacity, self.s.shape[1], q.shape[-1]))  # (cap, W, V)
@@ -211,14 +216,10 @@ class Verify:
         Q = queries(Kmax, self.cfg.draft)
         R = self._rows_in_forward()
         self._reclaim(Q)
-        C, dev = self.kv.length, self.device
-        lay_m, lay_o, self._src, lay_n = self._layouts.get(Kmax) or self._layouts.setdefault(
-            Kmax, window_layout(family(self.cfg.draft, Kmax), dev))
+        C, tw = self.kv.length, self._tables(Kmax)
         K, dl, s = self.K[:R], self.draft_len[:R], self.s[:R, : Kmax - 1].clone()  # the draft _accept replaces
-        m, o = lay_m[K - 1, dl], lay_o[K - 1, dl]  # (R, Q, Q), (R, Q): each row's layout for its draft length
-        draft_in = torch.where(torch.arange(Kmax - 1, device=dev)[None, :] < dl[:, None], s, self.mask_id)  # (R, Kmax-1)
-        inp = torch.cat([self.b[:R, None], draft_in, torch.full((R, Q - Kmax), self.mask_id, dtype=torch.long,
-                                                                device=dev)], dim=1)  # (R, Q)
+        m, o = tw.mask[K - 1, dl], tw.offsets[K - 1, dl]  # (R, Q, Q), (R, Q): each row's layout for its draft length
+        inp = tv.inputs(tw, K, dl, self.b[:R], s, self.sib[:R], self.mask_id)  # (R, Q): b, the draft, siblings, masks
         positions = self.p_b[:R, None] + o  # (R, Q)
         mask = None if self._all_valid(R, C, Q) else torch.cat(
             [self.key_valid[:R, None, :].expand(R, Q, C), m], dim=2)[:, None]  # (R, 1, Q, C+Q)
@@ -227,17 +228,18 @@ class Verify:
         self.windows[Q] += 1
         if self.suppress:
             logits[..., self.suppress] = float("-inf")
-        a, step_tok = self._accept(logits, R, Kmax, s, dl)  # (R,), (R, Kmax)
+        a, p, step_tok = self._accept(logits, inp, tw, R, Kmax, s, dl)  # (R,), (R,), (R, Kmax)
         live = self.live[:R]
-        committed, new, n, nxt, ended = advance(a, step_tok, self.n[:R], self.N[:R], live, self.stops,
-                                                lay_n[K - 1, dl, a])  # next draft lengths (spec §5.2)
+        committed, _, n, nxt, ended = advance(a, step_tok, self.n[:R], self.N[:R], live, self.stops,
+                                              tw.length[K - 1, dl, p, a])  # next draft lengths (spec §5.2)
+        keep, last = tv.kept_columns(tw, K, dl, p, committed, Q)  # (R, Q), (R,): the path's columns
         self.b[:R] = torch.where(live, step_tok.gather(1, a[:, None])[:, 0], self.b[:R])
         self.p_b[:R] += committed
         self.n[:R], self.draft_len[:R] = n, nxt
-        host = torch.cat([committed, ended.long(), step_tok.flatten()]).tolist()  # the step's one host sync
-        kept = max(host[i] for i in self.rows)  # verify columns some running row keeps
+        host = torch.cat([committed, ended.long(), last, step_tok.flatten()]).tolist()  # the step's one host sync
+        kept = max(host[2 * R + i] for i in self.rows)  # window columns some running row keeps
         self.kv.crop(Q - kept)
-        cols = new[:, :kept]  # (R, kept); a static cache's rows past R ride along as invalid keys
+        cols = keep[:, :kept]  # (R, kept); a static cache's rows past R ride along as invalid keys
         if self.key_valid.shape[0] > R:
             cols = torch.cat([cols, cols.new_zeros((self.key_valid.shape[0] - R, kept))])  # (cap, kept)
         self.key_valid = torch.cat([self.key_valid, cols], dim=1)  # (R or cap, C + kept)
@@ -247,7 +249,7 @@ class Verify:
         for slot, row in list(self.rows.items()):
             c = host[slot]
             start = len(row.committed)
-            row.committed += host[2 * R + slot * Kmax: 2 * R + slot * Kmax + c]
+            row.committed += host[3 * R + slot * Kmax: 3 * R + slot * Kmax + c]
             row.nfe += 1
             row.accepts.append(c)
             if self.on_step is not None and getattr(row.job, "events", True):
@@ -296,29 +298,37 @@ class Verify:
             return
         self.key_valid = compact(self.kv, self.key_valid, most)  # (R, most)
 
-    def _accept(self, logits: torch.Tensor, R: int, Kmax: int, s: torch.Tensor, dl: torch.Tensor):
-        """Accept and redraft every slot from the logits (R, Q, V) (spec §1, Accept): greedy for all, then
-        each sampled group (same sampling and K). Returns a (R,) and step_tok (R, Kmax) (a + 1 committed)."""
-        dev = self.device
-        top = logits.argmax(dim=-1)  # (R, Q): NTP targets at b, s_1..s_{Kmax-1}, then the groups' fills
-        step_tok = top[:, :Kmax]  # (R, Kmax): accepted drafts equal their targets, then the bonus
-        a = sv.greedy_accept(step_tok, s, dl)  # (R,)
-        K = self.K[:R]
-        self.s[:R, : Kmax - 1] = top.gather(1, self._src[K - 1, dl, a][:, : Kmax - 1])  # (R, Kmax-1) spec §5.2
-        sampled = {k: v for k, v in _groups(self.rows.items(), lambda r: (r.job.sampling, r.K)).items()
+    def _tables(self, Kmax: int) -> tv.TreeWindow:
+        """The window tables of the draft layout for steps whose largest draft size is Kmax (cached)."""
+        return self._layouts.get(Kmax) or self._layouts.setdefault(Kmax, tv.tree_window(family(self.cfg.draft, Kmax),
+                                                                                         self.device))
+
+    def _accept(self, logits: torch.Tensor, inp: torch.Tensor, tw: tv.TreeWindow, R: int, Kmax: int, s: torch.Tensor,
+                dl: torch.Tensor):
+        """Accept and redraft every slot from the logits (R, Q, V) (spec §1, §5.3): greedy tree acceptance for all,
+        then each sampled group (same sampling and K) on the chain alone. Returns a, path p (R,), step_tok (R, Kmax)."""
+        dev, K = self.device, self.K[:R]
+        top = logits.argmax(dim=-1)  # (R, Q): NTP targets of every query
+        a, p, step_tok = tv.tree_accept(top, inp, tw, K, dl)  # (R,), (R,), (R, Kmax)
+        src = tw.src[K - 1, dl, p, a]  # (R, W): the window query of each next-draft token (spec §5.2)
+        self.s[:R, : Kmax - 1] = top.gather(1, src[:, : Kmax - 1])  # (R, Kmax-1)
+        if tw.H:
+            self.sib[:R, : tw.H] = tv.siblings(logits, tw, K, src)  # (R, H)
+        sampled = {k: v for k, v in group_by(self.rows.items(), lambda r: (r.job.sampling, r.K)).items()
                    if not k[0].greedy}
         if not sampled:
-            return a, step_tok
-        a, step_tok = a.clone(), step_tok.clone()
+            return a, p, step_tok
+        a, p, step_tok = a.clone(), p.clone(), step_tok.clone()
         for (sampling, K), slots in sampled.items():
             idx = torch.tensor(slots, dtype=torch.long, device=dev)  # (n,)
             gens = [self.rows[i].generator for i in slots]
             q = None if K == 1 else self.q[idx, : K - 1]
             a[idx], step_tok[idx, :K], s_i, q_i = sv.accept_sampled(logits[idx], q, s[idx, : K - 1], dl[idx], K,
-                                                                    self._src[K - 1], sampling, gens)
+                                                                    tw.src[K - 1, :, 0], sampling, gens)
+            p[idx] = 0  # the chain alone: siblings need a multi-candidate rule to stay lossless (spec §5.3)
             if K > 1:
                 self.s[idx, : K - 1], self.q[idx, : K - 1] = s_i, q_i
-        return a, step_tok
+        return a, p, step_tok
 
     def _report(self, inp, positions, logits, a) -> None:
         """``on_forward`` (tests): the step's per-row tensors and the cache, for the live slots in order."""
@@ -386,14 +396,6 @@ class Verify:
         return {"verify": True, "draft": self.cfg.draft, "block_size": self.cfg.block_size,
                 "accepts": dict(sorted(accepts.items())), "accepted_drafts": dict(sorted(drafted.items())),
                 "query_windows": dict(sorted(self.windows.items())), "row_extra": [r.extra for r in rows], **static}
-
-
-def _groups(pairs, key) -> dict:
-    """``(index, row)`` pairs -> {key(row): [index, ...]}, in order."""
-    out: dict = {}
-    for i, row in pairs:
-        out.setdefault(key(row), []).append(i)
-    return out
 
 
 __all__ = ["Verify", "VerifyRow"]

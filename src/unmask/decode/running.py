@@ -140,6 +140,14 @@ class RunningDecoder(Protocol):
     def stats_extra(self, rows: list[Row]) -> dict: ...
 
 
+def group_by(pairs, key) -> dict:
+    """``(index, row)`` pairs -> {key(row): [index, ...]}, in order."""
+    out: dict = {}
+    for i, row in pairs:
+        out.setdefault(key(row), []).append(i)
+    return out
+
+
 def requests_for(prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling, stop_strings=(),
                  device=None) -> list[Request]:
     """One :class:`Request` per prompt (id = its index), each with the generator ``unmask generate``

@@ -32,7 +32,11 @@ from dataclasses import dataclass
 import torch
 
 from unmask.decode import draft_layout as dl
+from unmask.decode import sibling_layout as sl
+from unmask.decode import tree_verify as tv
 from unmask.decode.batching import left_pad
+from unmask.decode.kv import compact  # noqa: F401  (its home is kv; kept importable here)
+from unmask.decode.tree_verify import greedy_accept  # noqa: F401  (its home is tree_verify)
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.masks import causal_mask
@@ -48,9 +52,9 @@ DEFAULT_BLOCK_SIZE = 8
 @dataclass(frozen=True)
 class VerifyConfig:
     """Draft block size K (the SBD block size, >= 2) and the drafting layout: ``linear``,
-    ``quadratic`` (spec §1) or a budgeted one (spec §5.1: ``budget``, ``budget:Q``, ``D/S/G`` text or
-    a :class:`~unmask.decode.draft_layout.DraftLayout`, kept as its ``D/S/G`` text; then K = D + 1,
-    whatever ``block_size`` says). Raises UnmaskError for a bad size or layout."""
+    ``quadratic`` (spec §1) or a budgeted one (spec §5.1: ``budget``, ``budget:Q``, ``D/S/G`` text,
+    ``D/S/G+j[cC][gG]..`` with siblings (spec §5.3), a DraftLayout or a TreeLayout, kept as its text;
+    then K = D + 1, whatever ``block_size`` says). Raises UnmaskError for a bad size or layout."""
 
     block_size: int = DEFAULT_BLOCK_SIZE
     draft: str = DEFAULT_DRAFT
@@ -59,11 +63,11 @@ class VerifyConfig:
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 2:
             raise UnmaskError(f"lossless SBD needs a block size >= 2 (got {self.block_size!r}); "
                               "pass e.g. --block-size 8")
-        draft = self.draft.spec if isinstance(self.draft, dl.DraftLayout) else self.draft
+        draft = self.draft.spec if isinstance(self.draft, (dl.DraftLayout, sl.TreeLayout)) else self.draft
         if dl.is_layout(draft):
             draft = dl.resolve(draft)  # frozen: the resolved text and its K are set once, here
             object.__setattr__(self, "draft", draft)
-            object.__setattr__(self, "block_size", dl.parse(draft).D + 1)
+            object.__setattr__(self, "block_size", sl.parse(draft).D + 1)
         elif draft not in DRAFTS:
             raise UnmaskError(f"unknown draft layout {draft!r}; choose one of {', '.join(DRAFTS)}, budget "
                               "(with --queries Q) or D/S/G text such as 3/0,2,3/4")
@@ -130,28 +134,28 @@ def queries(K: int, draft: str) -> int:
 
 def family(draft: str, Kmax: int) -> list:
     """The layout of each draft size K = 1..Kmax (index K - 1; None: an AR step): ``linear(K)``,
-    ``quadratic(K)``, or a budgeted ``D/S/G`` layout cut to K - 1 draft tokens (spec §5.1)."""
+    ``quadratic(K)``, or a budgeted ``D/S/G`` layout cut to K - 1 draft tokens (spec §5.1); a layout
+    with siblings (spec §5.3) keeps them at its own K = D + 1 only (a smaller K runs the chain)."""
     if draft in DRAFTS:
         make = dl.quadratic if draft == "quadratic" else dl.linear
         return [None] + [make(K) for K in range(2, Kmax + 1)]
-    lay = dl.parse(draft)
-    return [None] + [lay.truncated(K - 1) for K in range(2, Kmax + 1)]
+    tree = sl.parse(draft)
+    if not tree.siblings:
+        return [None] + [tree.chain.truncated(K - 1) for K in range(2, Kmax + 1)]
+    return [None] + [tree if K - 1 >= tree.D else sl.TreeLayout(tree.chain.truncated(K - 1)) for K in range(2, Kmax + 1)]
 
 
 def window(layouts: list) -> tuple[int, list[int], int]:
     """The step's query window for these layouts (index K - 1): verify token j at query j < Kmax,
-    group slot h at ``Kmax + starts[h]``, slot h as long as the longest h-th group of any layout.
-    Returns (Kmax, starts, Q). Pure."""
-    Kmax, starts, Q = len(layouts), [], len(layouts)
-    slots = max((len(l.lengths) for l in layouts if l is not None), default=0)
-    for h in range(slots):
-        starts.append(Q - Kmax)
-        Q += max((l.lengths[h] for l in layouts if l is not None and h < len(l.lengths)), default=0)
+    group slot h at ``Kmax + starts[h]``, slot h as long as the longest h-th group of any layout,
+    then the sibling slots (:func:`unmask.decode.tree_verify.slots`). Returns (Kmax, starts, Q). Pure."""
+    Kmax, starts, _, Q = tv.slots(layouts)
     return Kmax, starts, Q
 
 
 def window_layout(layouts: list, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every row's step layout and next-draft rule inside one query window (:func:`window`). Pure.
+    """Every row's step layout and next-draft rule inside one query window (:func:`window`), the
+    chain path of :func:`unmask.decode.tree_verify.tree_window`. Pure.
 
     Returns mask (Kmax, Kmax, Q, Q) bool and offsets (Kmax, Kmax, Q) long, indexed [K - 1, d] for a
     row of draft size K with a d-token draft; src (Kmax, Kmax, Kmax, max(Kmax - 1, 1)) long, the
@@ -160,31 +164,8 @@ def window_layout(layouts: list, device=None) -> tuple[torch.Tensor, torch.Tenso
     verify tokens 0..j at offset j; a group after prefix e (:meth:`DraftLayout.groups_for`) sees
     verify tokens 0..e and itself, its offset o at e + 1 + o; every other query sees only itself
     at offset 0 (never an all-masked query row). K = 1 is the AR step: query 0 alone."""
-    Kmax, starts, Q = window(layouts)
-    mask = torch.eye(Q, dtype=torch.bool).repeat(Kmax, Kmax, 1, 1)  # (Kmax, Kmax, Q, Q)
-    offsets = torch.zeros((Kmax, Kmax, Q), dtype=torch.long)
-    src = torch.zeros((Kmax, Kmax, Kmax, max(Kmax - 1, 1)), dtype=torch.long)
-    length = torch.zeros((Kmax, Kmax, Kmax), dtype=torch.long)
-    for k, lay in enumerate(layouts):
-        if lay is None:
-            continue
-        V = lay.D + 1
-        for d in range(V):
-            m = mask[k, d]  # (Q, Q) view
-            m[:V, :V] = torch.ones(V, V, dtype=torch.bool).tril()  # causal verify part
-            offsets[k, d, :V] = torch.arange(V)
-            for g, (e, G) in enumerate(zip(lay.groups_for(d), lay.lengths)):
-                at = slice(Kmax + starts[g], Kmax + starts[g] + G)  # the group's queries
-                m[at, : e + 1] = True
-                m[at, at] = True
-                offsets[k, d, at] = e + 1 + torch.arange(G)
-            for a in range(d + 1):
-                g, first, n = lay.next_draft(d, a)
-                length[k, d, a] = n
-                if n:
-                    src[k, d, a, :n] = Kmax + starts[g] + first + torch.arange(n)
-    dev = dict(device=device)
-    return mask.to(**dev), offsets.to(**dev), src.to(**dev), length.to(**dev)
+    tw = tv.tree_window(layouts, device)
+    return tw.mask, tw.offsets, tw.src[:, :, 0], tw.length[:, :, 0]
 
 
 def embedded_layout(Kmax: int, draft: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,22 +197,6 @@ def advance(a: torch.Tensor, step_tok: torch.Tensor, n: torch.Tensor, N: torch.T
     return committed, new, n, next_len, ended
 
 
-def compact(kv, key_valid: torch.Tensor, M: int) -> torch.Tensor:
-    """Slide each row's valid keys (key_valid (R, C) over the cache's C columns) to the right end of
-    columns 0..M-1, order kept, in every layer; M >= every row's valid count (known on the host, so
-    no sync). Returns the new key validity (R, M); the cache is cut to M columns (crop or pointer)."""
-    R, C = key_valid.shape
-    order = torch.sort(key_valid.to(torch.uint8), dim=1, stable=True).indices  # (R, C): invalid columns first
-    src = order[:, C - M:]  # (R, M) source column of each kept column
-    for keys, values in kv.layers():
-        for t in (keys, values):  # (R', H, C, D), R' >= R
-            H, D = t.shape[1], t.shape[3]
-            t[:R, :, :M] = t[:R].gather(2, src[:, None, :, None].expand(R, H, M, D))  # (R, H, M, D)
-    kept = key_valid.gather(1, src)  # (R, M)
-    kv.crop(C - M)
-    return kept
-
-
 def prefill_inputs(bundle, prompts: list[list[int]], K: int):
     """The prefill of lossless SBD (spec §1): each left-padded prompt, causal, then one group of
     K masks at the positions after it, which sees the whole prompt and itself.
@@ -249,18 +214,6 @@ def prefill_inputs(bundle, prompts: list[list[int]], K: int):
     m[P:, P:] = True  # the group is bidirectional and sees the whole prompt
     kv_valid = torch.cat([valid, valid.new_ones(B, K)], dim=1)  # (B, P+K)
     return inp, positions, m, kv_valid, valid, row_len
-
-
-def greedy_accept(target: torch.Tensor, draft: torch.Tensor, draft_len: torch.Tensor) -> torch.Tensor:
-    """Number of accepted draft tokens per row under greedy decoding (spec §1, Accept, greedy).
-
-    target (B, K) long: argmax of the NTP logits at the verify tokens; draft (B, K-1) long;
-    draft_len (B,) long: how many draft tokens are real (K-1, or 0 for a row without a draft).
-    Returns a (B,) long in 0..draft_len: the committed tokens are ``target[:, :a + 1]``.
-    """
-    match = (draft == target[:, :-1]).long()  # (B, K-1)
-    a = match.cumprod(dim=1).sum(dim=1)  # (B,)
-    return torch.minimum(a, draft_len)
 
 
 def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, draft_len: torch.Tensor,
@@ -374,7 +327,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     (excluded, later tokens of the same step dropped), a stop string (the completing token kept)
     or ``max_new_tokens``, and its slot is freed. ``draft``: ``linear``, ``quadratic``, ``budget``
     (the model's stored layout for ``queries`` query tokens per row, default 16; spec §5), ``budget:Q``,
-    ``D/S/G`` text or a :class:`~unmask.decode.draft_layout.DraftLayout`. ``compile=True`` runs the same batch on a static KV
+    ``D/S/G`` text or a :class:`~unmask.decode.draft_layout.DraftLayout`, or either with siblings
+    (``3/0,1,3/4+1g3``, a :class:`~unmask.decode.sibling_layout.TreeLayout`; spec §5.3: greedy rows
+    take the longest confirmed path; sampled rows run the chain alone, which keeps the AR distribution). ``compile=True`` runs the same batch on a static KV
     cache whose pointer moves instead of cropping, with a ``torch.compile``-d forward; ``static=True``
     the static cache eagerly (tests, debugging); same tokens, NFE and step events, and stats.extra
     then records ``compiled`` and ``static_cache``; neither takes ``on_forward`` (UnmaskError).
@@ -394,7 +349,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     if bundle.mask_token_id is None:
         raise UnmaskError("lossless SBD needs a model with a mask token (an SBD model, or a base with an "
                           "SBD adapter: --adapter); train one with 'unmask train sbd' or 'unmask train sbd-adapter'")
-    if isinstance(draft, dl.DraftLayout):
+    if isinstance(draft, (dl.DraftLayout, sl.TreeLayout)):
         draft = draft.spec
     cfg = VerifyConfig(block_size=block_size, draft=dl.resolve(draft, queries, bundle.meta.get("decode_defaults")))
     if (compile or static) and on_forward is not None:

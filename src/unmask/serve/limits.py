@@ -69,7 +69,7 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
     the decoder's knobs and the checkpoint's decode defaults. ``draft_k``: the largest K the
     server's draft-size table may give a lossless sbd request that fixes no block size. Knobs the
     decoder will refuse count as the defaults (the decoder reports them)."""
-    from unmask.decode import draft_layout, sbd_verify
+    from unmask.decode import draft_layout, sbd_verify, sibling_layout
     from unmask.decode.sbd import DEFAULT_BLOCK_SIZE, runs_lossless
 
     defaults = bundle.meta.get("decode_defaults") or {}
@@ -89,7 +89,7 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
         except UnmaskError:
             draft = sbd_verify.DEFAULT_DRAFT  # the decoder reports the bad budget
         if draft_layout.is_layout(draft):
-            q = draft_layout.parse(draft).queries
+            q = sibling_layout.parse(draft).queries  # siblings (spec §5.3) cost queries too
             return q, f"lossless sbd with draft layout {draft}: {q} queries per row", "queries"
         if draft == "quadratic":
             return k + k * k, f"lossless sbd with draft quadratic and block_size {k}: K + K² queries per row", "block_size"
