@@ -22,8 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from unmask.decode import sbd_verify as sv
-from unmask.decode import tree_verify as tv
+from unmask.decode import sbd_verify as sv, tree_verify as tv
 from unmask.decode.sbd_verify import advance, family, queries
 from unmask.decode.kv import DynamicKV, StaticKV, compact, place
 from unmask.decode.running import Request, Row, Slots, group_by
