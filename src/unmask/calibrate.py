@@ -242,8 +242,10 @@ def calibrate(bundle, prompts: list[list[int]], *, budgets=dl.BUDGETS, max_new_t
 
 def stored_defaults(defaults: dict, rows: list[dict], queries: int = dl.DEFAULT_BUDGET) -> dict:
     """``decode_defaults`` with the calibrated table: lossless SBD on, ``draft="budget"``,
-    ``queries`` and ``draft_layouts`` set; the other keys kept."""
-    table = {r["budget"]: r["layout"] for r in rows if r["budget"] is not None}
+    ``queries`` and ``draft_layouts`` set; the other keys kept. A budget ``rows`` do not cover keeps
+    its stored layout (recalibrating one budget leaves the others)."""
+    stored = dl.stored_layouts(defaults) if defaults.get("draft_layouts") is not None else {}
+    table = {**stored, **{r["budget"]: r["layout"] for r in rows if r["budget"] is not None}}
     return {**defaults, "verify": True, "draft": "budget", "queries": queries, "draft_layouts": dl.format_layouts(table)}
 
 

@@ -30,6 +30,7 @@ def calibrate_drafts_cmd(
     layout (D, S, G) within each budget, print the best per budget (Q, layout, predicted TPF) and
     store them as the model's decode_defaults (draft=budget), so lossless SBD uses them by default."""
     from unmask.calibrate import calibrate, stored_defaults
+    from unmask.decode import draft_layout as dl
     from unmask.models import load
     from unmask.models.adapter_io import resolve_adapter, set_adapter_decode_defaults
     from unmask.models.registry import resolve
@@ -51,6 +52,10 @@ def calibrate_drafts_cmd(
         raise UnmaskError(f"{model} has no unmask_config.json to store the layouts in; pass an SBD model "
                           "directory, --adapter, or --dry-run")
     bundle = load(model, adapter=adapter)
+    if bundle.kind != "sbd":
+        raise UnmaskError(f"{model} is a {bundle.kind} model; calibrate-drafts picks lossless SBD's draft layouts: "
+                          "pass an SBD model (e.g. stories260K-sbd) or a causal base with --adapter (stories260K "
+                          "--adapter sbd)")
     if prompts is None:
         from unmask.eval.story_openings import STORY_OPENINGS
 
@@ -79,4 +84,6 @@ def calibrate_drafts_cmd(
     for r in rows:
         print(f"{r['budget'] or '-':>6}  {r['queries']:>7}  {r['layout']:<18} {r['tpf']:.3f}")
     if not dry_run:
-        print(f"stored in {target}: decode_defaults draft=budget, queries={queries} (lossless SBD's default now)")
+        layout = dl.resolve("budget", queries, defaults)
+        print(f"stored in {target}: decode_defaults draft=budget, queries={queries} (lossless SBD's default now: "
+              f"{layout})")

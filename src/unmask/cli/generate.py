@@ -68,8 +68,10 @@ def generate_cmd(
                               "model's calibrated layout for --queries) or D/S/G text such as 3/0,2,3/4, with "
                               "siblings: 3/0,1,3/4+1g3 (spec/sbd_exact.md §5.3); default from the model (budget "
                               "where calibrated, else linear)"),
-    queries: int = typer.Option(None, "--queries", help="sbd --verify --draft budget: query tokens per row per "
-                                "forward (default: the model's, else 16)"),
+    queries: int = typer.Option(None, "--queries", help="sbd --verify, budgeted draft (--draft budget, the calibrated "
+                                "models' default): query tokens per row per forward; the stored layout of the largest "
+                                "budget <= Q runs (below the smallest: 1/0/Q-2, uncalibrated); default: the model's, "
+                                "else 16"),
     reference_nfe: bool = typer.Option(False, "--reference-nfe", help="dLLM decoders (diffusion, early-bird, block, "
                                        "multiblock): decode the whole canvas as the reference code does, not stopping "
                                        "after the EOS block, so NFE equals theirs (the text is still cut at EOS)"),

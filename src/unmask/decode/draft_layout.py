@@ -167,8 +167,12 @@ def option(draft, block_size=None, defaults: dict | None = None, fallback: str =
     """The draft option a lossless call runs: ``draft`` when given, else the model's default
     (decode_defaults ``draft``), except that an explicit ``block_size`` under a budgeted default
     asks for that draft size K, which only a named layout has: then ``fallback`` (linear, the
-    default layout of K). A budget is sized by its queries, never by a block size."""
+    default layout of K). A budget is sized by its queries, never by a block size: an explicit
+    budgeted ``draft`` with a ``block_size`` raises UnmaskError (the layout fixes its draft size)."""
     if draft is not None:
+        if block_size is not None and is_layout(draft):
+            raise UnmaskError(f"--block-size sets K of a linear or quadratic draft; the budgeted draft {draft!r} "
+                              "takes its draft size from its layout: drop --block-size, or pass --draft linear")
         return draft
     default = (defaults or {}).get("draft")
     if default is None or (block_size is not None and is_layout(default)):

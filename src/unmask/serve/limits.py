@@ -83,8 +83,9 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
             k = knob("block_size", sbd_verify.DEFAULT_BLOCK_SIZE)
         else:  # the draft-size table's K or the checkpoint's default, whichever is larger
             k = max(draft_k, _first(defaults.get("verify_block_size"), sbd_verify.DEFAULT_BLOCK_SIZE))
-        draft = draft_layout.option(options.get("draft"), options.get("block_size"), defaults, sbd_verify.DEFAULT_DRAFT)
         try:
+            draft = draft_layout.option(options.get("draft"), options.get("block_size"), defaults,
+                                        sbd_verify.DEFAULT_DRAFT)
             draft = draft_layout.resolve(draft, options.get("queries"), defaults)
         except UnmaskError:
             draft = sbd_verify.DEFAULT_DRAFT  # the decoder reports the bad budget
