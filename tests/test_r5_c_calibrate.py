@@ -14,12 +14,17 @@ from unmask.decode import draft_layout as dl
 SPECS = ["3/0,2,3/4", "3/1,3/4", "3/3/4", "2/0/5", "4/0,1,2,3,4/5", "7/7/8", "3/0,1,2,3/4"]
 
 
-@pytest.fixture(scope="module")
-def case():
+def replay_case():
+    """A tiny random Llama (vocab 8), 6 ragged prompts and their replay recordings (24 tokens)."""
     bundle = verify_bundle("llama", "eager", vocab=8, seed=4)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 8, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (6,), generator=g)]
     return bundle, prompts, cal.record(bundle, prompts, max_new_tokens=24, lengths=range(2, 9))
+
+
+@pytest.fixture(scope="module")
+def case():
+    return replay_case()
 
 
 @pytest.mark.parametrize("stops", [(), (2,)])

@@ -5,8 +5,7 @@ where a 2nd / 3rd candidate is right gain exactly the forwards they should) and 
 from __future__ import annotations
 
 import pytest
-import torch
-from test_sbd_verify import verify_bundle
+from test_r5_c_calibrate import replay_case
 
 from unmask import calibrate as cal
 from unmask.decode import draft_layout as dl
@@ -33,10 +32,7 @@ def test_bad_sibling_text_is_one_error(bad):
 
 @pytest.fixture(scope="module")
 def case():
-    bundle = verify_bundle("llama", "eager", vocab=8, seed=4)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 8, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (6,), generator=g)]
-    return bundle, prompts, cal.record(bundle, prompts, max_new_tokens=24, lengths=range(2, 9))
+    return replay_case()
 
 
 def test_recording_keeps_the_argmax_drafts_and_adds_ranked_candidates(case):

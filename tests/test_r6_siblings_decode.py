@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_r5_c_calibrate import replay_case
 from test_sbd_verify import verify_bundle
 
 import unmask
@@ -106,10 +107,7 @@ def test_greedy_sibling_output_equals_ar_batch_1_and_ragged_batch_of_8(arch, spe
 
 @pytest.fixture(scope="module")
 def case():
-    bundle = verify_bundle("llama", "eager", vocab=8, seed=4)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 8, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (6,), generator=g)]
-    return bundle, prompts, cal.record(bundle, prompts, max_new_tokens=24, lengths=range(2, 9))
+    return replay_case()
 
 
 @pytest.mark.parametrize("stops", [(), (2,)])
