@@ -155,11 +155,12 @@ def test_mixed_draft_sizes_and_ar_rows_in_one_budgeted_batch_equal_ar():
     assert [done[r.id] for r in reqs] == want
 
 
-def test_cache_holds_only_committed_causal_kv_after_every_budgeted_step():
+@pytest.mark.parametrize("draft", ["3/1,3/4", "3/0,2/4+1c1g3+1"])  # a chain layout; one with siblings (spec §5.3)
+def test_cache_holds_only_committed_causal_kv_after_every_budgeted_step(draft):
     bundle = verify_bundle("llama", "eager", vocab=8, seed=1)
     prompts = [[1, 4, 5, 6], [1, 7]]
     seen = []
-    out = sbd_verify.decode(bundle, prompts, max_new_tokens=16, draft="3/1,3/4",
+    out = sbd_verify.decode(bundle, prompts, max_new_tokens=16, draft=draft,
                             on_forward=lambda s: seen.append({k: s[k] for k in ("rows", "committed")} | {
                                 "kv": s["key_valid"].clone(), "keys": [x.keys.clone() for x in s["cache"].layers]})
                             if "rows" in s else None)
