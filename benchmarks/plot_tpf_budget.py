@@ -29,6 +29,7 @@ from pathlib import Path
 
 from unmask.decode import draft_layout
 from unmask.errors import UnmaskError
+from unmask.fileio import atomic_savefig, atomic_write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FAMILIES = ("linear", "quadratic", "budgeted", "budgeted + siblings")
@@ -146,7 +147,7 @@ def plot(points: list[dict], path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -182,10 +183,10 @@ def main(argv=None) -> int:
                                p["queries"], p["stage"] != "before"))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     md = args.out_dir / "tpf_vs_budget.md"
-    md.write_text(f"# Lossless SBD: TPF vs query tokens per forward\n\nFrom `{args.lossless.name}` and "
-                  f"{', '.join(f'`{f.name}`' for f in used) or 'no distillation file'} "
-                  "(`benchmarks/plot_tpf_budget.py`). The before / after rows come from the distillation "
-                  "script's own prompts: compare them with each other.\n\n" + table(points), encoding="utf-8")
+    atomic_write_text(md, f"# Lossless SBD: TPF vs query tokens per forward\n\nFrom `{args.lossless.name}` and "
+                      f"{', '.join(f'`{f.name}`' for f in used) or 'no distillation file'} "
+                      "(`benchmarks/plot_tpf_budget.py`). The before / after rows come from the distillation "
+                      "script's own prompts: compare them with each other.\n\n" + table(points))
     print(table(points))
     print(f"wrote {plot(points, args.out_dir / 'tpf_vs_budget.png')} and {md}")
     return 0
