@@ -60,3 +60,18 @@ def test_the_test_script_refuses_a_test_path_that_does_not_exist():
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "no such test path: tests/test_no_such_file.py" in run.stderr
     assert "passed" not in run.stdout  # it did not fall through to the whole suite
+
+
+def test_the_story_corpus_counts_the_documents_it_dropped(tmp_path, monkeypatch):
+    """`unmask data stories --sampled 3 --greedy 3` wrote fewer documents than asked for without a word; the
+    summary now says how many were dropped (duplicates kept once)."""
+    import types
+
+    from unmask.decode import ar
+    from unmask.train.data import make_story_corpus
+
+    same = lambda bundle, prompts, **kw: types.SimpleNamespace(tokens=[[5, 6, 7] for _ in prompts])  # noqa: E731
+    monkeypatch.setattr(ar, "decode", same)  # every story the same: 3 sampled -> 1, 3 greedy -> 1
+    summary = make_story_corpus(tmp_path / "c.jsonl", n_sampled=3, n_greedy=3, max_new_tokens=4)
+    assert summary["documents"] == 2 and summary["dropped"] == 4
+    assert len((tmp_path / "c.jsonl").read_text().splitlines()) == 2

@@ -217,7 +217,8 @@ def data_stories_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT if it exists"),
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar (it shows only on a terminal)"),
 ) -> None:
-    """Generate a self-sampled story corpus (sampled stories + greedy continuations) as JSONL."""
+    """Generate a self-sampled story corpus (sampled stories + greedy continuations) as JSONL; exact duplicates are
+    kept once and empty stories dropped (the summary's dropped= counts both)."""
     from unmask.cli.progress import bar
     from unmask.compat import quiet_transformers
     from unmask.train.data import make_story_corpus

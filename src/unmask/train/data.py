@@ -213,7 +213,8 @@ def make_story_corpus(out: str | Path, *, model: str = "stories260K", n_sampled:
     """``unmask data stories``: generate a self-sampled corpus with ``model`` and save it as JSONL.
 
     ``options`` are further :class:`StoryCorpusConfig` fields. Returns counts per source and
-    split. ``out`` is locked against a second writer for the whole run.
+    split, and ``dropped``: documents generated twice and kept once, or empty (greedy continuations of
+    a small model often coincide), so ``documents`` may be below ``n_sampled + n_greedy``. ``out`` is locked against a second writer for the whole run.
 
     Raises:
         UnmaskError: an existing ``out`` without ``overwrite``, an unwritable ``out``, another
@@ -248,7 +249,8 @@ def _make_story_corpus(out: Path, model: str, n_sampled: int, n_greedy: int, see
     counts = {f"{src}/{split}": 0 for src in SOURCES for split in SPLITS}
     for r in records:
         counts[f"{r['source']}/{r['split']}"] += 1
-    return {"out": str(out), "documents": len(records), "tokens": sum(len(r["ids"]) for r in records), **counts}
+    return {"out": str(out), "documents": len(records), "dropped": n_sampled + n_greedy - len(records),
+            "tokens": sum(len(r["ids"]) for r in records), **counts}
 
 
 def save_jsonl(path: str | Path, records: Sequence[dict]) -> Path:
