@@ -15,6 +15,7 @@ The closing lines give the default decoder's tokens/s as a ratio of AR's at each
     python benchmarks/serve_load.py --smoke         # 1 and 4 streams, a few short requests
     python benchmarks/serve_load.py --out benchmarks/results/serve_load.json
     python benchmarks/serve_load.py --compile      # the same on the static KV cache, compiled step
+    python benchmarks/serve_load.py --compile-vs-eager --levels 1,8   # both servers, ratios in one run
 """
 
 from __future__ import annotations
@@ -142,11 +143,32 @@ def main() -> None:
     ap.add_argument("--decoders", default="ar,default", help="'default' is the model's default decoder")
     ap.add_argument("--smoke", action="store_true", help="1 and 4 streams, 4 requests of 8 tokens")
     ap.add_argument("--compile", action="store_true", help="serve with --compile (static KV cache, compiled step)")
+    ap.add_argument("--compile-vs-eager", action="store_true",
+                    help="the eager server, then the --compile one, in this run: compiled / eager tokens/s per level")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     levels = [1, 4] if args.smoke else [int(x) for x in args.levels.split(",")]
     max_tokens = 8 if args.smoke else args.max_tokens
-    proc, url = start_server(args.model, args.max_batch_size, max(256, 2 * max(levels)), compile=args.compile)
+    runs = [False, True] if args.compile_vs_eager else [args.compile]
+    results = {c: serve_and_load(args, levels, max_tokens, c) for c in runs}
+    if args.compile_vs_eager:
+        eager, compiled = results[False]["rows"], results[True]["rows"]
+        for a in eager:
+            b = next(r for r in compiled if r["decoder"] == a["decoder"] and r["streams"] == a["streams"])
+            ratio = b["tok_s"] / a["tok_s"] if a["tok_s"] else float("nan")
+            print(f"compiled / eager server, {a['decoder']} at {a['streams']} streams: {ratio:.2f}x "
+                  f"({b['tok_s']:.1f} / {a['tok_s']:.1f} tok/s); same text: {b['texts'] == a['texts']}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(args.out.suffix + ".tmp")
+        body = results[runs[0]] if len(runs) == 1 else {"eager": results[False], "compiled": results[True]}
+        tmp.write_text(json.dumps(body, indent=1))
+        tmp.replace(args.out)
+
+
+def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> dict:
+    """One server (``compile`` or eager) under every decoder and level; returns its JSON record."""
+    proc, url = start_server(args.model, args.max_batch_size, max(256, 2 * max(levels)), compile=compile)
     try:
         info = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())["data"][0]
         decoders = [info["default_decoder"] if d == "default" else d for d in args.decoders.split(",")]
@@ -157,7 +179,7 @@ def main() -> None:
         for decoder in decoders:
             for streams in levels:
                 n = 4 if args.smoke else (args.requests or max(16, 2 * streams))
-                if args.compile:  # compile the row buckets this level reaches before timing it
+                if compile:  # compile the row buckets this level reaches before timing it
                     asyncio.run(level(url, info["id"], decoder, streams, streams, max_tokens, 300))
                 row, results = asyncio.run(level(url, info["id"], decoder, streams, n, max_tokens, args.level_seconds))
                 texts[(decoder, streams)] = {r["prompt"]: r["text"] for r in results if "error" not in r}
@@ -168,8 +190,10 @@ def main() -> None:
                 got = texts[(decoder, streams)]
                 row["same_as_ar"] = (sum(got[p] == ref_ar.get(p) for p in got) / len(got)) if got and ref_ar else None
                 row["batch_invariant"] = all(got[p] == ref_self.get(p, got[p]) for p in got)
+                row["texts"] = dict(sorted(got.items()))
                 rows.append(row)
-                print(f"{decoder:>5} {streams:>4} streams: {row['requests']:>4} req, {row['errors']} err, "
+                print(f"{'compiled' if compile else 'eager'} {decoder:>5} {streams:>4} streams: {row['requests']:>4} req, "
+                      f"{row['errors']} err, "
                       f"{row['req_s']:.2f} req/s, {row['tok_s']:.1f} tok/s, TTFT p50/p95 {row['ttft_p50']:.3f}/"
                       f"{row['ttft_p95']:.3f} s, e2e p50/p95 {row['e2e_p50']:.3f}/{row['e2e_p95']:.3f} s, "
                       f"RSS {row['rss_mib']:.1f} MiB, threads {row['threads']}, leaked slots {row['leaked_slots']}, "
@@ -184,13 +208,8 @@ def main() -> None:
                 b = next(r for r in rows if r["decoder"] == other and r["streams"] == streams)
                 ratio = b["tok_s"] / a["tok_s"] if a["tok_s"] else float("nan")
                 print(f"{other} / ar tokens/s at {streams} streams: {ratio:.2f}x")
-        if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = args.out.with_suffix(args.out.suffix + ".tmp")
-            tmp.write_text(json.dumps({"model": info["id"], "compile": args.compile, "max_tokens": max_tokens, "levels": levels,
-                                       "rss_before_mib": before["rss_mib"], "rss_after_mib": after["rss_mib"],
-                                       "rows": rows}, indent=1))
-            tmp.replace(args.out)
+        return {"model": info["id"], "compile": compile, "max_tokens": max_tokens, "levels": levels,
+                "rss_before_mib": before["rss_mib"], "rss_after_mib": after["rss_mib"], "rows": rows}
     finally:
         proc.terminate()
         try:
