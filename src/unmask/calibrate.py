@@ -36,20 +36,24 @@ class Recording:
     """One prompt's replay data: ``prompt_len`` P, ``text`` the greedy AR continuation (N ids, not
     cut at stop tokens), ``drafts[G][t]`` the block mode's argmax (G ids) of an all-mask group of G
     after the prompt and ``text[:t]`` (t = 0..N-1), ``cands[G][t][o]`` the top ``sl.TOPK`` ids of
-    that group's offset o, best first (the siblings' candidates, spec §5.3; None: not recorded)."""
+    that group's offset o, best first (the siblings' candidates, spec §5.3; None: not recorded),
+    ``probs[G][t][o]`` the block mode's softmax probability of that argmax (its confidence in the
+    draft token, rounded to 4 digits; suppressed ids excluded as for ``drafts``; None: not recorded;
+    :func:`replay_policy`)."""
 
     prompt_len: int
     text: tuple[int, ...]
     drafts: dict
     cands: dict | None = None
+    probs: dict | None = None
 
 
 @torch.inference_mode()
 def record(bundle, prompts: list[list[int]], *, max_new_tokens: int, lengths=range(2, DEFAULT_MAX_G + 1)) -> list[Recording]:
     """Greedy AR text of each prompt (``max_new_tokens`` ids, stop tokens not applied: the replay
     applies them) and the block mode's argmax after every prefix for each group length in
-    ``lengths`` (spec §5.4), and its top ``sl.TOPK`` candidates there (``cands``, spec §5.3). One
-    forward per prompt and length. Raises UnmaskError for a model
+    ``lengths`` (spec §5.4), its top ``sl.TOPK`` candidates there (``cands``, spec §5.3) and the
+    probability of its argmax (``probs``, :func:`replay_policy`). One forward per prompt and length. Raises UnmaskError for a model
     without a mask token or an empty prompt."""
     from unmask.compat import attention_mask, forward
     from unmask.decode import ar
@@ -66,7 +70,7 @@ def record(bundle, prompts: list[list[int]], *, max_new_tokens: int, lengths=ran
         P, N = len(prompt), len(text)
         seq = list(prompt) + list(text[:-1])  # (T,) every prefix the replay can need ends inside it
         T = len(seq)
-        drafts, cands = {}, {}
+        drafts, cands, probs = {}, {}, {}
         for G in lengths:
             m = torch.arange(P, P + N)  # (N,) prefix length of each group
             Q = T + N * G
@@ -84,7 +88,9 @@ def record(bundle, prompts: list[list[int]], *, max_new_tokens: int, lengths=ran
             drafts[G] = logits.argmax(dim=-1).view(N, G).tolist()  # (N, G)
             top = logits.topk(min(sl.TOPK, logits.shape[-1]), dim=-1).indices  # (N*G, TOPK)
             cands[G] = top.view(N, G, -1).tolist()  # (N, G, TOPK)
-        out.append(Recording(P, tuple(text), drafts, cands))
+            p1 = logits.float().softmax(dim=-1).amax(dim=-1)  # (N*G,) the argmax's probability
+            probs[G] = [[round(x, 4) for x in row] for row in p1.view(N, G).tolist()]  # (N, G)
+        out.append(Recording(P, tuple(text), drafts, cands, probs))
     return out
 
 
@@ -130,6 +136,53 @@ def replay(rec: Recording, layout, *, stop_ids=(), max_new_tokens: int | None = 
             src = (G, c + e, first)
         d, c = (n if c_next < N else 0), c_next
     return produced, nfe
+
+
+def replay_policy(rec: Recording, layouts, choose, *, stop_ids=(), max_new_tokens: int | None = None,
+                  first: int = 0) -> tuple[int, int, int]:
+    """A per-step choice among chain layouts (issue 26 item 4), replayed on one recording as
+    :func:`replay` does: ``layouts`` a list of DraftLayouts (or their text), ``choose(conf, d)`` ->
+    the index of the layout that runs the next step, from ``conf`` (a tuple: the block mode's
+    probability of each of the d available draft tokens, ``rec.probs``; empty without a draft).
+    The prefill runs ``layouts[first]`` (its group of D + 1 after the prompt gives the first draft).
+    After a step, the next draft comes from §5.2's rule of the layout that ran it (its groups, the
+    offsets ``a - i + 1 .. G_i - 1`` of the latest group at a prefix ``i <= a``), cut to the D of
+    the layout chosen next (a shorter draft stays shorter). Every forward, the prefill included,
+    spends that layout's ``queries`` (the prefill: ``layouts[first]``'s). Returns (tokens produced,
+    forwards, query tokens spent); choosing one layout always gives :func:`replay`'s tokens and
+    forwards. Raises UnmaskError when the recording lacks a group length or the probabilities."""
+    lays = [dl.parse(x) if isinstance(x, str) else x for x in layouts]
+    g, N = rec.text, min(max_new_tokens or len(rec.text), len(rec.text))
+    for lay in lays:
+        for G in {lay.D + 1, *lay.lengths}:
+            if G not in rec.drafts:
+                raise UnmaskError(f"the recording has no groups of {G}; record lengths up to {G} or more")
+    if rec.probs is None:
+        raise UnmaskError("the recording has no block-mode probabilities; record it with calibrate.record")
+    stops = set(stop_ids)
+    end = next((i for i, t in enumerate(g[:N]) if t in stops), N)  # first stop token, else N
+    produced = end + 1 if end < N else N
+    rules = [_rule(lay) for lay in lays]
+    lay = lays[first]
+    c, nfe, spent = 1, 1, lay.queries  # the prefill: first token and a group of K after the prompt
+    full, src = lay.D, (lay.D + 1, 0, 1)  # the next draft before any cut, its group, prefix, first offset
+    while c < N and c <= end:
+        G0, t0, f0 = src
+        i = choose(tuple(rec.probs[G0][t0][f0: f0 + full]), full)
+        lay = lays[i]
+        d = min(full, lay.D)
+        draft = rec.drafts[G0][t0][f0: f0 + d]
+        a = 0
+        while a < d and c + a < N and draft[a] == g[c + a]:
+            a += 1
+        nfe += 1
+        spent += lay.queries
+        G, e, f, n = rules[i][d][a][a]
+        c_next = c + a + 1
+        if c_next < N and c_next <= end and n:
+            src = (G, c + e, f)
+        full, c = (G - f if n and c_next < N else 0), c_next  # the group's offsets f..G-1; cut next step
+    return produced, nfe, spent
 
 
 @functools.lru_cache(maxsize=None)
@@ -249,5 +302,5 @@ def stored_defaults(defaults: dict, rows: list[dict], queries: int = dl.DEFAULT_
     return {**defaults, "verify": True, "draft": "budget", "queries": queries, "draft_layouts": dl.format_layouts(table)}
 
 
-__all__ = ["Recording", "record", "replay", "predicted_tpf", "layouts", "search", "sibling_sets", "search_trees", "calibrate",
+__all__ = ["Recording", "record", "replay", "replay_policy", "predicted_tpf", "layouts", "search", "sibling_sets", "search_trees", "calibrate",
            "stored_defaults"]
