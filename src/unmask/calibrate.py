@@ -100,16 +100,12 @@ def replay(rec: Recording, layout, *, stop_ids=(), max_new_tokens: int | None = 
     produced, stop token included as DecodeStats counts it; forwards). Raises UnmaskError when the
     recording lacks a group length the layout uses, or the candidates its siblings need."""
     tree = sl.as_tree(layout)
-    lay, g, N = tree.chain, rec.text, min(max_new_tokens or len(rec.text), len(rec.text))
+    lay, g = tree.chain, rec.text
     K = lay.D + 1
-    for G in {K, *lay.lengths, *(s.group for s in tree.siblings if s.group)}:
-        if G not in rec.drafts:
-            raise UnmaskError(f"the recording has no groups of {G}; record lengths up to {G} or more")
+    N, end, produced = _span(rec, {K, *lay.lengths, *(s.group for s in tree.siblings if s.group)}, stop_ids,
+                             max_new_tokens)
     if tree.siblings and rec.cands is None:
         raise UnmaskError("the recording has no block-mode candidates for siblings; record it with calibrate.record")
-    stops = set(stop_ids)
-    end = next((i for i, t in enumerate(g[:N]) if t in stops), N)  # first stop token, else N
-    produced = end + 1 if end < N else N
     rule = _rule(lay)
     at = [[(r, s.cont, s.group) for r, s in zip(tree.ranks, tree.siblings) if s.offset == j] for j in range(K + 1)]
     c, nfe, d, src = 1, 1, lay.D, (K, 0, 1)  # the prefill: first token and a group of K after the prompt
@@ -152,16 +148,10 @@ def replay_policy(rec: Recording, layouts, choose, *, stop_ids=(), max_new_token
     forwards, query tokens spent); choosing one layout always gives :func:`replay`'s tokens and
     forwards. Raises UnmaskError when the recording lacks a group length or the probabilities."""
     lays = [dl.parse(x) if isinstance(x, str) else x for x in layouts]
-    g, N = rec.text, min(max_new_tokens or len(rec.text), len(rec.text))
-    for lay in lays:
-        for G in {lay.D + 1, *lay.lengths}:
-            if G not in rec.drafts:
-                raise UnmaskError(f"the recording has no groups of {G}; record lengths up to {G} or more")
+    g = rec.text
+    N, end, produced = _span(rec, {G for lay in lays for G in (lay.D + 1, *lay.lengths)}, stop_ids, max_new_tokens)
     if rec.probs is None:
         raise UnmaskError("the recording has no block-mode probabilities; record it with calibrate.record")
-    stops = set(stop_ids)
-    end = next((i for i, t in enumerate(g[:N]) if t in stops), N)  # first stop token, else N
-    produced = end + 1 if end < N else N
     rules = [_rule(lay) for lay in lays]
     lay = lays[first]
     c, nfe, spent = 1, 1, lay.queries  # the prefill: first token and a group of K after the prompt
@@ -183,6 +173,18 @@ def replay_policy(rec: Recording, layouts, choose, *, stop_ids=(), max_new_token
             src = (G, c + e, f)
         full, c = (G - f if n and c_next < N else 0), c_next  # the group's offsets f..G-1; cut next step
     return produced, nfe, spent
+
+
+def _span(rec: Recording, lengths, stop_ids, max_new_tokens) -> tuple[int, int, int]:
+    """(N tokens replayed, index of the first stop token or N, tokens produced with the stop token
+    counted) of one recording; raises UnmaskError when it lacks one of the group ``lengths``."""
+    for G in sorted(lengths):
+        if G not in rec.drafts:
+            raise UnmaskError(f"the recording has no groups of {G}; record lengths up to {G} or more")
+    N = min(max_new_tokens or len(rec.text), len(rec.text))
+    stops = set(stop_ids)
+    end = next((i for i, t in enumerate(rec.text[:N]) if t in stops), N)  # first stop token, else N
+    return N, end, end + 1 if end < N else N
 
 
 @functools.lru_cache(maxsize=None)
