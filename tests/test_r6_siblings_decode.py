@@ -1,14 +1,14 @@
 """Greedy siblings in the lossless decoder (spec/sbd_exact.md §5.3, issue 26 item 2): the tree
 window against the spec's rules, greedy output == AR (tiny Llama / Qwen3, batch 1 and a ragged
 batch, the shipped stories260K-sbd), the replay's forwards == the decoder's, the exact cache, and
-sampled rows running the chain alone."""
+sampled rows under SpecInfer's multi-candidate rule: AR's distribution, a wrong rule that fails."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from test_r5_c_calibrate import replay_case
-from test_sbd_verify import verify_bundle
+from test_sbd_verify import _chi_square_p, sampling_case, verify_bundle  # noqa: F401 (a fixture)
 
 import unmask
 from unmask import calibrate as cal
@@ -127,13 +127,64 @@ def test_siblings_change_the_steps_of_these_rows(case):
     assert len(changed) >= len(TREES) - 1, changed
 
 
-def test_sampled_rows_run_the_chain_alone():
-    # a sampled row of a sibling layout draws exactly what the chain layout draws (same generator)
-    bundle = verify_bundle("llama", "eager", vocab=8, seed=2)
-    prompts, smp = [[1, 4, 5], [1, 6, 2, 3]], Sampling(temperature=0.9, seed=5)
-    a = sbd_verify.decode(bundle, prompts, max_new_tokens=20, draft="3/0,1,3/4+1g3+1", sampling=smp)
-    b = sbd_verify.decode(bundle, prompts, max_new_tokens=20, draft="3/0,1,3/4", sampling=smp)
-    assert a.tokens == b.tokens and a.stats.nfe_per_row == b.stats.nfe_per_row
+SAMPLED_TREE = "2/0/5+1c1+1+2"  # two siblings at offset 1 (one with a continuation), one at offset 2
+
+
+def _tree_counts(bundle, prompt, sampling, n=20_000):
+    """First-3-token counts of n seeded samples of SAMPLED_TREE, and how many took a sibling path."""
+    seen = []
+    real = tv.sampled_tree_accept
+
+    def spy(*args):
+        out = real(*args)
+        seen.append(int((out[1] > 0).sum()))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tv, "sampled_tree_accept", spy)
+        out = sbd_verify.decode(bundle, [prompt] * n, max_new_tokens=3, draft=SAMPLED_TREE, sampling=sampling)
+    counts: dict = {}
+    for row in out.tokens:
+        counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    return counts, sum(seen)
+
+
+def test_sampled_siblings_keep_the_ar_distribution(sampling_case):
+    # spec §5.3 tested as §4: SpecInfer's rule over i.i.d. siblings, chi-square against exact AR sampling
+    bundle, prompt, sampling, probs = sampling_case
+    counts, through_siblings = _tree_counts(bundle, prompt, sampling)
+    assert sum(counts.values()) == 20_000
+    assert through_siblings > 1000  # the siblings are used, not just carried
+    assert _chi_square_p(counts, probs, 20_000) > 1e-3
+
+
+def _no_residual(r, q):  # wrong: a rejected candidate leaves r unchanged
+    return r
+
+
+def _ranked_siblings(q, tw, K, generator):  # wrong: the proposal's 2nd / 3rd candidates, not draws from q
+    at = tw.sib_offset[K - 1] - 1
+    ranked = q[:, at].topk(sl.TOPK, dim=-1).indices  # (n, H, TOPK)
+    return ranked.gather(2, tw.sib_rank[K - 1][None, :, None].expand(len(q), -1, 1) - 1)[..., 0]
+
+
+@pytest.mark.parametrize("name, wrong", [("residual", _no_residual), ("draw_siblings", _ranked_siblings)])
+def test_a_wrong_multi_candidate_rule_fails_the_distribution_test(sampling_case, monkeypatch, name, wrong):
+    bundle, prompt, sampling, probs = sampling_case
+    monkeypatch.setattr(tv, name, wrong)
+    counts, _ = _tree_counts(bundle, prompt, sampling)
+    assert _chi_square_p(counts, probs, 20_000) < 1e-3
+
+
+def test_sampled_sibling_rows_do_not_depend_on_the_batch_and_the_cache():
+    bundle = verify_bundle("qwen3", "sdpa", vocab=8, seed=2)
+    prompts, smp = [[1, 4, 5], [1, 6, 2, 3], [1, 4, 5]], Sampling(temperature=0.9, seed=5)
+    kw = dict(max_new_tokens=20, draft="3/0,1,3/4+1g3+1", sampling=smp)
+    batch = sbd_verify.decode(bundle, prompts, **kw)
+    assert batch.tokens[0] != batch.tokens[2]  # two copies of a prompt are two samples
+    assert sbd_verify.decode(bundle, prompts[1:2], **kw).tokens[0] == batch.tokens[1]
+    static = sbd_verify.decode(bundle, prompts, static=True, **kw)
+    assert static.tokens == batch.tokens and static.stats.nfe_per_row == batch.stats.nfe_per_row
 
 
 def test_shipped_model_siblings_equal_ar_and_the_replay_predicts_the_measured_tpf():

@@ -118,3 +118,33 @@ def sample(logits: torch.Tensor, sampling: Sampling,
     probs = torch.softmax(scaled, dim=-1)
     flat = probs.reshape(-1, probs.shape[-1])  # (rows, V)
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def uniform(shape: tuple[int, int], generator, device) -> torch.Tensor:
+    """U[0, 1) of ``shape`` (B, n); with one generator per row, row r comes from generator r only."""
+    if isinstance(generator, (list, tuple)):
+        return torch.stack([torch.rand(shape[1], generator=g, device=device) for g in generator])
+    return torch.rand(shape, generator=generator, device=device)
+
+
+def multinomial(probs: torch.Tensor, generator) -> torch.Tensor:
+    """One draw per distribution: probs (B, ..., V) -> (B, ...) long; with one generator per row,
+    row r comes from generator r only. ``probs`` need not be normalized."""
+    if isinstance(generator, (list, tuple)):
+        return torch.stack([multinomial(probs[r], g) for r, g in enumerate(generator)])
+    flat = probs.reshape(-1, probs.shape[-1])  # (rows, V)
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """(..., V) logits -> tempered, top-k / top-p filtered probabilities (speculative sampling applies
+    this same transform to the target p and the proposal q)."""
+    return torch.softmax(filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p), dim=-1)
+
+
+def draw(logits: torch.Tensor, sampling: Sampling, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tokens (...,) and, when sampling, the distributions (..., V) they were drawn from (greedy: None)."""
+    if sampling.greedy:
+        return logits.argmax(dim=-1), None
+    dist = probs(logits, sampling)
+    return multinomial(dist, generator), dist

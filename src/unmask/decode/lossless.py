@@ -5,7 +5,7 @@ Rows live in slot tensors (:class:`~unmask.decode.running.Slots`), each with its
 AR step; >= 2: lossless SBD, spec/sbd_exact.md §1–2), which may change between steps (greedy output
 does not depend on K). A step is ONE forward of every row, each row's layout embedded in the
 step's query window (:func:`~unmask.decode.tree_verify.tree_window`; siblings, spec §5.3: greedy rows
-take the longest confirmed path, sampled rows the chain alone), the pure commit rule
+take the longest confirmed path, sampled rows SpecInfer's multi-candidate rule), the pure commit rule
 :func:`~unmask.decode.sbd_verify.advance` and one host sync; Python bookkeeping (stop strings,
 events) runs after it. The cache is ``DynamicKV`` (the forward covers slots ``[0, high)``) or
 ``StaticKV`` (``static``/``compile``: the forward covers the row bucket of ``high`` and the length
@@ -146,7 +146,8 @@ class Verify:
                     gens = req.sampling.row_generators([prompts[i]], self.device)[0]
                 rows.append(VerifyRow(job=req, slot=slot, K=K, generator=gens))
             groups = group_by(enumerate(rows), lambda r: r.job.sampling)  # sampling -> row indices
-            b, s, q = sv.prefill_draws(logits, K, {k: (v, [rows[i].generator for i in v]) for k, v in groups.items()})
+            b, s, q, sib = sv.prefill_draws(logits, K, {k: (v, [rows[i].generator for i in v]) for k, v in groups.items()},
+                                            self._tables(K))
             idx = torch.tensor(slots, dtype=torch.long, device=self.device)  # (n,)
             self.kv, self.key_valid = place(self.kv, self.key_valid, new_kv, valid, slots, rows=bool(self.rows))
         except BaseException:
@@ -157,8 +158,7 @@ class Verify:
         self.N[idx] = torch.tensor([r.max_new_tokens for r in requests], dtype=torch.long, device=self.device)
         self.live[idx] = True
         if K > 1:
-            self.s[idx, : K - 1] = s
-            self.sib[idx, : self._tables(K).H] = tv.first_siblings(logits, self._tables(K), K)
+            self.s[idx, : K - 1], self.sib[idx, : sib.shape[1]] = s, sib
             if q is not None:
                 if self.q is None:
                     self.q = q.new_zeros((self.slots.capacity, self.s.shape[1], q.shape[-1]))  # (cap, W, V)
@@ -305,7 +305,7 @@ class Verify:
     def _accept(self, logits: torch.Tensor, inp: torch.Tensor, tw: tv.TreeWindow, R: int, Kmax: int, s: torch.Tensor,
                 dl: torch.Tensor):
         """Accept and redraft every slot from the logits (R, Q, V) (spec §1, §5.3): greedy tree acceptance for all,
-        then each sampled group (same sampling and K) on the chain alone. Returns a, path p (R,), step_tok (R, Kmax)."""
+        then each sampled group (same sampling and K) by speculative sampling. Returns a, path p (R,), step_tok (R, Kmax)."""
         dev, K = self.device, self.K[:R]
         top = logits.argmax(dim=-1)  # (R, Q): NTP targets of every query
         a, p, step_tok = tv.tree_accept(top, inp, tw, K, dl)  # (R,), (R,), (R, Kmax)
@@ -320,13 +320,13 @@ class Verify:
         a, p, step_tok = a.clone(), p.clone(), step_tok.clone()
         for (sampling, K), slots in sampled.items():
             idx = torch.tensor(slots, dtype=torch.long, device=dev)  # (n,)
-            gens = [self.rows[i].generator for i in slots]
             q = None if K == 1 else self.q[idx, : K - 1]
-            a[idx], step_tok[idx, :K], s_i, q_i = sv.accept_sampled(logits[idx], q, s[idx, : K - 1], dl[idx], K,
-                                                                    tw.src[K - 1, :, 0], sampling, gens)
-            p[idx] = 0  # the chain alone: siblings need a multi-candidate rule to stay lossless (spec §5.3)
+            a[idx], p[idx], step_tok[idx, :K], s_i, q_i, sib = sv.accept_sampled(
+                logits[idx], q, s[idx, : K - 1], inp[idx], dl[idx], K, tw, sampling, [self.rows[i].generator for i in slots])
             if K > 1:
                 self.s[idx, : K - 1], self.q[idx, : K - 1] = s_i, q_i
+            if sib is not None:  # siblings drawn i.i.d. from q, as the multi-candidate rule needs (spec §5.3)
+                self.sib[idx, : tw.H] = sib
         return a, p, step_tok
 
     def _report(self, inp, positions, logits, a) -> None:

@@ -40,7 +40,8 @@ from unmask.decode.tree_verify import greedy_accept  # noqa: F401  (its home is 
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.masks import causal_mask
-from unmask.sampling import Sampling, filter_logits, sample
+from unmask.sampling import Sampling, sample
+from unmask.sampling import draw as _draw, multinomial as _multinomial, probs as _probs, uniform as _uniform
 
 DRAFTS = ("quadratic", "linear")
 # the fastest lossless setting in tokens per second on both shipped SBD models (batch 1, 1 thread,
@@ -247,11 +248,13 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, dr
     return a, last
 
 
-def prefill_draws(logits: torch.Tensor, K: int, groups: dict) -> tuple:
-    """The first bonus (n,) and draft (n, K-1) with its proposals (n, K-1, V) (None: all greedy) from
-    a prefill's logits (n, K+1, V) (the last prompt token, then the group; spec §1, Prefill).
-    groups: {sampling: (row indices, their generators)}; K = 1 draws AR's token with ``sample``."""
+def prefill_draws(logits: torch.Tensor, K: int, groups: dict, tw: tv.TreeWindow) -> tuple:
+    """The first bonus (n,), draft (n, K-1) with its proposals (n, K-1, V) (None: all greedy) and
+    sibling ids (n, H) from a prefill's logits (n, K+1, V) (the last prompt token, then the group;
+    spec §1, Prefill; siblings §5.3: greedy rows the ranked candidates, sampled rows i.i.d. draws
+    from q). groups: {sampling: (row indices, their generators)}; K = 1 draws AR's token with ``sample``."""
     b, s, q = logits[:, 0].argmax(dim=-1), logits[:, 2:].argmax(dim=-1), None  # (n,), (n, K-1)
+    sib = tv.first_siblings(logits, tw, K) if K > 1 else None  # (n, H)
     for sampling, (at, gens) in groups.items():
         if sampling.greedy:
             continue
@@ -263,55 +266,34 @@ def prefill_draws(logits: torch.Tensor, K: int, groups: dict) -> tuple:
         s[idx], qi = _draw(logits[idx, 2:], sampling, gens)
         q = qi.new_zeros((logits.shape[0], *qi.shape[1:])) if q is None else q  # (n, K-1, V)
         q[idx] = qi
-    return b, s, q
+        if tw.trees[K - 1]:
+            sib[idx] = tv.draw_siblings(qi, tw, K, gens)
+    return b, s, q, sib
 
 
-def accept_sampled(logits: torch.Tensor, q, s: torch.Tensor, draft_len: torch.Tensor, K: int, src: torch.Tensor | None,
-                   sampling: Sampling, gens) -> tuple:
+def accept_sampled(logits: torch.Tensor, q, s: torch.Tensor, inp: torch.Tensor, draft_len: torch.Tensor, K: int,
+                   tw: tv.TreeWindow, sampling: Sampling, gens) -> tuple:
     """Accept and redraft rows of one sampling setting and draft size K inside a step's query window
-    (:func:`window_layout`; spec §1, Accept, sampling): logits (n, Q, V), q (n, K-1, V) the
-    draft's proposals, s (n, K-1), draft_len (n,), src (Kmax, Kmax, W) the window queries of the next
-    draft by [d, a] (this K's slice of ``window_layout``'s ``src``), one generator per row. K = 1
-    draws AR's token with :func:`unmask.sampling.sample`, as ``ar.decode`` does. Returns a (n,),
-    step_tok (n, K) (the first a + 1 committed), the next draft (n, K-1) and its proposals
-    (n, K-1, V) (None for K = 1; past the next draft's length they are unused)."""
+    ``tw`` (spec §1, Accept, sampling; with siblings at K, §5.3's multi-candidate rule,
+    :func:`~unmask.decode.tree_verify.sampled_tree_accept`): logits (n, Q, V), q (n, K-1, V) the
+    draft's proposals, s (n, K-1) the draft, inp (n, Q) the input ids, draft_len (n,), one generator
+    per row. K = 1 draws AR's token with :func:`unmask.sampling.sample`, as ``ar.decode`` does.
+    Returns a (n,), the path taken (n,), step_tok (n, K) (the first a + 1 committed), the next
+    draft (n, K-1), its proposals (n, K-1, V) and its sibling ids (n, H) (None where K has none;
+    past the next draft's length they are unused)."""
+    zero = torch.zeros(len(gens), dtype=torch.long, device=logits.device)
     if K == 1:
-        return torch.zeros(len(gens), dtype=torch.long, device=logits.device), sample(logits[:, :1], sampling, gens), None, None
-    a, last = speculative_accept(_probs(logits[:, :K], sampling), q, s, draft_len, gens)
-    ar = torch.arange(K, device=a.device)
-    tok = torch.where(ar[None, :] < a[:, None], torch.cat([s, s[:, :1]], dim=1), 0)  # (n, K)
-    tok = tok.scatter(1, a[:, None], last[:, None])
-    at = src[draft_len, a][:, : K - 1, None]  # (n, K-1, 1) window query of each next-draft token (spec §5.2)
+        return zero, zero, sample(logits[:, :1], sampling, gens), None, None, None
+    tree = tw.trees[K - 1]
+    if tree:
+        a, path, tok = tv.sampled_tree_accept(_probs(logits, sampling), q, inp, tw, K, draft_len, gens)
+    else:
+        (a, last), path = speculative_accept(_probs(logits[:, :K], sampling), q, s, draft_len, gens), zero
+        tok = torch.where(torch.arange(K, device=a.device)[None, :] < a[:, None], torch.cat([s, s[:, :1]], dim=1), 0)
+        tok = tok.scatter(1, a[:, None], last[:, None])  # (n, K)
+    at = tw.src[K - 1, draft_len, path, a][:, : K - 1, None]  # (n, K-1, 1) window query of each next-draft token (§5.2)
     s_next, q_next = _draw(logits.gather(1, at.expand(-1, -1, logits.shape[2])), sampling, gens)  # (n, K-1), (n, K-1, V)
-    return a, tok, s_next, q_next
-
-
-def _uniform(shape: tuple[int, int], generator, device) -> torch.Tensor:
-    """U[0, 1) of ``shape`` (B, n), row r from generator r when given one per row."""
-    if isinstance(generator, (list, tuple)):
-        return torch.stack([torch.rand(shape[1], generator=g, device=device) for g in generator])
-    return torch.rand(shape, generator=generator, device=device)
-
-
-def _multinomial(probs: torch.Tensor, generator) -> torch.Tensor:
-    """One draw per distribution: probs (B, ..., V) -> (B, ...), row r from generator r when given one per row."""
-    if isinstance(generator, (list, tuple)):
-        return torch.stack([_multinomial(probs[r], g) for r, g in enumerate(generator)])
-    flat = probs.reshape(-1, probs.shape[-1])  # (rows, V)
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
-
-
-def _probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """(..., V) logits -> filtered, tempered probabilities (the same transform for p and q)."""
-    return torch.softmax(filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p), dim=-1)
-
-
-def _draw(logits: torch.Tensor, sampling: Sampling, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Tokens (...,) and, when sampling, their distributions (..., V)."""
-    if sampling.greedy:
-        return logits.argmax(dim=-1), None
-    probs = _probs(logits, sampling)
-    return _multinomial(probs, generator), probs
+    return a, path, tok, s_next, q_next, tv.draw_siblings(q_next, tw, K, gens) if tree else None
 
 
 @torch.inference_mode()
@@ -329,7 +311,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     (the model's stored layout for ``queries`` query tokens per row, default 16; spec §5), ``budget:Q``,
     ``D/S/G`` text or a :class:`~unmask.decode.draft_layout.DraftLayout`, or either with siblings
     (``3/0,1,3/4+1g3``, a :class:`~unmask.decode.sibling_layout.TreeLayout`; spec §5.3: greedy rows
-    take the longest confirmed path; sampled rows run the chain alone, which keeps the AR distribution). ``compile=True`` runs the same batch on a static KV
+    take the longest confirmed path; sampled rows draw siblings i.i.d. from the proposal and accept by SpecInfer's multi-candidate rule, which keeps the AR distribution). ``compile=True`` runs the same batch on a static KV
     cache whose pointer moves instead of cropping, with a ``torch.compile``-d forward; ``static=True``
     the static cache eagerly (tests, debugging); same tokens, NFE and step events, and stats.extra
     then records ``compiled`` and ``static_cache``; neither takes ``on_forward`` (UnmaskError).

@@ -14,7 +14,8 @@ as before; when ``s_{a+1}`` is rejected and a sibling at offset ``a + 1`` equals
 path goes through it and its continuation as far as they are confirmed. The next draft (§5.2)
 comes from the latest group on the accepted path: the sibling's own group when it has one, else
 the latest chain group at a prefix ``<= j - 1``. The first sibling written at an offset is that
-offset's rank-2 candidate, the second its rank 3.
+offset's rank-2 candidate, the second its rank 3 (greedy rows; sampled rows draw every sibling
+i.i.d. from the draft token's proposal and accept by SpecInfer's rule, :func:`unmask.decode.tree_verify.sampled_tree_accept`).
 
 Text: the chain's ``D/S/G`` then ``+j[cC][gG]`` per sibling, e.g. ``3/0,1,3/4+1g3+1`` (rank 2 at
 offset 1 with a group of 3, rank 3 at offset 1 bare) or ``5/0,1/4+1c2``. Pure module: no tensors.

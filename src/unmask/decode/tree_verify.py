@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from unmask.decode import sibling_layout as sl
+from unmask.sampling import multinomial, uniform
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class TreeWindow:
     length: torch.Tensor  # (Kmax, Kmax, P, Kmax) long: the next draft's length (spec §5.2)
     sib_offset: torch.Tensor  # (Kmax, H) long: sibling slot h's draft offset (1 where K has none)
     sib_rank: torch.Tensor  # (Kmax, H) long: its candidate rank (2, 3)
+    trees: tuple[bool, ...] = ()  # [K - 1]: draft size K's layout has siblings (host-side)
 
     @property
     def H(self) -> int:
@@ -126,7 +128,8 @@ def tree_window(layouts: list, device=None) -> TreeWindow:
                               Kmax + torch.tensor(starts))
     t = dict(device=device)
     return TreeWindow(mask.to(**t), offsets.to(**t), tok.to(**t), path.to(**t), path_len.to(**t), src.to(**t),
-                      length.to(**t), sib_offset.to(**t), sib_rank.to(**t))
+                      length.to(**t), sib_offset.to(**t), sib_rank.to(**t),
+                      tuple(t is not None and bool(t.siblings) for t in trees))
 
 
 def _next(src_row: torch.Tensor, length_row: torch.Tensor, a: int, rule: tuple[int, int, int], starts) -> None:
@@ -212,4 +215,61 @@ def first_siblings(logits: torch.Tensor, tw: TreeWindow, K: int) -> torch.Tensor
     return siblings(logits, tw, torch.full((n,), K, dtype=torch.long, device=logits.device), first)
 
 
-__all__ = ["TreeWindow", "slots", "tree_window", "inputs", "greedy_accept", "tree_accept", "kept_columns", "siblings", "first_siblings"]
+def sampled_tree_accept(p: torch.Tensor, q: torch.Tensor, inp: torch.Tensor, tw: TreeWindow, K: int, dl: torch.Tensor,
+                        generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Multi-candidate speculative sampling over a sibling tree (spec §5.3; SpecInfer's multi-step
+    speculative sampling, Miao et al. 2023, arXiv:2305.09781 §4.2), for rows of draft size K.
+
+    p (n, Q, V): filtered NTP probabilities of every window query; q (n, K-1, V): the proposals of
+    draft offsets 1..K-1 (the draft token and every sibling at offset j were drawn i.i.d. from q_j,
+    :func:`draw_siblings`; a continuation re-verifies the chain's own s_j ~ q_j); inp (n, Q) the
+    input ids; dl (n,) draft lengths; one generator per row (or one). Walking down from b, the
+    children of the current node at offset j (on the chain: s_j, then the siblings at j; on a
+    sibling's path: its continuation) are tried in path order: child x is accepted with probability
+    min(1, r(x) / q_j(x)), r being p at the node, replaced by normalize(max(0, r - q_j)) after each
+    rejection. When no child is accepted (or there is none), the committed token is drawn from r and
+    the step ends. Each committed token therefore has the NTP distribution of its prefix. Returns a
+    (n,) accepted draft tokens, the path taken (n,) and step_tok (n, K), its first a + 1 committed."""
+    n, dev, k = p.shape[0], p.device, K - 1
+    rows = torch.arange(n, device=dev)
+    nodes, plen = tw.path[k, dl], tw.path_len[k, dl]  # (n, P, Kmax), (n, P)
+    P = nodes.shape[1]
+    branch = torch.cat([tw.sib_offset.new_zeros(1), tw.sib_offset[k]])  # (P,) offset where path h leaves the chain
+    ids = inp.gather(1, nodes.flatten(1)).view(n, P, -1)  # (n, P, Kmax) each path's ids
+    u = uniform((n, k * P), generator, dev).view(n, k, P)  # (n, K-1, P)
+    cur, path, a = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(3))  # node query, path, accepted
+    going = torch.ones(n, dtype=torch.bool, device=dev)
+    r = p[:, 0]  # (n, V)
+    for j in range(1, K):
+        r = torch.where(going[:, None], p[rows, cur], r)
+        qj, moved = q[:, j - 1], torch.zeros_like(going)
+        for h in range(P):
+            child = going & ~moved & (j <= plen[:, h]) & ((path == h) | ((path == 0) & (branch[h] == j)))  # (n,)
+            x = ids[:, h, j]  # (n,)
+            ok = child & (u[:, j - 1, h] * qj[rows, x] < r[rows, x])  # u < r/q without dividing
+            cur, path = torch.where(ok, nodes[:, h, j], cur), torch.where(ok, h, path)
+            a, moved = torch.where(ok, j, a), moved | ok
+            r = torch.where((child & ~ok)[:, None], residual(r, qj), r)
+        going &= moved
+    last = multinomial(torch.where(going[:, None], p[rows, cur], r), generator)  # (n,)
+    drafted = ids[rows, path, 1:K]  # (n, K-1) the path's draft tokens
+    tok = torch.where(torch.arange(K, device=dev)[None, :] < a[:, None], torch.cat([drafted, drafted[:, :1]], 1), 0)
+    return a, path, tok.scatter(1, a[:, None], last[:, None])
+
+
+def residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, r - q)) per row (n, V); r itself where that is all zeros (only when r == q,
+    where a rejection has probability 0)."""
+    res = (r - q).clamp(min=0)
+    mass = res.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, res / mass.clamp(min=1e-30), r)
+
+
+def draw_siblings(q: torch.Tensor, tw: TreeWindow, K: int, generator) -> torch.Tensor:
+    """Sampled rows' sibling ids (n, H): slot h drawn from q at its offset (q (n, K-1, V): the
+    draft's proposals), independently of the draft token there (spec §5.3: candidates i.i.d. from q)."""
+    at = tw.sib_offset[K - 1] - 1  # (H,)
+    return multinomial(q[:, at], generator)  # (n, H)
+
+
+__all__ = ["TreeWindow", "slots", "tree_window", "inputs", "greedy_accept", "tree_accept", "kept_columns", "siblings", "first_siblings", "sampled_tree_accept", "residual", "draw_siblings"]
