@@ -15,6 +15,7 @@ from unmask.decode import ar, sbd_verify, static
 from unmask.decode.lossless import Verify
 from unmask.decode.running import Request
 from unmask.decode.sbd_verify import VerifyConfig
+from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 
 _ids = itertools.count()
@@ -228,3 +229,68 @@ def test_serve_compile_builds_the_ar_lossless_batch_compiled_with_buckets_and_na
     assert code == 0
     for eager in ("block, multiblock, lossy sbd, diffusion, early-bird and Dream's schedule stay eager", "buckets"):
         assert eager in text, eager
+
+
+def test_deferred_compile_runs_a_new_shape_eagerly_then_compiles_it_while_no_row_runs():
+    # the server's batches (defer_compile): a running request never waits for a compile; its new shapes
+    # run eagerly on the same static cache, and warm() compiles them once the batch is empty
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
+    batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128, ar=True,
+                   defer_compile=True)
+    kv, calls = batch.kv, []
+    real_step, real_eager = kv._step, kv._eager
+    kv._step = lambda *a: calls.append("compiled") or real_step(*a)
+    kv._eager = lambda *a: calls.append("eager") or real_eager(*a)
+    prompt = _prompts(1, seed=3)[0]
+    want = ar.decode(bundle, [prompt], max_new_tokens=12).tokens[0]
+
+    def run():
+        calls.clear()
+        done = batch.join([_req(prompt, 12)], block_size=1)
+        while len(batch):
+            assert not batch.warm()  # never while a row runs
+            done += batch.step()
+        return done[0].tokens
+
+    assert run() == want and calls == ["eager"] * 11 and list(kv.pending) == [(1, 1, 128)]
+    assert batch.warm() and not kv.pending and kv.compiled == {(1, 1, 128)} and not batch.warm()
+    assert run() == want and calls == ["compiled"] * 11  # every step (the prefill runs on its own DynamicKV)
+    kv.ptr = 3
+    with pytest.raises(UnmaskError, match="no row holds it"):
+        kv.warm()
+
+
+def test_the_compiled_scheduler_compiles_new_shapes_only_while_idle_and_then_steps_compiled():
+    pytest.importorskip("fastapi", reason="the scheduler needs the serve extra: pip install -e '.[test]'")
+    import queue
+    import time
+
+    from unmask.serve.engine import Scheduler
+    from unmask.serve.jobs import Job
+
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
+    sched = Scheduler(bundle, compile=True, max_batch_size=2).start()
+    kv, prompt = sched.ar.kv, _prompts(1, seed=5)[0]
+    want = ar.decode(bundle, [prompt], max_new_tokens=10).tokens[0]
+    compiled_steps, real = [], kv._step
+    kv._step = lambda *a: compiled_steps.append(a[0].shape) or real(*a)
+
+    def answer():
+        box: queue.Queue = queue.Queue()
+        sched.submit(Job(prompt_ids=prompt, decoder="ar", options={}, sampling=Sampling(), max_new_tokens=10, stop=(),
+                         deadline=time.monotonic() + 120, post=lambda kind, payload: box.put((kind, payload))))
+        while (event := box.get(timeout=120))[0] == "step":
+            pass
+        return event
+
+    try:
+        first = answer()  # its shape ran eagerly, then compiles once the scheduler is idle
+        deadline = time.monotonic() + 120
+        while (kv.pending or not kv.compiled) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        n = len(compiled_steps)  # the idle compile's own forward
+        second = answer()
+    finally:
+        sched.close()
+    assert first == second == ("done", {"tokens": want, "nfe": 10, "finish_reason": "length"})
+    assert kv.compiled and not kv.pending and n == 1 and len(compiled_steps) == 1 + 9  # the second: compiled steps

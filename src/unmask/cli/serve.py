@@ -14,8 +14,8 @@ def serve_cmd(
     adapter: str = typer.Option(None, "--adapter", help="gated SBD adapter: a name the model ships (e.g. sbd) or a "
                                 "directory; lossless sbd then serves the base model's own output"),
     compile: bool = typer.Option(False, "--compile", help="the ar / lossless sbd running batch on a static KV cache with "
-                                 "a compiled step over row and length buckets (each shape compiles once, ~10-20 s on a "
-                                 "CPU core); block, multiblock, lossy sbd, diffusion, early-bird and Dream's schedule "
+                                 "a compiled step over row and length buckets (a new shape runs eagerly, then compiles once "
+                                 "while the server is idle, ~10-20 s on a CPU core); block, multiblock, lossy sbd, diffusion, early-bird and Dream's schedule "
                                  "stay eager (their static caches cannot take rows joining mid-flight; README "
                                  "'Serving')"),
     draft_sizes: str = typer.Option(None, "--draft-sizes", metavar="ROWS:K,...|off",

@@ -83,15 +83,21 @@ class StaticKV:
     views of the full buffers (:meth:`view`): a running batch pays for its rows and its length, not
     for its capacity, at one compiled graph per (B, q, Lb). Raises UnmaskError when a forward would
     run past the capacity (a sizing bug of the caller: the static cache never grows) or covers more
-    than ``batch`` rows."""
+    than ``batch`` rows. ``defer_compile`` (the server): a forward of a shape not compiled yet runs
+    eagerly on the same static cache (same logits) and the shape waits in ``pending`` until
+    :meth:`warm` compiles it while no row runs, so no running request ever waits for a compile."""
 
     static = True
 
     def __init__(self, model, batch: int, capacity: int, *, compile: bool = False, cpp_wrapper: bool = False,
-                 length_buckets: bool = False):
+                 length_buckets: bool = False, defer_compile: bool = False):
         from unmask.decode.static import static_cache, step_function
 
         self.model, self.batch, self.length_buckets = model, batch, length_buckets
+        self.defer = compile and defer_compile
+        self.compiled: set[tuple[int, int, int]] = set()  # (B, q, Lb) this cache ran compiled
+        self.pending: dict[tuple[int, int, int], None] = {}  # (B, q, Lb) run eagerly, to compile (in order)
+        self.broken: set[tuple[int, int, int]] = set()  # shapes whose compile failed: they stay eager
         self.cache, self.capacity = static_cache(model, batch, capacity)
         self.ptr = 0
         self._step = step_function(model, compile, cpp_wrapper=cpp_wrapper)  # cpp_wrapper: CPU only
@@ -132,10 +138,43 @@ class StaticKV:
             buf[..., :end] = mask  # (B, 1, q, end), broadcast from the caller's mask
             buf[..., end:] = False
         set_static_length(self.cache, self.ptr)
+        if compiled and self.defer and (B, q, Lb) not in self.compiled:
+            if (B, q, Lb) not in self.broken:
+                self.pending[(B, q, Lb)] = None
+            compiled = False
         step = self._step if compiled else self._eager
         logits = step(inp, positions, attention_mask(self.model, buf), self.view(B, Lb))  # (B, q, V)
+        if compiled:
+            self.compiled.add((B, q, Lb))
         self.ptr = end
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
+
+    @torch.inference_mode()
+    def warm(self) -> bool:
+        """Compile the oldest pending shape (B, q, Lb) by one forward of token id 0 at the end of its
+        length bucket, then move the pointer back to 0. Only for an empty cache: the K/V it writes lie
+        past every row's valid keys (the next prefill places its own). Returns False when nothing is
+        pending. Raises UnmaskError when rows still hold the cache (ptr > 0); a failed compile
+        re-raises and leaves that shape eager for good."""
+        if self.ptr:
+            raise UnmaskError("a static KV cache compiles a pending shape only while no row holds it; "
+                              "call warm() when its running batch is empty")
+        if not self.pending:
+            return False
+        B, q, Lb = key = next(iter(self.pending))
+        del self.pending[key]
+        self.ptr = Lb - q  # the forward's end lands in bucket Lb
+        zeros = torch.zeros((B, q), dtype=torch.long, device=self._device)
+        self.compiled.add(key)
+        try:
+            self.forward(zeros, zeros + torch.arange(q, device=self._device), None)
+        except Exception:
+            self.compiled.discard(key)
+            self.broken.add(key)
+            raise
+        finally:
+            self.ptr = 0
+        return True
 
     def view(self, B: int, Lb: int):
         """The cache of rows ``[0, B)`` and columns ``[0, Lb)``: ``self.cache`` itself when that is all

@@ -32,9 +32,8 @@ from unmask.masks import as_4d, with_key_padding
 
 @dataclass(eq=False)
 class VerifyRow(Row):
-    """A :class:`~unmask.decode.running.Row` of AR or lossless SBD: ``committed`` every id committed
-    so far (a stop token and what its step committed after it included), ``accepts`` the tokens each
-    of its forwards committed, ``K`` its draft size now, ``generator`` its own (None: greedy)."""
+    """A :class:`~unmask.decode.running.Row` of AR or lossless SBD: ``committed`` every id committed (a stop
+    token and what its step committed after it included), ``accepts`` per forward, its K, its generator."""
 
     committed: list[int] = field(default_factory=list)
     accepts: list[int] = field(default_factory=list)
@@ -51,13 +50,14 @@ class Verify:
     the compiled forward. ``on_step(row, event)``: each row's step events as ``decode`` of its prompt
     alone emits them (row 0; none for a request whose ``events`` is False: the server's AR rows
     stream through ``on_token(row)``, called per token appended to ``row.tokens``); ``on_forward``
-    (tests): each forward's tensors for the live rows. Raises UnmaskError for a model without a mask
-    token (unless ``ar``) or a block size too large for the context window.
+    (tests): each forward's tensors for the live rows; ``defer_compile``: see :class:`StaticKV`.
+    Raises UnmaskError for a model without a mask token (unless ``ar``) or a block size too large
+    for the context window.
     """
 
     def __init__(self, bundle, cfg: sv.VerifyConfig = sv.VerifyConfig(), *, static: bool = False,
                  compile: bool = False, capacity: int = 8, on_step=None, on_token=None, on_forward=None,
-                 stop_token_ids=None, length: int | None = None, ar: bool = False):
+                 stop_token_ids=None, length: int | None = None, ar: bool = False, defer_compile: bool = False):
         if bundle.mask_token_id is None and not ar:
             raise UnmaskError("lossless SBD needs a model with a mask token (an SBD model, or a base with an "
                               "SBD adapter: --adapter); train one with 'unmask train sbd' or 'unmask train sbd-adapter'")
@@ -76,8 +76,7 @@ class Verify:
         self.slots = Slots(capacity)
         self.rows: dict[int, VerifyRow] = {}  # slot -> running row
         self.forwards, self.windows = 0, Counter()  # windows: verify forwards by query window Q (stats)
-        cap, dev = capacity, self.device
-        W = max(cfg.block_size - 1, 1)
+        cap, dev, W = capacity, self.device, max(cfg.block_size - 1, 1)
         self.b = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) the bonus: committed, not yet cached
         self.s = torch.zeros((cap, W), dtype=torch.long, device=dev)  # (cap, W) the draft after b
         self.q: torch.Tensor | None = None  # (cap, W, V) its proposal distributions (sampled rows only)
@@ -92,12 +91,15 @@ class Verify:
         self._layouts: dict[int, tv.TreeWindow] = {}  # Kmax -> the window tables of the draft layout
         if self.static:
             L = length or bundle.context_length + 2 * queries(max(cfg.block_size, 2), cfg.draft)
-            self.kv = StaticKV(self.model, cap, L, compile=compile, length_buckets=True,
-                               cpp_wrapper=True)  # CPU: AR 0.48 -> 0.29 ms
+            self.kv = StaticKV(self.model, cap, L, compile=compile, length_buckets=True, cpp_wrapper=True,
+                               defer_compile=defer_compile)  # cpp_wrapper, CPU: AR 0.48 -> 0.29 ms
         self._empty()
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def warm(self) -> bool:  # defer_compile (the server, no row running): compile one shape run eagerly
+        return bool(self.static and not self.rows and self.kv.warm())
 
     def _empty(self) -> None:
         """No row runs: a fresh dynamic cache, or the static one's pointer back at 0."""
@@ -105,8 +107,8 @@ class Verify:
             self.kv.reset()
         else:
             self.kv = DynamicKV(self.model)
-        self.key_valid = torch.zeros((self.slots.capacity if self.static else 0, 0), dtype=torch.bool,
-                                     device=self.device)  # (R, C): the cache columns each slot attends to
+        rows = self.slots.capacity if self.static else 0  # key_valid (R, C): the cache columns each slot attends to
+        self.key_valid = torch.zeros((rows, 0), dtype=torch.bool, device=self.device)
 
     # -- joining ------------------------------------------------------------------------------
 
@@ -125,9 +127,9 @@ class Verify:
             raise UnmaskError("lossless SBD needs a model with a mask token; drop the draft size or load an SBD model")
         if not requests:
             return []
-        self._widen(K)
+        self._widen(K)  # then the slots, which a failed prefill gives back (a step covers [0, high))
         slots = self.slots.take(len(requests))
-        try:  # a failed prefill (or placement) gives its slots back: a step covers [0, high)
+        try:
             prompts = [list(r.prompt_ids) for r in requests]
             Kp = K if K > 1 else 0  # an AR prefill is the prompt alone
             inp, positions, m, kv_valid, valid, row_len = sv.prefill_inputs(self.bundle, prompts, Kp)  # (n, P+Kp) ...
@@ -179,10 +181,9 @@ class Verify:
 
     def _widen(self, K: int) -> None:
         """Grow the draft buffers to hold drafts of K - 1 tokens."""
-        if (W := self.s.shape[1]) < K - 1:
-            self.s = torch.cat([self.s, self.s.new_zeros((self.s.shape[0], K - 1 - W))], dim=1)
-            if self.q is not None:
-                self.q = torch.cat([self.q, self.q.new_zeros((self.q.shape[0], K - 1 - W, self.q.shape[2]))], dim=1)
+        if (more := K - 1 - self.s.shape[1]) > 0:
+            self.s = torch.nn.functional.pad(self.s, (0, more))  # (cap, K-1)
+            self.q = None if self.q is None else torch.nn.functional.pad(self.q, (0, 0, 0, more))  # (cap, K-1, V)
 
     # -- stepping -----------------------------------------------------------------------------
 
@@ -197,11 +198,10 @@ class Verify:
         if not moved:
             return
         self._widen(K)
-        for slot in moved:
+        for slot in moved:  # the host-side K; the slot tensors below
             self.rows[slot].K = K
         idx = torch.tensor(moved, dtype=torch.long, device=self.device)
-        self.K[idx] = K
-        self.draft_len[idx] = torch.clamp(self.draft_len[idx], max=K - 1)
+        self.K[idx], self.draft_len[idx] = K, torch.clamp(self.draft_len[idx], max=K - 1)
 
     @torch.inference_mode()
     def step(self) -> list[VerifyRow]:

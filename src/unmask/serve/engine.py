@@ -12,7 +12,9 @@ alone, greedy or seeded, whatever else runs (README "Serving").
   ``--draft-sizes`` table (:mod:`unmask.serve.draft_sizing`) at the batch's load, chosen again before
   every step; their output does not depend on K, and no row ever moves between batches.
   ``compile=True`` runs these batches on the static cache with the compiled forward (one graph per
-  row bucket, query length and length bucket); the batches below stay eager (README "Serving").
+  row bucket, query length and length bucket). A shape not compiled yet runs eagerly on the same
+  cache (same tokens) and compiles when the scheduler is idle, so a running request never waits
+  for a compile; the batches below stay eager (README "Serving").
 - ``multiblock``, ``block``, lossy ``sbd``, ``diffusion`` (any cache; Dream's ``schedule`` in a
   :class:`~unmask.decode.dream_compat.DreamSchedule`) and ``early-bird`` (any cache, a row's refresh its
   own) share the continuous batches of ``RUNNING``, one per decoder and options
@@ -112,7 +114,8 @@ class Scheduler:
             K = self.defaults.get("verify_block_size") or sbd_verify.DEFAULT_BLOCK_SIZE
             self.verify[draft] = Verify(self.bundle, sbd_verify.VerifyConfig(block_size=K, draft=draft),
                                         compile=self.compile, capacity=self.max_batch_size, on_step=self._event,
-                                        on_token=self._ar_token, ar=self.bundle.mask_token_id is None)
+                                        on_token=self._ar_token, ar=self.bundle.mask_token_id is None,
+                                        defer_compile=True)
         return self.verify[draft]
 
     # -- public, any thread -------------------------------------------------------------------
@@ -189,17 +192,33 @@ class Scheduler:
         while True:
             with self._lock:
                 while not self._stop and not self._busy() and (self._paused or not self._waiting):
+                    if any(b.static and not len(b) and b.kv.pending for b in list(self.verify.values())):
+                        break  # idle: compile a shape a batch ran eagerly, outside the lock
                     self._lock.wait(timeout=0.5)
                     self._reap_waiting()
                 if self._stop:
                     break
                 self._reap_waiting()
                 joining, batch = self._take_running(), self._take_batch()
+            if not (joining or batch or self._busy()):
+                self._warm()
+                continue
             self._advance(joining)
             if batch:
                 per_call.run_batch(self, batch)
         for job in list(self._waiting) + self._running_jobs():
             job.finish("error", ApiError(503, "the server is shutting down; retry later", type="server_error"))
+
+    def _warm(self) -> None:
+        """Compile one shape an idle compiled batch ran eagerly (``defer_compile``): a request that
+        arrives meanwhile waits for this one compile, never a running one. A failed compile is logged;
+        that shape stays eager."""
+        for batch in list(self.verify.values()):
+            try:
+                if batch.warm():
+                    return
+            except Exception:  # noqa: BLE001 (the shape stays eager; serving goes on)
+                log.exception("compiling a step shape failed; it keeps running eagerly")
 
     @staticmethod
     def _diffusion_batches_fit(bundle) -> bool:
