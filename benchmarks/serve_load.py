@@ -85,6 +85,13 @@ def health(url: str) -> dict:
     return json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
 
 
+def wait_for_compiles(url: str, seconds: float = 900.0) -> None:
+    """Wait until the idle ``--compile`` server has compiled every shape its requests ran eagerly."""
+    deadline = time.monotonic() + seconds
+    while health(url).get("pending_compiles", 0) and time.monotonic() < deadline:
+        time.sleep(1.0)
+
+
 async def one(client, model: str, prompt: str, decoder: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     ttft, parts, usage = None, [], None
@@ -174,13 +181,15 @@ def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> d
         decoders = [info["default_decoder"] if d == "default" else d for d in args.decoders.split(",")]
         decoders = [d for d in dict.fromkeys(decoders) if d in info["decoders"]]
         asyncio.run(level(url, info["id"], decoders[0], 1, 2, max_tokens, 60))  # warm-up
+        wait_for_compiles(url)
         before = proc_status(proc.pid)
         rows, texts = [], {}
         for decoder in decoders:
             for streams in levels:
                 n = 4 if args.smoke else (args.requests or max(16, 2 * streams))
-                if compile:  # compile the row buckets this level reaches before timing it
+                if compile:  # reach the shapes this level steps, then let the idle server compile them
                     asyncio.run(level(url, info["id"], decoder, streams, streams, max_tokens, 300))
+                    wait_for_compiles(url)
                 row, results = asyncio.run(level(url, info["id"], decoder, streams, n, max_tokens, args.level_seconds))
                 texts[(decoder, streams)] = {r["prompt"]: r["text"] for r in results if "error" not in r}
                 h = health(url)

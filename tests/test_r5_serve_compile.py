@@ -294,3 +294,4 @@ def test_the_compiled_scheduler_compiles_new_shapes_only_while_idle_and_then_ste
         sched.close()
     assert first == second == ("done", {"tokens": want, "nfe": 10, "finish_reason": "length"})
     assert kv.compiled and not kv.pending and n == 1 and len(compiled_steps) == 1 + 9  # the second: compiled steps
+    assert sched.pending_compiles == 0

@@ -158,6 +158,11 @@ class Scheduler:
 
     running = active  # the running batch size reported in /metrics
 
+    @property
+    def pending_compiles(self) -> int:
+        """Step shapes that ran eagerly and compile at the next idle moment (``compile`` only; /health)."""
+        return sum(len(b.kv.pending) for b in list(self.verify.values()) if b.static)
+
     def _batches(self) -> list:
         return list(self.verify.values()) + list(self.running_batches.values())
 
