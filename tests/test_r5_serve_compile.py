@@ -295,3 +295,19 @@ def test_the_compiled_scheduler_compiles_new_shapes_only_while_idle_and_then_ste
     assert first == second == ("done", {"tokens": want, "nfe": 10, "finish_reason": "length"})
     assert kv.compiled and not kv.pending and n == 1 and len(compiled_steps) == 1 + 9  # the second: compiled steps
     assert sched.pending_compiles == 0
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_sampled_sibling_step_syncs_with_the_host_at_most_once(static):
+    # SpecInfer's multi-candidate rule walks the tree in tensors: no host sync of its own
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
+    batch = Verify(bundle, VerifyConfig(draft="3/0,1,3/4+1g3+1"), static=static, capacity=4, stop_token_ids=(2,),
+                   length=256)
+    for prompt, seed, n in zip(_prompts(3, seed=7), range(3), (30, 22, 12)):
+        batch.join([_req(prompt, n, Sampling(temperature=1.0, seed=seed))])
+    counts = []
+    while len(batch):
+        with _HostSyncs() as syncs:
+            batch.step()
+        counts.append(syncs.count)
+    assert len(counts) >= 4 and max(counts) <= 1, counts
