@@ -20,7 +20,6 @@ from unmask.decode import DECODERS, default_decoder, get_decoder
 from unmask.errors import UnmaskError
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option, with_server_draft
 from unmask.serve.engine import Job, QueueFull, Scheduler, ShuttingDown
-from unmask.serve.jobs import Mailbox
 from unmask.serve.errors import ApiError
 from unmask.serve.limits import Limits
 from unmask.serve.metrics import Metrics
@@ -237,13 +236,21 @@ class _Call:
         self.created = int(time.time())
         self.stream = TextStream(bundle, req.prompt_ids, req.stop, limit=req.max_tokens,
                                  final_only=edits_committed(bundle, req.decoder, req.options))
-        self.box = Mailbox(asyncio.get_running_loop())
+        self.queue: asyncio.Queue = asyncio.Queue()
         self.t0 = time.monotonic()
         self.first_token_at: float | None = None
         self.counted = False
         self.check_at = self.t0 + POLL_S  # next client-disconnect check (next_event)
+        loop = asyncio.get_running_loop()
+
+        def post(kind, payload):  # called by the scheduler thread
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+            except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+                pass
+
         self.job = Job(prompt_ids=req.prompt_ids, decoder=req.decoder, options=req.options, sampling=req.sampling,
-                       max_new_tokens=req.max_tokens, stop=req.stop, deadline=self.t0 + req.timeout, post=self.box.post)
+                       max_new_tokens=req.max_tokens, stop=req.stop, deadline=self.t0 + req.timeout, post=post)
 
     async def next_event(self) -> tuple[str, object]:
         """The job's next event; cancels the job and raises _Gone when the client disconnects.
@@ -256,7 +263,7 @@ class _Call:
                     self.job.cancel()
                     raise _Gone
             try:
-                return await self.box.get(POLL_S)
+                return await asyncio.wait_for(self.queue.get(), timeout=POLL_S)
             except asyncio.TimeoutError:
                 pass
 

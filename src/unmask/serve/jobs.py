@@ -4,11 +4,9 @@ HTTP layer: queue full (429), shutting down (503), a decoder's validation error 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from unmask.errors import UnmaskError
@@ -65,37 +63,6 @@ class Job:
         if not self.closed:
             self.closed = True
             self.post(kind, payload)
-
-
-class Mailbox:
-    """A job's events, from the scheduler thread to its HTTP handler on the event loop, with at most
-    one wake-up of the loop pending: ``post`` appends and wakes the loop only when the handler has
-    drained the box (a wake-up per token cost the scheduler thread a syscall and a GIL hand-off to
-    the loop: 45 % of its time at one AR stream). ``post`` may be called from any thread; ``get``
-    from the loop only."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.items, self.armed = loop, deque(), True  # armed: a wake-up is pending or not needed
-        self.ready = asyncio.Event()
-
-    def post(self, kind: str, payload) -> None:
-        self.items.append((kind, payload))
-        if not self.armed:
-            self.armed = True
-            try:
-                self.loop.call_soon_threadsafe(self.ready.set)
-            except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
-                pass
-
-    async def get(self, timeout: float):
-        """The next event; raises asyncio.TimeoutError after ``timeout`` seconds without one."""
-        while not self.items:
-            self.ready.clear()
-            self.armed = False  # before the check below: a post after it sees False and wakes the loop
-            if self.items:
-                break
-            await asyncio.wait_for(self.ready.wait(), timeout=timeout)
-        return self.items.popleft()
 
 
 def bad_request(e: UnmaskError, options: dict) -> ApiError:
