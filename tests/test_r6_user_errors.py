@@ -75,3 +75,14 @@ def test_the_story_corpus_counts_the_documents_it_dropped(tmp_path, monkeypatch)
     summary = make_story_corpus(tmp_path / "c.jsonl", n_sampled=3, n_greedy=3, max_new_tokens=4)
     assert summary["documents"] == 2 and summary["dropped"] == 4
     assert len((tmp_path / "c.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("draft, match", [
+    ("999999999/0/4", "at most 63"),  # found by the fault pass: built a table per draft size first (a hang)
+    ("200/0/4", "at most 63"),  # fits the context by D, but its step tables would take 13 GB
+    ("3/0/99999999999999999999", "context window"),  # a traceback (torch.eye overflow)
+    ("3/0/5000", "context window"),  # ran, at 5004 queries per forward against a 512-token context
+])
+def test_a_lossless_layout_too_large_for_the_engine_is_one_line(capsys, draft, match):
+    one_line_error(capsys, "generate", "Hi", "-m", "stories260K-sbd", "-n", "4", "--verify", "--draft", draft,
+                   match=match)

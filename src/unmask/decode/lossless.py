@@ -61,9 +61,8 @@ class Verify:
         if bundle.mask_token_id is None and not ar:
             raise UnmaskError("lossless SBD needs a model with a mask token (an SBD model, or a base with an "
                               "SBD adapter: --adapter); train one with 'unmask train sbd' or 'unmask train sbd-adapter'")
-        if 2 * cfg.block_size > bundle.context_length and not ar:
-            raise UnmaskError(f"block size {cfg.block_size} is too large for the context window of "
-                              f"{bundle.context_length}; lower --block-size")
+        if not ar:
+            cfg.check_fits(bundle.context_length)
         self.bundle, self.cfg, self.model, self.device = bundle, cfg, bundle.model, bundle.device
         self.on_step, self.on_token, self.on_forward = on_step, on_token, on_forward
         self.static, self.compile = bool(static or compile), bool(compile)

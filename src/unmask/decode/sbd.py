@@ -202,8 +202,9 @@ def _lossless(verify, given: list[str], draft, defaults: dict) -> bool:
     if verify is not None and not isinstance(verify, bool):
         raise UnmaskError(f"verify must be true or false (got {verify!r}); pass --verify or --no-verify")
     if verify and given:
+        it = "them" if len(given) > 1 else "it"
         raise UnmaskError(f"{', '.join(given)} set a lossy commit policy, which lossless SBD (--verify) does not use; "
-                          "drop them or pass --no-verify")
+                          f"drop {it} or pass --no-verify")
     lossless = verify if verify is not None else (not given and bool(defaults.get("verify", False)))
     if draft is not None and not lossless:
         raise UnmaskError("--draft applies to lossless SBD only; add --verify or drop --draft")

@@ -48,6 +48,7 @@ DRAFTS = ("quadratic", "linear")
 # benchmarks/sbd_lossless.py): linear drafts cost 2K queries per forward, quadratic ones K + K^2
 DEFAULT_DRAFT = "linear"
 DEFAULT_BLOCK_SIZE = 8
+MAX_BLOCK_SIZE = 64  # the step tables grow as K^4 (tree_verify.TreeWindow.src): 64 is ~130 MB
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,19 @@ class VerifyConfig:
         elif draft not in DRAFTS:
             raise UnmaskError(f"unknown draft layout {draft!r}; choose one of {', '.join(DRAFTS)}, budget "
                               "(with --queries Q) or D/S/G text such as 3/0,2,3/4")
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise UnmaskError(f"lossless SBD drafts at most {MAX_BLOCK_SIZE - 1} tokens per step (draft size "
+                              f"{self.block_size} asked); lower --block-size or the layout's D")
+
+    def check_fits(self, context_length: int) -> None:
+        """Raise UnmaskError when a step of this config cannot fit the context window: 2K positions
+        (prefill group included) or more query tokens per forward than ``context_length``."""
+        if 2 * self.block_size > context_length:
+            raise UnmaskError(f"block size {self.block_size} is too large for the context window of "
+                              f"{context_length}; lower --block-size")
+        if (Q := queries(self.block_size, self.draft)) > context_length:
+            raise UnmaskError(f"draft layout {self.draft} needs {Q} query tokens per forward, more than the context "
+                              f"window of {context_length}; use shorter groups (e.g. --draft budget)")
 
     @property
     def budgeted(self) -> bool:
@@ -334,6 +348,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     if isinstance(draft, (dl.DraftLayout, sl.TreeLayout)):
         draft = draft.spec
     cfg = VerifyConfig(block_size=block_size, draft=dl.resolve(draft, queries, bundle.meta.get("decode_defaults")))
+    cfg.check_fits(bundle.context_length)
     if (compile or static) and on_forward is not None:
         raise UnmaskError("compile=True / static=True take no on_forward hook (the static cache is not a "
                           "DynamicCache); drop one of them")

@@ -91,7 +91,8 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
             draft = sbd_verify.DEFAULT_DRAFT  # the decoder reports the bad budget
         if draft_layout.is_layout(draft):
             q = sibling_layout.parse(draft).queries  # siblings (spec §5.3) cost queries too
-            return q, f"lossless sbd with draft layout {draft}: {q} queries per row", "queries"
+            param = "draft" if "draft" in options and "queries" not in options else "queries"  # the knob that chose it
+            return q, f"lossless sbd with draft layout {draft}: {q} queries per row", param
         if draft == "quadratic":
             return k + k * k, f"lossless sbd with draft quadratic and block_size {k}: K + K² queries per row", "block_size"
         return 2 * k, f"lossless sbd with block_size {k}: 2K queries per row", "block_size"
