@@ -42,7 +42,7 @@ def family(row: dict) -> str | None:
     if row.get("decoder") != "lossless":
         return None
     draft = str(row.get("draft", ""))
-    if row.get("siblings") or "sibling" in draft.lower():
+    if row.get("siblings") or "sibling" in draft.lower() or "+" in draft:  # D/S/G+j...: a layout with siblings
         return "budgeted + siblings"
     if draft in ("linear", "quadratic"):
         return draft
