@@ -260,14 +260,16 @@ def test_deferred_compile_runs_a_new_shape_eagerly_then_compiles_it_while_no_row
         kv.warm()
 
 
-def test_the_compiled_scheduler_compiles_new_shapes_only_while_idle_and_then_steps_compiled():
+def test_the_compiled_scheduler_compiles_new_shapes_only_after_an_idle_while_and_then_steps_compiled():
     pytest.importorskip("fastapi", reason="the scheduler needs the serve extra: pip install -e '.[test]'")
     import queue
     import time
 
+    from unmask.serve import engine
     from unmask.serve.engine import Scheduler
     from unmask.serve.jobs import Job
 
+    idle_s = engine.IDLE_COMPILE_S
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
     sched = Scheduler(bundle, compile=True, max_batch_size=2).start()
     kv, prompt = sched.ar.kv, _prompts(1, seed=5)[0]
@@ -284,13 +286,17 @@ def test_the_compiled_scheduler_compiles_new_shapes_only_while_idle_and_then_ste
         return event
 
     try:
-        first = answer()  # its shape ran eagerly, then compiles once the scheduler is idle
+        engine.IDLE_COMPILE_S = 3600.0  # a gap between requests is not idleness: nothing compiles
+        first, again = answer(), answer()
+        assert kv.pending and not compiled_steps and first == again
+        engine.IDLE_COMPILE_S = 0.0  # idle now: its shape compiles
         deadline = time.monotonic() + 120
         while (kv.pending or not kv.compiled) and time.monotonic() < deadline:
             time.sleep(0.05)
         n = len(compiled_steps)  # the idle compile's own forward
         second = answer()
     finally:
+        engine.IDLE_COMPILE_S = idle_s
         sched.close()
     assert first == second == ("done", {"tokens": want, "nfe": 10, "finish_reason": "length"})
     assert kv.compiled and not kv.pending and n == 1 and len(compiled_steps) == 1 + 9  # the second: compiled steps

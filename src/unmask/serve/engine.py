@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 
 from unmask.decode import draft_layout, sbd_verify
@@ -50,6 +51,7 @@ from unmask.serve.errors import ApiError
 from unmask.serve.jobs import Job, QueueFull, ShuttingDown, bad_request, finish_gone, server_error
 
 log = logging.getLogger("unmask.serve")
+IDLE_COMPILE_S = 2.0  # --compile: compile a pending step shape only after this long with no request running
 
 
 def _rows(batch) -> list:
@@ -94,6 +96,7 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._lock = threading.Condition()
         self._stop = self._paused = False
+        self._worked = time.monotonic()  # when the loop last admitted or stepped anything (idle compiles)
         self.draining = False  # set by drain(): submit refuses, every request was ended
         self.peak_running = 0  # the most rows holding slots at once so far (tests, benchmarks)
         self.abandoned_batches = 0  # per-call batches stopped early: every request answered or gone
@@ -197,9 +200,10 @@ class Scheduler:
         while True:
             with self._lock:
                 while not self._stop and not self._busy() and (self._paused or not self._waiting):
-                    if any(b.static and not len(b) and b.kv.pending for b in list(self.verify.values())):
-                        break  # idle: compile a shape a batch ran eagerly, outside the lock
-                    self._lock.wait(timeout=0.5)
+                    idle = time.monotonic() - self._worked
+                    if idle >= IDLE_COMPILE_S and self.pending_compiles:
+                        break  # idle for a while: compile a shape a batch ran eagerly, outside the lock
+                    self._lock.wait(timeout=min(0.5, max(IDLE_COMPILE_S - idle, 0.01)))
                     self._reap_waiting()
                 if self._stop:
                     break
@@ -208,6 +212,7 @@ class Scheduler:
             if not (joining or batch or self._busy()):
                 self._warm()
                 continue
+            self._worked = time.monotonic()
             self._advance(joining)
             if batch:
                 per_call.run_batch(self, batch)
