@@ -171,6 +171,16 @@ class _HostSyncs:
             setattr(torch.Tensor, name, real)
 
 
+def _syncs_per_step(batch) -> list[int]:
+    """Step ``batch`` until it is empty; the host syncs of each step."""
+    counts = []
+    while len(batch):
+        with _HostSyncs() as syncs:
+            batch.step()
+        counts.append(syncs.count)
+    return counts
+
+
 ROWS = {"ar": [(1, Sampling())] * 3,
         "lossless greedy": [(4, Sampling())] * 3,
         "lossless sampled": [(4, Sampling(temperature=1.0, seed=s)) for s in range(3)],
@@ -188,11 +198,7 @@ def test_every_verify_step_syncs_with_the_host_at_most_once(static, rows):
         with _HostSyncs() as syncs:
             batch.join([_req(prompt, n, sampling)], block_size=K)
         assert syncs.count >= 1  # the counter sees the prefill's token read-back
-    counts = []
-    while len(batch):
-        with _HostSyncs() as syncs:
-            batch.step()
-        counts.append(syncs.count)
+    counts = _syncs_per_step(batch)
     assert len(counts) >= 5 and max(counts) <= 1, counts
 
 
@@ -205,11 +211,7 @@ def test_step_events_of_lossless_rows_add_no_host_sync():
                    on_step=lambda row, e: events.append(e))
     for prompt, K in zip(_prompts(4, seed=7), (1, 4, 2, 1)):
         batch.join([_req(prompt, 30)], block_size=K)
-    counts = []
-    while len(batch):
-        with _HostSyncs() as syncs:
-            batch.step()
-        counts.append(syncs.count)
+    counts = _syncs_per_step(batch)
     assert len(events) > 4 * 3 and max(counts) <= 1, counts
 
 
@@ -311,9 +313,5 @@ def test_a_sampled_sibling_step_syncs_with_the_host_at_most_once(static):
                    length=256)
     for prompt, seed, n in zip(_prompts(3, seed=7), range(3), (30, 22, 12)):
         batch.join([_req(prompt, n, Sampling(temperature=1.0, seed=seed))])
-    counts = []
-    while len(batch):
-        with _HostSyncs() as syncs:
-            batch.step()
-        counts.append(syncs.count)
+    counts = _syncs_per_step(batch)
     assert len(counts) >= 4 and max(counts) <= 1, counts
