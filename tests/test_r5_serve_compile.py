@@ -315,3 +315,18 @@ def test_a_sampled_sibling_step_syncs_with_the_host_at_most_once(static):
         batch.join([_req(prompt, n, Sampling(temperature=1.0, seed=seed))])
     counts = _syncs_per_step(batch)
     assert len(counts) >= 4 and max(counts) <= 1, counts
+
+
+def test_a_static_row_bucket_over_a_slot_freed_by_the_last_row_steps_it_as_a_dead_ar_row():
+    # found by serve_load --compile at 8 streams (a 500): the last rows' slots kept K = 4, a later bucket of
+    # K = 1 rows covered one of them, and the step indexed the K = 1 window tables with K = 4
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
+    batch = Verify(bundle, VerifyConfig(block_size=4), static=True, capacity=4, length=128)
+    P = _prompts(4, seed=9)
+    batch.join([_req(p, 20) for p in P], block_size=4)
+    batch.step()
+    batch.drop([r.job.id for r in batch.rows.values()])  # slots 0-3 free, the batch empty
+    reqs = [_req(p, 12) for p in P[:3]]
+    done = {r.job.id: r for r in _staggered(batch, [(reqs, 1, 0, ())]).values()}  # slots 0-2: bucket 4
+    for q in reqs:
+        assert (done[q.id].tokens, done[q.id].nfe) == _alone(bundle, q, 1)

@@ -373,15 +373,13 @@ class Verify:
         for s in slots:
             del self.rows[s]
         self.slots.give(slots)
-        if not self.rows:
-            self._empty()
-            self.live.zero_()
-            return
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        self.live[idx], self.K[idx], self.draft_len[idx] = False, 1, 0
-        self.key_valid[[s for s in slots if s < self.key_valid.shape[0]]] = False
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)  # a free slot steps as a dead AR row:
+        self.live[idx], self.K[idx], self.draft_len[idx] = False, 1, 0  # a static row bucket covers free slots too
         if self.q is not None and all(r.job.sampling.greedy for r in self.rows.values()):
             self.q = None  # no sampled row left: no proposal distributions kept
+        if not self.rows:
+            return self._empty()
+        self.key_valid[[s for s in slots if s < self.key_valid.shape[0]]] = False
 
     def stats_extra(self, rows: list[VerifyRow]) -> dict:
         """``sbd_verify.decode``'s extra for finished ``rows`` (request order): accept histograms, layout,
