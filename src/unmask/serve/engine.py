@@ -12,9 +12,8 @@ alone, greedy or seeded, whatever else runs (README "Serving").
   ``--draft-sizes`` table (:mod:`unmask.serve.draft_sizing`) at the batch's load, chosen again before
   every step; their output does not depend on K, and no row ever moves between batches.
   ``compile=True`` runs these batches on the static cache with the compiled forward (one graph per
-  row bucket, query length and length bucket). A shape not compiled yet runs eagerly on the same
-  cache (same tokens) and compiles when the scheduler is idle, so a running request never waits
-  for a compile; the batches below stay eager (README "Serving").
+  row bucket, query length and length bucket); a new shape runs eagerly (same tokens) until the
+  scheduler has been idle IDLE_COMPILE_S; the batches below stay eager (README "Serving").
 - ``multiblock``, ``block``, lossy ``sbd``, ``diffusion`` (any cache; Dream's ``schedule`` in a
   :class:`~unmask.decode.dream_compat.DreamSchedule`) and ``early-bird`` (any cache, a row's refresh its
   own) share the continuous batches of ``RUNNING``, one per decoder and options
@@ -162,8 +161,7 @@ class Scheduler:
     running = active  # the running batch size reported in /metrics
 
     @property
-    def pending_compiles(self) -> int:
-        """Step shapes that ran eagerly and compile at the next idle moment (``compile`` only; /health)."""
+    def pending_compiles(self) -> int:  # /health: step shapes run eagerly, to compile once idle (--compile)
         return sum(len(b.kv.pending) for b in list(self.verify.values()) if b.static)
 
     def _batches(self) -> list:
@@ -200,8 +198,7 @@ class Scheduler:
         while True:
             with self._lock:
                 while not self._stop and not self._busy() and (self._paused or not self._waiting):
-                    idle = time.monotonic() - self._worked
-                    if idle >= IDLE_COMPILE_S and self.pending_compiles:
+                    if (idle := time.monotonic() - self._worked) >= IDLE_COMPILE_S and self.pending_compiles:
                         break  # idle for a while: compile a shape a batch ran eagerly, outside the lock
                     self._lock.wait(timeout=min(0.5, max(IDLE_COMPILE_S - idle, 0.01)))
                     self._reap_waiting()
@@ -220,9 +217,7 @@ class Scheduler:
             job.finish("error", ApiError(503, "the server is shutting down; retry later", type="server_error"))
 
     def _warm(self) -> None:
-        """Compile one shape an idle compiled batch ran eagerly (``defer_compile``): a request that
-        arrives meanwhile waits for this one compile, never a running one. A failed compile is logged;
-        that shape stays eager."""
+        """Compile one shape an idle batch ran eagerly (``defer_compile``); a failed one is logged and stays eager."""
         for batch in list(self.verify.values()):
             try:
                 if batch.warm():
