@@ -43,6 +43,19 @@ offset; lossless TPF (linear, K = 8, 20 openings) 2.217 -> 2.275, 20/20 identica
 stories260K's AR (benchmarks/results/sbd_distill_adapter.md). A first try with λ = 1, lr 5e-4
 (187 steps) made offset 0 worse (0.782) and TPF flat (2.213): the base's NTP distribution on its
 own greedy text is soft (CE 0.68 nats), so a strong KL pulls the drafts away from its argmax.
+
+The adapter shipped now is two more stage-2 runs on top of that one (2026-12-03), each then
+recalibrated with ``unmask calibrate-drafts stories260K --adapter sbd --siblings``:
+
+    python recipes/stories260K_sbd_adapter.py --distill --threads 1 --minutes 50 --distill-prompts 8000 --distill-lr 3e-4
+    # publish WORK/distill/sbd, then:
+    python recipes/stories260K_sbd_adapter.py --distill --threads 1 --minutes 38 --distill-prompts 8000 \
+        --distill-lr 3e-4 --seed 1 --work-dir runs/stories260K_sbd_adapter_r3
+
+(8,255 and 6,183 steps): held-out masked CE at offset 1 1.276 -> 1.151 -> 1.111 nats, linear TPF
+2.275 -> 2.456 -> 2.461, 20/20 identical to stories260K's AR; its 16-query sibling layout
+5/0/8+1+2 gives TPF 2.505 on openings 1-100 (benchmarks/results/sbd_distill_adapter_round{2,3}.md,
+sbd_lossless.md).
 """
 
 from __future__ import annotations
