@@ -49,7 +49,7 @@ recalibrated with ``unmask calibrate-drafts stories260K --adapter sbd --siblings
 
     python recipes/stories260K_sbd_adapter.py --distill --threads 1 --minutes 50 --distill-prompts 8000 --distill-lr 3e-4
     # publish WORK/distill/sbd, then:
-    python recipes/stories260K_sbd_adapter.py --distill --threads 1 --minutes 38 --distill-prompts 8000 \
+    python recipes/stories260K_sbd_adapter.py --distill --threads 1 --minutes 38 --distill-prompts 8000 \\
         --distill-lr 3e-4 --seed 1 --work-dir runs/stories260K_sbd_adapter_r3
 
 (8,255 and 6,183 steps): held-out masked CE at offset 1 1.276 -> 1.151 -> 1.111 nats, linear TPF
