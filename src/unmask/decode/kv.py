@@ -161,11 +161,10 @@ class StaticKV:
                               "call warm() when its running batch is empty")
         if not self.pending:
             return False
-        B, q, Lb = key = next(iter(self.pending))
-        del self.pending[key]
+        B, q, Lb = key = next(iter(self.pending))  # pending until its compile is done (/health counts it)
         self.ptr = Lb - q  # the forward's end lands in bucket Lb
         zeros = torch.zeros((B, q), dtype=torch.long, device=self._device)
-        self.compiled.add(key)
+        self.compiled.add(key)  # so the forward takes the compiled step
         try:
             self.forward(zeros, zeros + torch.arange(q, device=self._device), None)
         except Exception:
@@ -174,6 +173,7 @@ class StaticKV:
             raise
         finally:
             self.ptr = 0
+            del self.pending[key]
         return True
 
     def view(self, B: int, Lb: int):
