@@ -112,12 +112,7 @@ def sample(logits: torch.Tensor, sampling: Sampling,
     """
     if sampling.greedy:
         return logits.argmax(dim=-1)
-    if isinstance(generator, (list, tuple)):
-        return torch.stack([sample(logits[r], sampling, g) for r, g in enumerate(generator)])  # (R, ...)
-    scaled = filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
-    probs = torch.softmax(scaled, dim=-1)
-    flat = probs.reshape(-1, probs.shape[-1])  # (rows, V)
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    return multinomial(probs(logits.float(), sampling), generator)  # (R, ...)
 
 
 def uniform(shape: tuple[int, int], generator, device) -> torch.Tensor:
