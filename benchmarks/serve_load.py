@@ -2,9 +2,10 @@
 200 concurrent streams, in one run.
 
 Starts ``unmask serve`` as a subprocess on a free loopback port (nothing else is contacted), then,
-for each decoder and each concurrency level, sends a bounded number of greedy streaming
+for each concurrency level and each decoder, sends a bounded number of greedy streaming
 completions (``--requests``, at least the level; a level also stops launching after
-``--level-seconds``) through the official ``openai`` async client. Per level it reports
+``--level-seconds``) through the official ``openai`` async client; two decoders run their requests
+of a level in halves, A B B A, so that a drift of the shared machine weighs on both alike. Per level it reports
 requests/s, tokens/s, p50/p95 time to first token and end-to-end latency, errors, the server's
 resident memory and thread count, and whether every slot and queue entry was freed afterwards
 (``/health``). Outputs are compared with AR's at one stream (``same_as_ar``: the fraction of
@@ -41,12 +42,12 @@ PROMPTS = ["Once upon a time", "Lily", "The sun", "A little cat", "Tom had a big
 
 
 def start_server(model: str | None, max_batch_size: int, max_queue: int,
-                 compile: bool = False) -> tuple[subprocess.Popen, str]:
-    """``unmask serve`` (``--compile`` when asked) on 127.0.0.1 and a free port; returns the process
-    and its base URL."""
+                 compile: bool = False, draft_sizes: str | None = None) -> tuple[subprocess.Popen, str]:
+    """``unmask serve`` (``--compile``, ``--draft-sizes`` when asked) on 127.0.0.1 and a free port;
+    returns the process and its base URL."""
     cmd = [sys.executable, "-m", "unmask", "serve", "--host", "127.0.0.1", "--port", "0", "--max-batch-size",
            str(max_batch_size), "--max-queue", str(max_queue)] + (["--model", model] if model else [])
-    cmd += ["--compile"] if compile else []
+    cmd += (["--compile"] if compile else []) + (["--draft-sizes", draft_sizes] if draft_sizes else [])
     log = tempfile.NamedTemporaryFile("w+", prefix="unmask-serve-", suffix=".log", delete=False)
     # The server's log goes to a file: a pipe nobody reads would fill up and block the server.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
@@ -129,14 +130,35 @@ async def level(url: str, model: str, decoder: str, streams: int, requests: int,
     results = [r for r in await asyncio.gather(*(guarded(i) for i in range(requests))) if r is not None]
     wall = time.perf_counter() - t0
     await client.close()
+    return summary(decoder, streams, results, wall), results
+
+
+def summary(decoder: str, streams: int, results: list[dict], wall: float) -> dict:
+    """One level's row from its requests' results and the seconds they took."""
     ok = [r for r in results if "error" not in r]
     q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))  # noqa: E731
-    row = {"decoder": decoder, "streams": streams, "requests": len(results), "errors": len(results) - len(ok),
-           "req_s": len(ok) / wall, "tok_s": sum(r["tokens"] for r in ok) / wall, "seconds": wall,
-           "ttft_p50": q([r["ttft"] for r in ok], 50), "ttft_p95": q([r["ttft"] for r in ok], 95),
-           "e2e_p50": q([r["e2e"] for r in ok], 50), "e2e_p95": q([r["e2e"] for r in ok], 95),
-           "error_samples": sorted({r["error"] for r in results if "error" in r})[:3]}
-    return row, results
+    return {"decoder": decoder, "streams": streams, "requests": len(results), "errors": len(results) - len(ok),
+            "req_s": len(ok) / wall, "tok_s": sum(r["tokens"] for r in ok) / wall, "seconds": wall,
+            "ttft_p50": q([r["ttft"] for r in ok], 50), "ttft_p95": q([r["ttft"] for r in ok], 95),
+            "e2e_p50": q([r["e2e"] for r in ok], 50), "e2e_p95": q([r["e2e"] for r in ok], 95),
+            "error_samples": sorted({r["error"] for r in results if "error" in r})[:3]}
+
+
+def interleaved(url: str, model: str, decoders: list[str], streams: int, n: int, max_tokens: int,
+                seconds: float) -> dict[str, tuple[dict, list[dict]]]:
+    """Each decoder's ``n`` requests at one level, run as halves in A B B A order (two decoders; one
+    decoder: one run), so a drift of the shared machine during the level weighs on both alike."""
+    if len(decoders) == 1:
+        return {decoders[0]: asyncio.run(level(url, model, decoders[0], streams, n, max_tokens, seconds))}
+    parts: dict[str, list] = {d: [] for d in decoders}
+    for d in decoders + decoders[::-1]:
+        _, results = asyncio.run(level(url, model, d, streams, (n + 1) // 2, max_tokens, seconds / 2))
+        parts[d].append((results, _["seconds"]))
+    out = {}
+    for d, runs in parts.items():
+        results = [r for rs, _ in runs for r in rs]
+        out[d] = summary(d, streams, results, sum(w for _, w in runs)), results
+    return out
 
 
 def main() -> None:
@@ -147,6 +169,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--level-seconds", type=float, default=180.0, help="stop launching requests after this")
     ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--draft-sizes", default=None, help="the server's --draft-sizes table (default: its own)")
     ap.add_argument("--decoders", default="ar,default", help="'default' is the model's default decoder")
     ap.add_argument("--smoke", action="store_true", help="1 and 4 streams, 4 requests of 8 tokens")
     ap.add_argument("--compile", action="store_true", help="serve with --compile (static KV cache, compiled step)")
@@ -175,7 +198,8 @@ def main() -> None:
 
 def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> dict:
     """One server (``compile`` or eager) under every decoder and level; returns its JSON record."""
-    proc, url = start_server(args.model, args.max_batch_size, max(256, 2 * max(levels)), compile=compile)
+    proc, url = start_server(args.model, args.max_batch_size, max(256, 2 * max(levels)), compile=compile,
+                             draft_sizes=args.draft_sizes)
     try:
         info = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())["data"][0]
         decoders = [info["default_decoder"] if d == "default" else d for d in args.decoders.split(",")]
@@ -183,17 +207,22 @@ def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> d
         asyncio.run(level(url, info["id"], decoders[0], 1, 2, max_tokens, 60))  # warm-up
         wait_for_compiles(url)
         before = proc_status(proc.pid)
-        rows, texts = [], {}
+        rows, texts, runs = [], {}, {}
+        for streams in levels:  # the decoders interleaved per level (ABBA halves): ratios in one stretch of time
+            n = 4 if args.smoke else (args.requests or max(16, 2 * streams))
+            if compile:  # reach the shapes this level steps, then let the idle server compile them
+                for decoder in decoders:
+                    asyncio.run(level(url, info["id"], decoder, streams, streams, max_tokens, 300))
+                wait_for_compiles(url)
+            got = interleaved(url, info["id"], decoders, streams, n, max_tokens, args.level_seconds)
+            h, status = health(url), proc_status(proc.pid)
+            for decoder, (row, results) in got.items():
+                row.update(status, leaked_slots=h["active"], left_in_queue=h["queue_depth"])
+                runs[(decoder, streams)] = row, results
         for decoder in decoders:
             for streams in levels:
-                n = 4 if args.smoke else (args.requests or max(16, 2 * streams))
-                if compile:  # reach the shapes this level steps, then let the idle server compile them
-                    asyncio.run(level(url, info["id"], decoder, streams, streams, max_tokens, 300))
-                    wait_for_compiles(url)
-                row, results = asyncio.run(level(url, info["id"], decoder, streams, n, max_tokens, args.level_seconds))
+                row, results = runs[(decoder, streams)]
                 texts[(decoder, streams)] = {r["prompt"]: r["text"] for r in results if "error" not in r}
-                h = health(url)
-                row.update(proc_status(proc.pid), leaked_slots=h["active"], left_in_queue=h["queue_depth"])
                 ref_ar = texts.get(("ar", levels[0]), {})
                 ref_self = texts[(decoder, levels[0])]
                 got = texts[(decoder, streams)]

@@ -20,7 +20,23 @@ def test_table_picks_the_last_step_at_or_below_the_rows():
     assert DraftSizes.parse("1:6").size(1000) == 6
     assert draft_sizes_option("off") is None and draft_sizes_option(None) is None
     assert draft_sizes_option(t) is t and draft_sizes_option("1:8,2:4,4:1") == t
-    assert DEFAULT.size(1) > 1
+    assert draft_sizes_option("auto") == DEFAULT == "auto"
+
+
+def test_the_auto_table_runs_the_served_layout_then_the_smallest_stored_one_then_ar():
+    """``auto`` (the default): a budgeted layout below SMALL_ROWS rows, the smallest stored layout
+    (its K = D + 1) below AR_ROWS, then K = 1; linear drafts the linear table; an explicit table as given."""
+    from unmask.serve.draft_sizing import AR_ROWS, LINEAR_TEXT, SMALL_ROWS, smaller_layouts, table_for
+
+    stored = {"draft_layouts": "8=3/3/4 16=4/0,4/5 24=5/0,2,5/6"}
+    assert smaller_layouts("5/0,2,5/6", stored) == ("3/3/4", "4/0,4/5")
+    assert smaller_layouts("4/0,4/5", stored) == ("3/3/4",) and smaller_layouts("linear", stored) == ()
+    t = table_for("auto", "4/0,4/5", stored)
+    assert t.steps == ((1, 5), (SMALL_ROWS, 4), (AR_ROWS, 1))
+    assert table_for("auto", "linear", stored) == DraftSizes.parse(LINEAR_TEXT)
+    assert table_for("auto", "3/3/4", stored) == DraftSizes.parse(LINEAR_TEXT)  # nothing smaller stored
+    fixed = DraftSizes.parse("1:3,2:1")
+    assert table_for(fixed, "4/0,4/5", stored) is fixed and table_for(None, "4/0,4/5", stored) is None
 
 
 @pytest.mark.parametrize("text, needle", [("", "bad draft-size entry"), ("8", "bad draft-size entry"),
@@ -115,10 +131,11 @@ def test_a_request_arriving_during_a_running_batch_joins_it_at_once(bundle):
         long = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=400, stream=True,
                                     extra_body={"decoder": "sbd"})
         next(iter(long))
-        assert len(sched.ar) == 1 and sched.draft_log[-1] == (1, 4)
+        K = sched.ar.cfg.block_size  # the auto table: the served layout's own K at 1 and 2 rows
+        assert len(sched.ar) == 1 and sched.draft_log[-1] == (1, K)
         r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, extra_body={"decoder": "sbd"})
         assert r.choices[0].text == unmask.generate(PROMPTS[1], bundle, "sbd", max_new_tokens=16).texts[0]
-        assert (2, 4) in sched.draft_log and sched.peak_running == 2  # one batch, the default table's K at 2 rows
+        assert (2, K) in sched.draft_log and sched.peak_running == 2  # one batch, the default table's K at 2 rows
         long.close()
         wait_until(lambda: sched.active == 0)
 

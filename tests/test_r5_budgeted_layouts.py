@@ -156,6 +156,45 @@ def test_mixed_draft_sizes_and_ar_rows_in_one_budgeted_batch_equal_ar():
     assert [done[r.id] for r in reqs] == want
 
 
+def test_smaller_layouts_pick_the_fewest_draft_tokens_that_cover_k():
+    # K runs the smaller layout with the fewest draft tokens >= K - 1, cut to K; the draft itself from its D + 1
+    fam = sbd_verify.family("5/0,2,5/6", 6, ("2/0/5", "3/3/4"))
+    assert [None if x is None else x.spec for x in fam] == [None, "1/0/5", "2/0/5", "3/3/4", "4/0,2,4/6", "5/0,2,5/6"]
+    assert sbd_verify.family("4/0,4/5", 5) == sbd_verify.family("4/0,4/5", 5, ())  # none: the draft cut to K
+    assert sbd_verify.queries(4, "4/0,4/5", ("3/3/4",)) == 8 < sbd_verify.queries(4, "4/0,4/5")
+    assert sbd_verify.queries(5, "4/0,4/5", ("3/3/4",)) == sbd_verify.queries(5, "4/0,4/5") == 15
+    with_sib = sbd_verify.family("4/0,4/5+1", 5, ("3/3/4",))
+    assert with_sib[3].spec == "3/3/4" and with_sib[4].siblings  # mixed with a sibling layout: trees
+    for bad, needle in [(("4/0,4/5",), "fewer than"), (("5/0/4",), "fewer than")]:
+        with pytest.raises(UnmaskError, match=needle):
+            sbd_verify.VerifyConfig(draft="4/0,4/5", smaller=bad)
+    with pytest.raises(UnmaskError, match="budgeted draft"):
+        sbd_verify.VerifyConfig(draft="linear", smaller=("3/3/4",))
+
+
+@pytest.mark.parametrize("arch, static", [("llama", False), ("qwen3", False), ("llama", True)])
+def test_a_row_resized_to_a_smaller_layout_runs_that_layout_exactly(arch, static):
+    # a batch of layout 4/0,4/5 with the smaller 3/3/4: rows at K = 4 take the same steps (accepts,
+    # NFE) as decode with 3/3/4 itself, rows at K = 5 as decode with 4/0,4/5; the tokens are AR's
+    bundle = verify_bundle(arch, "sdpa", vocab=8, seed=5)
+    prompts = [[1, 4, 5], [1, 6], [1, 3, 3, 7], [1, 2, 6, 6, 4]]
+    want = ar.decode(bundle, prompts, max_new_tokens=24).tokens
+    alone = {d: sbd_verify.decode(bundle, prompts, max_new_tokens=24, draft=d) for d in ("3/3/4", "4/0,4/5")}
+    batch = Verify(bundle, sbd_verify.VerifyConfig(draft="4/0,4/5", smaller=("3/3/4",)), capacity=8, static=static)
+    reqs = requests_for(prompts, max_new_tokens=24, sampling=Sampling(), stop_strings=(), device=bundle.device)
+    for req, K in zip(reqs, (4, 5, 4, 5)):
+        batch.join([req], block_size=K)
+    done, widths = {}, []
+    while batch.rows:
+        widths.append(sbd_verify.queries(max(r.K for r in batch.rows.values()), "4/0,4/5", ("3/3/4",)))
+        for row in batch.step():
+            done[row.job.id] = row
+    assert [done[r.id].tokens for r in reqs] == want
+    for i, d in enumerate(("3/3/4", "4/0,4/5", "3/3/4", "4/0,4/5")):
+        assert done[reqs[i].id].accepts == alone[d].stats.extra["row_extra"][i]["accepts"]
+    assert set(widths) <= {8, 15} and 8 in widths  # only K = 4 rows left: the 8-query window of 3/3/4
+
+
 @pytest.mark.parametrize("draft", ["3/1,3/4", "3/0,2/4+1c1g3+1"])  # a chain layout; one with siblings (spec §5.3)
 def test_cache_holds_only_committed_causal_kv_after_every_budgeted_step(draft):
     bundle = verify_bundle("llama", "eager", vocab=8, seed=1)

@@ -353,7 +353,8 @@ def test_an_ar_and_a_lossless_sbd_request_side_by_side_keep_sbd_s_gain(bundle):
     assert sbd["choices"][0]["text"] == unmask.generate(prompt, bundle, "ar", max_new_tokens=64).texts[0]
     assert ar["usage"]["tpf"] == pytest.approx(1.0, abs=0.1)
     assert sbd["usage"]["tpf"] > 1.5 and sbd["usage"]["nfe"] < ar["usage"]["nfe"]
-    assert sched.draft_log and sched.draft_log[0] == (2, 4)  # one batch, sbd's row at the table's K for 2 rows
+    K = sched.ar.cfg.block_size  # the default (auto) table at 2 rows: the served layout's own K
+    assert sched.draft_log and sched.draft_log[0] == (2, K)  # one batch, sbd's row at the table's K for 2 rows
 
 
 # --- 21: SIGINT / SIGTERM drain open streams ---------------------------------------------------

@@ -18,9 +18,10 @@ def serve_cmd(
                                  "while the server is idle, ~10-20 s on a CPU core); block, multiblock, lossy sbd, diffusion, early-bird and Dream's schedule "
                                  "stay eager (their static caches cannot take rows joining mid-flight; README "
                                  "'Serving')"),
-    draft_sizes: str = typer.Option(None, "--draft-sizes", metavar="ROWS:K,...|off",
+    draft_sizes: str = typer.Option(None, "--draft-sizes", metavar="ROWS:K,...|auto|off",
                                     help="lossless sbd: draft block size K by running-batch rows (K = 1: plain AR "
-                                    "steps, same output); default 1:4,4:2,6:1, measured on a CPU; off: keep K"),
+                                    "steps, same output); default auto: the served layout, its 8-query stored layout from 3 rows, "
+                                    "AR steps from 24 (measured on a CPU; linear drafts 1:4,4:2,6:1); off: keep K"),
     draft: str = typer.Option(None, "--draft", help="lossless sbd: the server's draft layout, linear, quadratic, "
                               "budget (the model's calibrated layout for --queries) or D/S/G text such as 3/0,1,3/4; "
                               "AR and lossless rows join its batch; a request's own draft/queries win (default: the "

@@ -80,7 +80,7 @@ class Verify:
         self.s = torch.zeros((cap, W), dtype=torch.long, device=dev)  # (cap, W) the draft after b
         self.q: torch.Tensor | None = None  # (cap, W, V) its proposal distributions (sampled rows only)
         self.draft_len = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) real draft tokens
-        H = 0 if ar else len(tv.slots(family(cfg.draft, cfg.block_size))[2])
+        H = 0 if ar else len(tv.slots(family(cfg.draft, cfg.block_size, cfg.smaller))[2])
         self.sib = torch.zeros((cap, H), dtype=torch.long, device=dev)  # (cap, H) the draft's sibling ids
         self.K = torch.ones(cap, dtype=torch.long, device=dev)  # (cap,) draft size per slot (1: AR)
         self.p_b = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) position of b
@@ -89,7 +89,7 @@ class Verify:
         self.live = torch.zeros(cap, dtype=torch.bool, device=dev)  # (cap,)
         self._layouts: dict[int, tv.TreeWindow] = {}  # Kmax -> the window tables of the draft layout
         if self.static:
-            L = length or bundle.context_length + 2 * queries(max(cfg.block_size, 2), cfg.draft)
+            L = length or bundle.context_length + 2 * queries(max(cfg.block_size, 2), cfg.draft, cfg.smaller)
             self.kv = StaticKV(self.model, cap, L, compile=compile, length_buckets=True, cpp_wrapper=True,
                                defer_compile=defer_compile)  # cpp_wrapper, CPU: AR 0.48 -> 0.29 ms
         self._empty()
@@ -211,7 +211,7 @@ class Verify:
         if not self.rows:
             return []
         Kmax = max(r.K for r in self.rows.values())
-        Q = queries(Kmax, self.cfg.draft)
+        Q = queries(Kmax, self.cfg.draft, self.cfg.smaller)
         R = self._rows_in_forward()
         self._reclaim(Q)
         C, tw = self.kv.length, self._tables(Kmax)
@@ -298,7 +298,7 @@ class Verify:
 
     def _tables(self, Kmax: int) -> tv.TreeWindow:
         """The window tables of the draft layout for steps whose largest draft size is Kmax (cached)."""
-        return self._layouts.get(Kmax) or self._layouts.setdefault(Kmax, tv.tree_window(family(self.cfg.draft, Kmax),
+        return self._layouts.get(Kmax) or self._layouts.setdefault(Kmax, tv.tree_window(family(self.cfg.draft, Kmax, self.cfg.smaller),
                                                                                          self.device))
 
     def _accept(self, logits: torch.Tensor, inp: torch.Tensor, tw: tv.TreeWindow, R: int, Kmax: int, s: torch.Tensor,

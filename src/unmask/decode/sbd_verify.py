@@ -56,10 +56,14 @@ class VerifyConfig:
     """Draft block size K (the SBD block size, >= 2) and the drafting layout: ``linear``,
     ``quadratic`` (spec §1) or a budgeted one (spec §5.1: ``budget``, ``budget:Q``, ``D/S/G`` text,
     ``D/S/G+j[cC][gG]..`` with siblings (spec §5.3), a DraftLayout or a TreeLayout, kept as its text;
-    then K = D + 1, whatever ``block_size`` says). Raises UnmaskError for a bad size or layout."""
+    then K = D + 1, whatever ``block_size`` says). ``smaller``: budgeted layouts (``D/S/G`` text, each
+    D below the draft's) that rows of a smaller draft size run instead of the draft cut to their K:
+    the load sizer's (a server's stored calibrated layouts, e.g. the 8-query one at a moderate load).
+    Raises UnmaskError for a bad size or layout."""
 
     block_size: int = DEFAULT_BLOCK_SIZE
     draft: str = DEFAULT_DRAFT
+    smaller: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 2:
@@ -76,6 +80,14 @@ class VerifyConfig:
         if self.block_size > MAX_BLOCK_SIZE:
             raise UnmaskError(f"lossless SBD drafts at most {MAX_BLOCK_SIZE - 1} tokens per step (draft size "
                               f"{self.block_size} asked); lower --block-size or the layout's D")
+        if self.smaller:
+            if not self.budgeted:
+                raise UnmaskError(f"smaller layouts apply to a budgeted draft, not {self.draft}; drop them")
+            smaller = tuple(dl.canonical(t) for t in self.smaller)
+            if any(sl.parse(t).D + 1 >= self.block_size for t in smaller):
+                raise UnmaskError(f"a smaller layout must draft fewer than the {self.block_size - 1} tokens of "
+                                  f"{self.draft} (got {', '.join(smaller)})")
+            object.__setattr__(self, "smaller", smaller)
 
     def check_fits(self, context_length: int) -> None:
         """Raise UnmaskError when a step of this config cannot fit the context window: 2K positions
@@ -83,7 +95,7 @@ class VerifyConfig:
         if 2 * self.block_size > context_length:
             raise UnmaskError(f"block size {self.block_size} is too large for the context window of "
                               f"{context_length}; lower --block-size")
-        if (Q := queries(self.block_size, self.draft)) > context_length:
+        if (Q := queries(self.block_size, self.draft, self.smaller)) > context_length:
             raise UnmaskError(f"draft layout {self.draft} needs {Q} query tokens per forward, more than the context "
                               f"window of {context_length}; use shorter groups (e.g. --draft budget)")
 
@@ -141,23 +153,31 @@ def step_layout(K: int, draft: str, device=None) -> StepLayout:
     return StepLayout(mask=torch.stack(masks), offsets=torch.stack(offsets), groups=G, K=K)
 
 
-def queries(K: int, draft: str) -> int:
+def queries(K: int, draft: str, smaller: tuple[str, ...] = ()) -> int:
     """Query tokens per row of a step of draft size K: 1 for an AR step, else the step window of
     draft sizes up to K (:func:`window`; K + G·K for linear and quadratic, spec §1 and §5.1)."""
-    return 1 if K == 1 else window(family(draft, K))[2]
+    return 1 if K == 1 else window(family(draft, K, smaller))[2]
 
 
-def family(draft: str, Kmax: int) -> list:
+def family(draft: str, Kmax: int, smaller: tuple[str, ...] = ()) -> list:
     """The layout of each draft size K = 1..Kmax (index K - 1; None: an AR step): ``linear(K)``,
     ``quadratic(K)``, or a budgeted ``D/S/G`` layout cut to K - 1 draft tokens (spec §5.1); a layout
-    with siblings (spec §5.3) keeps them at its own K = D + 1 only (a smaller K runs the chain)."""
+    with siblings (spec §5.3) keeps them at its own K = D + 1 only (a smaller K runs the chain).
+    ``smaller`` (budgeted only): layouts of fewer draft tokens; a size K runs the one of them with
+    the fewest draft tokens >= K - 1 (cut the same way), the draft itself when none has enough."""
     if draft in DRAFTS:
         make = dl.quadratic if draft == "quadratic" else dl.linear
         return [None] + [make(K) for K in range(2, Kmax + 1)]
-    tree = sl.parse(draft)
-    if not tree.siblings:
-        return [None] + [tree.chain.truncated(K - 1) for K in range(2, Kmax + 1)]
-    return [None] + [tree if K - 1 >= tree.D else sl.TreeLayout(tree.chain.truncated(K - 1)) for K in range(2, Kmax + 1)]
+    trees = sorted((sl.parse(t) for t in (draft, *smaller)), key=lambda t: t.D)  # stable: the draft first at a tie
+
+    def at(K: int):
+        tree = next((t for t in trees if t.D >= K - 1), trees[-1])
+        if K - 1 >= tree.D and tree.siblings:
+            return tree
+        chain = tree.chain.truncated(K - 1)
+        return sl.TreeLayout(chain) if any(t.siblings for t in trees) else chain
+
+    return [None] + [at(K) for K in range(2, Kmax + 1)]
 
 
 def window(layouts: list) -> tuple[int, list[int], int]:

@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect
 
 from unmask.decode import DECODERS, default_decoder, get_decoder
 from unmask.errors import UnmaskError
-from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option, with_server_draft
+from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option, served_table, with_server_draft
 from unmask.serve.engine import Job, QueueFull, Scheduler, ShuttingDown
 from unmask.serve.errors import ApiError
 from unmask.serve.limits import Limits
@@ -139,8 +139,9 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     get_decoder(probe.decoder, bundle.kind)(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
                                             **probe.options)
     sizes = draft_sizes_option(draft_sizes)
-    if sizes is not None and bundle.kind == "sbd":  # the table's largest K must decode here: checked now
-        k = max(2, max(k for _, k in sizes.steps))
+    table = served_table(sizes, bundle)
+    if table is not None and bundle.kind == "sbd":  # the table's largest K must decode here: checked now
+        k = max(2, max(k for _, k in table.steps))
         try:
             get_decoder("sbd", bundle.kind)(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
                                             verify=True, block_size=k)
@@ -150,7 +151,7 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
                               "largest K") from None
     scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue, compile=compile, draft_sizes=sizes)
     metrics = Metrics(scheduler)
-    draft_k = max(k for _, k in sizes.steps) if sizes is not None and bundle.kind == "sbd" else 1
+    draft_k = max(k for _, k in table.steps) if table is not None and bundle.kind == "sbd" else 1
 
     @asynccontextmanager
     async def lifespan(app):

@@ -10,23 +10,33 @@ so the scheduler may pick K per batch from the load, down to K = 1: plain one-to
 AR running batch, which reproduce lossless SBD exactly.
 
 ``DraftSizes`` is the table ``rows -> K``: a list of ``(min_rows, K)`` steps, parsed from the
-``--draft-sizes`` text ``"1:4,4:2,6:1"`` (1-3 rows: K = 4, 4-5 rows: K = 2, 6 and more: AR steps). The default is measured on
-this project's CPU (``benchmarks/serve_load.py`` and ``benchmarks/sbd_lossless.py``, README
-"Serving"); a GPU's knee sits far later, so pass a table measured there.
+``--draft-sizes`` text ``"1:4,4:2,6:1"`` (1-3 rows: K = 4, 4-5 rows: K = 2, 6 and more: AR steps).
+Under a budgeted layout (spec sbd_exact.md §5.1) a row of K < D + 1 runs the model's stored
+calibrated layout of the fewest draft tokens >= K - 1 (``VerifyConfig.smaller``), not the layout cut
+to K. The default, ``auto``, is measured on this project's CPU (``benchmarks/serve_load.py``, README
+"Serving"): a budgeted layout runs itself below SMALL_ROWS rows, the smallest stored layout (the
+8-query one) up to AR_ROWS, then AR steps; linear and quadratic drafts take LINEAR_TEXT. A GPU's
+knee sits far later, so pass a table measured there.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
-from unmask.decode import draft_layout, sbd_verify
+from unmask.decode import draft_layout, sbd_verify, sibling_layout as sl
 from unmask.decode.sbd import runs_lossless
 from unmask.errors import UnmaskError
 
 # measured on the 2-core CPU with stories260K-sbd, 1 thread, linear drafts
 # (benchmarks/results/draft_size_crossover.md): TPS vs AR at 1 row K2 1.09x, K4 1.34x, K8 1.23x;
 # 2 rows 1.30x / 1.41x / 1.07x; 4 rows 1.05x / 1.01x / 0.87x; 8 rows every K < 1 (best 0.70x).
-DEFAULT_TEXT = "1:4,4:2,6:1"
+LINEAR_TEXT = "1:4,4:2,6:1"
+# budgeted layouts (benchmarks/results/serve_draft_sizes.md): the batch's own layout below SMALL_ROWS
+# rows, the smallest stored one below AR_ROWS, then AR steps
+SMALL_ROWS, AR_ROWS = 3, 24
+LOG_ENTRIES = 4096  # the sizer's log keeps this many (a long-running server's memory stays flat)
+DEFAULT_TEXT = AUTO = "auto"
 VERIFY_OPTIONS = ("block_size", "draft", "verify", "queries")  # what a lossless sbd request may set
 
 
@@ -79,7 +89,28 @@ class DraftSizes:
         return k
 
 
-DEFAULT = DraftSizes.parse(DEFAULT_TEXT)
+DEFAULT = AUTO
+
+
+def smaller_layouts(draft: str, defaults: dict | None) -> tuple[str, ...]:
+    """The stored calibrated layouts (``decode_defaults`` ``draft_layouts``, else the presets) that draft
+    fewer tokens than the budgeted ``draft``, by budget; () for linear and quadratic drafts."""
+    if not draft_layout.is_layout(draft):
+        return ()
+    D = sl.parse(draft).D
+    return tuple(t for _, t in sorted(draft_layout.stored_layouts(defaults).items()) if sl.parse(t).D < D)
+
+
+def table_for(sizes: "DraftSizes | str | None", draft: str, defaults: dict | None) -> DraftSizes | None:
+    """The rows -> K table of the rows of layout ``draft``: ``sizes`` itself, or for ``auto`` the
+    measured default (module docstring) of that layout; None: sizing off."""
+    if sizes != AUTO:
+        return sizes
+    smaller = smaller_layouts(draft, defaults)
+    if not smaller:
+        return DraftSizes.parse(LINEAR_TEXT)
+    K, k = sl.parse(draft).D + 1, sl.parse(smaller[0]).D + 1
+    return DraftSizes(((1, K), (SMALL_ROWS, k), (AR_ROWS, 1)))
 SERVER_DRAFT = ("draft", "queries")  # `unmask serve --draft/--queries`: the server's lossless defaults
 
 
@@ -116,13 +147,21 @@ def with_server_draft(bundle, draft: str | None, queries: int | None):
     return dataclasses.replace(bundle, meta={**bundle.meta, "decode_defaults": served})
 
 
-def draft_sizes_option(value: "str | DraftSizes | None") -> DraftSizes | None:
+def served_table(sizes: "DraftSizes | str | None", bundle) -> DraftSizes | None:
+    """:func:`table_for` of the layout ``bundle`` serves by default (its decode_defaults' draft)."""
+    defaults = bundle.meta.get("decode_defaults") or {}
+    draft = draft_layout.resolve(defaults.get("draft") or sbd_verify.DEFAULT_DRAFT, None, defaults)
+    return table_for(sizes, draft, defaults)
+
+
+def draft_sizes_option(value: "str | DraftSizes | None") -> "DraftSizes | str | None":
     """``--draft-sizes`` value -> table: a DraftSizes passes through, ``None`` or ``"off"`` turns
-    sizing off (every lossless batch keeps its own block size), text is parsed (:meth:`DraftSizes.parse`)."""
+    sizing off (every lossless batch keeps its own block size), ``"auto"`` is the measured default
+    (:func:`table_for`), other text is parsed (:meth:`DraftSizes.parse`)."""
     if value is None or isinstance(value, DraftSizes):
         return value
-    if str(value).strip().lower() == "off":
-        return None
+    if str(value).strip().lower() in ("off", AUTO):
+        return None if str(value).strip().lower() == "off" else AUTO
     return DraftSizes.parse(value)
 
 
@@ -130,13 +169,15 @@ class LoadSizer:
     """The draft sizes of one server's AR / lossless rows (:class:`~unmask.decode.lossless.Verify`):
     1 for AR, the request's or checkpoint's K, or for a *sizable* row (greedy lossless, no block size
     given) the ``table``'s K at its batch's load, chosen again before every step (None: sizing off).
-    ``log``: (rows in the batch, K) whenever sizable rows join or get a new K (tests, benchmarks)."""
+    ``log``: (rows in the batch, K) whenever sizable rows join or get a new K (tests, benchmarks; the
+    last LOG_ENTRIES)."""
 
-    def __init__(self, bundle, table: DraftSizes | None):
+    def __init__(self, bundle, table: "DraftSizes | str | None"):
         self.bundle, self.table = bundle, table
         self.defaults = bundle.meta.get("decode_defaults") or {}
-        self.log: list[tuple[int, int]] = []
+        self.log: deque[tuple[int, int]] = deque(maxlen=LOG_ENTRIES)
         self._k: dict[str, int] = {}  # draft layout -> the K its sizable rows have now
+        self._tables: dict[str, DraftSizes] = {}  # draft layout -> its table (auto: per layout)
 
     def sizable(self, job) -> bool:
         """Greedy lossless sbd with no block size fixed by the request, while a table is set."""
@@ -150,7 +191,9 @@ class LoadSizer:
         """The table's K at ``load`` rows, logged when sizable rows join or it changes for ``batch``'s."""
         if self.table is None:
             return None
-        K = self.table.size(load)
+        if draft not in self._tables:
+            self._tables[draft] = table_for(self.table, draft, self.defaults)
+        K = self._tables[draft].size(load)
         if joining or (self._k.get(draft) != K and any(r.job.sizable for r in batch.rows.values())):
             self.log.append((load, K))
             self._k[draft] = K
@@ -161,6 +204,10 @@ class LoadSizer:
         sizable = [r.job.id for r in batch.rows.values() if r.job.sizable]
         if sizable:
             batch.resize(self.size(draft, len(batch), False, batch), ids=sizable)
+
+    def smaller(self, draft: str) -> tuple[str, ...]:
+        """The layouts rows of ``draft`` run at a smaller K (``VerifyConfig.smaller``); () with sizing off."""
+        return () if self.table is None else smaller_layouts(draft, self.defaults)
 
     def block_size(self, job, sized: int | None) -> int:
         """The draft size a job joins with: 1 for ar, ``sized`` (the table's) for a sizable job, else

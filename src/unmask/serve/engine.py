@@ -79,7 +79,7 @@ class Scheduler:
     draft_sizes: the load -> K table of sizable requests (None: they keep the checkpoint's K)."""
 
     def __init__(self, bundle, *, max_batch_size: int = 8, max_queue: int = 64, compile: bool = False,
-                 draft_sizes: DraftSizes | None = DEFAULT_DRAFT_SIZES):
+                 draft_sizes: "DraftSizes | str | None" = DEFAULT_DRAFT_SIZES):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise UnmaskError(f"max batch size must be an integer >= 1 (got {max_batch_size!r}); pass e.g. 8")
         if not isinstance(max_queue, int) or max_queue < 1:
@@ -114,7 +114,8 @@ class Scheduler:
     def _verify_batch(self, draft: str, fresh: bool = False) -> Verify:
         if fresh or draft not in self.verify:  # fresh: replaced in one assignment (readers never see none)
             K = self.defaults.get("verify_block_size") or sbd_verify.DEFAULT_BLOCK_SIZE
-            self.verify[draft] = Verify(self.bundle, sbd_verify.VerifyConfig(block_size=K, draft=draft),
+            cfg = sbd_verify.VerifyConfig(block_size=K, draft=draft, smaller=self.sizer.smaller(draft))
+            self.verify[draft] = Verify(self.bundle, cfg,
                                         compile=self.compile, capacity=self.max_batch_size, on_step=self._event,
                                         on_token=self._ar_token, ar=self.bundle.mask_token_id is None,
                                         defer_compile=True)
