@@ -35,7 +35,6 @@ from unmask.decode import draft_layout as dl
 from unmask.decode import sibling_layout as sl
 from unmask.decode import tree_verify as tv
 from unmask.decode.batching import left_pad
-from unmask.decode.kv import compact  # noqa: F401  (its home is kv; kept importable here)
 from unmask.decode.tree_verify import greedy_accept  # noqa: F401  (its home is tree_verify)
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
@@ -80,14 +79,10 @@ class VerifyConfig:
         if self.block_size > MAX_BLOCK_SIZE:
             raise UnmaskError(f"lossless SBD drafts at most {MAX_BLOCK_SIZE - 1} tokens per step (draft size "
                               f"{self.block_size} asked); lower --block-size or the layout's D")
-        if self.smaller:
-            if not self.budgeted:
-                raise UnmaskError(f"smaller layouts apply to a budgeted draft, not {self.draft}; drop them")
-            smaller = tuple(dl.canonical(t) for t in self.smaller)
-            if any(sl.parse(t).D + 1 >= self.block_size for t in smaller):
-                raise UnmaskError(f"a smaller layout must draft fewer than the {self.block_size - 1} tokens of "
-                                  f"{self.draft} (got {', '.join(smaller)})")
-            object.__setattr__(self, "smaller", smaller)
+        object.__setattr__(self, "smaller", smaller := tuple(dl.canonical(t) for t in self.smaller))
+        if smaller and (not self.budgeted or any(sl.parse(t).D + 1 >= self.block_size for t in smaller)):
+            raise UnmaskError(f"smaller layouts ({', '.join(smaller)}) must draft fewer than the "
+                              f"{self.block_size - 1} tokens of a budgeted draft ({self.draft}); drop them")
 
     def check_fits(self, context_length: int) -> None:
         """Raise UnmaskError when a step of this config cannot fit the context window: 2K positions
@@ -174,8 +169,7 @@ def family(draft: str, Kmax: int, smaller: tuple[str, ...] = ()) -> list:
         tree = next((t for t in trees if t.D >= K - 1), trees[-1])
         if K - 1 >= tree.D and tree.siblings:
             return tree
-        chain = tree.chain.truncated(K - 1)
-        return sl.TreeLayout(chain) if any(t.siblings for t in trees) else chain
+        return sl.TreeLayout(tree.chain.truncated(K - 1)) if any(t.siblings for t in trees) else tree.chain.truncated(K - 1)
 
     return [None] + [at(K) for K in range(2, Kmax + 1)]
 

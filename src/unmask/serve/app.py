@@ -138,8 +138,7 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
         raise UnmaskError(e.message) from None
     get_decoder(probe.decoder, bundle.kind)(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
                                             **probe.options)
-    sizes = draft_sizes_option(draft_sizes)
-    table = served_table(sizes, bundle)
+    table = served_table(sizes := draft_sizes_option(draft_sizes), bundle)  # the served layout's rows -> K
     if table is not None and bundle.kind == "sbd":  # the table's largest K must decode here: checked now
         k = max(2, max(k for _, k in table.steps))
         try:

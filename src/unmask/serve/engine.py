@@ -115,10 +115,9 @@ class Scheduler:
         if fresh or draft not in self.verify:  # fresh: replaced in one assignment (readers never see none)
             K = self.defaults.get("verify_block_size") or sbd_verify.DEFAULT_BLOCK_SIZE
             cfg = sbd_verify.VerifyConfig(block_size=K, draft=draft, smaller=self.sizer.smaller(draft))
-            self.verify[draft] = Verify(self.bundle, cfg,
-                                        compile=self.compile, capacity=self.max_batch_size, on_step=self._event,
-                                        on_token=self._ar_token, ar=self.bundle.mask_token_id is None,
-                                        defer_compile=True)
+            self.verify[draft] = Verify(self.bundle, cfg, compile=self.compile, capacity=self.max_batch_size,
+                                        on_step=self._event, on_token=self._ar_token,
+                                        ar=self.bundle.mask_token_id is None, defer_compile=True)
         return self.verify[draft]
 
     # -- public, any thread -------------------------------------------------------------------
