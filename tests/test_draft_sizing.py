@@ -109,6 +109,31 @@ def test_lossy_and_sampled_requests_are_never_sized(bundle):
     assert log == []
 
 
+def test_the_scheduler_parses_a_text_table(bundle):
+    """Found by the fault pass: Scheduler(draft_sizes="off" / "AUTO" / "1:4") kept the text, and its first
+    sized step failed (the request never answered)."""
+    from unmask.serve.engine import Scheduler
+
+    assert Scheduler(bundle, draft_sizes="off").draft_sizes is None
+    assert Scheduler(bundle, draft_sizes=" AUTO ").draft_sizes == "auto"
+    assert Scheduler(bundle, draft_sizes="1:4,2:1").draft_sizes == DraftSizes.parse("1:4,2:1")
+
+
+def test_auto_or_off_on_a_model_without_lossless_sbd_is_no_error(monkeypatch):
+    """Found by the fault pass: the documented default, passed explicitly, was refused on a model that
+    does not run lossless sbd; an explicit table still is."""
+    from unmask.serve import server
+
+    started = []
+    monkeypatch.setattr(server, "create_app", lambda *a, **k: started.append(k["draft_sizes"]) or (_ for _ in ()).throw(SystemExit(0)))
+    for value in ("auto", "off"):
+        with pytest.raises(SystemExit):
+            server.serve("stories260K", draft_sizes=value, port=0)
+    assert started == ["auto", None]
+    with pytest.raises(UnmaskError, match="--draft-sizes applies to lossless sbd"):
+        server.serve("stories260K", draft_sizes="1:4", port=0)
+
+
 def test_serve_cli_refuses_a_bad_table_in_one_line(capsys):
     from unmask.cli import main
 

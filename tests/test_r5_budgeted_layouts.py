@@ -166,8 +166,12 @@ def test_smaller_layouts_pick_the_fewest_draft_tokens_that_cover_k():
     with_sib = sbd_verify.family("4/0,4/5+1", 5, ("3/3/4",))
     assert with_sib[3].spec == "3/3/4" and with_sib[4].siblings  # mixed with a sibling layout: trees
     for draft, bad in [("4/0,4/5", "4/0,4/5"), ("4/0,4/5", "5/0/4"), ("linear", "3/3/4")]:
-        with pytest.raises(UnmaskError, match="must draft fewer than .* of a budgeted draft"):
+        with pytest.raises(UnmaskError, match="need a budgeted draft .* and fewer than its"):
             sbd_verify.VerifyConfig(draft=draft, smaller=(bad,))
+    for bad in ("3/3/4", None, 3):  # found by the fault pass: a bare text was read letter by letter
+        with pytest.raises(UnmaskError, match="a tuple of D/S/G texts"):
+            sbd_verify.VerifyConfig(draft="4/0,4/5", smaller=bad)
+    assert sbd_verify.VerifyConfig(draft="4/0,4/5", smaller=("3/3/4", "3/3/4")).smaller == ("3/3/4",)
 
 
 @pytest.mark.parametrize("arch, static", [("llama", False), ("qwen3", False), ("llama", True)])

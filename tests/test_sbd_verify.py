@@ -11,7 +11,7 @@ from conftest import one_line_error, tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
 from unmask.compat import attention_mask, forward, new_cache
-from unmask.decode import ar, sbd, sbd_verify
+from unmask.decode import ar, sbd, sbd_verify, tree_verify
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, sbd_inference_mask
 from unmask.models.mask_token import add_mask_token
@@ -71,7 +71,7 @@ def test_step_layout_matches_the_spec_rules(K, draft):
 def test_greedy_accept_takes_the_longest_confirmed_prefix():
     target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
     draft = torch.tensor([[5, 6, 7], [5, 0, 7], [0, 6, 7], [5, 6, 7]])
-    a = sbd_verify.greedy_accept(target, draft, torch.tensor([3, 3, 3, 0]))
+    a = tree_verify.greedy_accept(target, draft, torch.tensor([3, 3, 3, 0]))
     assert a.tolist() == [3, 1, 0, 0]  # a row without a draft accepts nothing
 
 

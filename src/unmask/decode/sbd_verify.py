@@ -35,12 +35,10 @@ from unmask.decode import draft_layout as dl
 from unmask.decode import sibling_layout as sl
 from unmask.decode import tree_verify as tv
 from unmask.decode.batching import left_pad
-from unmask.decode.tree_verify import greedy_accept  # noqa: F401  (its home is tree_verify)
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.masks import causal_mask
-from unmask.sampling import Sampling, sample
-from unmask.sampling import draw as _draw, multinomial as _multinomial, probs as _probs, uniform as _uniform
+from unmask.sampling import Sampling, draw as _draw, multinomial as _multinomial, probs as _probs, sample, uniform as _uniform
 
 DRAFTS = ("quadratic", "linear")
 # the fastest lossless setting in tokens per second on both shipped SBD models (batch 1, 1 thread,
@@ -79,10 +77,12 @@ class VerifyConfig:
         if self.block_size > MAX_BLOCK_SIZE:
             raise UnmaskError(f"lossless SBD drafts at most {MAX_BLOCK_SIZE - 1} tokens per step (draft size "
                               f"{self.block_size} asked); lower --block-size or the layout's D")
-        object.__setattr__(self, "smaller", smaller := tuple(dl.canonical(t) for t in self.smaller))
+        if isinstance(self.smaller, str) or not isinstance(self.smaller, (tuple, list)):
+            raise UnmaskError(f"smaller layouts are a tuple of D/S/G texts (got {self.smaller!r}), e.g. ('3/3/4',)")
+        object.__setattr__(self, "smaller", smaller := tuple(dict.fromkeys(dl.canonical(str(t)) for t in self.smaller)))
         if smaller and (not self.budgeted or any(sl.parse(t).D + 1 >= self.block_size for t in smaller)):
-            raise UnmaskError(f"smaller layouts ({', '.join(smaller)}) must draft fewer than the "
-                              f"{self.block_size - 1} tokens of a budgeted draft ({self.draft}); drop them")
+            raise UnmaskError(f"smaller layouts ({', '.join(smaller)}) need a budgeted draft (D/S/G, got {self.draft}) "
+                              f"and fewer than its {self.block_size - 1} draft tokens; drop them")
 
     def check_fits(self, context_length: int) -> None:
         """Raise UnmaskError when a step of this config cannot fit the context window: 2K positions

@@ -74,10 +74,10 @@ class DraftSizes:
                 steps.append((int(rows), int(k)))
             except ValueError:
                 raise UnmaskError(f"bad draft-size entry {part.strip()!r}; write ROWS:K pairs, "
-                                  "e.g. --draft-sizes 1:8,2:4,4:1") from None
+                                  "e.g. --draft-sizes 1:8,2:4,4:1, or auto / off alone") from None
             if not sep:
                 raise UnmaskError(f"bad draft-size entry {part.strip()!r}; write ROWS:K pairs, "
-                                  "e.g. --draft-sizes 1:8,2:4,4:1")
+                                  "e.g. --draft-sizes 1:8,2:4,4:1, or auto / off alone")
         return cls(tuple(steps))
 
     def size(self, rows: int) -> int:
@@ -173,7 +173,7 @@ class LoadSizer:
     last LOG_ENTRIES)."""
 
     def __init__(self, bundle, table: "DraftSizes | str | None"):
-        self.bundle, self.table = bundle, table
+        self.bundle, self.table = bundle, draft_sizes_option(table)  # text ("auto", "off", "1:4,6:1") parsed
         self.defaults = bundle.meta.get("decode_defaults") or {}
         self.log: deque[tuple[int, int]] = deque(maxlen=LOG_ENTRIES)
         self._k: dict[str, int] = {}  # draft layout -> the K its sizable rows have now

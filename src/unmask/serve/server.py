@@ -12,7 +12,7 @@ import time
 
 from unmask.errors import UnmaskError
 from unmask.serve import create_app, require
-from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, check_server_draft, draft_sizes_option
+from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, check_server_draft, draft_sizes_option
 from unmask.serve.limits import Limits
 
 GRACE_S = 5  # seconds open connections get to finish after the drain
@@ -123,7 +123,7 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
     sizes = DEFAULT_DRAFT_SIZES if draft_sizes is None else draft_sizes_option(draft_sizes)  # bad text fails before loading
     check_server_draft(defaults.get("draft"), defaults.get("queries"))  # so does a bad --draft / --queries
     bundle = load(model, kind=kind, device=device, dtype=dtype, adapter=adapter)
-    if draft_sizes is not None and bundle.kind != "sbd":
+    if isinstance(sizes, DraftSizes) and bundle.kind != "sbd":  # auto / off: nothing to size, no error
         raise UnmaskError(f"--draft-sizes applies to lossless sbd, which {bundle.name} ({bundle.kind}) does not run; "
                           "drop --draft-sizes, or serve an sbd model (or a causal one with --adapter sbd)")
     app = create_app(bundle, max_batch_size=max_batch_size, max_queue=max_queue, request_timeout=float(request_timeout),
