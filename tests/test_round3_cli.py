@@ -362,6 +362,8 @@ def test_ctrl_c_while_compile_compiles_is_exit_130_with_one_line(tmp_path):
     out, err = proc.communicate(timeout=120)
     if proc.returncode == 0:
         pytest.skip("the compile finished before the signal")
+    if proc.returncode == -signal.SIGINT and not err:  # a loaded machine: still importing, default SIGINT death
+        pytest.skip("the signal arrived before the CLI had started")
     assert proc.returncode == 130 and err.strip().splitlines() == ["interrupted"], (proc.returncode, err[-2000:])
 
 

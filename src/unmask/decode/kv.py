@@ -114,8 +114,6 @@ class StaticKV:
                 logits_to_keep: int = 0, compiled: bool = True) -> torch.Tensor:
         """As :meth:`DynamicKV.forward`; ``mask`` None means causal over the cache (no padding).
         ``compiled=False`` runs this forward eagerly (prefill and refresh, whose lengths vary)."""
-        from unmask.decode.static import LENGTH_BUCKET
-
         B, q = inp.shape
         end = self.ptr + q
         if end > self.capacity:
@@ -124,9 +122,7 @@ class StaticKV:
         if B > self.batch:
             raise UnmaskError(f"a forward of {B} rows on a static cache of {self.batch}; this is a bug in the "
                               "decoder's row count, run without --compile")
-        Lb = self.capacity
-        if self.length_buckets:
-            Lb = min(LENGTH_BUCKET << max(0, (-(-end // LENGTH_BUCKET) - 1).bit_length()), self.capacity)
+        Lb = self.bucket(end)
         buf = self._masks.get((B, q, Lb))
         if buf is None:
             buf = self._masks[(B, q, Lb)] = torch.zeros((B, 1, q, Lb), dtype=torch.bool, device=self._device)
@@ -148,6 +144,15 @@ class StaticKV:
             self.compiled.add((B, q, Lb))
         self.ptr = end
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
+
+    def bucket(self, end: int) -> int:
+        """The columns a forward ending at ``end`` covers: the capacity, or with ``length_buckets``
+        LENGTH_BUCKET doubled until it holds ``end`` (at most the capacity)."""
+        from unmask.decode.static import LENGTH_BUCKET
+
+        if not self.length_buckets:
+            return self.capacity
+        return min(LENGTH_BUCKET << max(0, (-(-end // LENGTH_BUCKET) - 1).bit_length()), self.capacity)
 
     @torch.inference_mode()
     def warm(self) -> bool:

@@ -285,14 +285,16 @@ class Verify:
 
     def _reclaim(self, Q: int) -> None:
         """Compact the cache (host-known counts, no sync) when the columns no row attends to are more
-        than half of it (a static cache then steps in a smaller length bucket), or when a static one
-        cannot take the next Q columns."""
+        than half of it, or, static, when it cannot take the next Q columns or compacting moves the
+        step to a smaller length bucket (a running batch with rows joining and leaving would
+        otherwise attend over ever larger buckets)."""
         C, cap = self.kv.length, getattr(self.kv, "capacity", None)
         most = max(self._held(r) for r in self.rows.values())
         if self.static and most + Q > cap:
             raise UnmaskError(f"static KV cache overflow: {most + Q} positions needed, {cap} "
                               "allocated; lower max_new_tokens or run without --compile")
-        if not (self.static and C + Q > cap) and C - most < max(most, self.cfg.block_size):
+        smaller_bucket = self.static and (C + Q > cap or self.kv.bucket(C + Q) > self.kv.bucket(most + Q))
+        if not smaller_bucket and C - most < max(most, self.cfg.block_size):
             return
         self.key_valid = compact(self.kv, self.key_valid, most)  # (R, most)
 
