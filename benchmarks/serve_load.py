@@ -146,14 +146,14 @@ def summary(decoder: str, streams: int, results: list[dict], wall: float) -> dic
 
 def interleaved(url: str, model: str, decoders: list[str], streams: int, n: int, max_tokens: int,
                 seconds: float) -> dict[str, tuple[dict, list[dict]]]:
-    """Each decoder's ``n`` requests at one level, run as halves in A B B A order (two decoders; one
-    decoder: one run), so a drift of the shared machine during the level weighs on both alike."""
+    """Each decoder's ``n`` requests at one level, run as halves, the second round in reverse order
+    (A B B A; one decoder: one run), so a drift of the shared machine during the level weighs on all alike."""
     if len(decoders) == 1:
         return {decoders[0]: asyncio.run(level(url, model, decoders[0], streams, n, max_tokens, seconds))}
     parts: dict[str, list] = {d: [] for d in decoders}
     for d in decoders + decoders[::-1]:
-        _, results = asyncio.run(level(url, model, d, streams, (n + 1) // 2, max_tokens, seconds / 2))
-        parts[d].append((results, _["seconds"]))
+        row, results = asyncio.run(level(url, model, d, streams, (n + 1) // 2, max_tokens, seconds / 2))
+        parts[d].append((results, row["seconds"]))
     out = {}
     for d, runs in parts.items():
         results = [r for rs, _ in runs for r in rs]

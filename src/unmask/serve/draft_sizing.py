@@ -111,6 +111,8 @@ def table_for(sizes: "DraftSizes | str | None", draft: str, defaults: dict | Non
         return DraftSizes.parse(LINEAR_TEXT)
     K, k = sl.parse(draft).D + 1, sl.parse(smaller[0]).D + 1
     return DraftSizes(((1, K), (SMALL_ROWS, k), (AR_ROWS, 1)))
+
+
 SERVER_DRAFT = ("draft", "queries")  # `unmask serve --draft/--queries`: the server's lossless defaults
 
 
@@ -160,8 +162,9 @@ def draft_sizes_option(value: "str | DraftSizes | None") -> "DraftSizes | str | 
     (:func:`table_for`), other text is parsed (:meth:`DraftSizes.parse`)."""
     if value is None or isinstance(value, DraftSizes):
         return value
-    if str(value).strip().lower() in ("off", AUTO):
-        return None if str(value).strip().lower() == "off" else AUTO
+    text = str(value).strip().lower()
+    if text in ("off", AUTO):
+        return None if text == "off" else AUTO
     return DraftSizes.parse(value)
 
 
