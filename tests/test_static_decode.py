@@ -215,3 +215,24 @@ def test_compile_option_values(capsys):
     assert off.tokens == unmask.generate("Once", model="stories260K-dlm", max_new_tokens=8).tokens
     one_line_error(capsys, "eval", "--task", "stories", "--limit", "1", "-O", "compile=false", "--compile",
                    match="set twice")
+
+
+def test_compiled_graph_reused_by_a_later_decode_reads_its_own_cache(sbd_model):
+    """The compiled step keeps only dynamo's tensor guards (static._guard_filter): a second decode
+    with other prompts and a new static cache runs the first decode's graphs (none compiled anew)
+    and still gives eager's tokens, so no per-call value is baked into a graph."""
+    kw = dict(max_new_tokens=40, stop_token_ids=sbd_model.stop_token_ids)
+    first, second = _prompts(sbd_model, 8)[:2], _prompts(sbd_model, 8)[4:6]
+    _same(ar.decode(sbd_model, first, **kw), ar.decode(sbd_model, first, compile=True, **kw))
+    graphs = len(static._compiled[sbd_model.model])
+    _same(ar.decode(sbd_model, second, **kw), ar.decode(sbd_model, second, compile=True, **kw))
+    assert len(static._compiled[sbd_model.model]) == graphs  # the same graphs ran on the new cache
+    assert static._guard_filter(sbd_model.model)  # a model without hooks: tensor guards only
+
+
+def test_a_model_with_forward_hooks_keeps_every_guard():
+    model = tiny_llama()
+    assert static._guard_filter(model)
+    handle = model.model.register_forward_pre_hook(lambda module, args: None)  # e.g. an SBD adapter's gate
+    assert static._guard_filter(model) == {}
+    handle.remove()

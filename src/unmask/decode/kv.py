@@ -300,7 +300,7 @@ def canvas_forward(model, compile: bool = False):
     on a code object of its own as in :func:`unmask.decode.static.step_function` (inductor on
     CPU, CUDA graphs on CUDA); a decode's canvas has one shape, so it compiles once.
     """
-    from unmask.decode.static import _own_code
+    from unmask.decode.static import _guard_filter, _own_code
 
     def step(inp, positions, mask, rows):
         out = model(input_ids=inp, position_ids=positions, attention_mask=mask, use_cache=False,
@@ -310,13 +310,15 @@ def canvas_forward(model, compile: bool = False):
     if not compile:
         return step
     table = _canvas_steps.setdefault(model, {})
-    mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
+    cuda = next(model.parameters()).device.type == "cuda"  # mode="reduce-overhead", as its option
 
     def compiled(inp, positions, mask, rows):
-        key = (tuple(inp.shape), None if mask is None else (tuple(mask.shape), mask.dtype), tuple(rows.shape))
+        key = (tuple(inp.shape), None if mask is None else (tuple(mask.shape), mask.dtype), tuple(rows.shape),
+               model.training)
         fn = table.get(key)
         if fn is None:
-            fn = table[key] = torch.compile(_own_code(step), dynamic=False, mode=mode)
+            options = {**({"triton.cudagraphs": True} if cuda else {}), **_guard_filter(model)} or None
+            fn = table[key] = torch.compile(_own_code(step), dynamic=False, options=options)
         return fn(inp, positions, mask, rows)
 
     return compiled

@@ -74,7 +74,7 @@ class Verify:
         self.stops = torch.tensor(stop_ids or [-1], dtype=torch.long, device=self.device)  # (S,)
         self.slots = Slots(capacity)
         self.rows: dict[int, VerifyRow] = {}  # slot -> running row
-        self.forwards, self.windows = 0, Counter()  # windows: verify forwards by query window Q (stats)
+        self.forwards, self.windows, self.n_sampled = 0, Counter(), 0  # n_sampled: running rows not greedy  # windows: verify forwards by query window Q (stats)
         cap, dev, W = capacity, self.device, max(cfg.block_size - 1, 1)
         self.b = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) the bonus: committed, not yet cached
         self.s = torch.zeros((cap, W), dtype=torch.long, device=dev)  # (cap, W) the draft after b
@@ -87,6 +87,8 @@ class Verify:
         self.n = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) committed tokens
         self.N = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) max_new_tokens
         self.live = torch.zeros(cap, dtype=torch.bool, device=dev)  # (cap,)
+        self._zero = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) an AR step's a and path (read only)
+        self._one = torch.ones((cap, 1, 1), dtype=torch.bool, device=dev)  # (cap, 1, 1) an AR step's window mask
         self._layouts: dict[int, tv.TreeWindow] = {}  # Kmax -> the window tables of the draft layout
         if self.static:
             L = length or bundle.context_length + 2 * queries(max(cfg.block_size, 2), cfg.draft, cfg.smaller)
@@ -108,8 +110,6 @@ class Verify:
             self.kv = DynamicKV(self.model)
         rows = self.slots.capacity if self.static else 0  # key_valid (R, C): the cache columns each slot attends to
         self.key_valid = torch.zeros((rows, 0), dtype=torch.bool, device=self.device)
-
-    # -- joining ------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def join(self, requests: list[Request], *, block_size: int | None = None) -> list[VerifyRow]:
@@ -167,7 +167,7 @@ class Verify:
         if self.on_forward is not None:
             self.on_forward({"step": 0, "inp": inp, "positions": positions, "logits": logits,
                              "cache": new_kv.cache, "key_valid": valid})
-        done = []
+        done, self.n_sampled = [], self.n_sampled + sum(not r.sampling.greedy for r in requests)
         for req, row, t in zip(requests, rows, b.tolist()):  # join is not a step: its host syncs are the prefill's
             self.rows[row.slot] = row
             row.committed, row.nfe, row.accepts = [t], 1, [1]
@@ -183,8 +183,6 @@ class Verify:
         if (more := K - 1 - self.s.shape[1]) > 0:
             self.s = torch.nn.functional.pad(self.s, (0, more))  # (cap, K-1)
             self.q = None if self.q is None else torch.nn.functional.pad(self.q, (0, 0, 0, more))  # (cap, K-1, V)
-
-    # -- stepping -----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def resize(self, K: int, ids=None) -> None:
@@ -215,28 +213,33 @@ class Verify:
         R = self._rows_in_forward()
         self._reclaim(Q)
         C, tw = self.kv.length, self._tables(Kmax)
-        K, dl, s = self.K[:R], self.draft_len[:R], self.s[:R, : Kmax - 1].clone()  # the draft _accept replaces
-        m, o = tw.mask[K - 1, dl], tw.offsets[K - 1, dl]  # (R, Q, Q), (R, Q): each row's layout for its draft length
-        inp = tv.inputs(tw, K, dl, self.b[:R], s, self.sib[:R], self.mask_id)  # (R, Q): b, the draft, siblings, masks
-        positions = self.p_b[:R, None] + o  # (R, Q)
-        mask = None if self._all_valid(R, C, Q) else torch.cat(
-            [self.key_valid[:R, None, :].expand(R, Q, C), m], dim=2)[:, None]  # (R, 1, Q, C+Q)
+        K, dl = self.K[:R], self.draft_len[:R]
+        if Kmax == 1:  # an AR step: the K = 1 tables are b alone at its position, so skip their gathers
+            s, m, inp, positions = self.s[:R, :0], self._one[:R], self.b[:R, None], self.p_b[:R, None]  # (R, 0), (R, 1, 1), (R, 1)
+        else:
+            s = self.s[:R, : Kmax - 1].clone()  # the draft _accept replaces
+            m, o = tw.mask[K - 1, dl], tw.offsets[K - 1, dl]  # (R, Q, Q), (R, Q): each row's layout for its draft length
+            inp = tv.inputs(tw, K, dl, self.b[:R], s, self.sib[:R], self.mask_id)  # (R, Q): b, the draft, siblings, masks
+            positions = self.p_b[:R, None] + o  # (R, Q)
+        causal = Q == 1 and not self.static and len(self.rows) == R and all(self._held(r) == C for r in self.rows.values())
+        mask = None if causal else torch.cat([self.key_valid[:R, None, :].expand(R, Q, C), m], dim=2)[:, None]  # (R, 1, Q, C+Q)
         logits = self.kv.forward(inp, positions, mask)  # (R, Q, V)
-        self.forwards += 1
-        self.windows[Q] += 1
+        self.forwards, self.windows[Q] = self.forwards + 1, self.windows[Q] + 1
         if self.suppress:
             logits[..., self.suppress] = float("-inf")
         a, p, step_tok = self._accept(logits, inp, tw, R, Kmax, s, dl)  # (R,), (R,), (R, Kmax)
         live = self.live[:R]
-        committed, _, n, nxt, ended = advance(a, step_tok, self.n[:R], self.N[:R], live, self.stops,
-                                              tw.length[K - 1, dl, p, a])  # next draft lengths (spec §5.2)
+        nxt = dl if Kmax == 1 else tw.length[K - 1, dl, p, a]  # next draft lengths (spec §5.2; AR rows: 0)
+        committed, _, n, nxt, ended = advance(a, step_tok, self.n[:R], self.N[:R], live, self.stops, nxt)
         keep, last = tv.kept_columns(tw, K, dl, p, committed, Q)  # (R, Q), (R,): the path's columns
-        self.b[:R] = torch.where(live, step_tok.gather(1, a[:, None])[:, 0], self.b[:R])
+        bonus = step_tok[:, 0] if Kmax == 1 else step_tok.gather(1, a[:, None])[:, 0]  # (R,)
+        self.b[:R] = torch.where(live, bonus, self.b[:R])
         self.p_b[:R] += committed
         self.n[:R], self.draft_len[:R] = n, nxt
         host = torch.cat([committed, ended.long(), last, step_tok.flatten()]).tolist()  # the step's one host sync
         kept = max(host[2 * R + i] for i in self.rows)  # window columns some running row keeps
-        self.kv.crop(Q - kept)
+        if kept < Q:  # the tail no running row keeps
+            self.kv.crop(Q - kept)
         cols = keep[:, :kept]  # (R, kept); a static cache's rows past R ride along as invalid keys
         if self.key_valid.shape[0] > R:
             cols = torch.cat([cols, cols.new_zeros((self.key_valid.shape[0] - R, kept))])  # (cap, kept)
@@ -278,11 +281,6 @@ class Verify:
         """Valid cache columns of a running row: its prompt and every committed token but the bonus."""
         return len(row.job.prompt_ids) + len(row.committed) - 1
 
-    def _all_valid(self, R: int, C: int, Q: int) -> bool:
-        """An AR step over a cache every row fully attends to needs no mask (the causal default)."""
-        return Q == 1 and not self.static and len(self.rows) == R and all(
-            self._held(r) == C for r in self.rows.values())
-
     def _reclaim(self, Q: int) -> None:
         """Compact the cache (host-known counts, no sync) when the columns no row attends to are more
         than half of it, or, static, when it cannot take the next Q columns or compacting moves the
@@ -310,15 +308,18 @@ class Verify:
         then each sampled group (same sampling and K) by speculative sampling. Returns a, path p (R,), step_tok (R, Kmax)."""
         dev, K = self.device, self.K[:R]
         top = logits.argmax(dim=-1)  # (R, Q): NTP targets of every query
-        a, p, step_tok = tv.tree_accept(top, inp, tw, K, dl)  # (R,), (R,), (R, Kmax)
-        src = tw.src[K - 1, dl, p, a]  # (R, W): the window query of each next-draft token (spec §5.2)
-        self.s[:R, : Kmax - 1] = top.gather(1, src[:, : Kmax - 1])  # (R, Kmax-1)
-        if tw.H:
-            self.sib[:R, : tw.H] = tv.siblings(logits, tw, K, src)  # (R, H)
+        if Kmax == 1:  # AR rows: nothing to accept or draft, the bonus is the argmax
+            a, p, step_tok = self._zero[:R], self._zero[:R], top  # (R,), (R,), (R, 1)
+        else:
+            a, p, step_tok = tv.tree_accept(top, inp, tw, K, dl)  # (R,), (R,), (R, Kmax)
+            src = tw.src[K - 1, dl, p, a]  # (R, W): the window query of each next-draft token (spec §5.2)
+            self.s[:R, : Kmax - 1] = top.gather(1, src[:, : Kmax - 1])  # (R, Kmax-1)
+            if tw.H:
+                self.sib[:R, : tw.H] = tv.siblings(logits, tw, K, src)  # (R, H)
+        if not self.n_sampled:
+            return a, p, step_tok
         sampled = {k: v for k, v in group_by(self.rows.items(), lambda r: (r.job.sampling, r.K)).items()
                    if not k[0].greedy}
-        if not sampled:
-            return a, p, step_tok
         a, p, step_tok = a.clone(), p.clone(), step_tok.clone()
         for (sampling, K), slots in sampled.items():
             idx = torch.tensor(slots, dtype=torch.long, device=dev)  # (n,)
@@ -360,8 +361,6 @@ class Verify:
         row.extra = {"verify": True, "draft": self.cfg.draft, "block_size": row.K, "accepts": row.accepts}
         return True
 
-    # -- leaving ------------------------------------------------------------------------------
-
     @torch.inference_mode()
     def drop(self, ids) -> list[VerifyRow]:
         """Remove the running rows whose job id is in ``ids``; their slots are free at once. Returns them."""
@@ -374,11 +373,11 @@ class Verify:
             return
         slots = [r.slot for r in rows if self.rows.get(r.slot) is r]
         for s in slots:
-            del self.rows[s]
+            self.n_sampled -= not self.rows.pop(s).job.sampling.greedy
         self.slots.give(slots)
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)  # a free slot steps as a dead AR row:
         self.live[idx], self.K[idx], self.draft_len[idx] = False, 1, 0  # a static row bucket covers free slots too
-        if self.q is not None and all(r.job.sampling.greedy for r in self.rows.values()):
+        if self.q is not None and not self.n_sampled:
             self.q = None  # no sampled row left: no proposal distributions kept
         if not self.rows:
             return self._empty()

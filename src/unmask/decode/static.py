@@ -59,16 +59,30 @@ def step_function(model, compile: bool, *, cpp_wrapper: bool = False):
         return step
     table = _compiled.setdefault(model, {})
     cuda = next(model.parameters()).device.type == "cuda"
-    how = {"mode": "reduce-overhead"} if cuda else {"options": {"cpp_wrapper": True}} if cpp_wrapper else {}
+    # CUDA: mode="reduce-overhead" (CUDA graphs), written as its option to sit beside the guard filter
+    how = {"triton.cudagraphs": True} if cuda else {"cpp_wrapper": True} if cpp_wrapper else {}
 
     def compiled(inp, positions, mask, cache):
-        key = (tuple(inp.shape), tuple(mask.shape), mask.dtype, bool(how))
+        key = (tuple(inp.shape), tuple(mask.shape), mask.dtype, bool(how), model.training)
         fn = table.get(key)
         if fn is None:
-            fn = table[key] = torch.compile(_own_code(step), dynamic=False, **how)
+            options = {**how, **_guard_filter(model)} or None
+            fn = table[key] = torch.compile(_own_code(step), dynamic=False, options=options)
         return fn(inp, positions, mask, cache)
 
     return compiled
+
+
+def _guard_filter(model) -> dict:
+    """Dynamo's guards keep only their tensor checks (dtype, device, shape, strides of every
+    parameter, cache buffer and input) when nothing else the forward reads can change between
+    calls of one graph: the graph's key holds the shapes and ``model.training``, and a model
+    without forward hooks reads no Python state set per call. That cuts the guard check of every
+    call (stories260K's AR step: 0.9 -> 0.7 ms). A model with hooks (an SBD adapter's gate, set per
+    forward) keeps every guard."""
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return {}
+    return {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
 
 
 def _own_code(fn):
