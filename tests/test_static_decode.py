@@ -236,3 +236,18 @@ def test_a_model_with_forward_hooks_keeps_every_guard():
     handle = model.model.register_forward_pre_hook(lambda module, args: None)  # e.g. an SBD adapter's gate
     assert static._guard_filter(model) == {}
     handle.remove()
+
+
+@pytest.mark.parametrize("before", [None, "0"])
+def test_sdpa_gqa_trace_restores_the_environment(monkeypatch, before):
+    import os
+
+    if before is None:
+        monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    else:
+        monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", before)
+    with pytest.raises(RuntimeError):
+        with static._sdpa_gqa():
+            assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "1"
+            raise RuntimeError("a failed compile")
+    assert os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA") == before
