@@ -214,10 +214,11 @@ def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> d
                 for decoder in decoders:
                     asyncio.run(level(url, info["id"], decoder, streams, streams, max_tokens, 300))
                 wait_for_compiles(url)
+            warm = proc_status(proc.pid)["rss_mib"]  # after this level's compiles: its timed part's growth is from here
             got = interleaved(url, info["id"], decoders, streams, n, max_tokens, args.level_seconds)
             h, status = health(url), proc_status(proc.pid)
             for decoder, (row, results) in got.items():
-                row.update(status, leaked_slots=h["active"], left_in_queue=h["queue_depth"])
+                row.update(status, leaked_slots=h["active"], left_in_queue=h["queue_depth"], rss_warm_mib=warm)
                 runs[(decoder, streams)] = row, results
         for decoder in decoders:
             for streams in levels:
@@ -239,6 +240,9 @@ def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> d
         after = proc_status(proc.pid)
         print(f"server RSS before {before['rss_mib']:.1f} MiB, after {after['rss_mib']:.1f} MiB "
               f"({100 * (after['rss_mib'] / before['rss_mib'] - 1):+.1f} %)")
+        timed = sum(max(r["rss_mib"] - r["rss_warm_mib"], 0) for r in rows if r["decoder"] == decoders[0])
+        print(f"server RSS growth while the timed levels ran (each level's compiles excluded): {timed:.1f} MiB "
+              f"({100 * timed / before['rss_mib']:+.1f} %)")
         if "ar" in decoders and len(decoders) > 1:
             other = decoders[1]
             for streams in levels:
@@ -247,7 +251,8 @@ def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> d
                 ratio = b["tok_s"] / a["tok_s"] if a["tok_s"] else float("nan")
                 print(f"{other} / ar tokens/s at {streams} streams: {ratio:.2f}x")
         return {"model": info["id"], "compile": compile, "max_tokens": max_tokens, "levels": levels,
-                "rss_before_mib": before["rss_mib"], "rss_after_mib": after["rss_mib"], "rows": rows}
+                "rss_before_mib": before["rss_mib"], "rss_after_mib": after["rss_mib"], "rss_timed_growth_mib": timed,
+                "rows": rows}
     finally:
         proc.terminate()
         try:
