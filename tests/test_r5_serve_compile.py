@@ -255,8 +255,10 @@ def test_deferred_compile_runs_a_new_shape_eagerly_then_compiles_it_while_no_row
         return done[0].tokens
 
     assert run() == want and calls == ["eager"] * 11 and list(kv.pending) == [(1, 1, 128)]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert batch.warm() and not kv.pending and kv.compiled == {(1, 1, 128)} and not batch.warm()
     assert run() == want and calls == ["compiled"] * 11  # every step (the prefill runs on its own DynamicKV)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1  # warm()'s graph, no recompile
     kv.ptr = 3
     with pytest.raises(UnmaskError, match="no row holds it"):
         kv.warm()

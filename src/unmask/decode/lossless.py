@@ -215,7 +215,9 @@ class Verify:
         C, tw = self.kv.length, self._tables(Kmax)
         K, dl = self.K[:R], self.draft_len[:R]
         if Kmax == 1:  # an AR step: the K = 1 tables are b alone at its position, so skip their gathers
-            s, m, inp, positions = self.s[:R, :0], self._one[:R], self.b[:R, None], self.p_b[:R, None]  # (R, 0), (R, 1, 1), (R, 1)
+            # (R, 0), (R, 1, 1), (R, 1) x2; copies, not views: a view of a buffer made outside inference mode
+            # differs in dispatch keys from warm()'s inputs, and a compiled step would recompile on it
+            s, m, inp, positions = self.s[:R, :0], self._one[:R], self.b[:R, None].clone(), self.p_b[:R, None].clone()
         else:
             s = self.s[:R, : Kmax - 1].clone()  # the draft _accept replaces
             m, o = tw.mask[K - 1, dl], tw.offsets[K - 1, dl]  # (R, Q, Q), (R, Q): each row's layout for its draft length
