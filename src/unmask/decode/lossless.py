@@ -74,7 +74,7 @@ class Verify:
         self.stops = torch.tensor(stop_ids or [-1], dtype=torch.long, device=self.device)  # (S,)
         self.slots = Slots(capacity)
         self.rows: dict[int, VerifyRow] = {}  # slot -> running row
-        self.forwards, self.windows, self.n_sampled = 0, Counter(), 0  # n_sampled: running rows not greedy  # windows: verify forwards by query window Q (stats)
+        self.forwards, self.windows, self.n_sampled = 0, Counter(), 0  # windows: forwards by query window Q; n_sampled: rows not greedy
         cap, dev, W = capacity, self.device, max(cfg.block_size - 1, 1)
         self.b = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) the bonus: committed, not yet cached
         self.s = torch.zeros((cap, W), dtype=torch.long, device=dev)  # (cap, W) the draft after b
@@ -215,8 +215,7 @@ class Verify:
         C, tw = self.kv.length, self._tables(Kmax)
         K, dl = self.K[:R], self.draft_len[:R]
         if Kmax == 1:  # an AR step: the K = 1 tables are b alone at its position, so skip their gathers
-            # (R, 0), (R, 1, 1), (R, 1) x2; copies, not views: a view of a buffer made outside inference mode
-            # differs in dispatch keys from warm()'s inputs, and a compiled step would recompile on it
+            # (R, 0), (R, 1, 1), (R, 1) x2; copies: a view of a buffer made outside inference mode would recompile warm()'s graph
             s, m, inp, positions = self.s[:R, :0], self._one[:R], self.b[:R, None].clone(), self.p_b[:R, None].clone()
         else:
             s = self.s[:R, : Kmax - 1].clone()  # the draft _accept replaces
