@@ -218,7 +218,8 @@ def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> d
             got = interleaved(url, info["id"], decoders, streams, n, max_tokens, args.level_seconds)
             h, status = health(url), proc_status(proc.pid)
             for decoder, (row, results) in got.items():
-                row.update(status, leaked_slots=h["active"], left_in_queue=h["queue_depth"], rss_warm_mib=warm)
+                row.update(status, leaked_slots=h["active"], left_in_queue=h["queue_depth"], rss_warm_mib=warm,
+                           eager_shapes=h.get("pending_compiles", 0))  # --compile: step shapes the level ran eagerly
                 runs[(decoder, streams)] = row, results
         for decoder in decoders:
             for streams in levels:
@@ -236,7 +237,7 @@ def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> d
                       f"{row['req_s']:.2f} req/s, {row['tok_s']:.1f} tok/s, TTFT p50/p95 {row['ttft_p50']:.3f}/"
                       f"{row['ttft_p95']:.3f} s, e2e p50/p95 {row['e2e_p50']:.3f}/{row['e2e_p95']:.3f} s, "
                       f"RSS {row['rss_mib']:.1f} MiB, threads {row['threads']}, leaked slots {row['leaked_slots']}, "
-                      f"same as AR {row['same_as_ar']}, batch-invariant {row['batch_invariant']}", flush=True)
+                      + (f"eager shapes {row['eager_shapes']}, " if compile else "") + f"same as AR {row['same_as_ar']}, batch-invariant {row['batch_invariant']}", flush=True)
         after = proc_status(proc.pid)
         print(f"server RSS before {before['rss_mib']:.1f} MiB, after {after['rss_mib']:.1f} MiB "
               f"({100 * (after['rss_mib'] / before['rss_mib'] - 1):+.1f} %)")
