@@ -37,25 +37,41 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 
 class _Gate:
-    """The (B, T) bool gate of the forward in flight (None outside a forward) and the flat
-    indices of its True entries (``rows``, (n,) long; None when no token is a mask, so the
-    layers skip the delta without a host sync of their own)."""
+    """The gate of the forward in flight (None outside a forward): ``mask`` (B, T) bool,
+    ``column`` (B, T, 1) bool for the inference path's select, ``any`` (False when no token is a
+    mask, so the layers skip the delta; read only where that costs no device sync: a CPU tensor
+    outside a trace, else assumed True) and, for the training path, ``rows`` (n,) long, the flat
+    indices of the True entries (its ``nonzero`` is read lazily, the one host sync of a training
+    forward; None when no token is a mask)."""
 
     def __init__(self):
         self.mask: torch.Tensor | None = None
-        self.rows: torch.Tensor | None = None
+        self.column: torch.Tensor | None = None
+        self.any = False
+        self._rows: torch.Tensor | None = None
+        self._rows_read = False
 
     def set(self, mask: torch.Tensor | None) -> None:
-        self.mask = mask
-        rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)  # the forward's one host sync
-        self.rows = rows if rows is not None and rows.numel() else None
+        self.mask, self._rows, self._rows_read = mask, None, False
+        self.column = None if mask is None else mask[..., None]
+        cheap = mask is not None and mask.device.type == "cpu" and not torch.compiler.is_compiling()
+        self.any = mask is not None and (bool(mask.any()) if cheap else True)
+
+    @property
+    def rows(self) -> torch.Tensor | None:
+        if not self._rows_read and self.mask is not None:
+            rows = self.mask.reshape(-1).nonzero().squeeze(1)  # the training forward's one host sync
+            self._rows, self._rows_read = (rows if rows.numel() else None), True
+        return self._rows
 
 
 class GatedLinear(nn.Module):
     """``y = base(x) + g · ΔW x`` (sbd_exact.md §3). ``base`` is frozen and left as it was.
 
-    x: (B, T, in) -> y: (B, T, out). Rows where the gate is False are ``base(x)`` exactly (the
-    delta is computed on the gated rows only and written there). ``rank=None`` = full-rank
+    x: (B, T, in) -> y: (B, T, out). Rows where the gate is False are ``base(x)`` exactly: with
+    gradients (training) the delta is computed on the gated rows only and written there; without
+    (decoding) every row's gated value is computed and selected where the gate is True (a
+    full-rank delta as ``(W + ΔW) x``, one GEMM with a cached merged weight). ``rank=None`` = full-rank
     ``ΔW`` (out, in), zero-initialised; else ``lora_A`` (r, in) Kaiming-uniform and ``lora_B``
     (out, r) zeros, so a fresh adapter is the identity.
     """
@@ -79,15 +95,39 @@ class GatedLinear(nn.Module):
             return x @ self.delta.t()
         return (x @ self.lora_A.t()) @ self.lora_B.t()
 
+    def merged_weight(self) -> torch.Tensor:
+        """``W + ΔW`` (out, in) of a full-rank delta, for the inference path; cached while
+        neither tensor changes (their version counters), recomputed inside a trace and for
+        weights made in inference mode."""
+        if torch.compiler.is_compiling() or self.delta.is_inference() or self.base.weight.is_inference():
+            return self.base.weight + self.delta  # (inference tensors keep no version counter to key a cache)
+        key = (self.delta._version, self.base.weight._version, self.delta.data_ptr(), self.base.weight.data_ptr())
+        if getattr(self, "_merged_key", None) != key:
+            with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable outside inference mode
+                self._merged = self.base.weight + self.delta
+            self._merged_key = key
+        return self._merged
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # (B, T, out): the base layer, untouched
-        gate = self._gate.mask
-        if gate is None:
+        gate = self._gate
+        if gate.mask is None:
             return y
-        if gate.shape != x.shape[:-1]:
-            raise UnmaskError(f"gated adapter: gate {tuple(gate.shape)} does not match the layer input "
+        if gate.mask.shape != x.shape[:-1]:
+            raise UnmaskError(f"gated adapter: gate {tuple(gate.mask.shape)} does not match the layer input "
                               f"{tuple(x.shape)}; the adapter supports Llama/Qwen2/Qwen3 decoder layers only")
-        rows = self._gate.rows
+        if not gate.any:
+            return y
+        if not torch.is_grad_enabled():
+            # inference: a select between the base's own output and the gated one, no gather, no
+            # host sync, static shapes. Ungated rows are ``y`` bit for bit; a full-rank delta runs
+            # as one GEMM with the merged weight (on a tiny model the op count is the cost)
+            if hasattr(self, "delta"):
+                gated = nn.functional.linear(x, self.merged_weight(), self.base.bias)
+            else:
+                gated = y + self.delta_out(x)
+            return torch.where(gate.column, gated, y)
+        rows = gate.rows
         if rows is None:
             return y
         flat = y.reshape(-1, y.shape[-1])  # (B*T, out), a view of y
@@ -230,6 +270,9 @@ def _set_gate(gate: _Gate, mask_id: int):
     def post(module, args, kwargs, output):
         gate.set(None)
 
+    # what they set depends on the call's tensors alone: a compiled step needs no guard on them
+    # beyond dynamo's tensor checks (unmask.decode.static._guard_filter)
+    pre.unmask_tensor_only = post.unmask_tensor_only = True
     return pre, post
 
 
