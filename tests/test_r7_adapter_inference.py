@@ -119,3 +119,21 @@ def test_an_adapter_made_in_inference_mode_decodes_like_the_base(stories):
         bundle = unmask.load("stories260K", adapter="sbd")
         assert unmask.generate("Once upon a time", bundle, "sbd", verify=True, max_new_tokens=16).tokens == want
     assert unmask.generate("Once upon a time", bundle, "sbd", verify=True, max_new_tokens=16).tokens == want
+
+
+def test_a_fused_optimizer_step_and_a_data_edit_never_leave_a_stale_merged_weight():
+    """A fused optimizer updates parameters without bumping their version counters; every forward
+    with gradients drops the cache. Edits through ``.data`` are covered by ``refresh()``."""
+    _, model, ad = _adapted("llama", rank=None)
+    layer = next(m for m in model.modules() if isinstance(m, GatedLinear))
+    _block_forward(model, grad=False)  # fills the cache
+    opt = torch.optim.AdamW(ad.parameters(), lr=0.1, fused=True)
+    ids = torch.tensor([[5, 6, 7, V, V, V]])
+    model(input_ids=ids).logits.square().mean().backward()
+    opt.step()
+    torch.testing.assert_close(layer.merged_weight(), layer.base.weight + layer.delta)
+    torch.testing.assert_close(_block_forward(model, grad=False), _block_forward(model, grad=True),
+                               rtol=1e-5, atol=1e-5)
+    layer.delta.data.zero_()
+    ad.refresh()
+    assert torch.equal(layer.merged_weight(), layer.base.weight)

@@ -97,8 +97,9 @@ class GatedLinear(nn.Module):
 
     def merged_weight(self) -> torch.Tensor:
         """``W + ΔW`` (out, in) of a full-rank delta, for the inference path; cached while
-        neither tensor changes (their version counters), recomputed inside a trace and for
-        weights made in inference mode."""
+        neither tensor changes (their version counters; any forward with gradients drops it),
+        recomputed inside a trace and for weights made in inference mode. Edits through
+        ``.data`` bypass version counters: call :meth:`SBDAdapter.refresh` after them."""
         if torch.compiler.is_compiling() or self.delta.is_inference() or self.base.weight.is_inference():
             return self.base.weight + self.delta  # (inference tensors keep no version counter to key a cache)
         key = (self.delta._version, self.base.weight._version, self.delta.data_ptr(), self.base.weight.data_ptr())
@@ -109,6 +110,8 @@ class GatedLinear(nn.Module):
         return self._merged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            self._merged_key = None  # a step may follow (a fused optimizer's leaves the version counter as it was)
         y = self.base(x)  # (B, T, out): the base layer, untouched
         gate = self._gate
         if gate.mask is None:
@@ -250,6 +253,13 @@ class SBDAdapter:
                     raise UnmaskError(f"{where}: {name} has shape {tuple(state[name].shape)}, the model needs "
                                       f"{tuple(p.shape)}; load the adapter on the base it was trained on")
                 p.copy_(state[name].to(p.dtype))
+
+    def refresh(self) -> None:
+        """Drop every cached merged weight (after edits through ``.data``, which no version
+        counter sees); the next decoding forward merges again."""
+        for module in self.model.modules():
+            if isinstance(module, GatedLinear):
+                module._merged_key = None
 
     def save_weights(self, directory) -> None:
         from unmask.models.adapter_io import save_adapter_weights
