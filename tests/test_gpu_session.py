@@ -32,7 +32,8 @@ def test_the_rehearsal_runs_every_phase_cuts_the_overrun_and_brings_back(tmp_pat
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rehearsal passed" in proc.stdout
     records = {r["phase"]: r for r in json.loads((tmp_path / "work" / "session.json").read_text())}
-    assert list(records) == ["stage1", "stage2", "distill", "train", "check", "bench", "overrun", "pack"]
+    assert list(records) == ["stage1", "carry", "stage2", "distill", "train", "check", "bench", "overrun", "pack"]
+    assert records["carry"]["status"] == "ok"  # the middle of 3 chunks: every chunk on the machine checked
     assert records["overrun"]["status"] == "cut" and records["overrun"]["seconds"] < records["overrun"]["budget_s"] + 6
     assert all(r["status"] == "ok" for n, r in records.items() if n != "overrun")  # pack ran after the cut
     out = tmp_path / "out"
@@ -94,17 +95,33 @@ def test_chunks_join_only_when_complete_and_intact(tmp_path):
 
 
 def test_the_gpu_plan_fits_the_device_limits():
-    plan = gpu_session.plan()
+    plan = gpu_session.plan(gpu_session.gpu_phases(2))
     assert [c["phases"] for c in plan["commands"]] == [
-        {"stage1": 30}, {"stage2": 60, "distill": 170, "train": 180, "pack": 15},
-        {"check": 60, "bench": 85, "pack": 15}]
+        {"stage1": 30}, {"stage2": 60, "distill": 120, "train": 150, "pack": 15},
+        {"check": 50, "bench": 60, "pack": 15}]
     assert plan["total_s"] <= 12 * 60
     for c in plan["commands"]:
         assert len(c["command"]) <= 2000 and c["timeout_s"] <= 600 and len(c["carry"]) <= 8
         assert c["budget_s"] < c["timeout_s"]  # the runner ends its phases before the tool's timeout
-    # each staging command carries half the GGUF next to the working tree: both under 64 MiB
-    half = 98_362_432 // 2 + 1
-    assert plan["tree_bytes"] + half + 4 * MiB <= 64 * MiB
+    # each staging command carries one chunk of the GGUF next to the working tree (command 1 also
+    # the wheels and prompts, ~2 MiB): as many chunks as that takes, each command under 64 MiB
+    gguf, side = 98_362_432, 4 * MiB
+    parts = gpu_session.parts_needed(gguf, plan["tree_bytes"], side)
+    assert plan["tree_bytes"] + -(-gguf // parts) + side <= 64 * MiB
+    assert parts == 2 or plan["tree_bytes"] + -(-gguf // (parts - 1)) + side + MiB > 64 * MiB  # the fewest
+
+
+def test_more_chunks_add_middle_staging_commands_that_only_carry():
+    phases = gpu_session.gpu_phases(4)
+    commands = sorted({p.command for p in phases})
+    assert commands == [1, 2, 3, 4, 5]
+    assert [p.name for p in phases if p.command in (2, 3)] == ["carry", "carry"]
+    assert [p.name for p in phases if p.command == 4] == ["stage2", "distill", "train", "pack"]
+    carry = gpu_session.carry_for(4)
+    assert carry[1] == (".stage/part1", ".stage/wheels", ".stage/data")
+    assert [carry[n] for n in (2, 3, 4, 5)] == [(".stage/part2",), (".stage/part3",), (".stage/part4",), ()]
+    with pytest.raises(gpu_session.SessionError, match="no room for a GGUF chunk"):
+        gpu_session.parts_needed(98_362_432, 63 * MiB, 2 * MiB)
 
 
 def test_run_names_unknown_phases_in_one_line(capsys):
