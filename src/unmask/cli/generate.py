@@ -186,5 +186,6 @@ def generate_cmd(
         console.print()
     s = result.stats
     q = "" if s.queries_per_forward is None else f" · {s.queries_per_forward:g} queries/forward"  # lossless sbd
-    console.print(f"[dim]{result.model} · decoder {result.decoder} · NFE {s.nfe} · generated {s.generated} · "
+    nfe = f"NFE {s.nfe}" if len(result.tokens) == 1 else f"NFE {s.nfe} batch forwards, {sum(s.nfe_per_row)} row forwards"
+    console.print(f"[dim]{result.model} · decoder {result.decoder} · {nfe} · generated {s.generated} · "
                   f"TPF {s.tpf:.2f}{q} · {s.tps:.1f} tok/s · {s.seconds:.2f} s[/dim]", soft_wrap=True)
