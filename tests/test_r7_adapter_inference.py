@@ -11,10 +11,10 @@ import torch
 
 import unmask
 from conftest import tiny_llama, tiny_qwen3
+from test_sbd_adapter import _stories_adapter
 from unmask.compat import attention_mask, forward, new_cache
 from unmask.decode import static
 from unmask.masks import as_4d, sbd_inference_mask
-from unmask.models.adapter_io import adapter_config, save_adapter, weights_hash
 from unmask.models.sbd_adapter import AdapterSpec, GatedLinear, attach
 
 V = 64
@@ -94,14 +94,7 @@ def test_adapter_hooks_keep_tensor_guards_only_and_a_foreign_hook_keeps_every_gu
 def test_compiled_adapter_decoding_equals_eager_and_the_base(tmp_path, stories):
     """stories260K + a random rank-4 adapter: lossless SBD eager, on the static cache and compiled
     give stories260K's own greedy tokens, with the same forwards in all three."""
-    base = unmask.load("stories260K")
-    ad = attach(base.model, AdapterSpec(rank=4, mask_token_id=512, base_vocab=512))
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in ad.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=g))
-    save_adapter(ad, tmp_path / "ad", adapter_config(ad, base_name="stories260K", base_sha256=weights_hash(base.path)))
-    bundle = unmask.load("stories260K", adapter=str(tmp_path / "ad"))
+    bundle = unmask.load("stories260K", adapter=str(_stories_adapter(tmp_path, seed=5)[2]))
     prompts = ["Once upon a time", "The little dog"]
     want = unmask.generate(prompts, stories, "ar", max_new_tokens=24).tokens
     runs = [unmask.generate(prompts, bundle, "sbd", verify=True, block_size=4, max_new_tokens=24, **opts)
