@@ -38,36 +38,6 @@ def uncached(bundle, seq: list[int], n_block: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------- layout
 
 
-def brute_layout(K: int, draft: str, L: int):
-    """The spec §1 rules query by query: (mask (Q, Q), offsets (Q,))."""
-    groups = list(range(K)) if draft == "quadratic" else [None]
-    queries = [("v", j, None) for j in range(K)] + [("g", o, i) for i in range(len(groups)) for o in range(K)]
-    mask = torch.zeros(len(queries), len(queries), dtype=torch.bool)
-    offsets = []
-    for r, (kind, j, i) in enumerate(queries):
-        after = (i + 1 if draft == "quadratic" else L) if kind == "g" else None
-        offsets.append(j if kind == "v" else after + j)
-        for c, (kind2, j2, i2) in enumerate(queries):
-            if kind == "v":
-                mask[r, c] = kind2 == "v" and j2 <= j
-            else:
-                mask[r, c] = (kind2 == "v" and j2 < after) or (kind2 == "g" and i2 == i)
-    return mask, torch.tensor(offsets)
-
-
-@pytest.mark.parametrize("draft", sbd_verify.DRAFTS)
-@pytest.mark.parametrize("K", [2, 3, 4, 5])
-def test_step_layout_matches_the_spec_rules(K, draft):
-    layout = sbd_verify.step_layout(K, draft)
-    assert layout.queries == (K + K * K if draft == "quadratic" else 2 * K)
-    for L in range(1, K + 1):
-        mask, offsets = brute_layout(K, draft, L if draft == "linear" else K)
-        if draft == "quadratic":  # one layout for every L
-            assert torch.equal(layout.mask[L - 1], mask) and torch.equal(layout.offsets[L - 1], offsets)
-        else:
-            assert torch.equal(layout.mask[L - 1], mask) and torch.equal(layout.offsets[L - 1], offsets)
-
-
 def test_greedy_accept_takes_the_longest_confirmed_prefix():
     target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
     draft = torch.tensor([[5, 6, 7], [5, 0, 7], [0, 6, 7], [5, 6, 7]])

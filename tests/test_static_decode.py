@@ -115,23 +115,42 @@ def test_compiled_equals_eager_for_ar_and_lossless_sbd(sbd_model, batch):
         _same(sbd_verify.decode(sbd_model, prompts, **kw), sbd_verify.decode(sbd_model, prompts, compile=True, **kw))
 
 
+def brute_layout(K: int, draft: str, L: int):
+    """The spec §1 rules query by query: (mask (Q, Q), offsets (Q,)) of a draft size K step whose
+    linear group follows L verify tokens (quadratic: K groups, L unused)."""
+    groups = list(range(K)) if draft == "quadratic" else [None]
+    queries = [("v", j, None) for j in range(K)] + [("g", o, i) for i in range(len(groups)) for o in range(K)]
+    mask = torch.zeros(len(queries), len(queries), dtype=torch.bool)
+    offsets = []
+    for r, (kind, j, i) in enumerate(queries):
+        after = (i + 1 if draft == "quadratic" else L) if kind == "g" else None
+        offsets.append(j if kind == "v" else after + j)
+        for c, (kind2, j2, i2) in enumerate(queries):
+            if kind == "v":
+                mask[r, c] = kind2 == "v" and j2 <= j
+            else:
+                mask[r, c] = (kind2 == "v" and j2 < after) or (kind2 == "g" and i2 == i)
+    return mask, torch.tensor(offsets)
+
+
 @pytest.mark.parametrize("draft", ["linear", "quadratic"])
 def test_embedded_layouts_are_each_draft_sizes_own_layout_with_padding_seeing_only_itself(draft):
     # a row of draft size K inside a step of the largest size Kmax: its queries carry its own
-    # layout (step_layout(K)), every other query of the window sees only itself at offset 0
+    # layout (the spec's rules, brute_layout(K)), every other query of the window sees only itself at offset 0
     Kmax = 4
-    mask, offsets = sbd_verify.embedded_layout(Kmax, draft)
+    mask, offsets, _, _ = sbd_verify.window_layout(sbd_verify.family(draft, Kmax))
     Q = sbd_verify.queries(Kmax, draft)
     assert mask.shape == (Kmax, Kmax, Q, Q) and offsets.shape == (Kmax, Kmax, Q)
     for K in range(1, Kmax + 1):
+        if K > 1:
+            assert sbd_verify.queries(K, draft) == (K + K * K if draft == "quadratic" else 2 * K)
         for L in range(1, K + 1):
             if K == 1:
                 at = [0]
                 want_m, want_o = torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long)
             else:
-                lay = sbd_verify.step_layout(K, draft)
-                at = [j if j < K else Kmax + (j - K) // K * Kmax + (j - K) % K for j in range(lay.queries)]
-                want_m, want_o = lay.mask[L - 1], lay.offsets[L - 1]
+                want_m, want_o = brute_layout(K, draft, L if draft == "linear" else K)
+                at = [j if j < K else Kmax + (j - K) // K * Kmax + (j - K) % K for j in range(len(want_o))]
             m, o = mask[K - 1, L - 1], offsets[K - 1, L - 1]
             assert torch.equal(m[at][:, at], want_m) and torch.equal(o[at], want_o)
             pad = [j for j in range(Q) if j not in at]

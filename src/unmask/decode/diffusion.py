@@ -28,7 +28,7 @@ from unmask.decode.running import drain, requests_for
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.models.adapters import SAMPLERS, default_sampler
-from unmask.policies import CONFIDENCES, Policy, TopK, commit, make_policy
+from unmask.policies import CONFIDENCES, Policy, TopK, make_policy
 from unmask.sampling import Sampling
 
 DEFAULT_BLOCK_SIZE = 32  # Fast-dLLM's LLaDA setting (models.md §2.3)
@@ -284,19 +284,3 @@ def _dream_schedule(bundle, prompts, schedule, options: dict) -> DecodeOutput:
                           "step, Dream's own commit rule); drop them")
     return dream_compat.decode(bundle, prompts, **{k: options[k] for k in _DREAM_OPTIONS})
 
-
-def commit_rows(logits, masked, policy, sampling: Sampling, gens, quota, confidence, draw, draws=None):
-    """commit() for the whole batch when greedy; row by row with each row's generator when sampling,
-    skipping rows without masks so that they draw nothing (batch == single runs). ``draws``: the
-    indices of the rows with masks when the caller knows them (None: read from ``masked``, a host sync)."""
-    kwargs = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                  confidence=confidence, sampling=draw)
-    if gens is None:
-        return commit(logits, masked, policy, quota=quota, validate=False, **kwargs)
-    chosen = torch.zeros_like(masked)
-    tokens = torch.zeros(masked.shape, dtype=torch.long, device=masked.device)
-    for r in torch.nonzero(masked.any(dim=1)).flatten().tolist() if draws is None else draws:
-        q = None if quota is None else quota[r: r + 1]
-        c, t = commit(logits[r: r + 1], masked[r: r + 1], policy, quota=q, generator=gens[r], validate=False, **kwargs)
-        chosen[r], tokens[r] = c[0], t[0]
-    return chosen, tokens

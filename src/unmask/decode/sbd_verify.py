@@ -103,51 +103,6 @@ class VerifyConfig:
         return min(K, self.block_size) if self.budgeted else K
 
 
-@dataclass(frozen=True)
-class StepLayout:
-    """The fixed query layout of one verify forward, per number of verified tokens.
-
-    For ``L`` = 1..K (the verify prefix a linear group follows; quadratic uses L = K):
-    ``mask[L - 1]`` (Q, Q) bool is the attention among the Q new tokens, ``offsets[L - 1]`` (Q,)
-    long their positions relative to ``b``. Queries: verify tokens 0..K-1, then groups of K.
-    ``groups`` is the number of draft groups (K quadratic, 1 linear).
-    """
-
-    mask: torch.Tensor  # (K, Q, Q) bool
-    offsets: torch.Tensor  # (K, Q) long
-    groups: int
-    K: int
-
-    @property
-    def queries(self) -> int:
-        return self.K + self.groups * self.K
-
-
-def step_layout(K: int, draft: str, device=None) -> StepLayout:
-    """Build the verify-forward layout (spec §1). Pure; exhaustively tested.
-
-    quadratic: group i (i = 0..K-1) is K masks at positions i+1..i+K that see verify tokens 0..i.
-    linear: one group at positions L..L+K-1 that sees verify tokens 0..L-1, for each L = 1..K.
-    Verify token j sits at position j and sees verify tokens 0..j (causal).
-    """
-    G = K if draft == "quadratic" else 1
-    Q = K + G * K
-    masks, offsets = [], []
-    q = torch.arange(Q, device=device)
-    is_group = q >= K  # (Q,)
-    group = torch.where(is_group, (q - K) // K, -1)  # (Q,) group index of each query, -1 for verify
-    o = torch.where(is_group, (q - K) % K, 0)  # (Q,) offset inside the group
-    for L in range(1, K + 1):
-        after = group + 1 if draft == "quadratic" else torch.where(is_group, torch.full_like(q, L), 0)  # (Q,)
-        # verify j: causal; group rows: the first `after` verify tokens plus their own group
-        sees_verify = torch.where(is_group[:, None], q[None, :K] < after[:, None], q[None, :K] <= q[:, None])  # (Q, K)
-        same_group = is_group[:, None] & is_group[None, :] & (group[:, None] == group[None, :])  # (Q, Q)
-        m = torch.cat([sees_verify, same_group[:, K:]], dim=1)  # (Q, Q)
-        masks.append(m)
-        offsets.append(torch.where(is_group, after + o, q))  # (Q,)
-    return StepLayout(mask=torch.stack(masks), offsets=torch.stack(offsets), groups=G, K=K)
-
-
 def queries(K: int, draft: str, smaller: tuple[str, ...] = ()) -> int:
     """Query tokens per row of a step of draft size K: 1 for an AR step, else the step window of
     draft sizes up to K (:func:`window`; K + G·K for linear and quadratic, spec §1 and §5.1)."""
@@ -195,19 +150,6 @@ def window_layout(layouts: list, device=None) -> tuple[torch.Tensor, torch.Tenso
     at offset 0 (never an all-masked query row). K = 1 is the AR step: query 0 alone."""
     tw = tv.tree_window(layouts, device)
     return tw.mask, tw.offsets, tw.src[:, :, 0], tw.length[:, :, 0]
-
-
-def embedded_layout(Kmax: int, draft: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row's step layout inside one query window of ``queries(Kmax, draft)`` tokens. Pure.
-
-    Returns mask (Kmax, Kmax, Q, Q) bool and offsets (Kmax, Kmax, Q) long, indexed [K - 1, L - 1]
-    for a row of draft size K whose group follows L verify tokens (linear; quadratic uses L = K):
-    the layout of :func:`step_layout` with verify token j at query j and
-    group g's offset o at query Kmax + g·Kmax + o; the other queries are padding that see only
-    themselves (never an all-masked query row) at offset 0. K = 1 is the AR step: query 0 alone.
-    (:func:`window_layout` of :func:`family`: L - 1 is the row's draft length.)"""
-    mask, offsets, _, _ = window_layout(family(draft, Kmax), device)
-    return mask, offsets
 
 
 def advance(a: torch.Tensor, step_tok: torch.Tensor, n: torch.Tensor, N: torch.Tensor, live: torch.Tensor,

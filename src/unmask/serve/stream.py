@@ -45,7 +45,6 @@ class TextStream:
         self.stop_ids = set(bundle.stop_token_ids)
         self.sent = ""
         self.stopped = False
-        self.committed_tokens = 0
         self.token_text = token_text or TokenText(bundle.tokenizer)
 
     def _prefix(self, canvas: list) -> list[int]:
@@ -63,7 +62,6 @@ class TextStream:
         if self.stopped or self.final_only:
             return ""
         tokens = self._prefix(canvas)
-        self.committed_tokens = len(tokens)
         text = self.bundle.decode_continuation(self.prompt_ids, tokens)
         text, hit = cut_at_stop(text, self.stop)
         if hit:
