@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from unmask.decode import sbd_verify as sv, tree_verify as tv
-from unmask.decode.sbd_verify import advance, family, queries
+from unmask.decode.sbd_verify import family, queries
 from unmask.decode.kv import DynamicKV, StaticKV, compact, place
 from unmask.decode.running import Request, Row, Slots, group_by
 from unmask.errors import UnmaskError
@@ -229,15 +229,10 @@ class Verify:
         if self.suppress:
             logits[..., self.suppress] = float("-inf")
         a, p, step_tok = self._accept(logits, inp, tw, R, Kmax, s, dl)  # (R,), (R,), (R, Kmax)
-        live = self.live[:R]
-        nxt = dl if Kmax == 1 else tw.length[K - 1, dl, p, a]  # next draft lengths (spec §5.2; AR rows: 0)
-        committed, _, n, nxt, ended = advance(a, step_tok, self.n[:R], self.N[:R], live, self.stops, nxt)
-        keep, last = tv.kept_columns(tw, K, dl, p, committed, Q)  # (R, Q), (R,): the path's columns
-        bonus = step_tok[:, 0] if Kmax == 1 else step_tok.gather(1, a[:, None])[:, 0]  # (R,)
-        self.b[:R] = torch.where(live, bonus, self.b[:R])
+        rows = (tw, K, dl, self.n[:R], self.N[:R], self.live[:R], self.stops, self.b[:R], Q)
+        self.b[:R], committed, self.n[:R], self.draft_len[:R], keep, host = sv.settle(a, p, step_tok, *rows)
         self.p_b[:R] += committed
-        self.n[:R], self.draft_len[:R] = n, nxt
-        host = torch.cat([committed, ended.long(), last, step_tok.flatten()]).tolist()  # the step's one host sync
+        host = host.tolist()  # the step's one host sync
         kept = max(host[2 * R + i] for i in self.rows)  # window columns some running row keeps
         if kept < Q:  # the tail no running row keeps
             self.kv.crop(Q - kept)
@@ -307,16 +302,11 @@ class Verify:
                 dl: torch.Tensor):
         """Accept and redraft every slot from the logits (R, Q, V) (spec §1, §5.3): greedy tree acceptance for all,
         then each sampled group (same sampling and K) by speculative sampling. Returns a, path p (R,), step_tok (R, Kmax)."""
-        dev, K = self.device, self.K[:R]
-        top = logits.argmax(dim=-1)  # (R, Q): NTP targets of every query
+        dev = self.device
         if Kmax == 1:  # AR rows: nothing to accept or draft, the bonus is the argmax
-            a, p, step_tok = self._zero[:R], self._zero[:R], top  # (R,), (R,), (R, 1)
-        else:
-            a, p, step_tok = tv.tree_accept(top, inp, tw, K, dl)  # (R,), (R,), (R, Kmax)
-            src = tw.src[K - 1, dl, p, a]  # (R, W): the window query of each next-draft token (spec §5.2)
-            self.s[:R, : Kmax - 1] = top.gather(1, src[:, : Kmax - 1])  # (R, Kmax-1)
-            if tw.H:
-                self.sib[:R, : tw.H] = tv.siblings(logits, tw, K, src)  # (R, H)
+            a, p, step_tok = self._zero[:R], self._zero[:R], logits.argmax(dim=-1)  # (R,), (R,), (R, 1)
+        else:  # greedy acceptance and the next draft (R, Kmax-1) and siblings (R, H) for all
+            a, p, step_tok, self.s[:R, : Kmax - 1], self.sib[:R, : tw.H] = sv.greedy_step(logits, inp, tw, self.K[:R], dl)
         if not self.n_sampled:
             return a, p, step_tok
         sampled = {k: v for k, v in group_by(self.rows.items(), lambda r: (r.job.sampling, r.K)).items()

@@ -168,6 +168,32 @@ def advance(a: torch.Tensor, step_tok: torch.Tensor, n: torch.Tensor, N: torch.T
     return committed, new, n, next_len, ended
 
 
+def settle(a, p, step_tok, tw: tv.TreeWindow, K, dl, n, N, live, stops, b, Q: int):
+    """A step's commit after acceptance (spec §1 Accept, §5.2). Pure. a, p (R,) the accepted draft tokens and
+    path, step_tok (R, Kmax) its argmaxes; K, dl, n, N, live, b (R,) the rows' draft sizes, draft lengths,
+    committed counts, budgets, liveness and bonus; stops (S,); Q the window. Returns the next bonus (R,),
+    committed (R,), n (R,), the next draft lengths (R,), keep (R, Q) bool (the cache columns kept) and
+    host (3R + R·Kmax,) long, the step's one host read: committed, ended, one past the last kept column, step_tok."""
+    Kmax = step_tok.shape[1]
+    nxt = dl if Kmax == 1 else tw.length[K - 1, dl, p, a]  # next draft lengths (AR rows: 0)
+    committed, _, n, nxt, ended = advance(a, step_tok, n, N, live, stops, nxt)
+    keep, last = tv.kept_columns(tw, K, dl, p, committed, Q)
+    bonus = step_tok[:, 0] if Kmax == 1 else step_tok.gather(1, a[:, None])[:, 0]  # (R,)
+    host = torch.cat([committed, ended.long(), last, step_tok.flatten()])
+    return torch.where(live, bonus, b), committed, n, nxt, keep, host
+
+
+def greedy_step(logits, inp, tw: tv.TreeWindow, K, dl):
+    """A greedy step's acceptance and next draft (spec §1, §5.2-5.3), pure: tree acceptance on the logits (R, Q, V) and input ids inp (R, Q) of rows of draft sizes
+    K (R,) and draft lengths dl (R,), steps of Kmax >= 2. Returns a (R,) accepted draft tokens, p (R,)
+    the winning path, step_tok (R, Kmax) its argmaxes, the next draft (R, Kmax - 1) and its sibling
+    ids (R, H), from the winning path's group."""
+    top = logits.argmax(dim=-1)  # (R, Q): NTP targets of every query
+    a, p, step_tok = tv.tree_accept(top, inp, tw, K, dl)  # (R,), (R,), (R, Kmax)
+    src = tw.src[K - 1, dl, p, a]  # (R, W): the window query of each next-draft token (spec §5.2)
+    return a, p, step_tok, top.gather(1, src[:, : step_tok.shape[1] - 1]), tv.siblings(logits, tw, K, src)
+
+
 def prefill_inputs(bundle, prompts: list[list[int]], K: int):
     """The prefill of lossless SBD (spec §1): each left-padded prompt, causal, then one group of
     K masks at the positions after it, which sees the whole prompt and itself.
