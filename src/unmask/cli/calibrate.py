@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import typer
@@ -66,14 +67,17 @@ def calibrate_drafts_cmd(
         texts = read_prompts([], prompts)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise UnmaskError(f"--prompts {prompts}: needs plain text prompts (one per line, or 'prompt' rows)")
+    fix = "copy the model to a writable directory and calibrate the copy, or pass --dry-run"
+    if not dry_run and not os.access(target, os.W_OK):  # before minutes of decoding
+        raise UnmaskError(f"cannot store the layouts in {target}: it is not writable; {fix}")
     rows = calibrate(bundle, [bundle.encode(t) for t in texts], budgets=wanted, max_new_tokens=max_new_tokens,
                      siblings=siblings)
     if not dry_run:
         defaults = stored_defaults(dict(bundle.meta.get("decode_defaults") or {}), rows, queries)
-        if adapter:
-            set_adapter_decode_defaults(target, **defaults)
-        else:
-            set_decode_defaults(target, **defaults)
+        try:
+            (set_adapter_decode_defaults if adapter else set_decode_defaults)(target, **defaults)
+        except UnmaskError as e:  # the writer's hint names an output path this command has no flag for
+            raise UnmaskError(str(e).replace("choose a writable path", fix)) from None
     if as_json:
         print(json.dumps({"model": model, "adapter": adapter, "prompts": len(texts), "max_new_tokens": max_new_tokens,
                           "rows": rows, "stored": None if dry_run else str(target)}))

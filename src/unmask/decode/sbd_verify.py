@@ -46,6 +46,7 @@ DRAFTS = ("quadratic", "linear")
 DEFAULT_DRAFT = "linear"
 DEFAULT_BLOCK_SIZE = 8
 MAX_BLOCK_SIZE = 64  # the step tables grow as K^4 (tree_verify.TreeWindow.src): 64 is ~130 MB
+MAX_TABLE_MIB = 256  # a layout's step tables (tree_verify.table_bytes): linear K = 64 needs ~200 MiB
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,11 @@ class VerifyConfig:
         if smaller and (not self.budgeted or any(sl.parse(t).D + 1 >= self.block_size for t in smaller)):
             raise UnmaskError(f"smaller layouts ({', '.join(smaller)}) need a budgeted draft (D/S/G, got {self.draft}) "
                               f"and fewer than its {self.block_size - 1} draft tokens; drop them")
+        mib = tv.table_bytes(family(self.draft, self.block_size, smaller)) / 2**20
+        if mib > MAX_TABLE_MIB:  # before anything allocates them
+            raise UnmaskError(f"draft layout {self.draft} at draft size {self.block_size} needs {mib:,.0f} MiB of step "
+                              f"tables, more than the {MAX_TABLE_MIB} MiB allowed; use fewer draft tokens or shorter "
+                              "groups (e.g. --draft budget)")
 
     def check_fits(self, context_length: int) -> None:
         """Raise UnmaskError when a step of this config cannot fit the context window: 2K positions

@@ -59,6 +59,14 @@ def slots(layouts: list) -> tuple[int, list[int], list[int], int]:
     return Kmax, starts, sib_starts, Q
 
 
+def table_bytes(layouts: list) -> int:
+    """Bytes of :func:`tree_window`'s tables for these layouts (mask Kmax²·Q², src Kmax³·P·W, ...), known
+    before building them: a long layout's tables grow as Kmax² Q² and Kmax³ P."""
+    Kmax, _, sib_starts, Q = slots(layouts)
+    P, W = 1 + len(sib_starts), max(Kmax - 1, 1)
+    return Kmax * Kmax * (Q * Q + 16 * Q + 8 * P * (Kmax + 1) + 8 * Kmax * P * (W + 1)) + 16 * Kmax * (P - 1)
+
+
 def tree_window(layouts: list, device=None) -> TreeWindow:
     """Build the tables of :class:`TreeWindow` (spec §5.1–5.3). Pure; exhaustively tested.
 

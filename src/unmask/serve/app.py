@@ -21,7 +21,7 @@ from unmask.errors import UnmaskError
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option, served_table, with_server_draft
 from unmask.serve.engine import Job, QueueFull, Scheduler, ShuttingDown
 from unmask.serve.errors import ApiError
-from unmask.serve.limits import Limits
+from unmask.serve.limits import Limits, check_defaults
 from unmask.serve.metrics import Metrics
 from unmask.serve.protocol import ServeRequest, edits_committed, parse
 from unmask.serve.stream import TextStream
@@ -145,12 +145,12 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
             get_decoder("sbd", bundle.kind)(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
                                             verify=True, block_size=k)
         except UnmaskError as e:
-            reason = str(e).splitlines()[0].split(";")[0]
-            raise UnmaskError(f"--draft-sizes: K = {k} cannot decode on {name} ({reason}); lower the table's "
-                              "largest K") from None
+            raise UnmaskError(f"--draft-sizes: K = {k} cannot decode on {name} ({str(e).splitlines()[0].split(';')[0]}); "
+                              "lower the table's largest K") from None
+    draft_k = max(k for _, k in table.steps) if table is not None and bundle.kind == "sbd" else 1
+    check_defaults(bundle, limits, probe.decoder, probe.options, draft_k)  # a --draft over --max-query-tokens
     scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue, compile=compile, draft_sizes=sizes)
     metrics = Metrics(scheduler)
-    draft_k = max(k for _, k in table.steps) if table is not None and bundle.kind == "sbd" else 1
 
     @asynccontextmanager
     async def lifespan(app):

@@ -1,28 +1,25 @@
 """The scheduler: one thread owns the model and runs every request (DESIGN.md "One engine").
 
-Each pass of its loop admits waiting requests into the running decoders that have free slots, runs
-ONE ``step()`` of every running decoder and answers the rows that finished, then repeats. A request
-joins at the next step boundary and leaves the step it finishes, is cancelled or times out, freeing
-its slot at once; each row's tokens, NFE and events equal its decoder's ``decode`` on its prompt
-alone, greedy or seeded, whatever else runs (README "Serving").
+Each pass of its loop admits waiting requests into the running decoders with free slots, runs ONE
+``step()`` of each and answers the rows that finished. A request joins at a step boundary and leaves
+(its slot free at once) the step it finishes, is cancelled or times out; each row's tokens, NFE and
+events equal its decoder's ``decode`` on its prompt alone, whatever else runs (README "Serving").
 
 - ``ar`` and lossless ``sbd`` requests share one running batch per draft layout
   (:class:`unmask.decode.lossless.Verify`): an AR row steps with draft size K = 1, a lossless row
   with its own K. Greedy lossless requests that fix no block size (``sizable``) take K from the
   ``--draft-sizes`` table (:mod:`unmask.serve.draft_sizing`) at the batch's load, chosen again before
-  every step; their output does not depend on K, and no row ever moves between batches.
-  ``compile=True`` runs these batches on the static cache with the compiled forward (one graph per
-  row bucket, query length and length bucket); a new shape runs eagerly (same tokens) until the
+  every step (output does not depend on K; no row moves between batches). At most MAX_LAYOUTS such
+  batches at once. ``compile=True`` runs them on the static cache with the compiled forward (one graph
+  per row bucket, query length and length bucket); a new shape runs eagerly (same tokens) until the
   scheduler has been idle IDLE_COMPILE_S; the batches below stay eager (README "Serving").
 - ``multiblock``, ``block``, lossy ``sbd``, ``diffusion`` (any cache; Dream's ``schedule`` in a
   :class:`~unmask.decode.dream_compat.DreamSchedule`) and ``early-bird`` (any cache, a row's refresh its
   own) share the continuous batches of ``RUNNING``, one per decoder and options
   (:meth:`Scheduler._running_kind`).
-- What still runs per call (a remote-code LLaDA, whose forward takes no positions): one
-  ``decode`` over compatible queued requests (same decoder, options, sampling, length and stops;
-  sampled ones alone). A row whose committed prefix fixes its answer is answered at once; the batch
-  stops when none of its requests is still wanted; after each of its forwards the running decoders
-  admit and step too.
+- Per call (a remote-code LLaDA, whose forward takes no positions): one ``decode`` over compatible
+  queued requests (:mod:`unmask.serve.per_call`); the running decoders admit and step after each of
+  its forwards.
 
 Each job gets its events through ``job.post`` (called from this thread): ``("step", event)`` with an
 :mod:`unmask.trace` step event, then ``("done", result)`` or ``("error", ApiError)``.
@@ -51,6 +48,7 @@ from unmask.serve.jobs import Job, QueueFull, ShuttingDown, bad_request, finish_
 
 log = logging.getLogger("unmask.serve")
 IDLE_COMPILE_S = 2.0  # --compile: compile a pending step shape only after this long with no request running
+MAX_LAYOUTS = 4  # AR / lossless batches (one per draft layout) at once: each holds its layout's step tables
 
 
 def _rows(batch) -> list:
@@ -182,15 +180,14 @@ class Scheduler:
             self._waiting.append(job)
             self._lock.notify_all()
 
-    def pause(self) -> None:
-        """Stop starting queued jobs (running ones continue); for maintenance and tests."""
+    def pause(self, paused: bool = True) -> None:
+        """Stop starting queued jobs (running ones continue) until :meth:`resume`; for maintenance and tests."""
         with self._lock:
-            self._paused = True
+            self._paused = paused
+            self._lock.notify_all()
 
     def resume(self) -> None:
-        with self._lock:
-            self._paused = False
-            self._lock.notify_all()
+        self.pause(False)
 
     # -- the loop (scheduler thread) ------------------------------------------------------------
 
@@ -229,13 +226,10 @@ class Scheduler:
     def _diffusion_batches_fit(bundle) -> bool:
         """Whether this model's diffusion requests can share running batches (a remote-code LLaDA
         takes no positions, so its rows cannot be padded: those run per call)."""
-        if bundle.kind != "masked-diffusion":
-            return False
         try:
-            Diffusion.serving(bundle, capacity=1)
+            return bundle.kind == "masked-diffusion" and Diffusion.serving(bundle, capacity=1) is not None
         except UnmaskError:
             return False
-        return True
 
     def _busy(self) -> bool:
         return any(len(b) for b in self._batches())
@@ -282,18 +276,25 @@ class Scheduler:
     def _take_running(self) -> dict[tuple, list[Job]]:
         """Under the lock: waiting jobs of the running decoders, oldest first, by running-batch key,
         as many as each batch has free slots."""
-        if self._paused:
-            return {}
         out: dict[tuple, list[Job]] = {}
-        for j in list(self._waiting):
+        for j in [] if self._paused else [j for j in self._waiting if j.running_key is not None]:
             key = j.running_key
-            if key is None:
-                continue
             batch = self.verify.get(key[1]) if key[0] == "verify" else self.running_batches.get(key)
+            if key[0] == "verify" and batch is None and key not in out and not self._layout_room(out):
+                continue  # waits until an idle layout's batch can go
             if (len(batch) if batch is not None else 0) + len(out.get(key, ())) < self.max_batch_size:
                 out.setdefault(key, []).append(j)
                 self._waiting.remove(j)
         return out
+
+    def _layout_room(self, out: dict) -> bool:
+        """Under the lock: whether one more layout's batch may form beside the others and those ``out`` forms
+        (at most MAX_LAYOUTS, each holding its step tables), dropping the oldest idle ones but the default's."""
+        new = sum(k[0] == "verify" and k[1] not in self.verify for k in out)
+        idle = [d for d, b in self.verify.items() if not len(b) and d != self.ar.cfg.draft and ("verify", d) not in out]
+        while idle and len(self.verify) + new >= MAX_LAYOUTS:
+            del self.verify[idle.pop(0)]
+        return len(self.verify) + new < MAX_LAYOUTS
 
     def _take_batch(self) -> list[Job]:
         """Under the lock: the oldest waiting per-call job and the compatible ones behind it."""
@@ -393,8 +394,7 @@ class Scheduler:
             row.job.post("step", event)
 
     def _ar_token(self, row) -> None:
-        if row.job.events or row.job.gone or row.job.closed:
-            return
-        n = len(row.tokens)
-        row.job.post("step", {"step": n - 1, "row": 0, "positions": [n - 1], "tokens": [row.tokens[-1]],
-                              "canvas": list(row.tokens)})
+        if not (row.job.events or row.job.gone or row.job.closed):
+            n = len(row.tokens)
+            row.job.post("step", {"step": n - 1, "row": 0, "positions": [n - 1], "tokens": [row.tokens[-1]],
+                                  "canvas": list(row.tokens)})

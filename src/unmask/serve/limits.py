@@ -155,3 +155,13 @@ def check_cost(bundle, limits: Limits, *, decoder: str, options: dict, prompt_to
                             f"completion), more than this server's limit of {limits.cache_tokens(bundle)}; lower "
                             "max_tokens or shorten the prompt, or start the server with a larger --max-cache-tokens",
                        param="max_tokens", code="request_too_large")
+
+
+def check_defaults(bundle, limits: Limits, decoder: str, options: dict, draft_k: int = 1) -> None:
+    """Raise UnmaskError (one line) when the server's default request (``decoder``, ``options``) breaks
+    ``limits`` (:func:`check_cost`): every such request would be refused, so the server does not start."""
+    try:
+        check_cost(bundle, limits, decoder=decoder, options=options, prompt_tokens=1, max_tokens=1, draft_k=draft_k)
+    except ApiError as e:
+        raise UnmaskError(f"every default request would be refused: {e.message}") from None
+
