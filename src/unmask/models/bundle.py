@@ -62,14 +62,15 @@ class ModelBundle:
                               "or pass token ids to the decoders")
         return list(self.tokenizer(text)["input_ids"])
 
-    def decode_continuation(self, prompt_ids: list[int], new_ids: list[int]) -> str:
+    def decode_continuation(self, prompt_ids: list[int], new_ids: list[int], head: str | None = None) -> str:
         """The text that ``new_ids`` add after ``prompt_ids`` (tokenizers drop a leading space
-        after BOS, so the continuation is the difference of two decodes)."""
+        after BOS, so the continuation is the difference of two decodes). ``head``: the prompt's own
+        decode when the caller keeps it (a stream decodes the same prompt on every event)."""
         if self.tokenizer is None:
             raise UnmaskError(f"{self.name} has no tokenizer files; add the checkpoint's tokenizer to its directory "
                               "or read the token ids")
         full = self.tokenizer.decode(list(prompt_ids) + list(new_ids), skip_special_tokens=True)
-        head = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
+        head = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True) if head is None else head
         return full[len(head):] if full.startswith(head) else self.tokenizer.decode(new_ids, skip_special_tokens=True)
 
 

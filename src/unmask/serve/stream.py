@@ -46,6 +46,7 @@ class TextStream:
         self.sent = ""
         self.stopped = False
         self.token_text = token_text or TokenText(bundle.tokenizer)
+        self._head = None if bundle.tokenizer is None else bundle.tokenizer.decode(self.prompt_ids, skip_special_tokens=True)
 
     def _prefix(self, canvas: list) -> list[int]:
         """Committed ids from the left, up to a masked slot, a stop token or ``limit`` (a diffusion
@@ -62,7 +63,7 @@ class TextStream:
         if self.stopped or self.final_only:
             return ""
         tokens = self._prefix(canvas)
-        text = self.bundle.decode_continuation(self.prompt_ids, tokens)
+        text = self.bundle.decode_continuation(self.prompt_ids, tokens, self._head)
         text, hit = cut_at_stop(text, self.stop)
         if hit:
             self.stopped = True
@@ -73,7 +74,7 @@ class TextStream:
 
     def finish(self, tokens: list[int]) -> str:
         """The last delta, given the request's final tokens; afterwards ``self.sent`` is the final text."""
-        text, _ = cut_at_stop(self.bundle.decode_continuation(self.prompt_ids, tokens), self.stop)
+        text, _ = cut_at_stop(self.bundle.decode_continuation(self.prompt_ids, tokens, self._head), self.stop)
         self.stopped = True
         delta = self._advance(text)
         self.sent = text
