@@ -337,6 +337,10 @@ def test_existing_out_dir_needs_overwrite(tmp_path):
     with pytest.raises(UnmaskError, match="exists"):
         llama2c.convert_llama2c(BIN, TOK, out)
     assert (out / "keep.txt").read_text() == "mine"
+    with pytest.raises(UnmaskError, match="not a model directory"):  # --overwrite replaces only a model directory
+        llama2c.convert_llama2c(BIN, TOK, out, overwrite=True)
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "config.json").write_text("{}")  # an earlier conversion's directory
     llama2c.convert_llama2c(BIN, TOK, out, overwrite=True)
     assert (out / "config.json").is_file() and not (out / "keep.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging leftovers

@@ -179,6 +179,11 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     prompts = as_prompt_list(prompts)
     if not isinstance(chat, bool):
         raise UnmaskError(f"chat must be True or False (got {chat!r}); pass chat=True")
+    if not (stop is None or isinstance(stop, (str, list, tuple))):
+        raise UnmaskError(f"stop must be text or a list of texts (got {type(stop).__name__}); pass e.g. stop=[\"\\n\"]")
+    for hook in ("on_step", "on_forward", "on_token"):
+        if options.get(hook) is not None and not callable(options[hook]):
+            raise UnmaskError(f"{hook} must be a function (got {type(options[hook]).__name__}); pass a callable or None")
     stop = [stop] if isinstance(stop, str) else list(stop or ())
     for s in stop:
         if not isinstance(s, str) or not s:

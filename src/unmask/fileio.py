@@ -300,6 +300,25 @@ def check_output_file(path: str | os.PathLike, what: str = "output file", *, exi
     return path
 
 
+def check_model_out_dir(out_dir: str | os.PathLike, inputs, overwrite: bool) -> Path:
+    """``out_dir`` as a Path, when a conversion may write its new model directory there: it has a name
+    (not ``.``, ``..`` or empty: the lock and the staging folder are named after it), no parent is a
+    file, it holds none of the ``inputs`` (``--overwrite`` would delete them), and with ``overwrite``
+    an existing, non-empty one is a model directory (``config.json``), never some other folder.
+    Raises UnmaskError."""
+    out = Path(out_dir)
+    if out.name in ("", ".", ".."):
+        raise UnmaskError(f"OUT_DIR {str(out_dir)!r} names no new directory; give the output directory a name, "
+                          "e.g. stories260K-hf")
+    check_parents(out, "OUT_DIR")
+    if any(out.resolve() in Path(f).expanduser().resolve().parents for f in inputs):
+        raise UnmaskError(f"OUT_DIR {out} holds the input file; write to another directory")
+    if overwrite and out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise UnmaskError(f"OUT_DIR {out} is a folder but not a model directory (no config.json), which --overwrite "
+                          "would delete; choose another OUT_DIR")
+    return out
+
+
 def probe_writable(folder: Path, what: str) -> None:
     """Raise UnmaskError unless a file can be created in ``folder`` (its existing ancestor, when
     it does not exist yet): create and remove a temporary file there."""

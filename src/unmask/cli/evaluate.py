@@ -317,6 +317,10 @@ def bench_cmd(
         res = bench(limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size, include_all=include_all,
                     decoders=decoder or None, models=model or None, adapters=adapter or None, judge=judge,
                     compile=compile, device=device, dtype=dtype, progress=progress, reference_nfe=reference_nfe)
+    failed = [r for r in res.rows if r.get("error")]
+    if res.rows and len(failed) == len(res.rows):  # nothing measured: the settings are wrong, not one pair
+        raise UnmaskError(f"every bench pair failed; the first: {failed[0]['decoder']} on {failed[0]['model']}: "
+                          f"{str(failed[0]['error']).splitlines()[0]}")
     if as_json:
         typer.echo(json.dumps(res.to_dict(), ensure_ascii=False))
         return

@@ -22,7 +22,7 @@ import torch
 
 from unmask.compat import quiet_transformers
 from unmask.errors import UnmaskError
-from unmask.fileio import (check_parents, output_lock, probe_writable, publish_dir, staging_dir, sweep_stale_staging,
+from unmask.fileio import (check_model_out_dir, output_lock, probe_writable, publish_dir, staging_dir, sweep_stale_staging,
                            write_errors)
 
 GGUF_MAGIC = b"GGUF"
@@ -210,20 +210,6 @@ def resolve_gguf_dtype(dtype: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def check_out_dir(out_dir: str | os.PathLike, gguf_file: str | os.PathLike) -> Path:
-    """``out_dir`` as a Path, when it can be the new model directory: it has a name (not ``.``,
-    ``..`` or empty: the lock and the staging folder are named after it), no parent is a file, and
-    it does not hold ``gguf_file`` (``--overwrite`` would delete the input). Raises UnmaskError."""
-    out = Path(out_dir)
-    if out.name in ("", ".", ".."):
-        raise UnmaskError(f"OUT_DIR {str(out_dir)!r} names no new directory; give the output directory a name, "
-                          "e.g. smollm2-hf")
-    check_parents(out, "OUT_DIR")
-    if out.resolve() in Path(gguf_file).expanduser().resolve().parents:
-        raise UnmaskError(f"OUT_DIR {out} holds the input file; write to another directory")
-    return out
-
-
 def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
                  dtype: str = "float32") -> Path:
     """``unmask convert gguf``: write a plain Hugging Face directory (safetensors weights in
@@ -243,7 +229,7 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, ov
     """
     torch_dtype = resolve_gguf_dtype(dtype)
     check_gguf_file(gguf_file)
-    out = check_out_dir(out_dir, gguf_file)
+    out = check_model_out_dir(out_dir, [gguf_file], overwrite)
     require_gguf_package()
     quiet_transformers()
     with output_lock(out, "OUT_DIR"):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from unmask.errors import UnmaskError
-from unmask.fileio import (check_parents, output_lock, probe_writable, publish_dir, staging_dir, sweep_stale_staging,
+from unmask.fileio import (check_model_out_dir, output_lock, probe_writable, publish_dir, staging_dir, sweep_stale_staging,
                            write_errors)
 
 # sha256 of the genuine files (spec/models.md §1.1); look-alikes with the same header exist.
@@ -287,11 +287,11 @@ def convert_llama2c(checkpoint: str | os.PathLike, tokenizer: str | os.PathLike,
 
     ``out_dir`` is locked against a second writer for the whole conversion.
 
-    Raises UnmaskError for missing/corrupt inputs, an existing ``out_dir`` without ``overwrite``,
+    Raises UnmaskError for missing/corrupt inputs, an unnamed ``out_dir``, one holding an input, an
+    existing ``out_dir`` without ``overwrite`` (with it, a folder that is not a model directory),
     another process writing ``out_dir``, or a write that fails (full disk, no permission).
     """
-    out = Path(out_dir)
-    check_parents(out, "OUT_DIR")
+    out = check_model_out_dir(out_dir, [checkpoint, tokenizer], overwrite)
     with output_lock(out, "OUT_DIR"):
         return _convert(checkpoint, tokenizer, out, overwrite=overwrite, verify=verify)
 

@@ -54,9 +54,14 @@ def resolve(name_or_path: str) -> tuple[str, Path]:
 
         return name_or_path, ensure_converted()
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
+    try:
+        is_dir, exists = path.is_dir(), path.exists()
+    except OSError as e:  # e.g. a name too long for the file system
+        raise UnmaskError(f"model {str(name_or_path)[:60]!r} is no shipped name and no usable path ({e.strerror}); "
+                          "pass a shipped name (see 'unmask models') or a model directory") from None
+    if is_dir:
         return path.name, path
-    if path.exists():
+    if exists:
         raise UnmaskError(f"model {name_or_path!r} is a file, not a directory; pass the folder that holds "
                           "config.json and the weights")
     valid = ", ".join([*names, *WHEEL_MODELS])
