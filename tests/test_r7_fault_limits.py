@@ -26,8 +26,9 @@ def test_table_bytes_is_what_tree_window_allocates(draft, K):
 
 @pytest.mark.parametrize("draft,K", [("60/0/400", None), ("quadratic", 32), ("62/0/2+1+2+3+4+5+6+7+8+9+10", None)])
 def test_a_layout_whose_tables_pass_the_limit_is_refused_before_they_exist(draft, K):
+    cfg = sbd_verify.VerifyConfig(block_size=K or 8, draft=draft)  # the layout itself is valid text
     with pytest.raises(UnmaskError, match=r"MiB of step tables, more than the 256 MiB allowed; use fewer"):
-        sbd_verify.VerifyConfig(block_size=K or 8, draft=draft)
+        cfg.check_fits(10**6)  # a context window the layout fits: its tables are what is too large
 
 
 def test_the_cli_refuses_a_huge_layout_in_one_line(capsys):

@@ -84,21 +84,22 @@ class VerifyConfig:
         if smaller and (not self.budgeted or any(sl.parse(t).D + 1 >= self.block_size for t in smaller)):
             raise UnmaskError(f"smaller layouts ({', '.join(smaller)}) need a budgeted draft (D/S/G, got {self.draft}) "
                               f"and fewer than its {self.block_size - 1} draft tokens; drop them")
-        mib = tv.table_bytes(family(self.draft, self.block_size, smaller)) / 2**20
-        if mib > MAX_TABLE_MIB:  # before anything allocates them
-            raise UnmaskError(f"draft layout {self.draft} at draft size {self.block_size} needs {mib:,.0f} MiB of step "
-                              f"tables, more than the {MAX_TABLE_MIB} MiB allowed; use fewer draft tokens or shorter "
-                              "groups (e.g. --draft budget)")
 
     def check_fits(self, context_length: int) -> None:
-        """Raise UnmaskError when a step of this config cannot fit the context window: 2K positions
-        (prefill group included) or more query tokens per forward than ``context_length``."""
+        """Raise UnmaskError when a step of this config cannot fit the context window (2K positions,
+        prefill group included, or more query tokens per forward than ``context_length``) or its step
+        tables (:func:`~unmask.decode.tree_verify.table_bytes`) would pass MAX_TABLE_MIB."""
         if 2 * self.block_size > context_length:
             raise UnmaskError(f"block size {self.block_size} is too large for the context window of "
                               f"{context_length}; lower --block-size")
         if (Q := queries(self.block_size, self.draft, self.smaller)) > context_length:
             raise UnmaskError(f"draft layout {self.draft} needs {Q} query tokens per forward, more than the context "
                               f"window of {context_length}; use shorter groups (e.g. --draft budget)")
+        mib = tv.table_bytes(family(self.draft, self.block_size, self.smaller)) / 2**20
+        if mib > MAX_TABLE_MIB:  # before anything allocates them (the running batch builds them lazily)
+            raise UnmaskError(f"draft layout {self.draft} at draft size {self.block_size} needs {mib:,.0f} MiB of step "
+                              f"tables, more than the {MAX_TABLE_MIB} MiB allowed; use fewer draft tokens or shorter "
+                              "groups (e.g. --draft budget)")
 
     @property
     def budgeted(self) -> bool:
