@@ -13,12 +13,28 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from unmask.models.bundle import ModelBundle
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored(request):
+    """Every test leaves SIGINT / SIGTERM as it found them. A handler left behind (SIG_IGN above all,
+    which child processes inherit) made the signal tests that ran later on the same xdist worker
+    hang or not raise (CI, round 7); the test that left it is named in a warning."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in before.items():
+        if signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
+            warnings.warn(f"{request.node.nodeid} left the {signal.Signals(s).name} handler changed; restored")
+
 
 DATA_DIR = Path(os.environ.get("UNMASK_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 STORIES_DIR = DATA_DIR / "tinyllamas-stories260K"
