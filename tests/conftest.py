@@ -28,6 +28,13 @@ def _signal_handlers_restored(request):
     """Every test leaves SIGINT / SIGTERM as it found them. A handler left behind (SIG_IGN above all,
     which child processes inherit) made the signal tests that ran later on the same xdist worker
     hang or not raise (CI, round 7); the test that left it is named in a warning."""
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    if blocked := signal.pthread_sigmask(signal.SIG_BLOCK, []) & sigs:  # children inherit a blocked mask too
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+        warnings.warn(f"{sorted(s.name for s in blocked)} were blocked before {request.node.nodeid}; unblocked")
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        warnings.warn(f"SIGINT was ignored before {request.node.nodeid}; restored")
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     yield
     for s, handler in before.items():
