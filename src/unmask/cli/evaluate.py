@@ -51,7 +51,8 @@ TP = typer.Option(None, "--tp", help="under torchrun: load the model tensor-para
 
 def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
     """The decoder options set on the command line: the named flags that were given plus each
-    ``--option KEY=VALUE`` (VALUE read as an int, a float, true/false, none, or else text).
+    ``--option KEY=VALUE`` (VALUE read as an int, a float, true/false, none, or else text; a path
+    option such as ``routers`` stays text).
     Raises UnmaskError for an entry without ``=``, a key that is not a user-facing decoder option
     (see :func:`_decoder_options`), a key given twice or also set by its own flag, and a
     non-boolean value for a boolean option."""
@@ -70,7 +71,7 @@ def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
             raise UnmaskError(f"--option {key} is given twice; give it once")
         if key in opts:
             raise UnmaskError(f"decoder option {key!r} is set twice (its own flag and --option); give it once")
-        value = _option_value(raw.strip())
+        value = raw.strip() if key in _PATH_OPTIONS else _option_value(raw.strip())
         if known[key] and value is not None and not isinstance(value, bool):
             raise UnmaskError(f"--option {key} must be true or false (got {raw.strip()!r})")
         seen.add(key)
@@ -81,6 +82,9 @@ def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
 # Decoder arguments that come from the caller (or are Python objects), never --option keys.
 _DECODER_ARGS = frozenset({"bundle", "prompts", "max_new_tokens", "sampling", "stop_token_ids", "stop_strings",
                            "on_step", "on_forward", "lbs_router", "lps_router"})
+
+# Options whose VALUE is a path, kept as text (routers=5 names the directory "5", not the number 5).
+_PATH_OPTIONS = frozenset({"routers"})
 
 
 def _decoder_options() -> dict[str, bool]:

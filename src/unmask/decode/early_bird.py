@@ -196,6 +196,24 @@ def _resolve_routers(bundle, use_lps: bool, routers, lbs_router, lps_router, tau
     return lbs_router, lps_router, tau, serving
 
 
+def check_router_options(routers, lbs_router, lps_router) -> None:
+    """Refuse a ``routers`` that is not a directory path and router objects of the wrong class
+    before anything reads them (an int path or a str router raised TypeError / AttributeError)."""
+    import os
+
+    from unmask.routers.lbs import LBSRouter
+    from unmask.routers.lps import LPSRouter
+
+    if routers is not None and not isinstance(routers, (str, os.PathLike)):
+        raise UnmaskError(f"routers must be a directory path (got {routers!r}); pass the directory holding lbs.json "
+                          "and lps.json, or leave it unset for the model's own MODEL_DIR/routers")
+    for name, value, cls in (("lbs_router", lbs_router, LBSRouter), ("lps_router", lps_router, LPSRouter)):
+        if value is not None and not isinstance(value, cls):
+            kind = name.split("_")[0]
+            raise UnmaskError(f"{name} must be an {cls.__name__} (got {type(value).__name__}); load one with "
+                              f"unmask.routers.load_router(DIR, {kind!r})[0], or pass routers=DIR instead")
+
+
 def configure(bundle, *, max_new_tokens: int | None = None, gen_length=None, block_size=None, tau=None,
               tau_psi=None, l_min=None, g_max=None, lps=None, cache=None, gap_metric=None, pos_mode=None,
               eos_early_stop=False, sampler=None, confidence=None, routers=None, lbs_router=None, lps_router=None, static=False,
@@ -204,6 +222,7 @@ def configure(bundle, *, max_new_tokens: int | None = None, gen_length=None, blo
     ``max_new_tokens`` None skips its checks (a continuous batch checks it per job). Raises the
     UnmaskErrors :func:`decode` documents for these options."""
     check_mask_token(bundle, "early-bird")
+    check_router_options(routers, lbs_router, lps_router)
     if tau_psi is not None and (not isinstance(tau_psi, (int, float)) or not 0 < tau_psi < 1):
         raise UnmaskError(f"tau_psi must be in (0, 1) (got {tau_psi!r}); use lps=False (--no-lps) to turn the LPS "
                           "router off")
@@ -272,9 +291,10 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     eager run up to float rounding.
 
     Raises UnmaskError for a model without a mask token, missing routers (saying how to train
-    them), an LBS router of another vocabulary or L, g_max < 1, L_min < 1, τ_ψ outside (0, 1),
-    an unknown cache / gap metric / pos mode, a canvas longer than the context window, or
-    ``compile`` / ``static`` on a remote-code model.
+    them), a ``routers`` that is not a path, router objects of the wrong class, an LBS router of
+    another vocabulary or L, g_max < 1, L_min < 1, τ_ψ outside (0, 1), an unknown cache / gap
+    metric / pos mode, a canvas longer than the context window, or ``compile`` / ``static`` on a
+    remote-code model.
     """
     cfg, lbs, lps_net = configure(bundle, max_new_tokens=max_new_tokens, gen_length=gen_length,
                                   block_size=block_size, tau=tau, tau_psi=tau_psi, l_min=l_min, g_max=g_max, lps=lps,
