@@ -32,3 +32,20 @@ def test_eval_routers_option_is_a_path(capsys):
     one_line_error(capsys, "eval", "--task", "stories", "-m", "stories260K-dlm", "--limit", "1", "-n", "8",
                    "--no-progress", "-d", "early-bird", "-O", "routers=5", match="no Early-Bird routers for "
                    "'stories260K-dlm' in 5")
+
+
+# -- 2. device / dtype beside a loaded bundle ----------------------------------------------------------
+
+def test_device_and_dtype_that_differ_from_a_loaded_bundle_are_refused():
+    import torch
+
+    b = unmask.load("stories260K")  # cpu, float32
+    with pytest.raises(UnmaskError, match=r"already loaded on cpu, so device='cuda' would be ignored; load it with "
+                                          r"unmask.load\(\.\.\., device='cuda'\)"):
+        unmask.generate("Once upon a time", b, max_new_tokens=2, device="cuda")
+    with pytest.raises(UnmaskError, match=r"already loaded in float32, so dtype='bfloat16' would be ignored"):
+        unmask.generate("Once upon a time", b, max_new_tokens=2, dtype="bfloat16")
+    with pytest.raises(UnmaskError, match=r"unknown dtype \['x'\]"):
+        unmask.generate("Once upon a time", b, max_new_tokens=2, dtype=["x"])
+    same = unmask.generate("Once upon a time", b, max_new_tokens=2, device="cpu", dtype=torch.float32)
+    assert same.tokens == unmask.generate("Once upon a time", b, max_new_tokens=2).tokens

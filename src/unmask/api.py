@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from unmask.decode import DecodeStats, default_decoder, get_decoder
 from unmask.errors import UnmaskError
 from unmask.models import ModelBundle, load
-from unmask.models.bundle import check_finite_weights
+from unmask.models.bundle import check_finite_weights, check_placement
 from unmask.sampling import Sampling
 from unmask.threads import scoped, use_for
 
@@ -149,8 +149,8 @@ def as_prompt_list(prompts) -> list:
 def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: str | ModelBundle | None = None,
              decoder: str | None = None, *, max_new_tokens: int | None = None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, stop: list[str] | None = None,
-             chat: bool = False, system: str | None = None, device: str = "cpu", dtype: str = "float32",
-             reference_nfe: bool = False, **options) -> Generation:
+             chat: bool = False, system: str | None = None, device: str | None = None,
+             dtype: str | None = None, reference_nfe: bool = False, **options) -> Generation:
     """Generate continuations of ``prompts`` with any decoder.
 
     prompts: a text, a list of texts, a conversation (a list of ``{"role", "content"}`` messages)
@@ -161,7 +161,8 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     text and ``prompt_tokens`` its exact ids (the template's own BOS, never a second one).
 
     model: a ModelBundle, a shipped name or a local directory (default: the default shipped
-    model). decoder: ``ar``, ``sbd``, ... (default: the natural decoder of the model's kind).
+    model). device / dtype: where a name or directory is loaded (default cpu, float32); with a
+    ModelBundle they must be None or the bundle's own (it is not moved or cast). decoder: ``ar``, ``sbd``, ... (default: the natural decoder of the model's kind).
     ``options`` go to the decoder (e.g. ``policy="entropy-bound", gamma=0.35, block_size=16``).
     max_new_tokens: tokens reported per prompt; default 128, or the whole canvas when a
     diffusion ``gen_length`` is given (a smaller value cuts the canvas and ends decoding early).
@@ -188,7 +189,11 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     for s in stop:
         if not isinstance(s, str) or not s:
             raise UnmaskError(f"stop strings must be non-empty text (got {s!r}); drop it or give the text to stop at")
-    bundle = model if isinstance(model, ModelBundle) else load(model, device=device, dtype=dtype)
+    if isinstance(model, ModelBundle):
+        check_placement(model, device, dtype)  # a loaded bundle is not moved: a different device would be ignored
+        bundle = model
+    else:
+        bundle = load(model, device=device, dtype="float32" if dtype is None else dtype)
     use_for(bundle.model)  # the auto thread count for this call, unless the user chose one (unmask.threads)
     decoder = decoder or default_decoder(bundle.kind)
     decode = get_decoder(decoder, bundle.kind)

@@ -81,7 +81,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:  # a list is not even hashable
         raise UnmaskError(f"unknown dtype {dtype!r}; use float32 or bfloat16")
     return _DTYPES[dtype]
 
@@ -121,6 +121,29 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise UnmaskError(f"unsupported device {device}; use cpu or cuda")
     return device
+
+
+def check_placement(bundle: ModelBundle, device=None, dtype=None) -> None:
+    """Refuse a ``device`` / ``dtype`` that differ from where an already loaded ``bundle`` is: they
+    would be ignored silently (the bundle is not moved or cast). None, or the bundle's own device
+    (``cuda`` matches any CUDA index) or dtype, passes. Raises UnmaskError."""
+    if device is not None:
+        try:
+            want = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise UnmaskError(f"unknown device {device!r}; use cpu or cuda") from None
+        have = bundle.device
+        if want.type != have.type or (want.index is not None and want.index != have.index):
+            raise UnmaskError(f"the model {bundle.name!r} is already loaded on {have}, so device={str(device)!r} "
+                              f"would be ignored; load it with unmask.load(..., device={str(want)!r}) or pass the "
+                              "model's name instead of the loaded bundle, or drop device=")
+    if dtype is not None:
+        want_dtype, have_dtype = resolve_dtype(dtype), bundle.dtype
+        if want_dtype != have_dtype:
+            name = str(want_dtype).removeprefix("torch.")
+            raise UnmaskError(f"the model {bundle.name!r} is already loaded in {str(have_dtype).removeprefix('torch.')}, "
+                              f"so dtype={dtype!r} would be ignored; load it with unmask.load(..., dtype={name!r}) or "
+                              "pass the model's name instead of the loaded bundle, or drop dtype=")
 
 
 def read_unmask_config(path: Path) -> dict:
