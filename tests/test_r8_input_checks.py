@@ -49,3 +49,42 @@ def test_device_and_dtype_that_differ_from_a_loaded_bundle_are_refused():
         unmask.generate("Once upon a time", b, max_new_tokens=2, dtype=["x"])
     same = unmask.generate("Once upon a time", b, max_new_tokens=2, device="cpu", dtype=torch.float32)
     assert same.tokens == unmask.generate("Once upon a time", b, max_new_tokens=2).tokens
+
+
+# -- 3. knob types: a bool is no size, a string no flag, nan no number --------------------------------
+
+@pytest.fixture(scope="module")
+def sbd():
+    return unmask.load("stories260K-sbd")
+
+
+@pytest.mark.parametrize("model, decoder, kw, match", [
+    ("sbd", "sbd", {"static": "x"}, r"static must be True or False \(got 'x'\)"),  # the lossless default path
+    ("sbd", "sbd", {"compile": "x", "verify": True}, r"compile must be True or False \(got 'x'\)"),
+    ("sbd", "sbd", {"block_size": True, "verify": False}, r"block size must be an integer >= 1 \(got True\)"),
+    ("dlm", "diffusion", {"block_size": True}, r"block size must be an integer >= 1 \(got True\)"),
+    ("dlm", "diffusion", {"gen_length": True}, r"gen length must be an integer >= 1 \(got True\)"),
+    ("dlm", "diffusion", {"policy": "top-k", "steps": True}, r"steps must be a positive multiple .* got True"),
+    ("dlm", "diffusion", {"refresh_every": True}, r"refresh_every must be an integer >= 1 \(got True\)"),
+    ("dlm", "diffusion", {"reference_steps": "x"}, r"reference_steps must be true or false \(got 'x'\)"),
+    ("dlm", "diffusion", {"schedule": "dream", "alg_temp": float("nan")}, r"alg_temp must be a finite number"),
+    ("dlm", "diffusion", {"schedule": "dream", "alg_temp": float("inf")}, r"alg_temp must be a finite number"),
+    ("dlm", "diffusion", {"gamma": float("nan")}, r"gamma must be >= 0 \(got nan\)"),
+    ("dlm", "diffusion", {"eta": float("nan")}, r"eta must be >= 0 \(got nan\)"),
+    ("dlm", "diffusion", {"policy": "factor", "factor": float("nan")}, r"must be >= 0 \(got nan\)"),
+    ("dlm", "early-bird", {"gap_metric": ""}, r"unknown gap metric ''"),
+    ("dlm", "early-bird", {"sampler": ""}, r"unknown sampler ''"),
+])
+def test_bools_strings_and_nan_are_refused_where_a_knob_is_validated(sbd, dlm, model, decoder, kw, match):
+    with pytest.raises(UnmaskError, match=match):
+        unmask.generate("Once upon a time", {"sbd": sbd, "dlm": dlm}[model], decoder, max_new_tokens=8, **kw)
+
+
+def test_shared_type_predicates():
+    from unmask.errors import is_int, is_number
+
+    assert is_int(3) and not is_int(True) and not is_int(3.0) and not is_int("3")
+    assert is_number(0.5) and is_number(2) and not is_number(True) and not is_number("0.5")
+    assert not is_number(float("nan")) and not is_number(float("inf"))
+    # ∞ stays a legal bound where the spec gives it a meaning (γ = ∞ reveals all, SBD §5.1); nan never is
+    assert is_number(float("inf"), finite=False) and not is_number(float("nan"), finite=False)

@@ -1,10 +1,28 @@
-"""User-facing errors.
+"""User-facing errors, and the type predicates the config validators share.
 
 Every problem a user can cause (bad option, missing file, wrong model kind) raises
 :class:`UnmaskError` with a one-line message that names the problem and the fix. The CLI
 prints the message and exits with code 2, never a traceback.
 """
 
+from __future__ import annotations
+
+import math
+
 
 class UnmaskError(ValueError):
     """A one-line, user-facing error: what is wrong and how to fix it."""
+
+
+def is_int(value) -> bool:
+    """An int that is not a bool: True == 1 in Python, but a flag is no size, count or step."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value, *, finite: bool = True) -> bool:
+    """A real number: int or float, not a bool, never nan; ``finite=False`` lets ±inf through, for
+    the bounds where ∞ means "commit everything" (γ, η, the factor f: SBD §5.1, diffusion.md §7)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    return math.isfinite(value) if finite else not math.isnan(value)
+

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int, is_number
 from unmask.sampling import TEMPERATURE_RANGE
 
 # SBD §5.4, Table 1: γ_low keeps accuracy, γ_high is faster. Both assume the entropy proxy at T = 0.
@@ -50,7 +50,8 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+    # ∞ is a legal bound (γ = ∞ reveals every masked position, SBD §5.1); nan and bools never are
+    return is_number(x, finite=False)
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class TopK:
     k: int = 1
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.k, int) and not isinstance(self.k, bool) and self.k >= 1,
+        _require(is_int(self.k) and self.k >= 1,
                  f"k must be an integer >= 1 (got {self.k!r}); use 1 for one token per step")
 
     @property

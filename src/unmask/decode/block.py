@@ -38,7 +38,7 @@ import torch
 from unmask.decode.batching import left_pad
 from unmask.decode.canvas_common import drain_prompts, event_hook, serving_options
 from unmask.decode.stats import DecodeOutput
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int
 from unmask.masks import as_4d, block_buffer_mask, block_causal_mask, with_key_padding
 from unmask.policies import CONFIDENCES, Policy, Threshold, make_policy
 from unmask.sampling import Sampling, filter_logits
@@ -118,7 +118,7 @@ def resolve_block_size(bundle, block_size: int | None) -> int:
     neither is known."""
     native = native_block_size(bundle)
     if block_size is not None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        if not is_int(block_size) or block_size < 1:
             raise UnmaskError(f"block size must be an integer >= 1 (got {block_size!r}); "
                               "drop --block-size to use the checkpoint's")
         if native is not None and block_size != native:
@@ -255,11 +255,10 @@ class BlockConfig:
     steps: int | None = None
 
     def __post_init__(self):
-        if self.steps is not None and (not isinstance(self.steps, int) or isinstance(self.steps, bool)
-                                       or not 1 <= self.steps <= self.block_size):
+        if self.steps is not None and (not is_int(self.steps) or not 1 <= self.steps <= self.block_size):
             raise UnmaskError(f"steps must be an integer in 1..{self.block_size} (the block size), got {self.steps!r}; "
                               f"use {self.block_size} for one token per step")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
+        if not is_int(self.block_size) or self.block_size < 1:
             raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size!r}); "
                               "drop --block-size to use the checkpoint's")
         if self.store not in STORES:

@@ -26,7 +26,7 @@ from unmask.decode.canvas_common import check_canvas, check_mask_token, event_ho
 from unmask.decode.dllm_cache import CACHE_MODES, check_fast_path, prompt_width
 from unmask.decode.running import drain, requests_for
 from unmask.decode.stats import DecodeOutput
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int
 from unmask.models.adapters import SAMPLERS, default_sampler
 from unmask.policies import CONFIDENCES, Policy, TopK, make_policy
 from unmask.sampling import Sampling
@@ -77,9 +77,9 @@ class DiffusionConfig:
 
     def __post_init__(self):
         L, B = self.gen_length, self.block_size
-        if not isinstance(L, int) or L < 1:
+        if not is_int(L) or L < 1:
             raise UnmaskError(f"gen length must be an integer >= 1 (got {L!r}); pass e.g. --gen-length 64")
-        if not isinstance(B, int) or B < 1:
+        if not is_int(B) or B < 1:
             raise UnmaskError(f"block size must be an integer >= 1 (got {B!r}); 32 is Fast-dLLM's default")
         if L % B:
             near = sorted(_divisors(L), key=lambda d: (abs(d - B), d))[:4]
@@ -87,7 +87,7 @@ class DiffusionConfig:
                               f"{', '.join(map(str, sorted(near)))} or a gen length that is a multiple of {B}")
         if self.cache not in CACHE_MODES:
             raise UnmaskError(f"unknown cache {self.cache!r}; choose one of: {', '.join(CACHE_MODES)}")
-        if self.refresh_every is not None and (not isinstance(self.refresh_every, int) or self.refresh_every < 1):
+        if self.refresh_every is not None and (not is_int(self.refresh_every) or self.refresh_every < 1):
             raise UnmaskError(f"refresh_every must be an integer >= 1 (got {self.refresh_every!r}); "
                               "leave it unset to refresh at block starts only")
         if self.sampler not in SAMPLERS:
@@ -99,8 +99,8 @@ class DiffusionConfig:
             if not isinstance(self.policy, TopK):
                 raise UnmaskError(f"steps applies to the top-k policy only (got {self.policy.name!r}); "
                                   "drop --steps or use --policy top-k")
-            if not isinstance(self.steps, int) or self.steps < nb or self.steps % nb:
-                low = max(nb, (self.steps // nb) * nb) if isinstance(self.steps, int) else nb
+            if not is_int(self.steps) or self.steps < nb or self.steps % nb:
+                low = max(nb, (self.steps // nb) * nb) if is_int(self.steps) else nb
                 raise UnmaskError(f"steps must be a positive multiple of the {nb} blocks (gen length {L} / block "
                                   f"size {B}), got {self.steps!r}; use e.g. {low} or {low + nb}")
 
@@ -150,12 +150,12 @@ class DiffusionConfig:
                   "eta": eta}
         built = make_policy(name, **params)
         requested = gen_length if gen_length is not None else max_new_tokens
-        if not isinstance(requested, int) or requested < 1:
+        if not is_int(requested) or requested < 1:
             raise UnmaskError(f"gen length must be an integer >= 1 (got {requested!r}); pass e.g. --gen-length 64")
         block = block_size if block_size is not None else min(DEFAULT_BLOCK_SIZE, requested)
         if gen_length is None:  # an invalid block size is reported by __post_init__
-            gen_length = math.ceil(requested / block) * block if isinstance(block, int) and block >= 1 else requested
-        elif isinstance(max_new_tokens, int) and isinstance(gen_length, int) and max_new_tokens > gen_length:
+            gen_length = math.ceil(requested / block) * block if is_int(block) and block >= 1 else requested
+        elif is_int(max_new_tokens) and is_int(gen_length) and max_new_tokens > gen_length:
             raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds gen length {gen_length}; lower "
                               "--max-new-tokens or raise --gen-length")
         return cls(gen_length=gen_length, block_size=block, policy=built, steps=steps,
@@ -235,6 +235,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     ``compile`` / ``static`` on a remote-code model or with ``schedule="dream"``.
     """
     check_mask_token(bundle, "diffusion")
+    if not isinstance(reference_steps, bool):
+        raise UnmaskError(f"reference_steps must be true or false (got {reference_steps!r}); pass --reference-nfe to "
+                          "generate, which sets it")
     if schedule is not None or alg is not None or alg_temp is not None or eps is not None:
         if compile or static:
             raise UnmaskError("compile/static do not apply to --schedule dream (Dream's own loop runs eagerly); "
@@ -245,7 +248,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
         max_new_tokens=max_new_tokens, gen_length=gen_length, block_size=block_size, policy=policy, gamma=gamma,
         preset=preset, tau=tau, factor=factor, factor_compat=factor_compat, tokens_per_step=tokens_per_step,
         eta=eta, steps=steps, cache=cache, refresh_every=refresh_every, eos_early_stop=eos_early_stop,
-        sampler=sampler or default_sampler(bundle), confidence=confidence)
+        sampler=default_sampler(bundle) if sampler is None else sampler, confidence=confidence)
     cfg.warn_degenerate()
     for p in prompts:  # before the canvases are allocated
         check_canvas(bundle, len(p), cfg.gen_length, CANVAS_HINT)

@@ -32,7 +32,7 @@ from unmask.decode.canvas_common import check_canvas, event_hook, finish, servin
 from unmask.decode.dllm_cache import SlotCanvas, canvas_call
 from unmask.decode.running import Request, Row, SlotRows, Slots, drain
 from unmask.decode.stats import DecodeOutput
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int, is_number
 from unmask.models.adapters import realign
 from unmask.sampling import Sampling
 from unmask.trace import step_event
@@ -125,12 +125,12 @@ def validate(steps, alg: str, alg_temp, eps, L: int) -> int:
     if alg not in ALGS:
         raise UnmaskError(f"unknown alg {alg!r}; choose one of: {', '.join(ALGS)}")
     steps = L if steps is None else steps
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+    if not is_int(steps) or steps < 1:
         raise UnmaskError(f"steps must be an integer >= 1 (got {steps!r}); Dream's default is 512")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+    if not is_number(eps) or not 0 < eps < 1:
         raise UnmaskError(f"eps must be in (0, 1) (got {eps!r}); Dream's default is 1e-3")
-    if alg_temp is not None and (not isinstance(alg_temp, (int, float)) or isinstance(alg_temp, bool) or alg_temp < 0):
-        raise UnmaskError(f"alg_temp must be a number >= 0 (got {alg_temp!r}); leave it unset for top-k selection")
+    if alg_temp is not None and (not is_number(alg_temp) or alg_temp < 0):  # nan / inf: a nan softmax
+        raise UnmaskError(f"alg_temp must be a finite number >= 0 (got {alg_temp!r}); leave it unset for top-k selection")
     return steps
 
 

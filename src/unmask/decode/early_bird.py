@@ -46,7 +46,7 @@ from unmask.decode.dllm_cache import check_fast_path, prompt_width
 from unmask.decode.eb_select import GAP_METRICS, POS_MODES
 from unmask.decode.running import drain, requests_for
 from unmask.decode.stats import DecodeOutput
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int, is_number
 from unmask.models.adapters import SAMPLERS, default_sampler
 from unmask.policies import CONFIDENCES, commit
 from unmask.sampling import Sampling
@@ -61,7 +61,7 @@ CANVAS_HINT = "shorten the prompt or use a model with a longer window"
 
 def check_max_new_tokens(n, L: int) -> None:
     """Raise the one-line UnmaskError unless 1 <= n <= L (the LBS router's gen length)."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    if not is_int(n) or n < 1:
         raise UnmaskError(f"max_new_tokens must be an integer >= 1 (got {n!r})")
     if n > L:
         raise UnmaskError(f"max_new_tokens {n} exceeds the LBS router's gen length {L}; lower it or train LBS for a "
@@ -69,7 +69,7 @@ def check_max_new_tokens(n, L: int) -> None:
 
 
 def _int_at_least(value, low: int, what: str, hint: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    if not is_int(value) or value < low:
         raise UnmaskError(f"{what} must be an integer >= {low} (got {value!r}); {hint}")
 
 
@@ -104,10 +104,9 @@ class EarlyBirdConfig:
         _int_at_least(self.block_size, 1, "block size (L_B)", "32 is the paper's fallback block")
         _int_at_least(self.l_min, 1, "L_min", "the paper uses 8 (16 for LLaDA-1.5)")
         _int_at_least(self.g_max, 1, "g_max", "the paper uses 5, and 1 for contiguous blocks")
-        if not isinstance(self.tau, (int, float)) or isinstance(self.tau, bool) or not 0 < self.tau <= 1:
+        if not is_number(self.tau) or not 0 < self.tau <= 1:
             raise UnmaskError(f"tau must be in (0, 1] (got {self.tau!r}); the paper uses 0.9")
-        if self.tau_psi is not None and (not isinstance(self.tau_psi, (int, float)) or isinstance(self.tau_psi, bool)
-                                         or not 0 < self.tau_psi < 1):
+        if self.tau_psi is not None and (not is_number(self.tau_psi) or not 0 < self.tau_psi < 1):
             raise UnmaskError(f"tau_psi must be in (0, 1) (got {self.tau_psi!r}); use lps=False (--no-lps) to turn "
                               "the LPS router off")
         if self.cache not in CACHE_MODES:
@@ -223,7 +222,7 @@ def configure(bundle, *, max_new_tokens: int | None = None, gen_length=None, blo
     UnmaskErrors :func:`decode` documents for these options."""
     check_mask_token(bundle, "early-bird")
     check_router_options(routers, lbs_router, lps_router)
-    if tau_psi is not None and (not isinstance(tau_psi, (int, float)) or not 0 < tau_psi < 1):
+    if tau_psi is not None and (not is_number(tau_psi) or not 0 < tau_psi < 1):
         raise UnmaskError(f"tau_psi must be in (0, 1) (got {tau_psi!r}); use lps=False (--no-lps) to turn the LPS "
                           "router off")
     for flag, value in (("lps", lps), ("eos_early_stop", eos_early_stop)):
@@ -246,9 +245,9 @@ def configure(bundle, *, max_new_tokens: int | None = None, gen_length=None, blo
         tau=defaults["tau"] if tau is None else tau, tau_psi=tau_psi,
         l_min=defaults["l_min"] if l_min is None else l_min,
         g_max=defaults["g_max"] if g_max is None else g_max, cache="none" if cache is None else str(cache),
-        gap_metric=gap_metric or "absolute",
-        pos_mode=pos_mode or (lps_net.config.pos_mode if lps_net is not None else "literal"),
-        eos_early_stop=bool(eos_early_stop), sampler=sampler or default_sampler(bundle),
+        gap_metric="absolute" if gap_metric is None else gap_metric,
+        pos_mode=pos_mode if pos_mode is not None else lps_net.config.pos_mode if lps_net is not None else "literal",
+        eos_early_stop=bool(eos_early_stop), sampler=default_sampler(bundle) if sampler is None else sampler,
         confidence=confidence)
     return cfg, lbs, lps_net
 

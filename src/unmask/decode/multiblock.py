@@ -41,7 +41,7 @@ from unmask.decode.block import (check_block_model, check_cache_flags, hit_stop_
                                  step_event, window_forward)
 from unmask.decode.canvas_common import drain_prompts, event_hook
 from unmask.decode.stats import DecodeOutput
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int, is_number
 from unmask.sampling import Sampling, sample
 
 
@@ -68,9 +68,6 @@ class MultiBlockConfig:
     max_post_edit_steps: int = 16
 
     def __post_init__(self):
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
-
         if not is_int(self.block_size) or self.block_size < 1:
             raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size!r}); "
                               "drop --block-size to use the checkpoint's")
@@ -81,7 +78,7 @@ class MultiBlockConfig:
             v = getattr(self, name)
             if v is None and name == "tau_t2t":
                 continue
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 <= v <= 1.0:
+            if not is_number(v) or not 0.0 <= v <= 1.0:
                 raise UnmaskError(f"--{name.replace('_', '-')} must be a number in [0, 1] (got {v!r}); thresholds "
                                   "are probabilities or fill ratios")
         if self.max_nfe is not None and (not is_int(self.max_nfe) or self.max_nfe < 1):

@@ -25,7 +25,7 @@ import torch
 from unmask.decode import draft_layout, sbd_verify
 from unmask.decode.batching import left_pad
 from unmask.decode.stats import DecodeOutput
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int
 from unmask.masks import as_4d, causal_mask, with_key_padding
 from unmask.policies import EntropyBound, Policy, make_policy
 from unmask.sampling import Sampling
@@ -45,8 +45,8 @@ class SBDConfig:
     policy: Policy = EntropyBound.preset(DEFAULT_PRESET)
 
     def __post_init__(self):
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size}); 16 is the paper's default")
+        if not is_int(self.block_size) or self.block_size < 1:
+            raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size!r}); 16 is the paper's default")
 
     @classmethod
     def from_options(cls, *, block_size=None, policy=None, gamma=None, preset=None, tau=None, factor=None,
@@ -108,6 +108,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     if bundle.mask_token_id is None:
         raise UnmaskError("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); "
                           "train one with 'unmask train sbd'")
+    for name, value in (("compile", compile), ("static", static)):  # both paths: lossless passed "x" on as on
+        if not isinstance(value, bool):
+            raise UnmaskError(f"{name} must be True or False (got {value!r}); pass {name}=True")
     policy_options = {"--policy": policy, "--gamma": gamma, "--preset": preset, "--tau": tau, "--factor": factor,
                       "--tokens-per-step": tokens_per_step}
     given = [flag for flag, value in policy_options.items() if value is not None]
@@ -119,9 +122,6 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                                  block_size=_first(block_size, defaults.get("verify_block_size"), sbd_verify.DEFAULT_BLOCK_SIZE),
                                  draft=draft_layout.option(draft, block_size, defaults, sbd_verify.DEFAULT_DRAFT),
                                  queries=queries, on_forward=on_forward, on_step=on_step, compile=compile, static=static)
-    for name, value in (("compile", compile), ("static", static)):
-        if not isinstance(value, bool):
-            raise UnmaskError(f"{name} must be True or False (got {value!r}); pass {name}=True")
     defaults = {k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS}
     cfg = SBDConfig.from_options(block_size=block_size, policy=policy, gamma=gamma, preset=preset, tau=tau,
                                  factor=factor, tokens_per_step=tokens_per_step, defaults=defaults)
