@@ -295,7 +295,7 @@ class Verify:
     def _tables(self, Kmax: int) -> tv.TreeWindow:
         """The window tables of the draft layout for steps whose largest draft size is Kmax (cached)."""
         if Kmax not in self._layouts:
-            self._layouts[Kmax] = tv.tree_window(family(self.cfg.draft, Kmax, self.cfg.smaller), self.device)
+            self._layouts[Kmax] = sv.tables(self.cfg.draft, Kmax, self.cfg.smaller, self.device)
         return self._layouts[Kmax]
 
     def _accept(self, logits: torch.Tensor, inp: torch.Tensor, tw: tv.TreeWindow, R: int, Kmax: int, s: torch.Tensor,
