@@ -256,3 +256,19 @@ def test_cli_verify_errors_are_one_line(capsys):
     one_line_error(capsys, "generate", "Once", "--verify", "--draft", "cubic", match="draft layout")
     one_line_error(capsys, "generate", "Once", "--model", "stories260K", "--decoder", "sbd", "--verify",
                    match="kind sbd")
+
+
+def test_step_tables_are_shared_only_while_small(monkeypatch):
+    """sbd_verify.tables keeps the last few small layouts' tables (equal to a fresh tree_window) and
+    builds a larger one per call, so cached tables never hold more than CACHED_TABLES x CACHED_TABLE_BYTES."""
+    monkeypatch.setattr(sbd_verify, "_TABLES", type(sbd_verify._TABLES)())
+    a, b = sbd_verify.tables("4/0,4/5", 5), sbd_verify.tables("4/0,4/5", 5)
+    assert a is b
+    fresh = tree_verify.tree_window(sbd_verify.family("4/0,4/5", 5))
+    assert all(torch.equal(getattr(a, f), getattr(fresh, f)) for f in ("mask", "offsets", "tok", "path", "src", "length"))
+    monkeypatch.setattr(sbd_verify, "CACHED_TABLE_BYTES", tree_verify.table_bytes(sbd_verify.family("quadratic", 8)) - 1)
+    assert sbd_verify.tables("quadratic", 8) is not sbd_verify.tables("quadratic", 8)
+    monkeypatch.setattr(sbd_verify, "CACHED_TABLES", 2)
+    for K in (2, 3, 4):
+        sbd_verify.tables("linear", K)
+    assert [k[:2] for k in sbd_verify._TABLES] == [("linear", 3), ("linear", 4)]
