@@ -88,3 +88,65 @@ def test_shared_type_predicates():
     assert not is_number(float("nan")) and not is_number(float("inf"))
     # ∞ stays a legal bound where the spec gives it a meaning (γ = ∞ reveals all, SBD §5.1); nan never is
     assert is_number(float("inf"), finite=False) and not is_number(float("nan"), finite=False)
+
+
+# -- 4. messages name the field the user set --------------------------------------------------------
+
+@pytest.mark.parametrize("argv, match", [
+    (["--no-verify", "--queries", "3"], "--queries applies to lossless SBD only; add --verify or drop --queries"),
+    (["--no-verify", "--draft", "linear", "--queries", "3"], "--draft and --queries apply to lossless SBD only"),
+    (["--gamma", "-1"], "use 0 for one token per step, or --preset with one of chat-high, chat-low"),
+    (["--preset", "bogus"], "unknown --preset 'bogus'; use one of chat-high, chat-low, reasoning-high, "
+                            "reasoning-low, or --gamma for a number"),
+    (["--policy", "top-k", "--tokens-per-step", "0"], "tokens per step k must be an integer >= 1"),
+    (["--policy", "factor", "--factor", "-1"], "factor f must be >= 0"),
+    (["--policy", "threshold", "--tokens-per-step", "2"], "policy 'threshold' does not take --tokens-per-step; "
+                                                          "it takes --tau"),
+])
+def test_cli_messages_name_the_flag_that_was_set(capsys, argv, match):
+    one_line_error(capsys, "generate", "Once upon a time", "-m", "stories260K-sbd", "-n", "4", "--no-progress", *argv,
+                   match=match)
+
+
+def test_named_param_is_the_subject_of_the_message():
+    from unmask.serve.protocol import named_param
+
+    opts = {"steps": 0, "gen_length": 32}
+    assert named_param("steps must be a positive multiple of the 1 blocks (gen length 32 / block size 32)", opts) \
+        == "steps"
+    assert named_param("tau_add must be a number in [0, 1]", {"tau": 0.9, "tau_add": 2}) == "tau_add"
+    assert named_param("block size must be an integer >= 1", {"gamma": 0.3, "block_size": -1}) == "block_size"
+    assert named_param("slots does not apply to decoder 'block'", {"block_size": 8, "slots": 2}) == "slots"
+    assert named_param("the prompt is empty", {"steps": 3}) is None
+
+
+def test_the_server_names_the_field_that_was_set(dlm):
+    pytest.importorskip("unmask.serve", reason="the server tests need the serve extra")
+    for m in ("fastapi", "uvicorn", "prometheus_client"):
+        pytest.importorskip(m, reason=f"the server tests need {m}: pip install -e '.[test]'")
+    import json
+    import urllib.error
+    import urllib.request
+
+    from unmask.serve import create_app
+    from unmask.serve.server import ServerThread
+
+    def post(body):
+        req = urllib.request.Request(s.url + "/v1/completions", json.dumps({"prompt": "Once upon a time",
+                                     "max_tokens": 8, **body}).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())["error"]
+
+    with ServerThread(create_app(dlm)) as s:
+        for body, param, match in [
+            ({"steps": 0, "gen_length": 32}, "steps", "steps must be a positive multiple"),  # named gen_length
+            ({"gamma": -1}, "gamma", "or preset with one of chat-high"),
+            ({"preset": "bogus"}, "preset", "unknown preset 'bogus'; use one of chat-high"),
+            ({"tokens_per_step": 0}, "tokens_per_step", "tokens per step k must be an integer >= 1"),
+            ({"policy": "factor", "factor": -1}, "factor", "factor f must be >= 0"),
+        ]:
+            status, err = post(body)
+            assert status == 400 and err["param"] == param and match in err["message"], (body, err)

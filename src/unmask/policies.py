@@ -67,9 +67,10 @@ class EntropyBound:
     proxy: Literal["entropy", "confidence", "margin"] = "entropy"
 
     def __post_init__(self) -> None:
+        # --gamma is a number on the CLI and the server: the named values are --preset's
         _require(_is_number(self.gamma) and self.gamma >= 0,
-                 f"gamma must be >= 0 (got {self.gamma!r}); use 0 for one token per step or a preset "
-                 f"name from {sorted(GAMMA_PRESETS)}")
+                 f"gamma must be >= 0 (got {self.gamma!r}); use 0 for one token per step, or --preset with one of "
+                 f"{', '.join(sorted(GAMMA_PRESETS))}")
         _require(self.proxy in _PROXIES, f"proxy must be one of {list(_PROXIES)} (got {self.proxy!r})")
 
     @property
@@ -132,7 +133,7 @@ class Factor:
 
     def __post_init__(self) -> None:
         _require(_is_number(self.f) and self.f >= 0,
-                 f"f must be >= 0 (got {self.f!r}); larger f commits more tokens per step, 1.0 is usual")
+                 f"factor f must be >= 0 (got {self.f!r}); larger f commits more tokens per step, 1.0 is usual")
         _require(isinstance(self.compat, bool), f"compat must be True or False (got {self.compat!r})")
 
     @property
@@ -148,7 +149,7 @@ class TopK:
 
     def __post_init__(self) -> None:
         _require(is_int(self.k) and self.k >= 1,
-                 f"k must be an integer >= 1 (got {self.k!r}); use 1 for one token per step")
+                 f"tokens per step k must be an integer >= 1 (got {self.k!r}); use 1 for one token per step")
 
     @property
     def name(self) -> str:
@@ -183,6 +184,21 @@ _REGISTRY: dict[str, tuple[type, dict[str, object]]] = {
     "entropy-threshold": (EntropyThreshold, {}),
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+# Policy field -> the option that sets it (``--factor``, ``--tokens-per-step``; the others share their name).
+_OPTION_OF = {"f": "factor", "k": "tokens_per_step", "compat": "factor_compat"}
+
+
+def gamma_option(gamma=None, preset=None):
+    """γ as :func:`make_policy` takes it from the ``gamma`` and ``preset`` options (None when
+    neither is set): a number, or a preset name, checked here so that an unknown ``--preset`` is
+    named as such (``--gamma`` takes numbers on the CLI and the server). Raises UnmaskError."""
+    if preset is None:
+        return gamma
+    if gamma is not None:
+        raise UnmaskError("--gamma and --preset both set γ; give either --gamma or --preset, not both")
+    _require(isinstance(preset, str) and preset in GAMMA_PRESETS,
+             f"unknown --preset {preset!r}; use one of {', '.join(sorted(GAMMA_PRESETS))}, or --gamma for a number")
+    return preset
 
 
 def make_policy(name: str, **params: object) -> Policy:
@@ -198,7 +214,9 @@ def make_policy(name: str, **params: object) -> Policy:
     given = {k: v for k, v in params.items() if v is not None}
     allowed = [f.name for f in dataclasses.fields(cls)]
     for k, v in given.items():
-        _require(k in allowed, f"policy {key!r} has no option {k!r}; it accepts {allowed}")
+        takes = [f"--{_OPTION_OF.get(a, a).replace('_', '-')}" for a in allowed if a not in fixed and a != "strict"]
+        _require(k in allowed, f"policy {key!r} does not take --{_OPTION_OF.get(k, k).replace('_', '-')}; it takes "
+                               f"{', '.join(takes)}; drop it or choose a policy that takes it")
         _require(k not in fixed or v == fixed[k],
                  f"policy {key!r} fixes {k}={fixed.get(k)!r} (got {v!r}); choose the policy named after it")
     if isinstance(given.get("gamma"), str):

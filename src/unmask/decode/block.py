@@ -40,7 +40,7 @@ from unmask.decode.canvas_common import drain_prompts, event_hook, serving_optio
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError, is_int
 from unmask.masks import as_4d, block_buffer_mask, block_causal_mask, with_key_padding
-from unmask.policies import CONFIDENCES, Policy, Threshold, make_policy
+from unmask.policies import CONFIDENCES, Policy, Threshold, gamma_option, make_policy
 from unmask.sampling import Sampling, filter_logits
 
 DEFAULT_TAU = 0.95  # τ_M2T of every SingleBD row of multiblock.md Table 4 (LLaDA2-Mini, SDAR)
@@ -281,11 +281,10 @@ class BlockConfig:
         if schedule is not None and steps is None:
             steps = resolve_block_size(bundle, block_size)
         name = policy or "threshold"
-        if preset is not None and gamma is not None:
-            raise UnmaskError("--gamma and --preset both set γ; give either --gamma or --preset, not both")
+        gamma = gamma_option(gamma, preset)
         if name == "threshold" and tau is None:
             tau = DEFAULT_TAU
-        params = {"gamma": preset if preset is not None else gamma, "tau": tau, "f": factor, "k": tokens_per_step}
+        params = {"gamma": gamma, "tau": tau, "f": factor, "k": tokens_per_step}
         built = make_policy(name, **{k: v for k, v in params.items() if v is not None})
         if isinstance(built, Threshold) and steps is None:  # κ > τ, as multiblock's M2T and SDAR (multiblock.md §1.2)
             built = Threshold(built.tau, strict=True)

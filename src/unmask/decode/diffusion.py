@@ -28,7 +28,7 @@ from unmask.decode.running import drain, requests_for
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError, is_int
 from unmask.models.adapters import SAMPLERS, default_sampler
-from unmask.policies import CONFIDENCES, Policy, TopK, make_policy
+from unmask.policies import CONFIDENCES, Policy, TopK, gamma_option, make_policy
 from unmask.sampling import Sampling
 
 DEFAULT_BLOCK_SIZE = 32  # Fast-dLLM's LLaDA setting (models.md §2.3)
@@ -132,14 +132,12 @@ class DiffusionConfig:
         gen_length defaults to max_new_tokens rounded up to a multiple of the block size; the block
         size defaults to 32, or to the requested length when that is shorter.
         """
-        if preset is not None and gamma is not None:
-            raise UnmaskError("--gamma and --preset both set γ; give either --gamma or --preset, not both")
+        gamma = gamma_option(gamma, preset)
         if not isinstance(eos_early_stop, bool):
             raise UnmaskError(f"eos_early_stop must be true or false (got {eos_early_stop!r})")
         if steps is not None and tokens_per_step is not None:
             raise UnmaskError("--steps and --tokens-per-step conflict; give either --steps (LLaDA schedule) or "
                               "--tokens-per-step, not both")
-        gamma = preset if preset is not None else gamma
         name = policy or ("factor" if factor_compat else _infer_policy(gamma, tau, factor, tokens_per_step, steps, eta))
         if factor_compat and name != "factor":
             raise UnmaskError(f"--factor-compat applies to the factor policy only (got {name!r}); "

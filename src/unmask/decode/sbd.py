@@ -27,7 +27,7 @@ from unmask.decode.batching import left_pad
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError, is_int
 from unmask.masks import as_4d, causal_mask, with_key_padding
-from unmask.policies import EntropyBound, Policy, make_policy
+from unmask.policies import EntropyBound, Policy, gamma_option, make_policy
 from unmask.sampling import Sampling
 
 DEFAULT_BLOCK_SIZE = 16
@@ -64,11 +64,8 @@ class SBDConfig:
         if all(v is None for v in (policy, gamma, preset, tau, factor, tokens_per_step)) and defaults:
             return cls.from_options(block_size=block_size, **defaults)
         name = policy or "entropy-bound"
-        if preset is not None and gamma is not None:
-            raise UnmaskError("--gamma and --preset both set γ; give either --gamma or --preset, not both")
-        if preset is not None:
-            gamma = preset
-        elif gamma is None and name in ("entropy-bound", "confidence-bound", "margin-bound"):
+        gamma = gamma_option(gamma, preset)
+        if gamma is None and name in ("entropy-bound", "confidence-bound", "margin-bound"):
             gamma = DEFAULT_PRESET
         params = {"gamma": gamma, "tau": tau, "f": factor, "k": tokens_per_step}
         built = make_policy(name, **{k: v for k, v in params.items() if v is not None})
@@ -115,7 +112,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                       "--tokens-per-step": tokens_per_step}
     given = [flag for flag, value in policy_options.items() if value is not None]
     defaults = dict(bundle.meta.get("decode_defaults") or {})
-    lossless = _lossless(verify, given, draft if queries is None else "budget", defaults)
+    only = [flag for flag, value in (("--draft", draft), ("--queries", queries)) if value is not None]
+    lossless = _lossless(verify, given, draft if queries is None else "budget", defaults, only)
     if lossless:
         return sbd_verify.decode(bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                  stop_token_ids=stop_token_ids, stop_strings=stop_strings,
@@ -197,8 +195,9 @@ def runs_lossless(bundle, options: dict) -> bool:
         return False
 
 
-def _lossless(verify, given: list[str], draft, defaults: dict) -> bool:
-    """Whether this call runs lossless SBD. Raises UnmaskError for contradicting options."""
+def _lossless(verify, given: list[str], draft, defaults: dict, only: list[str] = ("--draft",)) -> bool:
+    """Whether this call runs lossless SBD. ``only``: the lossless-only flags the user set (a
+    ``--queries`` alone sets the budget draft). Raises UnmaskError for contradicting options."""
     if verify is not None and not isinstance(verify, bool):
         raise UnmaskError(f"verify must be true or false (got {verify!r}); pass --verify or --no-verify")
     if verify and given:
@@ -207,5 +206,7 @@ def _lossless(verify, given: list[str], draft, defaults: dict) -> bool:
                           f"drop {it} or pass --no-verify")
     lossless = verify if verify is not None else (not given and bool(defaults.get("verify", False)))
     if draft is not None and not lossless:
-        raise UnmaskError("--draft applies to lossless SBD only; add --verify or drop --draft")
+        flags, it = (" and ".join(only), "them") if len(only) > 1 else (only[0], only[0])
+        raise UnmaskError(f"{flags} appl{'y' if len(only) > 1 else 'ies'} to lossless SBD only; add --verify or "
+                          f"drop {it}")
     return lossless

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.serve.errors import ApiError
-from unmask.serve.protocol import api_message
+from unmask.serve.protocol import api_message, named_param
 
 _ids = itertools.count()
 
@@ -66,11 +66,10 @@ class Job:
 
 
 def bad_request(e: UnmaskError, options: dict) -> ApiError:
-    """A 400 for a decoder's own validation error, ``param`` the knob the message names, if any
-    (longest name first: tau_add before tau)."""
+    """A 400 for a decoder's own validation error, ``param`` the knob the message names first
+    (:func:`~unmask.serve.protocol.named_param`)."""
     message = api_message(str(e).splitlines()[0])
-    low = message.lower()
-    param = next((k for k in sorted(options, key=len, reverse=True) if k in low or k.replace("_", " ") in low), None)
+    param = named_param(message, options)
     return ApiError(400, message, param=param)
 
 

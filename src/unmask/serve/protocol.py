@@ -84,6 +84,22 @@ def api_message(message: str) -> str:
     return re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), message)
 
 
+def named_param(message: str, options) -> str | None:
+    """The option of ``options`` that an (API-worded) error ``message`` names first, as a whole
+    word in either spelling (block_size, block size): its subject, so "steps must be ... (gen
+    length 32 / ...)" is about steps; at one place the longer name wins (tau_add, not tau). None
+    when it names none."""
+    low = message.lower()
+
+    def first(k: str) -> int:
+        spots = [m.start() for name in {k, k.replace("_", " ")}
+                 for m in re.finditer(rf"(?<![a-z0-9_]){re.escape(name)}(?![a-z0-9_])", low)]
+        return min(spots, default=len(low))
+
+    named = sorted((first(k), -len(k), k) for k in options)
+    return named[0][2] if named and named[0][0] < len(low) else None
+
+
 def check_prompt_chars(bundle, prompt: str | list[dict], limits: Limits, field: str) -> None:
     """Raise ApiError (400 ``context_length_exceeded``) when the prompt passes ``--max-prompt-chars``,
     before anything is tokenized. A conversation counts as the chat template renders it (63,000
@@ -214,7 +230,8 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
     try:
         check_options(decode, decoder, options)
     except UnmaskError as e:
-        raise ApiError(400, api_message(str(e)), param=sorted(options)[0] if options else None) from None
+        message = api_message(str(e))
+        raise ApiError(400, message, param=named_param(message, options)) from None
 
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     if max_tokens is None:
