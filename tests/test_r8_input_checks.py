@@ -150,3 +150,37 @@ def test_the_server_names_the_field_that_was_set(dlm):
         ]:
             status, err = post(body)
             assert status == 400 and err["param"] == param and match in err["message"], (body, err)
+
+
+# -- 5. `unmask models` shows paths whole ---------------------------------------------------------------
+
+def test_models_prints_long_paths_whole_when_piped(capsys, monkeypatch):
+    from conftest import run_cli
+
+    from unmask.models import smollm2
+
+    long = "/a/very/long/cache/directory/" + "x" * 90 + "/smollm2-135m"
+    monkeypatch.setattr(smollm2, "status", lambda: f"converted in {long}")
+    monkeypatch.setenv("COLUMNS", "80")  # what a pipe or a narrow terminal reports
+    code, out, err = run_cli(capsys, "models")
+    assert code == 0, err
+    assert "…" not in out and any(long in line for line in out.splitlines())  # whole, on one line
+    row = [line for line in out.splitlines() if "stories260K-dlm" in line][0]
+    assert "decoders: diffusion, early-bird." in row and "routers: lbs, lps" in row
+
+
+def test_models_table_folds_instead_of_cutting_on_a_narrow_terminal(monkeypatch):
+    from rich.console import Console
+
+    import unmask.cli.models as models_cli
+    from unmask.models import smollm2
+
+    long = "/a/very/long/cache/directory/" + "y" * 60 + "/smollm2-135m"
+    monkeypatch.setattr(smollm2, "status", lambda: f"converted in {long}")
+    console = Console(force_terminal=True, width=60, color_system=None, record=True)
+    monkeypatch.setattr("rich.console.Console", lambda *a, **k: console)
+    models_cli.models_cmd()
+    text = console.export_text()
+    assert "…" not in text
+    cells = "".join(line.split("│")[3].strip() for line in text.splitlines() if line.count("│") == 4)
+    assert long in cells  # folded over several lines, every character kept

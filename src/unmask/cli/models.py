@@ -29,7 +29,7 @@ def models_cmd() -> None:
 
     table = Table(title="shipped models")
     for col in ("name", "kind", "description"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # a narrow terminal folds a long path, never cuts it to "…"
     default = default_model()
     for name, path in shipped().items():
         kind = read_unmask_config(path).get("kind", "causal")
@@ -44,7 +44,11 @@ def models_cmd() -> None:
         # its adapters ship inside the package (checkpoints/<name>/adapters/), its weights do not
         _adapter_rows(table, name, list_adapters(CHECKPOINTS / name), decoders("sbd"))
 
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # piped: one line per row, however long its paths (a pipe has no width)
+        console = Console(width=max(console.width, console.measure(table, options=console.options.update_width(
+            10**4)).maximum))
+    console.print(table)
 
 
 def _adapter_rows(table, model: str, adapters: dict, decoders: str) -> None:
