@@ -184,3 +184,25 @@ def test_models_table_folds_instead_of_cutting_on_a_narrow_terminal(monkeypatch)
     assert "…" not in text
     cells = "".join(line.split("│")[3].strip() for line in text.splitlines() if line.count("│") == 4)
     assert long in cells  # folded over several lines, every character kept
+
+
+# -- 6. help paragraphs are reflowed, not broken where the source lines were -------------------------------
+
+def test_generate_help_keeps_its_sentences_whole(capsys, monkeypatch):
+    from conftest import run_cli
+
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, err = run_cli(capsys, "generate", "--help")
+    assert code == 0, err
+    lines = [line.strip() for line in out.splitlines()]
+    assert any(line.startswith("Under torchrun the prompts are split over the processes (data parallel) and printed "
+                               "by rank 0 in their original order; with --tp N every process") for line in lines), out
+    assert "printed by rank" not in lines and "``" not in out
+
+
+def test_one_line_paragraphs():
+    from unmask.cli import one_line_paragraphs
+
+    assert one_line_paragraphs("First line\n    goes on.\n\n    Second para\n    goes on.\n\n    \bkeep\n    these") \
+        == "First line goes on.\n\nSecond para goes on.\n\n\bkeep\nthese"
+    assert one_line_paragraphs(None) is None

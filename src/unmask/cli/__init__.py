@@ -5,6 +5,7 @@ Every user error ends in one line ``error: <problem>; <fix>`` on stderr and exit
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 
@@ -84,15 +85,29 @@ def _threads_param():
     return param
 
 
+def one_line_paragraphs(text: str | None) -> str | None:
+    """A command's docstring with each paragraph on one line. typer joins the source's line breaks
+    in the first paragraph only and prints the later ones as written, so their sentences broke where
+    the source lines did ("printed by rank" / "0 in their original order"); rich then wraps them to
+    the terminal. A paragraph that starts with click's ``\\b`` keeps its lines."""
+    if not text:
+        return text
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") else " ".join(line.strip() for line in p.splitlines())
+                       for p in paragraphs)
+
+
 def command(typer_app: typer.Typer | None = None):
     """The click command tree of ``typer_app`` (default ``app``), with ``--threads`` added to every
     command that does not declare its own (a typer option belongs to one command, and users put it
     after the command)."""
     root = typer.main.get_command(app if typer_app is None else typer_app)
     param = _threads_param()
+    root.help = one_line_paragraphs(root.help)
     todo = list(root.commands.values())
     while todo:
         cmd = todo.pop()
+        cmd.help = one_line_paragraphs(cmd.help)
         if hasattr(cmd, "commands"):  # a command group (train, data, convert)
             todo.extend(cmd.commands.values())
         elif not any("--threads" in getattr(p, "opts", ()) for p in cmd.params):

@@ -102,7 +102,7 @@ def generate_cmd(
     """Generate continuations and print text plus NFE / TPF / TPS.
 
     Under torchrun the prompts are split over the processes (data parallel) and printed by rank
-    0 in their original order; with ``--tp N`` every process decodes every prompt on its shard
+    0 in their original order; with --tp N every process decodes every prompt on its shard
     of the weights (docs/scaling.md)."""
     from unmask import dist
     from unmask.api import generate_sharded

@@ -188,7 +188,7 @@ def train_sbd_adapter_cmd(
     distill: Distill = False, distill_lambda: DistillLambda = None,
 ) -> None:
     """Train a gated SBD adapter on a frozen causal LM (masked term of Eq. 14; spec sbd_exact.md §3).
-    CPU threads: ``--threads N`` here or the global ``unmask --threads N``."""
+    CPU threads: --threads N here or the global unmask --threads N."""
     from unmask.train.sbd_adapter import train_sbd_adapter
 
     _start(data, out)
