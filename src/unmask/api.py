@@ -162,7 +162,8 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
 
     model: a ModelBundle, a shipped name or a local directory (default: the default shipped
     model). device / dtype: where a name or directory is loaded (default cpu, float32); with a
-    ModelBundle they must be None or the bundle's own (it is not moved or cast). decoder: ``ar``, ``sbd``, ... (default: the natural decoder of the model's kind).
+    ModelBundle they must be None or the bundle's own (it is not moved or cast). decoder: ``ar``,
+    ``sbd``, ... (default: the natural decoder of the model's kind).
     ``options`` go to the decoder (e.g. ``policy="entropy-bound", gamma=0.35, block_size=16``).
     max_new_tokens: tokens reported per prompt; default 128, or the whole canvas when a
     diffusion ``gen_length`` is given (a smaller value cuts the canvas and ends decoding early).

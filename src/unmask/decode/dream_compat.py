@@ -130,7 +130,8 @@ def validate(steps, alg: str, alg_temp, eps, L: int) -> int:
     if not is_number(eps) or not 0 < eps < 1:
         raise UnmaskError(f"eps must be in (0, 1) (got {eps!r}); Dream's default is 1e-3")
     if alg_temp is not None and (not is_number(alg_temp) or alg_temp < 0):  # nan / inf: a nan softmax
-        raise UnmaskError(f"alg_temp must be a finite number >= 0 (got {alg_temp!r}); leave it unset for top-k selection")
+        raise UnmaskError(f"alg_temp must be a finite number >= 0 (got {alg_temp!r}); leave it unset for top-k "
+                          "selection")
     return steps
 
 

@@ -46,7 +46,8 @@ class SBDConfig:
 
     def __post_init__(self):
         if not is_int(self.block_size) or self.block_size < 1:
-            raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size!r}); 16 is the paper's default")
+            raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size!r}); 16 is the paper's "
+                              "default")
 
     @classmethod
     def from_options(cls, *, block_size=None, policy=None, gamma=None, preset=None, tau=None, factor=None,

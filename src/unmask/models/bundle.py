@@ -140,10 +140,10 @@ def check_placement(bundle: ModelBundle, device=None, dtype=None) -> None:
     if dtype is not None:
         want_dtype, have_dtype = resolve_dtype(dtype), bundle.dtype
         if want_dtype != have_dtype:
-            name = str(want_dtype).removeprefix("torch.")
-            raise UnmaskError(f"the model {bundle.name!r} is already loaded in {str(have_dtype).removeprefix('torch.')}, "
-                              f"so dtype={dtype!r} would be ignored; load it with unmask.load(..., dtype={name!r}) or "
-                              "pass the model's name instead of the loaded bundle, or drop dtype=")
+            want_name, have_name = (str(t).removeprefix("torch.") for t in (want_dtype, have_dtype))
+            raise UnmaskError(f"the model {bundle.name!r} is already loaded in {have_name}, so dtype={dtype!r} "
+                              f"would be ignored; load it with unmask.load(..., dtype={want_name!r}) or pass the "
+                              "model's name instead of the loaded bundle, or drop dtype=")
 
 
 def read_unmask_config(path: Path) -> dict:
