@@ -238,6 +238,11 @@ def test_train_sbd_writes_a_loadable_sbd_model(tmp_path):
     assert bundle.model.get_input_embeddings().weight.shape[0] == 513
     meta = json.loads((out / "unmask_config.json").read_text())
     assert meta["train_block_range"] == [2, 16] and meta["version"] == 1 and meta["base"] == "stories260K"
+    # a new SBD model decodes losslessly by default: its greedy text is its own AR text
+    assert meta["decode_defaults"] == {"verify": True, "verify_block_size": 8, "draft": "linear"}
+    out_sbd = unmask.generate("Once upon a time", bundle, max_new_tokens=12)
+    assert out_sbd.stats.extra["verify"] is True
+    assert out_sbd.tokens == unmask.generate("Once upon a time", bundle, "ar", max_new_tokens=12).tokens
     assert meta["training"]["step"] == 3 and set(meta["training"]["val"]) >= {"ntp", "mat"}
     data = tmp_path / "d.jsonl"  # provenance without the machine's absolute path
     assert meta["training"]["data"] == [{"name": "d.jsonl", "bytes": data.stat().st_size,

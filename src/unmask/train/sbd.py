@@ -2,7 +2,9 @@
 
 :func:`train_sbd` adds the mask token (Option A, §2), packs the data, runs the generic loop
 with the joint NTP + masked-token objective (Eq. 14) and publishes a Hugging Face directory
-whose ``unmask_config.json`` makes ``unmask.load(out)`` return kind ``sbd``.
+whose ``unmask_config.json`` makes ``unmask.load(out)`` return kind ``sbd`` and records lossless
+SBD (linear drafts, K = 8) as its decoding default; ``unmask calibrate-drafts`` replaces that with
+the model's own budgeted layouts.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from unmask.decode.sbd_verify import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT
 from unmask.errors import UnmaskError
 from unmask.train.loop import TrainResult
 from unmask.train.objectives import SBDObjective
@@ -107,6 +110,9 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
                     dtype=dtype)
     meta = {"kind": "sbd", "mask_token_id": mask_id, "train_block_range": [low, high], "version": SBD_FORMAT_VERSION,
             "stop_token_ids": list(bundle.stop_token_ids), "base": base}
+    # lossless SBD by default, as for an adapter (its greedy text is the base's AR text; the block mode
+    # only sets how many tokens a forward commits); a fine-tune of an SBD model keeps its own preset
+    meta["decode_defaults"] = {"verify": True, "verify_block_size": DEFAULT_BLOCK_SIZE, "draft": DEFAULT_DRAFT}
     if bundle.kind == "sbd":  # a fine-tune of an SBD model: keep its decode preset and where it came from
         meta.update({k: bundle.meta[k] for k in ("decode_defaults",) if k in bundle.meta})
         meta["init"] = {"model": base, "base": bundle.meta.get("base"), "training": bundle.meta.get("training"),
