@@ -45,6 +45,17 @@ def _signal_handlers_restored(request):
 
 DATA_DIR = Path(os.environ.get("UNMASK_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 STORIES_DIR = DATA_DIR / "tinyllamas-stories260K"
+NO_DATA = f"shared data not found at {DATA_DIR}; set UNMASK_DATA_DIR to the shared/data folder"
+
+
+def pytest_report_header(config):
+    """The data folder the tests read, first thing in the run (a missing one skips the tests that read it)."""
+    return f"unmask shared data: {DATA_DIR}" + ("" if DATA_DIR.is_dir() else " (NOT FOUND: tests that read it skip)")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not DATA_DIR.is_dir():  # said again at the end, where a skip count is read
+        terminalreporter.write_line(f"warning: {NO_DATA}; the tests that read it were skipped", yellow=True)
 
 # Every model under test is tiny: intra-op threads only add synchronisation, and on a shared
 # machine OpenMP spin-waits make a 56-token decode swing from 0.3 s to 5 s. One thread keeps the
@@ -246,5 +257,5 @@ def stories():
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     if not DATA_DIR.is_dir():
-        pytest.skip(f"data directory {DATA_DIR} not found; set UNMASK_DATA_DIR")
+        pytest.skip(NO_DATA)
     return DATA_DIR

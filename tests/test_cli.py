@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import STORIES_DIR, one_line_error, run_cli
+from conftest import NO_DATA, STORIES_DIR, one_line_error, run_cli
 
 BIN = STORIES_DIR / "stories260K.bin"
 TOK = STORIES_DIR / "tok512.bin"
@@ -118,7 +118,7 @@ def test_prompts_file_works(capsys, tmp_path):
 # --- convert llama2c --------------------------------------------------------------------------
 
 
-needs_data = pytest.mark.skipif(not BIN.is_file(), reason="stories260K data not found")
+needs_data = pytest.mark.skipif(not BIN.is_file(), reason=NO_DATA)
 
 
 @needs_data

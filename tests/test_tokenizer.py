@@ -7,7 +7,7 @@ import json
 import struct
 
 import pytest
-from conftest import DATA_DIR, STORIES_DIR, llama2c_decode
+from conftest import DATA_DIR, NO_DATA, STORIES_DIR, llama2c_decode
 
 from unmask.models import llama2c
 
@@ -116,7 +116,7 @@ def real_lines() -> list[str]:
 @pytest.fixture(scope="module")
 def corpus() -> list[str]:
     if not (DATA_DIR / "tinyshakespeare").is_dir() or not (DATA_DIR / "gsm8k").is_dir():
-        pytest.skip("tinyshakespeare / gsm8k data not found")
+        pytest.skip(f"tinyshakespeare / gsm8k: {NO_DATA}")
     texts = real_lines()
     assert len(texts) > 2500 and sum(not t.isascii() for t in texts) > 300
     return texts
