@@ -151,10 +151,13 @@ def test_piped_show_ends_on_the_reported_text_not_the_canvas_past_the_stop(capsy
     trace.close({"texts": [" 5"]})
     frames = console.file.getvalue().strip().splitlines()
     assert frames[-2] == "P: 5" and "6" not in frames[-2] and MASK_GLYPH not in frames[-2]
-    code, out, _ = run_cli(capsys, "generate", "Once upon a time", "--model", "stories260K-dlm", "--gen-length", "64",
-                           "--block-size", "32", "--show", "--stop", "Lily")
+    code, out, err = run_cli(capsys, "generate", "Once upon a time", "--model", "stories260K-dlm", "--gen-length", "64",
+                             "--block-size", "32", "--show", "--stop", "Lily")
     assert code == 0
+    # piped, the live view goes to stderr and stdout holds the result once
+    frames = [x for x in err.splitlines() if x.strip()]
+    step = next(i for i, x in enumerate(frames) if x.startswith("step "))
     lines = [x for x in out.splitlines() if x.strip()]
-    step = next(i for i, x in enumerate(lines) if x.startswith("step "))
-    assert lines[step - 1] == lines[step + 1]  # last frame == the printed result
-    assert "Lily" not in lines[step + 1] and MASK_GLYPH not in lines[step - 1]
+    assert not any(x.startswith("step ") for x in lines) and len(lines) == 2  # the text, then the stats line
+    assert frames[step - 1] == lines[0]  # last frame == the printed result
+    assert "Lily" not in lines[0] and MASK_GLYPH not in frames[step - 1]

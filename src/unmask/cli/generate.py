@@ -150,9 +150,12 @@ def generate_cmd(
             raise UnmaskError(f"--show/--trace are not available for decoder {name!r}; use --decoder "
                               f"{' or '.join(able) or 'diffusion, sbd, early-bird, block or multiblock on their models'}")
         shown = prepare_prompts(bundle, texts, chat=chat, system=system)[0]  # the rendered chat prompts
-        # With --json the live view goes to stderr so that stdout stays one JSON object per line.
+        # With --json, or stdout piped, the live view goes to stderr: stdout holds the result once
+        # (piped, rich prints only the live view's last frame, which is the text again)
+        import sys
+
         extra = attach_trace(show=show, trace_file=trace, bundle=bundle, prompts=shown,
-                             console=Console(stderr=True) if as_json else None)
+                             console=Console(stderr=True) if as_json or not sys.stdout.isatty() else None)
         tracer = extra["on_step"]
         options.update(extra)
     spinner = status(f"generating {len(texts)} prompt{'s' if len(texts) > 1 else ''} with {bundle.name}",
