@@ -286,7 +286,7 @@ def sweep_cmd(
             shown = ", ".join(f"({_num(r)}, {_num(y)})" for r, y in res.aup_dropped)
             console.print(f"AUP left out {len(res.aup_dropped)} point(s) more than 5 below the first: {shown}")
     else:
-        console.print(f"AUP n/a: {res.aup_error}")
+        console.print(f"AUP n/a: {res.aup_error.removeprefix('aup: ')}")
     if out_png is not None:
         typer.echo(f"wrote {res.plot(out_png)}")
     if out is not None:

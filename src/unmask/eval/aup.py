@@ -138,8 +138,8 @@ def aup_report(points: Sequence[tuple[float, float]], y_max: float, *, alpha: fl
                           "best accuracy over all methods on the task")
     y_first, y_last = pts[0][1], pts[-1][1]
     if y_first - y_last > y_min_offset:
-        raise UnmaskError(f"aup: accuracy at the largest TPF ({y_last:g}) is more than "
-                          f"{y_min_offset:g} points below the first ({y_first:g})")
+        raise UnmaskError(f"aup: accuracy at the largest TPF ({y_last:.2f}) is more than "
+                          f"{y_min_offset:g} points below the first ({y_first:.2f})")
     dropped = [p for p in pts if p[1] < y_first - y_min_offset]
     pts = [p for p in pts if p[1] >= y_first - y_min_offset]
     wy = [y * aup_weight(y, y_max=y_max, alpha=alpha) for _, y in pts]
