@@ -185,8 +185,8 @@ def generate_cmd(
     console = Console()
     # soft_wrap: the terminal wraps long lines; piped output keeps the generated text intact.
     for prompt, text in zip(result.prompts, result.texts):
-        console.print(Text.assemble((prompt, "bold"), (text, "")), soft_wrap=True)
-        console.print()
+        console.print(Text.assemble((prompt, "bold"), (text, "")), soft_wrap=True, end="" if text.endswith("\n") else "\n")
+        console.print()  # one blank line before the next prompt or the stats, also after a text ending in a newline
     s = result.stats
     q = "" if s.queries_per_forward is None else f" · {s.queries_per_forward:g} queries/forward"  # lossless sbd
     nfe = f"NFE {s.nfe}" if len(result.tokens) == 1 else f"NFE {s.nfe} batch forwards, {sum(s.nfe_per_row)} row forwards"
