@@ -4,6 +4,8 @@ field the user set, `unmask models` paths, and `unmask generate --help`'s paragr
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import one_line_error
 
@@ -206,3 +208,24 @@ def test_one_line_paragraphs():
     assert one_line_paragraphs("First line\n    goes on.\n\n    Second para\n    goes on.\n\n    \bkeep\n    these") \
         == "First line goes on.\n\nSecond para goes on.\n\n\bkeep\nthese"
     assert one_line_paragraphs(None) is None
+
+
+def test_lone_surrogates_in_chat_messages_and_system_are_one_line():
+    """A lone surrogate (JSON "\\udfff", or bytes read with surrogateescape) in a chat message or a
+    system prompt: tokenizers raise TypeError on it (the server answered 500); now an UnmaskError
+    naming the message, and a 400 with param messages."""
+    from unmask.serve.errors import ApiError
+    from unmask.serve.protocol import parse
+
+    bundle = unmask.load("stories260K")
+    for prompt, where in (([{"role": "user", "content": "\ud800"}], "prompt 1[0].content"),
+                          ([{"role": "user", "content": [{"type": "text", "text": "a\udfff"}]}], "prompt 1[0].content")):
+        with pytest.raises(UnmaskError, match=re.escape(where) + " is not valid Unicode"):
+            unmask.generate([prompt], bundle, max_new_tokens=2)
+    with pytest.raises(UnmaskError, match="the system prompt is not valid Unicode"):
+        unmask.generate(["hi"], bundle, max_new_tokens=2, chat=True, system="\udcfe")
+    for messages in ([{"role": "user", "content": "\udfff"}], [{"role": "system", "content": "x\ud800"},
+                                                               {"role": "user", "content": "hi"}]):
+        with pytest.raises(ApiError) as e:
+            parse({"messages": messages}, bundle, "stories260K", chat=True, default_timeout=60.0)
+        assert e.value.status == 400 and e.value.param == "messages" and "not valid Unicode" in str(e.value.body())

@@ -70,11 +70,7 @@ def prepare_prompts(bundle: ModelBundle, prompts: list, *, chat: bool = False,
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise UnmaskError(f"prompt {i + 1} is empty; give some text to continue")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:  # a lone surrogate, e.g. from bytes decoded with errors="surrogateescape"
-                raise UnmaskError(f"prompt {i + 1} is not valid Unicode ({e.reason} at character {e.start}); "
-                                  "pass text that encodes as UTF-8") from None
+            P.check_text(prompt, f"prompt {i + 1}")
         elif not isinstance(prompt, list):
             raise UnmaskError(f"prompt {i + 1} is not text (got {type(prompt).__name__}); pass prompts as str, "
                               "or a conversation as a list of {role, content} messages")

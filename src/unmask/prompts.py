@@ -37,6 +37,18 @@ Prompt = Union[str, list]  # text, or a conversation (a list of messages)
 ROLES = ("system", "user", "assistant")
 
 
+def check_text(text: str, where: str) -> str:
+    """``text`` when it encodes as UTF-8; UnmaskError naming ``where`` for a lone surrogate (e.g. from
+    bytes read with ``errors="surrogateescape"``, or a JSON ``"\\udfff"``), which tokenizers reject
+    with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UnmaskError(f"{where} is not valid Unicode ({e.reason} at character {e.start}); "
+                          "pass text that encodes as UTF-8") from None
+    return text
+
+
 def check_messages(messages, where: str = "messages") -> list[dict]:
     """Validate a conversation and return it as plain ``{"role", "content"}`` dicts (text parts
     joined, ``developer`` read as ``system``).
@@ -61,6 +73,7 @@ def check_messages(messages, where: str = "messages") -> list[dict]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise UnmaskError(f"{where}[{i}].content must be text; give the message's content as a string")
+        check_text(content, f"{where}[{i}].content")
         role = "system" if m["role"] == "developer" else m["role"]
         if role not in ROLES:
             raise UnmaskError(f"{where}[{i}].role {m['role']!r} is not supported; use system, user or assistant")
@@ -73,6 +86,7 @@ def conversation(prompt: Prompt, system: str | None = None, where: str = "prompt
     system turn when the conversation has none. Raises UnmaskError (see :func:`check_messages`)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else check_messages(prompt, where)
     if system is not None and not any(m["role"] == "system" for m in messages):
+        check_text(system, "the system prompt")
         messages = [{"role": "system", "content": system}, *messages]
     return messages
 
