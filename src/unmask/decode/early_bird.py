@@ -276,7 +276,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     (the row's block counter) and, on selection steps, ``selected`` (the block's positions);
     ``on_forward(state)`` (trace collection, tests) after every commit with the (B, L) tensors
     ``masked`` (before), ``block``, ``cand``, ``features`` (B, L, 5), ``top1``, ``kappa``,
-    ``p_lps``, ``chosen``, ``tokens``, ``canvas`` (after) and ``selected`` / ``path`` (B,).
+    ``p_lps``, ``chosen``, ``tokens``, ``canvas`` (after), ``selected`` / ``path`` (B,) and ``ids``
+    (B ints: each tensor row's prompt index, -1 for a free slot; B is the running batch's slot
+    count, which shrinks as rows finish, so read a prompt's rows through ``ids``).
 
     Returns DecodeOutput; stats.extra: decoder settings, ``accepts`` (histogram of per-row commits
     per forward), ``n_committed``, ``blocks`` (selections), ``mean_block``, ``paths`` (selection

@@ -311,7 +311,9 @@ class EarlyBird(SlotRows):
             self.on_forward({"nfe": self.forwards, "masked": masked, "block": self.block[:n].clone(),
                              "cand": self.block[:n] & masked, "features": feats, "top1": top1, "kappa": kappa,
                              "p_lps": p_lps, "chosen": chosen, "tokens": tokens, "canvas": gen.clone(),
-                             "selected": torch.tensor(select, device=dev), "path": path, "window": window})
+                             "selected": torch.tensor(select, device=dev), "path": path, "window": window,
+                             # slot r's request id (-1: a free slot); slots are not prompt order once rows finish
+                             "ids": [-1 if row is None else row.job.id for row in rows]})
         self.forwards += 1
         if finished:
             self._finish(finished)

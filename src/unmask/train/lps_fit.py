@@ -160,20 +160,23 @@ def collect_lps_traces(bundle, lbs: LBSRouter, prompts: list[list[int]], *, bloc
         batch = prompts[s: s + batch_size]
         recs: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         schedule: list[list] = [[] for _ in batch]
-        last: dict = {}
+        x0 = torch.full((len(batch), L), bundle.mask_token_id, dtype=torch.long)  # (b, L) final canvases
 
         def hook(state):
-            for r in torch.nonzero(state["cand"].any(dim=1)).flatten().tolist():
-                where = torch.nonzero(state["cand"][r]).flatten()
-                recs.append((r, len(schedule[r]), state["features"][r, where].float().cpu(), state["top1"][r, where].cpu(),
-                             where.cpu()))
-                schedule[r].append((torch.nonzero(state["block"][r]).flatten().cpu(),
+            # state row r is a running-batch slot: prompt ids[r] (the batch shrinks as rows finish)
+            ids, cand, canvas = state["ids"], state["cand"], state["canvas"].cpu()  # (n,), (n, L) each
+            for r in torch.nonzero(cand.any(dim=1)).flatten().tolist():
+                i, where = ids[r], torch.nonzero(cand[r]).flatten()
+                recs.append((i, len(schedule[i]), state["features"][r, where].float().cpu(),
+                             state["top1"][r, where].cpu(), where.cpu()))
+                schedule[i].append((torch.nonzero(state["block"][r]).flatten().cpu(),
                                     torch.nonzero(state["chosen"][r]).flatten().cpu()))
-            last["canvas"] = state["canvas"].cpu()
+            for r, i in enumerate(ids):
+                if i >= 0:  # a running row: its canvas after the step it finishes on is x_0
+                    x0[i] = canvas[r]
 
         early_bird.decode(bundle, batch, max_new_tokens=L, gen_length=L, stop_token_ids=stops, lps=False,
                           lbs_router=lbs, on_forward=hook, **settings)
-        x0 = last["canvas"]  # (b, L) final canvases
         if replay:
             steps += [(s + r, t, f, y) for r, t, f, y in
                       replay_traces(bundle, batch, schedule, x0, pos_mode=pos_mode)]
