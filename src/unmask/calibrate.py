@@ -54,7 +54,9 @@ def record(bundle, prompts: list[list[int]], *, max_new_tokens: int, lengths=ran
     applies them) and the block mode's argmax after every prefix for each group length in
     ``lengths`` (spec §5.4), its top ``sl.TOPK`` candidates there (``cands``, spec §5.3) and the
     probability of its argmax (``probs``, :func:`replay_policy`). One forward per prompt and length. Raises UnmaskError for a model
-    without a mask token or an empty prompt."""
+    without a mask token, an empty prompt, or a prompt + ``max_new_tokens`` past the context window
+    (generate's check, before any decoding)."""
+    from unmask.api import check_fit
     from unmask.compat import attention_mask, forward
     from unmask.decode import ar
 
@@ -63,6 +65,7 @@ def record(bundle, prompts: list[list[int]], *, max_new_tokens: int, lengths=ran
                           "with --adapter)")
     if any(len(p) == 0 for p in prompts):
         raise UnmaskError("calibration needs non-empty prompts; drop the empty lines of --prompts")
+    check_fit(bundle, prompts, max_new_tokens)
     texts = ar.decode(bundle, prompts, max_new_tokens=max_new_tokens, stop_token_ids=()).tokens
     suppress = list(bundle.suppress_ids)
     out = []
