@@ -300,22 +300,41 @@ def check_output_file(path: str | os.PathLike, what: str = "output file", *, exi
     return path
 
 
-def check_model_out_dir(out_dir: str | os.PathLike, inputs, overwrite: bool) -> Path:
-    """``out_dir`` as a Path, when a conversion may write its new model directory there: it has a name
-    (not ``.``, ``..`` or empty: the lock and the staging folder are named after it), no parent is a
-    file, it holds none of the ``inputs`` (``--overwrite`` would delete them), and with ``overwrite``
-    an existing, non-empty one is a model directory (``config.json``), never some other folder.
-    Raises UnmaskError."""
+def check_model_out_dir(out_dir: str | os.PathLike, inputs, overwrite: bool, *, what: str = "OUT_DIR",
+                        markers: tuple[str, ...] = ("config.json",), kind: str = "a model directory (no config.json)",
+                        replaced: str = "which --overwrite would delete", example: str = "stories260K-hf") -> Path:
+    """``out_dir`` as a Path, when a command may publish a new directory there (it is swapped in
+    whole, replacing whatever was at that path).
+
+    Refused, before any work: a path without a name (``.``, ``..``, ``''``, ``/``: the lock and the
+    staging folder are named after it); a parent or ``out_dir`` itself that is a file; an
+    ``out_dir`` that is one of the ``inputs`` or holds one of them (publishing would delete it);
+    and with ``overwrite`` an existing, non-empty folder holding none of ``markers`` (a model
+    directory's ``config.json`` by default), i.e. some other folder. ``inputs``: paths the command
+    reads, each a path or a ``(path, label)`` pair, e.g. ``(data, "the --data file data.txt")``;
+    an input may be a directory (a base model), inside which ``out_dir`` may still lie. ``what``
+    names the option in the messages; ``kind`` and ``replaced`` describe the refused folder.
+
+    Raises:
+        UnmaskError: one line naming ``what`` and the path.
+    """
     out = Path(out_dir)
     if out.name in ("", ".", ".."):
-        raise UnmaskError(f"OUT_DIR {str(out_dir)!r} names no new directory; give the output directory a name, "
-                          "e.g. stories260K-hf")
-    check_parents(out, "OUT_DIR")
-    if any(out.resolve() in Path(f).expanduser().resolve().parents for f in inputs):
-        raise UnmaskError(f"OUT_DIR {out} holds the input file; write to another directory")
-    if overwrite and out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
-        raise UnmaskError(f"OUT_DIR {out} is a folder but not a model directory (no config.json), which --overwrite "
-                          "would delete; choose another OUT_DIR")
+        raise UnmaskError(f"{what} {str(out_dir)!r} names no new directory; give the output directory a name, "
+                          f"e.g. {example}")
+    check_parents(out, what)
+    target = out.resolve()
+    for item in inputs:
+        path, label = item if isinstance(item, tuple) else (item, "the input file")
+        path = Path(path).expanduser().resolve()
+        if target == path:
+            raise UnmaskError(f"{what} {out} is {label}; write to another directory")
+        if target in path.parents:
+            raise UnmaskError(f"{what} {out} holds {label}; write to another directory")
+    if (out.exists() or out.is_symlink()) and not out.is_dir():
+        raise UnmaskError(f"{what} {out} is a file; choose a directory")
+    if overwrite and out.is_dir() and any(out.iterdir()) and not any((out / m).exists() for m in markers):
+        raise UnmaskError(f"{what} {out} is a folder but not {kind}, {replaced}; choose another {what}")
     return out
 
 

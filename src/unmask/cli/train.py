@@ -37,7 +37,8 @@ EvalEvery = Annotated[int, typer.Option("--eval-every", help="validation loss ev
 MaxMinutes = Annotated[float, typer.Option("--max-minutes", help="wall-clock budget; stops cleanly and saves")]
 Seed = Annotated[int, typer.Option("--seed", help="seed of data order, noise and validation split")]
 Resume = Annotated[bool, typer.Option("--resume", help="continue from the newest checkpoint in the run directory")]
-Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace OUT and discard its run directory")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace OUT (an earlier model or an empty folder) and "
+                                                        "discard its run directory")]
 Device = Annotated[str, typer.Option("--device", help="cpu or cuda")]
 Fsdp = Annotated[bool, typer.Option("--fsdp", help="under torchrun: shard with FSDP2 instead of DDP (docs/scaling.md)")]
 DlmModel = Annotated[str, typer.Option("--model", help="masked-diffusion model (shipped name or directory)")]

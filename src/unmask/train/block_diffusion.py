@@ -369,7 +369,7 @@ def fit(*, bundle, objective, base: str, data, out: str | Path, run_dir: str | P
     from unmask.train.wiring import load_chunks, run_info, run_paths, train_and_publish, train_config
 
     cfg = train_config(config)
-    paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)
+    paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite, base=base)
     if not 1 <= seq_len <= bundle.context_length:
         raise UnmaskError(f"--seq-len {seq_len} must be between 1 and the model's context of "
                           f"{bundle.context_length} tokens; pass a --seq-len in that range")
@@ -414,7 +414,7 @@ def train_block_diffusion(*, base: str, data, out: str | Path, block_size: int |
     """
     from unmask.train.wiring import run_paths
 
-    run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)  # paths and locks before loading the base
+    run_paths(data, out, run_dir, resume=resume, overwrite=overwrite, base=base)  # paths, locks before the base
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise UnmaskError(f"--block-size must be an integer >= 1, got {block_size!r}; pass --block-size 1 or more")
     bundle, mask_id, B = load_base(base, dtype, block_size=block_size, allow_causal=True)

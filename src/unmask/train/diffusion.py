@@ -220,7 +220,7 @@ def train_diffusion(*, base: str, data: str | Path | Sequence[str | Path], out: 
     """
     cfg = train_config(config)
     objective = MaskedDiffusionObjective(mask_token_id=0, prefix_prob=prefix_prob, norm=norm)  # validate early
-    paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)
+    paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite, base=base)
     bundle, mask_id, vocab = _load_base(base, dtype)
     context = bundle.context_length
     if not 1 <= seq_len < context:

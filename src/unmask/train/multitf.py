@@ -320,7 +320,7 @@ def train_multitf(*, base: str, data, out: str | Path, run_dir: str | Path | Non
     """
     from unmask.train.wiring import run_paths
 
-    run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)  # paths and locks before loading the base
+    run_paths(data, out, run_dir, resume=resume, overwrite=overwrite, base=base)  # paths, locks before the base
     scheduler = ChainUniform(t_low=t_low, t_high=t_high, rho=rho, chain_over_prompt=chain_over_prompt)
     if preset is not None:
         if preset not in PRESETS:

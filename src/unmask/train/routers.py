@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from unmask import dist
 from unmask.decode.batching import left_pad
 from unmask.errors import UnmaskError
-from unmask.fileio import output_lock
+from unmask.fileio import check_model_out_dir, output_lock
 from unmask.models.adapters import bidirectional_forward, realign
 from unmask.policies import token_stats
 from unmask.routers.lbs import LBSConfig, LBSRouter
@@ -385,15 +385,34 @@ def _load(model, device):
     return bundle
 
 
-def _out_dir(bundle, out, *, writes: str | None = None, overwrite: bool = False) -> Path:
+# Saving a router swaps in a copy of its directory with the new pair added (routers.io.save_router).
+ROUTER_OUT = {"markers": ("lbs.json", "lps.json", "lbs.safetensors", "lps.safetensors"),
+              "kind": "a router directory (no lbs.json or lps.json)",
+              "replaced": "which saving the router would replace with a copy"}
+
+
+def _check_router_out(where, data: Sequence = (), model_dir=None) -> Path:
+    """``where`` as a Path when a router may be saved there (:func:`unmask.fileio.check_model_out_dir`):
+    named, not a file, neither the ``data`` files nor the model directory nor a folder holding them,
+    and when it exists and is not empty, a router directory. Raises UnmaskError naming --out."""
+    reads = [(p, f"the --data file {p}") for p in data if isinstance(p, (str, Path))]
+    if model_dir is not None:
+        reads.append((model_dir, f"the --model directory {model_dir}"))
+    return check_model_out_dir(where, reads, True, what="--out", example="routers", **ROUTER_OUT)
+
+
+def _out_dir(bundle, out, *, writes: str | None = None, overwrite: bool = False, data: Sequence = ()) -> Path:
     """The router directory: ``out``, else MODEL_DIR/routers. With ``writes`` ("lbs" / "lps"),
-    refuse to replace that router there (by default: inside the model, which for a shipped model
-    is the installed package) unless ``overwrite``."""
+    check it can take a router (:func:`_check_router_out`) and refuse to replace that router there
+    (by default: inside the model, which for a shipped model is the installed package) unless
+    ``overwrite``."""
     from unmask.routers.io import routers_dir
 
     where = routers_dir(bundle, out)
     if where is None:
         raise UnmaskError(f"{bundle.name!r} has no model directory; pass --out DIR for the routers")
+    if writes is not None:
+        _check_router_out(where, data, bundle.path)
     if writes is not None and not overwrite and (Path(where) / f"{writes}.json").exists():
         raise UnmaskError(f"{where} already holds an {writes.upper()} router; pass --out DIR for a new one "
                           "or --overwrite to replace it")
@@ -466,10 +485,12 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
     _check_router_sizes(router, LBSConfig, even=True)
     from unmask import dist
 
+    if out is not None:
+        _check_router_out(Path(out).expanduser(), data)  # before the model loads
     bundle = _load(model, dist.setup(device))
-    where = _out_dir(bundle, out, writes="lbs", overwrite=overwrite)
+    where = _out_dir(bundle, out, writes="lbs", overwrite=overwrite, data=data)
     with _rank0_lock(where):
-        _out_dir(bundle, out, writes="lbs", overwrite=overwrite)  # again, now that no other writer can be there
+        _out_dir(bundle, out, writes="lbs", overwrite=overwrite, data=data)  # again, locked
         return _run_lbs(bundle, where, data, n_prompts, gen_length, block_size, response_policy, response_cache,
                         gen_batch, train, router, progress)
 
@@ -518,12 +539,15 @@ def run_lps(*, model, data: Sequence, routers=None, out=None, n_prompts: int = 3
     rc = LPSConfig(pos_mode=pos_mode, **(router or {}))  # checked before any trace is collected
     from unmask import dist
 
+    if out is not None:
+        _check_router_out(Path(out).expanduser(), data)  # before the model loads
     bundle = _load(model, dist.setup(device))
     progress = progress if dist.is_main() else None
     source = _out_dir(bundle, routers)
-    where = _out_dir(bundle, out if out is not None else source, writes="lps", overwrite=overwrite)
+    target = out if out is not None else source
+    where = _out_dir(bundle, target, writes="lps", overwrite=overwrite, data=data)
     with _rank0_lock(where):
-        _out_dir(bundle, out if out is not None else source, writes="lps", overwrite=overwrite)  # again, locked
+        _out_dir(bundle, target, writes="lps", overwrite=overwrite, data=data)  # again, locked
         return _run_lps(bundle, source, where, data, n_prompts, block_size, tau, l_min, g_max, pos_mode, replay,
                         gen_batch, traces_file, train, rc, seed, progress)
 

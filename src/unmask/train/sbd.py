@@ -87,7 +87,7 @@ def train_sbd(*, base: str, data: str | Path | Sequence[str | Path], out: str | 
     """
     cfg = train_config(config)
     lam = check_distill_options(distill, distill_lambda, answer_only, cfg.fsdp)
-    paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)
+    paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite, base=base)
     if distill:
         check_distill_corpus(paths, base)
     bundle, mask_id, vocab = _load_base(base, dtype)

@@ -254,7 +254,8 @@ def train_sbd_adapter(*, base: str, data: str | Path | Sequence[str | Path], out
 
     cfg = train_config(config)
     lam = check_distill_options(distill, distill_lambda, answer_only, cfg.fsdp)
-    paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite)
+    paths, out, run_dir = run_paths(data, out, run_dir, resume=resume, overwrite=overwrite, base=base,
+                                     init=init, adapter=True)
     if distill:
         check_distill_corpus(paths, base)
     bundle = _load_base(base, dtype)

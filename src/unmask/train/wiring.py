@@ -22,8 +22,8 @@ import torch
 
 from unmask.dist import env_rank
 from unmask.errors import UnmaskError
-from unmask.fileio import (atomic_write_json, check_parents, output_lock, probe_writable, publish_dir,
-                           staging_dir, sweep_stale_staging, write_errors)
+from unmask.fileio import (atomic_write_json, check_model_out_dir, check_parents, output_lock, probe_writable,
+                           publish_dir, staging_dir, sweep_stale_staging, write_errors)
 from unmask.train.data import check_data_files, load_corpus, load_records, pack_labelled, separator_id
 from unmask.train.loop import TrainConfig, TrainResult, checkpoints, save_model, train
 
@@ -102,16 +102,68 @@ def train_config(config: dict) -> TrainConfig:
         raise UnmaskError(f"unknown training option ({e}); see TrainConfig") from None
 
 
-def run_paths(data: str | Path | Sequence[str | Path], out: str | Path, run_dir: str | Path | None, *,
-              resume: bool, overwrite: bool) -> tuple[list[Path], Path, Path]:
-    """Check the data files and the output paths -> (data files, out, run_dir); ``run_dir``
-    defaults to ``OUT.run``. Inside a :func:`holds_output_locks` entry point, ``out`` and
-    ``run_dir`` are locked first (a second writer is refused) and stay locked until it returns.
-    Raises UnmaskError as :func:`check_data_files`, :func:`unmask.fileio.output_lock` and
-    :func:`prepare_paths`."""
-    paths = check_data_files([data] if isinstance(data, (str, Path)) else list(data))
-    out = Path(out)
+# What an existing --out / --run-dir must hold to be replaced (publish_dir) or discarded (--overwrite).
+MODEL_OUT = {"markers": ("config.json",), "kind": "a model directory (no config.json)"}
+ADAPTER_OUT = {"markers": ("adapter.json",), "kind": "an adapter directory (no adapter.json)"}
+RUN_DIR = {"markers": ("checkpoints", "log.jsonl"), "kind": "a run directory (no checkpoints/ or log.jsonl)"}
+
+
+def _model_dir(name_or_path: str | Path | None) -> Path | None:
+    """The directory a ``--base`` names (a shipped name or a local folder), None when it names none."""
+    if name_or_path is None:
+        return None
+    from unmask.models.registry import shipped
+
+    found = shipped().get(str(name_or_path))
+    if found is not None:
+        return found
+    path = Path(name_or_path).expanduser()
+    return path if path.is_dir() else None
+
+
+def read_paths(data: Sequence[Path], base: str | Path | None = None, init: str | Path | None = None) -> list:
+    """What a training command reads, as ``check_model_out_dir`` inputs: the data files, the base
+    model directory and an ``init`` adapter (a folder, or a bare name under BASE/adapters/)."""
+    reads: list = [(p, f"the --data file {p}") for p in data]
+    base_dir = _model_dir(base)
+    if base_dir is not None:
+        reads.append((base_dir, f"the --base model {base}"))
+    if init is not None:
+        candidates = [Path(init).expanduser()]
+        if base_dir is not None and "/" not in str(init):
+            candidates.append(base_dir / "adapters" / str(init))
+        reads += [(c, f"the --init adapter {init}") for c in candidates if c.is_dir()]
+    return reads
+
+
+def check_out_paths(out: str | Path, run_dir: str | Path | None, reads: Sequence, *, resume: bool, overwrite: bool,
+                    adapter: bool = False) -> tuple[Path, Path]:
+    """-> (out, run_dir), checked as :func:`unmask.fileio.check_model_out_dir`: both named and not
+    files; neither is nor holds anything in ``reads`` (publishing replaces ``out``, ``--overwrite``
+    deletes ``run_dir``); an existing, non-empty ``out`` is a model (``adapter``: an adapter)
+    directory, since ``--overwrite`` and ``--resume`` replace it; with ``overwrite`` an existing,
+    non-empty ``run_dir`` is a run directory. Raises UnmaskError."""
+    out = check_model_out_dir(out, reads, True, what="--out", example="my-model",
+                              replaced="which publishing with --overwrite or --resume would replace",
+                              **(ADAPTER_OUT if adapter else MODEL_OUT))
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(out)
+    check_model_out_dir(run_dir, reads, overwrite and not resume, what="--run-dir", example="my-model.run", **RUN_DIR)
+    return out, run_dir
+
+
+def run_paths(data: str | Path | Sequence[str | Path], out: str | Path, run_dir: str | Path | None, *,
+              resume: bool, overwrite: bool, base: str | Path | None = None, init: str | Path | None = None,
+              adapter: bool = False) -> tuple[list[Path], Path, Path]:
+    """Check the data files and the output paths -> (data files, out, run_dir); ``run_dir``
+    defaults to ``OUT.run``. ``base`` / ``init``: the model (and adapter) the command starts from,
+    which neither output may be or hold (:func:`check_out_paths`; ``adapter``: ``out`` is an
+    adapter directory). Inside a :func:`holds_output_locks` entry point, ``out`` and ``run_dir``
+    are locked first (a second writer is refused) and stay locked until it returns. Raises
+    UnmaskError as :func:`check_data_files`, :func:`check_out_paths`,
+    :func:`unmask.fileio.output_lock` and :func:`prepare_paths`."""
+    paths = check_data_files([data] if isinstance(data, (str, Path)) else list(data))
+    out, run_dir = check_out_paths(out, run_dir, read_paths(paths, base, init), resume=resume, overwrite=overwrite,
+                                   adapter=adapter)
     check_nesting(out, run_dir)  # before a lock file is created inside out
     held = _LOCKS.get() if env_rank() == 0 else None  # under torchrun, rank 0 holds the locks for the job
     if held is not None:
