@@ -229,3 +229,27 @@ def test_lone_surrogates_in_chat_messages_and_system_are_one_line():
         with pytest.raises(ApiError) as e:
             parse({"messages": messages}, bundle, "stories260K", chat=True, default_timeout=60.0)
         assert e.value.status == 400 and e.value.param == "messages" and "not valid Unicode" in str(e.value.body())
+
+
+@pytest.mark.parametrize("patch, says", [
+    ({"hidden_size": 63}, "is not a valid llama config: The hidden size (63) is not a multiple"),
+    ({"hidden_size": "abc"}, "is not a valid llama config: Field 'hidden_size' expected int"),
+    ({"rms_norm_eps": "x"}, "Field 'rms_norm_eps' expected float"),
+    ({"num_hidden_layers": 0}, "has num_hidden_layers 0; a model needs at least one layer"),
+    ({"model_type": "gpt2"}, "do not fit its config.json (model_type 'gpt2'): 65 parameters missing"),
+])
+def test_a_config_json_that_does_not_describe_the_weights_is_one_line(tmp_path, patch, says):
+    """Field errors of transformers' config classes were tracebacks, 0 layers failed at the first forward,
+    and another model_type loaded randomly initialised weights that wrote noise."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    src = Path(unmask.__file__).parent / "checkpoints" / "stories260K"
+    d = tmp_path / "m"
+    shutil.copytree(src, d, ignore=shutil.ignore_patterns("adapters"))
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **patch}))
+    with pytest.raises(UnmaskError) as e:
+        unmask.load(str(d))
+    assert says in str(e.value) and "\n" not in str(e.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,6 +184,21 @@ def _read_hf_config(path: Path) -> dict:
     return cfg
 
 
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_weights_match(path: Path, hf_config: dict, info: dict) -> None:
+    """Refuse a checkpoint whose weights do not fill the model config.json describes: transformers
+    would initialise the missing parameters at random (e.g. ``model_type`` edited to another
+    architecture) and the model would write noise. Raises UnmaskError."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise UnmaskError(f"the weights in {path} do not fit its config.json (model_type "
+                          f"{hf_config.get('model_type')!r}): {len(missing)} parameters missing, e.g. {missing[0]}; "
+                          "fix config.json or restore the checkpoint")
+
+
 def _as_id(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise UnmaskError(f"{what} must be an integer token id (got {value!r}); give the id of the mask token")
@@ -306,6 +322,7 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     ``force_mask_id``), or a kind that needs a mask token the checkpoint does not name.
     """
     import transformers
+    from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
 
     from unmask.compat import quiet_transformers
@@ -345,14 +362,23 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
             model = load_native(native, path, hf_config, dtype=torch_dtype)
         else:
             auto = getattr(transformers, loader_name(hf_config, family))
-            model = auto.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code, **extra)
+            model, info = auto.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                               output_loading_info=True, **extra)
+            _check_weights_match(path, hf_config, info)
         tokenizer = _load_tokenizer(path, family, native is not None, trust_remote_code)
     except UnmaskError:
         raise
+    except StrictDataclassError as e:  # transformers' config classes validate their fields
+        cause = re.sub(r"^(ValueError|TypeError): ", "", [x.strip() for x in str(e).splitlines() if x.strip()][-1])
+        raise UnmaskError(f"{path / 'config.json'} is not a valid {hf_config.get('model_type', 'model')} config: "
+                          f"{cause.rstrip('.')}; fix the file or restore the checkpoint") from None
     except (OSError, ValueError, RuntimeError, KeyError, ImportError, TypeError, SafetensorError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnmaskError(f"cannot load the checkpoint in {path}: {first.rstrip('.:')}; "
                           "the directory is incomplete or corrupt, restore or re-save it") from None
+    if not _positive_int(getattr(model.config, "num_hidden_layers", 1)):
+        raise UnmaskError(f"{path / 'config.json'} has num_hidden_layers {model.config.num_hidden_layers!r}; a model "
+                          "needs at least one layer, fix the file or restore the checkpoint")
     model.to(device).eval()
     from unmask.threads import after_load
 
