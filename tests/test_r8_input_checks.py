@@ -253,3 +253,14 @@ def test_a_config_json_that_does_not_describe_the_weights_is_one_line(tmp_path, 
     with pytest.raises(UnmaskError) as e:
         unmask.load(str(d))
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("cmd", [["train", "sbd", "--base", "stories260K"], ["train", "sbd-adapter", "--base", "stories260K"],
+                                 ["train", "diffusion", "--base", "stories260K"], ["train", "lbs", "--model", "stories260K-dlm"]])
+@pytest.mark.parametrize("device, says", [("tpu", "unknown device 'tpu'"), ("mps", "unsupported device mps"),
+                                          ("", "unknown device ''")])
+def test_train_commands_refuse_a_bad_device_in_one_line(capsys, tmp_path, cmd, device, says):
+    data = tmp_path / "d.txt"
+    data.write_text("Once upon a time there was a cat.\n")
+    one_line_error(capsys, *cmd, "--data", data, "--out", tmp_path / "out", "--device", device, match=says)
+    assert not (tmp_path / "out").exists()

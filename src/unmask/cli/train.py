@@ -39,7 +39,15 @@ Seed = Annotated[int, typer.Option("--seed", help="seed of data order, noise and
 Resume = Annotated[bool, typer.Option("--resume", help="continue from the newest checkpoint in the run directory")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace OUT (an earlier model or an empty folder) and "
                                                         "discard its run directory")]
-Device = Annotated[str, typer.Option("--device", help="cpu or cuda")]
+def _device(value: str) -> str:
+    """--device checked before anything loads (an unknown one, or cuda on a CPU-only torch, was a traceback)."""
+    from unmask.models.bundle import resolve_device
+
+    resolve_device(value)
+    return value
+
+
+Device = Annotated[str, typer.Option("--device", help="cpu or cuda", callback=_device)]
 Fsdp = Annotated[bool, typer.Option("--fsdp", help="under torchrun: shard with FSDP2 instead of DDP (docs/scaling.md)")]
 DlmModel = Annotated[str, typer.Option("--model", help="masked-diffusion model (shipped name or directory)")]
 PromptData = Annotated[list[Path], typer.Option(
