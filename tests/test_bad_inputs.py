@@ -274,6 +274,8 @@ def test_tiny_top_p_keeps_the_most_likely_token(capsys):
     (b"not json\n", "line 1 cannot be read"),
     (b'{"question": "q", "answer": "#### 1"}\n[1, 2]\n', "line 2 cannot be read"),
     (b'{"question": "q"}\n', "lacks the field 'answer'"),
+    (b'{"question": 5, "answer": "#### 1"}\n', "line 1: field 'question' must be text (got int)"),
+    (b'{"question": "q", "answer": null}\n', "field 'answer' must be text (got NoneType)"),
     (b"\xff\xfe\n", "cannot be read"),
 ])
 def test_eval_corrupt_gsm8k_file(capsys, tmp_path, content, match):

@@ -61,6 +61,22 @@ class _Row(dict):
     def __missing__(self, key):
         raise UnmaskError(f"{self.where} lacks the field {key!r}; restore the file from the original data")
 
+    def text(self, key: str) -> str:
+        """The field as text; a number, list or null there is a one-line UnmaskError (it failed later as an
+        AttributeError on ``.strip``)."""
+        value = self[key]
+        if not isinstance(value, str):
+            raise UnmaskError(f"{self.where}: field {key!r} must be text (got {type(value).__name__}); "
+                              "restore the file from the original data")
+        return value
+
+    def integer(self, key: str) -> int:
+        value = self[key]
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
+            raise UnmaskError(f"{self.where}: field {key!r} must be an integer (got {value!r}); "
+                              "restore the file from the original data")
+        return int(value)
+
 
 def _jsonl(path: Path) -> Iterator[dict]:
     """The JSON object of each non-blank line. Raises UnmaskError for an unreadable file, a line
@@ -105,7 +121,7 @@ def load_gsm8k(*, split: Literal["train", "test"] = "test",
     if split not in ("train", "test"):
         raise UnmaskError(f"unknown GSM8K split {split!r}; use 'train' or 'test'")
     path = _data_file("GSM8K", f"gsm8k/{split}.jsonl", data_dir)
-    rows = [GSM8KExample(r["question"], r["answer"], r["answer"].rsplit("####", 1)[-1].strip())
+    rows = [GSM8KExample(r.text("question"), r.text("answer"), r.text("answer").rsplit("####", 1)[-1].strip())
             for r in _jsonl(path)]
     return rows[:limit] if limit is not None else rows
 
@@ -184,8 +200,8 @@ def load_humaneval(*, data_dir: str | os.PathLike | None = None,
                    limit: int | None = None) -> list[HumanEvalTask]:
     """Load the 164 tasks of ``humaneval/HumanEval.jsonl.gz`` in task order."""
     path = _data_file("HumanEval", "humaneval/HumanEval.jsonl.gz", data_dir)
-    rows = [HumanEvalTask(r["task_id"], r["prompt"], r["entry_point"],
-                          r["canonical_solution"], r["test"]) for r in _jsonl(path)]
+    rows = [HumanEvalTask(r.text("task_id"), r.text("prompt"), r.text("entry_point"),
+                          r.text("canonical_solution"), r.text("test")) for r in _jsonl(path)]
     return rows[:limit] if limit is not None else rows
 
 
@@ -230,9 +246,9 @@ def load_mbpp(*, split: Literal["eval", "prompt", "all"] = "eval",
     path = _data_file("MBPP", "mbpp/mbpp.jsonl", data_dir)
     keep = {"eval": set(MBPP_EVAL_IDS), "prompt": set(MBPP_PROMPT_IDS)}.get(split)
     nl = lambda s: s.replace("\r\n", "\n").replace("\r", "\n")  # noqa: E731
-    rows = [MBPPTask(int(r["task_id"]), r["text"], nl(r["code"]), tuple(r["test_list"]),
+    rows = [MBPPTask(r.integer("task_id"), r.text("text"), nl(r.text("code")), tuple(r["test_list"]),
                      nl(r.get("test_setup_code") or ""), tuple(r.get("challenge_test_list") or ()))
-            for r in _jsonl(path) if keep is None or int(r["task_id"]) in keep]
+            for r in _jsonl(path) if keep is None or r.integer("task_id") in keep]
     rows.sort(key=lambda t: t.task_id)
     return rows[:limit] if limit is not None else rows
 
