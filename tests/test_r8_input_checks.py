@@ -264,3 +264,19 @@ def test_train_commands_refuse_a_bad_device_in_one_line(capsys, tmp_path, cmd, d
     data.write_text("Once upon a time there was a cat.\n")
     one_line_error(capsys, *cmd, "--data", data, "--out", tmp_path / "out", "--device", device, match=says)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field, says", [
+    ({"decoder": ""}, "decoder must be a decoder name"), ({"decoder": 0}, "decoder must be a decoder name"),
+    ({"decoder": False}, "decoder must be a decoder name"), ({"decoder": []}, "decoder must be a decoder name"),
+    ({"policy": ""}, "policy must not be empty"), ({"stop": 0}, "stop must be a non-empty string"),
+    ({"stop": {}}, "stop must be a non-empty string"), ({"gamma": float("inf")}, "JSON has no infinity"),
+])
+def test_the_server_never_reads_a_falsy_field_as_its_default(field, says):
+    """decoder "" / 0 / false / [] and policy "" fell back to the server's default, stop 0 / {} was dropped."""
+    from unmask.serve.errors import ApiError
+    from unmask.serve.protocol import parse
+
+    with pytest.raises(ApiError) as e:
+        parse({"prompt": "hi", **field}, unmask.load("stories260K-sbd"), "m", chat=False, default_timeout=60.0)
+    assert e.value.status == 400 and e.value.param == next(iter(field)) and says in e.value.body()["error"]["message"]

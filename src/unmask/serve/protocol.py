@@ -70,8 +70,13 @@ def _typed(name: str, value, kind: str):
     ok = {"int": isinstance(value, int) and not isinstance(value, bool),
           "float": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
           "str": isinstance(value, str), "bool": isinstance(value, bool)}[kind]
+    if not ok and kind == "float" and isinstance(value, float) and math.isinf(value):
+        raise ApiError(400, f"{name} must be a finite number (got {value!r}; JSON has no infinity): for "
+                            f"\"reveal everything\" pass a large value such as 1e9", param=name)
     if not ok:
         raise ApiError(400, f"{name} must be {_TYPES[kind]} (got {value!r}); fix or drop it", param=name)
+    if kind == "str" and not value.strip():
+        raise ApiError(400, f"{name} must not be empty; give a value or drop {name!r}", param=name)
     return float(value) if kind == "float" else value
 
 
@@ -206,7 +211,7 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
     if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf):
         raise ApiError(400, f"timeout must be a number of seconds > 0 (got {timeout!r})", param="timeout")
     stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else (stop or [])
+    stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)  # 0, {} or false: refused below
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "stop must be a non-empty string or a list of them", param="stop")
     # every stop string is matched against the text at every step, on the event loop (streams)
@@ -217,9 +222,10 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
 
     defaults = dict(defaults or {})
     server_decoder = defaults.pop("decoder", None) or default_decoder(bundle.kind)
-    decoder = body.get("decoder") or server_decoder
-    if not isinstance(decoder, str):
-        raise ApiError(400, f"decoder must be a string (got {decoder!r})", param="decoder")
+    decoder = server_decoder if body.get("decoder") is None else body["decoder"]
+    if not isinstance(decoder, str) or not decoder.strip():  # "", 0, false, []: never the default in disguise
+        raise ApiError(400, f"decoder must be a decoder name such as {server_decoder!r} (got {json.dumps(decoder)}); "
+                            "fix or drop it", param="decoder")
     given = {k: body[k] for k in knobs if body.get(k) is not None and k != "decoder"}
     merged = {**(defaults if decoder == server_decoder else {}), **given}
     options = {k: _typed(k, v, knobs[k]) for k, v in merged.items()}
