@@ -280,3 +280,18 @@ def test_the_server_never_reads_a_falsy_field_as_its_default(field, says):
     with pytest.raises(ApiError) as e:
         parse({"prompt": "hi", **field}, unmask.load("stories260K-sbd"), "m", chat=False, default_timeout=60.0)
     assert e.value.status == 400 and e.value.param == next(iter(field)) and says in e.value.body()["error"]["message"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--out", "{d}/p.png", "--out-png", "{d}/p.png"], "--out and --out-png are the same file"),
+    (["--out-png", "{d}/x.txt"], "matplotlib cannot write '.txt' files"),
+    (["--y-max", "nan"], "--y-max must be an accuracy in percent"),
+    (["--y-max", "-1"], "--y-max must be an accuracy in percent"),
+])
+def test_sweep_refuses_bad_outputs_and_y_max_before_it_evaluates(capsys, tmp_path, monkeypatch, args, says):
+    import unmask.eval.sweep as sweep_mod
+
+    monkeypatch.setattr(sweep_mod, "sweep", lambda *a, **k: pytest.fail("evaluated before refusing"))
+    one_line_error(capsys, "sweep", "--task", "stories", "--param", "gamma", "--values", "0.1,0.3", "--limit", "2",
+                   *[a.format(d=tmp_path) for a in args], match=says)
+    assert not list(tmp_path.iterdir())

@@ -260,6 +260,7 @@ def sweep_cmd(
 
     opts = _options(option, policy=policy, block_size=block_size)
     png = out_png if out_png is None or out_png.suffix else out_png.with_suffix(".png")  # what savefig writes
+    _check_sweep_outputs(out, png, y_max)
     for path, flag in ((out, "--out"), (png, "--out-png")):
         if path is not None:
             check_output_file(path, flag, exists_ok=overwrite, probe=True)
@@ -294,6 +295,23 @@ def sweep_cmd(
 
         atomic_write_json(out, res.to_dict(), "--out", output=True)
         typer.echo(f"wrote {out}")
+
+
+def _check_sweep_outputs(out: Path | None, png: Path | None, y_max: float | None) -> None:
+    """What sweep can refuse before it evaluates anything: one file for both outputs (the JSON would
+    overwrite the plot), a plot format matplotlib cannot write, a --y-max AUP cannot use."""
+    if out is not None and png is not None and out.resolve() == png.resolve():
+        raise UnmaskError(f"--out and --out-png are the same file ({out}); give the plot its own name, e.g. "
+                          f"{png.with_suffix('.png').name if png.suffix != '.png' else png.stem + '-plot.png'}")
+    if png is not None:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if png.suffix.lower().lstrip(".") not in kinds:
+            raise UnmaskError(f"--out-png {png}: matplotlib cannot write {png.suffix!r} files; use .png, .pdf or .svg")
+    if y_max is not None and not (math.isfinite(y_max) and 0 < y_max <= 100):
+        raise UnmaskError(f"--y-max must be an accuracy in percent, in (0, 100] (got {y_max:g}); pass the best "
+                          "accuracy over all methods, or drop it to use this sweep's best")
 
 
 @app.command("bench")
