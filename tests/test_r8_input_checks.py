@@ -295,3 +295,10 @@ def test_sweep_refuses_bad_outputs_and_y_max_before_it_evaluates(capsys, tmp_pat
     one_line_error(capsys, "sweep", "--task", "stories", "--param", "gamma", "--values", "0.1,0.3", "--limit", "2",
                    *[a.format(d=tmp_path) for a in args], match=says)
     assert not list(tmp_path.iterdir())
+
+
+def test_bench_refuses_an_unknown_judge_before_any_pair_runs(capsys, monkeypatch):
+    import unmask.eval.runner as runner
+
+    monkeypatch.setattr(runner, "evaluate", lambda *a, **k: pytest.fail("a pair ran before the judge was checked"))
+    one_line_error(capsys, "bench", "--judge", "nope", "--limit", "1", "-d", "ar", match="--judge: unknown model 'nope'")

@@ -182,6 +182,13 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     for flag, value in (("--limit", limit), ("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UnmaskError(f"{flag} must be an integer >= 1 (got {value!r}); pass e.g. {flag} 8")
+    if isinstance(judge, str):  # an unknown judge failed every pair, one after the other
+        from unmask.models.registry import resolve
+
+        try:
+            resolve(judge)
+        except UnmaskError as e:
+            raise UnmaskError(f"--judge: {e}") from None
     todo = [(d, m, None) for d, m in pairs(include_all=include_all, decoders=decoders, models=models)]
     todo += adapter_pairs(adapters, decoders=decoders, models=models)
     if not todo:
