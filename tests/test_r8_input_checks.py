@@ -302,3 +302,10 @@ def test_bench_refuses_an_unknown_judge_before_any_pair_runs(capsys, monkeypatch
 
     monkeypatch.setattr(runner, "evaluate", lambda *a, **k: pytest.fail("a pair ran before the judge was checked"))
     one_line_error(capsys, "bench", "--judge", "nope", "--limit", "1", "-d", "ar", match="--judge: unknown model 'nope'")
+
+
+def test_eval_names_the_asked_max_new_tokens_when_a_prompt_does_not_fit(capsys):
+    """The warm-up decode's own budget (2) was named, with a fix that could not work."""
+    line = one_line_error(capsys, "eval", "--task", "mbpp", "--limit", "1", "-n", "4", "--no-progress",
+                          match="with --max-new-tokens 4 it exceeds")
+    assert "use fewer --shots" in line and "lower --max-new-tokens" not in line  # 1409 tokens: no -n fits

@@ -69,9 +69,14 @@ def _load(model, *, device: str, dtype: str):
 def _budget(bundle, prompt_ids: list[list[int]], requested: int | None, spec: T.TaskSpec) -> tuple[int, str | None]:
     """The generation budget: ``requested`` (checked by ``generate``), or the task default clipped
     to what the longest prompt leaves of the context window, with a note saying so."""
-    if requested is not None:
-        return requested, None
     ctx, longest = bundle.context_length, max(len(p) for p in prompt_ids)
+    if requested is not None:
+        if isinstance(requested, int) and not isinstance(requested, bool) and longest + requested > ctx:
+            lower = f"lower --max-new-tokens to {ctx - longest} or less, " if longest < ctx else ""
+            raise UnmaskError(f"the longest {spec.name} prompt is {longest} tokens; with --max-new-tokens {requested} it "
+                              f"exceeds {bundle.name}'s {ctx}-token context; {lower}use fewer --shots, a smaller "
+                              "--limit or a model with a longer context")
+        return requested, None
     budget = min(spec.max_new_tokens, ctx - longest)
     if budget < MIN_NEW_TOKENS:
         raise UnmaskError(f"the longest {spec.name} prompt is {longest} tokens and leaves {max(budget, 0)} of "
