@@ -309,3 +309,10 @@ def test_eval_names_the_asked_max_new_tokens_when_a_prompt_does_not_fit(capsys):
     line = one_line_error(capsys, "eval", "--task", "mbpp", "--limit", "1", "-n", "4", "--no-progress",
                           match="with --max-new-tokens 4 it exceeds")
     assert "use fewer --shots" in line and "lower --max-new-tokens" not in line  # 1409 tokens: no -n fits
+
+
+@pytest.mark.parametrize("router", ["lbs", "lps"])
+@pytest.mark.parametrize("minutes", ["nan", "inf", "0", "-1"])
+def test_router_training_refuses_a_max_minutes_that_never_stops(capsys, tmp_path, router, minutes):
+    one_line_error(capsys, "train", router, "--model", "stories260K-dlm", "--data", tmp_path / "d.txt",
+                   "--max-minutes", minutes, match="--max-minutes must be a finite number > 0")

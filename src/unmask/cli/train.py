@@ -3,6 +3,8 @@ wrappers over unmask.train."""
 
 from __future__ import annotations
 
+import math
+
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -48,6 +50,16 @@ def _device(value: str) -> str:
 
 
 Device = Annotated[str, typer.Option("--device", help="cpu or cuda", callback=_device)]
+
+
+def _minutes(value: float | None) -> float | None:
+    """The routers' --max-minutes checked when parsed (nan was accepted and never stopped the loop)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise UnmaskError(f"--max-minutes must be a finite number > 0 (got {value:g}); pass e.g. 30, or drop it")
+    return value
+
+
+RouterMinutes = Annotated[float, typer.Option("--max-minutes", help="budget of the training loop", callback=_minutes)]
 Fsdp = Annotated[bool, typer.Option("--fsdp", help="under torchrun: shard with FSDP2 instead of DDP (docs/scaling.md)")]
 DlmModel = Annotated[str, typer.Option("--model", help="masked-diffusion model (shipped name or directory)")]
 PromptData = Annotated[list[Path], typer.Option(
@@ -384,7 +396,7 @@ def train_lbs_cmd(
     d: int = typer.Option(32, "--d", help="router width (paper 128)"),
     layers: int = typer.Option(1, "--layers", help="encoder layers (paper 2)"),
     ffn: int = typer.Option(64, "--ffn", help="encoder FFN width (paper 256)"),
-    max_minutes: float = typer.Option(None, "--max-minutes", help="budget of the training loop"),
+    max_minutes: RouterMinutes = None,
     seed: int = typer.Option(0, "--seed"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing LBS router at the output"),
     device: Device = "cpu", no_progress: NoProgress = False,
@@ -425,7 +437,7 @@ def train_lps_cmd(
     batch_size: int = typer.Option(512, "--batch-size", help="step records per batch"),
     lr: float = typer.Option(1e-3, "--lr"), fpr: float = typer.Option(0.01, "--fpr", help="FPR budget η for τ_ψ"),
     d: int = typer.Option(32, "--d"), layers: int = typer.Option(2, "--layers"), ffn: int = typer.Option(64, "--ffn"),
-    max_minutes: float = typer.Option(None, "--max-minutes", help="budget of the training loop"),
+    max_minutes: RouterMinutes = None,
     seed: int = typer.Option(0, "--seed", help="seed of the prompt choice (the split seed is 42)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing LPS router at the output"),
     device: Device = "cpu", no_progress: NoProgress = False,
