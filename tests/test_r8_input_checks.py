@@ -316,3 +316,31 @@ def test_eval_names_the_asked_max_new_tokens_when_a_prompt_does_not_fit(capsys):
 def test_router_training_refuses_a_max_minutes_that_never_stops(capsys, tmp_path, router, minutes):
     one_line_error(capsys, "train", router, "--model", "stories260K-dlm", "--data", tmp_path / "d.txt",
                    "--max-minutes", minutes, match="--max-minutes must be a finite number > 0")
+
+
+def test_an_interrupted_distill_says_how_to_finish_it(capsys, tmp_path, monkeypatch):
+    """The rows written before Ctrl-C stay (by design, for --resume); the line now says so."""
+    import unmask.api as api
+    from conftest import run_cli
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Once upon a time\nTom had a ball\nThe sun\nA cat\n")
+    out = tmp_path / "d.jsonl"
+    args = ["data", "distill", "--model", "stories260K", "--prompts", prompts, "--out", out, "-n", "4",
+            "--batch-size", "2", "--val-fraction", "0", "--no-progress"]
+    real, calls = api.generate, []
+
+    def second_batch_interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(api, "generate", second_batch_interrupted)
+    code, _, err = run_cli(capsys, *args)
+    assert code == 130 and "keeps the answers written so far" in err and "--resume" in err
+    assert len(out.read_text().splitlines()) == 2
+    monkeypatch.setattr(api, "generate", real)
+    code, _, err = run_cli(capsys, *args, "--resume")
+    assert code == 0, err
+    assert len(out.read_text().splitlines()) == 4

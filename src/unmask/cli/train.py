@@ -4,7 +4,7 @@ wrappers over unmask.train."""
 from __future__ import annotations
 
 import math
-
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -283,11 +283,19 @@ def data_distill_cmd(
     from unmask.train.distill import distill
 
     quiet_transformers()
-    with bar("prompts", enabled=not no_progress) as progress:
-        summary = distill(out, model=model, prompts=prompts, adapter=adapter, system=system,
-                          max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature, seed=seed,
-                          limit=limit, val_fraction=val_fraction, resume=resume, overwrite=overwrite,
-                          data_dir=data_dir, device=device, dtype=dtype, progress=progress)
+    existed = Path(out).exists()
+    try:
+        with bar("prompts", enabled=not no_progress) as progress:
+            summary = distill(out, model=model, prompts=prompts, adapter=adapter, system=system,
+                              max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature, seed=seed,
+                              limit=limit, val_fraction=val_fraction, resume=resume, overwrite=overwrite,
+                              data_dir=data_dir, device=device, dtype=dtype, progress=progress)
+    except KeyboardInterrupt:
+        if overwrite or not Path(out).is_file() or (existed and not resume):
+            raise
+        print(f"interrupted; {out} keeps the answers written so far: run the same command with --resume to "
+              "finish it", file=sys.stderr)
+        raise SystemExit(130) from None
     typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
 
 
