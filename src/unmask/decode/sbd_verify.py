@@ -137,9 +137,8 @@ def family(draft: str, Kmax: int, smaller: tuple[str, ...] = ()) -> list:
     return [None] + [at(K) for K in range(2, Kmax + 1)]
 
 
-# the step tables of the last few layouts: a decode() of one prompt would otherwise rebuild them per
-# call (5.4 ms for the stories260K adapter's 16-query layout, ~3 % of a 128-token decode); only small
-# tables are kept, so the server's bound on table memory (MAX_LAYOUTS batches) still holds
+# step tables of the last few small layouts, shared: a decode() would rebuild them per call (5.4 ms for the
+# stories260K adapter's default); only small ones, so the server's bound on table memory still holds
 _TABLES: OrderedDict = OrderedDict()
 CACHED_TABLES, CACHED_TABLE_BYTES = 8, 1 << 20
 
