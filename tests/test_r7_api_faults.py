@@ -64,6 +64,7 @@ def test_the_api_answers_bad_values_in_one_line():
         unmask.load("a" * 5000)
 
 
-def test_bench_with_every_pair_failing_exits_non_zero(capsys):
-    one_line_error(capsys, "bench", "--judge", "bogus", "--limit", "1", "-n", "4", "-m", "stories260K-sbd",
+def test_bench_with_every_pair_failing_exits_non_zero(capsys, tmp_path):
+    # a judge directory that is no model fails every pair (an unknown judge name is now refused up front)
+    one_line_error(capsys, "bench", "--judge", tmp_path, "--limit", "1", "-n", "4", "-m", "stories260K-sbd",
                    "--no-progress", match="every bench pair failed")

@@ -69,9 +69,12 @@ def setup(device: str | torch.device = "cpu") -> torch.device:
     happens, so every entry point can call this unconditionally.
 
     Raises:
-        UnmaskError: ``cuda`` under torchrun without enough visible GPUs for LOCAL_RANK.
+        UnmaskError: an unknown device, ``cuda`` without CUDA, or ``cuda`` under torchrun without
+            enough visible GPUs for LOCAL_RANK.
     """
-    device = torch.device(device)
+    from unmask.models.bundle import resolve_device
+
+    device = resolve_device(device)  # an unknown device, or cuda without CUDA: one line, not a traceback
     if not launched():
         return device
     import torch.distributed as tdist

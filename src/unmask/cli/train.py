@@ -42,10 +42,11 @@ Resume = Annotated[bool, typer.Option("--resume", help="continue from the newest
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace OUT (an earlier model or an empty folder) and "
                                                         "discard its run directory")]
 def _device(value: str) -> str:
-    """--device checked before anything loads (an unknown one, or cuda on a CPU-only torch, was a traceback)."""
+    """--device's name checked when parsed (an unknown one was a traceback); whether CUDA is there is
+    the training loop's check (:func:`unmask.dist.setup`), so a command line parses on any machine."""
     from unmask.models.bundle import resolve_device
 
-    resolve_device(value)
+    resolve_device(value, available=False)
     return value
 
 

@@ -110,14 +110,15 @@ def check_finite_weights(bundle: ModelBundle) -> None:
         bundle.model._unmask_finite_key = key
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
+def resolve_device(device: str | torch.device | None, *, available: bool = True) -> torch.device:
+    """``device`` as a torch.device: cpu or cuda (``available``: and CUDA present). Raises UnmaskError."""
     if device is None:
         device = "cpu"
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError, ValueError):  # torch's message lists two dozen backends; ours names two
         raise UnmaskError(f"unknown device {device!r}; use cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if available and device.type == "cuda" and not torch.cuda.is_available():
         raise UnmaskError("CUDA is not available on this machine; use --device cpu")
     if device.type not in ("cpu", "cuda"):
         raise UnmaskError(f"unsupported device {device}; use cpu or cuda")
