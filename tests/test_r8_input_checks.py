@@ -344,3 +344,19 @@ def test_an_interrupted_distill_says_how_to_finish_it(capsys, tmp_path, monkeypa
     code, _, err = run_cli(capsys, *args, "--resume")
     assert code == 0, err
     assert len(out.read_text().splitlines()) == 4
+
+
+def test_a_lone_surrogate_stop_string_is_a_400_and_the_eval_budget_says_how_far_over():
+    from unmask.serve.errors import ApiError
+    from unmask.serve.protocol import parse
+
+    with pytest.raises(ApiError) as e:
+        parse({"prompt": "Once", "stop": ["ok", "\udfff"]}, unmask.load("stories260K-sbd"), "m", chat=False,
+              default_timeout=60.0)
+    assert e.value.status == 400 and e.value.param == "stop" and "stop[1] is not valid Unicode" in str(e.value.body())
+    from unmask.eval import tasks
+    from unmask.eval.runner import _budget
+
+    bundle = unmask.load("stories260K")
+    with pytest.raises(UnmaskError, match=r"is 1552 tokens, 1040 over stories260K's 512-token context; use fewer --shots or"):
+        _budget(bundle, [[1] * 1552], None, tasks.TASKS["mbpp"])

@@ -79,6 +79,9 @@ def _budget(bundle, prompt_ids: list[list[int]], requested: int | None, spec: T.
         return requested, None
     budget = min(spec.max_new_tokens, ctx - longest)
     if budget < MIN_NEW_TOKENS:
+        if longest > ctx:
+            raise UnmaskError(f"the longest {spec.name} prompt is {longest} tokens, {longest - ctx} over "
+                              f"{bundle.name}'s {ctx}-token context; use fewer --shots or a model with a longer context")
         raise UnmaskError(f"the longest {spec.name} prompt is {longest} tokens and leaves {max(budget, 0)} of "
                           f"{bundle.name}'s {ctx}-token context to generate in; use fewer --shots, a smaller "
                           "--limit or a model with a longer context")

@@ -23,7 +23,7 @@ from functools import lru_cache
 from unmask.api import check_options, encode_prompts
 from unmask.decode import default_decoder, get_decoder
 from unmask.errors import UnmaskError
-from unmask.prompts import check_messages, has_chat_template, plain_template, render
+from unmask.prompts import check_messages, check_text, has_chat_template, plain_template, render
 from unmask.sampling import Sampling
 from unmask.serve.errors import ApiError
 from unmask.serve.limits import Limits, check_cost
@@ -214,6 +214,11 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
     stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)  # 0, {} or false: refused below
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "stop must be a non-empty string or a list of them", param="stop")
+    for i, s in enumerate(stop):  # a lone surrogate could never match the decoded text
+        try:
+            check_text(s, f"stop[{i}]")
+        except UnmaskError as e:
+            raise ApiError(400, str(e), param="stop") from None
     # every stop string is matched against the text at every step, on the event loop (streams)
     if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
         raise ApiError(400, f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each "
