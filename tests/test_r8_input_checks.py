@@ -360,3 +360,13 @@ def test_a_lone_surrogate_stop_string_is_a_400_and_the_eval_budget_says_how_far_
     bundle = unmask.load("stories260K")
     with pytest.raises(UnmaskError, match=r"is 1552 tokens, 1040 over stories260K's 512-token context; use fewer --shots or"):
         _budget(bundle, [[1] * 1552], None, tasks.TASKS["mbpp"])
+
+
+def test_train_lps_refuses_too_few_prompts_before_collecting_traces(capsys, tmp_path, monkeypatch):
+    import unmask.train.lps_fit as lps_fit
+
+    monkeypatch.setattr(lps_fit, "collect_lps_traces", lambda *a, **k: pytest.fail("collected before refusing"))
+    data = tmp_path / "d.txt"
+    data.write_text("Once upon a time there was a cat.\n\nTom had a ball.\n")
+    one_line_error(capsys, "train", "lps", "--model", "stories260K-dlm", "--data", data, "--out", tmp_path / "r",
+                   "--prompts", "2", match="needs at least 3 traces for its 80/10/10 split (got --prompts 2)")

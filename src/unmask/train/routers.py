@@ -564,6 +564,9 @@ def _run_lps(bundle, source, where, data, n_prompts, block_size, tau, l_min, g_m
         _say(progress, f"LPS traces: reusing {traces_file} ({traces.n_traces} traces, {traces.n_records} records)")
     else:
         _check_counts(prompts=n_prompts, gen_batch=gen_batch)
+        if n_prompts < 3:  # one trace per prompt; refused before collecting them
+            raise UnmaskError(f"LPS training needs at least 3 traces for its 80/10/10 split (got --prompts {n_prompts}); "
+                              "pass --prompts 3 or more")
         vocab = bundle.model.get_input_embeddings().weight.shape[0]
         prompts = prompts_from_corpus(data, n_prompts, bos=bundle.bos_token_id if bundle.bos_token_id is not None
                                       else 1, seed=seed, from_end=True, vocab_size=vocab, tokenizer=bundle.tokenizer)
