@@ -370,3 +370,18 @@ def test_train_lps_refuses_too_few_prompts_before_collecting_traces(capsys, tmp_
     data.write_text("Once upon a time there was a cat.\n\nTom had a ball.\n")
     one_line_error(capsys, "train", "lps", "--model", "stories260K-dlm", "--data", data, "--out", tmp_path / "r",
                    "--prompts", "2", match="needs at least 3 traces for its 80/10/10 split (got --prompts 2)")
+
+
+def test_router_out_at_the_model_directory_names_the_model(capsys, tmp_path, monkeypatch):
+    import shutil
+    from pathlib import Path
+
+    model = tmp_path / "dlm"
+    shutil.copytree(Path(unmask.__file__).parent / "checkpoints" / "stories260K-dlm", model)
+    before = sorted(p.name for p in model.rglob("*"))
+    data = tmp_path / "d.txt"
+    data.write_text("Once upon a time there was a cat.\n")
+    for router in ("lbs", "lps"):
+        one_line_error(capsys, "train", router, "--model", model, "--data", data, "--out", model,
+                       match="is the --model directory")
+    assert sorted(p.name for p in model.rglob("*")) == before

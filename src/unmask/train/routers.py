@@ -391,6 +391,13 @@ ROUTER_OUT = {"markers": ("lbs.json", "lps.json", "lbs.safetensors", "lps.safete
               "replaced": "which saving the router would replace with a copy"}
 
 
+def _model_dir(model) -> Path | None:
+    """The directory of ``--model`` when it is a local one (a shipped name's is checked once it loads)."""
+    if isinstance(model, (str, Path)) and Path(model).expanduser().is_dir():
+        return Path(model).expanduser()
+    return None
+
+
 def _check_router_out(where, data: Sequence = (), model_dir=None) -> Path:
     """``where`` as a Path when a router may be saved there (:func:`unmask.fileio.check_model_out_dir`):
     named, not a file, neither the ``data`` files nor the model directory nor a folder holding them,
@@ -486,7 +493,7 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
     from unmask import dist
 
     if out is not None:
-        _check_router_out(Path(out).expanduser(), data)  # before the model loads
+        _check_router_out(Path(out).expanduser(), data, _model_dir(model))  # before the model loads
     bundle = _load(model, dist.setup(device))
     where = _out_dir(bundle, out, writes="lbs", overwrite=overwrite, data=data)
     with _rank0_lock(where):
@@ -540,7 +547,7 @@ def run_lps(*, model, data: Sequence, routers=None, out=None, n_prompts: int = 3
     from unmask import dist
 
     if out is not None:
-        _check_router_out(Path(out).expanduser(), data)  # before the model loads
+        _check_router_out(Path(out).expanduser(), data, _model_dir(model))  # before the model loads
     bundle = _load(model, dist.setup(device))
     progress = progress if dist.is_main() else None
     source = _out_dir(bundle, routers)
