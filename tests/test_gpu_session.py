@@ -85,7 +85,8 @@ def test_chunks_join_only_when_complete_and_intact(tmp_path):
     joined = gpu_session.join_files(parts, dest, sha256=m["sha256"], pieces=m["pieces"])
     assert joined.read_bytes() == src.read_bytes()
     dest.unlink()
-    parts[1].write_bytes(parts[1].read_bytes()[:-1] + b"\0")
+    last = parts[1].read_bytes()
+    parts[1].write_bytes(last[:-1] + bytes([last[-1] ^ 0xFF]))  # always a change (a random last byte was 0 once in 256)
     with pytest.raises(SessionError, match="damaged"):
         gpu_session.join_files(parts, dest, sha256=m["sha256"], pieces=m["pieces"])
     parts[1].unlink()
