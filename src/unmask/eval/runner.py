@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int
 from unmask.threads import scoped
 from unmask.eval import tasks as T
 from unmask.eval.env import fingerprint
@@ -71,17 +71,18 @@ def _budget(bundle, prompt_ids: list[list[int]], requested: int | None, spec: T.
     to what the longest prompt leaves of the context window, with a note saying so."""
     ctx, longest = bundle.context_length, max(len(p) for p in prompt_ids)
     if requested is not None:
-        if isinstance(requested, int) and not isinstance(requested, bool) and longest + requested > ctx:
+        if is_int(requested) and longest + requested > ctx:
             lower = f"lower --max-new-tokens to {ctx - longest} or less, " if longest < ctx else ""
-            raise UnmaskError(f"the longest {spec.name} prompt is {longest} tokens; with --max-new-tokens {requested} it "
-                              f"exceeds {bundle.name}'s {ctx}-token context; {lower}use fewer --shots, a smaller "
-                              "--limit or a model with a longer context")
+            raise UnmaskError(f"the longest {spec.name} prompt is {longest} tokens; with --max-new-tokens "
+                              f"{requested} it exceeds {bundle.name}'s {ctx}-token context; {lower}use fewer --shots, "
+                              "a smaller --limit or a model with a longer context")
         return requested, None
     budget = min(spec.max_new_tokens, ctx - longest)
     if budget < MIN_NEW_TOKENS:
         if longest > ctx:
             raise UnmaskError(f"the longest {spec.name} prompt is {longest} tokens, {longest - ctx} over "
-                              f"{bundle.name}'s {ctx}-token context; use fewer --shots or a model with a longer context")
+                              f"{bundle.name}'s {ctx}-token context; use fewer --shots or a model with a longer "
+                              "context")
         raise UnmaskError(f"the longest {spec.name} prompt is {longest} tokens and leaves {max(budget, 0)} of "
                           f"{bundle.name}'s {ctx}-token context to generate in; use fewer --shots, a smaller "
                           "--limit or a model with a longer context")

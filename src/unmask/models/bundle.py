@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int
 
 KINDS = ("causal", "sbd", "masked-diffusion", "block-diffusion")
 UNMASK_CONFIG = "unmask_config.json"
@@ -130,11 +130,7 @@ def check_placement(bundle: ModelBundle, device=None, dtype=None) -> None:
     would be ignored silently (the bundle is not moved or cast). None, or the bundle's own device
     (``cuda`` matches any CUDA index) or dtype, passes. Raises UnmaskError."""
     if device is not None:
-        try:
-            want = torch.device(device)
-        except (RuntimeError, TypeError, ValueError):
-            raise UnmaskError(f"unknown device {device!r}; use cpu or cuda") from None
-        have = bundle.device
+        want, have = resolve_device(device, available=False), bundle.device
         if want.type != have.type or (want.index is not None and want.index != have.index):
             raise UnmaskError(f"the model {bundle.name!r} is already loaded on {have}, so device={str(device)!r} "
                               f"would be ignored; load it with unmask.load(..., device={str(want)!r}) or pass the "
@@ -183,10 +179,6 @@ def _read_hf_config(path: Path) -> dict:
     if not isinstance(cfg, dict):
         raise UnmaskError(f"{path / 'config.json'} holds a JSON {type(cfg).__name__}, not an object; restore the checkpoint")
     return cfg
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _check_weights_match(path: Path, hf_config: dict, info: dict) -> None:
@@ -377,7 +369,8 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnmaskError(f"cannot load the checkpoint in {path}: {first.rstrip('.:')}; "
                           "the directory is incomplete or corrupt, restore or re-save it") from None
-    if not _positive_int(getattr(model.config, "num_hidden_layers", 1)):
+    layers = getattr(model.config, "num_hidden_layers", 1)
+    if not is_int(layers) or layers < 1:
         raise UnmaskError(f"{path / 'config.json'} has num_hidden_layers {model.config.num_hidden_layers!r}; a model "
                           "needs at least one layer, fix the file or restore the checkpoint")
     model.to(device).eval()

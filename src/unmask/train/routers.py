@@ -46,6 +46,7 @@ from unmask.models.adapters import bidirectional_forward, realign
 from unmask.policies import token_stats
 from unmask.routers.lbs import LBSConfig, LBSRouter
 from unmask.routers.lps import LPSConfig, LPSRouter
+from unmask.train.wiring import model_dir
 from unmask.train.lps_fit import (  # noqa: F401  (re-exported: the LPS half of this module's API)
     LPSTraces,
     LPSTrainConfig,
@@ -391,13 +392,6 @@ ROUTER_OUT = {"markers": ("lbs.json", "lps.json", "lbs.safetensors", "lps.safete
               "replaced": "which saving the router would replace with a copy"}
 
 
-def _model_dir(model) -> Path | None:
-    """The directory of ``--model`` when it is a local one (a shipped name's is checked once it loads)."""
-    if isinstance(model, (str, Path)) and Path(model).expanduser().is_dir():
-        return Path(model).expanduser()
-    return None
-
-
 def _check_router_out(where, data: Sequence = (), model_dir=None) -> Path:
     """``where`` as a Path when a router may be saved there (:func:`unmask.fileio.check_model_out_dir`):
     named, not a file, neither the ``data`` files nor the model directory nor a folder holding them,
@@ -493,7 +487,7 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
     from unmask import dist
 
     if out is not None:
-        _check_router_out(Path(out).expanduser(), data, _model_dir(model))  # before the model loads
+        _check_router_out(Path(out).expanduser(), data, model_dir(model))  # before the model loads
     bundle = _load(model, dist.setup(device))
     where = _out_dir(bundle, out, writes="lbs", overwrite=overwrite, data=data)
     with _rank0_lock(where):
@@ -547,7 +541,7 @@ def run_lps(*, model, data: Sequence, routers=None, out=None, n_prompts: int = 3
     from unmask import dist
 
     if out is not None:
-        _check_router_out(Path(out).expanduser(), data, _model_dir(model))  # before the model loads
+        _check_router_out(Path(out).expanduser(), data, model_dir(model))  # before the model loads
     bundle = _load(model, dist.setup(device))
     progress = progress if dist.is_main() else None
     source = _out_dir(bundle, routers)
@@ -572,8 +566,8 @@ def _run_lps(bundle, source, where, data, n_prompts, block_size, tau, l_min, g_m
     else:
         _check_counts(prompts=n_prompts, gen_batch=gen_batch)
         if n_prompts < 3:  # one trace per prompt; refused before collecting them
-            raise UnmaskError(f"LPS training needs at least 3 traces for its 80/10/10 split (got --prompts {n_prompts}); "
-                              "pass --prompts 3 or more")
+            raise UnmaskError(f"LPS training needs at least 3 traces for its 80/10/10 split (got --prompts "
+                              f"{n_prompts}); pass --prompts 3 or more")
         vocab = bundle.model.get_input_embeddings().weight.shape[0]
         prompts = prompts_from_corpus(data, n_prompts, bos=bundle.bos_token_id if bundle.bos_token_id is not None
                                       else 1, seed=seed, from_end=True, vocab_size=vocab, tokenizer=bundle.tokenizer)

@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import functools
 import hashlib
+import os
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -108,9 +109,10 @@ ADAPTER_OUT = {"markers": ("adapter.json",), "kind": "an adapter directory (no a
 RUN_DIR = {"markers": ("checkpoints", "log.jsonl"), "kind": "a run directory (no checkpoints/ or log.jsonl)"}
 
 
-def _model_dir(name_or_path: str | Path | None) -> Path | None:
-    """The directory a ``--base`` names (a shipped name or a local folder), None when it names none."""
-    if name_or_path is None:
+def model_dir(name_or_path: str | Path | None) -> Path | None:
+    """The directory a ``--base`` / ``--model`` names (a shipped name or a local folder), None when it
+    names none (a loaded bundle, an unknown name: its loading reports that)."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
         return None
     from unmask.models.registry import shipped
 
@@ -125,7 +127,7 @@ def read_paths(data: Sequence[Path], base: str | Path | None = None, init: str |
     """What a training command reads, as ``check_model_out_dir`` inputs: the data files, the base
     model directory and an ``init`` adapter (a folder, or a bare name under BASE/adapters/)."""
     reads: list = [(p, f"the --data file {p}") for p in data]
-    base_dir = _model_dir(base)
+    base_dir = model_dir(base)
     if base_dir is not None:
         reads.append((base_dir, f"the --base model {base}"))
     if init is not None:
