@@ -14,7 +14,6 @@ from unmask.decode.block import BlockConfig
 from unmask.decode.blocks import BlockDecoder
 from unmask.decode.running import requests_for
 from unmask.decode.sbd import SBDConfig
-from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.policies import Threshold
 
@@ -126,11 +125,22 @@ def test_the_quota_per_row_follows_block_quota():
         assert block_rule.quota(B, steps, step).tolist() == [block_quota(B, steps, int(s)) for s in step]
 
 
-def test_a_static_batch_takes_one_full_join():
+def test_a_static_batch_takes_joins_that_leave_slots_free():
+    # one row into a static batch of two slots, then a second mid-flight: each as on a dynamic cache
     bundle = _bundle("block")
-    dec = BlockDecoder(bundle, BlockConfig(block_size=4, policy=Threshold(0.5, strict=True)), capacity=2, static=True)
-    with pytest.raises(UnmaskError, match="one join that fills every slot"):
-        dec.join(requests_for([[1, 2, 3]], max_new_tokens=4, sampling=Sampling()))
+    cfg = BlockConfig(block_size=4, policy=Threshold(0.5, strict=True))
+    out = {}
+    for static in (False, True):
+        dec = BlockDecoder(bundle, cfg, capacity=2, static=static, length=64 if static else None)
+        reqs = requests_for([[1, 2, 3, 5, 6], [1, 7, 8]], max_new_tokens=9, sampling=Sampling())
+        reqs[1].id = 1
+        done = dec.join(reqs[:1]) + dec.step()
+        done += dec.join(reqs[1:])
+        while len(dec):
+            done += dec.step()
+        out[static] = sorted((r.job.id, r.tokens, r.nfe) for r in done)
+        assert dec.kv is None if not static else dec.kv.length == 0
+    assert out[True] == out[False] and len(out[True]) == 2
 
 
 @pytest.mark.parametrize("options", [dict(slots=2, tau_m2t=0.6, tau_add=0.3), dict(slots=3, tau_m2t=0.8, tau_t2t=0.5),

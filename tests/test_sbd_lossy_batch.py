@@ -57,9 +57,9 @@ class Run(RecordingRun):
     def check_cache(self):
         b = self.batch
         if not len(b):
-            assert b.kv is None
+            assert b.kv is None if not b.static else b.kv.length == 0  # a static cache stays, its pointer at 0
             return
-        assert b.key_valid.shape[0] == b.R > max(r.slot for r in b.rows)
+        assert b.key_valid.shape[0] == (b.capacity if b.static else b.R) and b.R > max(r.slot for r in b.rows)
         for row in b.rows:  # each row attends to exactly its prompt and stored (SBD: re-fed) text
             want = row.bstart - b.B * row.storing  # a block waiting to be stored is not cached yet
             assert int(b.key_valid[row.slot, : b.kv.length].sum()) == want
@@ -320,3 +320,67 @@ def test_cache_stays_small_under_churn(cls, make, options):
     run.drain()
     assert len(run.done) == 12
     assert_rows_equal_single_decodes(bundle, run, options, ())
+
+
+@pytest.mark.parametrize("cls,make,options", [(SBDBatch, sbd_bundle, SBD_SETTINGS[0]),
+                                              (SBDBatch, sbd_bundle, SBD_SETTINGS[2]),
+                                              (BlockBatch, bd_bundle, BLOCK_SETTINGS[0]),
+                                              (BlockBatch, bd_bundle, BLOCK_SETTINGS[1]),
+                                              (BlockBatch, bd_bundle, BLOCK_SETTINGS[3])])
+def test_static_cache_rows_joining_mid_flight_equal_single_prompt_decodes(cls, make, options):
+    # the server's --compile batch: one static KV cache of the context window that rows join and
+    # leave at any step (placed into free slots, forwards over a row bucket, compacted in place)
+    bundle = make("llama", "sdpa", seed=3, initializer_range=0.4)
+    stops = (55, 29)
+    jobs = [job(p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    run = Run(cls, bundle, options, stop_token_ids=stops, static=True)
+    run.join(jobs[:1])
+    run.step(3)
+    run.join(jobs[1:4])
+    run.step(2)
+    run.batch.drop([jobs[2].id])
+    run.join(jobs[4:5])
+    run.step()
+    run.join(jobs[5:])
+    run.drain()
+    assert run.batch.kv.static and run.batch.kv.length == 0  # empty: the pointer is back at 0
+    assert sorted(id(r.job) for r in run.done) == sorted(id(j) for j in jobs if j is not jobs[2])
+    assert_rows_equal_single_decodes(bundle, run, options, stops)
+
+
+@pytest.mark.parametrize("cls,make,options", [(SBDBatch, sbd_bundle, dict(block_size=3, gamma=0.4)),
+                                              (BlockBatch, bd_bundle, dict(tau=0.8))])
+def test_a_static_cache_under_churn_is_compacted_in_place(monkeypatch, cls, make, options):
+    # rows keep joining and leaving one static cache of 48 columns in length buckets of 16: its
+    # pointer only grows between compactions, which move the valid keys left in place when the next
+    # window would not fit or would fit a smaller bucket
+    from unmask.decode import static
+
+    monkeypatch.setattr(static, "LENGTH_BUCKET", 16)
+    bundle = make("llama", "sdpa", seed=3, initializer_range=0.4)
+    run = Run(cls, bundle, options, stop_token_ids=(), static=True)
+    assert run.batch.length == bundle.context_length + 3 * run.batch.B  # the serving batch's cache
+    run.batch.length = 48  # as for a model of context window 48 - 3B: every job below fits
+    pasts, step = [], run.batch.step
+
+    def recorded():
+        pasts.append(run.batch.kv.length)
+        return step()
+
+    run.batch.step = recorded
+    jobs = [job(PROMPTS[i % len(PROMPTS)], 6 + (5 * i) % 17) for i in range(24)]
+    for chunk in (jobs[i: i + 2] for i in range(0, 24, 2)):
+        run.join(chunk)
+        run.step(3)
+    run.drain()
+    assert len(run.done) == 24 and max(pasts) <= 48 and run.batch.kv.capacity == 48
+    assert any(b < a for a, b in zip(pasts, pasts[1:]) if b)  # compacted while rows ran
+    assert_rows_equal_single_decodes(bundle, run, options, ())
+
+
+def test_a_static_batch_refuses_a_row_past_its_cache():
+    bundle = sbd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)
+    batch = serving_batch(SBDBatch, bundle, dict(block_size=4, gamma=0.5), capacity=2, static=True)
+    with pytest.raises(UnmaskError, match="do not fit the static KV cache"):
+        batch.join([job([1, 3, 5], bundle.context_length)])
+    assert len(batch) == 0 and batch.slots.high == 0

@@ -533,6 +533,13 @@ def test_compiled_server_serves_lossless_and_lossy_sbd_identically(bundle):
         assert list(app.state.scheduler.verify) == [batch.cfg.draft]  # the checkpoint's default layout, no other
         r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, extra_body={"gamma": 0.35})
         assert r.choices[0].text == lossy
+        sched = app.state.scheduler
+        (lossy_batch,) = sched.running_batches.values()  # kept while idle: its static cache and pending shapes
+        assert lossy_batch.compile and isinstance(lossy_batch.kv, StaticKV) and lossy_batch.kv.pending
+        wait_until(lambda: sched.pending_compiles == 0, timeout=300)  # compiled once the server is idle
+        assert lossy_batch.kv.compiled
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, extra_body={"gamma": 0.35})
+        assert r.choices[0].text == lossy and sched.running_batches[next(iter(sched.running_batches))] is lossy_batch
 
 
 def test_multiblock_requests_join_and_leave_a_running_batch_mid_decode():

@@ -297,17 +297,17 @@ BATCH_OPTIONS = ("block_size", *POLICY_OPTIONS, "store", "steps", "schedule")  #
 
 
 def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_step=None, on_token=None,
-                  stop_token_ids=None):
+                  stop_token_ids=None, compile: bool = False, static: bool = False):
     """The server's running batch of SingleBD rows for one set of request ``options``
-    (:data:`BATCH_OPTIONS`; None = default), validated once: a
-    :class:`~unmask.decode.blocks.BlockDecoder`. ``stop_token_ids`` defaults to the bundle's.
+    (:data:`BATCH_OPTIONS`; None = default), validated once: :func:`unmask.decode.blocks.serving`
+    (``compile`` / ``static``: on a static KV cache). ``stop_token_ids`` defaults to the bundle's.
     Raises UnmaskError for a model that is not block-diffusion, an unknown option or a bad value."""
-    from unmask.decode.blocks import BlockDecoder
+    from unmask.decode.blocks import serving
 
     check_block_model(bundle, "block")
     options = serving_options(options, BATCH_OPTIONS, "a continuous block batch")
-    return BlockDecoder(bundle, BlockConfig.from_options(bundle, **options), capacity=capacity, on_step=on_step,
-                        on_token=on_token, stop_token_ids=stop_token_ids)
+    return serving(bundle, BlockConfig.from_options(bundle, **options), capacity=capacity, on_step=on_step,
+                   on_token=on_token, stop_token_ids=stop_token_ids, compile=compile, static=static)
 
 
 @torch.inference_mode()

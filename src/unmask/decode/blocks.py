@@ -32,8 +32,8 @@ import torch
 from unmask.decode import block_report as report
 from unmask.decode.block_rule import SBD, SINGLE_BD, advance, quota
 from unmask.decode.canvas_common import row_generator
-from unmask.decode.kv import DynamicKV, make_kv
-from unmask.decode.rowcache import pad, place
+from unmask.decode.kv import DynamicKV, StaticKV, compact, place
+from unmask.decode.rowcache import pad
 from unmask.decode.running import Row, SlotRows, Slots
 from unmask.decode.stats import check_nfe, stop_flags
 from unmask.errors import UnmaskError
@@ -62,22 +62,28 @@ class BlockDecoder(SlotRows):
     """The running batch of SingleBD (``cfg`` a :class:`~unmask.decode.block.BlockConfig`) or lossy
     SBD rows (an :class:`~unmask.decode.sbd.SBDConfig`), one forward per :meth:`step`.
 
-    ``static`` / ``compile``: a :class:`~unmask.decode.kv.StaticKV` sized at the first join (which
-    must fill every slot: ``decode``), the block forwards through the compiled step. ``on_step(row,
-    event)``: :mod:`unmask.trace` events; ``on_token(row)`` after each committed token;
-    ``on_forward(state)`` (tests) sees every forward. Rows end on their first stop token (the
+    ``static`` / ``compile``: a :class:`~unmask.decode.kv.StaticKV` of ``capacity`` rows, the block
+    forwards through the compiled step. Its length is ``length`` tokens (the server: the context
+    window and a window of slack, length-bucketed, rows joining mid-flight as in
+    :class:`~unmask.decode.lossless.Verify`), or sized at the first join for its prompts (``decode``).
+    A prefill runs eagerly on a dynamic cache and is placed into the joining slots; forwards cover
+    a power-of-two row bucket; the cache is compacted when a forward would not fit or a smaller
+    length bucket would. ``defer_compile``: see :class:`~unmask.decode.kv.StaticKV` (:meth:`warm`).
+    ``on_step(row, event)``: :mod:`unmask.trace` events; ``on_token(row)`` after each committed
+    token; ``on_forward(state)`` (tests) sees every forward. Rows end on their first stop token (the
     block holding it is kept whole, the output cut before it), a stop string, or ``max_new_tokens``.
-    Raises UnmaskError for a bad capacity, or a static cache joined twice.
+    Raises UnmaskError for a bad capacity, or a row that does not fit a static cache.
     """
 
     def __init__(self, bundle, cfg, *, static=False, compile=False, capacity=8, on_step=None, on_token=None,
-                 on_forward=None, lockstep=False, stop_token_ids=None):
+                 on_forward=None, lockstep=False, stop_token_ids=None, length: int | None = None,
+                 defer_compile: bool = False):
         from unmask.decode.block import BlockConfig
 
         self.kind = SINGLE_BD if isinstance(cfg, BlockConfig) else SBD
         self.bundle, self.cfg, self.static, self.compile = bundle, cfg, static or compile, compile
         self.on_step, self.on_token, self.on_forward, self.lockstep = on_step, on_token, on_forward, lockstep
-        self.slots, self.capacity = Slots(capacity), capacity
+        self.slots, self.capacity, self.length, self.defer = Slots(capacity), capacity, length, defer_compile
         self.B, self.device, self.mask_id = cfg.block_size, bundle.device, bundle.mask_token_id
         self.quota_steps = getattr(cfg, "steps", None)
         self.fused = self.kind is SBD or cfg.store == "fused"
@@ -107,6 +113,10 @@ class BlockDecoder(SlotRows):
         if not requests:
             return []
         B, dev = self.B, self.device
+        for job in requests:
+            if self.static and self.length is not None and len(job.prompt_ids) + job.max_new_tokens + 3 * B > self.length:
+                raise UnmaskError(f"a prompt of {len(job.prompt_ids)} tokens and {job.max_new_tokens} new tokens do "
+                                  f"not fit the static KV cache of {self.length}; lower max_tokens or run without --compile")
         slots = self.slots.take(len(requests))
         rows, done = [], []
         for job, s in zip(requests, slots):
@@ -131,18 +141,16 @@ class BlockDecoder(SlotRows):
         B, dev, model = self.B, self.device, self.bundle.model
         prompts = [list(r.job.prompt_ids) for r in rows]
         ends = [len(p) + r.job.max_new_tokens for p, r in zip(prompts, rows)]
-        if self.static:
-            if self.kv is not None or len(rows) != self.capacity:
-                raise UnmaskError("a static-cache block batch takes one join that fills every slot (decode); "
-                                  "run the server without --compile for these decoders")
+        if self.static and self.kv is None:
             if self.kind.aligned:  # j stored blocks, then one block (or the fused pair); one block of slack
                 n_blocks = max((e - 1) // B - len(p) // B + 1 for p, e in zip(prompts, ends))
                 size = block.whole_prompt_blocks(prompts, B) + (n_blocks + 1) * B
             else:  # the prompt and the committed text: noisy K/V are cropped before the next re-feed
                 size = max(len(p) for p in prompts) + max(r.job.max_new_tokens for r in rows)
-            new = make_kv(model, batch=len(rows), capacity=size, static=True, compile=self.compile)
-        else:
-            new = DynamicKV(model)
+            self.kv = StaticKV(model, self.capacity, max(size, self.length or 0), compile=self.compile,
+                               length_buckets=self.length is not None, defer_compile=self.defer)
+            self.key_valid = torch.zeros((self.capacity, 0), dtype=torch.bool, device=dev)
+        new = DynamicKV(model)
         if self.kind.aligned:
             new, valid, _ = block.prefill_whole_blocks(new, prompts, B, self.bundle.pad_token_id, dev)  # (n, F)
         else:
@@ -166,11 +174,35 @@ class BlockDecoder(SlotRows):
         self.qstep[at], self.live[at], self.denoise[at], self.store[at] = 0, True, True, False
 
     def _place(self, rows: list[BlockRow], new, valid: torch.Tensor) -> None:
-        if self.kv is None or (not self.running and [r.slot for r in rows] == list(range(len(rows)))):
-            self.kv, self.R, self.key_valid = new, len(rows), valid
-        else:
-            self.kv, self.R, self.key_valid = place(self.bundle.model, self.kv, self.R, self.key_valid,
-                                                    [r.slot for r in rows], new, valid)
+        slots = [r.slot for r in rows]
+        if self.kv is None:  # an empty dynamic batch adopts the prefill (its rows padded to the highest slot)
+            self.kv, self.key_valid = DynamicKV(self.bundle.model), valid[:0]
+        self.kv, self.key_valid = place(self.kv, self.key_valid[:, : self.kv.length], new, valid, slots,
+                                        rows=bool(self.running))
+        self.R = self._rows_in_forward()
+
+    def _rows_in_forward(self) -> int:
+        """Slots a forward covers: the dynamic cache's rows, or on the static cache the row bucket
+        (the next power of two >= ``Slots.high``, at most the capacity; never smaller in lockstep)."""
+        if not self.static:
+            return self.key_valid.shape[0]
+        if not self.kv.allocated:  # no prompt keys placed yet: the first forward allocates every row
+            return self.capacity
+        R = min(1 << max(self.slots.high - 1, 0).bit_length(), self.capacity)
+        return max(R, self.R) if self.lockstep else R
+
+    def _reclaim(self, q: int) -> None:
+        """Static cache: compact it (host-known key counts, no sync) when the next q columns do not
+        fit or compacting moves the forward to a smaller length bucket. Raises UnmaskError when a
+        row's keys and the window cannot fit at all."""
+        C, cap = self.kv.length, self.kv.capacity
+        most = max(r.keys for r in self.running.values())
+        if most + q > cap:
+            raise UnmaskError(f"static KV cache overflow: {most + q} positions needed, {cap} allocated; "
+                              "lower max_new_tokens or run without --compile")
+        if C + q > cap or self.kv.bucket(C + q) > self.kv.bucket(most + q):
+            kept = compact(self.kv, self.key_valid[: self.R, :C] & self.live[: self.R, None], most)  # (R, most)
+            self.key_valid = pad(kept, 0, self.capacity - self.R, False)  # (capacity, most)
 
     # -- stepping -----------------------------------------------------------------------------
 
@@ -182,6 +214,8 @@ class BlockDecoder(SlotRows):
             return []
         if not self.static and not self.lockstep:
             self._compact()
+        if self.static:
+            self.R = self._rows_in_forward()
         B, dev, R = self.B, self.device, self.R
         rows = self.rows
         S = any(r.storing for r in rows)
@@ -204,11 +238,13 @@ class BlockDecoder(SlotRows):
             real = dpos < gen_end[:, None] if not self.kind.aligned else torch.ones_like(dpos, dtype=torch.bool)
             qv.append(real & (live & denoise)[:, None])
         inp, pos, qv = torch.cat(inp, 1), torch.cat(pos, 1), torch.cat(qv, 1)  # (R, q) each
+        if self.static:
+            self._reclaim(inp.shape[1])
         past, q = self.kv.length, inp.shape[1]
         logits = self._forward(inp, pos, qv, past, S, D)  # (R, N or B, V)
         self.kv.crop(q - (B if S else 0))  # only the stored block's clean K/V stay
         if S:
-            self.key_valid[:, past: past + B] = store[:, None]
+            self.key_valid[:R, past: past + B] = store[:, None]
         self.forwards += 1
         if self.on_forward is not None:
             self.on_forward(report.forward_state(self, inp, pos, logits, past, S, D, N))
@@ -248,8 +284,8 @@ class BlockDecoder(SlotRows):
             structure = block_buffer_mask(past, q // B, B, device=self.device)  # (q, past + q)
         if self.key_valid.shape[1] < past + q:
             self.key_valid = pad(self.key_valid, 1, past + q - self.key_valid.shape[1], False)
-        self.key_valid[:, past: past + q] = qv
-        mask = as_4d(structure, R) & self.key_valid[:, None, None, : past + q]  # (R, 1, q, past + q)
+        self.key_valid[:R, past: past + q] = qv
+        mask = as_4d(structure, R) & self.key_valid[:R, None, None, : past + q]  # (R, 1, q, past + q)
         # A padding query sees itself only, so no query row is empty (and nothing attends to it).
         idx = torch.arange(q, device=self.device)
         mask[:, 0, idx, past + idx] |= ~qv
@@ -352,8 +388,15 @@ class BlockDecoder(SlotRows):
         self.running.pop(row.slot, None)
         self.slots.give([row.slot])
         self.live[row.slot] = self.store[row.slot] = False
-        if not self.running and not self.static:
+        if not self.running and self.static:  # the pointer back at 0: the next join starts a fresh cache
+            self.kv.reset()
+            self.key_valid, self.R = self.key_valid[:, :0], 0
+        elif not self.running:
             self.kv, self.R = None, 0
+
+    def warm(self) -> bool:
+        """``defer_compile`` (the server, no row running): compile one step shape that ran eagerly."""
+        return bool(self.static and not self.running and self.kv is not None and self.kv.warm())
 
     @torch.inference_mode()
     def drop(self, ids) -> list[BlockRow]:
@@ -366,17 +409,24 @@ class BlockDecoder(SlotRows):
 
     def _compact(self) -> None:
         """Reclaim cache columns no row attends to (rows store in different steps, rows leave) when
-        they are more than half of the cache (``multiblock.compact``)."""
-        from unmask.decode.multiblock import compact
-
+        they are more than half of the cache (:func:`unmask.decode.kv.compact`)."""
         n, most = self.kv.length, max(r.keys for r in self.running.values())
-        if n and n - most >= max(most, self.B):
-            self.key_valid = self.key_valid[:, :n] & self.live[: self.R, None]  # a free slot's keys count for nobody
-            compact(self.kv, self.key_valid, most)
+        if n and n - most >= max(most, self.B):  # a free slot's keys count for nobody
+            self.key_valid = compact(self.kv, self.key_valid[:, :n] & self.live[: self.R, None], most)
 
     def stats_extra(self, rows: list[BlockRow]) -> dict:
         """``DecodeStats.extra`` of finished rows, as ``block.decode`` / ``sbd.decode`` report it."""
         return report.stats_extra(self, rows)
 
 
-__all__ = ["BlockDecoder", "BlockRow"]
+def serving(bundle, cfg, *, capacity: int, on_step, on_token, stop_token_ids, compile: bool = False,
+            static: bool = False) -> BlockDecoder:
+    """The server's running batch for ``cfg``: rows move on at once (no lockstep); with ``static`` /
+    ``compile`` a static KV cache of the context window and three blocks of slack that rows join
+    mid-flight, its new step shapes compiled when the server is idle (``defer_compile``)."""
+    length = bundle.context_length + 3 * cfg.block_size if static or compile else None
+    return BlockDecoder(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token, static=static,
+                        compile=compile, stop_token_ids=stop_token_ids, length=length, defer_compile=compile)
+
+
+__all__ = ["BlockDecoder", "BlockRow", "serving"]

@@ -110,6 +110,11 @@ class StaticKV:
     def length(self) -> int:
         return self.ptr
 
+    @property
+    def allocated(self) -> bool:
+        """Whether the buffers exist (a first write allocates them for the rows it covers)."""
+        return all(layer.is_initialized for layer in self.cache.layers)
+
     def forward(self, inp: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, *,
                 logits_to_keep: int = 0, compiled: bool = True) -> torch.Tensor:
         """As :meth:`DynamicKV.forward`; ``mask`` None means causal over the cache (no padding).
@@ -122,7 +127,7 @@ class StaticKV:
         if B > self.batch:
             raise UnmaskError(f"a forward of {B} rows on a static cache of {self.batch}; this is a bug in the "
                               "decoder's row count, run without --compile")
-        Lb = self.bucket(end)
+        Lb = self.bucket(end) if self.allocated else self.capacity  # a first write allocates all the columns
         buf = self._masks.get((B, q, Lb))
         if buf is None:
             buf = self._masks[(B, q, Lb)] = torch.zeros((B, 1, q, Lb), dtype=torch.bool, device=self._device)
@@ -187,7 +192,7 @@ class StaticKV:
         (B, H, Lb, D) of the full buffers and share their length counters, so its writes land in the
         full cache. Built once per (B, Lb): a compiled step sees the same objects every call (one
         graph per shape, no recompiles)."""
-        if (B, Lb) == (self.batch, self.capacity) or not all(layer.is_initialized for layer in self.cache.layers):
+        if (B, Lb) == (self.batch, self.capacity) or not self.allocated:
             return self.cache
         view = self._views.get((B, Lb))
         if view is None:
@@ -237,7 +242,8 @@ def place(kv, key_valid: torch.Tensor, new: DynamicKV, valid: torch.Tensor, slot
     R = key_valid.shape[0] if kv.static else max(key_valid.shape[0], max(slots) + 1)
     out = kv if kv.static else DynamicKV(kv.model)
     old_layers = kv.layers() if C and not kv.static else None
-    for i, (k, v) in enumerate(new.layers()):
+    pairs = new.layers() if P else [(None, None)] * (0 if kv.static else len(old_layers or []))  # P = 0: no keys
+    for i, (k, v) in enumerate(pairs):
         if kv.static:
             layer = kv.cache.layers[i]
             if not layer.is_initialized:  # allocate the static cache for every row
@@ -247,10 +253,12 @@ def place(kv, key_valid: torch.Tensor, new: DynamicKV, valid: torch.Tensor, slot
             continue
         full = []
         for old, t in zip(old_layers[i] if old_layers else (None, None), (k, v)):
-            f = t.new_zeros((R, t.shape[1], T, t.shape[3]))  # (R, H, T, D)
+            like = t if P else old
+            f = like.new_zeros((R, like.shape[1], T, like.shape[3]))  # (R, H, T, D)
             if old is not None:
                 f[: old.shape[0], :, :C] = old
-            f[at, :, T - P:] = t
+            if P:
+                f[at, :, T - P:] = t
             full.append(f)
         out.cache.update(full[0], full[1], i)
     if kv.static:

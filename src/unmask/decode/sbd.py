@@ -139,13 +139,13 @@ BATCH_OPTIONS = ("block_size", *POLICY_OPTIONS, "verify", "draft")  # the server
 
 
 def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_step=None, on_token=None,
-                  stop_token_ids=None):
+                  stop_token_ids=None, compile: bool = False, static: bool = False):
     """The server's running batch of lossy SBD rows for one set of request ``options``
     (:data:`BATCH_OPTIONS`; None = default, the checkpoint's ``decode_defaults`` filling the rest as
-    in :func:`decode`), validated once: a :class:`~unmask.decode.blocks.BlockDecoder`.
-    ``stop_token_ids`` defaults to the bundle's. Raises UnmaskError for a model without a mask
+    in :func:`decode`), validated once: :func:`unmask.decode.blocks.serving` (``compile`` /
+    ``static``: on a static KV cache). ``stop_token_ids`` defaults to the bundle's. Raises UnmaskError for a model without a mask
     token, an unknown option, a bad value, or options selecting lossless SBD (its own batch)."""
-    from unmask.decode.blocks import BlockDecoder
+    from unmask.decode.blocks import serving
 
     if bundle.mask_token_id is None:
         raise UnmaskError("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); "
@@ -165,8 +165,8 @@ def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_
     if cfg.block_size > bundle.context_length:
         raise UnmaskError(f"block size {cfg.block_size} exceeds the context window of {bundle.context_length}; "
                           "lower --block-size")
-    return BlockDecoder(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token,
-                        stop_token_ids=stop_token_ids)
+    return serving(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token, stop_token_ids=stop_token_ids,
+                   compile=compile, static=static)
 
 
 def prefill(kv, prompts: list[list[int]], pad_id: int, device) -> torch.Tensor:

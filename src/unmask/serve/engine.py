@@ -62,6 +62,7 @@ def _done(row) -> None:
 # Continuous running batches of the other decoders: batch kind -> class (see Scheduler._running_kind).
 RUNNING = {"multiblock": multiblock_engine.serving_batch, "sbd": lossy_sbd.serving_batch, "block": single_bd.serving_batch,
            "diffusion": Diffusion.serving, "dream": DreamSchedule.serving, "early-bird": EarlyBird.serving}
+COMPILED = ("sbd", "block")  # --compile: these running batches (and AR / lossless) on a static cache, compiled
 # The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
 RUNNING_OPTIONS = {"multiblock": multiblock_engine.OPTIONS, "sbd": lossy_sbd.BATCH_OPTIONS,
                    "block": single_bd.BATCH_OPTIONS, "diffusion": DIFFUSION_OPTIONS,
@@ -160,7 +161,7 @@ class Scheduler:
 
     @property
     def pending_compiles(self) -> int:  # /health: step shapes run eagerly, to compile once idle (--compile)
-        return sum(len(b.kv.pending) for b in list(self.verify.values()) if b.static)
+        return sum(len(b.kv.pending) for b in self._batches() if getattr(b, "static", False) and b.kv is not None)
 
     def _batches(self) -> list:
         return list(self.verify.values()) + list(self.running_batches.values())
@@ -215,9 +216,9 @@ class Scheduler:
 
     def _warm(self) -> None:
         """Compile one shape an idle batch ran eagerly (``defer_compile``); a failed one is logged and stays eager."""
-        for batch in list(self.verify.values()):
+        for batch in self._batches():
             try:
-                if batch.warm():
+                if getattr(batch, "static", False) and batch.warm():
                     return
             except Exception:  # noqa: BLE001 (the shape stays eager; serving goes on)
                 log.exception("compiling a step shape failed; it keeps running eagerly")
@@ -318,8 +319,9 @@ class Scheduler:
             try:
                 batch = self._verify_batch(key[1]) if key[0] == "verify" else self.running_batches.get(key)
                 if batch is None:
+                    fast = {"compile": True} if self.compile and key[0] in COMPILED else {}
                     batch = self.running_batches[key] = RUNNING[key[0]](self.bundle, dict(key[1]), on_step=self._event,
-                                                                        capacity=self.max_batch_size)
+                                                                        capacity=self.max_batch_size, **fast)
             except UnmaskError as e:  # the options failed the decoder's own validation
                 for j in jobs:
                     j.finish("error", bad_request(e, j.options))
@@ -339,8 +341,11 @@ class Scheduler:
                 log.exception("a %s running batch failed", key[0])
                 self._fail(key, batch)
                 continue
-            if key[0] != "verify" and not len(batch):
+            if key[0] != "verify" and not len(batch) and not getattr(batch, "static", False):
                 del self.running_batches[key]  # frees its cache; a new batch forms with the next request
+        idle = [k for k, b in self.running_batches.items() if getattr(b, "static", False) and not len(b)]
+        for key in idle[: max(0, len(idle) - MAX_LAYOUTS)]:  # a compiled batch stays while idle (its
+            del self.running_batches[key]  # static cache and the shapes it ran eagerly), the newest MAX_LAYOUTS
 
     def _step_verify(self, batch: Verify, draft: str, jobs: list[Job]) -> None:
         """Drop gone rows, admit ``jobs`` (grouped by draft size: one prefill each), give sizable rows
