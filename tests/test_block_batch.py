@@ -44,7 +44,7 @@ class Run(RecordingRun):
         from its window, i.e. front·B keys; and the key mask covers the whole cache."""
         b = self.batch
         if not len(b):
-            assert b.kv is None
+            assert b.kv is None if not b.static else b.kv.length == 0  # a static cache stays, its pointer at 0
             return
         at = [r.slot for r in b.rows]
         assert b.key_valid[at, : b.kv.length].sum(dim=1).tolist() == (b.w.front[at] * b.cfg.block_size).tolist()
@@ -256,3 +256,53 @@ def test_window_and_cache_stay_consistent_under_churn():
     assert len(run.done) == 12
     assert_rows_equal_single_decodes(bundle, run, options, ())
     assert all(r.generator is None for r in run.done)
+
+
+@pytest.mark.parametrize("options", [SETTINGS[0], SETTINGS[2]])
+def test_static_cache_rows_joining_mid_flight_equal_single_prompt_decodes(options):
+    # the server's --compile batch: one static KV cache that rows join and leave at any step
+    bundle = bd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)
+    stops = (55, 29)
+    lengths = [3, 30, 14, 22, 5, 30, 9, 17, 26]
+    jobs = [job(p, n) for p, n in zip(PROMPTS, lengths)]
+    run = Run(bundle, options, stop_token_ids=stops, static=True)
+    run.join(jobs[:1])  # a prompt shorter than a block: the first forward allocates every row
+    run.step(3)
+    run.join(jobs[1:4])
+    run.step(2)
+    run.batch.drop([jobs[2].id])
+    run.join(jobs[4:5])
+    run.step()
+    run.join(jobs[5:])
+    run.drain()
+    assert run.batch.kv.static and run.batch.kv.length == 0 and run.batch.w is None
+    assert sorted(id(r.job) for r in run.done) == sorted(id(j) for j in jobs if j is not jobs[2])
+    assert_rows_equal_single_decodes(bundle, run, options, stops)
+
+
+def test_a_static_cache_under_churn_is_compacted_in_place(monkeypatch):
+    # a static cache of 64 columns in length buckets of 16: compacted when the next window would not
+    # fit or would fit a smaller bucket, every row still equal to its decode alone
+    from unmask.decode import static
+
+    monkeypatch.setattr(static, "LENGTH_BUCKET", 16)
+    bundle = bd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)
+    options = dict(slots=2, tau_add=0.3, tau_m2t=0.8)
+    run = Run(bundle, options, stop_token_ids=(), static=True)
+    assert run.batch.length == bundle.context_length + 3 * run.batch.cfg.block_size  # the serving batch's
+    run.batch.length = 64  # as for a model of context window 64 - 3B: every job below fits
+    pasts, step = [], run.batch.step
+
+    def recorded():
+        pasts.append(run.batch.kv.length)
+        return step()
+
+    run.batch.step = recorded
+    jobs = [job(PROMPTS[i % len(PROMPTS)], 6 + (5 * i) % 17) for i in range(24)]
+    for chunk in (jobs[i: i + 2] for i in range(0, 24, 2)):
+        run.join(chunk)
+        run.step(3)
+    run.drain()
+    assert len(run.done) == 24 and max(pasts) <= 64 and run.batch.kv.capacity == 64
+    assert any(b < a for a, b in zip(pasts, pasts[1:]) if b)  # compacted while rows ran
+    assert_rows_equal_single_decodes(bundle, run, options, ())

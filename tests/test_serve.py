@@ -580,6 +580,28 @@ def test_multiblock_requests_join_and_leave_a_running_batch_mid_decode():
         assert r.choices[0].text == refs[1]
 
 
+def test_compiled_server_runs_block_and_multiblock_on_static_caches():
+    """serve --compile: block and multiblock running batches decode on a static KV cache that rows
+    join mid-flight (new step shapes run eagerly until the server is idle), each text as generate's."""
+    from unmask.decode.kv import StaticKV
+
+    b = unmask.load("stories260K-mbd")
+    prompts = ["Once upon a time", "Tom had a red ball", "The sun"]
+    app = create_app(b, max_batch_size=4, compile=True)
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for decoder, n in (("multiblock", 40), ("block", 24)):
+            refs = [unmask.generate(p, b, decoder, max_new_tokens=n).texts[0] for p in prompts]
+            with ThreadPoolExecutor(3) as pool:
+                texts = list(pool.map(lambda p: c.completions.create(model=b.name, prompt=p, max_tokens=n,
+                                                                     extra_body={"decoder": decoder}).choices[0].text,
+                                      prompts))
+            assert texts == refs
+            batch = next(x for k, x in sched.running_batches.items() if k[0] == decoder)
+            assert batch.compile and isinstance(batch.kv, StaticKV) and batch.forwards > 0 and not len(batch)
+
+
 def test_lossless_sbd_with_a_fixed_block_size_joins_a_running_batch_mid_decode(bundle):
     """Lossless sbd requests that fix K (or sample) share the running batch of their draft layout
     (lossless.Verify): requests arriving during a long one join it at a step boundary and finish

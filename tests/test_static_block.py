@@ -149,7 +149,7 @@ def test_compiled_multiblock_equals_eager(mbd):
 def test_compact_slides_each_rows_valid_keys_right_in_order():
     from conftest import tiny_llama
 
-    from unmask.decode.kv import StaticKV
+    from unmask.decode.kv import StaticKV, compact
 
     kv = StaticKV(tiny_llama(), 2, 16)
     kv.forward(torch.randint(3, 60, (2, 10)), torch.arange(10).expand(2, 10), None, compiled=False)
@@ -157,9 +157,9 @@ def test_compact_slides_each_rows_valid_keys_right_in_order():
     key_valid[0, [1, 2, 5, 7, 9]] = True  # 5 valid keys
     key_valid[1, [0, 4, 8]] = True  # 3 valid keys
     before = [(k.clone(), v.clone()) for k, v in kv.layers()]
-    multiblock.compact(kv, key_valid)
+    key_valid = compact(kv, key_valid[:, : kv.length], 5)  # 5: the most valid keys of a row
     assert kv.length == 5
-    assert key_valid[:, :5].tolist() == [[True] * 5, [False, False, True, True, True]]
+    assert key_valid.tolist() == [[True] * 5, [False, False, True, True, True]]
     for (k0, v0), (k1, v1) in zip(before, kv.layers()):
         for old, new in ((k0, k1), (v0, v1)):  # (R, H, n, D)
             assert torch.equal(new[0], old[0][:, [1, 2, 5, 7, 9]])

@@ -32,8 +32,7 @@ import torch
 from unmask.decode import block_report as report
 from unmask.decode.block_rule import SBD, SINGLE_BD, advance, quota
 from unmask.decode.canvas_common import row_generator
-from unmask.decode.kv import DynamicKV, StaticKV, compact, place
-from unmask.decode.rowcache import pad
+from unmask.decode.kv import DynamicKV, StaticKV, compact, pad, place
 from unmask.decode.running import Row, SlotRows, Slots
 from unmask.decode.stats import check_nfe, stop_flags
 from unmask.errors import UnmaskError

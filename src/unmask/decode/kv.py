@@ -223,6 +223,16 @@ class StaticKV:
         return [(layer.keys[:, :, : self.ptr], layer.values[:, :, : self.ptr]) for layer in self.cache.layers]
 
 
+def pad(t: torch.Tensor, dim: int, n: int, fill, *, left: bool = False) -> torch.Tensor:
+    """``t`` with ``n`` slices of ``fill`` added along ``dim`` (before when ``left``)."""
+    if n <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    more = t.new_full(shape, fill)
+    return torch.cat([more, t] if left else [t, more], dim=dim)
+
+
 def place(kv, key_valid: torch.Tensor, new: DynamicKV, valid: torch.Tensor, slots: list[int], *, rows: bool = True):
     """Put a prefill's K/V (``new``: n rows, P columns, key validity ``valid`` (n, P) bool) into batch
     rows ``slots`` of a running cache ``kv`` (key validity ``key_valid`` (R, C)), right-aligned at

@@ -110,33 +110,6 @@ def candidates(logits: torch.Tensor, sampling: Sampling, generator) -> tuple[tor
     return tokens, log_q.gather(-1, tokens[..., None])[..., 0].exp()
 
 
-def compact(kv, key_valid: torch.Tensor, most: int | None = None) -> None:
-    """Reclaim the holes of a batch's static cache in place (multiblock.md §3.6).
-
-    Rows store their to-cache blocks in different steps and the cache pointer is shared, so a
-    row's valid keys (``key_valid`` (R, C) bool, first ``kv.length`` columns) are interleaved
-    with columns it did not store (and its prefill padding). Each row's valid K/V are slid to the
-    right end of columns 0..M-1, order kept (M = the most valid keys of any row), through the
-    ``kv.layers()`` views; ``key_valid`` is rewritten to match and the pointer moved back to M.
-    Keys carry their RoPE positions, so only which columns hold them changes.
-    """
-    n = kv.length
-    valid = key_valid[:, :n]  # (R, n)
-    counts = valid.sum(dim=1)  # (R,)
-    M = int(counts.max()) if most is None else most  # a caller that knows M spares the host read
-    if M == n:
-        return
-    order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices  # (R, n): invalid columns first
-    src = order[:, n - M:]  # (R, M) source column of each kept column; a short row's first ones are invalid
-    for keys, values in kv.layers():
-        for t in (keys, values):  # (R, H, n, D) views of the cache
-            R, H, _, D = t.shape
-            t[:, :, :M] = t.gather(2, src[:, None, :, None].expand(R, H, M, D))  # (R, H, M, D)
-    cols = torch.arange(M, device=key_valid.device)  # (M,)
-    key_valid[:, :M] = cols[None, :] >= (M - counts)[:, None]  # (R, M)
-    kv.crop(n - M)
-
-
 @torch.inference_mode()
 def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
@@ -165,7 +138,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     debugging). Both give the eager tokens, NFE and statistics. The cache holds the prefill, the
     longest row's blocks and one window: L = F + (blocks + N_buf)·B, rounded up to
     ``LENGTH_BUCKET``; rows store in different steps, leaving holes under the shared pointer, so a
-    full cache is compacted in place (:func:`compact`). Every forward's mask covers all of it,
+    full cache is compacted in place (:func:`unmask.decode.kv.compact`). Every forward's mask covers all of it,
     (R, 1, N_buf·B, L).
 
     Returns DecodeOutput. stats.extra: the thresholds, ``accepts`` (histogram of M2T commits per
@@ -260,5 +233,5 @@ def stop_string_rows(bundle, prompts, seq, seq_pos, w, stops, max_new_tokens, ro
                            stop_strings)
 
 
-__all__ = ["MultiBlockConfig", "candidates", "compact", "decode", "row_event", "stop_blocks", "stop_string_rows",
+__all__ = ["MultiBlockConfig", "candidates", "decode", "row_event", "stop_blocks", "stop_string_rows",
            "window_step", "write_window"]

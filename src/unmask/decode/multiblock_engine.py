@@ -24,10 +24,8 @@ import torch
 from unmask.decode import block_buffer as bb
 from unmask.decode.block import first_stop, prefill_whole_blocks, whole_prompt_blocks
 from unmask.decode.canvas_common import row_generator, serving_options
-from unmask.decode.kv import DynamicKV, make_kv
-from unmask.decode.multiblock import (candidates, compact, row_event, stop_blocks, stop_string_rows, window_step,
-                                      write_window)
-from unmask.decode.rowcache import pad, place
+from unmask.decode.kv import DynamicKV, StaticKV, compact, pad, place
+from unmask.decode.multiblock import candidates, row_event, stop_blocks, stop_string_rows, window_step, write_window
 from unmask.decode.running import Row, SlotRows, Slots
 from unmask.decode.stats import check_nfe, stop_flags
 from unmask.errors import UnmaskError
@@ -69,31 +67,41 @@ def _set_rows(w: bb.Window, at: torch.Tensor, new: bb.Window) -> None:
 class MultiBlockDecoder(SlotRows):
     """The running batch of Block Buffer rows of one :class:`~unmask.decode.multiblock.MultiBlockConfig`.
 
-    ``static`` / ``compile``: a StaticKV sized at the first join (which must fill every slot), the
-    window forward compiled. ``on_step(row, event)``, ``on_token(row)`` (once per output token, at the
-    end: T2T may still edit committed tokens), ``on_forward(state)`` (tests). Raises UnmaskError
-    when N_buf·B exceeds the context window, or a static cache is joined twice.
+    ``static`` / ``compile``: a StaticKV of ``capacity`` rows, the window forward compiled; its length
+    is ``length`` tokens (the server: length-bucketed, rows joining mid-flight) or sized at the first
+    join (``decode``). A prefill runs eagerly and is placed into the joining slots; the slot tensors
+    grow to a power-of-two row bucket. ``defer_compile``: see :class:`~unmask.decode.kv.StaticKV`.
+    ``on_step(row, event)``, ``on_token(row)`` (once per output token, at the end: T2T may still edit
+    committed tokens), ``on_forward(state)`` (tests). Raises UnmaskError when N_buf·B exceeds the
+    context window, or a row does not fit a static cache.
     """
 
     def __init__(self, bundle, cfg, *, static=False, compile=False, capacity=8, on_step=None, on_token=None,
-                 on_forward=None, drained=False, stop_token_ids=None):
+                 on_forward=None, drained=False, stop_token_ids=None, length: int | None = None,
+                 defer_compile: bool = False):
         S, B = cfg.slots, cfg.block_size
         if S * B > bundle.context_length:
             raise UnmaskError(f"--slots {S} × block size {B} = {S * B} positions exceeds the context window of "
                               f"{bundle.context_length}; use --slots {max(1, bundle.context_length // B)} or fewer")
         self.bundle, self.cfg, self.static, self.compile = bundle, cfg, static or compile, compile
         self.on_step, self.on_token, self.on_forward, self.drained = on_step, on_token, on_forward, drained
-        self.slots, self.capacity = Slots(capacity), capacity
+        self.slots, self.capacity, self.length, self.defer = Slots(capacity), capacity, length, defer_compile
         self.device, self.mask_id = bundle.device, bundle.mask_token_id
         ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
         self.stops, self.stop_ids = torch.tensor(sorted(set(ids)) or [-1], device=self.device), sorted(set(ids))
         self.suppress = list(bundle.suppress_ids)
         self.forwards = self.prefills = 0
         self.running: dict[int, BufferRow] = {}
+        self.kv = None
         self._empty()
 
     def _empty(self) -> None:
-        self.kv, self.R, self.w = None, 0, None
+        """No row runs: the dynamic cache goes, the static one's pointer goes back to 0."""
+        if self.static and self.kv is not None:
+            self.kv.reset()
+        else:
+            self.kv = None
+        self.R, self.w = 0, None
         self.seq = self.key_valid = self.checked = self.nfe_rows = self.live = None
 
     @torch.inference_mode()
@@ -103,6 +111,10 @@ class MultiBlockDecoder(SlotRows):
         if not requests:
             return []
         S, B, dev, model = self.cfg.slots, self.cfg.block_size, self.device, self.bundle.model
+        for job in requests:
+            if self.static and self.length is not None and len(job.prompt_ids) + job.max_new_tokens + (S + 1) * B > self.length:
+                raise UnmaskError(f"a prompt of {len(job.prompt_ids)} tokens and {job.max_new_tokens} new tokens do "
+                                  f"not fit the static KV cache of {self.length}; lower max_tokens or run without --compile")
         rows = []
         for job, s in zip(requests, self.slots.take(len(requests))):
             gen = row_generator(job, dev)
@@ -112,38 +124,18 @@ class MultiBlockDecoder(SlotRows):
             ws = [bb.initial_window([p], r.job.max_new_tokens, S, B, self.mask_id, dev) for p, r in zip(prompts, rows)]
             w = replace(ws[0], **{f.name: torch.cat([getattr(x, f.name) for x in ws]) for f in fields(ws[0])
                                   if f.name != "mask_id"})
-            if self.static:
-                if self.kv is not None or len(rows) != self.capacity:
-                    raise UnmaskError("a static-cache multiblock batch takes one join that fills every slot (decode); "
-                                      "run the server without --compile for this decoder")
+            if self.static and self.kv is None:  # the prefill, the longest row's blocks and one window
                 blocks = w.last_block - w.front + 1  # (n,) blocks per row
                 size = whole_prompt_blocks(prompts, B) + (int(blocks.max()) + S) * B
-                new = make_kv(model, batch=len(rows), capacity=size, static=True, compile=self.compile)
-            else:
-                new = DynamicKV(model)
-            new, valid, _ = prefill_whole_blocks(new, prompts, B, self.bundle.pad_token_id, dev)  # valid (n, F)
+                self.kv = StaticKV(model, self.capacity, max(size, self.length or 0), compile=self.compile,
+                                   length_buckets=self.length is not None, defer_compile=self.defer)
+            new, valid, _ = prefill_whole_blocks(DynamicKV(model), prompts, B, self.bundle.pad_token_id, dev)  # (n, F)
+            self._place(rows, new, valid, w)
         except BaseException:
             self.slots.give([r.slot for r in rows])
             raise
         self.prefills += int(valid.shape[1] > 0)
-        slots = [r.slot for r in rows]
-        at = torch.tensor(slots, dtype=torch.long, device=dev)  # (n,)
-        if self.kv is None:
-            self.kv, self.R, self.key_valid = new, len(rows), valid
-            if self.static:
-                self.key_valid = pad(valid, 1, new.capacity - valid.shape[1], False)
-            self.w, self.live = w, torch.ones(len(rows), dtype=torch.bool, device=dev)
-            self.checked = torch.zeros(len(rows), dtype=torch.long, device=dev)
-            self.nfe_rows = torch.zeros(len(rows), dtype=torch.long, device=dev)
-            self.seq = torch.full((len(rows), 0), self.mask_id, dtype=torch.long, device=dev)
-        else:
-            R0 = self.R
-            self.kv, self.R, self.key_valid = place(model, self.kv, R0, self.key_valid, slots, new, valid)
-            self.w = _window_rows(self.w, self.R - R0)
-            _set_rows(self.w, at, w)
-            self.live, self.checked, self.nfe_rows = (pad(t, 0, self.R - R0, v) for t, v in
-                                                      ((self.live, False), (self.checked, 0), (self.nfe_rows, 0)))
-            self.seq = pad(self.seq, 0, self.R - R0, self.mask_id)
+        at = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)  # (n,)
         # Room for every real block and the dummies after the last one, so window writes never clamp.
         L = int((w.last_block.max() + 1 + S) * B)
         if L > self.seq.shape[1]:
@@ -154,6 +146,38 @@ class MultiBlockDecoder(SlotRows):
             self.running[r.slot] = r
         self.live[at], self.checked[at], self.nfe_rows[at] = True, 0, 0
         return []
+
+    def _place(self, rows: list[BufferRow], new, valid: torch.Tensor, w: bb.Window) -> None:
+        """Place the prefilled cache ``new`` (validity ``valid`` (n, F)) and windows ``w`` into the
+        rows' slots, growing the slot tensors to R rows (the static cache's row bucket)."""
+        slots, R0 = [r.slot for r in rows], self.R
+        if self.w is None:  # empty: slot tensors of no rows
+            self.w = replace(w, **{f.name: getattr(w, f.name)[:0] for f in fields(w) if f.name != "mask_id"})
+            self.live = torch.zeros(0, dtype=torch.bool, device=self.device)
+            self.checked, self.nfe_rows = (torch.zeros(0, dtype=torch.long, device=self.device) for _ in range(2))
+            self.seq = torch.full((0, 0), self.mask_id, dtype=torch.long, device=self.device)
+            self.key_valid = valid[:0, :0]
+        if self.kv is None:
+            self.kv = DynamicKV(self.bundle.model)
+        C = self.kv.length
+        if self.static:  # every row of the cache goes through place (it allocates them all on first use)
+            full = pad(self.key_valid[:, :C], 0, self.capacity - R0, False)  # (capacity, C)
+            self.kv, full = place(self.kv, full, new, valid, slots)
+            bucket = min(1 << max(self.slots.high - 1, 0).bit_length(), self.capacity)
+            self.R = max(R0, bucket if self.kv.allocated else self.capacity)  # a first write allocates every row
+            self.key_valid = full[: self.R]
+        else:
+            self.kv, self.key_valid = place(self.kv, self.key_valid[:, :C], new, valid, slots, rows=bool(self.running))
+            self.R = self.key_valid.shape[0]
+        self.w = _window_rows(self.w, self.R - R0)
+        _set_rows(self.w, torch.tensor(slots, dtype=torch.long, device=self.device), w)
+        self.live, self.checked, self.nfe_rows = (pad(t, 0, self.R - R0, v) for t, v in
+                                                  ((self.live, False), (self.checked, 0), (self.nfe_rows, 0)))
+        self.seq = pad(self.seq, 0, self.R - R0, self.mask_id)
+
+    def warm(self) -> bool:
+        """``defer_compile`` (the server, no row running): compile one step shape that ran eagerly."""
+        return bool(self.static and not self.running and self.kv is not None and self.kv.warm())
 
     @torch.inference_mode()
     def step(self) -> list[BufferRow]:
@@ -211,14 +235,13 @@ class MultiBlockDecoder(SlotRows):
         """The static cache is compacted when the next window would not fit; the server's dynamic one
         when holes are more than half of it and at least a window."""
         n, window = self.kv.length, self.cfg.slots * self.cfg.block_size
+        most = max(r.keys for r in self.running.values())
         if self.static:
-            if n + window > self.kv.capacity:
-                compact(self.kv, self.key_valid)
-        elif not self.drained and n:
-            most = max(r.keys for r in self.running.values())
-            if n - most >= max(most, window):
-                self.key_valid = self.key_valid[:, :n] & self.live[:, None]  # a free slot's keys count for nobody
-                compact(self.kv, self.key_valid, most)
+            full = n + window > self.kv.capacity or self.kv.bucket(n + window) > self.kv.bucket(most + window)
+        else:
+            full = not self.drained and n and n - most >= max(most, window)
+        if full:  # a free slot's keys count for nobody
+            self.key_valid = compact(self.kv, self.key_valid[:, :n] & self.live[:, None], most)
 
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``multiblock.candidates`` for every slot, each sampling setting with its rows' generators:
@@ -297,7 +320,7 @@ class MultiBlockDecoder(SlotRows):
         if self.live is not None:
             self.live[row.slot] = False
             self.w = bb.release(self.w, torch.arange(self.R, device=self.device) == row.slot)
-        if not self.running and not self.static:
+        if not self.running:
             self._empty()
 
     @torch.inference_mode()
@@ -322,17 +345,21 @@ class MultiBlockDecoder(SlotRows):
 
 
 def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_step=None, on_token=None,
-                  stop_token_ids=None) -> MultiBlockDecoder:
+                  stop_token_ids=None, compile: bool = False, static: bool = False) -> MultiBlockDecoder:
     """The server's multiblock running batch for one set of request ``options`` (:data:`OPTIONS`;
-    None = default), validated once. ``stop_token_ids`` defaults to the bundle's. Raises
-    UnmaskError for a model that is not block-diffusion, an unknown option or a bad value."""
+    None = default), validated once. ``static`` / ``compile``: a static KV cache of the context
+    window and N_buf + 1 blocks that rows join mid-flight, new step shapes compiled when the server
+    is idle. ``stop_token_ids`` defaults to the bundle's. Raises UnmaskError for a model that is
+    not block-diffusion, an unknown option or a bad value."""
     from unmask.decode.block import check_block_model
     from unmask.decode.multiblock import MultiBlockConfig
 
     check_block_model(bundle, "multiblock")
     options = serving_options(options, OPTIONS, "a continuous multiblock batch")
-    return MultiBlockDecoder(bundle, MultiBlockConfig.from_options(bundle, **options), capacity=capacity,
-                             on_step=on_step, on_token=on_token, stop_token_ids=stop_token_ids)
+    cfg = MultiBlockConfig.from_options(bundle, **options)
+    length = bundle.context_length + (cfg.slots + 1) * cfg.block_size if static or compile else None
+    return MultiBlockDecoder(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token, static=static,
+                             compile=compile, stop_token_ids=stop_token_ids, length=length, defer_compile=compile)
 
 
 __all__ = ["BufferRow", "MultiBlockDecoder", "OPTIONS", "serving_batch"]
