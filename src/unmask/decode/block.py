@@ -299,15 +299,26 @@ BATCH_OPTIONS = ("block_size", *POLICY_OPTIONS, "store", "steps", "schedule")  #
 def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_step=None, on_token=None,
                   stop_token_ids=None, compile: bool = False, static: bool = False):
     """The server's running batch of SingleBD rows for one set of request ``options``
-    (:data:`BATCH_OPTIONS`; None = default), validated once: :func:`unmask.decode.blocks.serving`
+    (:data:`BATCH_OPTIONS`; None = default), validated once: :func:`serving`
     (``compile`` / ``static``: on a static KV cache). ``stop_token_ids`` defaults to the bundle's.
     Raises UnmaskError for a model that is not block-diffusion, an unknown option or a bad value."""
-    from unmask.decode.blocks import serving
-
     check_block_model(bundle, "block")
     options = serving_options(options, BATCH_OPTIONS, "a continuous block batch")
     return serving(bundle, BlockConfig.from_options(bundle, **options), capacity=capacity, on_step=on_step,
                    on_token=on_token, stop_token_ids=stop_token_ids, compile=compile, static=static)
+
+
+def serving(bundle, cfg, *, capacity: int, on_step, on_token, stop_token_ids, compile: bool = False,
+            static: bool = False):
+    """The server's running :class:`~unmask.decode.blocks.BlockDecoder` for ``cfg``: rows move on at
+    once (no lockstep); with ``static`` / ``compile`` a static KV cache of the context window and
+    three blocks of slack that rows join mid-flight, new step shapes compiled when the server is
+    idle (``defer_compile``)."""
+    from unmask.decode.blocks import BlockDecoder
+
+    length = bundle.context_length + 3 * cfg.block_size if static or compile else None
+    return BlockDecoder(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token, static=static,
+                        compile=compile, stop_token_ids=stop_token_ids, length=length, defer_compile=compile)
 
 
 @torch.inference_mode()

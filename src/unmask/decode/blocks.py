@@ -31,11 +31,10 @@ import torch
 
 from unmask.decode import block_report as report
 from unmask.decode.block_rule import SBD, SINGLE_BD, advance, quota
-from unmask.decode.canvas_common import row_generator
-from unmask.decode.kv import DynamicKV, StaticKV, compact, pad, place
+from unmask.decode.canvas_common import finish, row_generator, until_stop
+from unmask.decode.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
 from unmask.decode.running import Row, SlotRows, Slots
-from unmask.decode.stats import check_nfe, stop_flags
-from unmask.errors import UnmaskError
+from unmask.decode.stats import check_nfe
 from unmask.masks import as_4d, block_buffer_mask, sbd_inference_mask
 from unmask.policies import commit
 
@@ -61,13 +60,11 @@ class BlockDecoder(SlotRows):
     """The running batch of SingleBD (``cfg`` a :class:`~unmask.decode.block.BlockConfig`) or lossy
     SBD rows (an :class:`~unmask.decode.sbd.SBDConfig`), one forward per :meth:`step`.
 
-    ``static`` / ``compile``: a :class:`~unmask.decode.kv.StaticKV` of ``capacity`` rows, the block
-    forwards through the compiled step. Its length is ``length`` tokens (the server: the context
-    window and a window of slack, length-bucketed, rows joining mid-flight as in
-    :class:`~unmask.decode.lossless.Verify`), or sized at the first join for its prompts (``decode``).
-    A prefill runs eagerly on a dynamic cache and is placed into the joining slots; forwards cover
-    a power-of-two row bucket; the cache is compacted when a forward would not fit or a smaller
-    length bucket would. ``defer_compile``: see :class:`~unmask.decode.kv.StaticKV` (:meth:`warm`).
+    ``static`` / ``compile``: a :class:`~unmask.decode.kv.StaticKV` of ``capacity`` rows and ``length``
+    tokens (length-bucketed; None: sized at the first join, ``decode``), the forwards compiled. As in
+    :class:`~unmask.decode.lossless.Verify`, a prefill runs eagerly and is placed into its slots, a
+    forward covers the row bucket, and ``StaticKV.crowded`` decides compaction; ``defer_compile``: see
+    StaticKV.
     ``on_step(row, event)``: :mod:`unmask.trace` events; ``on_token(row)`` after each committed
     token; ``on_forward(state)`` (tests) sees every forward. Rows end on their first stop token (the
     block holding it is kept whole, the output cut before it), a stop string, or ``max_new_tokens``.
@@ -112,10 +109,7 @@ class BlockDecoder(SlotRows):
         if not requests:
             return []
         B, dev = self.B, self.device
-        for job in requests:
-            if self.static and self.length is not None and len(job.prompt_ids) + job.max_new_tokens + 3 * B > self.length:
-                raise UnmaskError(f"a prompt of {len(job.prompt_ids)} tokens and {job.max_new_tokens} new tokens do "
-                                  f"not fit the static KV cache of {self.length}; lower max_tokens or run without --compile")
+        check_fits(requests, self.length if self.static else None, 3 * B)
         slots = self.slots.take(len(requests))
         rows, done = [], []
         for job, s in zip(requests, slots):
@@ -182,26 +176,11 @@ class BlockDecoder(SlotRows):
 
     def _rows_in_forward(self) -> int:
         """Slots a forward covers: the dynamic cache's rows, or on the static cache the row bucket
-        (the next power of two >= ``Slots.high``, at most the capacity; never smaller in lockstep)."""
+        (every row until a first write allocates them; never smaller in lockstep)."""
         if not self.static:
             return self.key_valid.shape[0]
-        if not self.kv.allocated:  # no prompt keys placed yet: the first forward allocates every row
-            return self.capacity
-        R = min(1 << max(self.slots.high - 1, 0).bit_length(), self.capacity)
+        R = self.slots.bucket if self.kv.allocated else self.capacity
         return max(R, self.R) if self.lockstep else R
-
-    def _reclaim(self, q: int) -> None:
-        """Static cache: compact it (host-known key counts, no sync) when the next q columns do not
-        fit or compacting moves the forward to a smaller length bucket. Raises UnmaskError when a
-        row's keys and the window cannot fit at all."""
-        C, cap = self.kv.length, self.kv.capacity
-        most = max(r.keys for r in self.running.values())
-        if most + q > cap:
-            raise UnmaskError(f"static KV cache overflow: {most + q} positions needed, {cap} allocated; "
-                              "lower max_new_tokens or run without --compile")
-        if C + q > cap or self.kv.bucket(C + q) > self.kv.bucket(most + q):
-            kept = compact(self.kv, self.key_valid[: self.R, :C] & self.live[: self.R, None], most)  # (R, most)
-            self.key_valid = pad(kept, 0, self.capacity - self.R, False)  # (capacity, most)
 
     # -- stepping -----------------------------------------------------------------------------
 
@@ -237,9 +216,10 @@ class BlockDecoder(SlotRows):
             real = dpos < gen_end[:, None] if not self.kind.aligned else torch.ones_like(dpos, dtype=torch.bool)
             qv.append(real & (live & denoise)[:, None])
         inp, pos, qv = torch.cat(inp, 1), torch.cat(pos, 1), torch.cat(qv, 1)  # (R, q) each
-        if self.static:
-            self._reclaim(inp.shape[1])
         past, q = self.kv.length, inp.shape[1]
+        if self.static and self.kv.crowded(most := max(r.keys for r in rows), q):  # compacted in place
+            kept = compact(self.kv, self.key_valid[:R, :past] & self.live[:R, None], most)  # (R, most)
+            self.key_valid, past = pad(kept, 0, self.capacity - R, False), most  # (capacity, most)
         logits = self._forward(inp, pos, qv, past, S, D)  # (R, N or B, V)
         self.kv.crop(q - (B if S else 0))  # only the stored block's clean K/V stay
         if S:
@@ -370,17 +350,11 @@ class BlockDecoder(SlotRows):
         return M + -(-M // B)
 
     def _stop_string(self, row) -> bool:
-        text = self.bundle.decode_continuation(list(row.job.prompt_ids), self._cut(row.full))
+        text = self.bundle.decode_continuation(list(row.job.prompt_ids), until_stop(row.full, {*self.stop_ids, self.mask_id}))
         return any(s in text for s in row.job.stop)
 
-    def _cut(self, full: list[int]) -> list[int]:
-        stop = set(self.stop_ids) | {self.mask_id}
-        return next((full[:i] for i, t in enumerate(full) if t in stop), list(full))
-
     def _finish(self, row: BlockRow) -> None:
-        row.tokens = self._cut(row.full)
-        row.stop_token = stop_flags([row.full], [row.tokens], self.stop_ids)[0]
-        row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
+        finish(row, row.full, self.stop_ids, self.mask_id)
         row.extra = report.row_extra(self, row)
 
     def _leave(self, row: BlockRow) -> None:
@@ -418,14 +392,4 @@ class BlockDecoder(SlotRows):
         return report.stats_extra(self, rows)
 
 
-def serving(bundle, cfg, *, capacity: int, on_step, on_token, stop_token_ids, compile: bool = False,
-            static: bool = False) -> BlockDecoder:
-    """The server's running batch for ``cfg``: rows move on at once (no lockstep); with ``static`` /
-    ``compile`` a static KV cache of the context window and three blocks of slack that rows join
-    mid-flight, its new step shapes compiled when the server is idle (``defer_compile``)."""
-    length = bundle.context_length + 3 * cfg.block_size if static or compile else None
-    return BlockDecoder(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token, static=static,
-                        compile=compile, stop_token_ids=stop_token_ids, length=length, defer_compile=compile)
-
-
-__all__ = ["BlockDecoder", "BlockRow", "serving"]
+__all__ = ["BlockDecoder", "BlockRow"]

@@ -106,6 +106,15 @@ class Diffusion(SlotRows):
         cfg = DiffusionConfig.from_options(max_new_tokens=nominal if isinstance(nominal, int) else 1, **options)
         return cls(bundle, cfg, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids, options=options)
 
+    @classmethod
+    def batches_fit(cls, bundle) -> bool:
+        """Whether this model's diffusion requests can share running batches (a remote-code LLaDA
+        takes no positions, so its rows cannot be padded: the server runs those per call)."""
+        try:
+            return bundle.kind == "masked-diffusion" and cls.serving(bundle, capacity=1) is not None
+        except UnmaskError:
+            return False
+
     @property
     def confidence(self) -> str | None:
         return self.cfg.confidence

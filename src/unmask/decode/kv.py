@@ -150,6 +150,16 @@ class StaticKV:
         self.ptr = end
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
+    def crowded(self, most: int, q: int) -> bool:
+        """Whether to compact the cache to ``most`` columns (every running row's valid keys, known on
+        the host) before a forward of ``q`` queries: it would not fit, or compacted it would take a
+        smaller length bucket (rows joining and leaving would otherwise attend over ever larger ones).
+        Raises UnmaskError when even ``most + q`` columns do not fit."""
+        if most + q > self.capacity:
+            raise UnmaskError(f"static KV cache overflow: {most + q} positions needed, {self.capacity} "
+                              "allocated; lower max_new_tokens or run without --compile")
+        return self.ptr + q > self.capacity or self.bucket(self.ptr + q) > self.bucket(most + q)
+
     def bucket(self, end: int) -> int:
         """The columns a forward ending at ``end`` covers: the capacity, or with ``length_buckets``
         LENGTH_BUCKET doubled until it holds ``end`` (at most the capacity)."""
@@ -221,6 +231,15 @@ class StaticKV:
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer.keys[:, :, : self.ptr], layer.values[:, :, : self.ptr]) for layer in self.cache.layers]
+
+
+def check_fits(requests, length: int | None, slack: int) -> None:
+    """Raise UnmaskError for a request whose prompt, new tokens and ``slack`` positions exceed a
+    static cache of ``length`` (None: sized for its first join, nothing to check)."""
+    for job in requests if length is not None else ():
+        if len(job.prompt_ids) + job.max_new_tokens + slack > length:
+            raise UnmaskError(f"a prompt of {len(job.prompt_ids)} tokens and {job.max_new_tokens} new tokens do "
+                              f"not fit the static KV cache of {length}; lower max_tokens or run without --compile")
 
 
 def pad(t: torch.Tensor, dim: int, n: int, fill, *, left: bool = False) -> torch.Tensor:

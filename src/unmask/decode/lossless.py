@@ -264,10 +264,10 @@ class Verify:
 
     def _rows_in_forward(self) -> int:
         """Slots a step covers: [0, high) (the dynamic cache cut to them), or on the static cache the
-        row bucket, the next power of two >= high up to the capacity (Slots hands out the lowest first)."""
-        R = self.slots.high
+        row bucket (:attr:`Slots.bucket`; Slots hands out the lowest first)."""
         if self.static:
-            return min(1 << (R - 1).bit_length(), self.slots.capacity)
+            return self.slots.bucket
+        R = self.slots.high
         if self.key_valid.shape[0] > R:
             self.kv.cache.batch_select_indices(torch.arange(R, device=self.device))
             self.key_valid = self.key_valid[:R]
@@ -279,18 +279,10 @@ class Verify:
 
     def _reclaim(self, Q: int) -> None:
         """Compact the cache (host-known counts, no sync) when the columns no row attends to are more
-        than half of it, or, static, when it cannot take the next Q columns or compacting moves the
-        step to a smaller length bucket (a running batch with rows joining and leaving would
-        otherwise attend over ever larger buckets)."""
-        C, cap = self.kv.length, getattr(self.kv, "capacity", None)
-        most = max(self._held(r) for r in self.rows.values())
-        if self.static and most + Q > cap:
-            raise UnmaskError(f"static KV cache overflow: {most + Q} positions needed, {cap} "
-                              "allocated; lower max_new_tokens or run without --compile")
-        smaller_bucket = self.static and (C + Q > cap or self.kv.bucket(C + Q) > self.kv.bucket(most + Q))
-        if not smaller_bucket and C - most < max(most, self.cfg.block_size):
-            return
-        self.key_valid = compact(self.kv, self.key_valid, most)  # (R, most)
+        than half of it, or, static, when :meth:`~unmask.decode.kv.StaticKV.crowded` says so."""
+        C, most = self.kv.length, max(self._held(r) for r in self.rows.values())
+        if (self.static and self.kv.crowded(most, Q)) or C - most >= max(most, self.cfg.block_size):
+            self.key_valid = compact(self.kv, self.key_valid, most)  # (R, most)
 
     def _tables(self, Kmax: int) -> tv.TreeWindow:
         """The window tables of the draft layout for steps whose largest draft size is Kmax (cached)."""

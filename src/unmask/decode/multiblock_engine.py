@@ -24,7 +24,7 @@ import torch
 from unmask.decode import block_buffer as bb
 from unmask.decode.block import first_stop, prefill_whole_blocks, whole_prompt_blocks
 from unmask.decode.canvas_common import row_generator, serving_options
-from unmask.decode.kv import DynamicKV, StaticKV, compact, pad, place
+from unmask.decode.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
 from unmask.decode.multiblock import candidates, row_event, stop_blocks, stop_string_rows, window_step, write_window
 from unmask.decode.running import Row, SlotRows, Slots
 from unmask.decode.stats import check_nfe, stop_flags
@@ -111,10 +111,7 @@ class MultiBlockDecoder(SlotRows):
         if not requests:
             return []
         S, B, dev, model = self.cfg.slots, self.cfg.block_size, self.device, self.bundle.model
-        for job in requests:
-            if self.static and self.length is not None and len(job.prompt_ids) + job.max_new_tokens + (S + 1) * B > self.length:
-                raise UnmaskError(f"a prompt of {len(job.prompt_ids)} tokens and {job.max_new_tokens} new tokens do "
-                                  f"not fit the static KV cache of {self.length}; lower max_tokens or run without --compile")
+        check_fits(requests, self.length if self.static else None, (S + 1) * B)
         rows = []
         for job, s in zip(requests, self.slots.take(len(requests))):
             gen = row_generator(job, dev)
@@ -163,8 +160,7 @@ class MultiBlockDecoder(SlotRows):
         if self.static:  # every row of the cache goes through place (it allocates them all on first use)
             full = pad(self.key_valid[:, :C], 0, self.capacity - R0, False)  # (capacity, C)
             self.kv, full = place(self.kv, full, new, valid, slots)
-            bucket = min(1 << max(self.slots.high - 1, 0).bit_length(), self.capacity)
-            self.R = max(R0, bucket if self.kv.allocated else self.capacity)  # a first write allocates every row
+            self.R = max(R0, self.slots.bucket if self.kv.allocated else self.capacity)  # a first write: every row
             self.key_valid = full[: self.R]
         else:
             self.kv, self.key_valid = place(self.kv, self.key_valid[:, :C], new, valid, slots, rows=bool(self.running))
@@ -236,10 +232,7 @@ class MultiBlockDecoder(SlotRows):
         when holes are more than half of it and at least a window."""
         n, window = self.kv.length, self.cfg.slots * self.cfg.block_size
         most = max(r.keys for r in self.running.values())
-        if self.static:
-            full = n + window > self.kv.capacity or self.kv.bucket(n + window) > self.kv.bucket(most + window)
-        else:
-            full = not self.drained and n and n - most >= max(most, window)
+        full = self.kv.crowded(most, window) if self.static else not self.drained and n and n - most >= max(most, window)
         if full:  # a free slot's keys count for nobody
             self.key_valid = compact(self.kv, self.key_valid[:, :n] & self.live[:, None], most)
 

@@ -90,6 +90,12 @@ class Slots:
     def high(self) -> int:
         return max(self._used) + 1 if self._used else 0
 
+    @property
+    def bucket(self) -> int:
+        """The row bucket a static-cache forward covers: the next power of two >= ``high`` (at most
+        the capacity), so a running batch compiles one graph per bucket, not per row count."""
+        return min(1 << max(self.high - 1, 0).bit_length(), self.capacity)
+
     def take(self, n: int) -> list[int]:
         if n > len(self._free):
             raise UnmaskError(f"running batch full: {n} slots asked, {len(self._free)} of {self.capacity} free; "

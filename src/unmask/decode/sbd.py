@@ -142,10 +142,10 @@ def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_
                   stop_token_ids=None, compile: bool = False, static: bool = False):
     """The server's running batch of lossy SBD rows for one set of request ``options``
     (:data:`BATCH_OPTIONS`; None = default, the checkpoint's ``decode_defaults`` filling the rest as
-    in :func:`decode`), validated once: :func:`unmask.decode.blocks.serving` (``compile`` /
+    in :func:`decode`), validated once: :func:`unmask.decode.block.serving` (``compile`` /
     ``static``: on a static KV cache). ``stop_token_ids`` defaults to the bundle's. Raises UnmaskError for a model without a mask
     token, an unknown option, a bad value, or options selecting lossless SBD (its own batch)."""
-    from unmask.decode.blocks import serving
+    from unmask.decode.block import serving
 
     if bundle.mask_token_id is None:
         raise UnmaskError("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); "

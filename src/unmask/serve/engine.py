@@ -100,7 +100,7 @@ class Scheduler:
         self.abandoned_batches = 0  # per-call batches stopped early: every request answered or gone
         self.batch_rows: dict[int, int] = {}  # job id -> row in the running per-call batch
         self._batch: list[Job] = []  # the running per-call batch
-        self._diffusion_runs = self._diffusion_batches_fit(bundle)
+        self._diffusion_runs = Diffusion.batches_fit(bundle)
         self.ar  # the AR batch exists from the start: the loop and readers never race to create it
         self._thread = threading.Thread(target=self._loop, name="unmask-scheduler", daemon=True)
 
@@ -223,15 +223,6 @@ class Scheduler:
             except Exception:  # noqa: BLE001 (the shape stays eager; serving goes on)
                 log.exception("compiling a step shape failed; it keeps running eagerly")
 
-    @staticmethod
-    def _diffusion_batches_fit(bundle) -> bool:
-        """Whether this model's diffusion requests can share running batches (a remote-code LLaDA
-        takes no positions, so its rows cannot be padded: those run per call)."""
-        try:
-            return bundle.kind == "masked-diffusion" and Diffusion.serving(bundle, capacity=1) is not None
-        except UnmaskError:
-            return False
-
     def _busy(self) -> bool:
         return any(len(b) for b in self._batches())
 
@@ -343,9 +334,8 @@ class Scheduler:
                 continue
             if key[0] != "verify" and not len(batch) and not getattr(batch, "static", False):
                 del self.running_batches[key]  # frees its cache; a new batch forms with the next request
-        idle = [k for k, b in self.running_batches.items() if getattr(b, "static", False) and not len(b)]
-        for key in idle[: max(0, len(idle) - MAX_LAYOUTS)]:  # a compiled batch stays while idle (its
-            del self.running_batches[key]  # static cache and the shapes it ran eagerly), the newest MAX_LAYOUTS
+        for key in [k for k, b in self.running_batches.items() if not len(b)][:-MAX_LAYOUTS]:
+            del self.running_batches[key]  # idle compiled batches: the newest MAX_LAYOUTS keep cache and pending shapes
 
     def _step_verify(self, batch: Verify, draft: str, jobs: list[Job]) -> None:
         """Drop gone rows, admit ``jobs`` (grouped by draft size: one prefill each), give sizable rows
