@@ -56,11 +56,11 @@ def _bundle(decoder):
 
 
 @pytest.mark.parametrize("decoder,options", CASES)
-@pytest.mark.parametrize("sampled", [False, True])
-def test_a_server_step_reads_the_host_once(monkeypatch, decoder, options, sampled):
+@pytest.mark.parametrize("sampled,static", [(False, False), (True, False), (False, True)])
+def test_a_server_step_reads_the_host_once(monkeypatch, decoder, options, sampled, static):
     bundle = _bundle(decoder)
     make = block.serving_batch if decoder == "block" else sbd.serving_batch
-    dec = make(bundle, options, capacity=8, stop_token_ids=(55, 29))
+    dec = make(bundle, options, capacity=8, stop_token_ids=(55, 29), static=static)  # static: serve --compile's cache
     sampling = Sampling(temperature=0.9, seed=4) if sampled else Sampling()
     jobs = [job(p, n, sampling) for p, n in zip(PROMPTS, (14, 9, 20, 11))]
     for i, j in enumerate(jobs):

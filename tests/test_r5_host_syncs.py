@@ -173,10 +173,12 @@ def test_a_block_step_reads_the_host_once(monkeypatch, sampling, decoder, option
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("options", [dict(slots=2, tau_m2t=0.6, tau_add=0.3), dict(slots=3, tau_m2t=0.8, tau_t2t=0.5)])
-def test_a_multiblock_step_reads_the_host_once(monkeypatch, sampling, options):
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_multiblock_step_reads_the_host_once(monkeypatch, sampling, options, static):
     from unmask.decode import multiblock_engine
 
-    dec = multiblock_engine.serving_batch(_bundle("block"), options, capacity=8, stop_token_ids=(55, 29))
+    dec = multiblock_engine.serving_batch(_bundle("block"), options, capacity=8, stop_token_ids=(55, 29),
+                                          static=static)  # static: the cache serve --compile runs on
     jobs = _jobs(sampling)
     steps, done = SyncCounter(monkeypatch).drain(dec, [jobs[:2], [], [], jobs[2:]])
     assert steps > 5 and dec.forwards == steps and done == 4
