@@ -407,6 +407,38 @@ def test_a_signal_drains_open_streams_and_exits_in_bounded_time(tmp_path, sig, c
     assert text.rstrip().splitlines()[-1] == "interrupted"
 
 
+def test_sigterm_while_a_step_shape_compiles_exits_143(tmp_path):
+    """Found by the fault pass: SIGTERM while an idle --compile server was compiling a step shape
+    printed 'interrupted', then 'terminate called without an active exception' and exited 134
+    (interpreter shutdown under the compiler's native threads). It now exits 143, one line."""
+    # a cold inductor cache: the compile takes seconds, not a cache hit
+    env = {**os.environ, "PYTHONPATH": SRC, "UNMASK_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind")}
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "unmask", "serve", "--model", "stories260K-sbd", "--port", "0",
+                             "--max-batch-size", "2", "--compile"], stdout=subprocess.PIPE, stderr=log, text=True,
+                            env=env)
+    try:
+        m = re.search(r"http://127\.0\.0\.1:(\d+)", proc.stdout.readline())
+        assert m, (tmp_path / "server.log").read_text()
+        url = f"http://127.0.0.1:{m.group(1)}"
+        status, _ = post(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8})
+        assert status == 200
+        health = json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
+        assert health["pending_compiles"] > 0  # shapes that ran eagerly, compiled once idle for 2 s
+        time.sleep(3)  # idle: the scheduler thread is now compiling the first of them (~10-20 s)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log.seek(0)
+    text = log.read()
+    assert "terminate called" not in text and "Traceback" not in text, text
+    assert "a step shape was still compiling" in text  # the signal did land during the compile
+    assert text.rstrip().splitlines()[-1] == "interrupted"
+
+
 def test_an_sbd_stream_started_before_an_ar_request_stays_in_its_own_batch(bundle):
     """The playground sends the sbd stream first, then AR's: the running sbd batch used to move
     into the AR batch as soon as the AR row started. Below the crossover (2 rows, default table)

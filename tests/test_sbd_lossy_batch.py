@@ -384,3 +384,15 @@ def test_a_static_batch_refuses_a_row_past_its_cache():
     with pytest.raises(UnmaskError, match="do not fit the static KV cache"):
         batch.join([job([1, 3, 5], bundle.context_length)])
     assert len(batch) == 0 and batch.slots.high == 0
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_an_empty_sbd_prompt_is_refused_in_one_line(static):
+    # found by the fault pass: a RuntimeError from the prefill's reshape; SBD's causal prefill needs a token
+    bundle = sbd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)
+    batch = serving_batch(SBDBatch, bundle, dict(block_size=4, gamma=0.5), capacity=2, static=static)
+    with pytest.raises(UnmaskError, match="non-empty prompt; start it with the BOS token"):
+        batch.join([job([], 8), job([1, 3], 8)])
+    assert len(batch) == 0 and batch.slots.high == 0  # nothing joined
+    with pytest.raises(UnmaskError, match="non-empty prompt"):
+        sbd.decode(bundle, [[]], max_new_tokens=8, gamma=0.5)

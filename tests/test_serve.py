@@ -580,6 +580,28 @@ def test_multiblock_requests_join_and_leave_a_running_batch_mid_decode():
         assert r.choices[0].text == refs[1]
 
 
+def test_idle_compiled_batches_are_evicted_least_recently_joined_first(bundle):
+    """serve --compile keeps up to 4 idle compiled running batches (their static caches and pending
+    shapes); the one joined longest ago goes first, however early it was created."""
+    app = create_app(bundle, max_batch_size=2, compile=True)
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def lossy(gamma):
+            c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, extra_body={"gamma": gamma})
+
+        def gammas():
+            return [dict(k[1])["gamma"] for k in sched.running_batches]
+
+        for g in (0.1, 0.2, 0.3, 0.4):
+            lossy(g)
+        assert gammas() == [0.1, 0.2, 0.3, 0.4] and all(b.static for b in sched.running_batches.values())
+        lossy(0.1)  # joined again: now the most recent
+        lossy(0.5)  # a fifth idle batch: 0.2, joined longest ago, is evicted
+        assert gammas() == [0.3, 0.4, 0.1, 0.5]
+
+
 def test_compiled_server_runs_block_and_multiblock_on_static_caches():
     """serve --compile: block and multiblock running batches decode on a static KV cache that rows
     join mid-flight (new step shapes run eagerly until the server is idle), each text as generate's."""

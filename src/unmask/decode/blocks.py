@@ -35,6 +35,7 @@ from unmask.decode.canvas_common import finish, row_generator, until_stop
 from unmask.decode.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
 from unmask.decode.running import Row, SlotRows, Slots
 from unmask.decode.stats import check_nfe
+from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, sbd_inference_mask
 from unmask.policies import commit
 
@@ -105,10 +106,13 @@ class BlockDecoder(SlotRows):
     def join(self, requests) -> list[BlockRow]:
         """Prefill the requests together (one forward: SingleBD's whole prompt blocks, block-causal;
         SBD's prompts, causal) into free slots. Returns the rows that finished at once
-        (``max_new_tokens`` <= 0). Raises UnmaskError when the slots are full."""
+        (``max_new_tokens`` <= 0). Raises UnmaskError, before any joins, for an empty SBD prompt,
+        a row past a static cache, or more requests than free slots."""
         if not requests:
             return []
         B, dev = self.B, self.device
+        if not self.kind.aligned and any(len(job.prompt_ids) == 0 for job in requests):  # SBD's causal prefill
+            raise UnmaskError("sbd decoding needs a non-empty prompt; start it with the BOS token")
         check_fits(requests, self.length if self.static else None, 3 * B)
         slots = self.slots.take(len(requests))
         rows, done = [], []

@@ -18,8 +18,7 @@ events equal its decoder's ``decode`` on its prompt alone, whatever else runs (R
   own) share the continuous batches of ``RUNNING``, one per decoder and options
   (:meth:`Scheduler._running_kind`).
 - Per call (a remote-code LLaDA, whose forward takes no positions): one ``decode`` over compatible
-  queued requests (:mod:`unmask.serve.per_call`); the running decoders admit and step after each of
-  its forwards.
+  queued requests (:mod:`unmask.serve.per_call`), the running decoders stepping after each forward.
 
 Each job gets its events through ``job.post`` (called from this thread): ``("step", event)`` with an
 :mod:`unmask.trace` step event, then ``("done", result)`` or ``("error", ApiError)``.
@@ -93,7 +92,7 @@ class Scheduler:
         self.running_batches: dict[tuple, object] = {}  # (decoder, options) -> the other running batches
         self._waiting: deque[Job] = deque()
         self._lock = threading.Condition()
-        self._stop = self._paused = False
+        self._stop = self._paused = self._compiling = False
         self._worked = time.monotonic()  # when the loop last admitted or stepped anything (idle compiles)
         self.draining = False  # set by drain(): submit refuses, every request was ended
         self.peak_running = 0  # the most rows holding slots at once so far (tests, benchmarks)
@@ -125,6 +124,10 @@ class Scheduler:
         self._thread.start()
         return self
 
+    @property
+    def thread_alive(self) -> bool:  # after close(): True while a compile it started still runs
+        return self._thread.is_alive()
+
     def close(self) -> None:
         """Stop the loop: running requests are cancelled and queued ones are answered 503."""
         with self._lock:
@@ -132,8 +135,8 @@ class Scheduler:
             for job in self._running_jobs() + list(self._batch):
                 job.cancel()
             self._lock.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
+        if self._thread.is_alive():  # a step ends in ms; a compile (seconds, discarded) is not waited for
+            self._thread.join(timeout=0.5 if self._compiling else 10)
 
     def drain(self, error) -> None:
         """Shutdown, first step (any thread): refuse new jobs (``submit`` raises ShuttingDown) and end
@@ -156,8 +159,6 @@ class Scheduler:
     def active(self) -> int:
         """Requests holding a slot: the running batches' rows and the per-call batch's."""
         return len(self._running_jobs()) + len(self.batch_rows)
-
-    running = active  # the running batch size reported in /metrics
 
     @property
     def pending_compiles(self) -> int:  # /health: step shapes run eagerly, to compile once idle (--compile)
@@ -216,12 +217,14 @@ class Scheduler:
 
     def _warm(self) -> None:
         """Compile one shape an idle batch ran eagerly (``defer_compile``); a failed one is logged and stays eager."""
+        self._compiling = True
         for batch in self._batches():
             try:
                 if getattr(batch, "static", False) and batch.warm():
-                    return
+                    break
             except Exception:  # noqa: BLE001 (the shape stays eager; serving goes on)
                 log.exception("compiling a step shape failed; it keeps running eagerly")
+        self._compiling = False
 
     def _busy(self) -> bool:
         return any(len(b) for b in self._batches())
@@ -325,6 +328,8 @@ class Scheduler:
                         finish_gone(row.job)
                     for job in jobs:
                         self._join(batch, [job])
+                    if jobs:  # the most recently joined last: idle compiled batches are evicted oldest first
+                        self.running_batches[key] = self.running_batches.pop(key)
                     self.peak_running = max(self.peak_running, self.active)
                     for row in batch.step():
                         _done(row)
@@ -335,7 +340,7 @@ class Scheduler:
             if key[0] != "verify" and not len(batch) and not getattr(batch, "static", False):
                 del self.running_batches[key]  # frees its cache; a new batch forms with the next request
         for key in [k for k, b in self.running_batches.items() if not len(b)][:-MAX_LAYOUTS]:
-            del self.running_batches[key]  # idle compiled batches: the newest MAX_LAYOUTS keep cache and pending shapes
+            del self.running_batches[key]  # idle compiled batches: the last MAX_LAYOUTS joined keep their caches
 
     def _step_verify(self, batch: Verify, draft: str, jobs: list[Job]) -> None:
         """Drop gone rows, admit ``jobs`` (grouped by draft size: one prefill each), give sizable rows

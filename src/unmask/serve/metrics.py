@@ -27,7 +27,7 @@ class Metrics:
                                  registry=r)
         Gauge("unmask_queue_depth", "Requests waiting to start", registry=r).set_function(lambda: scheduler.queue_depth)
         Gauge("unmask_running_batch_size", "Rows in the batch being decoded now",
-              registry=r).set_function(lambda: scheduler.running)
+              registry=r).set_function(lambda: scheduler.active)
         Gauge("unmask_active_requests", "Requests holding a batch slot",
               registry=r).set_function(lambda: scheduler.active)
 

@@ -135,20 +135,32 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
     server = _server(app, sock, log_level, watchdog=True)
     # uvicorn re-raises the signal it caught once it has shut down; SIGTERM's handler here turns
     # that into exit status 143 with one line (the default handler would kill the process).
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    previous = signal.signal(signal.SIGTERM, lambda *_: _interrupted(app, 143))
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:  # SIGINT, re-raised by uvicorn after its shutdown
+        _interrupted(app, 130)
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not server.started:
         raise UnmaskError("the server did not start; see the log above")
-    if server.signal == signal.SIGTERM:
-        _terminated()
-    # A started foreground server only returns after SIGINT (uvicorn handles it and shuts down
-    # cleanly): report it as an interrupt, so the command exits non-zero (130).
-    raise KeyboardInterrupt
+    # A started foreground server only returns after a signal (uvicorn handles it and shuts down
+    # cleanly): report it as an interrupt, so the command exits non-zero (143 / 130).
+    _interrupted(app, 143 if server.signal == signal.SIGTERM else 130)
 
 
-def _terminated(*_):
+def _interrupted(app, code: int):
+    """End ``unmask serve`` after a signal: SystemExit(143) with the one line ``interrupted`` for
+    SIGTERM, KeyboardInterrupt for SIGINT (the command line prints it). When the scheduler thread
+    is still inside a compile (``--compile``; ``close`` does not wait for one), the process leaves
+    at once with ``os._exit``: interpreter shutdown under the compiler's native threads aborts
+    (``terminate called without an active exception``, exit 134)."""
+    if app.state.scheduler.thread_alive:
+        print("unmask serve: a step shape was still compiling; not waiting for it", file=sys.stderr)
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)
+    if code == 130:
+        raise KeyboardInterrupt
     print("interrupted", file=sys.stderr, flush=True)
     raise SystemExit(143)
