@@ -361,9 +361,9 @@ class BlockDecoder(SlotRows):
         finish(row, row.full, self.stop_ids, self.mask_id)
         row.extra = report.row_extra(self, row)
 
+    @torch.inference_mode()
     def _leave(self, row: BlockRow) -> None:
-        self.running.pop(row.slot, None)
-        self.slots.give([row.slot])
+        super()._leave(row)
         self.live[row.slot] = self.store[row.slot] = False
         if not self.running and self.static:  # the pointer back at 0: the next join starts a fresh cache
             self.kv.reset()
@@ -374,15 +374,6 @@ class BlockDecoder(SlotRows):
     def warm(self) -> bool:
         """``defer_compile`` (the server, no row running): compile one step shape that ran eagerly."""
         return bool(self.static and not self.running and self.kv is not None and self.kv.warm())
-
-    @torch.inference_mode()
-    def drop(self, ids) -> list[BlockRow]:
-        """Cancel rows by request id (``job.id``): their slots are free at once. Returns them."""
-        ids = set(ids)
-        gone = [r for r in self.rows if r.job.id in ids]
-        for row in gone:
-            self._leave(row)
-        return gone
 
     def _compact(self) -> None:
         """Reclaim cache columns no row attends to (rows store in different steps, rows leave) when

@@ -307,23 +307,14 @@ class MultiBlockDecoder(SlotRows):
             self._leave(row)
         return done
 
+    @torch.inference_mode()
     def _leave(self, row: BufferRow) -> None:
-        self.running.pop(row.slot, None)
-        self.slots.give([row.slot])
+        super()._leave(row)
         if self.live is not None:
             self.live[row.slot] = False
             self.w = bb.release(self.w, torch.arange(self.R, device=self.device) == row.slot)
         if not self.running:
             self._empty()
-
-    @torch.inference_mode()
-    def drop(self, ids) -> list[BufferRow]:
-        """Cancel rows by request id (``job.id``): their slots are free at once. Returns them."""
-        ids = set(ids)
-        gone = [r for r in self.rows if r.job.id in ids]
-        for row in gone:
-            self._leave(row)
-        return gone
 
     def stats_extra(self, rows: list[BufferRow]) -> dict:
         """``DecodeStats.extra`` of finished rows, as ``multiblock.decode`` reports it."""

@@ -127,13 +127,18 @@ class SlotRows:
         return sorted(self.running.values(), key=lambda row: row.slot)
 
     def drop(self, ids) -> list:
-        """Remove the rows of these request ids; their slots are free at once."""
+        """Remove the rows of these request ids (:meth:`_leave`); their slots are free at once."""
         ids = set(ids)
         gone = [row for row in self.rows if row.job.id in ids]
         for row in gone:
-            del self.running[row.slot]
-        self.slots.give([row.slot for row in gone])
+            self._leave(row)
         return gone
+
+    def _leave(self, row) -> None:
+        """A row leaves (finished or dropped): its slot is free at once. Decoders add their slot
+        tensors' clean-up."""
+        self.running.pop(row.slot, None)
+        self.slots.give([row.slot])
 
 
 class RunningDecoder(Protocol):
