@@ -90,3 +90,35 @@ class RecordingRun:
     def drain(self):
         while len(self.batch):
             self.step()
+
+    def staggered_with_a_drop(self, jobs) -> None:
+        """Join ``jobs`` at four different steps, drop ``jobs[2]`` mid-decode, drain; every other job
+        finishes."""
+        self.join(jobs[:1])
+        self.step(3)
+        self.join(jobs[1:4])
+        self.step(2)
+        self.batch.drop([jobs[2].id])
+        self.join(jobs[4:5])
+        self.step()
+        self.join(jobs[5:])
+        self.drain()
+        assert sorted(id(r.job) for r in self.done) == sorted(id(j) for j in jobs if j is not jobs[2])
+
+    def churn_static(self, jobs, length: int) -> list[int]:
+        """Cap the static cache at ``length`` columns, join ``jobs`` two at a time with three steps
+        after each, drain, and return the cache length before every step (compactions show as drops)."""
+        self.batch.length, pasts, step = length, [], self.batch.step
+
+        def recorded():
+            pasts.append(self.batch.kv.length)
+            return step()
+
+        self.batch.step = recorded
+        for i in range(0, len(jobs), 2):
+            self.join(jobs[i: i + 2])
+            self.step(3)
+        self.drain()
+        assert len(self.done) == len(jobs) and max(pasts) <= length == self.batch.kv.capacity
+        assert any(b < a for a, b in zip(pasts, pasts[1:]) if b)  # compacted while rows ran
+        return pasts

@@ -266,17 +266,8 @@ def test_static_cache_rows_joining_mid_flight_equal_single_prompt_decodes(option
     lengths = [3, 30, 14, 22, 5, 30, 9, 17, 26]
     jobs = [job(p, n) for p, n in zip(PROMPTS, lengths)]
     run = Run(bundle, options, stop_token_ids=stops, static=True)
-    run.join(jobs[:1])  # a prompt shorter than a block: the first forward allocates every row
-    run.step(3)
-    run.join(jobs[1:4])
-    run.step(2)
-    run.batch.drop([jobs[2].id])
-    run.join(jobs[4:5])
-    run.step()
-    run.join(jobs[5:])
-    run.drain()
+    run.staggered_with_a_drop(jobs)  # the first, shorter than a block: the first forward allocates every row
     assert run.batch.kv.static and run.batch.kv.length == 0 and run.batch.w is None
-    assert sorted(id(r.job) for r in run.done) == sorted(id(j) for j in jobs if j is not jobs[2])
     assert_rows_equal_single_decodes(bundle, run, options, stops)
 
 
@@ -290,19 +281,6 @@ def test_a_static_cache_under_churn_is_compacted_in_place(monkeypatch):
     options = dict(slots=2, tau_add=0.3, tau_m2t=0.8)
     run = Run(bundle, options, stop_token_ids=(), static=True)
     assert run.batch.length == bundle.context_length + 3 * run.batch.cfg.block_size  # the serving batch's
-    run.batch.length = 64  # as for a model of context window 64 - 3B: every job below fits
-    pasts, step = [], run.batch.step
-
-    def recorded():
-        pasts.append(run.batch.kv.length)
-        return step()
-
-    run.batch.step = recorded
-    jobs = [job(PROMPTS[i % len(PROMPTS)], 6 + (5 * i) % 17) for i in range(24)]
-    for chunk in (jobs[i: i + 2] for i in range(0, 24, 2)):
-        run.join(chunk)
-        run.step(3)
-    run.drain()
-    assert len(run.done) == 24 and max(pasts) <= 64 and run.batch.kv.capacity == 64
-    assert any(b < a for a, b in zip(pasts, pasts[1:]) if b)  # compacted while rows ran
+    # 64 columns: as for a model of context window 64 - 3B, which every job below fits
+    run.churn_static([job(PROMPTS[i % len(PROMPTS)], 6 + (5 * i) % 17) for i in range(24)], 64)
     assert_rows_equal_single_decodes(bundle, run, options, ())

@@ -360,15 +360,24 @@ def test_an_ar_and_a_lossless_sbd_request_side_by_side_keep_sbd_s_gain(bundle):
 # --- 21: SIGINT / SIGTERM drain open streams ---------------------------------------------------
 
 
-def _start_server(tmp_path):
-    env = {**os.environ, "PYTHONPATH": SRC, "UNMASK_THREADS": "1"}
+def _start_server(tmp_path, model="stories260K-dlm", *options, **env):
+    env = {**os.environ, "PYTHONPATH": SRC, "UNMASK_THREADS": "1", **env}
     log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "unmask", "serve", "--model", "stories260K-dlm", "--port", "0",
-                             "--max-batch-size", "4"], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "unmask", "serve", "--model", model, "--port", "0",
+                             "--max-batch-size", "4", *options], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     line = proc.stdout.readline()
     m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
     assert m, (line, (tmp_path / "server.log").read_text())
     return proc, f"http://127.0.0.1:{m.group(1)}", log
+
+
+def _log_after(proc, log) -> str:
+    """The server's log once it has exited (killed if it has not)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    log.seek(0)
+    return log.read()
 
 
 def _open_stream(url):
@@ -398,11 +407,7 @@ def test_a_signal_drains_open_streams_and_exits_in_bounded_time(tmp_path, sig, c
         assert proc.wait(timeout=30) == code
         assert time.monotonic() - t < 15
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    log.seek(0)
-    text = log.read()
+        text = _log_after(proc, log)
     assert "Traceback" not in text and "Cancel" not in text, text
     assert text.rstrip().splitlines()[-1] == "interrupted"
 
@@ -412,15 +417,8 @@ def test_sigterm_while_a_step_shape_compiles_exits_143(tmp_path):
     printed 'interrupted', then 'terminate called without an active exception' and exited 134
     (interpreter shutdown under the compiler's native threads). It now exits 143, one line."""
     # a cold inductor cache: the compile takes seconds, not a cache hit
-    env = {**os.environ, "PYTHONPATH": SRC, "UNMASK_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind")}
-    log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "unmask", "serve", "--model", "stories260K-sbd", "--port", "0",
-                             "--max-batch-size", "2", "--compile"], stdout=subprocess.PIPE, stderr=log, text=True,
-                            env=env)
+    proc, url, log = _start_server(tmp_path, "stories260K-sbd", "--compile", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "i"))
     try:
-        m = re.search(r"http://127\.0\.0\.1:(\d+)", proc.stdout.readline())
-        assert m, (tmp_path / "server.log").read_text()
-        url = f"http://127.0.0.1:{m.group(1)}"
         status, _ = post(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8})
         assert status == 200
         health = json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
@@ -429,11 +427,7 @@ def test_sigterm_while_a_step_shape_compiles_exits_143(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    log.seek(0)
-    text = log.read()
+        text = _log_after(proc, log)
     assert "terminate called" not in text and "Traceback" not in text, text
     assert "a step shape was still compiling" in text  # the signal did land during the compile
     assert text.rstrip().splitlines()[-1] == "interrupted"

@@ -334,17 +334,8 @@ def test_static_cache_rows_joining_mid_flight_equal_single_prompt_decodes(cls, m
     stops = (55, 29)
     jobs = [job(p, n) for p, n in zip(PROMPTS, LENGTHS)]
     run = Run(cls, bundle, options, stop_token_ids=stops, static=True)
-    run.join(jobs[:1])
-    run.step(3)
-    run.join(jobs[1:4])
-    run.step(2)
-    run.batch.drop([jobs[2].id])
-    run.join(jobs[4:5])
-    run.step()
-    run.join(jobs[5:])
-    run.drain()
+    run.staggered_with_a_drop(jobs)
     assert run.batch.kv.static and run.batch.kv.length == 0  # empty: the pointer is back at 0
-    assert sorted(id(r.job) for r in run.done) == sorted(id(j) for j in jobs if j is not jobs[2])
     assert_rows_equal_single_decodes(bundle, run, options, stops)
 
 
@@ -360,21 +351,8 @@ def test_a_static_cache_under_churn_is_compacted_in_place(monkeypatch, cls, make
     bundle = make("llama", "sdpa", seed=3, initializer_range=0.4)
     run = Run(cls, bundle, options, stop_token_ids=(), static=True)
     assert run.batch.length == bundle.context_length + 3 * run.batch.B  # the serving batch's cache
-    run.batch.length = 48  # as for a model of context window 48 - 3B: every job below fits
-    pasts, step = [], run.batch.step
-
-    def recorded():
-        pasts.append(run.batch.kv.length)
-        return step()
-
-    run.batch.step = recorded
-    jobs = [job(PROMPTS[i % len(PROMPTS)], 6 + (5 * i) % 17) for i in range(24)]
-    for chunk in (jobs[i: i + 2] for i in range(0, 24, 2)):
-        run.join(chunk)
-        run.step(3)
-    run.drain()
-    assert len(run.done) == 24 and max(pasts) <= 48 and run.batch.kv.capacity == 48
-    assert any(b < a for a, b in zip(pasts, pasts[1:]) if b)  # compacted while rows ran
+    # 48 columns: as for a model of context window 48 - 3B, which every job below fits
+    run.churn_static([job(PROMPTS[i % len(PROMPTS)], 6 + (5 * i) % 17) for i in range(24)], 48)
     assert_rows_equal_single_decodes(bundle, run, options, ())
 
 
