@@ -95,41 +95,6 @@ def test_lockstep_keeps_decode_nfe_and_free_rows_finish_sooner(dlm):
     assert batch.stats.nfe == runs[True][0] > runs[False][0] >= max(a.stats.nfe for a in alone)
 
 
-def test_the_compiled_server_batch_equals_the_eager_one_and_compiles_once_idle(dlm):
-    """serve --compile's no-cache diffusion batch: a static canvas of the context window whose
-    forwards cover the running rows' row bucket and width bucket (the canvases are right-aligned),
-    new shapes eager until warm() compiles them with no row running. Rows joining at different
-    steps and a drop give the eager batch's tokens and NFE; a compiled shape gives them again."""
-    ps = prompts(dlm) + [dlm.encode("The sun was hot and the")]
-    options = {"gen_length": 24, "block_size": 8, "policy": "threshold", "tau": 0.7}
-
-    def run(dec):
-        reqs = [Request(prompt_ids=p, max_new_tokens=24, id=i) for i, p in enumerate(ps)]
-        done = dec.join(reqs[:1]) + dec.step() + dec.step() + dec.join(reqs[1:3]) + dec.step()
-        dec.drop([1])
-        done += dec.join(reqs[3:])
-        while len(dec):
-            done += dec.step()
-        return sorted((r.job.id, r.tokens, r.nfe) for r in done)
-
-    eager = run(Diffusion.serving(dlm, options, capacity=4))
-    fast = Diffusion.serving(dlm, options, capacity=4, compile=True)
-    assert fast.canvas.width == dlm.context_length and fast.canvas.defer
-    assert run(fast) == eager and [r[0] for r in eager] == [0, 2, 3]
-    assert not fast.canvas.compiled and all(Tb < dlm.context_length for _, Tb, _, _ in fast.canvas.pending)
-    assert {n for n, *_ in fast.canvas.pending} >= {1, 4}  # row buckets: one row alone, then four slots
-    lone = next(k for k in fast.canvas.pending if k[0] == 1 and k[3] == 9)  # one row, one block and the shift
-    while next(iter(fast.canvas.pending)) != lone:
-        fast.canvas.pending.pop(next(iter(fast.canvas.pending)))  # compile only the shape a lone row takes
-    assert fast.warm() and fast.canvas.compiled == {lone: True}
-    again = Diffusion.serving(dlm, options, capacity=4, compile=True)
-    again.canvas.compiled = dict(fast.canvas.compiled)
-    done = again.join([Request(prompt_ids=ps[0], max_new_tokens=24, id=0)])
-    while len(again):
-        done += again.step()
-    assert [(r.job.id, r.tokens, r.nfe) for r in done] == eager[:1] and lone not in again.canvas.pending
-
-
 def test_a_full_batch_refuses_in_one_line(dlm):
     cfg = DiffusionConfig.from_options(max_new_tokens=8, block_size=8)
     dec = Diffusion(dlm, cfg, capacity=1, width=16)
@@ -184,30 +149,6 @@ def test_dream_batch_refuses_what_decode_refuses(dlm):
     with pytest.raises(unmask.UnmaskError, match="stop strings do not apply"):
         dec.join([Request(prompt_ids=[1, 5], max_new_tokens=4, stop=("x",), id=0)])
     assert len(dec) == 0
-
-
-def test_a_compiled_server_runs_no_cache_diffusion_on_a_static_canvas(dlm):
-    """serve --compile: no-cache diffusion requests share a static-canvas batch (a prefix-cache one
-    stays eager), each text as unmask.generate's."""
-    pytest.importorskip("fastapi")
-    from concurrent.futures import ThreadPoolExecutor
-
-    from test_serve import post
-
-    from unmask.serve import create_app
-    from unmask.serve.server import ServerThread
-
-    cases = [("Once upon a time", 16, {}), ("Tom had a red ball", 8, {}), ("The sun", 12, {"cache": "prefix"})]
-    refs = [unmask.generate(p, dlm, "diffusion", max_new_tokens=n, **k).texts[0] for p, n, k in cases]
-    app = create_app(dlm, max_batch_size=4, compile=True)
-    with ServerThread(app) as s:
-        with ThreadPoolExecutor(len(cases)) as pool:
-            texts = list(pool.map(lambda c: post(s.url + "/v1/completions", {"prompt": c[0], "max_tokens": c[1],
-                                                                              "decoder": "diffusion", **c[2]}),
-                                  cases))
-        assert [t[2]["choices"][0]["text"] for t in texts] == refs
-        batches = list(app.state.scheduler.running_batches.values())  # idle: the eager prefix batch is gone
-        assert batches and all(b.static and b.canvas.defer and b.cfg.cache == "none" and b.forwards for b in batches)
 
 
 def test_the_server_runs_dream_requests_in_one_running_batch(dlm):

@@ -85,23 +85,11 @@ def reqs(ps, n, sampling):
                                             ("none", dict(policy="threshold", tau=0.8, eos_early_stop=True))])
 @pytest.mark.parametrize("lockstep", [True, False], ids=["decode", "server"])
 def test_a_diffusion_step_reads_the_host_once(dlm, monkeypatch, sampling, cache, options, lockstep):
-    _diffusion_syncs(dlm, monkeypatch, sampling, cache, options, lockstep=lockstep, width=64)
-
-
-@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("options", [dict(policy="threshold", tau=0.7), dict(policy="top-k", steps=12)])
-def test_a_compiled_server_diffusion_step_reads_the_host_once(dlm, monkeypatch, sampling, options):
-    # serve --compile's no-cache batch: a static canvas, row and width buckets, new shapes eager until idle
-    _diffusion_syncs(dlm, monkeypatch, sampling, "none", options, lockstep=False, width=dlm.context_length,
-                     compile=True, defer_compile=True)
-
-
-def _diffusion_syncs(dlm, monkeypatch, sampling, cache, options, **kw):
     from unmask.decode.diffusion import DiffusionConfig
     from unmask.decode.diffusion_engine import Diffusion
 
     cfg = DiffusionConfig.from_options(max_new_tokens=24, block_size=8, cache=cache, sampler="llada", **options)
-    dec = Diffusion(dlm, cfg, capacity=3, stop_token_ids=(2,), **kw)
+    dec = Diffusion(dlm, cfg, capacity=3, width=64, lockstep=lockstep, stop_token_ids=(2,))
     ps = texts(dlm)
     steps, done = SyncCounter(monkeypatch).drain(dec, [reqs(ps[:2], 24, sampling), reqs(ps[2:], 24, sampling)])
     assert steps > 3 and done == 3

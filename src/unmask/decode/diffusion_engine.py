@@ -69,7 +69,7 @@ class Diffusion(SlotRows):
 
     def __init__(self, bundle, cfg: DiffusionConfig, *, static=False, compile=False, capacity=8, on_step=None,
                  on_token=None, stop_token_ids=None, lockstep=False, width=0, reference_steps=False,
-                 on_forward=None, options: dict | None = None, defer_compile: bool = False):
+                 on_forward=None, options: dict | None = None):
         check_mask_token(bundle, "diffusion")
         check_fast_path(bundle, static, compile, "the diffusion decoder")
         self.bundle, self.cfg, self.options = bundle, cfg, options
@@ -77,7 +77,7 @@ class Diffusion(SlotRows):
         self.on_step, self.on_forward, self.lockstep, self.reference = on_step, on_forward, lockstep, reference_steps
         self.slots = Slots(capacity)
         self.canvas = SlotCanvas(bundle, cfg.cache, capacity, max(width, 1), cfg.block_size, static=static,
-                                 compile=compile, defer=defer_compile)
+                                 compile=compile)
         dev = bundle.device
         ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
         self.stop_ids = tuple(ids)
@@ -88,14 +88,11 @@ class Diffusion(SlotRows):
         self.forwards, self._cohorts = 0, 0
 
     @classmethod
-    def serving(cls, bundle, options: dict | None = None, on_step=None, *, stop_token_ids=None, capacity: int = 64,
-                compile: bool = False):
+    def serving(cls, bundle, options: dict | None = None, on_step=None, *, stop_token_ids=None, capacity: int = 64):
         """The server's running batch for one set of diffusion ``options`` (:data:`OPTIONS`, None =
         default), each row with its own gen length. Raises UnmaskError for an unknown option
         (e.g. ``schedule``, ``compile``), a bad value, or a remote-code model other than Dream's
-        (LLaDA's remote forward takes no positions, so left padding would shift a row's). ``compile``
-        (``serve --compile``), with no cache: a static canvas of the context window whose forwards
-        cover the running rows' row and width buckets, each shape compiled once the server is idle."""
+        (LLaDA's remote forward takes no positions, so left padding would shift a row's)."""
         if is_remote(bundle.model) and bundle.meta.get("family") != "dream":
             raise UnmaskError("a continuous diffusion batch needs explicit positions per row; this checkpoint's "
                               "own model code takes none, so decode it with per-call diffusion batches")
@@ -107,9 +104,7 @@ class Diffusion(SlotRows):
         # validated once on a nominal length that fits any block size; per-row lengths are checked at join
         nominal = options.get("gen_length") or options.get("block_size") or DEFAULT_BLOCK_SIZE
         cfg = DiffusionConfig.from_options(max_new_tokens=nominal if isinstance(nominal, int) else 1, **options)
-        fast = compile and cfg.cache == "none" and supports_cache(bundle)  # a remote model's code runs eagerly
-        fast = dict(compile=True, width=bundle.context_length, defer_compile=True) if fast else {}
-        return cls(bundle, cfg, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids, options=options, **fast)
+        return cls(bundle, cfg, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids, options=options)
 
     @classmethod
     def batches_fit(cls, bundle) -> bool:
@@ -119,10 +114,6 @@ class Diffusion(SlotRows):
             return bundle.kind == "masked-diffusion" and cls.serving(bundle, capacity=1) is not None
         except UnmaskError:
             return False
-
-    def warm(self) -> bool:
-        """The server, no row running: compile one canvas shape that ran eagerly (``defer_compile``)."""
-        return bool(self.static and not self.running and self.canvas.warm())
 
     @property
     def confidence(self) -> str | None:
@@ -172,8 +163,7 @@ class Diffusion(SlotRows):
             return []
         cfg, canvas, dev, mask_id = self.cfg, self.canvas, self.bundle.device, self.bundle.mask_token_id
         Bk, sh, T = cfg.block_size, self.bundle.logit_shift, canvas.width
-        n = self.slots.high if not self.static else self.slots.bucket if self.canvas.defer else self.slots.capacity
-        self.canvas.widest = max(len(r.job.prompt_ids) + r.cfg.gen_length for r in self.running.values())
+        n = self.slots.capacity if self.static else self.slots.high
         rows = [self.running.get(s) for s in range(n)]  # None: a free slot, carried along
         active = [r is not None and not (r.complete and self.lockstep) for r in rows]
         starts = [self._start(r) if r is not None else T - Bk for r in rows]

@@ -140,7 +140,7 @@ class SlotCanvas:
     """
 
     def __init__(self, bundle, mode: str, capacity: int, width: int, block: int | None, *, static: bool = False,
-                 compile: bool = False, defer: bool = False):
+                 compile: bool = False):
         if mode not in CACHE_MODES:
             raise UnmaskError(f"unknown cache {mode!r}; choose one of: {', '.join(CACHE_MODES)}")
         if mode != "none" and not supports_cache(bundle):
@@ -156,11 +156,6 @@ class SlotCanvas:
         self.kept_valid = torch.zeros(C, T, dtype=torch.bool, device=dev)  # (C, T)
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # DynamicKV: (C', H, T, D) per layer
         self.padded = [False] * C  # per slot: its canvas has left padding (known here: no host sync per forward)
-        self.lengths = [T] * C  # per slot: its canvas length (a dummy canvas is all valid)
-        # the server's no-cache canvas (defer): forwards over the running canvases' width bucket; a new
-        # (rows, width, padded, read rows) shape runs eagerly until warm() compiles it with no row running
-        self.defer, self.compiled, self.pending = defer and compile and mode == "none", {}, {}  # compiled: key -> ok
-        self.widest = T  # the widest running canvas (set by the decoder before a deferred forward)
         self.kv = self.canvas = None
         if mode != "none" and self.static:  # kept K/V in [0, T), a forward's queries in [T, 2T)
             self.kv = make_kv(bundle.model, batch=C, capacity=2 * T, static=True, compile=compile)
@@ -194,7 +189,7 @@ class SlotCanvas:
         self.valid[slot] = False
         self.valid[slot, T - C:] = True
         self.kept_valid[slot] = False
-        self.padded[slot], self.lengths[slot] = C < T, C
+        self.padded[slot] = C < T
 
     def _widen(self, d: int) -> None:
         """d more left-padding columns on every slot tensor and kept K/V."""
@@ -232,15 +227,8 @@ class SlotCanvas:
         the columns [lo, hi)."""
         dev, T = self.ids.device, self.width
         if self.mode == "none":
-            off, step, padded = 0, self.canvas, any(self.padded[:n])
-            if self.defer:  # the last Tb columns hold every running canvas (right-aligned) and [lo, hi)
-                off = T - bucket(max(self.widest, T - lo), T)
-                padded = any(length < T - off for length in self.lengths[:n])
-                if not self.compiled.get(key := (n, T - off, padded, hi - lo)):  # not yet, or its compile failed
-                    self.pending.update({} if key in self.compiled else {key: None})
-                    step = canvas_forward(self.bundle.model, False)
-            raw = canvas_call(self.bundle, step, self.ids[:n, off:], self.pos[:n, off:], self.valid[:n, off:],
-                              (lo - off, hi - off), padded=padded)  # (n, hi - lo, V)
+            raw = canvas_call(self.bundle, self.canvas, self.ids[:n], self.pos[:n], self.valid[:n], (lo, hi),
+                              padded=any(self.padded[:n]))  # (n, hi - lo, V)
             return raw, torch.full((n,), lo, device=dev)
         a, b = torch.tensor(w0, device=dev), torch.tensor(w1, device=dev)  # (n,) each
         cols = torch.arange(T, device=dev)  # (T,)
@@ -278,23 +266,6 @@ class SlotCanvas:
         if self.static:
             kv.crop(kv.length - T)
         return raw, (torch.full((n,), q0 + rows[0], device=dev) if q0 is not None else a)
-
-    def warm(self) -> bool:
-        """``defer``: compile the oldest pending (rows, width, padded, read rows) shape by one forward of
-        a dummy canvas (no row may be running). Returns False when nothing is pending; a failed
-        compile re-raises and leaves that shape eager for good."""
-        if not self.pending:
-            return False
-        key = n, Tb, padded, m = next(iter(self.pending))
-        ids = torch.zeros((n, Tb), dtype=torch.long, device=self.ids.device)  # (n, Tb)
-        self.compiled[key] = False  # until it compiled: a failed compile leaves the shape eager
-        try:
-            canvas_call(self.bundle, self.canvas, ids, torch.arange(Tb, device=ids.device).repeat(n, 1),
-                        torch.ones_like(ids, dtype=torch.bool), (0, m), padded=padded)
-            self.compiled[key] = True
-        finally:
-            del self.pending[key]
-        return True
 
     def hide(self, n: int, rows: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor) -> None:
         """Mark the kept K/V of the window [w0, w1) (n,) long each as stale for the ``rows`` (n,) bool:

@@ -13,9 +13,10 @@ events equal its decoder's ``decode`` on its prompt alone, whatever else runs (R
   batches at once. ``compile=True`` runs them on the static cache with the compiled forward (one graph
   per row bucket, query length and length bucket); a new shape runs eagerly (same tokens) until the
   scheduler has been idle IDLE_COMPILE_S (README "Serving"). So do the ``COMPILED`` batches below.
-- ``multiblock``, ``block``, lossy ``sbd``, ``diffusion`` (any cache; Dream's ``schedule``: a ``DreamSchedule``)
-  and ``early-bird`` (any cache, a row's refresh its own) share the continuous batches of ``RUNNING``,
-  one per decoder and options (:meth:`Scheduler._running_kind`).
+- ``multiblock``, ``block``, lossy ``sbd``, ``diffusion`` (any cache; Dream's ``schedule`` in a
+  :class:`~unmask.decode.dream_compat.DreamSchedule`) and ``early-bird`` (any cache, a row's refresh its
+  own) share the continuous batches of ``RUNNING``, one per decoder and options
+  (:meth:`Scheduler._running_kind`).
 - Per call (a remote-code LLaDA, whose forward takes no positions): one ``decode`` over compatible
   queued requests (:mod:`unmask.serve.per_call`), the running decoders stepping after each forward.
 
@@ -60,7 +61,7 @@ def _done(row) -> None:
 # Continuous running batches of the other decoders: batch kind -> class (see Scheduler._running_kind).
 RUNNING = {"multiblock": multiblock_engine.serving_batch, "sbd": lossy_sbd.serving_batch, "block": single_bd.serving_batch,
            "diffusion": Diffusion.serving, "dream": DreamSchedule.serving, "early-bird": EarlyBird.serving}
-COMPILED = ("sbd", "block", "multiblock", "diffusion")  # --compile: these batches (and AR / lossless) compiled
+COMPILED = ("sbd", "block", "multiblock")  # --compile: these running batches (and AR / lossless) on a static cache, compiled
 # The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
 RUNNING_OPTIONS = {"multiblock": multiblock_engine.OPTIONS, "sbd": lossy_sbd.BATCH_OPTIONS,
                    "block": single_bd.BATCH_OPTIONS, "diffusion": DIFFUSION_OPTIONS,
@@ -72,7 +73,7 @@ class Scheduler:
 
     max_batch_size: rows per running batch (and per per-call batch); max_queue: jobs waiting to start
     before ``submit`` refuses with QueueFull; compile: the AR / lossless and ``COMPILED`` batches on
-    static caches, compiled (cached diffusion and early-bird stay eager), and per-call ``compile=True``;
+    static caches, compiled (diffusion and early-bird stay eager), and the per-call ``compile=True``;
     draft_sizes: the load -> K table of sizable requests (None: they keep the checkpoint's K)."""
 
     def __init__(self, bundle, *, max_batch_size: int = 8, max_queue: int = 64, compile: bool = False,
@@ -161,8 +162,7 @@ class Scheduler:
 
     @property
     def pending_compiles(self) -> int:  # /health: step shapes run eagerly, to compile once idle (--compile)
-        stores = [getattr(b, "canvas", None) or b.kv for b in self._batches() if getattr(b, "static", False)]
-        return sum(len(store.pending) for store in stores if store is not None)  # a canvas, or a StaticKV
+        return sum(len(b.kv.pending) for b in self._batches() if getattr(b, "static", False) and b.kv is not None)
 
     def _batches(self) -> list:
         return list(self.verify.values()) + list(self.running_batches.values())
