@@ -75,8 +75,10 @@ def generate_cmd(
     reference_nfe: bool = typer.Option(False, "--reference-nfe", help="dLLM decoders (diffusion, early-bird, block, "
                                        "multiblock): decode the whole canvas as the reference code does, not stopping "
                                        "after the EOS block, so NFE equals theirs (the text is still cut at EOS)"),
-    compile: bool = typer.Option(False, "--compile", help="every decoder: a preallocated static KV cache and a torch.compile'd "
-                                 "step (the first call compiles, ~10-30 s per batch shape on a CPU core; same tokens)"),
+    compile: bool = typer.Option(False, "--compile", help="a preallocated static KV cache (no-cache diffusion and "
+                                 "early-bird: their canvas) and a torch.compile'd step, for every decoder but --schedule "
+                                 "dream (the first call compiles, ~10-30 s per shape on a CPU core, more for a decoder "
+                                 "with several shapes; same tokens)"),
     gen_length: int = typer.Option(None, "--gen-length", help="diffusion: fixed generation length (canvas size)"),
     steps: int = typer.Option(None, "--steps", help="diffusion: total denoising steps (top-k policy, LLaDA; --schedule dream); block: steps per block"),
     cache: str = typer.Option(None, "--cache", help="diffusion: none, prefix or dual (approximate caches)"),
