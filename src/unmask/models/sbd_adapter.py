@@ -100,36 +100,52 @@ class GatedLinear(nn.Module):
         neither tensor changes (their version counters; any forward with gradients drops it),
         recomputed inside a trace and for weights made in inference mode. Edits through
         ``.data`` bypass version counters: call :meth:`SBDAdapter.refresh` after them."""
-        if torch.compiler.is_compiling() or self.delta.is_inference() or self.base.weight.is_inference():
-            return self.base.weight + self.delta  # (inference tensors keep no version counter to key a cache)
-        key = (self.delta._version, self.base.weight._version, self.delta.data_ptr(), self.base.weight.data_ptr())
-        if getattr(self, "_merged_key", None) != key:
+        return self._inference_weights()[1]
+
+    def _inference_weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(W, W + ΔW or None for a low-rank delta, bias) for the decoding path. The cache is a
+        plain attribute checked by identity and version counter: on a tiny model the module
+        attribute lookups of an uncached check cost more than the layer's GEMM."""
+        weight, bias = self.base.weight, self.base.bias
+        delta = self.__dict__["_parameters"].get("delta")
+        if delta is None:
+            return weight, None, bias
+        if torch.compiler.is_compiling() or delta.is_inference() or weight.is_inference():
+            return weight, weight + delta, bias  # (inference tensors keep no version counter to key a cache)
+        key = (weight, delta, weight._version, delta._version, weight.data_ptr(), delta.data_ptr())
+        cached = self.__dict__.get("_merged_cache")
+        if cached is None or len(cached[0]) != len(key) or any(a is not b if isinstance(a, torch.Tensor) else a != b
+                                                                for a, b in zip(cached[0], key)):
             with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable outside inference mode
-                self._merged = self.base.weight + self.delta
-            self._merged_key = key
-        return self._merged
+                cached = self._merged_cache = (key, weight + delta)
+        return weight, cached[1], bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            self._merged_key = None  # a step may follow (a fused optimizer's leaves the version counter as it was)
-        y = self.base(x)  # (B, T, out): the base layer, untouched
+        grad = torch.is_grad_enabled()
+        if grad:
+            self._merged_cache = None  # a step may follow (a fused optimizer's leaves the version counter as it was)
         gate = self._gate
         if gate.mask is None:
-            return y
+            return self.base(x)  # (B, T, out): the base layer, untouched
         if gate.mask.shape != x.shape[:-1]:
             raise UnmaskError(f"gated adapter: gate {tuple(gate.mask.shape)} does not match the layer input "
                               f"{tuple(x.shape)}; the adapter supports Llama/Qwen2/Qwen3 decoder layers only")
         if not gate.any:
-            return y
-        if not torch.is_grad_enabled():
+            return self.base(x)
+        if not grad:
             # inference: a select between the base's own output and the gated one, no gather, no
-            # host sync, static shapes. Ungated rows are ``y`` bit for bit; a full-rank delta runs
-            # as one GEMM with the merged weight (on a tiny model the op count is the cost)
-            if hasattr(self, "delta"):
-                gated = nn.functional.linear(x, self.merged_weight(), self.base.bias)
-            else:
-                gated = y + self.delta_out(x)
+            # host sync, static shapes. Ungated rows are the base's ``linear`` bit for bit; a
+            # full-rank delta runs as one GEMM with the merged weight (on a tiny model the op count
+            # is the cost, so the base layer's module call is skipped too: same op, same operands)
+            weight, merged, bias = self._inference_weights()
+            if merged is not None and torch.compiler.is_compiling():  # one GEMM of [W; W + ΔW]: the graph
+                out = weight.shape[0]  # fuses the select, and on CPU the base's columns come out bit for bit
+                both = nn.functional.linear(x, torch.cat([weight, merged]), None if bias is None else bias.repeat(2))
+                return torch.where(gate.column, both[..., out:], both[..., :out])  # (B, T, out)
+            y = nn.functional.linear(x, weight, bias)  # (B, T, out)
+            gated = nn.functional.linear(x, merged, bias) if merged is not None else y + self.delta_out(x)
             return torch.where(gate.column, gated, y)
+        y = self.base(x)
         rows = gate.rows
         if rows is None:
             return y
@@ -259,7 +275,7 @@ class SBDAdapter:
         counter sees); the next decoding forward merges again."""
         for module in self.model.modules():
             if isinstance(module, GatedLinear):
-                module._merged_key = None
+                module._merged_cache = None
 
     def save_weights(self, directory) -> None:
         from unmask.models.adapter_io import save_adapter_weights
