@@ -11,7 +11,7 @@ from conftest import one_line_error, tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
 from unmask.compat import attention_mask, forward, new_cache
-from unmask.decode import ar, sbd, sbd_verify, tree_verify
+from unmask.decode import ar, sbd, sbd_sampled, sbd_verify, tree_verify
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, sbd_inference_mask
 from unmask.models.mask_token import add_mask_token
@@ -157,7 +157,7 @@ def _ar_distribution(bundle, prompt: list[int], n: int, sampling: Sampling) -> d
     ids = torch.tensor([prompt + list(s) for s in seqs])  # (V^n, P+n)
     logits = forward(bundle.model, ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids))[:, len(prompt) - 1:-1]
     logits[..., bundle.mask_token_id] = float("-inf")
-    probs = sbd_verify._probs(logits, sampling)  # (V^n, n, V+1)
+    probs = sbd_sampled._probs(logits, sampling)  # (V^n, n, V+1)
     picked = probs.gather(2, ids[:, len(prompt):, None])[..., 0].prod(dim=1)  # (V^n,)
     return {s: float(p) for s, p in zip(seqs, picked)}
 
@@ -208,11 +208,11 @@ def test_a_wrong_acceptance_rule_fails_the_distribution_test(sampling_case, monk
     def accept_then_resample_from_p(p, q, draft, draft_len, generator):
         # wrong: after a rejection, draws from p instead of normalize(max(0, p - q))
         a, _ = real(p, q, draft, draft_len, generator)
-        last = sbd_verify._multinomial(p[torch.arange(len(a)), a], generator)
+        last = sbd_sampled._multinomial(p[torch.arange(len(a)), a], generator)
         return a, last
 
-    real = sbd_verify.speculative_accept
-    monkeypatch.setattr(sbd_verify, "speculative_accept", accept_then_resample_from_p)
+    real = sbd_sampled.speculative_accept
+    monkeypatch.setattr(sbd_sampled, "speculative_accept", accept_then_resample_from_p)
     counts, _ = _sample_counts(bundle, prompt, 20_000, sampling, K=3)
     assert _chi_square_p(counts, probs, 20_000) < 1e-3
 

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from unmask.decode import sbd_verify as sv, tree_verify as tv
+from unmask.decode import sbd_sampled as ss, sbd_verify as sv, static, tree_verify as tv
 from unmask.decode.sbd_verify import family, queries
 from unmask.decode.kv import DynamicKV, StaticKV, compact, place
 from unmask.decode.running import Request, Row, Slots, group_by
@@ -67,11 +67,9 @@ class Verify:
         self.on_step, self.on_token, self.on_forward = on_step, on_token, on_forward
         self.static, self.compile = bool(static or compile), bool(compile)
         self.ar, self.default_K = ar, 1 if ar else cfg.block_size  # ar: rows join as AR rows (K = 1)
-        self.mask_id = -1 if bundle.mask_token_id is None else bundle.mask_token_id
-        self.suppress = list(bundle.suppress_ids)
+        self.mask_id, self.suppress = -1 if bundle.mask_token_id is None else bundle.mask_token_id, list(bundle.suppress_ids)
         stop_ids = sorted(set(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids))
-        self.stop_set = set(stop_ids)
-        self.stops = torch.tensor(stop_ids or [-1], dtype=torch.long, device=self.device)  # (S,)
+        self.stop_set, self.stops = set(stop_ids), torch.tensor(stop_ids or [-1], dtype=torch.long, device=self.device)  # (S,)
         self.slots = Slots(capacity)
         self.rows: dict[int, VerifyRow] = {}  # slot -> running row
         self.forwards, self.windows, self.n_sampled = 0, Counter(), 0  # windows: forwards by query window Q; n_sampled: rows not greedy
@@ -89,7 +87,8 @@ class Verify:
         self.live = torch.zeros(cap, dtype=torch.bool, device=dev)  # (cap,)
         self._zero = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) an AR step's a and path (read only)
         self._one = torch.ones((cap, 1, 1), dtype=torch.bool, device=dev)  # (cap, 1, 1) an AR step's window mask
-        self._layouts: dict[int, tv.TreeWindow] = {}  # Kmax -> the window tables of the draft layout
+        self._layouts, self._commits = {}, {}  # Kmax -> the layout's window tables; (R, Q, V, Kmax) -> commit compiled?
+        self._suppress = torch.tensor(self.suppress, dtype=torch.long, device=dev) if self.suppress else None  # (n,)
         if self.static:
             L = length or bundle.context_length + 2 * queries(max(cfg.block_size, 2), cfg.draft, cfg.smaller)
             self.kv = StaticKV(self.model, cap, L, compile=compile, length_buckets=True, cpp_wrapper=True,
@@ -99,8 +98,16 @@ class Verify:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @torch.inference_mode()
     def warm(self) -> bool:  # defer_compile (the server, no row running): compile one shape run eagerly
-        return bool(self.static and not self.rows and self.kv.warm())
+        shape = next(iter(self.kv.pending), None) if self.static and not self.rows else None
+        if shape is None or not self.kv.warm():
+            return False
+        for R, Q, V, Kmax in [k for k, done in self._commits.items() if not done and k[:2] == shape[:2]]:  # its commits
+            z = torch.zeros((R, Q), dtype=torch.long, device=self.device)  # a pure function: dead rows, no buffer changes
+            self._fused((R, Q, V, Kmax), warm=True)(z[..., None].expand(R, Q, V).float().contiguous(), z, self._suppress,
+                self._tables(Kmax), self.K[:R], self.draft_len[:R], self.n[:R], self.N[:R], self.live[:R], self.stops, self.b[:R], Q)
+        return True
 
     def _empty(self) -> None:
         """No row runs: a fresh dynamic cache, or the static one's pointer back at 0."""
@@ -147,7 +154,7 @@ class Verify:
                     gens = req.sampling.row_generators([prompts[i]], self.device)[0]
                 rows.append(VerifyRow(job=req, slot=slot, K=K, generator=gens))
             groups = group_by(enumerate(rows), lambda r: r.job.sampling)  # sampling -> row indices
-            b, s, q, sib = sv.prefill_draws(logits, K, {k: (v, [rows[i].generator for i in v]) for k, v in groups.items()},
+            b, s, q, sib = ss.prefill_draws(logits, K, {k: (v, [rows[i].generator for i in v]) for k, v in groups.items()},
                                             self._tables(K))
             idx = torch.tensor(slots, dtype=torch.long, device=self.device)  # (n,)
             self.kv, self.key_valid = place(self.kv, self.key_valid, new_kv, valid, slots, rows=bool(self.rows))
@@ -155,9 +162,8 @@ class Verify:
             self.slots.give(slots)
             raise
         self.b[idx], self.p_b[idx], self.K[idx] = b, row_len, K
-        self.draft_len[idx], self.n[idx] = K - 1, 1
+        self.draft_len[idx], self.n[idx], self.live[idx] = K - 1, 1, True
         self.N[idx] = torch.tensor([r.max_new_tokens for r in requests], dtype=torch.long, device=self.device)
-        self.live[idx] = True
         if K > 1:
             self.s[idx, : K - 1], self.sib[idx, : sib.shape[1]] = s, sib
             if q is not None:
@@ -226,11 +232,12 @@ class Verify:
         mask = None if causal else torch.cat([self.key_valid[:R, None, :].expand(R, Q, C), m], dim=2)[:, None]  # (R, 1, Q, C+Q)
         logits = self.kv.forward(inp, positions, mask)  # (R, Q, V)
         self.forwards, self.windows[Q] = self.forwards + 1, self.windows[Q] + 1
-        if self.suppress:
-            logits[..., self.suppress] = float("-inf")
-        a, p, step_tok = self._accept(logits, inp, tw, R, Kmax, s, dl)  # (R,), (R,), (R, Kmax)
         rows = (tw, K, dl, self.n[:R], self.N[:R], self.live[:R], self.stops, self.b[:R], Q)
-        self.b[:R], committed, self.n[:R], self.draft_len[:R], keep, host = sv.settle(a, p, step_tok, *rows)
+        if (fused := self._fused((R, Q, logits.shape[2], Kmax))) is not None:  # greedy, compiled: one graph
+            self.s[:R, : Kmax - 1], self.sib[:R, : tw.H], *out = fused(logits, inp, self._suppress, *rows)
+        else:
+            out = sv.settle(*(a_p_tok := self._accept(logits, inp, tw, R, Kmax, s, dl)), *rows)
+        self.b[:R], committed, self.n[:R], self.draft_len[:R], keep, host = out
         self.p_b[:R] += committed
         host = host.tolist()  # the step's one host sync
         kept = max(host[2 * R + i] for i in self.rows)  # window columns some running row keeps
@@ -241,7 +248,7 @@ class Verify:
             cols = torch.cat([cols, cols.new_zeros((self.key_valid.shape[0] - R, kept))])  # (cap, kept)
         self.key_valid = torch.cat([self.key_valid, cols], dim=1)  # (R or cap, C + kept)
         if self.on_forward is not None:
-            self._report(inp, positions, logits, a)
+            self._report(inp, positions, logits, a_p_tok[0])
         finished = []
         for slot, row in list(self.rows.items()):
             c = host[slot]
@@ -255,6 +262,15 @@ class Verify:
                 finished.append(row)
         self._free(finished)
         return finished
+
+    def _fused(self, key: tuple, warm: bool = False):
+        """The compiled :func:`~unmask.decode.sbd_verify.greedy_commit` of a step of shape (R, Q, V, Kmax), or None: eager
+        (not compiled, a sampled row, ``on_forward``, an AR step, or a deferred cache's new shape: :meth:`warm` compiles it)."""
+        if (not self.compile or self.n_sampled or self.on_forward is not None or key[3] == 1
+                or (self.kv.defer and not warm and not self._commits.setdefault(key, False))):
+            return None
+        self._commits[key] = True
+        return static.compiled_pure(sv.greedy_commit, key, cpu=self.device.type == "cpu")
 
     def _event(self, row: VerifyRow, start: int) -> dict:
         """The row's last :func:`unmask.trace.step_event`, from host-side ids (no sync); draft masked."""
@@ -292,9 +308,11 @@ class Verify:
 
     def _accept(self, logits: torch.Tensor, inp: torch.Tensor, tw: tv.TreeWindow, R: int, Kmax: int, s: torch.Tensor,
                 dl: torch.Tensor):
-        """Accept and redraft every slot from the logits (R, Q, V) (spec §1, §5.3): greedy tree acceptance for all,
-        then each sampled group (same sampling and K) by speculative sampling. Returns a, path p (R,), step_tok (R, Kmax)."""
-        dev = self.device
+        """Accept and redraft every slot from the logits (R, Q, V) (spec §1, §5.3; suppressed ids set to -inf in place):
+        greedy tree acceptance for all, then each sampled group (same sampling and K) by speculative sampling.
+        Returns a, path p (R,), step_tok (R, Kmax)."""
+        if self.suppress:
+            logits[..., self.suppress] = float("-inf")
         if Kmax == 1:  # AR rows: nothing to accept or draft, the bonus is the argmax
             a, p, step_tok = self._zero[:R], self._zero[:R], logits.argmax(dim=-1)  # (R,), (R,), (R, 1)
         else:  # greedy acceptance and the next draft (R, Kmax-1) and siblings (R, H) for all
@@ -305,9 +323,9 @@ class Verify:
                    if not k[0].greedy}
         a, p, step_tok = a.clone(), p.clone(), step_tok.clone()
         for (sampling, K), slots in sampled.items():
-            idx = torch.tensor(slots, dtype=torch.long, device=dev)  # (n,)
+            idx = torch.tensor(slots, dtype=torch.long, device=self.device)  # (n,)
             q = None if K == 1 else self.q[idx, : K - 1]
-            a[idx], p[idx], step_tok[idx, :K], s_i, q_i, sib = sv.accept_sampled(
+            a[idx], p[idx], step_tok[idx, :K], s_i, q_i, sib = ss.accept_sampled(
                 logits[idx], q, s[idx, : K - 1], inp[idx], dl[idx], K, tw, sampling, [self.rows[i].generator for i in slots])
             if K > 1:
                 self.s[idx, : K - 1], self.q[idx, : K - 1] = s_i, q_i

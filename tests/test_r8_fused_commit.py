@@ -1,0 +1,110 @@
+"""Compiled greedy lossless SBD runs its acceptance and commit (``lossless.greedy_commit``) as one
+compiled graph beside the forward's. It must give the eager commit's tokens, NFE and accept
+histograms, for chains and sibling trees, alone and in ragged batches; a sampled row keeps the
+eager path; the server's deferred cache compiles it with its forward's shape, never mid-request."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from test_sbd_verify import verify_bundle
+
+from unmask.decode import ar, sbd_verify, static
+from unmask.decode.lossless import Verify
+from unmask.decode.running import Request
+from unmask.decode.sbd_verify import VerifyConfig
+from unmask.sampling import Sampling
+
+_ids = itertools.count()
+
+
+def _req(prompt, n, sampling=Sampling()):
+    return Request(prompt_ids=list(prompt), max_new_tokens=n, sampling=sampling, id=next(_ids))
+
+
+def _fused_calls(monkeypatch):
+    """Count the calls of compiled greedy commits (any key)."""
+    calls, real = [], static.compiled_pure
+
+    def counting(fn, key, **kw):
+        compiled = real(fn, key, **kw)
+        return lambda *a: calls.append(key) or compiled(*a)
+
+    monkeypatch.setattr(static, "compiled_pure", counting)
+    return calls
+
+
+@pytest.mark.parametrize("draft", ["linear", "3/0,2,3/4", "3/0,2/4+1c1g3+1"])
+def test_compiled_commit_equals_the_eager_commit_and_ar(monkeypatch, draft):
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
+    prompts = [[1, 4, 5], [1, 6, 2, 2], [1, 3]]
+    kw = dict(max_new_tokens=20, draft=draft, block_size=4)
+    eager = sbd_verify.decode(bundle, prompts, **kw, static=True)
+    calls = _fused_calls(monkeypatch)
+    fused = sbd_verify.decode(bundle, prompts, **kw, compile=True)
+    assert calls, "the compiled decode never ran the fused commit"
+    assert fused.tokens == eager.tokens == ar.decode(bundle, prompts, max_new_tokens=20).tokens
+    assert fused.stats.nfe_per_row == eager.stats.nfe_per_row
+    for key in ("accepts", "accepted_drafts", "query_windows"):
+        assert fused.stats.extra[key] == eager.stats.extra[key], key
+    assert max(fused.stats.extra["accepts"]) > 1  # multi-token accepts happened
+
+
+def test_a_sampled_row_keeps_the_eager_commit(monkeypatch):
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
+    calls = _fused_calls(monkeypatch)
+    batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128)
+    batch.join([_req([1, 4, 5], 8), _req([1, 6], 8, Sampling(temperature=1.0, seed=3))])
+    while len(batch):
+        batch.step()
+    assert not calls
+
+
+def test_deferred_cache_compiles_the_commit_with_its_forward_shape_while_no_row_runs(monkeypatch):
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
+    batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128, defer_compile=True)
+    calls = _fused_calls(monkeypatch)
+    prompt = [1, 5, 3, 6]
+    want = ar.decode(bundle, [prompt], max_new_tokens=12).tokens[0]
+
+    def run():
+        done = batch.join([_req(prompt, 12)])
+        while len(batch):
+            assert not batch.warm()  # never while a row runs
+            done += batch.step()
+        return done[0].tokens
+
+    assert run() == want and not calls
+    pending = [k for k, done in batch._commits.items() if not done]
+    assert pending and all(k[:2] in {s[:2] for s in batch.kv.pending} for k in pending)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    while batch.warm():
+        pass
+    assert all(batch._commits.values()) and not batch.kv.pending
+    warmed = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    calls.clear()
+    assert run() == want and calls
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == warmed  # no compile mid-request
+
+
+def test_greedy_commit_is_the_eager_acceptance_then_settle():
+    """The pure function the graph compiles, run eagerly, against acceptance and settle called as
+    the eager step calls them (suppressed ids at -inf in place first)."""
+    cfg = VerifyConfig(block_size=4, draft="3/0,2/4+1c1g3+1")
+    tw = sbd_verify.tables(cfg.draft, 4, cfg.smaller)
+    R, Q, V = 3, sbd_verify.queries(4, cfg.draft), 9
+    g = torch.Generator().manual_seed(0)
+    logits, inp = torch.randn((R, Q, V), generator=g), torch.randint(0, 8, (R, Q), generator=g)
+    K, dl = torch.tensor([4, 4, 2]), torch.tensor([3, 1, 1])
+    n, N, live = torch.tensor([1, 5, 2]), torch.tensor([20, 6, 20]), torch.tensor([True, True, False])
+    stops, b, suppress = torch.tensor([2]), torch.tensor([4, 5, 6]), torch.tensor([8])
+    got = sbd_verify.greedy_commit(logits, inp, suppress, tw, K, dl, n, N, live, stops, b, Q)
+    ref_logits = logits.clone()
+    ref_logits[..., [8]] = float("-inf")
+    a, p, step_tok, draft, sib = sbd_verify.greedy_step(ref_logits, inp, tw, K, dl)
+    want = (draft, sib, *sbd_verify.settle(a, p, step_tok, tw, K, dl, n, N, live, stops, b, Q))
+    assert len(got) == len(want) == 8
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
