@@ -15,6 +15,7 @@ from unmask.decode import ar, sbd_verify, static
 from unmask.decode.lossless import Verify
 from unmask.decode.running import Request
 from unmask.decode.sbd_verify import VerifyConfig
+from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 
 _ids = itertools.count()
@@ -108,3 +109,86 @@ def test_greedy_commit_is_the_eager_acceptance_then_settle():
     assert len(got) == len(want) == 8
     for x, y in zip(got, want):
         assert torch.equal(x, y)
+
+
+def test_a_commit_whose_forward_shape_compiled_during_a_sampled_run_still_compiles_when_idle(monkeypatch):
+    # the forward shape compiles while only a sampled row runs (its commit stays eager); a later greedy
+    # row records the commit, which /health counts and the next idle warm() compiles
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
+    batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128, defer_compile=True)
+    calls = _fused_calls(monkeypatch)
+    prompt = [1, 5, 3, 6]
+
+    def run(sampling=Sampling()):
+        done = batch.join([_req(prompt, 12, sampling)])
+        while len(batch):
+            done += batch.step()
+        return done[0].tokens
+
+    run(Sampling(temperature=0.8, seed=7))
+    while batch.warm():
+        pass
+    assert not batch.kv.pending and not batch._commits
+    want = ar.decode(bundle, [prompt], max_new_tokens=12).tokens[0]
+    assert run() == want and not calls and batch.pending_commits == 1
+    seen = []
+    real = static.compiled_pure
+
+    def watching(fn, key, **kw):  # while it compiles, the commit still counts as pending
+        compiled = real(fn, key, **kw)
+        return lambda *a: seen.append(batch.pending_commits) or compiled(*a)
+
+    monkeypatch.setattr(static, "compiled_pure", watching)
+    assert batch.warm() and seen == [1] and batch.pending_commits == 0 and not batch.warm()
+    monkeypatch.setattr(static, "compiled_pure", real)
+    calls = _fused_calls(monkeypatch)
+    assert run() == want and calls
+
+
+def test_a_commit_that_fails_to_compile_stays_eager_and_is_not_pending(monkeypatch):
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
+    batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128, defer_compile=True)
+    prompt = [1, 5, 3, 6]
+    want = ar.decode(bundle, [prompt], max_new_tokens=12).tokens[0]
+
+    def run():
+        done = batch.join([_req(prompt, 12)])
+        while len(batch):
+            done += batch.step()
+        return done[0].tokens
+
+    assert run() == want
+    while batch.kv.pending:
+        batch.warm()
+
+    def broken(fn, key, **kw):
+        def fail(*a):
+            raise RuntimeError("inductor failed")
+        return fail
+
+    monkeypatch.setattr(static, "compiled_pure", broken)
+    with pytest.raises(RuntimeError, match="inductor failed"):
+        batch.warm()
+    assert batch.pending_commits == 0 and not batch.warm()
+    assert run() == want  # eager commit
+
+
+def test_a_row_whose_draft_window_does_not_fit_is_refused_before_joining():
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
+    ctx = bundle.context_length
+    batch = Verify(bundle, VerifyConfig(block_size=4, draft="quadratic"), compile=True, capacity=4, length=128)
+    running = batch.join([_req([1, 5, 3], 20)])
+    assert not running and len(batch) == 1
+    K = 10  # quadratic: K + K^2 = 110 queries; with 23 tokens of the running row: past the 128 columns
+    with pytest.raises(UnmaskError, match="does not fit the static KV cache of 128; lower block_size or max_tokens"):
+        batch.join([_req([1, 6], 4)], block_size=K)
+    assert len(batch) == 1 and batch.slots.free == 3  # nothing joined, no slot taken
+    done = []
+    while len(batch):
+        done += batch.step()
+    assert done[0].tokens == ar.decode(bundle, [[1, 5, 3]], max_new_tokens=20).tokens[0]
+    eager = Verify(bundle, VerifyConfig(block_size=4, draft="quadratic"), capacity=2)
+    big = next(k for k in range(2, 64) if k + k * k > ctx)
+    with pytest.raises(UnmaskError, match=f"query tokens per forward, more than the context window of {ctx}"):
+        eager.join([_req([1, 6], 4)], block_size=big)
+    assert not len(eager)

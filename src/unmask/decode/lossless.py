@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 
@@ -99,15 +98,28 @@ class Verify:
         return len(self.rows)
 
     @torch.inference_mode()
-    def warm(self) -> bool:  # defer_compile (the server, no row running): compile one shape run eagerly
-        shape = next(iter(self.kv.pending), None) if self.static and not self.rows else None
-        if shape is None or not self.kv.warm():
+    def warm(self) -> bool:
+        """defer_compile (the server, no row running): compile one step shape run eagerly, else one greedy
+        commit graph run eagerly (a pure function: called on dead rows, no buffer changes). False: none left."""
+        if not self.static or self.rows:
             return False
-        for R, Q, V, Kmax in [k for k, done in self._commits.items() if not done and k[:2] == shape[:2]]:  # its commits
-            z = torch.zeros((R, Q), dtype=torch.long, device=self.device)  # a pure function: dead rows, no buffer changes
-            self._fused((R, Q, V, Kmax), warm=True)(z[..., None].expand(R, Q, V).float().contiguous(), z, self._suppress,
-                self._tables(Kmax), self.K[:R], self.draft_len[:R], self.n[:R], self.N[:R], self.live[:R], self.stops, self.b[:R], Q)
+        if self.kv.pending:
+            return self.kv.warm()
+        if (key := next((k for k, done in self._commits.items() if done is False), None)) is None:
+            return False
+        (R, Q, V, Kmax), z = key, torch.zeros((key[0], key[1]), dtype=torch.long, device=self.device)
+        try:  # pending (False) until compiled: /health counts it
+            self._fused(key, warm=True)(z[..., None].expand(R, Q, V).float().contiguous(), z, self._suppress, self._tables(Kmax),
+                                        self.K[:R], self.draft_len[:R], self.n[:R], self.N[:R], self.live[:R], self.stops, self.b[:R], Q)
+        except Exception:
+            self._commits[key] = None  # its compile failed: it stays eager for good
+            raise
+        self._commits[key] = True
         return True
+
+    @property
+    def pending_commits(self) -> int:  # /health counts them with the step shapes to compile
+        return sum(done is False for done in self._commits.values())
 
     def _empty(self) -> None:
         """No row runs: a fresh dynamic cache, or the static one's pointer back at 0."""
@@ -133,6 +145,8 @@ class Verify:
             raise UnmaskError("lossless SBD needs a model with a mask token; drop the draft size or load an SBD model")
         if not requests:
             return []
+        self.cfg.check_rows(K, self.bundle.context_length, self.kv.capacity if self.static else None,
+                            [*requests, *(r.job for r in self.rows.values())], [r.K for r in self.rows.values()])
         self._widen(K)  # then the slots, which a failed prefill gives back (a step covers [0, high))
         slots = self.slots.take(len(requests))
         try:
@@ -248,7 +262,7 @@ class Verify:
             cols = torch.cat([cols, cols.new_zeros((self.key_valid.shape[0] - R, kept))])  # (cap, kept)
         self.key_valid = torch.cat([self.key_valid, cols], dim=1)  # (R or cap, C + kept)
         if self.on_forward is not None:
-            self._report(inp, positions, logits, a_p_tok[0])
+            sv.report(self, inp, positions, logits, a_p_tok[0])
         finished = []
         for slot, row in list(self.rows.items()):
             c = host[slot]
@@ -269,7 +283,8 @@ class Verify:
         if (not self.compile or self.n_sampled or self.on_forward is not None or key[3] == 1
                 or (self.kv.defer and not warm and not self._commits.setdefault(key, False))):
             return None
-        self._commits[key] = True
+        if not warm:
+            self._commits[key] = True
         return static.compiled_pure(sv.greedy_commit, key, cpu=self.device.type == "cpu")
 
     def _event(self, row: VerifyRow, start: int) -> dict:
@@ -333,15 +348,6 @@ class Verify:
                 self.sib[idx, : tw.H] = sib
         return a, p, step_tok
 
-    def _report(self, inp, positions, logits, a) -> None:
-        """``on_forward`` (tests): the step's per-row tensors and the cache, for the live slots in order."""
-        live = sorted(self.rows)
-        at = torch.tensor(live, dtype=torch.long, device=self.device)
-        cache = SimpleNamespace(layers=[SimpleNamespace(keys=k[at], values=v[at]) for k, v in self.kv.layers()])
-        self.on_forward({"step": self.forwards - 1, "inp": inp[at], "positions": positions[at], "logits": logits[at],
-                         "cache": cache, "key_valid": self.key_valid[at], "accepted": a[at],
-                         "rows": [self.rows[i].job.id for i in live], "committed": self.n[at].clone()})
-
     def _settle(self, row: VerifyRow, start: int) -> bool:
         """Update ``row.tokens`` (calling ``on_token`` per new token) after a commit (``start``: its
         committed count before); True when the row ends: a stop token, a stop string completed by a
@@ -385,16 +391,7 @@ class Verify:
         self.key_valid[[s for s in slots if s < self.key_valid.shape[0]]] = False
 
     def stats_extra(self, rows: list[VerifyRow]) -> dict:
-        """``sbd_verify.decode``'s extra for finished ``rows`` (request order): accept histograms, layout,
-        block size, row extras; ``compiled`` and ``static_cache`` when static (only those with ``ar``)."""
-        static = {"compiled": self.compile, "static_cache": self.kv.capacity} if self.static else {}
-        if self.ar:
-            return static
-        accepts = Counter(c for r in rows for c in r.accepts)
-        drafted = Counter(c - 1 for r in rows for c in r.accepts[1:])  # accepted draft tokens per verify forward
-        return {"verify": True, "draft": self.cfg.draft, "block_size": self.cfg.block_size,
-                "accepts": dict(sorted(accepts.items())), "accepted_drafts": dict(sorted(drafted.items())),
-                "query_windows": dict(sorted(self.windows.items())), "row_extra": [r.extra for r in rows], **static}
+        return sv.stats_extra(self, rows)
 
 
 __all__ = ["Verify", "VerifyRow"]

@@ -27,9 +27,11 @@ applies them is :class:`unmask.decode.lossless.Verify` (AR is its K = 1 case).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -102,6 +104,19 @@ class VerifyConfig:
             raise UnmaskError(f"draft layout {self.draft} at draft size {self.block_size} needs {mib:,.0f} MiB of step "
                               f"tables, more than the {MAX_TABLE_MIB} MiB allowed; use fewer draft tokens or shorter "
                               "groups (e.g. --draft budget)")
+
+    def check_rows(self, K: int, context_length: int, capacity: int | None = None, jobs=(), sizes=()) -> None:
+        """Raise UnmaskError unless rows of draft size K can join a running batch of this config:
+        :meth:`check_fits` at K and, on a static cache of ``capacity`` columns, the longest request's
+        prompt and new tokens (``jobs``: those joining and running) plus the widest step window
+        (``sizes``: the running rows' draft sizes)."""
+        if K > self.block_size:
+            dataclasses.replace(self, block_size=K).check_fits(context_length)
+        longest = max((len(j.prompt_ids) + j.max_new_tokens for j in jobs), default=0)
+        if capacity is not None and longest + (Q := queries(max([K, *sizes]), self.draft, self.smaller)) > capacity:
+            raise UnmaskError(f"a request of {longest} tokens (prompt and max_tokens) with a step window of {Q} queries "
+                              f"does not fit the static KV cache of {capacity}; lower block_size or max_tokens, or run "
+                              "without --compile")
 
     @property
     def budgeted(self) -> bool:
@@ -246,6 +261,30 @@ def prefill_inputs(bundle, prompts: list[list[int]], K: int):
     m[P:, P:] = True  # the group is bidirectional and sees the whole prompt
     kv_valid = torch.cat([valid, valid.new_ones(B, K)], dim=1)  # (B, P+K)
     return inp, positions, m, kv_valid, valid, row_len
+
+
+def stats_extra(batch, rows: list) -> dict:
+    """:class:`~unmask.decode.lossless.Verify`'s ``stats_extra`` for finished ``rows`` (request order): accept
+    histograms, layout, block size, query windows, row extras; ``compiled`` and ``static_cache`` when static
+    (only those for an ``ar`` batch)."""
+    static = {"compiled": batch.compile, "static_cache": batch.kv.capacity} if batch.static else {}
+    if batch.ar:
+        return static
+    accepts = Counter(c for r in rows for c in r.accepts)
+    drafted = Counter(c - 1 for r in rows for c in r.accepts[1:])  # accepted draft tokens per verify forward
+    return {"verify": True, "draft": batch.cfg.draft, "block_size": batch.cfg.block_size,
+            "accepts": dict(sorted(accepts.items())), "accepted_drafts": dict(sorted(drafted.items())),
+            "query_windows": dict(sorted(batch.windows.items())), "row_extra": [r.extra for r in rows], **static}
+
+
+def report(batch, inp, positions, logits, a) -> None:
+    """Verify's ``on_forward`` (tests): a step's per-row tensors and the cache, for the live slots in order."""
+    live = sorted(batch.rows)
+    at = torch.tensor(live, dtype=torch.long, device=batch.device)
+    cache = SimpleNamespace(layers=[SimpleNamespace(keys=k[at], values=v[at]) for k, v in batch.kv.layers()])
+    batch.on_forward({"step": batch.forwards - 1, "inp": inp[at], "positions": positions[at], "logits": logits[at],
+                      "cache": cache, "key_valid": batch.key_valid[at], "accepted": a[at],
+                      "rows": [batch.rows[i].job.id for i in live], "committed": batch.n[at].clone()})
 
 
 @torch.inference_mode()
