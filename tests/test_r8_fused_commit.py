@@ -189,6 +189,7 @@ def test_a_row_whose_draft_window_does_not_fit_is_refused_before_joining():
     assert done[0].tokens == ar.decode(bundle, [[1, 5, 3]], max_new_tokens=20).tokens[0]
     eager = Verify(bundle, VerifyConfig(block_size=4, draft="quadratic"), capacity=2)
     big = next(k for k in range(2, 64) if k + k * k > ctx)
-    with pytest.raises(UnmaskError, match=f"query tokens per forward, more than the context window of {ctx}"):
+    with pytest.raises(UnmaskError, match=f"block size {big} with draft layout quadratic needs {big + big * big} positions "
+                       f"per forward, more than the context window of {ctx}; lower block_size"):
         eager.join([_req([1, 6], 4)], block_size=big)
     assert not len(eager)

@@ -110,8 +110,11 @@ class VerifyConfig:
         :meth:`check_fits` at K and, on a static cache of ``capacity`` columns, the longest request's
         prompt and new tokens (``jobs``: those joining and running) plus the widest step window
         (``sizes``: the running rows' draft sizes)."""
+        if K > self.block_size and (Q := max(queries(K, self.draft, self.smaller), 2 * K)) > context_length:
+            raise UnmaskError(f"block size {K} with draft layout {self.draft} needs {Q} positions per forward, more "
+                              f"than the context window of {context_length}; lower block_size")
         if K > self.block_size:
-            dataclasses.replace(self, block_size=K).check_fits(context_length)
+            dataclasses.replace(self, block_size=K).check_fits(context_length)  # its step tables
         longest = max((len(j.prompt_ids) + j.max_new_tokens for j in jobs), default=0)
         if capacity is not None and longest + (Q := queries(max([K, *sizes]), self.draft, self.smaller)) > capacity:
             raise UnmaskError(f"a request of {longest} tokens (prompt and max_tokens) with a step window of {Q} queries "
