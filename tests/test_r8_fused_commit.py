@@ -193,3 +193,23 @@ def test_a_row_whose_draft_window_does_not_fit_is_refused_before_joining():
                        f"per forward, more than the context window of {ctx}; lower block_size"):
         eager.join([_req([1, 6], 4)], block_size=big)
     assert not len(eager)
+
+
+def test_on_a_cache_sized_for_the_context_window_a_row_fits_or_not_by_itself():
+    # the server's batches (no explicit length): any request up to the context window joins whatever the
+    # running rows' draft sizes; a draft size whose window cannot sit beside such a request is refused alone
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
+    ctx = bundle.context_length
+    batch = Verify(bundle, VerifyConfig(block_size=4, draft="quadratic"), compile=True, capacity=4, defer_compile=True)
+    spare = batch.kv.capacity - ctx  # columns past the context window
+    fits = max(k for k in range(2, 64) if k + k * k <= spare)
+    assert not batch.join([_req([1, 5, 3], 6)], block_size=fits)
+    long = [1] + [3, 4, 5, 6] * ((ctx - 8) // 4)
+    assert not batch.join([_req(long, ctx - len(long))])  # a whole context window beside the widest running window
+    with pytest.raises(UnmaskError, match="does not fit the static KV cache"):
+        batch.join([_req([1, 6], 4)], block_size=fits + 1)
+    done = []
+    while len(batch):
+        done += batch.step()
+    want = ar.decode(bundle, [[1, 5, 3], long], max_new_tokens=6).tokens[0]
+    assert sorted(len(r.tokens) for r in done) == [6, ctx - len(long)] and want in [r.tokens for r in done]

@@ -88,6 +88,7 @@ class Verify:
         self._one = torch.ones((cap, 1, 1), dtype=torch.bool, device=dev)  # (cap, 1, 1) an AR step's window mask
         self._layouts, self._commits = {}, {}  # Kmax -> the layout's window tables; (R, Q, V, Kmax) -> commit compiled?
         self._suppress = torch.tensor(self.suppress, dtype=torch.long, device=dev) if self.suppress else None  # (n,)
+        self.sized_for = None if length else bundle.context_length  # the longest row a static cache must hold
         if self.static:
             L = length or bundle.context_length + 2 * queries(max(cfg.block_size, 2), cfg.draft, cfg.smaller)
             self.kv = StaticKV(self.model, cap, L, compile=compile, length_buckets=True, cpp_wrapper=True,
@@ -145,8 +146,10 @@ class Verify:
             raise UnmaskError("lossless SBD needs a model with a mask token; drop the draft size or load an SBD model")
         if not requests:
             return []
-        self.cfg.check_rows(K, self.bundle.context_length, self.kv.capacity if self.static else None,
-                            [*requests, *(r.job for r in self.rows.values())], [r.K for r in self.rows.values()])
+        running = list(self.rows.values())
+        longest = self.sized_for or max(len(j.prompt_ids) + j.max_new_tokens for j in [*requests, *(r.job for r in running)])
+        self.cfg.check_rows(K, self.bundle.context_length, self.kv.capacity if self.static else None, longest,
+                            [] if self.sized_for else [r.K for r in running])
         self._widen(K)  # then the slots, which a failed prefill gives back (a step covers [0, high))
         slots = self.slots.take(len(requests))
         try:

@@ -105,21 +105,21 @@ class VerifyConfig:
                               f"tables, more than the {MAX_TABLE_MIB} MiB allowed; use fewer draft tokens or shorter "
                               "groups (e.g. --draft budget)")
 
-    def check_rows(self, K: int, context_length: int, capacity: int | None = None, jobs=(), sizes=()) -> None:
+    def check_rows(self, K: int, context_length: int, capacity: int | None = None, longest: int = 0, sizes=()) -> None:
         """Raise UnmaskError unless rows of draft size K can join a running batch of this config:
-        :meth:`check_fits` at K and, on a static cache of ``capacity`` columns, the longest request's
-        prompt and new tokens (``jobs``: those joining and running) plus the widest step window
-        (``sizes``: the running rows' draft sizes)."""
+        :meth:`check_fits` at K and, on a static cache of ``capacity`` columns, the longest row's
+        prompt and new tokens (``longest``) plus the widest step window (of K and ``sizes``, the
+        running rows' draft sizes). A cache sized for the context window passes ``longest`` =
+        ``context_length`` and no sizes, so whether a row fits depends on that row alone."""
         if K > self.block_size and (Q := max(queries(K, self.draft, self.smaller), 2 * K)) > context_length:
             raise UnmaskError(f"block size {K} with draft layout {self.draft} needs {Q} positions per forward, more "
                               f"than the context window of {context_length}; lower block_size")
         if K > self.block_size:
             dataclasses.replace(self, block_size=K).check_fits(context_length)  # its step tables
-        longest = max((len(j.prompt_ids) + j.max_new_tokens for j in jobs), default=0)
         if capacity is not None and longest + (Q := queries(max([K, *sizes]), self.draft, self.smaller)) > capacity:
-            raise UnmaskError(f"a request of {longest} tokens (prompt and max_tokens) with a step window of {Q} queries "
-                              f"does not fit the static KV cache of {capacity}; lower block_size or max_tokens, or run "
-                              "without --compile")
+            raise UnmaskError(f"a row of {longest} tokens (prompt and max_tokens) with a step window of {Q} queries does "
+                              f"not fit the static KV cache of {capacity}; lower block_size or max_tokens, or run without "
+                              "--compile")
 
     @property
     def budgeted(self) -> bool:
