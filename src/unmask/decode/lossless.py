@@ -109,9 +109,10 @@ class Verify:
         if (key := next((k for k, done in self._commits.items() if done is False), None)) is None:
             return False
         (R, Q, V, Kmax), z = key, torch.zeros((key[0], key[1]), dtype=torch.long, device=self.device)
+        commit = static.compiled_pure(sv.greedy_commit, key, cpu=self.device.type == "cpu")
         try:  # pending (False) until compiled: /health counts it
-            self._fused(key, warm=True)(z[..., None].expand(R, Q, V).float().contiguous(), z, self._suppress, self._tables(Kmax),
-                                        self.K[:R], self.draft_len[:R], self.n[:R], self.N[:R], self.live[:R], self.stops, self.b[:R], Q)
+            commit(z[..., None].expand(R, Q, V).float().contiguous(), z, self._suppress, self._tables(Kmax), self.K[:R],
+                   self.draft_len[:R], self.n[:R], self.N[:R], self.live[:R], self.stops, self.b[:R], Q)
         except Exception:
             self._commits[key] = None  # its compile failed: it stays eager for good
             raise
@@ -280,14 +281,12 @@ class Verify:
         self._free(finished)
         return finished
 
-    def _fused(self, key: tuple, warm: bool = False):
+    def _fused(self, key: tuple):
         """The compiled :func:`~unmask.decode.sbd_verify.greedy_commit` of a step of shape (R, Q, V, Kmax), or None: eager
         (not compiled, a sampled row, ``on_forward``, an AR step, or a deferred cache's new shape: :meth:`warm` compiles it)."""
         if (not self.compile or self.n_sampled or self.on_forward is not None or key[3] == 1
-                or (self.kv.defer and not warm and not self._commits.setdefault(key, False))):
+                or (self.kv.defer and not self._commits.setdefault(key, False))):
             return None
-        if not warm:
-            self._commits[key] = True
         return static.compiled_pure(sv.greedy_commit, key, cpu=self.device.type == "cpu")
 
     def _event(self, row: VerifyRow, start: int) -> dict:

@@ -111,10 +111,10 @@ class VerifyConfig:
         prompt and new tokens (``longest``) plus the widest step window (of K and ``sizes``, the
         running rows' draft sizes). A cache sized for the context window passes ``longest`` =
         ``context_length`` and no sizes, so whether a row fits depends on that row alone."""
-        if K > self.block_size and (Q := max(queries(K, self.draft, self.smaller), 2 * K)) > context_length:
-            raise UnmaskError(f"block size {K} with draft layout {self.draft} needs {Q} positions per forward, more "
-                              f"than the context window of {context_length}; lower block_size")
         if K > self.block_size:
+            if (Q := max(queries(K, self.draft, self.smaller), 2 * K)) > context_length:
+                raise UnmaskError(f"block size {K} with draft layout {self.draft} needs {Q} positions per forward, more "
+                                  f"than the context window of {context_length}; lower block_size")
             dataclasses.replace(self, block_size=K).check_fits(context_length)  # its step tables
         if capacity is not None and longest + (Q := queries(max([K, *sizes]), self.draft, self.smaller)) > capacity:
             raise UnmaskError(f"a row of {longest} tokens (prompt and max_tokens) with a step window of {Q} queries does "

@@ -112,13 +112,12 @@ class GatedLinear(nn.Module):
             return weight, None, bias
         if torch.compiler.is_compiling() or delta.is_inference() or weight.is_inference():
             return weight, weight + delta, bias  # (inference tensors keep no version counter to key a cache)
-        key = (weight, delta, weight._version, delta._version, weight.data_ptr(), delta.data_ptr())
-        cached = self.__dict__.get("_merged_cache")
-        if cached is None or len(cached[0]) != len(key) or any(a is not b if isinstance(a, torch.Tensor) else a != b
-                                                                for a, b in zip(cached[0], key)):
+        stamp = (weight._version, delta._version, weight.data_ptr(), delta.data_ptr())
+        cached = self.__dict__.get("_merged_cache")  # (W, ΔW, stamp, W + ΔW)
+        if cached is None or cached[0] is not weight or cached[1] is not delta or cached[2] != stamp:
             with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable outside inference mode
-                cached = self._merged_cache = (key, weight + delta)
-        return weight, cached[1], bias
+                cached = self._merged_cache = (weight, delta, stamp, weight + delta)
+        return weight, cached[3], bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         grad = torch.is_grad_enabled()
