@@ -93,12 +93,22 @@ def wait_for_compiles(url: str, seconds: float = 900.0) -> None:
         time.sleep(1.0)
 
 
+def body(decoder: str) -> dict:
+    """The request's extra body for a decoder spec ``NAME[:OPTION=VALUE+...]`` (e.g. ``diffusion:cache=dual``)."""
+    name, _, opts = decoder.partition(":")
+    extra = {"decoder": name}
+    for item in filter(None, opts.split("+")):
+        key, _, value = item.partition("=")
+        extra[key] = int(value) if value.isdigit() else value
+    return extra
+
+
 async def one(client, model: str, prompt: str, decoder: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     ttft, parts, usage = None, [], None
     try:
         stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
-                                                 temperature=0, extra_body={"decoder": decoder})
+                                                 temperature=0, extra_body=body(decoder))
         async for chunk in stream:
             text = chunk.choices[0].text if chunk.choices else ""
             if text and ttft is None:
@@ -170,7 +180,8 @@ def main() -> None:
     ap.add_argument("--level-seconds", type=float, default=180.0, help="stop launching requests after this")
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--draft-sizes", default=None, help="the server's --draft-sizes table (default: its own)")
-    ap.add_argument("--decoders", default="ar,default", help="'default' is the model's default decoder")
+    ap.add_argument("--decoders", default="ar,default", help="'default' is the model's default decoder; "
+                    "NAME:OPTION=VALUE+... adds request options (e.g. diffusion:cache=dual+block_size=32)")
     ap.add_argument("--smoke", action="store_true", help="1 and 4 streams, 4 requests of 8 tokens")
     ap.add_argument("--compile", action="store_true", help="serve with --compile (static KV cache, compiled step)")
     ap.add_argument("--compile-vs-eager", action="store_true",
@@ -203,7 +214,7 @@ def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> d
     try:
         info = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())["data"][0]
         decoders = [info["default_decoder"] if d == "default" else d for d in args.decoders.split(",")]
-        decoders = [d for d in dict.fromkeys(decoders) if d in info["decoders"]]
+        decoders = [d for d in dict.fromkeys(decoders) if d.partition(":")[0] in info["decoders"]]
         asyncio.run(level(url, info["id"], decoders[0], 1, 2, max_tokens, 60))  # warm-up
         wait_for_compiles(url)
         before = proc_status(proc.pid)

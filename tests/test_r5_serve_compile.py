@@ -230,7 +230,8 @@ def test_serve_compile_builds_the_ar_lossless_batch_compiled_with_buckets_and_na
     text = " ".join(out.replace("│", " ").split())
     assert code == 0
     for eager in ("ar / lossless sbd, block, multiblock and lossy sbd running batches",
-                  "diffusion, early-bird and Dream's schedule stay eager", "buckets"):
+                  "diffusion with the dual cache",
+                  "diffusion's other caches, early-bird and Dream's schedule stay eager", "buckets"):
         assert eager in text, eager
 
 

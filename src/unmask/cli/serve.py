@@ -14,9 +14,10 @@ def serve_cmd(
     adapter: str = typer.Option(None, "--adapter", help="gated SBD adapter: a name the model ships (e.g. sbd) or a "
                                 "directory; lossless sbd then serves the base model's own output"),
     compile: bool = typer.Option(False, "--compile", help="the ar / lossless sbd, block, multiblock and lossy sbd "
-                                 "running batches on a static KV cache with a compiled step over row and length buckets "
-                                 "(a new shape runs eagerly, then compiles once while the server is idle, ~10-20 s on a "
-                                 "CPU core); diffusion, early-bird and Dream's schedule stay eager (README 'Serving')"),
+                                 "running batches, and diffusion with the dual cache, on a static KV cache with a "
+                                 "compiled step over row and length buckets (a new shape runs eagerly, then compiles once "
+                                 "while the server is idle, ~5-20 s on a CPU core); diffusion's other caches, early-bird "
+                                 "and Dream's schedule stay eager (README 'Serving')"),
     draft_sizes: str = typer.Option(None, "--draft-sizes", metavar="ROWS:K,...|auto|off",
                                     help="lossless sbd: draft block size K by running-batch rows (K = 1: plain AR "
                                     "steps, same output); default auto: the served layout, its 8-query stored layout from 3 rows, "

@@ -20,8 +20,8 @@ import torch
 from unmask.decode.canvas_common import (check_canvas, check_mask_token, early_stop_in, finish, row_generator,
                                          serving_options, stop_string_in)
 from unmask.decode.diffusion import CANVAS_HINT, DEFAULT_BLOCK_SIZE, DiffusionConfig, llada_quota
-from unmask.decode.dllm_cache import SlotCanvas, check_fast_path
-from unmask.decode.running import Request, Row, SlotRows, Slots
+from unmask.decode.dllm_cache import CanvasRows, SlotCanvas, check_fast_path
+from unmask.decode.running import Request, Row, Slots
 from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import default_sampler, is_remote, realign, supports_cache
@@ -53,23 +53,24 @@ class DiffusionRow(Row):
     gen: list[int] = field(default_factory=list)
 
 
-class Diffusion(SlotRows):
+class Diffusion(CanvasRows):
     """Semi-AR masked-diffusion decoding as a running batch (``decode/running.py``'s contract).
 
     cfg: the validated knobs every row shares; a row's gen length is ``cfg.gen_length``, or with
     ``options`` (the server) the one ``DiffusionConfig.from_options(max_new_tokens=..., **options)``
-    gives its request. ``width``: the canvas width to allocate (grows on join unless static).
+    gives its request. ``width``: the canvas width to allocate (grows on join unless static;
+    ``length``: static, it grows up to that many columns, see :class:`SlotCanvas`).
     ``stop_token_ids`` (None: the bundle's); ``on_step(row, event)`` step events (lockstep: the
     batch forward index and the request id as row, else the row's own forward index and row 0);
     ``on_forward(state)`` (tests) before each commit; ``reference_steps`` runs LLaDA's zero-quota
     steps. ``static``/``compile`` run the forwards on the preallocated cache / compiled (every
-    forward then covers all ``capacity`` slots). Raises UnmaskError for a model without a mask
+    forward then covers all ``capacity`` slots; with ``length``, the row bucket). Raises UnmaskError for a model without a mask
     token and for fast-path options the model cannot run; ``join`` for a request that does not fit.
     """
 
     def __init__(self, bundle, cfg: DiffusionConfig, *, static=False, compile=False, capacity=8, on_step=None,
                  on_token=None, stop_token_ids=None, lockstep=False, width=0, reference_steps=False,
-                 on_forward=None, options: dict | None = None):
+                 on_forward=None, options: dict | None = None, length: int | None = None):
         check_mask_token(bundle, "diffusion")
         check_fast_path(bundle, static, compile, "the diffusion decoder")
         self.bundle, self.cfg, self.options = bundle, cfg, options
@@ -77,7 +78,7 @@ class Diffusion(SlotRows):
         self.on_step, self.on_forward, self.lockstep, self.reference = on_step, on_forward, lockstep, reference_steps
         self.slots = Slots(capacity)
         self.canvas = SlotCanvas(bundle, cfg.cache, capacity, max(width, 1), cfg.block_size, static=static,
-                                 compile=compile)
+                                 compile=compile, length=length)
         dev = bundle.device
         ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
         self.stop_ids = tuple(ids)
@@ -88,11 +89,16 @@ class Diffusion(SlotRows):
         self.forwards, self._cohorts = 0, 0
 
     @classmethod
-    def serving(cls, bundle, options: dict | None = None, on_step=None, *, stop_token_ids=None, capacity: int = 64):
+    def serving(cls, bundle, options: dict | None = None, on_step=None, *, stop_token_ids=None, capacity: int = 64,
+                compile: bool = False):
         """The server's running batch for one set of diffusion ``options`` (:data:`OPTIONS`, None =
-        default), each row with its own gen length. Raises UnmaskError for an unknown option
-        (e.g. ``schedule``, ``compile``), a bad value, or a remote-code model other than Dream's
-        (LLaDA's remote forward takes no positions, so left padding would shift a row's)."""
+        default), each row with its own gen length. ``compile`` (``serve --compile``): with the dual
+        cache, the K/V live in a static cache of twice the context window and the window steps run
+        compiled, a new shape eagerly until the idle server compiles it. The prefix cache (its window
+        shrinks block by block: many shapes) and no cache (padding the canvas to static shapes)
+        stay eager: compiled, they measured slower under load (benchmarks/results/). Raises
+        UnmaskError for an unknown option (e.g. ``schedule``, ``compile``), a bad value, or a
+        remote-code model other than Dream's (LLaDA's remote forward takes no positions)."""
         if is_remote(bundle.model) and bundle.meta.get("family") != "dream":
             raise UnmaskError("a continuous diffusion batch needs explicit positions per row; this checkpoint's "
                               "own model code takes none, so decode it with per-call diffusion batches")
@@ -104,7 +110,9 @@ class Diffusion(SlotRows):
         # validated once on a nominal length that fits any block size; per-row lengths are checked at join
         nominal = options.get("gen_length") or options.get("block_size") or DEFAULT_BLOCK_SIZE
         cfg = DiffusionConfig.from_options(max_new_tokens=nominal if isinstance(nominal, int) else 1, **options)
-        return cls(bundle, cfg, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids, options=options)
+        fast = {"compile": True, "length": bundle.context_length} if compile and cfg.cache == "dual" else {}
+        return cls(bundle, cfg, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids, options=options,
+                   **fast)
 
     @classmethod
     def batches_fit(cls, bundle) -> bool:
@@ -139,6 +147,7 @@ class Diffusion(SlotRows):
         cfgs = [self._config(job) for job in requests]
         if len(requests) > self.slots.free:
             self.slots.take(len(requests))  # raises the one-line "running batch full"
+        self._restart()
         self._cohorts += 1
         for job, cfg, slot in zip(requests, cfgs, self.slots.take(len(requests))):
             self.canvas.place(slot, list(job.prompt_ids), cfg.gen_length, self.bundle.mask_token_id)
@@ -163,13 +172,13 @@ class Diffusion(SlotRows):
             return []
         cfg, canvas, dev, mask_id = self.cfg, self.canvas, self.bundle.device, self.bundle.mask_token_id
         Bk, sh, T = cfg.block_size, self.bundle.logit_shift, canvas.width
-        n = self.slots.capacity if self.static else self.slots.high
+        n = self._covered()
         rows = [self.running.get(s) for s in range(n)]  # None: a free slot, carried along
         active = [r is not None and not (r.complete and self.lockstep) for r in rows]
         starts = [self._start(r) if r is not None else T - Bk for r in rows]
         every = cfg.refresh_every
         refresh = [a and (r.step == 0 or (every is not None and r.step % every == 0)) for r, a in zip(rows, active)]
-        logits = realign(canvas.forward(n, starts, refresh), sh)[:, sh:].clone()  # (n, Bk, V): j scores start + j
+        logits = realign(canvas.forward(n, starts, refresh, active), sh)[:, sh:].clone()  # (n, Bk, V): j scores start + j
         if self.suppress:
             logits[..., self.suppress] = float("-inf")
         cols = torch.tensor(starts, device=dev)[:, None] + torch.arange(Bk, device=dev)  # (n, Bk)

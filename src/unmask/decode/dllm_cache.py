@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 
 from unmask.compat import attention_mask
-from unmask.decode.kv import DynamicKV, canvas_forward, make_kv
+from unmask.decode.kv import DynamicKV, StaticKV, canvas_forward, make_kv
+from unmask.decode.running import SlotRows
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
 from unmask.models.adapters import bidirectional_forward, supports_cache
@@ -137,10 +138,15 @@ class SlotCanvas:
     kept tensors, on the preallocated ``StaticKV`` (``static``/``compile``) a pointer move, the kept
     K/V being its first T positions. Bidirectional attention with explicit positions does not
     depend on key order, so this equals Fast-dLLM's in-place ``replace_position`` layout.
+
+    ``length`` (the server's ``--compile``, prefix / dual caches): the static cache holds 2·length
+    positions with length buckets and deferred compiles (:class:`~unmask.decode.kv.StaticKV`), so
+    canvases of any width up to ``length`` join mid-flight: a wider one widens every canvas and moves
+    the kept K/V right in place (:meth:`_widen`); :meth:`clear` starts an emptied batch narrow again.
     """
 
     def __init__(self, bundle, mode: str, capacity: int, width: int, block: int | None, *, static: bool = False,
-                 compile: bool = False):
+                 compile: bool = False, length: int | None = None):
         if mode not in CACHE_MODES:
             raise UnmaskError(f"unknown cache {mode!r}; choose one of: {', '.join(CACHE_MODES)}")
         if mode != "none" and not supports_cache(bundle):
@@ -148,19 +154,27 @@ class SlotCanvas:
                               "model code, so use --cache none")
         self.bundle, self.mode, self.block, self.shift = bundle, mode, block, bundle.logit_shift
         self.static, self.compile = static or compile, compile
-        dev, C, T = bundle.device, capacity, width
-        # unused slots hold a finite dummy canvas: a row whose keys were all masked would give NaN K/V
-        self.ids = torch.full((C, T), bundle.pad_token_id, dtype=torch.long, device=dev)  # (C, T)
-        self.pos = torch.arange(T, device=dev).repeat(C, 1)  # (C, T)
-        self.valid = torch.ones(C, T, dtype=torch.bool, device=dev)  # (C, T)
-        self.kept_valid = torch.zeros(C, T, dtype=torch.bool, device=dev)  # (C, T)
+        C, T = capacity, width
+        self._slots(C, T)
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # DynamicKV: (C', H, T, D) per layer
-        self.padded = [False] * C  # per slot: its canvas has left padding (known here: no host sync per forward)
         self.kv = self.canvas = None
-        if mode != "none" and self.static:  # kept K/V in [0, T), a forward's queries in [T, 2T)
+        self.length = length if self.static and mode != "none" else None  # serving: canvases widen up to it
+        if self.length:  # kept K/V in [0, T), queries in [T, 2T), for every width up to length
+            self.kv = StaticKV(bundle.model, C, 2 * length, compile=compile, length_buckets=True, defer_compile=True)
+        elif mode != "none" and self.static:  # kept K/V in [0, T), a forward's queries in [T, 2T)
             self.kv = make_kv(bundle.model, batch=C, capacity=2 * T, static=True, compile=compile)
         elif mode == "none" and self.static:
             self.canvas = canvas_forward(bundle.model, compile)
+
+    def _slots(self, C: int, T: int) -> None:
+        """Fresh slot tensors of C rows and width T: every slot a finite dummy canvas (a row whose keys
+        were all masked would give NaN K/V)."""
+        dev = self.bundle.device
+        self.ids = torch.full((C, T), self.bundle.pad_token_id, dtype=torch.long, device=dev)  # (C, T)
+        self.pos = torch.arange(T, device=dev).repeat(C, 1)  # (C, T)
+        self.valid = torch.ones(C, T, dtype=torch.bool, device=dev)  # (C, T)
+        self.kept_valid = torch.zeros(C, T, dtype=torch.bool, device=dev)  # (C, T)
+        self.padded = [False] * C  # per slot: its canvas has left padding (known here: no host sync per forward)
 
     @property
     def width(self) -> int:
@@ -176,7 +190,7 @@ class SlotCanvas:
         (more left padding) when it is the widest; a static canvas cannot widen (UnmaskError)."""
         C = len(prompt) + gen_length
         if C > self.width:
-            if self.static:
+            if self.static and (self.length is None or C > self.length):
                 raise UnmaskError(f"a canvas of {C} tokens does not fit the static batch's {self.width}; "
                                   "decode it without static/compile")
             self._widen(C - self.width)
@@ -203,15 +217,32 @@ class SlotCanvas:
         self.padded = [True] * len(self.padded)
         if self.kept is not None:
             self.kept = [(pad(k, 0, 2), pad(v, 0, 2)) for k, v in self.kept]  # (C', H, T + d, D)
+        if self.kv is not None and self.kv.length:  # static (serving): the kept K/V move d columns right, in place
+            T = self.kv.length
+            for layer in self.kv.cache.layers:
+                for t in (layer.keys, layer.values):  # (C, H, capacity, D)
+                    t[:, :, d: d + T] = t[:, :, :T].clone()
+            self.kv.ptr = T + d
 
-    def forward(self, n: int, starts: list[int], refresh: list[bool]) -> torch.Tensor:
+    def clear(self) -> None:
+        """Forget every canvas and the kept K/V (serving on the static cache, when no row runs): the
+        next rows start from width 1, so a batch that once held a wide canvas stops paying for it."""
+        self._slots(self.ids.shape[0], 1)
+        self.kv.reset()
+
+    def forward(self, n: int, starts: list[int], refresh: list[bool], live: list[bool] | None = None) -> torch.Tensor:
         """One forward of slots [0, n) for block decoding: row r scores its block [starts[r], starts[r]
         + block) (canvas columns) from the rows [w0, e) = [starts[r] - shift, starts[r] + block);
-        ``refresh[r]``: the row refreshes its cache in this forward (ignored without one). Returns
-        the raw logits (n, shift + block, V) float32 of each row's [w0, e)."""
+        ``refresh[r]``: the row refreshes its cache in this forward (ignored without one); ``live``:
+        the running rows (serving on the static cache, dual: a step where some live rows refresh and
+        others do not runs as :meth:`_split`). Returns the raw logits (n, shift + block, V) float32
+        of each row's [w0, e)."""
         dev, sh, Bk, T = self.ids.device, self.shift, self.block, self.width
         w0 = [s - sh for s in starts]
         w1 = [s + Bk for s in starts] if self.mode == "dual" else [T] * n
+        if (self.length and self.mode == "dual" and live is not None and self.kv.length and any(refresh)
+                and any(alive and not again for alive, again in zip(live, refresh))):
+            return self._split(n, w0, w1, refresh)
         raw, col0 = self.run(n, w0, w1, refresh, min(w0), max(starts) + Bk)  # (n, m, V), (n,)
         at = (torch.tensor(w0, device=dev) - col0)[:, None] + torch.arange(sh + Bk, device=dev)  # (n, shift + block)
         return raw.gather(1, at[:, :, None].expand(n, sh + Bk, raw.shape[2]))  # (n, shift + block, V)
@@ -267,6 +298,29 @@ class SlotCanvas:
             kv.crop(kv.length - T)
         return raw, (torch.full((n,), q0 + rows[0], device=dev) if q0 is not None else a)
 
+    def _split(self, n: int, w0: list[int], w1: list[int], refresh: list[bool]) -> torch.Tensor:
+        """A dual-cache step where some rows refresh, in two forwards instead of one whole-canvas
+        forward of every row: the refreshing rows' canvases alone (eager, on a fresh ``DynamicKV``),
+        whose K/V replace their kept ones and whose logits are theirs; then every row's window on the
+        static cache (the compiled shape of a plain step; the refreshing rows' results unused). Each
+        row's logits still come from exactly one forward. Returns (n, shift + block, V) float32."""
+        dev, T, W = self.ids.device, self.width, self.shift + self.block
+        fresh = [r for r in range(n) if refresh[r]]
+        at = torch.tensor(fresh, device=dev)  # (r,)
+        lo, hi = min(w0[r] for r in fresh), max(w1[r] for r in fresh)
+        new = DynamicKV(self.bundle.model)
+        raw = kv_forward(self.bundle, new, self.ids[at], self.pos[at], self.valid[at], (lo, hi),
+                         padded=any(self.padded[r] for r in fresh))  # (r, hi - lo, V)
+        for mine, theirs in zip(self.kv.cache.layers, new.cache.layers):
+            mine.keys[at, :, :T], mine.values[at, :, :T] = theirs.keys, theirs.values  # (r, H, T, D)
+        a = torch.tensor([w0[r] for r in fresh], device=dev)  # (r,)
+        cols = torch.arange(T, device=dev)  # (T,)
+        self.kept_valid[at] = self.valid[at] & ~((cols >= a[:, None]) & (cols < a[:, None] + W))  # (r, T)
+        out, _ = self.run(n, w0, w1, [False] * n, min(w0), max(w1))  # (n, W, V): each row's window
+        take = (a - lo)[:, None] + torch.arange(W, device=dev)  # (r, W)
+        out[at] = raw.gather(1, take[:, :, None].expand(len(fresh), W, raw.shape[2]))
+        return out
+
     def hide(self, n: int, rows: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor) -> None:
         """Mark the kept K/V of the window [w0, w1) (n,) long each as stale for the ``rows`` (n,) bool:
         for a decoder that picks its window after the refresh forward (early-bird)."""
@@ -295,6 +349,42 @@ class SlotCanvas:
             k, v = (layer.keys, layer.values) if self.static else self.kept[i]
             k[:n, :, :T] = torch.where(pick, new_k, k[:n, :, :T])
             v[:n, :, :T] = torch.where(pick, new_v, v[:n, :, :T])
+
+
+class CanvasRows(SlotRows):
+    """What the running batches on a :class:`SlotCanvas` (diffusion, early-bird) share: the slots a
+    forward covers and, serving on the static cache (``canvas.length`` set), the deferred compile
+    the server's idle loop drives (``kv``, :meth:`warm`)."""
+
+    canvas: SlotCanvas
+    static: bool
+
+    @property
+    def kv(self):
+        return self.canvas.kv
+
+    def _covered(self) -> int:
+        """Slots [0, n) a forward covers: the used ones (eager), every slot (decode's static batch; a
+        first write allocates the cache's rows), or serving, the row bucket (:attr:`Slots.bucket`)."""
+        if not self.static:
+            return self.slots.high
+        if self.canvas.length is None or not self.canvas.kv.allocated:
+            return self.slots.capacity
+        return self.slots.bucket
+
+    def _restart(self) -> None:
+        """Before a join into an empty serving batch: its canvases start again from width 1."""
+        if self.canvas.length and not self.running:
+            self.canvas.clear()
+
+    def warm(self) -> bool:
+        """Compile one window shape this batch ran eagerly (serving on the static cache, no row
+        running: the server's idle loop). False when there is none; a failed compile re-raises
+        (:meth:`~unmask.decode.kv.StaticKV.warm`)."""
+        if self.running or not self.canvas.length:
+            return False
+        self.canvas.clear()
+        return self.canvas.kv.warm()
 
 
 def _grow(t: torch.Tensor, n: int) -> torch.Tensor:

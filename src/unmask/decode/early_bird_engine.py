@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from unmask.decode.canvas_common import check_canvas, early_stop, finish, row_generator, serving_options, stop_string_in
-from unmask.decode.dllm_cache import SlotCanvas
+from unmask.decode.dllm_cache import CanvasRows, SlotCanvas
 from unmask.decode.early_bird import CANVAS_HINT, _commit_confidence, _draw_rows, _sync, check_max_new_tokens, configure
 from unmask.decode.eb_select import PATH_NAMES, lps_features, pack_rows, select_block, union_accept
-from unmask.decode.running import Request, Row, SlotRows, Slots
+from unmask.decode.running import Request, Row, Slots
 from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import is_remote
@@ -58,7 +58,7 @@ class EarlyBirdRow(Row):
     gen: list[int] = field(default_factory=list)
 
 
-class EarlyBird(SlotRows):
+class EarlyBird(CanvasRows):
     """EB-Decode as a running batch (``decode/running.py``'s contract).
 
     cfg, lbs, lps: :func:`unmask.decode.early_bird.configure`'s (routers in eval mode). ``width``:
@@ -93,8 +93,10 @@ class EarlyBird(SlotRows):
     @classmethod
     def serving(cls, bundle, options: dict | None = None, on_step=None, *, stop_token_ids=None, capacity: int = 64):
         """The server's running batch for one set of early-bird ``options`` (:data:`OPTIONS`; every
-        cache). Raises UnmaskError for an unknown option (``compile``), a bad value, missing routers
-        or a remote-code model (no explicit positions per row)."""
+        cache), eager also under ``serve --compile`` (its windows vary per step: compiled on a static
+        cache it measured 0.73x eager at 8 streams, benchmarks/results/serve_compile_canvas.md).
+        Raises UnmaskError for an unknown option (``compile``), a bad value, missing routers or a
+        remote-code model (no explicit positions per row)."""
         if is_remote(bundle.model):
             raise UnmaskError("a continuous early-bird batch needs explicit positions per row; this checkpoint's own "
                               "model code takes none, so decode it with per-call early-bird batches")
@@ -172,7 +174,7 @@ class EarlyBird(SlotRows):
             return []
         cfg, dev, mask_id, c = self.cfg, self.bundle.device, self.bundle.mask_token_id, self.canvas
         L = cfg.gen_length
-        n = self.slots.capacity if self.static else self.slots.high
+        n = self._covered()
         rows = [self.running.get(s) for s in range(n)]  # None: a free slot, carried along
         select = [row is not None and not row.has_block for row in rows]
         t0 = _sync(dev)

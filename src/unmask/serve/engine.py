@@ -61,7 +61,7 @@ def _done(row) -> None:
 # Continuous running batches of the other decoders: batch kind -> class (see Scheduler._running_kind).
 RUNNING = {"multiblock": multiblock_engine.serving_batch, "sbd": lossy_sbd.serving_batch, "block": single_bd.serving_batch,
            "diffusion": Diffusion.serving, "dream": DreamSchedule.serving, "early-bird": EarlyBird.serving}
-COMPILED = ("sbd", "block", "multiblock")  # --compile: these running batches (and AR / lossless) on a static cache, compiled
+COMPILED = ("sbd", "block", "multiblock", "diffusion")  # --compile: these on a static cache (diffusion: its dual cache)
 # The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
 RUNNING_OPTIONS = {"multiblock": multiblock_engine.OPTIONS, "sbd": lossy_sbd.BATCH_OPTIONS,
                    "block": single_bd.BATCH_OPTIONS, "diffusion": DIFFUSION_OPTIONS,
@@ -73,7 +73,7 @@ class Scheduler:
 
     max_batch_size: rows per running batch (and per per-call batch); max_queue: jobs waiting to start
     before ``submit`` refuses with QueueFull; compile: the AR / lossless and ``COMPILED`` batches on
-    static caches, compiled (diffusion and early-bird stay eager), and the per-call ``compile=True``;
+    static caches, compiled (diffusion with the dual cache only; early-bird stays eager), and the per-call ``compile=True``;
     draft_sizes: the load -> K table of sizable requests (None: they keep the checkpoint's K)."""
 
     def __init__(self, bundle, *, max_batch_size: int = 8, max_queue: int = 64, compile: bool = False,
