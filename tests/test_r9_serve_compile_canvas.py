@@ -1,7 +1,7 @@
 """``serve --compile`` for diffusion (issue 25): a running batch with the dual cache runs on a static
 cache of twice the context window, widening in place as wider canvases join, each window step through
 the (deferred) compiled forward of its (row bucket, query length, length bucket) shape, and a step
-where some rows refresh split in two forwards. Whenever a row joins, its tokens, NFE, row_extra and
+where some rows refresh split in two forwards (eager batches too). Whenever a row joins, its tokens, NFE, row_extra and
 step events equal ``decode`` on its prompt alone, as the eager batch's do (STYLE.md 14)."""
 
 from __future__ import annotations
@@ -36,18 +36,21 @@ def _staggered(run, jobs, drop=True):
     return gone
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("options", [CACHES[0], CACHES[2]], ids=["dual", "dual-refresh"])
-def test_static_serving_diffusion_batch_equals_single_runs(stories_dlm, options):
+def test_serving_dual_cache_batch_splits_refreshes_and_equals_single_runs(stories_dlm, options, compile):
     jobs = [job(p, n) for p, n in zip(PROMPTS, [16, 12, 16, 9])]
-    run = Run(stories_dlm, options, compile=True)
-    assert run.batch.static and run.batch.kv.static and run.batch.canvas.length == stories_dlm.context_length
+    run = Run(stories_dlm, options, compile=compile)
+    static = run.batch.canvas.length == stories_dlm.context_length
+    assert run.batch.static == static == compile and (not compile or run.batch.kv.static)
     splits, real = [], run.batch.canvas._split
     run.batch.canvas._split = lambda n, w0, w1, refresh: splits.append(sum(refresh)) or real(n, w0, w1, refresh)
     gone = _staggered(run, jobs)
     assert run.mixed and run.mixed_refresh and [row.job for row in gone] == [jobs[1]]
     assert splits  # steps where one row refreshed beside others stepping their windows ran split
     check(run, stories_dlm, [jobs[0], *jobs[2:]], options)
-    assert run.batch.kv.pending and not run.batch.kv.compiled  # the window shapes ran eagerly, to compile when idle
+    if compile:  # the window shapes ran eagerly, to compile when the server is idle
+        assert run.batch.kv.pending and not run.batch.kv.compiled
 
 
 def test_compiled_window_steps_equal_single_runs_and_an_emptied_batch_starts_narrow(stories_dlm):
@@ -103,3 +106,13 @@ def test_the_compiled_server_runs_cached_diffusion_on_the_static_cache(stories_d
     finally:
         sched.close()
     assert event == ("done", {"tokens": want.tokens[0], "nfe": want.stats.nfe, "finish_reason": "length"})
+
+
+def test_a_negative_block_size_is_named_as_such(stories_dlm):
+    # the fault pass: the server's batch validated it as a nominal gen length ("gen length must be ...")
+    from unmask.decode.diffusion_engine import Diffusion
+    from unmask.errors import UnmaskError
+
+    for options in ({"block_size": -4}, {"block_size": -4, "cache": "dual"}):
+        with pytest.raises(UnmaskError, match="block size must be an integer >= 1"):
+            Diffusion.serving(stories_dlm, options, compile=True)

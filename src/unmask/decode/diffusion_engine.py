@@ -109,7 +109,8 @@ class Diffusion(CanvasRows):
         options.setdefault("sampler", default_sampler(bundle))
         # validated once on a nominal length that fits any block size; per-row lengths are checked at join
         nominal = options.get("gen_length") or options.get("block_size") or DEFAULT_BLOCK_SIZE
-        cfg = DiffusionConfig.from_options(max_new_tokens=nominal if isinstance(nominal, int) else 1, **options)
+        nominal = nominal if isinstance(nominal, int) and nominal >= 1 else 1  # a bad block size: reported as such
+        cfg = DiffusionConfig.from_options(max_new_tokens=nominal, **options)
         fast = {"compile": True, "length": bundle.context_length} if compile and cfg.cache == "dual" else {}
         return cls(bundle, cfg, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids, options=options,
                    **fast)

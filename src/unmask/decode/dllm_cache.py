@@ -234,13 +234,14 @@ class SlotCanvas:
         """One forward of slots [0, n) for block decoding: row r scores its block [starts[r], starts[r]
         + block) (canvas columns) from the rows [w0, e) = [starts[r] - shift, starts[r] + block);
         ``refresh[r]``: the row refreshes its cache in this forward (ignored without one); ``live``:
-        the running rows (serving on the static cache, dual: a step where some live rows refresh and
-        others do not runs as :meth:`_split`). Returns the raw logits (n, shift + block, V) float32
-        of each row's [w0, e)."""
+        the running rows (dual cache, eager or serving on the static cache: a step where some live
+        rows refresh and others do not runs as :meth:`_split`). Returns the raw logits (n, shift +
+        block, V) float32 of each row's [w0, e)."""
         dev, sh, Bk, T = self.ids.device, self.shift, self.block, self.width
         w0 = [s - sh for s in starts]
         w1 = [s + Bk for s in starts] if self.mode == "dual" else [T] * n
-        if (self.length and self.mode == "dual" and live is not None and self.kv.length and any(refresh)
+        kept = (self.length and self.kv.length) if self.static else self.kept is not None
+        if (kept and self.mode == "dual" and live is not None and any(refresh)
                 and any(alive and not again for alive, again in zip(live, refresh))):
             return self._split(n, w0, w1, refresh)
         raw, col0 = self.run(n, w0, w1, refresh, min(w0), max(starts) + Bk)  # (n, m, V), (n,)
@@ -301,9 +302,10 @@ class SlotCanvas:
     def _split(self, n: int, w0: list[int], w1: list[int], refresh: list[bool]) -> torch.Tensor:
         """A dual-cache step where some rows refresh, in two forwards instead of one whole-canvas
         forward of every row: the refreshing rows' canvases alone (eager, on a fresh ``DynamicKV``),
-        whose K/V replace their kept ones and whose logits are theirs; then every row's window on the
-        static cache (the compiled shape of a plain step; the refreshing rows' results unused). Each
-        row's logits still come from exactly one forward. Returns (n, shift + block, V) float32."""
+        whose K/V replace their kept ones and whose logits are theirs; then every row's window against
+        its kept K/V (on the static cache, the compiled shape of a plain step; the refreshing rows'
+        results unused). Each row's logits still come from exactly one forward. Returns (n, shift +
+        block, V) float32."""
         dev, T, W = self.ids.device, self.width, self.shift + self.block
         fresh = [r for r in range(n) if refresh[r]]
         at = torch.tensor(fresh, device=dev)  # (r,)
@@ -311,8 +313,14 @@ class SlotCanvas:
         new = DynamicKV(self.bundle.model)
         raw = kv_forward(self.bundle, new, self.ids[at], self.pos[at], self.valid[at], (lo, hi),
                          padded=any(self.padded[r] for r in fresh))  # (r, hi - lo, V)
-        for mine, theirs in zip(self.kv.cache.layers, new.cache.layers):
-            mine.keys[at, :, :T], mine.values[at, :, :T] = theirs.keys, theirs.values  # (r, H, T, D)
+        if self.static:
+            kept = [(layer.keys, layer.values) for layer in self.kv.cache.layers]  # (C, H, capacity, D) each
+        else:
+            if self.kept[0][0].shape[0] < n:  # a slot past the kept rows
+                self.kept = [(_grow(k, n), _grow(v, n)) for k, v in self.kept]
+            kept = self.kept  # (C', H, T, D) each
+        for (k, v), theirs in zip(kept, new.cache.layers):
+            k[at, :, :T], v[at, :, :T] = theirs.keys, theirs.values  # (r, H, T, D)
         a = torch.tensor([w0[r] for r in fresh], device=dev)  # (r,)
         cols = torch.arange(T, device=dev)  # (T,)
         self.kept_valid[at] = self.valid[at] & ~((cols >= a[:, None]) & (cols < a[:, None] + W))  # (r, T)
