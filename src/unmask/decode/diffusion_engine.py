@@ -20,8 +20,8 @@ import torch
 from unmask.decode.canvas_common import (check_canvas, check_mask_token, early_stop_in, finish, row_generator,
                                          serving_options, stop_string_in)
 from unmask.decode.diffusion import CANVAS_HINT, DEFAULT_BLOCK_SIZE, DiffusionConfig, llada_quota
-from unmask.decode.dllm_cache import CanvasRows, SlotCanvas, check_fast_path
-from unmask.decode.running import Request, Row, Slots
+from unmask.decode.dllm_cache import SlotCanvas, check_fast_path
+from unmask.decode.running import CanvasRows, Request, Row, Slots
 from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import default_sampler, is_remote, realign, supports_cache
@@ -93,8 +93,9 @@ class Diffusion(CanvasRows):
                 compile: bool = False):
         """The server's running batch for one set of diffusion ``options`` (:data:`OPTIONS`, None =
         default), each row with its own gen length. ``compile`` (``serve --compile``): with the dual
-        cache, the K/V live in a static cache of twice the context window and the window steps run
-        compiled, a new shape eagerly until the idle server compiles it. The prefix cache (its window
+        cache, the K/V live in a static cache of the context window plus one window, the window steps
+        run compiled (a new shape eagerly until the idle server compiles it) and refreshes eagerly
+        on their own (:meth:`SlotCanvas._split`). The prefix cache (its window
         shrinks block by block: many shapes) and no cache (padding the canvas to static shapes)
         stay eager: compiled, they measured slower under load (benchmarks/results/). Raises
         UnmaskError for an unknown option (e.g. ``schedule``, ``compile``), a bad value, or a

@@ -32,7 +32,6 @@ import torch
 
 from unmask.compat import attention_mask
 from unmask.decode.kv import DynamicKV, StaticKV, canvas_forward, make_kv
-from unmask.decode.running import SlotRows
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
 from unmask.models.adapters import bidirectional_forward, supports_cache
@@ -139,10 +138,11 @@ class SlotCanvas:
     K/V being its first T positions. Bidirectional attention with explicit positions does not
     depend on key order, so this equals Fast-dLLM's in-place ``replace_position`` layout.
 
-    ``length`` (the server's ``--compile``, prefix / dual caches): the static cache holds 2·length
+    ``length`` (the server's ``--compile``, dual cache): the static cache holds length + shift + block
     positions with length buckets and deferred compiles (:class:`~unmask.decode.kv.StaticKV`), so
     canvases of any width up to ``length`` join mid-flight: a wider one widens every canvas and moves
-    the kept K/V right in place (:meth:`_widen`); :meth:`clear` starts an emptied batch narrow again.
+    the kept K/V right in place (:meth:`_widen`); refreshes run apart (:meth:`_split`); :meth:`clear`
+    starts an emptied batch narrow again.
     """
 
     def __init__(self, bundle, mode: str, capacity: int, width: int, block: int | None, *, static: bool = False,
@@ -158,9 +158,10 @@ class SlotCanvas:
         self._slots(C, T)
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # DynamicKV: (C', H, T, D) per layer
         self.kv = self.canvas = None
-        self.length = length if self.static and mode != "none" else None  # serving: canvases widen up to it
-        if self.length:  # kept K/V in [0, T), queries in [T, 2T), for every width up to length
-            self.kv = StaticKV(bundle.model, C, 2 * length, compile=compile, length_buckets=True, defer_compile=True)
+        self.length = length if self.static and mode == "dual" else None  # serving: canvases widen up to it
+        if self.length:  # kept K/V in [0, T), a window's queries in [T, T + shift + block); refreshes run apart
+            self.kv = StaticKV(bundle.model, C, length + self.shift + block, compile=compile, length_buckets=True,
+                               defer_compile=True)
         elif mode != "none" and self.static:  # kept K/V in [0, T), a forward's queries in [T, 2T)
             self.kv = make_kv(bundle.model, batch=C, capacity=2 * T, static=True, compile=compile)
         elif mode == "none" and self.static:
@@ -234,16 +235,18 @@ class SlotCanvas:
         """One forward of slots [0, n) for block decoding: row r scores its block [starts[r], starts[r]
         + block) (canvas columns) from the rows [w0, e) = [starts[r] - shift, starts[r] + block);
         ``refresh[r]``: the row refreshes its cache in this forward (ignored without one); ``live``:
-        the running rows (dual cache, eager or serving on the static cache: a step where some live
-        rows refresh and others do not runs as :meth:`_split`). Returns the raw logits (n, shift +
-        block, V) float32 of each row's [w0, e)."""
+        the running rows (dual cache: eager, a step where some live rows refresh and others do not,
+        and serving on the static cache, every step with a refresh, runs as :meth:`_split`). Returns
+        the raw logits (n, shift + block, V) float32 of each row's [w0, e)."""
         dev, sh, Bk, T = self.ids.device, self.shift, self.block, self.width
         w0 = [s - sh for s in starts]
         w1 = [s + Bk for s in starts] if self.mode == "dual" else [T] * n
-        kept = (self.length and self.kv.length) if self.static else self.kept is not None
-        if (kept and self.mode == "dual" and live is not None and any(refresh)
+        live = [True] * n if live is None else live
+        if self.length and any(refresh):  # serving on the static cache: a refresh never runs on it
+            return self._split(n, w0, w1, refresh, live)
+        if (not self.static and self.kept is not None and self.mode == "dual" and any(refresh)
                 and any(alive and not again for alive, again in zip(live, refresh))):
-            return self._split(n, w0, w1, refresh)
+            return self._split(n, w0, w1, refresh, live)
         raw, col0 = self.run(n, w0, w1, refresh, min(w0), max(starts) + Bk)  # (n, m, V), (n,)
         at = (torch.tensor(w0, device=dev) - col0)[:, None] + torch.arange(sh + Bk, device=dev)  # (n, shift + block)
         return raw.gather(1, at[:, :, None].expand(n, sh + Bk, raw.shape[2]))  # (n, shift + block, V)
@@ -299,13 +302,14 @@ class SlotCanvas:
             kv.crop(kv.length - T)
         return raw, (torch.full((n,), q0 + rows[0], device=dev) if q0 is not None else a)
 
-    def _split(self, n: int, w0: list[int], w1: list[int], refresh: list[bool]) -> torch.Tensor:
-        """A dual-cache step where some rows refresh, in two forwards instead of one whole-canvas
-        forward of every row: the refreshing rows' canvases alone (eager, on a fresh ``DynamicKV``),
-        whose K/V replace their kept ones and whose logits are theirs; then every row's window against
-        its kept K/V (on the static cache, the compiled shape of a plain step; the refreshing rows'
-        results unused). Each row's logits still come from exactly one forward. Returns (n, shift +
-        block, V) float32."""
+    def _split(self, n: int, w0: list[int], w1: list[int], refresh: list[bool], live: list[bool]) -> torch.Tensor:
+        """A dual-cache step where rows refresh, in two forwards instead of one whole-canvas forward
+        of every row: the refreshing rows' canvases alone (eager, on a fresh ``DynamicKV``), whose K/V
+        replace their kept ones and whose logits are theirs; then, when other ``live`` rows run, every
+        row's window against its kept K/V (on the static cache, the compiled shape of a plain step;
+        the refreshing rows' results unused). Each row's logits come from exactly one forward, and the
+        static cache never holds more than a window past the canvas. Returns (n, shift + block, V)
+        float32."""
         dev, T, W = self.ids.device, self.width, self.shift + self.block
         fresh = [r for r in range(n) if refresh[r]]
         at = torch.tensor(fresh, device=dev)  # (r,)
@@ -314,7 +318,12 @@ class SlotCanvas:
         raw = kv_forward(self.bundle, new, self.ids[at], self.pos[at], self.valid[at], (lo, hi),
                          padded=any(self.padded[r] for r in fresh))  # (r, hi - lo, V)
         if self.static:
+            if not self.kv.allocated:  # the first refresh allocates every slot's columns
+                for layer, theirs in zip(self.kv.cache.layers, new.cache.layers):
+                    like = (t[:1].expand(self.kv.batch, -1, -1, -1) for t in (theirs.keys, theirs.values))
+                    layer.lazy_initialization(*like)  # zeros (C, H, capacity, D)
             kept = [(layer.keys, layer.values) for layer in self.kv.cache.layers]  # (C, H, capacity, D) each
+            self.kv.ptr = T  # the kept columns (after clear(), nothing was kept)
         else:
             if self.kept[0][0].shape[0] < n:  # a slot past the kept rows
                 self.kept = [(_grow(k, n), _grow(v, n)) for k, v in self.kept]
@@ -324,7 +333,10 @@ class SlotCanvas:
         a = torch.tensor([w0[r] for r in fresh], device=dev)  # (r,)
         cols = torch.arange(T, device=dev)  # (T,)
         self.kept_valid[at] = self.valid[at] & ~((cols >= a[:, None]) & (cols < a[:, None] + W))  # (r, T)
-        out, _ = self.run(n, w0, w1, [False] * n, min(w0), max(w1))  # (n, W, V): each row's window
+        if any(alive and not again for alive, again in zip(live, refresh)):
+            out, _ = self.run(n, w0, w1, [False] * n, min(w0), max(w1))  # (n, W, V): each row's window
+        else:  # every running row refreshed: no window to step
+            out = raw.new_zeros((n, W, raw.shape[2]))  # (n, W, V)
         take = (a - lo)[:, None] + torch.arange(W, device=dev)  # (r, W)
         out[at] = raw.gather(1, take[:, :, None].expand(len(fresh), W, raw.shape[2]))
         return out
@@ -357,42 +369,6 @@ class SlotCanvas:
             k, v = (layer.keys, layer.values) if self.static else self.kept[i]
             k[:n, :, :T] = torch.where(pick, new_k, k[:n, :, :T])
             v[:n, :, :T] = torch.where(pick, new_v, v[:n, :, :T])
-
-
-class CanvasRows(SlotRows):
-    """What the running batches on a :class:`SlotCanvas` (diffusion, early-bird) share: the slots a
-    forward covers and, serving on the static cache (``canvas.length`` set), the deferred compile
-    the server's idle loop drives (``kv``, :meth:`warm`)."""
-
-    canvas: SlotCanvas
-    static: bool
-
-    @property
-    def kv(self):
-        return self.canvas.kv
-
-    def _covered(self) -> int:
-        """Slots [0, n) a forward covers: the used ones (eager), every slot (decode's static batch; a
-        first write allocates the cache's rows), or serving, the row bucket (:attr:`Slots.bucket`)."""
-        if not self.static:
-            return self.slots.high
-        if self.canvas.length is None or not self.canvas.kv.allocated:
-            return self.slots.capacity
-        return self.slots.bucket
-
-    def _restart(self) -> None:
-        """Before a join into an empty serving batch: its canvases start again from width 1."""
-        if self.canvas.length and not self.running:
-            self.canvas.clear()
-
-    def warm(self) -> bool:
-        """Compile one window shape this batch ran eagerly (serving on the static cache, no row
-        running: the server's idle loop). False when there is none; a failed compile re-raises
-        (:meth:`~unmask.decode.kv.StaticKV.warm`)."""
-        if self.running or not self.canvas.length:
-            return False
-        self.canvas.clear()
-        return self.canvas.kv.warm()
 
 
 def _grow(t: torch.Tensor, n: int) -> torch.Tensor:

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from unmask.decode.canvas_common import check_canvas, early_stop, finish, row_generator, serving_options, stop_string_in
-from unmask.decode.dllm_cache import CanvasRows, SlotCanvas
+from unmask.decode.dllm_cache import SlotCanvas
 from unmask.decode.early_bird import CANVAS_HINT, _commit_confidence, _draw_rows, _sync, check_max_new_tokens, configure
 from unmask.decode.eb_select import PATH_NAMES, lps_features, pack_rows, select_block, union_accept
-from unmask.decode.running import Request, Row, Slots
+from unmask.decode.running import CanvasRows, Request, Row, Slots
 from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import is_remote

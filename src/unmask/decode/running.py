@@ -141,6 +141,40 @@ class SlotRows:
         self.slots.give([row.slot])
 
 
+class CanvasRows(SlotRows):
+    """What the running batches on a :class:`~unmask.decode.dllm_cache.SlotCanvas` (diffusion,
+    early-bird) share: the slots a forward covers and, serving on the static cache (``canvas.length``
+    set), the deferred compile the server's idle loop drives (``kv``, :meth:`warm`)."""
+
+    canvas: object  # a unmask.decode.dllm_cache.SlotCanvas
+    static: bool
+
+    @property
+    def kv(self):
+        return self.canvas.kv
+
+    def _covered(self) -> int:
+        """Slots [0, n) a forward covers: the used ones (eager), every slot (decode's static batch; a
+        first write allocates the cache's rows), or serving, the row bucket (:attr:`Slots.bucket`)."""
+        if not self.static:
+            return self.slots.high
+        return self.slots.bucket if self.canvas.length else self.slots.capacity
+
+    def _restart(self) -> None:
+        """Before a join into an empty serving batch: its canvases start again from width 1."""
+        if self.canvas.length and not self.running:
+            self.canvas.clear()
+
+    def warm(self) -> bool:
+        """Compile one window shape this batch ran eagerly (serving on the static cache, no row
+        running: the server's idle loop). False when there is none; a failed compile re-raises
+        (:meth:`~unmask.decode.kv.StaticKV.warm`)."""
+        if self.running or not self.canvas.length:
+            return False
+        self.canvas.clear()
+        return self.canvas.kv.warm()
+
+
 class RunningDecoder(Protocol):
     forwards: int
 
