@@ -180,7 +180,7 @@ def main() -> None:
     ap.add_argument("--level-seconds", type=float, default=180.0, help="stop launching requests after this")
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--draft-sizes", default=None, help="the server's --draft-sizes table (default: its own)")
-    ap.add_argument("--decoders", default="ar,default", help="'default' is the model's default decoder; "
+    ap.add_argument("--decoders", default="ar,default", help="comma-separated; 'default' is the model's default decoder; "
                     "NAME:OPTION=VALUE+... adds request options (e.g. diffusion:cache=dual+block_size=32)")
     ap.add_argument("--smoke", action="store_true", help="1 and 4 streams, 4 requests of 8 tokens")
     ap.add_argument("--compile", action="store_true", help="serve with --compile (static KV cache, compiled step)")

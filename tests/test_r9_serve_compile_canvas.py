@@ -119,3 +119,25 @@ def test_a_negative_block_size_is_named_as_such(stories_dlm):
     for options in ({"block_size": -4}, {"block_size": -4, "cache": "dual"}):
         with pytest.raises(UnmaskError, match="block size must be an integer >= 1"):
             Diffusion.serving(stories_dlm, options, compile=True)
+
+
+def test_serve_cache_dual_makes_every_diffusion_request_compiled(stories_dlm):
+    """``unmask serve --cache dual``: the server's default cache, so a plain diffusion request joins the
+    compiled dual-cache batch; a model whose decoder takes no cache refuses it at start, in one line."""
+    pytest.importorskip("fastapi", reason="the server needs the serve extra: pip install -e '.[test]'")
+    import openai
+
+    from unmask.errors import UnmaskError
+    from unmask.serve import create_app
+    from unmask.serve.server import ServerThread
+
+    app = create_app(stories_dlm, defaults={"cache": "dual"}, compile=True, max_batch_size=2)
+    with ServerThread(app) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = c.completions.create(model="stories260K-dlm", prompt="Once upon a time", max_tokens=8)
+    want = unmask.generate("Once upon a time", stories_dlm, "diffusion", max_new_tokens=8, cache="dual")
+    assert r.choices[0].text == want.texts[0] and r.usage.model_extra["nfe"] == want.stats.nfe
+    (batch,) = app.state.scheduler.running_batches.values()
+    assert batch.static and batch.cfg.cache == "dual"
+    with pytest.raises(UnmaskError, match="cache does not apply to decoder 'sbd'"):
+        create_app(unmask.load("stories260K-sbd"), defaults={"cache": "dual"})

@@ -16,7 +16,7 @@ def serve_cmd(
     compile: bool = typer.Option(False, "--compile", help="the ar / lossless sbd, block, multiblock and lossy sbd "
                                  "running batches, and diffusion with the dual cache, on a static KV cache with a "
                                  "compiled step over row and length buckets (a new shape runs eagerly, then compiles once "
-                                 "while the server is idle, ~5-20 s on a CPU core); diffusion's other caches, early-bird "
+                                 "while the server is idle, 5-30 s on a CPU core); diffusion's other caches, early-bird "
                                  "and Dream's schedule stay eager (README 'Serving')"),
     draft_sizes: str = typer.Option(None, "--draft-sizes", metavar="ROWS:K,...|auto|off",
                                     help="lossless sbd: draft block size K by running-batch rows (K = 1: plain AR "
@@ -34,6 +34,8 @@ def serve_cmd(
     gamma: float = typer.Option(None, "--gamma", help="default EB-sampler bound γ"),
     preset: str = typer.Option(None, "--preset", help="default γ preset"),
     tau: float = typer.Option(None, "--tau", help="default confidence threshold τ"),
+    cache: str = typer.Option(None, "--cache", help="default cache of diffusion / early-bird requests: none, prefix "
+                              "or dual (with --compile, dual runs compiled; default: none)"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (loopback by default)"),
     port: int = typer.Option(8000, "--port", help="port to listen on (0: any free port)"),
     max_batch_size: int = typer.Option(8, "--max-batch-size", help="rows decoded together"),
@@ -61,4 +63,4 @@ def serve_cmd(
     serve(model, kind=kind, adapter=adapter, compile=compile, draft_sizes=draft_sizes, limits=limits, host=host,
           port=port, max_batch_size=max_batch_size, max_queue=max_queue,
           request_timeout=timeout, device=device, dtype=dtype, decoder=decoder, block_size=block_size, policy=policy,
-          gamma=gamma, preset=preset, tau=tau, draft=draft, queries=queries)
+          gamma=gamma, preset=preset, tau=tau, cache=cache, draft=draft, queries=queries)
