@@ -241,12 +241,11 @@ class SlotCanvas:
         dev, sh, Bk, T = self.ids.device, self.shift, self.block, self.width
         w0 = [s - sh for s in starts]
         w1 = [s + Bk for s in starts] if self.mode == "dual" else [T] * n
-        live = [True] * n if live is None else live
-        if self.length and any(refresh):  # serving on the static cache: a refresh never runs on it
-            return self._split(n, w0, w1, refresh, live)
-        if (not self.static and self.kept is not None and self.mode == "dual" and any(refresh)
-                and any(alive and not again for alive, again in zip(live, refresh))):
-            return self._split(n, w0, w1, refresh, live)
+        others = any(alive and not again for alive, again in zip(live or [True] * n, refresh))  # a row steps a window
+        # serving on the static cache, a refresh never runs on it; eager, it runs apart when other rows step
+        eager = others and not self.static and self.kept is not None and self.mode == "dual"
+        if any(refresh) and (self.length or eager):
+            return self._split(n, w0, w1, refresh, others)
         raw, col0 = self.run(n, w0, w1, refresh, min(w0), max(starts) + Bk)  # (n, m, V), (n,)
         at = (torch.tensor(w0, device=dev) - col0)[:, None] + torch.arange(sh + Bk, device=dev)  # (n, shift + block)
         return raw.gather(1, at[:, :, None].expand(n, sh + Bk, raw.shape[2]))  # (n, shift + block, V)
@@ -302,14 +301,14 @@ class SlotCanvas:
             kv.crop(kv.length - T)
         return raw, (torch.full((n,), q0 + rows[0], device=dev) if q0 is not None else a)
 
-    def _split(self, n: int, w0: list[int], w1: list[int], refresh: list[bool], live: list[bool]) -> torch.Tensor:
+    def _split(self, n: int, w0: list[int], w1: list[int], refresh: list[bool], others: bool) -> torch.Tensor:
         """A dual-cache step where rows refresh, in two forwards instead of one whole-canvas forward
         of every row: the refreshing rows' canvases alone (eager, on a fresh ``DynamicKV``), whose K/V
-        replace their kept ones and whose logits are theirs; then, when other ``live`` rows run, every
-        row's window against its kept K/V (on the static cache, the compiled shape of a plain step;
-        the refreshing rows' results unused). Each row's logits come from exactly one forward, and the
-        static cache never holds more than a window past the canvas. Returns (n, shift + block, V)
-        float32."""
+        replace their kept ones and whose logits are theirs; then, when ``others`` (running rows that
+        do not refresh) step their windows, every row's window against its kept K/V (on the static
+        cache, the compiled shape of a plain step; the refreshing rows' results unused). Each row's
+        logits come from exactly one forward, and the static cache never holds more than a window
+        past the canvas. Returns (n, shift + block, V) float32."""
         dev, T, W = self.ids.device, self.width, self.shift + self.block
         fresh = [r for r in range(n) if refresh[r]]
         at = torch.tensor(fresh, device=dev)  # (r,)
@@ -333,7 +332,7 @@ class SlotCanvas:
         a = torch.tensor([w0[r] for r in fresh], device=dev)  # (r,)
         cols = torch.arange(T, device=dev)  # (T,)
         self.kept_valid[at] = self.valid[at] & ~((cols >= a[:, None]) & (cols < a[:, None] + W))  # (r, T)
-        if any(alive and not again for alive, again in zip(live, refresh)):
+        if others:
             out, _ = self.run(n, w0, w1, [False] * n, min(w0), max(w1))  # (n, W, V): each row's window
         else:  # every running row refreshed: no window to step
             out = raw.new_zeros((n, W, raw.shape[2]))  # (n, W, V)
