@@ -31,15 +31,29 @@ def _prompts(k, seed=0):
 
 
 def _rows_per_forward(batch):
-    """Record the row count of every step forward of ``batch``'s cache."""
-    seen, real = [], batch.kv.forward
+    """Record the row count of every step forward of ``batch``'s cache (a forward alone, or inside a
+    compiled whole step)."""
+    seen, real, whole = [], batch.kv.forward, getattr(batch.kv, "fused", None)
 
     def counted(inp, *a, **kw):
         seen.append(inp.shape[0])
         return real(inp, *a, **kw)
 
+    def counted_whole(body, key, B, *a):
+        out = whole(body, key, B, *a)
+        if out is not None:
+            seen.append(B)
+        return out
+
     batch.kv.forward = counted
+    if whole is not None:
+        batch.kv.fused = counted_whole
     return seen
+
+
+def _graph_shape(key):
+    """(rows, queries) of a compiled graph's key: a step forward's or a whole step's."""
+    return key[3][-3:-1] if key[0] == "step" else key[0]
 
 
 def _staggered(batch, plan):
@@ -120,7 +134,7 @@ def test_compiled_rows_across_buckets_equal_eager_and_compile_once_per_bucket():
     graphs = counters["stats"]["unique_graphs"]
     assert run(True) == eager
     keys = list(static._compiled[bundle.model])[before:]
-    assert sorted(k[0] for k in keys) == [(b, 1) for b in buckets]  # one graph per (rows bucket, query length)
+    assert sorted(_graph_shape(k) for k in keys) == [(b, 1) for b in buckets]  # one graph per (rows bucket, query length)
     assert counters["stats"]["unique_graphs"] - graphs == len(buckets)  # and none recompiled per step
 
 
@@ -242,9 +256,10 @@ def test_deferred_compile_runs_a_new_shape_eagerly_then_compiles_it_while_no_row
     batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128, ar=True,
                    defer_compile=True)
     kv, calls = batch.kv, []
-    real_step, real_eager = kv._step, kv._eager
-    kv._step = lambda *a: calls.append("compiled") or real_step(*a)
+    real_whole, real_eager = kv.fused, kv._eager  # a greedy AR step compiles whole (window, forward, commit)
+    kv.fused = lambda *a: calls.append("compiled") or real_whole(*a)
     kv._eager = lambda *a: calls.append("eager") or real_eager(*a)
+    pending = lambda: [k for k, done in batch._steps.items() if done is False]  # noqa: E731
     prompt = _prompts(1, seed=3)[0]
     want = ar.decode(bundle, [prompt], max_new_tokens=12).tokens[0]
 
@@ -256,9 +271,11 @@ def test_deferred_compile_runs_a_new_shape_eagerly_then_compiles_it_while_no_row
             done += batch.step()
         return done[0].tokens
 
-    assert run() == want and calls == ["eager"] * 11 and list(kv.pending) == [(1, 1, 128)]
+    assert run() == want and calls == ["eager"] * 11 and pending() == [(1, 1, 128, 1)] and not kv.pending
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert batch.warm() and not kv.pending and kv.compiled == {(1, 1, 128)} and not batch.warm()
+    calls.clear()
+    assert batch.warm() and not pending() and batch._steps == {(1, 1, 128, 1): True} and not batch.warm()
+    assert calls == ["compiled"] and not kv.pending
     assert run() == want and calls == ["compiled"] * 11  # every step (the prefill runs on its own DynamicKV)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1  # warm()'s graph, no recompile
     kv.ptr = 3
@@ -280,8 +297,9 @@ def test_the_compiled_scheduler_compiles_new_shapes_only_after_an_idle_while_and
     sched = Scheduler(bundle, compile=True, max_batch_size=2).start()
     kv, prompt = sched.ar.kv, _prompts(1, seed=5)[0]
     want = ar.decode(bundle, [prompt], max_new_tokens=10).tokens[0]
-    compiled_steps, real = [], kv._step
-    kv._step = lambda *a: compiled_steps.append(a[0].shape) or real(*a)
+    compiled_steps, real = [], kv.fused  # a greedy AR step compiles whole (window, forward, commit)
+    kv.fused = lambda *a: compiled_steps.append(a[2:4]) or real(*a)
+    compiled = lambda: any(sched.ar._steps.values())  # noqa: E731
 
     def answer():
         box: queue.Queue = queue.Queue()
@@ -294,10 +312,10 @@ def test_the_compiled_scheduler_compiles_new_shapes_only_after_an_idle_while_and
     try:
         engine.IDLE_COMPILE_S = 3600.0  # a gap between requests is not idleness: nothing compiles
         first, again = answer(), answer()
-        assert kv.pending and not compiled_steps and first == again
+        assert sched.pending_compiles and not compiled_steps and first == again
         engine.IDLE_COMPILE_S = 0.0  # idle now: its shape compiles
         deadline = time.monotonic() + 120
-        while (kv.pending or not kv.compiled) and time.monotonic() < deadline:
+        while (sched.pending_compiles or not compiled()) and time.monotonic() < deadline:
             time.sleep(0.05)
         n = len(compiled_steps)  # the idle compile's own forward
         second = answer()
@@ -305,7 +323,7 @@ def test_the_compiled_scheduler_compiles_new_shapes_only_after_an_idle_while_and
         engine.IDLE_COMPILE_S = idle_s
         sched.close()
     assert first == second == ("done", {"tokens": want, "nfe": 10, "finish_reason": "length"})
-    assert kv.compiled and not kv.pending and n == 1 and len(compiled_steps) == 1 + 9  # the second: compiled steps
+    assert compiled() and not kv.pending and n == 1 and len(compiled_steps) == 1 + 9  # the second: compiled steps
     assert sched.pending_compiles == 0
 
 

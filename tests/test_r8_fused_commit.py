@@ -1,7 +1,7 @@
-"""Compiled greedy lossless SBD runs its acceptance and commit (``lossless.greedy_commit``) as one
-compiled graph beside the forward's. It must give the eager commit's tokens, NFE and accept
-histograms, for chains and sibling trees, alone and in ragged batches; a sampled row keeps the
-eager path; the server's deferred cache compiles it with its forward's shape, never mid-request."""
+"""Compiled greedy lossless SBD (and AR) runs its whole step, window, forward, acceptance and commit
+(``sbd_verify.whole_step``), as one compiled graph. It must give the eager step's tokens, NFE and
+accept histograms, for chains and sibling trees, alone and in ragged batches; a sampled row keeps the
+eager path; the server's deferred cache compiles it when idle, never mid-request."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_sbd_verify import verify_bundle
 
-from unmask.decode import ar, sbd_verify, static
+from unmask.decode import ar, sbd_verify, static, tree_verify as tv
 from unmask.decode.lossless import Verify
 from unmask.decode.running import Request
 from unmask.decode.sbd_verify import VerifyConfig
@@ -26,14 +26,14 @@ def _req(prompt, n, sampling=Sampling()):
 
 
 def _fused_calls(monkeypatch):
-    """Count the calls of compiled greedy commits (any key)."""
-    calls, real = [], static.compiled_pure
+    """Count the calls of compiled whole steps (any key)."""
+    calls, real = [], static.compiled_step
 
-    def counting(fn, key, **kw):
-        compiled = real(fn, key, **kw)
+    def counting(model, body, key, **kw):
+        compiled = real(model, body, key, **kw)
         return lambda *a: calls.append(key) or compiled(*a)
 
-    monkeypatch.setattr(static, "compiled_pure", counting)
+    monkeypatch.setattr(static, "compiled_step", counting)
     return calls
 
 
@@ -45,7 +45,7 @@ def test_compiled_commit_equals_the_eager_commit_and_ar(monkeypatch, draft):
     eager = sbd_verify.decode(bundle, prompts, **kw, static=True)
     calls = _fused_calls(monkeypatch)
     fused = sbd_verify.decode(bundle, prompts, **kw, compile=True)
-    assert calls, "the compiled decode never ran the fused commit"
+    assert calls, "the compiled decode never ran the whole step"
     assert fused.tokens == eager.tokens == ar.decode(bundle, prompts, max_new_tokens=20).tokens
     assert fused.stats.nfe_per_row == eager.stats.nfe_per_row
     for key in ("accepts", "accepted_drafts", "query_windows"):
@@ -53,7 +53,7 @@ def test_compiled_commit_equals_the_eager_commit_and_ar(monkeypatch, draft):
     assert max(fused.stats.extra["accepts"]) > 1  # multi-token accepts happened
 
 
-def test_a_sampled_row_keeps_the_eager_commit(monkeypatch):
+def test_a_sampled_row_keeps_the_eager_step(monkeypatch):
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
     calls = _fused_calls(monkeypatch)
     batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128)
@@ -63,7 +63,7 @@ def test_a_sampled_row_keeps_the_eager_commit(monkeypatch):
     assert not calls
 
 
-def test_deferred_cache_compiles_the_commit_with_its_forward_shape_while_no_row_runs(monkeypatch):
+def test_deferred_cache_compiles_the_whole_step_while_no_row_runs(monkeypatch):
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
     batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128, defer_compile=True)
     calls = _fused_calls(monkeypatch)
@@ -78,12 +78,12 @@ def test_deferred_cache_compiles_the_commit_with_its_forward_shape_while_no_row_
         return done[0].tokens
 
     assert run() == want and not calls
-    pending = [k for k, done in batch._commits.items() if not done]
-    assert pending and all(k[:2] in {s[:2] for s in batch.kv.pending} for k in pending)
+    pending = [k for k, done in batch._steps.items() if not done]
+    assert pending and not batch.kv.pending  # one graph per step shape: no forward graph to compile besides
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     while batch.warm():
         pass
-    assert all(batch._commits.values()) and not batch.kv.pending
+    assert all(batch._steps.values()) and not batch.kv.pending
     warmed = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
     calls.clear()
     assert run() == want and calls
@@ -111,9 +111,9 @@ def test_greedy_commit_is_the_eager_acceptance_then_settle():
         assert torch.equal(x, y)
 
 
-def test_a_commit_whose_forward_shape_compiled_during_a_sampled_run_still_compiles_when_idle(monkeypatch):
+def test_a_whole_step_after_a_sampled_run_compiled_its_forward_still_compiles_when_idle(monkeypatch):
     # the forward shape compiles while only a sampled row runs (its commit stays eager); a later greedy
-    # row records the commit, which /health counts and the next idle warm() compiles
+    # row records its whole step, which /health counts and the next idle warm() compiles
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
     batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128, defer_compile=True)
     calls = _fused_calls(monkeypatch)
@@ -128,24 +128,24 @@ def test_a_commit_whose_forward_shape_compiled_during_a_sampled_run_still_compil
     run(Sampling(temperature=0.8, seed=7))
     while batch.warm():
         pass
-    assert not batch.kv.pending and not batch._commits
+    assert not batch.kv.pending and not batch._steps
     want = ar.decode(bundle, [prompt], max_new_tokens=12).tokens[0]
-    assert run() == want and not calls and batch.pending_commits == 1
+    assert run() == want and not calls and batch.pending_steps == 1
     seen = []
-    real = static.compiled_pure
+    real = static.compiled_step
 
-    def watching(fn, key, **kw):  # while it compiles, the commit still counts as pending
-        compiled = real(fn, key, **kw)
-        return lambda *a: seen.append(batch.pending_commits) or compiled(*a)
+    def watching(model, body, key, **kw):  # while it compiles, the step still counts as pending
+        compiled = real(model, body, key, **kw)
+        return lambda *a: seen.append(batch.pending_steps) or compiled(*a)
 
-    monkeypatch.setattr(static, "compiled_pure", watching)
-    assert batch.warm() and seen == [1] and batch.pending_commits == 0 and not batch.warm()
-    monkeypatch.setattr(static, "compiled_pure", real)
+    monkeypatch.setattr(static, "compiled_step", watching)
+    assert batch.warm() and seen == [1] and batch.pending_steps == 0 and not batch.warm()
+    monkeypatch.setattr(static, "compiled_step", real)
     calls = _fused_calls(monkeypatch)
     assert run() == want and calls
 
 
-def test_a_commit_that_fails_to_compile_stays_eager_and_is_not_pending(monkeypatch):
+def test_a_whole_step_that_fails_to_compile_stays_eager_and_is_not_pending(monkeypatch):
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
     batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128, defer_compile=True)
     prompt = [1, 5, 3, 6]
@@ -161,16 +161,16 @@ def test_a_commit_that_fails_to_compile_stays_eager_and_is_not_pending(monkeypat
     while batch.kv.pending:
         batch.warm()
 
-    def broken(fn, key, **kw):
+    def broken(model, body, key, **kw):
         def fail(*a):
             raise RuntimeError("inductor failed")
         return fail
 
-    monkeypatch.setattr(static, "compiled_pure", broken)
+    monkeypatch.setattr(static, "compiled_step", broken)
     with pytest.raises(RuntimeError, match="inductor failed"):
         batch.warm()
-    assert batch.pending_commits == 0 and not batch.warm()
-    assert run() == want  # eager commit
+    assert batch.pending_steps == 0 and not batch.warm()
+    assert run() == want  # eager step
 
 
 def test_a_row_whose_draft_window_does_not_fit_is_refused_before_joining():
@@ -213,3 +213,27 @@ def test_on_a_cache_sized_for_the_context_window_a_row_fits_or_not_by_itself():
         done += batch.step()
     want = ar.decode(bundle, [[1, 5, 3], long], max_new_tokens=6).tokens[0]
     assert sorted(len(r.tokens) for r in done) == [6, ctx - len(long)] and want in [r.tokens for r in done]
+
+
+@pytest.mark.parametrize("draft,Kmax", [("linear", 4), ("3/0,2/4+1c1g3+1", 4), ("linear", 1)])
+def test_the_whole_steps_window_is_the_eager_steps_inputs_and_mask(draft, Kmax):
+    """window() builds in one graph what the eager step builds in pieces: ids from the pool, positions,
+    and the mask [valid keys | the layout's window | nothing] over the length bucket, for every C."""
+    cfg = VerifyConfig(block_size=4, draft=draft)
+    tw = sbd_verify.tables(cfg.draft, Kmax, cfg.smaller)
+    R, Q, Lb, mask_id = 3, sbd_verify.queries(Kmax, cfg.draft), 40, 7
+    g = torch.Generator().manual_seed(1)
+    K = torch.tensor([Kmax, max(Kmax - 2, 1), 1])
+    dl = torch.minimum(torch.tensor([Kmax - 1, 1, 0]), K - 1)
+    b, p_b = torch.randint(0, 7, (R,), generator=g), torch.tensor([5, 9, 2])
+    s, sib = torch.randint(0, 7, (R, max(Kmax - 1, 0)), generator=g), torch.randint(0, 7, (R, tw.H), generator=g)
+    for C in range(0, Lb - Q + 1, 3):
+        key_valid = torch.rand((R, C), generator=g) < 0.7  # (R, C)
+        kvb = torch.nn.functional.pad(key_valid, (0, Lb - C))
+        inp, positions, mask = sbd_verify.window(tw, K, dl, b, s, sib, p_b, kvb, torch.tensor(C), mask_id)
+        m = tw.mask[K - 1, dl]  # (R, Q, Q)
+        want = torch.zeros((R, 1, Q, Lb), dtype=torch.bool)
+        want[..., : C + Q] = torch.cat([key_valid[:, None, :].expand(R, Q, C), m], dim=2)[:, None]
+        assert torch.equal(mask, want), C
+        assert torch.equal(inp, tv.inputs(tw, K, dl, b, s, sib, mask_id))
+        assert torch.equal(positions, p_b[:, None] + tw.offsets[K - 1, dl])

@@ -150,6 +150,25 @@ class StaticKV:
         self.ptr = end
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
+    def fused(self, body, key: tuple, B: int, q: int, *args):
+        """One step of B rows and q queries as ONE compiled graph (:func:`unmask.decode.static.compiled_step`):
+        ``body(forward, cache, C, *args)``, C (0-dim long) the cache length before the step, ``cache`` the
+        rows' view of the length bucket, whose columns [C, C + q) the forward writes. ``key``: the
+        non-tensor values ``body`` bakes in (the caller defers compiles). Returns body's outputs, or None
+        (nothing run) before the first write allocates the cache or past its capacity: the caller's
+        eager pieces then allocate it or raise."""
+        end = self.ptr + q
+        if not self.allocated or end > self.capacity or B > self.batch:
+            return None
+        Lb = self.bucket(end)
+        from unmask.decode import static
+
+        set_static_length(self.cache, self.ptr)
+        fn = static.compiled_step(self.model, body, key + (B, q, Lb))
+        out = fn(self.view(B, Lb), self.cache.layers[0].cumulative_length, *args)
+        self.ptr = end
+        return out
+
     def crowded(self, most: int, q: int) -> bool:
         """Whether to compact the cache to ``most`` columns (every running row's valid keys, known on
         the host) before a forward of ``q`` queries: it would not fit, or compacted it would take a

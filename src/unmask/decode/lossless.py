@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unmask.decode import sbd_sampled as ss, sbd_verify as sv, static, tree_verify as tv
+from unmask.decode import sbd_sampled as ss, sbd_verify as sv, tree_verify as tv
 from unmask.decode.sbd_verify import family, queries
 from unmask.decode.kv import DynamicKV, StaticKV, compact, place
 from unmask.decode.running import Request, Row, Slots, group_by
@@ -86,7 +86,7 @@ class Verify:
         self.live = torch.zeros(cap, dtype=torch.bool, device=dev)  # (cap,)
         self._zero = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) an AR step's a and path (read only)
         self._one = torch.ones((cap, 1, 1), dtype=torch.bool, device=dev)  # (cap, 1, 1) an AR step's window mask
-        self._layouts, self._commits = {}, {}  # Kmax -> the layout's window tables; (R, Q, V, Kmax) -> commit compiled?
+        self._layouts, self._steps = {}, {}  # Kmax -> the layout's window tables; (R, Q, Lb, Kmax) -> whole step compiled?
         self._suppress = torch.tensor(self.suppress, dtype=torch.long, device=dev) if self.suppress else None  # (n,)
         self.sized_for = None if length else bundle.context_length  # the longest row a static cache must hold
         if self.static:
@@ -100,28 +100,30 @@ class Verify:
 
     @torch.inference_mode()
     def warm(self) -> bool:
-        """defer_compile (the server, no row running): compile one step shape run eagerly, else one greedy
-        commit graph run eagerly (a pure function: called on dead rows, no buffer changes). False: none left."""
-        if not self.static or self.rows:
+        """defer_compile (the server, no row running): compile one step shape run eagerly, either a forward's
+        (sampled rows) or a greedy step's whole graph (run once on the dead rows at the end of its length
+        bucket; the K/V it writes lie past every valid key). False: none left."""
+        if not self.static or self.rows or not self.kv.allocated:
             return False
         if self.kv.pending:
             return self.kv.warm()
-        if (key := next((k for k, done in self._commits.items() if done is False), None)) is None:
+        if (key := next((k for k, done in self._steps.items() if done is False), None)) is None:
             return False
-        (R, Q, V, Kmax), z = key, torch.zeros((key[0], key[1]), dtype=torch.long, device=self.device)
-        commit = static.compiled_pure(sv.greedy_commit, key, cpu=self.device.type == "cpu")
+        R, Q, Lb, Kmax = key
+        self.kv.ptr = Lb - Q  # the step's end lands in bucket Lb
         try:  # pending (False) until compiled: /health counts it
-            commit(z[..., None].expand(R, Q, V).float().contiguous(), z, self._suppress, self._tables(Kmax), self.K[:R],
-                   self.draft_len[:R], self.n[:R], self.N[:R], self.live[:R], self.stops, self.b[:R], Q)
+            self._run_whole(R, Q, Kmax, torch.zeros((R, Lb), dtype=torch.bool, device=self.device))
         except Exception:
-            self._commits[key] = None  # its compile failed: it stays eager for good
+            self._steps[key] = None  # its compile failed: it stays eager for good
             raise
-        self._commits[key] = True
+        finally:
+            self.kv.ptr = 0
+        self._steps[key] = True
         return True
 
     @property
-    def pending_commits(self) -> int:  # /health counts them with the step shapes to compile
-        return sum(done is False for done in self._commits.values())
+    def pending_steps(self) -> int:  # /health counts them with the forward shapes to compile
+        return sum(done is False for done in self._steps.values())
 
     def _empty(self) -> None:
         """No row runs: a fresh dynamic cache, or the static one's pointer back at 0."""
@@ -238,23 +240,12 @@ class Verify:
         self._reclaim(Q)
         C, tw = self.kv.length, self._tables(Kmax)
         K, dl = self.K[:R], self.draft_len[:R]
-        if Kmax == 1:  # an AR step: the K = 1 tables are b alone at its position, so skip their gathers
-            # (R, 0), (R, 1, 1), (R, 1) x2; copies: a view of a buffer made outside inference mode would recompile warm()'s graph
-            s, m, inp, positions = self.s[:R, :0], self._one[:R], self.b[:R, None].clone(), self.p_b[:R, None].clone()
-        else:
-            s = self.s[:R, : Kmax - 1].clone()  # the draft _accept replaces
-            m, o = tw.mask[K - 1, dl], tw.offsets[K - 1, dl]  # (R, Q, Q), (R, Q): each row's layout for its draft length
-            inp = tv.inputs(tw, K, dl, self.b[:R], s, self.sib[:R], self.mask_id)  # (R, Q): b, the draft, siblings, masks
-            positions = self.p_b[:R, None] + o  # (R, Q)
-        causal = Q == 1 and not self.static and len(self.rows) == R and all(self._held(r) == C for r in self.rows.values())
-        mask = None if causal else torch.cat([self.key_valid[:R, None, :].expand(R, Q, C), m], dim=2)[:, None]  # (R, 1, Q, C+Q)
-        logits = self.kv.forward(inp, positions, mask)  # (R, Q, V)
-        self.forwards, self.windows[Q] = self.forwards + 1, self.windows[Q] + 1
         rows = (tw, K, dl, self.n[:R], self.N[:R], self.live[:R], self.stops, self.b[:R], Q)
-        if (fused := self._fused((R, Q, logits.shape[2], Kmax))) is not None:  # greedy, compiled: one graph
-            self.s[:R, : Kmax - 1], self.sib[:R, : tw.H], *out = fused(logits, inp, self._suppress, *rows)
+        self.forwards, self.windows[Q] = self.forwards + 1, self.windows[Q] + 1
+        if out := self._whole(R, Q, Kmax, C):  # greedy, compiled: the step is one graph
+            self.s[:R, : Kmax - 1], self.sib[:R, : tw.H], *out = out
         else:
-            out = sv.settle(*(a_p_tok := self._accept(logits, inp, tw, R, Kmax, s, dl)), *rows)
+            out = self._pieces(R, Q, Kmax, C, tw, rows, compiled=out is None)
         self.b[:R], committed, self.n[:R], self.draft_len[:R], keep, host = out
         self.p_b[:R] += committed
         host = host.tolist()  # the step's one host sync
@@ -265,8 +256,6 @@ class Verify:
         if self.key_valid.shape[0] > R:
             cols = torch.cat([cols, cols.new_zeros((self.key_valid.shape[0] - R, kept))])  # (cap, kept)
         self.key_valid = torch.cat([self.key_valid, cols], dim=1)  # (R or cap, C + kept)
-        if self.on_forward is not None:
-            sv.report(self, inp, positions, logits, a_p_tok[0])
         finished = []
         for slot, row in list(self.rows.items()):
             c = host[slot]
@@ -281,13 +270,45 @@ class Verify:
         self._free(finished)
         return finished
 
-    def _fused(self, key: tuple):
-        """The compiled :func:`~unmask.decode.sbd_verify.greedy_commit` of a step of shape (R, Q, V, Kmax), or None: eager
-        (not compiled, a sampled row, ``on_forward``, an AR step, or a deferred cache's new shape: :meth:`warm` compiles it)."""
-        if (not self.compile or self.n_sampled or self.on_forward is not None or key[3] == 1
-                or (self.kv.defer and not self._commits.setdefault(key, False))):
+    def _whole(self, R: int, Q: int, Kmax: int, C: int):
+        """A greedy compiled step as ONE graph (:func:`~unmask.decode.sbd_verify.whole_step`: window, forward,
+        commit); its outputs, or None when it does not apply (not compiled, a sampled row, ``on_forward``), or
+        False when its shape waits for :meth:`warm` (a deferred cache) or failed to compile: then the step runs
+        its pieces eagerly."""
+        if not self.compile or self.n_sampled or self.on_forward is not None:
             return None
-        return static.compiled_pure(sv.greedy_commit, key, cpu=self.device.type == "cpu")
+        Lb = self.kv.bucket(C + Q)
+        if not self._steps.setdefault((R, Q, Lb, Kmax), not self.kv.defer):
+            return False
+        return self._run_whole(R, Q, Kmax, torch.nn.functional.pad(self.key_valid[:R], (0, Lb - C)))  # kvb (R, Lb)
+
+    def _run_whole(self, R: int, Q: int, Kmax: int, kvb: torch.Tensor):
+        """Run the compiled whole step of R rows, window Q, on the slot buffers; kvb (R, Lb) the valid keys."""
+        tw = self._tables(Kmax)
+        key = (self.mask_id, Q, tw.trees, tuple(tw.path.shape), self.s.shape[1], self.sib.shape[1], self._suppress is None)
+        return self.kv.fused(sv.whole_step, key, R, Q, kvb, self._suppress, tw, self.K[:R], self.draft_len[:R],
+                             self.b[:R], self.s[:R, : Kmax - 1], self.sib[:R], self.p_b[:R], self.n[:R], self.N[:R],
+                             self.live[:R], self.stops, self.mask_id, Q)
+
+    def _pieces(self, R: int, Q: int, Kmax: int, C: int, tw: tv.TreeWindow, rows: tuple, compiled: bool):
+        """A step as its pieces: the window and mask, the forward (``compiled``: the compiled one, which a
+        deferred cache may still run eagerly), then the eager commit. Returns settle's outputs."""
+        K, dl = rows[1], rows[2]
+        if Kmax == 1:  # an AR step: the K = 1 tables are b alone at its position, so skip their gathers
+            # (R, 0), (R, 1, 1), (R, 1) x2; copies: a view of a buffer made outside inference mode would recompile warm()'s graph
+            s, m, inp, positions = self.s[:R, :0], self._one[:R], self.b[:R, None].clone(), self.p_b[:R, None].clone()
+        else:
+            s = self.s[:R, : Kmax - 1].clone()  # the draft accept_rows replaces
+            m, o = tw.mask[K - 1, dl], tw.offsets[K - 1, dl]  # (R, Q, Q), (R, Q): each row's layout for its draft length
+            inp = tv.inputs(tw, K, dl, self.b[:R], s, self.sib[:R], self.mask_id)  # (R, Q): b, the draft, siblings, masks
+            positions = self.p_b[:R, None] + o  # (R, Q)
+        causal = Q == 1 and not self.static and len(self.rows) == R and all(self._held(r) == C for r in self.rows.values())
+        mask = None if causal else torch.cat([self.key_valid[:R, None, :].expand(R, Q, C), m], dim=2)[:, None]  # (R, 1, Q, C+Q)
+        logits = self.kv.forward(inp, positions, mask, **({} if compiled else {"compiled": False}))  # (R, Q, V)
+        out = sv.settle(*(a_p_tok := ss.accept_rows(self, logits, inp, tw, R, Kmax, s, dl)), *rows)
+        if self.on_forward is not None:
+            sv.report(self, inp, positions, logits, a_p_tok[0])
+        return out
 
     def _event(self, row: VerifyRow, start: int) -> dict:
         """The row's last :func:`unmask.trace.step_event`, from host-side ids (no sync); draft masked."""
@@ -322,33 +343,6 @@ class Verify:
         if Kmax not in self._layouts:
             self._layouts[Kmax] = sv.tables(self.cfg.draft, Kmax, self.cfg.smaller, self.device)
         return self._layouts[Kmax]
-
-    def _accept(self, logits: torch.Tensor, inp: torch.Tensor, tw: tv.TreeWindow, R: int, Kmax: int, s: torch.Tensor,
-                dl: torch.Tensor):
-        """Accept and redraft every slot from the logits (R, Q, V) (spec §1, §5.3; suppressed ids set to -inf in place):
-        greedy tree acceptance for all, then each sampled group (same sampling and K) by speculative sampling.
-        Returns a, path p (R,), step_tok (R, Kmax)."""
-        if self.suppress:
-            logits[..., self.suppress] = float("-inf")
-        if Kmax == 1:  # AR rows: nothing to accept or draft, the bonus is the argmax
-            a, p, step_tok = self._zero[:R], self._zero[:R], logits.argmax(dim=-1)  # (R,), (R,), (R, 1)
-        else:  # greedy acceptance and the next draft (R, Kmax-1) and siblings (R, H) for all
-            a, p, step_tok, self.s[:R, : Kmax - 1], self.sib[:R, : tw.H] = sv.greedy_step(logits, inp, tw, self.K[:R], dl)
-        if not self.n_sampled:
-            return a, p, step_tok
-        sampled = {k: v for k, v in group_by(self.rows.items(), lambda r: (r.job.sampling, r.K)).items()
-                   if not k[0].greedy}
-        a, p, step_tok = a.clone(), p.clone(), step_tok.clone()
-        for (sampling, K), slots in sampled.items():
-            idx = torch.tensor(slots, dtype=torch.long, device=self.device)  # (n,)
-            q = None if K == 1 else self.q[idx, : K - 1]
-            a[idx], p[idx], step_tok[idx, :K], s_i, q_i, sib = ss.accept_sampled(
-                logits[idx], q, s[idx, : K - 1], inp[idx], dl[idx], K, tw, sampling, [self.rows[i].generator for i in slots])
-            if K > 1:
-                self.s[idx, : K - 1], self.q[idx, : K - 1] = s_i, q_i
-            if sib is not None:  # siblings drawn i.i.d. from q, as the multi-candidate rule needs (spec §5.3)
-                self.sib[idx, : tw.H] = sib
-        return a, p, step_tok
 
     def _settle(self, row: VerifyRow, start: int) -> bool:
         """Update ``row.tokens`` (calling ``on_token`` per new token) after a commit (``start``: its

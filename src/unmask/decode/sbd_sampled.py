@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from unmask.decode import tree_verify as tv
+from unmask.decode import sbd_verify as sv, tree_verify as tv
+from unmask.decode.running import group_by
 from unmask.sampling import Sampling, draw as _draw, multinomial as _multinomial, probs as _probs, sample, uniform as _uniform
 
 
@@ -91,4 +92,34 @@ def accept_sampled(logits: torch.Tensor, q, s: torch.Tensor, inp: torch.Tensor, 
     return a, path, tok, s_next, q_next, tv.draw_siblings(q_next, tw, K, gens) if tree else None
 
 
-__all__ = ["speculative_accept", "prefill_draws", "accept_sampled"]
+def accept_rows(batch, logits: torch.Tensor, inp: torch.Tensor, tw: tv.TreeWindow, R: int, Kmax: int, s: torch.Tensor,
+                dl: torch.Tensor):
+    """Accept and redraft every slot of a :class:`~unmask.decode.lossless.Verify` step from its logits (R, Q, V)
+    (spec §1, §5.3; suppressed ids set to -inf in place):
+    greedy tree acceptance for all, then each sampled group (same sampling and K) by speculative sampling.
+    Returns a, path p (R,), step_tok (R, Kmax)."""
+    if batch.suppress:
+        logits[..., batch.suppress] = float("-inf")
+    if Kmax == 1:  # AR rows: nothing to accept or draft, the bonus is the argmax
+        a, p, step_tok = batch._zero[:R], batch._zero[:R], logits.argmax(dim=-1)  # (R,), (R,), (R, 1)
+    else:  # greedy acceptance and the next draft (R, Kmax-1) and siblings (R, H) for all
+        a, p, step_tok, batch.s[:R, : Kmax - 1], batch.sib[:R, : tw.H] = sv.greedy_step(logits, inp, tw, batch.K[:R], dl)
+    if not batch.n_sampled:
+        return a, p, step_tok
+    sampled = {k: v for k, v in group_by(batch.rows.items(), lambda r: (r.job.sampling, r.K)).items()
+               if not k[0].greedy}
+    a, p, step_tok = a.clone(), p.clone(), step_tok.clone()
+    for (sampling, K), slots in sampled.items():
+        idx = torch.tensor(slots, dtype=torch.long, device=batch.device)  # (n,)
+        q = None if K == 1 else batch.q[idx, : K - 1]
+        a[idx], p[idx], step_tok[idx, :K], s_i, q_i, sib = accept_sampled(
+            logits[idx], q, s[idx, : K - 1], inp[idx], dl[idx], K, tw, sampling, [batch.rows[i].generator for i in slots])
+        if K > 1:
+            batch.s[idx, : K - 1], batch.q[idx, : K - 1] = s_i, q_i
+        if sib is not None:  # siblings drawn i.i.d. from q, as the multi-candidate rule needs (spec §5.3)
+            batch.sib[idx, : tw.H] = sib
+    return a, p, step_tok
+
+
+__all__ = ["speculative_accept", "prefill_draws", "accept_sampled", "accept_rows"]
+

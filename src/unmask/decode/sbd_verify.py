@@ -247,6 +247,33 @@ def greedy_commit(logits, inp, suppress, tw: tv.TreeWindow, K, dl, n, N, live, s
     return (draft, sib, *settle(a, p, step_tok, tw, K, dl, n, N, live, stops, b, Q))
 
 
+def window(tw: tv.TreeWindow, K, dl, b, s, sib, p_b, kvb, C, mask_id: int):
+    """A step's query window, pure: input ids (R, Q), positions (R, Q) and the bool mask (R, 1, Q, Lb)
+    over a static cache of Lb columns (kvb (R, Lb): the rows' valid keys in [0, C), C a 0-dim long:
+    the cache length; the window's own Q columns start at C)."""
+    m, o = tw.mask[K - 1, dl], tw.offsets[K - 1, dl]  # (R, Q, Q), (R, Q): each row's layout for its draft length
+    inp = tv.inputs(tw, K, dl, b, s, sib, mask_id)  # (R, Q)
+    R, Q, Lb = m.shape[0], m.shape[1], kvb.shape[1]
+    rel = torch.arange(Lb, device=kvb.device) - C  # (Lb,): column index relative to the window
+    win = m.gather(2, rel.clamp(0, Q - 1).expand(R, Q, Lb))  # (R, Q, Lb): the window's mask, repeated
+    mask = torch.where(rel < 0, kvb[:, None, :], win & (rel < Q))  # (R, Q, Lb)
+    return inp, p_b[:, None] + o, mask[:, None]
+
+
+def whole_step(forward, cache, C, kvb, suppress, tw: tv.TreeWindow, K, dl, b, s, sib, p_b, n, N, live, stops,
+               mask_id: int, Q: int):
+    """A greedy step as one pure function (the compiled step's one graph): the query window
+    (:func:`window`), the forward on ``cache`` and :func:`greedy_commit` (an AR step, Kmax = 1: the
+    argmax and :func:`settle`). Returns greedy_commit's outputs."""
+    inp, positions, mask = window(tw, K, dl, b, s, sib, p_b, kvb, C, mask_id)
+    logits = forward(inp, positions, mask, cache)  # (R, Q, V)
+    if tw.mask.shape[0] > 1:
+        return greedy_commit(logits, inp, suppress, tw, K, dl, n, N, live, stops, b, Q)
+    logits = logits if suppress is None else logits.index_fill(-1, suppress, float("-inf"))  # (R, 1, V)
+    zero = torch.zeros_like(b)  # (R,): nothing to accept on an AR step's path 0
+    return (s, sib[:, :0], *settle(zero, zero, logits.argmax(dim=-1), tw, K, dl, n, N, live, stops, b, Q))
+
+
 def prefill_inputs(bundle, prompts: list[list[int]], K: int):
     """The prefill of lossless SBD (spec §1): each left-padded prompt, causal, then one group of
     K masks at the positions after it, which sees the whole prompt and itself.

@@ -8,9 +8,9 @@ step's inputs have the same shapes (ids (B, q), positions (B, q), a 4D mask over
 eagerly. The decoders' loops are their running-batch classes (AR and lossless SBD:
 :class:`unmask.decode.lossless.Verify`).
 
-What is compiled: the model forward of one step (:func:`step_function`) and, for greedy
-lossless SBD steps (draft size >= 2), the acceptance and commit after it as a second graph
-(:func:`compiled_pure`); the mask and the host-side bookkeeping stay outside. ``compile=False``
+What is compiled: the model forward of one step (:func:`step_function`) and, for greedy AR and
+lossless SBD steps, the whole step as ONE graph (:func:`compiled_step`: the query window and its mask,
+the forward, the acceptance and commit); host-side bookkeeping stays outside. ``compile=False``
 runs the same static cache eagerly (what the equality tests exercise quickly); ``compile=True`` compiles: on CPU inductor, on CUDA ``mode="reduce-overhead"``
 (CUDA graphs). The first call per (model, input shapes) pays the compile (5-30 s for the shipped
 models on one CPU core); later calls reuse it.
@@ -23,7 +23,6 @@ import itertools
 import os
 import types
 import weakref
-from collections import OrderedDict
 
 import torch
 
@@ -80,25 +79,41 @@ def step_function(model, compile: bool, *, cpp_wrapper: bool = False):
     return compiled
 
 
-_pure: "OrderedDict[tuple, object]" = OrderedDict()
-MAX_PURE = 64  # compiled pure functions kept (least recently used dropped)
+def compiled_step(model, body, key: tuple):
+    """``body(forward, *args)`` compiled with the model's step forward inside it, so a decoder's whole
+    step (its query window, the forward and its commit rule) is ONE graph (STYLE.md habit 13):
+    ``forward(inp, positions, mask, cache) -> logits`` as :func:`step_function`'s (``mask`` bool).
+    One graph per (model, body, key), ``key`` every non-tensor value the trace bakes in (shapes,
+    Python ints); guards as :func:`_guard_filter`; CUDA graphs on a GPU, inductor's C++ wrapper on
+    CPU. Every output must be read before the next call (CUDA graphs reuse their buffers)."""
+    table = _compiled.setdefault(model, {})
+    k = ("step", body.__qualname__, body.__module__, key)
+    fn = table.get(k)
+    if fn is not None:
+        return fn
+    from unmask.compat import attention_mask
 
+    kw, guards = cache_keyword(model), _guard_filter(model)
+    device = next(model.parameters()).device.type
 
-def compiled_pure(fn, key: tuple, *, cpu: bool):
-    """``fn``, a pure tensor function, compiled for one ``key``: a tuple of every non-tensor value
-    its trace bakes in (shapes, Python ints, table layouts), since the graph keeps tensor guards
-    only. One graph per (fn, key, cpu), each on a code object of its own (:func:`_own_code`), shared
-    by every caller; the MAX_PURE last used are kept. ``cpu``: inductor's C++ wrapper (the Python
-    one cost ~0.1 ms per call of lossless SBD's commit, a quarter of what it compiles away)."""
-    k = (fn.__qualname__, fn.__module__, key, cpu)
-    compiled = _pure.get(k)
-    if compiled is None:
-        options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe, "cpp_wrapper": cpu}
-        compiled = _pure[k] = torch.compile(_own_code(fn), dynamic=False, options=options)
-        while len(_pure) > MAX_PURE:
-            _pure.popitem(last=False)
-    _pure.move_to_end(k)
-    return compiled
+    def forward(inp, positions, mask, cache):
+        return _forward(model, inp, positions, attention_mask(model, mask), cache, cache_kw=kw)
+
+    def step(*args):
+        return body(forward, *args)
+
+    how = {"triton.cudagraphs": True} if device == "cuda" else {"cpp_wrapper": True} if device == "cpu" else {}
+    compiled = torch.compile(_own_code(step), dynamic=False, options={**guards, **how})
+    if not guards:
+        table[k] = compiled
+        return compiled
+
+    def first(*args):  # the first call traces: SDPA's own GQA (see _sdpa_gqa)
+        table[k] = compiled
+        with _sdpa_gqa():
+            return compiled(*args)
+
+    return first
 
 
 def _guard_filter(model) -> dict:

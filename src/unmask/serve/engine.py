@@ -161,8 +161,8 @@ class Scheduler:
         return len(self._running_jobs()) + len(self.batch_rows)
 
     @property
-    def pending_compiles(self) -> int:  # /health: step shapes (and commit graphs) run eagerly, to compile once idle
-        return sum(len(b.kv.pending) + getattr(b, "pending_commits", 0) for b in self._batches() if getattr(b, "static", 0) and b.kv)
+    def pending_compiles(self) -> int:  # /health: step shapes (and whole steps) run eagerly, to compile once idle
+        return sum(len(b.kv.pending) + getattr(b, "pending_steps", 0) for b in self._batches() if getattr(b, "static", 0) and b.kv)
 
     def _batches(self) -> list:
         return list(self.verify.values()) + list(self.running_batches.values())
