@@ -223,3 +223,25 @@ def test_a_sized_sbd_row_steps_at_k_1_while_ar_rows_push_the_load_past_the_cross
         assert 1 <= usage.model_extra["nfe"] <= usage.completion_tokens
         assert r.choices[0].text == unmask.generate(PROMPTS[1], bundle, "ar", max_new_tokens=48).texts[0]
         wait_until(lambda: sched.active == 0)
+
+
+def test_auto_on_a_compiled_server_runs_the_smallest_stored_layout_then_ar_steps():
+    from unmask.serve.draft_sizing import COMPILED_AR_ROWS, LINEAR_TEXT, table_for
+
+    stored = {"draft_layouts": "8=3/3/4 16=4/0,4/5"}
+    assert table_for("auto", "4/0,4/5", stored, compiled=True).steps == ((1, 4), (COMPILED_AR_ROWS, 1))
+    assert table_for("auto", "3/3/4", stored, compiled=True).steps == ((1, 4), (COMPILED_AR_ROWS, 1))
+    assert table_for("auto", "linear", stored, compiled=True) == DraftSizes.parse(LINEAR_TEXT)
+    fixed = DraftSizes.parse("1:5,2:1")
+    assert table_for(fixed, "4/0,4/5", stored, compiled=True) is fixed
+
+
+def test_a_compiled_scheduler_sizes_drafts_by_the_compiled_table(bundle):
+    from unmask.serve.draft_sizing import COMPILED_AR_ROWS
+    from unmask.serve.engine import Scheduler
+
+    compiled, eager = Scheduler(bundle, compile=True).sizer, Scheduler(bundle).sizer
+    draft = "4/0,4/5"
+    assert compiled.compiled and not eager.compiled
+    assert [compiled.size(draft, n, True, None) for n in (1, COMPILED_AR_ROWS - 1, COMPILED_AR_ROWS)] == [4, 4, 1]
+    assert [eager.size(draft, n, True, None) for n in (1, COMPILED_AR_ROWS)] == [5, 4]

@@ -15,8 +15,9 @@ Under a budgeted layout (spec sbd_exact.md §5.1) a row of K < D + 1 runs the mo
 calibrated layout of the fewest draft tokens >= K - 1 (``VerifyConfig.smaller``), not the layout cut
 to K. The default, ``auto``, is measured on this project's CPU (``benchmarks/serve_load.py``, README
 "Serving"): a budgeted layout runs itself below SMALL_ROWS rows, the smallest stored layout (the
-8-query one) up to AR_ROWS, then AR steps; linear and quadratic drafts take LINEAR_TEXT. A GPU's
-knee sits far later, so pass a table measured there.
+8-query one) up to AR_ROWS, then AR steps (a compiled server: the smallest from 1 row, AR steps from
+COMPILED_AR_ROWS); linear and quadratic drafts take LINEAR_TEXT. A GPU's knee sits far later, so pass a
+table measured there.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ LINEAR_TEXT = "1:4,4:2,6:1"
 # budgeted layouts (benchmarks/results/serve_draft_sizes.md): the batch's own layout below SMALL_ROWS
 # rows, the smallest stored one below AR_ROWS, then AR steps
 SMALL_ROWS, AR_ROWS = 3, 24
+# a compiled server (`serve --compile`, whole-step graphs): the smallest stored layout from 1 row, AR steps
+# from COMPILED_AR_ROWS (benchmarks/results/serve_load_r10.md: compiled, in-process, stories260K-sbd, the
+# 8-query layout over K = 1: 2.66x at 1 row, 1.78x at 2, 1.17x at 3, 1.06x at 4, 0.89x at 6; the 16-query
+# one 2.54x / 1.43x / 0.87x / 0.71x / 0.51x)
+COMPILED_AR_ROWS = 5
 LOG_ENTRIES = 4096  # the sizer's log keeps this many (a long-running server's memory stays flat)
 DEFAULT_TEXT = AUTO = "auto"
 VERIFY_OPTIONS = ("block_size", "draft", "verify", "queries")  # what a lossless sbd request may set
@@ -101,12 +107,17 @@ def smaller_layouts(draft: str, defaults: dict | None) -> tuple[str, ...]:
     return tuple(t for _, t in sorted(draft_layout.stored_layouts(defaults).items()) if sl.parse(t).D < D)
 
 
-def table_for(sizes: "DraftSizes | str | None", draft: str, defaults: dict | None) -> DraftSizes | None:
+def table_for(sizes: "DraftSizes | str | None", draft: str, defaults: dict | None, *,
+              compiled: bool = False) -> DraftSizes | None:
     """The rows -> K table of the rows of layout ``draft``: ``sizes`` itself, or for ``auto`` the
-    measured default (module docstring) of that layout; None: sizing off."""
+    measured default (module docstring) of that layout, ``compiled``: a compiled server's (the
+    smallest stored budgeted layout, ``draft`` itself if none is smaller, below COMPILED_AR_ROWS
+    rows, then AR steps); None: sizing off."""
     if sizes != AUTO:
         return sizes
     smaller = smaller_layouts(draft, defaults)
+    if compiled and draft_layout.is_layout(draft):
+        return DraftSizes(((1, sl.parse((*smaller, draft)[0]).D + 1), (COMPILED_AR_ROWS, 1)))
     if not smaller:
         return DraftSizes.parse(LINEAR_TEXT)
     K, k = sl.parse(draft).D + 1, sl.parse(smaller[0]).D + 1
@@ -175,8 +186,9 @@ class LoadSizer:
     ``log``: (rows in the batch, K) whenever sizable rows join or get a new K (tests, benchmarks; the
     last LOG_ENTRIES)."""
 
-    def __init__(self, bundle, table: "DraftSizes | str | None"):
+    def __init__(self, bundle, table: "DraftSizes | str | None", *, compiled: bool = False):
         self.bundle, self.table = bundle, draft_sizes_option(table)  # text ("auto", "off", "1:4,6:1") parsed
+        self.compiled = compiled  # auto: a compiled server's table
         self.defaults = bundle.meta.get("decode_defaults") or {}
         self.log: deque[tuple[int, int]] = deque(maxlen=LOG_ENTRIES)
         self._k: dict[str, int] = {}  # draft layout -> the K its sizable rows have now
@@ -195,7 +207,7 @@ class LoadSizer:
         if self.table is None:
             return None
         if draft not in self._tables:
-            self._tables[draft] = table_for(self.table, draft, self.defaults)
+            self._tables[draft] = table_for(self.table, draft, self.defaults, compiled=self.compiled)
         K = self._tables[draft].size(load)
         if joining or (self._k.get(draft) != K and any(r.job.sizable for r in batch.rows.values())):
             self.log.append((load, K))

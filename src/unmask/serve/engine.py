@@ -83,7 +83,7 @@ class Scheduler:
         if not isinstance(max_queue, int) or max_queue < 1:
             raise UnmaskError(f"max queue must be an integer >= 1 (got {max_queue!r}); pass e.g. 64")
         self.bundle, self.max_batch_size, self.max_queue = bundle, max_batch_size, max_queue
-        self.sizer = LoadSizer(bundle, draft_sizes)  # parses a text table
+        self.sizer = LoadSizer(bundle, draft_sizes, compiled=compile)  # parses a text table
         self.compile, self.draft_sizes = compile, self.sizer.table
         self.draft_log = self.sizer.log  # (rows in the batch, K) whenever sizable rows get a new K
         self.stop_ids = set(bundle.stop_token_ids)
