@@ -21,7 +21,8 @@ def serve_cmd(
     draft_sizes: str = typer.Option(None, "--draft-sizes", metavar="ROWS:K,...|auto|off",
                                     help="lossless sbd: draft block size K by running-batch rows (K = 1: plain AR "
                                     "steps, same output); default auto: the served layout, its 8-query stored layout from 3 rows, "
-                                    "AR steps from 24 (measured on a CPU; linear drafts 1:4,4:2,6:1); off: keep K"),
+                                    "AR steps from 24 (with --compile: the 8-query layout from 1 row, AR steps from 5; "
+                                    "measured on a CPU; linear drafts 1:4,4:2,6:1); off: keep K"),
     draft: str = typer.Option(None, "--draft", help="lossless sbd: the server's draft layout, linear, quadratic, "
                               "budget (the model's calibrated layout for --queries) or D/S/G text such as 3/0,1,3/4; "
                               "AR and lossless rows join its batch; a request's own draft/queries win (default: the "
