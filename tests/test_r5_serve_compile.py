@@ -352,3 +352,20 @@ def test_a_static_row_bucket_over_a_slot_freed_by_the_last_row_steps_it_as_a_dea
     done = {r.job.id: r for r in _staggered(batch, [(reqs, 1, 0, ())]).values()}  # slots 0-2: bucket 4
     for q in reqs:
         assert (done[q.id].tokens, done[q.id].nfe) == _alone(bundle, q, 1)
+
+
+@pytest.mark.parametrize("K", [1, 4], ids=["ar", "lossless"])
+def test_a_compiled_whole_step_syncs_with_the_host_at_most_once(K):
+    # the greedy compiled step is one graph (window, forward, commit): its one host read is still the commit's
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
+    batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=1, stop_token_ids=(2,), length=128)
+    whole, calls = batch.kv.fused, []
+    batch.kv.fused = lambda *a: calls.append(a[2:4]) or whole(*a)
+    prompt = _prompts(1, seed=7)[0]
+    batch.join([_req(prompt, 20)], block_size=K)
+    while len(batch):  # the first run compiles the graph
+        batch.step()
+    calls.clear()
+    batch.join([_req(prompt, 20)], block_size=K)
+    counts = _syncs_per_step(batch)
+    assert len(calls) == len(counts) >= 5 and max(counts) <= 1, (calls, counts)  # every step whole, one read
