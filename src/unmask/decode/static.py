@@ -67,16 +67,28 @@ def step_function(model, compile: bool, *, cpp_wrapper: bool = False):
 
     def compiled(inp, positions, mask, cache):
         key = (tuple(inp.shape), tuple(mask.shape), mask.dtype, bool(how), model.training)
-        fn = table.get(key)
-        if fn is None:
-            guards = _guard_filter(model)
-            fn = table[key] = torch.compile(_own_code(step), dynamic=False, options={**how, **guards} or None)
-            if guards and not cuda:  # the first call traces: SDPA's own GQA instead of repeat_kv copies
-                with _sdpa_gqa():
-                    return fn(inp, positions, mask, cache)
+        fn = table.get(key) or _compile(model, step, how, table, key)
         return fn(inp, positions, mask, cache)
 
     return compiled
+
+
+def _compile(model, fn, how: dict, table: dict, key):
+    """``fn`` under ``torch.compile`` on a code object of its own (:func:`_own_code`) with options ``how`` and
+    the model's guard filter, stored in ``table[key]``. With tensor guards only (CPU), returned wrapped so that
+    its first call, the trace, runs under :func:`_sdpa_gqa` and then stores the compiled function."""
+    guards = _guard_filter(model)
+    compiled = torch.compile(_own_code(fn), dynamic=False, options={**how, **guards} or None)
+    if not guards or next(model.parameters()).device.type == "cuda":
+        table[key] = compiled
+        return compiled
+
+    def first(*args):  # the first call traces: SDPA's own GQA instead of repeat_kv copies
+        table[key] = compiled
+        with _sdpa_gqa():
+            return compiled(*args)
+
+    return first
 
 
 def compiled_step(model, body, key: tuple):
@@ -88,13 +100,11 @@ def compiled_step(model, body, key: tuple):
     CPU. Every output must be read before the next call (CUDA graphs reuse their buffers)."""
     table = _compiled.setdefault(model, {})
     k = ("step", body.__qualname__, body.__module__, key)
-    fn = table.get(k)
-    if fn is not None:
+    if (fn := table.get(k)) is not None:
         return fn
     from unmask.compat import attention_mask
 
-    kw, guards = cache_keyword(model), _guard_filter(model)
-    device = next(model.parameters()).device.type
+    kw, device = cache_keyword(model), next(model.parameters()).device.type
 
     def forward(inp, positions, mask, cache):
         return _forward(model, inp, positions, attention_mask(model, mask), cache, cache_kw=kw)
@@ -103,17 +113,7 @@ def compiled_step(model, body, key: tuple):
         return body(forward, *args)
 
     how = {"triton.cudagraphs": True} if device == "cuda" else {"cpp_wrapper": True} if device == "cpu" else {}
-    compiled = torch.compile(_own_code(step), dynamic=False, options={**guards, **how})
-    if not guards:
-        table[k] = compiled
-        return compiled
-
-    def first(*args):  # the first call traces: SDPA's own GQA (see _sdpa_gqa)
-        table[k] = compiled
-        with _sdpa_gqa():
-            return compiled(*args)
-
-    return first
+    return _compile(model, step, how, table, k)
 
 
 def _guard_filter(model) -> dict:
