@@ -697,3 +697,25 @@ def test_a_cli_switch_in_an_error_is_named_as_the_request_field(server):
     """Found by the new-user pass: the error told API users to pass 'no_verify', which is refused."""
     status, _, err = post(server.url + "/v1/completions", {"prompt": "x", "decoder": "sbd", "verify": True, "gamma": 0.3})
     assert status == 400 and '"verify": false' in err["error"]["message"] and "no_verify" not in err["error"]["message"]
+
+
+def test_accepted_connections_send_without_nagle(server):
+    """Every accepted connection has TCP_NODELAY. Found measuring serve_load: the listening socket had
+    protocol 0, so asyncio left Nagle's algorithm on, and on a kept-alive connection each streamed chunk
+    after the headers waited for the client's delayed ACK (TTFT ~50 ms where the first token took ~10)."""
+    import http.client
+    import socket
+
+    conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=60)
+    try:
+        for _ in range(2):  # the second request reuses the connection
+            conn.request("POST", "/v1/completions", json.dumps({"prompt": "Zoo", "max_tokens": 4, "stream": True}),
+                         {"Content-Type": "application/json"})
+            assert conn.getresponse().read().rstrip().endswith(b"data: [DONE]")
+        connections = list(server.server.server_state.connections)
+        assert connections
+        for protocol in connections:
+            sock = protocol.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        conn.close()

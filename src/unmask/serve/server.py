@@ -20,8 +20,11 @@ EXIT_WATCHDOG_S = 20  # a foreground server that has not exited this long after 
 
 
 def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket. Its protocol is IPPROTO_TCP, not 0: accepted sockets copy it, and asyncio
+    sets TCP_NODELAY only on sockets that name it. Without that, Nagle's algorithm held every streamed
+    chunk after the response headers until the client's delayed ACK (~40 ms a response)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
