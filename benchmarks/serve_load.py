@@ -82,6 +82,12 @@ def proc_status(pid: int) -> dict:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
 def health(url: str) -> dict:
     return json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
 
@@ -155,19 +161,24 @@ def summary(decoder: str, streams: int, results: list[dict], wall: float) -> dic
 
 
 def interleaved(url: str, model: str, decoders: list[str], streams: int, n: int, max_tokens: int,
-                seconds: float) -> dict[str, tuple[dict, list[dict]]]:
+                seconds: float, server_pid: int) -> dict[str, tuple[dict, list[dict]]]:
     """Each decoder's ``n`` requests at one level, run as halves, the second round in reverse order
-    (A B B A; one decoder: one run), so a drift of the shared machine during the level weighs on all alike."""
-    if len(decoders) == 1:
-        return {decoders[0]: asyncio.run(level(url, model, decoders[0], streams, n, max_tokens, seconds))}
+    (A B B A; one decoder: one run), so a drift of the shared machine during the level weighs on all alike.
+    Each row also gets the CPU the client (this process) and the server used, in cores (CPU s / wall s):
+    on a small machine the client's share is taken from the server."""
+    rounds = [(d, n) for d in decoders] if len(decoders) == 1 else \
+        [(d, (n + 1) // 2) for d in decoders + decoders[::-1]]
     parts: dict[str, list] = {d: [] for d in decoders}
-    for d in decoders + decoders[::-1]:
-        row, results = asyncio.run(level(url, model, d, streams, (n + 1) // 2, max_tokens, seconds / 2))
-        parts[d].append((results, row["seconds"]))
+    for d, k in rounds:
+        client, server = time.process_time(), cpu_seconds(server_pid)
+        row, results = asyncio.run(level(url, model, d, streams, k, max_tokens, seconds / (len(rounds) // len(decoders))))
+        parts[d].append((results, row["seconds"], time.process_time() - client, cpu_seconds(server_pid) - server))
     out = {}
     for d, runs in parts.items():
-        results = [r for rs, _ in runs for r in rs]
-        out[d] = summary(d, streams, results, sum(w for _, w in runs)), results
+        wall = sum(r[1] for r in runs)
+        row = summary(d, streams, [x for r in runs for x in r[0]], wall)
+        row.update(client_cores=sum(r[2] for r in runs) / wall, server_cores=sum(r[3] for r in runs) / wall)
+        out[d] = row, [x for r in runs for x in r[0]]
     return out
 
 
@@ -226,7 +237,7 @@ def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> d
                     asyncio.run(level(url, info["id"], decoder, streams, streams, max_tokens, 300))
                 wait_for_compiles(url)
             warm = proc_status(proc.pid)["rss_mib"]  # after this level's compiles: its timed part's growth is from here
-            got = interleaved(url, info["id"], decoders, streams, n, max_tokens, args.level_seconds)
+            got = interleaved(url, info["id"], decoders, streams, n, max_tokens, args.level_seconds, proc.pid)
             h, status = health(url), proc_status(proc.pid)
             for decoder, (row, results) in got.items():
                 row.update(status, leaked_slots=h["active"], left_in_queue=h["queue_depth"], rss_warm_mib=warm,
@@ -247,6 +258,7 @@ def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> d
                       f"{row['errors']} err, "
                       f"{row['req_s']:.2f} req/s, {row['tok_s']:.1f} tok/s, TTFT p50/p95 {row['ttft_p50']:.3f}/"
                       f"{row['ttft_p95']:.3f} s, e2e p50/p95 {row['e2e_p50']:.3f}/{row['e2e_p95']:.3f} s, "
+                      f"CPU server/client {row['server_cores']:.2f}/{row['client_cores']:.2f} cores, "
                       f"RSS {row['rss_mib']:.1f} MiB, threads {row['threads']}, leaked slots {row['leaked_slots']}, "
                       + (f"eager shapes {row['eager_shapes']}, " if compile else "") + f"same as AR {row['same_as_ar']}, batch-invariant {row['batch_invariant']}", flush=True)
         after = proc_status(proc.pid)
