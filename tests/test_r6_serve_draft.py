@@ -54,8 +54,15 @@ def test_server_draft_linear_needs_no_queries(bundle):
     assert app.state.bundle.meta["decode_defaults"]["draft"] == "linear"
 
 
+def test_server_queries_alone_mean_the_budgeted_draft(bundle):
+    """``serve --queries Q`` is ``--draft budget --queries Q``, as for ``unmask generate`` (it was refused)."""
+    alone, budget = create_app(bundle, defaults={"queries": 24}), create_app(bundle, defaults={"draft": "budget", "queries": 24})
+    want = dl.resolve("budget", 24, bundle.meta["decode_defaults"])
+    assert alone.state.scheduler.ar.cfg.draft == budget.state.scheduler.ar.cfg.draft == want
+    assert alone.state.bundle.meta["decode_defaults"] == budget.state.bundle.meta["decode_defaults"]
+
+
 @pytest.mark.parametrize("defaults, match", [
-    ({"queries": 24}, "--queries 24 sets the query budget of --draft budget; add --draft budget"),
     ({"draft": "linear", "queries": 24}, "--queries applies to --draft budget"),
     ({"draft": "budget", "queries": 2}, "a query budget must be an integer >= 4"),
     ({"draft": "nope"}, "unknown draft layout 'nope'"),
@@ -73,7 +80,7 @@ def test_server_draft_on_a_model_without_lossless_sbd_is_refused():
 
 
 def test_cli_serve_checks_draft_and_queries_before_loading(capsys):
-    one_line_error(capsys, "serve", "--queries", "16", "--port", "0", match="add --draft budget")
+    one_line_error(capsys, "serve", "--queries", "3", "--port", "0", match="integer >= 4")
     one_line_error(capsys, "serve", "--draft", "budget", "--queries", "3", "--port", "0", match="--queries 16")
     one_line_error(capsys, "serve", "--draft", "budget:x", "--port", "0", match="budget:16")
     one_line_error(capsys, "serve", "-m", "stories260K", "--draft", "linear", "--port", "0",

@@ -27,8 +27,8 @@ def serve_cmd(
                               "budget (the model's calibrated layout for --queries) or D/S/G text such as 3/0,1,3/4; "
                               "AR and lossless rows join its batch; a request's own draft/queries win (default: the "
                               "model's)"),
-    queries: int = typer.Option(None, "--queries", help="with --draft budget: query tokens per row per forward "
-                                "(default: the model's, else 16)"),
+    queries: int = typer.Option(None, "--queries", help="the query budget of --draft budget (implied when "
+                                "--draft is not given): query tokens per row per forward (default: the model's, else 16)"),
     decoder: str = typer.Option(None, "--decoder", "-d", help="default decoder of requests (default: the model kind's natural decoder)"),
     block_size: int = typer.Option(None, "--block-size", "-k", help="default block size"),
     policy: str = typer.Option(None, "--policy", help="default commit policy"),

@@ -130,13 +130,12 @@ SERVER_DRAFT = ("draft", "queries")  # `unmask serve --draft/--queries`: the ser
 def check_server_draft(draft: str | None, queries: int | None, defaults: dict | None = None) -> str | None:
     """``unmask serve --draft D [--queries Q]`` -> the layout they resolve to (``linear``, ``quadratic``
     or ``D/S/G`` text; with ``defaults``, a checkpoint's decode_defaults, its stored layouts), None
-    when neither is given. Raises UnmaskError (one line): ``--queries`` without ``--draft budget``, a
-    bad budget or layout text (draft_layout.resolve's and VerifyConfig's checks)."""
+    when neither is given; ``--queries`` alone means ``--draft budget`` (as for ``unmask generate``). Raises
+    UnmaskError (one line): ``--queries`` with a draft other than budget, a bad budget or layout text
+    (draft_layout.resolve's and VerifyConfig's checks)."""
     if draft is None and queries is None:
         return None
-    if draft is None:
-        raise UnmaskError(f"--queries {queries} sets the query budget of --draft budget; add --draft budget "
-                          "or drop --queries")
+    draft = "budget" if draft is None else draft
     if not isinstance(draft, str):
         raise UnmaskError(f"--draft must be text (got {draft!r}); pass linear, quadratic, budget or D/S/G text")
     return sbd_verify.VerifyConfig(draft=draft_layout.resolve(draft, queries, defaults)).draft
@@ -156,7 +155,7 @@ def with_server_draft(bundle, draft: str | None, queries: int | None):
     if bundle.kind != "sbd" or bundle.mask_token_id is None:
         raise UnmaskError(f"--draft applies to lossless sbd, which {bundle.name} ({bundle.kind}) does not run; drop "
                           "--draft/--queries, or serve an sbd model (or a causal one with --adapter sbd)")
-    served = {**defaults, "draft": draft, **({} if queries is None else {"queries": queries})}
+    served = {**defaults, "draft": draft or "budget", **({} if queries is None else {"queries": queries})}
     return dataclasses.replace(bundle, meta={**bundle.meta, "decode_defaults": served})
 
 
