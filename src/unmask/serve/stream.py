@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from unmask.trace import TokenText
 
+CONTEXT_IDS = 8  # ids before a stream's undecoded tail that its decode sees (spaces, merged byte tokens)
+
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
     """Text up to the earliest stop string, and whether one was found (``unmask.generate``'s cut)."""
@@ -35,6 +37,12 @@ def _held_tail(text: str, stop: tuple[str, ...]) -> int:
     return best
 
 
+def _byte_token(tokenizer, token_id: int) -> bool:
+    """Whether ``token_id`` is a byte-fallback token such as ``<0xE6>`` (SentencePiece-style vocabularies)."""
+    token = tokenizer.convert_ids_to_tokens(token_id)
+    return isinstance(token, str) and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+
+
 class TextStream:
     """Turns one request's step events into text deltas (see the module docstring)."""
 
@@ -47,6 +55,34 @@ class TextStream:
         self.stopped = False
         self.token_text = token_text or TokenText(bundle.tokenizer)
         self._head = None if bundle.tokenizer is None else bundle.tokenizer.decode(self.prompt_ids, skip_special_tokens=True)
+        self._fixed_ids: list[int] = []  # a prefix of the committed ids whose text can no longer change
+        self._fixed_text = ""  # its text (see _continuation)
+
+    def _continuation(self, tokens: list[int]) -> str:
+        """``bundle.decode_continuation(prompt_ids, tokens)``, decoding only the ids after the last fixed
+        prefix, with the CONTEXT_IDS ids before them as context: a step costs O(new ids), not O(prompt +
+        text) (a long prompt made every step of every stream decode it whole). Where the context's decode
+        is not a prefix of the tail's (a tokenizer joining across the boundary) it decodes the whole
+        continuation as before and starts over. The tail is fixed when it ends on a whole character that
+        is not white space and its last id is not a byte-fallback token (``<0xE6>``: a decoder turns a whole
+        run of those into U+FFFD when any of them is invalid), after which no later id can change its text."""
+        n = len(self._fixed_ids)
+        if tokens[:n] != self._fixed_ids:  # committed ids only grow; anything else starts over
+            self._fixed_ids, self._fixed_text, n = [], "", 0
+        if not n:
+            tail = self.bundle.decode_continuation(self.prompt_ids, tokens, self._head)
+        else:
+            decode = self.bundle.tokenizer.decode
+            context = self._fixed_ids[-CONTEXT_IDS:] if n >= CONTEXT_IDS else (self.prompt_ids + self._fixed_ids)[-CONTEXT_IDS:]
+            head, full = decode(context, skip_special_tokens=True), decode(context + tokens[n:], skip_special_tokens=True)
+            if not full.startswith(head):
+                self._fixed_ids, self._fixed_text = [], ""
+                return self._continuation(tokens)
+            tail = full[len(head):]
+        text = self._fixed_text + tail
+        if tail and not tail[-1].isspace() and "\ufffd" not in tail and not _byte_token(self.bundle.tokenizer, tokens[-1]):
+            self._fixed_ids, self._fixed_text = list(tokens), text
+        return text
 
     def _prefix(self, canvas: list) -> list[int]:
         """Committed ids from the left, up to a masked slot, a stop token or ``limit`` (a diffusion
@@ -62,8 +98,7 @@ class TextStream:
         """The new final text after a step whose canvas is ``canvas`` (ids, None where masked)."""
         if self.stopped or self.final_only:
             return ""
-        tokens = self._prefix(canvas)
-        text = self.bundle.decode_continuation(self.prompt_ids, tokens, self._head)
+        text = self._continuation(self._prefix(canvas))
         text, hit = cut_at_stop(text, self.stop)
         if hit:
             self.stopped = True
