@@ -85,11 +85,9 @@ class _CountResponses:
 async def _read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it is known to pass ``limit`` bytes: from its
     Content-Length before reading, or while reading (a chunked body has none)."""
-    too_big = ApiError(413, f"the request body is larger than this server's limit of {limit} bytes; send a "
-                            "smaller body, or start the server with a larger --max-body-bytes",
-                       code="request_too_large")
-    length = request.headers.get("content-length")
-    if length is not None and length.strip().isdigit() and int(length) > limit:
+    too_big = ApiError(413, f"the request body is larger than this server's limit of {limit} bytes; send a smaller "
+                            "body, or start the server with a larger --max-body-bytes", code="request_too_large")
+    if (length := request.headers.get("content-length")) is not None and length.strip().isdigit() and int(length) > limit:
         raise too_big
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -262,6 +260,8 @@ class _Call:
                 if await self.request.is_disconnected():
                     self.job.cancel()
                     raise _Gone
+            if not self.queue.empty():  # under load the next event is often here already: no timer, no task
+                return self.queue.get_nowait()
             try:
                 return await asyncio.wait_for(self.queue.get(), timeout=POLL_S)
             except asyncio.TimeoutError:
