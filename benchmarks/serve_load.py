@@ -41,6 +41,14 @@ PROMPTS = ["Once upon a time", "Lily", "The sun", "A little cat", "Tom had a big
            "Max was a brave boy. He was not afraid of the dark, but he was afraid of"]
 
 
+def with_context(words: int) -> list[str]:
+    """PROMPTS, each after a shared context of about ``words`` words (the prompts themselves, repeated):
+    long prompts, as chat requests with a history have. 0: PROMPTS alone."""
+    pool = " ".join(PROMPTS).split()
+    context = " ".join(pool[i % len(pool)] for i in range(words))
+    return [f"{context} {p}" if words else p for p in PROMPTS]
+
+
 def start_server(model: str | None, max_batch_size: int, max_queue: int,
                  compile: bool = False, draft_sizes: str | None = None) -> tuple[subprocess.Popen, str]:
     """``unmask serve`` (``--compile``, ``--draft-sizes`` when asked) on 127.0.0.1 and a free port;
@@ -129,7 +137,7 @@ async def one(client, model: str, prompt: str, decoder: str, max_tokens: int) ->
 
 
 async def level(url: str, model: str, decoder: str, streams: int, requests: int, max_tokens: int,
-                seconds: float) -> tuple[dict, list[dict]]:
+                seconds: float, prompts: list[str] = PROMPTS) -> tuple[dict, list[dict]]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=max(60.0, seconds))
@@ -140,7 +148,7 @@ async def level(url: str, model: str, decoder: str, streams: int, requests: int,
         async with gate:
             if time.perf_counter() > stop_at:
                 return None
-            return await one(client, model, PROMPTS[i % len(PROMPTS)], decoder, max_tokens)
+            return await one(client, model, prompts[i % len(prompts)], decoder, max_tokens)
 
     t0 = time.perf_counter()
     results = [r for r in await asyncio.gather(*(guarded(i) for i in range(requests))) if r is not None]
@@ -161,7 +169,7 @@ def summary(decoder: str, streams: int, results: list[dict], wall: float) -> dic
 
 
 def interleaved(url: str, model: str, decoders: list[str], streams: int, n: int, max_tokens: int,
-                seconds: float, server_pid: int) -> dict[str, tuple[dict, list[dict]]]:
+                seconds: float, server_pid: int, prompts: list[str] = PROMPTS) -> dict[str, tuple[dict, list[dict]]]:
     """Each decoder's ``n`` requests at one level, run as halves, the second round in reverse order
     (A B B A; one decoder: one run), so a drift of the shared machine during the level weighs on all alike.
     Each row also gets the CPU the client (this process) and the server used, in cores (CPU s / wall s):
@@ -171,7 +179,8 @@ def interleaved(url: str, model: str, decoders: list[str], streams: int, n: int,
     parts: dict[str, list] = {d: [] for d in decoders}
     for d, k in rounds:
         client, server = time.process_time(), cpu_seconds(server_pid)
-        row, results = asyncio.run(level(url, model, d, streams, k, max_tokens, seconds / (len(rounds) // len(decoders))))
+        row, results = asyncio.run(level(url, model, d, streams, k, max_tokens, seconds / (len(rounds) // len(decoders)),
+                                         prompts))
         parts[d].append((results, row["seconds"], time.process_time() - client, cpu_seconds(server_pid) - server))
     out = {}
     for d, runs in parts.items():
@@ -188,6 +197,8 @@ def main() -> None:
     ap.add_argument("--levels", default="1,8,64,200", help="concurrent streams per level")
     ap.add_argument("--requests", type=int, default=0, help="requests per level (default: 2 x streams, at least 16)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--context-words", type=int, default=0, help="put a shared context of about this many words "
+                    "before every prompt (long prompts; stories260K's context window is 512 tokens)")
     ap.add_argument("--level-seconds", type=float, default=180.0, help="stop launching requests after this")
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--draft-sizes", default=None, help="the server's --draft-sizes table (default: its own)")
@@ -226,7 +237,8 @@ def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> d
         info = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())["data"][0]
         decoders = [info["default_decoder"] if d == "default" else d for d in args.decoders.split(",")]
         decoders = [d for d in dict.fromkeys(decoders) if d.partition(":")[0] in info["decoders"]]
-        asyncio.run(level(url, info["id"], decoders[0], 1, 2, max_tokens, 60))  # warm-up
+        prompts = with_context(args.context_words)
+        asyncio.run(level(url, info["id"], decoders[0], 1, 2, max_tokens, 60, prompts))  # warm-up
         wait_for_compiles(url)
         before = proc_status(proc.pid)
         rows, texts, runs = [], {}, {}
@@ -234,10 +246,10 @@ def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> d
             n = 4 if args.smoke else (args.requests or max(16, 2 * streams))
             if compile:  # reach the shapes this level steps, then let the idle server compile them
                 for decoder in decoders:
-                    asyncio.run(level(url, info["id"], decoder, streams, streams, max_tokens, 300))
+                    asyncio.run(level(url, info["id"], decoder, streams, streams, max_tokens, 300, prompts))
                 wait_for_compiles(url)
             warm = proc_status(proc.pid)["rss_mib"]  # after this level's compiles: its timed part's growth is from here
-            got = interleaved(url, info["id"], decoders, streams, n, max_tokens, args.level_seconds, proc.pid)
+            got = interleaved(url, info["id"], decoders, streams, n, max_tokens, args.level_seconds, proc.pid, prompts)
             h, status = health(url), proc_status(proc.pid)
             for decoder, (row, results) in got.items():
                 row.update(status, leaked_slots=h["active"], left_in_queue=h["queue_depth"], rss_warm_mib=warm,
