@@ -11,7 +11,7 @@ import threading
 import time
 
 from unmask.errors import UnmaskError
-from unmask.serve import create_app, require
+from unmask.serve import connection, create_app, require
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, check_server_draft, draft_sizes_option
 from unmask.serve.limits import Limits
 
@@ -63,8 +63,15 @@ def _server(app, sock: socket.socket, log_level: str, watchdog: bool = False):
                 drain()
             await super().shutdown(sockets)
 
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=GRACE_S)
+    connection.quiet_accept_errors()
+    config = uvicorn.Config(connection.framed(app), http=connection.protocol_class(), log_level=log_level,
+                            lifespan="on", timeout_graceful_shutdown=GRACE_S)
     return _Server(config)
+
+
+def url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class ServerThread:
@@ -79,7 +86,7 @@ class ServerThread:
         self.app = app
         self.sock = _bind(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
-        self.url = f"http://{host}:{self.port}"
+        self.url = url(host, self.port)
         self.server = _server(app, self.sock, log_level)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="unmask-uvicorn")
@@ -133,7 +140,7 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
                      defaults={k: v for k, v in defaults.items() if v is not None}, compile=compile,
                      draft_sizes=sizes, limits=limits)
     sock = _bind(host, port)
-    print(f"unmask serve: {bundle.name} ({bundle.kind}) on http://{host}:{sock.getsockname()[1]}  "
+    print(f"unmask serve: {bundle.name} ({bundle.kind}) on {url(host, sock.getsockname()[1])}  "
           f"(playground at /, API at /v1)", flush=True)
     server = _server(app, sock, log_level, watchdog=True)
     # uvicorn re-raises the signal it caught once it has shut down; SIGTERM's handler here turns

@@ -1,0 +1,103 @@
+"""What the server does at the connection level, beyond uvicorn's defaults (found by a fault pass).
+
+- A read deadline: a request's headers and body must arrive within REQUEST_READ_S of its first byte
+  (of the connection opening, for the first request), or the connection is closed. uvicorn times out
+  only idle kept-alive connections, and any byte resets that timer, so clients sending a request a
+  byte at a time (or never finishing it) held their sockets forever: 21,000 of them filled the
+  process's file limit and locked every client out.
+- Requests framed by both Content-Length and Transfer-Encoding are refused with 400 and the
+  connection closed (RFC 9112 §6.3: such a request is how requests are smuggled past a proxy).
+- Repeats of asyncio's "socket.accept() out of system resource" error, logged with a traceback for
+  every refused accept while the file limit is reached (a 92 MB log in 35 s), are kept to one every
+  ACCEPT_ERROR_EVERY_S.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+REQUEST_READ_S = 20.0
+ACCEPT_ERROR_EVERY_S = 10.0
+
+
+def protocol_class():
+    """uvicorn's h11 protocol with the read deadline (see the module docstring)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        _deadline = None  # the TimerHandle closing the connection, while a request is being read
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.DONE or self.transport.is_closing():
+                self._disarm()  # the request is in (its response may stream for long: no deadline)
+            else:
+                self._arm()  # from this request's first byte; later bytes do not move it
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is None:
+                self._deadline = self.loop.call_later(REQUEST_READ_S, self._expired)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()  # a body being read: the app sees a disconnect (the request is cancelled)
+
+    return Protocol
+
+
+def framed(app):
+    """``app`` behind a check of each HTTP request's framing headers (see the module docstring)."""
+    from unmask.serve.errors import ApiError
+
+    async def asgi(scope, receive, send):
+        names = {name for name, _ in scope.get("headers", ())} if scope["type"] == "http" else set()
+        if b"content-length" in names and b"transfer-encoding" in names:
+            body = json.dumps(ApiError(400, "the request has both Content-Length and Transfer-Encoding headers; "
+                                            "send one of them").body()).encode()
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                    (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await app(scope, receive, send)
+
+    return asgi
+
+
+class AcceptErrors(logging.Filter):
+    """Passes one asyncio "socket.accept() out of system resource" record every ACCEPT_ERROR_EVERY_S."""
+
+    last = float("-inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("socket.accept() out of system resource"):
+            return True
+        now = time.monotonic()
+        if now - AcceptErrors.last < ACCEPT_ERROR_EVERY_S:
+            return False
+        AcceptErrors.last = now
+        return True
+
+
+def quiet_accept_errors() -> None:
+    """Install :class:`AcceptErrors` on asyncio's logger (once)."""
+    log = logging.getLogger("asyncio")
+    if not any(isinstance(f, AcceptErrors) for f in log.filters):
+        log.addFilter(AcceptErrors())
