@@ -48,7 +48,7 @@ lossless TPF (linear, K = 8, 20 openings) 2.23 -> 2.37, 20/20 identical to AR
 one, ``--distill --threads 1 --minutes 55 --distill-prompts 8000`` (5,939 steps, 50 minutes of
 training at 1 thread on a quiet machine): masked CE 0.371 -> 0.286 at offset 0, 0.868 -> 0.523 at
 offset 1, linear TPF 2.37 -> 3.02, 20/20 identical to AR (sbd_distill_round2.md); its draft
-layouts are then recalibrated with ``unmask calibrate-drafts stories260K-sbd``.
+layouts are then recalibrated with ``unmask calibrate-drafts stories260K-sbd --overwrite``.
 """
 
 from __future__ import annotations

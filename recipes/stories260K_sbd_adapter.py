@@ -45,7 +45,7 @@ stories260K's AR (benchmarks/results/sbd_distill_adapter.md). A first try with Î
 own greedy text is soft (CE 0.68 nats), so a strong KL pulls the drafts away from its argmax.
 
 The adapter shipped now is two more stage-2 runs on top of that one (2026-12-03), each then
-recalibrated with ``unmask calibrate-drafts stories260K --adapter sbd --siblings``:
+recalibrated with ``unmask calibrate-drafts stories260K --adapter sbd --siblings --overwrite``:
 
     python recipes/stories260K_sbd_adapter.py --distill --threads 1 --minutes 50 --distill-prompts 8000 --distill-lr 3e-4
     # publish WORK/distill/sbd, then:

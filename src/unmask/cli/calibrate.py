@@ -23,8 +23,10 @@ def calibrate_drafts_cmd(
     budgets: str = typer.Option("8,16,24,32", "--budgets", help="query budgets to search, comma-separated"),
     queries: int = typer.Option(16, "--queries", help="the budget lossless decoding uses by default"),
     siblings: bool = typer.Option(False, "--siblings", help="also search layouts with sibling candidates "
-                                  "(D/S/G+j[cC][gG], spec/sbd_exact.md §5.3; greedy rows only, sampled ones run the chain)"),
+                                  "(D/S/G+j[cC][gG], spec/sbd_exact.md §5.3; sampled rows draw their siblings i.i.d.)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the table, store nothing"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="store into a shipped checkpoint, inside the installed "
+                                   "package (without it, a shipped name needs --dry-run)"),
     as_json: bool = typer.Option(False, "--json", help="print the table as one JSON object"),
 ) -> None:
     """Record the model's greedy text and its block-mode drafts after every prefix, replay every
@@ -34,7 +36,7 @@ def calibrate_drafts_cmd(
     from unmask.decode import draft_layout as dl
     from unmask.models import load
     from unmask.models.adapter_io import resolve_adapter, set_adapter_decode_defaults
-    from unmask.models.registry import resolve
+    from unmask.models.registry import CHECKPOINTS, resolve
     from unmask.train.wiring import set_decode_defaults
 
     try:
@@ -57,6 +59,10 @@ def calibrate_drafts_cmd(
         raise UnmaskError(f"{model} is a {bundle.kind} model; calibrate-drafts picks lossless SBD's draft layouts: "
                           "pass an SBD model (e.g. stories260K-sbd) or a causal base with --adapter (stories260K "
                           "--adapter sbd)")
+    if not dry_run and not overwrite and Path(target).resolve().is_relative_to(CHECKPOINTS.resolve()):
+        raise UnmaskError(f"{model + (f' --adapter {adapter}' if adapter else '')} is a shipped checkpoint: storing its layouts would change the installed package "
+                          "for every user of it; pass --dry-run to see the table, --overwrite to store it anyway, or "
+                          "calibrate a copy of the model directory")
     if prompts is None:
         from unmask.eval.story_openings import STORY_OPENINGS
 
