@@ -13,3 +13,26 @@ def test_calibrate_drafts_does_not_store_into_a_shipped_checkpoint_without_overw
     one_line_error(capsys, "calibrate-drafts", "stories260K-sbd", "-n", 4, match="shipped checkpoint")
     one_line_error(capsys, "calibrate-drafts", "stories260K", "--adapter", "sbd", "-n", 4, match="--overwrite")
     assert config.read_bytes() == before
+
+
+def _parse(body, chat=False):
+    import unmask
+    from unmask.serve.protocol import parse
+
+    return parse(body, unmask.load("stories260K-sbd"), "stories260K-sbd", chat=chat, default_timeout=1.0)
+
+
+def test_openai_fields_the_server_cannot_honour_are_refused_with_the_fix():
+    import pytest
+
+    from unmask.serve.errors import ApiError
+
+    assert _parse({"prompt": "Zoo", "response_format": {"type": "text"}}).prompt_ids  # the neutral value passes
+    cases = [({"prompt": "Zoo", "response_format": {"type": "json_object"}}, False, "no JSON mode"),
+             ({"prompt": ["Zoo", "Hi"]}, False, "send one request per prompt"),
+             ({"prompt": "Zoo"}, True, "post 'prompt' to /v1/completions"),
+             ({"messages": [{"role": "user", "content": "Zoo"}]}, False, "post 'messages' to /v1/chat/completions")]
+    for body, chat, match in cases:
+        with pytest.raises(ApiError, match=match) as e:
+            _parse(body, chat)
+        assert e.value.status == 400

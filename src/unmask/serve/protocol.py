@@ -47,7 +47,7 @@ _EXTRA_KNOBS = {"verify": "bool"}
 _NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
             "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
             "logit_bias": (None, {}), "suffix": (None, ""), "user": None, "stream_options": None,
-            "response_format": None, "max_completion_tokens": None}
+            "response_format": (None, {"type": "text"}), "max_completion_tokens": None}
 
 
 @lru_cache(maxsize=1)
@@ -179,6 +179,10 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
     known = {"model", "messages" if chat else "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
              "stream", "stream_mode", "timeout", "decoder", "reference_nfe", *knobs, *_NEUTRAL}
     for name in body:
+        if name in ("prompt", "messages") and name not in known:
+            raise ApiError(400, f"{'chat completions take messages' if chat else 'completions take a prompt'}, not "
+                                f"{name!r}; post {name!r} to {'/v1/completions' if chat else '/v1/chat/completions'}",
+                           param=name)
         if name not in known:
             raise ApiError(400, f"unknown parameter {name!r}; drop it (unmask fields: decoder, stream_mode, timeout, top_k, {', '.join(sorted(knobs))})",
                            param=name)
@@ -192,7 +196,8 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
         if neutral is not None and name in body and (wrong_type or body[name] not in neutral):
             if wrong_type:
                 raise ApiError(400, f"{name} must be a number, not {json.dumps(body[name])}; drop {name!r}", param=name)
-            what = "logprobs are not defined for parallel decoders" if "logprobs" in name else f"{name} is not supported"
+            what = ("logprobs are not defined for parallel decoders" if "logprobs" in name else "response_format: only "
+                    '{"type": "text"} is served (no JSON mode)' if name == "response_format" else f"{name} is not supported")
             raise ApiError(400, f"{what}; drop {name!r}", param=name)
     model = body.get("model")
     if model is not None and model != model_name:
@@ -266,7 +271,8 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str):
-            raise ApiError(400, "prompt must be a string (one prompt per request)", param="prompt")
+            raise ApiError(400, "prompt must be one string: the server takes one prompt per request; send one "
+                                "request per prompt", param="prompt")
     check_prompt_chars(bundle, prompt, limits, field)
     try:
         ids = encode_prompts(bundle, [prompt], max_tokens, options.get("gen_length"))[0]
