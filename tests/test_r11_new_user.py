@@ -36,3 +36,26 @@ def test_openai_fields_the_server_cannot_honour_are_refused_with_the_fix():
         with pytest.raises(ApiError, match=match) as e:
             _parse(body, chat)
         assert e.value.status == 400
+
+
+def test_health_says_when_an_idle_time_compile_runs():
+    """A request arriving during an idle-time compile waits for it; /health's "compiling" shows when."""
+    import unmask
+    from unmask.serve.engine import Scheduler
+
+    sched, seen = Scheduler(unmask.load("stories260K-sbd")), []
+
+    class Pending:  # a static batch with one shape to compile
+        static = True
+
+        def __len__(self):
+            return 0
+
+        def warm(self):
+            seen.append(sched.compiling)
+            return True
+
+    sched.running_batches[("block", ())] = Pending()
+    assert not sched.compiling
+    sched._warm()
+    assert seen == [True] and not sched.compiling

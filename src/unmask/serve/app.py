@@ -182,7 +182,7 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": name, "queue_depth": scheduler.queue_depth, "active": scheduler.active,
-                "pending_compiles": scheduler.pending_compiles}
+                "pending_compiles": scheduler.pending_compiles, "compiling": scheduler.compiling}
 
     @app.get("/metrics")
     async def prometheus():

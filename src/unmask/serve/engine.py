@@ -92,7 +92,7 @@ class Scheduler:
         self.running_batches: dict[tuple, object] = {}  # (decoder, options) -> the other running batches
         self._waiting: deque[Job] = deque()
         self._lock = threading.Condition()
-        self._stop = self._paused = self._compiling = False
+        self._stop = self._paused = self.compiling = False  # compiling: an idle-time compile runs (/health)
         self._worked = time.monotonic()  # when the loop last admitted or stepped anything (idle compiles)
         self.draining = False  # set by drain(): submit refuses, every request was ended
         self.peak_running = 0  # the most rows holding slots at once so far (tests, benchmarks)
@@ -136,7 +136,7 @@ class Scheduler:
                 job.cancel()
             self._lock.notify_all()
         if self._thread.is_alive():  # a step ends in ms; a compile (seconds, discarded) is not waited for
-            self._thread.join(timeout=0.5 if self._compiling else 10)
+            self._thread.join(timeout=0.5 if self.compiling else 10)
 
     def drain(self, error) -> None:
         """Shutdown, first step (any thread): refuse new jobs (``submit`` raises ShuttingDown) and end
@@ -217,14 +217,14 @@ class Scheduler:
 
     def _warm(self) -> None:
         """Compile one shape an idle batch ran eagerly (``defer_compile``); a failed one is logged and stays eager."""
-        self._compiling = True
+        self.compiling = True
         for batch in self._batches():
             try:
                 if getattr(batch, "static", False) and batch.warm():
                     break
             except Exception:  # noqa: BLE001 (the shape stays eager; serving goes on)
                 log.exception("compiling a step shape failed; it keeps running eagerly")
-        self._compiling = False
+        self.compiling = False
 
     def _busy(self) -> bool:
         return any(len(b) for b in self._batches())
