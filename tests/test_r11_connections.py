@@ -136,3 +136,17 @@ def test_accept_errors_pass_once_per_interval():
     flood = [f.filter(record("socket.accept() out of system resource\nsocket: <x>")) for _ in range(1000)]
     assert flood[0] and not any(flood[1:])
     assert f.filter(record("Task exception was never retrieved"))  # anything else passes
+
+
+def test_stopping_the_server_does_not_wait_for_a_request_body_still_arriving(bundle):
+    from unmask.serve.server import GRACE_S
+
+    s = ServerThread(create_app(bundle, max_batch_size=2))
+    sock = _connect(s)
+    sock.sendall(_request({"prompt": "Zoo", "max_tokens": 4})[:-5])  # the body's last bytes never come
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    s.stop()
+    assert time.monotonic() - t0 < GRACE_S  # it waited out the grace time for the body before
+    sock.settimeout(5)
+    assert sock.recv(4096) == b""  # closed

@@ -5,6 +5,8 @@
   only idle kept-alive connections, and any byte resets that timer, so clients sending a request a
   byte at a time (or never finishing it) held their sockets forever: 21,000 of them filled the
   process's file limit and locked every client out.
+- When the server stops, a connection whose request body is still arriving is closed at once instead
+  of holding the shutdown for its whole grace time.
 - Requests framed by both Content-Length and Transfer-Encoding are refused with 400 and the
   connection closed (RFC 9112 §6.3: such a request is how requests are smuggled past a proxy).
 - Repeats of asyncio's "socket.accept() out of system resource" error, logged with a traceback for
@@ -40,6 +42,14 @@ def protocol_class():
                 self._disarm()  # the request is in (its response may stream for long: no deadline)
             else:
                 self._arm()  # from this request's first byte; later bytes do not move it
+
+        def shutdown(self) -> None:
+            """The server stops: a request whose body is still arriving will not be answered, so its
+            connection closes now (uvicorn would wait the whole grace time for the body)."""
+            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+                self.transport.close()
+            else:
+                super().shutdown()
 
         def connection_lost(self, exc) -> None:
             self._disarm()
