@@ -59,3 +59,8 @@ def test_health_says_when_an_idle_time_compile_runs():
     assert not sched.compiling
     sched._warm()
     assert seen == [True] and not sched.compiling
+
+
+def test_a_bad_serve_default_names_its_command_line_flag(capsys):
+    one_line_error(capsys, "serve", "--decoder", "diffusion", "--port", "0", match="--decoder: decoder 'diffusion' needs")
+    one_line_error(capsys, "serve", "--cache", "dual", "--port", "0", match="--cache: cache does not apply")

@@ -133,7 +133,7 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     try:  # the defaults are checked like a request, then by one tiny decode (the decoder's own checks)
         probe = parse({"prompt": "x", "max_tokens": 1}, bundle, name, chat=False, default_timeout=1.0, defaults=defaults)
     except ApiError as e:
-        raise UnmaskError(e.message) from None
+        raise UnmaskError(f"--{e.param.replace('_', '-')}: {e.message}" if e.param else e.message) from None  # CLI words
     get_decoder(probe.decoder, bundle.kind)(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
                                             **probe.options)
     table = served_table(sizes := draft_sizes_option(draft_sizes), bundle)  # the served layout's rows -> K
