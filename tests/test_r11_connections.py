@@ -128,7 +128,6 @@ def test_ipv6_hosts_are_written_in_brackets():
 
 def test_accept_errors_pass_once_per_interval():
     f = connection.AcceptErrors()
-    connection.AcceptErrors.last = float("-inf")
 
     def record(msg):
         return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, None, None)

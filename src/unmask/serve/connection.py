@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -74,17 +73,15 @@ def protocol_class():
 
 def framed(app):
     """``app`` behind a check of each HTTP request's framing headers (see the module docstring)."""
+    from starlette.responses import JSONResponse
+
     from unmask.serve.errors import ApiError
 
     async def asgi(scope, receive, send):
         names = {name for name, _ in scope.get("headers", ())} if scope["type"] == "http" else set()
         if b"content-length" in names and b"transfer-encoding" in names:
-            body = json.dumps(ApiError(400, "the request has both Content-Length and Transfer-Encoding headers; "
-                                            "send one of them").body()).encode()
-            await send({"type": "http.response.start", "status": 400,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                    (b"connection", b"close")]})
-            await send({"type": "http.response.body", "body": body})
+            error = ApiError(400, "the request has both Content-Length and Transfer-Encoding headers; send one of them")
+            await JSONResponse(error.body(), status_code=400, headers={"Connection": "close"})(scope, receive, send)
             return
         await app(scope, receive, send)
 
@@ -94,15 +91,17 @@ def framed(app):
 class AcceptErrors(logging.Filter):
     """Passes one asyncio "socket.accept() out of system resource" record every ACCEPT_ERROR_EVERY_S."""
 
-    last = float("-inf")
+    def __init__(self):
+        super().__init__()
+        self.last = float("-inf")  # when the last such record passed
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not str(record.msg).startswith("socket.accept() out of system resource"):
             return True
         now = time.monotonic()
-        if now - AcceptErrors.last < ACCEPT_ERROR_EVERY_S:
+        if now - self.last < ACCEPT_ERROR_EVERY_S:
             return False
-        AcceptErrors.last = now
+        self.last = now
         return True
 
 

@@ -73,7 +73,7 @@ class TextStream:
             tail = self.bundle.decode_continuation(self.prompt_ids, tokens, self._head)
         else:
             decode = self.bundle.tokenizer.decode
-            context = self._fixed_ids[-CONTEXT_IDS:] if n >= CONTEXT_IDS else (self.prompt_ids + self._fixed_ids)[-CONTEXT_IDS:]
+            context = (self.prompt_ids[-CONTEXT_IDS:] + self._fixed_ids[-CONTEXT_IDS:])[-CONTEXT_IDS:]
             head, full = decode(context, skip_special_tokens=True), decode(context + tokens[n:], skip_special_tokens=True)
             if not full.startswith(head):
                 self._fixed_ids, self._fixed_text = [], ""
