@@ -93,6 +93,8 @@ def check_fit(bundle: ModelBundle, ids: list[list[int]], max_new_tokens: int, ge
     ctx = bundle.context_length
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise UnmaskError(f"max_new_tokens must be an integer > 0 (got {max_new_tokens!r}); pass e.g. 64")
+    if isinstance(gen_length, int) and not isinstance(gen_length, bool) and gen_length >= ctx:  # -n defaults to it
+        raise UnmaskError(f"gen length {gen_length} exceeds the context window of {ctx} tokens; lower --gen-length")
     if max_new_tokens >= ctx:
         raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds the context window of {ctx} tokens; lower --max-new-tokens")
     for i, p in enumerate(ids):
@@ -117,7 +119,8 @@ def encode_prompts(bundle: ModelBundle, prompts: list, max_new_tokens: int, gen_
 
 
 def check_options(decode, name: str, options: dict) -> None:
-    """Refuse options the decoder does not take, with a one-line error."""
+    """Refuse options the decoder does not take, and integers a tensor cannot hold (beyond 64 bits),
+    with a one-line error."""
     import inspect
 
     accepted = set(inspect.signature(decode).parameters)
@@ -125,6 +128,10 @@ def check_options(decode, name: str, options: dict) -> None:
     if extra:
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
         raise UnmaskError(f"{flags} does not apply to decoder {name!r}; drop it or choose a decoder that takes it")
+    for k, v in options.items():
+        if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+            raise UnmaskError(f"--{k.replace('_', '-')} is out of range (a 64-bit integer: at most {2**63 - 1}); "
+                              "pass a smaller value")
 
 
 def as_prompt_list(prompts) -> list:

@@ -131,7 +131,7 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     limits, name, defaults = limits or Limits(), model_name or bundle.name, dict(defaults or {})
     bundle = with_server_draft(bundle, defaults.pop("draft", None), defaults.pop("queries", None))
     try:  # the defaults are checked like a request, then by one tiny decode (the decoder's own checks)
-        probe = parse({"prompt": "x", "max_tokens": 1}, bundle, name, chat=False, default_timeout=1.0, defaults=defaults)
+        probe = parse({"prompt": "x", "max_tokens": 1}, bundle, name, chat=False, default_timeout=request_timeout, defaults=defaults)
     except ApiError as e:
         raise UnmaskError(f"--{e.param.replace('_', '-')}: {e.message}" if e.param else e.message) from None  # CLI words
     get_decoder(probe.decoder, bundle.kind)(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
@@ -158,7 +158,8 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
         finally:
             scheduler.close()
 
-    app = FastAPI(title="unmask", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="unmask", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)  # /v1/completions/ is a 404 JSON error, not a redirect
     app.state.scheduler, app.state.metrics, app.state.bundle, app.state.limits = scheduler, metrics, bundle, limits
     app.add_middleware(_CountResponses, metrics=metrics)
     app.state.drain = lambda: scheduler.drain(_shutting_down(retry_after=False))
@@ -193,10 +194,9 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     @app.get("/v1/models")
     async def models():
         decoders = [d.name for d in DECODERS.values() if bundle.kind in d.kinds]
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "unmask",
-                                            "kind": bundle.kind, "decoders": decoders,
-                                            "default_decoder": defaults.get("decoder") or default_decoder(bundle.kind),
-                                            "context_length": bundle.context_length}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "unmask", "kind": bundle.kind,
+                                            "decoders": decoders, "context_length": bundle.context_length,
+                                            "default_decoder": defaults.get("decoder") or default_decoder(bundle.kind)}]}
 
     async def handle(request: Request, chat: bool):
         if scheduler.draining:

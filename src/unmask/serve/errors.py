@@ -17,6 +17,8 @@ class ApiError(Exception):
                  code: str | None = None, headers: dict | None = None):
         # a request's values are echoed in messages: 10**400 as max_tokens is 401 digits
         message = re.sub(rf"\S{{{ECHO_CHARS + 8},}}", lambda m: m.group()[:ECHO_CHARS] + "...", message)
+        # a lone surrogate (a JSON key or value "\ud800") cannot be encoded as UTF-8: escaped
+        message, param = (None if t is None else t.encode("utf-8", "backslashreplace").decode("utf-8") for t in (message, param))
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = dict(headers or {})

@@ -79,10 +79,13 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
         return _first(v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None, *fallbacks)
 
     if decoder == "sbd" and runs_lossless(bundle, options):
+        own = _first(defaults.get("verify_block_size"), sbd_verify.DEFAULT_BLOCK_SIZE)
         if options.get("block_size") is not None:
             k = knob("block_size", sbd_verify.DEFAULT_BLOCK_SIZE)
         else:  # the draft-size table's K or the checkpoint's default, whichever is larger
-            k = max(draft_k, _first(defaults.get("verify_block_size"), sbd_verify.DEFAULT_BLOCK_SIZE))
+            k = max(draft_k, own)
+        of_k = f"block_size {k}" if options.get("block_size") is not None or k == own else \
+            f"K = {k} from the server's --draft-sizes table (a request's block_size fixes K)"
         try:
             draft = draft_layout.option(options.get("draft"), options.get("block_size"), defaults,
                                         sbd_verify.DEFAULT_DRAFT)
@@ -94,8 +97,8 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
             param = "draft" if "draft" in options and "queries" not in options else "queries"  # the knob that chose it
             return q, f"lossless sbd with draft layout {draft}: {q} queries per row", param
         if draft == "quadratic":
-            return k + k * k, f"lossless sbd with draft quadratic and block_size {k}: K + K² queries per row", "block_size"
-        return 2 * k, f"lossless sbd with block_size {k}: 2K queries per row", "block_size"
+            return k + k * k, f"lossless sbd with draft quadratic and {of_k}: K + K² queries per row", "block_size"
+        return 2 * k, f"lossless sbd with {of_k}: 2K queries per row", "block_size"
     if decoder in ("sbd", "block"):
         k = knob("block_size", defaults.get("block_size"), DEFAULT_BLOCK_SIZE)
         return k, f"{decoder} with block_size {k}", "block_size"

@@ -249,7 +249,11 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
         message = api_message(str(e))
         raise ApiError(400, message, param=named_param(message, options)) from None
 
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    given = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
+    if len(given) == 2 and given[0] != given[1]:
+        raise ApiError(400, f"max_tokens ({given[0]!r}) and max_completion_tokens ({given[1]!r}) differ; send one of "
+                            "them", param="max_completion_tokens")
+    max_tokens = given[0] if given else None
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     try:

@@ -3,6 +3,8 @@ an already bound loopback socket (tests, ``benchmarks/serve_load.py``)."""
 
 from __future__ import annotations
 
+import math
+
 import os
 import signal
 import socket
@@ -128,8 +130,9 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
 
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise UnmaskError(f"port must be in 0..65535 (got {port!r}); pass e.g. --port 8000")
-    if not (isinstance(request_timeout, (int, float)) and request_timeout > 0):
-        raise UnmaskError(f"request timeout must be > 0 seconds (got {request_timeout!r}); pass e.g. 600")
+    if not (isinstance(request_timeout, (int, float)) and 0 < request_timeout < math.inf):
+        raise UnmaskError(f"request timeout must be a finite number of seconds > 0 (got {request_timeout!r}); pass "
+                          "e.g. 600, or a large value such as 86400 for requests that may run long")
     sizes = DEFAULT_DRAFT_SIZES if draft_sizes is None else draft_sizes_option(draft_sizes)  # bad text fails before loading
     check_server_draft(defaults.get("draft"), defaults.get("queries"))  # so does a bad --draft / --queries
     bundle = load(model, kind=kind, device=device, dtype=dtype, adapter=adapter)
