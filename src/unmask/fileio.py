@@ -285,6 +285,8 @@ def check_output_file(path: str | os.PathLike, what: str = "output file", *, exi
     parent is a file; with ``exists_ok`` False, when it exists (the CLI's outputs are replaced only
     with ``--overwrite``); with ``probe``, when its folder does not accept a new file (a
     temporary file is created and removed there). Raises UnmaskError naming the path."""
+    if not str(path).strip():
+        raise UnmaskError(f"the {what} path is empty; give a file path")
     path = Path(path)
     if path.is_dir():
         raise UnmaskError(f"{what} {path} is a directory; give a file path inside it")

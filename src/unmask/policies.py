@@ -215,8 +215,11 @@ def make_policy(name: str, **params: object) -> Policy:
     allowed = [f.name for f in dataclasses.fields(cls)]
     for k, v in given.items():
         takes = [f"--{_OPTION_OF.get(a, a).replace('_', '-')}" for a in allowed if a not in fixed and a != "strict"]
-        _require(k in allowed, f"policy {key!r} does not take --{_OPTION_OF.get(k, k).replace('_', '-')}; it takes "
-                               f"{', '.join(takes)}; drop it or choose a policy that takes it")
+        flag = f"--{_OPTION_OF.get(k, k).replace('_', '-')}"
+        takers = [n for n, (c, f) in _REGISTRY.items() if k in {x.name for x in dataclasses.fields(c)} and k not in f]
+        _require(k in allowed, f"policy {key!r} does not take {flag}; it takes {', '.join(takes)}; drop {flag} or "
+                               + (f"pass --policy {' / '.join(takers)}, which takes it" if takers else
+                                  "choose a policy that takes it"))
         _require(k not in fixed or v == fixed[k],
                  f"policy {key!r} fixes {k}={fixed.get(k)!r} (got {v!r}); choose the policy named after it")
     if isinstance(given.get("gamma"), str):

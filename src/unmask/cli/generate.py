@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import typer
@@ -92,7 +93,7 @@ def generate_cmd(
     tau_t2t: float = typer.Option(None, "--tau-t2t", help="multiblock: token-to-token edit threshold (off when unset)"),
     lps: bool = typer.Option(None, "--lps/--no-lps", help="early-bird: use the LPS commit router (default on)"),
     show: bool = typer.Option(False, "--show", help="render the decoding trajectory live in the terminal"),
-    trace: Path = typer.Option(None, "--trace", help="write the per-step commit trace as JSON to FILE"),
+    trace: str = typer.Option(None, "--trace", help="write the per-step commit trace as JSON to FILE"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object per prompt per line"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --trace file"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
@@ -124,7 +125,7 @@ def generate_cmd(
     if compile:
         options["compile"] = True
     if trace is not None:  # before loading anything
-        check_output_file(trace.expanduser(), "--trace", exists_ok=overwrite, probe=True)
+        trace = check_output_file(os.path.expanduser(trace), "--trace", exists_ok=overwrite, probe=True)  # "" stays empty
     if dist.launched():
         if show or trace is not None:
             raise UnmaskError("--show/--trace follow one process; run them without torchrun")

@@ -34,7 +34,7 @@ from unmask.sampling import Sampling
 DEFAULT_BLOCK_SIZE = 32  # Fast-dLLM's LLaDA setting (models.md §2.3)
 DEFAULT_POLICY = "threshold"  # with τ = 0.9 (Fast-dLLM, diffusion.md §6)
 DEFAULT_EB_GAMMA = 0.1  # confidence proxy (diffusion.md §7, our choice)
-CANVAS_HINT = "lower --gen-length or --max-new-tokens"
+CANVAS_HINT = "lower --gen-length, --max-new-tokens or --block-size (the canvas is whole blocks)"
 
 
 def _divisors(n: int) -> list[int]:

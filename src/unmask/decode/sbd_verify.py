@@ -81,7 +81,7 @@ class VerifyConfig:
                               "(with --queries Q) or D/S/G text such as 3/0,2,3/4")
         if self.block_size > MAX_BLOCK_SIZE:
             raise UnmaskError(f"lossless SBD drafts at most {MAX_BLOCK_SIZE - 1} tokens per step ({self.block_size - 1} "
-                              f"asked: draft size {self.block_size}); lower --block-size or the layout's D")
+                              f"asked, block size K = {self.block_size}); lower --block-size or the layout's D")
         if isinstance(self.smaller, str) or not isinstance(self.smaller, (tuple, list)):
             raise UnmaskError(f"smaller layouts are a tuple of D/S/G texts (got {self.smaller!r}), e.g. ('3/3/4',)")
         object.__setattr__(self, "smaller", smaller := tuple(dict.fromkeys(dl.canonical(str(t)) for t in self.smaller)))

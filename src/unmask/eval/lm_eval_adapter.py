@@ -33,11 +33,17 @@ import torch
 
 from unmask.errors import UnmaskError
 
+MISSING = "the lm-eval adapter needs lm-evaluation-harness; pip install -e '.[lm-eval]' (or pip install 'lm_eval>=0.4')"
 try:
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
-except ImportError:  # pragma: no cover - exercised only without the extra
-    raise UnmaskError("the lm-eval adapter needs lm-evaluation-harness; pip install lm_eval") from None
+except ImportError:  # exercised only without the extra
+    if __name__ == "__main__":  # python -m unmask.eval.lm_eval_adapter: one line, exit 2, as the CLI does
+        import sys
+
+        print(f"error: {MISSING}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise UnmaskError(MISSING) from None
 
 
 def _batch_size(value: Any) -> int:

@@ -329,6 +329,9 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     hf_config = _read_hf_config(path)
     family = family_of(hf_config)
     native = native_module(hf_config)
+    if kind is not None and kind not in KINDS:
+        raise UnmaskError(f"unknown model kind {kind!r}; choose one of: {', '.join(KINDS)}")
+    kind_given = kind is not None
     if kind is not None and meta.get("kind") is not None and kind != meta["kind"]:
         raise UnmaskError(f"{path} is a {meta['kind']} checkpoint (kind in {UNMASK_CONFIG}); --kind {kind} cannot "
                           "override it, drop --kind")
@@ -384,8 +387,11 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     else:
         mask_id = _mask_id(mask_token_id, meta, model, tokenizer, family, path)
     if kind != "causal" and mask_id is None:
-        raise UnmaskError(f"{path} is a {kind} model but names no mask token; pass mask_token_id=ID "
-                          "or add it to unmask_config.json")
+        how = "drop --kind, or for a causal model use --adapter sbd (a gated SBD adapter)" if kind_given and kind == "sbd" \
+            else "pass mask_token_id=ID to unmask.load or add it to the model's unmask_config.json"
+        a = "an" if kind == "sbd" else "a"
+        raise UnmaskError(f"{path} is read as {a} {kind} model (--kind {kind}) but names no mask token; {how}"
+                          if kind_given else f"{path} is {a} {kind} model but names no mask token; {how}")
     if mask_token_id is not None and not force_mask_id:
         named = (meta.get("mask_token_id"), getattr(model.config, "mask_token_id", None),
                  getattr(family, "mask_token_id", None))

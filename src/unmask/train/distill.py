@@ -101,8 +101,8 @@ def collect_prompts(sources: Sequence[str | os.PathLike], *, chat: bool, limit: 
         else:
             path = Path(src)
             if path.suffix.lower() not in (".txt", ".jsonl") or not path.is_file():
-                raise UnmaskError(f"--prompts {name}: not gsm8k, humaneval, mbpp or an existing .txt/.jsonl file; "
-                                  "pass one of the task names or a prompt file")
+                raise UnmaskError(f"prompt source {name!r} (--prompts) is not gsm8k, humaneval, mbpp or an existing "
+                                  ".txt/.jsonl file; pass a task name or a prompt file, not prompt text")
             prompts, label = read_prompts_file(path), path.name
         out += [DistillPrompt(label, p) for p in prompts[:limit]]
     return out
