@@ -90,3 +90,19 @@ def test_fast_path_profile_times_every_model_call_of_any_decoder():
         assert 0 < r["forward_ms"] <= r["ms_per_forward"]
         assert r["forward_ms"] + r["outside_ms"] == pytest.approx(r["ms_per_forward"])
     assert by["diffusion"]["queries_per_forward"] > ar["queries_per_forward"]  # a whole canvas per call
+
+
+def test_a_compiled_row_is_compared_with_compiled_ar():
+    """Found by the new-user pass: `bench --compile` divided compiled rows by the eager AR row, so
+    `sbd --verify --compile` showed 6.9x where compiled AR runs 1.55x slower than it."""
+    rows = [{"decoder": "ar", "model": "stories260K", "tps": 500.0, "nfe": 64},
+            {"decoder": "ar --compile", "model": "stories260K", "tps": 1500.0, "nfe": 64},
+            {"decoder": "sbd --verify", "model": "stories260K-sbd", "tps": 1000.0, "nfe": 20},
+            {"decoder": "sbd --verify --compile", "model": "stories260K-sbd", "tps": 2400.0, "nfe": 20}]
+    ref, ref_c = side_by_side.compare_with_ar(rows)
+    assert (ref["decoder"], ref_c["decoder"]) == ("ar", "ar --compile")
+    assert [r["tps_vs_ar"] for r in rows] == [1.0, 1.0, 2.0, 1.6]
+    assert [r["nfe_vs_ar"] for r in rows] == [1.0, 1.0, 3.2, 3.2]
+    eager_only = [dict(r) for r in rows if "--compile" not in r["decoder"] or r["decoder"].startswith("sbd")]
+    side_by_side.compare_with_ar(eager_only)  # no compiled AR ran: eager AR is the baseline of every row
+    assert [r["tps_vs_ar"] for r in eager_only] == [1.0, 2.0, 4.8]

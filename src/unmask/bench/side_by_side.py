@@ -121,6 +121,21 @@ def has_stored_layouts(model: str, adapter: str | None = None) -> bool:
     return bool((cfg.get("decode_defaults") or {}).get("draft_layouts"))
 
 
+def compare_with_ar(rows: list[dict]) -> tuple[dict | None, dict | None]:
+    """Set every row's ``tps_vs_ar`` and ``nfe_vs_ar`` against the AR reference row (AR_REFERENCE, else
+    any ``ar`` row); a compiled row (``... --compile``) against that reference's compiled twin when it
+    ran, so its ratio is the decoder's speed-up, not the compiler's. Returns (reference, compiled one)."""
+    ref = next((r for r in rows if (r["decoder"], r["model"]) == AR_REFERENCE), None) or \
+        next((r for r in rows if r["decoder"] == "ar"), None)
+    ref_c = ref and next((r for r in rows if (r["decoder"], r["model"]) == (f"{ref['decoder']} --compile", ref["model"])),
+                         None)
+    for r in rows:
+        base = ref_c if ref_c and r["decoder"].endswith(" --compile") else ref
+        r["tps_vs_ar"] = r["tps"] / base["tps"] if base and base["tps"] else None
+        r["nfe_vs_ar"] = base["nfe"] / r["nfe"] if base and r["nfe"] else None
+    return ref, ref_c
+
+
 def variants(decoder: str, model: str, adapter: str | None = None) -> list[tuple[str, dict]]:
     """The (row label, decoder options) rows of one pair: :data:`VARIANTS`, plus for lossless SBD on a
     model with stored layouts one row per query budget of :data:`unmask.decode.draft_layout.BUDGETS`
@@ -250,13 +265,10 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
         eager = outputs.get((r["decoder"].removesuffix(" --compile"), r["model"]))
         r["same_as_eager"] = (sum(a == b for a, b in zip(outputs[r["decoder"], r["model"]], eager)) / len(eager)
                               if r["decoder"].endswith(" --compile") and eager else None)
-    ref = next((r for r in ok if (r["decoder"], r["model"]) == AR_REFERENCE), None) or \
-        next((r for r in ok if r["decoder"] == "ar"), None)
-    for r in ok:
-        r["tps_vs_ar"] = r["tps"] / ref["tps"] if ref and ref["tps"] else None
-        r["nfe_vs_ar"] = ref["nfe"] / r["nfe"] if ref and r["nfe"] else None
+    ref, ref_c = compare_with_ar(ok)
     settings = {"limit": limit, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "judge": judge,
                 "device": device, "dtype": dtype, "include_all": include_all, "compile": compile,
                 "reference_nfe": reference_nfe,
-                "reference": f"{ref['decoder']}@{ref['model']}" if ref else None}
+                "reference": f"{ref['decoder']}@{ref['model']}" if ref else None,
+                "compiled_reference": f"{ref_c['decoder']}@{ref_c['model']}" if ref_c else None}
     return BenchResult(rows, settings)
