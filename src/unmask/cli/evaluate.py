@@ -159,12 +159,16 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
     console = _console()
     t = Table(title=f"unmask eval · {summary['task']} · {summary['model']} · {summary['decoder']}")
+    cfg = summary["config"]
+    ref = cfg.get("agreement_reference")
+    meaning = {"nfe": "forwards per row (mean)", "forwards": "forward calls of the batches", "tpf": "tokens per row forward",
+               **{k: f"vs greedy {ref}" for k in summary if k.startswith("agreement_") and ref}}
     t.add_column("metric")
     t.add_column("value", justify="right")
+    t.add_column("", style="dim")
     for k, v in summary.items():
         if k not in SUMMARY_SKIP:
-            t.add_row(k, _fmt(v))
-    cfg = summary["config"]
+            t.add_row(k, _fmt(v), meaning.get(k, ""))
     console.print(t)
     opts = " ".join(f"{k}={v}" for k, v in cfg["options"].items()) or "defaults"
     console.print(f"[dim]decoder options: {opts} · max_new_tokens {cfg['max_new_tokens']} · "
