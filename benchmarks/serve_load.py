@@ -244,9 +244,11 @@ def serve_and_load(args, levels: list[int], max_tokens: int, compile: bool) -> d
         rows, texts, runs = [], {}, {}
         for streams in levels:  # the decoders interleaved per level (ABBA halves): ratios in one stretch of time
             n = 4 if args.smoke else (args.requests or max(16, 2 * streams))
-            if compile:  # reach the shapes this level steps, then let the idle server compile them
+            if compile:  # reach the shapes this level steps, then let the idle server compile them: requests
+                # arriving while others run (4 per stream, at most the level's), as in the timed part, whose
+                # caches reach longer length buckets than one wave started together
                 for decoder in decoders:
-                    asyncio.run(level(url, info["id"], decoder, streams, streams, max_tokens, 300, prompts))
+                    asyncio.run(level(url, info["id"], decoder, streams, min(n, 4 * streams), max_tokens, 300, prompts))
                 wait_for_compiles(url)
             warm = proc_status(proc.pid)["rss_mib"]  # after this level's compiles: its timed part's growth is from here
             got = interleaved(url, info["id"], decoders, streams, n, max_tokens, args.level_seconds, proc.pid, prompts)
