@@ -251,6 +251,8 @@ def data_stories_cmd(
                                     overwrite=overwrite, progress=progress, max_new_tokens=max_new_tokens,
                                     batch_size=batch_size, val_fraction=val_fraction)
     typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
+    if summary.get("dropped"):
+        typer.echo(f"dropped {summary['dropped']}: stories generated twice (kept once) or empty", err=True)
 
 
 @data_app.command("distill")
