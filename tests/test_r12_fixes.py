@@ -55,6 +55,13 @@ def test_kind_errors_name_the_kind_flag(capsys, tmp_path):
                    match="unknown model kind 'nope'")
 
 
+def test_an_eval_option_of_the_wrong_type_says_so(capsys):
+    one_line_error(capsys, "eval", "--task", "stories", "-O", "block_size=abc", "--limit", 1, "-n", 4, "--no-progress",
+                   match="--option block_size must be an integer")
+    one_line_error(capsys, "eval", "--task", "stories", "--model", "stories260K-dlm", "-O", "gamma=x", "--limit", 1,
+                   "-n", 4, "--no-progress", match="--option gamma must be a number")
+
+
 def test_a_distill_source_that_is_prompt_text_says_so():
     from unmask.train.distill import distill
 
