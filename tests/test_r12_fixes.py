@@ -135,3 +135,10 @@ def test_a_query_limit_hit_by_the_draft_size_table_names_the_table():
     assert q == 80 and "--draft-sizes table" in why and param == "block_size"
     q, why, _ = query_tokens(bundle, "sbd", {"draft": "linear", "block_size": 4}, 16, draft_k=40)
     assert q == 8 and "block_size 4" in why
+
+
+def test_decode_stats_print_their_tpf_and_tps():
+    from unmask.decode import DecodeStats
+
+    s = DecodeStats(nfe=4, nfe_per_row=[4], tokens_per_row=[8], seconds=0.5, stops_per_row=[0])
+    assert repr(s).startswith("DecodeStats(nfe=4, tpf=2.000, tps=16.0, generated=8, seconds=0.5000, ")

@@ -72,6 +72,11 @@ class DecodeStats:
     extra: dict = field(default_factory=dict)
     stops_per_row: list[int] = field(default_factory=list)
 
+    def __repr__(self) -> str:  # the derived figures first: what a reader of a printed result looks for
+        return (f"DecodeStats(nfe={self.nfe}, tpf={self.tpf:.3f}, tps={self.tps:.1f}, generated={self.generated}, "
+                f"seconds={self.seconds:.4f}, nfe_per_row={self.nfe_per_row}, tokens_per_row={self.tokens_per_row}, "
+                f"stops_per_row={self.stops_per_row}, extra={self.extra!r})")
+
     @property
     def generated(self) -> int:
         return sum(self.tokens_per_row)
