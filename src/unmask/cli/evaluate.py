@@ -56,6 +56,8 @@ def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
     Raises UnmaskError for an entry without ``=``, a key that is not a user-facing decoder option
     (see :func:`_decoder_options`), a key given twice or also set by its own flag, and a
     non-boolean value for a boolean option."""
+    from unmask.serve.protocol import decoder_knobs  # the value types of generate's decoder flags
+
     opts = {k: v for k, v in given.items() if v is not None}
     known = _decoder_options() if extra else {}
     seen: set[str] = set()
@@ -74,7 +76,7 @@ def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
         value = raw.strip() if key in _PATH_OPTIONS else _option_value(raw.strip())
         if known[key] and value is not None and not isinstance(value, bool):
             raise UnmaskError(f"--option {key} must be true or false (got {raw.strip()!r})")
-        want = _flag_types().get(key)  # the type of generate's own flag for it, where it has one
+        want = decoder_knobs().get(key)  # the type of generate's own flag for it, where it has one
         if value is not None and want in ("int", "float") and (isinstance(value, bool) or not isinstance(
                 value, int if want == "int" else (int, float))):
             raise UnmaskError(f"--option {key} must be {'an integer' if want == 'int' else 'a number'} "
@@ -82,16 +84,6 @@ def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
         seen.add(key)
         opts[key] = value
     return opts
-
-
-def _flag_types() -> dict[str, str]:
-    """``unmask generate``'s decoder flags -> their value type name (``int``, ``float``, ``str``, ``bool``)."""
-    import inspect
-
-    from unmask.cli.generate import generate_cmd
-
-    return {n: p.annotation if isinstance(p.annotation, str) else p.annotation.__name__
-            for n, p in inspect.signature(generate_cmd).parameters.items()}
 
 
 # Decoder arguments that come from the caller (or are Python objects), never --option keys.

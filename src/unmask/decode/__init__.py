@@ -45,7 +45,7 @@ def get_decoder(name: str, kind: str):
     if kind not in info.kinds:
         works = ", ".join(info.kinds)
         fits = [d.name for d in DECODERS.values() if kind in d.kinds]
-        hint = f"use --decoder {' or '.join(fits) or 'another'} or {'an' if works[0] in 'aeiosu' else 'a'} {works} model"
+        hint = f"use --decoder {' or '.join(fits) or 'another'} or {'an' if works.startswith('sbd') else 'a'} {works} model"
         if name == "sbd" and kind == "causal":  # a gated SBD adapter makes any causal model an sbd one
             hint = (f"use --decoder {', '.join(fits) or 'ar'}, an sbd model, or --adapter NAME|DIR (a gated SBD "
                     "adapter: 'unmask models' lists shipped ones, 'unmask train sbd-adapter' trains one)")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from unmask.errors import UnmaskError
 
@@ -73,9 +73,9 @@ class DecodeStats:
     stops_per_row: list[int] = field(default_factory=list)
 
     def __repr__(self) -> str:  # the derived figures first: what a reader of a printed result looks for
+        rest = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name not in ("nfe", "seconds"))
         return (f"DecodeStats(nfe={self.nfe}, tpf={self.tpf:.3f}, tps={self.tps:.1f}, generated={self.generated}, "
-                f"seconds={self.seconds:.4f}, nfe_per_row={self.nfe_per_row}, tokens_per_row={self.tokens_per_row}, "
-                f"stops_per_row={self.stops_per_row}, extra={self.extra!r})")
+                f"seconds={self.seconds:.4f}, {rest})")
 
     @property
     def generated(self) -> int:

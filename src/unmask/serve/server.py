@@ -4,7 +4,6 @@ an already bound loopback socket (tests, ``benchmarks/serve_load.py``)."""
 from __future__ import annotations
 
 import math
-
 import os
 import signal
 import socket
