@@ -145,13 +145,60 @@ def landlock(root, block_tcp):
         return False
     return sc(446, rs, ctypes.c_uint32(0)) == 0        # landlock_restrict_self
 
+def drop_privileges(uid):
+    """Run as ``uid`` (and gid ``uid``, no supplementary groups) with no capability but
+    CAP_DAC_READ_SEARCH, and no way to gain one (bounding set emptied, no_new_privs).
+
+    Without uid 0 the program owns no file outside its directory, so it cannot chmod, chown,
+    utime or setxattr them, and it cannot renice, pin or reschedule processes of another uid;
+    a per-run uid keeps concurrent runs apart too. CAP_DAC_READ_SEARCH (also ambient, so a
+    subprocess keeps it) keeps the one thing the sandbox allows, reading: the interpreter and
+    its packages may sit under a directory only root can enter (/root/.pyenv). True when the
+    program ends up without uid 0 and without any other capability."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    read_search = 2                                    # CAP_DAC_READ_SEARCH
+    if os.geteuid() == 0:
+        for path in (".", "main.py"):                  # the program's own directory stays its own
+            os.chown(path, uid, uid)
+        for cap in range(64):                          # PR_CAPBSET_DROP each, up to the last (EINVAL)
+            if cap != read_search and libc.prctl(24, cap, 0, 0, 0) != 0 and ctypes.get_errno() == 22:
+                break
+        libc.prctl(8, 1, 0, 0, 0)                      # PR_SET_KEEPCAPS across the uid change
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        libc.prctl(8, 0, 0, 0, 0)
+        class Header(ctypes.Structure):
+            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+        class Data(ctypes.Structure):
+            _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                        ("inheritable", ctypes.c_uint32)]
+        keep = 1 << read_search
+        data = (Data * 2)(Data(keep, keep, keep), Data(0, 0, 0))
+        if libc.capset(ctypes.byref(Header(0x20080522, 0)), data) != 0:  # _LINUX_CAPABILITY_VERSION_3
+            raise OSError(ctypes.get_errno(), "capset")
+        libc.prctl(47, 2, read_search, 0, 0)           # PR_CAP_AMBIENT_RAISE: kept by subprocesses
+    if libc.prctl(38, 1, 0, 0, 0) != 0:                # PR_SET_NO_NEW_PRIVS: no setuid binary regains root
+        return False
+    with open("/proc/self/status") as f:
+        eff = int(next(ln for ln in f if ln.startswith("CapEff:")).split()[1], 16)
+    return os.getuid() != 0 and os.geteuid() != 0 and eff & ~(1 << read_search) == 0
+
+unprivileged = False
+try:
+    unprivileged = drop_privileges(cfg["uid"])
+except Exception:  # e.g. a uid outside this user namespace's map: try the overflow uid instead
+    try:
+        unprivileged = cfg["uid"] != 65534 and os.geteuid() == 0 and drop_privileges(65534)
+    except Exception:
+        unprivileged = False
 confined = False
 if cfg["landlock"]:
     try:
         confined = landlock(os.getcwd(), not cfg["network"])
     except Exception:
         confined = False
-os.write(cfg["report_fd"], b"1" if confined else b"0")  # tell the parent, then close
+os.write(cfg["report_fd"], (b"1" if confined else b"0") + (b"1" if unprivileged else b"0"))  # tell the parent
 os.close(cfg["report_fd"])
 if cfg["require"] and not confined:
     sys.stderr.write("unmask sandbox: Landlock confinement failed\n")
@@ -172,7 +219,7 @@ def _run(code, done):
     done()
 
 _done = _sealed(_nonce, cfg["verdict_fd"])
-del ctypes, json, resource, signal, time, landlock, cfg, confined, _nonce, _sealed
+del ctypes, json, resource, signal, time, landlock, drop_privileges, cfg, confined, unprivileged, _nonce, _sealed
 sys.argv = ["main.py"]
 with open("main.py", encoding="utf-8") as _f:
     _code = compile(_f.read(), "main.py", "exec")

@@ -34,6 +34,14 @@ What :func:`run_program` does, and how far each measure goes:
   :func:`landlock_abi` says whether the kernel supports it; ``RunResult.fs_confined`` says
   whether a run was confined. Without Landlock nothing stops such writes (pass
   ``require_confinement=True`` to refuse to run instead).
+- **Privileges**: started as root, the program runs as a uid of its own (one per run, no
+  account's), gid the same, no supplementary groups, with every capability dropped from every
+  set but ``CAP_DAC_READ_SEARCH`` (reading stays allowed: the interpreter may sit under
+  ``/root``) and ``no_new_privs`` set, so a setuid binary cannot give root back. It owns nothing
+  outside its directory, so ``chmod``, ``chown``, ``utime`` and ``setxattr`` there fail, and it
+  cannot renice, pin or reschedule any process of another uid (its supervisor, other runs).
+  ``RunResult.unprivileged`` says whether this held. Started as another user, the program keeps
+  that user's rights.
 - **Network**: best effort. The bootstrap replaces ``socket.socket`` and friends with a
   function that raises ``OSError`` (a program can undo that, e.g. through ``_socket`` or
   ``ctypes``). With Landlock ABI ≥ 4 the kernel also refuses every TCP ``bind`` and
@@ -67,6 +75,9 @@ from unmask.errors import UnmaskError
 Status = Literal["passed", "failed", "timeout", "crash"]
 
 _SETUP_FAILED = 97  # exit code of the bootstrap when required confinement failed
+# Each run gets its own uid from this range (start, size), one no account uses, so concurrent
+# runs cannot renice or pin each other either.
+_RUN_UIDS = (0x7F000000, 0x00FFFFFF)
 
 # Runs in the child before the program (python -c): limits, the supervisor, confinement.
 _BOOTSTRAP = (Path(__file__).with_name("_sandbox_boot.py")).read_text(encoding="utf-8")
@@ -95,6 +106,8 @@ class RunResult:
     ``crash`` (killed by a signal such as SIGSEGV, SIGXCPU or SIGXFSZ, or sandbox set-up
     failed). ``returncode`` is negative for a signal, ``None`` after a timeout.
     ``seconds`` is wall-clock time. The tails are the last characters of each stream.
+    ``fs_confined``: Landlock confined the run's writes. ``unprivileged``: the program ran without
+    uid 0 and without capabilities (but CAP_DAC_READ_SEARCH), see the module doc.
     """
 
     status: Status
@@ -103,6 +116,7 @@ class RunResult:
     stdout_tail: str
     stderr_tail: str
     fs_confined: bool
+    unprivileged: bool = False
 
     @property
     def passed(self) -> bool:
@@ -195,7 +209,7 @@ def run_program(program: str, *, timeout_s: float = 10.0, memory_mb: int = 2048,
     cfg = {"mem": memory_mb * 2**20, "fsize": max_output_mb * 2**20,
            "cpu": int(timeout_s) + 2, "network": network, "landlock": use_landlock,
            "require": require_confinement, "timeout": timeout_s, "disk": max_disk_mb * 2**20,
-           "disk_files": 10_000}
+           "disk_files": 10_000, "uid": _RUN_UIDS[0] + secrets.randbelow(_RUN_UIDS[1])}
     nonce = secrets.token_hex(16).encode()
     workdir = tempfile.mkdtemp(prefix="unmask-sandbox-")
     env = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
@@ -230,7 +244,8 @@ def run_program(program: str, *, timeout_s: float = 10.0, memory_mb: int = 2048,
             proc.wait()
             seconds = time.monotonic() - start
             stdout, stderr = _tail(out, tail_chars), _tail(err, tail_chars)
-            confined = _read(report) == b"1"
+            flags = _read(report)
+            confined, unprivileged = flags[:1] == b"1", flags[1:2] == b"1"
             try:
                 supervisor = json.loads(_read(result) or b"null")
             except ValueError:
@@ -243,4 +258,4 @@ def run_program(program: str, *, timeout_s: float = 10.0, memory_mb: int = 2048,
         shutil.rmtree(workdir, ignore_errors=True)
     if note:
         stderr = (stderr + ("\n" if stderr and not stderr.endswith("\n") else "") + note + "\n")[-tail_chars:]
-    return RunResult(status, rc, seconds, stdout, stderr, confined)
+    return RunResult(status, rc, seconds, stdout, stderr, confined, unprivileged)
