@@ -4,7 +4,10 @@ Not a module to import. Self-contained, standard library only. It applies the li
 forks once: the parent half supervises (a child subreaper that enforces the deadline and the
 disk quota, then kills every descendant, and reports to ``result_fd``), the child half confines
 itself (Landlock, no sockets) and runs ``main.py``, writing the run's nonce to ``verdict_fd``
-only after the program's last statement returned.
+only after the program's last statement returned. With ``tests_fd`` (a split run) the child
+forks again first: the tests' half reads the nonce and the tests and judges; the solution's half
+closes all of that, then drops its privileges and serves the tests (``argv[2]``, the text of
+``_sandbox_split.py``).
 """
 if __name__ != "__main__":
     raise ImportError("unmask.eval._sandbox_boot is run by unmask.eval.sandbox.run_program, not imported")
@@ -13,8 +16,6 @@ cfg = json.loads(sys.argv[1])
 for name, value in (("RLIMIT_AS", cfg["mem"]), ("RLIMIT_CPU", cfg["cpu"]),
                     ("RLIMIT_FSIZE", cfg["fsize"]), ("RLIMIT_CORE", 0)):
     resource.setrlimit(getattr(resource, name), (value, value))
-_nonce = os.read(cfg["nonce_fd"], 64)
-os.close(cfg["nonce_fd"])
 
 def descendants():
     """Live (non-zombie) descendants of this process, from /proc."""
@@ -103,13 +104,28 @@ if hasattr(_libc, "prctl"):  # Linux; elsewhere the parent's process-group kill 
     _libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphaned descendants are reparented to us
 _child = os.fork()
 if _child:
-    os.close(cfg["verdict_fd"])
-    os.close(cfg["report_fd"])
-    del _nonce
+    for _fd in (cfg["verdict_fd"], cfg["report_fd"], cfg["nonce_fd"], cfg.get("tests_fd")):
+        if _fd is not None:
+            os.close(_fd)
     os.write(cfg["result_fd"], json.dumps(supervise(_child)).encode())
     os._exit(0)
 os.close(cfg["result_fd"])
 del _libc, _child, descendants, reap, kill_all, usage, supervise
+_split = _judge = None
+if cfg.get("tests_fd") is not None:
+    # Split run: fork the solution's process off before anything secret is read; it closes the
+    # tests' channel and never holds the nonce, the tests' source or the verdict file.
+    _to_solution, _to_tests = os.pipe(), os.pipe()
+    _solution = os.fork()
+    if _solution == 0:
+        for _fd in (cfg["verdict_fd"], cfg["nonce_fd"], cfg["tests_fd"], _to_solution[1], _to_tests[0]):
+            os.close(_fd)
+        _split = (_to_solution[0], _to_tests[1])
+    else:
+        for _fd in (cfg["report_fd"], _to_solution[0], _to_tests[1]):
+            os.close(_fd)
+        _judge = (_solution, _to_tests[0], _to_solution[1])
+    del _to_solution, _to_tests, _solution
 
 def landlock(root, block_tcp):
     libc = ctypes.CDLL(None, use_errno=True)
@@ -184,6 +200,54 @@ def drop_privileges(uid):
         eff = int(next(ln for ln in f if ln.startswith("CapEff:")).split()[1], 16)
     return os.getuid() != 0 and os.geteuid() != 0 and eff & ~(1 << read_search) == 0
 
+def judge_tests(solution, rfd, wfd):
+    """The tests' process of a split run: it keeps its uid but lets no other process read its
+    memory or files (not dumpable; its own Landlock domain, so the solution, in another one, cannot
+    ptrace it), runs the tests against the solution's proxies, and writes the nonce only when
+    their last statement returned. Ends the process with the run's status."""
+    import traceback
+    ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+    nonce = os.read(cfg["nonce_fd"], 64)
+    os.close(cfg["nonce_fd"])
+    with os.fdopen(cfg["tests_fd"], "rb") as f:
+        f.seek(0)
+        tests = f.read().decode("utf-8")
+    if cfg["landlock"]:
+        try:
+            confined = landlock(os.getcwd(), not cfg["network"])
+        except Exception:
+            confined = False
+        if cfg["require"] and not confined:
+            sys.stderr.write("unmask sandbox: Landlock confinement failed\n")
+            os._exit(97)
+    rpc = {}
+    exec(compile(sys.argv[2], "_sandbox_split.py", "exec"), rpc)
+    try:
+        rpc["judge"](tests, solution, rfd, wfd)
+    except rpc["SolutionGone"]:
+        _, status = os.waitpid(solution, 0)
+        rpc["_flush"]()
+        if os.WIFSIGNALED(status):  # end like the solution did: a crash stays a crash
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+            os.kill(os.getpid(), os.WTERMSIG(status))
+        os._exit(os.waitstatus_to_exitcode(status))  # 0 leaves no nonce: not a pass
+    except BaseException:
+        traceback.print_exc()
+        rpc["_flush"]()
+        os._exit(1)
+    os.write(cfg["verdict_fd"], nonce)
+    try:  # let the solution flush its output and end
+        rpc["_send"](wfd, __import__("pickle").dumps(("exit", None, (), {})))
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and os.waitpid(solution, os.WNOHANG)[0] == 0:
+            time.sleep(0.005)
+    except OSError:
+        pass
+    rpc["_flush"]()
+    os._exit(0)
+
+if _judge is not None:
+    judge_tests(*_judge)  # never returns
 unprivileged = False
 try:
     unprivileged = drop_privileges(cfg["uid"])
@@ -209,6 +273,17 @@ if not cfg["network"]:
         raise OSError("network access is disabled in the unmask sandbox")
     for _name in ("socket", "create_connection", "create_server", "socketpair", "fromfd"):
         setattr(socket, _name, _no_network)
+if _split is not None:
+    del ctypes, json, resource, signal, time, landlock, drop_privileges, judge_tests, cfg, confined, unprivileged
+    _rpc = {}
+    exec(compile(sys.argv[2], "_sandbox_split.py", "exec"), _rpc)
+    sys.argv = ["main.py"]
+    _ns = {"__name__": "__main__", "__builtins__": __builtins__}
+    with open("main.py", encoding="utf-8") as _f:
+        exec(compile(_f.read(), "main.py", "exec"), _ns)
+    _rpc["serve"](_ns, *_split)
+_nonce = os.read(cfg["nonce_fd"], 64)
+os.close(cfg["nonce_fd"])
 def _sealed(nonce, fd):
     def done():  # the evidence that the program ran to its last statement
         os.write(fd, nonce)
@@ -219,7 +294,8 @@ def _run(code, done):
     done()
 
 _done = _sealed(_nonce, cfg["verdict_fd"])
-del ctypes, json, resource, signal, time, landlock, drop_privileges, cfg, confined, unprivileged, _nonce, _sealed
+del ctypes, json, resource, signal, time, landlock, drop_privileges, judge_tests, cfg, confined, unprivileged
+del _nonce, _sealed, _split, _judge
 sys.argv = ["main.py"]
 with open("main.py", encoding="utf-8") as _f:
     _code = compile(_f.read(), "main.py", "exec")

@@ -1,9 +1,9 @@
 """HumanEval and MBPP: completion post-processing, program assembly and pass@1.
 
-A model completion becomes one Python program per task that runs to its end and exits 0 iff
-the task's tests pass (an early exit with status 0 is not a pass); :func:`pass_at_1` runs the
-programs in the sandbox (:mod:`unmask.eval.sandbox`) and reports the fraction that pass (one
-sample per task, so pass@1 is the plain mean).
+A model completion becomes a solution and the task's tests (:class:`JudgedProgram`);
+:func:`pass_at_1` runs each in the sandbox (:mod:`unmask.eval.sandbox`), the tests in a process
+of their own that the solution cannot reach, and reports the fraction whose tests ran to their
+end (one sample per task, so pass@1 is the plain mean).
 
 What MBPP scores (audited against google-research ``mbpp/README.md``, Austin et al. 2021 and
 lm-eval's ``mbpp`` task): the evaluation split is task_ids 11–510; the prompt is the paper's
@@ -20,8 +20,7 @@ from __future__ import annotations
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from unmask.errors import UnmaskError
 from unmask.eval.datasets import HumanEvalTask, MBPPTask
@@ -92,13 +91,29 @@ def postprocess_mbpp(completion: str) -> str:
     return _unquoted((fenced if fenced is not None else text).strip("\n"))
 
 
+class JudgedProgram(NamedTuple):
+    """A solution and the tests that judge it, run in two processes so that the solution cannot
+    reach the verdict: see :func:`unmask.eval.sandbox.run_program` with ``tests``."""
+
+    solution: str
+    tests: str
+
+
+def humaneval_judged(task: HumanEvalTask, completion: str) -> JudgedProgram:
+    """Prompt + completion as the solution; the task's ``check`` function + ``check(entry_point)``
+    as the tests. ``completion`` is used as given; post-process it first
+    (:func:`postprocess_humaneval`)."""
+    return JudgedProgram(f"{task.prompt}{completion}\n", f"{task.test}\n\ncheck({task.entry_point})\n")
+
+
 def humaneval_program(task: HumanEvalTask, completion: str) -> str:
-    """Prompt + completion + the task's ``check`` function + ``check(entry_point)``.
+    """Prompt + completion + the task's ``check`` function + ``check(entry_point)``, as one
+    program (:func:`humaneval_judged` in one piece).
 
     ``completion`` is used as given; post-process it first (:func:`postprocess_humaneval`).
     """
-    return (f"{task.prompt}{completion}\n\n{task.test}\n\n"
-            f"check({task.entry_point})\n")
+    solution, tests = humaneval_judged(task, completion)
+    return f"{solution}\n{tests}"
 
 
 def mbpp_program(task: MBPPTask, code: str, *, challenge: bool = False) -> str:
@@ -108,6 +123,14 @@ def mbpp_program(task: MBPPTask, code: str, *, challenge: bool = False) -> str:
     tests = task.test_list + (task.challenge_test_list if challenge else ())
     parts = [code, task.test_setup_code, "\n".join(tests)]
     return "\n\n".join(p for p in parts if p.strip()) + "\n"
+
+
+def mbpp_judged(task: MBPPTask, code: str, *, challenge: bool = False) -> JudgedProgram:
+    """The solution code as the solution; the task's setup code (which may use the solution's
+    classes, e.g. task 367) and its asserts as the tests (see :func:`mbpp_program`)."""
+    tests = task.test_list + (task.challenge_test_list if challenge else ())
+    parts = [task.test_setup_code, "\n".join(tests)]
+    return JudgedProgram(code + "\n", "\n\n".join(p for p in parts if p.strip()) + "\n")
 
 
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
@@ -182,15 +205,17 @@ class CodeEvalResult:
                           for t, r, why in zip(self.task_ids, self.results, self.reasons)]}
 
 
-def pass_at_1(*, programs: Sequence[str], task_ids: Sequence[str] | None = None,
+def pass_at_1(*, programs: Sequence[str | JudgedProgram], task_ids: Sequence[str] | None = None,
               workers: int = 2, timeout_s: float = 10.0, memory_mb: int = 2048) -> CodeEvalResult:
     """Run one program per task in the sandbox, ``workers`` at a time, and score them.
 
     Args:
-        programs: complete Python programs (from :func:`humaneval_program` or
-            :func:`mbpp_program`); each passes iff it runs to its last statement (the
-            final ``check(...)`` or assert) and exits with status 0 in time, see
-            :func:`unmask.eval.sandbox.run_program`.
+        programs: :class:`JudgedProgram` (from :func:`humaneval_judged` or :func:`mbpp_judged`),
+            which passes iff its tests run to their last statement in their own process, or a
+            complete Python program (from :func:`humaneval_program` or :func:`mbpp_program`), which
+            passes iff it runs to its last statement (the final ``check(...)`` or assert) and exits
+            with status 0 in time; see :func:`unmask.eval.sandbox.run_program`. Only the first
+            kind's verdict is out of the solution's reach.
         task_ids: names for the report (default: "0", "1", ...).
         workers: concurrent child processes.
         timeout_s, memory_mb: per-program limits, see :func:`unmask.eval.sandbox.run_program`.
@@ -203,7 +228,11 @@ def pass_at_1(*, programs: Sequence[str], task_ids: Sequence[str] | None = None,
         raise UnmaskError(f"pass_at_1: {len(programs)} programs but {len(ids)} task ids")
     if workers < 1:
         raise UnmaskError(f"pass_at_1: workers must be >= 1, got {workers}")
-    run = partial(run_program, timeout_s=timeout_s, memory_mb=memory_mb)
+    def run(program: str | JudgedProgram) -> RunResult:
+        if isinstance(program, JudgedProgram):
+            return run_program(program.solution, tests=program.tests, timeout_s=timeout_s, memory_mb=memory_mb)
+        return run_program(program, timeout_s=timeout_s, memory_mb=memory_mb)
+
     pool = ThreadPoolExecutor(max_workers=workers)  # each thread waits on a child
     try:
         results = tuple(pool.map(run, programs))
@@ -219,7 +248,7 @@ def evaluate_humaneval(*, tasks: Sequence[HumanEvalTask], completions: Sequence[
         raise UnmaskError(f"{len(tasks)} HumanEval tasks but {len(completions)} completions")
     codes = [postprocess_humaneval(c, entry_point=t.entry_point) if postprocess else c
              for t, c in zip(tasks, completions)]
-    programs = [humaneval_program(t, c) for t, c in zip(tasks, codes)]
+    programs = [humaneval_judged(t, c) for t, c in zip(tasks, codes)]
     res = pass_at_1(programs=programs, task_ids=[t.task_id for t in tasks], **limits)
     return CodeEvalResult(res.task_ids, res.results, tuple(codes))
 
@@ -231,6 +260,6 @@ def evaluate_mbpp(*, tasks: Sequence[MBPPTask], completions: Sequence[str],
     if len(tasks) != len(completions):
         raise UnmaskError(f"{len(tasks)} MBPP tasks but {len(completions)} completions")
     codes = [postprocess_mbpp(c) if postprocess else c for c in completions]
-    programs = [mbpp_program(t, c, challenge=challenge) for t, c in zip(tasks, codes)]
+    programs = [mbpp_judged(t, c, challenge=challenge) for t, c in zip(tasks, codes)]
     res = pass_at_1(programs=programs, task_ids=[f"Mbpp/{t.task_id}" for t in tasks], **limits)
     return CodeEvalResult(res.task_ids, res.results, tuple(codes))

@@ -17,11 +17,23 @@ What :func:`run_program` does, and how far each measure goes:
   once it keeps more than ``max_disk_mb`` (or 10,000 entries) there (``RLIMIT_FSIZE`` only
   bounds each file).
 - **Verdict from positive evidence**: ``passed`` needs exit status 0 *and* a per-run nonce
-  that the bootstrap writes to a verdict file only after the program's last statement
-  returned; ending the interpreter early with status 0 (``sys.exit``, ``os._exit``,
-  ``atexit``, ``exec``) is ``failed``. The nonce comes on a pipe closed before the program
-  starts and is kept out of its namespace; a program that searches the interpreter's memory
-  for it could still forge it (see the last paragraph).
+  written to a verdict file only after the last statement returned; ending early with status 0
+  (``sys.exit``, ``os._exit``, ``atexit``, ``exec``) is ``failed``.
+- **Verdict out of the program's reach** (``run_program(solution, tests=...)``, what
+  :mod:`unmask.eval.code_tasks` uses): the solution runs in one process and the tests in
+  another, forked off before the nonce or the tests' source is read; the solution's process
+  closes every descriptor of the tests' side and never holds the nonce, the tests' source or the
+  verdict file. The tests see the solution's top-level names as proxies: a call runs in the
+  solution's process and its result comes back as plain data (numbers, strings, bytes, the
+  built-in and ``collections`` containers; a subclass such as a numpy scalar becomes the plain
+  value it stands for) read by a loader that builds nothing else; any other object comes back
+  as a proxy that the tests may call, index, iterate and pass back but never compare or test for
+  truth. The tests' process is not dumpable and keeps its own uid and its own Landlock domain,
+  so the unprivileged solution cannot read its memory or descriptors either. A single
+  ``program`` holds its nonce in the same interpreter as the code it judges, so code that
+  searches that interpreter (its frames, ``gc``) can forge it: use ``tests`` for scoring. What a
+  split run gives up: an argument the solution changes in place is not changed on the tests'
+  side, and a result of the solution's own class can only be compared through plain values.
 - **Limits** (``setrlimit``): address space (``RLIMIT_AS``), CPU seconds (backstop), file
   size (bounds stdout/stderr too) and no core dumps. The bootstrap applies them itself,
   before the program runs, rather than in ``preexec_fn``: ``preexec_fn`` can deadlock when
@@ -81,6 +93,8 @@ _RUN_UIDS = (0x7F000000, 0x00FFFFFF)
 
 # Runs in the child before the program (python -c): limits, the supervisor, confinement.
 _BOOTSTRAP = (Path(__file__).with_name("_sandbox_boot.py")).read_text(encoding="utf-8")
+# Both halves of a split run (tests apart from the solution); the bootstrap executes it.
+_SPLIT = (Path(__file__).with_name("_sandbox_split.py")).read_text(encoding="utf-8")
 
 
 @functools.cache
@@ -174,7 +188,7 @@ def _verdict(result: dict | None, rc_exited: bool, verdict: bytes, nonce: bytes,
     return "failed", rc, ""
 
 
-def run_program(program: str, *, timeout_s: float = 10.0, memory_mb: int = 2048,
+def run_program(program: str, *, tests: str | None = None, timeout_s: float = 10.0, memory_mb: int = 2048,
                 max_output_mb: int = 16, max_disk_mb: int = 64, network: bool = False,
                 require_confinement: bool = False, tail_chars: int = 2000) -> RunResult:
     """Run ``program`` (Python source) in a sandboxed child process; see the module doc.
@@ -185,9 +199,16 @@ def run_program(program: str, *, timeout_s: float = 10.0, memory_mb: int = 2048,
     is closed before the program starts and never in its namespace, to a verdict file after the
     program returns; a program that ends the interpreter early (``sys.exit(0)``, ``os._exit(0)``,
     an ``atexit`` hook, ``exec`` of another binary, a thread, ...) leaves no nonce and fails.
+    With ``tests``, the verdict is the tests': they run in their own process, ``passed`` means
+    their last statement returned, and the solution cannot reach the nonce (see the module doc).
 
     Args:
-        program: source code, run as ``__main__`` from ``main.py`` in a temporary directory.
+        program: source code, run as ``__main__`` from ``main.py`` in a temporary directory; with
+            ``tests``, the solution: its top level runs first, then it answers the tests' calls.
+        tests: test source, run as ``__main__`` in a separate process that sees ``program``'s
+            top-level names as proxies. Its uncaught exception (traceback on stderr) is ``failed``,
+            the solution's crash ``crash``, the solution's exit with status 0 before the tests end
+            ``failed``.
         timeout_s: wall-clock limit in seconds; every descendant is killed after it.
         memory_mb: address-space limit (``RLIMIT_AS``) in MiB.
         max_output_mb: largest file the child may write, stdout/stderr included, in MiB.
@@ -220,19 +241,24 @@ def run_program(program: str, *, timeout_s: float = 10.0, memory_mb: int = 2048,
             f.write(program)
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
                 tempfile.TemporaryFile() as report, tempfile.TemporaryFile() as result, \
-                tempfile.TemporaryFile() as verdict:
+                tempfile.TemporaryFile() as verdict, tempfile.TemporaryFile() as tests_file:
             nonce_r, nonce_w = os.pipe()
             os.write(nonce_w, nonce)  # 32 bytes: fits the pipe buffer, so this never blocks
             os.close(nonce_w)
             nonce_w = None
             cfg.update(report_fd=report.fileno(), result_fd=result.fileno(), verdict_fd=verdict.fileno(),
                        nonce_fd=nonce_r)
+            fds = [report.fileno(), result.fileno(), verdict.fileno(), nonce_r]
+            if tests is not None:  # an unlinked file, not the directory: the solution must not read it
+                tests_file.write(tests.encode("utf-8"))
+                tests_file.flush()
+                cfg["tests_fd"] = tests_file.fileno()
+                fds.append(tests_file.fileno())
             start = time.monotonic()
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-c", _BOOTSTRAP, json.dumps(cfg)],
+                [sys.executable, "-I", "-B", "-c", _BOOTSTRAP, json.dumps(cfg)] + ([_SPLIT] if tests is not None else []),
                 cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                start_new_session=True, close_fds=True,
-                pass_fds=(report.fileno(), result.fileno(), verdict.fileno(), nonce_r))
+                start_new_session=True, close_fds=True, pass_fds=tuple(fds))
             os.close(nonce_r)
             nonce_r = None
             # The supervisor enforces the deadline itself; the grace covers its start and clean-up.
