@@ -111,13 +111,14 @@ def _start(data, out) -> None:
 def _finish(result, terms=("loss", "mat", "acc")) -> None:
     from unmask import dist
 
+    code = 128 + (result.signal or 2)  # 130 for SIGINT, 143 for SIGTERM, as every command
     if not dist.is_main():  # under torchrun rank 0 reports; the others end quietly
         if result.stopped == "interrupted":
-            raise SystemExit(130)
+            raise SystemExit(code)
         return
     if result.stopped == "interrupted":
         typer.echo(f"interrupted at step {result.step}; checkpoint {result.checkpoint}; rerun with --resume", err=True)
-        raise SystemExit(130)
+        raise SystemExit(code)
     shown = " ".join(f"{k} {v:.4f}" for k, v in (result.val or result.last).items() if k in terms)
     minutes = result.seconds / 60
     typer.echo(f"wrote {result.out} after {result.step} steps ({result.stopped}, {minutes:.1f} min); {shown}")

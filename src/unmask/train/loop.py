@@ -201,7 +201,8 @@ class TrainResult:
     """What :func:`train` did. stopped: ``done`` (all steps), ``time`` (max_minutes reached) or
     ``interrupted`` (SIGINT/SIGTERM; a checkpoint was saved). last: mean terms of the last log
     interval; val: the last evaluation (None without validation data); out: the exported model
-    directory, set by the caller that publishes one."""
+    directory, set by the caller that publishes one. signal: the signal that stopped an
+    interrupted run (SIGINT when the request came from another rank), else None."""
 
     step: int
     stopped: str
@@ -210,6 +211,7 @@ class TrainResult:
     last: dict = field(default_factory=dict)
     val: dict | None = None
     out: Path | None = None
+    signal: int | None = None
 
 
 class ChunkSampler:
@@ -309,16 +311,28 @@ def evaluate(model, objective, chunks: torch.Tensor, config: TrainConfig, device
 
 
 class _StopFlag:
-    """SIGINT/SIGTERM -> finish the current step, checkpoint, return. A second signal raises."""
+    """SIGINT/SIGTERM -> finish the current step, checkpoint, return. A second signal raises.
+
+    ``signum`` is the first signal's number. A request the loop never acted on (:meth:`take`
+    read the flag before it came) is delivered again on leaving, to the handlers of the caller,
+    so that no signal is lost between the last step and the end of the block."""
 
     def __init__(self):
         self.set = False
+        self.signum: int | None = None
+        self._taken = False
         self._old = {}
 
     def _handle(self, signum, frame):
         self.set = True
+        self.signum = self.signum or signum
         for sig, old in self._old.items():  # a second Ctrl-C interrupts at once
             signal.signal(sig, old)
+
+    def take(self) -> bool:
+        """Whether a stop was requested; once it was, the loop acts on it."""
+        self._taken = self._taken or self.set
+        return self.set
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -326,10 +340,12 @@ class _StopFlag:
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         if threading.current_thread() is threading.main_thread():
             for sig, old in self._old.items():
                 signal.signal(sig, old)
+            if self.set and not self._taken and exc_type is None:
+                signal.raise_signal(self.signum)  # e.g. KeyboardInterrupt: the command ends interrupted
         return False
 
 
@@ -534,7 +550,7 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
             sched.step()
             step += 1
             step_seconds = time.monotonic() - t0  # the next step would end past the budget: stop now
-            local[-2] = float(stop.set)
+            local[-2] = float(stop.take())
             local[-1] = float(budget is not None and time.monotonic() - t_start + step_seconds > budget)
             total = dist.all_reduce_sum(local)  # global means, tokens and any rank's stop request
             sums = dict(zip(names, total[: len(names)].tolist()))
@@ -561,6 +577,8 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
             if config.ckpt_every and step % config.ckpt_every == 0:
                 checkpoint("checkpoint")
                 saved_at = step
+        if flags[0] > 0:  # a stop requested during the last step: the run ends interrupted, unpublished
+            stopped = "interrupted"
         if has_val and val_step != step and stopped != "interrupted":
             val, val_step = validate(), step
             log({"step": step, **{f"val_{k}": v for k, v in val.items()}})
@@ -571,8 +589,11 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
             raise diverged(f"the {which} loss ended at {final:.4g}, more than ln V = {math.log(vocab):.2f} (a uniform "
                            f"guess over the vocabulary) above the untrained model's {first_loss:.4g}"
                            if math.isfinite(final) else f"the {which} loss ended at {final}", step, run_dir)
+        if stop.take() and stopped != "interrupted":  # Ctrl-C during the final checks: nothing is published
+            stopped = "interrupted"
         if saved_at != step:
             checkpoint(stopped)
     log({"step": step, "stopped": stopped, "seconds": time.monotonic() - t_start})
     return TrainResult(step=step, stopped=stopped, seconds=time.monotonic() - t_start,
-                       checkpoint=latest_checkpoint(run_dir), last=last, val=val)
+                       checkpoint=latest_checkpoint(run_dir), last=last, val=val,
+                       signal=(stop.signum or signal.SIGINT) if stopped == "interrupted" else None)
