@@ -34,6 +34,9 @@ What :func:`run_program` does, and how far each measure goes:
   searches that interpreter (its frames, ``gc``) can forge it: use ``tests`` for scoring. What a
   split run gives up: an argument the solution changes in place is not changed on the tests'
   side, and a result of the solution's own class can only be compared through plain values.
+  Started as another user *and* without Landlock, the solution shares the caller's uid, and
+  where the kernel lets a process read its ancestors' memory (Yama ``ptrace_scope`` 0) it could
+  read the nonce from the caller; root or Landlock closes that.
 - **Limits** (``setrlimit``): address space (``RLIMIT_AS``), CPU seconds (backstop), file
   size (bounds stdout/stderr too) and no core dumps. The bootstrap applies them itself,
   before the program runs, rather than in ``preexec_fn``: ``preexec_fn`` can deadlock when
