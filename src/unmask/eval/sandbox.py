@@ -34,6 +34,9 @@ What :func:`run_program` does, and how far each measure goes:
   searches that interpreter (its frames, ``gc``) can forge it: use ``tests`` for scoring. What a
   split run gives up: an argument the solution changes in place is not changed on the tests'
   side, and a result of the solution's own class can only be compared through plain values.
+  The tests' namespace still holds the solution's top-level names, as the benchmarks define it
+  (one program): a solution that rebinds a name the tests call (a builtin such as ``abs``, a
+  module the prompt imported) changes what they call, in either form.
   Started as another user *and* without Landlock, the solution shares the caller's uid, and
   where the kernel lets a process read its ancestors' memory (Yama ``ptrace_scope`` 0) it could
   read the nonce from the caller; root or Landlock closes that.
