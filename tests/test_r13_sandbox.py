@@ -351,6 +351,7 @@ def test_judged_program_keeps_what_tests_need():
     r = run_program(solution, tests=tests)
     assert r.passed, r
     assert r.stdout_tail.split() == ["squares", "4", "tests", "done"]
+    assert r.unprivileged or os.geteuid() != 0  # the solution's process drops its privileges too
     r = run_program(solution, tests=tests + "assert depth(root) == 4\n")
     assert r.status == "failed" and "assert depth(root) == 4" in r.stderr_tail, r
 
