@@ -362,3 +362,6 @@ def test_the_canvas_marks_special_tokens_instead_of_printing_them():
                 assert i not in step["special"]
             assert text is None or ("<s>" not in text and "</s>" not in text)
     assert marked  # the canvas held the EOS at DLM_EOS_AT: shown as a mark, not as "</s>"
+    # the same TPF rule for a diffusion row: its usage equals unmask.generate's row
+    api = unmask.generate(DLM_PROMPT, dlm, "diffusion", max_new_tokens=128).stats.row(0)
+    assert api["stop_token"] == 1 and events[-1]["usage"]["tpf"] == pytest.approx(api["tpf"])
