@@ -109,8 +109,8 @@ def _parse(body, bundle, chat=False):
     return parse(body, bundle, bundle.name, chat=chat, default_timeout=1.0)
 
 
-@pytest.mark.parametrize("field", ["timeout", "gamma", "temperature", "top_p", "tau"])
-def test_a_huge_integer_in_a_float_field_is_a_400(ar_server, field):
+@pytest.mark.parametrize("field", ["timeout", "gamma", "temperature", "top_p", "tau", "block_size", "steps", "slots"])
+def test_a_huge_integer_in_a_numeric_field_is_a_400(ar_server, field):
     huge = "9" * 400  # a JSON integer no float holds
     raw = ('{"prompt": "Zoo", "max_tokens": 2, "%s": %s}' % (field, huge)).encode()
     req = urllib.request.Request(ar_server.url + "/v1/completions", data=raw,

@@ -78,9 +78,10 @@ _TYPES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "
 
 
 def _typed(name: str, value, kind: str):
-    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
-          "float": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-          "str": isinstance(value, str), "bool": isinstance(value, bool)}[kind]
+    # checked lazily: isfinite() of an integer no float holds raises (an int knob of 400 digits)
+    ok = {"int": lambda: isinstance(value, int) and not isinstance(value, bool),
+          "float": lambda: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+          "str": lambda: isinstance(value, str), "bool": lambda: isinstance(value, bool)}[kind]()
     if not ok and kind == "float" and isinstance(value, float) and math.isinf(value):
         raise ApiError(400, f"{name} must be a finite number (got {value!r}; JSON has no infinity): for "
                             f"\"reveal everything\" pass a large value such as 1e9", param=name)
