@@ -322,7 +322,7 @@ def test_the_compiled_scheduler_compiles_new_shapes_only_after_an_idle_while_and
     finally:
         engine.IDLE_COMPILE_S = idle_s
         sched.close()
-    assert first == second == ("done", {"tokens": want, "nfe": 10, "finish_reason": "length"})
+    assert first == second == ("done", {"tokens": want, "nfe": 10, "finish_reason": "length", "stop_token": 0})
     assert compiled() and not kv.pending and n == 1 and len(compiled_steps) == 1 + 9  # the second: compiled steps
     assert sched.pending_compiles == 0
 

@@ -108,7 +108,8 @@ def test_the_compiled_server_runs_cached_diffusion_on_the_static_cache(stories_d
         assert batch.static and batch.kv.pending and sched.pending_compiles == len(batch.kv.pending)
     finally:
         sched.close()
-    assert event == ("done", {"tokens": want.tokens[0], "nfe": want.stats.nfe, "finish_reason": "length"})
+    assert event == ("done", {"tokens": want.tokens[0], "nfe": want.stats.nfe, "finish_reason": "length",
+                              "stop_token": 0})
 
 
 def test_a_negative_block_size_is_named_as_such(stories_dlm):

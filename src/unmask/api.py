@@ -11,6 +11,7 @@ from unmask.decode import DecodeStats, default_decoder, get_decoder
 from unmask.errors import UnmaskError
 from unmask.models import ModelBundle, load
 from unmask.models.bundle import check_finite_weights, check_placement
+from unmask.prompts import check_text
 from unmask.sampling import Sampling
 from unmask.threads import scoped, use_for
 
@@ -148,6 +149,14 @@ def as_prompt_list(prompts) -> list:
     return [list(p) if isinstance(p, tuple) else p for p in prompts]
 
 
+def plain_scalar(value):
+    """A numpy scalar (``np.int64(4)``, ``np.float32(0.5)``, ``np.bool_(True)``) as the Python number
+    it holds, so it passes the checks a plain int / float / bool passes; anything else unchanged."""
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        return value.item()
+    return value
+
+
 @scoped
 def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: str | ModelBundle | None = None,
              decoder: str | None = None, *, max_new_tokens: int | None = None, temperature: float = 0.0,
@@ -176,8 +185,11 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     reference's; the text and token counts are still cut at the first stop token and at
     ``max_new_tokens``. LLaDA's zero-quota steps (``steps`` above the gen length) run too, as in
     the reference (NFE = steps). ``ar`` and ``sbd`` stop at EOS as their references do: refused there.
+    Numbers may be numpy scalars (read as the Python numbers they hold).
     Raises UnmaskError for every invalid input, and for a model whose weights are not finite.
     """
+    max_new_tokens, temperature, top_k, top_p, seed = map(plain_scalar, (max_new_tokens, temperature, top_k, top_p, seed))
+    options = {k: plain_scalar(v) for k, v in options.items()}
     if not (model is None or isinstance(model, (str, os.PathLike, ModelBundle))):
         raise UnmaskError(f"model must be a shipped name, a directory path or a ModelBundle (got {type(model).__name__}); "
                           "pass e.g. model=\"stories260K\"")
@@ -190,9 +202,10 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
         if options.get(hook) is not None and not callable(options[hook]):
             raise UnmaskError(f"{hook} must be a function (got {type(options[hook]).__name__}); pass a callable or None")
     stop = [stop] if isinstance(stop, str) else list(stop or ())
-    for s in stop:
+    for i, s in enumerate(stop):
         if not isinstance(s, str) or not s:
             raise UnmaskError(f"stop strings must be non-empty text (got {s!r}); drop it or give the text to stop at")
+        check_text(s, f"stop string {i + 1}")  # a lone surrogate could never match the decoded text
     if isinstance(model, ModelBundle):
         check_placement(model, device, dtype)  # a loaded bundle is not moved: a different device would be ignored
         bundle = model
@@ -244,6 +257,7 @@ def _reference_decode(decode, decoder: str, bundle: ModelBundle, ids: list[list[
     ``max_new_tokens``, recounting its generated tokens (NFE stays the whole canvas's).
     Raises UnmaskError for a decoder outside :data:`REFERENCE_NFE_DECODERS`."""
     from unmask.decode import DecodeOutput
+    from unmask.decode.stats import stop_flags
 
     if decoder not in REFERENCE_NFE_DECODERS:
         raise UnmaskError(f"--reference-nfe applies to the dLLM decoders ({', '.join(REFERENCE_NFE_DECODERS)}), "
@@ -259,8 +273,10 @@ def _reference_decode(decode, decoder: str, bundle: ModelBundle, ids: list[list[
         cut = next((i for i, t in enumerate(row) if t in stops), len(row))
         tokens.append(row[:min(cut, max_new_tokens)])
     s = out.stats
+    # the stop token rule of DecodeStats: a stop token committed within max_new_tokens counts for TPF
     stats = DecodeStats(nfe=s.nfe, nfe_per_row=s.nfe_per_row, tokens_per_row=[len(t) for t in tokens],
-                        seconds=s.seconds, extra={**s.extra, "reference_nfe": True})
+                        seconds=s.seconds, extra={**s.extra, "reference_nfe": True},
+                        stops_per_row=stop_flags(out.tokens, tokens, stops, max_new_tokens))
     return DecodeOutput(tokens=tokens, stats=stats)
 
 
@@ -305,6 +321,7 @@ def generate_sharded(prompts: str | list[str], model: str | ModelBundle | None =
     stats = DecodeStats(nfe=sum(g.stats.nfe for g in parts),
                         nfe_per_row=[x for g in parts for x in g.stats.nfe_per_row],
                         tokens_per_row=[x for g in parts for x in g.stats.tokens_per_row],
+                        stops_per_row=[g.stats.row(i)["stop_token"] for g in parts for i in range(len(g.prompts))],
                         seconds=max(g.stats.seconds for g in parts), extra=extra)
     return Generation(prompts=[x for g in parts for x in g.prompts], texts=[x for g in parts for x in g.texts],
                       tokens=[x for g in parts for x in g.tokens],

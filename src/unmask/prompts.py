@@ -35,6 +35,10 @@ from unmask.fileio import file_lines
 Message = dict
 Prompt = Union[str, list]  # text, or a conversation (a list of messages)
 ROLES = ("system", "user", "assistant")
+# A prompts file is read whole and each line becomes a prompt: bounded, so a wrong path
+# (/dev/zero, a model file) is refused by name instead of filling memory.
+MAX_FILE_BYTES = 64 * 2**20
+MAX_LINE_CHARS = 4 * 2**20  # far above any context window's text (128k tokens x 32 characters)
 
 
 def check_text(text: str, where: str) -> str:
@@ -162,7 +166,8 @@ def read_prompts_file(path: str | Path) -> list[Prompt]:
     ``messages`` rows), in file order, blank lines skipped.
 
     Raises:
-        UnmaskError: an unreadable or non-UTF-8 file, a bad JSONL row (naming file, line and the
+        UnmaskError: an unreadable or non-UTF-8 file, one over ``MAX_FILE_BYTES`` or with a line over
+            ``MAX_LINE_CHARS`` characters, a bad JSONL row (naming file, line and the
             fix), or a file holding no prompt.
     """
     path = Path(path)
@@ -170,15 +175,26 @@ def read_prompts_file(path: str | Path) -> list[Prompt]:
         raise UnmaskError(f"prompts file {path} is .json; write one JSON object per line and name it .jsonl "
                           "(or use a .txt file with one prompt per line)")
     try:
-        text = path.read_bytes().decode("utf-8")
+        with open(path, "rb") as f:  # at most one byte past the limit: a device or FIFO may never end
+            raw = f.read(MAX_FILE_BYTES + 1)
+        if len(raw) > MAX_FILE_BYTES:
+            size = f"{MAX_FILE_BYTES // 2**20} MiB" if MAX_FILE_BYTES % 2**20 == 0 else f"{MAX_FILE_BYTES} bytes"
+            raise UnmaskError(f"prompts file {path} is larger than {size}, the limit of a prompts file; split it into "
+                              "smaller files, one prompt per line")
+        text = raw.decode("utf-8")
     except OSError as e:
         raise UnmaskError(f"cannot read prompts file {path}: {e.strerror or e}; "
                           "pass a readable .txt (one prompt per line) or .jsonl file") from None
     except UnicodeDecodeError:
         raise UnmaskError(f"prompts file {path} is not valid UTF-8; convert it to UTF-8") from None
     out: list[Prompt] = []
+    lines = file_lines(text)
+    for n, line in enumerate(lines, 1):
+        if len(line) > MAX_LINE_CHARS:
+            raise _file_error(path, n, f"the line has {len(line)} characters, more than the limit of {MAX_LINE_CHARS}",
+                              "shorten the prompt (one prompt per line)")
     if path.suffix.lower() == ".jsonl":
-        for n, line in enumerate(file_lines(text), 1):
+        for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
@@ -191,7 +207,7 @@ def read_prompts_file(path: str | Path) -> list[Prompt]:
                                   'write one flat JSON object per line, e.g. {"prompt": "..."}') from None
             out.append(parse_row(obj, path, n))
     else:
-        out = [line for line in file_lines(text) if line.strip()]
+        out = [line for line in lines if line.strip()]
     if not out:
         raise UnmaskError(f"prompts file {path} holds no prompt; put one prompt per line "
                           '(.txt) or one {"prompt": ...} object per line (.jsonl)')

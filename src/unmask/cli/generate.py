@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -122,6 +123,10 @@ def generate_cmd(
                "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps, "verify": verify, "draft": draft, "queries": queries,
                "schedule": schedule, "alg": alg}
     options = {k: v for k, v in options.items() if v is not None}
+    for k, v in options.items():  # the server refuses them too (JSON has no infinity)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UnmaskError(f"--{k.replace('_', '-')} must be a finite number (got {v}); for \"reveal everything\" "
+                              "pass a large value such as 1e9")
     if compile:
         options["compile"] = True
     if trace is not None:  # before loading anything

@@ -51,6 +51,9 @@ def serve_cmd(
                                        "answered 413 before they are read"),
     max_prompt_chars: int = typer.Option(None, "--max-prompt-chars", help="prompt characters, checked before "
                                          "tokenizing (default: 32 per cache token)"),
+    api_key: str = typer.Option(None, "--api-key", envvar="UNMASK_API_KEY", show_envvar=True,
+                                help="requests must send 'Authorization: Bearer KEY' (401 otherwise); /health, /metrics "
+                                "and the playground page stay open"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
 ) -> None:
@@ -62,6 +65,6 @@ def serve_cmd(
     limits = Limits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
                     max_query_tokens=max_query_tokens, max_cache_tokens=max_cache_tokens)
     serve(model, kind=kind, adapter=adapter, compile=compile, draft_sizes=draft_sizes, limits=limits, host=host,
-          port=port, max_batch_size=max_batch_size, max_queue=max_queue,
+          port=port, api_key=api_key, max_batch_size=max_batch_size, max_queue=max_queue,
           request_timeout=timeout, device=device, dtype=dtype, decoder=decoder, block_size=block_size, policy=policy,
           gamma=gamma, preset=preset, tau=tau, cache=cache, draft=draft, queries=queries)

@@ -1,55 +1,37 @@
 """The FastAPI app: OpenAI-compatible completions and chat, SSE streaming, health, metrics and the
-playground page. Every request is handed to the :class:`~unmask.serve.engine.Scheduler`; its
-events come back through an asyncio queue."""
+playground page, and the API key check (:mod:`unmask.serve.auth`). Every request is parsed here and
+handed to a :class:`~unmask.serve.call.Call`, which runs it on the
+:class:`~unmask.serve.engine.Scheduler` and shapes the OpenAI response."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
-import uuid
 from contextlib import asynccontextmanager
 from importlib import resources
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from unmask.decode import DECODERS, default_decoder, get_decoder
 from unmask.errors import UnmaskError
+from unmask.serve.auth import RequireKey, check_key
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option, served_table, with_server_draft
-from unmask.serve.engine import Job, QueueFull, Scheduler, ShuttingDown
+from unmask.serve.call import Call, error_response as _error_response, outcome_of, shutting_down as _shutting_down
+from unmask.serve.engine import Scheduler
 from unmask.serve.errors import ApiError
 from unmask.serve.limits import Limits, check_defaults
 from unmask.serve.metrics import Metrics
-from unmask.serve.protocol import ServeRequest, edits_committed, parse
-from unmask.serve.stream import TextStream
+from unmask.serve.protocol import parse, prompt_bodies
 
-POLL_S = 0.2  # how often a waiting handler checks for a client disconnect
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-SHUTTING_DOWN = "the server is shutting down; retry later"
-
-
-def _shutting_down(retry_after: bool = True) -> "ApiError":
-    """The 503 of a draining server: new requests get Retry-After; the requests it ends do not."""
-    return ApiError(503, SHUTTING_DOWN, type="server_error", headers={"Retry-After": "1"} if retry_after else None)
+# the page's icon (browsers ask for /favicon.ico on their own): a masked slot turning into a token
+FAVICON = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><rect width="16" height="16" rx="3" '
+           'fill="#1d1d1f"/><rect x="3" y="5" width="4" height="6" fill="#bbb"/><rect x="9" y="5" width="4" '
+           'height="6" fill="#5ad16b"/></svg>')
 MAX_INT_DIGITS = 1000  # well below Python's int-string limit (4300) and far above any real count
-
-
-class _Gone(Exception):
-    """The client disconnected."""
-
-
-def _error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def outcome_of(status: int) -> str:
-    """The ``unmask_requests_total`` outcome of a response with this HTTP status (README "Serving")."""
-    if status < 400:
-        return "ok"
-    return {499: "cancelled", 408: "timeout", 429: "rejected"}.get(status, "bad_request" if status < 500 else "error")
 
 
 class _CountResponses:
@@ -114,9 +96,23 @@ def _json(raw: bytes):
         raise ApiError(400, "the request body is not valid JSON") from None
 
 
+def _parse_all(bodies: list, *args, **kwargs) -> list:
+    """``parse`` of each prompt's body; an error about one prompt of several names its index."""
+    reqs = []
+    for i, body in enumerate(bodies):
+        try:
+            reqs.append(parse(body, *args, **kwargs))
+        except ApiError as e:
+            if len(bodies) == 1 or e.param != "prompt":
+                raise
+            raise ApiError(e.status, f"prompt[{i}]: {e.message}", type=e.type, param=e.param, code=e.code) from None
+    return reqs
+
+
 def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8, max_queue: int = 64,
                request_timeout: float = 600.0, defaults: dict | None = None, compile: bool = False,
-               draft_sizes: "str | DraftSizes | None" = DEFAULT_DRAFT_SIZES, limits: Limits | None = None) -> FastAPI:
+               draft_sizes: "str | DraftSizes | None" = DEFAULT_DRAFT_SIZES, limits: Limits | None = None,
+               api_key: str | None = None) -> FastAPI:
     """The server app for a loaded ModelBundle. ``defaults``: the server's default decoder and knobs
     (e.g. ``{"decoder": "sbd", "gamma": 0.35}``), checked here like a request; its ``draft``/``queries``
     become the lossless defaults, the layout AR and lossless rows join (``draft_sizing.with_server_draft``).
@@ -126,9 +122,12 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     the load -> K table, chosen per step, of greedy lossless ``sbd`` requests that fix no block size
     (:mod:`unmask.serve.draft_sizing`; text like ``"1:8,2:4,4:1"``, or ``"off"``/None). ``limits``: the
     per-request body, prompt, query-token and cache limits (:class:`unmask.serve.limits.Limits`).
+    ``api_key``: requests must send ``Authorization: Bearer api_key`` (401 otherwise; /health, /metrics
+    and the playground stay open: :mod:`unmask.serve.auth`).
     ``app.state.drain()`` stops admitting (503) and ends every open request with a 503 error (a
     stream: a final error event and ``[DONE]``); the server calls it when it shuts down."""
     limits, name, defaults = limits or Limits(), model_name or bundle.name, dict(defaults or {})
+    key = check_key(api_key)
     bundle = with_server_draft(bundle, defaults.pop("draft", None), defaults.pop("queries", None))
     try:  # the defaults are checked like a request, then by one tiny decode (the decoder's own checks)
         probe = parse({"prompt": "x", "max_tokens": 1}, bundle, name, chat=False, default_timeout=request_timeout, defaults=defaults)
@@ -162,6 +161,8 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
                   redirect_slashes=False)  # /v1/completions/ is a 404 JSON error, not a redirect
     app.state.scheduler, app.state.metrics, app.state.bundle, app.state.limits = scheduler, metrics, bundle, limits
     app.add_middleware(_CountResponses, metrics=metrics)
+    if key is not None:  # added last, so it runs first: a refused request reaches nothing else
+        app.add_middleware(RequireKey, key=key)
     app.state.drain = lambda: scheduler.drain(_shutting_down(retry_after=False))
 
     @app.exception_handler(ApiError)
@@ -179,6 +180,10 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     @app.get("/", response_class=HTMLResponse)
     async def playground():
         return HTMLResponse(resources.files("unmask.serve").joinpath("playground.html").read_text("utf-8"))
+
+    @app.get("/favicon.ico")
+    async def favicon():
+        return Response(FAVICON, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
 
     @app.get("/health")
     async def health():
@@ -207,10 +212,10 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
             return Response(status_code=499)
         # parsing and tokenizing are CPU work: off the event loop, so /health and streams go on
         body = await asyncio.to_thread(_json, raw)
-        req = await asyncio.to_thread(parse, body, bundle, name, chat=chat, default_timeout=request_timeout,
-                                      defaults=defaults, limits=limits, draft_k=draft_k)
-        call = _Call(request, req, chat, name, bundle, scheduler, metrics, endpoint="chat" if chat else "completions")
-        return await call.respond()
+        reqs = await asyncio.to_thread(_parse_all, prompt_bodies(body, chat=chat, max_prompts=max_queue), bundle, name,
+                                       chat=chat, default_timeout=request_timeout, defaults=defaults, limits=limits,
+                                       draft_k=draft_k)
+        return await Call(request, reqs, chat, name, bundle, scheduler, metrics).respond()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -221,180 +226,3 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
         return await handle(request, chat=True)
 
     return app
-
-
-class _Call:
-    """One request in flight: submits the job, waits for its events, builds the response."""
-
-    def __init__(self, request: Request, req: ServeRequest, chat: bool, name: str, bundle, scheduler: Scheduler,
-                 metrics: Metrics, endpoint: str):
-        self.request, self.req, self.chat, self.name, self.scheduler = request, req, chat, name, scheduler
-        self.metrics, self.endpoint = metrics, endpoint
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-        self.stream = TextStream(bundle, req.prompt_ids, req.stop, limit=req.max_tokens,
-                                 final_only=edits_committed(bundle, req.decoder, req.options))
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.t0 = time.monotonic()
-        self.first_token_at: float | None = None
-        self.counted = False
-        self.check_at = self.t0 + POLL_S  # next client-disconnect check (next_event)
-        loop = asyncio.get_running_loop()
-
-        def post(kind, payload):  # called by the scheduler thread
-            try:
-                loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
-            except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
-                pass
-
-        self.job = Job(prompt_ids=req.prompt_ids, decoder=req.decoder, options=req.options, sampling=req.sampling,
-                       max_new_tokens=req.max_tokens, stop=req.stop, deadline=self.t0 + req.timeout, post=post)
-
-    async def next_event(self) -> tuple[str, object]:
-        """The job's next event; cancels the job and raises _Gone when the client disconnects.
-        The disconnect is checked every POLL_S even while events keep coming (a non-streamed
-        request's steps arrive faster than that: it would hold its slot to the end)."""
-        while True:
-            if time.monotonic() >= self.check_at:
-                self.check_at = time.monotonic() + POLL_S
-                if await self.request.is_disconnected():
-                    self.job.cancel()
-                    raise _Gone
-            if not self.queue.empty():  # under load the next event is often here already: no timer, no task
-                return self.queue.get_nowait()
-            try:
-                return await asyncio.wait_for(self.queue.get(), timeout=POLL_S)
-            except asyncio.TimeoutError:
-                pass
-
-    def outcome(self, outcome: str) -> None:
-        """Set this response's outcome (the first one set wins; _CountResponses counts it)."""
-        if not self.counted:
-            self.counted = True
-            self.request.scope.setdefault("state", {})["outcome"] = outcome
-
-    def record(self, result: dict) -> dict:
-        """Usage of a finished request; updates the metrics."""
-        n, nfe = len(result["tokens"]), max(1, int(result["nfe"]))
-        elapsed = time.monotonic() - self.t0
-        m = self.metrics
-        m.prompt_tokens.inc(len(self.req.prompt_ids))
-        m.completion_tokens.inc(n)
-        m.nfe.inc(nfe)
-        m.tpf.observe(n / nfe)
-        m.tps.observe(n / elapsed if elapsed > 0 else 0.0)
-        m.latency.observe(elapsed)
-        if self.first_token_at is not None:
-            m.ttft.observe(self.first_token_at - self.t0)
-        self.outcome("ok")
-        return {"prompt_tokens": len(self.req.prompt_ids), "completion_tokens": n,
-                "total_tokens": len(self.req.prompt_ids) + n, "nfe": nfe, "tpf": n / nfe}
-
-    def saw_step(self, event: dict) -> None:
-        if self.first_token_at is None and event.get("positions"):
-            self.first_token_at = time.monotonic()
-
-    async def respond(self):
-        try:
-            self.scheduler.submit(self.job)
-        except ShuttingDown:
-            return _error_response(_shutting_down())
-        except QueueFull:
-            self.outcome("rejected")
-            return _error_response(ApiError(
-                429, f"the server queue is full ({self.scheduler.max_queue} requests waiting); retry shortly",
-                type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}))
-        try:
-            first = await self.next_event()
-        except _Gone:
-            self.outcome("cancelled")
-            return Response(status_code=499)
-        except BaseException:
-            self.job.cancel()
-            raise
-        if first[0] == "error":
-            self.outcome(outcome_of(first[1].status))
-            return _error_response(first[1])
-        if self.req.stream:
-            return StreamingResponse(self.sse(first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self.whole(first)
-
-    async def whole(self, event):
-        """A non-streamed answer: wait for the result."""
-        try:
-            while event[0] == "step":
-                self.saw_step(event[1])
-                event = await self.next_event()
-        except _Gone:
-            self.outcome("cancelled")
-            return Response(status_code=499)
-        except BaseException:
-            self.job.cancel()
-            raise
-        kind, payload = event
-        if kind == "error":
-            self.outcome(outcome_of(payload.status))
-            return _error_response(payload)
-        if kind == "cancelled":
-            self.outcome("cancelled")
-            return Response(status_code=499)
-        text = self.stream.finish(payload["tokens"])
-        usage = self.record(payload)
-        reason = payload["finish_reason"]
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-            return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.name,
-                    "choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.name,
-                "choices": [choice], "usage": usage}
-
-    def chunk(self, delta: str | None, *, reason: str | None = None, role: bool = False, **extra) -> str:
-        if self.chat:
-            d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": d, "finish_reason": reason}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
-            obj = "text_completion"
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.name, "choices": [choice], **extra}
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    async def sse(self, event):
-        """Server-sent events: text deltas (and canvases in canvas mode), usage in the last chunk."""
-        canvas = self.req.stream_mode == "canvas"
-        try:
-            if self.chat:
-                yield self.chunk(None, role=True)
-            while True:
-                kind, payload = event
-                if kind == "step":
-                    self.saw_step(payload)
-                    delta = self.stream.update(payload["canvas"])
-                    if canvas:
-                        yield self.chunk(delta, unmask=self.stream.canvas(payload))
-                    elif delta:
-                        yield self.chunk(delta)
-                elif kind == "done":
-                    delta = self.stream.finish(payload["tokens"])
-                    usage = self.record(payload)
-                    yield self.chunk(delta, reason=payload["finish_reason"], usage=usage)
-                    yield "data: [DONE]\n\n"
-                    return
-                elif kind == "error":
-                    self.outcome(outcome_of(payload.status))
-                    yield f"data: {json.dumps(payload.body())}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
-                else:  # cancelled
-                    self.outcome("cancelled")
-                    return
-                event = await self.next_event()
-        except _Gone:
-            self.outcome("cancelled")
-        finally:  # also reached when the server cancels the stream because the client went away
-            if not self.job.closed:
-                self.job.cancel()
-            if not self.counted:
-                self.outcome("cancelled")

@@ -55,7 +55,7 @@ def _rows(batch) -> list:
 
 
 def _done(row) -> None:
-    row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": row.finish})
+    row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": row.finish, "stop_token": row.stop_token})
 
 
 # Continuous running batches of the other decoders: batch kind -> class (see Scheduler._running_kind).

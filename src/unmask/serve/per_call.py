@@ -29,20 +29,20 @@ def interleave(sched) -> None:
     sched._advance(joining)
 
 
-def final(sched, job, canvas: list) -> tuple[list[int], str] | None:
-    """(tokens, finish reason) when a row's committed canvas already fixes its answer: the
-    committed prefix reaches a stop token, ``max_new_tokens`` or a stop string."""
+def final(sched, job, canvas: list) -> tuple[list[int], str, int] | None:
+    """(tokens, finish reason, 1 when it ended on a stop token else 0) when a row's committed canvas
+    already fixes its answer: the committed prefix reaches a stop token, ``max_new_tokens`` or a stop string."""
     tokens = []
     for t in canvas[: job.max_new_tokens]:
         if t is None:
             return None
         if t in sched.stop_ids:
-            return tokens, "stop"
+            return tokens, "stop", 1
         tokens.append(t)
     if len(tokens) >= job.max_new_tokens:
-        return tokens, "length"
+        return tokens, "length", 0
     if job.stop and any(s in sched.bundle.decode_continuation(job.prompt_ids, tokens) for s in job.stop):
-        return tokens, "stop"
+        return tokens, "stop", 0
     return None
 
 
@@ -68,7 +68,8 @@ def run_batch(sched, jobs: list) -> None:
             steps[row] += 1
             answer = None if edits else final(sched, job, event["canvas"])
             if answer is not None:  # the answer cannot change any more: send it now
-                job.finish("done", {"tokens": answer[0], "nfe": steps[row], "finish_reason": answer[1]})
+                job.finish("done", {"tokens": answer[0], "nfe": steps[row], "finish_reason": answer[1],
+                                    "stop_token": answer[2]})
         if all(j.gone or j.closed for j in jobs):
             raise _Abandoned
 
@@ -104,4 +105,5 @@ def run_batch(sched, jobs: list) -> None:
             continue
         toks = out.tokens[i]
         reason = "length" if len(toks) >= j.max_new_tokens else "stop"
-        j.finish("done", {"tokens": toks, "nfe": int(out.stats.nfe_per_row[i]), "finish_reason": reason})
+        j.finish("done", {"tokens": toks, "nfe": int(out.stats.nfe_per_row[i]), "finish_reason": reason,
+                          "stop_token": out.stats.row(i)["stop_token"]})

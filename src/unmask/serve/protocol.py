@@ -41,8 +41,9 @@ _NOT_KNOBS = {"prompts", "prompts_file", "model", "kind", "decoder", "max_new_to
               "adapter", "compile", "overwrite", "tp", "no_progress",
               # a measurement mode of generate(): it decodes past the stop tokens the server stops at
               "reference_nfe"}
-# Knobs a decoder may take that the CLI does not have yet (the lossless SBD decoder's switch).
-_EXTRA_KNOBS = {"verify": "bool"}
+# Knobs a decoder may take that the CLI does not have: the lossless SBD decoder's switch, and the
+# diffusion / early-bird confidence convention (README: "tempered" is Dream's κ under softmax(logits / T)).
+_EXTRA_KNOBS = {"verify": "bool", "confidence": "str"}
 # OpenAI fields that are accepted only at their neutral value.
 _NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
             "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
@@ -63,13 +64,24 @@ def decoder_knobs() -> dict[str, str]:
     return {**_EXTRA_KNOBS, **knobs}
 
 
+def _float_range(name: str, value) -> None:
+    """Raise ApiError (400) for a JSON integer no float holds (309+ digits), where a number is read as a float."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            float(value)
+        except OverflowError:
+            raise ApiError(400, f"{name} is out of range (an integer of {len(str(abs(value)))} digits); pass a "
+                                "number below 1e308", param=name) from None
+
+
 _TYPES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
 
 
 def _typed(name: str, value, kind: str):
-    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
-          "float": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-          "str": isinstance(value, str), "bool": isinstance(value, bool)}[kind]
+    # checked lazily: isfinite() of an integer no float holds raises (an int knob of 400 digits)
+    ok = {"int": lambda: isinstance(value, int) and not isinstance(value, bool),
+          "float": lambda: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+          "str": lambda: isinstance(value, str), "bool": lambda: isinstance(value, bool)}[kind]()
     if not ok and kind == "float" and isinstance(value, float) and math.isinf(value):
         raise ApiError(400, f"{name} must be a finite number (got {value!r}; JSON has no infinity): for "
                             f"\"reveal everything\" pass a large value such as 1e9", param=name)
@@ -155,6 +167,7 @@ class ServeRequest:
     stream: bool
     stream_mode: str
     timeout: float
+    echo: bool = False  # completions: the answer's text starts with the prompt
 
 
 def edits_committed(bundle, decoder: str, options: dict) -> bool:
@@ -190,7 +203,12 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
         raise ApiError(400, "reference_nfe is not served (the server stops every request at its stop tokens); "
                             "measure the reference NFE with `unmask generate --reference-nfe`, and drop "
                             "'reference_nfe'", param="reference_nfe")
+    echo = False if chat or body.get("echo") is None else body["echo"]
+    if not isinstance(echo, bool):
+        raise ApiError(400, f"echo must be true or false (got {json.dumps(echo)})", param="echo")
     for name, neutral in _NEUTRAL.items():
+        if name == "echo" and not chat:  # completions take echo; chat has none (OpenAI's)
+            continue
         # bool is an int in Python (True == 1): a boolean is refused where a number is expected
         wrong_type = isinstance(body.get(name), bool) and not any(isinstance(v, bool) for v in neutral or ())
         if neutral is not None and name in body and (wrong_type or body[name] not in neutral):
@@ -204,7 +222,9 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", param="model",
                        code="model_not_found")
 
-    stream = body.get("stream", False) or False
+    for name in ("timeout", "temperature", "top_p", *(k for k, t in knobs.items() if t == "float")):
+        _float_range(name, body.get(name))
+    stream = False if body.get("stream") is None else body["stream"]  # 0, "" or []: refused, not read as false
     if not isinstance(stream, bool):
         raise ApiError(400, f"stream must be true or false (got {stream!r})", param="stream")
     mode = body.get("stream_mode", "committed")
@@ -275,8 +295,8 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str):
-            raise ApiError(400, "prompt must be one string: the server takes one prompt per request; send one "
-                                "request per prompt", param="prompt")
+            raise ApiError(400, f"prompt must be a string or a list of strings (got {_json_kind(prompt)}; token-id "
+                                "prompts are not served): send the text", param="prompt")
     check_prompt_chars(bundle, prompt, limits, field)
     try:
         ids = encode_prompts(bundle, [prompt], max_tokens, options.get("gen_length"))[0]
@@ -290,4 +310,28 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
     check_cost(bundle, limits, decoder=decoder, options=options, prompt_tokens=len(ids), max_tokens=max_tokens,
                draft_k=draft_k)
     return ServeRequest(prompt=prompt, prompt_ids=ids, decoder=decoder, options=options, sampling=sampling,
-                        max_tokens=max_tokens, stop=tuple(stop), stream=stream, stream_mode=mode, timeout=float(timeout))
+                        max_tokens=max_tokens, stop=tuple(stop), stream=stream, stream_mode=mode, timeout=float(timeout),
+                        echo=echo)
+
+
+def _json_kind(value) -> str:
+    if isinstance(value, list):
+        return "an empty list" if not value else \
+            f"a list holding {_json_kind(next((v for v in value if not isinstance(v, str)), value[0]))}"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", dict: "an object",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def prompt_bodies(body, *, chat: bool, max_prompts: int) -> list:
+    """A completions ``body`` whose ``prompt`` is a list of several strings -> one body per prompt
+    (OpenAI's batched completions: answered as choices indexed by prompt); any other body -> ``[body]``
+    (:func:`parse` checks it). Raises ApiError (400) for more than ``max_prompts`` prompts, the
+    server's queue bound, which such a request could never fit."""
+    prompt = body.get("prompt") if isinstance(body, dict) and not chat else None
+    if not (isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt)):
+        return [body]
+    if len(prompt) > max_prompts:
+        raise ApiError(400, f"the request holds {len(prompt)} prompts, more than the {max_prompts} requests this "
+                            "server queues; send fewer prompts per request, or start the server with a larger "
+                            "--max-queue", param="prompt")
+    return [{**body, "prompt": p} for p in prompt]

@@ -13,6 +13,7 @@ import time
 
 from unmask.errors import UnmaskError
 from unmask.serve import connection, create_app, require
+from unmask.serve.auth import check_key
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, check_server_draft, draft_sizes_option
 from unmask.serve.limits import Limits
 
@@ -115,13 +116,14 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
           port: int = 8000,
           max_batch_size: int = 8, max_queue: int = 64, request_timeout: float = 600.0, device: str = "cpu",
           dtype: str = "float32", log_level: str = "info", compile: bool = False, draft_sizes: str | None = None,
-          limits: Limits | None = None, **defaults) -> None:
+          limits: Limits | None = None, api_key: str | None = None, **defaults) -> None:
     """Load ``model`` (with the gated SBD ``adapter``, a name it ships or a directory, when given)
     and serve it until interrupted (``unmask serve``). ``defaults``: the default
     decoder and knobs of requests (``decoder="sbd", gamma=0.35``; ``draft``/``queries``: the lossless layout
     AR and lossless rows join, :func:`unmask.serve.draft_sizing.with_server_draft`); ``draft_sizes``: the running-batch
     -> K table of lossless sbd (``"1:8,2:4,4:1"``, ``"off"``; None: the default table); ``limits``: the
-    per-request limits (:class:`unmask.serve.limits.Limits`). Raises UnmaskError for a bad model, option or
+    per-request limits (:class:`unmask.serve.limits.Limits`); ``api_key``: the key requests must send
+    (:mod:`unmask.serve.auth`). Raises UnmaskError for a bad model, option or
     address (``draft_sizes`` on a model that does not run lossless sbd), KeyboardInterrupt after SIGINT and
     SystemExit(143) after SIGTERM, once open requests were drained (see ``_server``)."""
     require()
@@ -134,16 +136,17 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
                           "e.g. 600, or a large value such as 86400 for requests that may run long")
     sizes = DEFAULT_DRAFT_SIZES if draft_sizes is None else draft_sizes_option(draft_sizes)  # bad text fails before loading
     check_server_draft(defaults.get("draft"), defaults.get("queries"))  # so does a bad --draft / --queries
+    check_key(api_key)  # and a bad --api-key
     bundle = load(model, kind=kind, device=device, dtype=dtype, adapter=adapter)
     if isinstance(sizes, DraftSizes) and bundle.kind != "sbd":  # auto / off: nothing to size, no error
         raise UnmaskError(f"--draft-sizes applies to lossless sbd, which {bundle.name} ({bundle.kind}) does not run; "
                           "drop --draft-sizes, or serve an sbd model (or a causal one with --adapter sbd)")
     app = create_app(bundle, max_batch_size=max_batch_size, max_queue=max_queue, request_timeout=float(request_timeout),
                      defaults={k: v for k, v in defaults.items() if v is not None}, compile=compile,
-                     draft_sizes=sizes, limits=limits)
+                     draft_sizes=sizes, limits=limits, api_key=api_key)
     sock = _bind(host, port)
     print(f"unmask serve: {bundle.name} ({bundle.kind}) on {url(host, sock.getsockname()[1])}  "
-          f"(playground at /, API at /v1)", flush=True)
+          f"(playground at /, API at /v1{', API key required' if api_key else ''})", flush=True)
     server = _server(app, sock, log_level, watchdog=True)
     # uvicorn re-raises the signal it caught once it has shut down; SIGTERM's handler here turns
     # that into exit status 143 with one line (the default handler would kill the process).

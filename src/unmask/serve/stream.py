@@ -10,7 +10,9 @@ tokens (``multiblock`` with token-to-token edits, ``tau_t2t``) has no final text
 so its text comes in the last chunk only (canvas events still stream).
 
 ``canvas`` mode additionally describes every step: the row's whole canvas (ids, ``None`` where
-masked, and each slot's display text) and which positions the step committed.
+masked, and each slot's display text) and which positions the step committed. A special token (the
+stop token a diffusion canvas holds, BOS, ...) has no text in the answer: its display text is ``""``
+and its position is listed in ``special``, so a page can mark it rather than print ``<s>``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class TextStream:
         self.bundle, self.prompt_ids, self.stop, self.limit = bundle, list(prompt_ids), tuple(stop), limit
         self.final_only = final_only  # committed tokens may still change (token-to-token edits): text only at the end
         self.stop_ids = set(bundle.stop_token_ids)
+        self.special_ids = self.stop_ids | set(getattr(bundle.tokenizer, "all_special_ids", None) or ())
         self.sent = ""
         self.stopped = False
         self.token_text = token_text or TokenText(bundle.tokenizer)
@@ -126,6 +129,7 @@ class TextStream:
         (a diffusion canvas or a lossless-SBD draft can reach past them; those tokens are not
         part of the answer)."""
         canvas = event["canvas"][: self.limit]
-        return {"step": event["step"], "canvas": canvas,
-                "texts": [None if t is None else self.token_text(t) for t in canvas],
+        special = [i for i, t in enumerate(canvas) if t is not None and t in self.special_ids]
+        return {"step": event["step"], "canvas": canvas, "special": special,
+                "texts": [None if t is None else "" if t in self.special_ids else self.token_text(t) for t in canvas],
                 "committed": [p for p in event["positions"] if self.limit is None or p < self.limit]}

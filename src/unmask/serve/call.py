@@ -1,0 +1,273 @@
+"""One completion request in flight: its jobs, their events, and the OpenAI-shaped response.
+
+A chat request, or a completions request with one prompt, is one job. A completions request whose
+``prompt`` is a list runs one job per prompt, side by side in the scheduler's batches (each equals
+that prompt sent alone); its ``choices`` are indexed by prompt, its ``usage`` sums theirs (``tpf``:
+their committed tokens over their forwards), and a streamed answer interleaves the prompts' chunks,
+each carrying its prompt's ``index``. With ``echo`` a completion's text starts with its prompt (a
+streamed one: the prompt is the first chunk of its index). The events of every job come back
+through one asyncio queue as ``(index, kind, payload)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from unmask.serve.engine import Job, QueueFull, Scheduler, ShuttingDown
+from unmask.serve.errors import ApiError
+from unmask.serve.metrics import Metrics
+from unmask.serve.protocol import ServeRequest, edits_committed
+from unmask.serve.stream import TextStream
+
+POLL_S = 0.2  # how often a waiting handler checks for a client disconnect
+SHUTTING_DOWN = "the server is shutting down; retry later"
+
+
+def shutting_down(retry_after: bool = True) -> ApiError:
+    """The 503 of a draining server: new requests get Retry-After; the requests it ends do not."""
+    return ApiError(503, SHUTTING_DOWN, type="server_error", headers={"Retry-After": "1"} if retry_after else None)
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def outcome_of(status: int) -> str:
+    """The ``unmask_requests_total`` outcome of a response with this HTTP status (README "Serving")."""
+    if status < 400:
+        return "ok"
+    return {499: "cancelled", 408: "timeout", 429: "rejected"}.get(status, "bad_request" if status < 500 else "error")
+
+
+class _Gone(Exception):
+    """The client disconnected."""
+
+
+class _Part:
+    """One prompt of a request: its job, its text stream and, once done, its result."""
+
+    def __init__(self, index: int, req: ServeRequest, bundle, t0: float, post):
+        self.index, self.req = index, req
+        self.stream = TextStream(bundle, req.prompt_ids, req.stop, limit=req.max_tokens,
+                                 final_only=edits_committed(bundle, req.decoder, req.options))
+        self.job = Job(prompt_ids=req.prompt_ids, decoder=req.decoder, options=req.options, sampling=req.sampling,
+                       max_new_tokens=req.max_tokens, stop=req.stop, deadline=t0 + req.timeout,
+                       post=lambda kind, payload: post(index, kind, payload))
+        self.first_token_at: float | None = None
+        self.usage: dict | None = None  # set when done
+
+    def saw_step(self, event: dict) -> None:
+        if self.first_token_at is None and event.get("positions"):
+            self.first_token_at = time.monotonic()
+
+
+class Call:
+    """One request in flight (see the module docstring): submits its jobs, waits for their events,
+    builds the response. ``reqs``: one validated request per prompt (a chat request has one)."""
+
+    def __init__(self, request: Request, reqs: list[ServeRequest], chat: bool, name: str, bundle,
+                 scheduler: Scheduler, metrics: Metrics):
+        self.request, self.chat, self.name, self.scheduler, self.metrics = request, chat, name, scheduler, metrics
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.t0 = time.monotonic()
+        self.counted = False
+        self.check_at = self.t0 + POLL_S  # next client-disconnect check (next_event)
+        self.stream_mode, self.streamed = reqs[0].stream_mode, reqs[0].stream
+        loop = asyncio.get_running_loop()
+
+        def post(index, kind, payload):  # called by the scheduler thread
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, (index, kind, payload))
+            except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+                pass
+
+        self.parts = [_Part(i, req, bundle, self.t0, post) for i, req in enumerate(reqs)]
+
+    def cancel(self) -> None:
+        for part in self.parts:
+            if not part.job.closed:
+                part.job.cancel()
+
+    async def next_event(self) -> tuple[int, str, object]:
+        """The next event of any job; cancels them all and raises _Gone when the client disconnects.
+        The disconnect is checked every POLL_S even while events keep coming (a non-streamed
+        request's steps arrive faster than that: it would hold its slots to the end)."""
+        while True:
+            if time.monotonic() >= self.check_at:
+                self.check_at = time.monotonic() + POLL_S
+                if await self.request.is_disconnected():
+                    self.cancel()
+                    raise _Gone
+            if not self.queue.empty():  # under load the next event is often here already: no timer, no task
+                return self.queue.get_nowait()
+            try:
+                return await asyncio.wait_for(self.queue.get(), timeout=POLL_S)
+            except asyncio.TimeoutError:
+                pass
+
+    def outcome(self, outcome: str) -> None:
+        """Set this response's outcome (the first one set wins; the app's middleware counts it)."""
+        if not self.counted:
+            self.counted = True
+            self.request.scope.setdefault("state", {})["outcome"] = outcome
+
+    def record(self, part: _Part, result: dict) -> None:
+        """Usage of a finished prompt (``part.usage``); updates the metrics."""
+        n, nfe = len(result["tokens"]), max(1, int(result["nfe"]))
+        stop = int(result.get("stop_token", 0))
+        elapsed = time.monotonic() - self.t0
+        m = self.metrics
+        m.prompt_tokens.inc(len(part.req.prompt_ids))
+        m.completion_tokens.inc(n)
+        m.nfe.inc(nfe)
+        m.tpf.observe((n + stop) / nfe)  # a committed stop token counts (DecodeStats' rule)
+        m.tps.observe(n / elapsed if elapsed > 0 else 0.0)
+        m.latency.observe(elapsed)
+        if part.first_token_at is not None:
+            m.ttft.observe(part.first_token_at - self.t0)
+        part.usage = {"prompt_tokens": len(part.req.prompt_ids), "completion_tokens": n, "nfe": nfe, "stop": stop}
+
+    def usage(self) -> dict:
+        """The request's usage: the prompts' summed; ``tpf`` = committed tokens (stop tokens
+        included) over forwards."""
+        parts = [p.usage for p in self.parts]
+        prompt, n = sum(u["prompt_tokens"] for u in parts), sum(u["completion_tokens"] for u in parts)
+        nfe = sum(u["nfe"] for u in parts)
+        self.outcome("ok")
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n, "nfe": nfe,
+                "tpf": (n + sum(u["stop"] for u in parts)) / nfe}
+
+    async def respond(self):
+        try:
+            for i, part in enumerate(self.parts):
+                self.scheduler.submit(part.job)
+        except (ShuttingDown, QueueFull) as e:
+            for part in self.parts[:i]:
+                part.job.cancel()
+            if isinstance(e, ShuttingDown):
+                return error_response(shutting_down())
+            self.outcome("rejected")
+            return error_response(ApiError(
+                429, f"the server queue is full ({self.scheduler.max_queue} requests waiting); retry shortly",
+                type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}))
+        try:
+            first = await self.next_event()
+        except _Gone:
+            self.outcome("cancelled")
+            return Response(status_code=499)
+        except BaseException:
+            self.cancel()
+            raise
+        if first[1] == "error":
+            self.cancel()
+            self.outcome(outcome_of(first[2].status))
+            return error_response(first[2])
+        if self.streamed:
+            return StreamingResponse(self.sse(first), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self.whole(first)
+
+    def text(self, part: _Part, result: dict) -> str:
+        text = part.stream.finish(result["tokens"])
+        return part.req.prompt + text if part.req.echo else text
+
+    async def whole(self, event):
+        """A non-streamed answer: wait for every prompt's result."""
+        choices: dict[int, dict] = {}
+        try:
+            while True:
+                index, kind, payload = event
+                part = self.parts[index]
+                if kind == "step":
+                    part.saw_step(payload)
+                elif kind == "done":
+                    text, reason = self.text(part, payload), payload["finish_reason"]
+                    self.record(part, payload)
+                    choices[index] = ({"index": index, "message": {"role": "assistant", "content": text},
+                                       "finish_reason": reason} if self.chat else
+                                      {"index": index, "text": text, "finish_reason": reason, "logprobs": None})
+                    if len(choices) == len(self.parts):
+                        break
+                elif kind == "error":
+                    self.cancel()
+                    self.outcome(outcome_of(payload.status))
+                    return error_response(payload)
+                else:  # cancelled
+                    self.cancel()
+                    self.outcome("cancelled")
+                    return Response(status_code=499)
+                event = await self.next_event()
+        except _Gone:
+            self.outcome("cancelled")
+            return Response(status_code=499)
+        except BaseException:
+            self.cancel()
+            raise
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
+                "model": self.name, "choices": [choices[i] for i in range(len(self.parts))], "usage": self.usage()}
+
+    def chunk(self, index: int, delta: str | None, *, reason: str | None = None, role: bool = False, **extra) -> str:
+        if self.chat:
+            d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+            choice = {"index": index, "delta": d, "finish_reason": reason}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": index, "text": delta or "", "finish_reason": reason, "logprobs": None}
+            obj = "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.name, "choices": [choice], **extra}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def sse(self, event):
+        """Server-sent events: text deltas (and canvases in canvas mode), per prompt index; the
+        usage rides on the last prompt's final chunk."""
+        canvas, left = self.stream_mode == "canvas", len(self.parts)
+        try:
+            if self.chat:
+                yield self.chunk(0, None, role=True)
+            for part in self.parts:
+                if part.req.echo:
+                    yield self.chunk(part.index, part.req.prompt)
+            while True:
+                index, kind, payload = event
+                part = self.parts[index]
+                if kind == "step":
+                    part.saw_step(payload)
+                    delta = part.stream.update(payload["canvas"])
+                    if canvas:
+                        yield self.chunk(index, delta, unmask=part.stream.canvas(payload))
+                    elif delta:
+                        yield self.chunk(index, delta)
+                elif kind == "done":
+                    delta = part.stream.finish(payload["tokens"])
+                    self.record(part, payload)
+                    left -= 1
+                    usage = {"usage": self.usage()} if not left else {}
+                    yield self.chunk(index, delta, reason=payload["finish_reason"], **usage)
+                    if not left:
+                        yield "data: [DONE]\n\n"
+                        return
+                elif kind == "error":
+                    self.cancel()
+                    self.outcome(outcome_of(payload.status))
+                    yield f"data: {json.dumps(payload.body())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                else:  # cancelled
+                    self.cancel()
+                    self.outcome("cancelled")
+                    return
+                event = await self.next_event()
+        except _Gone:
+            self.outcome("cancelled")
+        finally:  # also reached when the server cancels the stream because the client went away
+            self.cancel()
+            if not self.counted:
+                self.outcome("cancelled")
