@@ -1,0 +1,131 @@
+"""Server faults of round four (issue 48): requests sent with ``Connection: close`` outlive the read
+deadline, a refused oversized body reaches urllib as its 413, an exception in the scheduler thread
+ends only its own requests (and ``/health`` reports a dead or wedged scheduler), one request's bad
+token ids fail only itself, and batch sizes are checked against memory at start."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+for _m in ("fastapi", "uvicorn", "h11", "prometheus_client"):
+    pytest.importorskip(_m, reason=f"the server tests need {_m}: pip install -e '.[test]'")
+
+import unmask  # noqa: E402
+from unmask.serve import connection, create_app, engine  # noqa: E402
+from unmask.serve.limits import Limits  # noqa: E402
+from unmask.serve.server import ServerThread  # noqa: E402
+
+DEADLINE_S = 0.6
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return unmask.load("stories260K")
+
+
+def post(url: str, body: dict | None = None, raw: bytes | None = None, timeout: float = 60):
+    """(status, parsed JSON) of a POST with urllib, which sends ``Connection: close``."""
+    req = urllib.request.Request(url, data=raw if raw is not None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def health(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+# -- item 2: Connection: close requests and the read deadline ----------------------------------------
+
+
+def test_a_connection_close_request_longer_than_the_read_deadline_is_answered(bundle, monkeypatch):
+    monkeypatch.setattr(connection, "REQUEST_READ_S", DEADLINE_S)
+    app = create_app(bundle, max_batch_size=2)
+    with ServerThread(app) as s:
+        sched = app.state.scheduler
+        sched.pause()  # the request waits in the queue past the deadline
+        threading.Timer(DEADLINE_S * 3, sched.resume).start()
+        t0 = time.monotonic()
+        status, body = post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 4})
+        assert status == 200 and body["choices"][0]["text"], body
+        assert time.monotonic() - t0 > DEADLINE_S * 2
+        assert sched.queue_depth == 0 and sched.active == 0
+
+
+def test_connection_close_requests_arriving_during_an_idle_compile_are_answered(bundle, monkeypatch):
+    """An idle-time compile holds the scheduler thread for seconds (here: 3 deadlines); the requests
+    that arrive meanwhile wait for it and are answered, none is cut at the read deadline."""
+    monkeypatch.setattr(connection, "REQUEST_READ_S", DEADLINE_S)
+    monkeypatch.setattr(engine, "IDLE_COMPILE_S", 0.05)
+    pending, started = [1], threading.Event()
+
+    def slow_warm(self):  # a compile of the one pending shape: the thread is busy, /health says compiling
+        self.compiling = True
+        started.set()
+        time.sleep(DEADLINE_S * 3)
+        pending.clear()
+        self.compiling = False
+
+    monkeypatch.setattr(engine.Scheduler, "pending_compiles", property(lambda self: len(pending)))
+    monkeypatch.setattr(engine.Scheduler, "_warm", slow_warm)
+    app = create_app(bundle, max_batch_size=2)
+    with ServerThread(app) as s:
+        assert started.wait(10)
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(post(s.url + "/v1/completions",
+                                                                      {"prompt": "Zoo", "max_tokens": 4})))
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(DEADLINE_S)
+        assert health(s.url)[1]["compiling"]
+        for t in threads:
+            t.join(60)
+        assert [r[0] for r in results] == [200] * 3, results
+        assert app.state.scheduler.queue_depth == 0
+
+
+# -- item 3: the 413 of an oversized body reaches every client --------------------------------------
+
+
+def test_urllib_reads_the_413_of_a_body_over_the_limit(bundle):
+    """urllib sends the whole body before it reads a response: the server must read (and drop) it."""
+    app = create_app(bundle, max_batch_size=2, limits=Limits(max_body_bytes=2**20))
+    with ServerThread(app) as s:
+        raw = b'{"prompt": "' + b"a" * (24 * 2**20) + b'"}'
+        status, body = post(s.url + "/v1/completions", raw=raw)
+        assert status == 413 and body["error"]["code"] == "request_too_large", body
+        status, body = post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 2})
+        assert status == 200
+
+
+def test_a_body_past_the_lingering_bound_is_cut(bundle, monkeypatch):
+    """The rest of a refused body is read (beyond what socket buffers hold), but only up to LINGER_BYTES."""
+    import socket
+
+    monkeypatch.setattr(connection, "LINGER_BYTES", 16 * 2**20)
+    app = create_app(bundle, max_batch_size=2, limits=Limits(max_body_bytes=1000))
+    with ServerThread(app) as s:
+        sock = socket.create_connection((s.host, s.port), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (2**30))
+        t0, sent = time.monotonic(), 0
+        with pytest.raises(OSError):  # reset or broken pipe once the server stops reading
+            while time.monotonic() - t0 < 20:
+                sock.sendall(b"a" * 65536)
+                sent += 65536
+        assert 16 * 2**20 <= sent < 64 * 2**20  # read past the 413, cut near the bound, not after a gigabyte
+        sock.close()
