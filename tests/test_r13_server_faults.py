@@ -129,3 +129,92 @@ def test_a_body_past_the_lingering_bound_is_cut(bundle, monkeypatch):
                 sent += 65536
         assert 16 * 2**20 <= sent < 64 * 2**20  # read past the 413, cut near the bound, not after a gigabyte
         sock.close()
+
+
+# -- item 8: the scheduler thread survives any exception; /health watches it -------------------------
+
+
+@pytest.fixture(scope="module")
+def bd():
+    return unmask.load("stories260K-bd")
+
+
+def _fail_first(fn, exc: BaseException):
+    """``fn`` that raises ``exc`` on its first call."""
+    calls = []
+
+    def wrapped(*a, **kw):
+        if not calls:
+            calls.append(1)
+            raise exc
+        return fn(*a, **kw)
+
+    return wrapped
+
+
+def test_a_running_batch_whose_constructor_raises_fails_only_its_request(bd, monkeypatch):
+    monkeypatch.setitem(engine.RUNNING, "block", _fail_first(engine.RUNNING["block"], MemoryError("injected")))
+    app = create_app(bd, max_batch_size=2)
+    with ServerThread(app) as s:
+        status, err = post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 8, "decoder": "block"}, timeout=20)
+        assert status == 500 and "\n" not in err["error"]["message"], err
+        want = unmask.generate("Once upon a time", bd, "block", max_new_tokens=8).texts[0]
+        status, ok = post(s.url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8, "decoder": "block"},
+                          timeout=20)
+        assert status == 200 and ok["choices"][0]["text"] == want
+        assert health(s.url) == (200, health(s.url)[1]) and health(s.url)[1]["status"] == "ok"
+
+
+def test_an_exception_anywhere_in_a_pass_fails_its_requests_and_the_loop_goes_on(bundle, monkeypatch):
+    monkeypatch.setattr(engine.Scheduler, "_advance", _fail_first(engine.Scheduler._advance, RuntimeError("injected")))
+    app = create_app(bundle, max_batch_size=2)
+    with ServerThread(app) as s:
+        status, err = post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 4}, timeout=20)
+        assert status == 500, err
+        status, ok = post(s.url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4}, timeout=20)
+        assert status == 200 and ok["choices"][0]["text"] == unmask.generate("Once upon a time", bundle, "ar",
+                                                                             max_new_tokens=4).texts[0]
+        assert app.state.scheduler.thread_alive and health(s.url)[0] == 200
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_health_reports_a_dead_scheduler_and_waiting_requests_are_answered(bundle, monkeypatch):
+    """Whatever ends the thread (here a SystemExit, which no ``except Exception`` stops), /health says
+    so with 503 and a waiting request gets a 503 instead of hanging."""
+    monkeypatch.setattr(engine.Scheduler, "_advance", _fail_first(engine.Scheduler._advance, SystemExit(1)))
+    app = create_app(bundle, max_batch_size=2)
+    with ServerThread(app) as s:
+        status, err = post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 4}, timeout=20)
+        assert status == 503 and "scheduler thread has stopped" in err["error"]["message"], err
+        status, body = health(s.url)
+        assert status == 503 and body["status"] == "dead", body
+
+
+def test_health_reports_a_wedged_scheduler_and_requests_still_time_out(bundle, monkeypatch):
+    monkeypatch.setattr(engine, "WEDGED_S", 0.5)
+    monkeypatch.setattr(engine, "DEADLINE_SLACK_S", 0.2)
+    held, release = threading.Event(), threading.Event()
+    advance = engine.Scheduler._advance
+
+    def stuck(self, joining):  # a step that never returns (until the test releases it)
+        if joining and not held.is_set():
+            held.set()
+            release.wait(30)
+        return advance(self, joining)
+
+    monkeypatch.setattr(engine.Scheduler, "_advance", stuck)
+    app = create_app(bundle, max_batch_size=2)
+    with ServerThread(app) as s:
+        try:
+            t0 = time.monotonic()
+            status, err = post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 4, "timeout": 1}, timeout=20)
+            assert status == 408 and time.monotonic() - t0 < 5, err
+            status, body = health(s.url)
+            assert status == 503 and body["status"] == "wedged", body
+        finally:
+            release.set()
+        deadline = time.monotonic() + 10
+        while health(s.url)[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert health(s.url)[1]["status"] == "ok"
+        assert post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 4}, timeout=20)[0] == 200

@@ -182,8 +182,11 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, "queue_depth": scheduler.queue_depth, "active": scheduler.active,
+        body = {"status": "ok", "model": name, "queue_depth": scheduler.queue_depth, "active": scheduler.active,
                 "pending_compiles": scheduler.pending_compiles, "compiling": scheduler.compiling}
+        if (fault := scheduler.fault()) is not None:  # the watchdog: "dead" or "wedged", never "ok"
+            return JSONResponse({**body, "status": fault[0], "error": fault[1]}, status_code=503)
+        return body
 
     @app.get("/metrics")
     async def prometheus():
@@ -260,6 +263,9 @@ class _Call:
                 if await self.request.is_disconnected():
                     self.job.cancel()
                     raise _Gone
+                if (error := self.scheduler.unanswered(self.job)) is not None:  # its thread ended or is held
+                    self.job.cancel()
+                    return "error", error
             if not self.queue.empty():  # under load the next event is often here already: no timer, no task
                 return self.queue.get_nowait()
             try:
