@@ -218,3 +218,72 @@ def test_health_reports_a_wedged_scheduler_and_requests_still_time_out(bundle, m
             time.sleep(0.05)
         assert health(s.url)[1]["status"] == "ok"
         assert post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 4}, timeout=20)[0] == 200
+
+
+# -- item 9: one request's failure stays its own -------------------------------------------------------
+
+
+def _with_extra_token(tmp_path):
+    """stories260K (512 embedding rows) whose tokenizer.json adds ``<extra>`` as id 512."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(unmask.__file__).parent / "checkpoints" / "stories260K"
+    out = tmp_path / "extra"
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("adapters"))
+    tok = json.loads((out / "tokenizer.json").read_text())
+    tok["added_tokens"].append({"id": 512, "content": "<extra>", "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": False})
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    return out
+
+
+def test_a_tokenizer_with_ids_past_the_embedding_is_refused_at_load(tmp_path, capsys):
+    from conftest import one_line_error
+
+    from unmask.errors import UnmaskError
+
+    path = _with_extra_token(tmp_path)
+    with pytest.raises(UnmaskError, match=r"1 token id\(s\) past the model's 512 embedding rows \(512 '<extra>'\)"):
+        unmask.load(str(path))
+    one_line_error(capsys, "generate", "Once <extra>", "--model", str(path), "-n", 4, match="512 '<extra>'")
+
+
+def test_a_join_that_fails_on_one_request_fails_only_that_one(bundle):
+    """Five requests join the AR batch in one prefill; the forward fails on one prompt's token (as an
+    embedding lookup past its rows would): that request gets 500, the four others their own text."""
+    prompts = ["Once upon a time", "The cat", "Lily went to", "Zoo", "A big dog"]
+    bad = bundle.tokenizer.encode("Zoo")[-1]
+    assert all(bad not in bundle.tokenizer.encode(p) for p in prompts if p != "Zoo")
+    want = {p: unmask.generate(p, bundle, "ar", max_new_tokens=6).texts[0] for p in prompts}
+    inner = bundle.model.forward
+
+    def forward(*a, **kw):
+        ids = kw.get("input_ids", a[0] if a else None)
+        if ids is not None and bool((ids == bad).any()):
+            raise IndexError("index out of range in self")
+        return inner(*a, **kw)
+
+    app = create_app(bundle, max_batch_size=8)
+    bundle.model.forward = forward
+    try:
+        with ServerThread(app) as s:
+            sched = app.state.scheduler
+            sched.pause()
+            results = {}
+            threads = [threading.Thread(target=lambda p=p: results.update({p: post(
+                s.url + "/v1/completions", {"prompt": p, "max_tokens": 6, "decoder": "ar"}, timeout=60)}))
+                for p in prompts]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 10
+            while sched.queue_depth < len(prompts) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            sched.resume()
+            for t in threads:
+                t.join(60)
+    finally:
+        bundle.model.forward = inner
+    assert results["Zoo"][0] == 500
+    assert {p: (r[0], r[1]["choices"][0]["text"]) for p, r in results.items() if p != "Zoo"} == \
+        {p: (200, want[p]) for p in prompts if p != "Zoo"}

@@ -413,21 +413,24 @@ class Scheduler:
             _done(row)
 
     def _join(self, batch, jobs: list[Job], **kw) -> None:
-        """Admit jobs together; when the prefill refuses one, each alone, so only that request fails."""
+        """Admit jobs together; when that raises (a prefill refusing one, or failing on one), each alone,
+        so only the request that fails alone fails: 400 for the decoder's own refusal, else 500."""
         try:
             for row in batch.join(jobs, **kw):  # finished at its prefill (a stop token, max_tokens 1)
                 _done(row)
-        except UnmaskError as e:
+        except Exception as e:  # noqa: BLE001 (any failure: retried alone, then answered)
+            if not isinstance(e, UnmaskError):  # rows placed before the failure leave (drop raising: _fail)
+                batch.drop([job.id for job in jobs])
             if len(jobs) > 1:
+                log.warning("joining %d %s requests together failed (%s); each joins alone", len(jobs),
+                            jobs[0].decoder, str(e).splitlines()[0] if str(e) else type(e).__name__)
                 for job in jobs:
                     self._join(batch, [job], **kw)
-                return
-            jobs[0].finish("error", bad_request(e, jobs[0].options))
-        except Exception:
-            log.exception("joining a %s running batch failed", jobs[0].decoder)
-            for job in jobs:
-                job.finish("error", server_error())
-            batch.drop([job.id for job in jobs])  # rows placed before the failure leave too (drop raising: _fail)
+            elif isinstance(e, UnmaskError):
+                jobs[0].finish("error", bad_request(e, jobs[0].options))
+            else:
+                log.exception("joining a %s running batch failed", jobs[0].decoder)
+                jobs[0].finish("error", server_error())
 
     def _fail(self, key: tuple, batch) -> None:
         """A step (or a join's clean-up) raised: every row of ``batch`` gets a 500, and the batch, whose
