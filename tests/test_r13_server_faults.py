@@ -287,3 +287,44 @@ def test_a_join_that_fails_on_one_request_fails_only_that_one(bundle):
     assert results["Zoo"][0] == 500
     assert {p: (r[0], r[1]["choices"][0]["text"]) for p, r in results.items() if p != "Zoo"} == \
         {p: (200, want[p]) for p in prompts if p != "Zoo"}
+
+
+# -- item 13: batch sizes are checked against memory at start -------------------------------------------
+
+
+def test_free_memory_is_read_from_the_machine():
+    from unmask import memory
+
+    free = memory.free_bytes("cpu")
+    assert free is not None and 2**20 < free < 2**50
+
+
+def test_a_server_batch_that_cannot_fit_is_refused_at_start(bundle, monkeypatch, capsys):
+    """stories260K: 512 cache tokens x 1,280 KV bytes + slot tensors = 0.6 MiB a row."""
+    from conftest import one_line_error
+
+    from unmask import memory
+    from unmask.errors import UnmaskError
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 2**30)
+    with pytest.raises(UnmaskError, match=r"--max-batch-size 10000 needs at least 6\.\d GiB .* more than the 1\.0 GiB "
+                                          r"free on this machine; pass --max-batch-size 1\d{3} or less"):
+        create_app(bundle, max_batch_size=10_000)
+    with pytest.raises(UnmaskError, match="not even one row fits"):
+        create_app(bundle, max_batch_size=8, limits=Limits(max_cache_tokens=2**40))
+    create_app(bundle, max_batch_size=1000)  # 0.6 GiB: fits
+    one_line_error(capsys, "serve", "--model", "stories260K", "--max-batch-size", 100_000_000,
+                   match="--max-batch-size 100000000 needs at least")
+
+
+def test_a_training_batch_that_cannot_fit_is_refused_at_start(monkeypatch, capsys, tmp_path):
+    from conftest import ids_file, one_line_error
+
+    from unmask import memory
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 4 * 2**30)
+    data = ids_file(tmp_path / "ids.jsonl")
+    line = one_line_error(capsys, "train", "sbd", "--base", "stories260K", "--data", str(data), "--out",
+                          str(tmp_path / "out"), "--steps", 1, "--seq-len", 32, "--batch-size", 65536,
+                          match="--batch-size 65536 needs at least")
+    assert "more than the 4.0 GiB free on this machine" in line and "--grad-accum" in line

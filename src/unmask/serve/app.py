@@ -21,7 +21,7 @@ from unmask.errors import UnmaskError
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option, served_table, with_server_draft
 from unmask.serve.engine import Job, QueueFull, Scheduler, ShuttingDown
 from unmask.serve.errors import ApiError
-from unmask.serve.limits import Limits, check_defaults
+from unmask.serve.limits import Limits, check_batch_memory, check_defaults
 from unmask.serve.metrics import Metrics
 from unmask.serve.protocol import ServeRequest, edits_committed, parse
 from unmask.serve.stream import TextStream
@@ -147,6 +147,7 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
                               "lower the table's largest K") from None
     draft_k = max(k for _, k in table.steps) if table is not None and bundle.kind == "sbd" else 1
     check_defaults(bundle, limits, probe.decoder, probe.options, draft_k)  # a --draft over --max-query-tokens
+    check_batch_memory(bundle, limits, max_batch_size)  # a batch that cannot fit: refused before it allocates
     scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue, compile=compile, draft_sizes=sizes)
     metrics = Metrics(scheduler)
 
