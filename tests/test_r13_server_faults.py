@@ -66,7 +66,7 @@ def test_a_connection_close_request_longer_than_the_read_deadline_is_answered(bu
 
 
 def test_connection_close_requests_arriving_during_an_idle_compile_are_answered(bundle, monkeypatch):
-    """An idle-time compile holds the scheduler thread for seconds (here: 3 deadlines); the requests
+    """An idle-time compile holds the scheduler thread for seconds (here: 5 deadlines); the requests
     that arrive meanwhile wait for it and are answered, none is cut at the read deadline."""
     monkeypatch.setattr(connection, "REQUEST_READ_S", DEADLINE_S)
     monkeypatch.setattr(engine, "IDLE_COMPILE_S", 0.05)
@@ -75,7 +75,7 @@ def test_connection_close_requests_arriving_during_an_idle_compile_are_answered(
     def slow_warm(self):  # a compile of the one pending shape: the thread is busy, /health says compiling
         self.compiling = True
         started.set()
-        time.sleep(DEADLINE_S * 3)
+        time.sleep(DEADLINE_S * 5)
         pending.clear()
         self.compiling = False
 
@@ -162,7 +162,8 @@ def test_a_running_batch_whose_constructor_raises_fails_only_its_request(bd, mon
         status, ok = post(s.url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8, "decoder": "block"},
                           timeout=20)
         assert status == 200 and ok["choices"][0]["text"] == want
-        assert health(s.url) == (200, health(s.url)[1]) and health(s.url)[1]["status"] == "ok"
+        status, body = health(s.url)
+        assert status == 200 and body["status"] == "ok", body
 
 
 def test_an_exception_anywhere_in_a_pass_fails_its_requests_and_the_loop_goes_on(bundle, monkeypatch):
@@ -208,15 +209,15 @@ def test_health_reports_a_wedged_scheduler_and_requests_still_time_out(bundle, m
         try:
             t0 = time.monotonic()
             status, err = post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 4, "timeout": 1}, timeout=20)
-            assert status == 408 and time.monotonic() - t0 < 5, err
+            assert status == 408 and time.monotonic() - t0 < 15, err  # not held until the step ends (30 s)
             status, body = health(s.url)
             assert status == 503 and body["status"] == "wedged", body
         finally:
             release.set()
         deadline = time.monotonic() + 10
-        while health(s.url)[0] != 200 and time.monotonic() < deadline:
+        while (status := health(s.url))[0] != 200 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert health(s.url)[1]["status"] == "ok"
+        assert status[1]["status"] == "ok", status
         assert post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 4}, timeout=20)[0] == 200
 
 

@@ -241,7 +241,8 @@ class Scheduler:
                         break
                     self._beat = time.monotonic()
                     self._reap_waiting()
-                    joining, batch = self._take_running(), self._take_batch()
+                    joining = self._take_running()  # assigned at once: a failure below still answers them
+                    batch = self._take_batch()
                 if not (joining or batch or self._busy()):
                     self._warm()
                     continue
