@@ -298,7 +298,7 @@ def _check_tokenizer_ids(tokenizer, model, path: Path) -> None:
     over = sorted(set(range(rows, base)) | {int(i) for i in added if int(i) >= rows})
     if not over:
         return
-    shown = ", ".join(f"{i} {tokenizer.convert_ids_to_tokens(i)!r}" for i in over[:5]) + (", ..." if len(over) > 5 else "")
+    shown = ", ".join(f"{i} {tokenizer.convert_ids_to_tokens(i)!r}" for i in over[:5]) + ", ..." * (len(over) > 5)
     raise UnmaskError(f"{path}: the tokenizer has {len(over)} token id(s) past the model's {rows} embedding rows "
                       f"({shown}); remove them from tokenizer.json, or resize the embeddings to {over[-1] + 1} rows "
                       "and re-save the model")

@@ -166,7 +166,8 @@ class Scheduler:
         if self._thread.ident is None or self._stop:
             return None
         if not self._thread.is_alive():
-            return "dead", "the scheduler thread has stopped, so no request can run; see the server log and restart the server"
+            return "dead", ("the scheduler thread has stopped, so no request can run; see the server log and "
+                            "restart the server")
         if (held := time.monotonic() - self._beat) > WEDGED_S:
             doing = "compiling a step shape" if self.compiling else "inside one step"
             return "wedged", f"the scheduler thread has been {doing} for {held:.0f} s; requests wait or time out"

@@ -189,7 +189,8 @@ def check_batch_memory(bundle, limits: Limits, max_batch_size: int) -> None:
     vocab = int(getattr(model.config, "vocab_size", None) or 0)
     k = (bundle.meta.get("decode_defaults") or {}).get("verify_block_size") or sbd_verify.DEFAULT_BLOCK_SIZE
     # per cache column: its K/V, and the slots' ids and positions (long) and two masks (bool)
-    per_row = tokens * (memory.kv_bytes_per_token(model) + 18) + int(k) * vocab * 4
+    kv = memory.kv_bytes_per_token(model) // int(bundle.meta.get("tp") or 1)  # tensor-parallel: a rank's heads
+    per_row = tokens * (kv + 18) + int(k) * vocab * 4
     memory.check(max_batch_size, per_row, next(iter(model.parameters())).device,
                  what=f"a row's {tokens}-token KV cache and slot tensors", flag="--max-batch-size",
                  fix=lambda fit: f"pass --max-batch-size {fit} or less, or a smaller --max-cache-tokens" if fit

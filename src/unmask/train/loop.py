@@ -395,7 +395,8 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
 
     Raises:
         UnmaskError: a micro-batch that cannot fit in the memory free on ``device``
-            (:func:`unmask.memory.train_bytes_per_sequence`, a lower bound), empty data, a checkpoint whose settings or data do not match, or a run that
+            (:func:`unmask.memory.train_bytes_per_sequence`, a lower bound), empty data, a
+            checkpoint whose settings or data do not match, or a run that
             diverged: a non-finite loss, a trained weight that is not finite or beyond float16's
             range (:func:`unmask.train.checkpoint.weight_problem`), or a final loss that exploded
             (:func:`unmask.train.checkpoint.exploded`); nothing is then saved or published.
