@@ -283,6 +283,27 @@ def _check_explicit_mask_id(mask_id: int, declared: list[int], tokenizer, path: 
                       "model's mask token id, or force_mask_id=True to use this token as the mask anyway")
 
 
+def _check_tokenizer_ids(tokenizer, model, path: Path) -> None:
+    """Raise UnmaskError naming the token ids ``tokenizer`` can produce that the model's input embedding
+    has no row for (e.g. a token added to tokenizer.json past ``vocab_size``): a prompt holding one
+    fails inside the forward, and in the server it would take the requests prefilled with it along."""
+    if tokenizer is None:
+        return
+    try:
+        rows = int(model.get_input_embeddings().weight.shape[0])  # (V, d)
+    except (AttributeError, NotImplementedError, TypeError):
+        return
+    base = int(getattr(tokenizer, "vocab_size", 0) or 0)
+    added = (getattr(tokenizer, "added_tokens_decoder", None) or {}).keys()
+    over = sorted(set(range(rows, base)) | {int(i) for i in added if int(i) >= rows})
+    if not over:
+        return
+    shown = ", ".join(f"{i} {tokenizer.convert_ids_to_tokens(i)!r}" for i in over[:5]) + ", ..." * (len(over) > 5)
+    raise UnmaskError(f"{path}: the tokenizer has {len(over)} token id(s) past the model's {rows} embedding rows "
+                      f"({shown}); remove them from tokenizer.json, or resize the embeddings to {over[-1] + 1} rows "
+                      "and re-save the model")
+
+
 def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dtype="float32",
              mask_token_id: int | None = None, logit_shift: int | None = None,
              trust_remote_code: bool = False, tp: int | None = None, force_mask_id: bool = False) -> ModelBundle:
@@ -312,7 +333,8 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     Raises UnmaskError for a directory without config.json, unreadable weights, an unknown kind, a
     ``kind`` that contradicts the one ``unmask_config.json`` records, remote code without
     ``trust_remote_code``, disagreeing mask ids, a mask id that is a vocabulary token (without
-    ``force_mask_id``), or a kind that needs a mask token the checkpoint does not name.
+    ``force_mask_id``), a kind that needs a mask token the checkpoint does not name, or a tokenizer
+    with token ids past the input embedding's rows (named).
     """
     import transformers
     from huggingface_hub.errors import StrictDataclassError
@@ -376,6 +398,7 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     if not is_int(layers) or layers < 1:
         raise UnmaskError(f"{path / 'config.json'} has num_hidden_layers {model.config.num_hidden_layers!r}; a model "
                           "needs at least one layer, fix the file or restore the checkpoint")
+    _check_tokenizer_ids(tokenizer, model, path)
     model.to(device).eval()
     from unmask.threads import after_load
 

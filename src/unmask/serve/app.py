@@ -22,7 +22,7 @@ from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes
 from unmask.serve.call import Call, error_response as _error_response, outcome_of, shutting_down as _shutting_down
 from unmask.serve.engine import Scheduler
 from unmask.serve.errors import ApiError
-from unmask.serve.limits import Limits, check_defaults
+from unmask.serve.limits import Limits, check_batch_memory, check_defaults
 from unmask.serve.metrics import Metrics
 from unmask.serve.protocol import parse, prompt_bodies
 
@@ -146,6 +146,7 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
                               "lower the table's largest K") from None
     draft_k = max(k for _, k in table.steps) if table is not None and bundle.kind == "sbd" else 1
     check_defaults(bundle, limits, probe.decoder, probe.options, draft_k)  # a --draft over --max-query-tokens
+    check_batch_memory(bundle, limits, max_batch_size)  # a batch that cannot fit: refused before it allocates
     scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue, compile=compile, draft_sizes=sizes)
     metrics = Metrics(scheduler)
 
@@ -187,8 +188,11 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, "queue_depth": scheduler.queue_depth, "active": scheduler.active,
+        body = {"status": "ok", "model": name, "queue_depth": scheduler.queue_depth, "active": scheduler.active,
                 "pending_compiles": scheduler.pending_compiles, "compiling": scheduler.compiling}
+        if (fault := scheduler.fault()) is not None:  # the watchdog: "dead" or "wedged", never "ok"
+            return JSONResponse({**body, "status": fault[0], "error": fault[1]}, status_code=503)
+        return body
 
     @app.get("/metrics")
     async def prometheus():

@@ -106,6 +106,10 @@ class Call:
                 if await self.request.is_disconnected():
                     self.cancel()
                     raise _Gone
+                for part in self.parts:  # a job the scheduler thread cannot answer (ended, or held too long)
+                    if (error := self.scheduler.unanswered(part.job)) is not None:
+                        self.cancel()
+                        return part.index, "error", error
             if not self.queue.empty():  # under load the next event is often here already: no timer, no task
                 return self.queue.get_nowait()
             try:

@@ -22,6 +22,11 @@ events equal its decoder's ``decode`` on its prompt alone, whatever else runs (R
 
 Each job gets its events through ``job.post`` (called from this thread): ``("step", event)`` with an
 :mod:`unmask.trace` step event, then ``("done", result)`` or ``("error", ApiError)``.
+
+An exception anywhere in a pass of the loop ends only the requests it touched (500) and the loop goes
+on. :meth:`Scheduler.fault` is the watchdog ``/health`` reads: the thread ended, or one pass (a step,
+a compile) has held it for WEDGED_S; :meth:`Scheduler.unanswered` lets a waiting HTTP handler answer
+its own request when the thread cannot (ended: 503; past its deadline: 408).
 """
 
 from __future__ import annotations
@@ -43,11 +48,13 @@ from unmask.decode import block as single_bd, multiblock_engine, sbd as lossy_sb
 from unmask.serve import per_call
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, LoadSizer
 from unmask.serve.errors import ApiError
-from unmask.serve.jobs import Job, QueueFull, ShuttingDown, bad_request, finish_gone, server_error
+from unmask.serve.jobs import Job, QueueFull, ShuttingDown, bad_request, finish_gone, server_error, timed_out
 
 log = logging.getLogger("unmask.serve")
 IDLE_COMPILE_S = 2.0  # --compile: compile a pending step shape only after this long with no request running
 MAX_LAYOUTS = 4  # AR / lossless batches (one per draft layout) at once: each holds its layout's step tables
+WEDGED_S = 600.0  # /health: one pass (a step, an idle compile of one shape) holding the thread this long is a fault
+DEADLINE_SLACK_S = 2.0  # a handler answers its own 408 this long after its deadline (the thread normally does at once)
 
 
 def _rows(batch) -> list:
@@ -94,6 +101,7 @@ class Scheduler:
         self._lock = threading.Condition()
         self._stop = self._paused = self.compiling = False  # compiling: an idle-time compile runs (/health)
         self._worked = time.monotonic()  # when the loop last admitted or stepped anything (idle compiles)
+        self._beat = time.monotonic()  # when the loop last began a pass, a wait or a compile (the watchdog)
         self.draining = False  # set by drain(): submit refuses, every request was ended
         self.peak_running = 0  # the most rows holding slots at once so far (tests, benchmarks)
         self.abandoned_batches = 0  # per-call batches stopped early: every request answered or gone
@@ -151,6 +159,32 @@ class Scheduler:
             job.cancel()
             job.finish("error", error)
 
+    def fault(self) -> tuple[str, str] | None:
+        """The watchdog: None while the scheduler thread serves, else (``"dead"`` or ``"wedged"``, why in
+        words): the thread ended (a bug; the log has its traceback), or one pass (a step, a compile) has
+        held it for more than WEDGED_S seconds. None before ``start`` and after ``close``."""
+        if self._thread.ident is None or self._stop:
+            return None
+        if not self._thread.is_alive():
+            return "dead", ("the scheduler thread has stopped, so no request can run; see the server log and "
+                            "restart the server")
+        if (held := time.monotonic() - self._beat) > WEDGED_S:
+            doing = "compiling a step shape" if self.compiling else "inside one step"
+            return "wedged", f"the scheduler thread has been {doing} for {held:.0f} s; requests wait or time out"
+        return None
+
+    def unanswered(self, job: Job) -> ApiError | None:
+        """For the HTTP handler waiting on ``job`` (any thread): the error to answer it with itself when
+        this thread cannot: the thread has ended (503), or the job passed its deadline DEADLINE_SLACK_S
+        ago while a step or a compile held the thread (408). None otherwise (the thread answers it)."""
+        if job.closed:
+            return None
+        if (fault := self.fault()) is not None and fault[0] == "dead":
+            return ApiError(503, fault[1], type="server_error")
+        if time.monotonic() > job.deadline + DEADLINE_SLACK_S:
+            return timed_out()
+        return None
+
     @property
     def queue_depth(self) -> int:
         return len(self._waiting)
@@ -195,23 +229,34 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
-            with self._lock:
-                while not self._stop and not self._busy() and (self._paused or not self._waiting):
-                    if (idle := time.monotonic() - self._worked) >= IDLE_COMPILE_S and self.pending_compiles:
-                        break  # idle for a while: compile a shape a batch ran eagerly, outside the lock
-                    self._lock.wait(timeout=min(0.5, max(IDLE_COMPILE_S - idle, 0.01)))
+            joining, batch = {}, []
+            try:
+                with self._lock:
+                    while not self._stop and not self._busy() and (self._paused or not self._waiting):
+                        self._beat = time.monotonic()
+                        if (idle := time.monotonic() - self._worked) >= IDLE_COMPILE_S and self.pending_compiles:
+                            break  # idle for a while: compile a shape a batch ran eagerly, outside the lock
+                        self._lock.wait(timeout=min(0.5, max(IDLE_COMPILE_S - idle, 0.01)))
+                        self._reap_waiting()
+                    if self._stop:
+                        break
+                    self._beat = time.monotonic()
                     self._reap_waiting()
-                if self._stop:
-                    break
-                self._reap_waiting()
-                joining, batch = self._take_running(), self._take_batch()
-            if not (joining or batch or self._busy()):
-                self._warm()
-                continue
-            self._worked = time.monotonic()
-            self._advance(joining)
-            if batch:
-                per_call.run_batch(self, batch)
+                    joining = self._take_running()  # assigned at once: a failure below still answers them
+                    batch = self._take_batch()
+                if not (joining or batch or self._busy()):
+                    self._warm()
+                    continue
+                self._worked = time.monotonic()
+                self._advance(joining)
+                if batch:
+                    per_call.run_batch(self, batch)
+            except Exception:  # noqa: BLE001 (a bug ends the requests of this pass; the others go on)
+                log.exception("a scheduler pass failed; the requests it was starting are answered 500")
+                for job in [j for jobs in joining.values() for j in jobs] + batch:
+                    job.cancel()  # a row it left in a batch leaves at the next step
+                    job.finish("error", server_error())
+                time.sleep(0.05)  # a fault that repeats every pass does not spin
         for job in list(self._waiting) + self._running_jobs():
             job.finish("error", ApiError(503, "the server is shutting down; retry later", type="server_error"))
 
@@ -219,6 +264,7 @@ class Scheduler:
         """Compile one shape an idle batch ran eagerly (``defer_compile``); a failed one is logged and stays eager."""
         self.compiling = True
         for batch in self._batches():
+            self._beat = time.monotonic()
             try:
                 if getattr(batch, "static", False) and batch.warm():
                     break
@@ -307,6 +353,7 @@ class Scheduler:
     def _advance(self, joining: dict[tuple, list[Job]]) -> None:
         """Admit ``joining`` (key -> jobs) and run one step of every running decoder. Options the
         decoder refuses fail the joining requests (400); a failed step fails that batch's rows (500)."""
+        self._beat = time.monotonic()  # also reached between a per-call batch's forwards
         keys = [("verify", d) for d in self.verify] + list(self.running_batches)
         for key in dict.fromkeys([*keys, *joining]):
             jobs = joining.get(key, [])
@@ -319,6 +366,11 @@ class Scheduler:
             except UnmaskError as e:  # the options failed the decoder's own validation
                 for j in jobs:
                     j.finish("error", bad_request(e, j.options))
+                continue
+            except Exception:  # e.g. MemoryError allocating its cache: these requests fail, the others go on
+                log.exception("starting a %s running batch failed", key[0])
+                for j in jobs:
+                    j.finish("error", server_error())
                 continue
             try:
                 if key[0] == "verify":
@@ -363,21 +415,24 @@ class Scheduler:
             _done(row)
 
     def _join(self, batch, jobs: list[Job], **kw) -> None:
-        """Admit jobs together; when the prefill refuses one, each alone, so only that request fails."""
+        """Admit jobs together; when that raises (a prefill refusing one, or failing on one), each alone,
+        so only the request that fails alone fails: 400 for the decoder's own refusal, else 500."""
         try:
             for row in batch.join(jobs, **kw):  # finished at its prefill (a stop token, max_tokens 1)
                 _done(row)
-        except UnmaskError as e:
+        except Exception as e:  # noqa: BLE001 (any failure: retried alone, then answered)
+            if not isinstance(e, UnmaskError):  # rows placed before the failure leave (drop raising: _fail)
+                batch.drop([job.id for job in jobs])
             if len(jobs) > 1:
+                log.warning("joining %d %s requests together failed (%s); each joins alone", len(jobs),
+                            jobs[0].decoder, str(e).splitlines()[0] if str(e) else type(e).__name__)
                 for job in jobs:
                     self._join(batch, [job], **kw)
-                return
-            jobs[0].finish("error", bad_request(e, jobs[0].options))
-        except Exception:
-            log.exception("joining a %s running batch failed", jobs[0].decoder)
-            for job in jobs:
-                job.finish("error", server_error())
-            batch.drop([job.id for job in jobs])  # rows placed before the failure leave too (drop raising: _fail)
+            elif isinstance(e, UnmaskError):
+                jobs[0].finish("error", bad_request(e, jobs[0].options))
+            else:
+                log.exception("joining a %s running batch failed", jobs[0].decoder)
+                jobs[0].finish("error", server_error())
 
     def _fail(self, key: tuple, batch) -> None:
         """A step (or a join's clean-up) raised: every row of ``batch`` gets a 500, and the batch, whose

@@ -78,8 +78,12 @@ def finish_gone(job: Job) -> None:
     if job.cancelled.is_set():
         job.finish("cancelled", None)
     else:
-        job.finish("error", ApiError(408, "the request timed out; raise 'timeout' or lower max_tokens",
-                                     type="timeout_error", code="timeout"))
+        job.finish("error", timed_out())
+
+
+def timed_out() -> ApiError:
+    return ApiError(408, "the request timed out; raise 'timeout' or lower max_tokens", type="timeout_error",
+                    code="timeout")
 
 
 def server_error() -> ApiError:

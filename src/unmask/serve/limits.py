@@ -8,6 +8,10 @@ being allowed to run the process out of memory (lossless ``sbd`` with ``draft: q
 ``block_size: 128`` puts K + K² = 16,512 queries into each forward). A batch's forward is bounded
 by ``--max-batch-size`` x ``--max-query-tokens``.
 
+A batch is bounded by memory at start (:func:`check_batch_memory`): ``--max-batch-size`` rows, each
+with a KV cache of ``--max-cache-tokens`` and its slot tensors, must fit in the memory free on the
+model's device, or the server does not start.
+
 Body and prompt sizes are bounded too: the body by ``--max-body-bytes`` (413, checked from
 ``Content-Length`` and while reading, before parsing) and the prompt text by
 ``--max-prompt-chars`` (400, before tokenizing).
@@ -168,3 +172,26 @@ def check_defaults(bundle, limits: Limits, decoder: str, options: dict, draft_k:
     except ApiError as e:
         raise UnmaskError(f"every default request would be refused: {e.message}") from None
 
+
+
+def check_batch_memory(bundle, limits: Limits, max_batch_size: int) -> None:
+    """Raise UnmaskError (one line, with the numbers) when a full batch of ``max_batch_size`` rows cannot
+    fit in the memory free on the model's device: per row, the KV cache of ``limits.cache_tokens``
+    tokens, its token and position slots, and the (K, V) float32 draft probabilities a sampled lossless
+    row keeps (:mod:`unmask.memory`; a lower bound, so a refused size never fits)."""
+    from unmask import memory
+    from unmask.decode import sbd_verify
+
+    if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+        return  # the scheduler refuses it by name
+    model = bundle.model
+    tokens = limits.cache_tokens(bundle)
+    vocab = int(getattr(model.config, "vocab_size", None) or 0)
+    k = (bundle.meta.get("decode_defaults") or {}).get("verify_block_size") or sbd_verify.DEFAULT_BLOCK_SIZE
+    # per cache column: its K/V, and the slots' ids and positions (long) and two masks (bool)
+    kv = memory.kv_bytes_per_token(model) // int(bundle.meta.get("tp") or 1)  # tensor-parallel: a rank's heads
+    per_row = tokens * (kv + 18) + int(k) * vocab * 4
+    memory.check(max_batch_size, per_row, next(iter(model.parameters())).device,
+                 what=f"a row's {tokens}-token KV cache and slot tensors", flag="--max-batch-size",
+                 fix=lambda fit: f"pass --max-batch-size {fit} or less, or a smaller --max-cache-tokens" if fit
+                 else "not even one row fits: pass a smaller --max-cache-tokens")

@@ -410,12 +410,14 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
         TrainResult. The model is left in training mode with the final weights.
 
     Raises:
-        UnmaskError: empty data, a checkpoint whose settings or data do not match, or a run that
+        UnmaskError: a micro-batch that cannot fit in the memory free on ``device``
+            (:func:`unmask.memory.train_bytes_per_sequence`, a lower bound), empty data, a
+            checkpoint whose settings or data do not match, or a run that
             diverged: a non-finite loss, a trained weight that is not finite or beyond float16's
             range (:func:`unmask.train.checkpoint.weight_problem`), or a final loss that exploded
             (:func:`unmask.train.checkpoint.exploded`); nothing is then saved or published.
     """
-    from unmask import dist
+    from unmask import dist, memory
     from unmask.train import parallel
 
     device = dist.setup(device)
@@ -423,6 +425,11 @@ def train(model, objective, train_chunks: torch.Tensor, val_chunks: torch.Tensor
     main = dist.is_main()
     console = console if main else None
     model.to(device).train()
+    seq_len = int(train_chunks.shape[-1]) - 1
+    memory.check(config.batch_size, memory.train_bytes_per_sequence(model, seq_len), device,
+                 what=f"a {seq_len}-token training sequence", flag="--batch-size",
+                 fix=lambda fit: f"lower --batch-size (more than {fit} cannot fit) or --seq-len, and raise "
+                                 "--grad-accum to keep the sequences per step")
     wrapped = parallel.wrap(model, fsdp=config.fsdp, device=device)
     opt, sched = build_optimizer(wrapped, config)
     sampler = ChunkSampler(len(train_chunks), config.seed)
