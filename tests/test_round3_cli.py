@@ -551,6 +551,37 @@ def test_readme_commands_use_only_inputs_that_exist_or_an_earlier_line_makes(cle
     assert not bad, "\n".join(bad)
 
 
+def test_readme_examples_write_only_under_the_git_ignored_runs_folder(clean_threads):
+    """Issue 52 item 8: README's examples wrote my-* models and corpora into the repository root,
+    untracked, and the tree then failed the GPU plan's size check. Every file or directory an
+    ``unmask`` line writes (``--out``, ``-o``, ``--out-png``, ``--png``, OUT_DIR) and every shell
+    redirection in a bash block is under ``runs/``, which .gitignore ignores."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text(encoding="utf-8")
+    bash, in_bash = [], False
+    for n, row in enumerate(text.splitlines(), start=1):
+        if row.startswith("```"):
+            in_bash = row.strip() == "```bash" and not in_bash
+        elif in_bash:
+            bash += [(n, m) for m in re.findall(r"(?<![0-9&])> ?([\w./-]+)", row.split(" #")[0])]  # printf > FILE
+    written = [(n, m) for n, m in bash if m != "/dev/null"]
+    for line, argv in _readme_commands():
+        try:
+            _, params = _parse_unmask(argv)
+        except Exception:  # noqa: BLE001 - the parse test reports it
+            continue
+        written += [(line, str(params[k])) for k in ("out", "out_dir", "out_png", "png") if params.get(k) is not None]
+    assert len(written) >= 15
+    bad = [f"README.md:{line}: writes {path}" for line, path in written if not path.startswith("runs/")]
+    assert not bad, "\n".join(bad)
+    ignored = subprocess.run(["git", "check-ignore", "-q", "runs/my-sbd/model.safetensors"], cwd=root)
+    assert ignored.returncode == 0, "runs/ is not git-ignored"
+
+
 def test_a_signal_after_data_distill_wrote_its_corpus_keeps_it_and_exits_0(tmp_path):
     (tmp_path / "p.txt").write_text("Once upon a time\nZoo\n")
     argv = ["data", "distill", "--model", "stories260K", "--prompts", str(tmp_path / "p.txt"), "--out",
