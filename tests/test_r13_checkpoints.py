@@ -121,7 +121,7 @@ def test_a_mask_token_equal_to_eos_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("field, value", [("num_attention_heads", 0), ("max_position_embeddings", 0),
-                                          ("hidden_size", -4), ("vocab_size", "512")])
+                                          ("hidden_size", -4), ("vocab_size", 0), ("num_key_value_heads", 0)])
 def test_config_sizes_below_one_are_refused_naming_the_field(tmp_path, capsys, field, value):
     model = _copy(tmp_path, "stories260K")
     _edit(model / "config.json", **{field: value})

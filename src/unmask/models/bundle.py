@@ -168,19 +168,20 @@ def _stop_ids(model, tokenizer, meta: dict, path: Path) -> tuple[tuple[int, ...]
     return tuple(int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])), where
 
 
-# config.json fields that must be integers >= 1 where present (0 divides by zero in transformers'
-# config checks; a context of 0 refuses every prompt)
+# config.json sizes that must be >= 1 where they are integers (0 divides by zero in transformers'
+# config checks; a context of 0 refuses every prompt). Other types are left to transformers' own
+# field validation, and num_hidden_layers to the check after the load.
 POSITIVE_CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                          "num_hidden_layers", "intermediate_size", "max_position_embeddings")
+                          "intermediate_size", "max_position_embeddings")
 # a weight stored as an integer type is quantised: a float load would cast its codes to garbage values
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
 def _check_config_fields(path: Path, hf_config: dict) -> None:
-    """Raises UnmaskError naming config.json and the field for a size field that is not an integer >= 1."""
+    """Raises UnmaskError naming config.json and the field for an integer size field below 1."""
     for key in POSITIVE_CONFIG_FIELDS:
         value = hf_config.get(key)
-        if value is not None and (not is_int(value) or value < 1):
+        if is_int(value) and value < 1:
             raise UnmaskError(f"{path / 'config.json'}: {key} must be an integer >= 1 (got {value!r}); fix the file "
                               "or restore the checkpoint")
 
@@ -340,7 +341,11 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     Raises UnmaskError for a directory without config.json, unreadable weights, an unknown kind, a
     ``kind`` that contradicts the one ``unmask_config.json`` records, remote code without
     ``trust_remote_code``, disagreeing mask ids, a mask id that is a vocabulary token (without
-    ``force_mask_id``), or a kind that needs a mask token the checkpoint does not name.
+    ``force_mask_id``), a kind that needs a mask token the checkpoint does not name, a JSON file
+    that is invalid or nested too deeply, a config.json size field below 1, integer-typed weights
+    without a ``quantization_config``, invalid ``decode_defaults``, a stop id outside the
+    vocabulary (outside the published families) or a mask id that is also a stop id; each names
+    the file and the field.
     """
     import transformers
     from huggingface_hub.errors import StrictDataclassError
