@@ -218,10 +218,11 @@ def write_pack(plan: list[dict], out: Path) -> dict:
 
 # ---- the plan -------------------------------------------------------------------------------
 
-def tree_bytes(repo: Path = REPO) -> int:
-    """Bytes of what travels without ``carry``: tracked and untracked-not-ignored files."""
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=repo, capture_output=True,
-                         check=True).stdout
+def tree_bytes(repo: Path = REPO, *, untracked: bool = True) -> int:
+    """Bytes of what travels without ``carry``: tracked and (``untracked``) untracked-not-ignored
+    files; ``untracked=False`` gives a clean checkout's."""
+    listing = ["git", "ls-files", "-co", "--exclude-standard", "-z"] if untracked else ["git", "ls-files", "-z"]
+    out = subprocess.run(listing, cwd=repo, capture_output=True, check=True).stdout
     return sum((repo / n).stat().st_size for n in out.decode().split("\0") if n and (repo / n).is_file())
 
 
@@ -251,13 +252,15 @@ def parts_needed(gguf_bytes: int, tree: int, side: int) -> int:
     return max(PARTS, -(-gguf_bytes // room))
 
 
-def plan(phases=None, repo: Path = REPO) -> dict:
+def plan(phases=None, repo: Path = REPO, tree: int | None = None) -> dict:
     """The device commands in order: phases, budgets, timeout_s, carry paths and the bytes that
-    travel with each. Raises SessionError when a command breaks a device limit."""
+    travel with each; ``tree``: the working tree's bytes (default :func:`tree_bytes` of ``repo``,
+    untracked files included, as the device copies them). Raises SessionError when a command
+    breaks a device limit."""
     parts = staged_parts(repo)
     phases = phases or gpu_phases(parts)
     carry_of = carry_for(parts)
-    tree = tree_bytes(repo)
+    tree = tree_bytes(repo) if tree is None else tree
     commands = []
     for n in sorted({p.command for p in phases}):
         mine = [p for p in phases if p.command == n]

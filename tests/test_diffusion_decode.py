@@ -317,7 +317,11 @@ def test_max_new_tokens_maps_to_gen_length():
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(gen_length=30, block_size=8), r"block size 8 does not divide gen length 30; use a block size of .*10"),
+    (dict(gen_length=30, block_size=8), r"block size 8 does not divide gen length 30; use a block size of .*10"
+                                         r".* or a gen length of 24 or 32$"),
+    # issue 48 item 7: not "a gen length that is a multiple of 1000"
+    (dict(gen_length=64, block_size=1000), r"^block size 1000 is longer than gen length 64; use a block size that "
+                                           r"divides 64: 8, 16, 32, 64$"),
     (dict(max_new_tokens=32, block_size=8, steps=2), r"steps must be a positive multiple of the 4 blocks"),
     (dict(max_new_tokens=32, block_size=8, steps=6), r"got 6; use e.g. 4 or 8"),
     (dict(max_new_tokens=32, block_size=8, policy="threshold", steps=8), r"steps applies to the top-k policy only"),

@@ -96,7 +96,8 @@ def test_chunks_join_only_when_complete_and_intact(tmp_path):
 
 
 def test_the_gpu_plan_fits_the_device_limits():
-    plan = gpu_session.plan(gpu_session.gpu_phases(2))
+    # a clean checkout's tree: files a README example or a user left untracked are not the plan's (issue 52 item 8)
+    plan = gpu_session.plan(gpu_session.gpu_phases(2), tree=gpu_session.tree_bytes(untracked=False))
     assert [c["phases"] for c in plan["commands"]] == [
         {"stage1": 30}, {"stage2": 60, "distill": 120, "train": 150, "pack": 15},
         {"check": 50, "bench": 60, "pack": 15}]
@@ -110,6 +111,21 @@ def test_the_gpu_plan_fits_the_device_limits():
     parts = gpu_session.parts_needed(gguf, plan["tree_bytes"], side)
     assert plan["tree_bytes"] + -(-gguf // parts) + side <= 64 * MiB
     assert parts == 2 or plan["tree_bytes"] + -(-gguf // (parts - 1)) + side + MiB > 64 * MiB  # the fewest
+
+
+def test_the_clean_tree_leaves_untracked_files_out_and_the_plan_takes_it(tmp_path):
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "tracked.txt").write_text("x" * 1000)
+    subprocess.run([*git, "add", "tracked.txt"], cwd=tmp_path, check=True)
+    with open(tmp_path / "corpus.jsonl", "wb") as f:  # an untracked 70 MiB file (sparse)
+        f.truncate(70 * MiB)
+    assert gpu_session.tree_bytes(tmp_path, untracked=False) == 1000
+    assert gpu_session.tree_bytes(tmp_path) == 1000 + 70 * MiB
+    with pytest.raises(SessionError, match="would carry"):  # the real session still counts what travels
+        gpu_session.plan(gpu_session.gpu_phases(2), repo=tmp_path)
+    plan = gpu_session.plan(gpu_session.gpu_phases(2), repo=tmp_path, tree=gpu_session.tree_bytes(tmp_path, untracked=False))
+    assert plan["tree_bytes"] == 1000
 
 
 def test_more_chunks_add_middle_staging_commands_that_only_carry():

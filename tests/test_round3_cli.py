@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import json
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import unmask
 from conftest import one_line_error, run_cli
 from unmask import threads
 
+ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def clean_threads(monkeypatch):
@@ -549,6 +552,88 @@ def test_readme_commands_use_only_inputs_that_exist_or_an_earlier_line_makes(cle
             if params.get(key) is not None:
                 made.add(str(params[key]).removeprefix("./"))
     assert not bad, "\n".join(bad)
+
+
+def test_readme_examples_write_only_under_the_git_ignored_runs_folder(clean_threads):
+    """Issue 52 item 8: README's examples wrote my-* models and corpora into the repository root,
+    untracked, and the tree then failed the GPU plan's size check. Every file or directory an
+    ``unmask`` line writes (``--out``, ``-o``, ``--out-png``, ``--png``, OUT_DIR) and every shell
+    redirection in a bash block is under ``runs/``, which .gitignore ignores."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text(encoding="utf-8")
+    bash, in_bash = [], False
+    for n, row in enumerate(text.splitlines(), start=1):
+        if row.startswith("```"):
+            in_bash = row.strip() == "```bash" and not in_bash
+        elif in_bash:
+            bash += [(n, m) for m in re.findall(r"(?<![0-9&])> ?([\w./-]+)", row.split(" #")[0])]  # printf > FILE
+    written = [(n, m) for n, m in bash if m != "/dev/null"]
+    for line, argv in _readme_commands():
+        try:
+            _, params = _parse_unmask(argv)
+        except Exception:  # noqa: BLE001 - the parse test reports it
+            continue
+        written += [(line, str(params[k])) for k in ("out", "out_dir", "out_png", "png") if params.get(k) is not None]
+    assert len(written) >= 15
+    bad = [f"README.md:{line}: writes {path}" for line, path in written if not path.startswith("runs/")]
+    assert not bad, "\n".join(bad)
+    ignored = subprocess.run(["git", "check-ignore", "-q", "runs/my-sbd/model.safetensors"], cwd=root)
+    assert ignored.returncode == 0, "runs/ is not git-ignored"
+
+
+# -- issue 48 item 6: CI runs README's test commands and nothing else --------------------------------
+
+def _readme_bash_blocks() -> list[list[str]]:
+    blocks, block = [], None
+    for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            if block is not None:
+                blocks.append(block)
+            block = [] if line.strip() == "```bash" and block is None else None
+        elif block is not None:
+            block.append(line)
+    return blocks
+
+
+def _ci_commands() -> list[str]:
+    """The commands .ci/run runs: its lines that are not comments, shell setup or the helper, with
+    ``optional "CMD"`` read as CMD."""
+    setup = ("#", "set -", "cd ", "optional() ")
+    out = []
+    for line in (ROOT / ".ci" / "run").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(setup):
+            continue
+        if line.startswith("optional "):
+            (line,) = shlex.split(line)[1:]
+        out.append(line)
+    return out
+
+
+def test_ci_runs_exactly_a_readme_block_that_is_the_readme_test_command_plus_extras():
+    commands = _ci_commands()
+    block = next((b for b in _readme_bash_blocks() if [x.split("  #")[0].strip() for x in b if x.strip()] == commands),
+                 None)
+    assert block is not None, f".ci/run runs {commands}, which is no bash block of README.md"
+    readme_test_command = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
+                           "pip install -e '.[test]' && bash scripts/test.sh")
+    assert any(b == [readme_test_command] for b in _readme_bash_blocks())
+    # the CI block is README's test command with the optional installs before its last step
+    assert commands[0] + " && " + commands[-1] == readme_test_command
+    installs = commands[1:-1]
+    assert all(c.startswith(("pip install ", "apt-get ")) and "'.[test]'" not in c for c in installs), installs
+
+
+def test_the_test_extra_holds_gguf_which_the_convert_gguf_tests_import():
+    """gguf was installed only by .ci/run: `pip install -e '.[test]'` alone failed 7 tests."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert any(req.startswith("gguf") for req in extra), extra
 
 
 def test_a_signal_after_data_distill_wrote_its_corpus_keeps_it_and_exits_0(tmp_path):

@@ -267,7 +267,7 @@ LM_EVAL_TASKS = __import__("pathlib").Path(__file__).parent / "data" / "lm_eval"
 
 
 def test_lm_eval_runs_the_local_gsm8k_task_with_decoder_knobs(tmp_path, monkeypatch, data_dir):
-    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is installed by .ci/run (pip install 'lm_eval>=0.4')")
+    lm_eval = pytest.importorskip("lm_eval", reason="needs lm-eval: pip install -e '.[lm-eval]' (README, Run the tests)")
     from lm_eval.tasks import TaskManager
 
     import unmask.api
@@ -311,7 +311,7 @@ def test_lm_eval_runs_the_local_gsm8k_task_with_decoder_knobs(tmp_path, monkeypa
 
 
 def test_lm_eval_adapter_needs_a_model():
-    pytest.importorskip("lm_eval", reason="lm-eval is installed by .ci/run")
+    pytest.importorskip("lm_eval", reason="needs lm-eval: pip install -e '.[lm-eval]' (README, Run the tests)")
     from unmask.eval.lm_eval_adapter import UnmaskLM
 
     with pytest.raises(UnmaskError, match="needs a model"):

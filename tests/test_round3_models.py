@@ -345,13 +345,13 @@ def test_distill_full_disk_leaves_no_partial_corpus(tmp_path, stories, monkeypat
 
 
 def write_gguf(path: Path, arch: str = "llama", drop: tuple[str, ...] = (), vocab: int = 32, d: int = 16,
-               layers: int = 2, heads: int = 2, kv_heads: int = 1, ff: int = 32) -> Path:
+               layers: int = 2, heads: int = 2, kv_heads: int = 1, ff: int = 32, context: int = 64) -> Path:
     """A tiny random float32 GGUF of ``arch`` with Llama tensor names (minus the tensors in
     ``drop``) and a byte-level llama tokenizer, written with the gguf package's writer."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(64)
+    w.add_context_length(context)
     w.add_embedding_length(d)
     w.add_block_count(layers)
     w.add_feed_forward_length(ff)

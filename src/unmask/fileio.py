@@ -415,6 +415,28 @@ def atomic_write_json(path: str | os.PathLike, obj, what: str = "file", *, outpu
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", what, output=output)
 
 
+def read_json_object(path: str | os.PathLike, fix: str) -> dict:
+    """The JSON object in the file ``path`` (a checkpoint's config or record).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (callers word that case themselves).
+        UnmaskError: ``"PATH is not valid JSON (why); FIX"`` for an unreadable file, bad UTF-8,
+            invalid JSON or nesting deeper than Python's parser recurses (a RecursionError
+            otherwise), and ``"PATH holds a JSON list, not an object; FIX"``.
+    """
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise
+    except RecursionError:
+        raise UnmaskError(f"{path} is not valid JSON (nested too deeply to read); {fix}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnmaskError(f"{path} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(value, dict):
+        raise UnmaskError(f"{path} holds a JSON {type(value).__name__}, not an object; {fix}")
+    return value
+
+
 def user_cache_dir() -> Path:
     """Where unmask keeps what it builds once per user (models converted on first use):
     ``$UNMASK_CACHE_DIR``, else ``$XDG_CACHE_HOME/unmask``, else ``~/.cache/unmask``."""

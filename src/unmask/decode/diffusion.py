@@ -82,9 +82,13 @@ class DiffusionConfig:
         if not is_int(B) or B < 1:
             raise UnmaskError(f"block size must be an integer >= 1 (got {B!r}); 32 is Fast-dLLM's default")
         if L % B:
-            near = sorted(_divisors(L), key=lambda d: (abs(d - B), d))[:4]
-            raise UnmaskError(f"block size {B} does not divide gen length {L}; use a block size of "
-                              f"{', '.join(map(str, sorted(near)))} or a gen length that is a multiple of {B}")
+            near = ", ".join(map(str, sorted(sorted(_divisors(L), key=lambda d: (abs(d - B), d))[:4])))
+            if B > L:  # a longer canvas is not what was asked for: only a smaller block fits
+                raise UnmaskError(f"block size {B} is longer than gen length {L}; use a block size that divides "
+                                  f"{L}: {near}")
+            low = L // B * B
+            raise UnmaskError(f"block size {B} does not divide gen length {L}; use a block size of {near} "
+                              f"or a gen length of {low} or {low + B}")
         if self.cache not in CACHE_MODES:
             raise UnmaskError(f"unknown cache {self.cache!r}; choose one of: {', '.join(CACHE_MODES)}")
         if self.refresh_every is not None and (not is_int(self.refresh_every) or self.refresh_every < 1):

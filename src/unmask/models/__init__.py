@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import os
+import threading
 
 from unmask.errors import UnmaskError
 from unmask.models.bundle import KINDS, ModelBundle, load_dir
 from unmask.models.registry import default_model, resolve, shipped
+
+# One load at a time per process: transformers resolves its classes by lazy imports that are not
+# thread-safe (two threads loading at once saw "transformers has no attribute AutoModelForCausalLM").
+# Re-entrant, since a load may load its base. Loading is I/O and a one-off; decoding is not serialized.
+_LOAD_LOCK = threading.RLock()
 
 
 def load(name_or_path: str | None = None, *, kind: str | None = None, device: str = "cpu",
@@ -28,9 +34,19 @@ def load(name_or_path: str | None = None, *, kind: str | None = None, device: st
     name from ``<model dir>/adapters/`` (``adapter="sbd"``) or by directory; the bundle is then
     of kind ``sbd`` (see :func:`unmask.models.adapter_io.apply_adapter`).
 
+    Safe to call from several threads: loads run one at a time.
+
     Raises UnmaskError for an unknown name, a bad directory, an unavailable device, or an
     adapter that is unknown or was trained on other weights.
     """
+    with _LOAD_LOCK:
+        return _load(name_or_path, kind=kind, device=device, dtype=dtype, mask_token_id=mask_token_id,
+                     logit_shift=logit_shift, trust_remote_code=trust_remote_code, tp=tp, force_mask_id=force_mask_id,
+                     adapter=adapter)
+
+
+def _load(name_or_path, *, kind, device, dtype, mask_token_id, logit_shift, trust_remote_code, tp, force_mask_id,
+          adapter) -> ModelBundle:
     if name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):
         raise UnmaskError(f"model must be a shipped name or a directory path (got {type(name_or_path).__name__}); "
                           "pass e.g. \"stories260K\"")

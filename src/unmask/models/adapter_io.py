@@ -18,7 +18,6 @@ and load by bare name (``unmask.load("stories260K", adapter="sbd")``).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from contextlib import ExitStack
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from unmask.errors import UnmaskError
-from unmask.fileio import atomic_write_json, check_output_file
+from unmask.fileio import atomic_write_json, check_output_file, read_json_object
 from unmask.models.sbd_adapter import AdapterSpec, SBDAdapter, attach, check_targets
 
 ADAPTER_WEIGHTS = "adapter.safetensors"
@@ -161,7 +160,8 @@ def check_decode_defaults(defaults, where: str) -> dict:
 
     if not isinstance(defaults, dict):
         raise UnmaskError(f"{where}: 'decode_defaults' must be a JSON object of decoder options (got "
-                          f"{type(defaults).__name__} {defaults!r}); restore it or set it with set_adapter_decode_defaults")
+                          f"{type(defaults).__name__} {defaults!r}); restore it or set it with set_decode_defaults "
+                          "(a model) or set_adapter_decode_defaults (an adapter)")
     lossy_keys = [k for k in inspect.signature(SBDConfig.from_options).parameters if k != "defaults"]
     known = (*lossy_keys, *LOSSLESS_KEYS)
     for key, value in defaults.items():
@@ -196,13 +196,11 @@ def read_adapter_config(directory: str | os.PathLike) -> dict:
     (:func:`check_decode_defaults`)."""
     f = Path(directory) / ADAPTER_JSON
     try:
-        cfg = json.loads(f.read_text(encoding="utf-8"))
+        cfg = read_json_object(f, "restore the adapter or retrain it")
     except FileNotFoundError:
         raise UnmaskError(f"{directory} is not an adapter directory (no {ADAPTER_JSON}); pass one written by "
                           "'unmask train sbd-adapter'") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UnmaskError(f"{f} is not valid JSON ({e}); restore the adapter or retrain it") from None
-    if not isinstance(cfg, dict) or cfg.get("format") != ADAPTER_FORMAT:
+    if cfg.get("format") != ADAPTER_FORMAT:
         raise UnmaskError(f"{f} is not an unmask SBD adapter config; pass a directory written by "
                           "'unmask train sbd-adapter'")
     if cfg.get("version") != ADAPTER_VERSION:
@@ -228,7 +226,7 @@ def read_adapter_config(directory: str | os.PathLike) -> dict:
         raise _bad(f, "full_rank", cfg["full_rank"], f"{rank is None} with rank {rank!r}")
     if cfg.get("hidden_size") is not None and (not _is_int(cfg["hidden_size"]) or cfg["hidden_size"] < 0):
         raise _bad(f, "hidden_size", cfg["hidden_size"], "an integer")
-    if cfg.get("decode_defaults") is not None:
+    if "decode_defaults" in cfg:  # null too: read as {} it would turn lossless SBD into the lossy sampler
         check_decode_defaults(cfg["decode_defaults"], str(f))
     return cfg
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import torch
 
 from unmask.errors import UnmaskError, is_int
+from unmask.fileio import read_json_object
 
 KINDS = ("causal", "sbd", "masked-diffusion", "block-diffusion")
 UNMASK_CONFIG = "unmask_config.json"
@@ -148,37 +148,66 @@ def read_unmask_config(path: Path) -> dict:
     f = path / UNMASK_CONFIG
     if not f.is_file():
         return {}
-    try:
-        meta = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UnmaskError(f"{f} is not valid JSON ({e}); restore it or re-save the checkpoint") from None
-    if not isinstance(meta, dict):
-        raise UnmaskError(f"{f} holds a JSON {type(meta).__name__}, not an object; restore it or re-save the checkpoint")
-    return meta
+    return read_json_object(f, "restore it or re-save the checkpoint")
 
 
-def _stop_ids(model, tokenizer, meta: dict) -> tuple[int, ...]:
+def _stop_ids(model, tokenizer, meta: dict, path: Path) -> tuple[tuple[int, ...], str]:
+    """(stop ids, where they were read: the file and field, for error messages)."""
     if "stop_token_ids" in meta:
         ids = meta["stop_token_ids"]
         if not isinstance(ids, list):
             ids = [ids]
-        return tuple(_as_id(i, f"stop_token_ids in {UNMASK_CONFIG}") for i in ids)
+        return tuple(_as_id(i, f"stop_token_ids in {UNMASK_CONFIG}") for i in ids), f"stop_token_ids in {UNMASK_CONFIG}"
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    # transformers reads generation_config.json, else derives the generation config from config.json
+    where = f"eos_token_id in {'generation_config.json' if (path / 'generation_config.json').is_file() else 'config.json'}"
     if ids is None:
-        ids = getattr(tokenizer, "eos_token_id", None)
+        ids, where = getattr(tokenizer, "eos_token_id", None), "the tokenizer's eos_token"
     if ids is None:
-        return ()
-    return tuple(int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids]))
+        return (), where
+    return tuple(int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])), where
+
+
+# config.json sizes that must be >= 1 where they are integers (0 divides by zero in transformers'
+# config checks; a context of 0 refuses every prompt). Other types are left to transformers' own
+# field validation, and num_hidden_layers to the check after the load.
+POSITIVE_CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                          "intermediate_size", "max_position_embeddings")
+# a weight stored as an integer type is quantised: a float load would cast its codes to garbage values
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+def _check_config_fields(path: Path, hf_config: dict) -> None:
+    """Raises UnmaskError naming config.json and the field for an integer size field below 1."""
+    for key in POSITIVE_CONFIG_FIELDS:
+        value = hf_config.get(key)
+        if is_int(value) and value < 1:
+            raise UnmaskError(f"{path / 'config.json'}: {key} must be an integer >= 1 (got {value!r}); fix the file "
+                              "or restore the checkpoint")
+
+
+def _check_float_weights(path: Path, hf_config: dict) -> None:
+    """Refuse safetensors weights (``*.weight`` / ``*.bias``) stored as integers in a checkpoint
+    without a ``quantization_config``: loading casts the raw codes to float and the model writes
+    garbage. Reads the files' headers only. Raises UnmaskError naming the file and tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    if hf_config.get("quantization_config") is not None:
+        return
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():
+                    dtype = fh.get_slice(key).get_dtype()
+                    if dtype not in _FLOAT_DTYPES and key.endswith((".weight", ".bias")):
+                        raise UnmaskError(f"{f}: {key} is stored as {dtype}, and config.json has no "
+                                          "quantization_config; save the weights in float32 or bfloat16")
+        except SafetensorError:
+            return  # unreadable: the load that follows names it
 
 
 def _read_hf_config(path: Path) -> dict:
-    try:
-        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UnmaskError(f"{path / 'config.json'} is not valid JSON ({e}); restore the checkpoint") from None
-    if not isinstance(cfg, dict):
-        raise UnmaskError(f"{path / 'config.json'} holds a JSON {type(cfg).__name__}, not an object; restore the checkpoint")
-    return cfg
+    return read_json_object(path / "config.json", "restore the checkpoint")
 
 
 def _check_weights_match(path: Path, hf_config: dict, info: dict) -> None:
@@ -333,8 +362,11 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     Raises UnmaskError for a directory without config.json, unreadable weights, an unknown kind, a
     ``kind`` that contradicts the one ``unmask_config.json`` records, remote code without
     ``trust_remote_code``, disagreeing mask ids, a mask id that is a vocabulary token (without
-    ``force_mask_id``), a kind that needs a mask token the checkpoint does not name, or a tokenizer
-    with token ids past the input embedding's rows (named).
+    ``force_mask_id``), a kind that needs a mask token the checkpoint does not name, a JSON file
+    that is invalid or nested too deeply, a config.json size field below 1, integer-typed weights
+    without a ``quantization_config``, invalid ``decode_defaults``, a stop id outside the
+    vocabulary (outside the published families), a mask id that is also a stop id, or a tokenizer
+    with token ids past the input embedding's rows; each names the file and the field (or the ids).
     """
     import transformers
     from huggingface_hub.errors import StrictDataclassError
@@ -349,6 +381,11 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
                           "pass a directory written by save_pretrained or a shipped model name")
     meta = read_unmask_config(path)
     hf_config = _read_hf_config(path)
+    _check_config_fields(path, hf_config)
+    if "decode_defaults" in meta:  # null too: read as {} it would turn lossless SBD into the lossy sampler
+        from unmask.models.adapter_io import check_decode_defaults
+
+        meta["decode_defaults"] = check_decode_defaults(meta["decode_defaults"], str(path / UNMASK_CONFIG))
     family = family_of(hf_config)
     native = native_module(hf_config)
     if kind is not None and kind not in KINDS:
@@ -375,6 +412,7 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         from unmask.models.tensor_parallel import tp_load_options
 
         device, extra = tp_load_options(tp, device, hf_config, trust_remote_code)
+    _check_float_weights(path, hf_config)
     try:
         if native is not None:
             model = load_native(native, path, hf_config, dtype=torch_dtype)
@@ -390,7 +428,12 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         cause = re.sub(r"^(ValueError|TypeError): ", "", [x.strip() for x in str(e).splitlines() if x.strip()][-1])
         raise UnmaskError(f"{path / 'config.json'} is not a valid {hf_config.get('model_type', 'model')} config: "
                           f"{cause.rstrip('.')}; fix the file or restore the checkpoint") from None
-    except (OSError, ValueError, RuntimeError, KeyError, ImportError, TypeError, SafetensorError) as e:
+    except ImportError as e:  # a missing or half-imported package: the files are not at fault
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnmaskError(f"cannot load the checkpoint in {path}: a Python import failed ({first.rstrip('.:')}), "
+                          "not its files; install the package named, or restart the process") from None
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, ArithmeticError, RecursionError,
+            SafetensorError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnmaskError(f"cannot load the checkpoint in {path}: {first.rstrip('.:')}; "
                           "the directory is incomplete or corrupt, restore or re-save it") from None
@@ -428,10 +471,23 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         if logit_shift not in (0, 1) or isinstance(logit_shift, bool):
             raise UnmaskError(f"logit_shift in {path / UNMASK_CONFIG} must be 0 or 1 (got {logit_shift!r}); "
                               "use 1 for Dream-style models, 0 otherwise")
-    stops = _stop_ids(model, tokenizer, meta)
+    stops, stops_from = _stop_ids(model, tokenizer, meta, path)
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    # An id past the vocabulary is never generated, so never a stop: every decode would run to its
+    # length limit. Published dLLM families are read as published (their ids are known good; a
+    # shrunken copy keeps them) and their documented stop ids are filtered to the vocabulary below.
+    beyond = [i for i in stops if vocab and i >= vocab] if family is None else []
+    if beyond:
+        raise UnmaskError(f"{path}: {stops_from} holds {beyond[0]}, outside the model's vocabulary of {vocab}; fix the "
+                          "file or restore the checkpoint")
     if family is not None and "stop_token_ids" not in meta:
-        vocab = int(getattr(model.config, "vocab_size", 0) or 0)
         stops = tuple(dict.fromkeys(stops + tuple(i for i in family.stop_token_ids if i < vocab)))
+    if mask_id is not None and int(mask_id) in stops and not (mask_token_id is not None and force_mask_id):
+        # decoders suppress the mask id, so the model could never stop; and a committed EOS would read as masked
+        mask_from = "mask_token_id" if mask_token_id is not None else \
+            f"mask_token_id in {UNMASK_CONFIG}" if meta.get("mask_token_id") is not None else "config.json or the tokenizer"
+        raise UnmaskError(f"{path}: the mask token {mask_id} ({mask_from}) is also a stop token ({stops_from}); give it a "
+                          "token of its own, fix the file or restore the checkpoint")
     if family is not None:
         meta = {"family": family.name, **meta}
     if extra:  # tensor-parallel: every rank runs the same decode (no data-parallel sharding)

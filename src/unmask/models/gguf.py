@@ -135,8 +135,8 @@ def load_gguf(path: str | os.PathLike):
 
     Raises UnmaskError for a missing, non-GGUF, truncated or corrupt file, a missing ``gguf``
     package, an architecture (``general.architecture``) outside GGUF_ARCHITECTURES, a GGUF
-    transformers cannot read, or one that lacks a tensor of its architecture (named, e.g.
-    ``blk.0.attn_v.weight``) or holds one in another shape.
+    transformers cannot read, one that lacks a tensor of its architecture (named, e.g.
+    ``blk.0.attn_v.weight``) or holds one in another shape, or a ``context_length`` below 1.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -171,6 +171,10 @@ def load_gguf(path: str | os.PathLike):
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise UnmaskError(f"{path} lacks the tensor {tensor} ({missing[0]}){more} of a {arch} model with "
                           f"{blocks} layers, or holds it in another shape; the file is incomplete, re-export it")
+    context = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(context, int) or context < 1:  # the converted model would refuse every prompt
+        raise UnmaskError(f"{path}: {arch}.context_length is {context!r}, and a model needs a context of at least "
+                          "1 token; fix the GGUF's metadata (gguf-set-metadata) or re-export it")
     return model.eval(), tokenizer
 
 

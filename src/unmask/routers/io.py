@@ -17,7 +17,6 @@ shape (e.g. a retrained base model) only warns. LPS is vocabulary-free and loads
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from pathlib import Path
 
 
 from unmask.errors import UnmaskError
-from unmask.fileio import atomic_write_json, publish_dir, staging_dir
+from unmask.fileio import atomic_write_json, publish_dir, read_json_object, staging_dir
 from unmask.routers.lbs import LBSConfig, LBSRouter
 from unmask.routers.lps import LPSConfig, LPSRouter
 
@@ -114,10 +113,7 @@ def load_router(directory: str | Path, kind: str, *, device="cpu"):
     path, weights = directory / f"{kind}.json", directory / f"{kind}.safetensors"
     if not path.is_file() or not weights.is_file():
         raise UnmaskError(f"no {kind.upper()} router in {directory} (need {path.name} and {weights.name})")
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UnmaskError(f"{path} is not valid JSON ({e}); retrain the router") from None
+    info = read_json_object(path, "retrain the router")
     if info.get("format") != FORMAT or info.get("router") != kind:
         raise UnmaskError(f"{path} is not an unmask {kind.upper()} router ({FORMAT}); retrain it")
     if info.get("weights_sha256") != _sha256(weights):

@@ -476,8 +476,11 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
 
     _check_counts(prompts=n_prompts, gen_length=gen_length, block_size=block_size, gen_batch=gen_batch)
     if gen_length % block_size:
+        if block_size > gen_length:  # a longer canvas is not what was asked for
+            raise UnmaskError(f"--block-size {block_size} is longer than --gen-length {gen_length}; pass a "
+                              f"--block-size that divides {gen_length}")
         raise UnmaskError(f"--gen-length {gen_length} is not a multiple of --block-size {block_size}; pass e.g. "
-                          f"--gen-length {max(1, gen_length // block_size) * block_size}")
+                          f"--gen-length {gen_length // block_size * block_size}")
     if response_policy not in ("top-k", "threshold"):
         raise UnmaskError(f"unknown response policy --responses {response_policy!r}; choose top-k (vanilla) or "
                           "threshold")
