@@ -20,6 +20,7 @@ import unmask  # noqa: E402
 from unmask.serve import connection, create_app, engine  # noqa: E402
 from unmask.serve.limits import Limits  # noqa: E402
 from unmask.serve.server import ServerThread  # noqa: E402
+from test_round3_serve import post  # noqa: E402  (urllib: it sends Connection: close)
 
 DEADLINE_S = 0.6
 
@@ -29,15 +30,6 @@ def bundle():
     return unmask.load("stories260K")
 
 
-def post(url: str, body: dict | None = None, raw: bytes | None = None, timeout: float = 60):
-    """(status, parsed JSON) of a POST with urllib, which sends ``Connection: close``."""
-    req = urllib.request.Request(url, data=raw if raw is not None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def health(url: str) -> tuple[int, dict]:

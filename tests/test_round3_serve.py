@@ -59,7 +59,7 @@ def wait_until(cond, timeout=20.0):
         time.sleep(0.02)
 
 
-def post(url, body, raw: bytes | None = None, timeout=60):
+def post(url, body=None, raw: bytes | None = None, timeout=60):
     """(status, parsed JSON body) of a POST, errors included."""
     req = urllib.request.Request(url, data=raw if raw is not None else json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
