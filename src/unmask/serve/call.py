@@ -117,6 +117,18 @@ class Call:
             except asyncio.TimeoutError:
                 pass
 
+    def failed(self, error: ApiError) -> Response:
+        """Cancel every job and answer ``error`` (a job's error event or a refusal)."""
+        self.cancel()
+        self.outcome(outcome_of(error.status))
+        return error_response(error)
+
+    def gone(self) -> Response:
+        """The client disconnected or a job was cancelled: 499, every job cancelled."""
+        self.cancel()
+        self.outcome("cancelled")
+        return Response(status_code=499)
+
     def outcome(self, outcome: str) -> None:
         """Set this response's outcome (the first one set wins; the app's middleware counts it)."""
         if not self.counted:
@@ -165,15 +177,12 @@ class Call:
         try:
             first = await self.next_event()
         except _Gone:
-            self.outcome("cancelled")
-            return Response(status_code=499)
+            return self.gone()
         except BaseException:
             self.cancel()
             raise
         if first[1] == "error":
-            self.cancel()
-            self.outcome(outcome_of(first[2].status))
-            return error_response(first[2])
+            return self.failed(first[2])
         if self.streamed:
             return StreamingResponse(self.sse(first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -201,17 +210,12 @@ class Call:
                     if len(choices) == len(self.parts):
                         break
                 elif kind == "error":
-                    self.cancel()
-                    self.outcome(outcome_of(payload.status))
-                    return error_response(payload)
+                    return self.failed(payload)
                 else:  # cancelled
-                    self.cancel()
-                    self.outcome("cancelled")
-                    return Response(status_code=499)
+                    return self.gone()
                 event = await self.next_event()
         except _Gone:
-            self.outcome("cancelled")
-            return Response(status_code=499)
+            return self.gone()
         except BaseException:
             self.cancel()
             raise
