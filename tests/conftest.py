@@ -215,6 +215,21 @@ def assert_batch_equals_single_rows(decode, bundle, prompts: list[list[int]], **
     return batch
 
 
+# Texts of more than 9 tokens on the stories260K tokenizer, cut to each prompt length of a compiled == eager test
+EDGE_TEXTS = ("Once upon a time there was a little girl named Lily", "Tom had a red ball and he liked to play")
+
+
+def prompts_around_a_block(bundle, B: int, batch: int) -> list[list[list[int]]]:
+    """Batches of ``batch`` prompts, each batch of ONE length, in the order 1, B + 1, 2, B - 1, B, B + 1
+    tokens (B: the decoder's block or draft size): a compiled == eager test that runs them in turn on one
+    model, after or before its long prompts, first traces on a prompt shorter than a block (nothing to
+    prefill: the compiled step makes the first write), then runs long after short and short after long,
+    so a graph that one prompt shape poisons shows in the next (issue 48 item 1)."""
+    ids = [bundle.encode(t) for t in EDGE_TEXTS]
+    assert min(map(len, ids)) > B + 1, "EDGE_TEXTS are too short for this block size"
+    return [[ids[r % 2][:n] for r in range(batch)] for n in (1, B + 1, 2, B - 1, B, B + 1)]
+
+
 def llama2c_decode(pieces: list[bytes], ids: list[int], prev: int = 1) -> str:
     """Reference decoding of llama2.c tokenizers (spec/models.md §1.5, run.c): pieces → bytes;
     after BOS (id 1) one leading space is dropped; ``<0xHH>`` is the byte HH; UTF-8 with

@@ -59,3 +59,19 @@ def test_static_kv_refuses_to_overflow_and_reset_starts_over():
     kv.reset()
     assert kv.length == 0
     assert isinstance(make_kv(model, batch=1, capacity=4), DynamicKV)
+
+
+def test_the_first_write_of_a_compiled_static_kv_runs_eagerly():
+    # Issue 48 item 1: a compiled step traced while the StaticCache is unallocated holds its
+    # allocation (fresh zeros on every call) and, keeping only tensor guards, served every later
+    # cache of its shape: a block decoder after a prompt shorter than one block decoded garbage.
+    kv = StaticKV(tiny_llama(), 2, 16, compile=True)
+    ran = []
+    kv._step = lambda *args: (ran.append(args[-1].layers[0].is_initialized), kv._eager(*args))[1]
+    inp, pos = torch.randint(3, 60, (2, 4)), torch.arange(4).expand(2, 4)
+    first = kv.forward(inp, pos, None)  # the first write: a prompt with nothing to prefill
+    assert ran == [] and kv.allocated
+    kv.forward(inp, pos + 4, None)
+    assert ran == [True]  # the compiled step sees only an allocated cache
+    eager = StaticKV(tiny_llama(), 2, 16)
+    torch.testing.assert_close(first, eager.forward(inp, pos, None))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import one_line_error, tiny_bundle, tiny_llama, tiny_qwen3
+from conftest import one_line_error, prompts_around_a_block, tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
 from unmask.decode import ar, lossless, sbd, sbd_verify, static
@@ -100,16 +100,19 @@ def test_static_paths_on_tiny_random_models_with_eager_attention(factory):
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_compiled_equals_eager_for_ar_and_lossless_sbd(sbd_model, batch):
-    prompts = _prompts(sbd_model, batch)
+    # the long prompts, then prompts of 1, K + 1, 2, K - 1, K and K + 1 tokens (K = 8, the model's
+    # draft block), in turn on the same compiled graphs (issue 48 item 1)
     kw = dict(max_new_tokens=48, stop_token_ids=sbd_model.stop_token_ids)
-    eager_ar = ar.decode(sbd_model, prompts, **kw)
-    compiled_ar = ar.decode(sbd_model, prompts, compile=True, **kw)
-    _same(eager_ar, compiled_ar)
-    assert compiled_ar.stats.extra["compiled"] is True
-    eager = sbd_verify.decode(sbd_model, prompts, **kw)
-    compiled = sbd_verify.decode(sbd_model, prompts, compile=True, **kw)
-    _same(eager, compiled)
-    assert compiled.tokens == eager_ar.tokens and compiled.stats.extra["compiled"] is True
+    for prompts in [_prompts(sbd_model, batch)] + prompts_around_a_block(sbd_model, 8, batch):
+        eager_ar = ar.decode(sbd_model, prompts, **kw)
+        compiled_ar = ar.decode(sbd_model, prompts, compile=True, **kw)
+        _same(eager_ar, compiled_ar)
+        assert compiled_ar.stats.extra["compiled"] is True
+        eager = sbd_verify.decode(sbd_model, prompts, **kw)
+        compiled = sbd_verify.decode(sbd_model, prompts, compile=True, **kw)
+        _same(eager, compiled)
+        assert compiled.tokens == eager_ar.tokens and compiled.stats.extra["compiled"] is True
+    prompts = _prompts(sbd_model, batch)
     if batch == 1:  # sampling: the forward compiled, the acceptance eager (per-row generators)
         kw["sampling"] = SAMPLINGS["sampled"]
         _same(sbd_verify.decode(sbd_model, prompts, **kw), sbd_verify.decode(sbd_model, prompts, compile=True, **kw))
@@ -199,13 +202,15 @@ def test_static_lossy_sbd_stop_strings_and_events(sbd_model, stop):
 
 
 def test_compiled_lossy_sbd_equals_eager(sbd_model):
-    # the one lossy compile test: two query shapes (k and the fused 2k re-feed), about 15 s on a CPU core
-    prompts = _prompts(sbd_model, 2)
+    # the one lossy compile test: two query shapes (k and the fused 2k re-feed), about 15 s on a CPU core;
+    # prompts of 1, k + 1, 2, k - 1, k and k + 1 tokens (k = 8, the model's block), then the long ones,
+    # in turn on the same compiled graphs (issue 48 item 1)
     kw = dict(max_new_tokens=32, stop_token_ids=sbd_model.stop_token_ids, verify=False)
-    eager = sbd.decode(sbd_model, prompts, **kw)
-    compiled = sbd.decode(sbd_model, prompts, compile=True, **kw)
-    _same(eager, compiled)
-    assert compiled.stats.extra["compiled"] is True and eager.stats.extra["compiled"] is False
+    for prompts in prompts_around_a_block(sbd_model, 8, 2) + [_prompts(sbd_model, 2)]:
+        eager = sbd.decode(sbd_model, prompts, **kw)
+        compiled = sbd.decode(sbd_model, prompts, compile=True, **kw)
+        _same(eager, compiled)
+        assert compiled.stats.extra["compiled"] is True and eager.stats.extra["compiled"] is False
 
 
 def test_static_option_values(sbd_model):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_bundle, tiny_llama, tiny_qwen3
+from conftest import prompts_around_a_block, tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
 from unmask.decode import diffusion, early_bird
@@ -88,10 +88,12 @@ def test_diffusion_compiled_equals_eager(stories):
     """The dual cache: the compiled window step on the StaticKV (one graph; the refresh is eager)."""
     bundle, prompts = stories
     kw = dict(max_new_tokens=32, block_size=8, cache="dual", stop_token_ids=bundle.stop_token_ids)
-    eager = diffusion.decode(bundle, prompts[:2], **kw)
-    fast = diffusion.decode(bundle, prompts[:2], compile=True, **kw)
-    same(fast, eager)
-    assert fast.stats.extra["compiled"] is True and fast.stats.extra["static_cache"] == 128
+    # prompts of 1, B + 1, 2, B - 1, B and B + 1 tokens, then the long ones, in turn (issue 48 item 1)
+    for rows in prompts_around_a_block(bundle, 8, 2) + [prompts[:2]]:
+        eager = diffusion.decode(bundle, rows, **kw)
+        fast = diffusion.decode(bundle, rows, compile=True, **kw)
+        same(fast, eager)
+        assert fast.stats.extra["compiled"] is True and fast.stats.extra["static_cache"] == 128
 
 
 # -- early-bird ------------------------------------------------------------------------------------------
@@ -134,10 +136,14 @@ def test_early_bird_compiled_equals_eager(stories):
     """No cache: the compiled canvas forward (one graph)."""
     bundle, prompts = stories
     kw = dict(max_new_tokens=32, cache="none", stop_token_ids=bundle.stop_token_ids)
-    eager = early_bird.decode(bundle, prompts[:2], **kw)
-    fast = early_bird.decode(bundle, prompts[:2], compile=True, **kw)
-    same(fast, eager)
-    assert fast.stats.extra["compiled"] is True
+    # prompts of 1, 9, 2, 7, 8 and 9 tokens, each beside the longest one (one canvas length: every
+    # canvas length is a graph of its own), then the long ones, in turn (issue 48 item 1)
+    longest = max(prompts, key=len)
+    for rows in [[batch[0], longest] for batch in prompts_around_a_block(bundle, 8, 2)] + [[longest, prompts[0]]]:
+        eager = early_bird.decode(bundle, rows, **kw)
+        fast = early_bird.decode(bundle, rows, compile=True, **kw)
+        same(fast, eager)
+        assert fast.stats.extra["compiled"] is True
 
 
 # -- shapes and refusals ---------------------------------------------------------------------------------

@@ -83,7 +83,8 @@ class StaticKV:
     views of the full buffers (:meth:`view`): a running batch pays for its rows and its length, not
     for its capacity, at one compiled graph per (B, q, Lb). Raises UnmaskError when a forward would
     run past the capacity (a sizing bug of the caller: the static cache never grows) or covers more
-    than ``batch`` rows. ``defer_compile`` (the server): a forward of a shape not compiled yet runs
+    than ``batch`` rows. The forward that first writes the cache (allocating it) always runs eagerly.
+    ``defer_compile`` (the server): a forward of a shape not compiled yet runs
     eagerly on the same static cache (same logits) and the shape waits in ``pending`` until
     :meth:`warm` compiles it while no row runs, so no running request ever waits for a compile."""
 
@@ -118,7 +119,8 @@ class StaticKV:
     def forward(self, inp: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, *,
                 logits_to_keep: int = 0, compiled: bool = True) -> torch.Tensor:
         """As :meth:`DynamicKV.forward`; ``mask`` None means causal over the cache (no padding).
-        ``compiled=False`` runs this forward eagerly (prefill and refresh, whose lengths vary)."""
+        ``compiled=False`` runs this forward eagerly (prefill and refresh, whose lengths vary), as does
+        the first write (e.g. a block decoder's first step after a prompt shorter than a block)."""
         B, q = inp.shape
         end = self.ptr + q
         if end > self.capacity:
@@ -127,7 +129,8 @@ class StaticKV:
         if B > self.batch:
             raise UnmaskError(f"a forward of {B} rows on a static cache of {self.batch}; this is a bug in the "
                               "decoder's row count, run without --compile")
-        Lb = self.bucket(end) if self.allocated else self.capacity  # a first write allocates all the columns
+        allocated = self.allocated
+        Lb = self.bucket(end) if allocated else self.capacity  # a first write allocates all the columns
         buf = self._masks.get((B, q, Lb))
         if buf is None:
             buf = self._masks[(B, q, Lb)] = torch.zeros((B, 1, q, Lb), dtype=torch.bool, device=self._device)
@@ -139,7 +142,12 @@ class StaticKV:
             buf[..., :end] = mask  # (B, 1, q, end), broadcast from the caller's mask
             buf[..., end:] = False
         set_static_length(self.cache, self.ptr)
-        if compiled and self.defer and (B, q, Lb) not in self.compiled:
+        if not allocated:
+            # The first write allocates the buffers (StaticLayer.lazy_initialization): a graph traced
+            # on that branch would allocate fresh zeros on every later call, and with tensor guards
+            # only (static._guard_filter) it would also serve allocated caches of its shape.
+            compiled = False
+        elif compiled and self.defer and (B, q, Lb) not in self.compiled:
             if (B, q, Lb) not in self.broken:
                 self.pending[(B, q, Lb)] = None
             compiled = False

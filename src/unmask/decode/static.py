@@ -122,7 +122,10 @@ def _guard_filter(model) -> dict:
     calls of one graph: the graph's key holds the shapes and ``model.training``, and a model
     without forward hooks reads no Python state set per call. That cuts the guard check of every
     call (stories260K's AR step: 0.9 -> 0.7 ms). A hook marked ``unmask_tensor_only`` (an SBD
-    adapter's gate, set from the call's ``input_ids``) keeps that; any other hook keeps every guard."""
+    adapter's gate, set from the call's ``input_ids``) keeps that; any other hook keeps every guard.
+    The cache's one Python state, whether its buffers exist, is kept out of every graph instead:
+    :class:`unmask.decode.kv.StaticKV` runs the forward that allocates them eagerly (a graph traced on
+    an unallocated cache allocates fresh zeros on each call and would pass these guards for any cache)."""
     hooks = [h for m in model.modules() for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())]
     if any(not getattr(h, "unmask_tensor_only", False) for h in hooks):
         return {}
