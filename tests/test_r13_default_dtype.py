@@ -209,3 +209,21 @@ def test_bench_names_the_dtype_of_its_identity_column():
     assert row["agreement_dtype"] == "bfloat16" and 0 <= row["identical_to_ar"] <= 2
     headers = [c.header for c in res.table().columns]
     assert "same as AR (bfloat16)" in headers
+
+
+def test_the_bf16_report_names_the_dtype_and_each_divergence_s_gap(tmp_path):
+    from conftest import load_benchmark
+
+    bench = load_benchmark("lossless_bf16")
+    results = bench.main(["--stories", "3", "--smollm2", "0", "--max-new-tokens", "16", "--fp32-check",
+                          "--out-dir", str(tmp_path)])
+    assert [(r["model"], r["dtype"], r["prompts"]) for r in results] == [("stories260K-sbd", "bfloat16", 3),
+                                                                          ("stories260K-sbd", "float32", 3)]
+    assert results[1]["identical"] == 3  # float32: lossless SBD is AR
+    md = (tmp_path / "lossless_bf16.md").read_text()
+    assert "| stories260K-sbd | bfloat16 | 3 |" in md and "| stories260K-sbd | float32 | 3 | 3 | 0 (0 %) |" in md
+    saved = json.loads((tmp_path / "lossless_bf16.json").read_text())
+    for r in saved["results"]:
+        for row in r["rows"]:
+            assert row["identical"] == (row["ar"] == row["sbd"])
+            assert row["identical"] or row["divergence"]["gap"]["gap_ulps"] >= 0
