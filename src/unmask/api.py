@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from unmask.decode import DecodeStats, get_decoder
-from unmask.decode.choice import Choice, default_for
+from unmask.decode.choice import default_for
 from unmask.errors import UnmaskError
 from unmask.models import ModelBundle, load
 from unmask.models.bundle import check_finite_weights, check_placement
@@ -167,8 +167,9 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     model: a ModelBundle, a shipped name or a local directory (default: the default shipped
     model). device / dtype: where a name or directory is loaded (default cpu, float32); with a
     ModelBundle they must be None or the bundle's own (it is not moved or cast). decoder: ``ar``,
-    ``sbd``, ... (default: :func:`default_decoder_for`, the natural decoder of the model's kind,
-    except ``ar`` for an SBD model whose lossless SBD is expected slower than AR on this device).
+    ``sbd``, ... (default: :func:`unmask.decode.choice.default_for`, the natural decoder of the
+    model's kind, except ``ar`` for an SBD model whose lossless SBD is expected slower than AR on
+    this device).
     ``options`` go to the decoder (e.g. ``policy="entropy-bound", gamma=0.35, block_size=16``).
     max_new_tokens: tokens reported per prompt; default 128, or the whole canvas when a
     diffusion ``gen_length`` is given (a smaller value cuts the canvas and ends decoding early).
@@ -234,15 +235,6 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
         texts.append(text)
     return Generation(prompts=prompts, texts=texts, tokens=out.tokens, prompt_tokens=ids, stats=out.stats,
                       decoder=decoder, model=bundle.name)
-
-
-@scoped
-def default_decoder_for(bundle: ModelBundle, options: dict | None = None) -> Choice:
-    """The decoder :func:`generate` runs on ``bundle`` when none is named, with ``options`` the
-    decoder options given (an SBD-only one keeps ``sbd``): :func:`unmask.decode.choice.default_for`,
-    measured at the thread count ``generate`` runs at. ``Choice.note`` is the one line to show when
-    it falls back to ``ar``. Raises UnmaskError for a malformed ``lossless_measured`` record."""
-    return default_for(bundle, options)
 
 
 REFERENCE_NFE_DECODERS = ("diffusion", "early-bird", "block", "multiblock")

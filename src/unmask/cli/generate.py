@@ -135,9 +135,9 @@ def generate_cmd(
     with status(f"loading {model or 'the default model'}", enabled=not no_progress):
         bundle = load(model, kind=kind, device=device, dtype=dtype, tp=tp, adapter=adapter)
     if decoder is None:  # the fastest exact one here (README "Lossless and lossy SBD", the default)
-        from unmask.api import default_decoder_for
+        from unmask.decode.choice import default_for
 
-        chosen = default_decoder_for(bundle, options)
+        chosen = default_for(bundle, options)
         decoder = chosen.decoder
         if chosen.note and dist.is_main():
             typer.echo(chosen.note, err=True)

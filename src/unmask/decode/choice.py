@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from unmask.errors import UnmaskError
+from unmask.threads import scoped
 
 # Lossless SBD must be expected this much faster than AR to be the default: the verify step's
 # acceptance and bookkeeping cost time the forward-cost ratio leaves out.
@@ -73,11 +74,12 @@ _COSTS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDict
 
 
 @torch.inference_mode()
-def forward_cost(bundle, queries: int, *, repeats: int = 3, budget_s: float = 0.3, prefix: int = 32) -> float:
+def forward_cost(bundle, queries: int, *, repeats: int = 5, budget_s: float = 0.3, prefix: int = 32) -> float:
     """Seconds of a ``queries``-token forward over a 1-token forward of ``bundle`` on its device,
     both after a ``prefix``-token KV cache (the Q tokens are mask tokens, so a gated adapter runs);
-    the median ratio of interleaved pairs (at least ``repeats``, more until ``budget_s`` seconds
-    have passed; at least 1), after a warm-up. Cached per loaded
+    the ratio of the fastest run of each, timed interleaved (at least ``repeats`` pairs, more until
+    ``budget_s`` seconds have passed; a fast model: the median of 3 such windows; at least 1),
+    after a warm-up. Cached per loaded
     model, query count, device, dtype and thread count: measured once per process."""
     from unmask.compat import crop, forward, new_cache
 
@@ -103,18 +105,23 @@ def forward_cost(bundle, queries: int, *, repeats: int = 3, budget_s: float = 0.
         crop(cache, q)
         return dt
 
-    for _ in range(3):  # warm-up: first-call allocations and kernel selection for both shapes
-        timed(1), timed(queries)
-    one, many = [], []
-    t0 = time.perf_counter()
-    # a small model's forward takes a millisecond, which a busy machine's preemption dwarfs: keep
-    # timing pairs for budget_s, so most pairs are undisturbed
-    while len(one) < repeats or (time.perf_counter() - t0 < budget_s and len(one) < 500):
-        one.append(timed(1))
-        many.append(timed(queries))
-    ratios = sorted(m / max(o, 1e-9) for o, m in zip(one, many))  # per interleaved pair
-    # the median: a preempted timing moves one pair only; below 1 (more queries cheaper) is noise
-    known[key] = ratio = max(1.0, ratios[len(ratios) // 2])
+    fast = True
+    for i in range(3):  # warm-up: first-call allocations and kernel selection for both shapes
+        fast = timed(1) + timed(queries) < 0.05
+        if not fast and i:  # a large model: two warm-up pairs are enough
+            break
+    # a small model's forward takes a millisecond, which a busy machine's preemption dwarfs: time
+    # interleaved pairs in 3 windows, take each window's fastest run of each shape (preemption
+    # only adds time) and the median window, so one disturbed window cannot decide
+    windows, ratios = (3 if fast else 1), []
+    for _ in range(windows):
+        one, many, t0 = [], [], time.perf_counter()
+        while len(one) < repeats or (time.perf_counter() - t0 < budget_s / windows and len(one) < 500):
+            one.append(timed(1))
+            many.append(timed(queries))
+        ratios.append(min(many) / max(min(one), 1e-9))
+    # below 1 (more queries cheaper than one) is noise
+    known[key] = ratio = max(1.0, sorted(ratios)[len(ratios) // 2])
     return ratio
 
 
@@ -131,6 +138,7 @@ class Choice:
     note: str | None = None
 
 
+@scoped  # timed at the thread count unmask.generate runs the model at
 def default_for(bundle, options: dict | None = None) -> Choice:
     """The decoder to run on ``bundle`` when the user names none: the natural decoder of its kind
     (:func:`unmask.decode.default_decoder`); for an SBD model with a recorded lossless TPF and no
