@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from unmask.compat import crop, forward, new_cache
+from unmask.decode import default_decoder
 from unmask.errors import UnmaskError
 from unmask.threads import scoped
 
@@ -81,8 +83,6 @@ def forward_cost(bundle, queries: int, *, repeats: int = 5, budget_s: float = 0.
     ``budget_s`` seconds have passed; a fast model: the median of 3 such windows; at least 1),
     after a warm-up. Cached per loaded
     model, query count, device, dtype and thread count: measured once per process."""
-    from unmask.compat import crop, forward, new_cache
-
     known = _COSTS.setdefault(bundle.model, {})
     key = (queries, str(bundle.device), str(bundle.dtype), torch.get_num_threads())
     if key in known:
@@ -145,8 +145,6 @@ def default_for(bundle, options: dict | None = None) -> Choice:
     SBD-only option in ``options``, :func:`choose` over that TPF and :func:`forward_cost` measured
     here (``ar`` when lossless SBD is expected slower); a tensor-parallel bundle keeps its natural
     decoder (every rank must run the same one). Raises UnmaskError for a bad record."""
-    from unmask.decode import default_decoder
-
     natural = default_decoder(bundle.kind)
     if bundle.kind != "sbd" or any((options or {}).get(k) is not None for k in SBD_ONLY):
         return Choice(natural)
