@@ -81,8 +81,11 @@ def test_calibrate_drafts_stores_the_table_and_lossless_uses_it_by_default(tmp_p
     assert d["draft"] == "budget" and d["queries"] == 16 and d["gamma"] == before["decode_defaults"]["gamma"]
     kept = dl.stored_layouts(before["decode_defaults"])  # the budgets not recalibrated keep their layouts
     assert d["draft_layouts"] == dl.format_layouts({**kept, 8: rows[0]["layout"], 16: rows[1]["layout"]})
-    assert {k: v for k, v in meta.items() if k != "decode_defaults"} == {k: v for k, v in before.items()
-                                                                          if k != "decode_defaults"}
+    written = ("decode_defaults", "lossless_measured")  # the table, and the default layout's TPF (issue 52)
+    assert {k: v for k, v in meta.items() if k not in written} == {k: v for k, v in before.items()
+                                                                    if k not in written}
+    assert meta["lossless_measured"]["tpf"] == round(rows[1]["tpf"], 3)
+    assert meta["lossless_measured"]["queries"] == rows[1]["queries"] and meta["lossless_measured"]["prompts"] == 2
     bundle = unmask.load(str(model))
     texts = ["Once upon a time", "The dog ran"]
     got = unmask.generate(texts, bundle, "sbd", max_new_tokens=16)
@@ -113,5 +116,8 @@ def test_calibrate_drafts_stores_an_adapters_table_in_its_json(tmp_path, capsys)
                              tmp_path / "p.txt", "-n", "12", "--budgets", "8")
     assert code == 0, err
     assert "predicted TPF" in out
-    d = json.loads((adapter / "adapter.json").read_text())["decode_defaults"]
+    cfg = json.loads((adapter / "adapter.json").read_text())
+    d = cfg["decode_defaults"]
     assert d["draft"] == "budget" and d["draft_layouts"].startswith("8=")
+    # the default 16-query layout was not recalibrated: its recorded TPF stays (issue 52)
+    assert cfg["lossless_measured"]["tpf"] == 2.5 and cfg["lossless_measured"]["queries"] == 16

@@ -7,7 +7,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from unmask.decode import DecodeStats, default_decoder, get_decoder
+from unmask.decode import DecodeStats, get_decoder
+from unmask.decode.choice import default_for
 from unmask.errors import UnmaskError
 from unmask.models import ModelBundle, load
 from unmask.models.bundle import check_finite_weights, check_placement
@@ -175,7 +176,9 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     model: a ModelBundle, a shipped name or a local directory (default: the default shipped
     model). device / dtype: where a name or directory is loaded (default cpu, float32); with a
     ModelBundle they must be None or the bundle's own (it is not moved or cast). decoder: ``ar``,
-    ``sbd``, ... (default: the natural decoder of the model's kind).
+    ``sbd``, ... (default: :func:`unmask.decode.choice.default_for`, the natural decoder of the
+    model's kind, except ``ar`` for an SBD model whose lossless SBD is expected slower than AR on
+    this device).
     ``options`` go to the decoder (e.g. ``policy="entropy-bound", gamma=0.35, block_size=16``).
     max_new_tokens: tokens reported per prompt; default 128, or the whole canvas when a
     diffusion ``gen_length`` is given (a smaller value cuts the canvas and ends decoding early).
@@ -212,7 +215,7 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     else:
         bundle = load(model, device=device, dtype="float32" if dtype is None else dtype)
     use_for(bundle.model)  # the auto thread count for this call, unless the user chose one (unmask.threads)
-    decoder = decoder or default_decoder(bundle.kind)
+    decoder = decoder or default_for(bundle, options).decoder
     decode = get_decoder(decoder, bundle.kind)
     if "compile" in options and not isinstance(options["compile"], bool):
         raise UnmaskError(f"compile must be True or False (got {options['compile']!r}); pass compile=True")

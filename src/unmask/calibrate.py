@@ -307,5 +307,37 @@ def stored_defaults(defaults: dict, rows: list[dict], queries: int = dl.DEFAULT_
     return {**defaults, "verify": True, "draft": "budget", "queries": queries, "draft_layouts": dl.format_layouts(table)}
 
 
+def measured(rows: list[dict], layout: str, *, prompts: int, max_new_tokens: int, dtype: str) -> dict | None:
+    """The ``lossless_measured`` record (:mod:`unmask.decode.choice`) of the default ``layout``
+    (``D/S/G`` text) among calibrated ``rows``: its predicted TPF, which equals the decoder's on
+    these prompts, and its query tokens per forward; None when no row holds that layout."""
+    row = next((r for r in rows if r["budget"] is not None and dl.canonical(r["layout"]) == dl.canonical(layout)), None)
+    if row is None:
+        return None
+    return {"tpf": round(row["tpf"], 3), "queries": row["queries"], "draft": row["layout"], "prompts": prompts,
+            "max_new_tokens": max_new_tokens, "dtype": dtype, "source": "unmask calibrate-drafts (greedy replay)"}
+
+
+def store_measured(config_file, record: dict | None, layout: str) -> None:
+    """Write ``record`` as ``lossless_measured`` into ``config_file`` (a model's unmask_config.json or
+    an adapter's adapter.json), atomically. Without a ``record`` (the default ``layout`` was not
+    recalibrated) a stored record of that same layout stays, and one of another layout is removed."""
+    import json
+    from pathlib import Path
+
+    from unmask.decode.choice import RECORD_KEY
+    from unmask.fileio import atomic_write_json
+
+    cfg = json.loads(Path(config_file).read_text(encoding="utf-8"))
+    old = cfg.get(RECORD_KEY)
+    if record is None and isinstance(old, dict) and "/" in str(old.get("draft")) and \
+            dl.canonical(str(old["draft"])) == dl.canonical(layout):
+        return
+    cfg.pop(RECORD_KEY, None)
+    if record is not None:
+        cfg[RECORD_KEY] = record
+    atomic_write_json(config_file, cfg)
+
+
 __all__ = ["Recording", "record", "replay", "replay_policy", "predicted_tpf", "layouts", "search", "sibling_sets", "search_trees", "calibrate",
-           "stored_defaults"]
+           "stored_defaults", "measured", "store_measured"]

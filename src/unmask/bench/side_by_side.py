@@ -11,8 +11,10 @@ model in its next-token mode).
 Every pair decodes the first ``limit`` story openings (the ``stories`` task) with greedy
 sampling and the decoder's defaults, after a warm-up, and reports NFE (mean per prompt),
 TPF, TPS, the ratios to the AR row (TPS / TPS_AR and NFE_AR / NFE: both > 1 mean faster than
-AR), and quality: the reference NLL under ``stories260K``, distinct-4 and the positional
-agreement with the greedy AR output of the same model.
+AR), and quality: the reference NLL under ``stories260K``, distinct-4, the positional
+agreement with the greedy AR output of the same model and the prompts whose tokens equal it, in the
+dtype the run used (``same as AR (dtype)``: lossless SBD is exact in float32, in bfloat16 up to
+near-ties).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class BenchResult:
                         f"batch {s['batch_size']}, greedy, {s['device']}")
         cols = [("decoder", "left"), ("model", "left"), ("NFE", "right"), ("TPF", "right"), ("TPS", "right"),
                 ("TPS/AR", "right"), ("AR NFE/NFE", "right"), ("NLL", "right"), ("distinct-4", "right"),
-                ("agree AR", "right")]
+                ("agree AR", "right"), (f"same as AR ({s['dtype']})", "right")]
         lossless = any(r.get("queries_per_forward") for r in self.rows)  # lossless SBD: query cost and accepts
         if lossless:
             cols += [("queries/fwd", "right"), ("accepts (tokens:forwards)", "left")]
@@ -95,7 +97,8 @@ class BenchResult:
                 continue
             cells = [fmt(r["nfe"], ".1f"), fmt(r["tpf"], ".2f"), fmt(r["tps"], ".0f"), fmt(r["tps_vs_ar"], ".2f"),
                      fmt(r["nfe_vs_ar"], ".2f"), fmt(r["nll"], ".3f"), fmt(r["distinct_4"], ".3f"),
-                     fmt(r["agreement_positional"], ".3f")]
+                     fmt(r["agreement_positional"], ".3f"),
+                     "–" if r.get("identical_to_ar") is None else f"{r['identical_to_ar']}/{r['n']}"]
             if lossless:
                 acc = r.get("accepts")
                 cells += [fmt(r.get("queries_per_forward"), ".1f"),
@@ -256,6 +259,9 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
                      "agreement_positional": s["agreement_positional"],
                      "agreement_prefix": s["agreement_prefix"],
                      "agreement_reference": s["config"]["agreement_reference"],
+                     "agreement_dtype": s["config"].get("agreement_dtype"),  # lossless = AR only in float32
+                     "identical_to_ar": (None if s["agreement_positional"] is None else
+                                         sum(item.get("agreement_positional") == 1.0 for item in res.rows)),
                      "queries_per_forward": s.get("queries_per_forward"), "accepts": s.get("accept_histogram"),
                      "options": s["config"]["options"], "env": s["env"], "compile_s": compile_s,
                      "_outputs": [(item["text"], item["nfe"]) for item in res.rows]})

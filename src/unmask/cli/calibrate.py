@@ -32,7 +32,7 @@ def calibrate_drafts_cmd(
     """Record the model's greedy text and its block-mode drafts after every prefix, replay every
     layout (D, S, G) within each budget, print the best per budget (Q, layout, predicted TPF) and
     store them as the model's decode_defaults (draft=budget), so lossless SBD uses them by default."""
-    from unmask.calibrate import calibrate, stored_defaults
+    from unmask.calibrate import calibrate, measured, store_measured, stored_defaults
     from unmask.decode import draft_layout as dl
     from unmask.models import load
     from unmask.models.adapter_io import resolve_adapter, set_adapter_decode_defaults
@@ -84,6 +84,11 @@ def calibrate_drafts_cmd(
             (set_adapter_decode_defaults if adapter else set_decode_defaults)(target, **defaults)
         except UnmaskError as e:  # the writer's hint names an output path this command has no flag for
             raise UnmaskError(str(e).replace("choose a writable path", fix)) from None
+        # the default layout's TPF: what chooses the default decoder (unmask.decode.choice)
+        layout = dl.resolve("budget", queries, defaults)
+        store_measured(Path(target) / ("adapter.json" if adapter else "unmask_config.json"),
+                       measured(rows, layout, prompts=len(texts), max_new_tokens=max_new_tokens,
+                                dtype=str(bundle.dtype).removeprefix("torch.")), layout)
     if as_json:
         print(json.dumps({"model": model, "adapter": adapter, "prompts": len(texts), "max_new_tokens": max_new_tokens,
                           "rows": rows, "stored": None if dry_run else str(target)}))

@@ -168,8 +168,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
     t = Table(title=f"unmask eval · {summary['task']} · {summary['model']} · {summary['decoder']}")
     cfg = summary["config"]
     ref = cfg.get("agreement_reference")
+    if ref and cfg.get("agreement_dtype"):  # in bfloat16 lossless SBD may part from AR at near-ties
+        ref = f"{ref} in {cfg['agreement_dtype']}"
     meaning = {"nfe": "forwards per row (mean)", "forwards": "forward calls of the batches", "tpf": "tokens per row forward",
-               **{k: f"vs greedy {ref}" for k in summary if k.startswith("agreement_") and ref}}
+               **{k: f"vs greedy {ref}" for k in summary if (k.startswith("agreement_") or k == "identical_pct") and ref}}
     t.add_column("metric")
     t.add_column("value", justify="right")
     t.add_column("", style="dim")

@@ -45,7 +45,8 @@ def generate_cmd(
     model: str = typer.Option(None, "--model", "-m", help="shipped model name or local HF directory (default: the default shipped model)"),
     kind: str = typer.Option(None, "--kind", help="model kind for a local directory: causal, sbd, masked-diffusion, block-diffusion"),
     adapter: str = typer.Option(None, "--adapter", help="gated SBD adapter: a name the model ships (e.g. sbd) or a directory"),
-    decoder: str = typer.Option(None, "--decoder", "-d", help="ar, sbd, ... (default: the model kind's natural decoder)"),
+    decoder: str = typer.Option(None, "--decoder", "-d", help="ar, sbd, ... (default: the model kind's natural decoder; "
+                                "ar for an SBD model whose lossless sbd is expected slower here, with a note)"),
     max_new_tokens: int = typer.Option(None, "--max-new-tokens", "-n",
                                        help="tokens to generate per prompt (default 128; with --gen-length, the whole canvas)"),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
@@ -138,6 +139,13 @@ def generate_cmd(
         no_progress = no_progress or dist.env_rank() != 0
     with status(f"loading {model or 'the default model'}", enabled=not no_progress):
         bundle = load(model, kind=kind, device=device, dtype=dtype, tp=tp, adapter=adapter)
+    if decoder is None:  # the fastest exact one here (README "Lossless and lossy SBD", the default)
+        from unmask.decode.choice import default_for
+
+        chosen = default_for(bundle, options)
+        decoder = chosen.decoder
+        if chosen.note and dist.is_main():
+            typer.echo(chosen.note, err=True)
     tracer = None
     if show or trace is not None:
         import inspect

@@ -29,7 +29,8 @@ def serve_cmd(
                               "model's)"),
     queries: int = typer.Option(None, "--queries", help="the query budget of --draft budget (implied when "
                                 "--draft is not given): query tokens per row per forward (default: the model's, else 16)"),
-    decoder: str = typer.Option(None, "--decoder", "-d", help="default decoder of requests (default: the model kind's natural decoder)"),
+    decoder: str = typer.Option(None, "--decoder", "-d", help="default decoder of requests (default: the model kind's natural decoder; "
+                                "ar for an SBD model whose lossless sbd is expected slower here, with a note)"),
     block_size: int = typer.Option(None, "--block-size", "-k", help="default block size"),
     policy: str = typer.Option(None, "--policy", help="default commit policy"),
     gamma: float = typer.Option(None, "--gamma", help="default EB-sampler bound γ"),

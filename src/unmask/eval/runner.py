@@ -263,7 +263,8 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
         label, ref = _reference(bundle, jb, items, gens, budget=budget, batch_size=batch_size,
                                 refs=refs, progress=progress)
         scores = T.score_stories([g["tokens"] for g in gens], nll=nll, reference=ref)
-        extra = {"judge": jb.name, "agreement_reference": label}
+        # in bfloat16 even lossless SBD may part from AR at near-ties (README): say which dtype ran
+        extra = {"judge": jb.name, "agreement_reference": label, "agreement_dtype": str(bundle.dtype).removeprefix("torch.")}
     else:
         if progress is not None:
             progress(0, len(items), "score")

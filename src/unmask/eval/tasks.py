@@ -192,7 +192,8 @@ def summarize(task: str, scores: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     stories: ``nll`` (mean of per-item NLL), ``judge_prob_pct`` = 100·exp(−nll),
     ``distinct_4``, ``agreement_prefix``, ``agreement_positional`` (means, fractions) and
-    ``agreement_pct`` = 100·``agreement_positional``. gsm8k: ``strict_pct``,
+    ``agreement_pct`` = 100·``agreement_positional``, ``identical_pct`` (items whose tokens equal the
+    reference's, in percent). gsm8k: ``strict_pct``,
     ``flexible_pct``. code: ``pass_at_1_pct``. Metrics without data are ``None``.
     """
     n = len(scores)
@@ -202,7 +203,9 @@ def summarize(task: str, scores: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return {"nll": nll, "judge_prob_pct": None if nll is None else quality.judge_prob_pct(nll),
                 "distinct_4": quality.mean([s["distinct_4"] for s in scores]),
                 "agreement_prefix": quality.mean([s["agreement_prefix"] for s in scores]),
-                "agreement_positional": pos, "agreement_pct": None if pos is None else 100.0 * pos}
+                "agreement_positional": pos, "agreement_pct": None if pos is None else 100.0 * pos,
+                "identical_pct": None if pos is None else
+                100.0 * quality.mean([float(s["agreement_positional"] == 1.0) for s in scores])}
     pct = lambda key: 100.0 * sum(bool(s[key]) for s in scores) / n if n else None  # noqa: E731
     if task == "gsm8k":
         return {"strict_pct": pct("strict"), "flexible_pct": pct("flexible")}

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from unmask.errors import UnmaskError
+from unmask.decode.choice import RECORD_KEY, recorded
 from unmask.fileio import atomic_write_json, check_output_file, read_json_object
 from unmask.models.sbd_adapter import AdapterSpec, SBDAdapter, attach, check_targets
 
@@ -228,6 +229,7 @@ def read_adapter_config(directory: str | os.PathLike) -> dict:
         raise _bad(f, "hidden_size", cfg["hidden_size"], "an integer")
     if "decode_defaults" in cfg:  # null too: read as {} it would turn lossless SBD into the lossy sampler
         check_decode_defaults(cfg["decode_defaults"], str(f))
+    recorded(cfg, str(f))  # a lossless_measured record, when present, is well-formed
     return cfg
 
 
@@ -320,7 +322,9 @@ def apply_adapter(bundle, adapter: str | os.PathLike):
     load_adapter_weights(ad, directory)
     ad_meta = {"name": name, "path": str(directory), "base": cfg["base"].get("name"), "base_sha256": have,
                "rank": spec.rank, "mask_token_added": spec.added}
-    bundle.meta = {**bundle.meta, "adapter": ad_meta, "decode_defaults": dict(cfg.get("decode_defaults") or {})}
+    # the recorded lossless TPF is the adapter's (its drafts), never the base's
+    bundle.meta = {**bundle.meta, "adapter": ad_meta, "decode_defaults": dict(cfg.get("decode_defaults") or {}),
+                   RECORD_KEY: cfg.get(RECORD_KEY)}
     bundle.kind = "sbd"
     bundle.mask_token_id = spec.mask_token_id
     bundle.name = f"{bundle.name}+{name}"

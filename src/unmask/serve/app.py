@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from unmask.decode import DECODERS, default_decoder, get_decoder
+from unmask.decode.choice import default_for
 from unmask.errors import UnmaskError
 from unmask.serve.auth import RequireKey, check_key
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option, served_table, with_server_draft
@@ -114,7 +115,9 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
                draft_sizes: "str | DraftSizes | None" = DEFAULT_DRAFT_SIZES, limits: Limits | None = None,
                api_key: str | None = None) -> FastAPI:
     """The server app for a loaded ModelBundle. ``defaults``: the server's default decoder and knobs
-    (e.g. ``{"decoder": "sbd", "gamma": 0.35}``), checked here like a request; its ``draft``/``queries``
+    (e.g. ``{"decoder": "sbd", "gamma": 0.35}``), checked here like a request; without a decoder, that of
+    :func:`unmask.decode.choice.default_for` (``ar`` for an SBD model whose lossless SBD is expected
+    slower here, ``app.state.default_note`` then saying so); its ``draft``/``queries``
     become the lossless defaults, the layout AR and lossless rows join (``draft_sizing.with_server_draft``).
     The scheduler thread starts and stops with the app's lifespan (``app.state.scheduler``, ``.metrics``).
     Raises UnmaskError for a bad batch size, queue bound or default knob. ``compile``: the
@@ -128,6 +131,9 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     stream: a final error event and ``[DONE]``); the server calls it when it shuts down."""
     limits, name, defaults = limits or Limits(), model_name or bundle.name, dict(defaults or {})
     key = check_key(api_key)
+    chosen = default_for(bundle, defaults) if defaults.get("decoder") is None else None  # README "Serving"
+    if chosen is not None and chosen.decoder != default_decoder(bundle.kind):
+        defaults["decoder"] = chosen.decoder  # lossless sbd expected slower than ar on this device
     bundle = with_server_draft(bundle, defaults.pop("draft", None), defaults.pop("queries", None))
     try:  # the defaults are checked like a request, then by one tiny decode (the decoder's own checks)
         probe = parse({"prompt": "x", "max_tokens": 1}, bundle, name, chat=False, default_timeout=request_timeout, defaults=defaults)
@@ -161,6 +167,7 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     app = FastAPI(title="unmask", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)  # /v1/completions/ is a 404 JSON error, not a redirect
     app.state.scheduler, app.state.metrics, app.state.bundle, app.state.limits = scheduler, metrics, bundle, limits
+    app.state.default_note = chosen and chosen.note  # one line for the server's stderr, or None
     app.add_middleware(_CountResponses, metrics=metrics)
     if key is not None:  # added last, so it runs first: a refused request reaches nothing else
         app.add_middleware(RequireKey, key=key)

@@ -145,6 +145,8 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
                      defaults={k: v for k, v in defaults.items() if v is not None}, compile=compile,
                      draft_sizes=sizes, limits=limits, api_key=api_key)
     sock = _bind(host, port)
+    if app.state.default_note:
+        print(app.state.default_note, file=sys.stderr, flush=True)
     print(f"unmask serve: {bundle.name} ({bundle.kind}) on {url(host, sock.getsockname()[1])}  "
           f"(playground at /, API at /v1{', API key required' if api_key else ''})", flush=True)
     server = _server(app, sock, log_level, watchdog=True)
