@@ -81,7 +81,8 @@ def test_a_slow_measurement_falls_back_to_ar_with_the_one_line_note(monkeypatch)
                       "costs 3.0x); decoding with ar — pass --decoder sbd to use it")
 
 
-def test_the_forward_cost_is_measured_once_per_model():
+def test_the_forward_cost_is_measured_once_per_model(monkeypatch):
+    monkeypatch.delenv(choice.COST_ENV, raising=False)  # conftest fixes it for every other test
     b = unmask.load("stories260K-sbd")
     ratio = choice.forward_cost(b, 15)
     assert 1 <= ratio < 15 and choice.forward_cost(b, 15) == ratio  # cached: the same figure
@@ -227,3 +228,14 @@ def test_the_bf16_report_names_the_dtype_and_each_divergence_s_gap(tmp_path):
         for row in r["rows"]:
             assert row["identical"] == (row["ar"] == row["sbd"])
             assert row["identical"] or row["divergence"]["gap"]["gap_ulps"] >= 0
+
+
+def test_a_fixed_forward_cost_replaces_the_timing(monkeypatch):
+    """UNMASK_FORWARD_COST: one default whatever the load (conftest sets 2.0 for the suite)."""
+    b = unmask.load("stories260K-sbd")
+    monkeypatch.setenv(choice.COST_ENV, "2.5")
+    assert choice.forward_cost(b, 15) == 2.5
+    for bad in ("0.5", "nan", "fast", "inf"):
+        monkeypatch.setenv(choice.COST_ENV, bad)
+        with pytest.raises(UnmaskError, match="UNMASK_FORWARD_COST=.* must be a number >= 1"):
+            choice.forward_cost(b, 15)

@@ -12,6 +12,7 @@ decoder; :func:`default_for` applies it to a bundle and words the note for falli
 from __future__ import annotations
 
 import math
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from unmask.threads import scoped
 # Lossless SBD must be expected this much faster than AR to be the default: the verify step's
 # acceptance and bookkeeping cost time the forward-cost ratio leaves out.
 MIN_GAIN = 1.1
+COST_ENV = "UNMASK_FORWARD_COST"  # a fixed cost ratio instead of the timing (forward_cost)
 RECORD_KEY = "lossless_measured"  # unmask_config.json / adapter.json: {"tpf", "queries", ...}
 # Options only lossless / lossy SBD take: one of them given means the user asked for sbd.
 SBD_ONLY = ("verify", "draft", "queries", "block_size", "policy", "gamma", "preset", "tau", "factor",
@@ -82,7 +84,19 @@ def forward_cost(bundle, queries: int, *, repeats: int = 5, budget_s: float = 0.
     the ratio of the fastest run of each, timed interleaved (at least ``repeats`` pairs, more until
     ``budget_s`` seconds have passed; a fast model: the median of 3 such windows; at least 1),
     after a warm-up. Cached per loaded
-    model, query count, device, dtype and thread count: measured once per process."""
+    model, query count, device, dtype and thread count: measured once per process.
+    ``UNMASK_FORWARD_COST`` (a number >= 1), when set, is the ratio instead of a measurement (a
+    fleet of servers, or a test, that must choose one default whatever the load). Raises
+    UnmaskError for a value of it that is not such a number."""
+    if (fixed := os.environ.get(COST_ENV, "").strip()):
+        try:
+            ratio = float(fixed)
+        except ValueError:
+            ratio = math.nan
+        if not (math.isfinite(ratio) and ratio >= 1):
+            raise UnmaskError(f"{COST_ENV}={fixed!r} must be a number >= 1 (a {queries}-query forward's cost over a "
+                              "1-query forward's); unset it to measure")
+        return ratio
     known = _COSTS.setdefault(bundle.model, {})
     key = (queries, str(bundle.device), str(bundle.dtype), torch.get_num_threads())
     if key in known:
