@@ -55,6 +55,7 @@ from unmask.cli import models as _models  # noqa: E402,F401
 from unmask.cli import serve as _serve  # noqa: E402,F401
 from unmask.cli import train as _train  # noqa: E402,F401
 from unmask.cli import calibrate as _calibrate  # noqa: E402,F401
+from unmask.cli import chat as _chat  # noqa: E402,F401
 
 
 THREADS_HELP = "CPU threads for torch, as 'unmask --threads N' (1 to 4 per core, or auto)"
