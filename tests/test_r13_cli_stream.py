@@ -228,3 +228,11 @@ def test_chat_ctrl_c_stops_the_answer_and_at_the_prompt_exits_130():
     term.send("\x03")
     assert term.wait() == 130, term.text
     assert term.text.rstrip().endswith("interrupted"), term.text
+
+
+def test_the_terminal_only_flags_are_no_server_knobs():
+    # the server takes generate's decoder flags as request fields; --stream / --verbose are not among them
+    pytest.importorskip("fastapi")
+    from unmask.serve.protocol import decoder_knobs
+
+    assert not {"stream", "verbose"} & set(decoder_knobs())

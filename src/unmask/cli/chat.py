@@ -104,8 +104,25 @@ def chat_cmd(**kwargs) -> None:
     kwargs["stop"] = kwargs.get("stop") or None
     if setup["compile"]:
         kwargs["compile"] = True
+        _compile_ahead(bundle, setup, kwargs)
     chat_loop(bundle, setup["decoder"], system=setup["system"], verbose=setup["verbose"],
               **kwargs)
+
+
+def _compile_ahead(bundle, setup: dict, kwargs: dict) -> None:
+    """``--compile``: a short answer to a first turn before the prompt appears, under a spinner naming
+    each step graph it compiles, so the first real answer does not stop for the compile. A bad option
+    is left for the first turn to report."""
+    from unmask.api import generate
+    from unmask.cli.progress import compiling, status
+
+    message = f"compiling {bundle.name}'s decode step"
+    with status(message, enabled=not setup["no_progress"]) as spin, compiling(spin, message):
+        try:
+            generate([[{"role": "user", "content": "Hi"}]], bundle, setup["decoder"], system=setup["system"],
+                     **{**kwargs, "max_new_tokens": 8})
+        except UnmaskError:
+            pass
 
 
 def _options_of_generate():

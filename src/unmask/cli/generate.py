@@ -44,13 +44,14 @@ def shown_prompt(given, rendered: str, *, chat: bool, verbose: bool = False) -> 
     return given + "\n"
 
 
-def _stream_on(stream: bool | None, texts: list, *, as_json: bool, show: bool, torchrun: bool) -> bool:
+def _stream_on(stream: bool | None, texts: list, *, as_json: bool, show: bool, torchrun: bool,
+               compile: bool = False) -> bool:
     """Whether ``generate`` streams: as asked, else for one prompt on a terminal without --json /
-    --show / torchrun. Raises UnmaskError for --stream with a flag it cannot work with."""
+    --show / --compile / torchrun. Raises UnmaskError for --stream with a flag it cannot work with."""
     import sys
 
-    if stream is None:
-        return len(texts) == 1 and sys.stdout.isatty() and not (as_json or show or torchrun)
+    if stream is None:  # with --compile the spinner reports each graph's compile instead
+        return len(texts) == 1 and sys.stdout.isatty() and not (as_json or show or torchrun or compile)
     if stream:
         clash = "--json" if as_json else "--show" if show else "torchrun" if torchrun else None
         if clash is not None:
@@ -105,8 +106,8 @@ def generate_cmd(
                                        "after the EOS block, so NFE equals theirs (the text is still cut at EOS)"),
     compile: bool = typer.Option(False, "--compile", help="a preallocated static KV cache (no-cache diffusion and "
                                  "early-bird: their canvas) and a torch.compile'd step, for every decoder but --schedule "
-                                 "dream (the first call compiles, ~10-30 s per shape on a CPU core, more for a decoder "
-                                 "with several shapes; same tokens)"),
+                                 "dream (the first call of each shape compiles, the spinner naming it: minutes on a "
+                                 "busy CPU, README 'The fast path'; same tokens)"),
     gen_length: int = typer.Option(None, "--gen-length", help="diffusion: fixed generation length (canvas size)"),
     steps: int = typer.Option(None, "--steps", help="diffusion: total denoising steps (top-k policy, LLaDA; --schedule dream); block: steps per block"),
     cache: str = typer.Option(None, "--cache", help="diffusion: none, prefix or dual (approximate caches)"),
@@ -122,7 +123,7 @@ def generate_cmd(
     show: bool = typer.Option(False, "--show", help="render the decoding trajectory live in the terminal"),
     stream: bool = typer.Option(None, "--stream/--no-stream", help="print the text as the decoder commits it "
                                 "(any decoder; default: on for one prompt on a terminal, off when stdout is piped, "
-                                "with --json or --show)"),
+                                "with --json, --show or --compile)"),
     verbose: bool = typer.Option(False, "--verbose", help="with --chat: print the whole rendered chat template "
                                  "before the answer, not just the user's prompt"),
     trace: str = typer.Option(None, "--trace", help="write the per-step commit trace as JSON to FILE"),
@@ -141,12 +142,12 @@ def generate_cmd(
     of the weights (docs/scaling.md)."""
     from unmask import dist
     from unmask.api import generate_sharded
-    from unmask.cli.progress import status
+    from unmask.cli.progress import compiling, status
     from unmask.decode import default_decoder
     from unmask.models import load
 
     texts = read_prompts(prompts or [], prompts_file)
-    stream = _stream_on(stream, texts, as_json=as_json, show=show, torchrun=dist.launched())
+    stream = _stream_on(stream, texts, as_json=as_json, show=show, torchrun=dist.launched(), compile=compile)
     if system is not None and not chat and all(isinstance(t, str) for t in texts):
         raise UnmaskError("--system applies to chat prompts; add --chat (or give messages rows in a .jsonl --prompts-file)")
     options = {"policy": policy, "gamma": gamma, "preset": preset, "tau": tau, "factor": factor,
@@ -200,10 +201,10 @@ def generate_cmd(
         console.print(Text(shown_prompt(texts[0], rendered[0], chat=chat, verbose=verbose), "bold"), end="",
                       soft_wrap=True)
         console.file.flush()
-    spinner = status(f"generating {len(texts)} prompt{'s' if len(texts) > 1 else ''} with {bundle.name}",
-                     enabled=not no_progress and not show and not stream)
+    message = f"generating {len(texts)} prompt{'s' if len(texts) > 1 else ''} with {bundle.name}"
+    spinner = status(message, enabled=not no_progress and not show and not stream)
     try:
-        with spinner:
+        with spinner as spin, compiling(spin, message):
             result = generate_sharded(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, chat=chat,
                                       system=system, reference_nfe=reference_nfe, **options)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -26,6 +28,7 @@ from unmask.serve.metrics import Metrics
 from unmask.serve.protocol import ServeRequest, edits_committed, parse
 from unmask.serve.stream import TextStream
 
+log = logging.getLogger("unmask.serve")
 POLL_S = 0.2  # how often a waiting handler checks for a client disconnect
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 SHUTTING_DOWN = "the server is shutting down; retry later"
@@ -116,7 +119,8 @@ def _json(raw: bytes):
 
 def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8, max_queue: int = 64,
                request_timeout: float = 600.0, defaults: dict | None = None, compile: bool = False,
-               draft_sizes: "str | DraftSizes | None" = DEFAULT_DRAFT_SIZES, limits: Limits | None = None) -> FastAPI:
+               draft_sizes: "str | DraftSizes | None" = DEFAULT_DRAFT_SIZES, limits: Limits | None = None,
+               warmup: bool = False) -> FastAPI:
     """The server app for a loaded ModelBundle. ``defaults``: the server's default decoder and knobs
     (e.g. ``{"decoder": "sbd", "gamma": 0.35}``), checked here like a request; its ``draft``/``queries``
     become the lossless defaults, the layout AR and lossless rows join (``draft_sizing.with_server_draft``).
@@ -127,7 +131,9 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     (:mod:`unmask.serve.draft_sizing`; text like ``"1:8,2:4,4:1"``, or ``"off"``/None). ``limits``: the
     per-request body, prompt, query-token and cache limits (:class:`unmask.serve.limits.Limits`).
     ``app.state.drain()`` stops admitting (503) and ends every open request with a 503 error (a
-    stream: a final error event and ``[DONE]``); the server calls it when it shuts down."""
+    stream: a final error event and ``[DONE]``); the server calls it when it shuts down. ``warmup``: once
+    started, one request of the default decoder runs and its step shapes compile
+    (:func:`unmask.serve.warmup.warm_up`); until then ``/health`` answers 503 ``{"status": "warming up"}``."""
     limits, name, defaults = limits or Limits(), model_name or bundle.name, dict(defaults or {})
     bundle = with_server_draft(bundle, defaults.pop("draft", None), defaults.pop("queries", None))
     try:  # the defaults are checked like a request, then by one tiny decode (the decoder's own checks)
@@ -153,6 +159,8 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     @asynccontextmanager
     async def lifespan(app):
         scheduler.start()
+        if warmup:
+            threading.Thread(target=_warm_up, args=(app, scheduler, probe), name="unmask-warmup", daemon=True).start()
         try:
             yield
         finally:
@@ -163,6 +171,8 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     app.state.scheduler, app.state.metrics, app.state.bundle, app.state.limits = scheduler, metrics, bundle, limits
     app.add_middleware(_CountResponses, metrics=metrics)
     app.state.drain = lambda: scheduler.drain(_shutting_down(retry_after=False))
+    app.state.probe = probe  # the default decoder's request: what the warm-up decodes
+    app.state.warming = warmup  # /health: "warming up" (503) until the warm-up thread is done
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -182,6 +192,9 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
 
     @app.get("/health")
     async def health():
+        if app.state.warming:
+            return JSONResponse({"status": "warming up", "model": name, "pending_compiles": scheduler.pending_compiles,
+                                 "compiling": scheduler.compiling}, status_code=503)
         return {"status": "ok", "model": name, "queue_depth": scheduler.queue_depth, "active": scheduler.active,
                 "pending_compiles": scheduler.pending_compiles, "compiling": scheduler.compiling}
 
@@ -221,6 +234,19 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
         return await handle(request, chat=True)
 
     return app
+
+
+def _warm_up(app, scheduler: Scheduler, probe) -> None:
+    """The ``--warmup`` thread: :func:`unmask.serve.warmup.warm_up`, then ``/health`` reports ok (also
+    after a failed warm-up, which is logged: the server still serves, compiling shapes when idle)."""
+    from unmask.serve.warmup import warm_up
+
+    try:
+        warm_up(scheduler, probe)
+    except Exception:  # noqa: BLE001
+        log.exception("the warm-up request failed; serving without it")
+    finally:
+        app.state.warming = False
 
 
 class _Call:
