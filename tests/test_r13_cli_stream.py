@@ -236,3 +236,12 @@ def test_the_terminal_only_flags_are_no_server_knobs():
     from unmask.serve.protocol import decoder_knobs
 
     assert not {"stream", "verbose"} & set(decoder_knobs())
+
+
+def test_stream_and_trace_together_keep_every_step(tmp_path):
+    path = tmp_path / "t.json"
+    term = Terminal("generate", "Once upon a time", "-m", "stories260K", "-n", "6", "--no-progress", "--trace", str(path))
+    assert term.wait() == 0, term.text
+    assert term.text.startswith("Once upon a time")
+    data = json.loads(path.read_text())
+    assert sum(len(s["positions"]) for s in data["steps"]) == 6  # the trace saw every committed token

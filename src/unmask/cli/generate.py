@@ -196,7 +196,7 @@ def generate_cmd(
         rendered, ids = prepare_prompts(bundle, texts, chat=chat, system=system)
         live = LiveText(bundle, ids[0], stop=stop or (), limit=new_tokens(max_new_tokens, gen_length),
                         decoder=decoder or default_decoder(bundle.kind), options=options)
-        options["on_step"] = live
+        options["on_step"] = live if tracer is None else (lambda event: (tracer(event), live(event)))  # --trace too
         # soft_wrap: the terminal wraps long lines; piped output keeps the generated text intact.
         console.print(Text(shown_prompt(texts[0], rendered[0], chat=chat, verbose=verbose), "bold"), end="",
                       soft_wrap=True)
