@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 from conftest import run_cli

@@ -12,7 +12,6 @@ import typer
 import typer.main
 
 from unmask.errors import UnmaskError, one_line_warnings
-from unmask.errors import warning_line as _warning_line  # noqa: F401 (its old name here)
 
 try:  # typer >= 0.20 vendors click
     from typer._click import exceptions as _click_errors

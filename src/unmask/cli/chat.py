@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import inspect
 import sys
-from pathlib import Path  # noqa: F401 (the annotations copied from generate name it)
 
 import typer
 
