@@ -248,12 +248,13 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from unmask.compat import quiet_transformers
-    from unmask.errors import UnmaskError
+    from unmask.errors import UnmaskError, one_line_warnings
     from unmask.models.registry import resolve
     from unmask.train.loop import latest_checkpoint
     from unmask.train.sbd_adapter import train_sbd_adapter
 
     quiet_transformers()
+    one_line_warnings()  # "warning: ..." as the command line prints it, not Python's source echo
     try:
         _, base_dir = resolve(args.base)
         prompts = write_prompts(args)

@@ -219,10 +219,12 @@ def main(argv=None) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     import unmask
     from unmask.compat import quiet_transformers
+    from unmask.errors import one_line_warnings
     from unmask.models.mask_token import add_mask_token
     from unmask.train.block_diffusion import TFObjective, train_block_diffusion
 
     quiet_transformers()
+    one_line_warnings()  # "warning: ..." as the command line prints it, not Python's source echo
 
     def timer(threads: int) -> float:
         model = unmask.load("stories260K").model

@@ -135,11 +135,13 @@ def main(argv=None) -> int:
 
     import unmask
     from unmask.compat import quiet_transformers
+    from unmask.errors import one_line_warnings
     from unmask.fileio import atomic_write_json, publish_dir, staging_dir
     from unmask.routers.io import embedding_fingerprint, routers_dir
     from unmask.train import routers as tr
 
     quiet_transformers()
+    one_line_warnings()  # "warning: ..." as the command line prints it, not Python's source echo
     model = str(stand_in(args.work_dir)) if args.smoke else args.model
     bundle = unmask.load(model)
     out = args.out or routers_dir(bundle)

@@ -94,10 +94,12 @@ def main(argv=None) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     import unmask
     from unmask.compat import quiet_transformers
+    from unmask.errors import one_line_warnings
     from unmask.models.registry import shipped
     from unmask.train.multitf import ChainUniform, MultiTFObjective, train_multitf
 
     quiet_transformers()
+    one_line_warnings()  # "warning: ..." as the command line prints it, not Python's source echo
     base = resolve_base(args)
     if not (Path(base) / "config.json").is_file() and base not in shipped():
         bd.log(f"no base model at {base}; run recipes/stories260K_bd.py first or pass --base")

@@ -179,11 +179,13 @@ def main(argv=None) -> int:
     budget_s = args.minutes * 60
     args.work_dir.mkdir(parents=True, exist_ok=True)
     from unmask.compat import quiet_transformers
+    from unmask.errors import one_line_warnings
     from unmask.train.loop import latest_checkpoint
     from unmask.train.sbd import train_sbd
     from unmask.train.wiring import set_decode_defaults
 
     quiet_transformers()
+    one_line_warnings()  # "warning: ..." as the command line prints it, not Python's source echo
     cores = torch.get_num_threads()
     if args.threads:
         threads = args.threads

@@ -200,7 +200,8 @@ def test_piped_training_progress_is_one_unwrapped_line_per_interval(monkeypatch)
     with P.TrainProgress(piped, total=30, start=0, term_names=tuple(terms), interval=10) as progress:
         for step in range(1, 31):
             progress.update(step, terms, 1234.0)
-    lines = piped.file.getvalue().splitlines()
+    header, *lines = piped.file.getvalue().splitlines()
+    assert header.startswith("columns: ") and "term_11 = term_11" in header  # issue 52: the columns are named first
     assert [line.split()[1] for line in lines] == ["1/30", "11/30", "21/30", "30/30"]
     assert all(line.startswith("step ") and "term_11 12.000" in line and line.endswith("tok/s") for line in lines)
 

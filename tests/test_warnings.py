@@ -29,9 +29,9 @@ def test_steps_equal_to_blocks_warns_in_the_api_and_more_steps_do_not():
 
 
 def test_cli_prints_any_python_warning_as_one_line(capsys):
-    from unmask.cli import _warning_line
+    from unmask.errors import warning_line
 
-    _warning_line(UserWarning("LPS validation FPR at τψ=0.5 is 3.00%,\n outside the budget"), UserWarning,
+    warning_line(UserWarning("LPS validation FPR at τψ=0.5 is 3.00%,\n outside the budget"), UserWarning,
                   "/x/lps_fit.py", 376)
     err = capsys.readouterr().err
     assert err == "warning: LPS validation FPR at τψ=0.5 is 3.00%, outside the budget\n"

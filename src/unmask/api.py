@@ -120,6 +120,14 @@ def encode_prompts(bundle: ModelBundle, prompts: list, max_new_tokens: int, gen_
     return ids
 
 
+def new_tokens(max_new_tokens: int | None, gen_length=None) -> int:
+    """The tokens :func:`generate` reports per prompt: ``max_new_tokens`` when given, else a
+    diffusion ``gen_length`` (an int), else 128."""
+    if max_new_tokens is not None:
+        return max_new_tokens
+    return gen_length if isinstance(gen_length, int) and not isinstance(gen_length, bool) else 128
+
+
 def check_options(decode, name: str, options: dict) -> None:
     """Refuse options the decoder does not take, and integers a tensor cannot hold (beyond 64 bits),
     with a one-line error."""
@@ -223,9 +231,7 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
         options.pop("compile")
     check_options(decode, decoder, options)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    if max_new_tokens is None:
-        gen_length = options.get("gen_length")
-        max_new_tokens = gen_length if isinstance(gen_length, int) and not isinstance(gen_length, bool) else 128
+    max_new_tokens = new_tokens(max_new_tokens, options.get("gen_length"))
     if not prompts:
         raise UnmaskError("no prompt given; pass PROMPT or --prompts-file FILE")
     check_fit(bundle, [], max_new_tokens, options.get("gen_length"))

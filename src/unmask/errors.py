@@ -8,6 +8,8 @@ prints the message and exits with code 2, never a traceback.
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 
 
 class UnmaskError(ValueError):
@@ -26,3 +28,15 @@ def is_number(value, *, finite: bool = True) -> bool:
         return False
     return math.isfinite(value) if finite else not math.isnan(value)
 
+
+
+def warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` that prints ``warning: <message>`` on one line, not Python's two-line
+    source echo (``loop.py:459: UserWarning: ...`` and the ``warnings.warn(...)`` line)."""
+    text = " ".join(str(message).split())
+    print(f"warning: {text}", file=sys.stderr if file is None else file)
+
+
+def one_line_warnings() -> None:
+    """Print every later warning with :func:`warning_line` (the command line and the recipes)."""
+    warnings.showwarning = warning_line

@@ -19,6 +19,7 @@ near-ties).
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -27,6 +28,7 @@ from unmask.errors import UnmaskError
 from unmask.threads import scoped
 
 AR_REFERENCE = ("ar", "stories260K")
+REPEATS = 3  # timed passes per row: TPS is their median, shown with its min-max spread
 # Decoders benchmarked in several modes: (row label, decoder options). SBD runs lossless
 # (spec/sbd_exact.md, output = AR) and lossy (the EB sampler) side by side.
 VARIANTS = {"sbd": (("sbd --verify", {"verify": True}), ("sbd --no-verify", {"verify": False}))}
@@ -81,10 +83,10 @@ class BenchResult:
 
         s = self.settings
         t = Table(title=f"side by side: {s['limit']} story openings, {s['max_new_tokens']} new tokens, "
-                        f"batch {s['batch_size']}, greedy, {s['device']}")
+                        f"batch {s['batch_size']}, greedy, {s['device']}; TPS: median of {s['repeats']} runs")
         cols = [("decoder", "left"), ("model", "left"), ("NFE", "right"), ("TPF", "right"), ("TPS", "right"),
-                ("TPS/AR", "right"), ("AR NFE/NFE", "right"), ("NLL", "right"), ("distinct-4", "right"),
-                ("agree AR", "right"), (f"same as AR ({s['dtype']})", "right")]
+                ("TPS min–max", "right"), ("TPS/AR", "right"), ("AR NFE/NFE", "right"), ("NLL", "right"),
+                ("distinct-4", "right"), ("agree AR", "right"), (f"same as AR ({s['dtype']})", "right")]
         lossless = any(r.get("queries_per_forward") for r in self.rows)  # lossless SBD: query cost and accepts
         if lossless:
             cols += [("queries/fwd", "right"), ("accepts (tokens:forwards)", "left")]
@@ -95,7 +97,8 @@ class BenchResult:
             if r.get("error"):
                 t.add_row(r["decoder"], r["model"], f"[red]failed: {r['error']}[/red]", *[""] * (len(cols) - 3))
                 continue
-            cells = [fmt(r["nfe"], ".1f"), fmt(r["tpf"], ".2f"), fmt(r["tps"], ".0f"), fmt(r["tps_vs_ar"], ".2f"),
+            cells = [fmt(r["nfe"], ".1f"), fmt(r["tpf"], ".2f"), fmt(r["tps"], ".0f"),
+                     f"{r['tps_min']:.0f}–{r['tps_max']:.0f}", fmt(r["tps_vs_ar"], ".2f"),
                      fmt(r["nfe_vs_ar"], ".2f"), fmt(r["nll"], ".3f"), fmt(r["distinct_4"], ".3f"),
                      fmt(r["agreement_positional"], ".3f"),
                      "–" if r.get("identical_to_ar") is None else f"{r['identical_to_ar']}/{r['n']}"]
@@ -172,14 +175,18 @@ def adapter_pairs(adapters: list[str] | None, *, decoders: list[str] | None = No
 
 
 @scoped
-def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, include_all: bool = False,
+def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, repeats: int = REPEATS,
+          include_all: bool = False,
           decoders: list[str] | None = None, models: list[str] | None = None, adapters: list[str] | None = None,
           judge: str = "stories260K", compile: bool = False,
           device: str = "cpu", dtype: str = "float32",
           progress: Callable[[int, int, str], None] | None = None, reference_nfe: bool = False) -> BenchResult:
     """Run every pair of :func:`pairs` on the same prompts and collect the comparison.
 
-    Batch size 1 by default, the setting in which TPS is "model TPS" (diffusion spec §10).
+    Batch size 1 by default, the setting in which TPS is "model TPS" (diffusion spec §10). Every
+    row's timed pass runs ``repeats`` times: ``tps`` is their median, ``tps_min`` / ``tps_max`` their
+    spread (tokens per second on a shared CPU vary by tens of percent between identical runs, so two
+    rows differ only where their spreads do not overlap); the other figures are the first pass's.
     Ratios are to the ``ar`` on ``stories260K`` row (else the first ``ar`` row; ``None``
     without one). A pair that raises is reported with its error and the others still run.
     ``adapters``: also run the :func:`adapter_pairs` rows, model shown as ``<model>+<adapter>``.
@@ -197,7 +204,8 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
     from unmask.eval.runner import References, evaluate
 
     # Options shared by every pair are checked once, up front: otherwise each row would just fail.
-    for flag, value in (("--limit", limit), ("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size)):
+    for flag, value in (("--limit", limit), ("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size),
+                        ("--repeats", repeats)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UnmaskError(f"{flag} must be an integer >= 1 (got {value!r}); pass e.g. {flag} 8")
     if isinstance(judge, str):  # an unknown judge failed every pair, one after the other
@@ -247,6 +255,10 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
                 compile_s = time.perf_counter() - t0
             res = evaluate("stories", model, d, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
                            judge=judge, device=device, dtype=dtype, references=refs, progress=stage, **opts)
+            tps = [res.summary["tps"]] + [
+                evaluate("stories", model, d, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                         judge=judge, device=device, dtype=dtype, references=refs, **opts).summary["tps"]
+                for _ in range(repeats - 1)]
         except Exception as e:  # noqa: BLE001 - one broken pair must not hide the others
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             rows.append({"decoder": label, "model": shown, "error": msg if isinstance(e, UnmaskError)
@@ -254,7 +266,8 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
             continue
         s = res.summary
         rows.append({"decoder": label, "model": shown, "kind": s["config"]["kind"], "n": s["n"],
-                     "generated": s["generated"], "nfe": s["nfe"], "tpf": s["tpf"], "tps": s["tps"],
+                     "generated": s["generated"], "nfe": s["nfe"], "tpf": s["tpf"], "tps": statistics.median(tps),
+                     "tps_min": min(tps), "tps_max": max(tps), "repeats": repeats,
                      "seconds": s["seconds"], "forwards": s.get("forwards"), "nll": s["nll"], "distinct_4": s["distinct_4"],
                      "agreement_positional": s["agreement_positional"],
                      "agreement_prefix": s["agreement_prefix"],
@@ -272,7 +285,8 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, inc
         r["same_as_eager"] = (sum(a == b for a, b in zip(outputs[r["decoder"], r["model"]], eager)) / len(eager)
                               if r["decoder"].endswith(" --compile") and eager else None)
     ref, ref_c = compare_with_ar(ok)
-    settings = {"limit": limit, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "judge": judge,
+    settings = {"limit": limit, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "repeats": repeats,
+                "judge": judge,
                 "device": device, "dtype": dtype, "include_all": include_all, "compile": compile,
                 "reference_nfe": reference_nfe,
                 "reference": f"{ref['decoder']}@{ref['model']}" if ref else None,

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import inspect
 import sys
-import warnings
 
 import typer
 import typer.main
 
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, one_line_warnings
 
 try:  # typer >= 0.20 vendors click
     from typer._click import exceptions as _click_errors
@@ -40,13 +39,8 @@ def _root(threads: str = typer.Option("auto", "--threads", envvar="UNMASK_THREAD
     from unmask.threads import set_threads
 
     set_threads(threads)
-    warnings.showwarning = _warning_line
+    one_line_warnings()
 
-
-def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
-    """Warnings print as one line, ``warning: <message>``, not Python's two-line source echo."""
-    text = " ".join(str(message).split())
-    print(f"warning: {text}", file=sys.stderr if file is None else file)
 
 # Subcommand modules register themselves on `app` when imported.
 from unmask.cli import generate as _generate  # noqa: E402,F401
@@ -55,6 +49,7 @@ from unmask.cli import models as _models  # noqa: E402,F401
 from unmask.cli import serve as _serve  # noqa: E402,F401
 from unmask.cli import train as _train  # noqa: E402,F401
 from unmask.cli import calibrate as _calibrate  # noqa: E402,F401
+from unmask.cli import chat as _chat  # noqa: E402,F401
 
 
 THREADS_HELP = "CPU threads for torch, as 'unmask --threads N' (1 to 4 per core, or auto)"

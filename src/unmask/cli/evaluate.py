@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 import typer
 
+from unmask.bench.side_by_side import REPEATS
 from unmask.cli import app
 from unmask.dist import env_rank
 from unmask.errors import UnmaskError
@@ -332,6 +333,8 @@ def bench_cmd(
     limit: int = typer.Option(16, "--limit", help="story openings per pair"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="tokens to generate per opening"),
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="openings decoded together (1 = model TPS)"),
+    repeats: int = typer.Option(REPEATS, "--repeats", help="timed passes per row: TPS is their median, printed with "
+                                "its min-max spread"),
     include_all: bool = typer.Option(False, "--all", help="also run decoders on compatible non-native kinds (ar on an SBD model)"),
     decoder: list[str] = typer.Option(None, "--decoder", "-d", help="only this decoder (repeatable)"),
     model: list[str] = typer.Option(None, "--model", "-m", help="only this shipped model (repeatable)"),
@@ -349,7 +352,8 @@ def bench_cmd(
     from unmask.bench.side_by_side import bench
 
     with _progress(not no_progress and not as_json) as progress:
-        res = bench(limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size, include_all=include_all,
+        res = bench(limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size, repeats=repeats,
+                    include_all=include_all,
                     decoders=decoder or None, models=model or None, adapters=adapter or None, judge=judge,
                     compile=compile, device=device, dtype=dtype, progress=progress, reference_nfe=reference_nfe)
     failed = [r for r in res.rows if r.get("error")]

@@ -34,6 +34,34 @@ def read_prompts(prompts: list[str], prompts_file: Path | None) -> list:
     return out
 
 
+def shown_prompt(given, rendered: str, *, chat: bool, verbose: bool = False) -> str:
+    """The prompt as the text output shows it before its answer: a plain prompt as given; a chat
+    prompt (``--chat``, or a conversation) as its last user turn on a line of its own, or with
+    ``verbose`` as the whole rendered template (what ``--json`` reports as ``prompt``)."""
+    if verbose or not (chat or isinstance(given, list)):
+        return rendered
+    if isinstance(given, list):
+        given = next((m["content"] for m in reversed(given) if m["role"] == "user"), "")
+    return given + "\n"
+
+
+def _stream_on(stream: bool | None, texts: list, *, as_json: bool, show: bool, torchrun: bool,
+               compile: bool = False) -> bool:
+    """Whether ``generate`` streams: as asked, else for one prompt on a terminal without --json /
+    --show / --compile / torchrun. Raises UnmaskError for --stream with a flag it cannot work with."""
+    import sys
+
+    if stream is None:  # with --compile the spinner reports each graph's compile instead
+        return len(texts) == 1 and sys.stdout.isatty() and not (as_json or show or torchrun or compile)
+    if stream:
+        clash = "--json" if as_json else "--show" if show else "torchrun" if torchrun else None
+        if clash is not None:
+            raise UnmaskError(f"--stream prints text to a terminal and cannot be combined with {clash}; drop one of them")
+        if len(texts) > 1:
+            raise UnmaskError(f"--stream follows one prompt (got {len(texts)}); pass one prompt or drop --stream")
+    return stream
+
+
 @app.command("generate")
 def generate_cmd(
     prompts: list[str] = typer.Argument(None, help="prompt text(s) to continue"),
@@ -80,8 +108,8 @@ def generate_cmd(
                                        "after the EOS block, so NFE equals theirs (the text is still cut at EOS)"),
     compile: bool = typer.Option(False, "--compile", help="a preallocated static KV cache (no-cache diffusion and "
                                  "early-bird: their canvas) and a torch.compile'd step, for every decoder but --schedule "
-                                 "dream (the first call compiles, ~10-30 s per shape on a CPU core, more for a decoder "
-                                 "with several shapes; same tokens)"),
+                                 "dream (the first call of each shape compiles, the spinner naming it: minutes on a "
+                                 "busy CPU, README 'The fast path'; same tokens)"),
     gen_length: int = typer.Option(None, "--gen-length", help="diffusion: fixed generation length (canvas size)"),
     steps: int = typer.Option(None, "--steps", help="diffusion: total denoising steps (top-k policy, LLaDA; --schedule dream); block: steps per block"),
     cache: str = typer.Option(None, "--cache", help="diffusion: none, prefix or dual (approximate caches)"),
@@ -95,6 +123,11 @@ def generate_cmd(
     tau_t2t: float = typer.Option(None, "--tau-t2t", help="multiblock: token-to-token edit threshold (off when unset)"),
     lps: bool = typer.Option(None, "--lps/--no-lps", help="early-bird: use the LPS commit router (default on)"),
     show: bool = typer.Option(False, "--show", help="render the decoding trajectory live in the terminal"),
+    stream: bool = typer.Option(None, "--stream/--no-stream", help="print the text as the decoder commits it "
+                                "(any decoder; default: on for one prompt on a terminal, off when stdout is piped, "
+                                "with --json, --show or --compile)"),
+    verbose: bool = typer.Option(False, "--verbose", help="with --chat: print the whole rendered chat template "
+                                 "before the answer, not just the user's prompt"),
     trace: str = typer.Option(None, "--trace", help="write the per-step commit trace as JSON to FILE"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object per prompt per line"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --trace file"),
@@ -111,10 +144,12 @@ def generate_cmd(
     of the weights (docs/scaling.md)."""
     from unmask import dist
     from unmask.api import generate_sharded
-    from unmask.cli.progress import status
+    from unmask.cli.progress import compiling, status
+    from unmask.decode import default_decoder
     from unmask.models import load
 
     texts = read_prompts(prompts or [], prompts_file)
+    stream = _stream_on(stream, texts, as_json=as_json, show=show, torchrun=dist.launched(), compile=compile)
     if system is not None and not chat and all(isinstance(t, str) for t in texts):
         raise UnmaskError("--system applies to chat prompts; add --chat (or give messages rows in a .jsonl --prompts-file)")
     options = {"policy": policy, "gamma": gamma, "preset": preset, "tau": tau, "factor": factor,
@@ -148,23 +183,11 @@ def generate_cmd(
             typer.echo(chosen.note, err=True)
     tracer = None
     if show or trace is not None:
-        import inspect
-
         from rich.console import Console
 
         from unmask.api import prepare_prompts
-        from unmask.decode import DECODERS, default_decoder, get_decoder
         from unmask.trace import attach_trace
 
-        def decoders_for(kind):
-            return [d for d, info in DECODERS.items() if kind in info.kinds]
-
-        name = decoder or default_decoder(bundle.kind)
-        if "on_step" not in inspect.signature(get_decoder(name, bundle.kind)).parameters:
-            able = [d for d in DECODERS if d in decoders_for(bundle.kind)
-                    and "on_step" in inspect.signature(get_decoder(d, bundle.kind)).parameters]
-            raise UnmaskError(f"--show/--trace are not available for decoder {name!r}; use --decoder "
-                              f"{' or '.join(able) or 'diffusion, sbd, early-bird, block or multiblock on their models'}")
         shown = prepare_prompts(bundle, texts, chat=chat, system=system)[0]  # the rendered chat prompts
         # With --json, or stdout piped, the live view goes to stderr: stdout holds the result once
         # (piped, rich prints only the live view's last frame, which is the text again)
@@ -174,16 +197,35 @@ def generate_cmd(
                              console=Console(stderr=True) if as_json or not sys.stdout.isatty() else None)
         tracer = extra["on_step"]
         options.update(extra)
-    spinner = status(f"generating {len(texts)} prompt{'s' if len(texts) > 1 else ''} with {bundle.name}",
-                     enabled=not no_progress and not show)
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console()
+    live = None
+    if stream:
+        from unmask.api import new_tokens, prepare_prompts
+        from unmask.cli.live import LiveText
+
+        rendered, ids = prepare_prompts(bundle, texts, chat=chat, system=system)
+        live = LiveText(bundle, ids[0], stop=stop or (), limit=new_tokens(max_new_tokens, gen_length),
+                        decoder=decoder or default_decoder(bundle.kind), options=options)
+        options["on_step"] = live if tracer is None else (lambda event: (tracer(event), live(event)))  # --trace too
+        # soft_wrap: the terminal wraps long lines; piped output keeps the generated text intact.
+        console.print(Text(shown_prompt(texts[0], rendered[0], chat=chat, verbose=verbose), "bold"), end="",
+                      soft_wrap=True)
+        console.file.flush()
+    message = f"generating {len(texts)} prompt{'s' if len(texts) > 1 else ''} with {bundle.name}"
+    spinner = status(message, enabled=not no_progress and not show and not stream)
     try:
-        with spinner:
+        with spinner as spin, compiling(spin, message):
             result = generate_sharded(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, chat=chat,
                                       system=system, reference_nfe=reference_nfe, **options)
     except BaseException:
         if tracer is not None:
             tracer.close(write=False)
+        if live is not None:  # an interrupted answer: the error line goes below the text shown so far
+            console.print()
         raise
     if tracer is not None:
         s = result.stats
@@ -195,12 +237,12 @@ def generate_cmd(
         for row in result.rows():
             typer.echo(json.dumps(row, ensure_ascii=False))
         return
-    from rich.console import Console
-    from rich.text import Text
-
-    console = Console()
-    # soft_wrap: the terminal wraps long lines; piped output keeps the generated text intact.
-    for prompt, text in zip(result.prompts, result.texts):
+    if live is not None:
+        text = live.finish(result.tokens[0])
+        console.print(end="" if text.endswith("\n") else "\n")
+        console.print()
+    for prompt, text, given in zip(result.prompts, result.texts, texts) if live is None else ():
+        prompt = shown_prompt(given, prompt, chat=chat, verbose=verbose)
         console.print(Text.assemble((prompt, "bold"), (text, "")), soft_wrap=True, end="" if text.endswith("\n") else "\n")
         console.print()  # one blank line before the next prompt or the stats, also after a text ending in a newline
     s = result.stats

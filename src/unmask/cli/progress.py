@@ -35,3 +35,25 @@ def bar(description: str, *, enabled: bool = True, console=None) -> Iterator[Cal
                   console=console, transient=True) as progress:
         task = progress.add_task(description, total=None)
         yield lambda done, total: progress.update(task, completed=done, total=total)
+
+
+@contextmanager
+def compiling(spinner, message: str) -> Iterator[None]:
+    """While the block runs, a graph being compiled (:func:`unmask.decode.static.compile_progress`)
+    shows on ``spinner`` (a rich Status; None: nothing is shown) as "compiling step graph 2 (rows 1,
+    queries 4, cache 256)…"; ``message`` comes back when it is done."""
+    if spinner is None:
+        yield
+        return
+    from unmask.decode.static import compile_progress
+
+    def show(event: dict) -> None:
+        if event["done"]:
+            spinner.update(message)
+        else:
+            spinner.update(f"compiling step graph {event['graph']} (rows {event['rows']}, queries "
+                           f"{event['queries']}, cache {event['cache']}): the first call of each shape compiles, "
+                           "later calls reuse it")
+
+    with compile_progress(show):
+        yield

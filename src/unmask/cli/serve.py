@@ -16,8 +16,11 @@ def serve_cmd(
     compile: bool = typer.Option(False, "--compile", help="the ar / lossless sbd, block, multiblock and lossy sbd "
                                  "running batches, and diffusion with the dual cache, on a static KV cache with a "
                                  "compiled step over row and length buckets (a new shape runs eagerly, then compiles once "
-                                 "while the server is idle, 5-30 s on a CPU core); diffusion's other caches, early-bird "
+                                 "while the server is idle, a minute or more on a busy CPU core; --warmup compiles the first ones ahead); diffusion's other caches, early-bird "
                                  "and Dream's schedule stay eager (README 'Serving')"),
+    warmup: bool = typer.Option(False, "--warmup", help="before /health reports ok (it answers 503 'warming up'), "
+                                "decode one request of the default decoder and, with --compile, compile its step "
+                                "shapes, printing each on stderr (the port is open meanwhile)"),
     draft_sizes: str = typer.Option(None, "--draft-sizes", metavar="ROWS:K,...|auto|off",
                                     help="lossless sbd: draft block size K by running-batch rows (K = 1: plain AR "
                                     "steps, same output); default auto: the served layout, its 8-query stored layout from 3 rows, "
@@ -65,7 +68,7 @@ def serve_cmd(
 
     limits = Limits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
                     max_query_tokens=max_query_tokens, max_cache_tokens=max_cache_tokens)
-    serve(model, kind=kind, adapter=adapter, compile=compile, draft_sizes=draft_sizes, limits=limits, host=host,
-          port=port, api_key=api_key, max_batch_size=max_batch_size, max_queue=max_queue,
+    serve(model, kind=kind, adapter=adapter, compile=compile, warmup=warmup, draft_sizes=draft_sizes, limits=limits,
+          host=host, port=port, api_key=api_key, max_batch_size=max_batch_size, max_queue=max_queue,
           request_timeout=timeout, device=device, dtype=dtype, decoder=decoder, block_size=block_size, policy=policy,
           gamma=gamma, preset=preset, tau=tau, cache=cache, draft=draft, queries=queries)

@@ -17,7 +17,7 @@ from unmask.sampling import Sampling
 @torch.inference_mode()
 def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
            stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (),
-           compile: bool = False) -> DecodeOutput:
+           compile: bool = False, on_step=None) -> DecodeOutput:
     """Batched greedy or sampled next-token decoding (NTP mode, SBD Eq. 9a).
 
     prompts: token ids per row (different lengths are left-padded). One prefill forward for every
@@ -27,15 +27,18 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     runs the same batch on a static KV cache with a ``torch.compile``-d forward (same tokens and
     NFE; stats.extra then records ``compiled`` and ``static_cache``, its length). Returns the
     generated ids per row and DecodeStats where NFE counts every forward that commits a token (the
-    prefill commits the first one). One host sync per step.
+    prefill commits the first one). One host sync per step. ``on_step(event)`` gets
+    :mod:`unmask.trace` step events (each row's committed tokens after every forward, ``row`` its
+    index in ``prompts``), as the other decoders emit them; they cost one list copy per row per step.
     """
     N = max_new_tokens
     requests = requests_for(prompts, max_new_tokens=N, sampling=sampling, stop_strings=stop_strings,
                             device=bundle.device)
+    events = None if on_step is None else (lambda row, event: on_step({**event, "row": row.job.id}))
     length = max((len(p) for p in prompts), default=1) + N + 1
 
     def make(capacity: int) -> Verify:
         return Verify(bundle, VerifyConfig(), compile=compile, capacity=capacity, ar=True,
-                      stop_token_ids=stop_token_ids, length=length)
+                      stop_token_ids=stop_token_ids, length=length, on_step=events)
 
     return drain(make, requests)

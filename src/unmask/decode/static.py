@@ -12,8 +12,8 @@ What is compiled: the model forward of one step (:func:`step_function`) and, for
 lossless SBD steps, the whole step as ONE graph (:func:`compiled_step`: the query window and its mask,
 the forward, the acceptance and commit); host-side bookkeeping stays outside. ``compile=False``
 runs the same static cache eagerly (what the equality tests exercise quickly); ``compile=True`` compiles: on CPU inductor, on CUDA ``mode="reduce-overhead"``
-(CUDA graphs). The first call per (model, input shapes) pays the compile (5-30 s for the shipped
-models on one CPU core); later calls reuse it.
+(CUDA graphs). The first call per (model, input shapes) pays the compile (README "The fast path"
+gives measured start-up times; :func:`compile_progress` reports each compile); later calls reuse it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import time
 import types
 import weakref
 
@@ -33,7 +34,28 @@ from unmask.compat import cache_keyword
 LENGTH_BUCKET = 128
 
 _serial = itertools.count()
+_graphs = itertools.count(1)  # compiles started in this process, for progress lines
 _compiled: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
+_listeners: list = []  # compile_progress callbacks
+
+
+@contextlib.contextmanager
+def compile_progress(callback):
+    """Within the block, ``callback(event)`` is called when a graph starts compiling and when it is
+    done: ``{"graph": n, "rows": B, "queries": q, "cache": L, "done": False}``, then the same with
+    ``"done": True`` and ``"seconds"`` (the first call's wall-clock: trace, compile and one run).
+    ``n`` counts the process's compiles from 1; B, q, L: the step's rows, query tokens per row and
+    cache columns. For a progress line (``unmask generate --compile``, ``serve --warmup``)."""
+    _listeners.append(callback)
+    try:
+        yield
+    finally:
+        _listeners.remove(callback)
+
+
+def _tell(event: dict) -> None:
+    for callback in list(_listeners):
+        callback(event)
 
 
 def _forward(model, inp: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
@@ -67,26 +89,31 @@ def step_function(model, compile: bool, *, cpp_wrapper: bool = False):
 
     def compiled(inp, positions, mask, cache):
         key = (tuple(inp.shape), tuple(mask.shape), mask.dtype, bool(how), model.training)
-        fn = table.get(key) or _compile(model, step, how, table, key)
+        fn = table.get(key) or _compile(model, step, how, table, key, (*inp.shape, mask.shape[-1]))
         return fn(inp, positions, mask, cache)
 
     return compiled
 
 
-def _compile(model, fn, how: dict, table: dict, key):
+def _compile(model, fn, how: dict, table: dict, key, shape: tuple[int, int, int]):
     """``fn`` under ``torch.compile`` on a code object of its own (:func:`_own_code`) with options ``how`` and
-    the model's guard filter, stored in ``table[key]``. With tensor guards only (CPU), returned wrapped so that
-    its first call, the trace, runs under :func:`_sdpa_gqa` and then stores the compiled function."""
+    the model's guard filter, returned wrapped so that its first call (the trace and compile) is reported
+    to :func:`compile_progress` listeners (``shape``: rows, queries, cache columns) and then stores the
+    compiled function in ``table[key]``. With tensor guards only (CPU), that first call runs under
+    :func:`_sdpa_gqa`."""
     guards = _guard_filter(model)
     compiled = torch.compile(_own_code(fn), dynamic=False, options={**how, **guards} or None)
-    if not guards or next(model.parameters()).device.type == "cuda":
-        table[key] = compiled
-        return compiled
+    gqa = bool(guards) and next(model.parameters()).device.type != "cuda"
 
-    def first(*args):  # the first call traces: SDPA's own GQA instead of repeat_kv copies
+    def first(*args):
         table[key] = compiled
-        with _sdpa_gqa():
-            return compiled(*args)
+        event = {"graph": next(_graphs), "rows": shape[0], "queries": shape[1], "cache": shape[2], "done": False}
+        _tell(event)
+        t0 = time.perf_counter()
+        with _sdpa_gqa() if gqa else contextlib.nullcontext():  # the trace: SDPA's own GQA, not repeat_kv copies
+            out = compiled(*args)
+        _tell({**event, "done": True, "seconds": time.perf_counter() - t0})
+        return out
 
     return first
 
@@ -96,7 +123,7 @@ def compiled_step(model, body, key: tuple):
     step (its query window, the forward and its commit rule) is ONE graph (STYLE.md habit 13):
     ``forward(inp, positions, mask, cache) -> logits`` as :func:`step_function`'s (``mask`` bool).
     One graph per (model, body, key), ``key`` every non-tensor value the trace bakes in (shapes,
-    Python ints); guards as :func:`_guard_filter`; CUDA graphs on a GPU, inductor's C++ wrapper on
+    Python ints), ending with the step's (rows, queries, cache columns); guards as :func:`_guard_filter`; CUDA graphs on a GPU, inductor's C++ wrapper on
     CPU. Every output must be read before the next call (CUDA graphs reuse their buffers)."""
     table = _compiled.setdefault(model, {})
     k = ("step", body.__qualname__, body.__module__, key)
@@ -113,7 +140,7 @@ def compiled_step(model, body, key: tuple):
         return body(forward, *args)
 
     how = {"triton.cudagraphs": True} if device == "cuda" else {"cpp_wrapper": True} if device == "cpu" else {}
-    return _compile(model, step, how, table, k)
+    return _compile(model, step, how, table, k, key[-3:])
 
 
 def _guard_filter(model) -> dict:

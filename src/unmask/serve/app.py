@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import threading
 from contextlib import asynccontextmanager
 from importlib import resources
 
@@ -26,7 +28,9 @@ from unmask.serve.errors import ApiError
 from unmask.serve.limits import Limits, check_batch_memory, check_defaults
 from unmask.serve.metrics import Metrics
 from unmask.serve.protocol import parse, prompt_bodies
+from unmask.serve.warmup import warm_up
 
+log = logging.getLogger("unmask.serve")
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 # the page's icon (browsers ask for /favicon.ico on their own): a masked slot turning into a token
 FAVICON = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><rect width="16" height="16" rx="3" '
@@ -113,7 +117,7 @@ def _parse_all(bodies: list, *args, **kwargs) -> list:
 def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8, max_queue: int = 64,
                request_timeout: float = 600.0, defaults: dict | None = None, compile: bool = False,
                draft_sizes: "str | DraftSizes | None" = DEFAULT_DRAFT_SIZES, limits: Limits | None = None,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, warmup: bool = False) -> FastAPI:
     """The server app for a loaded ModelBundle. ``defaults``: the server's default decoder and knobs
     (e.g. ``{"decoder": "sbd", "gamma": 0.35}``), checked here like a request; without a decoder, that of
     :func:`unmask.decode.choice.default_for` (``ar`` for an SBD model whose lossless SBD is expected
@@ -128,7 +132,9 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     ``api_key``: requests must send ``Authorization: Bearer api_key`` (401 otherwise; /health, /metrics
     and the playground stay open: :mod:`unmask.serve.auth`).
     ``app.state.drain()`` stops admitting (503) and ends every open request with a 503 error (a
-    stream: a final error event and ``[DONE]``); the server calls it when it shuts down."""
+    stream: a final error event and ``[DONE]``); the server calls it when it shuts down. ``warmup``: once
+    started, one request of the default decoder runs and its step shapes compile
+    (:func:`unmask.serve.warmup.warm_up`); until then ``/health`` answers 503 ``{"status": "warming up"}``."""
     limits, name, defaults = limits or Limits(), model_name or bundle.name, dict(defaults or {})
     key = check_key(api_key)
     chosen = default_for(bundle, defaults) if defaults.get("decoder") is None else None  # README "Serving"
@@ -159,6 +165,8 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     @asynccontextmanager
     async def lifespan(app):
         scheduler.start()
+        if warmup:
+            threading.Thread(target=_warm_up, args=(app, scheduler, probe), name="unmask-warmup", daemon=True).start()
         try:
             yield
         finally:
@@ -172,6 +180,8 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     if key is not None:  # added last, so it runs first: a refused request reaches nothing else
         app.add_middleware(RequireKey, key=key)
     app.state.drain = lambda: scheduler.drain(_shutting_down(retry_after=False))
+    app.state.probe = probe  # the default decoder's request: what the warm-up decodes
+    app.state.warming = warmup  # /health: "warming up" (503) until the warm-up thread is done
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -195,6 +205,9 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
 
     @app.get("/health")
     async def health():
+        if app.state.warming:
+            return JSONResponse({"status": "warming up", "model": name, "pending_compiles": scheduler.pending_compiles,
+                                 "compiling": scheduler.compiling}, status_code=503)
         body = {"status": "ok", "model": name, "queue_depth": scheduler.queue_depth, "active": scheduler.active,
                 "pending_compiles": scheduler.pending_compiles, "compiling": scheduler.compiling}
         if (fault := scheduler.fault()) is not None:  # the watchdog: "dead" or "wedged", never "ok"
@@ -237,3 +250,14 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
         return await handle(request, chat=True)
 
     return app
+
+
+def _warm_up(app, scheduler: Scheduler, probe) -> None:
+    """The ``--warmup`` thread: :func:`unmask.serve.warmup.warm_up`, then ``/health`` reports ok (also
+    after a failed warm-up, which is logged: the server still serves, compiling shapes when idle)."""
+    try:
+        warm_up(scheduler, probe)
+    except Exception:  # noqa: BLE001
+        log.exception("the warm-up request failed; serving without it")
+    finally:
+        app.state.warming = False

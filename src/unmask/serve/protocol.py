@@ -38,7 +38,7 @@ MESSAGE_CHARS = 2
 _NOT_KNOBS = {"prompts", "prompts_file", "model", "kind", "decoder", "max_new_tokens", "temperature", "top_k", "top_p",
               "seed", "stop", "show", "trace", "as_json", "device", "dtype", "chat", "system",
               # set once for the whole server (``unmask serve --adapter/--compile/--tp``), or CLI-only
-              "adapter", "compile", "overwrite", "tp", "no_progress",
+              "adapter", "compile", "overwrite", "tp", "no_progress", "stream", "verbose",
               # a measurement mode of generate(): it decodes past the stop tokens the server stops at
               "reference_nfe"}
 # Knobs a decoder may take that the CLI does not have: the lossless SBD decoder's switch, and the

@@ -5,11 +5,41 @@ from __future__ import annotations
 import time
 
 
+# What each logged column is (a term's name is the key its objective reports; nats per token).
+COLUMNS = {
+    "loss": "the loss minimised (nats/token)",
+    "ntp": "next-token cross-entropy (nats)",
+    "mat": "masked-token cross-entropy (nats)",
+    "draft": "masked-token cross-entropy of the draft rows (nats)",
+    "kl": "KL(NTP || block mode), the self-distillation term (nats)",
+    "acc": "masked-token accuracy",
+    "nll": "masked-diffusion cross-entropy per masked token (nats)",
+    "masked": "share of the tokens masked",
+}
+
+
+def column_help(name: str) -> str:
+    """What the logged column ``name`` is (``d3``: the masked-token cross-entropy 3 tokens into a block)."""
+    if name in COLUMNS:
+        return COLUMNS[name]
+    if name[:1] == "d" and name[1:].isdigit():
+        return f"masked-token cross-entropy at block offset {name[1:]} (nats)"
+    return name
+
+
+def header(term_names: tuple[str, ...]) -> str:
+    """The line naming each column of the progress lines, printed before the first one."""
+    names = ("loss", *term_names)
+    return "columns: step done/total · " + " · ".join(f"{n} = {column_help(n)}" for n in names) + \
+        " · tok/s = training tokens per second"
+
+
 class TrainProgress:
     """A rich progress bar with the loss terms and tokens/s on a terminal; when the console is not
     a terminal (a pipe, a log file), one plain unwrapped line at the first step, then at most one
     every ``interval`` seconds (README: every 30 s), and at the last step; validation lines via
-    ``note``. ``log.jsonl`` keeps its own cadence (``log_every`` steps)."""
+    ``note``; first, a line naming each column (:func:`header`). ``log.jsonl`` keeps its own cadence
+    (``log_every`` steps)."""
 
     INTERVAL = 30.0  # seconds between plain lines
 
@@ -34,6 +64,8 @@ class TrainProgress:
         self._last_plain: float | None = None  # no plain line yet
 
     def __enter__(self):
+        if self.console is not None:
+            self.console.print(header(self.terms), highlight=False, markup=False, soft_wrap=True)
         if self.bar is not None:
             self.bar.start()
         return self
