@@ -27,6 +27,7 @@ import torch
 from unmask.errors import UnmaskError
 from unmask.decode.choice import RECORD_KEY, recorded
 from unmask.fileio import atomic_write_json, check_output_file, read_json_object
+from unmask.models.checkpoint_checks import vocabulary_token
 from unmask.models.sbd_adapter import AdapterSpec, SBDAdapter, attach, check_targets
 
 ADAPTER_WEIGHTS = "adapter.safetensors"
@@ -344,8 +345,6 @@ def check_adapter_mask_id(bundle, mask_id: int, what: str) -> None:
     Raises:
         UnmaskError: naming ``what``, the id and its token.
     """
-    from unmask.models.bundle import vocabulary_token
-
     vocab = bundle.model.get_input_embeddings().weight.shape[0]
     if mask_id == vocab:
         return
