@@ -23,3 +23,11 @@ def test_openai_tool_fields_pass_at_their_neutral_value_and_are_refused_by_name_
         with pytest.raises(ApiError, match=f"{field} is not supported; drop '{field}'") as e:
             _parse({"messages": chat, field: value}, chat=True)
         assert e.value.status == 400 and e.value.param == field
+
+
+def test_a_bad_api_key_from_the_environment_names_the_variable(capsys, monkeypatch):
+    """A user who set UNMASK_API_KEY and never typed --api-key is told which setting is wrong."""
+    from conftest import one_line_error
+
+    monkeypatch.setenv("UNMASK_API_KEY", "has space")
+    one_line_error(capsys, "serve", "--model", "stories260K", "--port", "0", match="UNMASK_API_KEY")
