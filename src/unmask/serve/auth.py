@@ -26,8 +26,8 @@ def check_key(key: str | None) -> bytes | None:
     if key is None:
         return None
     if not isinstance(key, str) or not key or not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
-        raise UnmaskError("--api-key must be non-empty printable ASCII without spaces (it travels in an HTTP "
-                          "header); pass e.g. --api-key $(openssl rand -hex 16)")
+        raise UnmaskError("--api-key (or UNMASK_API_KEY) must be non-empty printable ASCII without spaces (it "
+                          "travels in an HTTP header); pass e.g. --api-key $(openssl rand -hex 16)")
     return key.encode("ascii")
 
 

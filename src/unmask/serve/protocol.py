@@ -48,7 +48,10 @@ _EXTRA_KNOBS = {"verify": "bool", "confidence": "str"}
 _NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
             "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
             "logit_bias": (None, {}), "suffix": (None, ""), "user": None, "stream_options": None,
-            "response_format": (None, {"type": "text"}), "max_completion_tokens": None}
+            "response_format": (None, {"type": "text"}), "max_completion_tokens": None,
+            # tool calling is not served; client wrappers may still send an empty tool list
+            "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+            "function_call": (None, "none")}
 
 
 @lru_cache(maxsize=1)
