@@ -31,3 +31,11 @@ def test_a_bad_api_key_from_the_environment_names_the_variable(capsys, monkeypat
 
     monkeypatch.setenv("UNMASK_API_KEY", "has space")
     one_line_error(capsys, "serve", "--model", "stories260K", "--port", "0", match="UNMASK_API_KEY")
+
+
+def test_a_completion_without_a_prompt_says_the_prompt_is_required():
+    """``{}`` (or ``"prompt": null``) is a missing prompt, not a prompt of the wrong type ("got null")."""
+    for body in ({}, {"prompt": None}):
+        with pytest.raises(ApiError, match="prompt is required") as e:
+            _parse(body)
+        assert e.value.status == 400 and e.value.param == "prompt"

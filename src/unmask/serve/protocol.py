@@ -297,6 +297,8 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
         prompt, field = body.get("prompt"), "prompt"
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
+        if prompt is None:
+            raise ApiError(400, "prompt is required: send the text to continue as \"prompt\"", param="prompt")
         if not isinstance(prompt, str):
             raise ApiError(400, f"prompt must be a string or a list of strings (got {_json_kind(prompt)}; token-id "
                                 "prompts are not served): send the text", param="prompt")
