@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,8 +178,23 @@ POSITIVE_CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "n
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
+def _non_finite(value, where: str = "") -> tuple[str, float] | None:
+    """The first (dotted key path, value) of a NaN or infinite number in a JSON value, else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := _non_finite(item, f"{where}.{key}" if where else str(key))) is not None:
+            return found
+    return None
+
+
 def _check_config_fields(path: Path, hf_config: dict) -> None:
-    """Raises UnmaskError naming config.json and the field for an integer size field below 1."""
+    """Raises UnmaskError naming config.json and the field for an integer size field below 1, or for
+    a NaN / Infinity anywhere in it (json reads them; a NaN rms_norm_eps made every logit NaN)."""
+    if (found := _non_finite(hf_config)) is not None:
+        raise UnmaskError(f"{path / 'config.json'}: {found[0]} is {found[1]!r}, not a finite number; fix the file "
+                          "or restore the checkpoint")
     for key in POSITIVE_CONFIG_FIELDS:
         value = hf_config.get(key)
         if is_int(value) and value < 1:
