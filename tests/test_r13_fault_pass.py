@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,35 @@ def test_the_batch_memory_check_counts_no_more_cache_than_the_context_window(mon
     create_app(bundle, max_batch_size=8, limits=Limits(max_cache_tokens=2**40))
     with pytest.raises(UnmaskError, match=r"a row's 512-token KV cache"):
         create_app(bundle, max_batch_size=10_000, limits=Limits(max_cache_tokens=2**40))
+
+
+FORKS = """
+import os, time
+made = 0
+try:
+    for _ in range({n}):
+        if os.fork() == 0:
+            time.sleep(60)  # the supervisor kills every descendant when the program ends
+            os._exit(0)
+        made += 1
+except OSError as e:
+    print("refused", made, type(e).__name__)
+else:
+    print("made", made)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0 or not sys.platform.startswith("linux"),
+                    reason="the process bound rides on the per-run uid the sandbox drops to as root")
+@pytest.mark.parametrize("split", [False, True])
+def test_a_fork_bomb_is_bounded_by_a_process_count_not_only_the_clock(split):
+    """Before, nothing bounded the processes a program starts before its timeout (pid_max for the
+    whole machine); the per-run uid now holds at most sandbox.MAX_PROCESSES tasks."""
+    from unmask.eval import sandbox
+
+    n = sandbox.MAX_PROCESSES + 40
+    program = FORKS.format(n=n)
+    r = sandbox.run_program(program, tests="pass" if split else None, timeout_s=30)
+    assert r.unprivileged, r
+    out = r.stdout_tail.split()
+    assert out[0] == "refused" and int(out[1]) < sandbox.MAX_PROCESSES and out[2] == "BlockingIOError", r

@@ -58,6 +58,8 @@ What :func:`run_program` does, and how far each measure goes:
   ``/root``) and ``no_new_privs`` set, so a setuid binary cannot give root back. It owns nothing
   outside its directory, so ``chmod``, ``chown``, ``utime`` and ``setxattr`` there fail, and it
   cannot renice, pin or reschedule any process of another uid (its supervisor, other runs).
+  That uid holds at most :data:`MAX_PROCESSES` processes and threads (``RLIMIT_NPROC``), so a fork
+  bomb gets ``BlockingIOError`` there instead of filling the machine's process table until the timeout.
   ``RunResult.unprivileged`` says whether this held. Started as another user, the program keeps
   that user's rights.
 - **Network**: best effort. The bootstrap replaces ``socket.socket`` and friends with a
@@ -96,6 +98,7 @@ _SETUP_FAILED = 97  # exit code of the bootstrap when required confinement faile
 # Each run gets its own uid from this range (start, size), one no account uses, so concurrent
 # runs cannot renice or pin each other either.
 _RUN_UIDS = (0x7F000000, 0x00FFFFFF)
+MAX_PROCESSES = 256  # tasks (processes and threads) a run's own uid may hold: a fork bomb stops there
 
 # Runs in the child before the program (python -c): limits, the supervisor, confinement.
 _BOOTSTRAP = (Path(__file__).with_name("_sandbox_boot.py")).read_text(encoding="utf-8")
@@ -236,7 +239,8 @@ def run_program(program: str, *, tests: str | None = None, timeout_s: float = 10
     cfg = {"mem": memory_mb * 2**20, "fsize": max_output_mb * 2**20,
            "cpu": int(timeout_s) + 2, "network": network, "landlock": use_landlock,
            "require": require_confinement, "timeout": timeout_s, "disk": max_disk_mb * 2**20,
-           "disk_files": 10_000, "uid": _RUN_UIDS[0] + secrets.randbelow(_RUN_UIDS[1])}
+           "disk_files": 10_000, "uid": _RUN_UIDS[0] + secrets.randbelow(_RUN_UIDS[1]),
+           "procs": MAX_PROCESSES}
     nonce = secrets.token_hex(16).encode()
     workdir = tempfile.mkdtemp(prefix="unmask-sandbox-")
     env = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
