@@ -79,3 +79,24 @@ def test_a_fork_bomb_is_bounded_by_a_process_count_not_only_the_clock(split):
     assert r.unprivileged, r
     out = r.stdout_tail.split()
     assert out[0] == "refused" and int(out[1]) < sandbox.MAX_PROCESSES and out[2] == "BlockingIOError", r
+
+
+STOP_TESTS = """
+def check(candidate):
+    assert all(map(lambda x: candidate(x) == x * x, [2, 3, 4]))
+check(f)
+"""
+
+
+def test_a_solution_that_raises_stopiteration_does_not_end_the_tests_iteration():
+    """A call that raised StopIteration ended the tests' map() early, so all(map(...)) over a
+    solution that answers nothing passed. The tests now see it as a RuntimeError (as PEP 479 does
+    for a generator); a solution's own iterator still ends normally."""
+    from unmask.eval import sandbox
+
+    forged = sandbox.run_program("def f(x):\n    raise StopIteration\n", tests=STOP_TESTS, timeout_s=20)
+    assert forged.status == "failed" and "RuntimeError" in forged.stderr_tail, forged
+    assert sandbox.run_program("def f(x):\n    return x * x\n", tests=STOP_TESTS, timeout_s=20).passed
+    gen = sandbox.run_program("def f(n):\n    yield from range(n)\n", tests="assert list(f(3)) == [0, 1, 2]\n"
+                              "it = iter(f(1))\nnext(it)\nassert next(it, 'end') == 'end'\n", timeout_s=20)
+    assert gen.passed, gen
