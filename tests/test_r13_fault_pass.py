@@ -100,3 +100,17 @@ def test_a_solution_that_raises_stopiteration_does_not_end_the_tests_iteration()
     gen = sandbox.run_program("def f(n):\n    yield from range(n)\n", tests="assert list(f(3)) == [0, 1, 2]\n"
                               "it = iter(f(1))\nnext(it)\nassert next(it, 'end') == 'end'\n", timeout_s=20)
     assert gen.passed, gen
+
+
+@pytest.mark.parametrize("name, body, want", [
+    ("p.txt", "Once upon\nThe dog\n", ["Once upon", "The dog"]),
+    ("p.jsonl", '{"prompt": "Once upon"}\n', ["Once upon"]),
+])
+def test_a_prompts_file_saved_with_a_utf8_bom_reads_like_one_without(tmp_path, name, body, want):
+    """Editors on Windows save UTF-8 with a BOM: it became the first prompt's first character (.txt)
+    or made line 1 invalid JSON (.jsonl)."""
+    from unmask.prompts import read_prompts_file
+
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    assert read_prompts_file(path) == want
