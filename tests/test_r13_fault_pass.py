@@ -114,3 +114,15 @@ def test_a_prompts_file_saved_with_a_utf8_bom_reads_like_one_without(tmp_path, n
     path = tmp_path / name
     path.write_bytes(b"\xef\xbb\xbf" + body.encode())
     assert read_prompts_file(path) == want
+
+
+def test_a_config_size_that_does_not_fit_the_weights_names_the_tensor_and_both_shapes(tmp_path):
+    """A hand-edited size (or a duplicate key, whose last value wins) answered transformers' 'For details
+    look at the above report!', and the report itself is not shown: nothing named the field."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(SHIPPED / "stories260K", d)
+    cfg = d / "config.json"
+    cfg.write_text(cfg.read_text().replace('"intermediate_size": 172', '"intermediate_size": 172, "intermediate_size": 180'))
+    with pytest.raises(UnmaskError, match=r"do not fit its config\.json: .*model\.layers\.0\.mlp\.down_proj\.weight is "
+                                          r"\(64, 172\) in the checkpoint but \(64, 180\) by config\.json"):
+        unmask.load(str(d))

@@ -228,8 +228,14 @@ def _read_hf_config(path: Path) -> dict:
 
 def _check_weights_match(path: Path, hf_config: dict, info: dict) -> None:
     """Refuse a checkpoint whose weights do not fill the model config.json describes: transformers
-    would initialise the missing parameters at random (e.g. ``model_type`` edited to another
-    architecture) and the model would write noise. Raises UnmaskError."""
+    would initialise the missing or mis-sized parameters at random (e.g. ``model_type`` edited to another
+    architecture, a size edited) and the model would write noise. Raises UnmaskError."""
+    mismatched = sorted((str(k), tuple(a), tuple(b)) for k, a, b in info.get("mismatched_keys") or ())
+    if mismatched:  # loaded with ignore_mismatched_sizes so that the shapes can be named here
+        key, ckpt, model = mismatched[0]
+        raise UnmaskError(f"the weights in {path} do not fit its config.json: {len(mismatched)} tensors differ, e.g. "
+                          f"{key} is {ckpt} in the checkpoint but {model} by config.json; fix config.json (a size "
+                          "edited, or a key given twice: the last wins) or restore the checkpoint")
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         raise UnmaskError(f"the weights in {path} do not fit its config.json (model_type "
@@ -435,7 +441,7 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         else:
             auto = getattr(transformers, loader_name(hf_config, family))
             model, info = auto.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code,
-                                               output_loading_info=True, **extra)
+                                               output_loading_info=True, ignore_mismatched_sizes=True, **extra)
             _check_weights_match(path, hf_config, info)
         tokenizer = _load_tokenizer(path, family, native is not None, trust_remote_code)
     except UnmaskError:
