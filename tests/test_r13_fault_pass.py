@@ -126,3 +126,32 @@ def test_a_config_size_that_does_not_fit_the_weights_names_the_tensor_and_both_s
     with pytest.raises(UnmaskError, match=r"do not fit its config\.json: .*model\.layers\.0\.mlp\.down_proj\.weight is "
                                           r"\(64, 172\) in the checkpoint but \(64, 180\) by config\.json"):
         unmask.load(str(d))
+
+
+@pytest.mark.parametrize("header, why", [
+    (None, "no API key was given"),
+    (b"", "no API key was given"),
+    (b"Basic c2VjcmV0", "the Authorization header uses the scheme 'Basic', not Bearer"),
+    (b"Token secret", "the Authorization header uses the scheme 'Token', not Bearer"),
+    (b"Bearer nope", "the API key is not this server's"),
+])
+def test_a_refused_key_says_what_was_wrong_with_the_header(header, why):
+    """'Authorization: Basic ...' (curl -u, a proxy) was answered 'no API key was given'."""
+    import asyncio
+    import json
+
+    pytest.importorskip("fastapi")
+    from unmask.serve import auth
+
+    async def app(scope, receive, send):
+        raise AssertionError("a refused request reached the app")
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [] if header is None else [(b"authorization", header)]
+    asyncio.run(auth.RequireKey(app, b"secret")({"type": "http", "path": "/v1/completions", "headers": headers}, None, send))
+    assert sent[0]["status"] == 401
+    assert json.loads(sent[1]["body"])["error"]["message"].startswith(why + ";")
