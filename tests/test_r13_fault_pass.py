@@ -155,3 +155,22 @@ def test_a_refused_key_says_what_was_wrong_with_the_header(header, why):
     asyncio.run(auth.RequireKey(app, b"secret")({"type": "http", "path": "/v1/completions", "headers": headers}, None, send))
     assert sent[0]["status"] == 401
     assert json.loads(sent[1]["body"])["error"]["message"].startswith(why + ";")
+
+
+@pytest.mark.parametrize("key, value, why", [
+    ("gamma", "Infinity", r"decode_defaults gamma=inf is not a finite number"),
+    ("verify_block_size", "100000000", r"decode_defaults verify_block_size 100000000 is larger than the context "
+                                       r"window of 512"),
+    ("block_size", "1" + "0" * 400, r"decode_defaults block_size 1000000000\d*\.\.\. is larger than the context"),
+])
+def test_a_checkpoint_decode_default_past_any_use_is_refused_at_load(tmp_path, key, value, why):
+    """gamma Infinity loaded (the CLI refuses --gamma inf); a verify_block_size of 10**8 loaded and the
+    server then refused to start blaming --max-batch-size and --max-cache-tokens (191 GiB a row)."""
+    import re
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(SHIPPED / "stories260K-sbd", d)
+    cfg = d / "unmask_config.json"
+    cfg.write_text(re.sub(rf'"{key}": [^,\n]+', f'"{key}": {value}', cfg.read_text(), count=1))
+    with pytest.raises(UnmaskError, match=why):
+        unmask.load(str(d))

@@ -202,6 +202,18 @@ def _check_config_fields(path: Path, hf_config: dict) -> None:
                               "or restore the checkpoint")
 
 
+def _check_default_sizes(path: Path, defaults: dict, hf_config: dict) -> None:
+    """Raises UnmaskError for a decode_defaults block size past the context window: no request could
+    use it (and the server's start-up memory check would count its drafts and blame the batch)."""
+    ctx = hf_config.get("max_position_embeddings")
+    for key in ("block_size", "verify_block_size"):
+        value = defaults.get(key)
+        if is_int(ctx) and is_int(value) and value > ctx:
+            shown = str(value) if len(str(value)) <= 20 else str(value)[:20] + "..."
+            raise UnmaskError(f"{path / UNMASK_CONFIG}: decode_defaults {key} {shown} is larger than the context "
+                              f"window of {ctx}; fix the file or restore the checkpoint")
+
+
 def _check_float_weights(path: Path, hf_config: dict) -> None:
     """Refuse safetensors weights (``*.weight`` / ``*.bias``) stored as integers in a checkpoint
     without a ``quantization_config``: loading casts the raw codes to float and the model writes
@@ -408,6 +420,7 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         from unmask.models.adapter_io import check_decode_defaults
 
         meta["decode_defaults"] = check_decode_defaults(meta["decode_defaults"], str(path / UNMASK_CONFIG))
+        _check_default_sizes(path, meta["decode_defaults"], hf_config)
     family = family_of(hf_config)
     native = native_module(hf_config)
     if kind is not None and kind not in KINDS:
