@@ -397,8 +397,9 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     ``kind`` that contradicts the one ``unmask_config.json`` records, remote code without
     ``trust_remote_code``, disagreeing mask ids, a mask id that is a vocabulary token (without
     ``force_mask_id``), a kind that needs a mask token the checkpoint does not name, a JSON file
-    that is invalid or nested too deeply, a config.json size field below 1, integer-typed weights
-    without a ``quantization_config``, invalid ``decode_defaults``, a stop id outside the
+    that is invalid or nested too deeply, a config.json size field below 1 or one the weights do not
+    fit, a NaN or Infinity in config.json, integer-typed weights without a ``quantization_config``,
+    invalid ``decode_defaults`` (a non-finite number, a block size past the context window), a stop id outside the
     vocabulary (outside the published families), a mask id that is also a stop id, or a tokenizer
     with token ids past the input embedding's rows; each names the file and the field (or the ids).
     """
