@@ -174,3 +174,24 @@ def test_a_checkpoint_decode_default_past_any_use_is_refused_at_load(tmp_path, k
     cfg.write_text(re.sub(rf'"{key}": [^,\n]+', f'"{key}": {value}', cfg.read_text(), count=1))
     with pytest.raises(UnmaskError, match=why):
         unmask.load(str(d))
+
+
+def test_a_diffusion_answer_cut_at_a_stop_string_finishes_with_stop():
+    """A masked-diffusion canvas commits all its max_tokens at once, and the finish check tested the
+    length before the stop strings: the text was cut at '.', but finish_reason said 'length'."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from unmask.serve import create_app
+    from unmask.serve.server import ServerThread
+
+    from test_round3_serve import post
+
+    app = create_app(unmask.load("stories260K-dlm"), max_batch_size=2)
+    with ServerThread(app) as s:
+        for stream_free in ({"prompt": "Once"}, {"prompt": ["Once", "The dog"]}):
+            status, body = post(s.url + "/v1/completions", {**stream_free, "max_tokens": 32, "stop": ["."]})
+            assert status == 200, body
+            for choice in body["choices"]:
+                assert "." not in choice["text"] and choice["finish_reason"] == "stop", body
+        status, body = post(s.url + "/v1/completions", {"prompt": "Once", "max_tokens": 8})
+        assert body["choices"][0]["finish_reason"] == "length", body  # no stop string: the length still ends it
