@@ -22,7 +22,8 @@ def test_a_non_finite_number_in_config_json_is_refused_at_load(tmp_path, value):
     shutil.copytree(SHIPPED / "stories260K", d)
     cfg = d / "config.json"
     cfg.write_text(cfg.read_text().replace('"rms_norm_eps": 1e-05', f'"rms_norm_eps": {value}'))
-    with pytest.raises(UnmaskError, match=rf"(?i)config\.json: rms_norm_eps is -?{value.lstrip('-')[:3]}.*not a finite number"):
+    why = rf"(?i)config\.json: rms_norm_eps is -?{value.lstrip('-')[:3]}.*not a finite number"
+    with pytest.raises(UnmaskError, match=why):
         unmask.load(str(d))
 
 
@@ -122,7 +123,8 @@ def test_a_config_size_that_does_not_fit_the_weights_names_the_tensor_and_both_s
     d = tmp_path / "ckpt"
     shutil.copytree(SHIPPED / "stories260K", d)
     cfg = d / "config.json"
-    cfg.write_text(cfg.read_text().replace('"intermediate_size": 172', '"intermediate_size": 172, "intermediate_size": 180'))
+    cfg.write_text(cfg.read_text().replace('"intermediate_size": 172',
+                                           '"intermediate_size": 172, "intermediate_size": 180'))
     with pytest.raises(UnmaskError, match=r"do not fit its config\.json: .*model\.layers\.0\.mlp\.down_proj\.weight is "
                                           r"\(64, 172\) in the checkpoint but \(64, 180\) by config\.json"):
         unmask.load(str(d))
@@ -152,7 +154,8 @@ def test_a_refused_key_says_what_was_wrong_with_the_header(header, why):
         sent.append(message)
 
     headers = [] if header is None else [(b"authorization", header)]
-    asyncio.run(auth.RequireKey(app, b"secret")({"type": "http", "path": "/v1/completions", "headers": headers}, None, send))
+    scope = {"type": "http", "path": "/v1/completions", "headers": headers}
+    asyncio.run(auth.RequireKey(app, b"secret")(scope, None, send))
     assert sent[0]["status"] == 401
     assert json.loads(sent[1]["body"])["error"]["message"].startswith(why + ";")
 

@@ -30,7 +30,8 @@ What :func:`run_program` does, and how far each measure goes:
   as a proxy that the tests may call, index, iterate and pass back but never compare or test for
   truth. An exception a call raises is raised again on the tests' side by its name (a
   ``StopIteration`` as ``RuntimeError``, as in a generator: it would end the tests' ``map()``
-  early and pass ``all(map(...))`` unchecked). The tests' process is not dumpable and keeps its own uid and its own Landlock domain,
+  early and pass ``all(map(...))`` unchecked).
+  The tests' process is not dumpable and keeps its own uid and its own Landlock domain,
   so the unprivileged solution cannot read its memory or descriptors either. A single
   ``program`` holds its nonce in the same interpreter as the code it judges, so code that
   searches that interpreter (its frames, ``gc``) can forge it: use ``tests`` for scoring. What a

@@ -65,7 +65,8 @@ def _done(row, bundle) -> None:
     reason = row.finish
     if reason == "length" and per_call.stopped(bundle, row.job, row.tokens):  # a canvas that filled at once
         reason = "stop"  # the text is cut at the stop string, so the answer ended there, not at the length
-    row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": reason, "stop_token": row.stop_token})
+    row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": reason,
+                            "stop_token": row.stop_token})
 
 
 # Continuous running batches of the other decoders: batch kind -> class (see Scheduler._running_kind).

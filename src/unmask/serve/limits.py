@@ -177,8 +177,8 @@ def check_defaults(bundle, limits: Limits, decoder: str, options: dict, draft_k:
 def check_batch_memory(bundle, limits: Limits, max_batch_size: int) -> None:
     """Raise UnmaskError (one line, with the numbers) when a full batch of ``max_batch_size`` rows cannot
     fit in the memory free on the model's device: per row, the KV cache of ``limits.cache_tokens``
-    tokens (at most the context window), its token and position slots, and the (K, V) float32 draft probabilities a sampled lossless
-    row keeps (:mod:`unmask.memory`; a lower bound, so a refused size never fits)."""
+    tokens (at most the context window), its token and position slots, and the (K, V) float32 draft
+    probabilities a sampled lossless row keeps (:mod:`unmask.memory`; a lower bound, so a refused size never fits)."""
     from unmask import memory
     from unmask.decode import sbd_verify
 
