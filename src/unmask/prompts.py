@@ -181,7 +181,7 @@ def read_prompts_file(path: str | Path) -> list[Prompt]:
             size = f"{MAX_FILE_BYTES // 2**20} MiB" if MAX_FILE_BYTES % 2**20 == 0 else f"{MAX_FILE_BYTES} bytes"
             raise UnmaskError(f"prompts file {path} is larger than {size}, the limit of a prompts file; split it into "
                               "smaller files, one prompt per line")
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a leading BOM (Windows editors) is not part of the first prompt
     except OSError as e:
         raise UnmaskError(f"cannot read prompts file {path}: {e.strerror or e}; "
                           "pass a readable .txt (one prompt per line) or .jsonl file") from None

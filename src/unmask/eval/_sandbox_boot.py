@@ -251,6 +251,8 @@ if _judge is not None:
 unprivileged = False
 try:
     unprivileged = drop_privileges(cfg["uid"])
+    if unprivileged:  # the uid is this run's alone, so the count is exactly its processes and threads
+        resource.setrlimit(resource.RLIMIT_NPROC, (cfg["procs"], cfg["procs"]))
 except Exception:  # e.g. a uid outside this user namespace's map: try the overflow uid instead
     try:
         unprivileged = cfg["uid"] != 65534 and os.geteuid() == 0 and drop_privileges(65534)

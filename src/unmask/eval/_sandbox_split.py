@@ -195,6 +195,10 @@ def judge(tests, wpid, rfd, wfd):
             raise StopIteration
         if kind == "raise":
             name, message = str(reply[1]), str(reply[2])
+            if name in ("StopIteration", "StopAsyncIteration"):
+                # as PEP 479 does for generators: raised by a call, it would silently end the tests'
+                # map() or filter() (all(map(...)) over nothing passes); an iterator's end is "stop"
+                raise RuntimeError(f"the solution raised {name}: {message}")
             cls = getattr(builtins, name, None)
             if not (isinstance(cls, type) and issubclass(cls, Exception)):
                 cls = type(name, (Exception,), {})

@@ -28,7 +28,10 @@ What :func:`run_program` does, and how far each measure goes:
   built-in and ``collections`` containers; a subclass such as a numpy scalar becomes the plain
   value it stands for) read by a loader that builds nothing else; any other object comes back
   as a proxy that the tests may call, index, iterate and pass back but never compare or test for
-  truth. The tests' process is not dumpable and keeps its own uid and its own Landlock domain,
+  truth. An exception a call raises is raised again on the tests' side by its name (a
+  ``StopIteration`` as ``RuntimeError``, as in a generator: it would end the tests' ``map()``
+  early and pass ``all(map(...))`` unchecked).
+  The tests' process is not dumpable and keeps its own uid and its own Landlock domain,
   so the unprivileged solution cannot read its memory or descriptors either. A single
   ``program`` holds its nonce in the same interpreter as the code it judges, so code that
   searches that interpreter (its frames, ``gc``) can forge it: use ``tests`` for scoring. What a
@@ -58,6 +61,8 @@ What :func:`run_program` does, and how far each measure goes:
   ``/root``) and ``no_new_privs`` set, so a setuid binary cannot give root back. It owns nothing
   outside its directory, so ``chmod``, ``chown``, ``utime`` and ``setxattr`` there fail, and it
   cannot renice, pin or reschedule any process of another uid (its supervisor, other runs).
+  That uid holds at most :data:`MAX_PROCESSES` processes and threads (``RLIMIT_NPROC``), so a fork
+  bomb gets ``BlockingIOError`` there instead of filling the machine's process table until the timeout.
   ``RunResult.unprivileged`` says whether this held. Started as another user, the program keeps
   that user's rights.
 - **Network**: best effort. The bootstrap replaces ``socket.socket`` and friends with a
@@ -96,6 +101,7 @@ _SETUP_FAILED = 97  # exit code of the bootstrap when required confinement faile
 # Each run gets its own uid from this range (start, size), one no account uses, so concurrent
 # runs cannot renice or pin each other either.
 _RUN_UIDS = (0x7F000000, 0x00FFFFFF)
+MAX_PROCESSES = 256  # tasks (processes and threads) a run's own uid may hold: a fork bomb stops there
 
 # Runs in the child before the program (python -c): limits, the supervisor, confinement.
 _BOOTSTRAP = (Path(__file__).with_name("_sandbox_boot.py")).read_text(encoding="utf-8")
@@ -236,7 +242,8 @@ def run_program(program: str, *, tests: str | None = None, timeout_s: float = 10
     cfg = {"mem": memory_mb * 2**20, "fsize": max_output_mb * 2**20,
            "cpu": int(timeout_s) + 2, "network": network, "landlock": use_landlock,
            "require": require_confinement, "timeout": timeout_s, "disk": max_disk_mb * 2**20,
-           "disk_files": 10_000, "uid": _RUN_UIDS[0] + secrets.randbelow(_RUN_UIDS[1])}
+           "disk_files": 10_000, "uid": _RUN_UIDS[0] + secrets.randbelow(_RUN_UIDS[1]),
+           "procs": MAX_PROCESSES}
     nonce = secrets.token_hex(16).encode()
     workdir = tempfile.mkdtemp(prefix="unmask-sandbox-")
     env = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",

@@ -18,6 +18,7 @@ and load by bare name (``unmask.load("stories260K", adapter="sbd")``).
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from contextlib import ExitStack
 from pathlib import Path
@@ -173,6 +174,9 @@ def check_decode_defaults(defaults, where: str) -> dict:
         if not isinstance(value, (bool, int, float, str)) and value is not None:
             raise UnmaskError(f"{where}: decode_defaults {key}={value!r} is not a number, string or boolean; "
                               "pass a plain value")
+        if isinstance(value, float) and not math.isfinite(value):  # json reads NaN and Infinity
+            raise UnmaskError(f"{where}: decode_defaults {key}={value!r} is not a finite number; pass a finite "
+                              "value, as on the command line")
     try:
         SBDConfig.from_options(**{k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS})
         if "verify" in defaults and not isinstance(defaults["verify"], bool):

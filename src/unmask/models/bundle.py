@@ -10,8 +10,8 @@ import torch
 
 from unmask.errors import UnmaskError, is_int
 from unmask.fileio import read_json_object
-from unmask.models.checkpoint_checks import (check_config_fields, check_explicit_mask_id, check_float_weights,
-                                             check_tokenizer_ids, check_weights_match)
+from unmask.models.checkpoint_checks import (check_config_fields, check_default_sizes, check_explicit_mask_id,
+                                             check_float_weights, check_tokenizer_ids, check_weights_match)
 
 KINDS = ("causal", "sbd", "masked-diffusion", "block-diffusion")
 UNMASK_CONFIG = "unmask_config.json"
@@ -260,8 +260,9 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     ``kind`` that contradicts the one ``unmask_config.json`` records, remote code without
     ``trust_remote_code``, disagreeing mask ids, a mask id that is a vocabulary token (without
     ``force_mask_id``), a kind that needs a mask token the checkpoint does not name, a JSON file
-    that is invalid or nested too deeply, a config.json size field below 1, integer-typed weights
-    without a ``quantization_config``, invalid ``decode_defaults``, a stop id outside the
+    that is invalid or nested too deeply, a config.json size field below 1 or one the weights do not
+    fit, a NaN or Infinity in config.json, integer-typed weights without a ``quantization_config``,
+    invalid ``decode_defaults`` (a non-finite number, a block size past the context window), a stop id outside the
     vocabulary (outside the published families), a mask id that is also a stop id, or a tokenizer
     with token ids past the input embedding's rows; each names the file and the field (or the ids).
     """
@@ -283,6 +284,7 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         from unmask.models.adapter_io import check_decode_defaults
 
         meta["decode_defaults"] = check_decode_defaults(meta["decode_defaults"], str(path / UNMASK_CONFIG))
+        check_default_sizes(path, meta["decode_defaults"], hf_config)
     family = family_of(hf_config)
     native = native_module(hf_config)
     if kind is not None and kind not in KINDS:
@@ -316,7 +318,7 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         else:
             auto = getattr(transformers, loader_name(hf_config, family))
             model, info = auto.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code,
-                                               output_loading_info=True, **extra)
+                                               output_loading_info=True, ignore_mismatched_sizes=True, **extra)
             check_weights_match(path, hf_config, info)
         tokenizer = _load_tokenizer(path, family, native is not None, trust_remote_code)
     except UnmaskError:

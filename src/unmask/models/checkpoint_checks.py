@@ -4,6 +4,7 @@ id that is a vocabulary token, tokenizer ids past the input embedding."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -19,13 +20,40 @@ POSITIVE_CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "n
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
+def non_finite(value, where: str = "") -> tuple[str, float] | None:
+    """The first (dotted key path, value) of a NaN or infinite number in a JSON value, else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := non_finite(item, f"{where}.{key}" if where else str(key))) is not None:
+            return found
+    return None
+
+
 def check_config_fields(path: Path, hf_config: dict) -> None:
-    """Raises UnmaskError naming config.json and the field for an integer size field below 1."""
+    """Raises UnmaskError naming config.json and the field for an integer size field below 1, or for
+    a NaN / Infinity anywhere in it (json reads them; a NaN rms_norm_eps made every logit NaN)."""
+    if (found := non_finite(hf_config)) is not None:
+        raise UnmaskError(f"{path / 'config.json'}: {found[0]} is {found[1]!r}, not a finite number; fix the file "
+                          "or restore the checkpoint")
     for key in POSITIVE_CONFIG_FIELDS:
         value = hf_config.get(key)
         if is_int(value) and value < 1:
             raise UnmaskError(f"{path / 'config.json'}: {key} must be an integer >= 1 (got {value!r}); fix the file "
                               "or restore the checkpoint")
+
+
+def check_default_sizes(path: Path, defaults: dict, hf_config: dict) -> None:
+    """Raises UnmaskError for a decode_defaults block size past the context window: no request could
+    use it (and the server's start-up memory check would count its drafts and blame the batch)."""
+    ctx = hf_config.get("max_position_embeddings")
+    for key in ("block_size", "verify_block_size"):
+        value = defaults.get(key)
+        if is_int(ctx) and is_int(value) and value > ctx:
+            shown = str(value) if len(str(value)) <= 20 else str(value)[:20] + "..."
+            raise UnmaskError(f"{path / 'unmask_config.json'}: decode_defaults {key} {shown} is larger than the context "
+                              f"window of {ctx}; fix the file or restore the checkpoint")
 
 
 def check_float_weights(path: Path, hf_config: dict) -> None:
@@ -48,8 +76,14 @@ def check_float_weights(path: Path, hf_config: dict) -> None:
 
 def check_weights_match(path: Path, hf_config: dict, info: dict) -> None:
     """Refuse a checkpoint whose weights do not fill the model config.json describes: transformers
-    would initialise the missing parameters at random (e.g. ``model_type`` edited to another
-    architecture) and the model would write noise. Raises UnmaskError."""
+    would initialise the missing or mis-sized parameters at random (e.g. ``model_type`` edited to another
+    architecture, a size edited) and the model would write noise. Raises UnmaskError."""
+    mismatched = sorted((str(k), tuple(a), tuple(b)) for k, a, b in info.get("mismatched_keys") or ())
+    if mismatched:  # loaded with ignore_mismatched_sizes so that the shapes can be named here
+        key, ckpt, model = mismatched[0]
+        raise UnmaskError(f"the weights in {path} do not fit its config.json: {len(mismatched)} tensors differ, e.g. "
+                          f"{key} is {ckpt} in the checkpoint but {model} by config.json; fix config.json (a size "
+                          "edited, or a key given twice: the last wins) or restore the checkpoint")
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         raise UnmaskError(f"the weights in {path} do not fit its config.json (model_type "

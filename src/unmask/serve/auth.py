@@ -31,13 +31,31 @@ def check_key(key: str | None) -> bytes | None:
     return key.encode("ascii")
 
 
-def _given(scope) -> bytes:
-    """The bearer token of the request's Authorization header (b"" when there is none)."""
+def _authorization(scope) -> tuple[bytes, bytes]:
+    """(scheme, token) of the request's Authorization header ((b"", b"") when there is none)."""
     for name, value in scope.get("headers") or ():
         if name.lower() == b"authorization":
             scheme, _, token = value.strip().partition(b" ")
-            return token.strip() if scheme.lower() == b"bearer" else b""
-    return b""
+            return scheme, token.strip()
+    return b"", b""
+
+
+def _given(scope) -> bytes:
+    """The bearer token of the request's Authorization header (b"" when there is none)."""
+    scheme, token = _authorization(scope)
+    return token if scheme.lower() == b"bearer" else b""
+
+
+def _why(scope) -> str:
+    """Why the request's key is refused, in words for the 401."""
+    scheme, _ = _authorization(scope)
+    if _given(scope):
+        return "the API key is not this server's"
+    if scheme and scheme.lower() != b"bearer":  # curl -u or a proxy's Basic: a key sent the wrong way
+        name = scheme.decode("ascii", "replace")
+        name = repr(name) if len(name) <= 20 and name.isalnum() else "another scheme"
+        return f"the Authorization header uses the scheme {name}, not Bearer"
+    return "no API key was given"
 
 
 class RequireKey:
@@ -50,9 +68,7 @@ class RequireKey:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("path") in OPEN_PATHS or hmac.compare_digest(_given(scope), self.key):
             return await self.app(scope, receive, send)
-        given = _given(scope)
-        why = "no API key was given" if not given else "the API key is not this server's"
-        error = ApiError(401, f"{why}; send the header 'Authorization: Bearer KEY' with the server's --api-key "
+        error = ApiError(401, f"{_why(scope)}; send the header 'Authorization: Bearer KEY' with the server's --api-key "
                               "(openai clients: OpenAI(api_key=KEY))", code="invalid_api_key")
         body = json.dumps(error.body()).encode()
         await send({"type": "http.response.start", "status": 401,

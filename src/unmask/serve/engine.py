@@ -61,8 +61,12 @@ def _rows(batch) -> list:
     return list(batch.rows.values()) if isinstance(batch.rows, dict) else list(batch.rows)
 
 
-def _done(row) -> None:
-    row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": row.finish, "stop_token": row.stop_token})
+def _done(row, bundle) -> None:
+    reason = row.finish
+    if reason == "length" and per_call.stopped(bundle, row.job, row.tokens):  # a canvas that filled at once
+        reason = "stop"  # the text is cut at the stop string, so the answer ended there, not at the length
+    row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": reason,
+                            "stop_token": row.stop_token})
 
 
 # Continuous running batches of the other decoders: batch kind -> class (see Scheduler._running_kind).
@@ -384,7 +388,7 @@ class Scheduler:
                         self.running_batches[key] = self.running_batches.pop(key)
                     self.peak_running = max(self.peak_running, self.active)
                     for row in batch.step():
-                        _done(row)
+                        _done(row, self.bundle)
             except Exception:
                 log.exception("a %s running batch failed", key[0])
                 self._fail(key, batch)
@@ -412,14 +416,14 @@ class Scheduler:
         self.peak_running = max(self.peak_running, self.active)
         self.sizer.resize(batch, draft)
         for row in batch.step():
-            _done(row)
+            _done(row, self.bundle)
 
     def _join(self, batch, jobs: list[Job], **kw) -> None:
         """Admit jobs together; when that raises (a prefill refusing one, or failing on one), each alone,
         so only the request that fails alone fails: 400 for the decoder's own refusal, else 500."""
         try:
             for row in batch.join(jobs, **kw):  # finished at its prefill (a stop token, max_tokens 1)
-                _done(row)
+                _done(row, self.bundle)
         except Exception as e:  # noqa: BLE001 (any failure: retried alone, then answered)
             if not isinstance(e, UnmaskError):  # rows placed before the failure leave (drop raising: _fail)
                 batch.drop([job.id for job in jobs])

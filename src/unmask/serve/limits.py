@@ -177,15 +177,16 @@ def check_defaults(bundle, limits: Limits, decoder: str, options: dict, draft_k:
 def check_batch_memory(bundle, limits: Limits, max_batch_size: int) -> None:
     """Raise UnmaskError (one line, with the numbers) when a full batch of ``max_batch_size`` rows cannot
     fit in the memory free on the model's device: per row, the KV cache of ``limits.cache_tokens``
-    tokens, its token and position slots, and the (K, V) float32 draft probabilities a sampled lossless
-    row keeps (:mod:`unmask.memory`; a lower bound, so a refused size never fits)."""
+    tokens (at most the context window), its token and position slots, and the (K, V) float32 draft
+    probabilities a sampled lossless row keeps (:mod:`unmask.memory`; a lower bound, so a refused size never fits)."""
     from unmask import memory
     from unmask.decode import sbd_verify
 
     if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
         return  # the scheduler refuses it by name
     model = bundle.model
-    tokens = limits.cache_tokens(bundle)
+    # a request's prompt + completion must fit the context window: a larger --max-cache-tokens is never reached
+    tokens = min(limits.cache_tokens(bundle), int(bundle.context_length))
     vocab = int(getattr(model.config, "vocab_size", None) or 0)
     k = (bundle.meta.get("decode_defaults") or {}).get("verify_block_size") or sbd_verify.DEFAULT_BLOCK_SIZE
     # per cache column: its K/V, and the slots' ids and positions (long) and two masks (bool)

@@ -39,11 +39,16 @@ def final(sched, job, canvas: list) -> tuple[list[int], str, int] | None:
         if t in sched.stop_ids:
             return tokens, "stop", 1
         tokens.append(t)
+    if stopped(sched.bundle, job, tokens):  # before the length: a canvas may commit all max_new_tokens at once
+        return tokens, "stop", 0
     if len(tokens) >= job.max_new_tokens:
         return tokens, "length", 0
-    if job.stop and any(s in sched.bundle.decode_continuation(job.prompt_ids, tokens) for s in job.stop):
-        return tokens, "stop", 0
     return None
+
+
+def stopped(bundle, job, tokens: list[int]) -> bool:
+    """Whether the text of ``tokens`` holds one of the job's stop strings (the answer is cut there)."""
+    return bool(job.stop) and any(s in bundle.decode_continuation(job.prompt_ids, list(tokens)) for s in job.stop)
 
 
 def run_batch(sched, jobs: list) -> None:
@@ -104,6 +109,6 @@ def run_batch(sched, jobs: list) -> None:
             finish_gone(j)
             continue
         toks = out.tokens[i]
-        reason = "length" if len(toks) >= j.max_new_tokens else "stop"
+        reason = "length" if len(toks) >= j.max_new_tokens and not stopped(sched.bundle, j, toks) else "stop"
         j.finish("done", {"tokens": toks, "nfe": int(out.stats.nfe_per_row[i]), "finish_reason": reason,
                           "stop_token": out.stats.row(i)["stop_token"]})
