@@ -19,6 +19,17 @@ as_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
 # --- item 12: no privileges ---------------------------------------------------------------------
 
 
+def all_denied(attempts: dict[str, str]) -> None:
+    """Runs each ``name: statement`` inside the sandbox; asserts every one raised OSError."""
+    program = "import os\n" + "".join(
+        f"try:\n    {stmt}\n    print({name!r}, 'ALLOWED')\n"
+        f"except OSError as e:\n    print({name!r}, 'denied', type(e).__name__)\n" for name, stmt in attempts.items())
+    r = run_program(program)
+    assert r.passed, r
+    lines = [ln for ln in r.stdout_tail.splitlines() if ln]
+    assert len(lines) == len(attempts) and all(" denied " in ln for ln in lines), r.stdout_tail
+
+
 @linux_only
 @as_root
 def test_program_runs_unprivileged():
@@ -50,28 +61,15 @@ def test_program_cannot_change_metadata_outside_its_directory(tmp_path):
     victim.write_text("original")
     os.chmod(victim, 0o644)
     before = os.stat(victim)
-    program = textwrap.dedent(f"""
-        import os
-        target = {str(victim)!r}
-        attempts = {{
-            "chmod": lambda: os.chmod(target, 0o777),
-            "chown": lambda: os.chown(target, 12345, 12345),
-            "utime_now": lambda: os.utime(target),
-            "utime_past": lambda: os.utime(target, (0, 0)),
-            "setxattr": lambda: os.setxattr(target, "user.unmask", b"x"),
-            "removexattr": lambda: os.removexattr(target, "user.absent"),
-        }}
-        for name, attempt in attempts.items():
-            try:
-                attempt()
-                print(name, "ALLOWED")
-            except OSError as e:
-                print(name, "denied", type(e).__name__)
-    """)
-    r = run_program(program)
-    assert r.passed, r
-    lines = [ln for ln in r.stdout_tail.splitlines() if ln]
-    assert len(lines) == 6 and all(" denied " in ln for ln in lines), r.stdout_tail
+    target = repr(str(victim))
+    all_denied({
+        "chmod": f"os.chmod({target}, 0o777)",
+        "chown": f"os.chown({target}, 12345, 12345)",
+        "utime_now": f"os.utime({target})",
+        "utime_past": f"os.utime({target}, (0, 0))",
+        "setxattr": f"os.setxattr({target}, 'user.unmask', b'x')",
+        "removexattr": f"os.removexattr({target}, 'user.absent')",
+    })
     after = os.stat(victim)
     assert (after.st_mode, after.st_uid, after.st_gid, after.st_mtime_ns) == \
         (before.st_mode, before.st_uid, before.st_gid, before.st_mtime_ns)
@@ -84,26 +82,15 @@ def test_program_cannot_renice_or_pin_other_processes():
     outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         prio, affinity = os.getpriority(os.PRIO_PROCESS, outside.pid), os.sched_getaffinity(outside.pid)
-        program = textwrap.dedent(f"""
-            import os
-            for name, attempt in {{
-                "setpriority": lambda: os.setpriority(os.PRIO_PROCESS, {outside.pid}, 19),
-                "setpriority_pgrp": lambda: os.setpriority(os.PRIO_PGRP, os.getpgid({outside.pid}), 19),
-                "setpriority_supervisor": lambda: os.setpriority(os.PRIO_PROCESS, os.getppid(), 19),
-                "sched_setaffinity": lambda: os.sched_setaffinity({outside.pid}, {{0}}),
-                "sched_setaffinity_supervisor": lambda: os.sched_setaffinity(os.getppid(), {{0}}),
-                "sched_setscheduler": lambda: os.sched_setscheduler({outside.pid}, os.SCHED_IDLE, os.sched_param(0)),
-            }}.items():
-                try:
-                    attempt()
-                    print(name, "ALLOWED")
-                except OSError as e:
-                    print(name, "denied", type(e).__name__)
-        """)
-        r = run_program(program)
-        assert r.passed, r
-        lines = [ln for ln in r.stdout_tail.splitlines() if ln]
-        assert len(lines) == 6 and all(" denied " in ln for ln in lines), r.stdout_tail
+        pid = outside.pid
+        all_denied({
+            "setpriority": f"os.setpriority(os.PRIO_PROCESS, {pid}, 19)",
+            "setpriority_pgrp": f"os.setpriority(os.PRIO_PGRP, os.getpgid({pid}), 19)",
+            "setpriority_supervisor": "os.setpriority(os.PRIO_PROCESS, os.getppid(), 19)",
+            "sched_setaffinity": f"os.sched_setaffinity({pid}, {{0}})",
+            "sched_setaffinity_supervisor": "os.sched_setaffinity(os.getppid(), {0})",
+            "sched_setscheduler": f"os.sched_setscheduler({pid}, os.SCHED_IDLE, os.sched_param(0))",
+        })
         assert os.getpriority(os.PRIO_PROCESS, outside.pid) == prio
         assert os.sched_getaffinity(outside.pid) == affinity
         assert os.sched_getscheduler(outside.pid) == os.SCHED_OTHER
