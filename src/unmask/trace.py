@@ -10,8 +10,10 @@ every forward, once per row that committed (or could have committed) in it, with
      "tokens": [...],      # their ids, same order
      "canvas": [...]}      # the row's generated region after the commit: ids, None where still masked
 
-:func:`step_event` builds one from tensors, so a decoder adds tracing with one call. The canvas
-may grow between events (block decoders that only know the blocks so far).
+:func:`host_event` builds one from host lists a decoder read in its step's one host sync (a
+running batch packs what its events need into that read); :func:`step_event` from tensors (each
+call reads the host). The canvas may grow between events (block decoders that only know the
+blocks so far).
 
 :func:`attach_trace` returns the decoder options (``{"on_step": trace}``); the :class:`Trace`
 records every event, renders the canvases live with rich when ``show`` is on (masked positions as
@@ -32,19 +34,26 @@ MASK_GLYPH = "░"
 TRACE_FORMAT = "unmask-trace/1"
 
 
+def host_event(step: int, row: int, committed: list, tokens: list[int], offset: int, canvas: list[int],
+               mask_id: int, **extra) -> dict:
+    """One step event from host lists (no tensor read).
+
+    committed: N truthy/falsy flags over a window that starts at generated index ``offset``;
+    tokens: the N candidate ids for that window; canvas: the ids of the generated region after the
+    commit, ``mask_id`` (or a negative id) where nothing is committed yet. ``extra`` (e.g. block=)
+    is added to the event.
+    """
+    return {"step": int(step), "row": int(row), **extra,
+            "positions": [offset + i for i, c in enumerate(committed) if c],
+            "tokens": [t for c, t in zip(committed, tokens) if c],
+            "canvas": [None if (t == mask_id or t < 0) else t for t in canvas]}
+
+
 def step_event(step: int, row: int, committed: torch.Tensor, tokens: torch.Tensor, offset: int,
                canvas: torch.Tensor, mask_id: int, **extra) -> dict:
-    """One step event from tensors.
-
-    committed: (N,) bool over a window that starts at generated index ``offset``; tokens: (N,)
-    long candidates for that window; canvas: (L,) long generated region after the commit, with
-    ``mask_id`` (or a negative id) where nothing is committed yet. ``extra`` (e.g. block=) is
-    added to the event.
-    """
-    positions = (torch.nonzero(committed).flatten() + offset).tolist()
-    return {"step": int(step), "row": int(row), **extra, "positions": positions,
-            "tokens": tokens[committed].tolist(),
-            "canvas": [None if (t == mask_id or t < 0) else t for t in canvas.tolist()]}
+    """:func:`host_event` from tensors: committed (N,) bool, tokens (N,) long, canvas (L,) long
+    (three host reads)."""
+    return host_event(step, row, committed.tolist(), tokens.tolist(), offset, canvas.tolist(), mask_id, **extra)
 
 
 class TokenText:
