@@ -73,14 +73,9 @@ class Recorder:
         self.events.append(event)
 
 
-PENDING = ("early_bird", "block", "multiblock")  # on_step still reads the host per row (issue 49)
-
-
 @pytest.fixture(params=[False, True], ids=["quiet", "on_step"])
 def hook(request):
     """None (quiet, the rows the test names) or a :class:`Recorder` (batch 8: the server's case)."""
-    if request.param and any(f"_{name}_step" in request.node.name for name in PENDING):
-        request.applymarker(pytest.mark.xfail(strict=True, reason="issue 49: per-row event reads"))
     return Recorder() if request.param else None
 
 
