@@ -23,6 +23,7 @@ trace as JSON atomically. Token texts come from the bundle's tokenizer.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -54,6 +55,34 @@ def step_event(step: int, row: int, committed: torch.Tensor, tokens: torch.Tenso
     """:func:`host_event` from tensors: committed (N,) bool, tokens (N,) long, canvas (L,) long
     (three host reads)."""
     return host_event(step, row, committed.tolist(), tokens.tolist(), offset, canvas.tolist(), mask_id, **extra)
+
+
+class TokenStep(Mapping):
+    """The step event of a row that commits one token per step, as a view: its ``n``-th token
+    appended to ``tokens`` (a list that only grows), i.e. ``{"step": n - 1, "row": 0, "positions":
+    [n - 1], "tokens": [tokens[n - 1]], "canvas": tokens[:n]}``. Made in O(1) (the server's AR rows
+    post one per token); a reader gets the canvas copied, whenever and on whichever thread it reads."""
+
+    __slots__ = ("_tokens", "_n")
+    KEYS = ("step", "row", "positions", "tokens", "canvas")
+
+    def __init__(self, tokens: list[int], n: int):
+        self._tokens, self._n = tokens, n
+
+    def __getitem__(self, key):
+        n = self._n
+        if key == "canvas":
+            return self._tokens[:n]
+        return {"step": n - 1, "row": 0, "positions": [n - 1], "tokens": [self._tokens[n - 1]]}[key]
+
+    def __iter__(self):
+        return iter(self.KEYS)
+
+    def __len__(self) -> int:
+        return len(self.KEYS)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
 
 
 class TokenText:
