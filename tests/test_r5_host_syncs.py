@@ -1,8 +1,9 @@
 """At most one host sync per ``step()`` for every canvas and block decoder (issue 25, STYLE.md 13):
 diffusion (no / prefix / dual cache), Dream's schedule, early-bird (every cache, LBS only and
 with LPS), block (SingleBD), lossy sbd and multiblock, greedy and sampled, in every step
-including the ones where rows finish. on_step is None and there are no stop strings (the two
-documented per-row reads)."""
+including the ones where rows finish, with no stop strings (the documented per-row read). Each runs
+quiet (on_step None) and, as the server always runs them (issue 49), with ``on_step`` set at batch 8:
+the step events are built on the host from the step's one read."""
 
 from __future__ import annotations
 
@@ -62,13 +63,39 @@ class SyncCounter:
         return steps, done
 
 
+class Recorder:
+    """An ``on_step(row, event)`` that keeps the events (the server's ``_event`` posts each one)."""
+
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, row, event):
+        self.events.append(event)
+
+
+@pytest.fixture(params=[False, True], ids=["quiet", "on_step"])
+def hook(request):
+    """None (quiet, the rows the test names) or a :class:`Recorder` (batch 8: the server's case)."""
+    return Recorder() if request.param else None
+
+
+def rows_for(hook, n: int) -> int:
+    return 8 if hook is not None else n
+
+
+def heard(hook) -> bool:
+    """Quiet, or the recorder got events."""
+    return hook is None or len(hook.events) > 0
+
+
 @pytest.fixture(scope="module")
 def dlm():
     return unmask.load("stories260K-dlm")
 
 
-def texts(bundle):
-    return [bundle.encode(t) for t in ("Once upon a time", "Tom", "Lily wanted to play with her big red ball")]
+def texts(bundle, n: int = 3):
+    base = ("Once upon a time", "Tom", "Lily wanted to play with her big red ball")
+    return [bundle.encode(base[i % 3]) for i in range(n)]
 
 
 def reqs(ps, n, sampling):
@@ -84,15 +111,16 @@ def reqs(ps, n, sampling):
                                             ("dual", dict(policy="entropy-bound", gamma=0.3)),
                                             ("none", dict(policy="threshold", tau=0.8, eos_early_stop=True))])
 @pytest.mark.parametrize("lockstep", [True, False], ids=["decode", "server"])
-def test_a_diffusion_step_reads_the_host_once(dlm, monkeypatch, sampling, cache, options, lockstep):
+def test_a_diffusion_step_reads_the_host_once(dlm, monkeypatch, sampling, cache, options, lockstep, hook):
     from unmask.decode.diffusion import DiffusionConfig
     from unmask.decode.diffusion_engine import Diffusion
 
+    n = rows_for(hook, 3)
     cfg = DiffusionConfig.from_options(max_new_tokens=24, block_size=8, cache=cache, sampler="llada", **options)
-    dec = Diffusion(dlm, cfg, capacity=3, width=64, lockstep=lockstep, stop_token_ids=(2,))
-    ps = texts(dlm)
+    dec = Diffusion(dlm, cfg, capacity=n, width=64, lockstep=lockstep, stop_token_ids=(2,), on_step=hook)
+    ps = texts(dlm, n)
     steps, done = SyncCounter(monkeypatch).drain(dec, [reqs(ps[:2], 24, sampling), reqs(ps[2:], 24, sampling)])
-    assert steps > 3 and done == 3
+    assert steps > 3 and done == n and heard(hook)
 
 
 # -- Dream's schedule -----------------------------------------------------------------------------------
@@ -101,11 +129,12 @@ def test_a_diffusion_step_reads_the_host_once(dlm, monkeypatch, sampling, cache,
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("options", [dict(alg="origin", steps=6), dict(alg="entropy", steps=5),
                                      dict(alg="maskgit_plus", alg_temp=0.5, steps=4), dict(alg="topk_margin")])
-def test_a_dream_step_reads_the_host_once(dlm, monkeypatch, sampling, options):
+def test_a_dream_step_reads_the_host_once(dlm, monkeypatch, sampling, options, hook):
     from unmask.decode.dream_compat import DreamSchedule
 
-    dec = DreamSchedule(dlm, capacity=3, stop_token_ids=(2,), **options)
-    ps = texts(dlm)
+    n = rows_for(hook, 3)
+    dec = DreamSchedule(dlm, capacity=n, stop_token_ids=(2,), on_step=hook, **options)
+    ps = texts(dlm, n)
     first = requests_for(ps[:2], max_new_tokens=10, sampling=sampling)
     for r in first:
         r.generator = sampling.generator(torch.device("cpu"))
@@ -113,7 +142,7 @@ def test_a_dream_step_reads_the_host_once(dlm, monkeypatch, sampling, options):
     for r in later:
         r.generator, r.id = sampling.generator(torch.device("cpu")), 5
     steps, done = SyncCounter(monkeypatch).drain(dec, [first, later])
-    assert steps > 3 and done == 3
+    assert steps > 3 and done == n and heard(hook)
 
 
 # -- early-bird -----------------------------------------------------------------------------------------
@@ -123,16 +152,18 @@ def test_a_dream_step_reads_the_host_once(dlm, monkeypatch, sampling, options):
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
 @pytest.mark.parametrize("lps", [False, True], ids=["lbs", "lps"])
 @pytest.mark.parametrize("lockstep", [True, False], ids=["decode", "server"])
-def test_an_early_bird_step_reads_the_host_once(dlm, monkeypatch, sampling, cache, lps, lockstep):
+def test_an_early_bird_step_reads_the_host_once(dlm, monkeypatch, sampling, cache, lps, lockstep, hook):
     from unmask.decode.early_bird import configure
     from unmask.decode.early_bird_engine import EarlyBird
 
     # a low τ_ψ and τ so that LPS decides for some rows (open rows run the router)
     cfg, lbs_net, lps_net = configure(dlm, cache=cache, lps=lps, **(dict(tau_psi=0.3, tau=0.95) if lps else {}))
-    dec = EarlyBird(dlm, cfg, lbs_net, lps_net, capacity=3, width=300, lockstep=lockstep, stop_token_ids=(2,))
-    ps = texts(dlm)
+    n = rows_for(hook, 3)
+    dec = EarlyBird(dlm, cfg, lbs_net, lps_net, capacity=n, width=300, lockstep=lockstep, stop_token_ids=(2,),
+                    on_step=hook)
+    ps = texts(dlm, n)
     steps, done = SyncCounter(monkeypatch).drain(dec, [reqs(ps[:2], 40, sampling), reqs(ps[2:], 30, sampling)])
-    assert steps > 3 and done == 3
+    assert steps > 3 and done == n and heard(hook)
 
 
 # -- block (SingleBD), lossy sbd, multiblock ------------------------------------------------------------
@@ -147,8 +178,8 @@ def _bundle(decoder):
     return (bd_bundle if decoder == "block" else sbd_bundle)("llama", "sdpa", seed=3, initializer_range=0.4)
 
 
-def _jobs(sampling, lengths=(14, 9, 20, 11)):
-    jobs = [job(p, n, sampling) for p, n in zip(PROMPTS, lengths)]
+def _jobs(sampling, lengths=(14, 9, 20, 11), n: int = 4):
+    jobs = [job(PROMPTS[i % 4], lengths[i % 4], sampling) for i in range(n)]
     for i, j in enumerate(jobs):
         j.id = i
     return jobs
@@ -160,25 +191,27 @@ def _jobs(sampling, lengths=(14, 9, 20, 11)):
                                               ("block", dict(policy="entropy-bound", gamma=0.4)),
                                               ("sbd", dict(block_size=4, gamma=0.5)),
                                               ("sbd", dict(block_size=3, policy="threshold", tau=0.3))])
-def test_a_block_step_reads_the_host_once(monkeypatch, sampling, decoder, options):
+def test_a_block_step_reads_the_host_once(monkeypatch, sampling, decoder, options, hook):
     from unmask.decode import block, sbd
 
     bundle = _bundle(decoder)
     make = block.serving_batch if decoder == "block" else sbd.serving_batch
-    dec = make(bundle, options, capacity=8, stop_token_ids=(55, 29))
-    jobs = _jobs(sampling)
+    dec = make(bundle, options, capacity=8, stop_token_ids=(55, 29), on_step=hook)
+    n = rows_for(hook, 4)
+    jobs = _jobs(sampling, n=n)
     steps, done = SyncCounter(monkeypatch).drain(dec, [jobs[:2], [], [], jobs[2:]])
-    assert steps > 5 and dec.forwards == steps and done == 4
+    assert steps > 5 and dec.forwards == steps and done == n and heard(hook)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("options", [dict(slots=2, tau_m2t=0.6, tau_add=0.3), dict(slots=3, tau_m2t=0.8, tau_t2t=0.5)])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_a_multiblock_step_reads_the_host_once(monkeypatch, sampling, options, static):
+def test_a_multiblock_step_reads_the_host_once(monkeypatch, sampling, options, static, hook):
     from unmask.decode import multiblock_engine
 
     dec = multiblock_engine.serving_batch(_bundle("block"), options, capacity=8, stop_token_ids=(55, 29),
-                                          static=static)  # static: the cache serve --compile runs on
-    jobs = _jobs(sampling)
+                                          static=static, on_step=hook)  # static: the cache serve --compile runs on
+    n = rows_for(hook, 4)
+    jobs = _jobs(sampling, n=n)
     steps, done = SyncCounter(monkeypatch).drain(dec, [jobs[:2], [], [], jobs[2:]])
-    assert steps > 5 and dec.forwards == steps and done == 4
+    assert steps > 5 and dec.forwards == steps and done == n and heard(hook)

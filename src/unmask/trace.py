@@ -10,8 +10,10 @@ every forward, once per row that committed (or could have committed) in it, with
      "tokens": [...],      # their ids, same order
      "canvas": [...]}      # the row's generated region after the commit: ids, None where still masked
 
-:func:`step_event` builds one from tensors, so a decoder adds tracing with one call. The canvas
-may grow between events (block decoders that only know the blocks so far).
+:func:`host_event` builds one from host lists a decoder read in its step's one host sync (a
+running batch packs what its events need into that read); :func:`step_event` from tensors (each
+call reads the host). The canvas may grow between events (block decoders that only know the
+blocks so far).
 
 :func:`attach_trace` returns the decoder options (``{"on_step": trace}``); the :class:`Trace`
 records every event, renders the canvases live with rich when ``show`` is on (masked positions as
@@ -21,6 +23,7 @@ trace as JSON atomically. Token texts come from the bundle's tokenizer.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -32,19 +35,54 @@ MASK_GLYPH = "░"
 TRACE_FORMAT = "unmask-trace/1"
 
 
+def host_event(step: int, row: int, committed: list, tokens: list[int], offset: int, canvas: list[int],
+               mask_id: int, **extra) -> dict:
+    """One step event from host lists (no tensor read).
+
+    committed: N truthy/falsy flags over a window that starts at generated index ``offset``;
+    tokens: the N candidate ids for that window; canvas: the ids of the generated region after the
+    commit, ``mask_id`` (or a negative id) where nothing is committed yet. ``extra`` (e.g. block=)
+    is added to the event.
+    """
+    return {"step": int(step), "row": int(row), **extra,
+            "positions": [offset + i for i, c in enumerate(committed) if c],
+            "tokens": [t for c, t in zip(committed, tokens) if c],
+            "canvas": [None if (t == mask_id or t < 0) else t for t in canvas]}
+
+
 def step_event(step: int, row: int, committed: torch.Tensor, tokens: torch.Tensor, offset: int,
                canvas: torch.Tensor, mask_id: int, **extra) -> dict:
-    """One step event from tensors.
+    """:func:`host_event` from tensors: committed (N,) bool, tokens (N,) long, canvas (L,) long
+    (three host reads)."""
+    return host_event(step, row, committed.tolist(), tokens.tolist(), offset, canvas.tolist(), mask_id, **extra)
 
-    committed: (N,) bool over a window that starts at generated index ``offset``; tokens: (N,)
-    long candidates for that window; canvas: (L,) long generated region after the commit, with
-    ``mask_id`` (or a negative id) where nothing is committed yet. ``extra`` (e.g. block=) is
-    added to the event.
-    """
-    positions = (torch.nonzero(committed).flatten() + offset).tolist()
-    return {"step": int(step), "row": int(row), **extra, "positions": positions,
-            "tokens": tokens[committed].tolist(),
-            "canvas": [None if (t == mask_id or t < 0) else t for t in canvas.tolist()]}
+
+class TokenStep(Mapping):
+    """The step event of a row that commits one token per step, as a view: its ``n``-th token
+    appended to ``tokens`` (a list that only grows), i.e. ``{"step": n - 1, "row": 0, "positions":
+    [n - 1], "tokens": [tokens[n - 1]], "canvas": tokens[:n]}``. Made in O(1) (the server's AR rows
+    post one per token); a reader gets the canvas copied, whenever and on whichever thread it reads."""
+
+    __slots__ = ("_tokens", "_n")
+    KEYS = ("step", "row", "positions", "tokens", "canvas")
+
+    def __init__(self, tokens: list[int], n: int):
+        self._tokens, self._n = tokens, n
+
+    def __getitem__(self, key):
+        n = self._n
+        if key == "canvas":
+            return self._tokens[:n]
+        return {"step": n - 1, "row": 0, "positions": [n - 1], "tokens": [self._tokens[n - 1]]}[key]
+
+    def __iter__(self):
+        return iter(self.KEYS)
+
+    def __len__(self) -> int:
+        return len(self.KEYS)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
 
 
 class TokenText:

@@ -231,15 +231,6 @@ def hit_stop_string(bundle, prompts, tokens: list[list[int]], rows: torch.Tensor
     return hit
 
 
-def step_event(step: int, row: int, positions: torch.Tensor, tokens: torch.Tensor, seq_row: torch.Tensor,
-               start, end, mask_id: int, **extra) -> dict:
-    """One ``on_step`` event in the :mod:`unmask.trace` contract: positions (absolute, (n,) long)
-    become generated indices; the canvas is ``seq_row[start:end]`` with None where masked."""
-    s, e = int(start), int(end)
-    return {"step": int(step), "row": int(row), **extra, "positions": (positions - s).tolist(),
-            "tokens": tokens.tolist(), "canvas": [None if t == mask_id else t for t in seq_row[s:e].tolist()]}
-
-
 @dataclass(frozen=True)
 class BlockConfig:
     """SingleBD settings: block size B (the checkpoint's), the commit policy (default ``threshold``

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from unmask.trace import step_event as trace_event
+from unmask.trace import host_event
 
 
 def row_extra(dec, row) -> dict:
@@ -18,23 +18,25 @@ def row_extra(dec, row) -> dict:
     return {"policy": cfg.policy.name, "block_size": dec.B, "accepts": row.accepts}
 
 
-def events(dec, rows, had, chosen, tokens, block, dpos) -> None:
-    """on_step events of the rows that denoised (host reads: tracing only)."""
+def events(dec, rows, info: list, N: int) -> None:
+    """on_step events of the rows that denoised, from the step's one host read ``info``: per slot
+    commits, had masks, ..., then the block (N), commits (N), candidates (N), the block's first
+    position, generation start and end, the sequence."""
     for row in rows:
-        r = row.slot
-        if not bool(had[r]):
+        got = info[row.slot]
+        if not got[1]:
             continue
-        step, at = (dec.forwards - 1, r) if dec.lockstep else (row.nfe, 0)
-        start, end = int(dec.gen_start[r]), int(dec.gen_end[r])
-        if dec.kind.aligned:
-            from unmask.decode.block import step_event  # block imports this module's users
-
-            ev = step_event(step, at, dpos[r][chosen[r]], block[r][chosen[r]], dec.seq[r], start, end,
-                            dec.mask_id, block=row.bstart // dec.B)
+        block, chosen, tokens = got[5: 5 + N], got[5 + N: 5 + 2 * N], got[5 + 2 * N: 5 + 3 * N]
+        first, start, end = got[5 + 3 * N: 8 + 3 * N]
+        seq = got[8 + 3 * N:]
+        step, at = (dec.forwards - 1, row.slot) if dec.lockstep else (row.nfe, 0)
+        if dec.kind.aligned:  # the block's committed ids; the canvas has no negative ids
+            ev = host_event(step, at, chosen, block, first - start, seq[start:end], dec.mask_id,
+                            block=row.bstart // dec.B)
         else:
-            n = min(block.shape[1], end - row.bstart)
-            ev = trace_event(step, at, chosen[r, :n], tokens[r, :n], row.bstart - start,
-                             dec.seq[r, start: row.bstart + n], dec.mask_id)
+            n = min(N, end - row.bstart)
+            ev = host_event(step, at, chosen[:n], tokens[:n], row.bstart - start, seq[start: row.bstart + n],
+                            dec.mask_id)
         dec.on_step(row, ev)
 
 

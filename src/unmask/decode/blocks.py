@@ -251,11 +251,14 @@ class BlockDecoder(SlotRows):
         self.store[:R] = adv
         self.denoise[:R] = ~adv | self.fused
         self.live[:R] &= ~ended
-        if self.on_step is not None and D:
-            report.events(self, rows, had, chosen, tokens, block, dpos)
-        info = torch.cat([torch.stack([counts, had.long(), adv.long(), ended.long(), left.long()], 1), block],
-                         1).tolist()
-        return self._bookkeep(rows, info, S and not D)
+        packed = [torch.stack([counts, had.long(), adv.long(), ended.long(), left.long()], 1), block]  # (R, 5 + N)
+        events = self.on_step is not None and D
+        if events:  # what the step events show, in the same read: (R, 2N + 3 + L)
+            packed += [chosen.long(), tokens, torch.stack([dpos[:, 0], gen_start, gen_end], 1), self.seq[:R]]
+        info = torch.cat(packed, 1).tolist()
+        if events:
+            report.events(self, rows, info, block.shape[1])
+        return self._bookkeep(rows, info, S and not D, block.shape[1])
 
     def _forward(self, inp, pos, qv, past, S, D) -> torch.Tensor:
         B, R, q = self.B, self.R, inp.shape[1]
@@ -307,14 +310,14 @@ class BlockDecoder(SlotRows):
         return quota_threshold_commit(logits, masked, self.cfg.policy.tau, quota(self.B, self.quota_steps, step), s,
                                       gens)
 
-    def _bookkeep(self, rows, info, store_only: bool) -> list[BlockRow]:
+    def _bookkeep(self, rows, info, store_only: bool, N: int) -> list[BlockRow]:
         """Per-row statistics and ends from the step's one host read ``info`` (per slot: commits,
-        had masks, moves on, ended, masks left, then the block's tokens)."""
+        had masks, moves on, ended, masks left, then the block's N tokens)."""
         if store_only:
             self.store_forwards += 1
         finished = []
         for row in rows:
-            count, had, adv, ended, left, *block = info[row.slot]
+            count, had, adv, ended, left, *block = info[row.slot][: 5 + N]
             row.more = bool(left) if row.denoising else row.more
             row.keys += self.B if row.storing else 0
             if row.storing and not row.denoising:

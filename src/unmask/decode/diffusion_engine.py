@@ -4,7 +4,8 @@
 Each row has its own canvas (a :class:`~unmask.decode.dllm_cache.SlotCanvas` slot), block progress
 and seeded generator, so it decodes as it would alone, whenever it joined. A step is ONE forward
 for every running row, the commit policy (:func:`unmask.policies.commit`, a pure tensor function)
-on each row's block, and one host read of the per-row counts, flags and block ids; a row whose
+on each row's block, and one host read of the per-row counts, flags and block ids (and, with
+``on_step``, what the step events show: they are built from that read); a row whose
 block has no masks then takes decode's end of block (stop ids, stop strings) and moves on or
 finishes. ``lockstep=True`` (decode) moves the rows of one ``join`` block by block together, as
 decode's batch always has (same tokens; decode's batch NFE and step numbering).
@@ -26,7 +27,7 @@ from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import default_sampler, is_remote, realign, supports_cache
 from unmask.policies import commit
-from unmask.trace import step_event
+from unmask.trace import host_event
 
 OPTIONS = ("gen_length", "block_size", "policy", "gamma", "preset", "tau", "factor", "factor_compat",
            "tokens_per_step", "eta", "steps", "cache", "refresh_every", "eos_early_stop", "sampler", "confidence")
@@ -210,23 +211,28 @@ class Diffusion(CanvasRows):
         ended = (torch.isin(canvas.ids[:n], self.stops) & gen_cols & (torch.arange(T, device=dev) < cols[:, -1:] + 1)
                  ).any(dim=1)  # (n,) a stop id at or before the block's end
         committed = ((canvas.ids[:n] != mask_id) & gen_cols).sum(dim=1)  # (n,)
-        # the step's one host sync: what each row's bookkeeping reads, and its block's ids (n, 6 + Bk)
-        flags = torch.cat([torch.stack([chosen.sum(dim=1), had.long(), left.long(), self.done[:n].long(),
-                                        ended.long(), committed], dim=1), canvas.ids[:n].gather(1, cols)], dim=1).tolist()
+        # the step's one host sync: what each row's bookkeeping reads, and its block's ids (n, 6 + Bk);
+        # with on_step, what its event reads too: commits, candidates (n, Bk) each, generated ids (n, Lmax)
+        packed = [torch.stack([chosen.sum(dim=1), had.long(), left.long(), self.done[:n].long(), ended.long(),
+                               committed], dim=1), canvas.ids[:n].gather(1, cols)]
+        Lmax = max(r.cfg.gen_length if r else Bk for r in rows)
+        if self.on_step is not None:
+            packed += [chosen.long(), tokens, canvas.ids[:n, T - Lmax:]]
+        flags = torch.cat(packed, dim=1).tolist()
         self.forwards += 1
         for r, row in enumerate(rows):
             if row is None or not active[r]:
                 continue
             count, was, more, done, stop, row.extra["n_committed"] = flags[r][:6]
-            row.gen[row.block * Bk: (row.block + 1) * Bk] = flags[r][6:]
+            row.gen[row.block * Bk: (row.block + 1) * Bk] = flags[r][6: 6 + Bk]
             row.more = bool(more)
             if was:
                 row.commits.append(count)
                 if self.on_step is not None:
                     at, who = (self.forwards - 1, row.job.id) if self.lockstep else (row.nfe, 0)
-                    gen = canvas.ids[r, T - row.cfg.gen_length:]  # (L,)
-                    self.on_step(row, step_event(at, who, chosen[r], tokens[r], row.block * Bk, gen, mask_id,
-                                                 block=row.block))
+                    got = flags[r][6 + Bk:]  # commits, candidates, then the last Lmax canvas columns
+                    self.on_step(row, host_event(at, who, got[:Bk], got[Bk: 2 * Bk], row.block * Bk,
+                                                 got[len(got) - row.cfg.gen_length:], mask_id, block=row.block))
             row.nfe += int(bool(was) or (self.reference and not done))
             row.step += 1
             check_nfe(row.nfe, max(row.cfg.gen_length, row.cfg.steps or 0) + row.cfg.n_blocks, "diffusion")

@@ -35,7 +35,7 @@ from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError, is_int, is_number
 from unmask.models.adapters import realign
 from unmask.sampling import Sampling
-from unmask.trace import step_event
+from unmask.trace import host_event
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 DEFAULT_ALG = "origin"  # Dream's generation_config.json
@@ -161,7 +161,8 @@ class DreamSchedule(SlotRows):
     alone whenever it joined. ``lockstep`` (decode) numbers step events by the batch forward and
     the request id, else by the row's own forward (row 0). The per-row commit
     (:func:`commit_row`, Dream's own index arithmetic) reads nothing: a row's mask count and
-    schedule are host values, and one read per step returns every row's commits and ids. Raises
+    schedule are host values, and one read per step returns every row's commits and ids (with
+``on_step``, its step events' commits and candidates too). Raises
     UnmaskError for bad options; ``join`` for a request that does not fit.
     """
 
@@ -225,6 +226,7 @@ class DreamSchedule(SlotRows):
         logits = realign(raw, shift)[:, shift:]  # (n, Lmax, V): index j scores column T - Lmax + j
         masked_all = c.ids[:n, T - Lmax:] == mask_id  # (n, Lmax) before this step's commits
         landed_all = torch.zeros_like(masked_all)  # (n, Lmax)
+        tokens_all = torch.zeros(masked_all.shape, dtype=torch.long, device=masked_all.device)  # (n, Lmax)
         for row in rows:
             gen = c.ids[row.slot, T - row.L:]  # (L,) view: commits write through it
             masked = gen == mask_id  # (L,)
@@ -237,15 +239,23 @@ class DreamSchedule(SlotRows):
             gen.copy_(torch.where(chosen, tokens, gen))
             landed = chosen & (tokens != mask_id)
             landed_all[row.slot, Lmax - row.L:] = landed
-            if self.on_step is not None:
+            tokens_all[row.slot, Lmax - row.L:] = tokens
+        # the step's one host sync: each row's commits and generated ids (n, 1 + Lmax), with on_step
+        # also its landed flags and candidates (n, Lmax) each: its step event is built from them
+        packed = [landed_all.sum(dim=1, keepdim=True), c.ids[:n, T - Lmax:]]
+        if self.on_step is not None:
+            packed += [landed_all.long(), tokens_all]
+        read = torch.cat(packed, dim=1).tolist()
+        if self.on_step is not None:
+            for row in rows:
                 at, who = (self.forwards, row.job.id) if self.lockstep else (row.nfe, 0)
-                self.on_step(row, step_event(at, who, landed, tokens, 0, gen, mask_id))
-        # the step's one host sync: each row's commits and generated ids (n, 1 + Lmax)
-        read = torch.cat([landed_all.sum(dim=1, keepdim=True), c.ids[:n, T - Lmax:]], dim=1).tolist()
+                got, lo = read[row.slot], Lmax - row.L
+                self.on_step(row, host_event(at, who, got[1 + Lmax + lo: 1 + 2 * Lmax], got[1 + 2 * Lmax + lo:], 0,
+                                             got[1 + lo: 1 + Lmax], mask_id))
         finished = []
         for row in rows:
             row.commits.append(read[row.slot][0])
-            row.gen = read[row.slot][1 + Lmax - row.L:]
+            row.gen = read[row.slot][1 + Lmax - row.L: 1 + Lmax]
             row.nfe += 1
             row.i += 1
             if row.i == row.steps or mask_id not in row.gen:

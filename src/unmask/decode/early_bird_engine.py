@@ -34,7 +34,7 @@ from unmask.decode.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import is_remote
 from unmask.policies import Threshold, token_stats
-from unmask.trace import step_event
+from unmask.trace import host_event
 
 OPTIONS = ("gen_length", "block_size", "tau", "tau_psi", "l_min", "g_max", "lps", "cache", "gap_metric", "pos_mode",
            "eos_early_stop", "sampler", "confidence", "routers", "lbs_router", "lps_router")
@@ -276,18 +276,21 @@ class EarlyBird(CanvasRows):
             new = torch.tensor(select, device=dev) & open_block.any(dim=1) & ~self.done[:n]  # (n,)
             end = g0 + b_hi if cfg.cache == "dual" else torch.full_like(b_hi, c.width)
             c.hide(n, new, g0 + b_lo - sh, end)
-        # the step's one host sync: each row's counts and flags, then its generated ids (n, 14 + L)
-        flags = torch.cat([torch.stack([chosen.sum(dim=1), had.long(), resolved.long(), self.done[:n].long(),
-                                        open_block.any(dim=1).long(), (gen == mask_id).any(dim=1).long(), b_lo, b_hi,
-                                        o_lo, o_hi, path, block.sum(dim=1), lps_only.long(),
-                                        (gen != mask_id).sum(dim=1)], dim=1), gen], dim=1).tolist()
+        # the step's one host sync: each row's counts and flags, then its generated ids (n, 14 + L); with
+        # on_step also its commits, candidates and block (n, L) each, which its step event shows
+        packed = [torch.stack([chosen.sum(dim=1), had.long(), resolved.long(), self.done[:n].long(),
+                               open_block.any(dim=1).long(), (gen == mask_id).any(dim=1).long(), b_lo, b_hi, o_lo, o_hi,
+                               path, block.sum(dim=1), lps_only.long(), (gen != mask_id).sum(dim=1)], dim=1), gen]
+        if self.on_step is not None:
+            packed += [chosen.long(), tokens, block.long()]
+        flags = torch.cat(packed, dim=1).tolist()
         self.seconds["step"] += _sync(dev) - t0
         finished = []
         for r, row in enumerate(rows):
             if row is None:
                 continue
             count, was, done_block, done, has_block, left, blo, bhi, olo, ohi, how, size, only, committed = flags[r][:14]
-            row.gen = flags[r][14:]
+            row.gen = flags[r][14: 14 + L]
             if select[r]:
                 row.blocks, row.sizes = row.blocks + 1, row.sizes + size
                 row.paths.append(PATH_NAMES[how])
@@ -297,11 +300,12 @@ class EarlyBird(CanvasRows):
             if was:
                 row.commits.append(count)
                 if self.on_step is not None:
+                    got = flags[r][14 + L:]  # commits, candidates, block (L each)
                     extra = {"block": row.blocks - 1}
                     if select[r]:
-                        extra["selected"] = torch.nonzero(self.block[r]).flatten().tolist()
+                        extra["selected"] = [i for i, b in enumerate(got[2 * L:]) if b]
                     at, who = (self.forwards, row.job.id) if self.lockstep else (row.nfe, 0)
-                    self.on_step(row, step_event(at, who, chosen[r], tokens[r], 0, gen[r], mask_id, **extra))
+                    self.on_step(row, host_event(at, who, got[:L], got[L: 2 * L], 0, row.gen, mask_id, **extra))
             row.nfe += int(bool(was))
             check_nfe(row.nfe, 2 * L, "early-bird")  # ≥ 1 commit per forward; L blocks at most (size 1)
             if row.job.stop and done_block and not done:

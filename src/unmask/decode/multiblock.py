@@ -38,11 +38,12 @@ import torch
 
 from unmask.decode import block_buffer as bb
 from unmask.decode.block import (check_block_model, check_cache_flags, hit_stop_string, outputs, resolve_block_size,
-                                 step_event, window_forward)
+                                 window_forward)
 from unmask.decode.canvas_common import drain_prompts, event_hook
 from unmask.decode.stats import DecodeOutput
 from unmask.errors import UnmaskError, is_int, is_number
 from unmask.sampling import Sampling, sample
+from unmask.trace import host_event
 
 
 @dataclass(frozen=True)
@@ -203,17 +204,27 @@ def stop_blocks(stop_pos: torch.Tensor, length: int, B: int) -> torch.Tensor:
                        torch.full_like(stop_pos, bb.NO_STOP))
 
 
-def row_event(step: int, r: int, at: torch.Tensor, before: bb.Window, info: bb.StepInfo, top1: torch.Tensor,
-              seq: torch.Tensor, w: bb.Window, running_set: int, row: int | None = None) -> dict:
-    """The ``on_step`` event of row ``r`` after one step (``unmask.trace`` contract plus the Block
-    Buffer view: ``edited``, ``slots``, ``blocks``, ``running_set``). at: (R, S, B) positions of
-    ``before`` (the window the forward saw); top1 (R, S, B); seq (R, L) after the write-back.
-    ``row`` is the event's row index (default ``r``)."""
-    c, e = info.committed[r], info.edited[r]
-    S = before.slots
-    return step_event(step, r if row is None else row, at[r][c], top1[r][c], seq[r], w.gen_start[r], w.gen_end[r],
-                      w.mask_id, edited=(at[r][e] - w.gen_start[r]).tolist(), slots=before.describe(r),
-                      blocks=(before.front[r] + torch.arange(S, device=at.device)).tolist(), running_set=running_set)
+def event_columns(before: bb.Window, info: bb.StepInfo, top1: torch.Tensor, w: bb.Window) -> torch.Tensor:
+    """What :func:`row_event` reads of one step, packed for the step's one host read: (R, 3·S·B + S + 3)
+    long: committed, edited, top-1 (S·B each, slot-major), the slot states, then ``before``'s front
+    and ``w``'s generation start and end."""
+    R, S, B = top1.shape
+    return torch.cat([info.committed.view(R, S * B).long(), info.edited.view(R, S * B).long(), top1.view(R, S * B),
+                      before.state.long(), torch.stack([before.front, w.gen_start, w.gen_end], 1)], 1)
+
+
+def row_event(step: int, row: int, got: list[int], seq: list[int], slots: int, B: int, mask_id: int,
+              running_set: int) -> dict:
+    """The ``on_step`` event of one row after one step (``unmask.trace`` contract plus the Block
+    Buffer view: ``edited``, ``slots``, ``blocks``, ``running_set``), from host lists: ``got`` its
+    :func:`event_columns`, ``seq`` its sequence after the write-back; ``row`` the event's row index."""
+    n = slots * B
+    committed, edited, top1 = got[:n], got[n: 2 * n], got[2 * n: 3 * n]
+    states, (front, start, end) = got[3 * n: 3 * n + slots], got[3 * n + slots: 3 * n + slots + 3]
+    first = front * B - start  # generated index of the window's first token
+    return host_event(step, row, committed, top1, first, seq[start:end], mask_id,
+                      edited=[first + i for i, e in enumerate(edited) if e], slots=[bb.STATE_NAMES[s] for s in states],
+                      blocks=[front + i for i in range(slots)], running_set=running_set)
 
 
 def stop_string_rows(bundle, prompts, seq, seq_pos, w, stops, max_new_tokens, rows, checked, stop_strings):
@@ -233,5 +244,5 @@ def stop_string_rows(bundle, prompts, seq, seq_pos, w, stops, max_new_tokens, ro
                            stop_strings)
 
 
-__all__ = ["MultiBlockConfig", "candidates", "decode", "row_event", "stop_blocks", "stop_string_rows",
+__all__ = ["MultiBlockConfig", "candidates", "decode", "event_columns", "row_event", "stop_blocks", "stop_string_rows",
            "window_step", "write_window"]

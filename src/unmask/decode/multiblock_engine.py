@@ -25,7 +25,7 @@ from unmask.decode import block_buffer as bb
 from unmask.decode.block import first_stop, prefill_whole_blocks, whole_prompt_blocks
 from unmask.decode.canvas_common import row_generator, serving_options
 from unmask.decode.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
-from unmask.decode.multiblock import candidates, row_event, stop_blocks, stop_string_rows, window_step, write_window
+from unmask.decode.multiblock import candidates, event_columns, row_event, stop_blocks, stop_string_rows, window_step, write_window
 from unmask.decode.running import Row, SlotRows, Slots
 from unmask.decode.stats import check_nfe, stop_flags
 from unmask.errors import UnmaskError
@@ -207,12 +207,8 @@ class MultiBlockDecoder(SlotRows):
         write_window(self.seq, w)
         self.nfe_rows += self.live.long()
         size = (before.state != bb.DUMMY).sum(dim=1)  # (R,) |R_s| of this step
-        if self.on_step is not None:
-            at, sizes = before.positions(), size.tolist()  # (R, S, B); tracing reads the host
-            for row in rows:
-                step, r = (self.forwards - 1, row.slot) if self.drained else (row.nfe, 0)
-                self.on_step(row, row_event(step, row.slot, at, before, info, top1, self.seq, w, sizes[row.slot],
-                                            row=r))
+        # what the step events show, taken now (release below frees the ended rows' window)
+        shown = event_columns(before, info, top1, w) if self.on_step is not None else None
         stop_block = stop_blocks(first_stop(self.seq, w.gen_start, w.gen_end, self.stops), L, B)  # (R,)
         ended = self.live & bb.finished(w, stop_block)  # (R,)
         stopped = (stop_block != bb.NO_STOP) & ended
@@ -225,7 +221,13 @@ class MultiBlockDecoder(SlotRows):
         self.live &= ~ended
         packed = torch.stack([size, info.committed.sum(dim=(1, 2)), info.edited.sum(dim=(1, 2)), stored,
                               ended.long(), stopped.long(), (self.w.state == bb.TO_CACHE).sum(dim=1)], 1)  # (R, 7)
-        return self._bookkeep(rows, torch.cat([packed, self.seq], 1).tolist())
+        read = torch.cat([packed, self.seq] + ([] if shown is None else [shown]), 1).tolist()  # the one host sync
+        if shown is not None:
+            for row in rows:
+                got = read[row.slot]
+                step, r = (self.forwards - 1, row.slot) if self.drained else (row.nfe, 0)
+                self.on_step(row, row_event(step, r, got[7 + L:], got[7: 7 + L], S, B, self.mask_id, got[0]))
+        return self._bookkeep(rows, read, L)
 
     def _make_room(self) -> None:
         """The static cache is compacted when the next window would not fit; the server's dynamic one
@@ -274,13 +276,13 @@ class MultiBlockDecoder(SlotRows):
                                     self.checked, strings)
         return hit
 
-    def _bookkeep(self, rows, info) -> list[BufferRow]:
+    def _bookkeep(self, rows, info, L: int) -> list[BufferRow]:
         """Per-row statistics and ends from the step's one host read (per slot: |R_s|, commits, edits,
-        stored slots, ended, stopped, to-cache slots for the next step, then the row's sequence)."""
+        stored slots, ended, stopped, to-cache slots for the next step, then the row's sequence (L))."""
         cfg, B, done = self.cfg, self.cfg.block_size, []
         edit_steps = cfg.max_post_edit_steps if cfg.tau_t2t is not None else 0
         for row in rows:
-            size, commits, edits, stored, ended, stopped, row.to_cache, *seq = info[row.slot]
+            size, commits, edits, stored, ended, stopped, row.to_cache, *seq = info[row.slot][: 7 + L]
             row.nfe += 1
             P, M = len(row.job.prompt_ids), row.job.max_new_tokens
             blocks = (P + M - 1) // B - P // B + 1

@@ -49,6 +49,7 @@ from unmask.serve import per_call
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, LoadSizer
 from unmask.serve.errors import ApiError
 from unmask.serve.jobs import Job, QueueFull, ShuttingDown, bad_request, finish_gone, server_error, timed_out
+from unmask.trace import TokenStep
 
 log = logging.getLogger("unmask.serve")
 IDLE_COMPILE_S = 2.0  # --compile: compile a pending step shape only after this long with no request running
@@ -453,7 +454,5 @@ class Scheduler:
             row.job.post("step", event)
 
     def _ar_token(self, row) -> None:
-        if not (row.job.events or row.job.gone or row.job.closed):
-            n = len(row.tokens)
-            row.job.post("step", {"step": n - 1, "row": 0, "positions": [n - 1], "tokens": [row.tokens[-1]],
-                                  "canvas": list(row.tokens)})
+        if not (row.job.events or row.job.gone or row.job.closed):  # O(1): the reader copies the canvas
+            row.job.post("step", TokenStep(row.tokens, len(row.tokens)))
