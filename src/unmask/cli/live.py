@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from unmask.serve.protocol import edits_committed
-from unmask.serve.stream import TextStream
+from unmask.serve.stream import TextStream, edits_committed
 
 
 class LiveText:

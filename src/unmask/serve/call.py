@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from unmask.serve.engine import Job, QueueFull, Scheduler, ShuttingDown
 from unmask.serve.errors import ApiError
 from unmask.serve.metrics import Metrics
-from unmask.serve.protocol import ServeRequest, edits_committed
-from unmask.serve.stream import TextStream
+from unmask.serve.protocol import ServeRequest
+from unmask.serve.stream import TextStream, edits_committed
 
 POLL_S = 0.2  # how often a waiting handler checks for a client disconnect
 SHUTTING_DOWN = "the server is shutting down; retry later"

@@ -12,7 +12,7 @@ import logging
 from unmask.decode import get_decoder
 from unmask.errors import UnmaskError
 from unmask.serve.jobs import bad_request, finish_gone, server_error
-from unmask.serve.protocol import edits_committed
+from unmask.serve.stream import edits_committed
 
 log = logging.getLogger("unmask.serve")
 

@@ -173,13 +173,6 @@ class ServeRequest:
     echo: bool = False  # completions: the answer's text starts with the prompt
 
 
-def edits_committed(bundle, decoder: str, options: dict) -> bool:
-    """Whether the decoder may change tokens it already committed (``multiblock`` token-to-token
-    edits, set by ``tau_t2t`` or the checkpoint's decode defaults)."""
-    defaults = bundle.meta.get("decode_defaults") or {}
-    return decoder == "multiblock" and (options.get("tau_t2t", defaults.get("tau_t2t")) is not None)
-
-
 def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
           defaults: dict | None = None, limits: Limits | None = None, draft_k: int = 1) -> ServeRequest:
     """Validate a request body. ``defaults``: the server's decoder and knobs (``unmask serve

@@ -22,6 +22,13 @@ from unmask.trace import TokenText
 CONTEXT_IDS = 8  # ids before a stream's undecoded tail that its decode sees (spaces, merged byte tokens)
 
 
+def edits_committed(bundle, decoder: str, options: dict) -> bool:
+    """Whether the decoder may change tokens it already committed (``multiblock`` token-to-token
+    edits, set by ``tau_t2t`` or the checkpoint's decode defaults)."""
+    defaults = bundle.meta.get("decode_defaults") or {}
+    return decoder == "multiblock" and (options.get("tau_t2t", defaults.get("tau_t2t")) is not None)
+
+
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
     """Text up to the earliest stop string, and whether one was found (``unmask.generate``'s cut)."""
     at = min((text.index(s) for s in stop if s in text), default=None)
