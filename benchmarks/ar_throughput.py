@@ -22,8 +22,8 @@ import time
 import torch
 
 import unmask
-from unmask.decode import ar
-from unmask.decode.batching import left_pad
+from unmask.decode.verify import ar
+from unmask.decode.engine.batching import left_pad
 
 MAX_NEW = 128
 

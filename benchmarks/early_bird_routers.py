@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import unmask
-from unmask.decode.eb_select import PATH_NAMES, drop_eos, max_gap_cut
+from unmask.decode.dllm.eb_select import PATH_NAMES, drop_eos, max_gap_cut
 from unmask.eval.quality import mean, reference_nll
 from unmask.eval.story_openings import STORY_OPENINGS
 from unmask.fileio import atomic_write_json, atomic_write_text

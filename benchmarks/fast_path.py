@@ -1,6 +1,6 @@
 """The fast path in one run (issue: static-shape decode steps, compiled): every decoder on its
-shipped model, eager and compiled (a preallocated static KV cache, unmask.decode.kv, and a
-torch.compile'd step, unmask.decode.static).
+shipped model, eager and compiled (a preallocated static KV cache, unmask.decode.engine.kv, and a
+torch.compile'd step, unmask.decode.engine.static).
 
 Same story openings for every row (greedy, 128 new tokens, 1 thread), at batch 1 and batch 8.
 Columns: TPF, TPS, ms per forward (decode seconds / batch forwards), TPS relative to eager AR
@@ -30,7 +30,10 @@ import torch
 
 import unmask
 from unmask.bench.side_by_side import bench
-from unmask.decode import ar, kv, sbd_verify, static
+from unmask.decode.verify import ar
+from unmask.decode.engine import kv
+from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.engine import static
 from unmask.eval.story_openings import STORY_OPENINGS
 from unmask.fileio import atomic_write_json, atomic_write_text
 
@@ -64,8 +67,8 @@ def profile(bundle, prompts, max_new_tokens) -> list[dict]:
             return out
         return wrapper
 
-    # both run the one AR / lossless SBD batch (unmask.decode.lossless), whose eager forwards go
-    # through unmask.decode.kv.forward and whose compiled ones through static.step_function
+    # both run the one AR / lossless SBD batch (unmask.decode.verify.batch), whose eager forwards go
+    # through unmask.decode.engine.kv.forward and whose compiled ones through static.step_function
     setups = [("ar", kv, lambda p, **k: ar.decode(bundle, p, max_new_tokens=max_new_tokens, **k)),
               ("sbd --verify", kv, lambda p, **k: sbd_verify.decode(bundle, p, max_new_tokens=max_new_tokens, **k))]
     for name, module, run in setups:

@@ -1,12 +1,12 @@
 """End-to-end decode speed of AR, lossless SBD and multiblock, eager and compiled, next to the roofline.
 
-Runs the decoders themselves (:func:`unmask.decode.ar.decode`,
-:func:`unmask.decode.sbd_verify.decode`, :func:`unmask.decode.multiblock.decode`) on one CUDA
+Runs the decoders themselves (:func:`unmask.decode.verify.ar.decode`,
+:func:`unmask.decode.verify.steps.decode`, :func:`unmask.decode.multiblock.window.decode`) on one CUDA
 GPU with a random-weight model of the Llama-3.1-8B shape in bf16 (built on the device with
 weight initialisation skipped, by ``benchmarks/gpu_forward_cost.py``'s ``build_model``; no
 download). Greedy decoding of ``--batch`` rows of ``--prompt-len`` random prompt ids, exactly
 ``--max-new-tokens`` new tokens per row (no stop tokens). Each decoder runs eagerly and, where a
-compiled path exists, with ``compile=True`` (``unmask.decode.static`` / ``unmask.decode.kv``: a
+compiled path exists, with ``compile=True`` (``unmask.decode.engine.static`` / ``unmask.decode.engine.kv``: a
 StaticCache and a ``torch.compile``-d step, ``mode="reduce-overhead"`` on CUDA); multiblock's
 Block Buffer runs on the same static cache.
 
@@ -55,7 +55,9 @@ from pathlib import Path
 import torch
 
 from unmask.bench.roofline import ModelShape, Precision, roofline
-from unmask.decode import ar, multiblock, sbd_verify
+from unmask.decode.verify import ar
+from unmask.decode.multiblock import window as multiblock
+from unmask.decode.verify import steps as sbd_verify
 from unmask.models.bundle import ModelBundle
 from unmask.sampling import Sampling
 

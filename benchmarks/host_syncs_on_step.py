@@ -18,9 +18,10 @@ import time
 import torch
 
 import unmask
-from unmask.decode import block, multiblock_engine
-from unmask.decode.diffusion_engine import Diffusion
-from unmask.decode.running import requests_for
+from unmask.decode.blocks import single as block
+from unmask.decode.multiblock import batch as multiblock_engine
+from unmask.decode.dllm.diffusion_batch import Diffusion
+from unmask.decode.engine.running import requests_for
 from unmask.sampling import Sampling
 
 PROMPTS = ["Once upon a time", "Tom", "Lily wanted to play with her big red ball", "The dog", "One day, a little",

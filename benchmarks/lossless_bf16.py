@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 import unmask
-from unmask.decode import ar, sbd
+from unmask.decode.verify import ar
+from unmask.decode.blocks import sbd
 from unmask.eval.divergence import divergence
 from unmask.eval.quality import reference_nll
 from unmask.fileio import atomic_write_json, atomic_write_text

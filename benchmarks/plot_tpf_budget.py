@@ -27,7 +27,7 @@ import json
 import sys
 from pathlib import Path
 
-from unmask.decode import draft_layout
+from unmask.decode.verify import layout as draft_layout
 from unmask.errors import UnmaskError
 from unmask.fileio import atomic_savefig, atomic_write_text
 

@@ -5,7 +5,7 @@ batch 1, one thread: the first ``--limit`` GSM8K test questions (zero-shot instr
 first ``--limit`` HumanEval tasks, each as one user turn through the model's ChatML template, are
 decoded greedily for at most ``--max-new-tokens`` tokens by
 
-  * unmask's AR decoder (``unmask.decode.ar``, DynamicCache, stop on ``<|im_end|>``) and
+  * unmask's AR decoder (``unmask.decode.verify.ar``, DynamicCache, stop on ``<|im_end|>``) and
   * ``model.generate(do_sample=False)`` on the same model object and the same prompt ids,
 
 and the tokens of every prompt are compared (N/N identical; the stop token is excluded on both
@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 
 import unmask
-from unmask.decode import ar, sbd
+from unmask.decode.verify import ar
+from unmask.decode.blocks import sbd
 from unmask.eval.code_tasks import evaluate_humaneval
 from unmask.eval.datasets import gsm8k_chat_prompt, humaneval_chat_prompt, load_gsm8k, load_humaneval
 from unmask.eval.extract import gsm8k_score

@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 import unmask
-from unmask.decode import draft_layout, sibling_layout
+from unmask.decode.verify import layout as draft_layout
+from unmask.decode.verify import siblings as sibling_layout
 from unmask.eval.story_openings import STORY_OPENINGS
 from unmask.fileio import atomic_write_json, atomic_write_text
 

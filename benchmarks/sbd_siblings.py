@@ -22,7 +22,8 @@ import torch
 
 import unmask
 from unmask import calibrate as cal
-from unmask.decode import ar, sbd_verify
+from unmask.decode.verify import ar
+from unmask.decode.verify import steps as sbd_verify
 from unmask.eval.story_openings import STORY_OPENINGS
 from unmask.fileio import atomic_write_json, atomic_write_text
 

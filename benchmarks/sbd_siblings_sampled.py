@@ -2,7 +2,7 @@
 SBD with a chain layout and with the same chain plus siblings, on the same prompts and seeds.
 
 Sampled rows draw each sibling i.i.d. from the block mode's proposal q at its offset and accept by
-SpecInfer's multi-candidate rule (:func:`unmask.decode.tree_verify.sampled_tree_accept`), so the
+SpecInfer's multi-candidate rule (:func:`unmask.decode.verify.tree.sampled_tree_accept`), so the
 output keeps AR's sampling distribution (tests/test_r6_siblings_decode.py checks it by chi-square);
 what siblings buy there is measured here, not replayed: the replay models greedy acceptance only.
 Each (layout, seed) decodes every prompt in one batch (a row's draws do not depend on the batch).
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 import unmask
-from unmask.decode import sbd_verify
-from unmask.decode import sibling_layout as sl
+from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import siblings as sl
 from unmask.eval.story_openings import STORY_OPENINGS
 from unmask.fileio import atomic_write_json, atomic_write_text
 from unmask.sampling import Sampling

@@ -36,7 +36,7 @@ import torch
 
 import unmask
 from unmask import calibrate as cal
-from unmask.decode import draft_layout as dl
+from unmask.decode.verify import layout as dl
 from unmask.eval.story_openings import STORY_OPENINGS
 from unmask.fileio import atomic_write_json, atomic_write_text
 

@@ -29,7 +29,7 @@ import torch
 
 import unmask
 from unmask.compat import attention_mask, forward
-from unmask.decode.batching import left_pad
+from unmask.decode.engine.batching import left_pad
 from unmask.eval.quality import agreement, distinct_n, mean, reference_nll
 from unmask.eval.story_openings import STORY_OPENINGS
 from unmask.fileio import atomic_write_json, atomic_write_text

@@ -261,7 +261,8 @@ def _every(fn, k: int):
 
 def _check(bundle, out, args) -> dict:
     """Three story openings through the published routers: TPF of LBS+LPS, LBS only and threshold."""
-    from unmask.decode import diffusion, early_bird
+    from unmask.decode.dllm import diffusion
+    from unmask.decode.dllm import early_bird
     from unmask.eval.story_openings import STORY_OPENINGS
 
     prompts = [bundle.encode(p) for p in STORY_OPENINGS[100:103]]

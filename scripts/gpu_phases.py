@@ -358,8 +358,8 @@ def preload() -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401  (~10 s on a busy CPU, once)
 
     import unmask.api  # noqa: F401
-    import unmask.decode.ar  # noqa: F401
-    import unmask.decode.sbd_verify  # noqa: F401
+    import unmask.decode.verify.ar  # noqa: F401
+    import unmask.decode.verify.steps  # noqa: F401
     import unmask.train.distill  # noqa: F401
     import unmask.train.sbd_adapter  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""AR decoder (decode/ar.py): exact KV cache, batch invariance, seeded sampling, stopping and
+"""AR decoder (decode/verify/ar.py): exact KV cache, batch invariance, seeded sampling, stopping and
 DecodeStats, on tiny random Llama/Qwen3 models and on stories260K."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from conftest import tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
 from unmask.compat import forward, new_cache
-from unmask.decode import ar
-from unmask.decode.batching import left_pad
+from unmask.decode.verify import ar
+from unmask.decode.engine.batching import left_pad
 from unmask.sampling import Sampling
 
 FACTORIES = {"llama": tiny_llama, "qwen3": tiny_qwen3}

@@ -41,7 +41,7 @@ def fake_registry(monkeypatch, tmp_path):
         (d / "unmask_config.json").write_text(json.dumps({"kind": kind}))
         dirs[name] = d
     monkeypatch.setattr(registry, "shipped", lambda: {**real, **dirs})
-    monkeypatch.setitem(DECODERS, "toy-diffusion", DecoderInfo("toy-diffusion", "unmask.decode.ar",
+    monkeypatch.setitem(DECODERS, "toy-diffusion", DecoderInfo("toy-diffusion", "unmask.decode.verify.ar",
                                                                ("masked-diffusion",), "test only"))
 
 

@@ -1,5 +1,5 @@
 """Continuous batching for the Block Buffer on its one running batch
-(:class:`unmask.decode.multiblock_engine.MultiBlockDecoder`, the server's ``serving_batch``), issues
+(:class:`unmask.decode.multiblock.batch.MultiBlockDecoder`, the server's ``serving_batch``), issues
 16 and 25: whenever a row joins and whatever runs beside it, its tokens, NFE, per-row statistics
 and step events equal ``multiblock.decode`` on its prompt alone (STYLE.md 14)."""
 
@@ -13,10 +13,10 @@ from batch_helpers import job as _job
 from test_block_decode import bd_bundle, scripted_bundle
 
 import unmask
-from unmask.decode import multiblock
+from unmask.decode.multiblock import window as multiblock
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.decode.multiblock_engine import serving_batch as MultiBlockBatch
+from unmask.decode.multiblock.batch import serving_batch as MultiBlockBatch
 
 _ids = itertools.count()
 
@@ -274,7 +274,7 @@ def test_static_cache_rows_joining_mid_flight_equal_single_prompt_decodes(option
 def test_a_static_cache_under_churn_is_compacted_in_place(monkeypatch):
     # a static cache of 64 columns in length buckets of 16: compacted when the next window would not
     # fit or would fit a smaller bucket, every row still equal to its decode alone
-    from unmask.decode import static
+    from unmask.decode.engine import static
 
     monkeypatch.setattr(static, "LENGTH_BUCKET", 16)
     bundle = bd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import torch
 
-from unmask.decode import block_buffer as bb
-from unmask.decode.block_buffer import ACTIVE, DUMMY, NO_STOP, TO_CACHE
+from unmask.decode.multiblock import buffer as bb
+from unmask.decode.multiblock.buffer import ACTIVE, DUMMY, NO_STOP, TO_CACHE
 
 M = 99  # mask id in these tests
 

@@ -7,7 +7,8 @@ import torch
 from conftest import assert_batch_equals_single_rows, tiny_bundle, tiny_llama, tiny_qwen3
 
 from unmask.compat import attention_mask, forward, new_cache
-from unmask.decode import block, default_decoder, get_decoder
+from unmask.decode import default_decoder, get_decoder
+from unmask.decode.blocks import single as block
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_causal_mask
 from unmask.models.mask_token import add_mask_token

@@ -1,4 +1,4 @@
-"""The one running batch of SingleBD and lossy SBD (:class:`unmask.decode.blocks.BlockDecoder`,
+"""The one running batch of SingleBD and lossy SBD (:class:`unmask.decode.blocks.batch.BlockDecoder`,
 issue 25): at most one host sync per ``step()``, and its pure pieces."""
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ from batch_helpers import job
 from test_block_decode import bd_bundle
 from test_sbd_decode import sbd_bundle
 
-from unmask.decode import block, block_rule, sbd
-from unmask.decode.block import BlockConfig
-from unmask.decode.blocks import BlockDecoder
-from unmask.decode.running import requests_for
-from unmask.decode.sbd import SBDConfig
+from unmask.decode.blocks import single as block
+from unmask.decode.blocks import rule as block_rule
+from unmask.decode.blocks import sbd
+from unmask.decode.blocks.single import BlockConfig
+from unmask.decode.blocks.batch import BlockDecoder
+from unmask.decode.engine.running import requests_for
+from unmask.decode.blocks.sbd import SBDConfig
 from unmask.sampling import Sampling
 from unmask.policies import Threshold
 
@@ -118,7 +120,7 @@ def test_advance_is_pure_and_waits_for_every_row_in_lockstep():
 
 
 def test_the_quota_per_row_follows_block_quota():
-    from unmask.decode.block import block_quota
+    from unmask.decode.blocks.single import block_quota
 
     step = torch.arange(8)
     for B, steps in ((4, 4), (5, 2), (8, 3), (4, 1)):
@@ -146,7 +148,7 @@ def test_a_static_batch_takes_joins_that_leave_slots_free():
 @pytest.mark.parametrize("options", [dict(slots=2, tau_m2t=0.6, tau_add=0.3), dict(slots=3, tau_m2t=0.8, tau_t2t=0.5),
                                      dict(slots=1, tau_m2t=0.7, max_nfe=12)])
 def test_a_multiblock_step_reads_the_host_once(monkeypatch, options):
-    from unmask.decode import multiblock_engine
+    from unmask.decode.multiblock import batch as multiblock_engine
 
     bundle = _bundle("block")
     dec = multiblock_engine.serving_batch(bundle, options, capacity=8, stop_token_ids=(55, 29))
@@ -167,8 +169,8 @@ def test_a_multiblock_step_reads_the_host_once(monkeypatch, options):
 
 @pytest.mark.parametrize("static", [False, True])
 def test_a_multiblock_decode_step_reads_the_host_once(monkeypatch, static):
-    from unmask.decode.multiblock import MultiBlockConfig
-    from unmask.decode.multiblock_engine import MultiBlockDecoder
+    from unmask.decode.multiblock.window import MultiBlockConfig
+    from unmask.decode.multiblock.batch import MultiBlockDecoder
 
     bundle = _bundle("block")
     cfg = MultiBlockConfig.from_options(bundle, slots=3, tau_m2t=0.7, tau_add=0.25, tau_semi=0.5)

@@ -1,4 +1,4 @@
-"""The diffusion decoder's running batch (:class:`~unmask.decode.diffusion_engine.Diffusion`, the
+"""The diffusion decoder's running batch (:class:`~unmask.decode.dllm.diffusion_batch.Diffusion`, the
 server's, issues 16 and 25): whenever a row joins and whatever runs beside it, its tokens, NFE,
 row_extra and step events equal ``diffusion.decode`` on its prompt alone (STYLE.md 14)."""
 
@@ -12,11 +12,11 @@ from batch_helpers import GREEDY, check_canvas_rows, single_decode
 from test_diffusion_decode import dllm
 
 import unmask
-from unmask.decode import diffusion
+from unmask.decode.dllm import diffusion
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.decode.diffusion_engine import Diffusion
-from unmask.decode.running import Request
+from unmask.decode.dllm.diffusion_batch import Diffusion
+from unmask.decode.engine.running import Request
 
 _ids = itertools.count()
 

@@ -12,9 +12,10 @@ from conftest import tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
 from unmask.compat import forward, new_cache
-from unmask.decode import diffusion, get_decoder
-from unmask.decode.canvas_common import early_stop
-from unmask.decode.dllm_cache import SlotCanvas
+from unmask.decode import get_decoder
+from unmask.decode.dllm import diffusion
+from unmask.decode.dllm.canvas import early_stop
+from unmask.decode.dllm.cache import SlotCanvas
 from unmask.errors import UnmaskError
 from unmask.models.adapters import bidirectional_forward, realign
 from unmask.models.mask_token import add_mask_token

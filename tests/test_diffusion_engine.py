@@ -1,4 +1,4 @@
-"""The diffusion decoder's one running batch (issue 25, :class:`~unmask.decode.diffusion_engine.Diffusion`):
+"""The diffusion decoder's one running batch (issue 25, :class:`~unmask.decode.dllm.diffusion_batch.Diffusion`):
 host syncs per step, slot canvases that widen, lockstep (decode) and free (server) block progress."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import unmask
-from unmask.decode import diffusion
-from unmask.decode.diffusion import DiffusionConfig
-from unmask.decode.diffusion_engine import Diffusion
-from unmask.decode.running import Request, requests_for
+from unmask.decode.dllm import diffusion
+from unmask.decode.dllm.diffusion import DiffusionConfig
+from unmask.decode.dllm.diffusion_batch import Diffusion
+from unmask.decode.engine.running import Request, requests_for
 from unmask.sampling import Sampling
 
 SYNCS = ("item", "tolist", "__bool__", "__int__", "cpu")
@@ -110,7 +110,7 @@ def test_a_full_batch_refuses_in_one_line(dlm):
 def test_dream_rows_joining_mid_flight_equal_decode_alone(dlm):
     """Dream-schedule rows join and leave a running DreamSchedule at any step; each row's tokens,
     NFE, row_extra and step events equal diffusion.decode(schedule="dream") on its prompt alone."""
-    from unmask.decode.dream_compat import DreamSchedule
+    from unmask.decode.dllm.dream import DreamSchedule
 
     opts = {"alg": "entropy", "steps": 6}
     events: dict[int, list] = {}
@@ -141,7 +141,7 @@ def test_dream_rows_joining_mid_flight_equal_decode_alone(dlm):
 
 
 def test_dream_batch_refuses_what_decode_refuses(dlm):
-    from unmask.decode.dream_compat import DreamSchedule
+    from unmask.decode.dllm.dream import DreamSchedule
 
     with pytest.raises(unmask.UnmaskError, match="do not apply to --schedule dream"):
         DreamSchedule.serving(dlm, {"schedule": "dream", "block_size": 4})
@@ -186,8 +186,8 @@ def test_the_server_runs_dream_requests_in_one_running_batch(dlm):
 def test_an_early_bird_step_syncs_with_the_host_once(dlm, monkeypatch, cache):
     """LBS only, greedy, no on_step, no stop strings: one host sync per step, in the steps where rows
     finish too (tests/test_r5_host_syncs.py adds LPS and sampling)."""
-    from unmask.decode.early_bird import configure
-    from unmask.decode.early_bird_engine import EarlyBird
+    from unmask.decode.dllm.early_bird import configure
+    from unmask.decode.dllm.early_bird_batch import EarlyBird
 
     cfg, lbs, lps = configure(dlm, cache=cache, lps=False)
     dec = EarlyBird(dlm, cfg, lbs, lps, capacity=2, width=300)
@@ -211,7 +211,7 @@ def test_a_cached_early_bird_batch_equals_its_rows_alone(cache):
     LBS router on a tiny model selects different blocks per row, so the windows differ."""
     from test_early_bird import SMALL, dllm, lbs
 
-    from unmask.decode import early_bird
+    from unmask.decode.dllm import early_bird
 
     bundle = dllm(1)
     ps = [[1, 5, 9, 3], [1, 7], [1, 2, 3, 4, 5, 6]]

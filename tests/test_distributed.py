@@ -249,7 +249,7 @@ def _tp_cases() -> tuple:
     """TP_CASES, plus lossless SBD (``verify``) where the sbd decoder has it (spec/sbd_exact.md)."""
     import inspect
 
-    from unmask.decode import sbd
+    from unmask.decode.blocks import sbd
 
     if "verify" not in inspect.signature(sbd.decode).parameters:
         return TP_CASES

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import unmask
-from unmask.decode import diffusion
+from unmask.decode.dllm import diffusion
 from unmask.errors import UnmaskError
 from unmask.models.adapters import family_of, is_remote, loader_name
 from unmask.models.mask_token import add_mask_token

@@ -9,7 +9,9 @@ import torch
 from conftest import tiny_bundle, tiny_llama
 
 import unmask
-from unmask.decode import diffusion, early_bird, get_decoder
+from unmask.decode import get_decoder
+from unmask.decode.dllm import diffusion
+from unmask.decode.dllm import early_bird
 from unmask.errors import UnmaskError
 from unmask.models.mask_token import add_mask_token
 from unmask.routers import LBSConfig, LBSRouter, LPSConfig, LPSRouter, save_router

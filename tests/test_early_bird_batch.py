@@ -1,4 +1,4 @@
-"""Early-Bird's running batch (:class:`~unmask.decode.early_bird_engine.EarlyBird`, the server's, issues
+"""Early-Bird's running batch (:class:`~unmask.decode.dllm.early_bird_batch.EarlyBird`, the server's, issues
 16 and 25): whenever a row joins and whatever runs beside it, with every cache, its tokens, NFE,
 row_extra and step events equal ``early_bird.decode`` on its prompt alone (STYLE.md 14), with the
 shipped stories260K-dlm routers."""
@@ -12,11 +12,11 @@ import torch
 from batch_helpers import GREEDY, check_canvas_rows, single_decode
 
 import unmask
-from unmask.decode import early_bird
+from unmask.decode.dllm import early_bird
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.decode.early_bird_engine import EarlyBird
-from unmask.decode.running import Request
+from unmask.decode.dllm.early_bird_batch import EarlyBird
+from unmask.decode.engine.running import Request
 
 _ids = itertools.count()
 

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from unmask.decode.eb_select import (PATH_MIN_TOKENS, PATH_ROUTER, PATH_SIZE, drop_eos, effective_l_min,
+from unmask.decode.dllm.eb_select import (PATH_MIN_TOKENS, PATH_ROUTER, PATH_SIZE, drop_eos, effective_l_min,
                                      first_masked, lps_features, max_gap_cut, pack_rows, select_block, union_accept)
 
 EOS = 2

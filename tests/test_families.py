@@ -19,8 +19,9 @@ import torch
 from safetensors.torch import save_file
 
 import unmask
-from unmask.decode import block as block_decode
-from unmask.decode import diffusion, multiblock
+from unmask.decode.blocks import single as block_decode
+from unmask.decode.dllm import diffusion
+from unmask.decode.multiblock import window as multiblock
 from unmask.errors import UnmaskError
 from unmask.models.adapters import realign
 
@@ -621,7 +622,7 @@ def test_multitf_post_trains_a_published_block_model(tmp_path, family):
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_lbs_router_trains_on_a_published_masked_diffusion_model(tmp_path, family):
-    from unmask.decode import early_bird
+    from unmask.decode.dllm import early_bird
     from unmask.train.routers import LBSTrainConfig, run_lbs
 
     path = published_dir(tmp_path, family)

@@ -1,4 +1,4 @@
-"""unmask.decode.kv: the static cache with a moving pointer gives the dynamic cache's logits for
+"""unmask.decode.engine.kv: the static cache with a moving pointer gives the dynamic cache's logits for
 the same sequence of forwards and crops (STYLE.md 14), and refuses to overflow."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny_llama, tiny_qwen3
 
-from unmask.decode.kv import DynamicKV, StaticKV, make_kv
+from unmask.decode.engine.kv import DynamicKV, StaticKV, make_kv
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_causal_mask
 

@@ -9,7 +9,9 @@ from conftest import assert_batch_equals_single_rows, tiny_bundle
 from test_block_decode import bd_bundle, scripted_bundle, uncached_logits
 
 import unmask
-from unmask.decode import block, get_decoder, multiblock
+from unmask.decode import get_decoder
+from unmask.decode.blocks import single as block
+from unmask.decode.multiblock import window as multiblock
 from unmask.errors import UnmaskError
 
 

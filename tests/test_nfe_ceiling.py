@@ -7,7 +7,10 @@ import pytest
 import torch
 
 import unmask
-from unmask.decode import blocks, diffusion_engine, early_bird_engine, multiblock_engine
+from unmask.decode.blocks import batch as blocks
+from unmask.decode.dllm import diffusion_batch as diffusion_engine
+from unmask.decode.dllm import early_bird_batch as early_bird_engine
+from unmask.decode.multiblock import batch as multiblock_engine
 from unmask.errors import UnmaskError
 from unmask.policies import TokenStats
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from test_sbd_verify import verify_bundle
 
-from unmask.decode import ar
+from unmask.decode.verify import ar
 from unmask.sampling import Sampling
 from unmask.serve.engine import Scheduler
 from unmask.serve.jobs import Job

@@ -25,7 +25,7 @@ def _get(url: str) -> tuple[int, dict]:
 
 def test_a_compile_is_reported_with_its_shape_and_the_spinner_shows_it():
     from unmask.cli.progress import compiling
-    from unmask.decode import static
+    from unmask.decode.engine import static
 
     class Spinner:  # a rich Status's update(), recorded
         def __init__(self):

@@ -12,7 +12,8 @@ import torch
 
 import unmask
 from conftest import run_cli, tiny_bundle, tiny_llama
-from unmask.decode import ar, choice
+from unmask.decode import choice
+from unmask.decode.verify import ar
 from unmask.decode.choice import MIN_GAIN, choose, default_for, recorded
 from unmask.errors import UnmaskError
 from unmask.eval.divergence import bf16_ulp, divergence, first_divergence, gap_of

@@ -12,11 +12,12 @@ from test_sbd_verify import _ar_distribution, _chi_square_p, uncached, verify_bu
 
 import unmask
 from unmask.compat import forward, new_cache
-from unmask.decode import ar, sbd_verify
-from unmask.decode import draft_layout as dl
-from unmask.decode import sibling_layout as sl
-from unmask.decode.lossless import Verify
-from unmask.decode.running import requests_for
+from unmask.decode.verify import ar
+from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import layout as dl
+from unmask.decode.verify import siblings as sl
+from unmask.decode.verify.batch import Verify
+from unmask.decode.engine.running import requests_for
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 

@@ -8,8 +8,8 @@ import torch
 from test_sbd_verify import verify_bundle
 
 from unmask import calibrate as cal
-from unmask.decode import sbd_verify
-from unmask.decode import draft_layout as dl
+from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import layout as dl
 
 SPECS = ["3/0,2,3/4", "3/1,3/4", "3/3/4", "2/0/5", "4/0,1,2,3,4/5", "7/7/8", "3/0,1,2,3/4"]
 

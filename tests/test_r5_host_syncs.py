@@ -14,7 +14,7 @@ import torch
 from batch_helpers import job
 
 import unmask
-from unmask.decode.running import requests_for
+from unmask.decode.engine.running import requests_for
 from unmask.sampling import Sampling
 
 # Every tensor -> Python conversion: ``if t.any()`` goes through __bool__, ``range(t)`` through
@@ -112,8 +112,8 @@ def reqs(ps, n, sampling):
                                             ("none", dict(policy="threshold", tau=0.8, eos_early_stop=True))])
 @pytest.mark.parametrize("lockstep", [True, False], ids=["decode", "server"])
 def test_a_diffusion_step_reads_the_host_once(dlm, monkeypatch, sampling, cache, options, lockstep, hook):
-    from unmask.decode.diffusion import DiffusionConfig
-    from unmask.decode.diffusion_engine import Diffusion
+    from unmask.decode.dllm.diffusion import DiffusionConfig
+    from unmask.decode.dllm.diffusion_batch import Diffusion
 
     n = rows_for(hook, 3)
     cfg = DiffusionConfig.from_options(max_new_tokens=24, block_size=8, cache=cache, sampler="llada", **options)
@@ -130,7 +130,7 @@ def test_a_diffusion_step_reads_the_host_once(dlm, monkeypatch, sampling, cache,
 @pytest.mark.parametrize("options", [dict(alg="origin", steps=6), dict(alg="entropy", steps=5),
                                      dict(alg="maskgit_plus", alg_temp=0.5, steps=4), dict(alg="topk_margin")])
 def test_a_dream_step_reads_the_host_once(dlm, monkeypatch, sampling, options, hook):
-    from unmask.decode.dream_compat import DreamSchedule
+    from unmask.decode.dllm.dream import DreamSchedule
 
     n = rows_for(hook, 3)
     dec = DreamSchedule(dlm, capacity=n, stop_token_ids=(2,), on_step=hook, **options)
@@ -153,8 +153,8 @@ def test_a_dream_step_reads_the_host_once(dlm, monkeypatch, sampling, options, h
 @pytest.mark.parametrize("lps", [False, True], ids=["lbs", "lps"])
 @pytest.mark.parametrize("lockstep", [True, False], ids=["decode", "server"])
 def test_an_early_bird_step_reads_the_host_once(dlm, monkeypatch, sampling, cache, lps, lockstep, hook):
-    from unmask.decode.early_bird import configure
-    from unmask.decode.early_bird_engine import EarlyBird
+    from unmask.decode.dllm.early_bird import configure
+    from unmask.decode.dllm.early_bird_batch import EarlyBird
 
     # a low τ_ψ and τ so that LPS decides for some rows (open rows run the router)
     cfg, lbs_net, lps_net = configure(dlm, cache=cache, lps=lps, **(dict(tau_psi=0.3, tau=0.95) if lps else {}))
@@ -192,7 +192,8 @@ def _jobs(sampling, lengths=(14, 9, 20, 11), n: int = 4):
                                               ("sbd", dict(block_size=4, gamma=0.5)),
                                               ("sbd", dict(block_size=3, policy="threshold", tau=0.3))])
 def test_a_block_step_reads_the_host_once(monkeypatch, sampling, decoder, options, hook):
-    from unmask.decode import block, sbd
+    from unmask.decode.blocks import single as block
+    from unmask.decode.blocks import sbd
 
     bundle = _bundle(decoder)
     make = block.serving_batch if decoder == "block" else sbd.serving_batch
@@ -207,7 +208,7 @@ def test_a_block_step_reads_the_host_once(monkeypatch, sampling, decoder, option
 @pytest.mark.parametrize("options", [dict(slots=2, tau_m2t=0.6, tau_add=0.3), dict(slots=3, tau_m2t=0.8, tau_t2t=0.5)])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_a_multiblock_step_reads_the_host_once(monkeypatch, sampling, options, static, hook):
-    from unmask.decode import multiblock_engine
+    from unmask.decode.multiblock import batch as multiblock_engine
 
     dec = multiblock_engine.serving_batch(_bundle("block"), options, capacity=8, stop_token_ids=(55, 29),
                                           static=static, on_step=hook)  # static: the cache serve --compile runs on

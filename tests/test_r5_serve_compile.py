@@ -11,10 +11,12 @@ import pytest
 import torch
 from test_sbd_verify import verify_bundle
 
-from unmask.decode import ar, sbd_verify, static
-from unmask.decode.lossless import Verify
-from unmask.decode.running import Request
-from unmask.decode.sbd_verify import VerifyConfig
+from unmask.decode.verify import ar
+from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.engine import static
+from unmask.decode.verify.batch import Verify
+from unmask.decode.engine.running import Request
+from unmask.decode.verify.steps import VerifyConfig
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 

@@ -10,7 +10,7 @@ from conftest import run_cli
 
 import unmask
 from unmask.bench import side_by_side
-from unmask.decode import draft_layout as dl
+from unmask.decode.verify import layout as dl
 
 MODEL = "stories260K-sbd"
 PROMPTS = ["Once upon a time", "Zoo"]
@@ -73,7 +73,7 @@ def test_decode_stats_properties_and_to_dict(bundle):
 
 
 def test_a_ragged_batch_pools_its_forwards_and_mean_window_is_the_mean():
-    from unmask.decode.stats import DecodeStats, mean_window
+    from unmask.decode.engine.stats import DecodeStats, mean_window
 
     assert mean_window({16: 3, "72": 1}) == (16 * 3 + 72) / 4 and mean_window({}) is None
     s = DecodeStats(nfe=3, nfe_per_row=[3], tokens_per_row=[5], seconds=1.0,

@@ -11,7 +11,7 @@ for _m in ("fastapi", "uvicorn", "prometheus_client", "openai"):
 from conftest import one_line_error, run_cli  # noqa: E402
 
 import unmask  # noqa: E402
-from unmask.decode import draft_layout as dl  # noqa: E402
+from unmask.decode.verify import layout as dl  # noqa: E402
 from unmask.errors import UnmaskError  # noqa: E402
 from unmask.serve import create_app  # noqa: E402
 from unmask.serve.server import ServerThread  # noqa: E402

@@ -8,9 +8,9 @@ import pytest
 from test_r5_c_calibrate import replay_case
 
 from unmask import calibrate as cal
-from unmask.decode import draft_layout as dl
-from unmask.decode import sbd_verify
-from unmask.decode import sibling_layout as sl
+from unmask.decode.verify import layout as dl
+from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import siblings as sl
 from unmask.errors import UnmaskError
 
 

@@ -12,9 +12,10 @@ from test_sbd_verify import _chi_square_p, sampling_case, verify_bundle  # noqa:
 
 import unmask
 from unmask import calibrate as cal
-from unmask.decode import ar, sbd_verify
-from unmask.decode import sibling_layout as sl
-from unmask.decode import tree_verify as tv
+from unmask.decode.verify import ar
+from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import siblings as sl
+from unmask.decode.verify import tree as tv
 from unmask.sampling import Sampling
 
 TREES = ["3/0,1,3/4+1", "3/0,2,3/4+1g3", "3/0/4+1c2+1", "2/0/5+1g4+2", "4/0,1,2,3,4/5+1c1g3+2", "3/1,3/4+1g2+1c1"]

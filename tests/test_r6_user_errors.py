@@ -8,7 +8,7 @@ import pytest
 
 from conftest import one_line_error
 from unmask import calibrate as cal
-from unmask.decode import draft_layout as dl
+from unmask.decode.verify import layout as dl
 from unmask.errors import UnmaskError
 from unmask.models.registry import shipped
 
@@ -67,7 +67,7 @@ def test_the_story_corpus_counts_the_documents_it_dropped(tmp_path, monkeypatch)
     summary now says how many were dropped (duplicates kept once)."""
     import types
 
-    from unmask.decode import ar
+    from unmask.decode.verify import ar
     from unmask.train.data import make_story_corpus
 
     same = lambda bundle, prompts, **kw: types.SimpleNamespace(tokens=[[5, 6, 7] for _ in prompts])  # noqa: E731

@@ -13,7 +13,7 @@ import unmask
 from conftest import tiny_llama, tiny_qwen3
 from test_sbd_adapter import _stories_adapter
 from unmask.compat import attention_mask, forward, new_cache
-from unmask.decode import static
+from unmask.decode.engine import static
 from unmask.masks import as_4d, sbd_inference_mask
 from unmask.models.sbd_adapter import AdapterSpec, GatedLinear, attach
 

@@ -9,7 +9,8 @@ import pytest
 from conftest import one_line_error
 
 import unmask
-from unmask.decode import sbd_verify, tree_verify as tv
+from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import tree as tv
 from unmask.errors import UnmaskError
 
 

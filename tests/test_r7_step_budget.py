@@ -10,7 +10,7 @@ import pytest
 from test_r5_c_calibrate import SPECS, replay_case
 
 from unmask import calibrate as cal
-from unmask.decode import draft_layout as dl
+from unmask.decode.verify import layout as dl
 from unmask.errors import UnmaskError
 from unmask.models.registry import shipped
 

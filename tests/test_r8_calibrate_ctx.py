@@ -8,7 +8,7 @@ from conftest import one_line_error
 
 import unmask
 from unmask import calibrate as cal
-from unmask.decode import ar
+from unmask.decode.verify import ar
 from unmask.errors import UnmaskError
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import tiny_bundle, tiny_llama
 
-from unmask.decode import early_bird
+from unmask.decode.dllm import early_bird
 from unmask.models.mask_token import add_mask_token
 from unmask.routers import LBSConfig, LBSRouter
 from unmask.train import routers as tr

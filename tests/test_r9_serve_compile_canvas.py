@@ -13,7 +13,7 @@ import pytest
 from test_diffusion_batch import CACHES, PROMPTS, Run, check, job
 
 import unmask
-from unmask.decode import diffusion
+from unmask.decode.dllm import diffusion
 from unmask.sampling import Sampling
 
 
@@ -114,7 +114,7 @@ def test_the_compiled_server_runs_cached_diffusion_on_the_static_cache(stories_d
 
 def test_a_negative_block_size_is_named_as_such(stories_dlm):
     # the fault pass: the server's batch validated it as a nominal gen length ("gen length must be ...")
-    from unmask.decode.diffusion_engine import Diffusion
+    from unmask.decode.dllm.diffusion_batch import Diffusion
     from unmask.errors import UnmaskError
 
     for options in ({"block_size": -4}, {"block_size": -4, "cache": "dual"}):

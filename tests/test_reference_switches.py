@@ -7,7 +7,7 @@ import json
 from conftest import one_line_error, run_cli
 
 import unmask
-from unmask.decode import diffusion
+from unmask.decode.dllm import diffusion
 
 
 def test_factor_compat_on_the_command_line_equals_the_api(capsys):

@@ -381,7 +381,7 @@ def _early_stop_dlm():
 
 
 def test_reference_nfe_decodes_the_whole_canvas_as_the_reference_does():
-    from unmask.decode import diffusion
+    from unmask.decode.dllm import diffusion
 
     bundle = _early_stop_dlm()
     kw = dict(max_new_tokens=64, block_size=8)

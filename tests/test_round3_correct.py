@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import unmask
-from unmask.decode import diffusion, sbd
-from unmask.decode.block import quota_threshold_commit
-from unmask.decode.kv import DynamicKV, StaticKV
+from unmask.decode.dllm import diffusion
+from unmask.decode.blocks import sbd
+from unmask.decode.blocks.single import quota_threshold_commit
+from unmask.decode.engine.kv import DynamicKV, StaticKV
 from unmask.errors import UnmaskError
 from unmask.eval import tasks as T
 from unmask.eval.aup import aup, aup_report
@@ -64,7 +65,7 @@ def test_dreams_tempered_convention_stays_available_by_name(dlm):
 
 
 def test_early_bird_at_low_temperature_needs_about_as_many_forwards_as_greedy(dlm):
-    from unmask.decode import early_bird
+    from unmask.decode.dllm import early_bird
 
     prompt = dlm.encode("Once upon a time")
     greedy = early_bird.decode(dlm, [prompt], max_new_tokens=32)
@@ -109,7 +110,7 @@ def test_quota_threshold_rule_reads_untempered_confidence():
 
 
 def test_serve_batches_take_the_confidence_option(dlm):
-    from unmask.decode.diffusion_engine import Diffusion
+    from unmask.decode.dllm.diffusion_batch import Diffusion
 
     assert Diffusion.serving(dlm, {"confidence": "tempered"}).confidence == "tempered"
     assert Diffusion.serving(dlm, {}).confidence is None  # dream sampler: float32 untempered
@@ -323,8 +324,9 @@ def test_lm_eval_adapter_needs_a_model():
 # ---------------------------------------------------------------- item 6: the stop token in TPF
 
 def test_ar_stopping_on_eos_has_tpf_one(stories):
-    from unmask.decode import ar, lossless
-    from unmask.decode.running import drain, requests_for
+    from unmask.decode.verify import ar
+    from unmask.decode.verify import batch as lossless
+    from unmask.decode.engine.running import drain, requests_for
 
     def static_ar(bundle, prompts, *, max_new_tokens, stop_token_ids):  # the static cache, eagerly
         reqs = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=Sampling())
@@ -358,7 +360,7 @@ def test_every_decoder_counts_the_stop_token_the_same_way(dlm):
 
 
 def test_stop_flags():
-    from unmask.decode.stats import stop_flags
+    from unmask.decode.engine.stats import stop_flags
 
     assert stop_flags([[5, 2, 7], [5, 6], [5, -1]], [[5], [5, 6], [5]], (2,)) == [1, 0, 0]
     assert stop_flags([[5, 2]], [[5]], (2,), limit=1) == [0]  # the stop lies past the budget
@@ -371,7 +373,7 @@ def test_stop_flags():
 def test_multiblock_at_a_tiny_temperature_is_its_greedy_run(T):
     # multiblock's κ read softmax(logits / T): at T = 1e-6 every κ rounded to 1 and whole blocks
     # committed at once (stories260K-mbd: NFE 5 against 26 greedy, tokens differed from position 25)
-    from unmask.decode import multiblock
+    from unmask.decode.multiblock import window as multiblock
 
     bundle = unmask.load("stories260K-mbd")
     prompt = bundle.encode("Once upon a time")

@@ -244,7 +244,7 @@ def test_parsing_and_tokenizing_run_off_the_event_loop(bundle, monkeypatch):
 def test_a_non_streamed_request_whose_client_left_is_dropped_and_counted_cancelled(dlm, monkeypatch):
     """Found by the fault pass: the handler checked for a disconnect only when no event came for
     0.2 s, and a running request's steps come faster: it kept its slot to the end, counted ok."""
-    from unmask.decode.diffusion_engine import Diffusion
+    from unmask.decode.dllm.diffusion_batch import Diffusion
 
     real_step = Diffusion.step
     steps = []

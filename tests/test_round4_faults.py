@@ -142,15 +142,15 @@ def test_a_join_that_fails_beside_a_running_row_fails_only_itself():
 
 
 @pytest.mark.parametrize("model,make,target", [
-    ("stories260K-bd", "unmask.decode.block:serving_batch", "unmask.decode.blocks:BlockDecoder._prefill"),
-    ("stories260K-mbd", "unmask.decode.multiblock_engine:serving_batch", "unmask.decode.multiblock_engine:prefill_whole_blocks"),
+    ("stories260K-bd", "unmask.decode.blocks.single:serving_batch", "unmask.decode.blocks.batch:BlockDecoder._prefill"),
+    ("stories260K-mbd", "unmask.decode.multiblock.batch:serving_batch", "unmask.decode.multiblock.batch:prefill_whole_blocks"),
 ])
 def test_a_failed_prefill_gives_its_slots_back(monkeypatch, model, make, target):
     """A step covers slots [0, high): a join whose prefill raised must not keep its slots, or the
     next step of the rows already running would cover a slot with no cache row."""
     import importlib
 
-    from unmask.decode.running import Request
+    from unmask.decode.engine.running import Request
 
     bundle = unmask.load(model)
     mod, name = make.split(":")

@@ -1,8 +1,8 @@
-"""The one engine's shared plumbing (decode/running.py): the slot free list and drain()."""
+"""The one engine's shared plumbing (decode/engine/running.py): the slot free list and drain()."""
 
 import pytest
 
-from unmask.decode.running import Request, Row, Slots, drain
+from unmask.decode.engine.running import Request, Row, Slots, drain
 from unmask.errors import UnmaskError
 
 

@@ -16,12 +16,13 @@ from test_sbd_verify import verify_bundle
 
 import unmask
 from unmask.compat import forward, new_cache
-from unmask.decode import ar, sbd_verify
+from unmask.decode.verify import ar
+from unmask.decode.verify import steps as sbd_verify
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.decode import lossless
-from unmask.decode.lossless import Verify
-from unmask.decode.running import Request
+from unmask.decode.verify import batch as lossless
+from unmask.decode.verify.batch import Verify
+from unmask.decode.engine.running import Request
 
 SAMPLED = Sampling(temperature=0.9, top_k=20, seed=5)
 TEXTS = ["Once upon a time", "The cat sat on the", "Lily and Ben went to the park", "One day",

@@ -8,7 +8,8 @@ from conftest import tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
 from unmask.compat import attention_mask, forward, new_cache
-from unmask.decode import get_decoder, sbd
+from unmask.decode import get_decoder
+from unmask.decode.blocks import sbd
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, causal_mask, sbd_inference_mask
 from unmask.models.mask_token import add_mask_token

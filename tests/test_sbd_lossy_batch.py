@@ -1,5 +1,5 @@
 """Continuous batching for lossy SBD and SingleBD on their one running batch
-(:class:`unmask.decode.blocks.BlockDecoder`, the server's ``serving_batch``), issues 16 and 25:
+(:class:`unmask.decode.blocks.batch.BlockDecoder`, the server's ``serving_batch``), issues 16 and 25:
 whenever a row joins and whatever runs beside it, its tokens, NFE, per-row statistics and step
 events equal ``sbd.decode`` / ``block.decode`` on its prompt alone (STYLE.md 14)."""
 
@@ -15,7 +15,8 @@ from test_block_decode import bd_bundle, scripted_bundle
 from test_sbd_decode import sbd_bundle
 
 import unmask
-from unmask.decode import block, sbd
+from unmask.decode.blocks import single as block
+from unmask.decode.blocks import sbd
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 SBDBatch, BlockBatch = "sbd", "block"  # the decoders' names, as the server keys their batches
@@ -345,7 +346,7 @@ def test_a_static_cache_under_churn_is_compacted_in_place(monkeypatch, cls, make
     # rows keep joining and leaving one static cache of 48 columns in length buckets of 16: its
     # pointer only grows between compactions, which move the valid keys left in place when the next
     # window would not fit or would fit a smaller bucket
-    from unmask.decode import static
+    from unmask.decode.engine import static
 
     monkeypatch.setattr(static, "LENGTH_BUCKET", 16)
     bundle = make("llama", "sdpa", seed=3, initializer_range=0.4)

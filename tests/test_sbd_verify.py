@@ -11,7 +11,11 @@ from conftest import one_line_error, tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
 from unmask.compat import attention_mask, forward, new_cache
-from unmask.decode import ar, sbd, sbd_sampled, sbd_verify, tree_verify
+from unmask.decode.verify import ar
+from unmask.decode.blocks import sbd
+from unmask.decode.verify import sampled as sbd_sampled
+from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import tree as tree_verify
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, sbd_inference_mask
 from unmask.models.mask_token import add_mask_token

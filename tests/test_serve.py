@@ -235,8 +235,8 @@ def test_sixteen_concurrent_requests_are_batch_invariant(bundle, server, client)
 
 
 def test_ar_batch_join_and_leave_mid_run_equals_single_rows(bundle):
-    from unmask.decode.lossless import Verify
-    from unmask.decode.running import Request
+    from unmask.decode.verify.batch import Verify
+    from unmask.decode.engine.running import Request
 
     lengths = [30, 12, 40, 25, 33]
     jobs = [Request(prompt_ids=bundle.encode(p), max_new_tokens=n, id=i) for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
@@ -303,15 +303,15 @@ def test_a_finished_row_is_answered_before_its_batch_ends(bundle):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_ar_batch_on_tiny_models_equals_the_ar_decoder(family, attn):
     """Rows joining a running batch mid-run, with prompts of different lengths (so padded cache
-    columns and the 4D key mask are in play), equal ``unmask.decode.ar`` on each row alone, on
+    columns and the 4D key mask are in play), equal ``unmask.decode.verify.ar`` on each row alone, on
     both attention backends (additive mask for eager, bool for SDPA)."""
 
     import torch
     from conftest import tiny_bundle, tiny_llama, tiny_qwen3
 
-    from unmask.decode import ar
-    from unmask.decode.lossless import Verify
-    from unmask.decode.running import Request
+    from unmask.decode.verify import ar
+    from unmask.decode.verify.batch import Verify
+    from unmask.decode.engine.running import Request
 
     model = (tiny_llama if family == "llama" else tiny_qwen3)(attn_implementation=attn)
     b = tiny_bundle(model)
@@ -458,7 +458,7 @@ def test_interrupted_serve_exits_non_zero(capsys, monkeypatch):
 
 
 def test_a_crashing_decoder_answers_500_and_the_server_keeps_serving(bundle, monkeypatch):
-    from unmask.decode.lossless import Verify  # greedy lossless sbd runs in the AR / lossless batch
+    from unmask.decode.verify.batch import Verify  # greedy lossless sbd runs in the AR / lossless batch
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated bug")
@@ -515,7 +515,7 @@ def test_serve_with_a_gated_adapter_serves_the_base_models_own_text(capsys, monk
 
 
 def test_compiled_server_serves_lossless_and_lossy_sbd_identically(bundle):
-    from unmask.decode.kv import StaticKV
+    from unmask.decode.engine.kv import StaticKV
 
     ref = unmask.generate(PROMPTS[:2], bundle, "sbd", max_new_tokens=24).texts
     lossy = unmask.generate(PROMPTS[0], bundle, "sbd", max_new_tokens=24, gamma=0.35).texts[0]
@@ -606,7 +606,7 @@ def test_idle_compiled_batches_are_evicted_least_recently_joined_first(bundle):
 def test_compiled_server_runs_block_and_multiblock_on_static_caches():
     """serve --compile: block and multiblock running batches decode on a static KV cache that rows
     join mid-flight (new step shapes run eagerly until the server is idle), each text as generate's."""
-    from unmask.decode.kv import StaticKV
+    from unmask.decode.engine.kv import StaticKV
 
     b = unmask.load("stories260K-mbd")
     prompts = ["Once upon a time", "Tom had a red ball", "The sun"]

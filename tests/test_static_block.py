@@ -10,7 +10,8 @@ from conftest import prompts_around_a_block
 from test_block_decode import bd_bundle
 
 import unmask
-from unmask.decode import block, multiblock
+from unmask.decode.blocks import single as block
+from unmask.decode.multiblock import window as multiblock
 from unmask.sampling import Sampling
 
 TEXTS = ["Once upon a time", "The cat sat on the", "Lily and Ben went to the park", "One day",
@@ -154,7 +155,7 @@ def test_compiled_multiblock_equals_eager(mbd):
 def test_compact_slides_each_rows_valid_keys_right_in_order():
     from conftest import tiny_llama
 
-    from unmask.decode.kv import StaticKV, compact
+    from unmask.decode.engine.kv import StaticKV, compact
 
     kv = StaticKV(tiny_llama(), 2, 16)
     kv.forward(torch.randint(3, 60, (2, 10)), torch.arange(10).expand(2, 10), None, compiled=False)

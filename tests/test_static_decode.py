@@ -1,6 +1,6 @@
-"""The fast path: the static cache (unmask.decode.kv.StaticKV), eager and compiled, gives the eager
+"""The fast path: the static cache (unmask.decode.engine.kv.StaticKV), eager and compiled, gives the eager
 decoders' tokens, NFE and accept histograms (STYLE.md 14: compiled against eager). AR and lossless
-SBD run it through their one running batch (unmask.decode.lossless.Verify, issue 25)."""
+SBD run it through their one running batch (unmask.decode.verify.batch.Verify, issue 25)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import torch
 from conftest import one_line_error, prompts_around_a_block, tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
-from unmask.decode import ar, lossless, sbd, sbd_verify, static
-from unmask.decode.running import drain, requests_for
+from unmask.decode.verify import ar
+from unmask.decode.verify import batch as lossless
+from unmask.decode.blocks import sbd
+from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.engine import static
+from unmask.decode.engine.running import drain, requests_for
 from unmask.models.mask_token import add_mask_token
 from unmask.sampling import Sampling
 

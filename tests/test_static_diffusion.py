@@ -10,8 +10,9 @@ import torch
 from conftest import prompts_around_a_block, tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
-from unmask.decode import diffusion, early_bird
-from unmask.decode.dllm_cache import BUCKET_STEP, bucket
+from unmask.decode.dllm import diffusion
+from unmask.decode.dllm import early_bird
+from unmask.decode.dllm.cache import BUCKET_STEP, bucket
 from unmask.errors import UnmaskError
 from unmask.models.mask_token import add_mask_token
 from unmask.routers import LBSConfig, LBSRouter, LPSConfig, LPSRouter
@@ -167,7 +168,7 @@ def test_fast_path_refusals(stories, monkeypatch):
         diffusion.decode(bundle, prompts[:1], max_new_tokens=8, static="yes")
     with pytest.raises(UnmaskError, match="compile must be true or false"):
         early_bird.decode(bundle, prompts[:1], max_new_tokens=8, compile=1)
-    monkeypatch.setattr("unmask.decode.dllm_cache.supports_cache", lambda bundle: False)  # a remote-code model
+    monkeypatch.setattr("unmask.decode.dllm.cache.supports_cache", lambda bundle: False)  # a remote-code model
     with pytest.raises(UnmaskError, match="compile needs a transformers-native model"):
         diffusion.decode(bundle, prompts[:1], max_new_tokens=8, compile=True)
     with pytest.raises(UnmaskError, match="static needs a transformers-native model"):

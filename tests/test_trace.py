@@ -14,7 +14,8 @@ from conftest import run_cli, tiny_bundle, tiny_llama
 
 import unmask
 from unmask.cli import main
-from unmask.decode import diffusion, sbd
+from unmask.decode.dllm import diffusion
+from unmask.decode.blocks import sbd
 from unmask.models.mask_token import add_mask_token
 from unmask.trace import MASK_GLYPH, Trace, TokenText, attach_trace, step_event
 

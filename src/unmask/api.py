@@ -38,7 +38,7 @@ class Generation:
         row's tokens per second of the call, the figure the text output prints). ``accept_histogram``:
         the row's {tokens committed in a forward: forwards} where the decoder keeps it (lossless SBD:
         summing to its ``nfe``); lossless SBD adds ``queries_per_forward`` (query tokens per row per
-        verify forward, the batch's mean; :class:`~unmask.decode.stats.DecodeStats`)."""
+        verify forward, the batch's mean; :class:`~unmask.decode.engine.stats.DecodeStats`)."""
         out = []
         secs = self.stats.seconds
         for i, prompt in enumerate(self.prompts):
@@ -266,7 +266,7 @@ def _reference_decode(decode, decoder: str, bundle: ModelBundle, ids: list[list[
     ``max_new_tokens``, recounting its generated tokens (NFE stays the whole canvas's).
     Raises UnmaskError for a decoder outside :data:`REFERENCE_NFE_DECODERS`."""
     from unmask.decode import DecodeOutput
-    from unmask.decode.stats import stop_flags
+    from unmask.decode.engine.stats import stop_flags
 
     if decoder not in REFERENCE_NFE_DECODERS:
         raise UnmaskError(f"--reference-nfe applies to the dLLM decoders ({', '.join(REFERENCE_NFE_DECODERS)}), "

@@ -6,7 +6,7 @@ the greedy AR text of each prompt and the block mode's argmax after every prefix
 group length — determines every layout's steps without running the decoder: :func:`replay`
 applies the acceptance and the next-draft rule of §5.2 to it and predicts each row's forwards
 exactly (the same tokens, up to float ties between block-mode candidates); with the block mode's
-top candidates also recorded it replays sibling layouts (§5.3, :mod:`unmask.decode.sibling_layout`).
+top candidates also recorded it replays sibling layouts (§5.3, :mod:`unmask.decode.verify.siblings`).
 :func:`search` tries every ``(D, S, G)`` within a budget, :func:`search_trees` adds siblings; :func:`calibrate` records, searches and stores the table in
 the model's ``decode_defaults`` (``draft="budget"``, ``queries``, ``draft_layouts``).
 
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.decode import draft_layout as dl
-from unmask.decode import sibling_layout as sl
+from unmask.decode.verify import layout as dl
+from unmask.decode.verify import siblings as sl
 from unmask.errors import UnmaskError
 
 DEFAULT_MAX_D = 7
@@ -58,7 +58,7 @@ def record(bundle, prompts: list[list[int]], *, max_new_tokens: int, lengths=ran
     (generate's check, before any decoding)."""
     from unmask.api import check_fit
     from unmask.compat import attention_mask, forward
-    from unmask.decode import ar
+    from unmask.decode.verify import ar
 
     if bundle.mask_token_id is None:
         raise UnmaskError("calibrating draft layouts needs a model with a mask token (an SBD model, or a base "

@@ -144,9 +144,9 @@ def compare_with_ar(rows: list[dict]) -> tuple[dict | None, dict | None]:
 
 def variants(decoder: str, model: str, adapter: str | None = None) -> list[tuple[str, dict]]:
     """The (row label, decoder options) rows of one pair: :data:`VARIANTS`, plus for lossless SBD on a
-    model with stored layouts one row per query budget of :data:`unmask.decode.draft_layout.BUDGETS`
+    model with stored layouts one row per query budget of :data:`unmask.decode.verify.layout.BUDGETS`
     (``draft="budget", queries=Q``)."""
-    from unmask.decode.draft_layout import BUDGETS
+    from unmask.decode.verify.layout import BUDGETS
 
     rows = list(VARIANTS.get(decoder, ((decoder, {}),)))
     if decoder == "sbd" and has_stored_layouts(model, adapter):
@@ -193,7 +193,7 @@ def bench(*, limit: int = 16, max_new_tokens: int = 64, batch_size: int = 1, rep
     Lossless SBD on a model with calibrated layouts also runs ``sbd --verify --queries Q`` rows for
     Q = 8, 16, 24, 32 (:func:`variants`). Rows carry ``queries_per_forward`` (lossless SBD, else None)
     and ``accepts``, the pooled accept histogram where the decoder keeps one
-    (:class:`~unmask.decode.stats.DecodeStats`).
+    (:class:`~unmask.decode.engine.stats.DecodeStats`).
     ``compile``: also run every row with ``compile=True``, each after an untimed warm-up pass over
     the same prompts that compiles every shape (its seconds, compiles included, are reported as
     ``compile_s``; they are not in the row's TPS).

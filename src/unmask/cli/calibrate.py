@@ -33,7 +33,7 @@ def calibrate_drafts_cmd(
     layout (D, S, G) within each budget, print the best per budget (Q, layout, predicted TPF) and
     store them as the model's decode_defaults (draft=budget), so lossless SBD uses them by default."""
     from unmask.calibrate import calibrate, measured, store_measured, stored_defaults
-    from unmask.decode import draft_layout as dl
+    from unmask.decode.verify import layout as dl
     from unmask.models import load
     from unmask.models.adapter_io import resolve_adapter, set_adapter_decode_defaults
     from unmask.models.registry import CHECKPOINTS, resolve

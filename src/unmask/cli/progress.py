@@ -39,13 +39,13 @@ def bar(description: str, *, enabled: bool = True, console=None) -> Iterator[Cal
 
 @contextmanager
 def compiling(spinner, message: str) -> Iterator[None]:
-    """While the block runs, a graph being compiled (:func:`unmask.decode.static.compile_progress`)
+    """While the block runs, a graph being compiled (:func:`unmask.decode.engine.static.compile_progress`)
     shows on ``spinner`` (a rich Status; None: nothing is shown) as "compiling step graph 2 (rows 1,
     queries 4, cache 256)…"; ``message`` comes back when it is done."""
     if spinner is None:
         yield
         return
-    from unmask.decode.static import compile_progress
+    from unmask.decode.engine.static import compile_progress
 
     def show(event: dict) -> None:
         if event["done"]:

@@ -1,60 +1,54 @@
-"""Decoders. Each takes a ModelBundle and token-id prompts and returns a DecodeOutput.
+"""Decoders: the registry (:data:`DECODERS`, name -> :class:`Spec`) and the one ``decode()``.
 
-A decoder module exposes ``decode(bundle, prompts, *, max_new_tokens, sampling,
-stop_token_ids, stop_strings, **options)``; this registry maps the user-facing names to
-modules and to the model kinds each one works on.
+Every decoder is a frozen :class:`Config` of knobs plus a running batch, registered once
+(:mod:`unmask.decode.engine.registry`). The built-in ones are registered here; plug-ins through the
+``unmask.decoders`` entry-point group (docs/engine.md "Writing a decoder").
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-
-from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.decode.blocks.sbd import SPEC as _SBD
+from unmask.decode.blocks.single import SPEC as _BLOCK
+from unmask.decode.dllm.diffusion import SPEC as _DIFFUSION
+from unmask.decode.dllm.early_bird import SPEC as _EARLY_BIRD
+from unmask.decode.engine.registry import DECODERS, Config, Knob, Spec, knob, load_plugins, register
+from unmask.decode.engine.stats import DecodeOutput, DecodeStats
+from unmask.decode.multiblock.window import SPEC as _MULTIBLOCK
+from unmask.decode.verify.ar import SPEC as _AR
 from unmask.errors import UnmaskError
 
+for _spec in (_AR, _SBD, _DIFFUSION, _EARLY_BIRD, _BLOCK, _MULTIBLOCK):
+    register(_spec)
+load_plugins()
 
-@dataclass(frozen=True)
-class DecoderInfo:
-    name: str
-    module: str
-    kinds: tuple[str, ...]
-    summary: str
+DEFAULT_FOR_KIND = {"causal": "ar", "sbd": "sbd", "masked-diffusion": "diffusion", "block-diffusion": "block"}
 
 
-DECODERS: dict[str, DecoderInfo] = {
-    "ar": DecoderInfo("ar", "unmask.decode.ar", ("causal", "sbd"), "autoregressive, one token per forward, exact KV cache"),
-    "sbd": DecoderInfo("sbd", "unmask.decode.sbd", ("sbd",), "Set Block Decoding: block of masks, EB sampler, exact KV cache"),
-    "diffusion": DecoderInfo("diffusion", "unmask.decode.diffusion", ("masked-diffusion",),
-                             "semi-AR masked diffusion: LLaDA top-k steps, Fast-dLLM threshold/factor, EB; "
-                             "approximate prefix/dual caches"),
-    "early-bird": DecoderInfo("early-bird", "unmask.decode.early_bird", ("masked-diffusion",),
-                              "Early-Bird: learned variable blocks (LBS) and learned parallel commits (LPS)"),
-    "block": DecoderInfo("block", "unmask.decode.block", ("block-diffusion",),
-                         "SingleBD: one block at a time over an exact block-causal KV cache"),
-    "multiblock": DecoderInfo("multiblock", "unmask.decode.multiblock", ("block-diffusion",),
-                              "Multi-Block Diffusion: Block Buffer of N_buf slots, one static forward per step"),
-}
-
-
-def get_decoder(name: str, kind: str):
-    """The ``decode`` function for decoder ``name``, checked against the model kind."""
-    info = DECODERS.get(name)
-    if info is None:
+def spec_for(name: str, kind: str) -> Spec:
+    """The registered decoder ``name``, checked against the model kind. Raises UnmaskError (one line,
+    naming the decoders that fit) for an unknown name or a kind it does not decode."""
+    spec = DECODERS.get(name)
+    if spec is None:
         raise UnmaskError(f"unknown decoder {name!r}; choose one of: {', '.join(DECODERS)}")
-    if kind not in info.kinds:
-        works = ", ".join(info.kinds)
+    if kind not in spec.kinds:
+        works = ", ".join(spec.kinds)
         fits = [d.name for d in DECODERS.values() if kind in d.kinds]
         hint = f"use --decoder {' or '.join(fits) or 'another'} or {'an' if works.startswith('sbd') else 'a'} {works} model"
         if name == "sbd" and kind == "causal":  # a gated SBD adapter makes any causal model an sbd one
             hint = (f"use --decoder {', '.join(fits) or 'ar'}, an sbd model, or --adapter NAME|DIR (a gated SBD "
                     "adapter: 'unmask models' lists shipped ones, 'unmask train sbd-adapter' trains one)")
         raise UnmaskError(f"decoder {name!r} needs a model of kind {works}, but this model is {kind!r}; {hint}")
-    return importlib.import_module(info.module).decode
+    return spec
+
+
+def get_decoder(name: str, kind: str):
+    """The ``decode`` function of decoder ``name`` for a model of ``kind`` (:func:`spec_for`)."""
+    return spec_for(name, kind).run
 
 
 def default_decoder(kind: str) -> str:
-    return {"causal": "ar", "sbd": "sbd", "masked-diffusion": "diffusion", "block-diffusion": "block"}.get(kind, "ar")
+    return DEFAULT_FOR_KIND.get(kind, "ar")
 
 
-__all__ = ["DECODERS", "DecodeOutput", "DecodeStats", "DecoderInfo", "default_decoder", "get_decoder"]
+__all__ = ["Config", "DECODERS", "DecodeOutput", "DecodeStats", "Knob", "Spec", "default_decoder", "get_decoder",
+           "knob", "load_plugins", "register", "spec_for"]

@@ -306,7 +306,7 @@ def _score_sharded(task: str, items: list[T.Item], texts: list[str], **kwargs) -
 
 def _throughput(gens: list[dict[str, Any]]) -> dict[str, float]:
     """Summary NFE (mean per row), TPF (pooled; a stop token a row committed counts, as in
-    :class:`unmask.decode.stats.DecodeStats`), TPS and seconds (over batches); the pooled
+    :class:`unmask.decode.engine.stats.DecodeStats`), TPS and seconds (over batches); the pooled
     ``accept_histogram`` where every row has one, with ``queries_per_forward`` (lossless SBD: the mean
     over every batch's verify forwards, else None)."""
     tokens = sum(g["n_tokens"] for g in gens)
@@ -318,7 +318,7 @@ def _throughput(gens: list[dict[str, Any]]) -> dict[str, float]:
            "tps": tokens / seconds if seconds > 0 else 0.0, "seconds": seconds,
            "forwards": sum(n for _, n in batches.values())}
     if all(g.get("accept_histogram") is not None for g in gens):  # DecodeStats.row's, where the decoder keeps it
-        from unmask.decode.stats import mean_window
+        from unmask.decode.engine.stats import mean_window
 
         windows: Counter = Counter()
         for w in {g["batch"]: g.get("batch_query_windows") or {} for g in gens}.values():

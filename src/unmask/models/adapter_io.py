@@ -149,7 +149,7 @@ def _is_int(value) -> bool:
 
 def check_decode_defaults(defaults, where: str) -> dict:
     """``defaults`` (a model's or adapter's ``decode_defaults``) checked as SBD decoder options:
-    a JSON object whose keys are options of :func:`unmask.decode.sbd.decode` (``block_size``,
+    a JSON object whose keys are options of :func:`unmask.decode.blocks.sbd.decode` (``block_size``,
     ``policy``, ``gamma``, ``preset``, ``tau``, ``factor``, ``tokens_per_step``, ``verify``,
     ``verify_block_size``, ``draft``) with valid values. Returns a copy.
 
@@ -158,8 +158,8 @@ def check_decode_defaults(defaults, where: str) -> dict:
     """
     import inspect
 
-    from unmask.decode.sbd import LOSSLESS_KEYS, SBDConfig
-    from unmask.decode.sbd_verify import VerifyConfig
+    from unmask.decode.blocks.sbd import LOSSLESS_KEYS, SBDConfig
+    from unmask.decode.verify.steps import VerifyConfig
 
     if not isinstance(defaults, dict):
         raise UnmaskError(f"{where}: 'decode_defaults' must be a JSON object of decoder options (got "
@@ -185,7 +185,7 @@ def check_decode_defaults(defaults, where: str) -> dict:
             VerifyConfig(block_size=defaults.get("verify_block_size", VerifyConfig.block_size),
                          draft=defaults.get("draft", VerifyConfig.draft))
             if "queries" in defaults or "draft_layouts" in defaults:  # a calibrated table (spec §5.4)
-                from unmask.decode import draft_layout
+                from unmask.decode.verify import layout as draft_layout
 
                 draft_layout.resolve("budget", defaults.get("queries"), defaults)
     except (UnmaskError, TypeError) as e:

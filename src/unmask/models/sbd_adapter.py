@@ -296,7 +296,7 @@ def _set_gate(gate: _Gate, mask_id: int):
         gate.set(None)
 
     # what they set depends on the call's tensors alone: a compiled step needs no guard on them
-    # beyond dynamo's tensor checks (unmask.decode.static._guard_filter)
+    # beyond dynamo's tensor checks (unmask.decode.engine.static._guard_filter)
     pre.unmask_tensor_only = post.unmask_tensor_only = True
     return pre, post
 

@@ -3,7 +3,7 @@
 For every slot i of the generation region (length L) the router reads the normalised entropy H̃^i
 and the frozen base-model embedding of the top-1 token x̂^i, both zeroed where i is not masked
 (scatter to the absolute index, our reading #2), and returns a logit O_φ^i; p_φ = σ(O_φ) > 0.5
-proposes i for the next active block (filters: :mod:`unmask.decode.eb_select`).
+proposes i for the next active block (filters: :mod:`unmask.decode.dllm.eb_select`).
 
 Architecture, with the paper's sizes in brackets (d = 128):
 

@@ -1,7 +1,7 @@
 """LPS router R_ψ: learnable parallel sampling (spec/early_bird.md §4.1–§4.2, App. D.1).
 
 Input: for each still-masked position of the active block B, five scalars (κ, H̃, Δ, ρ, pos)
-(:func:`unmask.decode.eb_select.lps_features`). The positions of one block form one sequence (in
+(:func:`unmask.decode.dllm.eb_select.lps_features`). The positions of one block form one sequence (in
 index order), padded per batch with a key-padding mask; attention is joint over the block.
 
 Architecture (paper sizes in brackets): Linear(5 → d) → LayerNorm → GELU [d = 32]; pre-norm
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from unmask.decode.eb_select import FEATURE_NAMES, POS_MODES
+from unmask.decode.dllm.eb_select import FEATURE_NAMES, POS_MODES
 from unmask.errors import UnmaskError
 
 

@@ -25,8 +25,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from unmask.decode import draft_layout, sbd_verify, sibling_layout as sl
-from unmask.decode.sbd import runs_lossless
+from unmask.decode.verify import layout as draft_layout
+from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import siblings as sl
+from unmask.decode.blocks.sbd import runs_lossless
 from unmask.errors import UnmaskError
 
 # measured on the 2-core CPU with stories260K-sbd, 1 thread, linear drafts
@@ -179,7 +181,7 @@ def draft_sizes_option(value: "str | DraftSizes | None") -> "DraftSizes | str | 
 
 
 class LoadSizer:
-    """The draft sizes of one server's AR / lossless rows (:class:`~unmask.decode.lossless.Verify`):
+    """The draft sizes of one server's AR / lossless rows (:class:`~unmask.decode.verify.batch.Verify`):
     1 for AR, the request's or checkpoint's K, or for a *sizable* row (greedy lossless, no block size
     given) the ``table``'s K at its batch's load, chosen again before every step (None: sizing off).
     ``log``: (rows in the batch, K) whenever sizable rows join or get a new K (tests, benchmarks; the

@@ -6,7 +6,7 @@ Each pass of its loop admits waiting requests into the running decoders with fre
 events equal its decoder's ``decode`` on its prompt alone, whatever else runs (README "Serving").
 
 - ``ar`` and lossless ``sbd`` requests share one running batch per draft layout
-  (:class:`unmask.decode.lossless.Verify`): an AR row steps with draft size K = 1, a lossless row
+  (:class:`unmask.decode.verify.batch.Verify`): an AR row steps with draft size K = 1, a lossless row
   with its own K. Greedy lossless requests that fix no block size (``sizable``) take K from the
   ``--draft-sizes`` table (:mod:`unmask.serve.draft_sizing`) at the batch's load, chosen again before
   every step (output does not depend on K; no row moves between batches). At most MAX_LAYOUTS such
@@ -14,7 +14,7 @@ events equal its decoder's ``decode`` on its prompt alone, whatever else runs (R
   per row bucket, query length and length bucket); a new shape runs eagerly (same tokens) until the
   scheduler has been idle IDLE_COMPILE_S (README "Serving"). So do the ``COMPILED`` batches below.
 - ``multiblock``, ``block``, lossy ``sbd``, ``diffusion`` (any cache; Dream's ``schedule`` in a
-  :class:`~unmask.decode.dream_compat.DreamSchedule`) and ``early-bird`` (any cache, a row's refresh its
+  :class:`~unmask.decode.dllm.dream.DreamSchedule`) and ``early-bird`` (any cache, a row's refresh its
   own) share the continuous batches of ``RUNNING``, one per decoder and options
   (:meth:`Scheduler._running_kind`).
 - Per call (a remote-code LLaDA, whose forward takes no positions): one ``decode`` over compatible
@@ -36,15 +36,18 @@ import threading
 import time
 from collections import deque
 
-from unmask.decode import draft_layout, sbd_verify
-from unmask.decode.diffusion import DiffusionConfig
-from unmask.decode.lossless import Verify
-from unmask.decode.sbd import runs_lossless
+from unmask.decode.verify import layout as draft_layout
+from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.dllm.diffusion import DiffusionConfig
+from unmask.decode.verify.batch import Verify
+from unmask.decode.blocks.sbd import runs_lossless
 from unmask.errors import UnmaskError
-from unmask.decode.diffusion_engine import OPTIONS as DIFFUSION_OPTIONS, Diffusion
-from unmask.decode.dream_compat import OPTIONS as DREAM_OPTIONS, DreamSchedule
-from unmask.decode.early_bird_engine import OPTIONS as EARLY_BIRD_OPTIONS, EarlyBird
-from unmask.decode import block as single_bd, multiblock_engine, sbd as lossy_sbd
+from unmask.decode.dllm.diffusion_batch import OPTIONS as DIFFUSION_OPTIONS, Diffusion
+from unmask.decode.dllm.dream import OPTIONS as DREAM_OPTIONS, DreamSchedule
+from unmask.decode.dllm.early_bird_batch import OPTIONS as EARLY_BIRD_OPTIONS, EarlyBird
+from unmask.decode.blocks import single as single_bd
+from unmask.decode.multiblock import batch as multiblock_engine
+from unmask.decode.blocks import sbd as lossy_sbd
 from unmask.serve import per_call
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, LoadSizer
 from unmask.serve.errors import ApiError

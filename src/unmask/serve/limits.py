@@ -73,8 +73,10 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
     the decoder's knobs and the checkpoint's decode defaults. ``draft_k``: the largest K the
     server's draft-size table may give a lossless sbd request that fixes no block size. Knobs the
     decoder will refuse count as the defaults (the decoder reports them)."""
-    from unmask.decode import draft_layout, sbd_verify, sibling_layout
-    from unmask.decode.sbd import DEFAULT_BLOCK_SIZE, runs_lossless
+    from unmask.decode.verify import layout as draft_layout
+    from unmask.decode.verify import steps as sbd_verify
+    from unmask.decode.verify import siblings as sibling_layout
+    from unmask.decode.blocks.sbd import DEFAULT_BLOCK_SIZE, runs_lossless
 
     defaults = bundle.meta.get("decode_defaults") or {}
 
@@ -107,7 +109,7 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
         k = knob("block_size", defaults.get("block_size"), DEFAULT_BLOCK_SIZE)
         return k, f"{decoder} with block_size {k}", "block_size"
     if decoder == "multiblock":
-        from unmask.decode.block import native_block_size
+        from unmask.decode.blocks.single import native_block_size
 
         b = knob("block_size", native_block_size(bundle), 1)
         s = knob("slots", defaults.get("slots"), 2)
@@ -116,7 +118,7 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
         length = early_bird_length(bundle, options) or knob("gen_length", max_tokens)
         return length, f"early-bird over a canvas of {length} tokens (the LBS router's gen_length)", "gen_length"
     if decoder == "diffusion":
-        from unmask.decode.diffusion import DiffusionConfig
+        from unmask.decode.dllm.diffusion import DiffusionConfig
 
         try:  # the whole canvas is scored in a refresh (or every step without a cache)
             length = DiffusionConfig.from_options(max_new_tokens=max_tokens, **{
@@ -180,7 +182,7 @@ def check_batch_memory(bundle, limits: Limits, max_batch_size: int) -> None:
     tokens (at most the context window), its token and position slots, and the (K, V) float32 draft
     probabilities a sampled lossless row keeps (:mod:`unmask.memory`; a lower bound, so a refused size never fits)."""
     from unmask import memory
-    from unmask.decode import sbd_verify
+    from unmask.decode.verify import steps as sbd_verify
 
     if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
         return  # the scheduler refuses it by name

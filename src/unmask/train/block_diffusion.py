@@ -17,7 +17,7 @@ E[n_k] = B_valid * t_k exactly, and for a small B both a fully masked block, whi
 block's first forward sees at inference, and a clean one occur; with floor a B = 8 block is never
 fully masked unless t = 1).
 
-Alignment with the decoders (``unmask.decode.block`` / ``multiblock``): blocks start at multiples
+Alignment with the decoders (``unmask.decode.blocks.single`` / ``multiblock``): blocks start at multiples
 of B from a row's first token, which at inference is the prompt's BOS. :func:`pack_aligned` makes
 every training row start at a document's BOS, so block 0 of a row is block 0 of a story; the
 first ``prompt_len`` positions (the BOS) are never masked, as a prompt never is.

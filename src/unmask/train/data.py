@@ -106,7 +106,7 @@ def generate_stories(bundle, config: StoryCorpusConfig, progress: Callable[[int,
     Raises:
         UnmaskError: the tokenizer has no BOS token.
     """
-    from unmask.decode.ar import decode
+    from unmask.decode.verify.ar import decode
     from unmask.sampling import Sampling
 
     bos = bundle.bos_token_id
@@ -159,7 +159,7 @@ def story_prompts(bundle, n: int, *, seed: int = 0, prefix_range: tuple[int, int
     ``exclude`` (held-out prompts), or that one of them starts, is dropped. Returns at most ``n``
     prompts, in order. Raises UnmaskError when the tokenizer has no BOS token.
     """
-    from unmask.decode.ar import decode
+    from unmask.decode.verify.ar import decode
     from unmask.sampling import Sampling
 
     if bundle.bos_token_id is None:

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from unmask.decode.batching import left_pad
-from unmask.decode.eb_select import lps_features
+from unmask.decode.engine.batching import left_pad
+from unmask.decode.dllm.eb_select import lps_features
 from unmask.errors import UnmaskError
 from unmask.models.adapters import bidirectional_forward, realign
 from unmask.policies import token_stats
@@ -145,7 +145,7 @@ def collect_lps_traces(bundle, lbs: LBSRouter, prompts: list[list[int]], *, bloc
     no LPS). One trace per prompt; ``replay=True`` recomputes the features by re-running the
     model on the recorded schedule with the oracle rule (:func:`replay_traces`). With
     ``max_minutes`` collection stops before a batch that would not fit (judged by the previous one)."""
-    from unmask.decode import early_bird
+    from unmask.decode.dllm import early_bird
 
     stops = tuple(bundle.stop_token_ids)
     settings = dict(block_size=block_size, tau=tau, l_min=l_min, g_max=g_max, pos_mode=pos_mode, cache=cache)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from unmask import dist
-from unmask.decode.batching import left_pad
+from unmask.decode.engine.batching import left_pad
 from unmask.errors import UnmaskError
 from unmask.fileio import check_model_out_dir, output_lock
 from unmask.models.adapters import bidirectional_forward, realign
@@ -115,7 +115,7 @@ def generate_responses(bundle, prompts: list[list[int]], *, gen_length: int, blo
     ``cache`` as in the diffusion decoder). With ``max_minutes`` generation stops before a batch
     that would not fit (judged by the previous one), so fewer responses than prompts may come back
     (the first ones)."""
-    from unmask.decode import diffusion
+    from unmask.decode.dllm import diffusion
 
     stops = tuple(bundle.stop_token_ids)
     if not stops:
@@ -472,7 +472,7 @@ def run_lbs(*, model, data: Sequence, out=None, n_prompts: int = 1000, gen_lengt
     unless ``overwrite``), is checked before any response is generated; the output directory is
     locked against a second writer for the whole run. Returns a summary (an empty dict on the
     ranks other than 0 under torchrun, which only decode responses)."""
-    from unmask.decode.dllm_cache import CACHE_MODES
+    from unmask.decode.dllm.cache import CACHE_MODES
 
     _check_counts(prompts=n_prompts, gen_length=gen_length, block_size=block_size, gen_batch=gen_batch)
     if gen_length % block_size:
@@ -535,7 +535,7 @@ def run_lps(*, model, data: Sequence, routers=None, out=None, n_prompts: int = 3
     ``overwrite``. The output directory is locked against a second writer for the whole run.
     Returns a summary with test recall / FPR (an empty dict on the ranks other than 0 under
     torchrun, which only collect traces)."""
-    from unmask.decode.eb_select import POS_MODES
+    from unmask.decode.dllm.eb_select import POS_MODES
 
     if pos_mode not in POS_MODES:
         raise UnmaskError(f"unknown --pos-mode {pos_mode!r}; choose one of: {', '.join(POS_MODES)}")

@@ -1,7 +1,7 @@
 """Early-Bird decoding as one running batch (DESIGN.md "One engine"; spec/early_bird.md §5–§6, §9):
 ``early_bird.decode``, its static/compiled fast path and the server all run :class:`EarlyBird`.
 
-Each row has its own canvas ``[prompt | m^L]`` (a :class:`~unmask.decode.dllm_cache.SlotCanvas`
+Each row has its own canvas ``[prompt | m^L]`` (a :class:`~unmask.decode.dllm.cache.SlotCanvas`
 slot; L is the LBS router's, so every row's generation region is the canvas's last L columns),
 its own active block (selected by LBS, fixed until resolved) and its own generator. A step is ONE
 forward for every running row: a row without an active block scores its whole region and
@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unmask.decode.canvas_common import check_canvas, early_stop, finish, row_generator, serving_options, stop_string_in
-from unmask.decode.dllm_cache import SlotCanvas
-from unmask.decode.early_bird import CANVAS_HINT, _commit_confidence, _draw_rows, _sync, check_max_new_tokens, configure
-from unmask.decode.eb_select import PATH_NAMES, lps_features, pack_rows, select_block, union_accept
-from unmask.decode.running import CanvasRows, Request, Row, Slots
-from unmask.decode.stats import check_nfe
+from unmask.decode.dllm.canvas import check_canvas, early_stop, finish, row_generator, serving_options, stop_string_in
+from unmask.decode.dllm.cache import SlotCanvas
+from unmask.decode.dllm.early_bird import CANVAS_HINT, _commit_confidence, _draw_rows, _sync, check_max_new_tokens, configure
+from unmask.decode.dllm.eb_select import PATH_NAMES, lps_features, pack_rows, select_block, union_accept
+from unmask.decode.engine.running import CanvasRows, Request, Row, Slots
+from unmask.decode.engine.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import is_remote
 from unmask.policies import Threshold, token_stats
@@ -59,9 +59,9 @@ class EarlyBirdRow(Row):
 
 
 class EarlyBird(CanvasRows):
-    """EB-Decode as a running batch (``decode/running.py``'s contract).
+    """EB-Decode as a running batch (``decode/engine/running.py``'s contract).
 
-    cfg, lbs, lps: :func:`unmask.decode.early_bird.configure`'s (routers in eval mode). ``width``:
+    cfg, lbs, lps: :func:`unmask.decode.dllm.early_bird.configure`'s (routers in eval mode). ``width``:
     the canvas width to allocate (grows on join unless static). ``stop_token_ids`` (None: the
     bundle's); ``on_step(row, event)``; ``on_forward(state)`` (trace collection, tests) after every
     commit. ``static``/``compile``: the preallocated cache / compiled forwards (every forward then

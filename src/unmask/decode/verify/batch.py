@@ -1,12 +1,12 @@
 """The one running batch of AR and lossless SBD rows (issue 25, DESIGN.md "One engine"): AR is
 lossless SBD with draft size K = 1.
 
-Rows live in slot tensors (:class:`~unmask.decode.running.Slots`), each with its own K (1: a plain
+Rows live in slot tensors (:class:`~unmask.decode.engine.running.Slots`), each with its own K (1: a plain
 AR step; >= 2: lossless SBD, spec/sbd_exact.md §1–2), which may change between steps (greedy output
 does not depend on K). A step is ONE forward of every row, each row's layout embedded in the
-step's query window (:func:`~unmask.decode.tree_verify.tree_window`; siblings, spec §5.3: greedy rows
+step's query window (:func:`~unmask.decode.verify.tree.tree_window`; siblings, spec §5.3: greedy rows
 take the longest confirmed path, sampled rows SpecInfer's multi-candidate rule), the pure commit rule
-:func:`~unmask.decode.sbd_verify.advance` and one host sync; Python bookkeeping (stop strings,
+:func:`~unmask.decode.verify.steps.advance` and one host sync; Python bookkeeping (stop strings,
 events) runs after it. The cache is ``DynamicKV`` (the forward covers slots ``[0, high)``) or
 ``StaticKV`` (``static``/``compile``: the forward covers the row bucket of ``high`` and the length
 bucket of the cache, one compiled graph per shape). Rejected verify columns stay as invalid keys of
@@ -21,17 +21,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unmask.decode import sbd_sampled as ss, sbd_verify as sv, tree_verify as tv
-from unmask.decode.sbd_verify import family, queries
-from unmask.decode.kv import DynamicKV, StaticKV, compact, place
-from unmask.decode.running import Request, Row, Slots, group_by
+from unmask.decode.verify import sampled as ss
+from unmask.decode.verify import steps as sv
+from unmask.decode.verify import tree as tv
+from unmask.decode.verify.steps import family, queries
+from unmask.decode.engine.kv import DynamicKV, StaticKV, compact, place
+from unmask.decode.engine.running import Request, Row, Slots, group_by
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
 
 
 @dataclass(eq=False)
 class VerifyRow(Row):
-    """A :class:`~unmask.decode.running.Row` of AR or lossless SBD: ``committed`` every id committed (a stop
+    """A :class:`~unmask.decode.engine.running.Row` of AR or lossless SBD: ``committed`` every id committed (a stop
     token and what its step committed after it included), ``accepts`` per forward, its K, its generator."""
 
     committed: list[int] = field(default_factory=list)
@@ -42,7 +44,7 @@ class VerifyRow(Row):
 
 class Verify:
     """The running batch of AR (K = 1) and lossless SBD rows of one model (the contract of
-    :mod:`unmask.decode.running`; ``join(..., block_size=K)`` sets a joining row's K).
+    :mod:`unmask.decode.engine.running`; ``join(..., block_size=K)`` sets a joining row's K).
 
     cfg: the draft layout of every row and the default K (``ar``: rows join at K = 1 and
     ``stats_extra`` is AR's). ``static`` / ``compile``: the static cache of ``length`` columns and
@@ -271,7 +273,7 @@ class Verify:
         return finished
 
     def _whole(self, R: int, Q: int, Kmax: int, C: int):
-        """A greedy compiled step as ONE graph (:func:`~unmask.decode.sbd_verify.whole_step`: window, forward,
+        """A greedy compiled step as ONE graph (:func:`~unmask.decode.verify.steps.whole_step`: window, forward,
         commit); its outputs, or None when it does not apply (not compiled, a sampled row, ``on_forward``), or
         False when its shape waits for :meth:`warm` (a deferred cache) or failed to compile: then the step runs
         its pieces eagerly."""
@@ -333,7 +335,7 @@ class Verify:
 
     def _reclaim(self, Q: int) -> None:
         """Compact the cache (host-known counts, no sync) when the columns no row attends to are more
-        than half of it, or, static, when :meth:`~unmask.decode.kv.StaticKV.crowded` says so."""
+        than half of it, or, static, when :meth:`~unmask.decode.engine.kv.StaticKV.crowded` says so."""
         C, most = self.kv.length, max(self._held(r) for r in self.rows.values())
         if (self.static and self.kv.crowded(most, Q)) or C - most >= max(most, self.cfg.block_size):
             self.key_valid = compact(self.kv, self.key_valid, most)  # (R, most)

@@ -1,4 +1,4 @@
-"""The pure pieces of the block decoders' running batch (:mod:`unmask.decode.blocks`): the commit
+"""The pure pieces of the block decoders' running batch (:mod:`unmask.decode.blocks.batch`): the commit
 rule's bookkeeping (:func:`advance`), the per-row quota of the published quota-threshold loops
 (:func:`quota`), and what differs between SingleBD and lossy SBD (:class:`Kind`). Tensors in,
 tensors out; tested exhaustively on CPU (STYLE.md habit 2)."""
@@ -11,7 +11,7 @@ import torch
 
 
 def quota(block_size: int, steps: int, step: torch.Tensor) -> torch.Tensor:
-    """:func:`unmask.decode.block.block_quota` per row: step (R,) long -> tokens to commit (R,) long."""
+    """:func:`unmask.decode.blocks.single.block_quota` per row: step (R,) long -> tokens to commit (R,) long."""
     base, rem = divmod(block_size, steps)
     return base + (step.clamp(max=steps - 1) < rem).long()
 
@@ -26,7 +26,7 @@ def advance(seq, dpos, block, chosen, tokens, editable, live, denoise, bstart, g
     moving row ends when its block holds its first generated stop token or reaches ``gen_end``.
     Returns (seq, block (R, N), had (R,) bool: the row had masks, go (R,) bool: its block is done,
     ended (R,) bool)."""
-    from unmask.decode.block import first_stop
+    from unmask.decode.blocks.single import first_stop
 
     work = live & denoise  # (R,)
     had = (editable & (block == mask_id)).any(dim=1) & work  # (R,)

@@ -11,7 +11,7 @@ block may only be marked to-cache when its predecessor is to-cache or in-cache. 
 stored: a block is popped in the same step that makes it in-cache.
 
 Every function here takes tensors (and a :class:`Window`) and returns new ones; nothing touches
-a model. The decoder (:mod:`unmask.decode.multiblock`) runs one forward between
+a model. The decoder (:mod:`unmask.decode.multiblock.window`) runs one forward between
 :func:`activate` and :func:`transition` and owns the KV cache.
 
 Readings of the spec (our choices, see multiblock.md §7):

@@ -1,6 +1,6 @@
 """Sibling candidates of a budgeted draft layout (spec/sbd_exact.md §5.3, issue 26 item 2).
 
-A chain layout ``(D, S, G)`` (:mod:`unmask.decode.draft_layout`) verifies one draft
+A chain layout ``(D, S, G)`` (:mod:`unmask.decode.verify.layout`) verifies one draft
 ``s_1..s_D``. A *sibling* at offset ``j`` is the block mode's 2nd (or 3rd) candidate for ``s_j``,
 from the same group query that drafted ``s_j``, verified as a child of ``s_{j-1}`` at the causal
 position of ``s_j`` (a tree: it sees the cache, ``b, s_1..s_{j-1}`` and itself). It may carry
@@ -15,7 +15,7 @@ path goes through it and its continuation as far as they are confirmed. The next
 comes from the latest group on the accepted path: the sibling's own group when it has one, else
 the latest chain group at a prefix ``<= j - 1``. The first sibling written at an offset is that
 offset's rank-2 candidate, the second its rank 3 (greedy rows; sampled rows draw every sibling
-i.i.d. from the draft token's proposal and accept by SpecInfer's rule, :func:`unmask.decode.tree_verify.sampled_tree_accept`).
+i.i.d. from the draft token's proposal and accept by SpecInfer's rule, :func:`unmask.decode.verify.tree.sampled_tree_accept`).
 
 Text: the chain's ``D/S/G`` then ``+j[cC][gG]`` per sibling, e.g. ``3/0,1,3/4+1g3+1`` (rank 2 at
 offset 1 with a group of 3, rank 3 at offset 1 bare) or ``5/0,1/4+1c2``. Pure module: no tensors.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from unmask.decode import draft_layout as dl
+from unmask.decode.verify import layout as dl
 from unmask.errors import UnmaskError
 
 TOPK = 3  # candidates per draft position a sibling can use: rank 2 and rank 3

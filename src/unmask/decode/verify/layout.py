@@ -130,7 +130,7 @@ def parse(text: str) -> DraftLayout:
 def canonical(text: str) -> str:
     """The canonical text of a ``D/S/G`` layout, siblings (``+j[cC][gG]``, spec §5.3) included.
     Raises UnmaskError for bad text."""
-    from unmask.decode import sibling_layout  # it builds on this module
+    from unmask.decode.verify import siblings as sibling_layout  # it builds on this module
 
     return sibling_layout.parse(text).spec
 

@@ -1,4 +1,4 @@
-"""What the block decoders' running batch (:mod:`unmask.decode.blocks`) reports, gathered after
+"""What the block decoders' running batch (:mod:`unmask.decode.blocks.batch`) reports, gathered after
 its step: per-row and batch statistics (``DecodeStats.extra``), ``on_step`` trace events and the
 tests' ``on_forward`` states. Host reads here are tracing's and statistics', never the step's."""
 

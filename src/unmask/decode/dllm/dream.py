@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from unmask.decode.canvas_common import check_canvas, event_hook, finish, serving_options
-from unmask.decode.dllm_cache import SlotCanvas, canvas_call
-from unmask.decode.running import Request, Row, SlotRows, Slots, drain
-from unmask.decode.stats import DecodeOutput
+from unmask.decode.dllm.canvas import check_canvas, event_hook, finish, serving_options
+from unmask.decode.dllm.cache import SlotCanvas, canvas_call
+from unmask.decode.engine.running import Request, Row, SlotRows, Slots, drain
+from unmask.decode.engine.stats import DecodeOutput
 from unmask.errors import UnmaskError, is_int, is_number
 from unmask.models.adapters import realign
 from unmask.sampling import Sampling
@@ -152,7 +152,7 @@ class DreamRow(Row):
 
 
 class DreamSchedule(SlotRows):
-    """Dream's schedule as a running batch (``decode/running.py``'s contract; DESIGN.md "One engine").
+    """Dream's schedule as a running batch (``decode/engine/running.py``'s contract; DESIGN.md "One engine").
 
     Every row runs its own schedule ``t_i = linspace(1, eps, steps + 1)`` over its own canvas
     (steps default to its L = ``gen_length`` or its ``max_new_tokens``) and leaves once no mask is

@@ -2,7 +2,7 @@
 2609.16450 Alg. 5).
 
 Each step is one bidirectional forward of the frozen base model. A row without an active block
-selects one with the LBS router and the filters of :func:`unmask.decode.eb_select.select_block`
+selects one with the LBS router and the filters of :func:`unmask.decode.dllm.eb_select.select_block`
 (size fallback, σ > 0.5, EOS removal, max-gap cut at g_max, min-tokens fallback); the block may be
 non-contiguous and stays fixed until all its positions are committed. Inside the block the row
 commits A = {i ∈ B ∩ M : κ^i ≥ τ or p_ψ^i > τ_ψ} (LPS router), or its argmax-κ position when A is
@@ -15,9 +15,9 @@ Caches (§6, approximate): a row's selection step is a full forward that refresh
 its next selection: ``prefix`` keeps the K/V left of lo and feeds x[lo:] (block and suffix);
 ``dual`` also keeps the K/V right of hi and feeds x[lo:hi+1], holes included. The cache keeps the
 whole canvas's K/V of the refresh and hides the window's stale ones with the attention mask,
-since the window is known only after the refresh forward (:class:`~unmask.decode.dllm_cache.SlotCanvas`).
+since the window is known only after the refresh forward (:class:`~unmask.decode.dllm.cache.SlotCanvas`).
 Every row refreshes on its own, so a batched run equals single runs with every cache; the loop
-is :class:`~unmask.decode.early_bird_engine.EarlyBird`, the server's running batch too.
+is :class:`~unmask.decode.dllm.early_bird_batch.EarlyBird`, the server's running batch too.
 
 Stopping (§9): a row stops when a block of it resolves and its canvas holds a committed stop id
 with every position before the first one committed (the text before it is then final); with
@@ -41,15 +41,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from unmask.decode.canvas_common import check_canvas, check_mask_token, event_hook
-from unmask.decode.dllm_cache import check_fast_path, prompt_width
-from unmask.decode.eb_select import GAP_METRICS, POS_MODES
-from unmask.decode.running import drain, requests_for
-from unmask.decode.stats import DecodeOutput
+from unmask.decode.dllm.canvas import check_canvas, check_mask_token, event_hook
+from unmask.decode.dllm.cache import check_fast_path, prompt_width
+from unmask.decode.dllm.eb_select import GAP_METRICS, POS_MODES
+from unmask.decode.engine.running import drain, requests_for
+from unmask.decode.engine.stats import DecodeOutput
 from unmask.errors import UnmaskError, is_int, is_number
 from unmask.models.adapters import SAMPLERS, default_sampler
 from unmask.policies import CONFIDENCES, commit
 from unmask.sampling import Sampling
+from unmask.decode.engine.knobs import CanvasKnobs
+from unmask.decode.engine.registry import Spec, knob
 
 CACHE_MODES = ("none", "prefix", "dual")
 DEFAULT_BLOCK_SIZE = 32  # L_B, base and fallback block (App. F)
@@ -288,7 +290,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     Fast path: ``static=True`` runs the forwards on a preallocated ``StaticKV`` with bounded
     shapes (what ``compile`` runs, eagerly; for tests and debugging); ``compile=True`` also runs
     them through ``torch.compile`` (inductor on CPU, CUDA graphs on CUDA), one graph per shape
-    (see :class:`~unmask.decode.dllm_cache.SlotCanvas`). Routers and the commit rule stay eager. Same tokens and NFE as the
+    (see :class:`~unmask.decode.dllm.cache.SlotCanvas`). Routers and the commit rule stay eager. Same tokens and NFE as the
     eager run up to float rounding.
 
     Raises UnmaskError for a model without a mask token, missing routers (saying how to train
@@ -306,7 +308,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     L = cfg.gen_length
     for p in prompts:  # before the canvases are allocated
         check_canvas(bundle, len(p), L, CANVAS_HINT)
-    from unmask.decode.early_bird_engine import EarlyBird  # it builds on this module's config and pieces
+    from unmask.decode.dllm.early_bird_batch import EarlyBird  # it builds on this module's config and pieces
 
     width = prompt_width(max(map(len, prompts)), L, bundle.context_length, static or compile) + L  # fast path: a bucket
     requests = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings,
@@ -322,3 +324,25 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     finally:
         for r, was in modes:
             r.train(was)
+
+
+@dataclass(frozen=True)
+class EarlyBirdOptions(CanvasKnobs):
+    """Early-Bird's knobs (spec/early_bird.md §5): the canvas, the LBS block bounds and the LPS commit
+    router; the routers come from the model directory unless given as objects."""
+
+    block_size: int | None = knob("base and fallback block L_B (default 32)", low=1, short="-k")
+    tau: float | None = knob("confidence threshold τ of the base commit rule (default 0.9)", low=0, high=1)
+    lps: bool | None = knob("use the LPS commit router (default on)")
+    tau_psi: float | None = knob("LPS commit threshold τ_ψ (default: the router's)", cli=False)
+    l_min: int | None = knob("LBS: the shortest block (default 8)", low=1, cli=False)
+    g_max: int | None = knob("LBS: the largest block growth (default 5)", low=1, cli=False)
+    gap_metric: str | None = knob("LBS: the gap metric (default: the router's)", cli=False)
+    pos_mode: str | None = knob("LBS: the position feature mode (default: the router's)", cli=False)
+    routers: object = knob("a routers directory (default MODEL_DIR/routers)", cli=False)
+    lbs_router: object = knob("an LBS router object instead of the directory's", cli=False)
+    lps_router: object = knob("an LPS router object instead of the directory's", cli=False)
+
+
+SPEC = Spec("early-bird", EarlyBirdOptions, batch=None, kinds=("masked-diffusion",), compiles=False, run=decode,
+            summary="Early-Bird: learned variable blocks (LBS) and learned parallel commits (LPS)")

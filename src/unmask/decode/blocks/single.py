@@ -21,12 +21,12 @@ Storing a finished block's K/V (§1.2 step 4), ``store=``:
 The last block of a row is never stored (nothing follows it). Positions past ``max_new_tokens``
 in the last block stay ``[MASK]``, are never decoded, and never reach the output.
 
-The decoding is :class:`unmask.decode.blocks.BlockDecoder`, the one running batch SingleBD shares
+The decoding is :class:`unmask.decode.blocks.batch.BlockDecoder`, the one running batch SingleBD shares
 with lossy SBD and that the server runs; :func:`decode` drains it (:func:`run_blocks`). Its cache
-is a :mod:`unmask.decode.kv` object: a growing ``DynamicCache`` by default, or (``static=True`` /
+is a :mod:`unmask.decode.engine.kv` object: a growing ``DynamicCache`` by default, or (``static=True`` /
 ``compile=True``) a ``StaticCache`` sized once per batch whose length pointer moves on every crop,
 with the block forwards (B or 2B queries) through a ``torch.compile``-d step
-(:func:`unmask.decode.static.step_function`).
+(:func:`unmask.decode.engine.static.step_function`).
 """
 
 from __future__ import annotations
@@ -35,13 +35,15 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.decode.batching import left_pad
-from unmask.decode.canvas_common import drain_prompts, event_hook, serving_options
-from unmask.decode.stats import DecodeOutput
+from unmask.decode.engine.batching import left_pad
+from unmask.decode.dllm.canvas import drain_prompts, event_hook, serving_options
+from unmask.decode.engine.stats import DecodeOutput
 from unmask.errors import UnmaskError, is_int
 from unmask.masks import as_4d, block_buffer_mask, block_causal_mask, with_key_padding
 from unmask.policies import CONFIDENCES, Policy, Threshold, gamma_option, make_policy
 from unmask.sampling import Sampling, filter_logits
+from unmask.decode.engine.knobs import PolicyKnobs
+from unmask.decode.engine.registry import Spec, knob
 
 DEFAULT_TAU = 0.95  # τ_M2T of every SingleBD row of multiblock.md Table 4 (LLaDA2-Mini, SDAR)
 STORES = ("separate", "fused")
@@ -151,7 +153,7 @@ def whole_prompt_blocks(prompts: list[list[int]], B: int) -> int:
 def prefill_whole_blocks(kv, prompts: list[list[int]], B: int, pad_id: int, device):
     """Prefill each row's whole prompt blocks block-causally into ``kv`` (multiblock.md §3.2 step 1).
 
-    kv: an empty :mod:`unmask.decode.kv` cache (DynamicKV or StaticKV). Rows are left-padded to the
+    kv: an empty :mod:`unmask.decode.engine.kv` cache (DynamicKV or StaticKV). Rows are left-padded to the
     longest prefilled part, F = :func:`whole_prompt_blocks`; every row's pad is a multiple of B, so
     one block-causal mask over the padded columns is right for every row. The forward's length
     depends on the prompts, so it runs eagerly (``compiled=False``). Returns (kv, key_valid (R, F)
@@ -301,11 +303,11 @@ def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_
 
 def serving(bundle, cfg, *, capacity: int, on_step, on_token, stop_token_ids, compile: bool = False,
             static: bool = False):
-    """The server's running :class:`~unmask.decode.blocks.BlockDecoder` for ``cfg``: rows move on at
+    """The server's running :class:`~unmask.decode.blocks.batch.BlockDecoder` for ``cfg``: rows move on at
     once (no lockstep); with ``static`` / ``compile`` a static KV cache of the context window and
     three blocks of slack that rows join mid-flight, new step shapes compiled when the server is
     idle (``defer_compile``)."""
-    from unmask.decode.blocks import BlockDecoder
+    from unmask.decode.blocks.batch import BlockDecoder
 
     length = bundle.context_length + 3 * cfg.block_size if static or compile else None
     return BlockDecoder(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token, static=static,
@@ -341,7 +343,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     (F the prefilled prompt blocks, rounded up to ``LENGTH_BUCKET``) allocated once, whose pointer
     moves instead of cropping, and the block forwards (R, B) and fused (R, 2B) through a
     ``torch.compile``-d step (inductor on CPU, CUDA graphs on CUDA;
-    :func:`unmask.decode.static.step_function`); the prefill runs eagerly. ``static=True`` runs on
+    :func:`unmask.decode.engine.static.step_function`); the prefill runs eagerly. ``static=True`` runs on
     the preallocated static cache without compiling: what compile runs, eagerly (tests,
     debugging). Both give the eager tokens, NFE and accepts; every forward's mask covers the
     whole cache (R, 1, q, L).
@@ -371,9 +373,9 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
 
 def run_blocks(bundle, cfg, prompts, *, max_new_tokens, sampling, stop_token_ids, stop_strings, on_forward, on_step,
                compile, static) -> DecodeOutput:
-    """``decode()`` of SingleBD or lossy SBD: :func:`unmask.decode.running.drain` of a lockstep
-    :class:`~unmask.decode.blocks.BlockDecoder` (``cfg`` a BlockConfig or an SBDConfig)."""
-    from unmask.decode.blocks import BlockDecoder
+    """``decode()`` of SingleBD or lossy SBD: :func:`unmask.decode.engine.running.drain` of a lockstep
+    :class:`~unmask.decode.blocks.batch.BlockDecoder` (``cfg`` a BlockConfig or an SBDConfig)."""
+    from unmask.decode.blocks.batch import BlockDecoder
 
     def make(capacity):
         return BlockDecoder(bundle, cfg, static=static, compile=compile, capacity=capacity, lockstep=True,
@@ -381,3 +383,20 @@ def run_blocks(bundle, cfg, prompts, *, max_new_tokens, sampling, stop_token_ids
 
     return drain_prompts(make, bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                          stop_strings=stop_strings)
+
+
+@dataclass(frozen=True)
+class BlockOptions(PolicyKnobs):
+    """SingleBD's knobs: the block, its commit policy (default threshold τ 0.95) and a published
+    reference schedule (spec/multiblock.md)."""
+
+    block_size: int | None = knob("block size (default: the model's native block)", low=1, short="-k")
+    steps: int | None = knob("denoising steps per block (LLaDA2 / SDAR reference schedules)", low=1)
+    schedule: str | None = knob("a published reference decoding: llada2 or sdar (their generate loops)",
+                                choices=tuple(SCHEDULES))
+    store: str | None = knob("how committed blocks enter the KV cache: separate or fused", choices=STORES,
+                             cli=False)
+
+
+SPEC = Spec("block", BlockOptions, batch=None, kinds=("block-diffusion",), compiles=True, run=decode,
+            summary="SingleBD: one block at a time over an exact block-causal KV cache")

@@ -11,10 +11,10 @@ A decoder written against :class:`DynamicKV` / :class:`StaticKV` runs unchanged 
 - ``kv.reset()`` empties the cache (a Fast-dLLM prefix refresh rebuilds it from position 0).
 
 The static cache is sized once (``capacity`` tokens, rounded up to
-:data:`unmask.decode.static.LENGTH_BUCKET`); each forward pads the mask to the full cache width
+:data:`unmask.decode.engine.static.LENGTH_BUCKET`); each forward pads the mask to the full cache width
 (B, 1, q, L) with the columns past ``length + q`` masked, so every step of a given query length
 has the same input shapes and ``compile=True`` reuses one compiled graph per shape
-(:func:`unmask.decode.static.step_function`). Forwards whose length depends on the prompt
+(:func:`unmask.decode.engine.static.step_function`). Forwards whose length depends on the prompt
 (prefill, refresh) pass ``compiled=False`` and run eagerly on the same cache.
 """
 
@@ -92,7 +92,7 @@ class StaticKV:
 
     def __init__(self, model, batch: int, capacity: int, *, compile: bool = False, cpp_wrapper: bool = False,
                  length_buckets: bool = False, defer_compile: bool = False):
-        from unmask.decode.static import static_cache, step_function
+        from unmask.decode.engine.static import static_cache, step_function
 
         self.model, self.batch, self.length_buckets = model, batch, length_buckets
         self.defer = compile and defer_compile
@@ -159,7 +159,7 @@ class StaticKV:
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
     def fused(self, body, key: tuple, B: int, q: int, *args):
-        """One step of B rows and q queries as ONE compiled graph (:func:`unmask.decode.static.compiled_step`):
+        """One step of B rows and q queries as ONE compiled graph (:func:`unmask.decode.engine.static.compiled_step`):
         ``body(forward, cache, C, *args)``, C (0-dim long) the cache length before the step, ``cache`` the
         rows' view of the length bucket, whose columns [C, C + q) the forward writes. ``key``: the
         non-tensor values ``body`` bakes in (the caller defers compiles). Returns body's outputs, or None
@@ -169,7 +169,7 @@ class StaticKV:
         if not self.allocated or end > self.capacity or B > self.batch:
             return None
         Lb = self.bucket(end)
-        from unmask.decode import static
+        from unmask.decode.engine import static
 
         set_static_length(self.cache, self.ptr)
         fn = static.compiled_step(self.model, body, key + (B, q, Lb))
@@ -190,7 +190,7 @@ class StaticKV:
     def bucket(self, end: int) -> int:
         """The columns a forward ending at ``end`` covers: the capacity, or with ``length_buckets``
         LENGTH_BUCKET doubled until it holds ``end`` (at most the capacity)."""
-        from unmask.decode.static import LENGTH_BUCKET
+        from unmask.decode.engine.static import LENGTH_BUCKET
 
         if not self.length_buckets:
             return self.capacity
@@ -361,10 +361,10 @@ def canvas_forward(model, compile: bool = False):
     padding (attention then runs unmasked, ``is_causal=False``); rows (n,) long, the query rows
     whose logits are wanted (the LM head runs on those only). Returns float32 logits (B, n, V).
     With ``compile`` the forward is ``torch.compile``-d once per (model, input shapes), each graph
-    on a code object of its own as in :func:`unmask.decode.static.step_function` (inductor on
+    on a code object of its own as in :func:`unmask.decode.engine.static.step_function` (inductor on
     CPU, CUDA graphs on CUDA); a decode's canvas has one shape, so it compiles once.
     """
-    from unmask.decode.static import _guard_filter, _own_code
+    from unmask.decode.engine.static import _guard_filter, _own_code
 
     def step(inp, positions, mask, rows):
         out = model(input_ids=inp, position_ids=positions, attention_mask=mask, use_cache=False,

@@ -1,5 +1,5 @@
 """The one running batch of the block decoders (DESIGN.md "One engine"): SingleBD
-(:mod:`unmask.decode.block`, multiblock.md §1.2) and lossy SBD (:mod:`unmask.decode.sbd`, SBD
+(:mod:`unmask.decode.blocks.single`, multiblock.md §1.2) and lossy SBD (:mod:`unmask.decode.blocks.sbd`, SBD
 Alg. 2–3) are the same machine, so it is written once.
 
 Every row denoises one block at a time over an exact KV cache. A step is ONE forward of every
@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unmask.decode import block_report as report
-from unmask.decode.block_rule import SBD, SINGLE_BD, advance, quota
-from unmask.decode.canvas_common import finish, row_generator, until_stop
-from unmask.decode.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
-from unmask.decode.running import Row, SlotRows, Slots
-from unmask.decode.stats import check_nfe
+from unmask.decode.blocks import report
+from unmask.decode.blocks.rule import SBD, SINGLE_BD, advance, quota
+from unmask.decode.dllm.canvas import finish, row_generator, until_stop
+from unmask.decode.engine.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
+from unmask.decode.engine.running import Row, SlotRows, Slots
+from unmask.decode.engine.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, sbd_inference_mask
 from unmask.policies import commit
@@ -58,12 +58,12 @@ class BlockRow(Row):
 
 
 class BlockDecoder(SlotRows):
-    """The running batch of SingleBD (``cfg`` a :class:`~unmask.decode.block.BlockConfig`) or lossy
-    SBD rows (an :class:`~unmask.decode.sbd.SBDConfig`), one forward per :meth:`step`.
+    """The running batch of SingleBD (``cfg`` a :class:`~unmask.decode.blocks.single.BlockConfig`) or lossy
+    SBD rows (an :class:`~unmask.decode.blocks.sbd.SBDConfig`), one forward per :meth:`step`.
 
-    ``static`` / ``compile``: a :class:`~unmask.decode.kv.StaticKV` of ``capacity`` rows and ``length``
+    ``static`` / ``compile``: a :class:`~unmask.decode.engine.kv.StaticKV` of ``capacity`` rows and ``length``
     tokens (length-bucketed; None: sized at the first join, ``decode``), the forwards compiled. As in
-    :class:`~unmask.decode.lossless.Verify`, a prefill runs eagerly and is placed into its slots, a
+    :class:`~unmask.decode.verify.batch.Verify`, a prefill runs eagerly and is placed into its slots, a
     forward covers the row bucket, and ``StaticKV.crowded`` decides compaction; ``defer_compile``: see
     StaticKV.
     ``on_step(row, event)``: :mod:`unmask.trace` events; ``on_token(row)`` after each committed
@@ -75,7 +75,7 @@ class BlockDecoder(SlotRows):
     def __init__(self, bundle, cfg, *, static=False, compile=False, capacity=8, on_step=None, on_token=None,
                  on_forward=None, lockstep=False, stop_token_ids=None, length: int | None = None,
                  defer_compile: bool = False):
-        from unmask.decode.block import BlockConfig
+        from unmask.decode.blocks.single import BlockConfig
 
         self.kind = SINGLE_BD if isinstance(cfg, BlockConfig) else SBD
         self.bundle, self.cfg, self.static, self.compile = bundle, cfg, static or compile, compile
@@ -133,7 +133,8 @@ class BlockDecoder(SlotRows):
         return done
 
     def _prefill(self, rows: list[BlockRow]) -> None:
-        from unmask.decode import block, sbd
+        from unmask.decode.blocks import single as block
+        from unmask.decode.blocks import sbd
 
         B, dev, model = self.B, self.device, self.bundle.model
         prompts = [list(r.job.prompt_ids) for r in rows]
@@ -299,7 +300,7 @@ class BlockDecoder(SlotRows):
         return chosen, tokens, editable
 
     def _rule(self, logits, masked, sampling, gens, at=None, draws=None):
-        from unmask.decode.block import quota_threshold_commit
+        from unmask.decode.blocks.single import quota_threshold_commit
         from unmask.sampling import Sampling
 
         s = sampling or Sampling()
@@ -380,7 +381,7 @@ class BlockDecoder(SlotRows):
 
     def _compact(self) -> None:
         """Reclaim cache columns no row attends to (rows store in different steps, rows leave) when
-        they are more than half of the cache (:func:`unmask.decode.kv.compact`)."""
+        they are more than half of the cache (:func:`unmask.decode.engine.kv.compact`)."""
         n, most = self.kv.length, max(r.keys for r in self.running.values())
         if n and n - most >= max(most, self.B):  # a free slot's keys count for nobody
             self.key_valid = compact(self.kv, self.key_valid[:, :n] & self.live[: self.R, None], most)

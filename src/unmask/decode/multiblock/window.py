@@ -8,9 +8,9 @@ keep the shape static. Each step runs **one** forward over all N_buf·B slot tok
 invisible to real blocks). That forward also yields the clean K/V of the blocks marked
 to-cache in the previous step; they are kept, everything else is cropped. The slot state machine
 itself (activation, M2T/T2T, to-cache, slide, termination) is pure and lives in
-:mod:`unmask.decode.block_buffer`.
+:mod:`unmask.decode.multiblock.buffer`.
 
-Prompt alignment, as in :mod:`unmask.decode.block`: blocks start at multiples of B from each
+Prompt alignment, as in :mod:`unmask.decode.blocks.single`: blocks start at multiples of B from each
 row's first prompt token, the whole prompt blocks are prefilled and the prompt's tail sits, fixed,
 in the first active block (§3.2).
 
@@ -21,10 +21,10 @@ A finished row turns into dummies, stays in the forward (static shape) and stops
 
 NFE counts every step forward a row takes part in (prefill excluded), including forwards whose
 only effect for the row is storing a block: with N_buf = 1 this is exactly the SingleBD storing
-bubble, and ``slots=1`` reproduces :mod:`unmask.decode.block` (``store="separate"``, threshold
+bubble, and ``slots=1`` reproduces :mod:`unmask.decode.blocks.single` (``store="separate"``, threshold
 policy with τ = τ_M2T) token for token and forward for forward.
 
-The cache is a :mod:`unmask.decode.kv` object (multiblock.md §3.6): a growing ``DynamicCache`` by
+The cache is a :mod:`unmask.decode.engine.kv` object (multiblock.md §3.6): a growing ``DynamicCache`` by
 default, or (``static=True`` / ``compile=True``) a ``StaticCache`` sized once per batch whose
 pointer moves on each crop; the window forward has the same shape (R, N_buf·B) at every step, so
 ``compile=True`` runs it through one ``torch.compile``-d graph. One loop runs on either cache.
@@ -36,14 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.decode import block_buffer as bb
-from unmask.decode.block import (check_block_model, check_cache_flags, hit_stop_string, outputs, resolve_block_size,
+from unmask.decode.multiblock import buffer as bb
+from unmask.decode.blocks.single import (check_block_model, check_cache_flags, hit_stop_string, outputs, resolve_block_size,
                                  window_forward)
-from unmask.decode.canvas_common import drain_prompts, event_hook
-from unmask.decode.stats import DecodeOutput
+from unmask.decode.dllm.canvas import drain_prompts, event_hook
+from unmask.decode.engine.stats import DecodeOutput
 from unmask.errors import UnmaskError, is_int, is_number
 from unmask.sampling import Sampling, sample
 from unmask.trace import host_event
+from unmask.decode.engine.registry import Config, Spec, knob
 
 
 @dataclass(frozen=True)
@@ -134,12 +135,12 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     ``compile=True`` takes the fast path (multiblock.md §3.6): a static KV cache allocated once per
     batch, whose pointer moves instead of cropping, and the window forward through a
     ``torch.compile``-d step (inductor on CPU, CUDA graphs on CUDA;
-    :func:`unmask.decode.static.step_function`); the prefill runs eagerly. ``static=True`` runs on
+    :func:`unmask.decode.engine.static.step_function`); the prefill runs eagerly. ``static=True`` runs on
     the preallocated static cache without compiling: what compile runs, eagerly (tests,
     debugging). Both give the eager tokens, NFE and statistics. The cache holds the prefill, the
     longest row's blocks and one window: L = F + (blocks + N_buf)·B, rounded up to
     ``LENGTH_BUCKET``; rows store in different steps, leaving holes under the shared pointer, so a
-    full cache is compacted in place (:func:`unmask.decode.kv.compact`). Every forward's mask covers all of it,
+    full cache is compacted in place (:func:`unmask.decode.engine.kv.compact`). Every forward's mask covers all of it,
     (R, 1, N_buf·B, L).
 
     Returns DecodeOutput. stats.extra: the thresholds, ``accepts`` (histogram of M2T commits per
@@ -154,7 +155,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     cfg = MultiBlockConfig.from_options(bundle, block_size=block_size, slots=slots, tau_add=tau_add,
                                         tau_semi=tau_semi, tau_m2t=tau_m2t, tau_t2t=tau_t2t, tau_stable=tau_stable,
                                         max_nfe=max_nfe)
-    from unmask.decode.multiblock_engine import MultiBlockDecoder
+    from unmask.decode.multiblock.batch import MultiBlockDecoder
 
     def make(capacity):
         return MultiBlockDecoder(bundle, cfg, static=static, compile=compile, capacity=capacity, drained=True,
@@ -243,6 +244,24 @@ def stop_string_rows(bundle, prompts, seq, seq_pos, w, stops, max_new_tokens, ro
     return hit_stop_string(bundle, prompts, outputs(cut, w.gen_start, max_new_tokens, stops, w.mask_id), grew,
                            stop_strings)
 
+
+
+@dataclass(frozen=True)
+class MultiBlockOptions(Config):
+    """Multi-Block Diffusion's knobs (spec/multiblock.md §3, Table 4 defaults)."""
+
+    block_size: int | None = knob("block size B (default: the model's native block)", low=1, short="-k")
+    slots: int | None = knob("Block Buffer slots N_buf", low=1)
+    tau_add: float | None = knob("fill ratio that activates the next block", low=0, high=1)
+    tau_semi: float | None = knob("fill ratio of the preceding block that allows a forced commit", low=0, high=1)
+    tau_m2t: float | None = knob("mask-to-token commit threshold", low=0, high=1)
+    tau_t2t: float | None = knob("token-to-token edit threshold (off when unset)", low=0, high=1)
+    tau_stable: int | None = knob("forwards a block stays unchanged before it is final", low=1, cli=False)
+    max_nfe: int | None = knob("forwards at most per row", low=1, cli=False)
+
+
+SPEC = Spec("multiblock", MultiBlockOptions, batch=None, kinds=("block-diffusion",), compiles=True, run=decode,
+            summary="Multi-Block Diffusion: Block Buffer of N_buf slots, one static forward per step")
 
 __all__ = ["MultiBlockConfig", "candidates", "decode", "event_columns", "row_event", "stop_blocks", "stop_string_rows",
            "window_step", "write_window"]

@@ -1,10 +1,10 @@
 """The Block Buffer's running batch (multiblock.md §3; DESIGN.md "One engine"): the one class that
 ``multiblock.decode`` drains and the server runs.
 
-Each slot holds one row's window of N_buf blocks (:class:`~unmask.decode.block_buffer.Window`, one
+Each slot holds one row's window of N_buf blocks (:class:`~unmask.decode.multiblock.buffer.Window`, one
 row per slot), its sequence and its stop bookkeeping. A step is one Block Buffer iteration for
 every slot: activate, one forward of the N_buf·B window tokens that also stores the to-cache
-slots' K/V (:func:`~unmask.decode.multiblock.window_step`), M2T/T2T (``block_buffer.transition``),
+slots' K/V (:func:`~unmask.decode.multiblock.window.window_step`), M2T/T2T (``block_buffer.transition``),
 write-back and termination, all tensor ops, then ONE host read of the packed per-row results
 (running-set size, commits, edits, stored slots, ended, and the rows' sequences, so a finishing
 row needs no further read). A free slot's window is all dummies: it rides along in the forward.
@@ -21,13 +21,13 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from unmask.decode import block_buffer as bb
-from unmask.decode.block import first_stop, prefill_whole_blocks, whole_prompt_blocks
-from unmask.decode.canvas_common import row_generator, serving_options
-from unmask.decode.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
-from unmask.decode.multiblock import candidates, event_columns, row_event, stop_blocks, stop_string_rows, window_step, write_window
-from unmask.decode.running import Row, SlotRows, Slots
-from unmask.decode.stats import check_nfe, stop_flags
+from unmask.decode.multiblock import buffer as bb
+from unmask.decode.blocks.single import first_stop, prefill_whole_blocks, whole_prompt_blocks
+from unmask.decode.dllm.canvas import row_generator, serving_options
+from unmask.decode.engine.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
+from unmask.decode.multiblock.window import candidates, event_columns, row_event, stop_blocks, stop_string_rows, window_step, write_window
+from unmask.decode.engine.running import Row, SlotRows, Slots
+from unmask.decode.engine.stats import check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 
@@ -65,12 +65,12 @@ def _set_rows(w: bb.Window, at: torch.Tensor, new: bb.Window) -> None:
 
 
 class MultiBlockDecoder(SlotRows):
-    """The running batch of Block Buffer rows of one :class:`~unmask.decode.multiblock.MultiBlockConfig`.
+    """The running batch of Block Buffer rows of one :class:`~unmask.decode.multiblock.window.MultiBlockConfig`.
 
     ``static`` / ``compile``: a StaticKV of ``capacity`` rows, the window forward compiled; its length
     is ``length`` tokens (the server: length-bucketed, rows joining mid-flight) or sized at the first
     join (``decode``). A prefill runs eagerly and is placed into the joining slots; the slot tensors
-    grow to a power-of-two row bucket. ``defer_compile``: see :class:`~unmask.decode.kv.StaticKV`.
+    grow to a power-of-two row bucket. ``defer_compile``: see :class:`~unmask.decode.engine.kv.StaticKV`.
     ``on_step(row, event)``, ``on_token(row)`` (once per output token, at the end: T2T may still edit
     committed tokens), ``on_forward(state)`` (tests). Raises UnmaskError when N_buf·B exceeds the
     context window, or a row does not fit a static cache.
@@ -337,8 +337,8 @@ def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_
     window and N_buf + 1 blocks that rows join mid-flight, new step shapes compiled when the server
     is idle. ``stop_token_ids`` defaults to the bundle's. Raises UnmaskError for a model that is
     not block-diffusion, an unknown option or a bad value."""
-    from unmask.decode.block import check_block_model
-    from unmask.decode.multiblock import MultiBlockConfig
+    from unmask.decode.blocks.single import check_block_model
+    from unmask.decode.multiblock.window import MultiBlockConfig
 
     check_block_model(bundle, "multiblock")
     options = serving_options(options, OPTIONS, "a continuous multiblock batch")

@@ -18,7 +18,7 @@ out the lowest free slot, so live rows stay packed at the front and a forward ov
 ``[0, high)`` (``Slots.high``) covers them without re-packing when a row leaves.
 
 :func:`drain` is ``decode()`` for every decoder: join every prompt, step until empty, and assemble
-the :class:`~unmask.decode.stats.DecodeOutput` exactly as the per-decoder loops did.
+the :class:`~unmask.decode.engine.stats.DecodeOutput` exactly as the per-decoder loops did.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-from unmask.decode.stats import DecodeOutput, DecodeStats
+from unmask.decode.engine.stats import DecodeOutput, DecodeStats
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 
@@ -142,11 +142,11 @@ class SlotRows:
 
 
 class CanvasRows(SlotRows):
-    """What the running batches on a :class:`~unmask.decode.dllm_cache.SlotCanvas` (diffusion,
+    """What the running batches on a :class:`~unmask.decode.dllm.cache.SlotCanvas` (diffusion,
     early-bird) share: the slots a forward covers and, serving on the static cache (``canvas.length``
     set), the deferred compile the server's idle loop drives (``kv``, :meth:`warm`)."""
 
-    canvas: object  # a unmask.decode.dllm_cache.SlotCanvas
+    canvas: object  # a unmask.decode.dllm.cache.SlotCanvas
     static: bool
 
     @property
@@ -168,7 +168,7 @@ class CanvasRows(SlotRows):
     def warm(self) -> bool:
         """Compile one window shape this batch ran eagerly (serving on the static cache, no row
         running: the server's idle loop). False when there is none; a failed compile re-raises
-        (:meth:`~unmask.decode.kv.StaticKV.warm`)."""
+        (:meth:`~unmask.decode.engine.kv.StaticKV.warm`)."""
         if self.running or not self.canvas.length:
             return False
         self.canvas.clear()

@@ -1,8 +1,8 @@
 """The query window of budgeted layouts with siblings and its greedy tree acceptance
-(spec/sbd_exact.md §5.1–5.3). Pure tensor functions; :class:`unmask.decode.lossless.Verify` runs them.
+(spec/sbd_exact.md §5.1–5.3). Pure tensor functions; :class:`unmask.decode.verify.batch.Verify` runs them.
 
 A step's window (per row): verify queries ``b, s_1..s_{Kmax-1}`` (0..Kmax-1), the chain's group
-slots, then one slot per sibling (:mod:`unmask.decode.sibling_layout`): the sibling, its
+slots, then one slot per sibling (:mod:`unmask.decode.verify.siblings`): the sibling, its
 continuation, its group. A row's input ids come from its *pool* ``[b, s_1..s_{Kmax-1}, sib_1..sib_H,
 M]`` (``tok`` indexes it per query). Every root-to-leaf chain of causal queries is a *path*: path 0
 the chain ``b, s_1..s_D``; path h + 1 ``b, s_1..s_{j-1}, sib_h, s_{j+1}..s_{j+c}`` (j its offset, c
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.decode import sibling_layout as sl
+from unmask.decode.verify import siblings as sl
 from unmask.sampling import multinomial, uniform
 
 

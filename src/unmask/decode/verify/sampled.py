@@ -1,15 +1,16 @@
 """Lossless SBD under sampling (spec/sbd_exact.md §1 Accept, sampling; §5.3 for sibling trees): the
 first draws of a prefill, speculative-sampling acceptance of a chain and the per-group accept-and-
 redraft of a step. Every committed token has the NTP distribution of its prefix, so sampled output
-is distributed as AR sampling. :class:`unmask.decode.lossless.Verify` runs these for its sampled rows.
+is distributed as AR sampling. :class:`unmask.decode.verify.batch.Verify` runs these for its sampled rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from unmask.decode import sbd_verify as sv, tree_verify as tv
-from unmask.decode.running import group_by
+from unmask.decode.verify import steps as sv
+from unmask.decode.verify import tree as tv
+from unmask.decode.engine.running import group_by
 from unmask.sampling import Sampling, draw as _draw, multinomial as _multinomial, probs as _probs, sample, uniform as _uniform
 
 
@@ -71,7 +72,7 @@ def accept_sampled(logits: torch.Tensor, q, s: torch.Tensor, inp: torch.Tensor, 
                    tw: tv.TreeWindow, sampling: Sampling, gens) -> tuple:
     """Accept and redraft rows of one sampling setting and draft size K inside a step's query window
     ``tw`` (spec §1, Accept, sampling; with siblings at K, §5.3's multi-candidate rule,
-    :func:`~unmask.decode.tree_verify.sampled_tree_accept`): logits (n, Q, V), q (n, K-1, V) the
+    :func:`~unmask.decode.verify.tree.sampled_tree_accept`): logits (n, Q, V), q (n, K-1, V) the
     draft's proposals, s (n, K-1) the draft, inp (n, Q) the input ids, draft_len (n,), one generator
     per row. K = 1 draws AR's token with :func:`unmask.sampling.sample`, as ``ar.decode`` does.
     Returns a (n,), the path taken (n,), step_tok (n, K) (the first a + 1 committed), the next
@@ -94,7 +95,7 @@ def accept_sampled(logits: torch.Tensor, q, s: torch.Tensor, inp: torch.Tensor, 
 
 def accept_rows(batch, logits: torch.Tensor, inp: torch.Tensor, tw: tv.TreeWindow, R: int, Kmax: int, s: torch.Tensor,
                 dl: torch.Tensor):
-    """Accept and redraft every slot of a :class:`~unmask.decode.lossless.Verify` step from its logits (R, Q, V)
+    """Accept and redraft every slot of a :class:`~unmask.decode.verify.batch.Verify` step from its logits (R, Q, V)
     (spec §1, §5.3; suppressed ids set to -inf in place):
     greedy tree acceptance for all, then each sampled group (same sampling and K) by speculative sampling.
     Returns a, path p (R,), step_tok (R, Kmax)."""

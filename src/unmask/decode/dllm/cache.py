@@ -23,7 +23,7 @@ prompts are left-padded to a multiple of PROMPT_BUCKET, so every forward has a b
 a refresh is the whole canvas and runs eagerly (COMPILE_REFRESH), a dual step is the window
 (R, shift + block), and a prefix step, whose length shrinks block by block, is padded to
 :func:`bucket` with masked tokens, so a decode compiles few graphs (at most 6 + L / 64). The
-no-cache step is :func:`unmask.decode.kv.canvas_forward`, compiled once per canvas shape.
+no-cache step is :func:`unmask.decode.engine.kv.canvas_forward`, compiled once per canvas shape.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from unmask.compat import attention_mask
-from unmask.decode.kv import DynamicKV, StaticKV, canvas_forward, make_kv
+from unmask.decode.engine.kv import DynamicKV, StaticKV, canvas_forward, make_kv
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
 from unmask.models.adapters import bidirectional_forward, supports_cache
@@ -139,7 +139,7 @@ class SlotCanvas:
     depend on key order, so this equals Fast-dLLM's in-place ``replace_position`` layout.
 
     ``length`` (the server's ``--compile``, dual cache): the static cache holds length + shift + block
-    positions with length buckets and deferred compiles (:class:`~unmask.decode.kv.StaticKV`), so
+    positions with length buckets and deferred compiles (:class:`~unmask.decode.engine.kv.StaticKV`), so
     canvases of any width up to ``length`` join mid-flight: a wider one widens every canvas and moves
     the kept K/V right in place (:meth:`_widen`); refreshes run apart (:meth:`_split`); :meth:`clear`
     starts an emptied batch narrow again.

@@ -10,7 +10,7 @@ cropped after every forward, and the first forward of the next block re-feeds th
 block causally together with the k new masks (one fused forward over 2k tokens), so only the
 causal K/V of committed text ever stay in the cache.
 
-The decoding itself is :class:`unmask.decode.blocks.BlockDecoder`, the running batch SBD shares
+The decoding itself is :class:`unmask.decode.blocks.batch.BlockDecoder`, the running batch SBD shares
 with SingleBD (the re-feed is its causal store region) and that the server runs too; ``decode``
 drains it. On the static cache every forward has one of at most four query shapes — k or 2k
 tokens, and the same for a shorter last block — so ``compile=True`` reuses one graph per shape.
@@ -22,13 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.decode import draft_layout, sbd_verify
-from unmask.decode.batching import left_pad
-from unmask.decode.stats import DecodeOutput
+from unmask.decode.verify import layout as draft_layout
+from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.engine.batching import left_pad
+from unmask.decode.engine.stats import DecodeOutput
 from unmask.errors import UnmaskError, is_int
 from unmask.masks import as_4d, causal_mask, with_key_padding
 from unmask.policies import EntropyBound, Policy, gamma_option, make_policy
 from unmask.sampling import Sampling
+from unmask.decode.engine.knobs import PolicyKnobs
+from unmask.decode.engine.registry import Spec, knob
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PRESET = "chat-low"
@@ -82,14 +85,14 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            on_step=None, compile: bool = False, static: bool = False) -> DecodeOutput:
     """SBD block decoding of a batch (SBD Alg. 2–3, §4.1 fused re-feed, §4.2 accounting).
 
-    ``verify=True`` runs lossless SBD instead (spec/sbd_exact.md, :mod:`unmask.decode.sbd_verify`):
+    ``verify=True`` runs lossless SBD instead (spec/sbd_exact.md, :mod:`unmask.decode.verify.steps`):
     the block mode only drafts, the NTP mode verifies in the same forward, and the output equals
     ``ar`` decoding of the same model; ``draft`` picks its layout (quadratic, linear, or budget with
     ``queries`` query tokens per row: the checkpoint's calibrated layout, spec §5) and the
     commit-policy options do not apply. ``verify=None`` takes the checkpoint's ``decode_defaults``
     unless a policy option is given (then the lossy EB path runs). ``compile=True`` runs the
-    static-cache, compiled fast path (lossless: :mod:`unmask.decode.static`; lossy: this loop on a
-    :class:`unmask.decode.kv.StaticKV` with a compiled step, the prefill eager); ``static=True``
+    static-cache, compiled fast path (lossless: :mod:`unmask.decode.engine.static`; lossy: this loop on a
+    :class:`unmask.decode.engine.kv.StaticKV` with a compiled step, the prefill eager); ``static=True``
     runs the lossy loop on the static cache eagerly (tests, debugging). Both give the eager
     tokens and NFE; stats.extra records ``compiled`` and ``static_cache`` (its length, or None).
 
@@ -127,7 +130,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     if cfg.block_size > bundle.context_length:
         raise UnmaskError(f"block size {cfg.block_size} exceeds the context window of {bundle.context_length}; "
                           "lower --block-size")
-    from unmask.decode.block import run_blocks
+    from unmask.decode.blocks.single import run_blocks
 
     return run_blocks(bundle, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                       stop_token_ids=stop_token_ids, stop_strings=stop_strings, on_forward=on_forward, on_step=on_step,
@@ -142,10 +145,10 @@ def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_
                   stop_token_ids=None, compile: bool = False, static: bool = False):
     """The server's running batch of lossy SBD rows for one set of request ``options``
     (:data:`BATCH_OPTIONS`; None = default, the checkpoint's ``decode_defaults`` filling the rest as
-    in :func:`decode`), validated once: :func:`unmask.decode.block.serving` (``compile`` /
+    in :func:`decode`), validated once: :func:`unmask.decode.blocks.single.serving` (``compile`` /
     ``static``: on a static KV cache). ``stop_token_ids`` defaults to the bundle's. Raises UnmaskError for a model without a mask
     token, an unknown option, a bad value, or options selecting lossless SBD (its own batch)."""
-    from unmask.decode.block import serving
+    from unmask.decode.blocks.single import serving
 
     if bundle.mask_token_id is None:
         raise UnmaskError("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); "
@@ -211,3 +214,23 @@ def _lossless(verify, given: list[str], draft, defaults: dict, only: list[str] =
         raise UnmaskError(f"{flags} appl{'y' if len(only) > 1 else 'ies'} to lossless SBD only; add --verify or "
                           f"drop {it}")
     return lossless
+
+
+@dataclass(frozen=True)
+class SBDOptions(PolicyKnobs):
+    """Set Block Decoding's knobs: the block and its commit policy (lossy EB path, SBD §4-5), or
+    lossless SBD's draft (spec/sbd_exact.md)."""
+
+    block_size: int | None = knob("block size k (--verify: the draft size K; default the model's, else 16)", low=1,
+                                  short="-k")
+    verify: bool | None = knob("lossless SBD: the NTP mode verifies the block-mode draft (output = ar); default "
+                               "from the model")
+    draft: str | None = knob("--verify: draft layout, linear, quadratic, budget (the model's calibrated layout for "
+                             "--queries) or D/S/G text such as 3/0,2,3/4, with siblings: 3/0,1,3/4+1g3 "
+                             "(spec/sbd_exact.md §5.3); default from the model")
+    queries: int | None = knob("--verify, budgeted draft: query tokens per row per forward (default: the "
+                               "model's, else 16)", low=1)
+
+
+SPEC = Spec("sbd", SBDOptions, batch=None, kinds=("sbd",), compiles=True, run=decode,
+            summary="Set Block Decoding: block of masks, EB sampler, exact KV cache")

@@ -3,7 +3,7 @@ with its filters, LPS step features, and the union accept rule.
 
 Everything here is a batched function of (B, L) tensors over the generation region (index 0 =
 first generated position); rows are independent. No model, no state: the decoder
-(:mod:`unmask.decode.early_bird`) and the trace collector (:mod:`unmask.train.lps_fit`) call the
+(:mod:`unmask.decode.dllm.early_bird`) and the trace collector (:mod:`unmask.train.lps_fit`) call the
 same functions, so training and serving see identical features.
 
 Filter order (Alg. 5 lines 10–20), applied only to rows without an active block:

@@ -1,17 +1,20 @@
 """Autoregressive decoding with an exact KV cache: the baseline every decoder is measured against.
 
-It runs the one engine's AR / lossless SBD batch (:class:`unmask.decode.lossless.Verify`) with
+It runs the one engine's AR / lossless SBD batch (:class:`unmask.decode.verify.batch.Verify`) with
 every row at draft size K = 1: one token per row per forward (DESIGN.md "One engine")."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from unmask.decode.lossless import Verify
-from unmask.decode.running import drain, requests_for
-from unmask.decode.sbd_verify import VerifyConfig
-from unmask.decode.stats import DecodeOutput
+from unmask.decode.verify.batch import Verify
+from unmask.decode.engine.running import drain, requests_for
+from unmask.decode.verify.steps import VerifyConfig
+from unmask.decode.engine.stats import DecodeOutput
 from unmask.sampling import Sampling
+from unmask.decode.engine.registry import Config, Spec
 
 
 @torch.inference_mode()
@@ -42,3 +45,12 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
                       stop_token_ids=stop_token_ids, length=length, on_step=events)
 
     return drain(make, requests)
+
+
+@dataclass(frozen=True)
+class AROptions(Config):
+    """AR takes no knobs: one token per row per forward (its draft size K = 1)."""
+
+
+SPEC = Spec("ar", AROptions, batch=None, kinds=("causal", "sbd"), compiles=True, run=decode,
+            summary="autoregressive, one token per forward, exact KV cache")

@@ -10,8 +10,8 @@ never change. Policies: ``top-k`` (LLaDA's low-confidence remasking with ``steps
 Temperature (§4): ``sampler="llada"`` draws with float64 Gumbel-max, ``"dream"`` from the tempered
 categorical (default: the model family's); κ is read under the untempered softmax unless
 ``confidence="tempered"`` (Dream's). Each row has its own seeded generator, so a batch equals
-single runs. Caches (§8, approximate): none / prefix / dual, :mod:`unmask.decode.dllm_cache`.
-The loop is :class:`~unmask.decode.diffusion_engine.Diffusion`, the server's running batch too.
+single runs. Caches (§8, approximate): none / prefix / dual, :mod:`unmask.decode.dllm.cache`.
+The loop is :class:`~unmask.decode.dllm.diffusion_batch.Diffusion`, the server's running batch too.
 """
 
 from __future__ import annotations
@@ -22,14 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.decode.canvas_common import check_canvas, check_mask_token, event_hook
-from unmask.decode.dllm_cache import CACHE_MODES, check_fast_path, prompt_width
-from unmask.decode.running import drain, requests_for
-from unmask.decode.stats import DecodeOutput
+from unmask.decode.dllm.canvas import check_canvas, check_mask_token, event_hook
+from unmask.decode.dllm.cache import CACHE_MODES, check_fast_path, prompt_width
+from unmask.decode.engine.running import drain, requests_for
+from unmask.decode.engine.stats import DecodeOutput
 from unmask.errors import UnmaskError, is_int
 from unmask.models.adapters import SAMPLERS, default_sampler
 from unmask.policies import CONFIDENCES, Policy, TopK, gamma_option, make_policy
 from unmask.sampling import Sampling
+from unmask.decode.engine.knobs import CanvasKnobs, PolicyKnobs
+from unmask.decode.engine.registry import Spec, knob
 
 DEFAULT_BLOCK_SIZE = 32  # Fast-dLLM's LLaDA setting (models.md §2.3)
 DEFAULT_POLICY = "threshold"  # with τ = 0.9 (Fast-dLLM, diffusion.md §6)
@@ -222,14 +224,14 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     forwards (what ``compile`` runs, eagerly; for tests and debugging); ``compile=True`` also runs
     them through ``torch.compile`` (inductor on CPU, CUDA graphs on CUDA), one graph per shape:
     no cache compiles the canvas forward (B, P + L), the caches the window step (a prefix window
-    padded to a bucket; the block-start refresh stays eager), see :mod:`unmask.decode.dllm_cache`.
+    padded to a bucket; the block-start refresh stays eager), see :mod:`unmask.decode.dllm.cache`.
     Prompts are left-padded to a multiple of 16 there, so similar prompts share the graphs. Same
     tokens and NFE as the eager run up to float rounding. stats.extra adds ``compiled`` and, on a
     static cache, ``static_cache`` (its positions).
 
     ``schedule="dream"`` runs Dream's own ``diffusion_generate`` instead (§5, no blocks; ``steps``,
     ``alg`` origin / maskgit_plus / topk_margin / entropy, ``alg_temp``, ``eps``): see
-    :mod:`unmask.decode.dream_compat`.
+    :mod:`unmask.decode.dllm.dream`.
 
     Raises UnmaskError for a model without a mask token, max_new_tokens above an explicit
     gen_length, a block size that does not divide the generation length, a bad step budget, bad
@@ -258,7 +260,7 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     width = prompt_width(max(map(len, prompts)), L, bundle.context_length, static or compile) + L  # fast path: a bucket
     requests = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings,
                             device=bundle.device)
-    from unmask.decode.diffusion_engine import Diffusion  # it builds on this module's config and pieces
+    from unmask.decode.dllm.diffusion_batch import Diffusion  # it builds on this module's config and pieces
 
     return drain(lambda capacity: Diffusion(bundle, cfg, static=static, compile=compile, capacity=capacity,
                                             on_step=event_hook(on_step), stop_token_ids=stop_token_ids, lockstep=True,
@@ -271,8 +273,8 @@ _DREAM_OPTIONS = ("max_new_tokens", "sampling", "stop_token_ids", "gen_length", 
 
 
 def _dream_schedule(bundle, prompts, schedule, options: dict) -> DecodeOutput:
-    """Dispatch ``schedule="dream"`` to :mod:`unmask.decode.dream_compat`, refusing options it has no use for."""
-    from unmask.decode import dream_compat
+    """Dispatch ``schedule="dream"`` to :mod:`unmask.decode.dllm.dream`, refusing options it has no use for."""
+    from unmask.decode.dllm import dream as dream_compat
 
     if schedule != "dream":
         raise UnmaskError(f"unknown schedule {schedule!r} for the diffusion decoder; use \"dream\" (Dream's "
@@ -289,3 +291,30 @@ def _dream_schedule(bundle, prompts, schedule, options: dict) -> DecodeOutput:
                           "step, Dream's own commit rule); drop them")
     return dream_compat.decode(bundle, prompts, **{k: options[k] for k in _DREAM_OPTIONS})
 
+
+@dataclass(frozen=True)
+class DiffusionOptions(CanvasKnobs, PolicyKnobs):
+    """Semi-AR masked diffusion's knobs (spec/diffusion.md): canvas, block, commit policy, cache,
+    or Dream's published schedule."""
+
+    block_size: int | None = knob("semi-AR block size (default 32, or the requested length when shorter)", low=1,
+                                  short="-k")
+    factor_compat: bool | None = knob("Fast-dLLM's factor rule bit for bit (float64 untempered κ, and its last-rank "
+                                      "quirk; spec diffusion.md §6)")
+    eta: float | None = knob("entropy bound η in nats (entropy-threshold policy)", low=0)
+    steps: int | None = knob("total denoising steps (top-k policy, LLaDA; --schedule dream)", low=1)
+    refresh_every: int | None = knob("a full refresh forward every this many steps inside a block (default: at "
+                                     "block starts only)", low=1, cli=False)
+    schedule: str | None = knob("a published reference decoding: dream (Dream's diffusion_generate)",
+                                choices=("dream",))
+    alg: str | None = knob("--schedule dream: origin, maskgit_plus, topk_margin or entropy",
+                           choices=("origin", "maskgit_plus", "topk_margin", "entropy"))
+    alg_temp: float | None = knob("--schedule dream: the confidence temperature of its alg", cli=False)
+    eps: float | None = knob("--schedule dream: the time schedule's end point", cli=False)
+    reference_steps: bool = knob("run LLaDA's zero-quota steps too, as the reference does (NFE = steps)",
+                                 default=False, cli=False, serve=False)
+
+
+SPEC = Spec("diffusion", DiffusionOptions, batch=None, kinds=("masked-diffusion",), compiles=True, run=decode,
+            summary="semi-AR masked diffusion: LLaDA top-k steps, Fast-dLLM threshold/factor, EB; "
+                    "approximate prefix/dual caches")

@@ -22,7 +22,7 @@ Batching (spec §2): rows accept different lengths. Every row appends its K veri
 cache; rejected ones stay as invalid keys of that row (``key_valid``), and the tail that no row
 accepted is cropped, so a batch of one keeps an exactly compact cache. This module holds the pure
 pieces (layouts, the prefill's inputs, the accept rules) and ``decode``; the running batch that
-applies them is :class:`unmask.decode.lossless.Verify` (AR is its K = 1 case).
+applies them is :class:`unmask.decode.verify.batch.Verify` (AR is its K = 1 case).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from types import SimpleNamespace
 
 import torch
 
-from unmask.decode import draft_layout as dl
-from unmask.decode import sibling_layout as sl
-from unmask.decode import tree_verify as tv
-from unmask.decode.batching import left_pad
-from unmask.decode.stats import DecodeOutput
+from unmask.decode.verify import layout as dl
+from unmask.decode.verify import siblings as sl
+from unmask.decode.verify import tree as tv
+from unmask.decode.engine.batching import left_pad
+from unmask.decode.engine.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.masks import causal_mask
 from unmask.sampling import Sampling
@@ -92,7 +92,7 @@ class VerifyConfig:
     def check_fits(self, context_length: int) -> None:
         """Raise UnmaskError when a step of this config cannot fit the context window (2K positions,
         prefill group included, or more query tokens per forward than ``context_length``) or its step
-        tables (:func:`~unmask.decode.tree_verify.table_bytes`) would pass MAX_TABLE_MIB."""
+        tables (:func:`~unmask.decode.verify.tree.table_bytes`) would pass MAX_TABLE_MIB."""
         if 2 * self.block_size > context_length:
             raise UnmaskError(f"block size {self.block_size} is too large for the context window of "
                               f"{context_length}; lower --block-size")
@@ -133,7 +133,7 @@ class VerifyConfig:
 @functools.lru_cache(maxsize=256)  # a step asks each time: parsing the layouts cost ~0.1 ms of a 1.4 ms step
 def queries(K: int, draft: str, smaller: tuple[str, ...] = ()) -> int:
     """Query tokens per row of a step of draft size K: 1 for an AR step, else the step window of
-    draft sizes up to K (:func:`~unmask.decode.tree_verify.slots`; K + G·K for linear and quadratic, spec §1, §5.1)."""
+    draft sizes up to K (:func:`~unmask.decode.verify.tree.slots`; K + G·K for linear and quadratic, spec §1, §5.1)."""
     return 1 if K == 1 else tv.slots(family(draft, K, smaller))[3]
 
 
@@ -164,7 +164,7 @@ CACHED_TABLES, CACHED_TABLE_BYTES = 8, 1 << 20
 
 
 def tables(draft: str, Kmax: int, smaller: tuple[str, ...] = (), device=None) -> tv.TreeWindow:
-    """:func:`unmask.decode.tree_verify.tree_window` of ``family(draft, Kmax, smaller)`` on ``device``,
+    """:func:`unmask.decode.verify.tree.tree_window` of ``family(draft, Kmax, smaller)`` on ``device``,
     shared by every running batch of that layout (read only). The last CACHED_TABLES whose tables
     take at most CACHED_TABLE_BYTES are kept; a larger one is built per call."""
     key = (draft, Kmax, tuple(smaller), str(device))
@@ -183,7 +183,7 @@ def tables(draft: str, Kmax: int, smaller: tuple[str, ...] = (), device=None) ->
 
 def window_layout(layouts: list, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every row's step layout and next-draft rule inside one query window (:func:`queries`), the
-    chain path of :func:`unmask.decode.tree_verify.tree_window`. Pure.
+    chain path of :func:`unmask.decode.verify.tree.tree_window`. Pure.
 
     Returns mask (Kmax, Kmax, Q, Q) bool and offsets (Kmax, Kmax, Q) long, indexed [K - 1, d] for a
     row of draft size K with a d-token draft; src (Kmax, Kmax, Kmax, max(Kmax - 1, 1)) long, the
@@ -294,7 +294,7 @@ def prefill_inputs(bundle, prompts: list[list[int]], K: int):
 
 
 def stats_extra(batch, rows: list) -> dict:
-    """:class:`~unmask.decode.lossless.Verify`'s ``stats_extra`` for finished ``rows`` (request order): accept
+    """:class:`~unmask.decode.verify.batch.Verify`'s ``stats_extra`` for finished ``rows`` (request order): accept
     histograms, layout, block size, query windows, row extras; ``compiled`` and ``static_cache`` when static
     (only those for an ``ar`` batch)."""
     static = {"compiled": batch.compile, "static_cache": batch.kv.capacity} if batch.static else {}
@@ -323,15 +323,15 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
            draft: str = DEFAULT_DRAFT, queries: int | None = None, on_forward=None, on_step=None,
            compile: bool = False, static: bool = False) -> DecodeOutput:
     """Lossless SBD decoding of a batch (spec/sbd_exact.md §1–2), on the one engine's AR / lossless
-    SBD batch (:class:`unmask.decode.lossless.Verify`, every row at draft size K = ``block_size``).
+    SBD batch (:class:`unmask.decode.verify.batch.Verify`, every row at draft size K = ``block_size``).
 
     prompts: token ids per row (left-padded internally). One forward per step: prefill = prompt
     (causal) + one draft group; then verify part + draft groups. A row stops at a stop token
     (excluded, later tokens of the same step dropped), a stop string (the completing token kept)
     or ``max_new_tokens``, and its slot is freed. ``draft``: ``linear``, ``quadratic``, ``budget``
     (the model's stored layout for ``queries`` query tokens per row, default 16; spec §5), ``budget:Q``,
-    ``D/S/G`` text or a :class:`~unmask.decode.draft_layout.DraftLayout`, or either with siblings
-    (``3/0,1,3/4+1g3``, a :class:`~unmask.decode.sibling_layout.TreeLayout`; spec §5.3: greedy rows
+    ``D/S/G`` text or a :class:`~unmask.decode.verify.layout.DraftLayout`, or either with siblings
+    (``3/0,1,3/4+1g3``, a :class:`~unmask.decode.verify.siblings.TreeLayout`; spec §5.3: greedy rows
     take the longest confirmed path; sampled rows draw siblings i.i.d. from the proposal and accept by SpecInfer's multi-candidate rule, which keeps the AR distribution). ``compile=True`` runs the same batch on a static KV
     cache whose pointer moves instead of cropping, with a ``torch.compile``-d forward; ``static=True``
     the static cache eagerly (tests, debugging); same tokens, NFE and step events, and stats.extra
@@ -346,8 +346,8 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     decoding of the same model token for token; sampled output has its distribution.
     Raises UnmaskError for a model without a mask token or a bad block size / draft layout / budget.
     """
-    from unmask.decode.lossless import Verify
-    from unmask.decode.running import drain, requests_for
+    from unmask.decode.verify.batch import Verify
+    from unmask.decode.engine.running import drain, requests_for
 
     if bundle.mask_token_id is None:
         raise UnmaskError("lossless SBD needs a model with a mask token (an SBD model, or a base with an "

@@ -1,12 +1,12 @@
 """The fast path's pieces: a preallocated ``StaticCache`` and the compiled decode-step forward that
-:class:`unmask.decode.kv.StaticKV` runs for every decoder on the static cache.
+:class:`unmask.decode.engine.kv.StaticKV` runs for every decoder on the static cache.
 
 gpt-fast's recipe (STYLE.md): the KV cache is a transformers ``StaticCache`` allocated once per
 batch; a commit or a rejected draft moves its length pointer instead of copying tensors; every
 step's inputs have the same shapes (ids (B, q), positions (B, q), a 4D mask over the whole cache
 (B, 1, q, L)), so the step never recompiles; the prefill, whose length depends on the prompts, runs
 eagerly. The decoders' loops are their running-batch classes (AR and lossless SBD:
-:class:`unmask.decode.lossless.Verify`).
+:class:`unmask.decode.verify.batch.Verify`).
 
 What is compiled: the model forward of one step (:func:`step_function`) and, for greedy AR and
 lossless SBD steps, the whole step as ONE graph (:func:`compiled_step`: the query window and its mask,
@@ -151,7 +151,7 @@ def _guard_filter(model) -> dict:
     call (stories260K's AR step: 0.9 -> 0.7 ms). A hook marked ``unmask_tensor_only`` (an SBD
     adapter's gate, set from the call's ``input_ids``) keeps that; any other hook keeps every guard.
     The cache's one Python state, whether its buffers exist, is kept out of every graph instead:
-    :class:`unmask.decode.kv.StaticKV` runs the forward that allocates them eagerly (a graph traced on
+    :class:`unmask.decode.engine.kv.StaticKV` runs the forward that allocates them eagerly (a graph traced on
     an unallocated cache allocates fresh zeros on each call and would pass these guards for any cache)."""
     hooks = [h for m in model.modules() for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())]
     if any(not getattr(h, "unmask_tensor_only", False) for h in hooks):

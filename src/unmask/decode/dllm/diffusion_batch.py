@@ -1,7 +1,7 @@
 """The diffusion decoder as one running batch (DESIGN.md "One engine"; spec/diffusion.md §3, §6–§9):
 ``diffusion.decode``, its static/compiled fast path and the server all run :class:`Diffusion`.
 
-Each row has its own canvas (a :class:`~unmask.decode.dllm_cache.SlotCanvas` slot), block progress
+Each row has its own canvas (a :class:`~unmask.decode.dllm.cache.SlotCanvas` slot), block progress
 and seeded generator, so it decodes as it would alone, whenever it joined. A step is ONE forward
 for every running row, the commit policy (:func:`unmask.policies.commit`, a pure tensor function)
 on each row's block, and one host read of the per-row counts, flags and block ids (and, with
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unmask.decode.canvas_common import (check_canvas, check_mask_token, early_stop_in, finish, row_generator,
+from unmask.decode.dllm.canvas import (check_canvas, check_mask_token, early_stop_in, finish, row_generator,
                                          serving_options, stop_string_in)
-from unmask.decode.diffusion import CANVAS_HINT, DEFAULT_BLOCK_SIZE, DiffusionConfig, llada_quota
-from unmask.decode.dllm_cache import SlotCanvas, check_fast_path
-from unmask.decode.running import CanvasRows, Request, Row, Slots
-from unmask.decode.stats import check_nfe
+from unmask.decode.dllm.diffusion import CANVAS_HINT, DEFAULT_BLOCK_SIZE, DiffusionConfig, llada_quota
+from unmask.decode.dllm.cache import SlotCanvas, check_fast_path
+from unmask.decode.engine.running import CanvasRows, Request, Row, Slots
+from unmask.decode.engine.stats import check_nfe
 from unmask.errors import UnmaskError
 from unmask.models.adapters import default_sampler, is_remote, realign, supports_cache
 from unmask.policies import commit
@@ -55,7 +55,7 @@ class DiffusionRow(Row):
 
 
 class Diffusion(CanvasRows):
-    """Semi-AR masked-diffusion decoding as a running batch (``decode/running.py``'s contract).
+    """Semi-AR masked-diffusion decoding as a running batch (``decode/engine/running.py``'s contract).
 
     cfg: the validated knobs every row shares; a row's gen length is ``cfg.gen_length``, or with
     ``options`` (the server) the one ``DiffusionConfig.from_options(max_new_tokens=..., **options)``

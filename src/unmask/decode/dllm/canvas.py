@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from unmask.decode.running import drain, requests_for
-from unmask.decode.stats import DecodeOutput, stop_flags
+from unmask.decode.engine.running import drain, requests_for
+from unmask.decode.engine.stats import DecodeOutput, stop_flags
 from unmask.errors import UnmaskError
 
 
@@ -51,7 +51,7 @@ def event_hook(on_step):
 
 
 def drain_prompts(make, bundle, prompts, *, max_new_tokens: int, sampling, stop_strings=()) -> DecodeOutput:
-    """``decode()`` of a running-batch class: :func:`~unmask.decode.running.drain` of ``make(capacity)``
+    """``decode()`` of a running-batch class: :func:`~unmask.decode.engine.running.drain` of ``make(capacity)``
     over one request per prompt (each with the generator ``unmask generate`` gives it)."""
     return drain(make, requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                     stop_strings=stop_strings, device=bundle.device))

@@ -1,0 +1,209 @@
+"""The decoder registry: one :class:`Spec` per decoder, the one source of truth for its knobs.
+
+A decoder is a frozen :class:`Config` subclass whose fields, declared with :func:`knob`, *are* its
+knobs (name, type, default, help, range), plus one running-batch class (:mod:`.running`). Its
+:class:`Spec` names both, the model kinds it decodes and whether ``compile=True`` runs it on a static,
+compiled cache. ``unmask.decode`` registers the built-in decoders; a package outside unmask
+registers its own through the ``unmask.decoders`` entry-point group (:func:`load_plugins`) or one
+:func:`register` call. From the registry come ``decode()``, the CLI's decoder options, the server's
+request schema and running batches, ``eval -O`` types and README's option table (docs/engine.md
+"Writing a decoder").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Callable, ClassVar
+
+from unmask.errors import UnmaskError
+
+log = logging.getLogger("unmask.decode")
+ENTRY_POINTS = "unmask.decoders"  # the entry-point group a plug-in decoder registers through
+_META = "unmask.knob"
+TYPES = (int, float, str, bool)  # a knob's value type; anything else is a Python-API-only object
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One decoder option. ``name``: the Python / JSON name (``block_size``; the CLI flag
+    ``--block-size``); ``type``: int, float, str, bool, or ``object`` for a Python-API-only value (a
+    router, a callable); ``default``: None means "resolved from the model and the other knobs" (the
+    help says how); ``choices``: the allowed strings, if a closed set; ``low`` / ``high``: an
+    inclusive range, if any; ``cli``: a flag of ``unmask generate``; ``serve``: a field the server
+    takes (default: as ``cli``; neither: the Python API only); ``short``: a one-letter CLI alias (``-k``)."""
+
+    name: str
+    type: type
+    help: str
+    default: Any = None
+    choices: tuple[str, ...] = ()
+    low: float | None = None
+    high: float | None = None
+    cli: bool = True
+    serve: bool = True
+    short: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def type_name(self) -> str:
+        return self.type.__name__ if self.type in TYPES else "object"
+
+
+def knob(help: str, *, default=None, choices: tuple[str, ...] = (), low: float | None = None,
+         high: float | None = None, cli: bool = True, serve: bool | None = None, short: str | None = None):
+    """A :class:`Config` field that is a knob: ``x: int | None = knob("help")`` (see :class:`Knob`)."""
+    meta = {"help": help, "choices": tuple(choices), "low": low, "high": high, "cli": cli, "serve": serve,
+            "short": short}
+    return field(default=default, metadata={_META: meta})
+
+
+def _value_type(hint) -> type:
+    """``int | None`` -> int; ``float`` -> float; anything not a knob type -> object."""
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
+    args = [a for a in args if a is not type(None)]
+    return args[0] if len(args) == 1 and args[0] in TYPES else object
+
+
+class Config:
+    """Base of a decoder's knobs: subclass it as ``@dataclass(frozen=True)`` with :func:`knob` fields.
+
+    Construction validates (``__post_init__`` of the subclass); :meth:`of` builds one from the
+    options a user passed (names as in the Python API), refusing names the decoder does not take.
+    """
+
+    decoder: ClassVar[str] = ""  # set by register(): the name errors use
+
+    @classmethod
+    def knobs(cls) -> tuple[Knob, ...]:
+        """The knobs in declaration order."""
+        hints = typing.get_type_hints(cls)
+        out = []
+        for f in dataclasses.fields(cls):
+            meta = f.metadata.get(_META)
+            if meta is not None:
+                kind = _value_type(hints[f.name])
+                serve = meta["serve"] if meta["serve"] is not None else meta["cli"] and kind in TYPES
+                out.append(Knob(f.name, kind, default=f.default, **{**meta, "serve": serve}))
+        return tuple(out)
+
+    @classmethod
+    def of(cls, options: dict, decoder: str | None = None) -> "Config":
+        """The config of these options (None values are "unset"). Raises UnmaskError, one line, for an
+        option the decoder does not take or an integer beyond 64 bits; the subclass's checks follow."""
+        name = decoder or cls.decoder
+        taken = {k.name for k in cls.knobs()}
+        extra = sorted(k for k in options if k not in taken)
+        if extra:
+            flags = ", ".join("--" + k.replace("_", "-") for k in extra)
+            raise UnmaskError(f"{flags} does not apply to decoder {name!r}; drop it or choose a decoder that takes it")
+        for k, v in options.items():
+            if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+                raise UnmaskError(f"--{k.replace('_', '-')} is out of range (a 64-bit integer: at most {2**63 - 1}); "
+                                  "pass a smaller value")
+        return cls(**options)
+
+    def given(self) -> dict:
+        """The knobs set to something other than their default, by name."""
+        return {k.name: getattr(self, k.name) for k in self.knobs() if getattr(self, k.name) != k.default}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A registered decoder.
+
+    name: ``--decoder NAME``; config: its :class:`Config` subclass; batch: the running-batch factory,
+    ``batch(bundle, config, *, capacity, compile=False, on_step=None, on_token=None, **kw)`` -> a
+    :class:`~unmask.decode.engine.running.RunningDecoder`; kinds: the model kinds it decodes;
+    summary: one line for ``unmask models`` and README; compiles: ``unmask serve --compile`` runs its
+    running batches on a static cache with a compiled forward (``decode(compile=True)`` is taken by every
+    decoder).
+    run: transitional, the decoder's own ``decode`` function while it still has one (None: the
+    generic :func:`unmask.decode.decode` drives ``batch``)."""
+
+    name: str
+    config: type
+    batch: Callable | None
+    kinds: tuple[str, ...]
+    summary: str
+    compiles: bool = False
+    run: Callable | None = None
+
+    def knobs(self) -> tuple[Knob, ...]:
+        return self.config.knobs()
+
+
+DECODERS: dict[str, Spec] = {}
+
+
+def register(spec: Spec, *, replace: bool = False) -> Spec:
+    """Add ``spec`` to :data:`DECODERS` (a plug-in's one call). Raises UnmaskError for a name taken by
+    another decoder (unless ``replace``), a config that is not a frozen :class:`Config` dataclass, a
+    knob whose type differs from the same-named knob of a registered decoder, or no model kinds."""
+    if not isinstance(spec, Spec):
+        raise UnmaskError(f"register() takes a unmask.decode.Spec (got {type(spec).__name__})")
+    if not spec.name or not isinstance(spec.name, str):
+        raise UnmaskError(f"a decoder needs a non-empty name (got {spec.name!r})")
+    if spec.name in DECODERS and not replace and DECODERS[spec.name] is not spec:
+        raise UnmaskError(f"decoder {spec.name!r} is already registered; choose another name or pass replace=True")
+    cfg = spec.config
+    if not (isinstance(cfg, type) and issubclass(cfg, Config) and dataclasses.is_dataclass(cfg)
+            and cfg.__dataclass_params__.frozen):
+        raise UnmaskError(f"decoder {spec.name!r}: config must be a @dataclass(frozen=True) subclass of "
+                          f"unmask.decode.Config (got {cfg!r})")
+    if not spec.kinds:
+        raise UnmaskError(f"decoder {spec.name!r} names no model kind; pass kinds=(\"causal\",) or others")
+    types_now = knob_types(exclude=spec.name)
+    for k in cfg.knobs():
+        if k.name in types_now and types_now[k.name] != k.type_name:
+            raise UnmaskError(f"decoder {spec.name!r}: knob {k.name!r} is {k.type_name}, but other decoders take it "
+                              f"as {types_now[k.name]}; rename it or use the same type")
+    DECODERS[spec.name] = spec
+    cfg.decoder = spec.name
+    return spec
+
+
+def knob_types(exclude: str | None = None) -> dict[str, str]:
+    """Every knob taken by a registered decoder -> its value type name (int, float, str, bool, object)."""
+    out: dict[str, str] = {}
+    for spec in DECODERS.values():
+        if spec.name != exclude:
+            for k in spec.knobs():
+                out.setdefault(k.name, k.type_name)
+    return out
+
+
+def all_knobs() -> dict[str, list[tuple[str, Knob]]]:
+    """Knob name -> [(decoder, Knob), ...] over the registered decoders, in registration order."""
+    out: dict[str, list[tuple[str, Knob]]] = {}
+    for spec in DECODERS.values():
+        for k in spec.knobs():
+            out.setdefault(k.name, []).append((spec.name, k))
+    return out
+
+
+def load_plugins() -> list[str]:
+    """Register the decoders of the ``unmask.decoders`` entry-point group: each entry point names a
+    :class:`Spec` or a function returning one (or a list of them). A plug-in that fails to load is
+    skipped with a one-line warning naming it. Returns the names registered."""
+    names = []
+    for ep in entry_points(group=ENTRY_POINTS):
+        try:
+            got = ep.load()
+            specs = got() if callable(got) and not isinstance(got, Spec) else got
+            for spec in specs if isinstance(specs, (list, tuple)) else [specs]:
+                names.append(register(spec).name)
+        except Exception as e:  # a broken plug-in must not take the built-in decoders down with it
+            log.warning("decoder plug-in %r (%s) was not loaded: %s", ep.name, ep.value, str(e).splitlines()[0] if str(e) else type(e).__name__)
+    return names
+
+
+__all__ = ["Config", "DECODERS", "ENTRY_POINTS", "Knob", "Spec", "all_knobs", "knob", "knob_types", "load_plugins",
+           "register"]
