@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from unmask.decode.blocks.sbd import SPEC as _SBD
 from unmask.decode.blocks.single import SPEC as _BLOCK
-from unmask.decode.dllm.diffusion import SPEC as _DIFFUSION
-from unmask.decode.dllm.early_bird import SPEC as _EARLY_BIRD
+from unmask.decode.dllm.diffusion_batch import SPEC as _DIFFUSION
+from unmask.decode.dllm.early_bird_batch import SPEC as _EARLY_BIRD
 from unmask.decode.engine.registry import DECODERS, Config, Knob, Spec, knob, load_plugins, register
 from unmask.decode.engine.stats import DecodeOutput, DecodeStats
-from unmask.decode.multiblock.window import SPEC as _MULTIBLOCK
+from unmask.decode.multiblock.batch import SPEC as _MULTIBLOCK
 from unmask.decode.verify.ar import SPEC as _AR
 from unmask.errors import UnmaskError
 
@@ -41,14 +41,22 @@ def spec_for(name: str, kind: str) -> Spec:
     return spec
 
 
+def decode(bundle, prompts: list[list[int]], *, decoder: str | None = None, **kwargs) -> DecodeOutput:
+    """Decode ``prompts`` (token ids per row) with ``decoder`` (default: the model kind's,
+    :func:`default_decoder`): :meth:`Spec.decode` of :func:`spec_for`; ``kwargs`` as it takes them
+    (``max_new_tokens``, ``sampling``, stop ids and strings, ``compile``, ``on_step``, the knobs)."""
+    return spec_for(decoder or default_decoder(bundle.kind), bundle.kind).decode(bundle, prompts, **kwargs)
+
+
 def get_decoder(name: str, kind: str):
     """The ``decode`` function of decoder ``name`` for a model of ``kind`` (:func:`spec_for`)."""
-    return spec_for(name, kind).run
+    spec = spec_for(name, kind)
+    return spec.run or spec.decode
 
 
 def default_decoder(kind: str) -> str:
     return DEFAULT_FOR_KIND.get(kind, "ar")
 
 
-__all__ = ["Config", "DECODERS", "DecodeOutput", "DecodeStats", "Knob", "Spec", "default_decoder", "get_decoder",
+__all__ = ["Config", "DECODERS", "DecodeOutput", "DecodeStats", "Knob", "Spec", "decode", "default_decoder", "get_decoder",
            "knob", "load_plugins", "register", "spec_for"]

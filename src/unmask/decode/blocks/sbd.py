@@ -232,5 +232,5 @@ class SBDOptions(PolicyKnobs):
                                "model's, else 16)", low=1)
 
 
-SPEC = Spec("sbd", SBDOptions, batch=None, kinds=("sbd",), compiles=True, run=decode,
+SPEC = Spec("sbd", SBDOptions, batch=lambda bundle, cfg, **kw: serving_batch(bundle, cfg.given(), **kw), kinds=("sbd",), compiles=True, run=decode,
             summary="Set Block Decoding: block of masks, EB sampler, exact KV cache")

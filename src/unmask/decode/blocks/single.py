@@ -398,5 +398,5 @@ class BlockOptions(PolicyKnobs):
                              cli=False)
 
 
-SPEC = Spec("block", BlockOptions, batch=None, kinds=("block-diffusion",), compiles=True, run=decode,
+SPEC = Spec("block", BlockOptions, batch=lambda bundle, cfg, **kw: serving_batch(bundle, cfg.given(), **kw), kinds=("block-diffusion",), compiles=True, run=decode,
             summary="SingleBD: one block at a time over an exact block-causal KV cache")

@@ -31,7 +31,7 @@ from unmask.models.adapters import SAMPLERS, default_sampler
 from unmask.policies import CONFIDENCES, Policy, TopK, gamma_option, make_policy
 from unmask.sampling import Sampling
 from unmask.decode.engine.knobs import CanvasKnobs, PolicyKnobs
-from unmask.decode.engine.registry import Spec, knob
+from unmask.decode.engine.registry import knob
 
 DEFAULT_BLOCK_SIZE = 32  # Fast-dLLM's LLaDA setting (models.md §2.3)
 DEFAULT_POLICY = "threshold"  # with τ = 0.9 (Fast-dLLM, diffusion.md §6)
@@ -314,7 +314,3 @@ class DiffusionOptions(CanvasKnobs, PolicyKnobs):
     reference_steps: bool = knob("run LLaDA's zero-quota steps too, as the reference does (NFE = steps)",
                                  default=False, cli=False, serve=False)
 
-
-SPEC = Spec("diffusion", DiffusionOptions, batch=None, kinds=("masked-diffusion",), compiles=True, run=decode,
-            summary="semi-AR masked diffusion: LLaDA top-k steps, Fast-dLLM threshold/factor, EB; "
-                    "approximate prefix/dual caches")

@@ -28,6 +28,10 @@ from unmask.errors import UnmaskError
 from unmask.models.adapters import default_sampler, is_remote, realign, supports_cache
 from unmask.policies import commit
 from unmask.trace import host_event
+from unmask.decode.dllm import diffusion
+from unmask.decode.dllm.diffusion import DiffusionOptions
+from unmask.decode.dllm.dream import DreamSchedule
+from unmask.decode.engine.registry import Spec
 
 OPTIONS = ("gen_length", "block_size", "policy", "gamma", "preset", "tau", "factor", "factor_compat",
            "tokens_per_step", "eta", "steps", "cache", "refresh_every", "eos_early_stop", "sampler", "confidence")
@@ -311,5 +315,19 @@ class Diffusion(CanvasRows):
             extra["static_cache"] = self.canvas.static_capacity
         return extra
 
+
+
+def _serving(bundle, cfg, *, on_token=None, **kw):
+    """Transitional: the server's batch of ``cfg`` (Dream's schedule: :class:`DreamSchedule`)."""
+    options = cfg.given()
+    if "schedule" in options:
+        kw.pop("compile", None), kw.pop("stop_token_ids", None)
+        return DreamSchedule.serving(bundle, options, **kw)
+    return Diffusion.serving(bundle, options, **kw)
+
+
+SPEC = Spec("diffusion", DiffusionOptions, batch=_serving, kinds=("masked-diffusion",), compiles=True, run=diffusion.decode,
+            summary="semi-AR masked diffusion: LLaDA top-k steps, Fast-dLLM threshold/factor, EB; "
+                    "approximate prefix/dual caches")
 
 __all__ = ["Diffusion", "DiffusionRow", "OPTIONS"]

@@ -51,7 +51,7 @@ from unmask.models.adapters import SAMPLERS, default_sampler
 from unmask.policies import CONFIDENCES, commit
 from unmask.sampling import Sampling
 from unmask.decode.engine.knobs import CanvasKnobs
-from unmask.decode.engine.registry import Spec, knob
+from unmask.decode.engine.registry import knob
 
 CACHE_MODES = ("none", "prefix", "dual")
 DEFAULT_BLOCK_SIZE = 32  # L_B, base and fallback block (App. F)
@@ -343,6 +343,3 @@ class EarlyBirdOptions(CanvasKnobs):
     lbs_router: object = knob("an LBS router object instead of the directory's", cli=False)
     lps_router: object = knob("an LPS router object instead of the directory's", cli=False)
 
-
-SPEC = Spec("early-bird", EarlyBirdOptions, batch=None, kinds=("masked-diffusion",), compiles=False, run=decode,
-            summary="Early-Bird: learned variable blocks (LBS) and learned parallel commits (LPS)")

@@ -35,6 +35,9 @@ from unmask.errors import UnmaskError
 from unmask.models.adapters import is_remote
 from unmask.policies import Threshold, token_stats
 from unmask.trace import host_event
+from unmask.decode.dllm import early_bird
+from unmask.decode.dllm.early_bird import EarlyBirdOptions
+from unmask.decode.engine.registry import Spec
 
 OPTIONS = ("gen_length", "block_size", "tau", "tau_psi", "l_min", "g_max", "lps", "cache", "gap_metric", "pos_mode",
            "eos_early_stop", "sampler", "confidence", "routers", "lbs_router", "lps_router")
@@ -360,5 +363,14 @@ class EarlyBird(CanvasRows):
             extra["static_cache"] = self.canvas.static_capacity
         return extra
 
+
+
+def _serving(bundle, cfg, *, on_token=None, compile=False, **kw):
+    """Transitional: the server's batch of ``cfg`` (:meth:`EarlyBird.serving`; eager under --compile)."""
+    return EarlyBird.serving(bundle, cfg.given(), **kw)
+
+
+SPEC = Spec("early-bird", EarlyBirdOptions, batch=_serving, kinds=("masked-diffusion",), compiles=False, run=early_bird.decode,
+            summary="Early-Bird: learned variable blocks (LBS) and learned parallel commits (LPS)")
 
 __all__ = ["EarlyBird", "EarlyBirdRow", "OPTIONS"]

@@ -20,7 +20,12 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable, ClassVar
 
+import torch
+
+from unmask.decode.engine.running import drain, requests_for
+from unmask.decode.engine.stats import DecodeOutput
 from unmask.errors import UnmaskError
+from unmask.sampling import Sampling
 
 log = logging.getLogger("unmask.decode")
 ENTRY_POINTS = "unmask.decoders"  # the entry-point group a plug-in decoder registers through
@@ -120,8 +125,10 @@ class Spec:
     """A registered decoder.
 
     name: ``--decoder NAME``; config: its :class:`Config` subclass; batch: the running-batch factory,
-    ``batch(bundle, config, *, capacity, compile=False, on_step=None, on_token=None, **kw)`` -> a
-    :class:`~unmask.decode.engine.running.RunningDecoder`; kinds: the model kinds it decodes;
+    ``batch(bundle, config, *, capacity, prompts=None, max_new_tokens=None, compile=False, static=False,
+    on_step=None, on_token=None, on_forward=None, stop_token_ids=())`` -> a
+    :class:`~unmask.decode.engine.running.RunningDecoder` (``prompts`` given: :meth:`decode`'s batch,
+    sized for them; None: a server's batch, rows joining and leaving at any step); kinds: the model kinds it decodes;
     summary: one line for ``unmask models`` and README; compiles: ``unmask serve --compile`` runs its
     running batches on a static cache with a compiled forward (``decode(compile=True)`` is taken by every
     decoder).
@@ -138,6 +145,34 @@ class Spec:
 
     def knobs(self) -> tuple[Knob, ...]:
         return self.config.knobs()
+
+    @torch.inference_mode()
+    def decode(self, bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
+               stop_token_ids=(), stop_strings=(), compile: bool = False, static: bool = False, on_step=None,
+               on_forward=None, **options) -> DecodeOutput:
+        """Decode ``prompts`` (token ids per row) with this decoder: build the config of ``options``
+        (:meth:`Config.of`), join every prompt into one running batch sized for them, ``step()`` until
+        every row ended (:func:`~unmask.decode.engine.running.drain`). A row ends at a stop id, after a
+        stop string or at ``max_new_tokens``. ``compile``: the static cache and a compiled forward (same
+        tokens and NFE); ``static``: the static cache eagerly (tests); ``on_step(event)``: the
+        :mod:`unmask.trace` step events, ``row`` the prompt's index; ``on_forward`` (tests): the
+        decoder's per-forward hook. Returns DecodeOutput. Raises UnmaskError for bad options."""
+        if self.run is not None:  # a decoder with its own decode function
+            extra = {k: v for k, v in (("static", static), ("on_forward", on_forward)) if v}
+            return self.run(bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                            stop_token_ids=tuple(stop_token_ids), stop_strings=tuple(stop_strings), compile=compile,
+                            on_step=on_step, **extra, **options)
+        cfg = self.config.of(options, self.name)
+        requests = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings,
+                                device=bundle.device)
+        events = None if on_step is None else (lambda row, event: on_step({**event, "row": row.job.id}))
+
+        def make(capacity: int):
+            return self.batch(bundle, cfg, capacity=capacity, prompts=prompts, max_new_tokens=max_new_tokens,
+                              compile=compile, static=static, on_step=events, on_forward=on_forward,
+                              stop_token_ids=tuple(stop_token_ids))
+
+        return drain(make, requests)
 
 
 DECODERS: dict[str, Spec] = {}

@@ -30,6 +30,9 @@ from unmask.decode.engine.running import Row, SlotRows, Slots
 from unmask.decode.engine.stats import check_nfe, stop_flags
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
+from unmask.decode.multiblock import window
+from unmask.decode.multiblock.window import MultiBlockOptions
+from unmask.decode.engine.registry import Spec
 
 OPTIONS = ("block_size", "slots", "tau_add", "tau_semi", "tau_m2t", "tau_t2t", "tau_stable", "max_nfe")
 
@@ -347,5 +350,14 @@ def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_
     return MultiBlockDecoder(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token, static=static,
                              compile=compile, stop_token_ids=stop_token_ids, length=length, defer_compile=compile)
 
+
+
+def _serving(bundle, cfg, **kw) -> MultiBlockDecoder:
+    """Transitional: the server's batch of ``cfg`` (:func:`serving_batch`)."""
+    return serving_batch(bundle, cfg.given(), **kw)
+
+
+SPEC = Spec("multiblock", MultiBlockOptions, batch=_serving, kinds=("block-diffusion",), compiles=True, run=window.decode,
+            summary="Multi-Block Diffusion: Block Buffer of N_buf slots, one static forward per step")
 
 __all__ = ["BufferRow", "MultiBlockDecoder", "OPTIONS", "serving_batch"]

@@ -44,7 +44,7 @@ from unmask.decode.engine.stats import DecodeOutput
 from unmask.errors import UnmaskError, is_int, is_number
 from unmask.sampling import Sampling, sample
 from unmask.trace import host_event
-from unmask.decode.engine.registry import Config, Spec, knob
+from unmask.decode.engine.registry import Config, knob
 
 
 @dataclass(frozen=True)
@@ -259,9 +259,6 @@ class MultiBlockOptions(Config):
     tau_stable: int | None = knob("forwards a block stays unchanged before it is final", low=1, cli=False)
     max_nfe: int | None = knob("forwards at most per row", low=1, cli=False)
 
-
-SPEC = Spec("multiblock", MultiBlockOptions, batch=None, kinds=("block-diffusion",), compiles=True, run=decode,
-            summary="Multi-Block Diffusion: Block Buffer of N_buf slots, one static forward per step")
 
 __all__ = ["MultiBlockConfig", "candidates", "decode", "event_columns", "row_event", "stop_blocks", "stop_string_rows",
            "window_step", "write_window"]

@@ -1,0 +1,60 @@
+"""The one stop rule of decoders, the server and the API: stop token ids and stop strings.
+
+A row ends at its first stop id (the id is not part of the text; it counts for TPF where it was
+committed) or, with stop strings, after the token that completes one (that token is kept, the text
+is cut before the string, as OpenAI does)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """ids: stop token ids (EOS and the chat template's end-of-turn ids); strings: stop strings."""
+
+    ids: frozenset[int] = frozenset()
+    strings: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, ids: Iterable[int] = (), strings: Iterable[str] = ()) -> "StopRule":
+        return cls(frozenset(int(i) for i in ids), tuple(strings))
+
+    def first_id(self, tokens: list[int], also: Iterable[int] = ()) -> int | None:
+        """Index of the first stop id (or id of ``also``, e.g. a mask) in ``tokens``, or None."""
+        ends = self.ids.union(also)
+        return next((i for i, t in enumerate(tokens) if t in ends), None)
+
+    def until_stop(self, tokens: list[int], also: Iterable[int] = ()) -> list[int]:
+        """``tokens`` up to, not including, the first stop id (or id of ``also``)."""
+        cut = self.first_id(tokens, also)
+        return list(tokens) if cut is None else list(tokens[:cut])
+
+    def in_text(self, text: str) -> bool:
+        return any(s in text for s in self.strings)
+
+    def hit(self, bundle, prompt: list[int], tokens: list[int], also: Iterable[int] = ()) -> bool:
+        """Whether the text of ``tokens`` (cut at the first stop id or id of ``also``) after ``prompt``
+        holds a stop string."""
+        if not self.strings:
+            return False
+        return self.in_text(bundle.decode_continuation(list(prompt), self.until_stop(tokens, also)))
+
+    def string_end(self, bundle, prompt: list[int], tokens: list[int], start: int = 0) -> int | None:
+        """The length of ``tokens`` up to and including the token that completes a stop string,
+        searched from token ``start`` on; None when none does."""
+        if not self.strings:
+            return None
+        for end in range(max(start, 0) + 1, len(tokens) + 1):
+            if self.in_text(bundle.decode_continuation(list(prompt), list(tokens[:end]))):
+                return end
+        return None
+
+    def cut_text(self, text: str) -> tuple[str, bool]:
+        """Text up to the earliest stop string, and whether one was found."""
+        at = min((text.index(s) for s in self.strings if s in text), default=None)
+        return (text, False) if at is None else (text[:at], True)
+
+
+__all__ = ["StopRule"]
