@@ -115,6 +115,12 @@ class Config:
                                   "pass a smaller value")
         return cls(**options)
 
+    def batch_key(self, bundle, max_new_tokens: int):
+        """The server's running-batch key of a request with this config: requests with equal keys share
+        one running batch (built by :attr:`Spec.batch` from the first one's config); None: the request
+        cannot join a running batch and runs per call. Default: the decoder and this (hashable) config."""
+        return self.decoder, self
+
     def given(self) -> dict:
         """The knobs set to something other than their default, by name."""
         return {k.name: getattr(self, k.name) for k in self.knobs() if getattr(self, k.name) != k.default}
