@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,7 +10,7 @@ from conftest import run_cli
 
 import unmask
 from unmask.bench import side_by_side
-from unmask.decode import DECODERS, DecoderInfo
+from unmask.decode import DECODERS
 from unmask.errors import UnmaskError
 
 
@@ -41,8 +42,8 @@ def fake_registry(monkeypatch, tmp_path):
         (d / "unmask_config.json").write_text(json.dumps({"kind": kind}))
         dirs[name] = d
     monkeypatch.setattr(registry, "shipped", lambda: {**real, **dirs})
-    monkeypatch.setitem(DECODERS, "toy-diffusion", DecoderInfo("toy-diffusion", "unmask.decode.verify.ar",
-                                                               ("masked-diffusion",), "test only"))
+    toy = dataclasses.replace(DECODERS["ar"], name="toy-diffusion", kinds=("masked-diffusion",), summary="test only")
+    monkeypatch.setitem(DECODERS, "toy-diffusion", toy)
 
 
 def test_pairs_are_discovered_from_the_registries(fake_registry):
