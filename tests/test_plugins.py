@@ -134,11 +134,14 @@ def test_the_plugin_decodes_as_greedy_ar(plugin, bundle):
 
 
 def test_the_plugin_stops_like_ar_and_a_row_is_the_same_alone(plugin, bundle):
-    prompts = ids(bundle, ["Zoo", "Once upon a time"])
-    kw = dict(max_new_tokens=60, stop_token_ids=bundle.stop_token_ids, stop_strings=("Lily",))
-    ar, got = decode(bundle, prompts, decoder="ar", **kw), decode(bundle, prompts, decoder=plugin, **kw)
-    assert got.tokens == ar.tokens and got.stats.nfe_per_row == ar.stats.nfe_per_row
-    assert min(map(len, got.tokens)) < 60  # a stop string ended a row early
+    prompts = ids(bundle, ["Zoo", "Once upon a time", "The end"])
+    stop_id = decode(bundle, prompts[:1], decoder="ar", max_new_tokens=6).tokens[0][5]  # row 0's 6th token
+    for stop, row0 in (({"stop_token_ids": (*bundle.stop_token_ids, stop_id)}, 1),  # ends on a stop id
+                       ({"stop_token_ids": bundle.stop_token_ids, "stop_strings": ("Lily",)}, 0)):  # on a string
+        ar, got = (decode(bundle, prompts, decoder=d, max_new_tokens=40, **stop) for d in ("ar", plugin))
+        assert got.tokens == ar.tokens and got.stats.nfe_per_row == ar.stats.nfe_per_row
+        assert got.stats.stops_per_row == ar.stats.stops_per_row and got.stats.stops_per_row[0] == row0
+        assert len(got.tokens[0]) < 40 and len(got.tokens[2]) == 40  # row 0 stopped, row 2 ran to the length
     hot = Sampling(temperature=1.0, seed=5)
     both = decode(bundle, prompts, decoder=plugin, max_new_tokens=12, sampling=hot)
     alone = [decode(bundle, [p], decoder=plugin, max_new_tokens=12, sampling=hot).tokens[0] for p in prompts]
