@@ -6,8 +6,8 @@ knobs (name, type, default, help, range), plus one running-batch class (:mod:`.r
 compiled cache. ``unmask.decode`` registers the built-in decoders; a package outside unmask
 registers its own through the ``unmask.decoders`` entry-point group (:func:`load_plugins`) or one
 :func:`register` call. From the registry come ``decode()``, the CLI's decoder options, the server's
-request schema and running batches, ``eval -O`` types and README's option table (docs/engine.md
-"Writing a decoder").
+request schema and running batches, ``eval -O`` types and README's option table
+(docs/writing-a-decoder.md: the contract and a complete plug-in).
 """
 
 from __future__ import annotations
