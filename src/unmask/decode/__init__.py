@@ -2,7 +2,7 @@
 
 Every decoder is a frozen :class:`Config` of knobs plus a running batch, registered once
 (:mod:`unmask.decode.engine.registry`). The built-in ones are registered here; plug-ins through the
-``unmask.decoders`` entry-point group (docs/engine.md "Writing a decoder").
+``unmask.decoders`` entry-point group (docs/writing-a-decoder.md).
 """
 
 from __future__ import annotations
