@@ -5,6 +5,7 @@ token ids fail only itself, and batch sizes are checked against memory at start.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -17,6 +18,7 @@ for _m in ("fastapi", "uvicorn", "h11", "prometheus_client"):
     pytest.importorskip(_m, reason=f"the server tests need {_m}: pip install -e '.[test]'")
 
 import unmask  # noqa: E402
+from unmask.decode import DECODERS  # noqa: E402
 from unmask.serve import connection, create_app, engine  # noqa: E402
 from unmask.serve.limits import Limits  # noqa: E402
 from unmask.serve.server import ServerThread  # noqa: E402
@@ -145,7 +147,8 @@ def _fail_first(fn, exc: BaseException):
 
 
 def test_a_running_batch_whose_constructor_raises_fails_only_its_request(bd, monkeypatch):
-    monkeypatch.setitem(engine.RUNNING, "block", _fail_first(engine.RUNNING["block"], MemoryError("injected")))
+    spec = DECODERS["block"]  # its batch factory raises once
+    monkeypatch.setitem(DECODERS, "block", dataclasses.replace(spec, batch=_fail_first(spec.batch, MemoryError("injected"))))
     app = create_app(bd, max_batch_size=2)
     with ServerThread(app) as s:
         status, err = post(s.url + "/v1/completions", {"prompt": "Zoo", "max_tokens": 8, "decoder": "block"}, timeout=20)

@@ -88,10 +88,10 @@ def test_the_server_keeps_at_most_max_layouts_layout_batches(bundle, monkeypatch
     import urllib.request
     from concurrent.futures import ThreadPoolExecutor
 
-    from unmask.serve import engine
+    from unmask.serve import batches
     from unmask.serve.server import ServerThread
 
-    monkeypatch.setattr(engine, "MAX_LAYOUTS", 2)  # the default's batch and one other
+    monkeypatch.setattr(batches, "MAX_LAYOUTS", 2)  # the default's batch and one other
     layouts = ["3/3/4", "2/0/5", "3/1,3/4", "3/0,2,3/4"]
     prompt = "Once upon a time"
     ref = unmask.generate(prompt, bundle, "ar", max_new_tokens=12).texts[0]

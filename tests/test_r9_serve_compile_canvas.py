@@ -82,11 +82,11 @@ def test_what_stays_eager(stories_dlm):
     """Measured slower compiled under load (benchmarks/results/serve_compile_canvas.md): the prefix cache,
     no cache and early-bird keep their eager running batches under serve --compile."""
     pytest.importorskip("fastapi", reason="the scheduler needs the serve extra: pip install -e '.[test]'")
-    from unmask.serve.engine import COMPILED
+    from unmask.decode import DECODERS
 
     for options in ({"block_size": 4}, {"cache": "prefix", "block_size": 4}):
         assert not Run(stories_dlm, options, compile=True).batch.static
-    assert "diffusion" in COMPILED and "early-bird" not in COMPILED
+    assert DECODERS["diffusion"].compiles and not DECODERS["early-bird"].compiles
 
 
 def test_the_compiled_server_runs_cached_diffusion_on_the_static_cache(stories_dlm):

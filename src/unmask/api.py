@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from unmask.decode import DecodeStats, get_decoder
+from unmask.decode import Config, DecodeStats, Spec, get_decoder, spec_for
 from unmask.decode.choice import default_for
 from unmask.errors import UnmaskError
 from unmask.models import ModelBundle, load
@@ -128,20 +128,19 @@ def new_tokens(max_new_tokens: int | None, gen_length=None) -> int:
     return gen_length if isinstance(gen_length, int) and not isinstance(gen_length, bool) else 128
 
 
-def check_options(decode, name: str, options: dict) -> None:
-    """Refuse options the decoder does not take, and integers a tensor cannot hold (beyond 64 bits),
-    with a one-line error."""
+# How a decode runs, not what it decodes: taken by every decoder beside its config's knobs.
+RUN_OPTIONS = ("compile", "static", "on_step", "on_forward")
+
+
+def check_options(spec: Spec, options: dict) -> Config:
+    """The config of the decoder ``spec`` for ``options`` (:meth:`Config.of`; the run options
+    :data:`RUN_OPTIONS` set aside). Raises UnmaskError, one line, for an option the decoder does not
+    take, an integer beyond 64 bits, or a value its config refuses."""
     import inspect
 
-    accepted = set(inspect.signature(decode).parameters)
-    extra = sorted(k for k in options if k not in accepted)
-    if extra:
-        flags = ", ".join("--" + k.replace("_", "-") for k in extra)
-        raise UnmaskError(f"{flags} does not apply to decoder {name!r}; drop it or choose a decoder that takes it")
-    for k, v in options.items():
-        if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
-            raise UnmaskError(f"--{k.replace('_', '-')} is out of range (a 64-bit integer: at most {2**63 - 1}); "
-                              "pass a smaller value")
+    # transitional: a decoder still run by its own function takes the run options its signature names
+    run = RUN_OPTIONS if spec.run is None else set(RUN_OPTIONS) & set(inspect.signature(spec.run).parameters)
+    return spec.config.of({k: v for k, v in options.items() if k not in run}, spec.name)
 
 
 def as_prompt_list(prompts) -> list:
@@ -224,12 +223,13 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
         bundle = load(model, device=device, dtype="float32" if dtype is None else dtype)
     use_for(bundle.model)  # the auto thread count for this call, unless the user chose one (unmask.threads)
     decoder = decoder or default_for(bundle, options).decoder
+    spec = spec_for(decoder, bundle.kind)
     decode = get_decoder(decoder, bundle.kind)
     if "compile" in options and not isinstance(options["compile"], bool):
         raise UnmaskError(f"compile must be True or False (got {options['compile']!r}); pass compile=True")
     if options.get("compile") is False:  # an explicit "off" is the default of every decoder
         options.pop("compile")
-    check_options(decode, decoder, options)
+    check_options(spec, options)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     max_new_tokens = new_tokens(max_new_tokens, options.get("gen_length"))
     if not prompts:

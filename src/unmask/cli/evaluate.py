@@ -57,7 +57,7 @@ def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
     Raises UnmaskError for an entry without ``=``, a key that is not a user-facing decoder option
     (see :func:`_decoder_options`), a key given twice or also set by its own flag, and a
     non-boolean value for a boolean option."""
-    from unmask.serve.protocol import decoder_knobs  # the value types of generate's decoder flags
+    from unmask.decode.engine.registry import knob_types  # the value types of the decoders' knobs
 
     opts = {k: v for k, v in given.items() if v is not None}
     known = _decoder_options() if extra else {}
@@ -77,7 +77,7 @@ def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
         value = raw.strip() if key in _PATH_OPTIONS else _option_value(raw.strip())
         if known[key] and value is not None and not isinstance(value, bool):
             raise UnmaskError(f"--option {key} must be true or false (got {raw.strip()!r})")
-        want = decoder_knobs().get(key)  # the type of generate's own flag for it, where it has one
+        want = knob_types().get(key)  # the type of the decoders' knob of that name
         if value is not None and want in ("int", "float") and (isinstance(value, bool) or not isinstance(
                 value, int if want == "int" else (int, float))):
             raise UnmaskError(f"--option {key} must be {'an integer' if want == 'int' else 'a number'} "
@@ -97,16 +97,11 @@ _PATH_OPTIONS = frozenset({"routers"})
 
 def _decoder_options() -> dict[str, bool]:
     """Every user-facing option of the registered decoders -> whether it is a boolean."""
-    import inspect
+    from unmask.api import RUN_OPTIONS
+    from unmask.decode.engine.registry import knob_types
 
-    from unmask.decode import DECODERS, get_decoder
-
-    known: dict[str, bool] = {}
-    for info in DECODERS.values():
-        for name, param in inspect.signature(get_decoder(info.name, info.kinds[0])).parameters.items():
-            if name not in _DECODER_ARGS and param.kind is inspect.Parameter.KEYWORD_ONLY:
-                known[name] = known.get(name, False) or "bool" in str(param.annotation)
-    return known
+    known = {name: kind == "bool" for name, kind in knob_types().items() if name not in _DECODER_ARGS}
+    return {**known, **{name: True for name in RUN_OPTIONS if name not in _DECODER_ARGS}}
 
 
 def _option_value(raw: str) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -10,6 +11,8 @@ from pathlib import Path
 import typer
 
 from unmask.cli import app
+from unmask.decode import DECODERS
+from unmask.decode.engine.registry import TYPES, all_knobs
 from unmask.errors import UnmaskError
 from unmask.fileio import check_output_file
 
@@ -62,7 +65,6 @@ def _stream_on(stream: bool | None, texts: list, *, as_json: bool, show: bool, t
     return stream
 
 
-@app.command("generate")
 def generate_cmd(
     prompts: list[str] = typer.Argument(None, help="prompt text(s) to continue"),
     prompts_file: Path = typer.Option(None, "--prompts-file", help="prompts: .txt one per line, or .jsonl rows "
@@ -73,7 +75,7 @@ def generate_cmd(
     model: str = typer.Option(None, "--model", "-m", help="shipped model name or local HF directory (default: the default shipped model)"),
     kind: str = typer.Option(None, "--kind", help="model kind for a local directory: causal, sbd, masked-diffusion, block-diffusion"),
     adapter: str = typer.Option(None, "--adapter", help="gated SBD adapter: a name the model ships (e.g. sbd) or a directory"),
-    decoder: str = typer.Option(None, "--decoder", "-d", help="ar, sbd, ... (default: the model kind's natural decoder; "
+    decoder: str = typer.Option(None, "--decoder", "-d", help="DECODERS (default: the model kind's natural decoder; "
                                 "ar for an SBD model whose lossless sbd is expected slower here, with a note)"),
     max_new_tokens: int = typer.Option(None, "--max-new-tokens", "-n",
                                        help="tokens to generate per prompt (default 128; with --gen-length, the whole canvas)"),
@@ -82,27 +84,6 @@ def generate_cmd(
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass in (0, 1]"),
     seed: int = typer.Option(0, "--seed", help="seed of the sampling generator"),
     stop: list[str] = typer.Option(None, "--stop", help="stop string (repeatable)"),
-    policy: str = typer.Option(None, "--policy", help="commit policy: entropy-bound, confidence-bound, threshold, factor, top-k, entropy-threshold"),
-    gamma: float = typer.Option(None, "--gamma", help="EB-sampler bound γ >= 0 (entropy-bound / confidence-bound)"),
-    preset: str = typer.Option(None, "--preset", help="γ preset: reasoning-low, reasoning-high, chat-low, chat-high"),
-    tau: float = typer.Option(None, "--tau", help="confidence threshold τ in (0, 1] (threshold policy)"),
-    factor: float = typer.Option(None, "--factor", help="Fast-dLLM factor f (factor policy)"),
-    factor_compat: bool = typer.Option(None, "--factor-compat", help="diffusion: Fast-dLLM's factor rule bit for bit "
-                                       "(float64 untempered κ, and its last-rank quirk; spec diffusion.md §6)"),
-    tokens_per_step: int = typer.Option(None, "--tokens-per-step", help="tokens committed per step (top-k policy)"),
-    eta: float = typer.Option(None, "--eta", help="diffusion: entropy bound η in nats (entropy-threshold policy)"),
-    block_size: int = typer.Option(None, "--block-size", "-k", help="block size (sbd --verify: the draft size K)"),
-    verify: bool = typer.Option(None, "--verify/--no-verify",
-                                help="sbd: lossless SBD, the NTP mode verifies the block-mode draft (output = ar); "
-                                     "default from the model"),
-    draft: str = typer.Option(None, "--draft", help="sbd --verify: draft layout, linear, quadratic, budget (the "
-                              "model's calibrated layout for --queries) or D/S/G text such as 3/0,2,3/4, with "
-                              "siblings: 3/0,1,3/4+1g3 (spec/sbd_exact.md §5.3); default from the model (budget "
-                              "where calibrated, else linear)"),
-    queries: int = typer.Option(None, "--queries", help="sbd --verify, budgeted draft (--draft budget, the calibrated "
-                                "models' default): query tokens per row per forward; the stored layout of the largest "
-                                "budget <= Q runs (below the smallest: 1/0/Q-2, uncalibrated); default: the model's, "
-                                "else 16"),
     reference_nfe: bool = typer.Option(False, "--reference-nfe", help="dLLM decoders (diffusion, early-bird, block, "
                                        "multiblock): decode the whole canvas as the reference code does, not stopping "
                                        "after the EOS block, so NFE equals theirs (the text is still cut at EOS)"),
@@ -110,18 +91,6 @@ def generate_cmd(
                                  "early-bird: their canvas) and a torch.compile'd step, for every decoder but --schedule "
                                  "dream (the first call of each shape compiles, the spinner naming it: minutes on a "
                                  "busy CPU, README 'The fast path'; same tokens)"),
-    gen_length: int = typer.Option(None, "--gen-length", help="diffusion: fixed generation length (canvas size)"),
-    steps: int = typer.Option(None, "--steps", help="diffusion: total denoising steps (top-k policy, LLaDA; --schedule dream); block: steps per block"),
-    cache: str = typer.Option(None, "--cache", help="diffusion: none, prefix or dual (approximate caches)"),
-    schedule: str = typer.Option(None, "--schedule", help="a published reference decoding: dream (diffusion: Dream's "
-                                 "diffusion_generate), llada2 or sdar (block: their generate loops)"),
-    alg: str = typer.Option(None, "--alg", help="--schedule dream: origin, maskgit_plus, topk_margin or entropy"),
-    slots: int = typer.Option(None, "--slots", help="multiblock: Block Buffer slots N_buf"),
-    tau_add: float = typer.Option(None, "--tau-add", help="multiblock: fill ratio that activates the next block"),
-    tau_semi: float = typer.Option(None, "--tau-semi", help="multiblock: fill ratio of the preceding block that allows a forced commit"),
-    tau_m2t: float = typer.Option(None, "--tau-m2t", help="multiblock: mask-to-token commit threshold"),
-    tau_t2t: float = typer.Option(None, "--tau-t2t", help="multiblock: token-to-token edit threshold (off when unset)"),
-    lps: bool = typer.Option(None, "--lps/--no-lps", help="early-bird: use the LPS commit router (default on)"),
     show: bool = typer.Option(False, "--show", help="render the decoding trajectory live in the terminal"),
     stream: bool = typer.Option(None, "--stream/--no-stream", help="print the text as the decoder commits it "
                                 "(any decoder; default: on for one prompt on a terminal, off when stdout is piped, "
@@ -136,6 +105,7 @@ def generate_cmd(
     tp: int = typer.Option(None, "--tp", help="under torchrun: load the model tensor-parallel over N processes"),
     no_progress: bool = typer.Option(False, "--no-progress", help="no loading / generating spinner on stderr "
                                      "(it shows only on a terminal)"),
+    **knobs,
 ) -> None:
     """Generate continuations and print text plus NFE / TPF / TPS.
 
@@ -152,13 +122,7 @@ def generate_cmd(
     stream = _stream_on(stream, texts, as_json=as_json, show=show, torchrun=dist.launched(), compile=compile)
     if system is not None and not chat and all(isinstance(t, str) for t in texts):
         raise UnmaskError("--system applies to chat prompts; add --chat (or give messages rows in a .jsonl --prompts-file)")
-    options = {"policy": policy, "gamma": gamma, "preset": preset, "tau": tau, "factor": factor,
-               "factor_compat": factor_compat,
-               "tokens_per_step": tokens_per_step, "eta": eta, "block_size": block_size, "gen_length": gen_length,
-               "steps": steps, "cache": cache, "slots": slots, "tau_add": tau_add, "tau_semi": tau_semi,
-               "tau_m2t": tau_m2t, "tau_t2t": tau_t2t, "lps": lps, "verify": verify, "draft": draft, "queries": queries,
-               "schedule": schedule, "alg": alg}
-    options = {k: v for k, v in options.items() if v is not None}
+    options = {k: v for k, v in knobs.items() if v is not None}  # the decoder flags given
     for k, v in options.items():  # the server refuses them too (JSON has no infinity)
         if isinstance(v, float) and not math.isfinite(v):
             raise UnmaskError(f"--{k.replace('_', '-')} must be a finite number (got {v}); for \"reveal everything\" "
@@ -207,7 +171,7 @@ def generate_cmd(
         from unmask.cli.live import LiveText
 
         rendered, ids = prepare_prompts(bundle, texts, chat=chat, system=system)
-        live = LiveText(bundle, ids[0], stop=stop or (), limit=new_tokens(max_new_tokens, gen_length),
+        live = LiveText(bundle, ids[0], stop=stop or (), limit=new_tokens(max_new_tokens, options.get("gen_length")),
                         decoder=decoder or default_decoder(bundle.kind), options=options)
         options["on_step"] = live if tracer is None else (lambda event: (tracer(event), live(event)))  # --trace too
         # soft_wrap: the terminal wraps long lines; piped output keeps the generated text intact.
@@ -250,3 +214,46 @@ def generate_cmd(
     nfe = f"NFE {s.nfe}" if len(result.tokens) == 1 else f"NFE {s.nfe} batch forwards, {sum(s.nfe_per_row)} row forwards"
     console.print(f"[dim]{result.model} · decoder {result.decoder} · {nfe} · generated {s.generated} · "
                   f"TPF {s.tpf:.2f}{q} · {s.tps:.1f} tok/s · {s.seconds:.2f} s[/dim]", soft_wrap=True)
+
+
+def _knob_help(entries: list) -> str:
+    """A decoder flag's help: the knob's text, or each decoder's own where they differ (a knob of one
+    decoder names it)."""
+    texts: dict[str, list[str]] = {}
+    for decoder, k in entries:
+        texts.setdefault(k.help, []).append(decoder)
+    if len(texts) == 1 and len(entries) > 1:
+        return entries[0][1].help
+    return "; ".join(f"{', '.join(names)}: {text}" for text, names in texts.items())
+
+
+def with_decoder_flags(cmd):
+    """``cmd`` (whose ``**knobs`` take the decoder flags) with a signature typer reads: its own
+    options, then one option per ``cli`` knob of the registered decoders (a bool: ``--x/--no-x``;
+    unset by default, so the decoder's own default applies), and ``--decoder``'s help listing them."""
+    params = []
+    for p in inspect.signature(cmd).parameters.values():
+        if p.name == "decoder":
+            option = typer.Option(None, *p.default.param_decls, help=p.default.help.replace(
+                "DECODERS", "; ".join(f"{s.name}: {s.summary}" for s in DECODERS.values())))
+            p = p.replace(default=option)
+        if p.kind is not p.VAR_KEYWORD:
+            params.append(p)
+    taken = {p.name for p in params}
+    at = next(i for i, p in enumerate(params) if p.name == "stop") + 1  # the decoder flags follow the sampling ones
+    for name, entries in all_knobs().items():
+        entries = [(d, k) for d, k in entries if k.cli and k.type in TYPES]
+        if not entries or name in taken:  # a knob named as one of generate's own options stays off the CLI
+            continue
+        k = entries[0][1]
+        decls = [f"{k.flag}/--no-{k.flag[2:]}" if k.type is bool else k.flag]
+        decls += sorted({k.short for _, k in entries if k.short})
+        option = typer.Option(None, *decls, help=_knob_help(entries))
+        params.insert(at, inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=option,
+                                            annotation=k.type))
+        at += 1
+    cmd.__signature__ = inspect.Signature(params)
+    return cmd
+
+
+app.command("generate")(with_decoder_flags(generate_cmd))

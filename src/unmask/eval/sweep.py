@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from unmask.decode.engine.registry import knob_types
 from unmask.errors import UnmaskError
 from unmask.threads import scoped
 from unmask.eval import tasks as T
@@ -36,7 +37,7 @@ def parse_values(param: str, values: str | Sequence[float]) -> list[float | int]
     raw = [v.strip() for v in values.split(",") if v.strip()] if isinstance(values, str) else list(values)
     if not raw:
         raise UnmaskError("--values is empty; give comma-separated numbers, e.g. --values 0,0.1,0.35")
-    cast = int if param == "tokens_per_step" else float
+    cast = int if knob_types()[param] == "int" else float  # the knob's own type
     try:
         out = [cast(v) for v in raw]
     except (TypeError, ValueError):

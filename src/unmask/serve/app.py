@@ -17,7 +17,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from unmask.decode import DECODERS, default_decoder, get_decoder
+from unmask.decode import DECODERS, default_decoder, spec_for
 from unmask.decode.choice import default_for
 from unmask.errors import UnmaskError
 from unmask.serve.auth import RequireKey, check_key
@@ -145,14 +145,14 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
         probe = parse({"prompt": "x", "max_tokens": 1}, bundle, name, chat=False, default_timeout=request_timeout, defaults=defaults)
     except ApiError as e:
         raise UnmaskError(f"--{e.param.replace('_', '-')}: {e.message}" if e.param else e.message) from None  # CLI words
-    get_decoder(probe.decoder, bundle.kind)(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
-                                            **probe.options)
+    spec_for(probe.decoder, bundle.kind).decode(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
+                                                **probe.options)
     table = served_table(sizes := draft_sizes_option(draft_sizes), bundle)  # the served layout's rows -> K
     if table is not None and bundle.kind == "sbd":  # the table's largest K must decode here: checked now
         k = max(2, max(k for _, k in table.steps))
         try:
-            get_decoder("sbd", bundle.kind)(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
-                                            verify=True, block_size=k)
+            spec_for("sbd", bundle.kind).decode(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
+                                                verify=True, block_size=k)
         except UnmaskError as e:
             raise UnmaskError(f"--draft-sizes: K = {k} cannot decode on {name} ({str(e).splitlines()[0].split(';')[0]}); "
                               "lower the table's largest K") from None

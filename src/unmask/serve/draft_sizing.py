@@ -44,7 +44,7 @@ SMALL_ROWS, AR_ROWS = 3, 24
 # one 2.54x / 1.43x / 0.87x / 0.71x / 0.51x)
 COMPILED_AR_ROWS = 5
 LOG_ENTRIES = 4096  # the sizer's log keeps this many (a long-running server's memory stays flat)
-DEFAULT_TEXT = AUTO = "auto"
+AUTO = "auto"
 VERIFY_OPTIONS = ("block_size", "draft", "verify", "queries")  # what a lossless sbd request may set
 
 
@@ -124,9 +124,6 @@ def table_for(sizes: "DraftSizes | str | None", draft: str, defaults: dict | Non
         return DraftSizes.parse(LINEAR_TEXT)
     K, k = sl.parse(draft).D + 1, sl.parse(smaller[0]).D + 1
     return DraftSizes(((1, K), (SMALL_ROWS, k), (AR_ROWS, 1)))
-
-
-SERVER_DRAFT = ("draft", "queries")  # `unmask serve --draft/--queries`: the server's lossless defaults
 
 
 def check_server_draft(draft: str | None, queries: int | None, defaults: dict | None = None) -> str | None:

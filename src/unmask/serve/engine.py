@@ -5,18 +5,12 @@ Each pass of its loop admits waiting requests into the running decoders with fre
 (its slot free at once) the step it finishes, is cancelled or times out; each row's tokens, NFE and
 events equal its decoder's ``decode`` on its prompt alone, whatever else runs (README "Serving").
 
-- ``ar`` and lossless ``sbd`` requests share one running batch per draft layout
-  (:class:`unmask.decode.verify.batch.Verify`): an AR row steps with draft size K = 1, a lossless row
-  with its own K. Greedy lossless requests that fix no block size (``sizable``) take K from the
-  ``--draft-sizes`` table (:mod:`unmask.serve.draft_sizing`) at the batch's load, chosen again before
-  every step (output does not depend on K; no row moves between batches). At most MAX_LAYOUTS such
-  batches at once. ``compile=True`` runs them on the static cache with the compiled forward (one graph
-  per row bucket, query length and length bucket); a new shape runs eagerly (same tokens) until the
-  scheduler has been idle IDLE_COMPILE_S (README "Serving"). So do the ``COMPILED`` batches below.
-- ``multiblock``, ``block``, lossy ``sbd``, ``diffusion`` (any cache; Dream's ``schedule`` in a
-  :class:`~unmask.decode.dllm.dream.DreamSchedule`) and ``early-bird`` (any cache, a row's refresh its
-  own) share the continuous batches of ``RUNNING``, one per decoder and options
-  (:meth:`Scheduler._running_kind`).
+- Each request joins the running batch of its decoder's config (:mod:`unmask.serve.batches`: the
+  registry's ``batch_key`` and ``Spec.batch``); ``ar`` and lossless ``sbd`` rows share the AR /
+  lossless batch of their draft layout, whose K follows the load (``--draft-sizes``,
+  :mod:`unmask.serve.draft_sizing`). ``compile=True`` runs the batches of decoders that compile
+  (``Spec.compiles``) on a static cache with the compiled forward; a new step shape runs eagerly
+  (same tokens) until the scheduler has been idle IDLE_COMPILE_S (README "Serving").
 - Per call (a remote-code LLaDA, whose forward takes no positions): one ``decode`` over compatible
   queued requests (:mod:`unmask.serve.per_call`), the running decoders stepping after each forward.
 
@@ -36,59 +30,25 @@ import threading
 import time
 from collections import deque
 
-from unmask.decode.verify import layout as draft_layout
-from unmask.decode.verify import steps as sbd_verify
-from unmask.decode.dllm.diffusion import DiffusionConfig
-from unmask.decode.verify.batch import Verify
-from unmask.decode.blocks.sbd import runs_lossless
 from unmask.errors import UnmaskError
-from unmask.decode.dllm.diffusion_batch import OPTIONS as DIFFUSION_OPTIONS, Diffusion
-from unmask.decode.dllm.dream import OPTIONS as DREAM_OPTIONS, DreamSchedule
-from unmask.decode.dllm.early_bird_batch import OPTIONS as EARLY_BIRD_OPTIONS, EarlyBird
-from unmask.decode.blocks import single as single_bd
-from unmask.decode.multiblock import batch as multiblock_engine
-from unmask.decode.blocks import sbd as lossy_sbd
 from unmask.serve import per_call
+from unmask.serve.batches import RunningBatches
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, LoadSizer
 from unmask.serve.errors import ApiError
-from unmask.serve.jobs import Job, QueueFull, ShuttingDown, bad_request, finish_gone, server_error, timed_out
-from unmask.trace import TokenStep
+from unmask.serve.jobs import Job, QueueFull, ShuttingDown, finish_gone, server_error, timed_out
 
 log = logging.getLogger("unmask.serve")
 IDLE_COMPILE_S = 2.0  # --compile: compile a pending step shape only after this long with no request running
-MAX_LAYOUTS = 4  # AR / lossless batches (one per draft layout) at once: each holds its layout's step tables
 WEDGED_S = 600.0  # /health: one pass (a step, an idle compile of one shape) holding the thread this long is a fault
 DEADLINE_SLACK_S = 2.0  # a handler answers its own 408 this long after its deadline (the thread normally does at once)
 
 
-def _rows(batch) -> list:
-    return list(batch.rows.values()) if isinstance(batch.rows, dict) else list(batch.rows)
-
-
-def _done(row, bundle) -> None:
-    reason = row.finish
-    if reason == "length" and per_call.stopped(bundle, row.job, row.tokens):  # a canvas that filled at once
-        reason = "stop"  # the text is cut at the stop string, so the answer ended there, not at the length
-    row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": reason,
-                            "stop_token": row.stop_token})
-
-
-# Continuous running batches of the other decoders: batch kind -> class (see Scheduler._running_kind).
-RUNNING = {"multiblock": multiblock_engine.serving_batch, "sbd": lossy_sbd.serving_batch, "block": single_bd.serving_batch,
-           "diffusion": Diffusion.serving, "dream": DreamSchedule.serving, "early-bird": EarlyBird.serving}
-COMPILED = ("sbd", "block", "multiblock", "diffusion")  # --compile: these on a static cache (diffusion: its dual cache)
-# The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
-RUNNING_OPTIONS = {"multiblock": multiblock_engine.OPTIONS, "sbd": lossy_sbd.BATCH_OPTIONS,
-                   "block": single_bd.BATCH_OPTIONS, "diffusion": DIFFUSION_OPTIONS,
-                   "early-bird": EARLY_BIRD_OPTIONS}
-
-
-class Scheduler:
+class Scheduler(RunningBatches):
     """Owns the model; runs queued jobs in a background thread (see the module docstring).
 
     max_batch_size: rows per running batch (and per per-call batch); max_queue: jobs waiting to start
-    before ``submit`` refuses with QueueFull; compile: the AR / lossless and ``COMPILED`` batches on
-    static caches, compiled (diffusion with the dual cache only; early-bird stays eager), and the per-call ``compile=True``;
+    before ``submit`` refuses with QueueFull; compile: the batches of decoders that compile on static
+    caches, compiled (diffusion with the dual cache only), and the per-call ``compile=True``;
     draft_sizes: the load -> K table of sizable requests (None: they keep the checkpoint's K)."""
 
     def __init__(self, bundle, *, max_batch_size: int = 8, max_queue: int = 64, compile: bool = False,
@@ -103,8 +63,8 @@ class Scheduler:
         self.draft_log = self.sizer.log  # (rows in the batch, K) whenever sizable rows get a new K
         self.stop_ids = set(bundle.stop_token_ids)
         self.defaults = bundle.meta.get("decode_defaults") or {}
-        self.verify: dict[str, Verify] = {}  # draft layout -> the AR / lossless running batch
-        self.running_batches: dict[tuple, object] = {}  # (decoder, options) -> the other running batches
+        self.verify: dict = {}  # draft layout -> the AR / lossless running batch
+        self.running_batches: dict[tuple, object] = {}  # batch key -> the other running batches
         self._waiting: deque[Job] = deque()
         self._lock = threading.Condition()
         self._stop = self._paused = self.compiling = False  # compiling: an idle-time compile runs (/health)
@@ -115,24 +75,8 @@ class Scheduler:
         self.abandoned_batches = 0  # per-call batches stopped early: every request answered or gone
         self.batch_rows: dict[int, int] = {}  # job id -> row in the running per-call batch
         self._batch: list[Job] = []  # the running per-call batch
-        self._diffusion_runs = Diffusion.batches_fit(bundle)
         self.ar  # the AR batch exists from the start: the loop and readers never race to create it
         self._thread = threading.Thread(target=self._loop, name="unmask-scheduler", daemon=True)
-
-    @property
-    def ar(self) -> Verify:
-        """The running batch AR requests join (the checkpoint's default draft layout)."""
-        return self._verify_batch(draft_layout.resolve(self.defaults.get("draft") or sbd_verify.DEFAULT_DRAFT,
-                                                       None, self.defaults))
-
-    def _verify_batch(self, draft: str, fresh: bool = False) -> Verify:
-        if fresh or draft not in self.verify:  # fresh: replaced in one assignment (readers never see none)
-            K = self.defaults.get("verify_block_size") or sbd_verify.DEFAULT_BLOCK_SIZE
-            cfg = sbd_verify.VerifyConfig(block_size=K, draft=draft, smaller=self.sizer.smaller(draft))
-            self.verify[draft] = Verify(self.bundle, cfg, compile=self.compile, capacity=self.max_batch_size,
-                                        on_step=self._event, on_token=self._ar_token,
-                                        ar=self.bundle.mask_token_id is None, defer_compile=True)
-        return self.verify[draft]
 
     # -- public, any thread -------------------------------------------------------------------
 
@@ -206,16 +150,10 @@ class Scheduler:
     def pending_compiles(self) -> int:  # /health: step shapes (and whole steps) run eagerly, to compile once idle
         return sum(len(b.kv.pending) + getattr(b, "pending_steps", 0) for b in self._batches() if getattr(b, "static", 0) and b.kv)
 
-    def _batches(self) -> list:
-        return list(self.verify.values()) + list(self.running_batches.values())
-
-    def _running_jobs(self) -> list[Job]:
-        return [r.job for b in self._batches() for r in _rows(b)]
-
     def submit(self, job: Job) -> None:
         """Queue a job; raises QueueFull when ``max_queue`` jobs already wait, ShuttingDown after :meth:`drain`."""
         job.sizable = self.sizer.sizable(job)
-        job.running_key = self._running_kind(job)  # once: the loop reads it every pass
+        job.running_key, job.config = self._running_key(job)  # once: the loop reads it every pass
         with self._lock:
             if self.draining:
                 raise ShuttingDown
@@ -289,62 +227,6 @@ class Scheduler:
             self._waiting.remove(job)
             finish_gone(job)
 
-    def _running_kind(self, job: Job) -> tuple | None:
-        """The running batch ``job`` joins: ("verify", draft layout) for ar and lossless sbd, else
-        (kind, its options as sorted items) of ``RUNNING``, or None when it runs per call."""
-        if job.decoder == "ar":
-            return "verify", self.ar.cfg.draft
-        try:
-            lossless = job.decoder == "sbd" and runs_lossless(self.bundle, job.options)
-        except UnmaskError:
-            return None  # its decode call reports the contradiction
-        if lossless:  # a budgeted draft as its D/S/G text: one running batch per layout
-            try:
-                draft = draft_layout.option(job.options.get("draft"), job.options.get("block_size"), self.defaults,
-                                            sbd_verify.DEFAULT_DRAFT)
-                return "verify", draft_layout.resolve(draft, job.options.get("queries"), self.defaults)
-            except UnmaskError:
-                return None  # its decode call reports the bad budget
-        if job.decoder == "diffusion" and "schedule" in job.options:  # Dream's schedule: a running batch of its own
-            fits = self._diffusion_runs and set(job.options) <= {"schedule", *DREAM_OPTIONS}
-            return ("dream", tuple(sorted(job.options.items()))) if fits else None
-        if job.decoder in RUNNING_OPTIONS and not set(job.options) <= set(RUNNING_OPTIONS[job.decoder]):
-            return None
-        if job.decoder in ("diffusion", "early-bird") and not self._diffusion_runs:
-            return None
-        if job.decoder == "diffusion" and job.options.get("block_size") is None:
-            try:  # the block size this request decodes with (a short one gets a shorter block): part of the key
-                block = DiffusionConfig.from_options(max_new_tokens=job.max_new_tokens, **job.options).block_size
-            except (UnmaskError, TypeError):
-                return None
-            return "diffusion", tuple(sorted({**job.options, "block_size": block}.items()))
-        if job.decoder in RUNNING:
-            return job.decoder, tuple(sorted(job.options.items()))
-        return None
-
-    def _take_running(self) -> dict[tuple, list[Job]]:
-        """Under the lock: waiting jobs of the running decoders, oldest first, by running-batch key,
-        as many as each batch has free slots."""
-        out: dict[tuple, list[Job]] = {}
-        for j in [] if self._paused else [j for j in self._waiting if j.running_key is not None]:
-            key = j.running_key
-            batch = self.verify.get(key[1]) if key[0] == "verify" else self.running_batches.get(key)
-            if key[0] == "verify" and batch is None and key not in out and not self._layout_room(out):
-                continue  # waits until an idle layout's batch can go
-            if (len(batch) if batch is not None else 0) + len(out.get(key, ())) < self.max_batch_size:
-                out.setdefault(key, []).append(j)
-                self._waiting.remove(j)
-        return out
-
-    def _layout_room(self, out: dict) -> bool:
-        """Under the lock: whether one more layout's batch may form beside the others and those ``out`` forms
-        (at most MAX_LAYOUTS, each holding its step tables), dropping the oldest idle ones but the default's."""
-        new = sum(k[0] == "verify" and k[1] not in self.verify for k in out)
-        idle = [d for d, b in self.verify.items() if not len(b) and d != self.ar.cfg.draft and ("verify", d) not in out]
-        while idle and len(self.verify) + new >= MAX_LAYOUTS:
-            del self.verify[idle.pop(0)]
-        return len(self.verify) + new < MAX_LAYOUTS
-
     def _take_batch(self) -> list[Job]:
         """Under the lock: the oldest waiting per-call job and the compatible ones behind it."""
         first = None if self._paused else next((j for j in self._waiting if j.running_key is None), None)
@@ -355,107 +237,3 @@ class Scheduler:
         for j in batch:
             self._waiting.remove(j)
         return batch
-
-    # -- the running decoders: admit, one step each, answer -------------------------------------
-
-    def _advance(self, joining: dict[tuple, list[Job]]) -> None:
-        """Admit ``joining`` (key -> jobs) and run one step of every running decoder. Options the
-        decoder refuses fail the joining requests (400); a failed step fails that batch's rows (500)."""
-        self._beat = time.monotonic()  # also reached between a per-call batch's forwards
-        keys = [("verify", d) for d in self.verify] + list(self.running_batches)
-        for key in dict.fromkeys([*keys, *joining]):
-            jobs = joining.get(key, [])
-            try:
-                batch = self._verify_batch(key[1]) if key[0] == "verify" else self.running_batches.get(key)
-                if batch is None:
-                    fast = {"compile": True} if self.compile and key[0] in COMPILED else {}
-                    batch = self.running_batches[key] = RUNNING[key[0]](self.bundle, dict(key[1]), on_step=self._event,
-                                                                        capacity=self.max_batch_size, **fast)
-            except UnmaskError as e:  # the options failed the decoder's own validation
-                for j in jobs:
-                    j.finish("error", bad_request(e, j.options))
-                continue
-            except Exception:  # e.g. MemoryError allocating its cache: these requests fail, the others go on
-                log.exception("starting a %s running batch failed", key[0])
-                for j in jobs:
-                    j.finish("error", server_error())
-                continue
-            try:
-                if key[0] == "verify":
-                    self._step_verify(batch, key[1], jobs)
-                else:
-                    for row in batch.drop([r.job.id for r in _rows(batch) if r.job.gone]):
-                        finish_gone(row.job)
-                    for job in jobs:
-                        self._join(batch, [job])
-                    if jobs:  # the most recently joined last: idle compiled batches are evicted oldest first
-                        self.running_batches[key] = self.running_batches.pop(key)
-                    self.peak_running = max(self.peak_running, self.active)
-                    for row in batch.step():
-                        _done(row, self.bundle)
-            except Exception:
-                log.exception("a %s running batch failed", key[0])
-                self._fail(key, batch)
-                continue
-            if key[0] != "verify" and not len(batch) and not getattr(batch, "static", False):
-                del self.running_batches[key]  # frees its cache; a new batch forms with the next request
-        for key in [k for k, b in self.running_batches.items() if not len(b)][:-MAX_LAYOUTS]:
-            del self.running_batches[key]  # idle compiled batches: the last MAX_LAYOUTS joined keep their caches
-
-    def _step_verify(self, batch: Verify, draft: str, jobs: list[Job]) -> None:
-        """Drop gone rows, admit ``jobs`` (grouped by draft size: one prefill each), give sizable rows
-        the table's K at the new load, run one step and answer the finished rows."""
-        for row in batch.drop([r.job.id for r in _rows(batch) if r.job.gone]):
-            finish_gone(row.job)
-        # sized before the prefill, so the log's entry precedes the joining rows' events
-        sized = self.sizer.size(draft, len(batch) + len(jobs), any(j.sizable for j in jobs), batch)
-        by_k: dict[int, list[Job]] = {}
-        for job in jobs:
-            try:
-                by_k.setdefault(self.sizer.block_size(job, sized), []).append(job)
-            except UnmaskError as e:
-                job.finish("error", bad_request(e, job.options))
-        for K, group in by_k.items():
-            self._join(batch, group, block_size=K)
-        self.peak_running = max(self.peak_running, self.active)
-        self.sizer.resize(batch, draft)
-        for row in batch.step():
-            _done(row, self.bundle)
-
-    def _join(self, batch, jobs: list[Job], **kw) -> None:
-        """Admit jobs together; when that raises (a prefill refusing one, or failing on one), each alone,
-        so only the request that fails alone fails: 400 for the decoder's own refusal, else 500."""
-        try:
-            for row in batch.join(jobs, **kw):  # finished at its prefill (a stop token, max_tokens 1)
-                _done(row, self.bundle)
-        except Exception as e:  # noqa: BLE001 (any failure: retried alone, then answered)
-            if not isinstance(e, UnmaskError):  # rows placed before the failure leave (drop raising: _fail)
-                batch.drop([job.id for job in jobs])
-            if len(jobs) > 1:
-                log.warning("joining %d %s requests together failed (%s); each joins alone", len(jobs),
-                            jobs[0].decoder, str(e).splitlines()[0] if str(e) else type(e).__name__)
-                for job in jobs:
-                    self._join(batch, [job], **kw)
-            elif isinstance(e, UnmaskError):
-                jobs[0].finish("error", bad_request(e, jobs[0].options))
-            else:
-                log.exception("joining a %s running batch failed", jobs[0].decoder)
-                jobs[0].finish("error", server_error())
-
-    def _fail(self, key: tuple, batch) -> None:
-        """A step (or a join's clean-up) raised: every row of ``batch`` gets a 500, and the batch, whose
-        state may be half-stepped, is replaced by a fresh one (AR / lossless) or removed."""
-        for row in _rows(batch):
-            row.job.finish("error", server_error())
-        if key[0] == "verify":
-            self._verify_batch(key[1], fresh=True)
-        else:
-            self.running_batches.pop(key, None)
-
-    def _event(self, row, event: dict) -> None:
-        if not (row.job.gone or row.job.closed) and row.job.events:
-            row.job.post("step", event)
-
-    def _ar_token(self, row) -> None:
-        if not (row.job.events or row.job.gone or row.job.closed):  # O(1): the reader copies the canvas
-            row.job.post("step", TokenStep(row.tokens, len(row.tokens)))

@@ -6,10 +6,9 @@ once, and the batch stops when none of its requests is still wanted. Functions o
 
 from __future__ import annotations
 
-import inspect
 import logging
 
-from unmask.decode import get_decoder
+from unmask.decode import spec_for
 from unmask.errors import UnmaskError
 from unmask.serve.jobs import bad_request, finish_gone, server_error
 from unmask.serve.stream import edits_committed
@@ -54,7 +53,6 @@ def stopped(bundle, job, tokens: list[int]) -> bool:
 def run_batch(sched, jobs: list) -> None:
     """Decode ``jobs`` in one call of their decoder and answer each (see the module docstring)."""
     first = jobs[0]
-    decode = get_decoder(first.decoder, sched.bundle.kind)
     sched.batch_rows, sched._batch = {j.id: i for i, j in enumerate(jobs)}, jobs
     sched.peak_running = max(sched.peak_running, sched.active)
     last_step, steps = [None], [0] * len(jobs)  # forwards in which each row had work (its step events)
@@ -78,16 +76,11 @@ def run_batch(sched, jobs: list) -> None:
         if all(j.gone or j.closed for j in jobs):
             raise _Abandoned
 
-    kwargs = dict(first.options)
-    params = inspect.signature(decode).parameters
-    if "on_step" in params:
-        kwargs["on_step"] = on_step
-    if sched.compile and "compile" in params:
-        kwargs["compile"] = True
+    kwargs = {**first.options, "on_step": on_step, **({"compile": True} if sched.compile else {})}
     try:
-        out = decode(sched.bundle, [j.prompt_ids for j in jobs], max_new_tokens=first.max_new_tokens,
-                     sampling=first.sampling, stop_token_ids=sched.bundle.stop_token_ids,
-                     stop_strings=first.stop, **kwargs)
+        out = spec_for(first.decoder, sched.bundle.kind).decode(
+            sched.bundle, [j.prompt_ids for j in jobs], max_new_tokens=first.max_new_tokens, sampling=first.sampling,
+            stop_token_ids=sched.bundle.stop_token_ids, stop_strings=first.stop, **kwargs)
     except _Abandoned:
         sched.abandoned_batches += 1
         for j in jobs:

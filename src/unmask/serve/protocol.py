@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints -> validated :class:`ServeRequest`.
 
-Validation reuses the CLI's own checks: the decoder name and model kind (``get_decoder``), the
-options a decoder takes (``check_options``), the sampling knobs (``Sampling``) and the prompt
-against the context window (``encode_prompts``); the knob names and value types are read from
-the ``unmask generate`` command's options. Each error becomes an :class:`ApiError` (HTTP 400)
+Validation reuses the library's own checks: the decoder name and model kind (``spec_for``), the
+options a decoder takes (``check_options``: its config), the sampling knobs (``Sampling``) and the
+prompt against the context window (``encode_prompts``); the knob names and value types are the
+registered decoders' ``serve`` knobs (:mod:`unmask.decode`). Each error becomes an :class:`ApiError` (HTTP 400)
 with the offending field in ``param``. The decoder's own checks of its option values (block
 size, γ, τ, ...) run when the batch starts and are answered with 400 too.
 
@@ -13,7 +13,6 @@ tokenizer's chat template tokenized by itself, or the plain template when the to
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import re
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from unmask.api import check_options, encode_prompts
-from unmask.decode import default_decoder, get_decoder
+from unmask.decode import DECODERS, default_decoder, spec_for
 from unmask.errors import UnmaskError
 from unmask.prompts import check_messages, check_text, has_chat_template, plain_template, render
 from unmask.sampling import Sampling
@@ -34,16 +33,6 @@ STREAM_MODES = ("committed", "canvas")
 # template characters counted per message before rendering (the plain template adds 2 to a system
 # turn, 7 to a user turn): bounds the template's work on a huge list of empty messages
 MESSAGE_CHARS = 2
-# Option of ``unmask generate`` that are not decoder knobs.
-_NOT_KNOBS = {"prompts", "prompts_file", "model", "kind", "decoder", "max_new_tokens", "temperature", "top_k", "top_p",
-              "seed", "stop", "show", "trace", "as_json", "device", "dtype", "chat", "system",
-              # set once for the whole server (``unmask serve --adapter/--compile/--tp``), or CLI-only
-              "adapter", "compile", "overwrite", "tp", "no_progress", "stream", "verbose",
-              # a measurement mode of generate(): it decodes past the stop tokens the server stops at
-              "reference_nfe"}
-# Knobs a decoder may take that the CLI does not have: the lossless SBD decoder's switch, and the
-# diffusion / early-bird confidence convention (README: "tempered" is Dream's κ under softmax(logits / T)).
-_EXTRA_KNOBS = {"verify": "bool", "confidence": "str"}
 # OpenAI fields that are accepted only at their neutral value.
 _NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
             "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
@@ -54,17 +43,15 @@ _NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logpro
             "function_call": (None, "none")}
 
 
-@lru_cache(maxsize=1)
 def decoder_knobs() -> dict[str, str]:
-    """Decoder knob name -> value type name (``int``, ``float``, ``str``, ``bool``), read from the
-    options of ``unmask generate`` so the server takes exactly the CLI's knobs."""
-    from unmask.cli.generate import generate_cmd
+    """Request fields that are decoder knobs -> value type name (``int``, ``float``, ``str``, ``bool``):
+    the ``serve`` knobs of the registered decoders, plug-ins included."""
+    return _serve_knobs(tuple(DECODERS.values()))
 
-    knobs = {}
-    for name, p in inspect.signature(generate_cmd).parameters.items():
-        if name not in _NOT_KNOBS:
-            knobs[name] = p.annotation if isinstance(p.annotation, str) else p.annotation.__name__
-    return {**_EXTRA_KNOBS, **knobs}
+
+@lru_cache(maxsize=4)
+def _serve_knobs(specs: tuple) -> dict[str, str]:
+    return {k.name: k.type_name for spec in specs for k in spec.knobs() if k.serve}
 
 
 def _float_range(name: str, value) -> None:
@@ -256,11 +243,11 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
     merged = {**(defaults if decoder == server_decoder else {}), **given}
     options = {k: _typed(k, v, knobs[k]) for k, v in merged.items()}
     try:
-        decode = get_decoder(decoder, bundle.kind)
+        spec = spec_for(decoder, bundle.kind)
     except UnmaskError as e:
         raise ApiError(400, api_message(str(e)), param="decoder") from None
     try:
-        check_options(decode, decoder, options)
+        check_options(spec, options)
     except UnmaskError as e:
         message = api_message(str(e))
         raise ApiError(400, message, param=named_param(message, options)) from None

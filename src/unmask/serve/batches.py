@@ -1,0 +1,255 @@
+"""The scheduler's running batches: which one a request joins, building them from the registry,
+admitting rows and stepping each batch once per pass (DESIGN.md "One engine").
+
+A request's running batch is keyed by its decoder's config (:meth:`Config.batch_key`): requests with
+equal keys share one batch, built by the decoder's :attr:`Spec.batch` from the first one's config;
+None runs it per call (:mod:`unmask.serve.per_call`). The key ``("verify", draft layout)`` is the AR /
+lossless SBD batch of that layout (:class:`~unmask.decode.verify.batch.Verify`), which stays special:
+its rows take their draft size K from the load (:mod:`unmask.serve.draft_sizing`), at most
+MAX_LAYOUTS such batches at once. Idle batches on a static cache (``compile``) are kept, the last
+MAX_LAYOUTS joined; others are freed once empty.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import cached_property
+
+from unmask.decode import DECODERS, Config
+from unmask.decode.blocks.sbd import runs_lossless
+from unmask.decode.dllm.diffusion import DiffusionConfig
+from unmask.decode.dllm.diffusion_batch import OPTIONS as DIFFUSION_OPTIONS, Diffusion
+from unmask.decode.dllm.dream import OPTIONS as DREAM_OPTIONS
+from unmask.decode.dllm.early_bird_batch import OPTIONS as EARLY_BIRD_OPTIONS
+from unmask.decode.blocks.sbd import BATCH_OPTIONS as SBD_OPTIONS
+from unmask.decode.blocks.single import BATCH_OPTIONS as BLOCK_OPTIONS
+from unmask.decode.multiblock.batch import OPTIONS as MULTIBLOCK_OPTIONS
+from unmask.decode.verify import layout as draft_layout
+from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify.batch import Verify
+from unmask.errors import UnmaskError
+from unmask.serve import per_call
+from unmask.serve.jobs import Job, bad_request, finish_gone, server_error
+from unmask.trace import TokenStep
+
+log = logging.getLogger("unmask.serve")
+MAX_LAYOUTS = 4  # AR / lossless batches (one per draft layout) at once: each holds its layout's step tables
+
+
+def _rows(batch) -> list:
+    return list(batch.rows.values()) if isinstance(batch.rows, dict) else list(batch.rows)
+
+
+def _done(row, bundle) -> None:
+    reason = row.finish
+    if reason == "length" and per_call.stopped(bundle, row.job, row.tokens):  # a canvas that filled at once
+        reason = "stop"  # the text is cut at the stop string, so the answer ended there, not at the length
+    row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": reason,
+                            "stop_token": row.stop_token})
+
+
+class RunningBatches:
+    """The :class:`~unmask.serve.engine.Scheduler`'s running batches (a base class: it reads the
+    scheduler's ``bundle``, ``compile``, ``max_batch_size``, ``sizer``, ``defaults``, ``_waiting`` and
+    ``_paused``). ``verify``: draft layout -> the AR / lossless batch; ``running_batches``: key -> the
+    other decoders' batches."""
+
+    @property
+    def ar(self) -> Verify:
+        """The running batch AR requests join (the checkpoint's default draft layout)."""
+        return self._verify_batch(draft_layout.resolve(self.defaults.get("draft") or sbd_verify.DEFAULT_DRAFT,
+                                                       None, self.defaults))
+
+    def _verify_batch(self, draft: str, fresh: bool = False) -> Verify:
+        if fresh or draft not in self.verify:  # fresh: replaced in one assignment (readers never see none)
+            K = self.defaults.get("verify_block_size") or sbd_verify.DEFAULT_BLOCK_SIZE
+            cfg = sbd_verify.VerifyConfig(block_size=K, draft=draft, smaller=self.sizer.smaller(draft))
+            self.verify[draft] = Verify(self.bundle, cfg, compile=self.compile, capacity=self.max_batch_size,
+                                        on_step=self._event, on_token=self._ar_token,
+                                        ar=self.bundle.mask_token_id is None, defer_compile=True)
+        return self.verify[draft]
+
+    def _batches(self) -> list:
+        return list(self.verify.values()) + list(self.running_batches.values())
+
+    def _running_jobs(self) -> list[Job]:
+        return [r.job for b in self._batches() for r in _rows(b)]
+
+    def _running_key(self, job: Job) -> tuple[tuple | None, Config | None]:
+        """(the key of the running batch ``job`` joins, the config that batch is built from), or
+        (None, None) when it runs per call (also for options its decoder refuses: its decode call
+        reports them)."""
+        spec = DECODERS.get(job.decoder)
+        if spec is None:
+            return None, None  # its decode call reports the unknown name
+        try:
+            cfg = spec.config.of(job.options, spec.name)
+            if type(cfg).batch_key is Config.batch_key and spec.name in _TRANSITIONAL:
+                return self._transitional_key(job, cfg)
+            return cfg.batch_key(self.bundle, job.max_new_tokens), cfg
+        except UnmaskError:
+            return None, None
+
+    @cached_property
+    def _diffusion_runs(self) -> bool:  # transitional, as _transitional_key
+        return Diffusion.batches_fit(self.bundle)
+
+    def _transitional_key(self, job: Job, cfg: Config) -> tuple[tuple | None, Config | None]:
+        """The keys of the built-in decoders whose configs do not yet define ``batch_key`` (issue 49):
+        ("verify", layout) for ar and lossless sbd; (kind, options as sorted items) for the others,
+        None for options their running batch does not take."""
+        options = job.options
+        if job.decoder == "ar" or (job.decoder == "sbd" and runs_lossless(self.bundle, options)):
+            if job.decoder == "ar":
+                return ("verify", self.ar.cfg.draft), cfg
+            draft = draft_layout.option(options.get("draft"), options.get("block_size"), self.defaults,
+                                        sbd_verify.DEFAULT_DRAFT)
+            return ("verify", draft_layout.resolve(draft, options.get("queries"), self.defaults)), cfg
+        items = tuple(sorted(options.items()))
+        if job.decoder == "diffusion" and "schedule" in options:  # Dream's schedule: a running batch of its own
+            fits = self._diffusion_runs and set(options) <= {"schedule", *DREAM_OPTIONS}
+            return (("dream", items), cfg) if fits else (None, None)
+        if not set(options) <= set(_TRANSITIONAL[job.decoder]):
+            return None, None
+        if job.decoder in ("diffusion", "early-bird") and not self._diffusion_runs:
+            return None, None
+        if job.decoder == "diffusion" and options.get("block_size") is None:
+            try:  # the block size this request decodes with (a short one gets a shorter block): part of the key
+                block = DiffusionConfig.from_options(max_new_tokens=job.max_new_tokens, **options).block_size
+            except (UnmaskError, TypeError):
+                return None, None
+            options = {**options, "block_size": block}
+            return ("diffusion", tuple(sorted(options.items()))), cfg.of(options, "diffusion")
+        return (job.decoder, items), cfg
+
+    def _take_running(self) -> dict[tuple, list[Job]]:
+        """Under the lock: waiting jobs of the running decoders, oldest first, by running-batch key,
+        as many as each batch has free slots."""
+        out: dict[tuple, list[Job]] = {}
+        for j in [] if self._paused else [j for j in self._waiting if j.running_key is not None]:
+            key = j.running_key
+            batch = self.verify.get(key[1]) if key[0] == "verify" else self.running_batches.get(key)
+            if key[0] == "verify" and batch is None and key not in out and not self._layout_room(out):
+                continue  # waits until an idle layout's batch can go
+            if (len(batch) if batch is not None else 0) + len(out.get(key, ())) < self.max_batch_size:
+                out.setdefault(key, []).append(j)
+                self._waiting.remove(j)
+        return out
+
+    def _layout_room(self, out: dict) -> bool:
+        """Under the lock: whether one more layout's batch may form beside the others and those ``out`` forms
+        (at most MAX_LAYOUTS, each holding its step tables), dropping the oldest idle ones but the default's."""
+        new = sum(k[0] == "verify" and k[1] not in self.verify for k in out)
+        idle = [d for d, b in self.verify.items() if not len(b) and d != self.ar.cfg.draft and ("verify", d) not in out]
+        while idle and len(self.verify) + new >= MAX_LAYOUTS:
+            del self.verify[idle.pop(0)]
+        return len(self.verify) + new < MAX_LAYOUTS
+
+    def _new_batch(self, key: tuple, job: Job):
+        """The running batch of ``key``, built by ``job``'s decoder from its config."""
+        spec = DECODERS[job.decoder]
+        return spec.batch(self.bundle, job.config, capacity=self.max_batch_size,
+                          compile=spec.compiles and self.compile, on_step=self._event, on_token=self._ar_token,
+                          stop_token_ids=tuple(self.bundle.stop_token_ids))
+
+    def _advance(self, joining: dict[tuple, list[Job]]) -> None:
+        """Admit ``joining`` (key -> jobs) and run one step of every running decoder. Options the
+        decoder refuses fail the joining requests (400); a failed step fails that batch's rows (500)."""
+        self._beat = time.monotonic()  # also reached between a per-call batch's forwards
+        keys = [("verify", d) for d in self.verify] + list(self.running_batches)
+        for key in dict.fromkeys([*keys, *joining]):
+            jobs = joining.get(key, [])
+            try:
+                batch = self._verify_batch(key[1]) if key[0] == "verify" else self.running_batches.get(key)
+                if batch is None:
+                    batch = self.running_batches[key] = self._new_batch(key, jobs[0])
+            except UnmaskError as e:  # the options failed the decoder's own validation
+                for j in jobs:
+                    j.finish("error", bad_request(e, j.options))
+                continue
+            except Exception:  # e.g. MemoryError allocating its cache: these requests fail, the others go on
+                log.exception("starting a %s running batch failed", key[0])
+                for j in jobs:
+                    j.finish("error", server_error())
+                continue
+            try:
+                for row in batch.drop([r.job.id for r in _rows(batch) if r.job.gone]):
+                    finish_gone(row.job)
+                if key[0] == "verify":
+                    self._join_verify(batch, key[1], jobs)
+                else:
+                    for job in jobs:
+                        self._join(batch, [job])
+                    if jobs:  # the most recently joined last: idle compiled batches are evicted oldest first
+                        self.running_batches[key] = self.running_batches.pop(key)
+                self.peak_running = max(self.peak_running, self.active)
+                for row in batch.step():
+                    _done(row, self.bundle)
+            except Exception:
+                log.exception("a %s running batch failed", key[0])
+                self._fail(key, batch)
+                continue
+            if key[0] != "verify" and not len(batch) and not getattr(batch, "static", False):
+                del self.running_batches[key]  # frees its cache; a new batch forms with the next request
+        for key in [k for k, b in self.running_batches.items() if not len(b)][:-MAX_LAYOUTS]:
+            del self.running_batches[key]  # idle compiled batches: the last MAX_LAYOUTS joined keep their caches
+
+    def _join_verify(self, batch: Verify, draft: str, jobs: list[Job]) -> None:
+        """Admit ``jobs`` (grouped by draft size: one prefill each) and give sizable rows the table's
+        K at the new load."""
+        # sized before the prefill, so the log's entry precedes the joining rows' events
+        sized = self.sizer.size(draft, len(batch) + len(jobs), any(j.sizable for j in jobs), batch)
+        by_k: dict[int, list[Job]] = {}
+        for job in jobs:
+            try:
+                by_k.setdefault(self.sizer.block_size(job, sized), []).append(job)
+            except UnmaskError as e:
+                job.finish("error", bad_request(e, job.options))
+        for K, group in by_k.items():
+            self._join(batch, group, block_size=K)
+        self.sizer.resize(batch, draft)
+
+    def _join(self, batch, jobs: list[Job], **kw) -> None:
+        """Admit jobs together; when that raises (a prefill refusing one, or failing on one), each alone,
+        so only the request that fails alone fails: 400 for the decoder's own refusal, else 500."""
+        try:
+            for row in batch.join(jobs, **kw):  # finished at its prefill (a stop token, max_tokens 1)
+                _done(row, self.bundle)
+        except Exception as e:  # noqa: BLE001 (any failure: retried alone, then answered)
+            if not isinstance(e, UnmaskError):  # rows placed before the failure leave (drop raising: _fail)
+                batch.drop([job.id for job in jobs])
+            if len(jobs) > 1:
+                log.warning("joining %d %s requests together failed (%s); each joins alone", len(jobs),
+                            jobs[0].decoder, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                for job in jobs:
+                    self._join(batch, [job], **kw)
+            elif isinstance(e, UnmaskError):
+                jobs[0].finish("error", bad_request(e, jobs[0].options))
+            else:
+                log.exception("joining a %s running batch failed", jobs[0].decoder)
+                jobs[0].finish("error", server_error())
+
+    def _fail(self, key: tuple, batch) -> None:
+        """A step (or a join's clean-up) raised: every row of ``batch`` gets a 500, and the batch, whose
+        state may be half-stepped, is replaced by a fresh one (AR / lossless) or removed."""
+        for row in _rows(batch):
+            row.job.finish("error", server_error())
+        if key[0] == "verify":
+            self._verify_batch(key[1], fresh=True)
+        else:
+            self.running_batches.pop(key, None)
+
+    def _event(self, row, event: dict) -> None:
+        if not (row.job.gone or row.job.closed) and row.job.events:
+            row.job.post("step", event)
+
+    def _ar_token(self, row) -> None:
+        if not (row.job.events or row.job.gone or row.job.closed):  # O(1): the reader copies the canvas
+            row.job.post("step", TokenStep(row.tokens, len(row.tokens)))
+
+
+# Transitional (issue 49): the options the running batches of the built-in decoders take while their
+# configs do not define batch_key; a request with others runs per call. Goes when they do.
+_TRANSITIONAL = {"ar": (), "sbd": SBD_OPTIONS, "block": BLOCK_OPTIONS, "multiblock": MULTIBLOCK_OPTIONS,
+                 "diffusion": DIFFUSION_OPTIONS, "early-bird": EARLY_BIRD_OPTIONS}
