@@ -30,7 +30,6 @@ from unmask.sampling import Sampling
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "writing-a-decoder.md"
 PROMPTS = ["Once upon a time", "Zoo", "The little dog ran to the park and"]
-NEEDS_H4 = pytest.mark.xfail(strict=True, reason="needs registry-derived CLI/server (h4)")
 
 
 def doc_files() -> dict[str, str]:
@@ -163,7 +162,6 @@ def test_the_python_api_decodes_with_the_plugin(plugin, bundle):
     assert got.decoder == plugin and got.texts == unmask.generate(PROMPTS, bundle, "ar", max_new_tokens=24).texts
 
 
-@NEEDS_H4
 def test_the_python_api_takes_the_plugin_s_knob(plugin, bundle):
     got = unmask.generate(PROMPTS, bundle, plugin, max_new_tokens=24, window=64)
     assert got.texts == unmask.generate(PROMPTS, bundle, "ar", max_new_tokens=24).texts
@@ -171,7 +169,7 @@ def test_the_python_api_takes_the_plugin_s_knob(plugin, bundle):
 
 # -- (a) the command line, the plug-in found through its installed metadata ----------------------------------
 
-@pytest.mark.parametrize("knob", [[], pytest.param(["--window", "64"], marks=NEEDS_H4)], ids=["plain", "window"])
+@pytest.mark.parametrize("knob", [[], ["--window", "64"]], ids=["plain", "window"])
 def test_unmask_generate_decodes_with_the_plugin(plugin_dir, bundle, knob):
     root, name, _ = plugin_dir
     run = cli("generate", "Once upon a time", "--model", "stories260K", "--decoder", name, *knob, "-n", "24",
@@ -182,7 +180,7 @@ def test_unmask_generate_decodes_with_the_plugin(plugin_dir, bundle, knob):
     assert row["tokens"] == unmask.generate("Once upon a time", bundle, "ar", max_new_tokens=24).tokens[0]
 
 
-@pytest.mark.parametrize("knob", [[], pytest.param(["-O", "window=64"], marks=NEEDS_H4)], ids=["plain", "window"])
+@pytest.mark.parametrize("knob", [[], ["-O", "window=64"]], ids=["plain", "window"])
 def test_unmask_eval_runs_the_plugin(plugin, capsys, tmp_path, data_dir, knob):
     out = tmp_path / "gsm8k.jsonl"
     code, _, err = run_cli(capsys, "eval", "--task", "gsm8k", "--model", "stories260K", "--decoder", plugin, *knob,
@@ -225,7 +223,6 @@ def test_the_server_answers_a_request_for_the_plugin(plugin, server, bundle):
     assert got["choices"][0]["text"] == unmask.generate("Once upon a time", bundle, "ar", max_new_tokens=24).texts[0]
 
 
-@NEEDS_H4
 def test_the_server_takes_the_plugin_s_knob(plugin, server, bundle):
     status, got = complete(server, {"prompt": "Once upon a time", "max_tokens": 24, "decoder": plugin, "window": 64})
     assert status == 200, got

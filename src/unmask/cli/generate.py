@@ -232,7 +232,8 @@ def with_decoder_flags(cmd):
     options, then one option per ``cli`` knob of the registered decoders (a bool: ``--x/--no-x``;
     unset by default, so the decoder's own default applies), and ``--decoder``'s help listing them."""
     params = []
-    for p in inspect.signature(cmd).parameters.values():
+    own = cmd.__dict__.setdefault("own_signature", inspect.signature(cmd))  # before any decoder flag was added
+    for p in own.parameters.values():
         if p.name == "decoder":
             option = typer.Option(None, *p.default.param_decls, help=p.default.help.replace(
                 "DECODERS", "; ".join(f"{s.name}: {s.summary}" for s in DECODERS.values())))

@@ -40,6 +40,7 @@ class Job:
     sizable: bool = False  # set by the scheduler: greedy lossless sbd whose K follows the load
     running_key: tuple | None = None  # set by the scheduler: the running batch it joins (None: per call)
     config: object = None  # set by the scheduler: its decoder's config, which builds the batch it opens
+    generator: object = None  # a running batch draws the row's generator from ``sampling`` (Request's contract)
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request at its next step boundary (thread-safe)."""
