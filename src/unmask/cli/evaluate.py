@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import typer
 
 from unmask.bench.side_by_side import REPEATS
-from unmask.cli import app
+from unmask.cli.root import app
 from unmask.dist import env_rank
 from unmask.errors import UnmaskError
 from unmask.fileio import check_output_file

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from unmask.cli import app
+from unmask.cli.root import app
 from unmask.errors import UnmaskError
 from unmask.fileio import check_output_file
 

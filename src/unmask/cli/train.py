@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from unmask.cli import app
+from unmask.cli.root import app
 from unmask.errors import UnmaskError
 
 train_app = typer.Typer(no_args_is_help=True, help="Fine-tune models for parallel decoding.")
@@ -44,7 +44,7 @@ Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace OUT (an ea
 def _device(value: str) -> str:
     """--device's name checked when parsed (an unknown one was a traceback); whether CUDA is there is
     the training loop's check (:func:`unmask.dist.setup`), so a command line parses on any machine."""
-    from unmask.models.bundle import resolve_device
+    from unmask.devices import resolve_device
 
     resolve_device(value, available=False)
     return value
