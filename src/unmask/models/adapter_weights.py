@@ -27,7 +27,7 @@ def save_adapter_weights(adapter: SBDAdapter, directory: str | os.PathLike) -> P
 
     A failed write (a full disk: safetensors raises SafetensorError there, not OSError) removes
     the temporary file and propagates as raised, so that the caller names what it was writing
-    (:func:`unmask.fileio.write_errors`; :func:`save_adapter` does)."""
+    (:func:`unmask.output_checks.write_errors`; :func:`save_adapter` does)."""
     from safetensors.torch import save_file
 
     path = check_output_file(Path(directory) / ADAPTER_WEIGHTS, "adapter weights")
