@@ -25,6 +25,8 @@ from unmask.cli import evaluate as _evaluate  # noqa: E402,F401
 from unmask.cli import models as _models  # noqa: E402,F401
 from unmask.cli import serve as _serve  # noqa: E402,F401
 from unmask.cli import train as _train  # noqa: E402,F401
+from unmask.cli import train_routers as _train_routers  # noqa: E402,F401
+from unmask.cli import data as _data  # noqa: E402,F401
 from unmask.cli import calibrate as _calibrate  # noqa: E402,F401
 from unmask.cli import chat as _chat  # noqa: E402,F401
 
