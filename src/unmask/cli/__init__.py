@@ -22,6 +22,7 @@ from unmask.cli.root import THREADS_HELP, app, command, convert_app, one_line_pa
 # Subcommand modules register themselves on `app` when imported.
 from unmask.cli import generate as _generate  # noqa: E402,F401
 from unmask.cli import evaluate as _evaluate  # noqa: E402,F401
+from unmask.cli import bench as _bench  # noqa: E402,F401
 from unmask.cli import models as _models  # noqa: E402,F401
 from unmask.cli import serve as _serve  # noqa: E402,F401
 from unmask.cli import train as _train  # noqa: E402,F401
