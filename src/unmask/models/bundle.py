@@ -14,6 +14,7 @@ from unmask.fileio import read_json_object
 from unmask.models.checkpoint_checks import (check_config_fields, check_decode_defaults, check_default_sizes,
                                              check_explicit_mask_id, check_float_weights, check_tokenizer_ids,
                                              check_weights_match)
+from unmask.models.tensor_parallel import tp_load_options
 
 KINDS = ("causal", "sbd", "masked-diffusion", "block-diffusion")
 UNMASK_CONFIG = "unmask_config.json"
@@ -281,8 +282,6 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         if native is not None:
             raise UnmaskError(f"--tp is not supported for the native {family.name if family else 'dLLM'} classes yet; "
                               "drop --tp (data parallel still works under torchrun)")
-        from unmask.models.tensor_parallel import tp_load_options
-
         device, extra = tp_load_options(tp, device, hf_config, trust_remote_code)
     check_float_weights(path, hf_config)
     try:
