@@ -106,10 +106,10 @@ def test_non_finite_hyperparameters_are_refused(capsys, monkeypatch, tmp_path, f
 
 
 def test_divergence_stops_training_and_publishes_nothing(tmp_path, monkeypatch):
-    from unmask.train import loop
+    from unmask.train import config
     from unmask.train.sbd import train_sbd
 
-    monkeypatch.setattr(loop, "MAX_LR", math.inf)  # lr 1e30 is refused up front now; here it must diverge
+    monkeypatch.setattr(config, "MAX_LR", math.inf)  # lr 1e30 is refused up front now; here it must diverge
     out = tmp_path / "m"
     with pytest.raises(UnmaskError, match="diverged"):
         train_sbd(base="stories260K", data=ids_file(tmp_path / "d.jsonl"), out=out, **{**SMALL_RUN, "lr": 1e30})

@@ -38,7 +38,7 @@ def test_piped_generate_and_data_print_no_progress(capsys, tmp_path):
 
 
 def test_router_trainers_messages_are_silent_when_piped(capsys):
-    from unmask.cli.train import _messages
+    from unmask.cli.train_routers import _messages
 
     for enabled in (True, False):
         with _messages(enabled) as note:

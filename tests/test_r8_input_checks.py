@@ -363,9 +363,9 @@ def test_a_lone_surrogate_stop_string_is_a_400_and_the_eval_budget_says_how_far_
 
 
 def test_train_lps_refuses_too_few_prompts_before_collecting_traces(capsys, tmp_path, monkeypatch):
-    import unmask.train.lps_fit as lps_fit
+    import unmask.train.routers as routers  # where `unmask train lps` calls collect_lps_traces
 
-    monkeypatch.setattr(lps_fit, "collect_lps_traces", lambda *a, **k: pytest.fail("collected before refusing"))
+    monkeypatch.setattr(routers, "collect_lps_traces", lambda *a, **k: pytest.fail("collected before refusing"))
     data = tmp_path / "d.txt"
     data.write_text("Once upon a time there was a cat.\n\nTom had a ball.\n")
     one_line_error(capsys, "train", "lps", "--model", "stories260K-dlm", "--data", data, "--out", tmp_path / "r",

@@ -109,12 +109,6 @@ def set_static_length(cache, length: int) -> None:
         layer.cumulative_length.fill_(length)
 
 
-def keep_rows(cache, rows: torch.Tensor) -> None:
-    """Keep only batch rows ``rows`` (1D long) in every layer of ``cache``, in place."""
-    cache.batch_select_indices(rows)
-
-
-
 def register_weight_renames(class_name: str, renames: list[tuple[str, str]], *,
                             split: list[tuple[str, list[str]]] = (),
                             merge_experts: list[tuple[list[str], str, int | None]] = ()) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from unmask.devices import resolve_device
 from unmask.errors import UnmaskError
 
 
@@ -72,8 +73,6 @@ def setup(device: str | torch.device = "cpu") -> torch.device:
         UnmaskError: an unknown device, ``cuda`` without CUDA, or ``cuda`` under torchrun without
             enough visible GPUs for LOCAL_RANK.
     """
-    from unmask.models.bundle import resolve_device
-
     device = resolve_device(device)  # an unknown device, or cuda without CUDA: one line, not a traceback
     if not launched():
         return device

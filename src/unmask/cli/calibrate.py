@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from unmask.cli import app
+from unmask.cli.root import app
 from unmask.errors import UnmaskError
 
 

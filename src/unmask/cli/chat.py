@@ -8,7 +8,7 @@ import sys
 
 import typer
 
-from unmask.cli import app
+from unmask.cli.root import app
 from unmask.cli.generate import generate_cmd
 from unmask.errors import UnmaskError
 

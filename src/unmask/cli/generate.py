@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from unmask.cli import app
+from unmask.cli.root import app
 from unmask.decode import DECODERS
 from unmask.decode.engine.registry import TYPES, all_knobs
 from unmask.errors import UnmaskError

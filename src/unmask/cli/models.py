@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from unmask.cli import app, convert_app
+from unmask.cli.root import app, convert_app
 
 
 @app.command("models")

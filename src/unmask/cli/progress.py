@@ -1,10 +1,11 @@
 """Progress on standard error for the command line: shown on a terminal, silent when stderr is
-piped or redirected, or with ``--no-progress`` (issue 15 item 2)."""
+piped or redirected, or with ``--no-progress`` (issue 15 item 2); and :func:`stdout_console`, where
+the commands print their tables."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 
 def _stderr_console():
@@ -57,3 +58,31 @@ def compiling(spinner, message: str) -> Iterator[None]:
 
     with compile_progress(show):
         yield
+
+
+@contextmanager
+def stage_bar(enabled: bool = True) -> Iterator[Any]:
+    """A rich progress bar on stderr; yields the ``progress(done, total, stage)`` callback."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as display:
+        task = display.add_task("loading", total=None)
+
+        def update(done: int, total: int, stage: str) -> None:
+            display.update(task, completed=done, total=total, description=stage)
+
+        yield update
+
+
+def stdout_console():
+    """A rich console; when stdout is not a terminal (a pipe, a file, a test) tables keep
+    their natural width instead of being squeezed into 80 columns."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=200)

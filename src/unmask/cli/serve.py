@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from unmask.cli import app
+from unmask.cli.root import app
 
 
 @app.command("serve")

@@ -1,23 +1,20 @@
-"""``unmask train sbd``, ``unmask train diffusion``, ``unmask data stories`` and ``unmask data distill``: thin
-wrappers over unmask.train."""
+"""``unmask train sbd``, ``sbd-adapter``, ``diffusion``, ``block-diffusion`` and ``multitf``: thin wrappers
+over unmask.train, and the options every ``unmask train`` command shares (the router trainers are
+:mod:`unmask.cli.train_routers`; ``unmask data`` is :mod:`unmask.cli.data`)."""
 
 from __future__ import annotations
 
 import math
-import sys
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from unmask.cli import app
+from unmask.cli.root import app
 from unmask.errors import UnmaskError
 
 train_app = typer.Typer(no_args_is_help=True, help="Fine-tune models for parallel decoding.")
-data_app = typer.Typer(no_args_is_help=True, help="Build training corpora.")
 app.add_typer(train_app, name="train")
-app.add_typer(data_app, name="data")
 
 # Options declared alike by several commands. Defaults stay at each parameter, where they differ
 # between commands; options without help text are plain defaults (typer names them --snake-case).
@@ -44,7 +41,7 @@ Overwrite = Annotated[bool, typer.Option("--overwrite", help="replace OUT (an ea
 def _device(value: str) -> str:
     """--device's name checked when parsed (an unknown one was a traceback); whether CUDA is there is
     the training loop's check (:func:`unmask.dist.setup`), so a command line parses on any machine."""
-    from unmask.models.bundle import resolve_device
+    from unmask.devices import resolve_device
 
     resolve_device(value, available=False)
     return value
@@ -81,20 +78,6 @@ DistillLambda = Annotated[float, typer.Option("--distill-lambda", help="λ of th
 AnswerOnly = Annotated[bool, typer.Option("--answer-only/--no-answer-only",
                                           help="loss on answer tokens only (records' loss_start); default: on when "
                                                "the corpus has loss_start", show_default=False)]
-
-
-@contextmanager
-def _messages(enabled: bool):
-    """The routers' progress messages as one updating line on a terminal; nothing when stderr is
-    piped or with --no-progress (their per-epoch lines used to fill the log)."""
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    if not enabled or not console.is_terminal:
-        yield lambda message: None
-        return
-    with console.status("starting") as line:
-        yield lambda message: line.update(str(message))
 
 
 def _start(data, out) -> None:
@@ -227,82 +210,6 @@ def train_sbd_adapter_cmd(
         terms=("loss", "draft", "ntp", "kl", "d0", "d1", "d7"))
 
 
-@data_app.command("stories")
-def data_stories_cmd(
-    model: str = typer.Option("stories260K", "--model", help="model that writes the stories"),
-    out: Path = typer.Option(..., "--out", help="output JSONL file"),
-    sampled: int = typer.Option(1000, "--sampled", help="stories sampled at temperature 1.0 from BOS"),
-    greedy: int = typer.Option(1000, "--greedy", help="sampled prefixes continued greedily"),
-    seed: int = typer.Option(0, "--seed", help="seed of sampling, prefix lengths and the split"),
-    max_new_tokens: int = typer.Option(320, "--max-new-tokens", help="cap of a story / a greedy continuation"),
-    batch_size: int = typer.Option(128, "--batch-size", help="rows per batched decode"),
-    val_fraction: float = typer.Option(0.05, "--val-fraction", help="share of documents held out for validation"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT if it exists"),
-    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar (it shows only on a terminal)"),
-) -> None:
-    """Generate a self-sampled story corpus (sampled stories + greedy continuations) as JSONL; exact duplicates are
-    kept once and empty stories dropped (the summary's dropped= counts both)."""
-    from unmask.cli.progress import bar
-    from unmask.compat import quiet_transformers
-    from unmask.train.data import make_story_corpus
-
-    quiet_transformers()
-    with bar("documents", enabled=not no_progress) as progress:
-        summary = make_story_corpus(out, model=model, n_sampled=sampled, n_greedy=greedy, seed=seed,
-                                    overwrite=overwrite, progress=progress, max_new_tokens=max_new_tokens,
-                                    batch_size=batch_size, val_fraction=val_fraction)
-    typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
-    if summary.get("dropped"):
-        typer.echo(f"dropped {summary['dropped']}: stories generated twice (kept once) or empty", err=True)
-
-
-@data_app.command("distill")
-def data_distill_cmd(
-    model: str = typer.Option(..., "--model", "-m", help="model that answers (shipped name or local HF directory)"),
-    prompts: list[str] = typer.Option(..., "--prompts", help="gsm8k (train questions), humaneval, mbpp (non-eval "
-                                      "tasks) or a prompt file: .txt one per line, .jsonl prompt/messages rows "
-                                      "(repeatable)"),
-    out: Path = typer.Option(..., "--out", help="output JSONL corpus"),
-    adapter: str = typer.Option(None, "--adapter", help="gated SBD adapter: a name the model ships or a directory"),
-    system: str = typer.Option(None, "--system", help="a system turn for every prompt (models with a chat template)"),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="cap of an answer"),
-    batch_size: int = typer.Option(16, "--batch-size", "-b", help="prompts per batched AR decode"),
-    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
-    seed: int = typer.Option(0, "--seed", help="seed of sampling and of the validation split"),
-    limit: int = typer.Option(None, "--limit", help="the first N prompts of each --prompts source"),
-    val_fraction: float = typer.Option(0.05, "--val-fraction", help="share of prompts held out for validation"),
-    data_dir: Path = typer.Option(None, "--data-dir", help="folder holding gsm8k/, humaneval/, mbpp/ "
-                                  "(default: $UNMASK_DATA_DIR or ../shared/data)"),
-    resume: bool = typer.Option(False, "--resume", help="continue OUT: decode only the prompts it lacks (same "
-                                "--model, --adapter, --dtype, -n, -t, --seed, --val-fraction, --system, prompts)"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT, once the new corpus is complete"),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
-    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar (it shows only on a terminal)"),
-) -> None:
-    """Distillation corpus: the model's own AR answers to prompts (chat template applied when it has one) as
-    JSONL rows {ids, loss_start, prompt, answer, source, index, split, settings}."""
-    from unmask.cli.progress import bar
-    from unmask.compat import quiet_transformers
-    from unmask.train.distill import distill
-
-    quiet_transformers()
-    existed = Path(out).exists()
-    try:
-        with bar("prompts", enabled=not no_progress) as progress:
-            summary = distill(out, model=model, prompts=prompts, adapter=adapter, system=system,
-                              max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature, seed=seed,
-                              limit=limit, val_fraction=val_fraction, resume=resume, overwrite=overwrite,
-                              data_dir=data_dir, device=device, dtype=dtype, progress=progress)
-    except KeyboardInterrupt:
-        if overwrite or not Path(out).is_file() or (existed and not resume):
-            raise
-        print(f"interrupted; {out} keeps the answers written so far: run the same command with --resume to "
-              "finish it", file=sys.stderr)
-        raise SystemExit(130) from None
-    typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
-
-
 @train_app.command("diffusion")
 def train_diffusion_cmd(
     base: CausalBase = "stories260K", data: TextData = None, out: Out = None, run_dir: RunDir = None,
@@ -391,83 +298,3 @@ def train_multitf_cmd(
                         max_minutes, seed, fsdp)))
 
 
-@train_app.command("lbs")
-def train_lbs_cmd(
-    model: DlmModel = "stories260K-dlm", data: PromptData = None,
-    out: Path = typer.Option(None, "--out", help="router directory (default MODEL_DIR/routers)"),
-    prompts: int = typer.Option(1000, "--prompts", help="training prompts (one model response each)"),
-    gen_length: int = typer.Option(256, "--gen-length", help="L: the router works at this generation length only"),
-    block_size: int = typer.Option(32, "--block-size", help="L_B of Blockwise-Masking and of the response decode"),
-    responses: str = typer.Option("top-k", "--responses", help="response decode: top-k (vanilla, 1 token/step) or threshold"),
-    response_cache: str = typer.Option("none", "--response-cache", help="cache of the response decode: none, prefix, dual"),
-    gen_batch: int = typer.Option(16, "--gen-batch", help="rows per response decode"),
-    epochs: int = typer.Option(6, "--epochs"), batch_size: int = typer.Option(32, "--batch-size"),
-    lr: float = typer.Option(5e-5, "--lr"), weight_decay: float = typer.Option(0.01, "--weight-decay"),
-    loss: str = typer.Option("eq3", "--loss", help="eq3: the paper's Eq. 3; bce: BCE against its minimiser "
-                                                   "1[CE < 1] (does not collapse to p = 0 on small models)"),
-    d: int = typer.Option(32, "--d", help="router width (paper 128)"),
-    layers: int = typer.Option(1, "--layers", help="encoder layers (paper 2)"),
-    ffn: int = typer.Option(64, "--ffn", help="encoder FFN width (paper 256)"),
-    max_minutes: RouterMinutes = None,
-    seed: int = typer.Option(0, "--seed"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing LBS router at the output"),
-    device: Device = "cpu", no_progress: NoProgress = False,
-) -> None:
-    """Train the Early-Bird LBS router of a masked-diffusion model (early_bird.md §3, Alg. 3)."""
-    from unmask.compat import quiet_transformers
-    from unmask.train.routers import LBSTrainConfig, run_lbs
-
-    if not data:
-        raise UnmaskError("no prompt corpus; pass --data FILE (.jsonl or .txt), e.g. the story corpus")
-    quiet_transformers()
-    with _messages(not no_progress) as note:
-        summary = run_lbs(model=model, data=data, out=out, n_prompts=prompts, gen_length=gen_length, block_size=block_size,
-                          response_policy=responses, response_cache=response_cache, gen_batch=gen_batch,
-                          train=LBSTrainConfig(block=block_size, epochs=epochs, batch_size=batch_size, lr=lr,
-                                               weight_decay=weight_decay, seed=seed, max_minutes=max_minutes,
-                                               loss=loss),
-                          router={"d": d, "layers": layers, "ffn": ffn}, overwrite=overwrite, device=device,
-                          progress=note)
-    if summary:  # under torchrun only rank 0 trains and reports
-        typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
-
-
-@train_app.command("lps")
-def train_lps_cmd(
-    model: DlmModel = "stories260K-dlm", data: PromptData = None,
-    routers: Path = typer.Option(None, "--routers", help="directory holding the LBS router (default MODEL_DIR/routers)"),
-    out: Path = typer.Option(None, "--out", help="where to write lps.* (default: next to the LBS router)"),
-    prompts: int = typer.Option(300, "--prompts", help="trace prompts (one decoding trace each)"),
-    block_size: int = typer.Option(32, "--block-size", help="L_B served (and recorded as the decoder default)"),
-    tau: float = typer.Option(0.9, "--tau", help="confidence threshold τ served"),
-    l_min: int = typer.Option(8, "--l-min", help="L_min served"), g_max: int = typer.Option(5, "--g-max", help="g_max served"),
-    pos_mode: str = typer.Option("literal", "--pos-mode", help="position feature: literal or rank"),
-    replay: bool = typer.Option(False, "--replay", help="recompute features by oracle replay (slower; same under greedy)"),
-    traces_file: Path = typer.Option(None, "--traces-file", help="cache of the traces (.pt), reused when present"),
-    gen_batch: int = typer.Option(16, "--gen-batch", help="rows per trace decode"),
-    max_epochs: int = typer.Option(2000, "--max-epochs"), patience: int = typer.Option(100, "--patience"),
-    batch_size: int = typer.Option(512, "--batch-size", help="step records per batch"),
-    lr: float = typer.Option(1e-3, "--lr"), fpr: float = typer.Option(0.01, "--fpr", help="FPR budget η for τ_ψ"),
-    d: int = typer.Option(32, "--d"), layers: int = typer.Option(2, "--layers"), ffn: int = typer.Option(64, "--ffn"),
-    max_minutes: RouterMinutes = None,
-    seed: int = typer.Option(0, "--seed", help="seed of the prompt choice (the split seed is 42)"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing LPS router at the output"),
-    device: Device = "cpu", no_progress: NoProgress = False,
-) -> None:
-    """Collect traces with the LBS router and train the Early-Bird LPS router (early_bird.md §4, Alg. 4)."""
-    from unmask.compat import quiet_transformers
-    from unmask.train.routers import LPSTrainConfig, run_lps
-
-    if not data and (traces_file is None or not traces_file.is_file()):
-        raise UnmaskError("no prompt corpus; pass --data FILE (.jsonl or .txt) or an existing --traces-file")
-    quiet_transformers()
-    with _messages(not no_progress) as note:
-        summary = run_lps(model=model, data=data or [], routers=routers, out=out, n_prompts=prompts, block_size=block_size,
-                          tau=tau, l_min=l_min, g_max=g_max, pos_mode=pos_mode, replay=replay, gen_batch=gen_batch,
-                          traces_file=traces_file,
-                          train=LPSTrainConfig(max_epochs=max_epochs, patience=patience, batch_size=batch_size, lr=lr,
-                                               fpr_budget=fpr, max_minutes=max_minutes),
-                          router={"d": d, "layers": layers, "ffn": ffn}, seed=seed, overwrite=overwrite, device=device,
-                          progress=note)
-    if summary:  # under torchrun only rank 0 trains and reports
-        typer.echo(" ".join(f"{k}={v}" for k, v in summary.items()))

@@ -18,7 +18,6 @@ and load by bare name (``unmask.load("stories260K", adapter="sbd")``).
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from contextlib import ExitStack
 from pathlib import Path
@@ -27,13 +26,13 @@ import torch
 
 from unmask.errors import UnmaskError
 from unmask.decode.choice import RECORD_KEY, recorded
-from unmask.fileio import atomic_write_json, check_output_file, read_json_object
-from unmask.models.checkpoint_checks import vocabulary_token
+from unmask.fileio import atomic_write_json, read_json_object
+from unmask.models.adapter_weights import (ADAPTER_FORMAT, ADAPTER_WEIGHTS, load_adapter_weights,  # noqa: F401
+                                           save_adapter_weights)
+from unmask.models.checkpoint_checks import check_decode_defaults, vocabulary_token
 from unmask.models.sbd_adapter import AdapterSpec, SBDAdapter, attach, check_targets
 
-ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_JSON = "adapter.json"
-ADAPTER_FORMAT = "unmask-sbd-adapter"
 ADAPTER_VERSION = 1
 ADAPTERS_DIR = "adapters"
 
@@ -85,47 +84,6 @@ def adapter_config(adapter: SBDAdapter, *, base_name: str, base_sha256: str, dec
             "parameters": adapter.num_parameters(), "decode_defaults": dict(decode_defaults or {}), **extra}
 
 
-def save_adapter_weights(adapter: SBDAdapter, directory: str | os.PathLike) -> Path:
-    """Write ``directory/adapter.safetensors`` atomically (float32 CPU copies of the tensors).
-
-    A failed write (a full disk: safetensors raises SafetensorError there, not OSError) removes
-    the temporary file and propagates as raised, so that the caller names what it was writing
-    (:func:`unmask.fileio.write_errors`; :func:`save_adapter` does)."""
-    from safetensors.torch import save_file
-
-    path = check_output_file(Path(directory) / ADAPTER_WEIGHTS, "adapter weights")
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in adapter.state_dict().items()}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata={"format": ADAPTER_FORMAT})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-def load_adapter_weights(adapter: SBDAdapter, directory: str | os.PathLike) -> None:
-    """Load ``directory/adapter.safetensors`` into ``adapter`` (cast to its dtype and device)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = Path(directory) / ADAPTER_WEIGHTS
-    if not path.is_file():
-        raise UnmaskError(f"{directory} has no {ADAPTER_WEIGHTS}; pass a directory written by "
-                          "'unmask train sbd-adapter'")
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise UnmaskError(f"cannot read {path} ({e}); restore the adapter or retrain it") from None
-    for key, t in state.items():  # an integer tensor would be cast to float silently (values truncated)
-        if not t.is_floating_point():
-            raise UnmaskError(f"{path}: tensor {key} is {str(t.dtype).removeprefix('torch.')}, not a floating-point "
-                              "dtype; an adapter holds float weights, restore the file or retrain the adapter")
-    adapter.load_state_dict(state, where=str(path))
-
-
 def save_adapter(adapter: SBDAdapter, directory: str | os.PathLike, config: dict) -> Path:
     """Write ``adapter.safetensors`` and ``adapter.json`` (``config``, see :func:`adapter_config`)
     into ``directory``, each atomically. Returns the directory. Raises UnmaskError (one line)
@@ -145,52 +103,6 @@ def _bad(f: Path, key: str, value, want: str) -> UnmaskError:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_decode_defaults(defaults, where: str) -> dict:
-    """``defaults`` (a model's or adapter's ``decode_defaults``) checked as SBD decoder options:
-    a JSON object whose keys are options of :func:`unmask.decode.blocks.sbd.decode` (``block_size``,
-    ``policy``, ``gamma``, ``preset``, ``tau``, ``factor``, ``tokens_per_step``, ``verify``,
-    ``verify_block_size``, ``draft``) with valid values. Returns a copy.
-
-    Raises:
-        UnmaskError: naming ``where`` and the key, for a non-object, an unknown key or a bad value.
-    """
-    import inspect
-
-    from unmask.decode.blocks.sbd import LOSSLESS_KEYS, SBDConfig
-    from unmask.decode.verify.steps import VerifyConfig
-
-    if not isinstance(defaults, dict):
-        raise UnmaskError(f"{where}: 'decode_defaults' must be a JSON object of decoder options (got "
-                          f"{type(defaults).__name__} {defaults!r}); restore it or set it with set_decode_defaults "
-                          "(a model) or set_adapter_decode_defaults (an adapter)")
-    lossy_keys = [k for k in inspect.signature(SBDConfig.from_options).parameters if k != "defaults"]
-    known = (*lossy_keys, *LOSSLESS_KEYS)
-    for key, value in defaults.items():
-        if key not in known:
-            raise UnmaskError(f"{where}: unknown decode_defaults key {key!r}; the sbd decoder's options are "
-                              f"{', '.join(known)}")
-        if not isinstance(value, (bool, int, float, str)) and value is not None:
-            raise UnmaskError(f"{where}: decode_defaults {key}={value!r} is not a number, string or boolean; "
-                              "pass a plain value")
-        if isinstance(value, float) and not math.isfinite(value):  # json reads NaN and Infinity
-            raise UnmaskError(f"{where}: decode_defaults {key}={value!r} is not a finite number; pass a finite "
-                              "value, as on the command line")
-    try:
-        SBDConfig.from_options(**{k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS})
-        if "verify" in defaults and not isinstance(defaults["verify"], bool):
-            raise UnmaskError(f"verify must be true or false (got {defaults['verify']!r}); pass verify=True or False")
-        if any(k in defaults for k in LOSSLESS_KEYS):
-            VerifyConfig(block_size=defaults.get("verify_block_size", VerifyConfig.block_size),
-                         draft=defaults.get("draft", VerifyConfig.draft))
-            if "queries" in defaults or "draft_layouts" in defaults:  # a calibrated table (spec §5.4)
-                from unmask.decode.verify import layout as draft_layout
-
-                draft_layout.resolve("budget", defaults.get("queries"), defaults)
-    except (UnmaskError, TypeError) as e:
-        raise UnmaskError(f"{where}: decode_defaults: {e}") from None
-    return dict(defaults)
 
 
 def read_adapter_config(directory: str | os.PathLike) -> dict:

@@ -61,7 +61,6 @@ class Family:
     tokenizer: str = "PreTrainedTokenizerFast"
 
 
-NATIVE = Family("native")
 FAMILIES: dict[str, Family] = {
     "llada": Family("llada", logit_shift=0, mask_token_id=126336, stop_token_ids=(126081, 126348), sampler="llada",
                     loader="AutoModel", model_types=("llada",)),

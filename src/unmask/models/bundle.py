@@ -8,10 +8,13 @@ from pathlib import Path
 
 import torch
 
+from unmask.devices import resolve_device, resolve_dtype  # noqa: F401 (also public here)
 from unmask.errors import UnmaskError, is_int
 from unmask.fileio import read_json_object
-from unmask.models.checkpoint_checks import (check_config_fields, check_default_sizes, check_explicit_mask_id,
-                                             check_float_weights, check_tokenizer_ids, check_weights_match)
+from unmask.models.checkpoint_checks import (check_config_fields, check_decode_defaults, check_default_sizes,
+                                             check_explicit_mask_id, check_float_weights, check_tokenizer_ids,
+                                             check_weights_match)
+from unmask.models.tensor_parallel import tp_load_options
 
 KINDS = ("causal", "sbd", "masked-diffusion", "block-diffusion")
 UNMASK_CONFIG = "unmask_config.json"
@@ -77,18 +80,6 @@ class ModelBundle:
         return full[len(head):] if full.startswith(head) else self.tokenizer.decode(new_ids, skip_special_tokens=True)
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if not isinstance(dtype, str) or dtype not in _DTYPES:  # a list is not even hashable
-        raise UnmaskError(f"unknown dtype {dtype!r}; use float32 or bfloat16")
-    return _DTYPES[dtype]
-
-
 def check_finite_weights(bundle: ModelBundle) -> None:
     """Refuse to decode with weights holding nan or inf (e.g. a diverged training run): every
     logit would be non-finite and the "decoded" text garbage. The result is cached on the model
@@ -110,21 +101,6 @@ def check_finite_weights(bundle: ModelBundle) -> None:
                               "are not finite; retrain it (lower --lr) or load another checkpoint")
     if key is not None:
         bundle.model._unmask_finite_key = key
-
-
-def resolve_device(device: str | torch.device | None, *, available: bool = True) -> torch.device:
-    """``device`` as a torch.device: cpu or cuda (``available``: and CUDA present). Raises UnmaskError."""
-    if device is None:
-        device = "cpu"
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):  # torch's message lists two dozen backends; ours names two
-        raise UnmaskError(f"unknown device {device!r}; use cpu or cuda") from None
-    if available and device.type == "cuda" and not torch.cuda.is_available():
-        raise UnmaskError("CUDA is not available on this machine; use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise UnmaskError(f"unsupported device {device}; use cpu or cuda")
-    return device
 
 
 def check_placement(bundle: ModelBundle, device=None, dtype=None) -> None:
@@ -281,8 +257,6 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
     hf_config = _read_hf_config(path)
     check_config_fields(path, hf_config)
     if "decode_defaults" in meta:  # null too: read as {} it would turn lossless SBD into the lossy sampler
-        from unmask.models.adapter_io import check_decode_defaults
-
         meta["decode_defaults"] = check_decode_defaults(meta["decode_defaults"], str(path / UNMASK_CONFIG))
         check_default_sizes(path, meta["decode_defaults"], hf_config)
     family = family_of(hf_config)
@@ -308,8 +282,6 @@ def load_dir(path: Path, *, name: str, kind: str | None = None, device="cpu", dt
         if native is not None:
             raise UnmaskError(f"--tp is not supported for the native {family.name if family else 'dLLM'} classes yet; "
                               "drop --tp (data parallel still works under torchrun)")
-        from unmask.models.tensor_parallel import tp_load_options
-
         device, extra = tp_load_options(tp, device, hf_config, trust_remote_code)
     check_float_weights(path, hf_config)
     try:

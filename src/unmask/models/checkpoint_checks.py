@@ -1,9 +1,11 @@
 """Checks of a checkpoint's files and ids at load, each naming the file and the field (or the ids)
 it refuses: config.json sizes, integer-typed weights, weights that do not fill the config, a mask
-id that is a vocabulary token, tokenizer ids past the input embedding."""
+id that is a vocabulary token, tokenizer ids past the input embedding, decode defaults that are no
+decoder options."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 
@@ -145,3 +147,48 @@ def check_tokenizer_ids(tokenizer, model, path: Path) -> None:
     raise UnmaskError(f"{path}: the tokenizer has {len(over)} token id(s) past the model's {rows} embedding rows "
                       f"({shown}); remove them from tokenizer.json, or resize the embeddings to {over[-1] + 1} rows "
                       "and re-save the model")
+
+
+def check_decode_defaults(defaults, where: str) -> dict:
+    """``defaults`` (a model's or adapter's ``decode_defaults``) checked as SBD decoder options:
+    a JSON object whose keys are options of :func:`unmask.decode.blocks.sbd.decode` (``block_size``,
+    ``policy``, ``gamma``, ``preset``, ``tau``, ``factor``, ``tokens_per_step``, ``verify``,
+    ``verify_block_size``, ``draft``) with valid values. Returns a copy.
+
+    Raises:
+        UnmaskError: naming ``where`` and the key, for a non-object, an unknown key or a bad value.
+    """
+    # the decoders' configs, imported here: loading a model needs them only when it has decode_defaults
+    from unmask.decode.blocks.sbd import LOSSLESS_KEYS, SBDConfig
+    from unmask.decode.verify.steps import VerifyConfig
+
+    if not isinstance(defaults, dict):
+        raise UnmaskError(f"{where}: 'decode_defaults' must be a JSON object of decoder options (got "
+                          f"{type(defaults).__name__} {defaults!r}); restore it or set it with set_decode_defaults "
+                          "(a model) or set_adapter_decode_defaults (an adapter)")
+    lossy_keys = [k for k in inspect.signature(SBDConfig.from_options).parameters if k != "defaults"]
+    known = (*lossy_keys, *LOSSLESS_KEYS)
+    for key, value in defaults.items():
+        if key not in known:
+            raise UnmaskError(f"{where}: unknown decode_defaults key {key!r}; the sbd decoder's options are "
+                              f"{', '.join(known)}")
+        if not isinstance(value, (bool, int, float, str)) and value is not None:
+            raise UnmaskError(f"{where}: decode_defaults {key}={value!r} is not a number, string or boolean; "
+                              "pass a plain value")
+        if isinstance(value, float) and not math.isfinite(value):  # json reads NaN and Infinity
+            raise UnmaskError(f"{where}: decode_defaults {key}={value!r} is not a finite number; pass a finite "
+                              "value, as on the command line")
+    try:
+        SBDConfig.from_options(**{k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS})
+        if "verify" in defaults and not isinstance(defaults["verify"], bool):
+            raise UnmaskError(f"verify must be true or false (got {defaults['verify']!r}); pass verify=True or False")
+        if any(k in defaults for k in LOSSLESS_KEYS):
+            VerifyConfig(block_size=defaults.get("verify_block_size", VerifyConfig.block_size),
+                         draft=defaults.get("draft", VerifyConfig.draft))
+            if "queries" in defaults or "draft_layouts" in defaults:  # a calibrated table (spec §5.4)
+                from unmask.decode.verify import layout as draft_layout
+
+                draft_layout.resolve("budget", defaults.get("queries"), defaults)
+    except (UnmaskError, TypeError) as e:
+        raise UnmaskError(f"{where}: decode_defaults: {e}") from None
+    return dict(defaults)

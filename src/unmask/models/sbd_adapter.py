@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from unmask.errors import UnmaskError
+from unmask.models.adapter_weights import load_adapter_weights, save_adapter_weights
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -277,13 +278,9 @@ class SBDAdapter:
                 module._merged_cache = None
 
     def save_weights(self, directory) -> None:
-        from unmask.models.adapter_io import save_adapter_weights
-
         save_adapter_weights(self, directory)
 
     def load_weights(self, directory) -> None:
-        from unmask.models.adapter_io import load_adapter_weights
-
         load_adapter_weights(self, directory)
 
 

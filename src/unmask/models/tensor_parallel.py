@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from unmask import dist
 from unmask.errors import UnmaskError
 
 
@@ -51,7 +52,6 @@ def tp_load_options(tp: int, device: torch.device, hf_config: dict, trust_remote
     Raises:
         UnmaskError: see :func:`check_tp`; a model with its own code (no tensor-parallel plan).
     """
-    from unmask import dist
     from unmask.compat import tensor_parallel_kwargs
 
     check_tp(tp, int(os.environ.get("WORLD_SIZE", "1")), hf_config)

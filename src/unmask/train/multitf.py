@@ -30,9 +30,9 @@ import torch
 
 from unmask.errors import UnmaskError
 from unmask.train.wiring import holds_output_locks
-from unmask.train.block_diffusion import (LOSSES, ROUNDINGS, _check_layout, _check_ratio_range, dual_stream_inputs,
-                                          fit, ipw_weights, load_base, mask_by_ratio, masked_ce_loss,
-                                          maskable_positions, row_tokens)
+from unmask.train.block_diffusion import fit, load_base
+from unmask.train.dual_stream import (LOSSES, ROUNDINGS, check_layout, check_ratio_range, dual_stream_inputs, ipw_weights,
+                                      mask_by_ratio, masked_ce_loss, maskable_positions, row_tokens)
 
 # (G_max, N_rand) of the released configurations (multiblock.md §4.1 "Totals", Table 5). Each is
 # decoded with N_buf = G_max slots (Table 1: LLaDA2 (2, 32), SDAR (4, ·)).
@@ -137,7 +137,7 @@ class ChainUniform:
     chain_over_prompt: bool = True
 
     def __post_init__(self):
-        _check_ratio_range(self.t_low, self.t_high)
+        check_ratio_range(self.t_low, self.t_high)
         if not 0.0 <= self.rho <= 1.0:
             raise UnmaskError(f"--rho must be in [0, 1], got {self.rho}; pass a value between 0 and 1")
 
@@ -215,7 +215,7 @@ class MultiTFObjective:
     term_names: tuple[str, ...] = ("mat", "acc")
 
     def __post_init__(self):
-        _check_layout(self.block_size, self.prompt_len, self.mask_token_id, self.rounding)
+        check_layout(self.block_size, self.prompt_len, self.mask_token_id, self.rounding)
         _check_sizes(1, self.g_max)
         if not isinstance(self.n_rand, int) or self.n_rand < 0:
             raise UnmaskError(f"--n-rand must be an integer >= 0, got {self.n_rand!r}; pass --n-rand 0 or more")

@@ -3,7 +3,7 @@ wrapping, the deterministic micro-batch plan, and distributed checkpoints.
 
 **Global step.** One optimizer step consumes ``M = world · grad_accum`` micro-batches of
 ``batch_size`` rows (``batch_size`` is per process, as torchrun users expect). Every rank draws
-the same global stream of chunk indices from the shared :class:`~unmask.train.loop.ChunkSampler`
+the same global stream of chunk indices from the shared :class:`~unmask.train.documents.ChunkSampler`
 and keeps the micro-batches ``m`` with ``m % world == rank``; micro-batch ``m`` of step ``s``
 draws its noise from its own generator seeded by ``(seed, s, m)``. Each micro-batch loss is
 divided by ``M`` and DDP/FSDP average the gradients over ranks, so the step equals a single

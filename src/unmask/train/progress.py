@@ -1,8 +1,18 @@
-"""The training progress display of :func:`unmask.train.loop.train`."""
+"""The training progress display of :func:`unmask.train.loop.train`, and :func:`say`, the one-line
+progress messages of the router trainers."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+
+Progress = Callable[[str], None] | None  # where the router trainers report progress (None: nowhere)
+
+
+def say(progress: Progress, message: str) -> None:
+    """``progress(message)``, unless ``progress`` is None."""
+    if progress is not None:
+        progress(message)
 
 
 # What each logged column is (a term's name is the key its objective reports; nats per token).

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from unmask.errors import UnmaskError
 from unmask.train.lm_loss import IGNORE, LOGITS_BUDGET, chunked_cross_entropy, head_weights
+from unmask.train.sbd_loss import sbd_attention_mask
 
 # λ of the KL term when --distill is given without --distill-lambda: of {0, 1, 2} in 40-step
 # fine-tunes of stories260K-sbd (same corpus, seed and steps), λ = 1 gave the lowest held-out
@@ -144,11 +145,11 @@ def sbd_distill_loss(model, batch: dict, k: int, mask_id: int, lam: float) -> tu
     """SBD Eq. 14 plus the §5.5 KL term, from one forward over the 2L-token layout.
 
     ``(Σ CE over every target of both halves + λ Σ KL over the masked targets with a teacher) /
-    (number of targets)``; λ = 0 equals :func:`unmask.train.objectives.sbd_loss`.
+    (number of targets)``; λ = 0 equals :func:`unmask.train.sbd_loss.sbd_loss`.
 
     Args:
         model: a causal LM whose vocabulary contains ``mask_id``, with a linear LM head.
-        batch: :func:`unmask.train.objectives.sbd_batch` output (on the model's device); k its block size.
+        batch: :func:`unmask.train.sbd_loss.sbd_batch` output (on the model's device); k its block size.
         lam: λ >= 0.
 
     Returns:
@@ -159,7 +160,6 @@ def sbd_distill_loss(model, batch: dict, k: int, mask_id: int, lam: float) -> tu
         UnmaskError: ``mask_id`` outside the vocabulary, or a head :func:`need_head` refuses.
     """
     from unmask.compat import final_hidden
-    from unmask.train.objectives import sbd_attention_mask
 
     L, V = batch["L"], model.config.vocab_size
     if not 0 <= mask_id < V:

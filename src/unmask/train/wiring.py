@@ -263,7 +263,7 @@ def set_decode_defaults(model_dir: str | Path, **defaults) -> dict:
     """
     import json
 
-    from unmask.models.adapter_io import check_decode_defaults
+    from unmask.models.checkpoint_checks import check_decode_defaults
 
     path = Path(model_dir) / UNMASK_CONFIG
     if not path.is_file():
