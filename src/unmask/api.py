@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from unmask.decode import Config, DecodeStats, Spec, get_decoder, spec_for
 from unmask.decode.choice import default_for
+from unmask.decode.engine.registry import plain_scalar
 from unmask.errors import UnmaskError
 from unmask.models import ModelBundle, load
 from unmask.models.bundle import check_finite_weights, check_placement
@@ -157,14 +158,6 @@ def as_prompt_list(prompts) -> list:
     return [list(p) if isinstance(p, tuple) else p for p in prompts]
 
 
-def plain_scalar(value):
-    """A numpy scalar (``np.int64(4)``, ``np.float32(0.5)``, ``np.bool_(True)``) as the Python number
-    it holds, so it passes the checks a plain int / float / bool passes; anything else unchanged."""
-    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
-        return value.item()
-    return value
-
-
 @scoped
 def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: str | ModelBundle | None = None,
              decoder: str | None = None, *, max_new_tokens: int | None = None, temperature: float = 0.0,
@@ -222,7 +215,7 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     else:
         bundle = load(model, device=device, dtype="float32" if dtype is None else dtype)
     use_for(bundle.model)  # the auto thread count for this call, unless the user chose one (unmask.threads)
-    decoder = decoder or default_for(bundle, options).decoder
+    decoder = default_for(bundle, options).decoder if decoder is None else decoder  # "": refused, not the default
     spec = spec_for(decoder, bundle.kind)
     decode = get_decoder(decoder, bundle.kind)
     if "compile" in options and not isinstance(options["compile"], bool):

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from unmask.cli.root import app
 from unmask.decode import DECODERS
@@ -218,12 +219,12 @@ def generate_cmd(
 
 def _knob_help(entries: list) -> str:
     """A decoder flag's help: the knob's text, or each decoder's own where they differ (a knob of one
-    decoder names it)."""
+    decoder names it); rich markup escaped, as typer renders help with it (a plug-in's "[0, 1] [/]")."""
     texts: dict[str, list[str]] = {}
     for decoder, k in entries:
-        texts.setdefault(k.help, []).append(decoder)
+        texts.setdefault(escape(k.help), []).append(decoder)
     if len(texts) == 1 and len(entries) > 1:
-        return entries[0][1].help
+        return next(iter(texts))
     return "; ".join(f"{', '.join(names)}: {text}" for text, names in texts.items())
 
 
@@ -236,7 +237,7 @@ def with_decoder_flags(cmd):
     for p in own.parameters.values():
         if p.name == "decoder":
             option = typer.Option(None, *p.default.param_decls, help=p.default.help.replace(
-                "DECODERS", "; ".join(f"{s.name}: {s.summary}" for s in DECODERS.values())))
+                "DECODERS", "; ".join(f"{s.name}: {escape(s.summary)}" for s in DECODERS.values())))
             p = p.replace(default=option)
         if p.kind is not p.VAR_KEYWORD:
             params.append(p)

@@ -19,7 +19,6 @@ from unmask.errors import UnmaskError
 
 for _spec in (_AR, _SBD, _DIFFUSION, _EARLY_BIRD, _BLOCK, _MULTIBLOCK):
     register(_spec)
-load_plugins()
 
 DEFAULT_FOR_KIND = {"causal": "ar", "sbd": "sbd", "masked-diffusion": "diffusion", "block-diffusion": "block"}
 
@@ -27,6 +26,9 @@ DEFAULT_FOR_KIND = {"causal": "ar", "sbd": "sbd", "masked-diffusion": "diffusion
 def spec_for(name: str, kind: str) -> Spec:
     """The registered decoder ``name``, checked against the model kind. Raises UnmaskError (one line,
     naming the decoders that fit) for an unknown name or a kind it does not decode."""
+    if not isinstance(name, str):  # a list or a number: the caller's mistake, not an unknown name
+        raise UnmaskError(f"decoder must be a decoder name such as 'ar' (got {type(name).__name__} {name!r}); pass "
+                          f"one of: {', '.join(DECODERS)}")
     spec = DECODERS.get(name)
     if spec is None:
         raise UnmaskError(f"unknown decoder {name!r}; choose one of: {', '.join(DECODERS)}")
@@ -45,7 +47,8 @@ def decode(bundle, prompts: list[list[int]], *, decoder: str | None = None, **kw
     """Decode ``prompts`` (token ids per row) with ``decoder`` (default: the model kind's,
     :func:`default_decoder`): :meth:`Spec.decode` of :func:`spec_for`; ``kwargs`` as it takes them
     (``max_new_tokens``, ``sampling``, stop ids and strings, ``compile``, ``on_step``, the knobs)."""
-    return spec_for(decoder or default_decoder(bundle.kind), bundle.kind).decode(bundle, prompts, **kwargs)
+    name = default_decoder(bundle.kind) if decoder is None else decoder  # "" is refused, not the default
+    return spec_for(name, bundle.kind).decode(bundle, prompts, **kwargs)
 
 
 def get_decoder(name: str, kind: str):
@@ -60,3 +63,5 @@ def default_decoder(kind: str) -> str:
 
 __all__ = ["Config", "DECODERS", "DecodeOutput", "DecodeStats", "Knob", "Spec", "decode", "default_decoder", "get_decoder",
            "knob", "load_plugins", "register", "spec_for"]
+
+load_plugins()  # last: a plug-in may import anything defined above (spec_for, decode, ...)

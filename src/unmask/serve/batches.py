@@ -87,8 +87,16 @@ class RunningBatches:
             cfg = spec.config.of(job.options, spec.name)
             if type(cfg).batch_key is Config.batch_key and spec.name in _TRANSITIONAL:
                 return self._transitional_key(job, cfg)
-            return cfg.batch_key(self.bundle, job.max_new_tokens), cfg
+            key = cfg.batch_key(self.bundle, job.max_new_tokens)
+            if key is not None and not (isinstance(key, tuple) and key):
+                raise TypeError(f"batch_key returned {type(key).__name__}, not a tuple or None")
+            hash(key)  # the loop keys its batches by it: an unhashable key would fail every pass
+            return key, cfg
         except UnmaskError:
+            return None, None
+        except Exception as e:  # noqa: BLE001 (a plug-in's batch_key: its request runs per call, the others go on)
+            log.warning("decoder %r: its config's batch_key failed (%s: %s); the request runs on its own", spec.name,
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return None, None
 
     @cached_property

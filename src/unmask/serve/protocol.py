@@ -33,6 +33,9 @@ STREAM_MODES = ("committed", "canvas")
 # template characters counted per message before rendering (the plain template adds 2 to a system
 # turn, 7 to a user turn): bounds the template's work on a huge list of empty messages
 MESSAGE_CHARS = 2
+# The request fields that are not decoder knobs (those come from the registry: decoder_knobs()).
+FIELDS = ("model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+          "stream_mode", "timeout", "decoder", "reference_nfe")
 # OpenAI fields that are accepted only at their neutral value.
 _NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
             "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
@@ -172,8 +175,7 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     knobs = decoder_knobs()
-    known = {"model", "messages" if chat else "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-             "stream", "stream_mode", "timeout", "decoder", "reference_nfe", *knobs, *_NEUTRAL}
+    known = {*FIELDS, *knobs, *_NEUTRAL} - {"prompt" if chat else "messages"}
     for name in body:
         if name in ("prompt", "messages") and name not in known:
             raise ApiError(400, f"{'chat completions take messages' if chat else 'completions take a prompt'}, not "

@@ -13,7 +13,9 @@ request schema and running batches, ``eval -O`` types and README's option table
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,6 +33,33 @@ log = logging.getLogger("unmask.decode")
 ENTRY_POINTS = "unmask.decoders"  # the entry-point group a plug-in decoder registers through
 _META = "unmask.knob"
 TYPES = (int, float, str, bool)  # a knob's value type; anything else is a Python-API-only object
+NAME = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")  # a decoder: a flag value, a JSON string, an entry-point name
+KNOB = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")  # a knob: a Python keyword, a JSON field and --its-flag
+# Names no knob may take: the options of `unmask generate` / `unmask.generate` (and the flags --json, --help,
+# --no-progress), decode()'s and a batch's own arguments, and the server's request fields; a knob so named
+# would be shadowed by, or shadow, one of them (tests/test_r49_breaking.py keeps this covering all three).
+RESERVED = frozenset({
+    "prompts", "prompts_file", "chat", "system", "model", "kind", "adapter", "decoder", "max_new_tokens", "temperature",
+    "top_k", "top_p", "seed", "stop", "reference_nfe", "compile", "show", "stream", "verbose", "trace", "json",
+    "as_json", "overwrite", "device", "dtype", "tp", "no_progress", "progress", "help",
+    "bundle", "sampling", "stop_token_ids", "stop_strings", "static", "on_step", "on_forward", "on_token", "capacity",
+    "prompt", "messages", "max_tokens", "max_completion_tokens", "stream_mode", "timeout", "n", "best_of", "echo",
+    "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "user",
+    "stream_options", "response_format", "tools", "tool_choice", "functions", "function_call"})
+RESERVED_SHORT = ("-m", "-d", "-n", "-t", "-h")  # unmask generate's own one-letter flags
+
+
+def plain_scalar(value):
+    """A numpy scalar (``np.int64(4)``, ``np.float32(0.5)``, ``np.bool_(True)``) as the Python number
+    it holds, so it passes the checks a plain int / float / bool passes; anything else unchanged."""
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        return value.item()
+    return value
+
+
+def _not_taken(names, decoder: str) -> UnmaskError:
+    flags = ", ".join("--" + k.replace("_", "-") for k in sorted(names))
+    return UnmaskError(f"{flags} does not apply to decoder {decoder!r}; drop it or choose a decoder that takes it")
 
 
 @dataclass(frozen=True)
@@ -39,7 +68,8 @@ class Knob:
     ``--block-size``); ``type``: int, float, str, bool, or ``object`` for a Python-API-only value (a
     router, a callable); ``default``: None means "resolved from the model and the other knobs" (the
     help says how); ``choices``: the allowed strings, if a closed set; ``low`` / ``high``: an
-    inclusive range, if any; ``cli``: a flag of ``unmask generate``; ``serve``: a field the server
+    inclusive range, if any (``choices``, ``low``, ``high``: shown in ``--help`` and README, enforced
+    by the config's ``__post_init__``); ``cli``: a flag of ``unmask generate``; ``serve``: a field the server
     takes (default: as ``cli``; neither: the Python API only); ``short``: a one-letter CLI alias (``-k``)."""
 
     name: str
@@ -101,19 +131,26 @@ class Config:
 
     @classmethod
     def of(cls, options: dict, decoder: str | None = None) -> "Config":
-        """The config of these options (None values are "unset"). Raises UnmaskError, one line, for an
-        option the decoder does not take or an integer beyond 64 bits; the subclass's checks follow."""
+        """The config of these options (None values are "unset"; numpy scalars read as the numbers they
+        hold). Raises UnmaskError, one line, for an option the decoder does not take or an integer beyond
+        64 bits; the subclass's checks follow, any other error they raise becoming a one-line UnmaskError."""
         name = decoder or cls.decoder
         taken = {k.name for k in cls.knobs()}
-        extra = sorted(k for k in options if k not in taken)
+        extra = [k for k in options if k not in taken]
         if extra:
-            flags = ", ".join("--" + k.replace("_", "-") for k in extra)
-            raise UnmaskError(f"{flags} does not apply to decoder {name!r}; drop it or choose a decoder that takes it")
+            raise _not_taken(extra, name)
+        options = {k: plain_scalar(v) for k, v in options.items()}
         for k, v in options.items():
             if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
                 raise UnmaskError(f"--{k.replace('_', '-')} is out of range (a 64-bit integer: at most {2**63 - 1}); "
                                   "pass a smaller value")
-        return cls(**options)
+        try:
+            return cls(**options)
+        except UnmaskError:
+            raise
+        except Exception as e:  # a plug-in's config checking with ValueError / assert, or tripping on a type
+            raise UnmaskError(f"decoder {name!r} refused its options ({_line(e)}); fix the values, or report it to the "
+                              "decoder's author if they are right") from e
 
     def batch_key(self, bundle, max_new_tokens: int):
         """The server's running-batch key of a request with this config: requests with equal keys share
@@ -162,13 +199,28 @@ class Spec:
         stop string or at ``max_new_tokens``. ``compile``: the static cache and a compiled forward (same
         tokens and NFE); ``static``: the static cache eagerly (tests); ``on_step(event)``: the
         :mod:`unmask.trace` step events, ``row`` the prompt's index; ``on_forward`` (tests): the
-        decoder's per-forward hook. Returns DecodeOutput. Raises UnmaskError for bad options."""
+        decoder's per-forward hook. Returns DecodeOutput. Raises UnmaskError (one line) for bad options,
+        and for a plug-in decoder's batch raising anything else (the error chained)."""
+        max_new_tokens, options = plain_scalar(max_new_tokens), {k: plain_scalar(v) for k, v in options.items()}
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise UnmaskError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r}); pass e.g. 64")
         if self.run is not None:  # a decoder with its own decode function
             extra = {k: v for k, v in (("static", static), ("on_forward", on_forward)) if v}
+            params = inspect.signature(self.run).parameters
+            if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                unknown = set(options) - {k.name for k in self.knobs()} - set(params)
+                if unknown:
+                    raise _not_taken(unknown, self.name)
+                hooks = sorted(set(extra) - set(params))  # static / on_forward: "may be refused"
+                if hooks:
+                    raise UnmaskError(f"decoder {self.name!r} does not take {hooks[0]}; drop it")
             return self.run(bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                             stop_token_ids=tuple(stop_token_ids), stop_strings=tuple(stop_strings), compile=compile,
                             on_step=on_step, **extra, **options)
         cfg = self.config.of(options, self.name)
+        if self.batch is None:
+            raise UnmaskError(f"decoder {self.name!r} has no running batch (its Spec's batch is None); register it "
+                              "with one")
         requests = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings,
                                 device=bundle.device)
         events = None if on_step is None else (lambda row, event: on_step({**event, "row": row.job.id}))
@@ -178,37 +230,117 @@ class Spec:
                               compile=compile, static=static, on_step=events, on_forward=on_forward,
                               stop_token_ids=tuple(stop_token_ids))
 
-        return drain(make, requests)
+        try:
+            return drain(make, requests)
+        except UnmaskError:
+            raise
+        except Exception as e:
+            home = getattr(self.batch, "__module__", None) or self.config.__module__
+            if home.split(".")[0] == "unmask":  # unmask's own bug: its traceback
+                raise
+            raise UnmaskError(f"decoder {self.name!r} failed ({_line(e)}); it is a plug-in ({home}): report it to its "
+                              "author, or choose another decoder") from e
+
+
+def _line(e: BaseException) -> str:
+    """``Type: first line of the message`` of an exception."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 DECODERS: dict[str, Spec] = {}
 
 
 def register(spec: Spec, *, replace: bool = False) -> Spec:
-    """Add ``spec`` to :data:`DECODERS` (a plug-in's one call). Raises UnmaskError for a name taken by
-    another decoder (unless ``replace``), a config that is not a frozen :class:`Config` dataclass, a
-    knob whose type differs from the same-named knob of a registered decoder, or no model kinds."""
+    """Add ``spec`` to :data:`DECODERS` (a plug-in's one call). Raises UnmaskError, one line, for what the
+    CLI, the server or the Python API could not take: a name taken by another decoder (unless ``replace``)
+    or not of lowercase letters, digits and dashes; a config that is not a frozen :class:`Config` dataclass
+    of its own (one class per decoder) with a default for every field; no model kinds; a batch that is not
+    callable; a summary that is not one line; a knob named like an option of unmask itself
+    (:data:`RESERVED`) or not ``lower_snake_case``, whose type, or whether the CLI and the server take it,
+    differs from the same-named knob of a registered decoder, a Python-object knob with ``serve=True``,
+    or a short alias that is malformed or taken."""
     if not isinstance(spec, Spec):
         raise UnmaskError(f"register() takes a unmask.decode.Spec (got {type(spec).__name__})")
     if not spec.name or not isinstance(spec.name, str):
         raise UnmaskError(f"a decoder needs a non-empty name (got {spec.name!r})")
-    if spec.name in DECODERS and not replace and DECODERS[spec.name] is not spec:
-        raise UnmaskError(f"decoder {spec.name!r} is already registered; choose another name or pass replace=True")
+    name = spec.name
+    if not NAME.fullmatch(name):
+        raise UnmaskError(f"decoder name {name!r} must be lowercase letters, digits and dashes (such as 'my-decoder'): "
+                          "it is a flag value and a JSON string; rename it")
+    if name in DECODERS and not replace and DECODERS[name] is not spec:
+        raise UnmaskError(f"decoder {name!r} is already registered; choose another name or pass replace=True")
     cfg = spec.config
     if not (isinstance(cfg, type) and issubclass(cfg, Config) and dataclasses.is_dataclass(cfg)
             and cfg.__dataclass_params__.frozen):
-        raise UnmaskError(f"decoder {spec.name!r}: config must be a @dataclass(frozen=True) subclass of "
+        raise UnmaskError(f"decoder {name!r}: config must be a @dataclass(frozen=True) subclass of "
                           f"unmask.decode.Config (got {cfg!r})")
+    other = DECODERS.get(cfg.decoder)
+    if other is not None and other.name != name and other.config is cfg:  # its batch_key would name the other one
+        raise UnmaskError(f"decoder {name!r}: its config {cfg.__name__} is decoder {other.name!r}'s; give each decoder "
+                          "its own Config subclass")
     if not spec.kinds:
-        raise UnmaskError(f"decoder {spec.name!r} names no model kind; pass kinds=(\"causal\",) or others")
-    types_now = knob_types(exclude=spec.name)
-    for k in cfg.knobs():
-        if k.name in types_now and types_now[k.name] != k.type_name:
-            raise UnmaskError(f"decoder {spec.name!r}: knob {k.name!r} is {k.type_name}, but other decoders take it "
-                              f"as {types_now[k.name]}; rename it or use the same type")
-    DECODERS[spec.name] = spec
-    cfg.decoder = spec.name
+        raise UnmaskError(f"decoder {name!r} names no model kind; pass kinds=(\"causal\",) or others")
+    if not (isinstance(spec.kinds, tuple) and all(isinstance(k, str) and k for k in spec.kinds)):
+        raise UnmaskError(f"decoder {name!r}: kinds must be a tuple of model kinds, such as (\"causal\",) (got "
+                          f"{spec.kinds!r})")
+    if spec.batch is not None and not callable(spec.batch):
+        raise UnmaskError(f"decoder {name!r}: batch must be a callable returning its running batch (got "
+                          f"{spec.batch!r})")
+    if not (isinstance(spec.summary, str) and spec.summary.strip() and "\n" not in spec.summary):
+        raise UnmaskError(f"decoder {name!r}: summary must be one line of text for 'unmask models' (got "
+                          f"{spec.summary!r})")
+    for f in dataclasses.fields(cfg):
+        if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise UnmaskError(f"decoder {name!r}: config field {f.name!r} has no default; give it one (a config is "
+                              "built from the knobs a user gives)")
+    try:
+        knobs = cfg.knobs()
+    except Exception as e:  # e.g. an annotation naming a type its module cannot resolve
+        raise UnmaskError(f"decoder {name!r}: the knobs of {cfg.__name__} cannot be read ({_line(e)}); fix its "
+                          "annotations") from e
+    for k in knobs:
+        _check_knob(name, k)
+    DECODERS[name] = spec
+    cfg.decoder = name
     return spec
+
+
+def _reach(k: Knob) -> str:
+    return {(True, True): "as a command-line/server option", (False, False): "from Python only",
+            (True, False): "as a command-line option only", (False, True): "as a server option only"}[(k.cli, k.serve)]
+
+
+def _check_knob(decoder: str, k: Knob) -> None:
+    """Raise UnmaskError when knob ``k`` of ``decoder`` cannot sit beside the registered decoders' knobs."""
+    where = f"decoder {decoder!r}: knob {k.name!r}"
+    if not KNOB.fullmatch(k.name) or k.name.startswith("no_"):
+        raise UnmaskError(f"{where} must be lower_snake_case, not starting with no_ (a bool's --no-X is its off "
+                          "form); rename it")
+    if k.name in RESERVED:
+        raise UnmaskError(f"{where} is named like an option of unmask itself (generate, decode or the server); "
+                          "rename it")
+    if k.type_name == "object" and k.serve:
+        raise UnmaskError(f"{where} is a Python object (not int, float, str or bool): JSON cannot carry it; drop "
+                          "serve=True")
+    for d, o in all_knobs().get(k.name, []):
+        if d == decoder:
+            continue
+        if o.type_name != k.type_name:
+            raise UnmaskError(f"{where} is {k.type_name}, but other decoders take it as {o.type_name}; rename it or "
+                              "use the same type")
+        if (o.cli, o.serve) != (k.cli, k.serve):  # one name, one reach: the CLI / server field serves every decoder
+            raise UnmaskError(f"{where} is taken {_reach(k)} here, but decoder {d!r} takes it {_reach(o)}; give it "
+                              "the same cli= / serve= or rename it")
+    if k.short is not None:
+        owner = "unmask generate" if k.short in RESERVED_SHORT else next(
+            (f"knob {o.name!r}" for entries in all_knobs().values() for d, o in entries
+             if d != decoder and o.short == k.short and o.name != k.name), None)
+        if not re.fullmatch(r"-[A-Za-z]", str(k.short)):
+            raise UnmaskError(f"{where}: short alias {k.short!r} must be a dash and one letter, such as '-w'")
+        if owner is not None:
+            raise UnmaskError(f"{where}: short alias {k.short!r} is taken by {owner}; choose another letter or "
+                              "drop short=")
 
 
 def knob_types(exclude: str | None = None) -> dict[str, str]:
