@@ -159,7 +159,7 @@ def check_decode_defaults(defaults, where: str) -> dict:
     import inspect
 
     from unmask.decode.blocks.sbd import LOSSLESS_KEYS, SBDConfig
-    from unmask.decode.verify.steps import VerifyConfig
+    from unmask.decode.verify.config import VerifyConfig
 
     if not isinstance(defaults, dict):
         raise UnmaskError(f"{where}: 'decode_defaults' must be a JSON object of decoder options (got "
@@ -182,7 +182,7 @@ def check_decode_defaults(defaults, where: str) -> dict:
         if "verify" in defaults and not isinstance(defaults["verify"], bool):
             raise UnmaskError(f"verify must be true or false (got {defaults['verify']!r}); pass verify=True or False")
         if any(k in defaults for k in LOSSLESS_KEYS):
-            VerifyConfig(block_size=defaults.get("verify_block_size", VerifyConfig.block_size),
+            VerifyConfig.of(block_size=defaults.get("verify_block_size", VerifyConfig.block_size),
                          draft=defaults.get("draft", VerifyConfig.draft))
             if "queries" in defaults or "draft_layouts" in defaults:  # a calibrated table (spec §5.4)
                 from unmask.decode.verify import layout as draft_layout

@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from unmask.decode.verify import layout as draft_layout
-from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import config as sbd_verify
 from unmask.decode.verify import siblings as sl
 from unmask.decode.blocks.sbd import runs_lossless
 from unmask.errors import UnmaskError
@@ -140,7 +140,7 @@ def check_server_draft(draft: str | None, queries: int | None, defaults: dict | 
     draft = "budget" if draft is None else draft
     if not isinstance(draft, str):
         raise UnmaskError(f"--draft must be text (got {draft!r}); pass linear, quadratic, budget or D/S/G text")
-    return sbd_verify.VerifyConfig(draft=draft_layout.resolve(draft, queries, defaults)).draft
+    return sbd_verify.VerifyConfig.of(draft=draft_layout.resolve(draft, queries, defaults)).draft
 
 
 def with_server_draft(bundle, draft: str | None, queries: int | None):
@@ -238,7 +238,7 @@ class LoadSizer:
             return sized
         K = next(v for v in (job.options.get("block_size"), self.defaults.get("verify_block_size"),
                              sbd_verify.DEFAULT_BLOCK_SIZE) if v is not None)
-        sbd_verify.VerifyConfig(block_size=K, draft=job.running_key[1])
+        sbd_verify.VerifyConfig.of(K, job.running_key[1])
         if 2 * K > self.bundle.context_length:
             raise UnmaskError(f"block size {K} is too large for the context window of "
                               f"{self.bundle.context_length}; lower --block-size")

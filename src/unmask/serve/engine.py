@@ -37,9 +37,9 @@ import time
 from collections import deque
 
 from unmask.decode.verify import layout as draft_layout
-from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import config as sbd_verify
 from unmask.decode.dllm.diffusion import DiffusionConfig
-from unmask.decode.verify.batch import Verify
+from unmask.decode.verify.batch import Verify, for_layout
 from unmask.decode.blocks.sbd import runs_lossless
 from unmask.errors import UnmaskError
 from unmask.decode.dllm.diffusion_batch import OPTIONS as DIFFUSION_OPTIONS, Diffusion
@@ -74,11 +74,12 @@ def _done(row, bundle) -> None:
 
 
 # Continuous running batches of the other decoders: batch kind -> class (see Scheduler._running_kind).
-RUNNING = {"multiblock": multiblock_engine.serving_batch, "sbd": lossy_sbd.serving_batch, "block": single_bd.serving_batch,
+RUNNING = {"multiblock": multiblock_engine.serving_batch,
+           "sbd": lambda bundle, options, **kw: lossy_sbd.batch(bundle, lossy_sbd.SBDOptions(**options), **kw), "block": single_bd.serving_batch,
            "diffusion": Diffusion.serving, "dream": DreamSchedule.serving, "early-bird": EarlyBird.serving}
 COMPILED = ("sbd", "block", "multiblock", "diffusion")  # --compile: these on a static cache (diffusion: its dual cache)
 # The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
-RUNNING_OPTIONS = {"multiblock": multiblock_engine.OPTIONS, "sbd": lossy_sbd.BATCH_OPTIONS,
+RUNNING_OPTIONS = {"multiblock": multiblock_engine.OPTIONS, "sbd": ("block_size", *lossy_sbd.POLICY_OPTIONS, "verify", "draft"),
                    "block": single_bd.BATCH_OPTIONS, "diffusion": DIFFUSION_OPTIONS,
                    "early-bird": EARLY_BIRD_OPTIONS}
 
@@ -122,16 +123,13 @@ class Scheduler:
     @property
     def ar(self) -> Verify:
         """The running batch AR requests join (the checkpoint's default draft layout)."""
-        return self._verify_batch(draft_layout.resolve(self.defaults.get("draft") or sbd_verify.DEFAULT_DRAFT,
-                                                       None, self.defaults))
+        return self._verify_batch(sbd_verify.default_layout(self.bundle))
 
     def _verify_batch(self, draft: str, fresh: bool = False) -> Verify:
         if fresh or draft not in self.verify:  # fresh: replaced in one assignment (readers never see none)
-            K = self.defaults.get("verify_block_size") or sbd_verify.DEFAULT_BLOCK_SIZE
-            cfg = sbd_verify.VerifyConfig(block_size=K, draft=draft, smaller=self.sizer.smaller(draft))
-            self.verify[draft] = Verify(self.bundle, cfg, compile=self.compile, capacity=self.max_batch_size,
-                                        on_step=self._event, on_token=self._ar_token,
-                                        ar=self.bundle.mask_token_id is None, defer_compile=True)
+            self.verify[draft] = for_layout(self.bundle, draft, capacity=self.max_batch_size, compile=self.compile,
+                                            smaller=self.sizer.smaller(draft), on_step=self._event,
+                                            on_token=self._ar_token)
         return self.verify[draft]
 
     # -- public, any thread -------------------------------------------------------------------

@@ -74,7 +74,7 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
     server's draft-size table may give a lossless sbd request that fixes no block size. Knobs the
     decoder will refuse count as the defaults (the decoder reports them)."""
     from unmask.decode.verify import layout as draft_layout
-    from unmask.decode.verify import steps as sbd_verify
+    from unmask.decode.verify import config as sbd_verify
     from unmask.decode.verify import siblings as sibling_layout
     from unmask.decode.blocks.sbd import DEFAULT_BLOCK_SIZE, runs_lossless
 
@@ -182,7 +182,7 @@ def check_batch_memory(bundle, limits: Limits, max_batch_size: int) -> None:
     tokens (at most the context window), its token and position slots, and the (K, V) float32 draft
     probabilities a sampled lossless row keeps (:mod:`unmask.memory`; a lower bound, so a refused size never fits)."""
     from unmask import memory
-    from unmask.decode.verify import steps as sbd_verify
+    from unmask.decode.verify import config as sbd_verify
 
     if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
         return  # the scheduler refuses it by name
