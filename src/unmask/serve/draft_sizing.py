@@ -164,8 +164,7 @@ def with_server_draft(bundle, draft: str | None, queries: int | None):
 def served_table(sizes: "DraftSizes | str | None", bundle) -> DraftSizes | None:
     """:func:`table_for` of the layout ``bundle`` serves by default (its decode_defaults' draft)."""
     defaults = bundle.meta.get("decode_defaults") or {}
-    draft = draft_layout.resolve(defaults.get("draft") or sbd_verify.DEFAULT_DRAFT, None, defaults)
-    return table_for(sizes, draft, defaults)
+    return table_for(sizes, sbd_verify.default_layout(bundle), defaults)
 
 
 def draft_sizes_option(value: "str | DraftSizes | None") -> "DraftSizes | str | None":
@@ -227,7 +226,7 @@ class LoadSizer:
 
     def block_size(self, job, sized: int | None) -> int:
         """The draft size a job joins with: 1 for ar, ``sized`` (the table's) for a sizable job, else
-        the request's or the checkpoint's K, validated as ``sbd_verify.decode`` does. Raises UnmaskError."""
+        the request's or the checkpoint's K, validated as the sbd decoder does. Raises UnmaskError."""
         if job.decoder == "ar":
             return 1
         unknown = sorted(set(job.options) - set(VERIFY_OPTIONS))
@@ -236,8 +235,8 @@ class LoadSizer:
                               f"{', '.join(VERIFY_OPTIONS)}")
         if job.sizable:
             return sized
-        K = next(v for v in (job.options.get("block_size"), self.defaults.get("verify_block_size"),
-                             sbd_verify.DEFAULT_BLOCK_SIZE) if v is not None)
+        K = job.options.get("block_size")
+        K = sbd_verify.default_block_size(self.bundle) if K is None else K
         sbd_verify.VerifyConfig.of(K, job.running_key[1])
         if 2 * K > self.bundle.context_length:
             raise UnmaskError(f"block size {K} is too large for the context window of "
