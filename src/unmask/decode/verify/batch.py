@@ -1,17 +1,18 @@
 """The one running batch of AR and lossless SBD rows (issue 25, DESIGN.md "One engine"): AR is
-lossless SBD with draft size K = 1.
+lossless SBD with draft size K = 1 (:mod:`unmask.decode.verify.ar`).
 
 Rows live in slot tensors (:class:`~unmask.decode.engine.running.Slots`), each with its own K (1: a plain
 AR step; >= 2: lossless SBD, spec/sbd_exact.md §1–2), which may change between steps (greedy output
 does not depend on K). A step is ONE forward of every row, each row's layout embedded in the
 step's query window (:func:`~unmask.decode.verify.tree.tree_window`; siblings, spec §5.3: greedy rows
 take the longest confirmed path, sampled rows SpecInfer's multi-candidate rule), the pure commit rule
-:func:`~unmask.decode.verify.steps.advance` and one host sync; Python bookkeeping (stop strings,
-events) runs after it. The cache is ``DynamicKV`` (the forward covers slots ``[0, high)``) or
-``StaticKV`` (``static``/``compile``: the forward covers the row bucket of ``high`` and the length
-bucket of the cache, one compiled graph per shape). Rejected verify columns stay as invalid keys of
-their row (``key_valid``); the tail no row kept is cut (a crop, or a pointer move); holes are
-compacted once they are half the cache, or when a static one is full.
+:func:`~unmask.decode.verify.steps.settle` and one host read (:class:`~unmask.decode.engine.host.HostRead`);
+the rows' bookkeeping (stop rule, events: :mod:`unmask.decode.verify.rows`) runs on what it read. The
+cache is ``DynamicKV`` (the forward covers slots ``[0, high)``) or ``StaticKV`` (``static``/``compile``:
+the forward covers the row bucket of ``high`` and the length bucket of the cache, one compiled graph per
+shape). Rejected verify columns stay as invalid keys of their row (``key_valid``); the tail no row kept
+is cut (a crop, or a pointer move); holes are compacted once they are half the cache, or when a static
+one is full.
 """
 
 from __future__ import annotations
@@ -242,7 +243,8 @@ class Verify:
             out = self._pieces(R, Q, Kmax, C, tw, rows, compiled=out is None)
         self.b[:R], committed, self.n[:R], self.draft_len[:R], keep, ended, last, step_tok = out
         self.p_b[:R] += committed
-        got = HostRead().add("committed", committed).add("ended", ended).add("last", last).add("tokens", step_tok).read()
+        got = (HostRead().add("committed", committed).add("ended", ended).add("last", last)  # the step's one host sync
+               .add("tokens", step_tok).read())
         kept = max(got["last"][i] for i in self.rows)  # window columns some running row keeps
         if kept < Q:  # the tail no running row keeps
             self.kv.crop(Q - kept)
