@@ -20,15 +20,7 @@ from unmask.decode.engine.running import requests_for
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 from unmask.decode import DECODERS
-from verify_helpers import lossless
-from unmask.decode.verify import tree as tv
-
-
-def _chain_tables(layouts):
-    """The chain path of :func:`unmask.decode.verify.tree.tree_window`: mask, offsets, and the
-    next-draft ``src`` and ``length`` of path 0."""
-    tw = tv.tree_window(layouts)
-    return tw.mask, tw.offsets, tw.src[:, :, 0], tw.length[:, :, 0]
+from verify_helpers import chain_tables, lossless
 
 
 # S without 0, S = {D}, per-group lengths, one group after the bonus, the 16-query preset
@@ -100,7 +92,7 @@ def brute_window(lay, Kmax: int, d: int):
 def test_window_layout_matches_the_spec_rules_and_the_next_draft_table(spec):
     lay = dl.parse(spec)
     Kmax = lay.D + 1
-    mask, offsets, src, length = _chain_tables(vconfig.family(spec, Kmax))
+    mask, offsets, src, length = chain_tables(vconfig.family(spec, Kmax))
     assert mask.shape[-1] == lay.queries == vconfig.queries(Kmax, spec)  # the window costs the layout's Q
     for d in range(lay.D + 1):
         want_m, want_o = brute_window(lay, Kmax, d)

@@ -16,15 +16,7 @@ from unmask.decode.engine.running import drain, requests_for
 from unmask.models.mask_token import add_mask_token
 from unmask.sampling import Sampling
 from unmask.decode import DECODERS
-from verify_helpers import lossless
-from unmask.decode.verify import tree as tv
-
-
-def _chain_tables(layouts):
-    """The chain path of :func:`unmask.decode.verify.tree.tree_window`: mask, offsets, and the
-    next-draft ``src`` and ``length`` of path 0."""
-    tw = tv.tree_window(layouts)
-    return tw.mask, tw.offsets, tw.src[:, :, 0], tw.length[:, :, 0]
+from verify_helpers import chain_tables, lossless
 
 
 TEXTS = ["Once upon a time", "The cat sat on the", "Lily and Ben went to the park", "One day",
@@ -154,7 +146,7 @@ def test_embedded_layouts_are_each_draft_sizes_own_layout_with_padding_seeing_on
     # a row of draft size K inside a step of the largest size Kmax: its queries carry its own
     # layout (the spec's rules, brute_layout(K)), every other query of the window sees only itself at offset 0
     Kmax = 4
-    mask, offsets, _, _ = _chain_tables(vconfig.family(draft, Kmax))
+    mask, offsets, _, _ = chain_tables(vconfig.family(draft, Kmax))
     Q = vconfig.queries(Kmax, draft)
     assert mask.shape == (Kmax, Kmax, Q, Q) and offsets.shape == (Kmax, Kmax, Q)
     for K in range(1, Kmax + 1):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from unmask.decode import DECODERS
 from unmask.decode.verify.config import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT
+from unmask.decode.verify import tree as tv
 from unmask.decode.verify.layout import is_layout
 
 
@@ -16,3 +17,10 @@ def lossless(bundle, prompts, *, block_size=None, draft=DEFAULT_DRAFT, **kw):
     elif block_size is None:
         block_size = DEFAULT_BLOCK_SIZE
     return DECODERS["sbd"].decode(bundle, prompts, verify=True, block_size=block_size, draft=draft, **kw)
+
+
+def chain_tables(layouts):
+    """The chain path of :func:`unmask.decode.verify.tree.tree_window` (the former ``window_layout``):
+    mask, offsets, and the next-draft ``src`` and ``length`` of path 0."""
+    tw = tv.tree_window(layouts)
+    return tw.mask, tw.offsets, tw.src[:, :, 0], tw.length[:, :, 0]
