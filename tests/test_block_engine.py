@@ -48,6 +48,8 @@ class SyncCounter:
 
 
 PROMPTS = [[1, 3], [1, 3, 5, 7, 9], [1] + list(range(3, 14)), [2, 4, 6, 8]]
+
+
 def sbd_batch(bundle, options, **kw):
     """The server's running batch of lossy sbd ``options`` (the registry's, as the server builds it)."""
     return DECODERS["sbd"].batch(bundle, SBDOptions.of(options), **kw)

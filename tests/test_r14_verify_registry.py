@@ -12,6 +12,7 @@ import pytest
 
 import unmask
 from unmask.decode import DECODERS
+from unmask.sampling import Sampling
 from unmask.errors import UnmaskError
 
 SRC = Path(unmask.__file__).parent
@@ -143,3 +144,26 @@ def test_the_verify_family_reads_in_short_files():
     sizes = {p.name: len(p.read_text().splitlines()) for p in MINE}
     assert max(sizes.values()) < 400, sizes
     assert sizes["ar.py"] < 80  # AR: the K = 1 verify step, told in one file
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+@pytest.mark.parametrize("name, options", [("ar", {}), ("sbd", dict(verify=True, block_size=4)),
+                                           ("sbd", dict(verify=True, draft="3/0,1,3/4+1g3"))])
+def test_a_registry_verify_batch_reads_the_host_once_with_events_on(monkeypatch, sampling, name, options):
+    """The server's case: 8 rows, ``on_step`` and ``on_token`` set; every step (those where rows finish
+    included) reads the host at most once, and the events are built from that read."""
+    from batch_helpers import job
+    from test_r5_host_syncs import SAMPLED, Recorder, SyncCounter
+    from test_sbd_verify import verify_bundle
+
+    bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
+    spec = DECODERS[name]
+    hook, tokens = Recorder(), []
+    dec = spec.batch(bundle, spec.config.of(options), capacity=8, on_step=hook, on_token=tokens.append,
+                     stop_token_ids=(2,))
+    smp = SAMPLED if sampling == "sampled" else Sampling()
+    jobs = [job([1] + [3 + (i * j) % 5 for j in range(1 + i)], 10 + 3 * i, smp) for i in range(8)]
+    for i, j in enumerate(jobs):
+        j.id = i
+    steps, done = SyncCounter(monkeypatch).drain(dec, [jobs[:5], [], jobs[5:]])
+    assert steps >= 3 and done and hook.events and tokens
