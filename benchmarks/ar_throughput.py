@@ -22,7 +22,7 @@ import time
 import torch
 
 import unmask
-from unmask.decode.verify import ar
+from unmask.decode import DECODERS
 from unmask.decode.engine.batching import left_pad
 
 MAX_NEW = 128
@@ -66,7 +66,7 @@ PROMPTS = [
 
 
 def unmask_run(bundle, ids: list[list[int]]) -> list[list[int]]:
-    return ar.decode(bundle, ids, max_new_tokens=MAX_NEW, stop_token_ids=bundle.stop_token_ids).tokens
+    return DECODERS["ar"].decode(bundle, ids, max_new_tokens=MAX_NEW, stop_token_ids=bundle.stop_token_ids).tokens
 
 
 def hf_run(bundle, ids: list[list[int]]) -> list[list[int]]:

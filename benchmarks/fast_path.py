@@ -30,9 +30,8 @@ import torch
 
 import unmask
 from unmask.bench.side_by_side import bench
-from unmask.decode.verify import ar
+from unmask.decode import DECODERS
 from unmask.decode.engine import kv
-from unmask.decode.verify import steps as sbd_verify
 from unmask.decode.engine import static
 from unmask.eval.story_openings import STORY_OPENINGS
 from unmask.fileio import atomic_write_json, atomic_write_text
@@ -69,8 +68,9 @@ def profile(bundle, prompts, max_new_tokens) -> list[dict]:
 
     # both run the one AR / lossless SBD batch (unmask.decode.verify.batch), whose eager forwards go
     # through unmask.decode.engine.kv.forward and whose compiled ones through static.step_function
-    setups = [("ar", kv, lambda p, **k: ar.decode(bundle, p, max_new_tokens=max_new_tokens, **k)),
-              ("sbd --verify", kv, lambda p, **k: sbd_verify.decode(bundle, p, max_new_tokens=max_new_tokens, **k))]
+    setups = [("ar", kv, lambda p, **k: DECODERS["ar"].decode(bundle, p, max_new_tokens=max_new_tokens, **k)),
+              ("sbd --verify", kv, lambda p, **k: DECODERS["sbd"].decode(
+                  bundle, p, max_new_tokens=max_new_tokens, verify=True, block_size=8, draft="linear", **k))]
     for name, module, run in setups:
         for compiled in (False, True):
             if compiled:

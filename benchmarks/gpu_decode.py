@@ -1,6 +1,6 @@
 """End-to-end decode speed of AR, lossless SBD and multiblock, eager and compiled, next to the roofline.
 
-Runs the decoders themselves (:func:`unmask.decode.verify.ar.decode`,
+Runs the decoders themselves (the ``ar`` and lossless ``sbd`` decoders,
 :func:`unmask.decode.verify.steps.decode`, :func:`unmask.decode.multiblock.window.decode`) on one CUDA
 GPU with a random-weight model of the Llama-3.1-8B shape in bf16 (built on the device with
 weight initialisation skipped, by ``benchmarks/gpu_forward_cost.py``'s ``build_model``; no
@@ -55,9 +55,8 @@ from pathlib import Path
 import torch
 
 from unmask.bench.roofline import ModelShape, Precision, roofline
-from unmask.decode.verify import ar
+from unmask.decode import DECODERS
 from unmask.decode.multiblock import window as multiblock
-from unmask.decode.verify import steps as sbd_verify
 from unmask.models.bundle import ModelBundle
 from unmask.sampling import Sampling
 
@@ -114,11 +113,11 @@ def decode_fn(name: str, bundle: ModelBundle, prompts: list[list[int]], *, compi
               block_size: int, mb_slots: int):
     """A no-argument callable running one greedy decode of ``prompts`` with decoder ``name``."""
     if name == "ar":
-        return lambda: ar.decode(bundle, prompts, max_new_tokens=max_new_tokens, sampling=Sampling(),
+        return lambda: DECODERS["ar"].decode(bundle, prompts, max_new_tokens=max_new_tokens, sampling=Sampling(),
                                  compile=compiled)
     if name == "sbd":
-        return lambda: sbd_verify.decode(bundle, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
-                                         draft="linear", compile=compiled)
+        return lambda: DECODERS["sbd"].decode(bundle, prompts, max_new_tokens=max_new_tokens, verify=True,
+                                              block_size=block_size, draft="linear", compile=compiled)
     return lambda: multiblock.decode(bundle, prompts, max_new_tokens=max_new_tokens, slots=mb_slots, compile=compiled)
 
 

@@ -31,8 +31,7 @@ from pathlib import Path
 import torch
 
 import unmask
-from unmask.decode.verify import ar
-from unmask.decode.blocks import sbd
+from unmask.decode import DECODERS
 from unmask.eval.divergence import divergence
 from unmask.eval.quality import reference_nll
 from unmask.fileio import atomic_write_json, atomic_write_text
@@ -78,8 +77,8 @@ def compare(bundle, prompts, max_new: int) -> dict:
     stops = bundle.stop_token_ids
     rows, t0 = [], time.perf_counter()
     for pid, ids in prompts:
-        a = ar.decode(bundle, [ids], max_new_tokens=max_new, stop_token_ids=stops)
-        s = sbd.decode(bundle, [ids], max_new_tokens=max_new, stop_token_ids=stops, verify=True)
+        a = DECODERS["ar"].decode(bundle, [ids], max_new_tokens=max_new, stop_token_ids=stops)
+        s = DECODERS["sbd"].decode(bundle, [ids], max_new_tokens=max_new, stop_token_ids=stops, verify=True)
         d = divergence(bundle, ids, a.tokens[0], s.tokens[0])
         rows.append({"id": pid, "prompt_tokens": len(ids), "ar": a.tokens[0], "sbd": s.tokens[0],
                      "sbd_nfe": s.stats.nfe_per_row[0], "identical": d is None,

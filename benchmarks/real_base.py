@@ -42,8 +42,7 @@ from pathlib import Path
 import torch
 
 import unmask
-from unmask.decode.verify import ar
-from unmask.decode.blocks import sbd
+from unmask.decode import DECODERS
 from unmask.eval.code_tasks import evaluate_humaneval
 from unmask.eval.datasets import gsm8k_chat_prompt, humaneval_chat_prompt, load_gsm8k, load_humaneval
 from unmask.eval.extract import gsm8k_score
@@ -104,7 +103,7 @@ def prompt_set(bundle, limit: int) -> list[dict]:
 
 
 def unmask_ar(bundle, ids: list[int], max_new: int) -> tuple[list[int], dict]:
-    out = ar.decode(bundle, [ids], max_new_tokens=max_new, stop_token_ids=bundle.stop_token_ids)
+    out = DECODERS["ar"].decode(bundle, [ids], max_new_tokens=max_new, stop_token_ids=bundle.stop_token_ids)
     return out.tokens[0], {"nfe": out.stats.nfe_per_row[0]}
 
 
@@ -120,7 +119,7 @@ def hf_generate(bundle, ids: list[int], max_new: int) -> tuple[list[int], dict]:
 
 
 def lossless_sbd(bundle, ids: list[int], max_new: int, block_size, draft) -> tuple[list[int], dict]:
-    out = sbd.decode(bundle, [ids], max_new_tokens=max_new, stop_token_ids=bundle.stop_token_ids, verify=True,
+    out = DECODERS["sbd"].decode(bundle, [ids], max_new_tokens=max_new, stop_token_ids=bundle.stop_token_ids, verify=True,
                      block_size=block_size, draft=draft)
     return out.tokens[0], {"nfe": out.stats.nfe_per_row[0], "accepts": out.stats.extra.get("accepts", {})}
 

@@ -22,8 +22,7 @@ import torch
 
 import unmask
 from unmask import calibrate as cal
-from unmask.decode.verify import ar
-from unmask.decode.verify import steps as sbd_verify
+from unmask.decode import DECODERS
 from unmask.eval.story_openings import STORY_OPENINGS
 from unmask.fileio import atomic_write_json, atomic_write_text
 
@@ -56,11 +55,11 @@ def main() -> None:
                          "tree_queries": tree.queries, "tree_tpf": tpf_tree, "gain": tpf_tree / tpf - 1,
                          "search_s": round(time.perf_counter() - t0, 1)})
             if args.measure:
-                want = ar.decode(bundle, prompts, max_new_tokens=args.max_new_tokens,
+                want = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=args.max_new_tokens,
                                  stop_token_ids=kw["stop_ids"]).tokens
                 for key, lay in (("chain", chain), ("tree", tree)):
-                    out = sbd_verify.decode(bundle, prompts, draft=lay.spec, max_new_tokens=args.max_new_tokens,
-                                            stop_token_ids=kw["stop_ids"])
+                    out = DECODERS["sbd"].decode(bundle, prompts, verify=True, draft=lay.spec,
+                                                 max_new_tokens=args.max_new_tokens, stop_token_ids=kw["stop_ids"])
                     rows[-1][f"{key}_measured_tpf"] = out.stats.tpf
                     rows[-1][f"{key}_equals_ar"] = out.tokens == want
             print(json.dumps(rows[-1]), flush=True)

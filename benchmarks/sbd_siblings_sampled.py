@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import unmask
-from unmask.decode.verify import steps as sbd_verify
+from unmask.decode import DECODERS
 from unmask.decode.verify import siblings as sl
 from unmask.eval.story_openings import STORY_OPENINGS
 from unmask.fileio import atomic_write_json, atomic_write_text
@@ -50,8 +50,8 @@ def main(argv=None) -> int:
         tpfs, t0 = [], time.perf_counter()
         for seed in range(args.seeds):
             smp = Sampling(temperature=args.temperature, top_k=args.top_k, seed=seed)
-            out = sbd_verify.decode(bundle, prompts, draft=layout, sampling=smp, max_new_tokens=args.max_new_tokens,
-                                    stop_token_ids=stops)
+            out = DECODERS["sbd"].decode(bundle, prompts, verify=True, draft=layout, sampling=smp,
+                                         max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
             tpfs.append(out.stats.tpf)
         rows.append({"layout": layout, "queries": sl.parse(layout).queries, "tpf_per_seed": tpfs, "tpf": statistics.mean(tpfs), "seconds": round(time.perf_counter() - t0, 1)})
         print(json.dumps(rows[-1]), flush=True)

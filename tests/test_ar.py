@@ -9,9 +9,9 @@ from conftest import tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
 from unmask.compat import forward, new_cache
-from unmask.decode.verify import ar
 from unmask.decode.engine.batching import left_pad
 from unmask.sampling import Sampling
+from unmask.decode import DECODERS
 
 FACTORIES = {"llama": tiny_llama, "qwen3": tiny_qwen3}
 STORY_PROMPTS = [
@@ -84,8 +84,8 @@ def test_batch_of_8_equals_8_singles_on_stories(stories):
 def test_batch_of_8_equals_8_singles_on_tiny(family, attn):
     bundle = tiny_bundle(FACTORIES[family](attn_implementation=attn))
     prompts = [_ids(10 + i, n) for i, n in enumerate([2, 5, 11, 3, 8, 1, 17, 6])]
-    batch = ar.decode(bundle, prompts, max_new_tokens=24)
-    singles = [ar.decode(bundle, [p], max_new_tokens=24).tokens[0] for p in prompts]
+    batch = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=24)
+    singles = [DECODERS["ar"].decode(bundle, [p], max_new_tokens=24).tokens[0] for p in prompts]
     assert batch.tokens == singles
 
 
@@ -93,10 +93,10 @@ def test_batch_invariance_with_stops_on_tiny():
     """Rows that stop early keep being fed (padded) and must not disturb the others."""
     bundle = tiny_bundle(tiny_llama())
     prompts = [_ids(20 + i, n) for i, n in enumerate([4, 9, 2, 6])]
-    free = ar.decode(bundle, prompts, max_new_tokens=20).tokens
+    free = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=20).tokens
     stop = (free[0][3], free[2][5])  # make two rows end early
-    batch = ar.decode(bundle, prompts, max_new_tokens=20, stop_token_ids=stop)
-    singles = [ar.decode(bundle, [p], max_new_tokens=20, stop_token_ids=stop).tokens[0] for p in prompts]
+    batch = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=20, stop_token_ids=stop)
+    singles = [DECODERS["ar"].decode(bundle, [p], max_new_tokens=20, stop_token_ids=stop).tokens[0] for p in prompts]
     assert batch.tokens == singles
     assert len(batch.tokens[0]) <= 3 and len(batch.tokens[2]) <= 5
 
@@ -118,11 +118,11 @@ def test_sampling_reproducible_on_tiny():
     prompts = [_ids(1, 4), _ids(2, 7)]
 
     def run(seed, **kw):
-        return ar.decode(bundle, prompts, max_new_tokens=16, sampling=Sampling(temperature=1.0, seed=seed, **kw)).tokens
+        return DECODERS["ar"].decode(bundle, prompts, max_new_tokens=16, sampling=Sampling(temperature=1.0, seed=seed, **kw)).tokens
 
     assert run(0) == run(0) and run(0) != run(1)
     assert run(3, top_k=5) == run(3, top_k=5)
-    greedy = ar.decode(bundle, prompts, max_new_tokens=16).tokens
+    greedy = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=16).tokens
     assert run(0, top_k=1) == greedy  # top-1 sampling is greedy
 
 
@@ -131,8 +131,8 @@ def test_sampling_reproducible_on_tiny():
 
 def test_stops_at_bos_or_eos_on_stories(stories):
     ids = [stories.encode("The sun")]
-    free = ar.decode(stories, ids, max_new_tokens=300)  # no stop ids: runs to the end
-    stopped = ar.decode(stories, ids, max_new_tokens=300, stop_token_ids=stories.stop_token_ids)
+    free = DECODERS["ar"].decode(stories, ids, max_new_tokens=300)  # no stop ids: runs to the end
+    stopped = DECODERS["ar"].decode(stories, ids, max_new_tokens=300, stop_token_ids=stories.stop_token_ids)
     assert set(stories.stop_token_ids) == {1, 2}
     n = len(stopped.tokens[0])
     assert n < 300 and stopped.tokens[0] == free.tokens[0][:n]
@@ -142,10 +142,10 @@ def test_stops_at_bos_or_eos_on_stories(stories):
 
 def test_stop_token_on_tiny():
     bundle = tiny_bundle(tiny_llama())
-    free = ar.decode(bundle, [_ids(5, 6)], max_new_tokens=20).tokens[0]
+    free = DECODERS["ar"].decode(bundle, [_ids(5, 6)], max_new_tokens=20).tokens[0]
     k = 7
     first = free.index(free[k])  # the stop token may already occur earlier
-    out = ar.decode(bundle, [_ids(5, 6)], max_new_tokens=20, stop_token_ids=(free[k],))
+    out = DECODERS["ar"].decode(bundle, [_ids(5, 6)], max_new_tokens=20, stop_token_ids=(free[k],))
     assert out.tokens[0] == free[:first]
     assert out.stats.nfe == first + 1
 
@@ -153,12 +153,12 @@ def test_stop_token_on_tiny():
 def test_stop_token_at_the_last_step_on_tiny():
     bundle = tiny_bundle(tiny_llama())
     prompts = [_ids(6, 5), _ids(7, 9)]
-    free = ar.decode(bundle, prompts, max_new_tokens=20).tokens
+    free = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=20).tokens
     first = free[0].index(free[0][12])
     n = first + 1  # row 0 samples the stop token exactly at its last step
-    out = ar.decode(bundle, prompts, max_new_tokens=n, stop_token_ids=(free[0][12],))
+    out = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=n, stop_token_ids=(free[0][12],))
     assert out.tokens[0] == free[0][:first] and out.stats.nfe_per_row[0] == n
-    alone = ar.decode(bundle, prompts[:1], max_new_tokens=n, stop_token_ids=(free[0][12],))  # every row ends
+    alone = DECODERS["ar"].decode(bundle, prompts[:1], max_new_tokens=n, stop_token_ids=(free[0][12],))  # every row ends
     assert alone.tokens == [free[0][:first]] and alone.stats.nfe == n
 
 
@@ -186,9 +186,9 @@ def test_stats_without_stops(stories):
 def test_stats_with_early_stop_on_tiny():
     bundle = tiny_bundle(tiny_llama())
     prompts = [_ids(30, 5), _ids(31, 3)]
-    free = ar.decode(bundle, prompts, max_new_tokens=10).tokens
+    free = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=10).tokens
     stop = free[0][2]
-    out = ar.decode(bundle, prompts, max_new_tokens=10, stop_token_ids=(stop,))
+    out = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=10, stop_token_ids=(stop,))
     s = out.stats
     n0 = len(out.tokens[0])
     assert n0 <= 2 and s.nfe_per_row[0] == n0 + 1
@@ -199,16 +199,16 @@ def test_stats_with_early_stop_on_tiny():
 
 def test_one_new_token_is_one_forward():
     bundle = tiny_bundle(tiny_llama())
-    out = ar.decode(bundle, [_ids(0, 4)], max_new_tokens=1)
+    out = DECODERS["ar"].decode(bundle, [_ids(0, 4)], max_new_tokens=1)
     assert out.stats.nfe == 1 and len(out.tokens[0]) == 1
 
 
 def test_mask_token_is_never_generated():
     model = tiny_llama()
     prompt = [_ids(0, 4)]
-    first = ar.decode(tiny_bundle(model), prompt, max_new_tokens=1).tokens[0][0]
+    first = DECODERS["ar"].decode(tiny_bundle(model), prompt, max_new_tokens=1).tokens[0][0]
     with torch.no_grad():  # make id 9 score 10x the winner: it wins unless suppressed
         model.lm_head.weight[9] = 10 * model.lm_head.weight[first]
-    assert 9 in ar.decode(tiny_bundle(model), prompt, max_new_tokens=8).tokens[0]
-    out = ar.decode(tiny_bundle(model, kind="sbd", mask_token_id=9), prompt, max_new_tokens=8)
+    assert 9 in DECODERS["ar"].decode(tiny_bundle(model), prompt, max_new_tokens=8).tokens[0]
+    out = DECODERS["ar"].decode(tiny_bundle(model, kind="sbd", mask_token_id=9), prompt, max_new_tokens=8)
     assert 9 not in out.tokens[0]

@@ -11,11 +11,11 @@ from test_sbd_decode import sbd_bundle
 
 from unmask.decode.blocks import single as block
 from unmask.decode.blocks import rule as block_rule
-from unmask.decode.blocks import sbd
 from unmask.decode.blocks.single import BlockConfig
 from unmask.decode.blocks.batch import BlockDecoder
 from unmask.decode.engine.running import requests_for
-from unmask.decode.blocks.sbd import SBDConfig
+from unmask.decode import DECODERS
+from unmask.decode.blocks.sbd import SBDConfig, SBDOptions
 from unmask.sampling import Sampling
 from unmask.policies import Threshold
 
@@ -48,6 +48,13 @@ class SyncCounter:
 
 
 PROMPTS = [[1, 3], [1, 3, 5, 7, 9], [1] + list(range(3, 14)), [2, 4, 6, 8]]
+
+
+def sbd_batch(bundle, options, **kw):
+    """The server's running batch of lossy sbd ``options`` (the registry's, as the server builds it)."""
+    return DECODERS["sbd"].batch(bundle, SBDOptions.of(options), **kw)
+
+
 CASES = [("block", dict(tau=0.6)), ("block", dict(tau=0.5, store="fused")), ("block", dict(steps=2, tau=0.7)),
          ("block", dict(policy="entropy-bound", gamma=0.4)), ("sbd", dict(block_size=4, gamma=0.5)),
          ("sbd", dict(block_size=3, policy="threshold", tau=0.3))]
@@ -61,7 +68,7 @@ def _bundle(decoder):
 @pytest.mark.parametrize("sampled,static", [(False, False), (True, False), (False, True)])
 def test_a_server_step_reads_the_host_once(monkeypatch, decoder, options, sampled, static):
     bundle = _bundle(decoder)
-    make = block.serving_batch if decoder == "block" else sbd.serving_batch
+    make = block.serving_batch if decoder == "block" else sbd_batch
     dec = make(bundle, options, capacity=8, stop_token_ids=(55, 29), static=static)  # static: serve --compile's cache
     sampling = Sampling(temperature=0.9, seed=4) if sampled else Sampling()
     jobs = [job(p, n, sampling) for p, n in zip(PROMPTS, (14, 9, 20, 11))]

@@ -247,11 +247,9 @@ TP_CASES = (("stories260K", "ar", {}), ("stories260K-sbd", "sbd", {}),
 
 def _tp_cases() -> tuple:
     """TP_CASES, plus lossless SBD (``verify``) where the sbd decoder has it (spec/sbd_exact.md)."""
-    import inspect
+    from unmask.decode import DECODERS
 
-    from unmask.decode.blocks import sbd
-
-    if "verify" not in inspect.signature(sbd.decode).parameters:
+    if "verify" not in {k.name for k in DECODERS["sbd"].knobs()}:
         return TP_CASES
     return TP_CASES + (("stories260K-sbd", "sbd", {"verify": True}), ("stories260K-sbd", "sbd", {"verify": False}))
 

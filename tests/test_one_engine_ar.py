@@ -14,12 +14,13 @@ import torch
 from test_sbd_verify import verify_bundle
 
 import unmask
-from unmask.decode.verify import ar
-from unmask.decode.verify import steps as sbd_verify
 from unmask.decode.verify.batch import Verify
 from unmask.decode.engine.running import Request
-from unmask.decode.verify.steps import VerifyConfig
+from unmask.decode.verify.config import VerifyConfig
 from unmask.sampling import Sampling
+from unmask.decode import DECODERS
+from unmask.decode.verify import config as vconfig
+from verify_helpers import lossless
 
 GREEDY = Sampling()
 SAMPLED = Sampling(temperature=0.9, top_k=20, seed=5)
@@ -50,18 +51,18 @@ def run_staggered(batch, plan):
 
 
 def alone(bundle, r, K, stops, **kw):
-    """(tokens, nfe, events) of the request's decoder alone: ar.decode for K = 1, else sbd_verify.decode."""
+    """(tokens, nfe, events) of the request's decoder alone: ar for K = 1, else lossless sbd."""
     events = []
     common = dict(max_new_tokens=r.max_new_tokens, sampling=r.sampling, stop_token_ids=stops, stop_strings=r.stop)
     if K == 1:
-        out = ar.decode(bundle, [r.prompt_ids], **common)
+        out = DECODERS["ar"].decode(bundle, [r.prompt_ids], **common)
     else:
-        out = sbd_verify.decode(bundle, [r.prompt_ids], block_size=K, on_step=events.append, **common, **kw)
+        out = lossless(bundle, [r.prompt_ids], block_size=K, on_step=events.append, **common, **kw)
     return out.tokens[0], out.stats.nfe_per_row[0], events
 
 
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("draft", sbd_verify.DRAFTS)
+@pytest.mark.parametrize("draft", vconfig.DRAFTS)
 @pytest.mark.parametrize("sampling", ["greedy", "sampled"])
 def test_ar_and_lossless_rows_of_different_sizes_share_one_batch_and_equal_their_decoders_alone(
         sbd_model, static, draft, sampling):
@@ -69,7 +70,7 @@ def test_ar_and_lossless_rows_of_different_sizes_share_one_batch_and_equal_their
     stops = sbd_model.stop_token_ids
     P = [sbd_model.encode(t) for t in TEXTS]
     events: dict[int, list] = {}
-    batch = Verify(sbd_model, VerifyConfig(block_size=4, draft=draft), static=static, capacity=6,
+    batch = Verify(sbd_model, VerifyConfig.of(block_size=4, draft=draft), static=static, capacity=6,
                    on_step=lambda row, e: events.setdefault(row.job.id, []).append(e), stop_token_ids=stops)
     plan = [([req(P[0], 40, s)], 1, 2),  # an AR row alone
             ([req(P[1], 30, s), req(P[2], 48, s)], 4, 3),  # lossless rows of K = 4 join it
@@ -93,7 +94,7 @@ def test_a_rows_draft_size_changes_between_steps_and_its_greedy_text_stays_ars(s
     # the server's load table sets K per step; greedy lossless output does not depend on K
     P = [sbd_model.encode(t) for t in TEXTS[:4]]
     stops = sbd_model.stop_token_ids
-    batch = Verify(sbd_model, VerifyConfig(block_size=8, draft="linear"), capacity=4, stop_token_ids=stops)
+    batch = Verify(sbd_model, VerifyConfig.of(block_size=8, draft="linear"), capacity=4, stop_token_ids=stops)
     reqs = [req(p, 60) for p in P]
     done = batch.join(reqs[:2], block_size=8)
     for i, K in enumerate((8, 4, 1, 1, 2, 8, 3)):
@@ -107,13 +108,13 @@ def test_a_rows_draft_size_changes_between_steps_and_its_greedy_text_stays_ars(s
         done += batch.step()
     assert len(done) == 4
     for row in done:
-        assert row.tokens == ar.decode(sbd_model, [row.job.prompt_ids], max_new_tokens=60,
+        assert row.tokens == DECODERS["ar"].decode(sbd_model, [row.job.prompt_ids], max_new_tokens=60,
                                        stop_token_ids=stops).tokens[0]
     assert sum(r.nfe for r in done) < sum(len(r.tokens) for r in done)  # the drafts paid
 
 
 def test_sampled_rows_keep_their_draft_size(sbd_model):
-    batch = Verify(sbd_model, VerifyConfig(block_size=4), capacity=2)
+    batch = Verify(sbd_model, VerifyConfig.of(block_size=4), capacity=2)
     batch.join([req(sbd_model.encode("Once"), 8, SAMPLED)])
     batch.resize(1)  # only greedy rows follow the load: a sampled row's proposals are drawn for its K
     assert [r.K for r in batch.rows.values()] == [4]
@@ -145,7 +146,7 @@ def counting_host_syncs():
 @pytest.mark.parametrize("sizes", [(1, 1, 1), (4, 4, 4), (1, 8, 2)], ids=["ar", "lossless", "mixed"])
 def test_a_step_syncs_with_the_host_at_most_once(static, sizes):
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
-    batch = Verify(bundle, VerifyConfig(block_size=8), static=static, capacity=4, stop_token_ids=(2,), length=256)
+    batch = Verify(bundle, VerifyConfig.of(block_size=8), static=static, capacity=4, stop_token_ids=(2,), length=256)
     g = torch.Generator().manual_seed(0)
     for i, K in enumerate(sizes):
         prompt = torch.randint(3, 8, (3 + 2 * i,), generator=g).tolist()

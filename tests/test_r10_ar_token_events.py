@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 from test_sbd_verify import verify_bundle
 
-from unmask.decode.verify import ar
 from unmask.sampling import Sampling
 from unmask.serve.engine import Scheduler
 from unmask.serve.jobs import Job
+from unmask.decode import DECODERS
 
 
 class Counted(list):
@@ -44,7 +44,7 @@ def test_posting_a_token_reads_only_that_token():
 def test_an_ar_stream_receives_the_same_events():
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
     prompt = [1, 3, 5, 2]
-    want = ar.decode(bundle, [prompt], max_new_tokens=12).tokens[0]
+    want = DECODERS["ar"].decode(bundle, [prompt], max_new_tokens=12).tokens[0]
     sched = Scheduler(bundle, max_batch_size=2).start()
     try:
         box: queue.Queue = queue.Queue()

@@ -13,11 +13,11 @@ import torch
 import unmask
 from conftest import run_cli, tiny_bundle, tiny_llama
 from unmask.decode import choice
-from unmask.decode.verify import ar
 from unmask.decode.choice import MIN_GAIN, choose, default_for, recorded
 from unmask.errors import UnmaskError
 from unmask.eval.divergence import bf16_ulp, divergence, first_divergence, gap_of
 from unmask.models import smollm2
+from unmask.decode import DECODERS
 
 # -- issue 52.1: the choice -------------------------------------------------------------------
 
@@ -173,7 +173,7 @@ def test_the_divergence_detector_finds_the_position_and_ar_s_top2_gap_there():
     torch.manual_seed(0)
     b = tiny_bundle(tiny_llama(vocab=64, seed=3))
     prompt = [1, 5, 9, 13]
-    ref = ar.decode(b, [prompt], max_new_tokens=8).tokens[0]
+    ref = DECODERS["ar"].decode(b, [prompt], max_new_tokens=8).tokens[0]
     assert divergence(b, prompt, ref, ref) is None
     with torch.inference_mode():  # the next-token logits after prompt + ref[:3], one uncached forward
         full = torch.tensor([prompt + ref[:3]])  # (1, T)

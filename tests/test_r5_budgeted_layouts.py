@@ -12,14 +12,16 @@ from test_sbd_verify import _ar_distribution, _chi_square_p, uncached, verify_bu
 
 import unmask
 from unmask.compat import forward, new_cache
-from unmask.decode.verify import ar
-from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import config as vconfig
 from unmask.decode.verify import layout as dl
 from unmask.decode.verify import siblings as sl
 from unmask.decode.verify.batch import Verify
 from unmask.decode.engine.running import requests_for
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
+from unmask.decode import DECODERS
+from verify_helpers import chain_tables, lossless
+
 
 # S without 0, S = {D}, per-group lengths, one group after the bonus, the 16-query preset
 LAYOUTS = ["3/0,2,3/4", "3/1,3/4", "3/3/4", "3/0,2/3,5", "2/0/5", "4/0,1,2,3,4/5", "5/0,1,3/6"]
@@ -90,8 +92,8 @@ def brute_window(lay, Kmax: int, d: int):
 def test_window_layout_matches_the_spec_rules_and_the_next_draft_table(spec):
     lay = dl.parse(spec)
     Kmax = lay.D + 1
-    mask, offsets, src, length = sbd_verify.window_layout(sbd_verify.family(spec, Kmax))
-    assert mask.shape[-1] == lay.queries == sbd_verify.queries(Kmax, spec)  # the window costs the layout's Q
+    mask, offsets, src, length = chain_tables(vconfig.family(spec, Kmax))
+    assert mask.shape[-1] == lay.queries == vconfig.queries(Kmax, spec)  # the window costs the layout's Q
     for d in range(lay.D + 1):
         want_m, want_o = brute_window(lay, Kmax, d)
         assert torch.equal(mask[Kmax - 1, d], want_m) and torch.equal(offsets[Kmax - 1, d], want_o)
@@ -112,13 +114,13 @@ def test_greedy_budgeted_output_equals_ar_batch_1_and_ragged_batch_of_8(arch, sp
     bundle = verify_bundle(arch, "sdpa", vocab=8, seed=len(spec))
     g = torch.Generator().manual_seed(len(spec))
     prompts = [torch.randint(3, 8, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (8,), generator=g)]
-    want = ar.decode(bundle, prompts, max_new_tokens=24).tokens
-    batch = sbd_verify.decode(bundle, prompts, max_new_tokens=24, draft=spec)
+    want = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=24).tokens
+    batch = lossless(bundle, prompts, max_new_tokens=24, draft=spec)
     assert batch.tokens == want
     assert max(batch.stats.extra["accepts"]) >= 2, batch.stats.extra["accepts"]  # drafts were accepted
     assert batch.stats.extra["draft"] == dl.parse(spec).spec
     for i in (0, 3, 7):
-        single = sbd_verify.decode(bundle, [prompts[i]], max_new_tokens=24, draft=spec)
+        single = lossless(bundle, [prompts[i]], max_new_tokens=24, draft=spec)
         assert single.tokens[0] == want[i]
         assert single.stats.nfe_per_row[0] == batch.stats.nfe_per_row[i]  # a row's steps do not depend on the batch
 
@@ -131,8 +133,8 @@ def test_named_layouts_are_their_d_s_g_special_cases(named, K):
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=K)
     prompts = [[1, 4, 5], [1, 6], [1, 3, 3, 7, 2, 5]]
     text = (dl.linear if named == "linear" else dl.quadratic)(K).spec
-    a = sbd_verify.decode(bundle, prompts, max_new_tokens=20, block_size=K, draft=named)
-    b = sbd_verify.decode(bundle, prompts, max_new_tokens=20, draft=text)
+    a = lossless(bundle, prompts, max_new_tokens=20, block_size=K, draft=named)
+    b = lossless(bundle, prompts, max_new_tokens=20, draft=text)
     assert a.tokens == b.tokens and a.stats.nfe_per_row == b.stats.nfe_per_row
     assert [r["accepts"] for r in a.stats.extra["row_extra"]] == [r["accepts"] for r in b.stats.extra["row_extra"]]
 
@@ -141,8 +143,8 @@ def test_mixed_draft_sizes_and_ar_rows_in_one_budgeted_batch_equal_ar():
     # rows of K = 1 (AR), 2, 3 and the layout's own K = 4 in one running batch; a resize mid-run too
     bundle = verify_bundle("qwen3", "sdpa", vocab=8, seed=3)
     prompts = [[1, 4, 5], [1, 6], [1, 3, 3, 7], [1, 2, 6, 6, 4], [1, 7]]
-    want = ar.decode(bundle, prompts, max_new_tokens=20).tokens
-    batch = Verify(bundle, sbd_verify.VerifyConfig(draft="3/0,2,3/4"), capacity=8)
+    want = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=20).tokens
+    batch = Verify(bundle, vconfig.VerifyConfig.of(draft="3/0,2,3/4"), capacity=8)
     reqs = requests_for(prompts, max_new_tokens=20, sampling=Sampling(), stop_strings=(), device=bundle.device)
     for req, K in zip(reqs, (1, 2, 3, 4, 9)):  # 9: cut to the layout's D + 1 = 4
         batch.join([req], block_size=K)
@@ -159,20 +161,20 @@ def test_mixed_draft_sizes_and_ar_rows_in_one_budgeted_batch_equal_ar():
 
 def test_smaller_layouts_pick_the_fewest_draft_tokens_that_cover_k():
     # K runs the smaller layout with the fewest draft tokens >= K - 1, cut to K; the draft itself from its D + 1
-    fam = sbd_verify.family("5/0,2,5/6", 6, ("2/0/5", "3/3/4"))
+    fam = vconfig.family("5/0,2,5/6", 6, ("2/0/5", "3/3/4"))
     assert [None if x is None else x.spec for x in fam] == [None, "1/0/5", "2/0/5", "3/3/4", "4/0,2,4/6", "5/0,2,5/6"]
-    assert sbd_verify.family("4/0,4/5", 5) == sbd_verify.family("4/0,4/5", 5, ())  # none: the draft cut to K
-    assert sbd_verify.queries(4, "4/0,4/5", ("3/3/4",)) == 8 < sbd_verify.queries(4, "4/0,4/5")
-    assert sbd_verify.queries(5, "4/0,4/5", ("3/3/4",)) == sbd_verify.queries(5, "4/0,4/5") == 15
-    with_sib = sbd_verify.family("4/0,4/5+1", 5, ("3/3/4",))
+    assert vconfig.family("4/0,4/5", 5) == vconfig.family("4/0,4/5", 5, ())  # none: the draft cut to K
+    assert vconfig.queries(4, "4/0,4/5", ("3/3/4",)) == 8 < vconfig.queries(4, "4/0,4/5")
+    assert vconfig.queries(5, "4/0,4/5", ("3/3/4",)) == vconfig.queries(5, "4/0,4/5") == 15
+    with_sib = vconfig.family("4/0,4/5+1", 5, ("3/3/4",))
     assert with_sib[3].spec == "3/3/4" and with_sib[4].siblings  # mixed with a sibling layout: trees
     for draft, bad in [("4/0,4/5", "4/0,4/5"), ("4/0,4/5", "5/0/4"), ("linear", "3/3/4")]:
         with pytest.raises(UnmaskError, match="need a budgeted draft .* and fewer than its"):
-            sbd_verify.VerifyConfig(draft=draft, smaller=(bad,))
+            vconfig.VerifyConfig.of(draft=draft, smaller=(bad,))
     for bad in ("3/3/4", None, 3):  # found by the fault pass: a bare text was read letter by letter
         with pytest.raises(UnmaskError, match="a tuple of D/S/G texts"):
-            sbd_verify.VerifyConfig(draft="4/0,4/5", smaller=bad)
-    assert sbd_verify.VerifyConfig(draft="4/0,4/5", smaller=("3/3/4", "3/3/4")).smaller == ("3/3/4",)
+            vconfig.VerifyConfig.of(draft="4/0,4/5", smaller=bad)
+    assert vconfig.VerifyConfig.of(draft="4/0,4/5", smaller=("3/3/4", "3/3/4")).smaller == ("3/3/4",)
 
 
 @pytest.mark.parametrize("arch, static", [("llama", False), ("qwen3", False), ("llama", True)])
@@ -181,15 +183,15 @@ def test_a_row_resized_to_a_smaller_layout_runs_that_layout_exactly(arch, static
     # NFE) as decode with 3/3/4 itself, rows at K = 5 as decode with 4/0,4/5; the tokens are AR's
     bundle = verify_bundle(arch, "sdpa", vocab=8, seed=5)
     prompts = [[1, 4, 5], [1, 6], [1, 3, 3, 7], [1, 2, 6, 6, 4]]
-    want = ar.decode(bundle, prompts, max_new_tokens=24).tokens
-    alone = {d: sbd_verify.decode(bundle, prompts, max_new_tokens=24, draft=d) for d in ("3/3/4", "4/0,4/5")}
-    batch = Verify(bundle, sbd_verify.VerifyConfig(draft="4/0,4/5", smaller=("3/3/4",)), capacity=8, static=static)
+    want = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=24).tokens
+    alone = {d: lossless(bundle, prompts, max_new_tokens=24, draft=d) for d in ("3/3/4", "4/0,4/5")}
+    batch = Verify(bundle, vconfig.VerifyConfig.of(draft="4/0,4/5", smaller=("3/3/4",)), capacity=8, static=static)
     reqs = requests_for(prompts, max_new_tokens=24, sampling=Sampling(), stop_strings=(), device=bundle.device)
     for req, K in zip(reqs, (4, 5, 4, 5)):
         batch.join([req], block_size=K)
     done, widths = {}, []
     while batch.rows:
-        widths.append(sbd_verify.queries(max(r.K for r in batch.rows.values()), "4/0,4/5", ("3/3/4",)))
+        widths.append(vconfig.queries(max(r.K for r in batch.rows.values()), "4/0,4/5", ("3/3/4",)))
         for row in batch.step():
             done[row.job.id] = row
     assert [done[r.id].tokens for r in reqs] == want
@@ -203,7 +205,7 @@ def test_cache_holds_only_committed_causal_kv_after_every_budgeted_step(draft):
     bundle = verify_bundle("llama", "eager", vocab=8, seed=1)
     prompts = [[1, 4, 5, 6], [1, 7]]
     seen = []
-    out = sbd_verify.decode(bundle, prompts, max_new_tokens=16, draft=draft,
+    out = lossless(bundle, prompts, max_new_tokens=16, draft=draft,
                             on_forward=lambda s: seen.append({k: s[k] for k in ("rows", "committed")} | {
                                 "kv": s["key_valid"].clone(), "keys": [x.keys.clone() for x in s["cache"].layers]})
                             if "rows" in s else None)
@@ -226,7 +228,7 @@ def test_budgeted_group_logits_equal_separate_all_mask_forwards(arch):
     lay = dl.parse(spec)
     prompt = [1, 5, 9, 12, 7]
     seen = []
-    out = sbd_verify.decode(bundle, [prompt], max_new_tokens=20, draft=spec, on_forward=seen.append)
+    out = lossless(bundle, [prompt], max_new_tokens=20, draft=spec, on_forward=seen.append)
     final = prompt + out.tokens[0]
     checked = 0
     for info in seen[1:]:
@@ -251,7 +253,7 @@ def test_sampled_budgeted_output_has_the_ar_distribution():
     sampling = Sampling(temperature=1.0, top_k=5, seed=11)
     prompt = [1, 4, 3]
     probs = _ar_distribution(bundle, prompt, 3, sampling)
-    out = sbd_verify.decode(bundle, [prompt] * 20_000, max_new_tokens=3, draft="2/0,2/3,2", sampling=sampling)
+    out = lossless(bundle, [prompt] * 20_000, max_new_tokens=3, draft="2/0,2/3,2", sampling=sampling)
     counts: dict = {}
     for row in out.tokens:
         counts[tuple(row)] = counts.get(tuple(row), 0) + 1
@@ -267,10 +269,10 @@ def test_budgeted_static_and_compiled_equal_eager():
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
     prompts = [[1, 4, 5], [1, 6, 2, 2]]
     kw = dict(max_new_tokens=16, draft="3/0,2,3/4")
-    eager = sbd_verify.decode(bundle, prompts, **kw)
-    assert eager.tokens == ar.decode(bundle, prompts, max_new_tokens=16).tokens
+    eager = lossless(bundle, prompts, **kw)
+    assert eager.tokens == DECODERS["ar"].decode(bundle, prompts, max_new_tokens=16).tokens
     for mode in ({"static": True}, {"compile": True}):
-        other = sbd_verify.decode(bundle, prompts, **kw, **mode)
+        other = lossless(bundle, prompts, **kw, **mode)
         assert other.tokens == eager.tokens and other.stats.nfe_per_row == eager.stats.nfe_per_row
 
 
@@ -284,7 +286,7 @@ def test_budget_resolves_to_the_stored_layout_for_the_budget():
     stored = {"draft_layouts": "8=2/0/6 16=3/0,1/6", "queries": 8}
     assert dl.resolve("budget", None, stored) == "2/0/6" and dl.resolve("budget", 20, stored) == "3/0,1/6"
     assert dl.resolve("linear") == "linear" and dl.resolve(dl.parse("3/3/4").spec) == "3/3/4"
-    cfg = sbd_verify.VerifyConfig(draft=dl.parse("3/0,2,3/4"))
+    cfg = vconfig.VerifyConfig.of(draft=dl.parse("3/0,2,3/4"))
     assert (cfg.draft, cfg.block_size, cfg.row_size(8), cfg.row_size(2)) == ("3/0,2,3/4", 4, 4, 2)
     for bad, match in (((("budget", 3)), "budget"), (("linear", 16), "--queries applies"),
                        (("budget:x", None), "budget:Q")):

@@ -8,8 +8,8 @@ import torch
 from test_sbd_verify import verify_bundle
 
 from unmask import calibrate as cal
-from unmask.decode.verify import steps as sbd_verify
 from unmask.decode.verify import layout as dl
+from verify_helpers import lossless
 
 SPECS = ["3/0,2,3/4", "3/1,3/4", "3/3/4", "2/0/5", "4/0,1,2,3,4/5", "7/7/8", "3/0,1,2,3/4"]
 
@@ -31,7 +31,7 @@ def case():
 @pytest.mark.parametrize("spec", SPECS)
 def test_replay_predicts_the_decoders_forwards_exactly(case, spec, stops):
     bundle, prompts, recs = case
-    out = sbd_verify.decode(bundle, prompts, max_new_tokens=24, draft=spec, stop_token_ids=stops)
+    out = lossless(bundle, prompts, max_new_tokens=24, draft=spec, stop_token_ids=stops)
     runs = [cal.replay(r, dl.parse(spec), stop_ids=stops, max_new_tokens=24) for r in recs]
     assert [f for _, f in runs] == out.stats.nfe_per_row
     assert [t for t, _ in runs] == [out.stats.row(i)["generated"] + out.stats.row(i)["stop_token"]

@@ -192,11 +192,13 @@ def _jobs(sampling, lengths=(14, 9, 20, 11), n: int = 4):
                                               ("sbd", dict(block_size=4, gamma=0.5)),
                                               ("sbd", dict(block_size=3, policy="threshold", tau=0.3))])
 def test_a_block_step_reads_the_host_once(monkeypatch, sampling, decoder, options, hook):
+    from unmask.decode import DECODERS
     from unmask.decode.blocks import single as block
-    from unmask.decode.blocks import sbd
+    from unmask.decode.blocks.sbd import SBDOptions
 
     bundle = _bundle(decoder)
-    make = block.serving_batch if decoder == "block" else sbd.serving_batch
+    make = block.serving_batch if decoder == "block" else \
+        (lambda b, o, **kw: DECODERS["sbd"].batch(b, SBDOptions.of(o), **kw))  # the server's lossy sbd batch
     dec = make(bundle, options, capacity=8, stop_token_ids=(55, 29), on_step=hook)
     n = rows_for(hook, 4)
     jobs = _jobs(sampling, n=n)

@@ -11,14 +11,14 @@ import pytest
 import torch
 from test_sbd_verify import verify_bundle
 
-from unmask.decode.verify import ar
-from unmask.decode.verify import steps as sbd_verify
 from unmask.decode.engine import static
 from unmask.decode.verify.batch import Verify
 from unmask.decode.engine.running import Request
-from unmask.decode.verify.steps import VerifyConfig
+from unmask.decode.verify.config import VerifyConfig
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
+from unmask.decode import DECODERS
+from verify_helpers import lossless
 
 _ids = itertools.count()
 
@@ -73,14 +73,14 @@ def _staggered(batch, plan):
 
 def _alone(bundle, r, K):
     kw = dict(max_new_tokens=r.max_new_tokens, sampling=r.sampling)
-    out = ar.decode(bundle, [r.prompt_ids], **kw) if K == 1 else \
-        sbd_verify.decode(bundle, [r.prompt_ids], block_size=K, **kw)
+    out = DECODERS["ar"].decode(bundle, [r.prompt_ids], **kw) if K == 1 else \
+        lossless(bundle, [r.prompt_ids], block_size=K, **kw)
     return out.tokens[0], out.stats.nfe_per_row[0]
 
 
 def test_a_static_step_covers_the_row_bucket_of_its_slots_not_the_capacity():
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=3)
-    batch = Verify(bundle, VerifyConfig(block_size=4), static=True, capacity=8, length=128)
+    batch = Verify(bundle, VerifyConfig.of(block_size=4), static=True, capacity=8, length=128)
     seen = _rows_per_forward(batch)
     P = _prompts(5)
     one = _req(P[0], 30)
@@ -102,7 +102,7 @@ def test_rows_joining_and_leaving_across_buckets_equal_their_decoders_alone(samp
     # AR and lossless rows: the bucket grows 1 -> 4 -> 8 and shrinks as rows finish or are dropped;
     # a later row reuses a low slot whose stale cache columns the larger bucket left behind
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
-    batch = Verify(bundle, VerifyConfig(block_size=4), static=True, capacity=8, length=256)
+    batch = Verify(bundle, VerifyConfig.of(block_size=4), static=True, capacity=8, length=256)
     seen = _rows_per_forward(batch)
     P = _prompts(8, seed=1)
     r = [_req(p, n, sampling) for p, n in zip(P, (40, 12, 30, 9, 25, 6, 33, 20))]
@@ -121,7 +121,7 @@ def test_compiled_rows_across_buckets_equal_eager_and_compile_once_per_bucket():
     P = _prompts(4, seed=2)
 
     def run(compile):
-        batch = Verify(bundle, VerifyConfig(block_size=4), compile=compile, static=True, capacity=4, length=128,
+        batch = Verify(bundle, VerifyConfig.of(block_size=4), compile=compile, static=True, capacity=4, length=128,
                        ar=True)
         seen = _rows_per_forward(batch)
         reqs = [_req(p, n) for p, n in zip(P, (24, 6, 10, 16))]
@@ -143,7 +143,7 @@ def test_compiled_rows_across_buckets_equal_eager_and_compile_once_per_bucket():
 def test_a_static_step_attends_over_the_length_bucket_not_the_whole_cache():
     # the server's cache holds context_length columns; a short row's step reads the first 128 of them
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=3)
-    batch = Verify(bundle, VerifyConfig(block_size=4), static=True, capacity=2, length=512)
+    batch = Verify(bundle, VerifyConfig.of(block_size=4), static=True, capacity=2, length=512)
     widths, real = [], batch.kv._step
 
     def step(inp, positions, mask, cache):
@@ -209,7 +209,7 @@ ROWS = {"ar": [(1, Sampling())] * 3,
 def test_every_verify_step_syncs_with_the_host_at_most_once(static, rows):
     # no on_step, no stop strings: the step's one host sync is the committed counts it hands back
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
-    batch = Verify(bundle, VerifyConfig(block_size=8), static=static, capacity=4, stop_token_ids=(2,), length=256)
+    batch = Verify(bundle, VerifyConfig.of(block_size=8), static=static, capacity=4, stop_token_ids=(2,), length=256)
     for prompt, (K, sampling), n in zip(_prompts(4, seed=7), ROWS[rows], (40, 25, 33, 12)):
         with _HostSyncs() as syncs:
             batch.join([_req(prompt, n, sampling)], block_size=K)
@@ -223,7 +223,7 @@ def test_step_events_of_lossless_rows_add_no_host_sync():
     # (it did: a canvas tensor and three .tolist() per row per step made a K = 1 lossless row dearer than AR)
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
     events = []
-    batch = Verify(bundle, VerifyConfig(block_size=4), capacity=4, stop_token_ids=(2,),
+    batch = Verify(bundle, VerifyConfig.of(block_size=4), capacity=4, stop_token_ids=(2,),
                    on_step=lambda row, e: events.append(e))
     for prompt, K in zip(_prompts(4, seed=7), (1, 4, 2, 1)):
         batch.join([_req(prompt, 30)], block_size=K)
@@ -255,7 +255,7 @@ def test_deferred_compile_runs_a_new_shape_eagerly_then_compiles_it_while_no_row
     # the server's batches (defer_compile): a running request never waits for a compile; its new shapes
     # run eagerly on the same static cache, and warm() compiles them once the batch is empty
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
-    batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128, ar=True,
+    batch = Verify(bundle, VerifyConfig.of(block_size=4), compile=True, capacity=2, length=128, ar=True,
                    defer_compile=True)
     kv, calls = batch.kv, []
     real_whole, real_eager = kv.fused, kv._eager  # a greedy AR step compiles whole (window, forward, commit)
@@ -263,7 +263,7 @@ def test_deferred_compile_runs_a_new_shape_eagerly_then_compiles_it_while_no_row
     kv._eager = lambda *a: calls.append("eager") or real_eager(*a)
     pending = lambda: [k for k, done in batch._steps.items() if done is False]  # noqa: E731
     prompt = _prompts(1, seed=3)[0]
-    want = ar.decode(bundle, [prompt], max_new_tokens=12).tokens[0]
+    want = DECODERS["ar"].decode(bundle, [prompt], max_new_tokens=12).tokens[0]
 
     def run():
         calls.clear()
@@ -298,7 +298,7 @@ def test_the_compiled_scheduler_compiles_new_shapes_only_after_an_idle_while_and
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
     sched = Scheduler(bundle, compile=True, max_batch_size=2).start()
     kv, prompt = sched.ar.kv, _prompts(1, seed=5)[0]
-    want = ar.decode(bundle, [prompt], max_new_tokens=10).tokens[0]
+    want = DECODERS["ar"].decode(bundle, [prompt], max_new_tokens=10).tokens[0]
     compiled_steps, real = [], kv.fused  # a greedy AR step compiles whole (window, forward, commit)
     kv.fused = lambda *a: compiled_steps.append(a[2:4]) or real(*a)
     compiled = lambda: any(sched.ar._steps.values())  # noqa: E731
@@ -333,7 +333,7 @@ def test_the_compiled_scheduler_compiles_new_shapes_only_after_an_idle_while_and
 def test_a_sampled_sibling_step_syncs_with_the_host_at_most_once(static):
     # SpecInfer's multi-candidate rule walks the tree in tensors: no host sync of its own
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
-    batch = Verify(bundle, VerifyConfig(draft="3/0,1,3/4+1g3+1"), static=static, capacity=4, stop_token_ids=(2,),
+    batch = Verify(bundle, VerifyConfig.of(draft="3/0,1,3/4+1g3+1"), static=static, capacity=4, stop_token_ids=(2,),
                    length=256)
     for prompt, seed, n in zip(_prompts(3, seed=7), range(3), (30, 22, 12)):
         batch.join([_req(prompt, n, Sampling(temperature=1.0, seed=seed))])
@@ -345,7 +345,7 @@ def test_a_static_row_bucket_over_a_slot_freed_by_the_last_row_steps_it_as_a_dea
     # found by serve_load --compile at 8 streams (a 500): the last rows' slots kept K = 4, a later bucket of
     # K = 1 rows covered one of them, and the step indexed the K = 1 window tables with K = 4
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
-    batch = Verify(bundle, VerifyConfig(block_size=4), static=True, capacity=4, length=128)
+    batch = Verify(bundle, VerifyConfig.of(block_size=4), static=True, capacity=4, length=128)
     P = _prompts(4, seed=9)
     batch.join([_req(p, 20) for p in P], block_size=4)
     batch.step()
@@ -360,7 +360,7 @@ def test_a_static_row_bucket_over_a_slot_freed_by_the_last_row_steps_it_as_a_dea
 def test_a_compiled_whole_step_syncs_with_the_host_at_most_once(K):
     # the greedy compiled step is one graph (window, forward, commit): its one host read is still the commit's
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
-    batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=1, stop_token_ids=(2,), length=128)
+    batch = Verify(bundle, VerifyConfig.of(block_size=4), compile=True, capacity=1, stop_token_ids=(2,), length=128)
     whole, calls = batch.kv.fused, []
     batch.kv.fused = lambda *a: calls.append(a[2:4]) or whole(*a)
     prompt = _prompts(1, seed=7)[0]

@@ -9,9 +9,9 @@ from test_r5_c_calibrate import replay_case
 
 from unmask import calibrate as cal
 from unmask.decode.verify import layout as dl
-from unmask.decode.verify import steps as sbd_verify
 from unmask.decode.verify import siblings as sl
 from unmask.errors import UnmaskError
+from verify_helpers import lossless
 
 
 def test_sibling_layout_text_ranks_and_queries():
@@ -48,7 +48,7 @@ def test_recording_keeps_the_argmax_drafts_and_adds_ranked_candidates(case):
 @pytest.mark.parametrize("spec", ["3/0,2,3/4", "3/1,3/4", "2/0/5", "7/7/8", "4/0,1,2,3,4/5"])
 def test_no_siblings_is_the_chain_replay_and_the_decoders_forwards(case, spec, stops):
     bundle, prompts, recs = case
-    out = sbd_verify.decode(bundle, prompts, max_new_tokens=24, draft=spec, stop_token_ids=stops)
+    out = lossless(bundle, prompts, max_new_tokens=24, draft=spec, stop_token_ids=stops)
     kw = dict(stop_ids=stops, max_new_tokens=24)
     tree = [cal.replay(r, sl.TreeLayout(dl.parse(spec)), **kw) for r in recs]
     assert tree == [cal.replay(r, dl.parse(spec), **kw) for r in recs]
@@ -117,7 +117,7 @@ def test_calibrate_with_siblings_stores_a_table_the_decoder_runs_as_predicted(ca
     spec = dl.resolve("budget", 16, cal.stored_defaults({}, rows))
     assert spec == rows[1]["layout"]
     stops = tuple(bundle.stop_token_ids)
-    out = sbd_verify.decode(bundle, prompts, max_new_tokens=16, draft=spec, stop_token_ids=stops)
+    out = lossless(bundle, prompts, max_new_tokens=16, draft=spec, stop_token_ids=stops)
     assert out.stats.tpf == pytest.approx(rows[1]["tpf"])
 
 

@@ -12,11 +12,12 @@ from test_sbd_verify import _chi_square_p, sampling_case, verify_bundle  # noqa:
 
 import unmask
 from unmask import calibrate as cal
-from unmask.decode.verify import ar
-from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import config as vconfig
 from unmask.decode.verify import siblings as sl
 from unmask.decode.verify import tree as tv
 from unmask.sampling import Sampling
+from unmask.decode import DECODERS
+from verify_helpers import lossless
 
 TREES = ["3/0,1,3/4+1", "3/0,2,3/4+1g3", "3/0/4+1c2+1", "2/0/5+1g4+2", "4/0,1,2,3,4/5+1c1g3+2", "3/1,3/4+1g2+1c1"]
 
@@ -67,8 +68,8 @@ def brute_tree(t: sl.TreeLayout, d: int):
 def test_tree_window_matches_the_spec_rules_and_the_replay_rule(spec):
     t = sl.parse(spec)
     Kmax = t.D + 1
-    tw = tv.tree_window(sbd_verify.family(spec, Kmax))
-    assert tw.mask.shape[-1] == t.queries == sbd_verify.queries(Kmax, spec)
+    tw = tv.tree_window(vconfig.family(spec, Kmax))
+    assert tw.mask.shape[-1] == t.queries == vconfig.queries(Kmax, spec)
     assert tw.sib_offset[Kmax - 1].tolist() == [s.offset for s in t.siblings]
     assert tw.sib_rank[Kmax - 1].tolist() == list(t.ranks)
     for d in range(Kmax):
@@ -96,11 +97,11 @@ def test_greedy_sibling_output_equals_ar_batch_1_and_ragged_batch_of_8(arch, spe
     bundle = verify_bundle(arch, "sdpa", vocab=8, seed=len(spec))
     g = torch.Generator().manual_seed(len(spec))
     prompts = [torch.randint(3, 8, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (8,), generator=g)]
-    want = ar.decode(bundle, prompts, max_new_tokens=24).tokens
-    batch = sbd_verify.decode(bundle, prompts, max_new_tokens=24, draft=spec)
+    want = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=24).tokens
+    batch = lossless(bundle, prompts, max_new_tokens=24, draft=spec)
     assert batch.tokens == want and batch.stats.extra["draft"] == sl.parse(spec).spec
     for i in (0, 3, 7):
-        single = sbd_verify.decode(bundle, [prompts[i]], max_new_tokens=24, draft=spec)
+        single = lossless(bundle, [prompts[i]], max_new_tokens=24, draft=spec)
         assert single.tokens[0] == want[i]
         assert single.stats.nfe_per_row[0] == batch.stats.nfe_per_row[i]
 
@@ -114,10 +115,10 @@ def case():
 @pytest.mark.parametrize("spec", TREES)
 def test_replay_predicts_the_sibling_decoders_forwards_exactly(case, spec, stops):
     bundle, prompts, recs = case
-    out = sbd_verify.decode(bundle, prompts, max_new_tokens=24, draft=spec, stop_token_ids=stops)
+    out = lossless(bundle, prompts, max_new_tokens=24, draft=spec, stop_token_ids=stops)
     runs = [cal.replay(r, spec, stop_ids=stops, max_new_tokens=24) for r in recs]
     assert [f for _, f in runs] == out.stats.nfe_per_row
-    assert out.tokens == ar.decode(bundle, prompts, max_new_tokens=24, stop_token_ids=stops).tokens
+    assert out.tokens == DECODERS["ar"].decode(bundle, prompts, max_new_tokens=24, stop_token_ids=stops).tokens
 
 
 def test_siblings_change_the_steps_of_these_rows(case):
@@ -143,7 +144,7 @@ def _tree_counts(bundle, prompt, sampling, n=20_000):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tv, "sampled_tree_accept", spy)
-        out = sbd_verify.decode(bundle, [prompt] * n, max_new_tokens=3, draft=SAMPLED_TREE, sampling=sampling)
+        out = lossless(bundle, [prompt] * n, max_new_tokens=3, draft=SAMPLED_TREE, sampling=sampling)
     counts: dict = {}
     for row in out.tokens:
         counts[tuple(row)] = counts.get(tuple(row), 0) + 1
@@ -181,10 +182,10 @@ def test_sampled_sibling_rows_do_not_depend_on_the_batch_and_the_cache():
     bundle = verify_bundle("qwen3", "sdpa", vocab=8, seed=2)
     prompts, smp = [[1, 4, 5], [1, 6, 2, 3], [1, 4, 5]], Sampling(temperature=0.9, seed=5)
     kw = dict(max_new_tokens=20, draft="3/0,1,3/4+1g3+1", sampling=smp)
-    batch = sbd_verify.decode(bundle, prompts, **kw)
+    batch = lossless(bundle, prompts, **kw)
     assert batch.tokens[0] != batch.tokens[2]  # two copies of a prompt are two samples
-    assert sbd_verify.decode(bundle, prompts[1:2], **kw).tokens[0] == batch.tokens[1]
-    static = sbd_verify.decode(bundle, prompts, static=True, **kw)
+    assert lossless(bundle, prompts[1:2], **kw).tokens[0] == batch.tokens[1]
+    static = lossless(bundle, prompts, static=True, **kw)
     assert static.tokens == batch.tokens and static.stats.nfe_per_row == batch.stats.nfe_per_row
 
 
@@ -196,8 +197,8 @@ def test_shipped_model_siblings_equal_ar_and_the_replay_predicts_the_measured_tp
     kw = dict(max_new_tokens=48, stop_token_ids=tuple(bundle.stop_token_ids))
     recs = cal.record(bundle, prompts, max_new_tokens=48)
     for spec in ("3/0,1,3/4+1g3", "5/0,1/4+1c1+1"):
-        out = sbd_verify.decode(bundle, prompts, draft=spec, **kw)
-        assert out.tokens == ar.decode(bundle, prompts, **kw).tokens
+        out = lossless(bundle, prompts, draft=spec, **kw)
+        assert out.tokens == DECODERS["ar"].decode(bundle, prompts, **kw).tokens
         assert cal.predicted_tpf(recs, spec, stop_ids=kw["stop_token_ids"], max_new_tokens=48) == pytest.approx(
             out.stats.tpf)
 
@@ -206,6 +207,6 @@ def test_static_cache_runs_the_same_sibling_steps():
     bundle = verify_bundle("qwen3", "sdpa", vocab=8, seed=6)
     prompts = [[1, 4, 5], [1, 6], [1, 3, 3, 7, 2, 5]]
     kw = dict(max_new_tokens=20, draft="3/0,2/4+1c1g3+1")
-    a, b = sbd_verify.decode(bundle, prompts, **kw), sbd_verify.decode(bundle, prompts, static=True, **kw)
-    assert a.tokens == b.tokens == ar.decode(bundle, prompts, max_new_tokens=20).tokens
+    a, b = lossless(bundle, prompts, **kw), lossless(bundle, prompts, static=True, **kw)
+    assert a.tokens == b.tokens == DECODERS["ar"].decode(bundle, prompts, max_new_tokens=20).tokens
     assert a.stats.nfe_per_row == b.stats.nfe_per_row

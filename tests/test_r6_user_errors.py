@@ -67,11 +67,11 @@ def test_the_story_corpus_counts_the_documents_it_dropped(tmp_path, monkeypatch)
     summary now says how many were dropped (duplicates kept once)."""
     import types
 
-    from unmask.decode.verify import ar
+    from unmask.decode import Spec
     from unmask.train.data import make_story_corpus
 
-    same = lambda bundle, prompts, **kw: types.SimpleNamespace(tokens=[[5, 6, 7] for _ in prompts])  # noqa: E731
-    monkeypatch.setattr(ar, "decode", same)  # every story the same: 3 sampled -> 1, 3 greedy -> 1
+    same = lambda spec, bundle, prompts, **kw: types.SimpleNamespace(tokens=[[5, 6, 7] for _ in prompts])  # noqa: E731
+    monkeypatch.setattr(Spec, "decode", same)  # every story the same: 3 sampled -> 1, 3 greedy -> 1
     summary = make_story_corpus(tmp_path / "c.jsonl", n_sampled=3, n_greedy=3, max_new_tokens=4)
     assert summary["documents"] == 2 and summary["dropped"] == 4
     assert len((tmp_path / "c.jsonl").read_text().splitlines()) == 2

@@ -9,7 +9,7 @@ import pytest
 from conftest import one_line_error
 
 import unmask
-from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import config as vconfig
 from unmask.decode.verify import tree as tv
 from unmask.errors import UnmaskError
 
@@ -17,8 +17,8 @@ from unmask.errors import UnmaskError
 @pytest.mark.parametrize("draft,K", [("linear", 8), ("quadratic", 5), ("3/0,2,3/4", None), ("5/0/8+1+2", None),
                                      ("4/0,4/5+1c1g2", None)])
 def test_table_bytes_is_what_tree_window_allocates(draft, K):
-    cfg = sbd_verify.VerifyConfig(block_size=K or 8, draft=draft)
-    fam = sbd_verify.family(cfg.draft, cfg.block_size)
+    cfg = vconfig.VerifyConfig.of(block_size=K or 8, draft=draft)
+    fam = vconfig.family(cfg.draft, cfg.block_size)
     tw = tv.tree_window(fam)
     real = sum(t.numel() * t.element_size() for t in (tw.mask, tw.offsets, tw.tok, tw.path, tw.path_len, tw.src,
                                                        tw.length, tw.sib_offset, tw.sib_rank))
@@ -27,7 +27,7 @@ def test_table_bytes_is_what_tree_window_allocates(draft, K):
 
 @pytest.mark.parametrize("draft,K", [("60/0/400", None), ("quadratic", 32), ("62/0/2+1+2+3+4+5+6+7+8+9+10", None)])
 def test_a_layout_whose_tables_pass_the_limit_is_refused_before_they_exist(draft, K):
-    cfg = sbd_verify.VerifyConfig(block_size=K or 8, draft=draft)  # the layout itself is valid text
+    cfg = vconfig.VerifyConfig.of(block_size=K or 8, draft=draft)  # the layout itself is valid text
     with pytest.raises(UnmaskError, match=r"MiB of step tables, more than the 256 MiB allowed; use fewer"):
         cfg.check_fits(10**6)  # a context window the layout fits: its tables are what is too large
 
@@ -38,7 +38,7 @@ def test_the_cli_refuses_a_huge_layout_in_one_line(capsys):
 
 
 def test_linear_64_the_largest_block_size_still_fits():
-    assert tv.table_bytes(sbd_verify.family("linear", 64)) <= sbd_verify.MAX_TABLE_MIB * 2**20
+    assert tv.table_bytes(vconfig.family("linear", 64)) <= vconfig.MAX_TABLE_MIB * 2**20
 
 
 def test_calibrate_drafts_names_a_fix_it_has_when_it_cannot_store(tmp_path, capsys, monkeypatch):

@@ -8,7 +8,7 @@ from conftest import one_line_error
 
 import unmask
 from unmask import calibrate as cal
-from unmask.decode.verify import ar
+from unmask.decode import Spec
 from unmask.errors import UnmaskError
 
 
@@ -17,7 +17,7 @@ def no_decoding(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("decoded before the context check")
 
-    monkeypatch.setattr(ar, "decode", refuse)
+    monkeypatch.setattr(Spec, "decode", refuse)  # the ar decoder calibration runs first
 
 
 @pytest.mark.parametrize("n, match", [(1000, "max_new_tokens 1000 exceeds the context window of 512"),

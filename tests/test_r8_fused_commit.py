@@ -11,15 +11,17 @@ import pytest
 import torch
 from test_sbd_verify import verify_bundle
 
-from unmask.decode.verify import ar
 from unmask.decode.verify import steps as sbd_verify
 from unmask.decode.engine import static
 from unmask.decode.verify import tree as tv
 from unmask.decode.verify.batch import Verify
 from unmask.decode.engine.running import Request
-from unmask.decode.verify.steps import VerifyConfig
+from unmask.decode.verify.config import VerifyConfig
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
+from unmask.decode import DECODERS
+from unmask.decode.verify import config as vconfig
+from verify_helpers import lossless
 
 _ids = itertools.count()
 
@@ -45,11 +47,11 @@ def test_compiled_commit_equals_the_eager_commit_and_ar(monkeypatch, draft):
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
     prompts = [[1, 4, 5], [1, 6, 2, 2], [1, 3]]
     kw = dict(max_new_tokens=20, draft=draft, block_size=4)
-    eager = sbd_verify.decode(bundle, prompts, **kw, static=True)
+    eager = lossless(bundle, prompts, **kw, static=True)
     calls = _fused_calls(monkeypatch)
-    fused = sbd_verify.decode(bundle, prompts, **kw, compile=True)
+    fused = lossless(bundle, prompts, **kw, compile=True)
     assert calls, "the compiled decode never ran the whole step"
-    assert fused.tokens == eager.tokens == ar.decode(bundle, prompts, max_new_tokens=20).tokens
+    assert fused.tokens == eager.tokens == DECODERS["ar"].decode(bundle, prompts, max_new_tokens=20).tokens
     assert fused.stats.nfe_per_row == eager.stats.nfe_per_row
     for key in ("accepts", "accepted_drafts", "query_windows"):
         assert fused.stats.extra[key] == eager.stats.extra[key], key
@@ -59,7 +61,7 @@ def test_compiled_commit_equals_the_eager_commit_and_ar(monkeypatch, draft):
 def test_a_sampled_row_keeps_the_eager_step(monkeypatch):
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
     calls = _fused_calls(monkeypatch)
-    batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128)
+    batch = Verify(bundle, VerifyConfig.of(block_size=4), compile=True, capacity=2, length=128)
     batch.join([_req([1, 4, 5], 8), _req([1, 6], 8, Sampling(temperature=1.0, seed=3))])
     while len(batch):
         batch.step()
@@ -68,10 +70,10 @@ def test_a_sampled_row_keeps_the_eager_step(monkeypatch):
 
 def test_deferred_cache_compiles_the_whole_step_while_no_row_runs(monkeypatch):
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
-    batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128, defer_compile=True)
+    batch = Verify(bundle, VerifyConfig.of(block_size=4), compile=True, capacity=2, length=128, defer_compile=True)
     calls = _fused_calls(monkeypatch)
     prompt = [1, 5, 3, 6]
-    want = ar.decode(bundle, [prompt], max_new_tokens=12).tokens[0]
+    want = DECODERS["ar"].decode(bundle, [prompt], max_new_tokens=12).tokens[0]
 
     def run():
         done = batch.join([_req(prompt, 12)])
@@ -96,9 +98,9 @@ def test_deferred_cache_compiles_the_whole_step_while_no_row_runs(monkeypatch):
 def test_greedy_commit_is_the_eager_acceptance_then_settle():
     """The pure function the graph compiles, run eagerly, against acceptance and settle called as
     the eager step calls them (suppressed ids at -inf in place first)."""
-    cfg = VerifyConfig(block_size=4, draft="3/0,2/4+1c1g3+1")
-    tw = sbd_verify.tables(cfg.draft, 4, cfg.smaller)
-    R, Q, V = 3, sbd_verify.queries(4, cfg.draft), 9
+    cfg = VerifyConfig.of(block_size=4, draft="3/0,2/4+1c1g3+1")
+    tw = vconfig.tables(cfg.draft, 4, cfg.smaller)
+    R, Q, V = 3, vconfig.queries(4, cfg.draft), 9
     g = torch.Generator().manual_seed(0)
     logits, inp = torch.randn((R, Q, V), generator=g), torch.randint(0, 8, (R, Q), generator=g)
     K, dl = torch.tensor([4, 4, 2]), torch.tensor([3, 1, 1])
@@ -109,7 +111,7 @@ def test_greedy_commit_is_the_eager_acceptance_then_settle():
     ref_logits[..., [8]] = float("-inf")
     a, p, step_tok, draft, sib = sbd_verify.greedy_step(ref_logits, inp, tw, K, dl)
     want = (draft, sib, *sbd_verify.settle(a, p, step_tok, tw, K, dl, n, N, live, stops, b, Q))
-    assert len(got) == len(want) == 8
+    assert len(got) == len(want) == 10  # draft, siblings and settle's eight
     for x, y in zip(got, want):
         assert torch.equal(x, y)
 
@@ -118,7 +120,7 @@ def test_a_whole_step_after_a_sampled_run_compiled_its_forward_still_compiles_wh
     # the forward shape compiles while only a sampled row runs (its commit stays eager); a later greedy
     # row records its whole step, which /health counts and the next idle warm() compiles
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
-    batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128, defer_compile=True)
+    batch = Verify(bundle, VerifyConfig.of(block_size=4), compile=True, capacity=2, length=128, defer_compile=True)
     calls = _fused_calls(monkeypatch)
     prompt = [1, 5, 3, 6]
 
@@ -132,7 +134,7 @@ def test_a_whole_step_after_a_sampled_run_compiled_its_forward_still_compiles_wh
     while batch.warm():
         pass
     assert not batch.kv.pending and not batch._steps
-    want = ar.decode(bundle, [prompt], max_new_tokens=12).tokens[0]
+    want = DECODERS["ar"].decode(bundle, [prompt], max_new_tokens=12).tokens[0]
     assert run() == want and not calls and batch.pending_steps == 1
     seen = []
     real = static.compiled_step
@@ -150,9 +152,9 @@ def test_a_whole_step_after_a_sampled_run_compiled_its_forward_still_compiles_wh
 
 def test_a_whole_step_that_fails_to_compile_stays_eager_and_is_not_pending(monkeypatch):
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
-    batch = Verify(bundle, VerifyConfig(block_size=4), compile=True, capacity=2, length=128, defer_compile=True)
+    batch = Verify(bundle, VerifyConfig.of(block_size=4), compile=True, capacity=2, length=128, defer_compile=True)
     prompt = [1, 5, 3, 6]
-    want = ar.decode(bundle, [prompt], max_new_tokens=12).tokens[0]
+    want = DECODERS["ar"].decode(bundle, [prompt], max_new_tokens=12).tokens[0]
 
     def run():
         done = batch.join([_req(prompt, 12)])
@@ -179,7 +181,7 @@ def test_a_whole_step_that_fails_to_compile_stays_eager_and_is_not_pending(monke
 def test_a_row_whose_draft_window_does_not_fit_is_refused_before_joining():
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
     ctx = bundle.context_length
-    batch = Verify(bundle, VerifyConfig(block_size=4, draft="quadratic"), compile=True, capacity=4, length=128)
+    batch = Verify(bundle, VerifyConfig.of(block_size=4, draft="quadratic"), compile=True, capacity=4, length=128)
     running = batch.join([_req([1, 5, 3], 20)])
     assert not running and len(batch) == 1
     K = 10  # quadratic: K + K^2 = 110 queries; with 23 tokens of the running row: past the 128 columns
@@ -189,8 +191,8 @@ def test_a_row_whose_draft_window_does_not_fit_is_refused_before_joining():
     done = []
     while len(batch):
         done += batch.step()
-    assert done[0].tokens == ar.decode(bundle, [[1, 5, 3]], max_new_tokens=20).tokens[0]
-    eager = Verify(bundle, VerifyConfig(block_size=4, draft="quadratic"), capacity=2)
+    assert done[0].tokens == DECODERS["ar"].decode(bundle, [[1, 5, 3]], max_new_tokens=20).tokens[0]
+    eager = Verify(bundle, VerifyConfig.of(block_size=4, draft="quadratic"), capacity=2)
     big = next(k for k in range(2, 64) if k + k * k > ctx)
     with pytest.raises(UnmaskError, match=f"block size {big} with draft layout quadratic needs {big + big * big} positions "
                        f"per forward, more than the context window of {ctx}; lower block_size"):
@@ -203,7 +205,7 @@ def test_on_a_cache_sized_for_the_context_window_a_row_fits_or_not_by_itself():
     # running rows' draft sizes; a draft size whose window cannot sit beside such a request is refused alone
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=4)
     ctx = bundle.context_length
-    batch = Verify(bundle, VerifyConfig(block_size=4, draft="quadratic"), compile=True, capacity=4, defer_compile=True)
+    batch = Verify(bundle, VerifyConfig.of(block_size=4, draft="quadratic"), compile=True, capacity=4, defer_compile=True)
     spare = batch.kv.capacity - ctx  # columns past the context window
     fits = max(k for k in range(2, 64) if k + k * k <= spare)
     assert not batch.join([_req([1, 5, 3], 6)], block_size=fits)
@@ -214,7 +216,7 @@ def test_on_a_cache_sized_for_the_context_window_a_row_fits_or_not_by_itself():
     done = []
     while len(batch):
         done += batch.step()
-    want = ar.decode(bundle, [[1, 5, 3], long], max_new_tokens=6).tokens[0]
+    want = DECODERS["ar"].decode(bundle, [[1, 5, 3], long], max_new_tokens=6).tokens[0]
     assert sorted(len(r.tokens) for r in done) == [6, ctx - len(long)] and want in [r.tokens for r in done]
 
 
@@ -222,9 +224,9 @@ def test_on_a_cache_sized_for_the_context_window_a_row_fits_or_not_by_itself():
 def test_the_whole_steps_window_is_the_eager_steps_inputs_and_mask(draft, Kmax):
     """window() builds in one graph what the eager step builds in pieces: ids from the pool, positions,
     and the mask [valid keys | the layout's window | nothing] over the length bucket, for every C."""
-    cfg = VerifyConfig(block_size=4, draft=draft)
-    tw = sbd_verify.tables(cfg.draft, Kmax, cfg.smaller)
-    R, Q, Lb, mask_id = 3, sbd_verify.queries(Kmax, cfg.draft), 40, 7
+    cfg = VerifyConfig.of(block_size=4, draft=draft)
+    tw = vconfig.tables(cfg.draft, Kmax, cfg.smaller)
+    R, Q, Lb, mask_id = 3, vconfig.queries(Kmax, cfg.draft), 40, 7
     g = torch.Generator().manual_seed(1)
     K = torch.tensor([Kmax, max(Kmax - 2, 1), 1])
     dl = torch.minimum(torch.tensor([Kmax - 1, 1, 0]), K - 1)

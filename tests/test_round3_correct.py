@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import unmask
+from unmask.decode import DECODERS
 from unmask.decode.dllm import diffusion
-from unmask.decode.blocks import sbd
 from unmask.decode.blocks.single import quota_threshold_commit
 from unmask.decode.engine.kv import DynamicKV, StaticKV
 from unmask.errors import UnmaskError
@@ -79,7 +79,7 @@ def test_early_bird_at_low_temperature_needs_about_as_many_forwards_as_greedy(dl
 @pytest.mark.parametrize("T", [0.05, 0.1, 1.0])
 def test_sbd_gamma_zero_commits_one_token_per_forward_at_any_temperature(sbd_model, T):
     prompt = sbd_model.encode("Once upon a time")
-    out = sbd.decode(sbd_model, [prompt], max_new_tokens=32, gamma=0.0, sampling=Sampling(temperature=T, seed=0))
+    out = DECODERS["sbd"].decode(sbd_model, [prompt], max_new_tokens=32, gamma=0.0, sampling=Sampling(temperature=T, seed=0))
     assert out.stats.extra["accepts"] == {1: out.stats.nfe}  # before: 2 tokens in 5-8 forwards at T <= 0.1
     assert out.stats.nfe == 32
 
@@ -324,7 +324,6 @@ def test_lm_eval_adapter_needs_a_model():
 # ---------------------------------------------------------------- item 6: the stop token in TPF
 
 def test_ar_stopping_on_eos_has_tpf_one(stories):
-    from unmask.decode.verify import ar
     from unmask.decode.verify import batch as lossless
     from unmask.decode.engine.running import drain, requests_for
 
@@ -334,10 +333,10 @@ def test_ar_stopping_on_eos_has_tpf_one(stories):
                                                  stop_token_ids=stop_token_ids, length=64), reqs)
 
     prompt = stories.encode("Once upon a time")
-    free = ar.decode(stories, [prompt], max_new_tokens=24)
+    free = DECODERS["ar"].decode(stories, [prompt], max_new_tokens=24)
     stop = free.tokens[0][9]  # make the 10th generated token the stop token
     first = free.tokens[0].index(stop)
-    for run in (ar.decode, static_ar):
+    for run in (DECODERS["ar"].decode, static_ar):
         out = run(stories, [prompt], max_new_tokens=24, stop_token_ids=(stop,))
         assert out.tokens[0] == free.tokens[0][:first]  # the text excludes the stop token
         assert out.stats.tokens_per_row == [first] and out.stats.generated == first

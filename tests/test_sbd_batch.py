@@ -1,6 +1,6 @@
-"""Continuous batching for lossless SBD on the one engine's batch (``lossless.Verify``, issues 16 and
+"""Continuous batching for lossless SBD on the one engine's batch (``Verify``, issues 16 and
 25): whenever a row joins and whatever runs beside it, its tokens, NFE, accept counts and step events
-equal ``sbd_verify.decode`` on its prompt alone, greedy and seeded-sampled, and greedy rows are AR's
+equal lossless ``sbd`` decoding of its prompt alone, greedy and seeded-sampled, and greedy rows are AR's
 tokens (STYLE.md 14)."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from test_sbd_verify import verify_bundle
 
 import unmask
 from unmask.compat import forward, new_cache
-from unmask.decode.verify import ar
-from unmask.decode.verify import steps as sbd_verify
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.decode.verify import batch as lossless
+from unmask.decode.verify import batch as verify_batch
 from unmask.decode.verify.batch import Verify
 from unmask.decode.engine.running import Request
+from unmask.decode.verify import config as vconfig
+from verify_helpers import lossless
 
 SAMPLED = Sampling(temperature=0.9, top_k=20, seed=5)
 TEXTS = ["Once upon a time", "The cat sat on the", "Lily and Ben went to the park", "One day",
@@ -38,7 +38,7 @@ def job(prompt, max_new_tokens, sampling=GREEDY, stop=()) -> Request:
 
 
 def verify(bundle, options, **kw) -> Verify:
-    cfg = sbd_verify.VerifyConfig(**{k: v for k, v in options.items() if v is not None})
+    cfg = vconfig.VerifyConfig.of(**{k: v for k, v in options.items() if v is not None})
     return Verify(bundle, cfg, **kw)
 
 
@@ -70,7 +70,7 @@ class Run(RecordingRun):
 
 
 def single(bundle, j, options, stop_token_ids):
-    return single_decode(sbd_verify.decode, bundle, j, options, stop_token_ids)
+    return single_decode(lossless, bundle, j, options, stop_token_ids)
 
 
 def assert_rows_equal_single_decodes(run, options, stop_token_ids):
@@ -98,7 +98,7 @@ def sbd_model():
 
 
 @pytest.mark.parametrize("K", [2, 4, 8])
-@pytest.mark.parametrize("draft", sbd_verify.DRAFTS)
+@pytest.mark.parametrize("draft", vconfig.DRAFTS)
 def test_rows_joining_at_different_steps_equal_single_prompt_decodes_and_ar(K, draft):
     bundle = verify_bundle("llama", "eager", vocab=8, seed=K)
     g = torch.Generator().manual_seed(K)
@@ -204,7 +204,7 @@ def test_a_batch_emptied_by_drop_frees_its_cache_and_takes_new_rows():
 def test_the_cache_holds_exactly_the_committed_causal_kv_and_is_compacted():
     bundle = verify_bundle("llama", "eager", vocab=8, seed=1)
     compactions = []
-    real = lossless.compact  # the batch reclaims holes through lossless.compact
+    real = verify_batch.compact  # the batch reclaims holes through verify_batch.compact
     run = Run(bundle, {"block_size": 4, "draft": "quadratic"})
     # a long prompt that leaves early: its columns become holes of the short rows
     jobs = [job([1] + [4, 5, 6, 7] * 6, 6), job([1, 7], 40), job([1, 3, 3, 7, 5, 5], 40), job([1, 6], 30)]
@@ -224,7 +224,7 @@ def test_the_cache_holds_exactly_the_committed_causal_kv_and_is_compacted():
         compactions.append(kv.length)
         return real(kv, key_valid, M)
 
-    with mock.patch.object(lossless, "compact", counted):
+    with mock.patch.object(verify_batch, "compact", counted):
         run.join(jobs[:2])
         for _ in range(4):
             run.step()
@@ -279,4 +279,4 @@ def test_options_are_validated_once():
     with pytest.raises(UnmaskError, match="non-empty prompt"):
         b.join([job([1, 4], 5), job([], 5)])
     assert len(b) == 0 and b.forwards == 0 and b.slots.free == b.slots.capacity  # nothing joined
-    assert (b.cfg.block_size, b.cfg.draft) == (sbd_verify.DEFAULT_BLOCK_SIZE, sbd_verify.DEFAULT_DRAFT)
+    assert (b.cfg.block_size, b.cfg.draft) == (vconfig.DEFAULT_BLOCK_SIZE, vconfig.DEFAULT_DRAFT)

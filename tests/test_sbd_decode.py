@@ -9,10 +9,10 @@ from conftest import tiny_bundle, tiny_llama, tiny_qwen3
 import unmask
 from unmask.compat import attention_mask, forward, new_cache
 from unmask.decode import get_decoder
-from unmask.decode.blocks import sbd
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, causal_mask, sbd_inference_mask
 from unmask.models.mask_token import add_mask_token
+from unmask.decode import DECODERS
 
 FACTORIES = {"llama": tiny_llama, "qwen3": tiny_qwen3}
 
@@ -40,7 +40,7 @@ def test_cached_block_logits_equal_uncached_forward(arch, impl):
     bundle = sbd_bundle(arch, impl)
     prompt = [1, 5, 9, 12, 7]
     seen = []
-    out = sbd.decode(bundle, [prompt], max_new_tokens=14, block_size=4, gamma=0.5,
+    out = DECODERS["sbd"].decode(bundle, [prompt], max_new_tokens=14, block_size=4, gamma=0.5,
                      on_forward=lambda s: seen.append(s))
     assert len(seen) >= 4  # several blocks (incl. a short tail block) and several steps per block
     final = prompt + out.tokens[0]
@@ -57,7 +57,7 @@ def test_cache_after_each_block_equals_causal_prefill():
     bundle = sbd_bundle("llama", "eager")
     prompt = [1, 4, 8, 15]
     caches = []
-    out = sbd.decode(bundle, [prompt], max_new_tokens=12, block_size=4, gamma=0.3,
+    out = DECODERS["sbd"].decode(bundle, [prompt], max_new_tokens=12, block_size=4, gamma=0.3,
                      on_forward=lambda s: caches.append((s["start"], s["refeed"], s["cache"])) if s["refeed"] else None)
     final = prompt + out.tokens[0]
     assert [c[0] for c in caches] == [4, 8]
@@ -77,7 +77,7 @@ def test_cache_after_each_block_equals_causal_prefill():
 
 def test_gamma_zero_commits_one_token_per_forward():
     bundle = sbd_bundle()
-    out = sbd.decode(bundle, [[1, 3, 5], [1, 7]], max_new_tokens=10, block_size=4, gamma=0.0)
+    out = DECODERS["sbd"].decode(bundle, [[1, 3, 5], [1, 7]], max_new_tokens=10, block_size=4, gamma=0.0)
     assert out.stats.extra["accepts"] == {1: 20}
     assert out.stats.nfe == 10 and out.stats.nfe_per_row == [10, 10]
     assert out.stats.tpf == pytest.approx(1.0)
@@ -85,13 +85,13 @@ def test_gamma_zero_commits_one_token_per_forward():
 
 def test_block_size_one_matches_one_token_per_forward_any_gamma():
     bundle = sbd_bundle()
-    out = sbd.decode(bundle, [[1, 3, 5]], max_new_tokens=6, block_size=1, gamma=100.0)
+    out = DECODERS["sbd"].decode(bundle, [[1, 3, 5]], max_new_tokens=6, block_size=1, gamma=100.0)
     assert out.stats.nfe == 6 and len(out.tokens[0]) == 6
 
 
 def test_large_gamma_fills_a_block_per_forward_and_counts_nfe():
     bundle = sbd_bundle()
-    out = sbd.decode(bundle, [[1, 3, 5]], max_new_tokens=10, block_size=4, gamma=float("inf"))
+    out = DECODERS["sbd"].decode(bundle, [[1, 3, 5]], max_new_tokens=10, block_size=4, gamma=float("inf"))
     assert out.stats.nfe == 3  # blocks of 4, 4, 2
     assert out.stats.extra["accepts"] == {2: 1, 4: 2}
     assert out.stats.tpf == pytest.approx(10 / 3)
@@ -101,9 +101,9 @@ def test_batch_of_eight_equals_eight_single_rows():
     # a peaked random model (large init) so greedy argmax is not decided by 1e-7 noise
     bundle = sbd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)
     prompts = [[1] + list(range(3, 3 + n)) for n in (1, 4, 2, 9, 5, 3, 7, 6)]
-    batch = sbd.decode(bundle, prompts, max_new_tokens=12, block_size=4, gamma=0.6, stop_token_ids=(2,))
+    batch = DECODERS["sbd"].decode(bundle, prompts, max_new_tokens=12, block_size=4, gamma=0.6, stop_token_ids=(2,))
     for i, p in enumerate(prompts):
-        single = sbd.decode(bundle, [p], max_new_tokens=12, block_size=4, gamma=0.6, stop_token_ids=(2,))
+        single = DECODERS["sbd"].decode(bundle, [p], max_new_tokens=12, block_size=4, gamma=0.6, stop_token_ids=(2,))
         assert single.tokens[0] == batch.tokens[i]
         assert single.stats.nfe_per_row[0] == batch.stats.nfe_per_row[i]
 
@@ -132,7 +132,7 @@ class ScriptedLlama(torch.nn.Module):
 def test_nfe_and_tpf_on_a_scripted_model():
     model = ScriptedLlama([0.99, 0.5])  # even positions confident, odd ones not
     bundle = tiny_bundle(model, kind="sbd", mask_token_id=63)
-    out = sbd.decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, policy="threshold", tau=0.9, block_size=4)
+    out = DECODERS["sbd"].decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, policy="threshold", tau=0.9, block_size=4)
     # prompt length 4 -> block positions 4..7: 4 and 6 confident. Step 1 commits the top-1 (4) plus 6,
     # step 2 the top-1 of {5, 7}, step 3 the last one: 3 forwards per block, 2 blocks.
     assert out.stats.nfe == 6
@@ -145,7 +145,7 @@ def test_stop_token_drops_the_rest_of_the_block():
     model = ScriptedLlama([0.99])
     bundle = tiny_bundle(model, kind="sbd", mask_token_id=63)
     stop = (6 * 7) % 50 + 3  # the token predicted at position 6
-    out = sbd.decode(bundle, [[1, 2, 3, 4]], max_new_tokens=12, block_size=4, gamma=100.0, stop_token_ids=(stop,))
+    out = DECODERS["sbd"].decode(bundle, [[1, 2, 3, 4]], max_new_tokens=12, block_size=4, gamma=100.0, stop_token_ids=(stop,))
     assert out.tokens[0] == [(4 * 7) % 50 + 3, (5 * 7) % 50 + 3]
     assert out.stats.nfe == 1  # stops after the block that committed the stop token
 
@@ -161,11 +161,11 @@ def test_ntp_mode_on_sbd_kind_reproduces_reference():
 def test_bad_inputs():
     bundle = sbd_bundle()
     with pytest.raises(UnmaskError, match="block size"):
-        sbd.decode(bundle, [[1, 2]], max_new_tokens=4, block_size=0)
+        DECODERS["sbd"].decode(bundle, [[1, 2]], max_new_tokens=4, block_size=0)
     with pytest.raises(UnmaskError, match="gamma"):
-        sbd.decode(bundle, [[1, 2]], max_new_tokens=4, gamma=-1.0)
+        DECODERS["sbd"].decode(bundle, [[1, 2]], max_new_tokens=4, gamma=-1.0)
     with pytest.raises(UnmaskError, match="context window"):
-        sbd.decode(bundle, [[1, 2]], max_new_tokens=4, block_size=10_000)
+        DECODERS["sbd"].decode(bundle, [[1, 2]], max_new_tokens=4, block_size=10_000)
     with pytest.raises(UnmaskError, match="kind sbd"):
         get_decoder("sbd", "causal")
 
@@ -173,9 +173,9 @@ def test_bad_inputs():
 def test_checkpoint_decode_defaults_apply_unless_overridden():
     bundle = sbd_bundle()
     bundle.meta = {"decode_defaults": {"block_size": 2, "gamma": float("inf")}}
-    out = sbd.decode(bundle, [[1, 3, 5]], max_new_tokens=6)
+    out = DECODERS["sbd"].decode(bundle, [[1, 3, 5]], max_new_tokens=6)
     assert out.stats.extra["block_size"] == 2 and out.stats.nfe == 3
-    out = sbd.decode(bundle, [[1, 3, 5]], max_new_tokens=6, gamma=0.0)
+    out = DECODERS["sbd"].decode(bundle, [[1, 3, 5]], max_new_tokens=6, gamma=0.0)
     assert out.stats.extra["block_size"] == 2 and out.stats.nfe == 6
-    out = sbd.decode(bundle, [[1, 3, 5]], max_new_tokens=6, block_size=3)
+    out = DECODERS["sbd"].decode(bundle, [[1, 3, 5]], max_new_tokens=6, block_size=3)
     assert out.stats.nfe == 2

@@ -1,7 +1,7 @@
 """Continuous batching for lossy SBD and SingleBD on their one running batch
 (:class:`unmask.decode.blocks.batch.BlockDecoder`, the server's ``serving_batch``), issues 16 and 25:
 whenever a row joins and whatever runs beside it, its tokens, NFE, per-row statistics and step
-events equal ``sbd.decode`` / ``block.decode`` on its prompt alone (STYLE.md 14)."""
+events equal the ``sbd`` decoder's / ``block.decode`` on its prompt alone (STYLE.md 14)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,15 @@ from test_sbd_decode import sbd_bundle
 import unmask
 from unmask.decode.blocks import single as block
 from unmask.decode.blocks import sbd
+from unmask.decode.blocks.sbd import SBDOptions
+from unmask.decode.verify.batch import Verify
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
+from unmask.decode import DECODERS
 SBDBatch, BlockBatch = "sbd", "block"  # the decoders' names, as the server keys their batches
-DECODE = {SBDBatch: sbd.decode, BlockBatch: block.decode}
-SERVING = {SBDBatch: sbd.serving_batch, BlockBatch: block.serving_batch}  # the server's running batches
+DECODE = {SBDBatch: DECODERS["sbd"].decode, BlockBatch: block.decode}
+SERVING = {SBDBatch: lambda bundle, options, **kw: DECODERS["sbd"].batch(bundle, SBDOptions.of(options), **{"capacity": 8, **kw}),
+           BlockBatch: block.serving_batch}  # the server's running batches
 
 
 def serving_batch(decoder, bundle, options, **kw):
@@ -225,7 +229,7 @@ def test_block_stop_tokens_stop_strings_and_lengths_end_rows_like_decode():
 def test_sbd_stop_tokens_stop_strings_and_lengths_end_rows_like_decode():
     bundle = sbd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)
     options = dict(block_size=4, gamma=0.5)
-    probe = sbd.decode(bundle, [PROMPTS[1]], max_new_tokens=16, **options).tokens[0]
+    probe = DECODERS["sbd"].decode(bundle, [PROMPTS[1]], max_new_tokens=16, **options).tokens[0]
     first = next(i for i in range(4, 8) if probe[i] not in probe[:i])
     stops = (probe[first],)  # a token the row first commits in its second block
     jobs = [job(PROMPTS[1], 16),
@@ -284,12 +288,13 @@ def test_shipped_bd_model_rows_joining_mid_decode_equal_single_prompt_decodes(st
 def test_options_are_validated_once(stories_sbd):
     sb, bb = sbd_bundle(), bd_bundle()
     for options, msg in [(dict(block_size=0), "block size"), (dict(gamma=0.1, preset="chat-low"), "both"),
-                         (dict(compile=True), "do not apply"), (dict(verify=True), "lossless"),
-                         (dict(store="fused"), "do not apply"), (dict(block_size=999), "context window")]:
+                         (dict(compile=True), "does not apply to decoder 'sbd'"),
+                         (dict(store="fused"), "does not apply to decoder 'sbd'"), (dict(block_size=999), "context window")]:
         with pytest.raises(UnmaskError, match=msg):
             serving_batch(SBDBatch, sb, options)
-    with pytest.raises(UnmaskError, match="lossless"):
-        serving_batch(SBDBatch, stories_sbd, {})  # its decode_defaults select lossless SBD
+    # options selecting lossless SBD get the verify batch (the sbd decoder's batch runs both paths)
+    assert isinstance(serving_batch(SBDBatch, sb, dict(verify=True)), Verify)
+    assert isinstance(serving_batch(SBDBatch, stories_sbd, {}), Verify)  # its decode_defaults select lossless SBD
     with pytest.raises(UnmaskError, match="mask token"):
         serving_batch(SBDBatch, tiny_bundle(sb.model), {})
     for options, msg in [(dict(block_size=8), "disagrees"), (dict(store="x"), "store"), (dict(slots=2), "do not apply"),
@@ -374,4 +379,4 @@ def test_an_empty_sbd_prompt_is_refused_in_one_line(static):
         batch.join([job([], 8), job([1, 3], 8)])
     assert len(batch) == 0 and batch.slots.high == 0  # nothing joined
     with pytest.raises(UnmaskError, match="non-empty prompt"):
-        sbd.decode(bundle, [[]], max_new_tokens=8, gamma=0.5)
+        DECODERS["sbd"].decode(bundle, [[]], max_new_tokens=8, gamma=0.5)

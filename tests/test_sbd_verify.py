@@ -11,15 +11,15 @@ from conftest import one_line_error, tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
 from unmask.compat import attention_mask, forward, new_cache
-from unmask.decode.verify import ar
-from unmask.decode.blocks import sbd
 from unmask.decode.verify import sampled as sbd_sampled
-from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import config as vconfig
 from unmask.decode.verify import tree as tree_verify
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, sbd_inference_mask
 from unmask.models.mask_token import add_mask_token
 from unmask.sampling import Sampling
+from unmask.decode import DECODERS
+from verify_helpers import lossless
 
 FACTORIES = {"llama": tiny_llama, "qwen3": tiny_qwen3}
 
@@ -54,13 +54,13 @@ def test_greedy_accept_takes_the_longest_confirmed_prefix():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
-@pytest.mark.parametrize("draft", sbd_verify.DRAFTS)
+@pytest.mark.parametrize("draft", vconfig.DRAFTS)
 def test_group_logits_equal_separate_all_mask_forwards(arch, impl, draft):
     bundle = verify_bundle(arch, impl, vocab=64)
     K, M = 4, bundle.mask_token_id
     prompt = [1, 5, 9, 12, 7]
     seen = []
-    out = sbd_verify.decode(bundle, [prompt], max_new_tokens=20, block_size=K, draft=draft,
+    out = lossless(bundle, [prompt], max_new_tokens=20, block_size=K, draft=draft,
                             on_forward=seen.append)
     final = prompt + out.tokens[0]
     checked = 0
@@ -85,18 +85,18 @@ def test_group_logits_equal_separate_all_mask_forwards(arch, impl, draft):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("K", [2, 4, 8])
-@pytest.mark.parametrize("draft", sbd_verify.DRAFTS)
+@pytest.mark.parametrize("draft", vconfig.DRAFTS)
 def test_greedy_output_equals_ar_batch_1_and_ragged_batch_of_8(arch, K, draft):
     bundle = verify_bundle(arch, "sdpa", vocab=8, seed=K)
     g = torch.Generator().manual_seed(K)
     prompts = [torch.randint(3, 8, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (8,), generator=g)]
-    want = ar.decode(bundle, prompts, max_new_tokens=24).tokens
-    batch = sbd_verify.decode(bundle, prompts, max_new_tokens=24, block_size=K, draft=draft)
+    want = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=24).tokens
+    batch = lossless(bundle, prompts, max_new_tokens=24, block_size=K, draft=draft)
     assert batch.tokens == want
     accepts = batch.stats.extra["accepts"]
     assert max(accepts) >= 2, accepts  # drafts were accepted: the test exercises multi-token commits
     for i, p in enumerate(prompts):
-        single = sbd_verify.decode(bundle, [p], max_new_tokens=24, block_size=K, draft=draft)
+        single = lossless(bundle, [p], max_new_tokens=24, block_size=K, draft=draft)
         assert single.tokens[0] == want[i]
         assert single.stats.nfe_per_row[0] == batch.stats.nfe_per_row[i]  # a row's steps do not depend on the batch
         assert single.stats.extra["row_extra"][0] == batch.stats.extra["row_extra"][i]
@@ -106,8 +106,8 @@ def test_stop_tokens_and_stop_strings_cut_like_ar():
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=1)
     prompts = [[1, 4, 5], [1, 6], [1, 3, 3, 7]]
     for kw in (dict(stop_token_ids=(2,)), dict(stop_strings=(" 3 5 3",)), dict(stop_token_ids=(0,), stop_strings=(" 5 5 5 5 5",))):
-        want = ar.decode(bundle, prompts, max_new_tokens=30, **kw).tokens
-        got = sbd_verify.decode(bundle, prompts, max_new_tokens=30, block_size=4, **kw).tokens
+        want = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=30, **kw).tokens
+        got = lossless(bundle, prompts, max_new_tokens=30, block_size=4, **kw).tokens
         assert got == want
         assert any(len(w) < 30 for w in want) and any(len(w) > 0 for w in want)
 
@@ -117,8 +117,8 @@ def test_shipped_sbd_model_lossless_equals_its_ar(K, draft):
     bundle = unmask.load("stories260K-sbd")
     texts = ["Once upon a time", "Tom and his dog", "The sun was hot and Lily", "Zoo"]
     prompts = [bundle.encode(t) for t in texts]
-    want = ar.decode(bundle, prompts, max_new_tokens=48, stop_token_ids=bundle.stop_token_ids).tokens
-    got = sbd_verify.decode(bundle, prompts, max_new_tokens=48, block_size=K, draft=draft,
+    want = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=48, stop_token_ids=bundle.stop_token_ids).tokens
+    got = lossless(bundle, prompts, max_new_tokens=48, block_size=K, draft=draft,
                             stop_token_ids=bundle.stop_token_ids)
     assert got.tokens == want
     assert got.stats.nfe < 48 * 0.75  # the shipped model's drafts are accepted
@@ -127,12 +127,12 @@ def test_shipped_sbd_model_lossless_equals_its_ar(K, draft):
 # --------------------------------------------------------------------------------- exact cache
 
 
-@pytest.mark.parametrize("draft", sbd_verify.DRAFTS)
+@pytest.mark.parametrize("draft", vconfig.DRAFTS)
 def test_cache_holds_only_committed_causal_kv_after_every_step(draft):
     bundle = verify_bundle("llama", "eager", vocab=8, seed=1)
     prompts = [[1, 4, 5, 6], [1, 7]]
     seen = []
-    out = sbd_verify.decode(bundle, prompts, max_new_tokens=16, block_size=4, draft=draft,
+    out = lossless(bundle, prompts, max_new_tokens=16, block_size=4, draft=draft,
                             on_forward=lambda s: seen.append({k: s[k] for k in ("rows", "committed")} | {
                                 "kv": s["key_valid"].clone(), "keys": [x.keys.clone() for x in s["cache"].layers]})
                             if "rows" in s else None)
@@ -183,7 +183,7 @@ def _chi_square_p(counts: dict, probs: dict, total: int) -> float:
 
 
 def _sample_counts(bundle, prompt, n_samples, sampling, K):
-    out = sbd_verify.decode(bundle, [prompt] * n_samples, max_new_tokens=3, block_size=K, sampling=sampling)
+    out = lossless(bundle, [prompt] * n_samples, max_new_tokens=3, block_size=K, sampling=sampling)
     counts: dict = {}
     for row in out.tokens:
         counts[tuple(row)] = counts.get(tuple(row), 0) + 1
@@ -225,11 +225,11 @@ def test_sampled_rows_do_not_depend_on_the_batch_and_copies_are_independent():
     bundle = verify_bundle("llama", "sdpa", vocab=8, seed=2)
     prompts = [[1, 4, 5], [1, 6], [1, 4, 5], [1, 3, 3, 7]]
     sampling = Sampling(temperature=1.0, seed=3)
-    batch = sbd_verify.decode(bundle, prompts, max_new_tokens=20, block_size=4, sampling=sampling)
+    batch = lossless(bundle, prompts, max_new_tokens=20, block_size=4, sampling=sampling)
     assert batch.tokens[0] != batch.tokens[2]  # two copies of one prompt are two samples
-    assert sbd_verify.decode(bundle, [prompts[3]], max_new_tokens=20, block_size=4, sampling=sampling).tokens[0] == \
+    assert lossless(bundle, [prompts[3]], max_new_tokens=20, block_size=4, sampling=sampling).tokens[0] == \
         batch.tokens[3]
-    again = sbd_verify.decode(bundle, prompts, max_new_tokens=20, block_size=4, sampling=sampling)
+    again = lossless(bundle, prompts, max_new_tokens=20, block_size=4, sampling=sampling)
     assert again.tokens == batch.tokens  # seeded: reproducible
 
 
@@ -239,20 +239,20 @@ def test_sampled_rows_do_not_depend_on_the_batch_and_copies_are_independent():
 def test_sbd_decoder_verify_option_and_defaults():
     bundle = unmask.load("stories260K-sbd")
     prompts = [bundle.encode("Once upon a time")]
-    want = ar.decode(bundle, prompts, max_new_tokens=32).tokens
-    assert sbd.decode(bundle, prompts, max_new_tokens=32, verify=True, block_size=4).tokens == want
-    assert sbd.decode(bundle, prompts, max_new_tokens=32, verify=True, draft="linear").stats.extra["draft"] == "linear"
-    lossy = sbd.decode(bundle, prompts, max_new_tokens=32, gamma=1.0)
+    want = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=32).tokens
+    assert DECODERS["sbd"].decode(bundle, prompts, max_new_tokens=32, verify=True, block_size=4).tokens == want
+    assert DECODERS["sbd"].decode(bundle, prompts, max_new_tokens=32, verify=True, draft="linear").stats.extra["draft"] == "linear"
+    lossy = DECODERS["sbd"].decode(bundle, prompts, max_new_tokens=32, gamma=1.0)
     assert "verify" not in lossy.stats.extra
     with pytest.raises(UnmaskError, match="--gamma"):
-        sbd.decode(bundle, prompts, max_new_tokens=8, verify=True, gamma=0.3)
+        DECODERS["sbd"].decode(bundle, prompts, max_new_tokens=8, verify=True, gamma=0.3)
     with pytest.raises(UnmaskError, match="--draft applies"):
-        sbd.decode(bundle, prompts, max_new_tokens=8, verify=False, draft="linear")
+        DECODERS["sbd"].decode(bundle, prompts, max_new_tokens=8, verify=False, draft="linear")
     for bad in (1, 0):  # 0 is refused, not silently replaced by the default
         with pytest.raises(UnmaskError, match="block size >= 2"):
-            sbd.decode(bundle, prompts, max_new_tokens=8, verify=True, block_size=bad)
+            DECODERS["sbd"].decode(bundle, prompts, max_new_tokens=8, verify=True, block_size=bad)
     with pytest.raises(UnmaskError, match="draft"):
-        sbd.decode(bundle, prompts, max_new_tokens=8, verify=True, draft="")
+        DECODERS["sbd"].decode(bundle, prompts, max_new_tokens=8, verify=True, draft="")
 
 
 def test_cli_verify_errors_are_one_line(capsys):
@@ -263,16 +263,16 @@ def test_cli_verify_errors_are_one_line(capsys):
 
 
 def test_step_tables_are_shared_only_while_small(monkeypatch):
-    """sbd_verify.tables keeps the last few small layouts' tables (equal to a fresh tree_window) and
+    """vconfig.tables keeps the last few small layouts' tables (equal to a fresh tree_window) and
     builds a larger one per call, so cached tables never hold more than CACHED_TABLES x CACHED_TABLE_BYTES."""
-    monkeypatch.setattr(sbd_verify, "_TABLES", type(sbd_verify._TABLES)())
-    a, b = sbd_verify.tables("4/0,4/5", 5), sbd_verify.tables("4/0,4/5", 5)
+    monkeypatch.setattr(vconfig, "_TABLES", type(vconfig._TABLES)())
+    a, b = vconfig.tables("4/0,4/5", 5), vconfig.tables("4/0,4/5", 5)
     assert a is b
-    fresh = tree_verify.tree_window(sbd_verify.family("4/0,4/5", 5))
+    fresh = tree_verify.tree_window(vconfig.family("4/0,4/5", 5))
     assert all(torch.equal(getattr(a, f), getattr(fresh, f)) for f in ("mask", "offsets", "tok", "path", "src", "length"))
-    monkeypatch.setattr(sbd_verify, "CACHED_TABLE_BYTES", tree_verify.table_bytes(sbd_verify.family("quadratic", 8)) - 1)
-    assert sbd_verify.tables("quadratic", 8) is not sbd_verify.tables("quadratic", 8)
-    monkeypatch.setattr(sbd_verify, "CACHED_TABLES", 2)
+    monkeypatch.setattr(vconfig, "CACHED_TABLE_BYTES", tree_verify.table_bytes(vconfig.family("quadratic", 8)) - 1)
+    assert vconfig.tables("quadratic", 8) is not vconfig.tables("quadratic", 8)
+    monkeypatch.setattr(vconfig, "CACHED_TABLES", 2)
     for K in (2, 3, 4):
-        sbd_verify.tables("linear", K)
-    assert [k[:2] for k in sbd_verify._TABLES] == [("linear", 3), ("linear", 4)]
+        vconfig.tables("linear", K)
+    assert [k[:2] for k in vconfig._TABLES] == [("linear", 3), ("linear", 4)]

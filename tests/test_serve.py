@@ -21,6 +21,7 @@ import openai  # noqa: E402
 import unmask  # noqa: E402
 from unmask.serve import create_app  # noqa: E402
 from unmask.serve.server import ServerThread  # noqa: E402
+from unmask.decode import DECODERS  # noqa: E402
 
 MODEL = "stories260K-sbd"
 PROMPTS = ["Once upon a time", "Zoo", "The cat sat on the mat and", "Lily went to the park. She saw a big dog. The",
@@ -309,7 +310,6 @@ def test_ar_batch_on_tiny_models_equals_the_ar_decoder(family, attn):
     import torch
     from conftest import tiny_bundle, tiny_llama, tiny_qwen3
 
-    from unmask.decode.verify import ar
     from unmask.decode.verify.batch import Verify
     from unmask.decode.engine.running import Request
 
@@ -329,7 +329,7 @@ def test_ar_batch_on_tiny_models_equals_the_ar_decoder(family, attn):
             break
     got = {id(r.job): r.tokens for r in done}
     for j in jobs:
-        assert got[id(j)] == ar.decode(b, [j.prompt_ids], max_new_tokens=j.max_new_tokens).tokens[0]
+        assert got[id(j)] == DECODERS["ar"].decode(b, [j.prompt_ids], max_new_tokens=j.max_new_tokens).tokens[0]
 
 
 # --- failure behaviour --------------------------------------------------------------------------

@@ -9,14 +9,15 @@ import torch
 from conftest import one_line_error, prompts_around_a_block, tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
-from unmask.decode.verify import ar
-from unmask.decode.verify import batch as lossless
-from unmask.decode.blocks import sbd
-from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import batch as verify_batch
+from unmask.decode.verify import config as vconfig
 from unmask.decode.engine import static
 from unmask.decode.engine.running import drain, requests_for
 from unmask.models.mask_token import add_mask_token
 from unmask.sampling import Sampling
+from unmask.decode import DECODERS
+from verify_helpers import chain_tables, lossless
+
 
 TEXTS = ["Once upon a time", "The cat sat on the", "Lily and Ben went to the park", "One day",
          "Tom had a red ball and", "She", "The sun was hot and the", "A little bird"]
@@ -36,7 +37,7 @@ def static_ar(bundle, prompts, *, max_new_tokens, sampling=Sampling(), stop_toke
     """AR on the static cache, eagerly: the one batch with static=True (ar.decode's compile=True path uncompiled)."""
     reqs = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings)
     P = max(len(p) for p in prompts)
-    return drain(lambda cap: lossless.Verify(bundle, static=True, capacity=cap, ar=True, stop_token_ids=stop_token_ids,
+    return drain(lambda cap: verify_batch.Verify(bundle, static=True, capacity=cap, ar=True, stop_token_ids=stop_token_ids,
                                              length=P + max_new_tokens + 1), reqs)
 
 
@@ -51,7 +52,7 @@ def _same(a, b):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_static_ar_equals_eager_ar(sbd_model, sampling, batch):
     kw = dict(max_new_tokens=96, sampling=SAMPLINGS[sampling], stop_token_ids=sbd_model.stop_token_ids)
-    eager = ar.decode(sbd_model, _prompts(sbd_model, batch), **kw)
+    eager = DECODERS["ar"].decode(sbd_model, _prompts(sbd_model, batch), **kw)
     _same(eager, static_ar(sbd_model, _prompts(sbd_model, batch), **kw))
 
 
@@ -61,12 +62,12 @@ def test_static_ar_equals_eager_ar(sbd_model, sampling, batch):
 def test_static_lossless_sbd_equals_eager(sbd_model, sampling, batch, K, draft):
     kw = dict(max_new_tokens=96, sampling=SAMPLINGS[sampling], stop_token_ids=sbd_model.stop_token_ids,
               block_size=K, draft=draft)
-    eager = sbd_verify.decode(sbd_model, _prompts(sbd_model, batch), **kw)
-    fast = sbd_verify.decode(sbd_model, _prompts(sbd_model, batch), static=True, **kw)
+    eager = lossless(sbd_model, _prompts(sbd_model, batch), **kw)
+    fast = lossless(sbd_model, _prompts(sbd_model, batch), static=True, **kw)
     _same(eager, fast)
     assert eager.stats.extra["accepts"] == fast.stats.extra["accepts"]
     if sampling == "greedy":  # and both are AR's text
-        assert fast.tokens == ar.decode(sbd_model, _prompts(sbd_model, batch), max_new_tokens=96,
+        assert fast.tokens == DECODERS["ar"].decode(sbd_model, _prompts(sbd_model, batch), max_new_tokens=96,
                                         stop_token_ids=sbd_model.stop_token_ids).tokens
 
 
@@ -75,15 +76,15 @@ def test_full_static_cache_is_compacted_in_place_without_changing_tokens(sbd_mod
     # A batch's shared pointer moves by the largest acceptance, so rejected drafts leave holes:
     # 200 tokens in a 256-slot cache force a compaction.
     calls = []
-    compact = lossless.compact
-    monkeypatch.setattr(lossless, "compact", lambda *a: (calls.append(1), compact(*a))[1])
+    compact = verify_batch.compact
+    monkeypatch.setattr(verify_batch, "compact", lambda *a: (calls.append(1), compact(*a))[1])
     kw = dict(max_new_tokens=200, stop_token_ids=sbd_model.stop_token_ids, stop_strings=stop, block_size=8,
               draft="linear")
     prompts = _prompts(sbd_model, 8)
-    fast = sbd_verify.decode(sbd_model, prompts, static=True, **kw)
+    fast = lossless(sbd_model, prompts, static=True, **kw)
     assert calls, "the cache never filled: the compaction path went untested"
-    _same(sbd_verify.decode(sbd_model, prompts, **kw), fast)
-    assert fast.tokens == ar.decode(sbd_model, prompts, max_new_tokens=200, stop_token_ids=sbd_model.stop_token_ids,
+    _same(lossless(sbd_model, prompts, **kw), fast)
+    assert fast.tokens == DECODERS["ar"].decode(sbd_model, prompts, max_new_tokens=200, stop_token_ids=sbd_model.stop_token_ids,
                                     stop_strings=stop).tokens
 
 
@@ -93,13 +94,13 @@ def test_static_paths_on_tiny_random_models_with_eager_attention(factory):
     bundle = tiny_bundle(model, kind="sbd", mask_token_id=add_mask_token(model))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 8, (n,), generator=gen).tolist() for n in (3, 7, 1, 5)]
-    _same(ar.decode(bundle, prompts, max_new_tokens=30), static_ar(bundle, prompts, max_new_tokens=30))
+    _same(DECODERS["ar"].decode(bundle, prompts, max_new_tokens=30), static_ar(bundle, prompts, max_new_tokens=30))
     for draft in ("linear", "quadratic"):
         kw = dict(max_new_tokens=30, block_size=3, draft=draft)
-        _same(sbd_verify.decode(bundle, prompts, **kw), sbd_verify.decode(bundle, prompts, static=True, **kw))
+        _same(lossless(bundle, prompts, **kw), lossless(bundle, prompts, static=True, **kw))
     for sampling in SAMPLINGS.values():  # lossy SBD: the additive float mask padded to the static cache
         kw = dict(max_new_tokens=30, block_size=4, verify=False, gamma=0.5, sampling=sampling)
-        _same(sbd.decode(bundle, prompts, **kw), sbd.decode(bundle, prompts, static=True, **kw))
+        _same(DECODERS["sbd"].decode(bundle, prompts, **kw), DECODERS["sbd"].decode(bundle, prompts, static=True, **kw))
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -108,18 +109,18 @@ def test_compiled_equals_eager_for_ar_and_lossless_sbd(sbd_model, batch):
     # draft block), in turn on the same compiled graphs (issue 48 item 1)
     kw = dict(max_new_tokens=48, stop_token_ids=sbd_model.stop_token_ids)
     for prompts in [_prompts(sbd_model, batch)] + prompts_around_a_block(sbd_model, 8, batch):
-        eager_ar = ar.decode(sbd_model, prompts, **kw)
-        compiled_ar = ar.decode(sbd_model, prompts, compile=True, **kw)
+        eager_ar = DECODERS["ar"].decode(sbd_model, prompts, **kw)
+        compiled_ar = DECODERS["ar"].decode(sbd_model, prompts, compile=True, **kw)
         _same(eager_ar, compiled_ar)
         assert compiled_ar.stats.extra["compiled"] is True
-        eager = sbd_verify.decode(sbd_model, prompts, **kw)
-        compiled = sbd_verify.decode(sbd_model, prompts, compile=True, **kw)
+        eager = lossless(sbd_model, prompts, **kw)
+        compiled = lossless(sbd_model, prompts, compile=True, **kw)
         _same(eager, compiled)
         assert compiled.tokens == eager_ar.tokens and compiled.stats.extra["compiled"] is True
     prompts = _prompts(sbd_model, batch)
     if batch == 1:  # sampling: the forward compiled, the acceptance eager (per-row generators)
         kw["sampling"] = SAMPLINGS["sampled"]
-        _same(sbd_verify.decode(sbd_model, prompts, **kw), sbd_verify.decode(sbd_model, prompts, compile=True, **kw))
+        _same(lossless(sbd_model, prompts, **kw), lossless(sbd_model, prompts, compile=True, **kw))
 
 
 def brute_layout(K: int, draft: str, L: int):
@@ -145,12 +146,12 @@ def test_embedded_layouts_are_each_draft_sizes_own_layout_with_padding_seeing_on
     # a row of draft size K inside a step of the largest size Kmax: its queries carry its own
     # layout (the spec's rules, brute_layout(K)), every other query of the window sees only itself at offset 0
     Kmax = 4
-    mask, offsets, _, _ = sbd_verify.window_layout(sbd_verify.family(draft, Kmax))
-    Q = sbd_verify.queries(Kmax, draft)
+    mask, offsets, _, _ = chain_tables(vconfig.family(draft, Kmax))
+    Q = vconfig.queries(Kmax, draft)
     assert mask.shape == (Kmax, Kmax, Q, Q) and offsets.shape == (Kmax, Kmax, Q)
     for K in range(1, Kmax + 1):
         if K > 1:
-            assert sbd_verify.queries(K, draft) == (K + K * K if draft == "quadratic" else 2 * K)
+            assert vconfig.queries(K, draft) == (K + K * K if draft == "quadratic" else 2 * K)
         for L in range(1, K + 1):
             if K == 1:
                 at = [0]
@@ -182,8 +183,8 @@ def test_static_lossy_sbd_equals_eager(sbd_model, sampling, batch, options):
     kw = dict(max_new_tokens=90, sampling=SAMPLINGS[sampling], stop_token_ids=sbd_model.stop_token_ids,
               verify=False, **LOSSY[options])
     prompts = _prompts(sbd_model, batch)
-    eager = sbd.decode(sbd_model, prompts, **kw)
-    fast = sbd.decode(sbd_model, prompts, static=True, **kw)
+    eager = DECODERS["sbd"].decode(sbd_model, prompts, **kw)
+    fast = DECODERS["sbd"].decode(sbd_model, prompts, static=True, **kw)
     _same(eager, fast)
     assert eager.stats.extra["accepts"] == fast.stats.extra["accepts"]
     assert fast.stats.extra["static_cache"] % static.LENGTH_BUCKET == 0 and eager.stats.extra["static_cache"] is None
@@ -196,8 +197,8 @@ def test_static_lossy_sbd_stop_strings_and_events(sbd_model, stop):
               block_size=8)
     prompts = _prompts(sbd_model, 8)
     eager_steps, fast_steps, eager_fwd, fast_fwd = [], [], [], []
-    eager = sbd.decode(sbd_model, prompts, on_step=eager_steps.append, on_forward=eager_fwd.append, **kw)
-    fast = sbd.decode(sbd_model, prompts, static=True, on_step=fast_steps.append, on_forward=fast_fwd.append, **kw)
+    eager = DECODERS["sbd"].decode(sbd_model, prompts, on_step=eager_steps.append, on_forward=eager_fwd.append, **kw)
+    fast = DECODERS["sbd"].decode(sbd_model, prompts, static=True, on_step=fast_steps.append, on_forward=fast_fwd.append, **kw)
     _same(eager, fast)
     assert fast_steps == eager_steps
     assert [f["inp"].tolist() for f in fast_fwd] == [f["inp"].tolist() for f in eager_fwd]
@@ -212,28 +213,28 @@ def test_compiled_lossy_sbd_equals_eager(sbd_model):
     # in turn on the same compiled graphs (issue 48 item 1)
     kw = dict(max_new_tokens=32, stop_token_ids=sbd_model.stop_token_ids, verify=False)
     for prompts in prompts_around_a_block(sbd_model, 8, 2) + [_prompts(sbd_model, 2)]:
-        eager = sbd.decode(sbd_model, prompts, **kw)
-        compiled = sbd.decode(sbd_model, prompts, compile=True, **kw)
+        eager = DECODERS["sbd"].decode(sbd_model, prompts, **kw)
+        compiled = DECODERS["sbd"].decode(sbd_model, prompts, compile=True, **kw)
         _same(eager, compiled)
         assert compiled.stats.extra["compiled"] is True and eager.stats.extra["compiled"] is False
 
 
 def test_static_option_values(sbd_model):
     with pytest.raises(unmask.UnmaskError, match="static must be True or False"):
-        sbd.decode(sbd_model, [[1, 2]], max_new_tokens=2, verify=False, static="yes")
+        DECODERS["sbd"].decode(sbd_model, [[1, 2]], max_new_tokens=2, verify=False, static="yes")
     # static=True reaches the lossless path too (its static loop, eagerly)
     prompts = _prompts(sbd_model, 2)
-    lossless = sbd.decode(sbd_model, prompts, max_new_tokens=24, verify=True, static=True)
+    lossless = DECODERS["sbd"].decode(sbd_model, prompts, max_new_tokens=24, verify=True, static=True)
     assert lossless.stats.extra["static_cache"] and lossless.stats.extra["compiled"] is False
-    _same(sbd.decode(sbd_model, prompts, max_new_tokens=24, verify=True), lossless)
+    _same(DECODERS["sbd"].decode(sbd_model, prompts, max_new_tokens=24, verify=True), lossless)
 
 
 def test_static_lossless_sbd_emits_the_eager_step_events(sbd_model):
     kw = dict(max_new_tokens=40, stop_token_ids=sbd_model.stop_token_ids, block_size=4, draft="quadratic")
     prompts = _prompts(sbd_model, 3)
     eager, fast = [], []
-    sbd_verify.decode(sbd_model, prompts, on_step=eager.append, **kw)
-    sbd_verify.decode(sbd_model, prompts, static=True, on_step=fast.append, **kw)
+    lossless(sbd_model, prompts, on_step=eager.append, **kw)
+    lossless(sbd_model, prompts, static=True, on_step=fast.append, **kw)
     assert fast == eager and len(eager) > 3
 
 
@@ -252,9 +253,9 @@ def test_compiled_graph_reused_by_a_later_decode_reads_its_own_cache(sbd_model):
     and still gives eager's tokens, so no per-call value is baked into a graph."""
     kw = dict(max_new_tokens=40, stop_token_ids=sbd_model.stop_token_ids)
     first, second = _prompts(sbd_model, 8)[:2], _prompts(sbd_model, 8)[4:6]
-    _same(ar.decode(sbd_model, first, **kw), ar.decode(sbd_model, first, compile=True, **kw))
+    _same(DECODERS["ar"].decode(sbd_model, first, **kw), DECODERS["ar"].decode(sbd_model, first, compile=True, **kw))
     graphs = len(static._compiled[sbd_model.model])
-    _same(ar.decode(sbd_model, second, **kw), ar.decode(sbd_model, second, compile=True, **kw))
+    _same(DECODERS["ar"].decode(sbd_model, second, **kw), DECODERS["ar"].decode(sbd_model, second, compile=True, **kw))
     assert len(static._compiled[sbd_model.model]) == graphs  # the same graphs ran on the new cache
     assert static._guard_filter(sbd_model.model)  # a model without hooks: tensor guards only
 

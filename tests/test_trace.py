@@ -15,9 +15,9 @@ from conftest import run_cli, tiny_bundle, tiny_llama
 import unmask
 from unmask.cli import main
 from unmask.decode.dllm import diffusion
-from unmask.decode.blocks import sbd
 from unmask.models.mask_token import add_mask_token
 from unmask.trace import MASK_GLYPH, Trace, TokenText, attach_trace, step_event
+from unmask.decode import DECODERS
 
 STORIES = Path(unmask.__file__).parent / "checkpoints" / "stories260K"
 
@@ -79,7 +79,7 @@ def test_sbd_emits_step_events():
     model = tiny_llama(vocab=64)
     bundle = tiny_bundle(model, kind="sbd", mask_token_id=add_mask_token(model))
     events = []
-    out = sbd.decode(bundle, [[1, 5, 9]], max_new_tokens=8, block_size=4, gamma=0.5, on_step=events.append)
+    out = DECODERS["sbd"].decode(bundle, [[1, 5, 9]], max_new_tokens=8, block_size=4, gamma=0.5, on_step=events.append)
     assert sum(len(e["positions"]) for e in events) == 8
     assert events[-1]["canvas"] == out.tokens[0]
 

@@ -58,7 +58,7 @@ def record(bundle, prompts: list[list[int]], *, max_new_tokens: int, lengths=ran
     (generate's check, before any decoding)."""
     from unmask.api import check_fit
     from unmask.compat import attention_mask, forward
-    from unmask.decode.verify import ar
+    from unmask.decode import DECODERS
 
     if bundle.mask_token_id is None:
         raise UnmaskError("calibrating draft layouts needs a model with a mask token (an SBD model, or a base "
@@ -66,7 +66,7 @@ def record(bundle, prompts: list[list[int]], *, max_new_tokens: int, lengths=ran
     if any(len(p) == 0 for p in prompts):
         raise UnmaskError("calibration needs non-empty prompts; drop the empty lines of --prompts")
     check_fit(bundle, prompts, max_new_tokens)
-    texts = ar.decode(bundle, prompts, max_new_tokens=max_new_tokens, stop_token_ids=()).tokens
+    texts = DECODERS["ar"].decode(bundle, prompts, max_new_tokens=max_new_tokens, stop_token_ids=()).tokens
     suppress = list(bundle.suppress_ids)
     out = []
     for prompt, text in zip(prompts, texts):

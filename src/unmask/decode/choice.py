@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from unmask.compat import crop, forward, new_cache
-from unmask.decode import default_decoder
+from unmask.decode import DECODERS, default_decoder
 from unmask.errors import UnmaskError
 from unmask.threads import scoped
 
@@ -29,9 +29,6 @@ from unmask.threads import scoped
 MIN_GAIN = 1.1
 COST_ENV = "UNMASK_FORWARD_COST"  # a fixed cost ratio instead of the timing (forward_cost)
 RECORD_KEY = "lossless_measured"  # unmask_config.json / adapter.json: {"tpf", "queries", ...}
-# Options only lossless / lossy SBD take: one of them given means the user asked for sbd.
-SBD_ONLY = ("verify", "draft", "queries", "block_size", "policy", "gamma", "preset", "tau", "factor",
-            "tokens_per_step")
 
 
 def _positive(x) -> bool:
@@ -156,11 +153,12 @@ class Choice:
 def default_for(bundle, options: dict | None = None) -> Choice:
     """The decoder to run on ``bundle`` when the user names none: the natural decoder of its kind
     (:func:`unmask.decode.default_decoder`); for an SBD model with a recorded lossless TPF and no
-    SBD-only option in ``options``, :func:`choose` over that TPF and :func:`forward_cost` measured
-    here (``ar`` when lossless SBD is expected slower); a tensor-parallel bundle keeps its natural
-    decoder (every rank must run the same one). Raises UnmaskError for a bad record."""
+    knob of the ``sbd`` decoder in ``options`` (one asks for sbd), :func:`choose` over that TPF and
+    :func:`forward_cost` measured here (``ar`` when lossless SBD is expected slower); a tensor-parallel
+    bundle keeps its natural decoder (every rank must run the same one). Raises UnmaskError for a bad record."""
     natural = default_decoder(bundle.kind)
-    if bundle.kind != "sbd" or any((options or {}).get(k) is not None for k in SBD_ONLY):
+    sbd_only = {k.name for k in DECODERS["sbd"].knobs()} - {k.name for k in DECODERS["ar"].knobs()}
+    if bundle.kind != "sbd" or any((options or {}).get(k) is not None for k in sbd_only):
         return Choice(natural)
     if bundle.meta.get("tp"):  # tensor-parallel ranks must run one decoder: no per-rank timing
         return Choice(natural)

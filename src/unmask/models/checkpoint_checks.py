@@ -151,7 +151,7 @@ def check_tokenizer_ids(tokenizer, model, path: Path) -> None:
 
 def check_decode_defaults(defaults, where: str) -> dict:
     """``defaults`` (a model's or adapter's ``decode_defaults``) checked as SBD decoder options:
-    a JSON object whose keys are options of :func:`unmask.decode.blocks.sbd.decode` (``block_size``,
+    a JSON object whose keys are options of the ``sbd`` decoder (:class:`unmask.decode.blocks.sbd.SBDOptions`) (``block_size``,
     ``policy``, ``gamma``, ``preset``, ``tau``, ``factor``, ``tokens_per_step``, ``verify``,
     ``verify_block_size``, ``draft``) with valid values. Returns a copy.
 
@@ -160,7 +160,7 @@ def check_decode_defaults(defaults, where: str) -> dict:
     """
     # the decoders' configs, imported here: loading a model needs them only when it has decode_defaults
     from unmask.decode.blocks.sbd import LOSSLESS_KEYS, SBDConfig
-    from unmask.decode.verify.steps import VerifyConfig
+    from unmask.decode.verify.config import VerifyConfig
 
     if not isinstance(defaults, dict):
         raise UnmaskError(f"{where}: 'decode_defaults' must be a JSON object of decoder options (got "
@@ -183,8 +183,8 @@ def check_decode_defaults(defaults, where: str) -> dict:
         if "verify" in defaults and not isinstance(defaults["verify"], bool):
             raise UnmaskError(f"verify must be true or false (got {defaults['verify']!r}); pass verify=True or False")
         if any(k in defaults for k in LOSSLESS_KEYS):
-            VerifyConfig(block_size=defaults.get("verify_block_size", VerifyConfig.block_size),
-                         draft=defaults.get("draft", VerifyConfig.draft))
+            VerifyConfig.of(block_size=defaults.get("verify_block_size", VerifyConfig.block_size),
+                            draft=defaults.get("draft", VerifyConfig.draft))
             if "queries" in defaults or "draft_layouts" in defaults:  # a calibrated table (spec §5.4)
                 from unmask.decode.verify import layout as draft_layout
 

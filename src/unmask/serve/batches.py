@@ -17,17 +17,14 @@ import time
 from functools import cached_property
 
 from unmask.decode import DECODERS, Config
-from unmask.decode.blocks.sbd import runs_lossless
 from unmask.decode.dllm.diffusion import DiffusionConfig
 from unmask.decode.dllm.diffusion_batch import OPTIONS as DIFFUSION_OPTIONS, Diffusion
 from unmask.decode.dllm.dream import OPTIONS as DREAM_OPTIONS
 from unmask.decode.dllm.early_bird_batch import OPTIONS as EARLY_BIRD_OPTIONS
-from unmask.decode.blocks.sbd import BATCH_OPTIONS as SBD_OPTIONS
 from unmask.decode.blocks.single import BATCH_OPTIONS as BLOCK_OPTIONS
 from unmask.decode.multiblock.batch import OPTIONS as MULTIBLOCK_OPTIONS
-from unmask.decode.verify import layout as draft_layout
-from unmask.decode.verify import steps as sbd_verify
-from unmask.decode.verify.batch import Verify
+from unmask.decode.verify.batch import Verify, for_layout
+from unmask.decode.verify.config import default_layout
 from unmask.errors import UnmaskError
 from unmask.serve import per_call
 from unmask.serve.jobs import Job, bad_request, finish_gone, server_error
@@ -58,16 +55,13 @@ class RunningBatches:
     @property
     def ar(self) -> Verify:
         """The running batch AR requests join (the checkpoint's default draft layout)."""
-        return self._verify_batch(draft_layout.resolve(self.defaults.get("draft") or sbd_verify.DEFAULT_DRAFT,
-                                                       None, self.defaults))
+        return self._verify_batch(default_layout(self.bundle))
 
     def _verify_batch(self, draft: str, fresh: bool = False) -> Verify:
         if fresh or draft not in self.verify:  # fresh: replaced in one assignment (readers never see none)
-            K = self.defaults.get("verify_block_size") or sbd_verify.DEFAULT_BLOCK_SIZE
-            cfg = sbd_verify.VerifyConfig(block_size=K, draft=draft, smaller=self.sizer.smaller(draft))
-            self.verify[draft] = Verify(self.bundle, cfg, compile=self.compile, capacity=self.max_batch_size,
-                                        on_step=self._event, on_token=self._ar_token,
-                                        ar=self.bundle.mask_token_id is None, defer_compile=True)
+            self.verify[draft] = for_layout(self.bundle, draft, capacity=self.max_batch_size, compile=self.compile,
+                                            smaller=self.sizer.smaller(draft), on_step=self._event,
+                                            on_token=self._ar_token)
         return self.verify[draft]
 
     def _batches(self) -> list:
@@ -108,12 +102,6 @@ class RunningBatches:
         ("verify", layout) for ar and lossless sbd; (kind, options as sorted items) for the others,
         None for options their running batch does not take."""
         options = job.options
-        if job.decoder == "ar" or (job.decoder == "sbd" and runs_lossless(self.bundle, options)):
-            if job.decoder == "ar":
-                return ("verify", self.ar.cfg.draft), cfg
-            draft = draft_layout.option(options.get("draft"), options.get("block_size"), self.defaults,
-                                        sbd_verify.DEFAULT_DRAFT)
-            return ("verify", draft_layout.resolve(draft, options.get("queries"), self.defaults)), cfg
         items = tuple(sorted(options.items()))
         if job.decoder == "diffusion" and "schedule" in options:  # Dream's schedule: a running batch of its own
             fits = self._diffusion_runs and set(options) <= {"schedule", *DREAM_OPTIONS}
@@ -259,5 +247,5 @@ class RunningBatches:
 
 # Transitional (issue 49): the options the running batches of the built-in decoders take while their
 # configs do not define batch_key; a request with others runs per call. Goes when they do.
-_TRANSITIONAL = {"ar": (), "sbd": SBD_OPTIONS, "block": BLOCK_OPTIONS, "multiblock": MULTIBLOCK_OPTIONS,
+_TRANSITIONAL = {"block": BLOCK_OPTIONS, "multiblock": MULTIBLOCK_OPTIONS,
                  "diffusion": DIFFUSION_OPTIONS, "early-bird": EARLY_BIRD_OPTIONS}

@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from unmask.decode.verify import layout as draft_layout
-from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import config as sbd_verify
 from unmask.decode.verify import siblings as sl
 from unmask.decode.blocks.sbd import runs_lossless
 from unmask.errors import UnmaskError
@@ -137,7 +137,7 @@ def check_server_draft(draft: str | None, queries: int | None, defaults: dict | 
     draft = "budget" if draft is None else draft
     if not isinstance(draft, str):
         raise UnmaskError(f"--draft must be text (got {draft!r}); pass linear, quadratic, budget or D/S/G text")
-    return sbd_verify.VerifyConfig(draft=draft_layout.resolve(draft, queries, defaults)).draft
+    return sbd_verify.VerifyConfig.of(draft=draft_layout.resolve(draft, queries, defaults)).draft
 
 
 def with_server_draft(bundle, draft: str | None, queries: int | None):
@@ -161,8 +161,7 @@ def with_server_draft(bundle, draft: str | None, queries: int | None):
 def served_table(sizes: "DraftSizes | str | None", bundle) -> DraftSizes | None:
     """:func:`table_for` of the layout ``bundle`` serves by default (its decode_defaults' draft)."""
     defaults = bundle.meta.get("decode_defaults") or {}
-    draft = draft_layout.resolve(defaults.get("draft") or sbd_verify.DEFAULT_DRAFT, None, defaults)
-    return table_for(sizes, draft, defaults)
+    return table_for(sizes, sbd_verify.default_layout(bundle), defaults)
 
 
 def draft_sizes_option(value: "str | DraftSizes | None") -> "DraftSizes | str | None":
@@ -224,7 +223,7 @@ class LoadSizer:
 
     def block_size(self, job, sized: int | None) -> int:
         """The draft size a job joins with: 1 for ar, ``sized`` (the table's) for a sizable job, else
-        the request's or the checkpoint's K, validated as ``sbd_verify.decode`` does. Raises UnmaskError."""
+        the request's or the checkpoint's K, validated as the sbd decoder does. Raises UnmaskError."""
         if job.decoder == "ar":
             return 1
         unknown = sorted(set(job.options) - set(VERIFY_OPTIONS))
@@ -233,9 +232,9 @@ class LoadSizer:
                               f"{', '.join(VERIFY_OPTIONS)}")
         if job.sizable:
             return sized
-        K = next(v for v in (job.options.get("block_size"), self.defaults.get("verify_block_size"),
-                             sbd_verify.DEFAULT_BLOCK_SIZE) if v is not None)
-        sbd_verify.VerifyConfig(block_size=K, draft=job.running_key[1])
+        K = job.options.get("block_size")
+        K = sbd_verify.default_block_size(self.bundle) if K is None else K
+        sbd_verify.VerifyConfig.of(K, job.running_key[1])
         if 2 * K > self.bundle.context_length:
             raise UnmaskError(f"block size {K} is too large for the context window of "
                               f"{self.bundle.context_length}; lower --block-size")

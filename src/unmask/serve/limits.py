@@ -74,9 +74,9 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
     server's draft-size table may give a lossless sbd request that fixes no block size. Knobs the
     decoder will refuse count as the defaults (the decoder reports them)."""
     from unmask.decode.verify import layout as draft_layout
-    from unmask.decode.verify import steps as sbd_verify
+    from unmask.decode.verify import config as sbd_verify
     from unmask.decode.verify import siblings as sibling_layout
-    from unmask.decode.blocks.sbd import DEFAULT_BLOCK_SIZE, runs_lossless
+    from unmask.decode.blocks.sbd import DEFAULT_BLOCK_SIZE, SBDOptions, runs_lossless
 
     defaults = bundle.meta.get("decode_defaults") or {}
 
@@ -85,7 +85,7 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
         return _first(v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None, *fallbacks)
 
     if decoder == "sbd" and runs_lossless(bundle, options):
-        own = _first(defaults.get("verify_block_size"), sbd_verify.DEFAULT_BLOCK_SIZE)
+        own = sbd_verify.default_block_size(bundle)
         if options.get("block_size") is not None:
             k = knob("block_size", sbd_verify.DEFAULT_BLOCK_SIZE)
         else:  # the draft-size table's K or the checkpoint's default, whichever is larger
@@ -93,9 +93,7 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
         of_k = f"block_size {k}" if options.get("block_size") is not None or k == own else \
             f"K = {k} from the server's --draft-sizes table (a request's block_size fixes K)"
         try:
-            draft = draft_layout.option(options.get("draft"), options.get("block_size"), defaults,
-                                        sbd_verify.DEFAULT_DRAFT)
-            draft = draft_layout.resolve(draft, options.get("queries"), defaults)
+            draft = SBDOptions(**{k: options.get(k) for k in ("draft", "block_size", "queries")}).layout(bundle)
         except UnmaskError:
             draft = sbd_verify.DEFAULT_DRAFT  # the decoder reports the bad budget
         if draft_layout.is_layout(draft):
@@ -182,7 +180,7 @@ def check_batch_memory(bundle, limits: Limits, max_batch_size: int) -> None:
     tokens (at most the context window), its token and position slots, and the (K, V) float32 draft
     probabilities a sampled lossless row keeps (:mod:`unmask.memory`; a lower bound, so a refused size never fits)."""
     from unmask import memory
-    from unmask.decode.verify import steps as sbd_verify
+    from unmask.decode.verify import config as sbd_verify
 
     if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
         return  # the scheduler refuses it by name
@@ -190,7 +188,7 @@ def check_batch_memory(bundle, limits: Limits, max_batch_size: int) -> None:
     # a request's prompt + completion must fit the context window: a larger --max-cache-tokens is never reached
     tokens = min(limits.cache_tokens(bundle), int(bundle.context_length))
     vocab = int(getattr(model.config, "vocab_size", None) or 0)
-    k = (bundle.meta.get("decode_defaults") or {}).get("verify_block_size") or sbd_verify.DEFAULT_BLOCK_SIZE
+    k = sbd_verify.default_block_size(bundle)
     # per cache column: its K/V, and the slots' ids and positions (long) and two masks (bool)
     kv = memory.kv_bytes_per_token(model) // int(bundle.meta.get("tp") or 1)  # tensor-parallel: a rank's heads
     per_row = tokens * (kv + 18) + int(k) * vocab * 4

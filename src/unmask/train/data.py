@@ -95,7 +95,7 @@ def generate_stories(bundle, config: StoryCorpusConfig, progress: Callable[[int,
     Raises:
         UnmaskError: the tokenizer has no BOS token.
     """
-    from unmask.decode.verify.ar import decode
+    from unmask.decode import DECODERS
     from unmask.sampling import Sampling
 
     bos = bundle.bos_token_id
@@ -113,7 +113,7 @@ def generate_stories(bundle, config: StoryCorpusConfig, progress: Callable[[int,
             yield min(config.batch_size, n - start)
 
     for rows in batches(config.n_sampled):
-        out = decode(bundle, [[bos]] * rows, max_new_tokens=config.max_new_tokens,
+        out = DECODERS["ar"].decode(bundle, [[bos]] * rows, max_new_tokens=config.max_new_tokens,
                      sampling=Sampling(temperature=config.temperature, seed=config.seed * 100_003 + batch_no),
                      stop_token_ids=stop)
         batch_no += 1
@@ -122,12 +122,12 @@ def generate_stories(bundle, config: StoryCorpusConfig, progress: Callable[[int,
             progress(len(records), total)
     lo, hi = config.prefix_range
     for rows in batches(config.n_greedy):
-        pre = decode(bundle, [[bos]] * rows, max_new_tokens=hi,
+        pre = DECODERS["ar"].decode(bundle, [[bos]] * rows, max_new_tokens=hi,
                      sampling=Sampling(temperature=config.temperature, seed=config.seed * 100_003 + batch_no),
                      stop_token_ids=stop)
         batch_no += 1
         prefixes = [ids[: rng.randint(lo, hi)] for ids in pre.tokens]
-        out = decode(bundle, [[bos] + p for p in prefixes], max_new_tokens=config.max_new_tokens,
+        out = DECODERS["ar"].decode(bundle, [[bos] + p for p in prefixes], max_new_tokens=config.max_new_tokens,
                      sampling=Sampling(temperature=0.0), stop_token_ids=stop)
         records += [{"ids": p + ids, "source": "greedy"} for p, ids in zip(prefixes, out.tokens)]
         if progress:
@@ -148,7 +148,7 @@ def story_prompts(bundle, n: int, *, seed: int = 0, prefix_range: tuple[int, int
     ``exclude`` (held-out prompts), or that one of them starts, is dropped. Returns at most ``n``
     prompts, in order. Raises UnmaskError when the tokenizer has no BOS token.
     """
-    from unmask.decode.verify.ar import decode
+    from unmask.decode import DECODERS
     from unmask.sampling import Sampling
 
     if bundle.bos_token_id is None:
@@ -161,7 +161,7 @@ def story_prompts(bundle, n: int, *, seed: int = 0, prefix_range: tuple[int, int
     out: list[str] = []
     for batch_no, start in enumerate(range(0, n, batch_size)):
         rows = min(batch_size, n - start)
-        pre = decode(bundle, [[bundle.bos_token_id]] * rows, max_new_tokens=hi,
+        pre = DECODERS["ar"].decode(bundle, [[bundle.bos_token_id]] * rows, max_new_tokens=hi,
                      sampling=Sampling(temperature=1.0, seed=seed * 100_003 + batch_no),
                      stop_token_ids=bundle.stop_token_ids)
         for ids in pre.tokens:

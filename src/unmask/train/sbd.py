@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from unmask.decode.verify.steps import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT
+from unmask.decode.verify.config import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT
 from unmask.errors import UnmaskError
 from unmask.train.loop import TrainResult
 from unmask.train.objectives import SBDObjective

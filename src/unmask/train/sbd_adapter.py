@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from unmask import dist
-from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.verify import config as sbd_verify
 from unmask.errors import UnmaskError
 from unmask.train.lm_loss import lm_nll
 from unmask.train.loop import TrainResult, train

@@ -11,9 +11,14 @@ block causally together with the k new masks (one fused forward over 2k tokens),
 causal K/V of committed text ever stay in the cache.
 
 The decoding itself is :class:`unmask.decode.blocks.batch.BlockDecoder`, the running batch SBD shares
-with SingleBD (the re-feed is its causal store region) and that the server runs too; ``decode``
-drains it. On the static cache every forward has one of at most four query shapes — k or 2k
-tokens, and the same for a shorter last block — so ``compile=True`` reuses one graph per shape.
+with SingleBD (the re-feed is its causal store region). On the static cache every forward has one of
+at most four query shapes — k or 2k tokens, and the same for a shorter last block — so
+``compile=True`` reuses one graph per shape.
+
+With ``verify`` (or the checkpoint's default) the same decoder runs *lossless* SBD instead
+(spec/sbd_exact.md): the block mode only drafts, the NTP mode verifies in the same forward, and the
+output equals ``ar`` decoding of the model, on the verify batch (:mod:`unmask.decode.verify`).
+:meth:`SBDOptions.resolve` decides which, once, and resolves everything either path needs.
 """
 
 from __future__ import annotations
@@ -22,16 +27,16 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.decode.verify import layout as draft_layout
-from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.blocks.batch import BlockDecoder
 from unmask.decode.engine.batching import left_pad
-from unmask.decode.engine.stats import DecodeOutput
+from unmask.decode.engine.knobs import PolicyKnobs
+from unmask.decode.engine.registry import Spec, knob
+from unmask.decode.verify import layout as dl
+from unmask.decode.verify.batch import Verify
+from unmask.decode.verify.config import DEFAULT_DRAFT, VerifyConfig, default_block_size, queries
 from unmask.errors import UnmaskError, is_int
 from unmask.masks import as_4d, causal_mask, with_key_padding
 from unmask.policies import EntropyBound, Policy, gamma_option, make_policy
-from unmask.sampling import Sampling
-from unmask.decode.engine.knobs import PolicyKnobs
-from unmask.decode.engine.registry import Spec, knob
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PRESET = "chat-low"
@@ -76,102 +81,6 @@ class SBDConfig:
         return cls(block_size=DEFAULT_BLOCK_SIZE if block_size is None else block_size, policy=built)
 
 
-@torch.inference_mode()
-def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
-           stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), block_size: int | None = None,
-           policy: str | None = None, gamma: float | str | None = None, preset: str | None = None,
-           tau: float | None = None, factor: float | None = None, tokens_per_step: int | None = None,
-           verify: bool | None = None, draft: str | None = None, queries: int | None = None, on_forward=None,
-           on_step=None, compile: bool = False, static: bool = False) -> DecodeOutput:
-    """SBD block decoding of a batch (SBD Alg. 2–3, §4.1 fused re-feed, §4.2 accounting).
-
-    ``verify=True`` runs lossless SBD instead (spec/sbd_exact.md, :mod:`unmask.decode.verify.steps`):
-    the block mode only drafts, the NTP mode verifies in the same forward, and the output equals
-    ``ar`` decoding of the same model; ``draft`` picks its layout (quadratic, linear, or budget with
-    ``queries`` query tokens per row: the checkpoint's calibrated layout, spec §5) and the
-    commit-policy options do not apply. ``verify=None`` takes the checkpoint's ``decode_defaults``
-    unless a policy option is given (then the lossy EB path runs). ``compile=True`` runs the
-    static-cache, compiled fast path (lossless: :mod:`unmask.decode.engine.static`; lossy: this loop on a
-    :class:`unmask.decode.engine.kv.StaticKV` with a compiled step, the prefill eager); ``static=True``
-    runs the lossy loop on the static cache eagerly (tests, debugging). Both give the eager
-    tokens and NFE; stats.extra records ``compiled`` and ``static_cache`` (its length, or None).
-
-    prompts: token ids per row (left-padded internally). Rows advance block by block in
-    lockstep; a row whose block is complete waits, and its NFE counts only the forwards in which
-    it still had masks. A row stops after the block that commits a stop token (tokens after it
-    are dropped) or a stop string. ``on_forward(state)`` (tests) sees each forward's inputs and
-    block logits; ``on_step(event)`` gets :mod:`unmask.trace` step events.
-
-    Returns DecodeOutput; stats.extra holds ``accepts`` (histogram: tokens committed per row per
-    forward -> count), ``policy``, ``block_size`` and per-row accept lists in ``row_extra``.
-    Raises UnmaskError for a non-SBD model, a bad block size or policy options.
-    """
-    if bundle.mask_token_id is None:
-        raise UnmaskError("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); "
-                          "train one with 'unmask train sbd'")
-    for name, value in (("compile", compile), ("static", static)):  # both paths: lossless passed "x" on as on
-        if not isinstance(value, bool):
-            raise UnmaskError(f"{name} must be True or False (got {value!r}); pass {name}=True")
-    policy_options = {"--policy": policy, "--gamma": gamma, "--preset": preset, "--tau": tau, "--factor": factor,
-                      "--tokens-per-step": tokens_per_step}
-    given = [flag for flag, value in policy_options.items() if value is not None]
-    defaults = dict(bundle.meta.get("decode_defaults") or {})
-    only = [flag for flag, value in (("--draft", draft), ("--queries", queries)) if value is not None]
-    lossless = _lossless(verify, given, draft if queries is None else "budget", defaults, only)
-    if lossless:
-        return sbd_verify.decode(bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                 stop_token_ids=stop_token_ids, stop_strings=stop_strings,
-                                 block_size=_first(block_size, defaults.get("verify_block_size"), sbd_verify.DEFAULT_BLOCK_SIZE),
-                                 draft=draft_layout.option(draft, block_size, defaults, sbd_verify.DEFAULT_DRAFT),
-                                 queries=queries, on_forward=on_forward, on_step=on_step, compile=compile, static=static)
-    defaults = {k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS}
-    cfg = SBDConfig.from_options(block_size=block_size, policy=policy, gamma=gamma, preset=preset, tau=tau,
-                                 factor=factor, tokens_per_step=tokens_per_step, defaults=defaults)
-    if cfg.block_size > bundle.context_length:
-        raise UnmaskError(f"block size {cfg.block_size} exceeds the context window of {bundle.context_length}; "
-                          "lower --block-size")
-    from unmask.decode.blocks.single import run_blocks
-
-    return run_blocks(bundle, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                      stop_token_ids=stop_token_ids, stop_strings=stop_strings, on_forward=on_forward, on_step=on_step,
-                      compile=compile, static=static)
-
-
-POLICY_OPTIONS = ("policy", "gamma", "preset", "tau", "factor", "tokens_per_step")
-BATCH_OPTIONS = ("block_size", *POLICY_OPTIONS, "verify", "draft")  # the server keys lossy batches by them
-
-
-def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_step=None, on_token=None,
-                  stop_token_ids=None, compile: bool = False, static: bool = False):
-    """The server's running batch of lossy SBD rows for one set of request ``options``
-    (:data:`BATCH_OPTIONS`; None = default, the checkpoint's ``decode_defaults`` filling the rest as
-    in :func:`decode`), validated once: :func:`unmask.decode.blocks.single.serving` (``compile`` /
-    ``static``: on a static KV cache). ``stop_token_ids`` defaults to the bundle's. Raises UnmaskError for a model without a mask
-    token, an unknown option, a bad value, or options selecting lossless SBD (its own batch)."""
-    from unmask.decode.blocks.single import serving
-
-    if bundle.mask_token_id is None:
-        raise UnmaskError("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); "
-                          "train one with 'unmask train sbd'")
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(BATCH_OPTIONS))
-    if unknown:
-        raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to a continuous lossy sbd batch; "
-                          f"use only {', '.join(BATCH_OPTIONS)}")
-    given = [f"--{k.replace('_', '-')}" for k in POLICY_OPTIONS if options.get(k) is not None]
-    defaults = dict(bundle.meta.get("decode_defaults") or {})
-    if _lossless(options.get("verify"), given, options.get("draft"), defaults):
-        raise UnmaskError("these options run lossless SBD (--verify), which the lossy sbd batch does not decode; "
-                          "pass --no-verify or a policy option")
-    defaults = {k: v for k, v in defaults.items() if k not in LOSSLESS_KEYS}
-    cfg = SBDConfig.from_options(**{k: options.get(k) for k in ("block_size", *POLICY_OPTIONS)}, defaults=defaults)
-    if cfg.block_size > bundle.context_length:
-        raise UnmaskError(f"block size {cfg.block_size} exceeds the context window of {bundle.context_length}; "
-                          "lower --block-size")
-    return serving(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token, stop_token_ids=stop_token_ids,
-                   compile=compile, static=static)
-
-
 def prefill(kv, prompts: list[list[int]], pad_id: int, device) -> torch.Tensor:
     """Prefill the left-padded prompts causally into the empty cache ``kv`` (SBD Alg. 2 step 1).
     Its length depends on the prompts, so it runs eagerly. Returns valid (B, P) bool, False on
@@ -183,43 +92,16 @@ def prefill(kv, prompts: list[list[int]], pad_id: int, device) -> torch.Tensor:
     return valid
 
 
-def _first(*values):
-    """The first value that is not None (an explicit 0 or "" stays, so its validation can refuse it)."""
-    return next(v for v in values if v is not None)
-
-
-def runs_lossless(bundle, options: dict) -> bool:
-    """Whether :func:`decode` with these options runs lossless SBD (False when they contradict:
-    decode then raises its own error)."""
-    given = [k for k in ("policy", "gamma", "preset", "tau", "factor", "tokens_per_step") if options.get(k) is not None]
-    try:
-        return _lossless(options.get("verify"), given, options.get("draft"),
-                         dict(bundle.meta.get("decode_defaults") or {}))
-    except UnmaskError:
-        return False
-
-
-def _lossless(verify, given: list[str], draft, defaults: dict, only: list[str] = ("--draft",)) -> bool:
-    """Whether this call runs lossless SBD. ``only``: the lossless-only flags the user set (a
-    ``--queries`` alone sets the budget draft). Raises UnmaskError for contradicting options."""
-    if verify is not None and not isinstance(verify, bool):
-        raise UnmaskError(f"verify must be true or false (got {verify!r}); pass --verify or --no-verify")
-    if verify and given:
-        it = "them" if len(given) > 1 else "it"
-        raise UnmaskError(f"{', '.join(given)} set a lossy commit policy, which lossless SBD (--verify) does not use; "
-                          f"drop {it} or pass --no-verify")
-    lossless = verify if verify is not None else (not given and bool(defaults.get("verify", False)))
-    if draft is not None and not lossless:
-        flags, it = (" and ".join(only), "them") if len(only) > 1 else (only[0], only[0])
-        raise UnmaskError(f"{flags} appl{'y' if len(only) > 1 else 'ies'} to lossless SBD only; add --verify or "
-                          f"drop {it}")
-    return lossless
+POLICY_OPTIONS = ("policy", "gamma", "preset", "tau", "factor", "tokens_per_step")
+NO_MASK = ("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); train one with "
+           "'unmask train sbd'")
 
 
 @dataclass(frozen=True)
 class SBDOptions(PolicyKnobs):
     """Set Block Decoding's knobs: the block and its commit policy (lossy EB path, SBD §4-5), or
-    lossless SBD's draft (spec/sbd_exact.md)."""
+    lossless SBD's draft (spec/sbd_exact.md). :meth:`resolve` turns them, with the checkpoint's
+    ``decode_defaults``, into the config that runs."""
 
     block_size: int | None = knob("block size k (--verify: the draft size K; default the model's, else 16)", low=1,
                                   short="-k")
@@ -231,6 +113,101 @@ class SBDOptions(PolicyKnobs):
     queries: int | None = knob("--verify, budgeted draft: query tokens per row per forward (default: the "
                                "model's, else 16)", low=1)
 
+    def lossless(self, bundle) -> bool:
+        """Whether these options run lossless SBD: ``verify`` when set, else the checkpoint's default
+        unless a policy option asks for the lossy path. Raises UnmaskError for options that contradict
+        (a policy option with ``verify``, ``draft`` / ``queries`` without it)."""
+        if self.verify is not None and not isinstance(self.verify, bool):
+            raise UnmaskError(f"verify must be true or false (got {self.verify!r}); pass --verify or --no-verify")
+        given = [f"--{k.replace('_', '-')}" for k in POLICY_OPTIONS if getattr(self, k) is not None]
+        if self.verify and given:
+            it = "them" if len(given) > 1 else "it"
+            raise UnmaskError(f"{', '.join(given)} set a lossy commit policy, which lossless SBD (--verify) does not "
+                              f"use; drop {it} or pass --no-verify")
+        defaults = bundle.meta.get("decode_defaults") or {}
+        lossless = self.verify if self.verify is not None else (not given and bool(defaults.get("verify", False)))
+        only = [flag for flag, value in (("--draft", self.draft), ("--queries", self.queries)) if value is not None]
+        if only and not lossless:
+            flags, it = (" and ".join(only), "them") if len(only) > 1 else (only[0], only[0])
+            raise UnmaskError(f"{flags} appl{'y' if len(only) > 1 else 'ies'} to lossless SBD only; add --verify or "
+                              f"drop {it}")
+        return lossless
 
-SPEC = Spec("sbd", SBDOptions, batch=lambda bundle, cfg, **kw: serving_batch(bundle, cfg.given(), **kw), kinds=("sbd",), compiles=True, run=decode,
+    def layout(self, bundle) -> str:
+        """The draft layout lossless SBD runs (:func:`unmask.decode.verify.layout.option`, then
+        :func:`~unmask.decode.verify.layout.resolve`: a budget as its ``D/S/G`` text). Raises UnmaskError."""
+        defaults = bundle.meta.get("decode_defaults") or {}
+        draft = dl.option(self.draft, self.block_size, defaults, DEFAULT_DRAFT)
+        return dl.resolve(getattr(draft, "spec", draft), self.queries, defaults)
+
+    def resolve(self, bundle) -> "VerifyConfig | SBDConfig":
+        """The one resolution of these options on ``bundle``: a :class:`VerifyConfig` (lossless: K the
+        request's, else the checkpoint's ``verify_block_size``, else 8; the :meth:`layout`) checked
+        against the context window, or an :class:`SBDConfig` (lossy: the checkpoint's ``decode_defaults``
+        fill what is not given). Raises UnmaskError (one line) for a model without a mask token,
+        contradicting options or a bad value."""
+        if bundle.mask_token_id is None:
+            raise UnmaskError(NO_MASK)
+        if self.lossless(bundle):
+            K = default_block_size(bundle) if self.block_size is None else self.block_size
+            cfg = VerifyConfig.of(K, self.layout(bundle))
+            cfg.check_fits(bundle.context_length)
+            return cfg
+        defaults = {k: v for k, v in (bundle.meta.get("decode_defaults") or {}).items() if k not in LOSSLESS_KEYS}
+        cfg = SBDConfig.from_options(block_size=self.block_size, **{k: getattr(self, k) for k in POLICY_OPTIONS},
+                                     defaults=defaults)
+        if cfg.block_size > bundle.context_length:
+            raise UnmaskError(f"block size {cfg.block_size} exceeds the context window of {bundle.context_length}; "
+                              "lower --block-size")
+        return cfg
+
+    def batch_key(self, bundle, max_new_tokens: int):
+        """Lossless: ``("verify", layout)``, the verify batch it shares with ``ar`` rows (a bad block size
+        is reported when the row joins); lossy: ``("sbd", self)``; None (the request runs per call, its
+        decode reports the error) for contradicting options or a bad layout."""
+        try:
+            return ("verify", self.layout(bundle)) if self.lossless(bundle) else ("sbd", self)
+        except UnmaskError:
+            return None
+
+
+def batch(bundle, cfg: SBDOptions, *, capacity: int, prompts=None, max_new_tokens=None, compile: bool = False,
+          static: bool = False, on_step=None, on_token=None, on_forward=None, stop_token_ids=None):
+    """The running batch of ``cfg`` (:meth:`SBDOptions.resolve`): lossless, a
+    :class:`~unmask.decode.verify.batch.Verify` at its K; lossy, a
+    :class:`~unmask.decode.blocks.batch.BlockDecoder` (``prompts`` given: :meth:`Spec.decode`'s, rows in
+    lockstep; None: the server's, rows moving on at once, a static cache of the context window and
+    three blocks of slack, new step shapes compiled when idle). ``compile``: the static cache and a
+    compiled forward (same tokens and NFE; stats.extra records ``compiled`` and ``static_cache``);
+    ``static``: the static cache eagerly; lossless takes ``on_forward`` only eagerly. Raises
+    UnmaskError as :meth:`SBDOptions.resolve` does and for a non-bool ``compile`` / ``static``."""
+    run = cfg.resolve(bundle)
+    for name, value in (("compile", compile), ("static", static)):
+        if not isinstance(value, bool):
+            raise UnmaskError(f"{name} must be True or False (got {value!r}); pass {name}=True")
+    longest = None if prompts is None else max((len(p) for p in prompts), default=1) + max_new_tokens
+    if isinstance(run, VerifyConfig):
+        if (compile or static) and on_forward is not None:
+            raise UnmaskError("compile=True / static=True take no on_forward hook (the static cache is not a "
+                              "DynamicCache); drop one of them")
+        length = None if longest is None else longest + run.block_size + queries(run.block_size, run.draft)
+        return Verify(bundle, run, static=static, compile=compile, capacity=capacity, on_step=on_step,
+                      on_token=on_token, on_forward=on_forward, stop_token_ids=stop_token_ids, length=length)
+    server = prompts is None
+    length = bundle.context_length + 3 * run.block_size if server and (static or compile) else None
+    return BlockDecoder(bundle, run, static=static, compile=compile, capacity=capacity, lockstep=not server,
+                        on_step=on_step, on_token=on_token, on_forward=on_forward, stop_token_ids=stop_token_ids,
+                        length=length, defer_compile=server and compile)
+
+
+def runs_lossless(bundle, options: dict) -> bool:
+    """Whether the sbd options ``options`` (a dict; other keys ignored) run lossless SBD; False when
+    they contradict (their decode reports it)."""
+    try:
+        return SBDOptions(**{k: options.get(k) for k in ("verify", "draft", *POLICY_OPTIONS)}).lossless(bundle)
+    except UnmaskError:
+        return False
+
+
+SPEC = Spec("sbd", SBDOptions, batch=batch, kinds=("sbd",), compiles=True,
             summary="Set Block Decoding: block of masks, EB sampler, exact KV cache")

@@ -1,56 +1,55 @@
 """Autoregressive decoding with an exact KV cache: the baseline every decoder is measured against.
 
-It runs the one engine's AR / lossless SBD batch (:class:`unmask.decode.verify.batch.Verify`) with
-every row at draft size K = 1: one token per row per forward (DESIGN.md "One engine")."""
+AR is the verify batch (:class:`~unmask.decode.verify.batch.Verify`) with every row at draft size
+K = 1, so it drafts nothing and has nothing to reject. One AR step, for every running row at once:
+
+1. its query window is ONE query: ``b``, the last committed token (not yet in the cache), at its
+   position ``p_b``, attending to the row's valid cache columns and itself
+   (``Verify._pieces``: the K = 1 tables are skipped; with a full causal batch the mask is None);
+2. one forward of all rows appends their ``b`` to the cache;
+3. the next token is the argmax of that query's logits (suppressed ids at -inf; a sampled row draws
+   it with :func:`unmask.sampling.sample` from its own generator: NTP mode, SBD Eq. 9a)
+   (:func:`~unmask.decode.verify.sampled.accept_rows`);
+4. :func:`~unmask.decode.verify.steps.settle` commits it (``committed`` = 1 per live row, a dead
+   slot 0), moves ``b`` and ``p_b`` on and flags a row that ended (a stop id or ``max_new_tokens``);
+5. one host read (:class:`~unmask.decode.engine.host.HostRead`) brings the tokens and flags back;
+   :func:`~unmask.decode.verify.rows.settle` appends each row's token, cuts at a stop id (excluded)
+   or after a stop string (the completing token kept) and frees the slots of rows that ended.
+
+A prefill forward of the prompts gives each row its first token (it counts as a forward, so a row's
+NFE is its token count). ``compile=True`` runs the same steps on a static KV cache, the whole step
+(window, forward, argmax, commit) one compiled graph (:func:`~unmask.decode.verify.steps.whole_step`):
+same tokens and NFE. AR rows and lossless SBD rows (K >= 2) share one batch in the server.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from unmask.decode.verify.batch import Verify
-from unmask.decode.engine.running import drain, requests_for
-from unmask.decode.verify.steps import VerifyConfig
-from unmask.decode.engine.stats import DecodeOutput
-from unmask.sampling import Sampling
 from unmask.decode.engine.registry import Config, Spec
-
-
-@torch.inference_mode()
-def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
-           stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (),
-           compile: bool = False, on_step=None) -> DecodeOutput:
-    """Batched greedy or sampled next-token decoding (NTP mode, SBD Eq. 9a).
-
-    prompts: token ids per row (different lengths are left-padded). One prefill forward for every
-    row, then one forward per step of one query per running row; a row stops at a stop token
-    (excluded from its output), a stop string (the completing token is kept) or
-    ``max_new_tokens``, and its slot is freed, so finished rows cost nothing more. ``compile=True``
-    runs the same batch on a static KV cache with a ``torch.compile``-d forward (same tokens and
-    NFE; stats.extra then records ``compiled`` and ``static_cache``, its length). Returns the
-    generated ids per row and DecodeStats where NFE counts every forward that commits a token (the
-    prefill commits the first one). One host sync per step. ``on_step(event)`` gets
-    :mod:`unmask.trace` step events (each row's committed tokens after every forward, ``row`` its
-    index in ``prompts``), as the other decoders emit them; they cost one list copy per row per step.
-    """
-    N = max_new_tokens
-    requests = requests_for(prompts, max_new_tokens=N, sampling=sampling, stop_strings=stop_strings,
-                            device=bundle.device)
-    events = None if on_step is None else (lambda row, event: on_step({**event, "row": row.job.id}))
-    length = max((len(p) for p in prompts), default=1) + N + 1
-
-    def make(capacity: int) -> Verify:
-        return Verify(bundle, VerifyConfig(), compile=compile, capacity=capacity, ar=True,
-                      stop_token_ids=stop_token_ids, length=length, on_step=events)
-
-    return drain(make, requests)
+from unmask.decode.verify.batch import Verify
+from unmask.decode.verify.config import VerifyConfig, default_layout
 
 
 @dataclass(frozen=True)
 class AROptions(Config):
     """AR takes no knobs: one token per row per forward (its draft size K = 1)."""
 
+    def batch_key(self, bundle, max_new_tokens: int):
+        """``("verify", layout)``: AR rows join the server's verify batch of the checkpoint's default
+        layout (:func:`~unmask.decode.verify.config.default_layout`), beside its lossless rows."""
+        return "verify", default_layout(bundle)
 
-SPEC = Spec("ar", AROptions, batch=None, kinds=("causal", "sbd"), compiles=True, run=decode,
+
+def batch(bundle, cfg: AROptions, *, capacity: int, prompts=None, max_new_tokens=None, compile: bool = False,
+          static: bool = False, on_step=None, on_token=None, on_forward=None, stop_token_ids=None) -> Verify:
+    """A verify batch whose rows join at K = 1 (``stats_extra``: only ``compiled`` / ``static_cache``).
+    ``prompts`` given: its static cache (``compile`` / ``static``) holds the longest prompt, its new
+    tokens and one query; None: a cache of the context window."""
+    length = None if prompts is None else max((len(p) for p in prompts), default=1) + max_new_tokens + 1
+    return Verify(bundle, VerifyConfig(), compile=compile, static=static, capacity=capacity, ar=True, length=length,
+                  stop_token_ids=stop_token_ids, on_step=on_step, on_token=on_token, on_forward=on_forward)
+
+
+SPEC = Spec("ar", AROptions, batch=batch, kinds=("causal", "sbd"), compiles=True,
             summary="autoregressive, one token per forward, exact KV cache")

@@ -1,45 +1,38 @@
 """The one running batch of AR and lossless SBD rows (issue 25, DESIGN.md "One engine"): AR is
-lossless SBD with draft size K = 1.
+lossless SBD with draft size K = 1 (:mod:`unmask.decode.verify.ar`).
 
 Rows live in slot tensors (:class:`~unmask.decode.engine.running.Slots`), each with its own K (1: a plain
 AR step; >= 2: lossless SBD, spec/sbd_exact.md §1–2), which may change between steps (greedy output
 does not depend on K). A step is ONE forward of every row, each row's layout embedded in the
 step's query window (:func:`~unmask.decode.verify.tree.tree_window`; siblings, spec §5.3: greedy rows
 take the longest confirmed path, sampled rows SpecInfer's multi-candidate rule), the pure commit rule
-:func:`~unmask.decode.verify.steps.advance` and one host sync; Python bookkeeping (stop strings,
-events) runs after it. The cache is ``DynamicKV`` (the forward covers slots ``[0, high)``) or
-``StaticKV`` (``static``/``compile``: the forward covers the row bucket of ``high`` and the length
-bucket of the cache, one compiled graph per shape). Rejected verify columns stay as invalid keys of
-their row (``key_valid``); the tail no row kept is cut (a crop, or a pointer move); holes are
-compacted once they are half the cache, or when a static one is full.
+:func:`~unmask.decode.verify.steps.settle` and one host read (:class:`~unmask.decode.engine.host.HostRead`);
+the rows' bookkeeping (stop rule, events: :mod:`unmask.decode.verify.rows`) runs on what it read. The
+cache is ``DynamicKV`` (the forward covers slots ``[0, high)``) or ``StaticKV`` (``static``/``compile``:
+the forward covers the row bucket of ``high`` and the length bucket of the cache, one compiled graph per
+shape). Rejected verify columns stay as invalid keys of their row (``key_valid``); the tail no row kept
+is cut (a crop, or a pointer move); holes are compacted once they are half the cache, or when a static
+one is full.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 
+from unmask.decode.engine.host import HostRead
+from unmask.decode.engine.kv import DynamicKV, StaticKV, compact, place
+from unmask.decode.engine.running import Request, Slots, group_by
+from unmask.decode.engine.stop import StopRule
+from unmask.decode.verify import rows as vr
+from unmask.decode.verify.rows import VerifyRow
 from unmask.decode.verify import sampled as ss
 from unmask.decode.verify import steps as sv
 from unmask.decode.verify import tree as tv
-from unmask.decode.verify.steps import family, queries
-from unmask.decode.engine.kv import DynamicKV, StaticKV, compact, place
-from unmask.decode.engine.running import Request, Row, Slots, group_by
+from unmask.decode.verify.config import VerifyConfig, default_block_size, family, queries, tables
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
-
-
-@dataclass(eq=False)
-class VerifyRow(Row):
-    """A :class:`~unmask.decode.engine.running.Row` of AR or lossless SBD: ``committed`` every id committed (a stop
-    token and what its step committed after it included), ``accepts`` per forward, its K, its generator."""
-
-    committed: list[int] = field(default_factory=list)
-    accepts: list[int] = field(default_factory=list)
-    K: int = 1
-    generator: object = None
 
 
 class Verify:
@@ -56,7 +49,7 @@ class Verify:
     for the context window.
     """
 
-    def __init__(self, bundle, cfg: sv.VerifyConfig = sv.VerifyConfig(), *, static: bool = False,
+    def __init__(self, bundle, cfg: VerifyConfig = VerifyConfig(), *, static: bool = False,
                  compile: bool = False, capacity: int = 8, on_step=None, on_token=None, on_forward=None,
                  stop_token_ids=None, length: int | None = None, ar: bool = False, defer_compile: bool = False):
         if bundle.mask_token_id is None and not ar:
@@ -70,7 +63,7 @@ class Verify:
         self.ar, self.default_K = ar, 1 if ar else cfg.block_size  # ar: rows join as AR rows (K = 1)
         self.mask_id, self.suppress = -1 if bundle.mask_token_id is None else bundle.mask_token_id, list(bundle.suppress_ids)
         stop_ids = sorted(set(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids))
-        self.stop_set, self.stops = set(stop_ids), torch.tensor(stop_ids or [-1], dtype=torch.long, device=self.device)  # (S,)
+        self.stop_ids, self.stops = frozenset(stop_ids), torch.tensor(stop_ids or [-1], dtype=torch.long, device=self.device)  # (S,)
         self.slots = Slots(capacity)
         self.rows: dict[int, VerifyRow] = {}  # slot -> running row
         self.forwards, self.windows, self.n_sampled = 0, Counter(), 0  # windows: forwards by query window Q; n_sampled: rows not greedy
@@ -200,7 +193,7 @@ class Verify:
             self.rows[row.slot] = row
             row.committed, row.nfe, row.accepts = [t], 1, [1]
             if self.on_step is not None and getattr(req, "events", True):
-                self.on_step(row, self._event(row, 0))
+                self.on_step(row, vr.event(row, 0, self.mask_id))
             if self._settle(row, 0):
                 done.append(row)
         self._free(done)
@@ -248,10 +241,11 @@ class Verify:
             self.s[:R, : Kmax - 1], self.sib[:R, : tw.H], *out = out
         else:
             out = self._pieces(R, Q, Kmax, C, tw, rows, compiled=out is None)
-        self.b[:R], committed, self.n[:R], self.draft_len[:R], keep, host = out
+        self.b[:R], committed, self.n[:R], self.draft_len[:R], keep, ended, last, step_tok = out
         self.p_b[:R] += committed
-        host = host.tolist()  # the step's one host sync
-        kept = max(host[2 * R + i] for i in self.rows)  # window columns some running row keeps
+        got = (HostRead().add("committed", committed).add("ended", ended).add("last", last)  # the step's one host sync
+               .add("tokens", step_tok).read())
+        kept = max(got["last"][i] for i in self.rows)  # window columns some running row keeps
         if kept < Q:  # the tail no running row keeps
             self.kv.crop(Q - kept)
         cols = keep[:, :kept]  # (R, kept); a static cache's rows past R ride along as invalid keys
@@ -260,14 +254,14 @@ class Verify:
         self.key_valid = torch.cat([self.key_valid, cols], dim=1)  # (R or cap, C + kept)
         finished = []
         for slot, row in list(self.rows.items()):
-            c = host[slot]
+            c = got["committed"][slot]
             start = len(row.committed)
-            row.committed += host[3 * R + slot * Kmax: 3 * R + slot * Kmax + c]
+            row.committed += got["tokens"][slot][:c]
             row.nfe += 1
             row.accepts.append(c)
             if self.on_step is not None and getattr(row.job, "events", True):
-                self.on_step(row, self._event(row, start))
-            if (host[R + slot] or row.job.stop or self.on_token is not None) and self._settle(row, start):
+                self.on_step(row, vr.event(row, start, self.mask_id))
+            if (got["ended"][slot] or row.job.stop or self.on_token is not None) and self._settle(row, start):
                 finished.append(row)
         self._free(finished)
         return finished
@@ -309,14 +303,8 @@ class Verify:
         logits = self.kv.forward(inp, positions, mask, **({} if compiled else {"compiled": False}))  # (R, Q, V)
         out = sv.settle(*(a_p_tok := ss.accept_rows(self, logits, inp, tw, R, Kmax, s, dl)), *rows)
         if self.on_forward is not None:
-            sv.report(self, inp, positions, logits, a_p_tok[0])
+            vr.forward_info(self, inp, positions, logits, a_p_tok[0])
         return out
-
-    def _event(self, row: VerifyRow, start: int) -> dict:
-        """The row's last :func:`unmask.trace.step_event`, from host-side ids (no sync); draft masked."""
-        ids = row.committed
-        return {"step": row.nfe - 1, "row": 0, "positions": list(range(start, len(ids))), "tokens": ids[start:],
-                "canvas": [None if t == self.mask_id or t < 0 else t for t in ids] + [None] * (row.K - 1)}
 
     def _rows_in_forward(self) -> int:
         """Slots a step covers: [0, high) (the dynamic cache cut to them), or on the static cache the
@@ -343,28 +331,13 @@ class Verify:
     def _tables(self, Kmax: int) -> tv.TreeWindow:
         """The window tables of the draft layout for steps whose largest draft size is Kmax (cached)."""
         if Kmax not in self._layouts:
-            self._layouts[Kmax] = sv.tables(self.cfg.draft, Kmax, self.cfg.smaller, self.device)
+            self._layouts[Kmax] = tables(self.cfg.draft, Kmax, self.cfg.smaller, self.device)
         return self._layouts[Kmax]
 
     def _settle(self, row: VerifyRow, start: int) -> bool:
-        """Update ``row.tokens`` (calling ``on_token`` per new token) after a commit (``start``: its
-        committed count before); True when the row ends: a stop token, a stop string completed by a
-        token from ``start`` on, or ``max_new_tokens``. Sets ``finish``, ``stop_token`` and ``extra``."""
-        job, N = row.job, row.job.max_new_tokens
-        ids, hit = sv.cut_row(self.bundle, list(job.prompt_ids), row.committed, self.stop_set, job.stop, start)
-        at_stop = len(ids) < len(row.committed) and not hit  # cut before a stop token
-        ended = at_stop or hit or len(row.committed) >= N
-        for t in ids[len(row.tokens): N]:
-            row.tokens.append(t)
-            if self.on_token is not None:
-                self.on_token(row)
-        if not ended:
-            return False
-        # a stop token past N or a stop string completed past N comes after the length limit
-        row.finish = "stop" if (at_stop and len(ids) < N) or (hit and len(ids) <= N) else "length"
-        row.stop_token = int(not hit and len(ids) < min(len(row.committed), N))
-        row.extra = {"verify": True, "draft": self.cfg.draft, "block_size": row.K, "accepts": row.accepts}
-        return True
+        """:func:`~unmask.decode.verify.rows.settle` of ``row`` under this batch's stop ids and the row's strings."""
+        return vr.settle(row, StopRule(self.stop_ids, tuple(row.job.stop)), self.bundle, start, self.cfg.draft,
+                           self.on_token)
 
     @torch.inference_mode()
     def drop(self, ids) -> list[VerifyRow]:
@@ -389,7 +362,20 @@ class Verify:
         self.key_valid[[s for s in slots if s < self.key_valid.shape[0]]] = False
 
     def stats_extra(self, rows: list[VerifyRow]) -> dict:
-        return sv.stats_extra(self, rows)
+        return vr.stats_extra(self, rows)
 
 
-__all__ = ["Verify", "VerifyRow"]
+def for_layout(bundle, draft: str, *, capacity: int, compile: bool = False, smaller: tuple[str, ...] = (),
+               on_step=None, on_token=None) -> Verify:
+    """The server's running batch of AR and lossless SBD rows of one draft layout (``draft``: a
+    resolved layout, as :meth:`~unmask.decode.engine.registry.Config.batch_key` of ``ar`` / lossless
+    ``sbd`` names it): the checkpoint's K (:func:`~unmask.decode.verify.config.default_block_size`),
+    ``smaller`` layouts of the load sizer, a static cache of the context window with the compiled
+    forward when ``compile`` (new shapes compiled when :meth:`Verify.warm` is called). A model without
+    a mask token gets an AR-only batch. Raises UnmaskError for a bad layout."""
+    cfg = VerifyConfig.of(default_block_size(bundle), draft, smaller)
+    return Verify(bundle, cfg, compile=compile, capacity=capacity, on_step=on_step, on_token=on_token,
+                  ar=bundle.mask_token_id is None, defer_compile=True)
+
+
+__all__ = ["Verify", "VerifyRow", "for_layout"]

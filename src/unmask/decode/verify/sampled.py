@@ -74,7 +74,7 @@ def accept_sampled(logits: torch.Tensor, q, s: torch.Tensor, inp: torch.Tensor, 
     ``tw`` (spec §1, Accept, sampling; with siblings at K, §5.3's multi-candidate rule,
     :func:`~unmask.decode.verify.tree.sampled_tree_accept`): logits (n, Q, V), q (n, K-1, V) the
     draft's proposals, s (n, K-1) the draft, inp (n, Q) the input ids, draft_len (n,), one generator
-    per row. K = 1 draws AR's token with :func:`unmask.sampling.sample`, as ``ar.decode`` does.
+    per row. K = 1 draws AR's token with :func:`unmask.sampling.sample`.
     Returns a (n,), the path taken (n,), step_tok (n, K) (the first a + 1 committed), the next
     draft (n, K-1), its proposals (n, K-1, V) and its sibling ids (n, H) (None where K has none;
     past the next draft's length they are unused)."""

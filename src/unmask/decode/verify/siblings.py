@@ -1,6 +1,6 @@
 """Sibling candidates of a budgeted draft layout (spec/sbd_exact.md §5.3, issue 26 item 2).
 
-A chain layout ``(D, S, G)`` (:mod:`unmask.decode.verify.layout`) verifies one draft
+A chain layout ``(D, S, G)`` (:mod:`unmask.decode.verify.chain`) verifies one draft
 ``s_1..s_D``. A *sibling* at offset ``j`` is the block mode's 2nd (or 3rd) candidate for ``s_j``,
 from the same group query that drafted ``s_j``, verified as a child of ``s_{j-1}`` at the causal
 position of ``s_j`` (a tree: it sees the cache, ``b, s_1..s_{j-1}`` and itself). It may carry
@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from unmask.decode.verify import layout as dl
+from unmask.decode.verify import chain as dl
 from unmask.errors import UnmaskError
 
 TOPK = 3  # candidates per draft position a sibling can use: rank 2 and rank 3
