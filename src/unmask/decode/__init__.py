@@ -7,6 +7,8 @@ Every decoder is a frozen :class:`Config` of knobs plus a running batch, registe
 
 from __future__ import annotations
 
+import inspect
+
 from unmask.decode.blocks.sbd import SPEC as _SBD
 from unmask.decode.blocks.single import SPEC as _BLOCK
 from unmask.decode.dllm.diffusion_batch import SPEC as _DIFFUSION
@@ -49,9 +51,22 @@ def decode(bundle, prompts: list[list[int]], *, decoder: str | None = None, **kw
 
 
 def get_decoder(name: str, kind: str):
-    """The ``decode`` function of decoder ``name`` for a model of ``kind`` (:func:`spec_for`)."""
+    """The ``decode`` function of decoder ``name`` for a model of ``kind`` (:func:`spec_for`); its
+    signature names the knobs (transitional: for the callers that still read them from it)."""
     spec = spec_for(name, kind)
-    return spec.run or spec.decode
+    return spec.run or _with_knobs(spec)
+
+
+def _with_knobs(spec: Spec):
+    def decode(bundle, prompts, **kwargs) -> DecodeOutput:
+        return spec.decode(bundle, prompts, **kwargs)
+
+    sig = inspect.signature(spec.decode)
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params += [inspect.Parameter(k.name, inspect.Parameter.KEYWORD_ONLY, default=k.default,
+                                 annotation=f"{k.type_name} | None") for k in spec.knobs()]
+    decode.__signature__ = sig.replace(parameters=params)
+    return decode
 
 
 def default_decoder(kind: str) -> str:
