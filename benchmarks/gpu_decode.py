@@ -1,7 +1,7 @@
 """End-to-end decode speed of AR, lossless SBD and multiblock, eager and compiled, next to the roofline.
 
 Runs the decoders themselves (:func:`unmask.decode.verify.ar.decode`,
-:func:`unmask.decode.verify.steps.decode`, :func:`unmask.decode.multiblock.window.decode`) on one CUDA
+:func:`unmask.decode.verify.steps.decode`, :meth:`DECODERS["multiblock"].decode <unmask.decode.Spec.decode>`) on one CUDA
 GPU with a random-weight model of the Llama-3.1-8B shape in bf16 (built on the device with
 weight initialisation skipped, by ``benchmarks/gpu_forward_cost.py``'s ``build_model``; no
 download). Greedy decoding of ``--batch`` rows of ``--prompt-len`` random prompt ids, exactly
@@ -56,7 +56,7 @@ import torch
 
 from unmask.bench.roofline import ModelShape, Precision, roofline
 from unmask.decode.verify import ar
-from unmask.decode.multiblock import window as multiblock
+from unmask.decode import DECODERS
 from unmask.decode.verify import steps as sbd_verify
 from unmask.models.bundle import ModelBundle
 from unmask.sampling import Sampling
@@ -119,7 +119,7 @@ def decode_fn(name: str, bundle: ModelBundle, prompts: list[list[int]], *, compi
     if name == "sbd":
         return lambda: sbd_verify.decode(bundle, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                                          draft="linear", compile=compiled)
-    return lambda: multiblock.decode(bundle, prompts, max_new_tokens=max_new_tokens, slots=mb_slots, compile=compiled)
+    return lambda: DECODERS["multiblock"].decode(bundle, prompts, max_new_tokens=max_new_tokens, slots=mb_slots, compile=compiled)
 
 
 def queries(name: str, *, block_size: int, mb_block_size: int, mb_slots: int) -> int:

@@ -24,6 +24,8 @@ import torch
 
 from unmask.decode.verify import layout as draft_layout
 from unmask.decode.verify import steps as sbd_verify
+from unmask.decode.blocks.batch import running_batch
+from unmask.decode.dllm.canvas import drain_prompts, event_hook
 from unmask.decode.engine.batching import left_pad
 from unmask.decode.engine.stats import DecodeOutput
 from unmask.errors import UnmaskError, is_int
@@ -130,11 +132,10 @@ def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: S
     if cfg.block_size > bundle.context_length:
         raise UnmaskError(f"block size {cfg.block_size} exceeds the context window of {bundle.context_length}; "
                           "lower --block-size")
-    from unmask.decode.blocks.single import run_blocks
-
-    return run_blocks(bundle, cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                      stop_token_ids=stop_token_ids, stop_strings=stop_strings, on_forward=on_forward, on_step=on_step,
-                      compile=compile, static=static)
+    return drain_prompts(lambda capacity: running_batch(
+        bundle, cfg, capacity=capacity, prompts=prompts, compile=compile, static=static, on_step=event_hook(on_step),
+        on_forward=on_forward, stop_token_ids=tuple(stop_token_ids)), bundle, prompts, max_new_tokens=max_new_tokens,
+        sampling=sampling, stop_strings=stop_strings)
 
 
 POLICY_OPTIONS = ("policy", "gamma", "preset", "tau", "factor", "tokens_per_step")
@@ -148,8 +149,6 @@ def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_
     in :func:`decode`), validated once: :func:`unmask.decode.blocks.single.serving` (``compile`` /
     ``static``: on a static KV cache). ``stop_token_ids`` defaults to the bundle's. Raises UnmaskError for a model without a mask
     token, an unknown option, a bad value, or options selecting lossless SBD (its own batch)."""
-    from unmask.decode.blocks.single import serving
-
     if bundle.mask_token_id is None:
         raise UnmaskError("the sbd decoder needs a model with a mask token (an SBD fine-tuned model); "
                           "train one with 'unmask train sbd'")
@@ -168,8 +167,8 @@ def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_
     if cfg.block_size > bundle.context_length:
         raise UnmaskError(f"block size {cfg.block_size} exceeds the context window of {bundle.context_length}; "
                           "lower --block-size")
-    return serving(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token, stop_token_ids=stop_token_ids,
-                   compile=compile, static=static)
+    return running_batch(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token,
+                         stop_token_ids=stop_token_ids, compile=compile, static=static)
 
 
 def prefill(kv, prompts: list[list[int]], pad_id: int, device) -> torch.Tensor:
