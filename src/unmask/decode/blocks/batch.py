@@ -36,7 +36,7 @@ from unmask.decode.blocks.rule import SBD, advance, quota, quota_threshold_commi
 from unmask.decode.dllm.canvas import finish, row_generator
 from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
-from unmask.decode.engine.running import Row, SlotRows, Slots
+from unmask.decode.engine.running import Row, SlotRows, Slots, group_by
 from unmask.decode.engine.stats import check_nfe
 from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
@@ -284,9 +284,9 @@ class BlockDecoder(SlotRows):
             logits[..., self.suppress] = float("-inf")
         editable = (dpos >= self.gen_start[: self.R, None]) & (dpos < self.edit_end[: self.R, None])  # (R, N)
         masked = editable & (block == self.mask_id) & denoising[:, None]  # (R, N)
-        groups: dict = {}  # a row that only stores draws nothing (the quota rule draws for every row it gets)
-        for r in self.rows:
-            groups.setdefault(r.job.sampling if r.generator is not None and r.denoising else None, []).append(r)
+        # rows by sampling setting; a row that only stores draws nothing (the quota rule draws for every row it gets)
+        groups = group_by(((r, r) for r in self.rows),
+                          lambda r: r.job.sampling if r.generator is not None and r.denoising else None)
         if list(groups) == [None]:
             chosen, tokens = self._rule(logits, masked, None, None)
         else:

@@ -28,7 +28,7 @@ from unmask.decode.dllm.canvas import row_generator
 from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
 from unmask.decode.engine.registry import Spec
-from unmask.decode.engine.running import Row, SlotRows, Slots
+from unmask.decode.engine.running import Row, SlotRows, Slots, group_by
 from unmask.decode.engine.stats import check_nfe, stop_flags
 from unmask.decode.engine.stop import StopRule
 from unmask.decode.multiblock import buffer as bb
@@ -242,9 +242,7 @@ class MultiBlockDecoder(SlotRows):
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``multiblock.candidates`` for every slot, each sampling setting with its rows' generators:
         logits (R, S, B, V) -> (top1, kappa) (R, S, B)."""
-        groups: dict = {}
-        for r in self.rows:
-            groups.setdefault(r.job.sampling if r.generator is not None else None, []).append(r)
+        groups = group_by(((r, r) for r in self.rows), lambda r: r.job.sampling if r.generator is not None else None)
         if list(groups) == [None]:
             return candidates(logits, Sampling(), None)
         top1 = torch.full(logits.shape[:-1], self.mask_id, dtype=torch.long, device=logits.device)  # (R, S, B)

@@ -52,19 +52,15 @@ DEFAULTS = {"slots": 2, "tau_add": 0.1, "tau_semi": 0.9, "tau_m2t": 0.95, "tau_s
 @dataclass(frozen=True)
 class MultiBlockOptions(Config):
     """Multi-Block Diffusion's knobs (multiblock.md §3.3), None = the default (:data:`DEFAULTS`);
-    :meth:`resolve` gives the config a batch runs, every knob set.
-
-    slots: N_buf (keep it <= the G_max the model was trained with). tau_add: progress of the last
-    running block that admits the next one (Table 4 uses 0.9 for code). tau_semi: progress of the
-    predecessor that allows the forced top-1 commit. tau_m2t: M2T commit threshold, strict. tau_t2t:
-    T2T edit threshold, None = no edits. tau_stable: same_token_ratio gate on activation (0 = off).
-    max_nfe: per-row forward cap (None = none). max_post_edit_steps: a complete block still being
-    edited is cached after this many steps (not a knob). Construction raises UnmaskError for a
-    value out of range.
+    :meth:`resolve` gives the config a batch runs, every knob set. Keep ``slots`` (N_buf) <= the G_max
+    the model was trained with; Table 4 uses ``tau_add`` 0.9 for code. ``max_post_edit_steps`` (not a
+    knob): a complete block still being edited is cached after this many steps. Construction raises
+    UnmaskError for a value out of range (the block size is checked against the model's by resolve).
     """
 
     block_size: int | None = knob("block size B (default: the model's native block)", low=1, short="-k")
-    slots: int | None = knob("Block Buffer slots N_buf (default 2)", low=1)
+    slots: int | None = knob("Block Buffer slots N_buf (default 2; at most the G_max the model was trained with)",
+                             low=1)
     tau_add: float | None = knob("fill ratio that activates the next block (default 0.1)", low=0, high=1)
     tau_semi: float | None = knob("fill ratio of the preceding block that allows a forced commit (default 0.9)",
                                   low=0, high=1)
@@ -76,9 +72,6 @@ class MultiBlockOptions(Config):
     max_post_edit_steps: int = 16
 
     def __post_init__(self):
-        if self.block_size is not None and (not is_int(self.block_size) or self.block_size < 1):
-            raise UnmaskError(f"block size must be an integer >= 1 (got {self.block_size!r}); "
-                              "drop --block-size to use the checkpoint's")
         if self.slots is not None and (not is_int(self.slots) or self.slots < 1):
             raise UnmaskError(f"--slots must be an integer >= 1 (got {self.slots!r}); "
                               "1 is SingleBD, 2 the usual buffer")
