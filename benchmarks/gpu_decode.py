@@ -1,7 +1,6 @@
 """End-to-end decode speed of AR, lossless SBD and multiblock, eager and compiled, next to the roofline.
 
-Runs the decoders themselves (the ``ar`` and lossless ``sbd`` decoders,
-:func:`unmask.decode.verify.steps.decode`, :func:`unmask.decode.multiblock.window.decode`) on one CUDA
+Runs the decoders themselves (``DECODERS[name].decode`` of ``ar``, lossless ``sbd`` and ``multiblock``) on one CUDA
 GPU with a random-weight model of the Llama-3.1-8B shape in bf16 (built on the device with
 weight initialisation skipped, by ``benchmarks/gpu_forward_cost.py``'s ``build_model``; no
 download). Greedy decoding of ``--batch`` rows of ``--prompt-len`` random prompt ids, exactly
@@ -56,7 +55,6 @@ import torch
 
 from unmask.bench.roofline import ModelShape, Precision, roofline
 from unmask.decode import DECODERS
-from unmask.decode.multiblock import window as multiblock
 from unmask.models.bundle import ModelBundle
 from unmask.sampling import Sampling
 
@@ -118,7 +116,7 @@ def decode_fn(name: str, bundle: ModelBundle, prompts: list[list[int]], *, compi
     if name == "sbd":
         return lambda: DECODERS["sbd"].decode(bundle, prompts, max_new_tokens=max_new_tokens, verify=True,
                                               block_size=block_size, draft="linear", compile=compiled)
-    return lambda: multiblock.decode(bundle, prompts, max_new_tokens=max_new_tokens, slots=mb_slots, compile=compiled)
+    return lambda: DECODERS["multiblock"].decode(bundle, prompts, max_new_tokens=max_new_tokens, slots=mb_slots, compile=compiled)
 
 
 def queries(name: str, *, block_size: int, mb_block_size: int, mb_slots: int) -> int:

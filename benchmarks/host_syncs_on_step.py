@@ -18,8 +18,7 @@ import time
 import torch
 
 import unmask
-from unmask.decode.blocks import single as block
-from unmask.decode.multiblock import batch as multiblock_engine
+from unmask.decode import DECODERS
 from unmask.decode.dllm.diffusion_batch import Diffusion
 from unmask.decode.engine.running import requests_for
 from unmask.sampling import Sampling
@@ -28,8 +27,10 @@ PROMPTS = ["Once upon a time", "Tom", "Lily wanted to play with her big red ball
            "Sam and Mia", "There was a bird", "The sun was"]
 CASES = {
     "diffusion": ("stories260K-dlm", lambda b, h: Diffusion.serving(b, {"block_size": 8}, on_step=h, capacity=8)),
-    "block": ("stories260K-bd", lambda b, h: block.serving_batch(b, {}, capacity=8, on_step=h)),
-    "multiblock": ("stories260K-mbd", lambda b, h: multiblock_engine.serving_batch(b, {}, capacity=8, on_step=h)),
+    "block": ("stories260K-bd", lambda b, h: DECODERS["block"].batch(b, DECODERS["block"].config(), capacity=8,
+                                                                     on_step=h)),
+    "multiblock": ("stories260K-mbd", lambda b, h: DECODERS["multiblock"].batch(b, DECODERS["multiblock"].config(),
+                                                                               capacity=8, on_step=h)),
 }
 SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
 

@@ -155,7 +155,9 @@ def first_forward_profile(bundle, prompts: list[str], args, batch: int = 20) -> 
     the mean top-1 probability, the share at or above τ (what one forward may commit) and how
     often that first guess is the token finally committed there (overall and among ≥ τ)."""
     from unmask.api import encode_prompts
-    from unmask.decode.blocks.single import decode
+    from unmask.decode import DECODERS
+
+    decode = DECODERS["block"].decode
 
     mask_id, B = bundle.mask_token_id, None
     conf, hit, where = [], [], []

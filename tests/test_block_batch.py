@@ -1,7 +1,7 @@
 """Continuous batching for the Block Buffer on its one running batch
-(:class:`unmask.decode.multiblock.batch.MultiBlockDecoder`, the server's ``serving_batch``), issues
+(:class:`unmask.decode.multiblock.batch.MultiBlockDecoder`, the server's batch), issues
 16 and 25: whenever a row joins and whatever runs beside it, its tokens, NFE, per-row statistics
-and step events equal ``multiblock.decode`` on its prompt alone (STYLE.md 14)."""
+and step events equal ``DECODERS["multiblock"].decode`` on its prompt alone (STYLE.md 14)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,17 @@ from batch_helpers import job as _job
 from test_block_decode import bd_bundle, scripted_bundle
 
 import unmask
-from unmask.decode.multiblock import window as multiblock
+from unmask.decode import DECODERS
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.decode.multiblock.batch import serving_batch as MultiBlockBatch
 
 _ids = itertools.count()
+
+
+def MultiBlockBatch(bundle, options, capacity=8, **kw):
+    """The server's running batch of these request options, built as the server builds it."""
+    spec = DECODERS["multiblock"]
+    return spec.batch(bundle, spec.config.of(options), capacity=capacity, **kw)
 
 
 def job(*args, **kw):
@@ -52,7 +57,7 @@ class Run(RecordingRun):
 
 
 def single(bundle, j, options, stop_token_ids):
-    return single_decode(multiblock.decode, bundle, j, options, stop_token_ids)
+    return single_decode(DECODERS["multiblock"].decode, bundle, j, options, stop_token_ids)
 
 
 def assert_rows_equal_single_decodes(bundle, run, options, stop_token_ids, replay=True):
@@ -163,7 +168,7 @@ def test_seeded_sampled_rows_equal_single_prompt_decodes():
     assert_rows_equal_single_decodes(bundle, run, options, (11,))
     by_job = {id(r.job): r for r in run.done}
     assert by_job[id(jobs[0])].tokens == by_job[id(jobs[-1])].tokens
-    greedy = multiblock.decode(bundle, [jobs[0].prompt_ids], max_new_tokens=16, **options)
+    greedy = DECODERS["multiblock"].decode(bundle, [jobs[0].prompt_ids], max_new_tokens=16, **options)
     assert by_job[id(jobs[0])].tokens != greedy.tokens[0]  # really sampled
 
 
@@ -229,7 +234,7 @@ def test_shipped_model_rows_joining_mid_decode_equal_single_prompt_decodes(stori
 def test_options_are_validated_once():
     bundle = bd_bundle()
     for options, msg in [(dict(slots=0), "--slots"), (dict(tau_m2t=2), "--tau-m2t"), (dict(block_size=8), "disagrees"),
-                         (dict(compile=True), "do not apply"), (dict(policy="threshold"), "do not apply")]:
+                         (dict(compile=True), "does not apply"), (dict(policy="threshold"), "does not apply")]:
         with pytest.raises(UnmaskError, match=msg):
             MultiBlockBatch(bundle, options)
     from conftest import tiny_bundle

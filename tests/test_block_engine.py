@@ -9,12 +9,11 @@ from batch_helpers import job
 from test_block_decode import bd_bundle
 from test_sbd_decode import sbd_bundle
 
-from unmask.decode.blocks import single as block
-from unmask.decode.blocks import rule as block_rule
-from unmask.decode.blocks.single import BlockConfig
-from unmask.decode.blocks.batch import BlockDecoder
-from unmask.decode.engine.running import requests_for
 from unmask.decode import DECODERS
+from unmask.decode.blocks import rule as block_rule
+from unmask.decode.blocks.batch import BlockDecoder
+from unmask.decode.blocks.single import BlockConfig, BlockOptions
+from unmask.decode.engine.running import requests_for
 from unmask.decode.blocks.sbd import SBDConfig, SBDOptions
 from unmask.sampling import Sampling
 from unmask.policies import Threshold
@@ -68,8 +67,8 @@ def _bundle(decoder):
 @pytest.mark.parametrize("sampled,static", [(False, False), (True, False), (False, True)])
 def test_a_server_step_reads_the_host_once(monkeypatch, decoder, options, sampled, static):
     bundle = _bundle(decoder)
-    make = block.serving_batch if decoder == "block" else sbd_batch
-    dec = make(bundle, options, capacity=8, stop_token_ids=(55, 29), static=static)  # static: serve --compile's cache
+    spec = DECODERS[decoder]  # the server's running batch
+    dec = spec.batch(bundle, spec.config.of(options), capacity=8, stop_token_ids=(55, 29), static=static)  # static: serve --compile's cache
     sampling = Sampling(temperature=0.9, seed=4) if sampled else Sampling()
     jobs = [job(p, n, sampling) for p, n in zip(PROMPTS, (14, 9, 20, 11))]
     for i, j in enumerate(jobs):
@@ -92,8 +91,7 @@ def test_a_server_step_reads_the_host_once(monkeypatch, decoder, options, sample
 @pytest.mark.parametrize("decoder,options", CASES)
 def test_a_decode_step_reads_the_host_once(monkeypatch, decoder, options):
     bundle = _bundle(decoder)
-    cfg = (BlockConfig.from_options(bundle, **options) if decoder == "block"
-           else SBDConfig.from_options(**options))
+    cfg = BlockOptions(**options).resolve(bundle) if decoder == "block" else SBDConfig.from_options(**options)
     for static in (False, True):
         dec = BlockDecoder(bundle, cfg, capacity=len(PROMPTS), lockstep=True, static=static, stop_token_ids=(55,))
         dec.join(requests_for(PROMPTS, max_new_tokens=13, sampling=Sampling()))
@@ -127,11 +125,9 @@ def test_advance_is_pure_and_waits_for_every_row_in_lockstep():
 
 
 def test_the_quota_per_row_follows_block_quota():
-    from unmask.decode.blocks.single import block_quota
-
     step = torch.arange(8)
     for B, steps in ((4, 4), (5, 2), (8, 3), (4, 1)):
-        assert block_rule.quota(B, steps, step).tolist() == [block_quota(B, steps, int(s)) for s in step]
+        assert block_rule.quota(B, steps, step).tolist() == [block_rule.block_quota(B, steps, int(s)) for s in step]
 
 
 def test_a_static_batch_takes_joins_that_leave_slots_free():
@@ -155,10 +151,9 @@ def test_a_static_batch_takes_joins_that_leave_slots_free():
 @pytest.mark.parametrize("options", [dict(slots=2, tau_m2t=0.6, tau_add=0.3), dict(slots=3, tau_m2t=0.8, tau_t2t=0.5),
                                      dict(slots=1, tau_m2t=0.7, max_nfe=12)])
 def test_a_multiblock_step_reads_the_host_once(monkeypatch, options):
-    from unmask.decode.multiblock import batch as multiblock_engine
-
     bundle = _bundle("block")
-    dec = multiblock_engine.serving_batch(bundle, options, capacity=8, stop_token_ids=(55, 29))
+    spec = DECODERS["multiblock"]  # the server's running batch
+    dec = spec.batch(bundle, spec.config.of(options), capacity=8, stop_token_ids=(55, 29))
     jobs = [job(p, n) for p, n in zip(PROMPTS, (14, 9, 20, 11))]
     for i, j in enumerate(jobs):
         j.id = i
@@ -176,11 +171,11 @@ def test_a_multiblock_step_reads_the_host_once(monkeypatch, options):
 
 @pytest.mark.parametrize("static", [False, True])
 def test_a_multiblock_decode_step_reads_the_host_once(monkeypatch, static):
-    from unmask.decode.multiblock.window import MultiBlockConfig
     from unmask.decode.multiblock.batch import MultiBlockDecoder
+    from unmask.decode.multiblock.window import MultiBlockOptions
 
     bundle = _bundle("block")
-    cfg = MultiBlockConfig.from_options(bundle, slots=3, tau_m2t=0.7, tau_add=0.25, tau_semi=0.5)
+    cfg = MultiBlockOptions(slots=3, tau_m2t=0.7, tau_add=0.25, tau_semi=0.5).resolve(bundle)
     dec = MultiBlockDecoder(bundle, cfg, capacity=len(PROMPTS), drained=True, static=static, stop_token_ids=(55,))
     dec.join(requests_for(PROMPTS, max_new_tokens=40, sampling=Sampling()))
     counter = SyncCounter(monkeypatch)

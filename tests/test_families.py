@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import save_file
 
 import unmask
+from unmask.decode import DECODERS
 from unmask.decode.blocks import single as block_decode
 from unmask.decode.dllm import diffusion
-from unmask.decode.multiblock import window as multiblock
 from unmask.errors import UnmaskError
 from unmask.models.adapters import realign
 
@@ -378,7 +378,7 @@ def test_diffusion_decoder_batch_equals_single(tmp_path, family, policy, cache):
 def test_block_decoders_batch_equals_single(tmp_path, family, decoder):
     bundle = _load(published_dir(tmp_path, family), family)
     B = FAMILY_FACTS[family][2]
-    decode = block_decode.decode if decoder == "block" else multiblock.decode
+    decode = DECODERS["block"].decode if decoder == "block" else DECODERS["multiblock"].decode
     out = decode(bundle, PROMPTS, max_new_tokens=B + 4)
     assert out.stats.extra["block_size"] == B and out.stats.nfe >= 2
     for i, p in enumerate(PROMPTS):
@@ -504,17 +504,17 @@ def llada2_generate_reference(model, prompt: list[int], *, gen_length: int, bloc
 def test_llada2_generate_schedule_reproduces_the_published_loop(tmp_path):
     bundle = _load(published_dir(tmp_path, "llada2_mini"), "llada2_mini")
     prompts = [list(range(3, 40)), [64, 12, 7]]  # a prompt longer than one block, and a short one
-    out = block_decode.decode(bundle, prompts, max_new_tokens=40, schedule="llada2", stop_token_ids=())
+    out = DECODERS["block"].decode(bundle, prompts, max_new_tokens=40, schedule="llada2", stop_token_ids=())
     assert out.stats.extra["steps"] == 32 and out.stats.extra["block_size"] == 32
     for row, p in zip(out.tokens, prompts):
         want = llada2_generate_reference(bundle.model, p, gen_length=40)
         assert row == want[: len(row)] and len(row) == 40
     # a coarser schedule: 4 steps of 8 tokens each per block, still the same loop
-    out4 = block_decode.decode(bundle, prompts[:1], max_new_tokens=40, schedule="llada2", steps=4)
+    out4 = DECODERS["block"].decode(bundle, prompts[:1], max_new_tokens=40, schedule="llada2", steps=4)
     assert out4.tokens[0] == llada2_generate_reference(bundle.model, prompts[0], gen_length=40, steps=4)
     assert out4.stats.nfe < out.stats.nfe
     with pytest.raises(UnmaskError, match="not policy 'top-k'"):
-        block_decode.decode(bundle, prompts, max_new_tokens=8, schedule="llada2", policy="top-k")
+        DECODERS["block"].decode(bundle, prompts, max_new_tokens=8, schedule="llada2", policy="top-k")
 
 
 def dream_generate_reference(model, prompt: list[int], *, gen_length: int, steps: int, alg: str,
@@ -617,7 +617,7 @@ def test_multitf_post_trains_a_published_block_model(tmp_path, family):
     assert type(trained.model).__name__ == json.loads((base / "config.json").read_text())["architectures"][0]
     names = set().union(*(load_file(f).keys() for f in out.glob("*.safetensors")))
     assert names == set(published_weights(family))
-    assert multiblock.decode(trained, PROMPTS, max_new_tokens=B).stats.nfe >= 1
+    assert DECODERS["multiblock"].decode(trained, PROMPTS, max_new_tokens=B).stats.nfe >= 1
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

@@ -9,9 +9,7 @@ from conftest import assert_batch_equals_single_rows, tiny_bundle
 from test_block_decode import bd_bundle, scripted_bundle, uncached_logits
 
 import unmask
-from unmask.decode import get_decoder
-from unmask.decode.blocks import single as block
-from unmask.decode.multiblock import window as multiblock
+from unmask.decode import DECODERS, get_decoder
 from unmask.errors import UnmaskError
 
 
@@ -33,7 +31,7 @@ def test_cached_window_logits_equal_uncached_block_causal_forward(arch, impl):
     bundle = bd_bundle(arch, impl)
     prompt = [1, 5, 9, 12, 7, 3]
     seen = []
-    out = multiblock.decode(bundle, [prompt], max_new_tokens=15, slots=3, tau_add=0.25, tau_semi=0.5, tau_m2t=0.5,
+    out = DECODERS["multiblock"].decode(bundle, [prompt], max_new_tokens=15, slots=3, tau_add=0.25, tau_semi=0.5, tau_m2t=0.5,
                             on_forward=seen.append)
     final = prompt + out.tokens[0]
     assert len(out.tokens[0]) == 15
@@ -48,7 +46,7 @@ def test_batched_rows_with_different_cache_layouts_are_exact():
     bundle = bd_bundle("llama", "eager", seed=1)
     prompts = [[1, 5, 9], [1, 4, 8, 15, 16, 3, 2, 9, 9], [1, 2, 3, 4]]
     seen = []
-    out = multiblock.decode(bundle, prompts, max_new_tokens=10, slots=2, tau_add=0.5, tau_m2t=0.6,
+    out = DECODERS["multiblock"].decode(bundle, prompts, max_new_tokens=10, slots=2, tau_add=0.5, tau_m2t=0.6,
                             on_forward=seen.append)
     assert any(len(set(s["stored"].tolist())) > 1 for s in seen)
     for r, p in enumerate(prompts):
@@ -62,7 +60,7 @@ def test_every_forward_has_the_same_input_shape():
     bundle = bd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)
     prompts = [[1, 3], [1, 3, 5, 7, 9], [1] + list(range(3, 14))]
     shapes, growth = [], []
-    out = multiblock.decode(bundle, prompts, max_new_tokens=17, slots=3, tau_m2t=0.8,
+    out = DECODERS["multiblock"].decode(bundle, prompts, max_new_tokens=17, slots=3, tau_m2t=0.8,
                             on_forward=lambda s: (shapes.append((tuple(s["inp"].shape), tuple(s["positions"].shape),
                                                                  tuple(s["logits"].shape[:2]))),
                                                   growth.append(s["cache"][0][0].shape[-2] - s["past"])))
@@ -75,7 +73,7 @@ def test_state_machine_step_by_step_on_a_scripted_model():
     conf = {4: 0.99, 5: 0.6, 6: 0.55, 7: 0.5, 8: 0.99, 9: 0.99, 10: 0.6, 11: 0.5}  # distinct: no ties
     bundle = scripted_bundle(lambda p: conf.get(p, 0.99))
     windows, stored = [], []
-    out = multiblock.decode(bundle, [[1, 2, 3, 4]], max_new_tokens=12, slots=2, tau_add=0.5, tau_semi=0.9,
+    out = DECODERS["multiblock"].decode(bundle, [[1, 2, 3, 4]], max_new_tokens=12, slots=2, tau_add=0.5, tau_semi=0.9,
                             tau_m2t=0.9,
                             on_forward=lambda s: (windows.append(s["window"]), stored.append(int(s["stored"][0]))))
     M = 63
@@ -106,7 +104,7 @@ def test_state_machine_step_by_step_on_a_scripted_model():
 def test_single_slot_has_the_storing_bubble_and_backup_activation():
     bundle = scripted_bundle(lambda p: 0.99)
     windows = []
-    out = multiblock.decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, slots=1, tau_m2t=0.9,
+    out = DECODERS["multiblock"].decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, slots=1, tau_m2t=0.9,
                             on_forward=lambda s: windows.append(s["window"].describe(0)))
     # block 1 in one step, a store step (to-cache, no dummy to activate), backup activation of block 2
     assert windows == [["active"], ["to-cache"], ["active"]]
@@ -118,8 +116,8 @@ def test_single_slot_reproduces_the_block_decoder(prompts):
     bundle = bd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)
     for tau in (0.3, 0.8):
         kw = dict(max_new_tokens=13, stop_token_ids=(2,))
-        ref = block.decode(bundle, prompts, tau=tau, **kw)
-        got = multiblock.decode(bundle, prompts, slots=1, tau_m2t=tau, **kw)
+        ref = DECODERS["block"].decode(bundle, prompts, tau=tau, **kw)
+        got = DECODERS["multiblock"].decode(bundle, prompts, slots=1, tau_m2t=tau, **kw)
         assert got.tokens == ref.tokens
         assert got.stats.nfe_per_row == ref.stats.nfe_per_row
         # multiblock logs 0 commits on its store steps; the block decoder logs denoising forwards only
@@ -129,8 +127,8 @@ def test_single_slot_reproduces_the_block_decoder(prompts):
 
 def test_single_slot_reproduces_the_block_decoder_step_for_step_on_a_scripted_model():
     bundle = scripted_bundle(lambda p: [0.99, 0.3, 0.97, 0.6][p % 4])
-    ref = block.decode(bundle, [[1, 2, 3, 4, 5, 6]], max_new_tokens=14, tau=0.95)
-    got = multiblock.decode(bundle, [[1, 2, 3, 4, 5, 6]], max_new_tokens=14, slots=1, tau_m2t=0.95)
+    ref = DECODERS["block"].decode(bundle, [[1, 2, 3, 4, 5, 6]], max_new_tokens=14, tau=0.95)
+    got = DECODERS["multiblock"].decode(bundle, [[1, 2, 3, 4, 5, 6]], max_new_tokens=14, slots=1, tau_m2t=0.95)
     # blocks 1..4: 2 + 3 + 3 + 3 denoising forwards and 3 store forwards
     assert got.tokens == ref.tokens and got.stats.nfe == ref.stats.nfe == 14
     # block decoder: accepts per denoising forward; multiblock: per step, 0 on the store steps
@@ -140,7 +138,7 @@ def test_single_slot_reproduces_the_block_decoder_step_for_step_on_a_scripted_mo
 def test_batch_of_rows_equals_single_rows():
     bundle = bd_bundle("llama", "sdpa", seed=3, initializer_range=0.4)
     prompts = [[1] + list(range(3, 3 + n)) for n in (1, 4, 2, 9, 5, 3, 7, 6)]
-    batch = assert_batch_equals_single_rows(multiblock.decode, bundle, prompts, max_new_tokens=14, slots=3,
+    batch = assert_batch_equals_single_rows(DECODERS["multiblock"].decode, bundle, prompts, max_new_tokens=14, slots=3,
                                             tau_add=0.3, tau_semi=0.5, tau_m2t=0.7, stop_token_ids=(2, 11))
     assert len(set(batch.stats.nfe_per_row)) > 1  # rows finish at different steps
 
@@ -148,7 +146,7 @@ def test_batch_of_rows_equals_single_rows():
 def test_a_finished_row_departs_without_waiting():
     stop = tok(5)
     bundle = scripted_bundle(lambda p: 0.99)
-    out = multiblock.decode(bundle, [[1, 2, 3, 4], [1, 2, 3, 4, 9, 9, 9, 9]], max_new_tokens=12, slots=2,
+    out = DECODERS["multiblock"].decode(bundle, [[1, 2, 3, 4], [1, 2, 3, 4, 9, 9, 9, 9]], max_new_tokens=12, slots=2,
                             tau_m2t=0.9, stop_token_ids=(stop,))
     assert out.tokens[0] == [tok(4)]  # cut before the stop token at position 5
     assert out.tokens[1] == [tok(p) for p in range(8, 20)]
@@ -163,7 +161,7 @@ def test_eos_stops_admission_and_blocks_after_it_do_not_matter():
     conf = {9: 0.2, 13: 0.2}
     bundle = scripted_bundle(lambda p: conf.get(p, 0.99))
     windows = []
-    out = multiblock.decode(bundle, [[1, 2, 3, 4]], max_new_tokens=20, slots=3, tau_add=0.1, tau_m2t=0.9,
+    out = DECODERS["multiblock"].decode(bundle, [[1, 2, 3, 4]], max_new_tokens=20, slots=3, tau_add=0.1, tau_m2t=0.9,
                             stop_token_ids=(tok(9),), on_forward=lambda s: windows.append(s["window"].describe(0)))
     assert windows == [["active", "dummy", "dummy"], ["to-cache", "active", "dummy"], ["active", "active", "dummy"]]
     assert out.tokens[0] == [tok(p) for p in range(4, 9)]
@@ -172,15 +170,15 @@ def test_eos_stops_admission_and_blocks_after_it_do_not_matter():
 
 def test_t2t_and_max_nfe_terminate():
     bundle = bd_bundle("llama", "sdpa", seed=2)
-    out = multiblock.decode(bundle, [[1, 3, 5]], max_new_tokens=12, slots=2, tau_m2t=0.5, tau_t2t=0.0)
+    out = DECODERS["multiblock"].decode(bundle, [[1, 3, 5]], max_new_tokens=12, slots=2, tau_m2t=0.5, tau_t2t=0.0)
     assert len(out.tokens[0]) == 12 and out.stats.extra["tau_t2t"] == 0.0
-    capped = multiblock.decode(bundle, [[1, 3, 5]], max_new_tokens=12, slots=2, tau_m2t=1.0, max_nfe=3)
+    capped = DECODERS["multiblock"].decode(bundle, [[1, 3, 5]], max_new_tokens=12, slots=2, tau_m2t=1.0, max_nfe=3)
     assert capped.stats.nfe == 3 and len(capped.tokens[0]) < 12
 
 
 def test_defaults_and_api():
     bundle = bd_bundle("llama", "sdpa")
-    out = multiblock.decode(bundle, [[1, 3, 5]], max_new_tokens=6)
+    out = DECODERS["multiblock"].decode(bundle, [[1, 3, 5]], max_new_tokens=6)
     extra = out.stats.extra
     got = (extra["slots"], extra["tau_add"], extra["tau_semi"], extra["tau_m2t"], extra["tau_t2t"])
     assert got == (2, 0.1, 0.9, 0.95, None)
@@ -202,17 +200,17 @@ def test_bad_inputs():
                     (dict(tau_stable=1.01), "--tau-stable"), (dict(max_nfe=0), "max_nfe"),
                     (dict(block_size=8), "disagrees with the checkpoint's block size 4")]:
         with pytest.raises(UnmaskError, match=msg):
-            multiblock.decode(bundle, [[1, 2]], max_new_tokens=4, **kw)
+            DECODERS["multiblock"].decode(bundle, [[1, 2]], max_new_tokens=4, **kw)
     with pytest.raises(UnmaskError, match="kind block-diffusion"):
         get_decoder("multiblock", "masked-diffusion")
     with pytest.raises(UnmaskError, match="block-diffusion"):
-        multiblock.decode(tiny_bundle(bundle.model, kind="causal"), [[1, 2]], max_new_tokens=4)
+        DECODERS["multiblock"].decode(tiny_bundle(bundle.model, kind="causal"), [[1, 2]], max_new_tokens=4)
 
 
 def test_on_step_events_report_commits_and_slot_states():
     bundle = scripted_bundle(lambda p: 0.99)
     events = []
-    multiblock.decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, slots=1, tau_m2t=0.9, on_step=events.append)
+    DECODERS["multiblock"].decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, slots=1, tau_m2t=0.9, on_step=events.append)
     assert [e["slots"] for e in events] == [["active"], ["to-cache"], ["active"]]
     assert [e["step"] for e in events] == [0, 1, 2] and [e["blocks"] for e in events] == [[1], [1], [2]]
     assert [e["positions"] for e in events] == [[0, 1, 2, 3], [], [4, 5, 6, 7]]
@@ -220,7 +218,7 @@ def test_on_step_events_report_commits_and_slot_states():
     assert events[0]["canvas"] == [tok(p) for p in range(4, 8)] + [None] * 4
     assert events[-1]["canvas"] == [tok(p) for p in range(4, 12)] and events[-1]["running_set"] == 1
     block_events = []
-    block.decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, tau=0.9, on_step=block_events.append)
+    DECODERS["block"].decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, tau=0.9, on_step=block_events.append)
     got = [(e["step"], e["block"], e["positions"]) for e in block_events]
     assert got == [(0, 1, [0, 1, 2, 3]), (2, 2, [4, 5, 6, 7])]  # step 1 was the store forward
     assert block_events[-1]["canvas"] == events[-1]["canvas"]
@@ -238,9 +236,9 @@ def test_stop_strings_end_rows_after_complete_blocks():
 def test_sampling_is_seeded_and_reproducible():
     bundle = bd_bundle("llama", "sdpa", seed=2)
     kw = dict(max_new_tokens=12, slots=2, tau_m2t=0.3, sampling=unmask.sampling.Sampling(temperature=1.0, seed=5))
-    a, b = multiblock.decode(bundle, [[1, 3, 5]], **kw), multiblock.decode(bundle, [[1, 3, 5]], **kw)
+    a, b = DECODERS["multiblock"].decode(bundle, [[1, 3, 5]], **kw), DECODERS["multiblock"].decode(bundle, [[1, 3, 5]], **kw)
     assert a.tokens == b.tokens and len(a.tokens[0]) == 12
-    greedy = multiblock.decode(bundle, [[1, 3, 5]], max_new_tokens=12, slots=2, tau_m2t=0.3)
+    greedy = DECODERS["multiblock"].decode(bundle, [[1, 3, 5]], max_new_tokens=12, slots=2, tau_m2t=0.3)
     assert greedy.tokens != a.tokens
 
 
@@ -248,10 +246,10 @@ def test_single_slot_reproduces_the_block_decoder_on_exact_ties():
     # issue 15 item 12: block committed κ ≥ τ, multiblock κ > τ (SDAR / Diffulex); on κ == τ they differed.
     bundle = scripted_bundle(lambda p: [0.99, 0.6, 0.97, 0.6][p % 4])
     seen = []
-    block.decode(bundle, [[1, 2, 3, 4]], max_new_tokens=4, tau=0.95, on_forward=seen.append)
+    DECODERS["block"].decode(bundle, [[1, 2, 3, 4]], max_new_tokens=4, tau=0.95, on_forward=seen.append)
     tau = float(torch.softmax(seen[0]["logits"][0, 1].float(), -1).max())  # κ at the 0.6 positions, exactly
-    ref = block.decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, tau=tau)
-    got = multiblock.decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, slots=1, tau_m2t=tau)
+    ref = DECODERS["block"].decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, tau=tau)
+    got = DECODERS["multiblock"].decode(bundle, [[1, 2, 3, 4]], max_new_tokens=8, slots=1, tau_m2t=tau)
     assert got.tokens == ref.tokens and got.stats.nfe == ref.stats.nfe
     assert [a for a in got.stats.extra["row_extra"][0]["accepts"] if a] == ref.stats.extra["row_extra"][0]["accepts"]
     assert ref.stats.extra["row_extra"][0]["accepts"][:3] == [2, 1, 1]  # κ == τ waits (inclusive: [4])

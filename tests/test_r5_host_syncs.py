@@ -193,13 +193,10 @@ def _jobs(sampling, lengths=(14, 9, 20, 11), n: int = 4):
                                               ("sbd", dict(block_size=3, policy="threshold", tau=0.3))])
 def test_a_block_step_reads_the_host_once(monkeypatch, sampling, decoder, options, hook):
     from unmask.decode import DECODERS
-    from unmask.decode.blocks import single as block
-    from unmask.decode.blocks.sbd import SBDOptions
 
     bundle = _bundle(decoder)
-    make = block.serving_batch if decoder == "block" else \
-        (lambda b, o, **kw: DECODERS["sbd"].batch(b, SBDOptions.of(o), **kw))  # the server's lossy sbd batch
-    dec = make(bundle, options, capacity=8, stop_token_ids=(55, 29), on_step=hook)
+    spec = DECODERS[decoder]  # the server's running batch
+    dec = spec.batch(bundle, spec.config.of(options), capacity=8, stop_token_ids=(55, 29), on_step=hook)
     n = rows_for(hook, 4)
     jobs = _jobs(sampling, n=n)
     steps, done = SyncCounter(monkeypatch).drain(dec, [jobs[:2], [], [], jobs[2:]])
@@ -210,10 +207,11 @@ def test_a_block_step_reads_the_host_once(monkeypatch, sampling, decoder, option
 @pytest.mark.parametrize("options", [dict(slots=2, tau_m2t=0.6, tau_add=0.3), dict(slots=3, tau_m2t=0.8, tau_t2t=0.5)])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_a_multiblock_step_reads_the_host_once(monkeypatch, sampling, options, static, hook):
-    from unmask.decode.multiblock import batch as multiblock_engine
+    from unmask.decode import DECODERS
 
-    dec = multiblock_engine.serving_batch(_bundle("block"), options, capacity=8, stop_token_ids=(55, 29),
-                                          static=static, on_step=hook)  # static: the cache serve --compile runs on
+    spec = DECODERS["multiblock"]  # the server's running batch; static: the cache serve --compile runs on
+    dec = spec.batch(_bundle("block"), spec.config.of(options), capacity=8, stop_token_ids=(55, 29), static=static,
+                     on_step=hook)
     n = rows_for(hook, 4)
     jobs = _jobs(sampling, n=n)
     steps, done = SyncCounter(monkeypatch).drain(dec, [jobs[:2], [], [], jobs[2:]])

@@ -13,7 +13,7 @@ import torch
 import unmask
 from unmask.decode import DECODERS
 from unmask.decode.dllm import diffusion
-from unmask.decode.blocks.single import quota_threshold_commit
+from unmask.decode.blocks.rule import quota_threshold_commit
 from unmask.decode.engine.kv import DynamicKV, StaticKV
 from unmask.errors import UnmaskError
 from unmask.eval import tasks as T
@@ -372,12 +372,10 @@ def test_stop_flags():
 def test_multiblock_at_a_tiny_temperature_is_its_greedy_run(T):
     # multiblock's κ read softmax(logits / T): at T = 1e-6 every κ rounded to 1 and whole blocks
     # committed at once (stories260K-mbd: NFE 5 against 26 greedy, tokens differed from position 25)
-    from unmask.decode.multiblock import window as multiblock
-
     bundle = unmask.load("stories260K-mbd")
     prompt = bundle.encode("Once upon a time")
-    greedy = multiblock.decode(bundle, [prompt], max_new_tokens=32)
-    cold = multiblock.decode(bundle, [prompt], max_new_tokens=32, sampling=Sampling(temperature=T, seed=1))
+    greedy = DECODERS["multiblock"].decode(bundle, [prompt], max_new_tokens=32)
+    cold = DECODERS["multiblock"].decode(bundle, [prompt], max_new_tokens=32, sampling=Sampling(temperature=T, seed=1))
     assert cold.tokens == greedy.tokens and cold.stats.nfe == greedy.stats.nfe
 
 

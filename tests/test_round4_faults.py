@@ -141,20 +141,21 @@ def test_a_join_that_fails_beside_a_running_row_fails_only_itself():
         hook.restore()
 
 
-@pytest.mark.parametrize("model,make,target", [
-    ("stories260K-bd", "unmask.decode.blocks.single:serving_batch", "unmask.decode.blocks.batch:BlockDecoder._prefill"),
-    ("stories260K-mbd", "unmask.decode.multiblock.batch:serving_batch", "unmask.decode.multiblock.batch:prefill_whole_blocks"),
+@pytest.mark.parametrize("model,decoder,target", [
+    ("stories260K-bd", "block", "unmask.decode.blocks.batch:BlockDecoder._prefill"),
+    ("stories260K-mbd", "multiblock", "unmask.decode.multiblock.batch:prefill_whole_blocks"),
 ])
-def test_a_failed_prefill_gives_its_slots_back(monkeypatch, model, make, target):
+def test_a_failed_prefill_gives_its_slots_back(monkeypatch, model, decoder, target):
     """A step covers slots [0, high): a join whose prefill raised must not keep its slots, or the
     next step of the rows already running would cover a slot with no cache row."""
     import importlib
 
+    from unmask.decode import DECODERS
     from unmask.decode.engine.running import Request
 
     bundle = unmask.load(model)
-    mod, name = make.split(":")
-    batch = getattr(importlib.import_module(mod), name)(bundle, {}, capacity=4)
+    spec = DECODERS[decoder]  # the server's running batch
+    batch = spec.batch(bundle, spec.config.of({}), capacity=4)
     assert batch.join([Request(prompt_ids=bundle.tokenizer.encode("Once upon a time"), max_new_tokens=16, id=1)]) == []
     free = batch.slots.free
     mod, attr = target.split(":")

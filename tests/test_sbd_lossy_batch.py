@@ -1,7 +1,7 @@
 """Continuous batching for lossy SBD and SingleBD on their one running batch
-(:class:`unmask.decode.blocks.batch.BlockDecoder`, the server's ``serving_batch``), issues 16 and 25:
+(:class:`unmask.decode.blocks.batch.BlockDecoder`, the server's running batch), issues 16 and 25:
 whenever a row joins and whatever runs beside it, its tokens, NFE, per-row statistics and step
-events equal the ``sbd`` decoder's / ``block.decode`` on its prompt alone (STYLE.md 14)."""
+events equal the ``sbd`` decoder's / ``decode(decoder="block")`` on its prompt alone (STYLE.md 14)."""
 
 from __future__ import annotations
 
@@ -15,21 +15,20 @@ from test_block_decode import bd_bundle, scripted_bundle
 from test_sbd_decode import sbd_bundle
 
 import unmask
-from unmask.decode.blocks import single as block
+from unmask.decode import DECODERS
 from unmask.decode.blocks import sbd
-from unmask.decode.blocks.sbd import SBDOptions
 from unmask.decode.verify.batch import Verify
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.decode import DECODERS
 SBDBatch, BlockBatch = "sbd", "block"  # the decoders' names, as the server keys their batches
-DECODE = {SBDBatch: DECODERS["sbd"].decode, BlockBatch: block.decode}
-SERVING = {SBDBatch: lambda bundle, options, **kw: DECODERS["sbd"].batch(bundle, SBDOptions.of(options), **{"capacity": 8, **kw}),
-           BlockBatch: block.serving_batch}  # the server's running batches
+DECODE = {SBDBatch: DECODERS["sbd"].decode, BlockBatch: DECODERS["block"].decode}
 
 
-def serving_batch(decoder, bundle, options, **kw):
-    return SERVING[decoder](bundle, options, **kw)
+def serving_batch(decoder, bundle, options, capacity=8, **kw):
+    """The server's running batch of these request options, built as the server builds it."""
+    spec = DECODERS[decoder]
+    return spec.batch(bundle, spec.config.of(options), capacity=capacity, **kw)
+
 _ids = itertools.count()
 
 
@@ -297,7 +296,7 @@ def test_options_are_validated_once(stories_sbd):
     assert isinstance(serving_batch(SBDBatch, stories_sbd, {}), Verify)  # its decode_defaults select lossless SBD
     with pytest.raises(UnmaskError, match="mask token"):
         serving_batch(SBDBatch, tiny_bundle(sb.model), {})
-    for options, msg in [(dict(block_size=8), "disagrees"), (dict(store="x"), "store"), (dict(slots=2), "do not apply"),
+    for options, msg in [(dict(block_size=8), "disagrees"), (dict(store="x"), "store"), (dict(slots=2), "does not apply"),
                          (dict(schedule="x"), "schedule")]:
         with pytest.raises(UnmaskError, match=msg):
             serving_batch(BlockBatch, bb, options)

@@ -10,13 +10,15 @@ from conftest import prompts_around_a_block
 from test_block_decode import bd_bundle
 
 import unmask
-from unmask.decode.blocks import single as block
-from unmask.decode.multiblock import window as multiblock
+from unmask.decode import DECODERS
+from unmask.decode.multiblock.window import window_mask
 from unmask.sampling import Sampling
 
 TEXTS = ["Once upon a time", "The cat sat on the", "Lily and Ben went to the park", "One day",
          "Tom had a red ball and", "She", "The sun was hot and the", "A little bird"]
 SAMPLED = Sampling(temperature=0.9, top_k=20, seed=5)
+
+block, multiblock = DECODERS["block"], DECODERS["multiblock"]
 
 
 @pytest.fixture(scope="module")
@@ -195,4 +197,4 @@ def test_window_mask_equals_the_padded_block_buffer_mask():
             key_valid = torch.rand((3, past + q + 5), generator=gen) < 0.6  # (R, C): columns past the window ignored
             key_valid[:, past: past + q] = True
             want = with_key_padding(as_4d(block_buffer_mask(past, n_slots, B), 3), key_valid[:, : past + q])
-            assert torch.equal(block.window_mask(key_valid, past, n_slots, B), want)
+            assert torch.equal(window_mask(key_valid, past, n_slots, B), want)

@@ -21,8 +21,6 @@ from unmask.decode.dllm.diffusion import DiffusionConfig
 from unmask.decode.dllm.diffusion_batch import OPTIONS as DIFFUSION_OPTIONS, Diffusion
 from unmask.decode.dllm.dream import OPTIONS as DREAM_OPTIONS
 from unmask.decode.dllm.early_bird_batch import OPTIONS as EARLY_BIRD_OPTIONS
-from unmask.decode.blocks.single import BATCH_OPTIONS as BLOCK_OPTIONS
-from unmask.decode.multiblock.batch import OPTIONS as MULTIBLOCK_OPTIONS
 from unmask.decode.verify.batch import Verify, for_layout
 from unmask.decode.verify.config import default_layout
 from unmask.errors import UnmaskError
@@ -247,5 +245,4 @@ class RunningBatches:
 
 # Transitional (issue 49): the options the running batches of the built-in decoders take while their
 # configs do not define batch_key; a request with others runs per call. Goes when they do.
-_TRANSITIONAL = {"block": BLOCK_OPTIONS, "multiblock": MULTIBLOCK_OPTIONS,
-                 "diffusion": DIFFUSION_OPTIONS, "early-bird": EARLY_BIRD_OPTIONS}
+_TRANSITIONAL = {"diffusion": DIFFUSION_OPTIONS, "early-bird": EARLY_BIRD_OPTIONS}

@@ -16,8 +16,9 @@ blocks block-causally; the whole prompt causally), the store region's mask, and 
 
 Per-row state lives in slot tensors (``Slots``): the sequence, generation bounds, the block start,
 the denoising step, and the phase (denoise / store). :func:`advance` is the commit rule's
-bookkeeping as a pure tensor function; the step's only host sync is one ``tolist`` of the packed
-per-row results (commits, block ends and the block's tokens). ``lockstep=True`` is ``decode()``'s
+bookkeeping as a pure tensor function; the step's only host sync is one
+:class:`~unmask.decode.engine.host.HostRead` of the per-row results (commits, block ends, the
+block's tokens, and with ``on_step`` what the events show). ``lockstep=True`` is ``decode()``'s
 batch semantics: a row whose block is complete waits until every row's is (so a batch's NFE is
 today's), and step events are numbered by batch forward and slot; the server runs
 ``lockstep=False`` (each row moves on at once, events numbered by the row's own forwards, row 0).
@@ -30,14 +31,18 @@ from dataclasses import dataclass, field
 import torch
 
 from unmask.decode.blocks import report
-from unmask.decode.blocks.rule import SBD, SINGLE_BD, advance, quota
-from unmask.decode.dllm.canvas import finish, row_generator, until_stop
+from unmask.decode.blocks.prefix import causal_prefill, check_cache_flags, prefill_whole_blocks, whole_prompt_blocks
+from unmask.decode.blocks.rule import SBD, advance, quota, quota_threshold_commit
+from unmask.decode.dllm.canvas import finish, row_generator
+from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
-from unmask.decode.engine.running import Row, SlotRows, Slots
+from unmask.decode.engine.running import Row, SlotRows, Slots, group_by
 from unmask.decode.engine.stats import check_nfe
+from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, block_buffer_mask, sbd_inference_mask
 from unmask.policies import commit
+from unmask.sampling import Sampling
 
 
 @dataclass(eq=False)
@@ -59,7 +64,8 @@ class BlockRow(Row):
 
 class BlockDecoder(SlotRows):
     """The running batch of SingleBD (``cfg`` a :class:`~unmask.decode.blocks.single.BlockConfig`) or lossy
-    SBD rows (an :class:`~unmask.decode.blocks.sbd.SBDConfig`), one forward per :meth:`step`.
+    SBD rows (an :class:`~unmask.decode.blocks.sbd.SBDConfig`), one forward per :meth:`step`. The
+    config's ``kind`` (:class:`~unmask.decode.blocks.rule.Kind`) says which; a config without one is SBD's.
 
     ``static`` / ``compile``: a :class:`~unmask.decode.engine.kv.StaticKV` of ``capacity`` rows and ``length``
     tokens (length-bucketed; None: sized at the first join, ``decode``), the forwards compiled. As in
@@ -75,9 +81,7 @@ class BlockDecoder(SlotRows):
     def __init__(self, bundle, cfg, *, static=False, compile=False, capacity=8, on_step=None, on_token=None,
                  on_forward=None, lockstep=False, stop_token_ids=None, length: int | None = None,
                  defer_compile: bool = False):
-        from unmask.decode.blocks.single import BlockConfig
-
-        self.kind = SINGLE_BD if isinstance(cfg, BlockConfig) else SBD
+        self.kind = getattr(cfg, "kind", SBD)
         self.bundle, self.cfg, self.static, self.compile = bundle, cfg, static or compile, compile
         self.on_step, self.on_token, self.on_forward, self.lockstep = on_step, on_token, on_forward, lockstep
         self.slots, self.capacity, self.length, self.defer = Slots(capacity), capacity, length, defer_compile
@@ -87,8 +91,8 @@ class BlockDecoder(SlotRows):
         # The published quota-threshold loops rank by the model's own softmax, mask column included.
         self.suppress = list(bundle.suppress_ids) if self.quota_steps is None else []
         ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
-        self.stops = torch.tensor(sorted(set(ids)) or [-1], device=self.device)
-        self.stop_ids = sorted(set(ids))  # host copies: finishing a row reads no tensor
+        self.stop = StopRule.of(ids)  # the host copy: finishing a row reads no tensor
+        self.stops = torch.tensor(sorted(self.stop.ids) or [-1], device=self.device)
         self.forwards = self.store_forwards = 0  # step forwards (the batch's NFE) and the store-only ones
         self.prefills = 0  # join forwards (one per join that has prompt keys to cache)
         self.running: dict[int, BlockRow] = {}
@@ -133,16 +137,13 @@ class BlockDecoder(SlotRows):
         return done
 
     def _prefill(self, rows: list[BlockRow]) -> None:
-        from unmask.decode.blocks import single as block
-        from unmask.decode.blocks import sbd
-
         B, dev, model = self.B, self.device, self.bundle.model
         prompts = [list(r.job.prompt_ids) for r in rows]
         ends = [len(p) + r.job.max_new_tokens for p, r in zip(prompts, rows)]
         if self.static and self.kv is None:
             if self.kind.aligned:  # j stored blocks, then one block (or the fused pair); one block of slack
                 n_blocks = max((e - 1) // B - len(p) // B + 1 for p, e in zip(prompts, ends))
-                size = block.whole_prompt_blocks(prompts, B) + (n_blocks + 1) * B
+                size = whole_prompt_blocks(prompts, B) + (n_blocks + 1) * B
             else:  # the prompt and the committed text: noisy K/V are cropped before the next re-feed
                 size = max(len(p) for p in prompts) + max(r.job.max_new_tokens for r in rows)
             self.kv = StaticKV(model, self.capacity, max(size, self.length or 0), compile=self.compile,
@@ -150,9 +151,9 @@ class BlockDecoder(SlotRows):
             self.key_valid = torch.zeros((self.capacity, 0), dtype=torch.bool, device=dev)
         new = DynamicKV(model)
         if self.kind.aligned:
-            new, valid, _ = block.prefill_whole_blocks(new, prompts, B, self.bundle.pad_token_id, dev)  # (n, F)
+            new, valid, _ = prefill_whole_blocks(new, prompts, B, self.bundle.pad_token_id, dev)  # (n, F)
         else:
-            valid = sbd.prefill(new, prompts, self.bundle.pad_token_id, dev)  # (n, P)
+            valid = causal_prefill(new, prompts, self.bundle.pad_token_id, dev)  # (n, P)
         self.prefills += int(valid.shape[1] > 0)
         self._place(rows, new, valid)
         L = max(ends) + 2 * B  # room for a whole last block past gen_end and a window that never clamps
@@ -203,9 +204,8 @@ class BlockDecoder(SlotRows):
         rows = self.rows
         S = any(r.storing for r in rows)
         D = any(r.denoising for r in rows)
-        N = max(min(B, r.job.max_new_tokens + len(r.job.prompt_ids) - r.bstart) for r in rows) if D else 0
-        if self.kind.aligned:
-            N = B if D else 0
+        N = 0 if not D else B if self.kind.aligned else max(
+            min(B, r.job.max_new_tokens + len(r.job.prompt_ids) - r.bstart) for r in rows)
         live, denoise, store = self.live[:R], self.denoise[:R], self.store[:R] & self.live[:R]
         bstart, gen_start, gen_end = self.bstart[:R], self.gen_start[:R], self.gen_end[:R]
         inp, pos, qv = [], [], []
@@ -232,6 +232,8 @@ class BlockDecoder(SlotRows):
         self.forwards += 1
         if self.on_forward is not None:
             self.on_forward(report.forward_state(self, inp, pos, logits, past, S, D, N))
+        read, had = HostRead(), torch.zeros_like(live)  # a store-only forward commits nothing
+        go = ended = had
         if D:
             blk = inp[:, -N:]
             chosen, tokens, editable = self._commit(logits, blk, dpos, live & denoise)
@@ -240,26 +242,23 @@ class BlockDecoder(SlotRows):
                                                  self.mask_id)
             self.seq[:R] = seq
             self.qstep[:R] += had.long()
-            counts = chosen.sum(dim=1)  # (R,)
-            left = (editable & (block == self.mask_id)).any(dim=1)  # (R,)
-        else:
-            block = torch.full((R, 0), 0, dtype=torch.long, device=dev)
-            had = go = ended = left = torch.zeros_like(live)
-            counts = torch.zeros(R, dtype=torch.long, device=dev)
+            read.add("count", chosen.sum(dim=1)).add("block", block)
+            read.add("left", (editable & (block == self.mask_id)).any(dim=1))
         adv = go & ~ended
         self.bstart[:R] += adv.long() * B
         self.qstep[:R] *= (~adv).long()
         self.store[:R] = adv
         self.denoise[:R] = ~adv | self.fused
         self.live[:R] &= ~ended
-        packed = [torch.stack([counts, had.long(), adv.long(), ended.long(), left.long()], 1), block]  # (R, 5 + N)
+        read.add("had", had).add("adv", adv).add("ended", ended)
         events = self.on_step is not None and D
-        if events:  # what the step events show, in the same read: (R, 2N + 3 + L)
-            packed += [chosen.long(), tokens, torch.stack([dpos[:, 0], gen_start, gen_end], 1), self.seq[:R]]
-        info = torch.cat(packed, 1).tolist()
+        if events:  # what the step events show, in the same read
+            read.add("chosen", chosen).add("tokens", tokens).add("first", dpos[:, 0]).add("start", gen_start)
+            read.add("end", gen_end).add("seq", self.seq[:R])
+        info = read.read()  # the step's one host sync
         if events:
-            report.events(self, rows, info, block.shape[1])
-        return self._bookkeep(rows, info, S and not D, block.shape[1])
+            report.events(self, rows, info)
+        return self._bookkeep(rows, info, S and not D)
 
     def _forward(self, inp, pos, qv, past, S, D) -> torch.Tensor:
         B, R, q = self.B, self.R, inp.shape[1]
@@ -285,9 +284,9 @@ class BlockDecoder(SlotRows):
             logits[..., self.suppress] = float("-inf")
         editable = (dpos >= self.gen_start[: self.R, None]) & (dpos < self.edit_end[: self.R, None])  # (R, N)
         masked = editable & (block == self.mask_id) & denoising[:, None]  # (R, N)
-        groups: dict = {}  # a row that only stores draws nothing (the quota rule draws for every row it gets)
-        for r in self.rows:
-            groups.setdefault(r.job.sampling if r.generator is not None and r.denoising else None, []).append(r)
+        # rows by sampling setting; a row that only stores draws nothing (the quota rule draws for every row it gets)
+        groups = group_by(((r, r) for r in self.rows),
+                          lambda r: r.job.sampling if r.generator is not None and r.denoising else None)
         if list(groups) == [None]:
             chosen, tokens = self._rule(logits, masked, None, None)
         else:
@@ -300,9 +299,6 @@ class BlockDecoder(SlotRows):
         return chosen, tokens, editable
 
     def _rule(self, logits, masked, sampling, gens, at=None, draws=None):
-        from unmask.decode.blocks.single import quota_threshold_commit
-        from unmask.sampling import Sampling
-
         s = sampling or Sampling()
         if self.quota_steps is None:
             return commit(logits, masked, self.cfg.policy, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
@@ -311,24 +307,26 @@ class BlockDecoder(SlotRows):
         return quota_threshold_commit(logits, masked, self.cfg.policy.tau, quota(self.B, self.quota_steps, step), s,
                                       gens)
 
-    def _bookkeep(self, rows, info, store_only: bool, N: int) -> list[BlockRow]:
-        """Per-row statistics and ends from the step's one host read ``info`` (per slot: commits,
-        had masks, moves on, ended, masks left, then the block's N tokens)."""
+    def _bookkeep(self, rows, info: dict, store_only: bool) -> list[BlockRow]:
+        """Per-row statistics and ends from the step's one host read ``info`` (by name, per slot:
+        commits, had masks, moves on, ended, masks left, the block's tokens)."""
         if store_only:
             self.store_forwards += 1
         finished = []
         for row in rows:
-            count, had, adv, ended, left, *block = info[row.slot][: 5 + N]
-            row.more = bool(left) if row.denoising else row.more
+            had, adv, ended = (info[k][row.slot] for k in ("had", "adv", "ended"))
+            block = info["block"][row.slot] if "block" in info else []
+            if row.denoising:
+                row.more = bool(info["left"][row.slot])
             row.keys += self.B if row.storing else 0
             if row.storing and not row.denoising:
                 row.stores += 1
                 row.nfe += 1
             if had:
                 row.nfe += 1
-                row.accepts.append(count)
+                row.accepts.append(info["count"][row.slot])
             M = row.job.max_new_tokens
-            check_nfe(row.nfe, self._ceiling(row), self.kind.name)
+            check_nfe(row.nfe, report.nfe_ceiling(self, row), self.kind.name)
             if adv or ended:
                 P = len(row.job.prompt_ids)
                 lo, hi = max(0, P - row.bstart), min(len(block), P + M - row.bstart)
@@ -336,8 +334,9 @@ class BlockDecoder(SlotRows):
                 if self.on_token is not None:
                     for _ in block[lo:hi]:
                         self.on_token(row)
-            if adv and row.job.stop and self._stop_string(row):
-                ended = True
+            if adv and row.job.stop:
+                ended = StopRule(self.stop.ids, tuple(row.job.stop)).hit(self.bundle, row.job.prompt_ids, row.full,
+                                                                        {self.mask_id})
             if ended:
                 finished.append(row)
             elif adv:
@@ -350,19 +349,8 @@ class BlockDecoder(SlotRows):
             self._finish(row)
         return finished
 
-    def _ceiling(self, row) -> int:
-        B, M = self.B, row.job.max_new_tokens
-        if self.kind.aligned:
-            P = len(row.job.prompt_ids)
-            return ((P + M - 1) // B - P // B + 1) * (max(B, self.quota_steps or 0) + 1)
-        return M + -(-M // B)
-
-    def _stop_string(self, row) -> bool:
-        text = self.bundle.decode_continuation(list(row.job.prompt_ids), until_stop(row.full, {*self.stop_ids, self.mask_id}))
-        return any(s in text for s in row.job.stop)
-
     def _finish(self, row: BlockRow) -> None:
-        finish(row, row.full, self.stop_ids, self.mask_id)
+        finish(row, row.full, sorted(self.stop.ids), self.mask_id)
         row.extra = report.row_extra(self, row)
 
     @torch.inference_mode()
@@ -386,9 +374,23 @@ class BlockDecoder(SlotRows):
         if n and n - most >= max(most, self.B):  # a free slot's keys count for nobody
             self.key_valid = compact(self.kv, self.key_valid[:, :n] & self.live[: self.R, None], most)
 
-    def stats_extra(self, rows: list[BlockRow]) -> dict:
-        """``DecodeStats.extra`` of finished rows, as ``block.decode`` / ``sbd.decode`` report it."""
-        return report.stats_extra(self, rows)
+    stats_extra = report.stats_extra  # (rows) -> DecodeStats.extra of finished rows
 
 
-__all__ = ["BlockDecoder", "BlockRow"]
+def running_batch(bundle, cfg, *, capacity: int, prompts=None, max_new_tokens: int | None = None, compile: bool = False,
+                  static: bool = False, on_step=None, on_token=None, on_forward=None, stop_token_ids=None
+                  ) -> BlockDecoder:
+    """The :class:`BlockDecoder` of a resolved ``cfg`` (SingleBD's or lossy SBD's) for ``capacity`` rows:
+    ``prompts`` given, ``decode()``'s (lockstep; a static cache sized at the join; ``max_new_tokens``
+    unused); None, the server's (rows move on at once; ``static`` / ``compile``: a static cache of the
+    context window and three blocks of slack, new step shapes compiled when the server is idle).
+    ``stop_token_ids`` None: the bundle's. Raises UnmaskError for ``compile`` / ``static`` not a bool."""
+    check_cache_flags(compile, static)
+    serving = prompts is None
+    length = bundle.context_length + 3 * cfg.block_size if serving and (static or compile) else None
+    return BlockDecoder(bundle, cfg, static=static, compile=compile, capacity=capacity, on_step=on_step,
+                        on_token=on_token, on_forward=on_forward, lockstep=not serving, stop_token_ids=stop_token_ids,
+                        length=length, defer_compile=serving and compile)
+
+
+__all__ = ["BlockDecoder", "BlockRow", "running_batch"]

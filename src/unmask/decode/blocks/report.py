@@ -18,23 +18,21 @@ def row_extra(dec, row) -> dict:
     return {"policy": cfg.policy.name, "block_size": dec.B, "accepts": row.accepts}
 
 
-def events(dec, rows, info: list, N: int) -> None:
-    """on_step events of the rows that denoised, from the step's one host read ``info``: per slot
-    commits, had masks, ..., then the block (N), commits (N), candidates (N), the block's first
-    position, generation start and end, the sequence."""
+def events(dec, rows, info: dict) -> None:
+    """on_step events of the rows that denoised, from the step's one host read ``info`` (by name, per
+    slot: ``had`` masks, the ``block`` after the commits, ``chosen`` and candidate ``tokens`` (N each),
+    the block's ``first`` position, the generation ``start`` and ``end``, the sequence ``seq``)."""
     for row in rows:
-        got = info[row.slot]
-        if not got[1]:
+        if not info["had"][row.slot]:
             continue
-        block, chosen, tokens = got[5: 5 + N], got[5 + N: 5 + 2 * N], got[5 + 2 * N: 5 + 3 * N]
-        first, start, end = got[5 + 3 * N: 8 + 3 * N]
-        seq = got[8 + 3 * N:]
+        block, chosen, tokens, seq = (info[k][row.slot] for k in ("block", "chosen", "tokens", "seq"))
+        first, start, end = (info[k][row.slot] for k in ("first", "start", "end"))
         step, at = (dec.forwards - 1, row.slot) if dec.lockstep else (row.nfe, 0)
         if dec.kind.aligned:  # the block's committed ids; the canvas has no negative ids
             ev = host_event(step, at, chosen, block, first - start, seq[start:end], dec.mask_id,
                             block=row.bstart // dec.B)
         else:
-            n = min(N, end - row.bstart)
+            n = min(len(block), end - row.bstart)
             ev = host_event(step, at, chosen[:n], tokens[:n], row.bstart - start, seq[start: row.bstart + n],
                             dec.mask_id)
         dec.on_step(row, ev)
@@ -48,8 +46,17 @@ def forward_state(dec, inp, pos, logits, past, S, D, N) -> dict:
             "cache": [(k.clone(), v.clone()) for k, v in dec.kv.layers()]}
 
 
+def nfe_ceiling(dec, row) -> int:
+    """The most forwards a correct run can charge ``row`` (:func:`~unmask.decode.engine.stats.check_nfe`)."""
+    B, M = dec.B, row.job.max_new_tokens
+    if dec.kind.aligned:
+        P = len(row.job.prompt_ids)
+        return ((P + M - 1) // B - P // B + 1) * (max(B, dec.quota_steps or 0) + 1)
+    return M + -(-M // B)
+
+
 def stats_extra(dec, rows: list) -> dict:
-    """``DecodeStats.extra`` of finished rows, as ``block.decode`` / ``sbd.decode`` report it."""
+    """``DecodeStats.extra`` of finished rows (the decoder's ``stats_extra``)."""
     cfg, hist = dec.cfg, Counter(a for r in rows for a in r.accepts)
     common = {"policy": cfg.policy.name, "block_size": dec.B}
     if dec.kind.aligned:
@@ -60,4 +67,4 @@ def stats_extra(dec, rows: list) -> dict:
             "static_cache": dec.kv.capacity if dec.static else None, "row_extra": [r.extra for r in rows]}
 
 
-__all__ = ["events", "forward_state", "row_extra", "stats_extra"]
+__all__ = ["events", "forward_state", "nfe_ceiling", "row_extra", "stats_extra"]

@@ -25,17 +25,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
-from unmask.decode.blocks.batch import BlockDecoder
-from unmask.decode.engine.batching import left_pad
+from unmask.decode.blocks.batch import running_batch
 from unmask.decode.engine.knobs import PolicyKnobs
 from unmask.decode.engine.registry import Spec, knob
 from unmask.decode.verify import layout as dl
 from unmask.decode.verify.batch import Verify
 from unmask.decode.verify.config import DEFAULT_DRAFT, VerifyConfig, default_block_size, queries
 from unmask.errors import UnmaskError, is_int
-from unmask.masks import as_4d, causal_mask, with_key_padding
 from unmask.policies import EntropyBound, Policy, gamma_option, make_policy
 
 DEFAULT_BLOCK_SIZE = 16
@@ -79,17 +76,6 @@ class SBDConfig:
         params = {"gamma": gamma, "tau": tau, "f": factor, "k": tokens_per_step}
         built = make_policy(name, **{k: v for k, v in params.items() if v is not None})
         return cls(block_size=DEFAULT_BLOCK_SIZE if block_size is None else block_size, policy=built)
-
-
-def prefill(kv, prompts: list[list[int]], pad_id: int, device) -> torch.Tensor:
-    """Prefill the left-padded prompts causally into the empty cache ``kv`` (SBD Alg. 2 step 1).
-    Its length depends on the prompts, so it runs eagerly. Returns valid (B, P) bool, False on
-    the left padding."""
-    ids, valid, pos = left_pad(prompts, pad_id, device)  # (B, P) each
-    B, P = ids.shape
-    mask = with_key_padding(as_4d(causal_mask(P, device=device), B), valid)  # (B, 1, P, P)
-    kv.forward(ids, pos, mask, logits_to_keep=1, compiled=False)
-    return valid
 
 
 POLICY_OPTIONS = ("policy", "gamma", "preset", "tau", "factor", "tokens_per_step")
@@ -193,11 +179,8 @@ def batch(bundle, cfg: SBDOptions, *, capacity: int, prompts=None, max_new_token
         length = None if longest is None else longest + run.block_size + queries(run.block_size, run.draft)
         return Verify(bundle, run, static=static, compile=compile, capacity=capacity, on_step=on_step,
                       on_token=on_token, on_forward=on_forward, stop_token_ids=stop_token_ids, length=length)
-    server = prompts is None
-    length = bundle.context_length + 3 * run.block_size if server and (static or compile) else None
-    return BlockDecoder(bundle, run, static=static, compile=compile, capacity=capacity, lockstep=not server,
-                        on_step=on_step, on_token=on_token, on_forward=on_forward, stop_token_ids=stop_token_ids,
-                        length=length, defer_compile=server and compile)
+    return running_batch(bundle, run, capacity=capacity, prompts=prompts, compile=compile, static=static,
+                         on_step=on_step, on_token=on_token, on_forward=on_forward, stop_token_ids=stop_token_ids)
 
 
 def runs_lossless(bundle, options: dict) -> bool:

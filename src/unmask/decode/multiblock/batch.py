@@ -1,13 +1,14 @@
 """The Block Buffer's running batch (multiblock.md §3; DESIGN.md "One engine"): the one class that
-``multiblock.decode`` drains and the server runs.
+``decode(decoder="multiblock")`` drains and the server runs, built by :func:`batch` (:data:`SPEC`).
 
 Each slot holds one row's window of N_buf blocks (:class:`~unmask.decode.multiblock.buffer.Window`, one
 row per slot), its sequence and its stop bookkeeping. A step is one Block Buffer iteration for
 every slot: activate, one forward of the N_buf·B window tokens that also stores the to-cache
 slots' K/V (:func:`~unmask.decode.multiblock.window.window_step`), M2T/T2T (``block_buffer.transition``),
-write-back and termination, all tensor ops, then ONE host read of the packed per-row results
-(running-set size, commits, edits, stored slots, ended, and the rows' sequences, so a finishing
-row needs no further read). A free slot's window is all dummies: it rides along in the forward.
+write-back and termination, all tensor ops, then ONE host read (:class:`~unmask.decode.engine.host.HostRead`)
+of the per-row results (running-set size, commits, edits, stored slots, ended, and the rows'
+sequences, so stop strings are checked and a finishing row is cut with no further read). A free
+slot's window is all dummies: it rides along in the forward.
 
 ``drained=True`` is ``decode()``'s numbering (events by batch forward and slot; the dynamic cache
 is never compacted, as before); the server runs ``drained=False`` (events by the row's own
@@ -21,20 +22,20 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from unmask.decode.multiblock import buffer as bb
-from unmask.decode.blocks.single import first_stop, prefill_whole_blocks, whole_prompt_blocks
-from unmask.decode.dllm.canvas import row_generator, serving_options
+from unmask.decode.blocks.prefix import check_cache_flags, prefill_whole_blocks, whole_prompt_blocks
+from unmask.decode.blocks.rule import first_stop
+from unmask.decode.dllm.canvas import row_generator
+from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
-from unmask.decode.multiblock.window import candidates, event_columns, row_event, stop_blocks, stop_string_rows, window_step, write_window
-from unmask.decode.engine.running import Row, SlotRows, Slots
+from unmask.decode.engine.registry import Spec
+from unmask.decode.engine.running import Row, SlotRows, Slots, group_by
 from unmask.decode.engine.stats import check_nfe, stop_flags
+from unmask.decode.engine.stop import StopRule
+from unmask.decode.multiblock import buffer as bb
+from unmask.decode.multiblock.window import (MultiBlockOptions, candidates, event_columns, row_event, stop_blocks,
+                                             window_step, write_window)
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.decode.multiblock import window
-from unmask.decode.multiblock.window import MultiBlockOptions
-from unmask.decode.engine.registry import Spec
-
-OPTIONS = ("block_size", "slots", "tau_add", "tau_semi", "tau_m2t", "tau_t2t", "tau_stable", "max_nfe")
 
 
 @dataclass(eq=False)
@@ -48,6 +49,7 @@ class BufferRow(Row):
     edits: int = 0
     keys: int = 0
     to_cache: int = 0  # its window's to-cache slots after the last step: the next forward stores them
+    checked: int = 0  # end of its complete blocks at the last stop-string check (absolute position)
 
 
 def _window_rows(w: bb.Window, n: int) -> bb.Window:
@@ -68,7 +70,8 @@ def _set_rows(w: bb.Window, at: torch.Tensor, new: bb.Window) -> None:
 
 
 class MultiBlockDecoder(SlotRows):
-    """The running batch of Block Buffer rows of one :class:`~unmask.decode.multiblock.window.MultiBlockConfig`.
+    """The running batch of Block Buffer rows of one resolved
+    :class:`~unmask.decode.multiblock.window.MultiBlockOptions` (:meth:`~MultiBlockOptions.resolve`).
 
     ``static`` / ``compile``: a StaticKV of ``capacity`` rows, the window forward compiled; its length
     is ``length`` tokens (the server: length-bucketed, rows joining mid-flight) or sized at the first
@@ -90,8 +93,8 @@ class MultiBlockDecoder(SlotRows):
         self.on_step, self.on_token, self.on_forward, self.drained = on_step, on_token, on_forward, drained
         self.slots, self.capacity, self.length, self.defer = Slots(capacity), capacity, length, defer_compile
         self.device, self.mask_id = bundle.device, bundle.mask_token_id
-        ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
-        self.stops, self.stop_ids = torch.tensor(sorted(set(ids)) or [-1], device=self.device), sorted(set(ids))
+        self.stop = StopRule.of(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids)
+        self.stops = torch.tensor(sorted(self.stop.ids) or [-1], device=self.device)
         self.suppress = list(bundle.suppress_ids)
         self.forwards = self.prefills = 0
         self.running: dict[int, BufferRow] = {}
@@ -105,7 +108,7 @@ class MultiBlockDecoder(SlotRows):
         else:
             self.kv = None
         self.R, self.w = 0, None
-        self.seq = self.key_valid = self.checked = self.nfe_rows = self.live = None
+        self.seq = self.key_valid = self.nfe_rows = self.live = None
 
     @torch.inference_mode()
     def join(self, requests) -> list[BufferRow]:
@@ -144,7 +147,7 @@ class MultiBlockDecoder(SlotRows):
         for r, p in zip(rows, prompts):
             self.seq[r.slot, : len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
             self.running[r.slot] = r
-        self.live[at], self.checked[at], self.nfe_rows[at] = True, 0, 0
+        self.live[at], self.nfe_rows[at] = True, 0
         return []
 
     def _place(self, rows: list[BufferRow], new, valid: torch.Tensor, w: bb.Window) -> None:
@@ -154,7 +157,7 @@ class MultiBlockDecoder(SlotRows):
         if self.w is None:  # empty: slot tensors of no rows
             self.w = replace(w, **{f.name: getattr(w, f.name)[:0] for f in fields(w) if f.name != "mask_id"})
             self.live = torch.zeros(0, dtype=torch.bool, device=self.device)
-            self.checked, self.nfe_rows = (torch.zeros(0, dtype=torch.long, device=self.device) for _ in range(2))
+            self.nfe_rows = torch.zeros(0, dtype=torch.long, device=self.device)
             self.seq = torch.full((0, 0), self.mask_id, dtype=torch.long, device=self.device)
             self.key_valid = valid[:0, :0]
         if self.kv is None:
@@ -170,8 +173,7 @@ class MultiBlockDecoder(SlotRows):
             self.R = self.key_valid.shape[0]
         self.w = _window_rows(self.w, self.R - R0)
         _set_rows(self.w, torch.tensor(slots, dtype=torch.long, device=self.device), w)
-        self.live, self.checked, self.nfe_rows = (pad(t, 0, self.R - R0, v) for t, v in
-                                                  ((self.live, False), (self.checked, 0), (self.nfe_rows, 0)))
+        self.live, self.nfe_rows = pad(self.live, 0, self.R - R0, False), pad(self.nfe_rows, 0, self.R - R0, 0)
         self.seq = pad(self.seq, 0, self.R - R0, self.mask_id)
 
     def warm(self) -> bool:
@@ -210,27 +212,23 @@ class MultiBlockDecoder(SlotRows):
         write_window(self.seq, w)
         self.nfe_rows += self.live.long()
         size = (before.state != bb.DUMMY).sum(dim=1)  # (R,) |R_s| of this step
-        # what the step events show, taken now (release below frees the ended rows' window)
-        shown = event_columns(before, info, top1, w) if self.on_step is not None else None
         stop_block = stop_blocks(first_stop(self.seq, w.gen_start, w.gen_end, self.stops), L, B)  # (R,)
-        ended = self.live & bb.finished(w, stop_block)  # (R,)
-        stopped = (stop_block != bb.NO_STOP) & ended
-        if any(r.job.stop for r in rows):
-            hit = self._stop_strings(rows, w, ended)
-            ended, stopped = ended | hit, stopped | hit
-        if cfg.max_nfe is not None:
-            ended |= self.live & (self.nfe_rows >= cfg.max_nfe)
-        self.w = bb.release(w, ended)
-        self.live &= ~ended
-        packed = torch.stack([size, info.committed.sum(dim=(1, 2)), info.edited.sum(dim=(1, 2)), stored,
-                              ended.long(), stopped.long(), (self.w.state == bb.TO_CACHE).sum(dim=1)], 1)  # (R, 7)
-        read = torch.cat([packed, self.seq] + ([] if shown is None else [shown]), 1).tolist()  # the one host sync
-        if shown is not None:
+        done = self.live & bb.finished(w, stop_block)  # (R,)
+        capped = self.live & (self.nfe_rows >= cfg.max_nfe) if cfg.max_nfe is not None else torch.zeros_like(done)
+        self.w = bb.release(w, done | capped)
+        self.live &= ~(done | capped)
+        read = HostRead().add("size", size).add("commits", info.committed.sum(dim=(1, 2)))
+        read.add("edits", info.edited.sum(dim=(1, 2))).add("stored", stored).add("done", done).add("capped", capped)
+        read.add("stopped", (stop_block != bb.NO_STOP) & done).add("to_cache", (self.w.state == bb.TO_CACHE).sum(dim=1))
+        read.add("seq", self.seq)
+        if self.on_step is not None:  # what the step events show, in the same read
+            event_columns(read, before, info, top1, w)
+        got = read.read()  # the step's one host sync
+        if self.on_step is not None:
             for row in rows:
-                got = read[row.slot]
                 step, r = (self.forwards - 1, row.slot) if self.drained else (row.nfe, 0)
-                self.on_step(row, row_event(step, r, got[7 + L:], got[7: 7 + L], S, B, self.mask_id, got[0]))
-        return self._bookkeep(rows, read, L)
+                self.on_step(row, row_event(step, r, got, row.slot, B, self.mask_id))
+        return self._bookkeep(rows, got)
 
     def _make_room(self) -> None:
         """The static cache is compacted when the next window would not fit; the server's dynamic one
@@ -244,9 +242,7 @@ class MultiBlockDecoder(SlotRows):
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``multiblock.candidates`` for every slot, each sampling setting with its rows' generators:
         logits (R, S, B, V) -> (top1, kappa) (R, S, B)."""
-        groups: dict = {}
-        for r in self.rows:
-            groups.setdefault(r.job.sampling if r.generator is not None else None, []).append(r)
+        groups = group_by(((r, r) for r in self.rows), lambda r: r.job.sampling if r.generator is not None else None)
         if list(groups) == [None]:
             return candidates(logits, Sampling(), None)
         top1 = torch.full(logits.shape[:-1], self.mask_id, dtype=torch.long, device=logits.device)  # (R, S, B)
@@ -258,34 +254,28 @@ class MultiBlockDecoder(SlotRows):
             top1[at], kappa[at] = t, k.float()
         return top1, kappa
 
-    def _stop_strings(self, rows, w, ended) -> torch.Tensor:
-        """(R,) bool: rows whose complete blocks hold one of their stop strings (rows with different
-        stop strings are checked separately)."""
-        R, dev = self.R, self.device
-        hit = torch.zeros(R, dtype=torch.bool, device=dev)
-        prompts = [[] for _ in range(R)]
-        for r in rows:
-            prompts[r.slot] = list(r.job.prompt_ids)
-        seq_pos = torch.arange(self.seq.shape[1], device=dev)
-        longest = max(r.job.max_new_tokens for r in rows)  # past gen_end every row holds masks
-        by_stop: dict = {}
-        for r in rows:
-            if r.job.stop:
-                by_stop.setdefault(tuple(r.job.stop), []).append(r.slot)
-        for strings, idx in by_stop.items():
-            mine = torch.zeros(R, dtype=torch.bool, device=dev)
-            mine[idx] = True
-            hit |= stop_string_rows(self.bundle, prompts, self.seq, seq_pos, w, self.stops, longest, mine & ~ended,
-                                    self.checked, strings)
-        return hit
+    def _stop_string(self, row: BufferRow, seq: list[int]) -> bool:
+        """Whether the row's complete blocks (the contiguous complete prefix of its output, ``seq`` its
+        sequence) hold one of its stop strings; decoded only when that prefix grew since the last check."""
+        B, P = self.cfg.block_size, len(row.job.prompt_ids)
+        E = P + row.job.max_new_tokens
+        first_mask = next((i for i in range(P, E) if seq[i] == self.mask_id), E)
+        complete = E if first_mask >= E else first_mask // B * B  # end of the complete blocks
+        if complete <= row.checked:
+            return False
+        row.checked = complete
+        rule = StopRule(self.stop.ids, tuple(row.job.stop))
+        return rule.hit(self.bundle, row.job.prompt_ids, seq[P:complete], {self.mask_id})
 
-    def _bookkeep(self, rows, info, L: int) -> list[BufferRow]:
-        """Per-row statistics and ends from the step's one host read (per slot: |R_s|, commits, edits,
-        stored slots, ended, stopped, to-cache slots for the next step, then the row's sequence (L))."""
+    def _bookkeep(self, rows, got: dict) -> list[BufferRow]:
+        """Per-row statistics and ends from the step's one host read ``got`` (by name, per slot: |R_s|,
+        commits, edits, stored slots, done / capped / stopped, to-cache slots for the next step, the
+        row's sequence)."""
         cfg, B, done = self.cfg, self.cfg.block_size, []
         edit_steps = cfg.max_post_edit_steps if cfg.tau_t2t is not None else 0
         for row in rows:
-            size, commits, edits, stored, ended, stopped, row.to_cache, *seq = info[row.slot][: 7 + L]
+            size, commits, edits, stored, ended, capped, stopped, row.to_cache, seq = (got[k][row.slot] for k in (
+                "size", "commits", "edits", "stored", "done", "capped", "stopped", "to_cache", "seq"))
             row.nfe += 1
             P, M = len(row.job.prompt_ids), row.job.max_new_tokens
             blocks = (P + M - 1) // B - P // B + 1
@@ -294,12 +284,13 @@ class MultiBlockDecoder(SlotRows):
             row.accepts.append(commits)
             row.edits += edits
             row.keys += stored * B
-            if not ended:
+            if not ended and row.job.stop and self._stop_string(row, seq):
+                ended = stopped = True
+            if not (ended or capped):
                 continue
             full = seq[P: P + M]
-            stop = set(self.stop_ids) | {self.mask_id}
-            row.tokens = next((full[:i] for i, t in enumerate(full) if t in stop), full)
-            row.stop_token = stop_flags([full], [row.tokens], self.stop_ids)[0]
+            row.tokens = self.stop.until_stop(full, {self.mask_id})
+            row.stop_token = stop_flags([full], [row.tokens], self.stop.ids)[0]
             row.finish = "stop" if stopped and len(row.tokens) < M else "length"
             rs = row.running_set
             row.extra = {"slots": cfg.slots, "block_size": B, "running_set": rs,
@@ -333,31 +324,46 @@ class MultiBlockDecoder(SlotRows):
                 "edits": sum(r.edits for r in rows), **cache, "row_extra": [r.extra for r in rows]}
 
 
-def serving_batch(bundle, options: dict | None = None, *, capacity: int = 8, on_step=None, on_token=None,
-                  stop_token_ids=None, compile: bool = False, static: bool = False) -> MultiBlockDecoder:
-    """The server's multiblock running batch for one set of request ``options`` (:data:`OPTIONS`;
-    None = default), validated once. ``static`` / ``compile``: a static KV cache of the context
-    window and N_buf + 1 blocks that rows join mid-flight, new step shapes compiled when the server
-    is idle. ``stop_token_ids`` defaults to the bundle's. Raises UnmaskError for a model that is
-    not block-diffusion, an unknown option or a bad value."""
-    from unmask.decode.blocks.single import check_block_model
-    from unmask.decode.multiblock.window import MultiBlockConfig
+def batch(bundle, options: MultiBlockOptions, *, capacity: int, prompts=None, max_new_tokens: int | None = None,
+          compile: bool = False, static: bool = False, on_step=None, on_token=None, on_forward=None,
+          stop_token_ids=None) -> MultiBlockDecoder:
+    """The Block Buffer's running batch (multiblock.md §3.2–3.3) of ``options`` resolved once
+    (:meth:`MultiBlockOptions.resolve`), for ``capacity`` rows: ``prompts`` given, ``decode()``'s
+    (events numbered by batch forward and slot; a static cache sized at the join); None, the
+    server's (with ``static`` / ``compile``, a static cache of the context window and N_buf + 1
+    blocks that rows join mid-flight, new step shapes compiled when the server is idle).
+    ``max_new_tokens`` is not needed (the join sizes the cache); ``stop_token_ids`` None: the bundle's.
 
-    check_block_model(bundle, "multiblock")
-    options = serving_options(options, OPTIONS, "a continuous multiblock batch")
-    cfg = MultiBlockConfig.from_options(bundle, **options)
-    length = bundle.context_length + (cfg.slots + 1) * cfg.block_size if static or compile else None
-    return MultiBlockDecoder(bundle, cfg, capacity=capacity, on_step=on_step, on_token=on_token, static=static,
-                             compile=compile, stop_token_ids=stop_token_ids, length=length, defer_compile=compile)
+    One static-shape forward (R, slots·B) per step. A row finishes when a stop token was generated
+    (or its last block admitted) and every block up to it is complete (Diffulex termination, §3.3
+    step 7), on a stop string in its completed blocks, or at ``max_nfe``; its output is cut before
+    the first stop token. ``on_step`` gets one event per live row per step: ``step``, ``row``,
+    ``positions`` / ``tokens`` (M2T commits, generated indices), ``edited`` (T2T edits), ``canvas``
+    (None where masked), and the Block Buffer view: ``slots`` (state of every slot at the forward,
+    e.g. ``["to-cache", "active", "dummy"]``), ``blocks`` (their block indices), ``running_set``
+    (|R_s|). ``on_forward(state)`` (tests) sees each forward's inputs, logits, the window before the
+    forward, and the cache after it. ``compile=True``: a static KV cache of the prefill, the longest
+    row's blocks and one window (L = F + (blocks + N_buf)·B, rounded up to ``LENGTH_BUCKET``; rows
+    store in different steps, so a full cache is compacted in place) whose pointer moves instead of
+    cropping, the window forward ``torch.compile``-d, the prefill eager; ``static=True``: that cache,
+    eagerly. Both give the eager tokens, NFE and statistics.
+
+    stats.extra: the thresholds, ``accepts`` (histogram of M2T commits per row per step),
+    ``mean_running_set`` (|R_s| averaged over row-steps), ``edits``, ``row_extra`` per row
+    (``running_set`` at each of its steps, ``mean_running_set``, ``accepts``, ``edits``), and on the
+    static path ``compiled`` and ``static_cache`` (L). Raises UnmaskError for a model that is not
+    block-diffusion, a block size that disagrees with the checkpoint's, slots·B past the context
+    window, or ``compile`` / ``static`` not a bool."""
+    check_cache_flags(compile, static)
+    cfg = options.resolve(bundle)
+    serving = prompts is None
+    length = bundle.context_length + (cfg.slots + 1) * cfg.block_size if serving and (static or compile) else None
+    return MultiBlockDecoder(bundle, cfg, capacity=capacity, static=static, compile=compile, on_step=on_step,
+                             on_token=on_token, on_forward=on_forward, drained=not serving,
+                             stop_token_ids=stop_token_ids, length=length, defer_compile=serving and compile)
 
 
-
-def _serving(bundle, cfg, **kw) -> MultiBlockDecoder:
-    """Transitional: the server's batch of ``cfg`` (:func:`serving_batch`)."""
-    return serving_batch(bundle, cfg.given(), **kw)
-
-
-SPEC = Spec("multiblock", MultiBlockOptions, batch=_serving, kinds=("block-diffusion",), compiles=True, run=window.decode,
+SPEC = Spec("multiblock", MultiBlockOptions, batch=batch, kinds=("block-diffusion",), compiles=True,
             summary="Multi-Block Diffusion: Block Buffer of N_buf slots, one static forward per step")
 
-__all__ = ["BufferRow", "MultiBlockDecoder", "OPTIONS", "serving_batch"]
+__all__ = ["BufferRow", "MultiBlockDecoder", "SPEC", "batch"]
