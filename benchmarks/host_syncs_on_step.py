@@ -20,14 +20,15 @@ import torch
 import unmask
 from unmask.decode.blocks import single as block
 from unmask.decode.multiblock import batch as multiblock_engine
-from unmask.decode.dllm.diffusion_batch import Diffusion
+from unmask.decode.dllm.diffusion import DiffusionOptions
+from unmask.decode.dllm.diffusion_batch import batch as diffusion_batch
 from unmask.decode.engine.running import requests_for
 from unmask.sampling import Sampling
 
 PROMPTS = ["Once upon a time", "Tom", "Lily wanted to play with her big red ball", "The dog", "One day, a little",
            "Sam and Mia", "There was a bird", "The sun was"]
 CASES = {
-    "diffusion": ("stories260K-dlm", lambda b, h: Diffusion.serving(b, {"block_size": 8}, on_step=h, capacity=8)),
+    "diffusion": ("stories260K-dlm", lambda b, h: diffusion_batch(b, DiffusionOptions(block_size=8), on_step=h, capacity=8)),
     "block": ("stories260K-bd", lambda b, h: block.serving_batch(b, {}, capacity=8, on_step=h)),
     "multiblock": ("stories260K-mbd", lambda b, h: multiblock_engine.serving_batch(b, {}, capacity=8, on_step=h)),
 }

@@ -38,13 +38,11 @@ from collections import deque
 
 from unmask.decode.verify import layout as draft_layout
 from unmask.decode.verify import steps as sbd_verify
-from unmask.decode.dllm.diffusion import DiffusionConfig
 from unmask.decode.verify.batch import Verify
 from unmask.decode.blocks.sbd import runs_lossless
 from unmask.errors import UnmaskError
-from unmask.decode.dllm.diffusion_batch import OPTIONS as DIFFUSION_OPTIONS, Diffusion
-from unmask.decode.dllm.dream import OPTIONS as DREAM_OPTIONS, DreamSchedule
-from unmask.decode.dllm.early_bird_batch import OPTIONS as EARLY_BIRD_OPTIONS, EarlyBird
+from unmask.decode.dllm import diffusion_batch, early_bird_batch
+from unmask.decode.engine.registry import DECODERS, Config
 from unmask.decode.blocks import single as single_bd
 from unmask.decode.multiblock import batch as multiblock_engine
 from unmask.decode.blocks import sbd as lossy_sbd
@@ -75,12 +73,11 @@ def _done(row, bundle) -> None:
 
 # Continuous running batches of the other decoders: batch kind -> class (see Scheduler._running_kind).
 RUNNING = {"multiblock": multiblock_engine.serving_batch, "sbd": lossy_sbd.serving_batch, "block": single_bd.serving_batch,
-           "diffusion": Diffusion.serving, "dream": DreamSchedule.serving, "early-bird": EarlyBird.serving}
+           "diffusion": diffusion_batch.batch, "dream": diffusion_batch.batch, "early-bird": early_bird_batch.batch}
 COMPILED = ("sbd", "block", "multiblock", "diffusion")  # --compile: these on a static cache (diffusion: its dual cache)
 # The options each running batch takes; a request with others (e.g. diffusion's --schedule dream) runs per call.
 RUNNING_OPTIONS = {"multiblock": multiblock_engine.OPTIONS, "sbd": lossy_sbd.BATCH_OPTIONS,
-                   "block": single_bd.BATCH_OPTIONS, "diffusion": DIFFUSION_OPTIONS,
-                   "early-bird": EARLY_BIRD_OPTIONS}
+                   "block": single_bd.BATCH_OPTIONS}
 
 
 class Scheduler:
@@ -115,7 +112,6 @@ class Scheduler:
         self.abandoned_batches = 0  # per-call batches stopped early: every request answered or gone
         self.batch_rows: dict[int, int] = {}  # job id -> row in the running per-call batch
         self._batch: list[Job] = []  # the running per-call batch
-        self._diffusion_runs = Diffusion.batches_fit(bundle)
         self.ar  # the AR batch exists from the start: the loop and readers never race to create it
         self._thread = threading.Thread(target=self._loop, name="unmask-scheduler", daemon=True)
 
@@ -305,19 +301,13 @@ class Scheduler:
                 return "verify", draft_layout.resolve(draft, job.options.get("queries"), self.defaults)
             except UnmaskError:
                 return None  # its decode call reports the bad budget
-        if job.decoder == "diffusion" and "schedule" in job.options:  # Dream's schedule: a running batch of its own
-            fits = self._diffusion_runs and set(job.options) <= {"schedule", *DREAM_OPTIONS}
-            return ("dream", tuple(sorted(job.options.items()))) if fits else None
+        if job.decoder in ("diffusion", "early-bird"):  # the decoder's own key: (kind, its config) or None
+            try:
+                return DECODERS[job.decoder].config.of(job.options).batch_key(self.bundle, job.max_new_tokens)
+            except (UnmaskError, TypeError):
+                return None  # its decode call reports the bad option
         if job.decoder in RUNNING_OPTIONS and not set(job.options) <= set(RUNNING_OPTIONS[job.decoder]):
             return None
-        if job.decoder in ("diffusion", "early-bird") and not self._diffusion_runs:
-            return None
-        if job.decoder == "diffusion" and job.options.get("block_size") is None:
-            try:  # the block size this request decodes with (a short one gets a shorter block): part of the key
-                block = DiffusionConfig.from_options(max_new_tokens=job.max_new_tokens, **job.options).block_size
-            except (UnmaskError, TypeError):
-                return None
-            return "diffusion", tuple(sorted({**job.options, "block_size": block}.items()))
         if job.decoder in RUNNING:
             return job.decoder, tuple(sorted(job.options.items()))
         return None
@@ -369,7 +359,8 @@ class Scheduler:
                 batch = self._verify_batch(key[1]) if key[0] == "verify" else self.running_batches.get(key)
                 if batch is None:
                     fast = {"compile": True} if self.compile and key[0] in COMPILED else {}
-                    batch = self.running_batches[key] = RUNNING[key[0]](self.bundle, dict(key[1]), on_step=self._event,
+                    cfg = key[1] if isinstance(key[1], Config) else dict(key[1])  # a registry key carries its config
+                    batch = self.running_batches[key] = RUNNING[key[0]](self.bundle, cfg, on_step=self._event,
                                                                         capacity=self.max_batch_size, **fast)
             except UnmaskError as e:  # the options failed the decoder's own validation
                 for j in jobs:

@@ -9,6 +9,7 @@ import torch
 
 from unmask.decode.engine.running import drain, requests_for
 from unmask.decode.engine.stats import DecodeOutput, stop_flags
+from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
 
 
@@ -57,25 +58,22 @@ def drain_prompts(make, bundle, prompts, *, max_new_tokens: int, sampling, stop_
                                     stop_strings=stop_strings, device=bundle.device))
 
 
-def until_stop(row: list[int], stop_set: set[int]) -> list[int]:
-    """``row`` up to (not including) its first id in ``stop_set``."""
-    for i, t in enumerate(row):
-        if t in stop_set:
-            return row[:i]
-    return list(row)
+def until_stop(row: list[int], stop_set) -> list[int]:
+    """``row`` up to (not including) its first id in ``stop_set`` (:meth:`StopRule.until_stop`)."""
+    return StopRule.of(stop_set).until_stop(row)
 
 
 def stop_string_in(bundle, prompt, ids: list[int], mask_id: int, stop_strings) -> bool:
     """Whether the text of ``ids`` (generated ids, cut at the first mask) holds a stop string."""
-    text = bundle.decode_continuation(list(prompt), until_stop(ids, {mask_id}))
-    return any(s in text for s in stop_strings)
+    return StopRule.of(strings=stop_strings).hit(bundle, prompt, ids, also=(mask_id,))
 
 
 def finish(row, full: list[int], stop_ids, mask_id: int) -> None:
     """Set a finished row's ``tokens`` (``full``, its reported ids, cut at the first stop id or
     mask), ``stop_token`` and ``finish`` ("length" or "stop")."""
-    row.tokens = until_stop(full, set(stop_ids) | {mask_id})
-    row.stop_token = stop_flags([full], [row.tokens], stop_ids)[0]
+    rule = stop_ids if isinstance(stop_ids, StopRule) else StopRule.of(stop_ids)
+    row.tokens = rule.until_stop(full, also=(mask_id,))
+    row.stop_token = stop_flags([full], [row.tokens], rule.ids)[0]
     row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
 
 
