@@ -241,3 +241,44 @@ def test_row_positions_ignore_padding(stories_dlm):
     assert batch.canvas.valid[0].tolist() == [False] * (T - n) + [True] * n
     assert batch.canvas.pos[0, T - n:].tolist() == list(range(n))
     assert torch.equal(batch.canvas.pos[1], torch.arange(T))
+
+
+def test_a_batch_built_from_unpinned_options_takes_its_first_requests_block(stories_dlm):
+    """The server may build a batch from a request's own options, not the key's (block size pinned):
+    without --block-size a short request decodes with a shorter block (8 for 8 tokens), and the
+    batch takes it from its first request instead of refusing it; rows equal decode alone."""
+    from unmask.decode.dllm.diffusion import DiffusionOptions
+
+    jobs = [job(PROMPTS[0], 8), job(PROMPTS[1], 8)]
+    keys = {DiffusionOptions().batch_key(stories_dlm, j.max_new_tokens) for j in jobs}
+    assert keys == {("diffusion", DiffusionOptions(block_size=8))}  # one batch, its block in the key
+    run = Run(stories_dlm, {})
+    run.join(jobs[:1])
+    run.step(1)
+    run.join(jobs[1:])
+    run.drain()
+    assert run.batch.cfg.block_size == 8
+    check(run, stories_dlm, jobs, {})
+    with pytest.raises(UnmaskError, match="block size 16, the running batch with 4"):  # one block per batch
+        run.batch.join([job(PROMPTS[0], 4), job(PROMPTS[2], 16)])  # an emptied one takes its next first request's
+
+
+def test_batch_keys_are_the_servers_running_kinds(stories_dlm):
+    """Config.batch_key of diffusion and early-bird: Dream's schedule its own batch, the block size a
+    request decodes with part of the key, None (per call) for what a running batch cannot take or
+    a model whose rows cannot share one."""
+    from types import SimpleNamespace
+
+    from unmask.decode.dllm.diffusion import DiffusionOptions as O
+    from unmask.decode.dllm.early_bird import EarlyBirdOptions
+
+    b = stories_dlm
+    assert O(schedule="dream", steps=4).batch_key(b, 8) == ("dream", O(schedule="dream", steps=4))
+    assert O(block_size=4, tau=0.5).batch_key(b, 8) == ("diffusion", O(block_size=4, tau=0.5))
+    assert O().batch_key(b, 40) == ("diffusion", O(block_size=32)) != O().batch_key(b, 8)
+    for bad in (O(schedule="dream", cache="prefix"), O(alg="entropy"), O(reference_steps=True), O(policy="nope"),
+                O(block_size=8, gen_length=12)):
+        assert bad.batch_key(b, 8) is None  # decode reports it (or runs it) per call
+    assert EarlyBirdOptions(lps=False).batch_key(b, 8) == ("early-bird", EarlyBirdOptions(lps=False))
+    causal = SimpleNamespace(kind="causal", mask_token_id=None, model=None, meta={})
+    assert O().batch_key(causal, 8) is None and EarlyBirdOptions().batch_key(causal, 8) is None

@@ -14,18 +14,17 @@ decode's batch always has (same tokens; decode's batch NFE and step numbering).
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from unmask.decode.dllm.cache import SlotCanvas, check_fast_path, prompt_width
-from unmask.decode.dllm.canvas import check_canvas, check_mask_token, early_stop_in, finish, row_generator
+from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, check_canvas, check_mask_token, early_stop_in
 from unmask.decode.dllm.diffusion import CANVAS_HINT, DEFAULT_BLOCK_SIZE, DiffusionConfig, DiffusionOptions, llada_quota
 from unmask.decode.dllm.dream import DreamSchedule
 from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.registry import Spec
-from unmask.decode.engine.running import CanvasRows, Request, Row, Slots
+from unmask.decode.engine.running import Request
 from unmask.decode.engine.stats import check_nfe
 from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
@@ -35,27 +34,22 @@ from unmask.trace import host_event
 
 
 @dataclass(eq=False)
-class DiffusionRow(Row):
-    """A running row plus its block progress: ``cfg`` (its gen length), ``report`` (tokens reported),
-    ``block``, ``step`` (forwards in the block), ``commits`` (per forward), ``cohort`` (its join, for
-    lockstep), ``complete`` (its block is done), ``done`` (a stop seen), ``more`` (its block has
-    masks, from the last step's read) and ``gen``: its generated ids as that read left them (a block
-    not reached yet is masks), so finishing reads nothing more."""
+class DiffusionRow(CanvasRow):
+    """A running row plus its block progress: ``cfg`` (its gen length), ``block``, ``step`` (forwards
+    in the block), ``cohort`` (its join, for lockstep), ``complete`` (its block is done), ``done`` (a
+    stop seen) and ``more`` (its block has masks, from the last step's read); a block not reached
+    yet is masks in ``gen``."""
 
     cfg: DiffusionConfig = None
-    generator: object = None
-    report: int = 0
     block: int = 0
     step: int = 0
-    commits: list[int] = field(default_factory=list)
     cohort: int = 0
     complete: bool = False
     done: bool = False
     more: bool = True
-    gen: list[int] = field(default_factory=list)
 
 
-class Diffusion(CanvasRows):
+class Diffusion(CanvasBatch):
     """Semi-AR masked-diffusion decoding as a running batch (``decode/engine/running.py``'s contract).
 
     cfg: the resolved knobs every row shares; a row's gen length is ``cfg.gen_length``, or with
@@ -76,23 +70,11 @@ class Diffusion(CanvasRows):
                  on_forward=None, options: DiffusionOptions | None = None, length: int | None = None):
         check_mask_token(bundle, "diffusion")
         check_fast_path(bundle, static, compile, "the diffusion decoder")
-        self.bundle, self.cfg, self.options = bundle, cfg, options
-        self.static, self.compile = static or compile, compile
-        self.on_step, self.on_forward, self.lockstep, self.reference = on_step, on_forward, lockstep, reference_steps
-        self.slots = Slots(capacity)
-        self.canvas = SlotCanvas(bundle, cfg.cache, capacity, max(width, 1), cfg.block_size, static=static,
-                                 compile=compile, length=length)
-        dev = bundle.device
-        self.stop = StopRule.of(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids)
-        self.stops = torch.tensor(sorted(self.stop.ids) or [-1], device=dev)
-        self.suppress = list(bundle.suppress_ids)
-        self.done = torch.zeros(capacity, dtype=torch.bool, device=dev)  # (C,) a stop seen (early stop)
-        self.running: dict[int, DiffusionRow] = {}  # slot -> row
-        self.forwards, self._cohorts = 0, 0
-
-    @property
-    def confidence(self) -> str | None:
-        return self.cfg.confidence
+        super().__init__(bundle, cfg, block=cfg.block_size, width=max(width, 1), capacity=capacity, static=static,
+                         compile=compile, on_step=on_step, on_forward=on_forward, lockstep=lockstep,
+                         stop_token_ids=stop_token_ids, length=length)
+        self.options, self.reference, self._cohorts = options, reference_steps, 0
+        self._fast = dict(static=static, compile=compile, length=length)
 
     # -- joining ------------------------------------------------------------------------------------
 
@@ -111,19 +93,24 @@ class Diffusion(CanvasRows):
     def join(self, requests: list[Request]) -> list[DiffusionRow]:
         """Place each request's canvas at block 0 of a free slot (no forward: a row's first forward
         is its first step). Every request is validated first, so a bad one adds none. Returns []."""
-        cfgs = [self._config(job) for job in requests]
-        if len(requests) > self.slots.free:
-            self.slots.take(len(requests))  # raises the one-line "running batch full"
-        self._restart()
+        opts = self.options
+        if opts is not None and opts.block_size is None and requests and not self.running:
+            # a server batch without --block-size decodes with its first request's (the batch key pins it)
+            first = opts.resolve(self.bundle, requests[0].max_new_tokens)
+            if first.block_size != self.cfg.block_size:
+                self.cfg = first
+                self.canvas = SlotCanvas(self.bundle, first.cache, self.slots.capacity, 1, first.block_size,
+                                         **self._fast)
+        cfgs = {id(job): self._config(job) for job in requests}
         self._cohorts += 1
-        for job, cfg, slot in zip(requests, cfgs, self.slots.take(len(requests))):
-            self.canvas.place(slot, list(job.prompt_ids), cfg.gen_length, self.bundle.mask_token_id)
-            self.done[slot] = False
-            gen = row_generator(job, self.bundle.device)
-            self.running[slot] = DiffusionRow(job=job, slot=slot, cfg=cfg, generator=gen, cohort=self._cohorts,
-                                              report=min(job.max_new_tokens, cfg.gen_length),
-                                              gen=[self.bundle.mask_token_id] * cfg.gen_length)
-        return []
+
+        def row(job, slot, generator):
+            cfg = cfgs[id(job)]
+            return DiffusionRow(job=job, slot=slot, cfg=cfg, generator=generator, cohort=self._cohorts,
+                                report=min(job.max_new_tokens, cfg.gen_length),
+                                gen=[self.bundle.mask_token_id] * cfg.gen_length)
+
+        return self._place(requests, row)
 
     # -- stepping -----------------------------------------------------------------------------------
 
@@ -252,27 +239,16 @@ class Diffusion(CanvasRows):
             self._finish(finished)
         return finished
 
-    def _finish(self, rows: list[DiffusionRow]) -> None:
-        """Set the rows' outputs as decode reports them (cut at the reported length and the first
-        stop id, from the ids the step read) and free their slots."""
-        for row in rows:
-            finish(row, row.gen[: row.report], self.stop, self.bundle.mask_token_id)
-            row.extra = {"policy": row.cfg.policy.name, "cache": row.cfg.cache, "steps": row.nfe,
-                         "commits": list(row.commits), "n_committed": row.extra["n_committed"]}
-            self._leave(row)
+    def _row_extra(self, row: DiffusionRow) -> dict:
+        return {"policy": row.cfg.policy.name, "cache": row.cfg.cache, "steps": row.nfe, "commits": list(row.commits),
+                "n_committed": row.extra["n_committed"]}
 
     def stats_extra(self, rows: list[DiffusionRow]) -> dict:
-        """decode's ``stats.extra`` for finished rows in request order."""
+        """decode's ``stats.extra`` for finished rows in request order (:meth:`CanvasBatch._extra`)."""
         cfg = self.cfg
-        extra = {"policy": cfg.policy.name, "cache": cfg.cache, "gen_length": cfg.gen_length,
-                 "block_size": cfg.block_size, "sampler": cfg.sampler, "confidence": cfg.confidence or "untempered",
-                 "accepts": dict(sorted(Counter(c for row in rows for c in row.commits).items())),
-                 "n_committed": [row.extra["n_committed"] for row in rows],
-                 "row_extra": [{k: row.extra[k] for k in ("policy", "cache", "steps", "commits")} for row in rows],
-                 "compiled": bool(self.compile)}
-        if self.canvas.static_capacity is not None:
-            extra["static_cache"] = self.canvas.static_capacity
-        return extra
+        return self._extra(rows, {"policy": cfg.policy.name, "cache": cfg.cache, "gen_length": cfg.gen_length,
+                                  "block_size": cfg.block_size, "sampler": cfg.sampler,
+                                  "confidence": cfg.confidence or "untempered"}, ("policy", "cache", "steps", "commits"))
 
 
 def batch(bundle, cfg: DiffusionOptions, *, capacity: int = 64, prompts=None, max_new_tokens=None, compile=False,

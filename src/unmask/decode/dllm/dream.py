@@ -23,15 +23,15 @@ fewer forwards). ``steps`` defaults to the canvas length L (Dream's generation_c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from unmask.decode.dllm.canvas import check_canvas, finish
+from unmask.decode.dllm.canvas import CanvasRow, check_canvas, finish
 from unmask.decode.dllm.cache import SlotCanvas, canvas_call
 from unmask.decode.engine.host import HostRead
-from unmask.decode.engine.running import Row, SlotRows, Slots
+from unmask.decode.engine.running import SlotRows, Slots
 from unmask.errors import UnmaskError, is_int, is_number
 from unmask.models.adapters import realign
 from unmask.sampling import Sampling
@@ -165,19 +165,14 @@ class DreamConfig:
 
 
 @dataclass(eq=False)
-class DreamRow(Row):
+class DreamRow(CanvasRow):
     """A running row of Dream's schedule: ``L`` (its canvas of masks), ``steps`` (its schedule's
-    length), ``i`` (steps run), ``report`` (tokens reported), ``generator``, ``commits`` per step,
-    ``factors`` (:func:`schedule`), ``gen`` (its generated ids as the last step read them)."""
+    length), ``i`` (steps run), ``factors`` (:func:`schedule`)."""
 
     L: int = 0
     steps: int = 0
     i: int = 0
-    report: int = 0
-    generator: object = None
-    commits: list[int] = field(default_factory=list)
     factors: object = None
-    gen: list[int] = field(default_factory=list)
 
 
 class DreamSchedule(SlotRows):

@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unmask.decode.dllm.cache import SlotCanvas, prompt_width
-from unmask.decode.dllm.canvas import check_canvas, early_stop, finish, row_generator
+from unmask.decode.dllm.cache import prompt_width
+from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, check_canvas, early_stop
 from unmask.decode.dllm.early_bird import CANVAS_HINT, EarlyBirdConfig, EarlyBirdOptions, check_max_new_tokens
 from unmask.decode.dllm.eb_select import (PATH_NAMES, commit_confidence, draw_rows, lps_features, pack_rows,
                                           select_block, union_accept)
 from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.registry import Spec
-from unmask.decode.engine.running import CanvasRows, Request, Row, Slots, group_by
+from unmask.decode.engine.running import Request, group_by
 from unmask.decode.engine.stats import check_nfe
 from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
@@ -64,24 +64,20 @@ def _eval(*nets):
 
 
 @dataclass(eq=False)
-class EarlyBirdRow(Row):
+class EarlyBirdRow(CanvasRow):
     """A running row plus its router state: ``has_block`` (an active block with masks), ``window``
     [lo, hi) (generated positions its next forward scores), ``blocks`` (selections), ``sizes`` /
-    ``paths`` (of its selections), ``lps_only``, ``commits`` per forward, ``generator``; ``gen``: its
-    generated ids as the last step's read left them (finishing reads nothing more)."""
+    ``paths`` (of its selections) and ``lps_only``."""
 
-    generator: object = None
     has_block: bool = False
     window: tuple[int, int] = (0, 0)
     blocks: int = 0
     sizes: int = 0
     paths: list[str] = field(default_factory=list)
     lps_only: int = 0
-    commits: list[int] = field(default_factory=list)
-    gen: list[int] = field(default_factory=list)
 
 
-class EarlyBird(CanvasRows):
+class EarlyBird(CanvasBatch):
     """EB-Decode as a running batch (``decode/engine/running.py``'s contract).
 
     cfg: :meth:`EarlyBirdOptions.resolve`'s (routers included; each step runs them in eval mode).
@@ -98,50 +94,34 @@ class EarlyBird(CanvasRows):
 
     def __init__(self, bundle, cfg: EarlyBirdConfig, *, static=False, compile=False, capacity=8, on_step=None,
                  on_token=None, stop_token_ids=None, width=0, lockstep=False, on_forward=None):
-        self.bundle, self.cfg, self.lbs, self.lps = bundle, cfg, cfg.lbs, cfg.lps
-        self.static, self.compile = static or compile, compile
-        self.on_step, self.on_forward, self.lockstep = on_step, on_forward, lockstep
-        self.slots = Slots(capacity)
-        self.canvas = SlotCanvas(bundle, cfg.cache, capacity, max(width, cfg.gen_length + 1), None, static=static,
-                                 compile=compile)
-        dev, L = bundle.device, cfg.gen_length
-        self.stop = StopRule.of(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids)
-        self.stop_ids = sorted(self.stop.ids)
-        self.stops = torch.tensor(self.stop_ids or [-1], device=dev)
-        self.suppress = list(bundle.suppress_ids)
+        super().__init__(bundle, cfg, block=None, width=max(width, cfg.gen_length + 1), capacity=capacity,
+                         static=static, compile=compile, on_step=on_step, on_forward=on_forward, lockstep=lockstep,
+                         stop_token_ids=stop_token_ids)
+        self.lbs, self.lps, self.stop_ids = cfg.lbs, cfg.lps, sorted(self.stop.ids)
         self.embed = bundle.model.get_input_embeddings()
         self.threshold = Threshold(cfg.tau)
         self.draw = "gumbel" if cfg.sampler == "llada" else "categorical"
-        self.block = torch.zeros(capacity, L, dtype=torch.bool, device=dev)  # (C, L) active block, as selected
-        self.done = torch.zeros(capacity, dtype=torch.bool, device=dev)  # (C,) a stop seen
-        self.running: dict[int, EarlyBirdRow] = {}
-        self.forwards = self.refreshes = 0
+        self.block = torch.zeros(capacity, cfg.gen_length, dtype=torch.bool, device=bundle.device)  # (C, L) as selected
+        self.refreshes = 0
         self.seconds = Counter()  # lbs, lps, forward, step
 
-    @property
-    def confidence(self) -> str | None:
-        return self.cfg.confidence
-
     # -- joining and leaving ------------------------------------------------------------------------
-
-    def _check(self, job) -> None:
-        check_max_new_tokens(job.max_new_tokens, self.cfg.gen_length)
-        check_canvas(self.bundle, len(job.prompt_ids), self.cfg.gen_length, CANVAS_HINT)
 
     @torch.inference_mode()
     def join(self, requests: list[Request]) -> list[EarlyBirdRow]:
         """Place each request's canvas with no active block (no forward; every request is validated
         first, so a bad one adds none). Returns []."""
+        L = self.cfg.gen_length
         for job in requests:
-            self._check(job)
-        if len(requests) > self.slots.free:
-            self.slots.take(len(requests))  # raises the one-line "running batch full"
-        for job, slot in zip(requests, self.slots.take(len(requests))):
-            self.canvas.place(slot, list(job.prompt_ids), self.cfg.gen_length, self.bundle.mask_token_id)
-            self.block[slot], self.done[slot] = False, False
-            self.running[slot] = EarlyBirdRow(job=job, slot=slot, generator=row_generator(job, self.bundle.device),
-                                              gen=[self.bundle.mask_token_id] * self.cfg.gen_length)
-        return []
+            check_max_new_tokens(job.max_new_tokens, L)
+            check_canvas(self.bundle, len(job.prompt_ids), L, CANVAS_HINT)
+
+        def row(job, slot, generator):
+            self.block[slot] = False  # (L,) no active block yet
+            return EarlyBirdRow(job=job, slot=slot, generator=generator, report=job.max_new_tokens,
+                                gen=[self.bundle.mask_token_id] * L)
+
+        return self._place(requests, row)
 
     # -- stepping -----------------------------------------------------------------------------------
 
@@ -339,39 +319,27 @@ class EarlyBird(CanvasRows):
             self._finish(finished)
         return finished
 
-    def _finish(self, rows: list[EarlyBirdRow]) -> None:
-        """Set the rows' outputs as decode reports them (from the ids the step read) and free their slots."""
-        for row in rows:
-            finish(row, row.gen[: row.job.max_new_tokens], self.stop, self.bundle.mask_token_id)
-            row.extra = {"decoder": "early-bird", "lps": self.lps is not None, "cache": self.cfg.cache,
-                         "steps": row.nfe, "blocks": row.blocks, "commits": list(row.commits),
-                         "n_committed": row.extra["n_committed"]}
-            self._leave(row)
+    def _row_extra(self, row: EarlyBirdRow) -> dict:
+        return {"decoder": "early-bird", "lps": self.lps is not None, "cache": self.cfg.cache, "steps": row.nfe,
+                "blocks": row.blocks, "commits": list(row.commits), "n_committed": row.extra["n_committed"]}
 
     def stats_extra(self, rows: list[EarlyBirdRow]) -> dict:
-        """decode's ``stats.extra`` for finished rows in request order."""
+        """decode's ``stats.extra`` for finished rows in request order (:meth:`CanvasBatch._extra`)."""
         cfg, t = self.cfg, self.seconds
         blocks = sum(row.blocks for row in rows)
         router = t["lbs"] + t["lps"]
         extra = {"lps": self.lps is not None, "cache": cfg.cache, "gen_length": cfg.gen_length,
                  "block_size": cfg.block_size, "tau": cfg.tau, "tau_psi": cfg.tau_psi, "l_min": cfg.l_min,
                  "g_max": cfg.g_max, "gap_metric": cfg.gap_metric, "pos_mode": cfg.pos_mode, "sampler": cfg.sampler,
-                 "confidence": cfg.confidence or "untempered",
-                 "accepts": dict(sorted(Counter(k for row in rows for k in row.commits).items())),
-                 "n_committed": [row.extra["n_committed"] for row in rows], "blocks": blocks,
+                 "confidence": cfg.confidence or "untempered", "blocks": blocks,
                  "mean_block": sum(row.sizes for row in rows) / max(1, blocks),
                  "paths": dict(Counter(p for row in rows for p in row.paths)),
                  "lps_only": sum(row.lps_only for row in rows), "refreshes": self.refreshes,
                  "lbs_seconds": t["lbs"], "lps_seconds": t["lps"], "router_seconds": router,
                  "forward_seconds": t["forward"], "step_seconds": t["step"],
                  "router_share": router / t["step"] if t["step"] > 0 else 0.0,
-                 "router_vs_forward": router / t["forward"] if t["forward"] > 0 else 0.0,
-                 "row_extra": [{k: row.extra[k] for k in ("decoder", "lps", "cache", "steps", "blocks", "commits")}
-                               for row in rows],
-                 "compiled": bool(self.compile)}
-        if self.canvas.static_capacity is not None:
-            extra["static_cache"] = self.canvas.static_capacity
-        return extra
+                 "router_vs_forward": router / t["forward"] if t["forward"] > 0 else 0.0}
+        return self._extra(rows, extra, ("decoder", "lps", "cache", "steps", "blocks", "commits"))
 
 
 def batch(bundle, cfg: EarlyBirdOptions, *, capacity: int = 64, prompts=None, max_new_tokens=None, compile=False,
