@@ -170,5 +170,5 @@ class CanvasBatch(CanvasRows):
         return extra
 
 
-__all__ = ["CanvasBatch", "CanvasRow", "check_canvas", "check_mask_token", "drain_prompts", "early_stop", "early_stop_in", "event_hook", "finish",
-           "row_generator", "serving_options", "until_stop"]
+__all__ = ["CanvasBatch", "CanvasRow", "check_canvas", "check_mask_token", "drain_prompts", "early_stop", "early_stop_in",
+           "event_hook", "finish", "row_generator", "serving_options", "until_stop"]

@@ -24,14 +24,14 @@ fewer forwards). ``steps`` defaults to the canvas length L (Dream's generation_c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-from unmask.decode.dllm.canvas import CanvasRow, check_canvas, finish
-from unmask.decode.dllm.cache import SlotCanvas, canvas_call
+from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, check_canvas
+from unmask.decode.dllm.cache import canvas_call
 from unmask.decode.engine.host import HostRead
-from unmask.decode.engine.running import SlotRows, Slots
 from unmask.errors import UnmaskError, is_int, is_number
 from unmask.models.adapters import realign
 from unmask.sampling import Sampling
@@ -144,6 +144,8 @@ class DreamConfig:
     alg: str = DEFAULT_ALG
     alg_temp: float | None = None
     eps: float = DEFAULT_EPS
+    cache: ClassVar[str] = "none"  # one forward over the whole canvas per step
+    confidence: ClassVar[None] = None
 
     def __post_init__(self):
         validate(self.steps, self.alg, self.alg_temp, self.eps, 1)
@@ -175,7 +177,7 @@ class DreamRow(CanvasRow):
     factors: object = None
 
 
-class DreamSchedule(SlotRows):
+class DreamSchedule(CanvasBatch):
     """Dream's schedule as a running batch (``decode/engine/running.py``'s contract; DESIGN.md "One engine").
 
     Every row runs its own schedule ``t_i = linspace(1, eps, steps + 1)`` over its own canvas
@@ -185,41 +187,36 @@ class DreamSchedule(SlotRows):
     alone whenever it joined. ``lockstep`` (decode) numbers step events by the batch forward and
     the request id, else by the row's own forward (row 0). The per-row commit
     (:func:`commit_row`, Dream's own index arithmetic) reads nothing: a row's mask count and
-    schedule are host values, and one read per step returns every row's commits and ids (with
-``on_step``, its step events' commits and candidates too). Raises
-    UnmaskError for bad options; ``join`` for a request that does not fit.
+        schedule are host values, and one read per step returns every row's commits and ids (with
+    ``on_step``, its step events' commits and candidates too). ``join`` raises UnmaskError for a
+    request that does not fit.
     """
 
     def __init__(self, bundle, cfg: DreamConfig, *, capacity=8, on_step=None, on_token=None, stop_token_ids=None,
                  width=0, lockstep=False, on_forward=None):
-        self.cfg, self.bundle, self.on_step, self.on_forward, self.lockstep = cfg, bundle, on_step, on_forward, lockstep
-        self.stop_ids = tuple(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids)
-        self.slots = Slots(capacity)
-        self.canvas = SlotCanvas(bundle, "none", capacity, max(width, 1), 1)
-        self.running: dict[int, DreamRow] = {}
-        self.forwards = 0
+        super().__init__(bundle, cfg, block=1, width=max(width, 1), capacity=capacity, static=False, compile=False,
+                         on_step=on_step, on_forward=on_forward, lockstep=lockstep, stop_token_ids=stop_token_ids)
 
     @torch.inference_mode()
     def join(self, requests) -> list[DreamRow]:
         """Place each request's canvas (no forward; every request is validated first). Returns []."""
-        plans = []
+        plans = {}
         for job in requests:
-            L, steps = self.cfg.plan(self.bundle, len(job.prompt_ids), job.max_new_tokens)
+            plans[id(job)] = self.cfg.plan(self.bundle, len(job.prompt_ids), job.max_new_tokens)  # (L, steps)
             if job.stop:
                 raise UnmaskError("stop strings do not apply to --schedule dream (Dream's own loop ends on masks "
                                   "and steps only); drop them")
-            plans.append((job, L, steps))
-        if len(requests) > self.slots.free:
-            self.slots.take(len(requests))  # raises the one-line "running batch full"
-        for (job, L, steps), slot in zip(plans, self.slots.take(len(requests))):
-            self.canvas.place(slot, list(job.prompt_ids), L, self.bundle.mask_token_id)
+
+        def row(job, slot, _):
             # decode's rows each draw from Dream's one seeded stream, as its published loop; a server row
             # from its request's generator
+            L, steps = plans[id(job)]
             gen = None if self.lockstep else getattr(job, "generator", None)
-            self.running[slot] = DreamRow(job=job, slot=slot, L=L, steps=steps, report=min(job.max_new_tokens, L),
-                                          generator=gen or job.sampling.generator(self.bundle.device),
-                                          factors=schedule(steps, self.cfg.eps), gen=[self.bundle.mask_token_id] * L)
-        return []
+            return DreamRow(job=job, slot=slot, L=L, steps=steps, report=min(job.max_new_tokens, L),
+                            generator=gen or job.sampling.generator(self.bundle.device),
+                            factors=schedule(steps, self.cfg.eps), gen=[self.bundle.mask_token_id] * L)
+
+        return self._place(requests, row)
 
     @torch.inference_mode()
     def step(self) -> list[DreamRow]:
@@ -272,11 +269,11 @@ class DreamSchedule(SlotRows):
             self.on_forward({"nfe": self.forwards, "step": rows[0].i - 1, "canvas": c.ids[:n].clone(),
                              "logits": logits, "masked": masked_all})
         self.forwards += 1
-        for row in finished:
-            finish(row, row.gen[: row.report], self.stop_ids, mask_id)
-            row.extra = {"schedule": "dream", "alg": self.cfg.alg, "commits": list(row.commits)}
-            self._leave(row)
+        self._finish(finished)
         return finished
+
+    def _row_extra(self, row: DreamRow) -> dict:
+        return {"schedule": "dream", "alg": self.cfg.alg, "commits": list(row.commits)}
 
     def stats_extra(self, rows: list[DreamRow]) -> dict:
         """decode's ``stats.extra`` for finished rows in request order."""

@@ -224,7 +224,8 @@ class EarlyBirdOptions(CanvasKnobs):
         given = {k: getattr(self, k) for k in defaults if getattr(self, k) is not None}
         pos_mode = self.pos_mode if self.pos_mode is not None else lps.config.pos_mode if lps is not None else "literal"
         return EarlyBirdConfig(
-            gen_length=L, **{**defaults, **given}, tau_psi=tau_psi, cache="none" if self.cache is None else str(self.cache),
+            gen_length=L, **{**defaults, **given}, tau_psi=tau_psi,
+            cache="none" if self.cache is None else str(self.cache),
             gap_metric="absolute" if self.gap_metric is None else self.gap_metric, pos_mode=pos_mode,
             eos_early_stop=bool(self.eos_early_stop), confidence=self.confidence, lbs=lbs, lps=lps,
             sampler=default_sampler(bundle) if self.sampler is None else self.sampler)
