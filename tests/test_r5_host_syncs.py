@@ -115,7 +115,7 @@ def test_a_diffusion_step_reads_the_host_once(dlm, monkeypatch, sampling, cache,
     from unmask.decode.dllm.diffusion import DiffusionOptions
     from unmask.decode.dllm.diffusion_batch import Diffusion
 
-    n = rows_for(hook, 3)
+    n = 8  # quiet and with on_step (the server's case): batch 8
     cfg = DiffusionOptions(block_size=8, cache=cache, sampler="llada", **options).resolve(dlm, 24)
     dec = Diffusion(dlm, cfg, capacity=n, width=64, lockstep=lockstep, stop_token_ids=(2,), on_step=hook)
     ps = texts(dlm, n)
@@ -132,7 +132,7 @@ def test_a_diffusion_step_reads_the_host_once(dlm, monkeypatch, sampling, cache,
 def test_a_dream_step_reads_the_host_once(dlm, monkeypatch, sampling, options, hook):
     from unmask.decode.dllm.dream import DreamConfig, DreamSchedule
 
-    n = rows_for(hook, 3)
+    n = 8  # quiet and with on_step (the server's case): batch 8
     dec = DreamSchedule(dlm, DreamConfig.of(**options), capacity=n, stop_token_ids=(2,), on_step=hook)
     ps = texts(dlm, n)
     first = requests_for(ps[:2], max_new_tokens=10, sampling=sampling)
@@ -158,7 +158,7 @@ def test_an_early_bird_step_reads_the_host_once(dlm, monkeypatch, sampling, cach
 
     # a low τ_ψ and τ so that LPS decides for some rows (open rows run the router)
     cfg = EarlyBirdOptions(cache=cache, lps=lps, **(dict(tau_psi=0.3, tau=0.95) if lps else {})).resolve(dlm)
-    n = rows_for(hook, 3)
+    n = 8  # quiet and with on_step (the server's case): batch 8
     dec = EarlyBird(dlm, cfg, capacity=n, width=300, lockstep=lockstep, stop_token_ids=(2,),
                     on_step=hook)
     ps = texts(dlm, n)
