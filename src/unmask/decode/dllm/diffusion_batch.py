@@ -256,17 +256,29 @@ def batch(bundle, cfg: DiffusionOptions, *, capacity: int = 64, prompts=None, ma
     """The running batch of ``cfg`` (:attr:`Spec.batch`): Dream's schedule
     (:class:`~unmask.decode.dllm.dream.DreamSchedule`) when ``cfg`` asks for it, else :class:`Diffusion`.
 
-    ``prompts`` given (``decode()``): one batch for them in lockstep, every row with the config of
-    ``max_new_tokens``, canvases as wide as the longest prompt (on the fast path rounded up,
-    :func:`~unmask.decode.dllm.cache.prompt_width`). None (the server): rows join and leave at
-    any step, each with its own gen length; ``compile`` (``serve --compile``) runs the dual cache's
-    window steps on a static cache of the context window, compiled (a new shape eagerly until the
-    idle server compiles it; refreshes eagerly, :meth:`SlotCanvas._split`); the prefix cache (its
-    window shrinks block by block: many shapes), no cache and Dream's schedule stay eager: compiled,
-    they measured slower under load (benchmarks/results/). Raises UnmaskError for a model without a
-    mask token, bad options, ``compile`` / ``static`` with Dream's schedule or on a remote-code
-    model, ``reference_steps`` or a remote-code model other than Dream's (no positions per row) in
-    a server's batch, or a prompt whose canvas does not fit."""
+    ``prompts`` given (``decode()``): one batch for them, every row with the config of
+    ``max_new_tokens`` (gen_length defaults to it rounded up to the block size; the tokens are cut
+    to it and decoding ends after the block holding the last reported position), blocks advancing
+    in lockstep, canvases as wide as the longest prompt (on the fast path rounded up,
+    :func:`~unmask.decode.dllm.cache.prompt_width`). A row stops after the block in which it
+    committed a stop id, reporting the tokens before it (§9); with ``eos_early_stop`` as soon as
+    every position before its first stop id is committed (the rest filled with it, counted in
+    ``n_committed``); stop strings end a row after its block. NFE counts forwards (block-start
+    refreshes included, §10), per row those in which it had masks; LLaDA's zero-quota steps are
+    skipped unless ``reference_steps``. ``stats_extra``: policy, cache, gen_length, block_size,
+    sampler, confidence, ``accepts``, ``n_committed``, ``row_extra`` {policy, cache, steps,
+    commits}, ``compiled``, ``static_cache``. ``static`` / ``compile``: the preallocated cache,
+    eagerly / compiled (same tokens and NFE up to float rounding).
+
+    None (the server): rows join and leave at any step, each with its own gen length; ``compile``
+    (``serve --compile``) runs the dual cache's window steps on a static cache of the context
+    window, compiled (a new shape eagerly until the idle server compiles it; refreshes eagerly,
+    :meth:`SlotCanvas._split`); the prefix cache (its window shrinks block by block: many shapes),
+    no cache and Dream's schedule stay eager: compiled, they measured slower under load
+    (benchmarks/results/). Raises UnmaskError for a model without a mask token, bad options,
+    ``compile`` / ``static`` with Dream's schedule or on a remote-code model, ``reference_steps``
+    or a remote-code model other than Dream's (no positions per row) in a server's batch, or a
+    prompt whose canvas does not fit."""
     check_mask_token(bundle, "diffusion")
     if not isinstance(cfg.reference_steps, bool):
         raise UnmaskError(f"reference_steps must be true or false (got {cfg.reference_steps!r}); pass --reference-nfe "

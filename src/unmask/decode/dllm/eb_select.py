@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unmask.policies import commit
-from unmask.routers.lps import FEATURE_NAMES, POS_MODES
+from unmask.routers.lps import POS_MODES
 from unmask.sampling import Sampling
 
 GAP_METRICS = ("absolute", "masked_rank")
