@@ -24,7 +24,7 @@ from unmask.decode.dllm.diffusion import CANVAS_HINT, DEFAULT_BLOCK_SIZE, Diffus
 from unmask.decode.dllm.dream import DreamSchedule
 from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.registry import Spec
-from unmask.decode.engine.running import Request
+from unmask.decode.engine.running import Request, group_by
 from unmask.decode.engine.stats import check_nfe
 from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
@@ -197,10 +197,7 @@ class Diffusion(CanvasBatch):
     def _commit(self, rows, logits, masked, quota, draws):
         """:func:`unmask.policies.commit` per group of rows sharing a sampling setting, each sampled row
         with its generator; ``draws``: the row indices with masks (the only ones that draw)."""
-        groups: dict = {}
-        for r, row in enumerate(rows):
-            if row is not None:
-                groups.setdefault(row.job.sampling, []).append(r)
+        groups = group_by(((r, row) for r, row in enumerate(rows) if row is not None), lambda row: row.job.sampling)
         if len(groups) == 1:  # the whole batch at once: free slots have no masks, so they commit nothing
             groups = {next(iter(groups)): list(range(len(rows)))}
         kw = dict(confidence=self.cfg.commit_confidence, validate=False,
