@@ -163,7 +163,9 @@ def block_start_profile(bundle, prompts: list[str], batch_size: int, tau: float 
     and how often that first guess equals the token the vanilla decode finally commits there,
     overall and among the guesses at or above τ (calibration of the threshold commits)."""
     from unmask.api import encode_prompts
-    from unmask.decode.dllm.diffusion import decode
+    from unmask.decode import DECODERS
+
+    decode = DECODERS["diffusion"].decode
 
     conf, guess, finals = [], [], []
     for s in range(0, len(prompts), batch_size):

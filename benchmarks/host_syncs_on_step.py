@@ -19,14 +19,14 @@ import torch
 
 import unmask
 from unmask.decode import DECODERS
-from unmask.decode.dllm.diffusion_batch import Diffusion
 from unmask.decode.engine.running import requests_for
 from unmask.sampling import Sampling
 
 PROMPTS = ["Once upon a time", "Tom", "Lily wanted to play with her big red ball", "The dog", "One day, a little",
            "Sam and Mia", "There was a bird", "The sun was"]
 CASES = {
-    "diffusion": ("stories260K-dlm", lambda b, h: Diffusion.serving(b, {"block_size": 8}, on_step=h, capacity=8)),
+    "diffusion": ("stories260K-dlm", lambda b, h: DECODERS["diffusion"].batch(b, DECODERS["diffusion"].config(block_size=8), capacity=8,
+                                                                             on_step=h)),
     "block": ("stories260K-bd", lambda b, h: DECODERS["block"].batch(b, DECODERS["block"].config(), capacity=8,
                                                                      on_step=h)),
     "multiblock": ("stories260K-mbd", lambda b, h: DECODERS["multiblock"].batch(b, DECODERS["multiblock"].config(),

@@ -261,18 +261,17 @@ def _every(fn, k: int):
 
 def _check(bundle, out, args) -> dict:
     """Three story openings through the published routers: TPF of LBS+LPS, LBS only and threshold."""
-    from unmask.decode.dllm import diffusion
-    from unmask.decode.dllm import early_bird
+    from unmask.decode import DECODERS
     from unmask.eval.story_openings import STORY_OPENINGS
 
     prompts = [bundle.encode(p) for p in STORY_OPENINGS[100:103]]
     res = {}
-    runs = {"lbs+lps": lambda: early_bird.decode(bundle, prompts, max_new_tokens=args.gen_length, routers=out,
+    runs = {"lbs+lps": lambda: DECODERS["early-bird"].decode(bundle, prompts, max_new_tokens=args.gen_length, routers=out,
                                                  stop_token_ids=bundle.stop_token_ids),
-            "lbs": lambda: early_bird.decode(bundle, prompts, max_new_tokens=args.gen_length, routers=out, lps=False,
+            "lbs": lambda: DECODERS["early-bird"].decode(bundle, prompts, max_new_tokens=args.gen_length, routers=out, lps=False,
                                              stop_token_ids=bundle.stop_token_ids, block_size=args.block_size,
                                              tau=args.tau, l_min=args.l_min, g_max=args.g_max),
-            "threshold": lambda: diffusion.decode(bundle, prompts, max_new_tokens=args.gen_length,
+            "threshold": lambda: DECODERS["diffusion"].decode(bundle, prompts, max_new_tokens=args.gen_length,
                                                   gen_length=args.gen_length, block_size=args.block_size,
                                                   policy="threshold", tau=args.tau,
                                                   stop_token_ids=bundle.stop_token_ids)}

@@ -1,6 +1,6 @@
 """The diffusion decoder's running batch (:class:`~unmask.decode.dllm.diffusion_batch.Diffusion`, the
 server's, issues 16 and 25): whenever a row joins and whatever runs beside it, its tokens, NFE,
-row_extra and step events equal ``diffusion.decode`` on its prompt alone (STYLE.md 14)."""
+row_extra and step events equal ``DECODERS["diffusion"].decode`` on its prompt alone (STYLE.md 14)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from batch_helpers import GREEDY, check_canvas_rows, single_decode
 from test_diffusion_decode import dllm
 
 import unmask
-from unmask.decode.dllm import diffusion
+from unmask.decode import DECODERS
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.decode.dllm.diffusion_batch import Diffusion
+from unmask.decode.dllm.diffusion_batch import SPEC
 from unmask.decode.engine.running import Request
 
 _ids = itertools.count()
@@ -31,12 +31,17 @@ def stories_dlm():
     return unmask.load("stories260K-dlm")
 
 
+def serving(bundle, options, **kw):
+    """The server's running batch of these options (the registry's factory with no prompts)."""
+    return SPEC.batch(bundle, SPEC.config.of(options), **kw)
+
+
 class Run:
     """A batch plus what it reported: finished rows and each job's step events."""
 
     def __init__(self, bundle, options, **kw):
         self.events: dict[int, list[dict]] = {}
-        self.batch = Diffusion.serving(bundle, options, on_step=self._on_step, **kw)
+        self.batch = serving(bundle, options, on_step=self._on_step, **kw)
         self.done = []
         self.mixed = False  # whether some forward held rows at different blocks
         self.mixed_refresh = False  # whether some forward refreshed one row's cache and stepped another's window
@@ -76,13 +81,13 @@ class Run:
 
 
 def single(bundle, j, options, stop_token_ids=None):
-    """diffusion.decode on the job's prompt alone: (output, step events)."""
+    """DECODERS["diffusion"].decode on the job's prompt alone: (output, step events)."""
     stops = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
-    return single_decode(diffusion.decode, bundle, j, options, stops)
+    return single_decode(DECODERS["diffusion"].decode, bundle, j, options, stops)
 
 
 def check(run: Run, bundle, jobs, options, stop_token_ids=None):
-    check_canvas_rows(run, bundle, jobs, options, diffusion.decode, stop_token_ids)
+    check_canvas_rows(run, bundle, jobs, options, DECODERS["diffusion"].decode, stop_token_ids)
 
 
 PROMPTS = [[1, 403, 407, 261, 378], [1, 60, 70], [1, 300, 310, 320, 330, 340, 350, 360], [1, 90]]
@@ -210,25 +215,25 @@ def test_emptied_batch_frees_its_slots(stories_dlm):
 
 
 def test_refused_options(stories_dlm):
-    for options, word in (({"cache": "bogus"}, "unknown cache"), ({"schedule": "dream"}, "schedule"),
+    for options, word in (({"cache": "bogus"}, "unknown cache"), ({"schedule": "bogus"}, "unknown schedule"),
                           ({"compile": True}, "compile"), ({"policy": "nope"}, "nope"),
                           ({"block_size": 8, "gen_length": 12}, "block size")):
         with pytest.raises(UnmaskError, match=word) as e:
-            Diffusion.serving(stories_dlm, options)
+            serving(stories_dlm, options)
         assert "\n" not in str(e.value)
-    batch = Diffusion.serving(stories_dlm, {"policy": "top-k", "steps": 4, "block_size": 4})
+    batch = serving(stories_dlm, {"policy": "top-k", "steps": 4, "block_size": 4})
     with pytest.raises(UnmaskError, match="multiple"):  # 12 tokens = 3 blocks; 4 steps do not divide
         batch.join([job(PROMPTS[0], 8), job(PROMPTS[1], 12)])
     assert len(batch) == 0  # a bad job adds none
     with pytest.raises(UnmaskError, match="at least one token"):
         batch.join([job([], 4)])
     with pytest.raises(UnmaskError, match="exceeds gen length"):
-        Diffusion.serving(stories_dlm, {"gen_length": 8, "block_size": 4}).join([job(PROMPTS[0], 9)])
+        serving(stories_dlm, {"gen_length": 8, "block_size": 4}).join([job(PROMPTS[0], 9)])
 
 
 def test_row_positions_ignore_padding(stories_dlm):
     """Canvases are right-aligned; positions count each row's real tokens from 0."""
-    batch = Diffusion.serving(stories_dlm, {"block_size": 4})
+    batch = serving(stories_dlm, {"block_size": 4})
     batch.join([job(PROMPTS[1], 4), job(PROMPTS[2], 8)])
     T = batch.canvas.width
     assert T == len(PROMPTS[2]) + 8
@@ -236,3 +241,44 @@ def test_row_positions_ignore_padding(stories_dlm):
     assert batch.canvas.valid[0].tolist() == [False] * (T - n) + [True] * n
     assert batch.canvas.pos[0, T - n:].tolist() == list(range(n))
     assert torch.equal(batch.canvas.pos[1], torch.arange(T))
+
+
+def test_a_batch_built_from_unpinned_options_takes_its_first_requests_block(stories_dlm):
+    """The server may build a batch from a request's own options, not the key's (block size pinned):
+    without --block-size a short request decodes with a shorter block (8 for 8 tokens), and the
+    batch takes it from its first request instead of refusing it; rows equal decode alone."""
+    from unmask.decode.dllm.diffusion import DiffusionOptions
+
+    jobs = [job(PROMPTS[0], 8), job(PROMPTS[1], 8)]
+    keys = {DiffusionOptions().batch_key(stories_dlm, j.max_new_tokens) for j in jobs}
+    assert keys == {("diffusion", DiffusionOptions(block_size=8))}  # one batch, its block in the key
+    run = Run(stories_dlm, {})
+    run.join(jobs[:1])
+    run.step(1)
+    run.join(jobs[1:])
+    run.drain()
+    assert run.batch.cfg.block_size == 8
+    check(run, stories_dlm, jobs, {})
+    with pytest.raises(UnmaskError, match="block size 16, the running batch with 4"):  # one block per batch
+        run.batch.join([job(PROMPTS[0], 4), job(PROMPTS[2], 16)])  # an emptied one takes its next first request's
+
+
+def test_batch_keys_are_the_servers_running_kinds(stories_dlm):
+    """Config.batch_key of diffusion and early-bird: Dream's schedule its own batch, the block size a
+    request decodes with part of the key, None (per call) for what a running batch cannot take or
+    a model whose rows cannot share one."""
+    from types import SimpleNamespace
+
+    from unmask.decode.dllm.diffusion import DiffusionOptions as O
+    from unmask.decode.dllm.early_bird import EarlyBirdOptions
+
+    b = stories_dlm
+    assert O(schedule="dream", steps=4).batch_key(b, 8) == ("dream", O(schedule="dream", steps=4))
+    assert O(block_size=4, tau=0.5).batch_key(b, 8) == ("diffusion", O(block_size=4, tau=0.5))
+    assert O().batch_key(b, 40) == ("diffusion", O(block_size=32)) != O().batch_key(b, 8)
+    for bad in (O(schedule="dream", cache="prefix"), O(alg="entropy"), O(reference_steps=True), O(policy="nope"),
+                O(block_size=8, gen_length=12)):
+        assert bad.batch_key(b, 8) is None  # decode reports it (or runs it) per call
+    assert EarlyBirdOptions(lps=False).batch_key(b, 8) == ("early-bird", EarlyBirdOptions(lps=False))
+    causal = SimpleNamespace(kind="causal", mask_token_id=None, model=None, meta={})
+    assert O().batch_key(causal, 8) is None and EarlyBirdOptions().batch_key(causal, 8) is None

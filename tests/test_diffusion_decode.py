@@ -12,7 +12,7 @@ from conftest import tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
 from unmask.compat import forward, new_cache
-from unmask.decode import get_decoder
+from unmask.decode import DECODERS, get_decoder
 from unmask.decode.dllm import diffusion
 from unmask.decode.dllm.canvas import early_stop
 from unmask.decode.dllm.cache import SlotCanvas
@@ -121,7 +121,7 @@ def test_each_policy_commits_what_its_rule_says(name, shift):
     options, rule = POLICY_CASES[name]
     prompt = [1, 5, 9, 3]
     seen = []
-    out = diffusion.decode(bundle, [prompt], max_new_tokens=16, block_size=8, on_forward=seen.append, **options)
+    out = DECODERS["diffusion"].decode(bundle, [prompt], max_new_tokens=16, block_size=8, on_forward=seen.append, **options)
     counts = out.stats.extra["row_extra"][0]["commits"]
     assert len(seen) == out.stats.nfe == len(counts) and sum(counts) == 16
     assert max(counts) > 1, "parameters chosen so the rule commits several tokens in some step"
@@ -146,7 +146,7 @@ def test_forward_is_bidirectional_and_shift_realigns(shift):
     assert (raw[0, 0] - raw2[0, 0]).abs().max() > 1e-3  # position 0 sees the last token: not causal
     # The decoder's block logits at generated position j equal the raw output at P + j - shift.
     seen = []
-    diffusion.decode(bundle, [[1, 5, 9, 3]], max_new_tokens=4, block_size=4, policy="top-k", steps=4,
+    DECODERS["diffusion"].decode(bundle, [[1, 5, 9, 3]], max_new_tokens=4, block_size=4, policy="top-k", steps=4,
                      on_forward=seen.append)
     first = seen[0]
     full = bidirectional_forward(bundle, first["canvas"], position_ids=torch.arange(8)[None],
@@ -162,14 +162,14 @@ def test_llada_quota_schedule():
     assert [q[1] for q in quota] == [2, 2, 1, 1, 1]
     assert [q[2] for q in quota] == [1, 1, 1, 0, 0]  # more steps than masks: zeros at the end
     bundle = dllm()
-    out = diffusion.decode(bundle, [[1, 5, 9]], max_new_tokens=16, block_size=8, steps=6)  # 3 steps per block
+    out = DECODERS["diffusion"].decode(bundle, [[1, 5, 9]], max_new_tokens=16, block_size=8, steps=6)  # 3 steps per block
     assert out.stats.extra["row_extra"][0]["commits"] == [3, 3, 2, 3, 3, 2]
     assert out.stats.nfe == 6 and out.stats.extra["policy"] == "top-k"
 
 
 def test_top_k_with_steps_equal_to_gen_length_commits_one_per_step():
     bundle = dllm()
-    out = diffusion.decode(bundle, [[1, 5, 9], [1, 2]], max_new_tokens=16, block_size=8, policy="top-k", steps=16)
+    out = DECODERS["diffusion"].decode(bundle, [[1, 5, 9], [1, 2]], max_new_tokens=16, block_size=8, policy="top-k", steps=16)
     assert out.stats.nfe == 16 and out.stats.nfe_per_row == [16, 16]
     assert out.stats.extra["accepts"] == {1: 32}
     assert all(r["commits"] == [1] * 16 for r in out.stats.extra["row_extra"])
@@ -181,8 +181,8 @@ def test_cache_refreshed_every_step_equals_no_cache(cache, shift):
     bundle = dllm(shift)
     prompts = [[1, 5, 9, 3], [1, 7]]
     kw = dict(max_new_tokens=24, block_size=8, policy="threshold", tau=0.5)
-    plain = diffusion.decode(bundle, prompts, cache="none", **kw)
-    fresh = diffusion.decode(bundle, prompts, cache=cache, refresh_every=1, **kw)
+    plain = DECODERS["diffusion"].decode(bundle, prompts, cache="none", **kw)
+    fresh = DECODERS["diffusion"].decode(bundle, prompts, cache=cache, refresh_every=1, **kw)
     assert fresh.tokens == plain.tokens and fresh.stats.nfe_per_row == plain.stats.nfe_per_row
     assert fresh.stats.extra["cache"] == cache
 
@@ -197,8 +197,8 @@ def test_caches_are_exact_on_a_one_layer_model(arch, cache, shift):
     prompts = [[1, 5, 9, 3], [1, 7]]
     kw = dict(max_new_tokens=16, block_size=8, policy="top-k", tokens_per_step=2)
     ref, got = [], []
-    plain = diffusion.decode(bundle, prompts, cache="none", on_forward=ref.append, **kw)
-    cached = diffusion.decode(bundle, prompts, cache=cache, on_forward=got.append, **kw)
+    plain = DECODERS["diffusion"].decode(bundle, prompts, cache="none", on_forward=ref.append, **kw)
+    cached = DECODERS["diffusion"].decode(bundle, prompts, cache=cache, on_forward=got.append, **kw)
     assert cached.tokens == plain.tokens
     assert sum(not s["refresh"] for s in got) == 6  # 2 blocks x (4 steps - 1 refresh)
     for a, b in zip(ref, got):
@@ -210,7 +210,7 @@ def test_caches_are_approximate_on_deeper_models():
     kw = dict(max_new_tokens=16, block_size=8, policy="top-k", tokens_per_step=2)
     for cache in ("prefix", "dual"):
         seen = []
-        diffusion.decode(bundle, [[1, 5, 9, 3]], cache=cache, on_forward=seen.append, **kw)
+        DECODERS["diffusion"].decode(bundle, [[1, 5, 9, 3]], cache=cache, on_forward=seen.append, **kw)
         cached_steps = [s for s in seen if not s["refresh"]]
         diffs = [(s["logits"][0, :, :-1] - reference_logits(bundle, s["canvas"], 4, s["start"], 8)[:, :-1]).abs().max()
                  for s in cached_steps]
@@ -248,9 +248,9 @@ def test_batch_equals_single_rows_under_greedy(cache, shift, impl):
     bundle = dllm(shift, impl=impl)
     prompts = [[1, 5, 9, 3, 11, 12], [1, 7], [1, 20, 21, 22]]
     for kw in (dict(policy="threshold", tau=0.5), dict(policy="top-k", steps=8)):
-        batch = diffusion.decode(bundle, prompts, max_new_tokens=16, block_size=8, cache=cache, **kw)
+        batch = DECODERS["diffusion"].decode(bundle, prompts, max_new_tokens=16, block_size=8, cache=cache, **kw)
         for r, p in enumerate(prompts):
-            single = diffusion.decode(bundle, [p], max_new_tokens=16, block_size=8, cache=cache, **kw)
+            single = DECODERS["diffusion"].decode(bundle, [p], max_new_tokens=16, block_size=8, cache=cache, **kw)
             assert batch.tokens[r] == single.tokens[0]
             assert batch.stats.nfe_per_row[r] == single.stats.nfe_per_row[0]
             assert batch.stats.extra["row_extra"][r] == single.stats.extra["row_extra"][0]
@@ -262,25 +262,25 @@ def test_sampled_batch_equals_single_rows(sampler):
     prompts = [[1, 5, 9, 3], [1, 7]]
     sampling = Sampling(temperature=1.0, seed=3)
     kw = dict(max_new_tokens=16, block_size=8, sampling=sampling, sampler=sampler, tau=0.5)
-    batch = diffusion.decode(bundle, prompts, **kw)
-    singles = [diffusion.decode(bundle, [p], **kw).tokens[0] for p in prompts]
+    batch = DECODERS["diffusion"].decode(bundle, prompts, **kw)
+    singles = [DECODERS["diffusion"].decode(bundle, [p], **kw).tokens[0] for p in prompts]
     assert batch.tokens == singles
-    greedy = diffusion.decode(bundle, prompts, max_new_tokens=16, block_size=8, tau=0.5)
+    greedy = DECODERS["diffusion"].decode(bundle, prompts, max_new_tokens=16, block_size=8, tau=0.5)
     assert batch.tokens != greedy.tokens
     assert batch.stats.extra["sampler"] == sampler
 
 
 def test_eos_stops_after_the_block_and_reports_tokens_before_it():
     prompt = [1, 5, 9, 3]
-    free = diffusion.decode(dllm(), [prompt], max_new_tokens=32, block_size=8, tau=0.5)
+    free = DECODERS["diffusion"].decode(dllm(), [prompt], max_new_tokens=32, block_size=8, tau=0.5)
     full = free.tokens[0]
     eos = full[5]  # a token of block 0
     first = full.index(eos)
-    out = diffusion.decode(dllm(stops=(eos,)), [prompt], max_new_tokens=32, block_size=8, tau=0.5,
+    out = DECODERS["diffusion"].decode(dllm(stops=(eos,)), [prompt], max_new_tokens=32, block_size=8, tau=0.5,
                            stop_token_ids=(eos,))
     assert out.tokens[0] == full[:first]
     assert out.stats.nfe < free.stats.nfe and out.stats.extra["n_committed"] == [8]  # only block 0 decoded
-    early = diffusion.decode(dllm(), [prompt], max_new_tokens=32, block_size=8, tau=0.5, stop_token_ids=(eos,),
+    early = DECODERS["diffusion"].decode(dllm(), [prompt], max_new_tokens=32, block_size=8, tau=0.5, stop_token_ids=(eos,),
                              eos_early_stop=True)
     assert early.tokens[0] == full[:first]  # committed tokens never change (§9)
     assert early.stats.nfe <= out.stats.nfe
@@ -299,21 +299,21 @@ def test_early_stop_fills_trailing_eos():
 
 def test_max_new_tokens_maps_to_gen_length():
     bundle = dllm()
-    out = diffusion.decode(bundle, [[1, 5]], max_new_tokens=10, block_size=8, policy="top-k", steps=16)
+    out = DECODERS["diffusion"].decode(bundle, [[1, 5]], max_new_tokens=10, block_size=8, policy="top-k", steps=16)
     assert out.stats.extra["gen_length"] == 16 and len(out.tokens[0]) == 10
-    full = diffusion.decode(bundle, [[1, 5]], max_new_tokens=16, gen_length=16, block_size=8, policy="top-k")
+    full = DECODERS["diffusion"].decode(bundle, [[1, 5]], max_new_tokens=16, gen_length=16, block_size=8, policy="top-k")
     assert len(full.tokens[0]) == 16 and full.stats.nfe == 16
     # A smaller max_new_tokens cuts the canvas and stops after the block holding the last reported
     # position: the same first tokens, from the first block's forwards only.
-    cut = diffusion.decode(bundle, [[1, 5]], max_new_tokens=4, gen_length=16, block_size=8, policy="top-k")
+    cut = DECODERS["diffusion"].decode(bundle, [[1, 5]], max_new_tokens=4, gen_length=16, block_size=8, policy="top-k")
     assert cut.tokens[0] == full.tokens[0][:4] and cut.stats.nfe == 8
     with pytest.raises(UnmaskError, match="max_new_tokens 17 exceeds gen length 16"):
-        diffusion.decode(bundle, [[1, 5]], max_new_tokens=17, gen_length=16, block_size=8)
+        DECODERS["diffusion"].decode(bundle, [[1, 5]], max_new_tokens=17, gen_length=16, block_size=8)
     with pytest.raises(UnmaskError, match="eos_early_stop must be true or false"):
-        diffusion.decode(bundle, [[1, 5]], max_new_tokens=8, eos_early_stop="yes")
-    default = diffusion.decode(bundle, [[1, 5]], max_new_tokens=64)
+        DECODERS["diffusion"].decode(bundle, [[1, 5]], max_new_tokens=8, eos_early_stop="yes")
+    default = DECODERS["diffusion"].decode(bundle, [[1, 5]], max_new_tokens=64)
     assert default.stats.extra["block_size"] == 32 and default.stats.extra["policy"] == "threshold"
-    short = diffusion.decode(bundle, [[1, 5]], max_new_tokens=5)
+    short = DECODERS["diffusion"].decode(bundle, [[1, 5]], max_new_tokens=5)
     assert short.stats.extra["block_size"] == 5 and len(short.tokens[0]) == 5
 
 
@@ -339,7 +339,7 @@ def test_bad_inputs_are_one_line_errors(options, match):
     bundle = dllm()
     options = {"max_new_tokens": 16, **options}
     with pytest.raises(UnmaskError, match=match) as info:
-        diffusion.decode(bundle, [[1, 5, 9] * 30], **options)
+        DECODERS["diffusion"].decode(bundle, [[1, 5, 9] * 30], **options)
     assert "\n" not in str(info.value)
 
 
@@ -347,7 +347,7 @@ def test_model_without_mask_token_and_kind_mismatch():
     bundle = dllm()
     bundle.mask_token_id = None
     with pytest.raises(UnmaskError, match="needs a masked-diffusion model with a mask token"):
-        diffusion.decode(bundle, [[1, 5]], max_new_tokens=8)
+        DECODERS["diffusion"].decode(bundle, [[1, 5]], max_new_tokens=8)
     with pytest.raises(UnmaskError, match="decoder 'diffusion' needs a model of kind masked-diffusion"):
         get_decoder("diffusion", "causal")
 
@@ -375,9 +375,9 @@ def test_stories260K_stand_in_batches_with_dual_cache():
     bundle.kind = "masked-diffusion"
     prompts = [bundle.encode("Once upon a time"), bundle.encode("Lily"), bundle.encode("The big dog ran to the")]
     kw = dict(max_new_tokens=32, block_size=16, cache="dual", policy="top-k", steps=8)
-    batch = diffusion.decode(bundle, prompts, **kw)
+    batch = DECODERS["diffusion"].decode(bundle, prompts, **kw)
     assert batch.stats.nfe == 8 and all(len(t) <= 32 for t in batch.tokens)
     assert all(0 <= t < 512 for row in batch.tokens for t in row)  # never the mask token
     for r, p in enumerate(prompts):
-        assert diffusion.decode(bundle, [p], **kw).tokens[0] == batch.tokens[r]
+        assert DECODERS["diffusion"].decode(bundle, [p], **kw).tokens[0] == batch.tokens[r]
     assert math.isclose(batch.stats.tpf, batch.stats.generated / sum(batch.stats.nfe_per_row))

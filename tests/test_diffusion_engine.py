@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import unmask
-from unmask.decode.dllm import diffusion
-from unmask.decode.dllm.diffusion import DiffusionConfig
-from unmask.decode.dllm.diffusion_batch import Diffusion
+from unmask.decode import DECODERS
+from unmask.decode.dllm.diffusion import DiffusionOptions
+from unmask.decode.dllm.diffusion_batch import SPEC, Diffusion
 from unmask.decode.engine.running import Request, requests_for
 from unmask.sampling import Sampling
 
@@ -47,7 +47,7 @@ class SyncCounter:
 def test_a_step_syncs_with_the_host_once(dlm, monkeypatch, cache, policy):
     """Greedy, no on_step, no stop strings: one host sync per step (the per-row counts, flags and
     block ids), in the steps where rows finish too."""
-    cfg = DiffusionConfig.from_options(max_new_tokens=24, block_size=8, cache=cache, policy=policy, sampler="llada")
+    cfg = DiffusionOptions(block_size=8, cache=cache, policy=policy, sampler="llada").resolve(dlm, 24)
     dec = Diffusion(dlm, cfg, capacity=3, width=64)
     dec.join(requests_for(prompts(dlm), max_new_tokens=24, sampling=Sampling()))
     counter = SyncCounter(monkeypatch)
@@ -63,8 +63,8 @@ def test_a_step_syncs_with_the_host_once(dlm, monkeypatch, cache, policy):
 
 def test_a_widened_canvas_pads_earlier_rows(dlm):
     """A wider row joining later left-pads the running rows: their new columns are padding (invalid)."""
-    cfg = DiffusionConfig.from_options(max_new_tokens=8, block_size=8)
-    dec = Diffusion(dlm, cfg, capacity=2, options={"block_size": 8})
+    cfg = DiffusionOptions(block_size=8).resolve(dlm, 8)
+    dec = Diffusion(dlm, cfg, capacity=2, options=DiffusionOptions(block_size=8))
     short, wide = Request(prompt_ids=[1, 60], max_new_tokens=8, id=0), Request(prompt_ids=[1] + [70] * 9,
                                                                                 max_new_tokens=8, id=1)
     dec.join([short])
@@ -81,7 +81,7 @@ def test_lockstep_keeps_decode_nfe_and_free_rows_finish_sooner(dlm):
     """decode's batch advances block by block together (its NFE, as before the one engine); the
     server's rows advance each on its own. Same tokens and per-row NFE either way."""
     ps = prompts(dlm)
-    cfg = DiffusionConfig.from_options(max_new_tokens=32, block_size=8, policy="threshold", tau=0.7, sampler="llada")
+    cfg = DiffusionOptions(block_size=8, policy="threshold", tau=0.7, sampler="llada").resolve(dlm, 32)
     runs = {}
     for lockstep in (True, False):
         dec = Diffusion(dlm, cfg, capacity=3, width=max(map(len, ps)) + 32, lockstep=lockstep)
@@ -89,14 +89,14 @@ def test_lockstep_keeps_decode_nfe_and_free_rows_finish_sooner(dlm):
         while len(dec):
             done += dec.step()
         runs[lockstep] = (dec.forwards, sorted((r.job.id, r.tokens, r.nfe) for r in done))
-    alone = [diffusion.decode(dlm, [p], max_new_tokens=32, block_size=8, policy="threshold", tau=0.7) for p in ps]
+    alone = [DECODERS["diffusion"].decode(dlm, [p], max_new_tokens=32, block_size=8, policy="threshold", tau=0.7) for p in ps]
     assert runs[True][1] == runs[False][1] == [(i, a.tokens[0], a.stats.nfe) for i, a in enumerate(alone)]
-    batch = diffusion.decode(dlm, ps, max_new_tokens=32, block_size=8, policy="threshold", tau=0.7)
+    batch = DECODERS["diffusion"].decode(dlm, ps, max_new_tokens=32, block_size=8, policy="threshold", tau=0.7)
     assert batch.stats.nfe == runs[True][0] > runs[False][0] >= max(a.stats.nfe for a in alone)
 
 
 def test_a_full_batch_refuses_in_one_line(dlm):
-    cfg = DiffusionConfig.from_options(max_new_tokens=8, block_size=8)
+    cfg = DiffusionOptions(block_size=8).resolve(dlm, 8)
     dec = Diffusion(dlm, cfg, capacity=1, width=16)
     dec.join([Request(prompt_ids=[1, 5], max_new_tokens=8, id=0)])
     with pytest.raises(unmask.UnmaskError, match="running batch full") as e:
@@ -109,13 +109,11 @@ def test_a_full_batch_refuses_in_one_line(dlm):
 
 def test_dream_rows_joining_mid_flight_equal_decode_alone(dlm):
     """Dream-schedule rows join and leave a running DreamSchedule at any step; each row's tokens,
-    NFE, row_extra and step events equal diffusion.decode(schedule="dream") on its prompt alone."""
-    from unmask.decode.dllm.dream import DreamSchedule
-
+    NFE, row_extra and step events equal DECODERS["diffusion"].decode(schedule="dream") on its prompt alone."""
     opts = {"alg": "entropy", "steps": 6}
     events: dict[int, list] = {}
-    dec = DreamSchedule.serving(dlm, {"schedule": "dream", **opts}, capacity=3,
-                                on_step=lambda row, e: events.setdefault(row.job.id, []).append(e))
+    dec = SPEC.batch(dlm, DiffusionOptions(schedule="dream", **opts), capacity=3,
+                     on_step=lambda row, e: events.setdefault(row.job.id, []).append(e))
     hot = Sampling(temperature=0.9, seed=4)
     ps = prompts(dlm)
     reqs = [Request(prompt_ids=ps[0], max_new_tokens=12, id=0), Request(prompt_ids=ps[1], max_new_tokens=8, id=1),
@@ -134,7 +132,7 @@ def test_dream_rows_joining_mid_flight_equal_decode_alone(dlm):
     for row in done:
         j = row.job
         seen = []
-        alone = diffusion.decode(dlm, [j.prompt_ids], max_new_tokens=j.max_new_tokens, sampling=j.sampling,
+        alone = DECODERS["diffusion"].decode(dlm, [j.prompt_ids], max_new_tokens=j.max_new_tokens, sampling=j.sampling,
                                  stop_token_ids=dlm.stop_token_ids, schedule="dream", on_step=seen.append, **opts)
         assert row.tokens == alone.tokens[0] and row.nfe == alone.stats.nfe == alone.stats.nfe_per_row[0]
         assert row.extra == alone.stats.extra["row_extra"][0] and events[j.id] == seen
@@ -143,9 +141,10 @@ def test_dream_rows_joining_mid_flight_equal_decode_alone(dlm):
 def test_dream_batch_refuses_what_decode_refuses(dlm):
     from unmask.decode.dllm.dream import DreamSchedule
 
-    with pytest.raises(unmask.UnmaskError, match="do not apply to --schedule dream"):
-        DreamSchedule.serving(dlm, {"schedule": "dream", "block_size": 4})
-    dec = DreamSchedule.serving(dlm, {"schedule": "dream"})
+    with pytest.raises(unmask.UnmaskError, match=r"do\(es\) not apply to --schedule dream"):
+        SPEC.batch(dlm, DiffusionOptions(schedule="dream", block_size=4))
+    dec = SPEC.batch(dlm, DiffusionOptions(schedule="dream"))
+    assert isinstance(dec, DreamSchedule)
     with pytest.raises(unmask.UnmaskError, match="stop strings do not apply"):
         dec.join([Request(prompt_ids=[1, 5], max_new_tokens=4, stop=("x",), id=0)])
     assert len(dec) == 0
@@ -186,11 +185,10 @@ def test_the_server_runs_dream_requests_in_one_running_batch(dlm):
 def test_an_early_bird_step_syncs_with_the_host_once(dlm, monkeypatch, cache):
     """LBS only, greedy, no on_step, no stop strings: one host sync per step, in the steps where rows
     finish too (tests/test_r5_host_syncs.py adds LPS and sampling)."""
-    from unmask.decode.dllm.early_bird import configure
+    from unmask.decode.dllm.early_bird import EarlyBirdOptions
     from unmask.decode.dllm.early_bird_batch import EarlyBird
 
-    cfg, lbs, lps = configure(dlm, cache=cache, lps=False)
-    dec = EarlyBird(dlm, cfg, lbs, lps, capacity=2, width=300)
+    dec = EarlyBird(dlm, EarlyBirdOptions(cache=cache, lps=False).resolve(dlm), capacity=2, width=300)
     dec.join(requests_for(prompts(dlm)[:2], max_new_tokens=32, sampling=Sampling()))
     counter = SyncCounter(monkeypatch)
     per_step = []
@@ -211,13 +209,13 @@ def test_a_cached_early_bird_batch_equals_its_rows_alone(cache):
     LBS router on a tiny model selects different blocks per row, so the windows differ."""
     from test_early_bird import SMALL, dllm, lbs
 
-    from unmask.decode.dllm import early_bird
+    from unmask.decode import DECODERS
 
     bundle = dllm(1)
     ps = [[1, 5, 9, 3], [1, 7], [1, 2, 3, 4, 5, 6]]
     kw = dict(max_new_tokens=32, cache=cache, lps=False, **SMALL)
     with torch.inference_mode():
-        batch = early_bird.decode(bundle, ps, lbs_router=lbs(seed=0), **kw)
+        batch = DECODERS["early-bird"].decode(bundle, ps, lbs_router=lbs(seed=0), **kw)
         for i, p in enumerate(ps):
-            alone = early_bird.decode(bundle, [p], lbs_router=lbs(seed=0), **kw)
+            alone = DECODERS["early-bird"].decode(bundle, [p], lbs_router=lbs(seed=0), **kw)
             assert batch.tokens[i] == alone.tokens[0] and batch.stats.nfe_per_row[i] == alone.stats.nfe

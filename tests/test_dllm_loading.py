@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import unmask
-from unmask.decode.dllm import diffusion
+from unmask.decode import DECODERS
 from unmask.errors import UnmaskError
 from unmask.models.adapters import family_of, is_remote, loader_name
 from unmask.models.mask_token import add_mask_token
@@ -183,9 +183,9 @@ def test_remote_code_dllm_loads_through_automodel(tmp_path, model_type, shift, s
     calls = __import__(type(bundle.model).__module__, fromlist=["CALLS"]).CALLS
     calls.clear()
     prompts = [bundle.encode("Once upon a time"), bundle.encode("Lily")]
-    out = diffusion.decode(bundle, prompts, max_new_tokens=8, block_size=4, steps=4)
+    out = DECODERS["diffusion"].decode(bundle, prompts, max_new_tokens=8, block_size=4, steps=4)
     assert out.stats.nfe == 4 and out.stats.extra["sampler"] == sampler
-    single = diffusion.decode(bundle, prompts[:1], max_new_tokens=8, block_size=4, steps=4)
+    single = DECODERS["diffusion"].decode(bundle, prompts[:1], max_new_tokens=8, block_size=4, steps=4)
     if model_type == "llada":  # 2D padding mask when padded, nothing otherwise; positions are internal
         assert calls[0]["mask"] == (2, len(prompts[0]) + 8) and not calls[0]["positions"]
         assert calls[-1]["mask"] is None
@@ -194,7 +194,7 @@ def test_remote_code_dllm_loads_through_automodel(tmp_path, model_type, shift, s
         assert calls[-1]["mask"] == "full"
     assert single.tokens[0] == out.tokens[0]
     with pytest.raises(UnmaskError, match="use --cache none"):
-        diffusion.decode(bundle, prompts, max_new_tokens=8, block_size=4, cache="dual")
+        DECODERS["diffusion"].decode(bundle, prompts, max_new_tokens=8, block_size=4, cache="dual")
 
 
 def test_llada_family_mask_id_default_and_dream_without_one(tmp_path):

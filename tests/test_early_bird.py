@@ -4,14 +4,14 @@ trace events and router-time statistics, EOS handling, and bad inputs."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from conftest import tiny_bundle, tiny_llama
 
 import unmask
-from unmask.decode import get_decoder
-from unmask.decode.dllm import diffusion
-from unmask.decode.dllm import early_bird
+from unmask.decode import DECODERS, get_decoder
 from unmask.errors import UnmaskError
 from unmask.models.mask_token import add_mask_token
 from unmask.routers import LBSConfig, LBSRouter, LPSConfig, LPSRouter, save_router
@@ -59,7 +59,7 @@ def lps(seed=0, bias=None):
 
 def eb(bundle, prompts=PROMPTS, stops=(), **kw):
     kw = {"lbs_router": lbs(), "lps_router": lps(), "tau_psi": 0.6, **SMALL, **kw}
-    return early_bird.decode(bundle, prompts, max_new_tokens=L, stop_token_ids=stops, **kw)
+    return DECODERS["early-bird"].decode(bundle, prompts, max_new_tokens=L, stop_token_ids=stops, **kw)
 
 
 # -- reduction to the threshold rule -------------------------------------------------------------------
@@ -74,7 +74,7 @@ def test_zero_routers_reduce_to_fast_dllm_threshold_decoding(shift, tau, stops):
     # most τ = 0.9 steps are anti-stall single commits.
     bundle = dllm(shift, stops=stops)
     got = eb(bundle, stops=stops, tau=tau, lbs_router=lbs(bias=0.0), lps_router=lps(bias=0.0))
-    ref = diffusion.decode(bundle, PROMPTS, max_new_tokens=L, stop_token_ids=stops, policy="threshold", tau=tau,
+    ref = DECODERS["diffusion"].decode(bundle, PROMPTS, max_new_tokens=L, stop_token_ids=stops, policy="threshold", tau=tau,
                            block_size=LB)
     assert got.tokens == ref.tokens
     assert got.stats.nfe_per_row == ref.stats.nfe_per_row
@@ -151,9 +151,9 @@ def test_rows_stop_once_the_reported_tokens_are_committed(cache):
     groups = [PROMPTS] if cache == "none" else [[p] for p in PROMPTS]
     saved = 0
     for prompts in groups:
-        full = early_bird.decode(bundle, prompts, max_new_tokens=L, **kw)
-        short = early_bird.decode(bundle, prompts, max_new_tokens=n, **kw)
-        explicit = early_bird.decode(bundle, prompts, max_new_tokens=n, gen_length=L, **kw)  # -n with --gen-length
+        full = DECODERS["early-bird"].decode(bundle, prompts, max_new_tokens=L, **kw)
+        short = DECODERS["early-bird"].decode(bundle, prompts, max_new_tokens=n, **kw)
+        explicit = DECODERS["early-bird"].decode(bundle, prompts, max_new_tokens=n, gen_length=L, **kw)  # -n with --gen-length
         assert short.tokens == [t[:n] for t in full.tokens] == explicit.tokens
         assert all(len(t) == n for t in short.tokens)
         assert all(s <= f for s, f in zip(short.stats.nfe_per_row, full.stats.nfe_per_row))
@@ -199,7 +199,7 @@ def mask_free(ids, bundle):
 
 def test_registry_and_api_with_saved_routers(tmp_path):
     bundle = dllm()
-    assert get_decoder("early-bird", "masked-diffusion") is early_bird.decode
+    assert "lps_router" in inspect.signature(get_decoder("early-bird", "masked-diffusion")).parameters
     with pytest.raises(UnmaskError, match="early-bird"):
         get_decoder("early-bird", "causal")
     bundle.path = tmp_path
@@ -228,20 +228,20 @@ def test_bad_models_and_router_combinations_are_refused(tmp_path):
     bundle = dllm()
     for gen_length in (None, L):
         with pytest.raises(UnmaskError, match="exceeds the LBS router's gen length"):
-            early_bird.decode(bundle, [[1]], max_new_tokens=L + 1, gen_length=gen_length, lbs_router=lbs(), lps=False)
+            DECODERS["early-bird"].decode(bundle, [[1]], max_new_tokens=L + 1, gen_length=gen_length, lbs_router=lbs(), lps=False)
     with pytest.raises(UnmaskError, match="lps must be true or false"):
-        early_bird.decode(bundle, [[1]], max_new_tokens=8, lbs_router=lbs(), lps="abc")
+        DECODERS["early-bird"].decode(bundle, [[1]], max_new_tokens=8, lbs_router=lbs(), lps="abc")
     with pytest.raises(UnmaskError, match="unmask train lbs"):
-        early_bird.decode(bundle, [[1]], max_new_tokens=8)  # no routers anywhere
+        DECODERS["early-bird"].decode(bundle, [[1]], max_new_tokens=8)  # no routers anywhere
     with pytest.raises(UnmaskError, match="lps=False"):
-        early_bird.decode(bundle, [[1]], max_new_tokens=8, lbs_router=lbs())  # LBS given, no LPS
+        DECODERS["early-bird"].decode(bundle, [[1]], max_new_tokens=8, lbs_router=lbs())  # LBS given, no LPS
     with pytest.raises(UnmaskError, match="tau_psi"):
-        early_bird.decode(bundle, [[1]], max_new_tokens=8, lbs_router=lbs(), lps_router=lps())
+        DECODERS["early-bird"].decode(bundle, [[1]], max_new_tokens=8, lbs_router=lbs(), lps_router=lps())
     wrong = LBSRouter(LBSConfig(gen_length=L, d_base=32, vocab_size=99))
     with pytest.raises(UnmaskError, match="vocabular"):
-        early_bird.decode(bundle, [[1]], max_new_tokens=8, lbs_router=wrong, lps=False)
+        DECODERS["early-bird"].decode(bundle, [[1]], max_new_tokens=8, lbs_router=wrong, lps=False)
     causal = tiny_bundle(tiny_llama(vocab=64))
     with pytest.raises(UnmaskError, match="mask token"):
-        early_bird.decode(causal, [[1]], max_new_tokens=8, lbs_router=lbs(), lps=False)
+        DECODERS["early-bird"].decode(causal, [[1]], max_new_tokens=8, lbs_router=lbs(), lps=False)
     with pytest.raises(UnmaskError, match="at least one token"):
-        early_bird.decode(bundle, [[]], max_new_tokens=8, lbs_router=lbs(), lps=False)
+        DECODERS["early-bird"].decode(bundle, [[]], max_new_tokens=8, lbs_router=lbs(), lps=False)

@@ -1,6 +1,6 @@
 """Early-Bird's running batch (:class:`~unmask.decode.dllm.early_bird_batch.EarlyBird`, the server's, issues
 16 and 25): whenever a row joins and whatever runs beside it, with every cache, its tokens, NFE,
-row_extra and step events equal ``early_bird.decode`` on its prompt alone (STYLE.md 14), with the
+row_extra and step events equal ``DECODERS["early-bird"].decode`` on its prompt alone (STYLE.md 14), with the
 shipped stories260K-dlm routers."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 from batch_helpers import GREEDY, check_canvas_rows, single_decode
 
 import unmask
-from unmask.decode.dllm import early_bird
+from unmask.decode import DECODERS
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
-from unmask.decode.dllm.early_bird_batch import EarlyBird
+from unmask.decode.dllm.early_bird_batch import SPEC
 from unmask.decode.engine.running import Request
 
 _ids = itertools.count()
@@ -35,12 +35,17 @@ def stories_dlm():
     return unmask.load("stories260K-dlm")
 
 
+def serving(bundle, options, **kw):
+    """The server's running batch of these options (the registry's factory with no prompts)."""
+    return SPEC.batch(bundle, SPEC.config.of(options), **kw)
+
+
 class Run:
     """A batch plus what it reported: finished rows and each job's step events."""
 
     def __init__(self, bundle, options, **kw):
         self.events: dict[int, list[dict]] = {}
-        self.batch = EarlyBird.serving(bundle, options, on_step=self._on_step, **kw)
+        self.batch = serving(bundle, options, on_step=self._on_step, **kw)
         self.done = []
         self.mixed = False  # whether some forward held one row selecting and another inside its block
 
@@ -64,13 +69,13 @@ class Run:
 
 
 def single(bundle, j, options, stop_token_ids=None):
-    """early_bird.decode on the job's prompt alone: (output, step events)."""
+    """DECODERS["early-bird"].decode on the job's prompt alone: (output, step events)."""
     stops = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
-    return single_decode(early_bird.decode, bundle, j, options, stops)
+    return single_decode(DECODERS["early-bird"].decode, bundle, j, options, stops)
 
 
 def check(run: Run, bundle, jobs, options, stop_token_ids=None):
-    check_canvas_rows(run, bundle, jobs, options, early_bird.decode, stop_token_ids)
+    check_canvas_rows(run, bundle, jobs, options, DECODERS["early-bird"].decode, stop_token_ids)
 
 
 @pytest.mark.parametrize("options", [LBS_ONLY, LBS_LPS], ids=["lbs", "lbs+lps"])
@@ -179,8 +184,8 @@ def test_bad_options_and_jobs_are_refused(stories_dlm):
     for options, match in [({"cache": "bogus"}, "unknown cache"), ({"compile": True}, "compile"),
                            ({"tau": 2.0}, "tau"), ({"gen_length": 64}, "gen length 256")]:
         with pytest.raises(UnmaskError, match=match):
-            EarlyBird.serving(stories_dlm, options)
-    batch = EarlyBird.serving(stories_dlm, LBS_ONLY)
+            serving(stories_dlm, options)
+    batch = serving(stories_dlm, LBS_ONLY)
     for bad, match in [(job([], 8), "at least one token"), (job([1], 257), "exceeds"), (job([1], 0), ">= 1"),
                        (job([1] * 300, 8), "context window")]:
         with pytest.raises(UnmaskError, match=match):

@@ -21,7 +21,6 @@ from safetensors.torch import save_file
 import unmask
 from unmask.decode import DECODERS
 from unmask.decode.blocks import single as block_decode
-from unmask.decode.dllm import diffusion
 from unmask.errors import UnmaskError
 from unmask.models.adapters import realign
 
@@ -365,10 +364,10 @@ def test_diffusion_decoder_batch_equals_single(tmp_path, family, policy, cache):
     opts = dict(max_new_tokens=8, block_size=4, policy=policy, cache=cache)
     if policy == "top-k":
         opts["steps"] = 8
-    out = diffusion.decode(bundle, PROMPTS, **opts)
+    out = DECODERS["diffusion"].decode(bundle, PROMPTS, **opts)
     assert out.stats.extra["sampler"] == ("dream" if family == "dream" else "llada")
     for i, p in enumerate(PROMPTS):
-        single = diffusion.decode(bundle, [p], **opts)
+        single = DECODERS["diffusion"].decode(bundle, [p], **opts)
         assert single.tokens[0] == out.tokens[i]
     assert all(MASK not in row for row in out.tokens)
 
@@ -552,7 +551,7 @@ def dream_generate_reference(model, prompt: list[int], *, gen_length: int, steps
 def test_dream_schedule_reproduces_diffusion_generate(tmp_path, alg):
     bundle = _load(published_dir(tmp_path, "dream"), "dream")
     prompt = [3, 17, 42, 9]
-    out = diffusion.decode(bundle, [prompt], max_new_tokens=12, schedule="dream", alg=alg, steps=5)
+    out = DECODERS["diffusion"].decode(bundle, [prompt], max_new_tokens=12, schedule="dream", alg=alg, steps=5)
     want = dream_generate_reference(bundle.model, prompt, gen_length=12, steps=5, alg=alg)
     assert out.tokens[0] == want[: len(out.tokens[0])] and MASK not in want
     assert out.stats.extra["schedule"] == "dream" and out.stats.nfe == 5
@@ -562,20 +561,20 @@ def test_dream_schedule_reproduces_diffusion_generate(tmp_path, alg):
 def test_dream_schedule_random_choices_batch_equals_single(tmp_path, alg, alg_temp):
     bundle = _load(published_dir(tmp_path, "dream"), "dream")
     opts = dict(max_new_tokens=8, schedule="dream", alg=alg, alg_temp=alg_temp, steps=4)
-    out = diffusion.decode(bundle, PROMPTS, **opts)
+    out = DECODERS["diffusion"].decode(bundle, PROMPTS, **opts)
     for i, p in enumerate(PROMPTS):
-        assert diffusion.decode(bundle, [p], **opts).tokens[0] == out.tokens[i]
+        assert DECODERS["diffusion"].decode(bundle, [p], **opts).tokens[0] == out.tokens[i]
     assert out.stats.extra["alg"] == alg
 
 
 def test_dream_schedule_refuses_block_options(tmp_path):
     bundle = _load(published_dir(tmp_path, "dream"), "dream")
     with pytest.raises(UnmaskError, match="--block-size, --cache do\\(es\\) not apply to --schedule dream"):
-        diffusion.decode(bundle, PROMPTS, max_new_tokens=8, schedule="dream", block_size=4, cache="prefix")
+        DECODERS["diffusion"].decode(bundle, PROMPTS, max_new_tokens=8, schedule="dream", block_size=4, cache="prefix")
     with pytest.raises(UnmaskError, match="add --schedule dream"):
-        diffusion.decode(bundle, PROMPTS, max_new_tokens=8, alg="entropy")
+        DECODERS["diffusion"].decode(bundle, PROMPTS, max_new_tokens=8, alg="entropy")
     with pytest.raises(UnmaskError, match="unknown alg 'greedy'"):
-        diffusion.decode(bundle, PROMPTS, max_new_tokens=8, schedule="dream", alg="greedy")
+        DECODERS["diffusion"].decode(bundle, PROMPTS, max_new_tokens=8, schedule="dream", alg="greedy")
 
 
 @pytest.mark.parametrize("family, args", [("dream", ["--schedule", "dream", "--alg", "entropy", "--steps", "4"]),
@@ -622,7 +621,7 @@ def test_multitf_post_trains_a_published_block_model(tmp_path, family):
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_lbs_router_trains_on_a_published_masked_diffusion_model(tmp_path, family):
-    from unmask.decode.dllm import early_bird
+    from unmask.decode import DECODERS
     from unmask.train.routers import LBSTrainConfig, run_lbs
 
     path = published_dir(tmp_path, family)
@@ -642,7 +641,7 @@ def test_lbs_router_trains_on_a_published_masked_diffusion_model(tmp_path, famil
                     gen_batch=4, train=LPSTrainConfig(max_epochs=2, batch_size=16),
                     router={"d": 8, "layers": 1, "ffn": 16})
     bundle = unmask.load(str(path))
-    out = early_bird.decode(bundle, PROMPTS, max_new_tokens=8, lps=lps)
+    out = DECODERS["early-bird"].decode(bundle, PROMPTS, max_new_tokens=8, lps=lps)
     assert all(MASK not in row for row in out.tokens) and out.stats.extra["lps"] == lps
 
 

@@ -112,11 +112,11 @@ def reqs(ps, n, sampling):
                                             ("none", dict(policy="threshold", tau=0.8, eos_early_stop=True))])
 @pytest.mark.parametrize("lockstep", [True, False], ids=["decode", "server"])
 def test_a_diffusion_step_reads_the_host_once(dlm, monkeypatch, sampling, cache, options, lockstep, hook):
-    from unmask.decode.dllm.diffusion import DiffusionConfig
+    from unmask.decode.dllm.diffusion import DiffusionOptions
     from unmask.decode.dllm.diffusion_batch import Diffusion
 
-    n = rows_for(hook, 3)
-    cfg = DiffusionConfig.from_options(max_new_tokens=24, block_size=8, cache=cache, sampler="llada", **options)
+    n = 8  # quiet and with on_step (the server's case): batch 8
+    cfg = DiffusionOptions(block_size=8, cache=cache, sampler="llada", **options).resolve(dlm, 24)
     dec = Diffusion(dlm, cfg, capacity=n, width=64, lockstep=lockstep, stop_token_ids=(2,), on_step=hook)
     ps = texts(dlm, n)
     steps, done = SyncCounter(monkeypatch).drain(dec, [reqs(ps[:2], 24, sampling), reqs(ps[2:], 24, sampling)])
@@ -130,10 +130,10 @@ def test_a_diffusion_step_reads_the_host_once(dlm, monkeypatch, sampling, cache,
 @pytest.mark.parametrize("options", [dict(alg="origin", steps=6), dict(alg="entropy", steps=5),
                                      dict(alg="maskgit_plus", alg_temp=0.5, steps=4), dict(alg="topk_margin")])
 def test_a_dream_step_reads_the_host_once(dlm, monkeypatch, sampling, options, hook):
-    from unmask.decode.dllm.dream import DreamSchedule
+    from unmask.decode.dllm.dream import DreamConfig, DreamSchedule
 
-    n = rows_for(hook, 3)
-    dec = DreamSchedule(dlm, capacity=n, stop_token_ids=(2,), on_step=hook, **options)
+    n = 8  # quiet and with on_step (the server's case): batch 8
+    dec = DreamSchedule(dlm, DreamConfig.of(**options), capacity=n, stop_token_ids=(2,), on_step=hook)
     ps = texts(dlm, n)
     first = requests_for(ps[:2], max_new_tokens=10, sampling=sampling)
     for r in first:
@@ -153,13 +153,13 @@ def test_a_dream_step_reads_the_host_once(dlm, monkeypatch, sampling, options, h
 @pytest.mark.parametrize("lps", [False, True], ids=["lbs", "lps"])
 @pytest.mark.parametrize("lockstep", [True, False], ids=["decode", "server"])
 def test_an_early_bird_step_reads_the_host_once(dlm, monkeypatch, sampling, cache, lps, lockstep, hook):
-    from unmask.decode.dllm.early_bird import configure
+    from unmask.decode.dllm.early_bird import EarlyBirdOptions
     from unmask.decode.dllm.early_bird_batch import EarlyBird
 
     # a low τ_ψ and τ so that LPS decides for some rows (open rows run the router)
-    cfg, lbs_net, lps_net = configure(dlm, cache=cache, lps=lps, **(dict(tau_psi=0.3, tau=0.95) if lps else {}))
-    n = rows_for(hook, 3)
-    dec = EarlyBird(dlm, cfg, lbs_net, lps_net, capacity=n, width=300, lockstep=lockstep, stop_token_ids=(2,),
+    cfg = EarlyBirdOptions(cache=cache, lps=lps, **(dict(tau_psi=0.3, tau=0.95) if lps else {})).resolve(dlm)
+    n = 8  # quiet and with on_step (the server's case): batch 8
+    dec = EarlyBird(dlm, cfg, capacity=n, width=300, lockstep=lockstep, stop_token_ids=(2,),
                     on_step=hook)
     ps = texts(dlm, n)
     steps, done = SyncCounter(monkeypatch).drain(dec, [reqs(ps[:2], 40, sampling), reqs(ps[2:], 30, sampling)])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import tiny_bundle, tiny_llama
 
-from unmask.decode.dllm import early_bird
+from unmask.decode import DECODERS
 from unmask.models.mask_token import add_mask_token
 from unmask.routers import LBSConfig, LBSRouter
 from unmask.train import routers as tr
@@ -41,7 +41,7 @@ def trace_of(traces: tr.LPSTraces, k: int) -> list[tuple[int, torch.Tensor, torc
 def test_the_rows_finish_at_different_steps(setup):
     bundle, lbs = setup
     sizes = []
-    out = early_bird.decode(bundle, PROMPTS, max_new_tokens=L, gen_length=L, stop_token_ids=(2,), lps=False,
+    out = DECODERS["early-bird"].decode(bundle, PROMPTS, max_new_tokens=L, gen_length=L, stop_token_ids=(2,), lps=False,
                             lbs_router=lbs, on_forward=lambda s: sizes.append(len(s["ids"])), **SETTINGS)
     assert len(set(out.stats.nfe_per_row)) > 1 and sizes[-1] < len(PROMPTS)  # the running batch shrank
 

@@ -10,10 +10,10 @@ import queue
 import time
 
 import pytest
-from test_diffusion_batch import CACHES, PROMPTS, Run, check, job
+from test_diffusion_batch import CACHES, PROMPTS, Run, check, job, serving
 
 import unmask
-from unmask.decode.dllm import diffusion
+from unmask.decode import DECODERS
 from unmask.sampling import Sampling
 
 
@@ -95,7 +95,7 @@ def test_the_compiled_server_runs_cached_diffusion_on_the_static_cache(stories_d
     from unmask.serve.jobs import Job
 
     options = {"cache": "dual", "block_size": 4}
-    want = diffusion.decode(stories_dlm, [PROMPTS[0]], max_new_tokens=8, **options)
+    want = DECODERS["diffusion"].decode(stories_dlm, [PROMPTS[0]], max_new_tokens=8, **options)
     sched = Scheduler(stories_dlm, compile=True, max_batch_size=2).start()
     try:
         box: queue.Queue = queue.Queue()
@@ -114,12 +114,11 @@ def test_the_compiled_server_runs_cached_diffusion_on_the_static_cache(stories_d
 
 def test_a_negative_block_size_is_named_as_such(stories_dlm):
     # the fault pass: the server's batch validated it as a nominal gen length ("gen length must be ...")
-    from unmask.decode.dllm.diffusion_batch import Diffusion
     from unmask.errors import UnmaskError
 
     for options in ({"block_size": -4}, {"block_size": -4, "cache": "dual"}):
         with pytest.raises(UnmaskError, match="block size must be an integer >= 1"):
-            Diffusion.serving(stories_dlm, options, compile=True)
+            serving(stories_dlm, options, compile=True)
 
 
 def test_serve_cache_dual_makes_every_diffusion_request_compiled(stories_dlm):

@@ -7,7 +7,7 @@ import json
 from conftest import one_line_error, run_cli
 
 import unmask
-from unmask.decode.dllm import diffusion
+from unmask.decode import DECODERS
 
 
 def test_factor_compat_on_the_command_line_equals_the_api(capsys):
@@ -17,7 +17,7 @@ def test_factor_compat_on_the_command_line_equals_the_api(capsys):
     assert code == 0, err
     row = json.loads(out.splitlines()[0])
     bundle = unmask.load("stories260K-dlm")
-    ref = diffusion.decode(bundle, [bundle.encode("Once upon a time")], max_new_tokens=16, block_size=8,
+    ref = DECODERS["diffusion"].decode(bundle, [bundle.encode("Once upon a time")], max_new_tokens=16, block_size=8,
                            policy="factor", factor=2.0, factor_compat=True, stop_token_ids=bundle.stop_token_ids)
     assert row["tokens"] == ref.tokens[0] and row["nfe"] == ref.stats.nfe
 

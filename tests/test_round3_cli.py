@@ -381,13 +381,13 @@ def _early_stop_dlm():
 
 
 def test_reference_nfe_decodes_the_whole_canvas_as_the_reference_does():
-    from unmask.decode.dllm import diffusion
+    from unmask.decode import DECODERS
 
     bundle = _early_stop_dlm()
     kw = dict(max_new_tokens=64, block_size=8)
     ours = unmask.generate("Once upon a time", bundle, "diffusion", **kw)
     ref = unmask.generate("Once upon a time", bundle, "diffusion", reference_nfe=True, **kw)
-    raw = diffusion.decode(bundle, ref.prompt_tokens, stop_token_ids=(), **kw)  # the API's old only way
+    raw = DECODERS["diffusion"].decode(bundle, ref.prompt_tokens, stop_token_ids=(), **kw)  # the API's old only way
     assert ours.stats.nfe < ref.stats.nfe == raw.stats.nfe  # the default stops after the stop token's block
     assert ref.tokens == ours.tokens and ref.texts == ours.texts  # text cut at the stop token all the same
     assert ref.stats.tokens_per_row == [len(t) for t in ref.tokens]

@@ -12,7 +12,6 @@ import torch
 
 import unmask
 from unmask.decode import DECODERS
-from unmask.decode.dllm import diffusion
 from unmask.decode.blocks.rule import quota_threshold_commit
 from unmask.decode.engine.kv import DynamicKV, StaticKV
 from unmask.errors import UnmaskError
@@ -39,7 +38,7 @@ def sbd_model():
 
 def _dlm_decode(bundle, T, **kw):
     prompt = bundle.encode("Once upon a time")
-    return diffusion.decode(bundle, [prompt], max_new_tokens=32, policy="threshold",
+    return DECODERS["diffusion"].decode(bundle, [prompt], max_new_tokens=32, policy="threshold",
                             sampling=Sampling(temperature=T, seed=0), **kw)
 
 
@@ -65,12 +64,12 @@ def test_dreams_tempered_convention_stays_available_by_name(dlm):
 
 
 def test_early_bird_at_low_temperature_needs_about_as_many_forwards_as_greedy(dlm):
-    from unmask.decode.dllm import early_bird
+    from unmask.decode import DECODERS
 
     prompt = dlm.encode("Once upon a time")
-    greedy = early_bird.decode(dlm, [prompt], max_new_tokens=32)
-    cold = early_bird.decode(dlm, [prompt], max_new_tokens=32, sampling=Sampling(temperature=0.1, seed=0))
-    hot = early_bird.decode(dlm, [prompt], max_new_tokens=32, sampling=Sampling(temperature=0.1, seed=0),
+    greedy = DECODERS["early-bird"].decode(dlm, [prompt], max_new_tokens=32)
+    cold = DECODERS["early-bird"].decode(dlm, [prompt], max_new_tokens=32, sampling=Sampling(temperature=0.1, seed=0))
+    hot = DECODERS["early-bird"].decode(dlm, [prompt], max_new_tokens=32, sampling=Sampling(temperature=0.1, seed=0),
                             confidence="tempered")
     assert cold.stats.nfe >= greedy.stats.nfe / 1.5  # before: 5 forwards against greedy's 23
     assert hot.stats.nfe < greedy.stats.nfe / 2 and hot.stats.extra["confidence"] == "tempered"
@@ -110,12 +109,13 @@ def test_quota_threshold_rule_reads_untempered_confidence():
 
 
 def test_serve_batches_take_the_confidence_option(dlm):
-    from unmask.decode.dllm.diffusion_batch import Diffusion
+    from unmask.decode.dllm.diffusion import DiffusionOptions
+    from unmask.decode.dllm.diffusion_batch import batch
 
-    assert Diffusion.serving(dlm, {"confidence": "tempered"}).confidence == "tempered"
-    assert Diffusion.serving(dlm, {}).confidence is None  # dream sampler: float32 untempered
+    assert batch(dlm, DiffusionOptions(confidence="tempered")).confidence == "tempered"
+    assert batch(dlm, DiffusionOptions()).confidence is None  # dream sampler: float32 untempered
     with pytest.raises(UnmaskError, match="unknown confidence"):
-        Diffusion.serving(dlm, {"confidence": "hot"})
+        batch(dlm, DiffusionOptions(confidence="hot"))
 
 
 # ---------------------------------------------------------------- item 9: AUP units
@@ -347,11 +347,11 @@ def test_ar_stopping_on_eos_has_tpf_one(stories):
 
 def test_every_decoder_counts_the_stop_token_the_same_way(dlm):
     prompt = dlm.encode("Once upon a time")
-    free = diffusion.decode(dlm, [prompt], max_new_tokens=16, block_size=8, policy="top-k", steps=16)
+    free = DECODERS["diffusion"].decode(dlm, [prompt], max_new_tokens=16, block_size=8, policy="top-k", steps=16)
     assert free.stats.tpf == 1.0  # one token per forward
     stop = free.tokens[0][5]
     first = free.tokens[0].index(stop)
-    out = diffusion.decode(dlm, [prompt], max_new_tokens=16, block_size=8, policy="top-k", steps=16,
+    out = DECODERS["diffusion"].decode(dlm, [prompt], max_new_tokens=16, block_size=8, policy="top-k", steps=16,
                            stop_token_ids=(stop,))
     assert out.tokens[0] == free.tokens[0][:first] and out.stats.stops_per_row == [1]
     # The row's forwards: the 8 of the block holding the stop; TPF counts the stop token too.

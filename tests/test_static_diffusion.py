@@ -10,8 +10,7 @@ import torch
 from conftest import prompts_around_a_block, tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
-from unmask.decode.dllm import diffusion
-from unmask.decode.dllm import early_bird
+from unmask.decode import DECODERS
 from unmask.decode.dllm.cache import BUCKET_STEP, bucket
 from unmask.errors import UnmaskError
 from unmask.models.mask_token import add_mask_token
@@ -59,8 +58,8 @@ def test_diffusion_static_equals_dynamic_on_stories(stories, cache):
     for policy in POLICIES:
         for rows in (prompts[1:2], prompts):  # batch 1 and 4 (4 is left-padded)
             kw = dict(max_new_tokens=32, block_size=8, cache=cache, stop_token_ids=bundle.stop_token_ids, **policy)
-            eager = diffusion.decode(bundle, rows, **kw)
-            static = diffusion.decode(bundle, rows, static=True, **kw)
+            eager = DECODERS["diffusion"].decode(bundle, rows, **kw)
+            static = DECODERS["diffusion"].decode(bundle, rows, static=True, **kw)
             same(static, eager)
             assert static.stats.extra["compiled"] is False and eager.stats.extra["compiled"] is False
             assert ("static_cache" in static.stats.extra) == (cache != "none")
@@ -71,7 +70,7 @@ def test_diffusion_static_equals_dynamic_on_stories(stories, cache):
 def test_diffusion_static_equals_dynamic_when_sampling(stories, cache):
     bundle, prompts = stories
     kw = dict(max_new_tokens=32, block_size=8, cache=cache, sampling=Sampling(temperature=0.8, seed=7))
-    same(diffusion.decode(bundle, prompts, static=True, **kw), diffusion.decode(bundle, prompts, **kw))
+    same(DECODERS["diffusion"].decode(bundle, prompts, static=True, **kw), DECODERS["diffusion"].decode(bundle, prompts, **kw))
 
 
 @pytest.mark.parametrize("factory, shift", [(tiny_llama, 0), (tiny_qwen3, 1)])
@@ -82,7 +81,7 @@ def test_diffusion_static_equals_dynamic_on_a_tiny_eager_model(factory, shift):
         for policy in (dict(policy="threshold", tau=0.5), dict(policy="top-k", steps=6)):
             kw = dict(max_new_tokens=24, block_size=8, cache=cache, refresh_every=3 if cache == "dual" else None,
                       **policy)
-            same(diffusion.decode(bundle, prompts, static=True, **kw), diffusion.decode(bundle, prompts, **kw))
+            same(DECODERS["diffusion"].decode(bundle, prompts, static=True, **kw), DECODERS["diffusion"].decode(bundle, prompts, **kw))
 
 
 def test_diffusion_compiled_equals_eager(stories):
@@ -91,8 +90,8 @@ def test_diffusion_compiled_equals_eager(stories):
     kw = dict(max_new_tokens=32, block_size=8, cache="dual", stop_token_ids=bundle.stop_token_ids)
     # prompts of 1, B + 1, 2, B - 1, B and B + 1 tokens, then the long ones, in turn (issue 48 item 1)
     for rows in prompts_around_a_block(bundle, 8, 2) + [prompts[:2]]:
-        eager = diffusion.decode(bundle, rows, **kw)
-        fast = diffusion.decode(bundle, rows, compile=True, **kw)
+        eager = DECODERS["diffusion"].decode(bundle, rows, **kw)
+        fast = DECODERS["diffusion"].decode(bundle, rows, compile=True, **kw)
         same(fast, eager)
         assert fast.stats.extra["compiled"] is True and fast.stats.extra["static_cache"] == 128
 
@@ -107,8 +106,8 @@ def test_early_bird_static_equals_dynamic_on_stories(stories, cache):
     for lps in (False, True):
         for rows in (prompts[:1], prompts):
             kw = dict(max_new_tokens=16, cache=cache, lps=lps, stop_token_ids=bundle.stop_token_ids)
-            eager = early_bird.decode(bundle, rows, **kw)
-            static = early_bird.decode(bundle, rows, static=True, **kw)
+            eager = DECODERS["early-bird"].decode(bundle, rows, **kw)
+            static = DECODERS["early-bird"].decode(bundle, rows, static=True, **kw)
             same(static, eager)
             assert static.stats.extra["refreshes"] == eager.stats.extra["refreshes"]
             assert ("static_cache" in static.stats.extra) == (cache != "none")
@@ -117,7 +116,7 @@ def test_early_bird_static_equals_dynamic_on_stories(stories, cache):
 def test_early_bird_static_equals_dynamic_when_sampling(stories):
     bundle, prompts = stories
     kw = dict(max_new_tokens=24, cache="dual", sampling=Sampling(temperature=0.8, seed=3))
-    same(early_bird.decode(bundle, prompts, static=True, **kw), early_bird.decode(bundle, prompts, **kw))
+    same(DECODERS["early-bird"].decode(bundle, prompts, static=True, **kw), DECODERS["early-bird"].decode(bundle, prompts, **kw))
 
 
 def test_early_bird_static_equals_dynamic_on_a_tiny_eager_model():
@@ -130,7 +129,7 @@ def test_early_bird_static_equals_dynamic_on_a_tiny_eager_model():
     for cache in ("none", "prefix", "dual"):
         kw = dict(max_new_tokens=32, lbs_router=lbs, lps_router=lps, tau_psi=0.6, block_size=8, l_min=2, g_max=2,
                   cache=cache)
-        same(early_bird.decode(bundle, prompts, static=True, **kw), early_bird.decode(bundle, prompts, **kw))
+        same(DECODERS["early-bird"].decode(bundle, prompts, static=True, **kw), DECODERS["early-bird"].decode(bundle, prompts, **kw))
 
 
 def test_early_bird_compiled_equals_eager(stories):
@@ -141,8 +140,8 @@ def test_early_bird_compiled_equals_eager(stories):
     # canvas length is a graph of its own), then the long ones, in turn (issue 48 item 1)
     longest = max(prompts, key=len)
     for rows in [[batch[0], longest] for batch in prompts_around_a_block(bundle, 8, 2)] + [[longest, prompts[0]]]:
-        eager = early_bird.decode(bundle, rows, **kw)
-        fast = early_bird.decode(bundle, rows, compile=True, **kw)
+        eager = DECODERS["early-bird"].decode(bundle, rows, **kw)
+        fast = DECODERS["early-bird"].decode(bundle, rows, compile=True, **kw)
         same(fast, eager)
         assert fast.stats.extra["compiled"] is True
 
@@ -163,13 +162,13 @@ def test_window_buckets_are_few_and_pad_little():
 def test_fast_path_refusals(stories, monkeypatch):
     bundle, prompts = stories
     with pytest.raises(UnmaskError, match="compile/static do not apply to --schedule dream"):
-        diffusion.decode(bundle, prompts[:1], max_new_tokens=8, schedule="dream", compile=True)
+        DECODERS["diffusion"].decode(bundle, prompts[:1], max_new_tokens=8, schedule="dream", compile=True)
     with pytest.raises(UnmaskError, match="static must be true or false"):
-        diffusion.decode(bundle, prompts[:1], max_new_tokens=8, static="yes")
+        DECODERS["diffusion"].decode(bundle, prompts[:1], max_new_tokens=8, static="yes")
     with pytest.raises(UnmaskError, match="compile must be true or false"):
-        early_bird.decode(bundle, prompts[:1], max_new_tokens=8, compile=1)
+        DECODERS["early-bird"].decode(bundle, prompts[:1], max_new_tokens=8, compile=1)
     monkeypatch.setattr("unmask.decode.dllm.cache.supports_cache", lambda bundle: False)  # a remote-code model
     with pytest.raises(UnmaskError, match="compile needs a transformers-native model"):
-        diffusion.decode(bundle, prompts[:1], max_new_tokens=8, compile=True)
+        DECODERS["diffusion"].decode(bundle, prompts[:1], max_new_tokens=8, compile=True)
     with pytest.raises(UnmaskError, match="static needs a transformers-native model"):
-        early_bird.decode(bundle, prompts[:1], max_new_tokens=8, static=True)
+        DECODERS["early-bird"].decode(bundle, prompts[:1], max_new_tokens=8, static=True)

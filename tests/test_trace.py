@@ -14,10 +14,9 @@ from conftest import run_cli, tiny_bundle, tiny_llama
 
 import unmask
 from unmask.cli import main
-from unmask.decode.dllm import diffusion
+from unmask.decode import DECODERS
 from unmask.models.mask_token import add_mask_token
 from unmask.trace import MASK_GLYPH, Trace, TokenText, attach_trace, step_event
-from unmask.decode import DECODERS
 
 STORIES = Path(unmask.__file__).parent / "checkpoints" / "stories260K"
 
@@ -59,7 +58,7 @@ def test_token_text_keeps_word_initial_spaces():
 def test_diffusion_events_replay_to_the_final_canvas():
     bundle = tiny_dllm()
     events = []
-    out = diffusion.decode(bundle, [[1, 5, 9], [1, 2]], max_new_tokens=16, block_size=8, tau=0.5,
+    out = DECODERS["diffusion"].decode(bundle, [[1, 5, 9], [1, 2]], max_new_tokens=16, block_size=8, tau=0.5,
                            on_step=events.append)
     assert len(events) == sum(out.stats.nfe_per_row)
     for row in (0, 1):
@@ -89,7 +88,7 @@ def test_trace_file_is_written_atomically_on_close(tmp_path):
     path = tmp_path / "sub" / "trace.json"
     options = attach_trace(show=False, trace_file=path, bundle=bundle, prompts=["5 9"])
     trace = options["on_step"]
-    out = diffusion.decode(bundle, [[1, 5, 9]], max_new_tokens=8, block_size=8, **options)
+    out = DECODERS["diffusion"].decode(bundle, [[1, 5, 9]], max_new_tokens=8, block_size=8, **options)
     assert not path.exists()  # nothing until close
     trace.close({"nfe": out.stats.nfe})
     data = json.loads(path.read_text())

@@ -20,8 +20,10 @@ from dataclasses import asdict, dataclass
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from unmask.decode.dllm.eb_select import FEATURE_NAMES, POS_MODES
 from unmask.errors import UnmaskError
+
+POS_MODES = ("literal", "rank")
+FEATURE_NAMES = ("confidence", "norm_entropy", "margin", "mask_ratio", "pos")  # LPS input order (§4.1)
 
 
 @dataclass(frozen=True)

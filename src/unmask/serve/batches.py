@@ -14,13 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import cached_property
 
 from unmask.decode import DECODERS, Config
-from unmask.decode.dllm.diffusion import DiffusionConfig
-from unmask.decode.dllm.diffusion_batch import OPTIONS as DIFFUSION_OPTIONS, Diffusion
-from unmask.decode.dllm.dream import OPTIONS as DREAM_OPTIONS
-from unmask.decode.dllm.early_bird_batch import OPTIONS as EARLY_BIRD_OPTIONS
 from unmask.decode.verify.batch import Verify, for_layout
 from unmask.decode.verify.config import default_layout
 from unmask.errors import UnmaskError
@@ -77,8 +72,6 @@ class RunningBatches:
             return None, None  # its decode call reports the unknown name
         try:
             cfg = spec.config.of(job.options, spec.name)
-            if type(cfg).batch_key is Config.batch_key and spec.name in _TRANSITIONAL:
-                return self._transitional_key(job, cfg)
             key = cfg.batch_key(self.bundle, job.max_new_tokens)
             if key is not None and not (isinstance(key, tuple) and key):
                 raise TypeError(f"batch_key returned {type(key).__name__}, not a tuple or None")
@@ -90,32 +83,6 @@ class RunningBatches:
             log.warning("decoder %r: its config's batch_key failed (%s: %s); the request runs on its own", spec.name,
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return None, None
-
-    @cached_property
-    def _diffusion_runs(self) -> bool:  # transitional, as _transitional_key
-        return Diffusion.batches_fit(self.bundle)
-
-    def _transitional_key(self, job: Job, cfg: Config) -> tuple[tuple | None, Config | None]:
-        """The keys of the built-in decoders whose configs do not yet define ``batch_key`` (issue 49):
-        ("verify", layout) for ar and lossless sbd; (kind, options as sorted items) for the others,
-        None for options their running batch does not take."""
-        options = job.options
-        items = tuple(sorted(options.items()))
-        if job.decoder == "diffusion" and "schedule" in options:  # Dream's schedule: a running batch of its own
-            fits = self._diffusion_runs and set(options) <= {"schedule", *DREAM_OPTIONS}
-            return (("dream", items), cfg) if fits else (None, None)
-        if not set(options) <= set(_TRANSITIONAL[job.decoder]):
-            return None, None
-        if job.decoder in ("diffusion", "early-bird") and not self._diffusion_runs:
-            return None, None
-        if job.decoder == "diffusion" and options.get("block_size") is None:
-            try:  # the block size this request decodes with (a short one gets a shorter block): part of the key
-                block = DiffusionConfig.from_options(max_new_tokens=job.max_new_tokens, **options).block_size
-            except (UnmaskError, TypeError):
-                return None, None
-            options = {**options, "block_size": block}
-            return ("diffusion", tuple(sorted(options.items()))), cfg.of(options, "diffusion")
-        return (job.decoder, items), cfg
 
     def _take_running(self) -> dict[tuple, list[Job]]:
         """Under the lock: waiting jobs of the running decoders, oldest first, by running-batch key,
@@ -243,6 +210,3 @@ class RunningBatches:
             row.job.post("step", TokenStep(row.tokens, len(row.tokens)))
 
 
-# Transitional (issue 49): the options the running batches of the built-in decoders take while their
-# configs do not define batch_key; a request with others runs per call. Goes when they do.
-_TRANSITIONAL = {"diffusion": DIFFUSION_OPTIONS, "early-bird": EARLY_BIRD_OPTIONS}

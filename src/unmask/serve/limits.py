@@ -116,11 +116,11 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
         length = early_bird_length(bundle, options) or knob("gen_length", max_tokens)
         return length, f"early-bird over a canvas of {length} tokens (the LBS router's gen_length)", "gen_length"
     if decoder == "diffusion":
-        from unmask.decode.dllm.diffusion import DiffusionConfig
+        from unmask.decode.dllm.diffusion import DiffusionOptions
 
         try:  # the whole canvas is scored in a refresh (or every step without a cache)
-            length = DiffusionConfig.from_options(max_new_tokens=max_tokens, **{
-                k: v for k, v in options.items() if k in ("gen_length", "block_size")}).gen_length
+            length = DiffusionOptions(**{k: v for k, v in options.items() if k in ("gen_length", "block_size")}
+                                      ).resolve(bundle, max_tokens).gen_length
         except (UnmaskError, TypeError):
             length = knob("gen_length", max_tokens)
         return length, f"{decoder} over a canvas of {length} tokens (gen_length)", "gen_length"

@@ -130,7 +130,7 @@ def collect_lps_traces(bundle, lbs: LBSRouter, prompts: list[list[int]], *, bloc
     no LPS). One trace per prompt; ``replay=True`` recomputes the features by re-running the
     model on the recorded schedule with the oracle rule (:func:`replay_traces`). With
     ``max_minutes`` collection stops before a batch that would not fit (judged by the previous one)."""
-    from unmask.decode.dllm import early_bird
+    from unmask.decode import DECODERS
 
     stops = tuple(bundle.stop_token_ids)
     settings = dict(block_size=block_size, tau=tau, l_min=l_min, g_max=g_max, pos_mode=pos_mode, cache=cache)
@@ -160,7 +160,7 @@ def collect_lps_traces(bundle, lbs: LBSRouter, prompts: list[list[int]], *, bloc
                 if i >= 0:  # a running row: its canvas after the step it finishes on is x_0
                     x0[i] = canvas[r]
 
-        early_bird.decode(bundle, batch, max_new_tokens=L, gen_length=L, stop_token_ids=stops, lps=False,
+        DECODERS["early-bird"].decode(bundle, batch, max_new_tokens=L, gen_length=L, stop_token_ids=stops, lps=False,
                           lbs_router=lbs, on_forward=hook, **settings)
         if replay:
             steps += [(s + r, t, f, y) for r, t, f, y in

@@ -108,7 +108,7 @@ def generate_responses(bundle, prompts: list[list[int]], *, gen_length: int, blo
     ``cache`` as in the diffusion decoder). With ``max_minutes`` generation stops before a batch
     that would not fit (judged by the previous one), so fewer responses than prompts may come back
     (the first ones)."""
-    from unmask.decode.dllm import diffusion
+    from unmask.decode import DECODERS
 
     stops = tuple(bundle.stop_token_ids)
     if not stops:
@@ -126,7 +126,7 @@ def generate_responses(bundle, prompts: list[list[int]], *, gen_length: int, blo
         tb = time.monotonic()
         batch = prompts[s: s + batch_size]
         canvases: dict[int, list] = {}
-        diffusion.decode(bundle, batch, max_new_tokens=gen_length, gen_length=gen_length, block_size=block_size,
+        DECODERS["diffusion"].decode(bundle, batch, max_new_tokens=gen_length, gen_length=gen_length, block_size=block_size,
                          stop_token_ids=stops, on_step=lambda e: canvases.__setitem__(e["row"], e["canvas"]),
                          cache=cache, **options[policy])
         out += [pad_response(canvases[r], stops, gen_length, stops[0]) for r in range(len(batch))]

@@ -5,10 +5,15 @@ or (B, L) tensors; no model, no state."""
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
+
 import torch
 
-from unmask.decode.engine.running import drain, requests_for
+from unmask.decode.dllm.cache import SlotCanvas
+from unmask.decode.engine.running import CanvasRows, Row, Slots, drain, requests_for
 from unmask.decode.engine.stats import DecodeOutput, stop_flags
+from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
 
 
@@ -57,25 +62,17 @@ def drain_prompts(make, bundle, prompts, *, max_new_tokens: int, sampling, stop_
                                     stop_strings=stop_strings, device=bundle.device))
 
 
-def until_stop(row: list[int], stop_set: set[int]) -> list[int]:
-    """``row`` up to (not including) its first id in ``stop_set``."""
-    for i, t in enumerate(row):
-        if t in stop_set:
-            return row[:i]
-    return list(row)
-
-
-def stop_string_in(bundle, prompt, ids: list[int], mask_id: int, stop_strings) -> bool:
-    """Whether the text of ``ids`` (generated ids, cut at the first mask) holds a stop string."""
-    text = bundle.decode_continuation(list(prompt), until_stop(ids, {mask_id}))
-    return any(s in text for s in stop_strings)
+def until_stop(row: list[int], stop_set) -> list[int]:
+    """``row`` up to (not including) its first id in ``stop_set`` (:meth:`StopRule.until_stop`)."""
+    return StopRule.of(stop_set).until_stop(row)
 
 
 def finish(row, full: list[int], stop_ids, mask_id: int) -> None:
     """Set a finished row's ``tokens`` (``full``, its reported ids, cut at the first stop id or
     mask), ``stop_token`` and ``finish`` ("length" or "stop")."""
-    row.tokens = until_stop(full, set(stop_ids) | {mask_id})
-    row.stop_token = stop_flags([full], [row.tokens], stop_ids)[0]
+    rule = stop_ids if isinstance(stop_ids, StopRule) else StopRule.of(stop_ids)
+    row.tokens = rule.until_stop(full, also=(mask_id,))
+    row.stop_token = stop_flags([full], [row.tokens], rule.ids)[0]
     row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
 
 
@@ -103,5 +100,75 @@ def early_stop_in(ids: torch.Tensor, gen: torch.Tensor, mask_id: int, stops: tor
     return ready
 
 
-__all__ = ["check_canvas", "check_mask_token", "drain_prompts", "early_stop", "early_stop_in", "event_hook", "finish",
-           "row_generator", "serving_options", "stop_string_in", "until_stop"]
+@dataclass(eq=False)
+class CanvasRow(Row):
+    """A running row on a canvas: ``generator`` (sampled rows), ``report`` (tokens reported),
+    ``commits`` (per forward it had masks) and ``gen``: its generated ids as the last step's read
+    left them (masks where nothing is committed), so finishing reads nothing more."""
+
+    generator: object = None
+    report: int = 0
+    commits: list[int] = field(default_factory=list)
+    gen: list[int] = field(default_factory=list)
+
+
+class CanvasBatch(CanvasRows):
+    """What the diffusion and early-bird running batches share: a :class:`SlotCanvas` slot per row,
+    one :class:`StopRule` (ids: ``stop_token_ids``, None = the bundle's; ``stops`` as a tensor),
+    per-slot stop flags ``done``, placing validated requests (:meth:`_place`), finishing rows from
+    the ids a step read (:meth:`_finish`, the subclass's ``_row_extra``) and the ``stats.extra``
+    keys both report (:meth:`_extra`). ``block``: the canvas's block (None: early-bird's windows)."""
+
+    def __init__(self, bundle, cfg, *, block, width, capacity, static, compile, on_step, on_forward, lockstep,
+                 stop_token_ids, length=None):
+        self.bundle, self.cfg = bundle, cfg
+        self.static, self.compile = static or compile, compile
+        self.on_step, self.on_forward, self.lockstep = on_step, on_forward, lockstep
+        self.slots = Slots(capacity)
+        self.canvas = SlotCanvas(bundle, cfg.cache, capacity, width, block, static=static, compile=compile,
+                                 length=length)
+        self.stop = StopRule.of(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids)
+        self.stops = torch.tensor(sorted(self.stop.ids) or [-1], device=bundle.device)
+        self.suppress = list(bundle.suppress_ids)
+        self.done = torch.zeros(capacity, dtype=torch.bool, device=bundle.device)  # (C,) a stop seen
+        self.running: dict = {}  # slot -> row
+        self.forwards = 0
+
+    @property
+    def confidence(self) -> str | None:
+        return self.cfg.confidence
+
+    def _place(self, requests, rows) -> list:
+        """Give each (validated) request a free slot with its canvas ``[prompt | m^L]`` and its row,
+        ``rows(job, slot, generator)`` (L = the row's ``len(gen)``). No forward: returns []."""
+        if len(requests) > self.slots.free:
+            self.slots.take(len(requests))  # raises the one-line "running batch full"
+        self._restart()
+        for job, slot in zip(requests, self.slots.take(len(requests))):
+            row = self.running[slot] = rows(job, slot, row_generator(job, self.bundle.device))
+            self.canvas.place(slot, list(job.prompt_ids), len(row.gen), self.bundle.mask_token_id)
+            self.done[slot] = False
+        return []
+
+    def _finish(self, rows: list) -> None:
+        """Set the rows' outputs as decode reports them (cut at the reported length and the first stop
+        id, from the ids the step read) and free their slots."""
+        for row in rows:
+            finish(row, row.gen[: row.report], self.stop, self.bundle.mask_token_id)
+            row.extra = self._row_extra(row)
+            self._leave(row)
+
+    def _extra(self, rows: list, extra: dict, keys: tuple[str, ...]) -> dict:
+        """``extra`` plus what both decoders report: ``accepts`` (histogram of per-row commits per
+        forward), ``n_committed``, ``row_extra`` (``keys`` of each row's extra), ``compiled`` and, on
+        a static cache, ``static_cache`` (its positions)."""
+        extra.update(accepts=dict(sorted(Counter(c for row in rows for c in row.commits).items())),
+                     n_committed=[row.extra["n_committed"] for row in rows],
+                     row_extra=[{k: row.extra[k] for k in keys} for row in rows], compiled=bool(self.compile))
+        if self.canvas.static_capacity is not None:
+            extra["static_cache"] = self.canvas.static_capacity
+        return extra
+
+
+__all__ = ["CanvasBatch", "CanvasRow", "check_canvas", "check_mask_token", "drain_prompts", "early_stop", "early_stop_in",
+           "event_hook", "finish", "row_generator", "serving_options", "until_stop"]

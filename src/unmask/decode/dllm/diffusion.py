@@ -1,4 +1,5 @@
-"""Semi-autoregressive decoding of masked-diffusion LMs (spec/diffusion.md §3, §4, §6–§9).
+"""Semi-autoregressive decoding of masked-diffusion LMs: its knobs and their resolution
+(spec/diffusion.md §3, §4, §6–§9).
 
 The canvas is ``[prompt | m^L]`` (L = gen_length), split into L / block_size blocks decoded left
 to right: each step runs one bidirectional forward, reads the current block's logits (realigned,
@@ -9,34 +10,39 @@ never change. Policies: ``top-k`` (LLaDA's low-confidence remasking with ``steps
 
 Temperature (§4): ``sampler="llada"`` draws with float64 Gumbel-max, ``"dream"`` from the tempered
 categorical (default: the model family's); κ is read under the untempered softmax unless
-``confidence="tempered"`` (Dream's). Each row has its own seeded generator, so a batch equals
-single runs. Caches (§8, approximate): none / prefix / dual, :mod:`unmask.decode.dllm.cache`.
-The loop is :class:`~unmask.decode.dllm.diffusion_batch.Diffusion`, the server's running batch too.
+``confidence="tempered"`` (Dream's). Caches (§8, approximate): none / prefix / dual,
+:mod:`unmask.decode.dllm.cache`. ``schedule="dream"`` runs Dream's own ``diffusion_generate``
+instead (§5, :mod:`unmask.decode.dllm.dream`).
+
+:class:`DiffusionOptions` are the knobs; :meth:`DiffusionOptions.resolve` turns them, once, into the
+validated :class:`DiffusionConfig` a row decodes with. The running batch is
+:mod:`unmask.decode.dllm.diffusion_batch`.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from unmask.decode.dllm.canvas import check_canvas, check_mask_token, event_hook
-from unmask.decode.dllm.cache import CACHE_MODES, check_fast_path, prompt_width
-from unmask.decode.engine.running import drain, requests_for
-from unmask.decode.engine.stats import DecodeOutput
-from unmask.errors import UnmaskError, is_int
-from unmask.models.adapters import SAMPLERS, default_sampler
-from unmask.policies import CONFIDENCES, Policy, TopK, gamma_option, make_policy
-from unmask.sampling import Sampling
+from unmask.decode.dllm.cache import CACHE_MODES
+from unmask.decode.dllm.dream import DreamConfig
 from unmask.decode.engine.knobs import CanvasKnobs, PolicyKnobs
 from unmask.decode.engine.registry import knob
+from unmask.errors import UnmaskError, is_int
+from unmask.models.adapters import SAMPLERS, default_sampler, is_remote
+from unmask.policies import CONFIDENCES, Policy, TopK, gamma_option, make_policy
 
 DEFAULT_BLOCK_SIZE = 32  # Fast-dLLM's LLaDA setting (models.md §2.3)
 DEFAULT_POLICY = "threshold"  # with τ = 0.9 (Fast-dLLM, diffusion.md §6)
 DEFAULT_EB_GAMMA = 0.1  # confidence proxy (diffusion.md §7, our choice)
 CANVAS_HINT = "lower --gen-length, --max-new-tokens or --block-size (the canvas is whole blocks)"
+DREAM_KNOBS = ("schedule", "alg", "alg_temp", "eps")
+# what Dream's schedule has no use for (one forward over the whole canvas per step, its own commit rule)
+NOT_DREAM = ("block_size", "policy", "gamma", "preset", "tau", "factor", "factor_compat", "tokens_per_step", "eta",
+             "cache", "refresh_every", "sampler", "confidence")
 
 
 def _divisors(n: int) -> list[int]:
@@ -53,9 +59,17 @@ def llada_quota(n_masked: torch.Tensor, steps: int, s: int) -> torch.Tensor:
     return base + (s < rem).long()
 
 
+def batches_fit(bundle) -> bool:
+    """Whether this model's diffusion and early-bird requests can share running batches: a
+    masked-diffusion model with a mask token whose forward takes explicit positions per row (a
+    remote-code LLaDA takes none, so its rows cannot be padded: the server runs those per call)."""
+    return (bundle.kind == "masked-diffusion" and bundle.mask_token_id is not None
+            and (not is_remote(bundle.model) or bundle.meta.get("family") == "dream"))
+
+
 @dataclass(frozen=True)
 class DiffusionConfig:
-    """Validated settings of one diffusion decode.
+    """The resolved, validated settings a diffusion row decodes with.
 
     gen_length: canvas length L; block_size divides it. steps: LLaDA's total step budget (top-k
     only, a multiple of the block count) or None. cache: none / prefix / dual. refresh_every: a
@@ -126,46 +140,7 @@ class DiffusionConfig:
         if self.steps is not None and self.steps == self.n_blocks and self.block_size > 1:
             warnings.warn(f"--steps {self.steps} equals the number of blocks (gen length {self.gen_length} / block "
                           f"size {self.block_size}): each block of {self.block_size} tokens commits in one step; use "
-                          f"--steps {self.gen_length} for one token per step", stacklevel=3)
-
-    @classmethod
-    def from_options(cls, *, max_new_tokens: int, gen_length=None, block_size=None, policy=None, gamma=None,
-                     preset=None, tau=None, factor=None, factor_compat=None, tokens_per_step=None, eta=None,
-                     steps=None, cache=None, refresh_every=None, eos_early_stop=False,
-                     sampler="llada", confidence=None) -> "DiffusionConfig":
-        """Build from API/CLI options (None = default). Raises UnmaskError for bad combinations.
-
-        gen_length defaults to max_new_tokens rounded up to a multiple of the block size; the block
-        size defaults to 32, or to the requested length when that is shorter.
-        """
-        gamma = gamma_option(gamma, preset)
-        if not isinstance(eos_early_stop, bool):
-            raise UnmaskError(f"eos_early_stop must be true or false (got {eos_early_stop!r})")
-        if steps is not None and tokens_per_step is not None:
-            raise UnmaskError("--steps and --tokens-per-step conflict; give either --steps (LLaDA schedule) or "
-                              "--tokens-per-step, not both")
-        name = policy or ("factor" if factor_compat else _infer_policy(gamma, tau, factor, tokens_per_step, steps, eta))
-        if factor_compat and name != "factor":
-            raise UnmaskError(f"--factor-compat applies to the factor policy only (got {name!r}); "
-                              "use --policy factor or drop --factor-compat")
-        if gamma is None and name in ("entropy-bound", "confidence-bound", "margin-bound"):
-            gamma = DEFAULT_EB_GAMMA
-        params = {"gamma": gamma, "tau": tau, "f": factor, "compat": factor_compat, "k": tokens_per_step,
-                  "eta": eta}
-        built = make_policy(name, **params)
-        requested = gen_length if gen_length is not None else max_new_tokens
-        if not is_int(requested) or requested < 1:
-            raise UnmaskError(f"gen length must be an integer >= 1 (got {requested!r}); pass e.g. --gen-length 64")
-        block = block_size if block_size is not None else min(DEFAULT_BLOCK_SIZE, requested)
-        if gen_length is None:  # an invalid block size is reported by __post_init__
-            gen_length = math.ceil(requested / block) * block if is_int(block) and block >= 1 else requested
-        elif is_int(max_new_tokens) and is_int(gen_length) and max_new_tokens > gen_length:
-            raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds gen length {gen_length}; lower "
-                              "--max-new-tokens or raise --gen-length")
-        return cls(gen_length=gen_length, block_size=block, policy=built, steps=steps,
-                   cache="none" if cache is None else str(cache), refresh_every=refresh_every,
-                   eos_early_stop=eos_early_stop, sampler=sampler,
-                   confidence=confidence)
+                          f"--steps {self.gen_length} for one token per step", stacklevel=4)
 
 
 def _infer_policy(gamma, tau, factor, tokens_per_step, steps, eta) -> str:
@@ -179,117 +154,6 @@ def _infer_policy(gamma, tau, factor, tokens_per_step, steps, eta) -> str:
     if eta is not None:
         return "entropy-threshold"
     return DEFAULT_POLICY
-
-
-@torch.inference_mode()
-def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
-           stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), gen_length: int | None = None,
-           block_size: int | None = None, policy: str | None = None, gamma: float | str | None = None,
-           preset: str | None = None, tau: float | None = None, factor: float | None = None,
-           factor_compat: bool | None = None, tokens_per_step: int | None = None, eta: float | None = None,
-           steps: int | None = None, cache: str | None = None, refresh_every: int | None = None,
-           eos_early_stop: bool = False, sampler: str | None = None, confidence: str | None = None,
-           schedule: str | None = None, reference_steps: bool = False,
-           alg: str | None = None, alg_temp: float | None = None, eps: float | None = None, on_step=None,
-           on_forward=None, compile: bool = False, static: bool = False) -> DecodeOutput:
-    """Semi-AR masked-diffusion decoding of a batch (diffusion.md §3, §6–§9).
-
-    prompts: token ids per row (left-padded; positions count real tokens only, so every row
-    decodes exactly as it would alone). Blocks advance in lockstep: a row whose block is complete
-    waits without committing. ``max_new_tokens`` sets gen_length when that is not given (rounded
-    up to the block size). The reported tokens are cut to ``max_new_tokens`` in either case, and
-    decoding ends after the block that holds the last reported position: later blocks cannot
-    change committed tokens, so they would only cost forwards (pass ``max_new_tokens=gen_length``
-    to decode and report the whole canvas).
-
-    Stopping (§9): a row stops after the block in which it committed a stop id (stop_token_ids,
-    e.g. EOS) and reports the tokens before the first one. With ``eos_early_stop`` a row stops as
-    soon as every position before its first committed stop id is committed; the rest of the
-    canvas is filled with that id (counted in ``n_committed``). Stop strings end a row after its
-    block.
-
-    Hooks: ``on_step(event)`` (see :mod:`unmask.trace`) after every forward, once per row that
-    had masks; ``on_forward(state)`` (tests) with the canvas before the commit, the block logits
-    (B, block, V) and the commit mask.
-
-    Returns DecodeOutput. NFE counts forwards (the block-start refresh included, §10); per row,
-    the forwards in which that row still had masks. stats.extra: policy, cache, gen_length,
-    block_size, sampler, confidence, ``accepts`` (histogram of per-row commits per forward), ``n_committed``
-    and per-row ``row_extra`` {policy, cache, steps (forwards used), commits (per-step counts)}.
-    With ``steps`` larger than the generation length LLaDA's trailing steps have a quota of 0 and
-    commit nothing; they are skipped (same tokens, fewer forwards). ``reference_steps=True`` runs
-    them as LLaDA's ``generate`` does (NFE = steps; what ``--reference-nfe`` asks for).
-
-    Fast path: ``static=True`` runs the K/V on a preallocated ``StaticKV`` with fixed-shape
-    forwards (what ``compile`` runs, eagerly; for tests and debugging); ``compile=True`` also runs
-    them through ``torch.compile`` (inductor on CPU, CUDA graphs on CUDA), one graph per shape:
-    no cache compiles the canvas forward (B, P + L), the caches the window step (a prefix window
-    padded to a bucket; the block-start refresh stays eager), see :mod:`unmask.decode.dllm.cache`.
-    Prompts are left-padded to a multiple of 16 there, so similar prompts share the graphs. Same
-    tokens and NFE as the eager run up to float rounding. stats.extra adds ``compiled`` and, on a
-    static cache, ``static_cache`` (its positions).
-
-    ``schedule="dream"`` runs Dream's own ``diffusion_generate`` instead (§5, no blocks; ``steps``,
-    ``alg`` origin / maskgit_plus / topk_margin / entropy, ``alg_temp``, ``eps``): see
-    :mod:`unmask.decode.dllm.dream`.
-
-    Raises UnmaskError for a model without a mask token, max_new_tokens above an explicit
-    gen_length, a block size that does not divide the generation length, a bad step budget, bad
-    policy options, an unknown cache or sampler, a canvas longer than the context window, or
-    ``compile`` / ``static`` on a remote-code model or with ``schedule="dream"``.
-    """
-    check_mask_token(bundle, "diffusion")
-    if not isinstance(reference_steps, bool):
-        raise UnmaskError(f"reference_steps must be true or false (got {reference_steps!r}); pass --reference-nfe to "
-                          "generate, which sets it")
-    if schedule is not None or alg is not None or alg_temp is not None or eps is not None:
-        if compile or static:
-            raise UnmaskError("compile/static do not apply to --schedule dream (Dream's own loop runs eagerly); "
-                              "drop --compile or use the semi-AR diffusion schedule")
-        return _dream_schedule(bundle, prompts, schedule, locals())
-    check_fast_path(bundle, static, compile, "the diffusion decoder")
-    cfg = DiffusionConfig.from_options(
-        max_new_tokens=max_new_tokens, gen_length=gen_length, block_size=block_size, policy=policy, gamma=gamma,
-        preset=preset, tau=tau, factor=factor, factor_compat=factor_compat, tokens_per_step=tokens_per_step,
-        eta=eta, steps=steps, cache=cache, refresh_every=refresh_every, eos_early_stop=eos_early_stop,
-        sampler=default_sampler(bundle) if sampler is None else sampler, confidence=confidence)
-    cfg.warn_degenerate()
-    for p in prompts:  # before the canvases are allocated
-        check_canvas(bundle, len(p), cfg.gen_length, CANVAS_HINT)
-    L = cfg.gen_length
-    width = prompt_width(max(map(len, prompts)), L, bundle.context_length, static or compile) + L  # fast path: a bucket
-    requests = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings,
-                            device=bundle.device)
-    from unmask.decode.dllm.diffusion_batch import Diffusion  # it builds on this module's config and pieces
-
-    return drain(lambda capacity: Diffusion(bundle, cfg, static=static, compile=compile, capacity=capacity,
-                                            on_step=event_hook(on_step), stop_token_ids=stop_token_ids, lockstep=True,
-                                            width=width, reference_steps=reference_steps, on_forward=on_forward),
-                 requests)
-
-
-_DREAM_OPTIONS = ("max_new_tokens", "sampling", "stop_token_ids", "gen_length", "steps", "alg", "alg_temp", "eps",
-                  "on_step", "on_forward")
-
-
-def _dream_schedule(bundle, prompts, schedule, options: dict) -> DecodeOutput:
-    """Dispatch ``schedule="dream"`` to :mod:`unmask.decode.dllm.dream`, refusing options it has no use for."""
-    from unmask.decode.dllm import dream as dream_compat
-
-    if schedule != "dream":
-        raise UnmaskError(f"unknown schedule {schedule!r} for the diffusion decoder; use \"dream\" (Dream's "
-                          "diffusion_generate) or leave it unset" if schedule is not None else
-                          "--alg/--alg-temp/--eps apply to Dream's schedule; add --schedule dream")
-    unused = {"block_size", "policy", "gamma", "preset", "tau", "factor", "factor_compat", "tokens_per_step", "eta",
-              "cache", "refresh_every", "sampler", "confidence", "stop_strings"}
-    given = sorted(k for k in unused if options.get(k) not in (None, (), "none"))
-    if options.get("eos_early_stop"):
-        given.append("eos_early_stop")
-    if given:
-        flags = ", ".join("--" + k.replace("_", "-") for k in given)
-        raise UnmaskError(f"{flags} do(es) not apply to --schedule dream (one forward over the whole canvas per "
-                          "step, Dream's own commit rule); drop them")
-    return dream_compat.decode(bundle, prompts, **{k: options[k] for k in _DREAM_OPTIONS})
 
 
 @dataclass(frozen=True)
@@ -314,3 +178,80 @@ class DiffusionOptions(CanvasKnobs, PolicyKnobs):
     reference_steps: bool = knob("run LLaDA's zero-quota steps too, as the reference does (NFE = steps)",
                                  default=False, cli=False, serve=False)
 
+    @property
+    def dreams(self) -> bool:
+        """Whether these options ask for Dream's schedule (or one of its knobs)."""
+        return any(getattr(self, k) is not None for k in DREAM_KNOBS)
+
+    def resolve(self, bundle, max_new_tokens: int) -> DiffusionConfig:
+        """The config a request of ``max_new_tokens`` decodes with on ``bundle`` (sampler: the model
+        family's unless given). gen_length defaults to max_new_tokens rounded up to a multiple of
+        the block size; the block size to 32, or to the requested length when that is shorter.
+        Raises UnmaskError for bad values and combinations."""
+        gamma = gamma_option(self.gamma, self.preset)
+        if not isinstance(self.eos_early_stop, bool):
+            raise UnmaskError(f"eos_early_stop must be true or false (got {self.eos_early_stop!r})")
+        if self.steps is not None and self.tokens_per_step is not None:
+            raise UnmaskError("--steps and --tokens-per-step conflict; give either --steps (LLaDA schedule) or "
+                              "--tokens-per-step, not both")
+        compat = self.factor_compat
+        name = self.policy or ("factor" if compat else _infer_policy(gamma, self.tau, self.factor,
+                                                                     self.tokens_per_step, self.steps, self.eta))
+        if compat and name != "factor":
+            raise UnmaskError(f"--factor-compat applies to the factor policy only (got {name!r}); "
+                              "use --policy factor or drop --factor-compat")
+        if gamma is None and name in ("entropy-bound", "confidence-bound", "margin-bound"):
+            gamma = DEFAULT_EB_GAMMA
+        built = make_policy(name, gamma=gamma, tau=self.tau, f=self.factor, compat=compat, k=self.tokens_per_step,
+                            eta=self.eta)
+        gen_length = self.gen_length
+        requested = gen_length if gen_length is not None else max_new_tokens
+        if not is_int(requested) or requested < 1:
+            raise UnmaskError(f"gen length must be an integer >= 1 (got {requested!r}); pass e.g. --gen-length 64")
+        block = self.block_size if self.block_size is not None else min(DEFAULT_BLOCK_SIZE, requested)
+        if gen_length is None:  # an invalid block size is reported by DiffusionConfig
+            gen_length = math.ceil(requested / block) * block if is_int(block) and block >= 1 else requested
+        elif is_int(max_new_tokens) and is_int(gen_length) and max_new_tokens > gen_length:
+            raise UnmaskError(f"max_new_tokens {max_new_tokens} exceeds gen length {gen_length}; lower "
+                              "--max-new-tokens or raise --gen-length")
+        return DiffusionConfig(gen_length=gen_length, block_size=block, policy=built, steps=self.steps,
+                               cache="none" if self.cache is None else str(self.cache),
+                               refresh_every=self.refresh_every, eos_early_stop=self.eos_early_stop,
+                               sampler=default_sampler(bundle) if self.sampler is None else self.sampler,
+                               confidence=self.confidence)
+
+    def dream(self) -> DreamConfig:
+        """Dream's schedule of these options. Raises UnmaskError for another schedule, Dream's knobs
+        without it, or options Dream's loop has no use for."""
+        if self.schedule != "dream":
+            raise UnmaskError(f"unknown schedule {self.schedule!r} for the diffusion decoder; use \"dream\" (Dream's "
+                              "diffusion_generate) or leave it unset" if self.schedule is not None else
+                              "--alg/--alg-temp/--eps apply to Dream's schedule; add --schedule dream")
+        given = sorted(k for k in NOT_DREAM if getattr(self, k) not in (None, "none"))
+        if self.eos_early_stop:
+            given.append("eos_early_stop")
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise UnmaskError(f"{flags} do(es) not apply to --schedule dream (one forward over the whole canvas per "
+                              "step, Dream's own commit rule); drop them")
+        return DreamConfig.of(gen_length=self.gen_length, steps=self.steps, alg=self.alg, alg_temp=self.alg_temp,
+                              eps=self.eps)
+
+    def batch_key(self, bundle, max_new_tokens: int):
+        """("dream", self) for Dream's schedule (a running batch of its own); ("diffusion", these options
+        with the block size the request decodes with: a short request gets a shorter block, so it is
+        part of the key); None (per call) for a model whose rows cannot share a batch
+        (:func:`batches_fit`), ``reference_steps``, or options that fail (the call reports them)."""
+        if not batches_fit(bundle) or self.reference_steps:
+            return None
+        try:
+            if self.dreams:
+                self.dream()
+                return "dream", self
+            block = self.resolve(bundle, max_new_tokens).block_size
+        except (UnmaskError, TypeError):
+            return None
+        return "diffusion", replace(self, block_size=block)
+
+
+__all__ = ["CANVAS_HINT", "DEFAULT_BLOCK_SIZE", "DiffusionConfig", "DiffusionOptions", "batches_fit", "llada_quota"]

@@ -1,5 +1,6 @@
 """The diffusion decoder as one running batch (DESIGN.md "One engine"; spec/diffusion.md §3, §6–§9):
-``diffusion.decode``, its static/compiled fast path and the server all run :class:`Diffusion`.
+``decode(decoder="diffusion")``, its static/compiled fast path and the server all run :class:`Diffusion`
+(built by :func:`batch`, the registry's factory).
 
 Each row has its own canvas (a :class:`~unmask.decode.dllm.cache.SlotCanvas` slot), block progress
 and seeded generator, so it decodes as it would alone, whenever it joined. A step is ONE forward
@@ -13,126 +14,67 @@ decode's batch always has (same tokens; decode's batch NFE and step numbering).
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from unmask.decode.dllm.canvas import (check_canvas, check_mask_token, early_stop_in, finish, row_generator,
-                                         serving_options, stop_string_in)
-from unmask.decode.dllm.diffusion import CANVAS_HINT, DEFAULT_BLOCK_SIZE, DiffusionConfig, llada_quota
-from unmask.decode.dllm.cache import SlotCanvas, check_fast_path
-from unmask.decode.engine.running import CanvasRows, Request, Row, Slots
+from unmask.decode.dllm.cache import SlotCanvas, check_fast_path, prompt_width
+from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, check_canvas, check_mask_token, early_stop_in
+from unmask.decode.dllm.diffusion import CANVAS_HINT, DEFAULT_BLOCK_SIZE, DiffusionConfig, DiffusionOptions, llada_quota
+from unmask.decode.dllm.dream import DreamSchedule
+from unmask.decode.engine.host import HostRead
+from unmask.decode.engine.registry import Spec
+from unmask.decode.engine.running import Request, group_by
 from unmask.decode.engine.stats import check_nfe
+from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
-from unmask.models.adapters import default_sampler, is_remote, realign, supports_cache
+from unmask.models.adapters import is_remote, realign, supports_cache
 from unmask.policies import commit
 from unmask.trace import host_event
-from unmask.decode.dllm import diffusion
-from unmask.decode.dllm.diffusion import DiffusionOptions
-from unmask.decode.dllm.dream import DreamSchedule
-from unmask.decode.engine.registry import Spec
-
-OPTIONS = ("gen_length", "block_size", "policy", "gamma", "preset", "tau", "factor", "factor_compat",
-           "tokens_per_step", "eta", "steps", "cache", "refresh_every", "eos_early_stop", "sampler", "confidence")
 
 
 @dataclass(eq=False)
-class DiffusionRow(Row):
-    """A running row plus its block progress: ``cfg`` (its gen length), ``report`` (tokens reported),
-    ``block``, ``step`` (forwards in the block), ``commits`` (per forward), ``cohort`` (its join, for
-    lockstep), ``complete`` (its block is done), ``done`` (a stop seen), ``more`` (its block has
-    masks, from the last step's read) and ``gen``: its generated ids as that read left them (a block
-    not reached yet is masks), so finishing reads nothing more."""
+class DiffusionRow(CanvasRow):
+    """A running row plus its block progress: ``cfg`` (its gen length), ``block``, ``step`` (forwards
+    in the block), ``cohort`` (its join, for lockstep), ``complete`` (its block is done), ``done`` (a
+    stop seen) and ``more`` (its block has masks, from the last step's read); a block not reached
+    yet is masks in ``gen``."""
 
     cfg: DiffusionConfig = None
-    generator: object = None
-    report: int = 0
     block: int = 0
     step: int = 0
-    commits: list[int] = field(default_factory=list)
     cohort: int = 0
     complete: bool = False
     done: bool = False
     more: bool = True
-    gen: list[int] = field(default_factory=list)
 
 
-class Diffusion(CanvasRows):
+class Diffusion(CanvasBatch):
     """Semi-AR masked-diffusion decoding as a running batch (``decode/engine/running.py``'s contract).
 
-    cfg: the validated knobs every row shares; a row's gen length is ``cfg.gen_length``, or with
-    ``options`` (the server) the one ``DiffusionConfig.from_options(max_new_tokens=..., **options)``
-    gives its request. ``width``: the canvas width to allocate (grows on join unless static;
-    ``length``: static, it grows up to that many columns, see :class:`SlotCanvas`).
-    ``stop_token_ids`` (None: the bundle's); ``on_step(row, event)`` step events (lockstep: the
-    batch forward index and the request id as row, else the row's own forward index and row 0);
-    ``on_forward(state)`` (tests) before each commit; ``reference_steps`` runs LLaDA's zero-quota
-    steps. ``static``/``compile`` run the forwards on the preallocated cache / compiled (every
-    forward then covers all ``capacity`` slots; with ``length``, the row bucket). Raises UnmaskError for a model without a mask
-    token and for fast-path options the model cannot run; ``join`` for a request that does not fit.
+    cfg: the resolved knobs every row shares; a row's gen length is ``cfg.gen_length``, or with
+    ``options`` (the server) the one ``options.resolve(bundle, max_new_tokens)`` gives its request.
+    ``width``: the canvas width to allocate (grows on join unless static; ``length``: static, it
+    grows up to that many columns, see :class:`SlotCanvas`). ``stop_token_ids`` (None: the
+    bundle's); ``on_step(row, event)`` step events (lockstep: the batch forward index and the
+    request id as row, else the row's own forward index and row 0); ``on_forward(state)`` (tests)
+    before each commit; ``reference_steps`` runs LLaDA's zero-quota steps. ``static``/``compile``
+    run the forwards on the preallocated cache / compiled (every forward then covers all
+    ``capacity`` slots; with ``length``, the row bucket). Raises UnmaskError for a model without a
+    mask token and for fast-path options the model cannot run; ``join`` for a request that does
+    not fit.
     """
 
     def __init__(self, bundle, cfg: DiffusionConfig, *, static=False, compile=False, capacity=8, on_step=None,
                  on_token=None, stop_token_ids=None, lockstep=False, width=0, reference_steps=False,
-                 on_forward=None, options: dict | None = None, length: int | None = None):
+                 on_forward=None, options: DiffusionOptions | None = None, length: int | None = None):
         check_mask_token(bundle, "diffusion")
         check_fast_path(bundle, static, compile, "the diffusion decoder")
-        self.bundle, self.cfg, self.options = bundle, cfg, options
-        self.static, self.compile = static or compile, compile
-        self.on_step, self.on_forward, self.lockstep, self.reference = on_step, on_forward, lockstep, reference_steps
-        self.slots = Slots(capacity)
-        self.canvas = SlotCanvas(bundle, cfg.cache, capacity, max(width, 1), cfg.block_size, static=static,
-                                 compile=compile, length=length)
-        dev = bundle.device
-        ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
-        self.stop_ids = tuple(ids)
-        self.stops = torch.tensor(sorted(set(ids)) or [-1], device=dev)
-        self.suppress = list(bundle.suppress_ids)
-        self.done = torch.zeros(capacity, dtype=torch.bool, device=dev)  # (C,) a stop seen (early stop)
-        self.running: dict[int, DiffusionRow] = {}  # slot -> row
-        self.forwards, self._cohorts = 0, 0
-
-    @classmethod
-    def serving(cls, bundle, options: dict | None = None, on_step=None, *, stop_token_ids=None, capacity: int = 64,
-                compile: bool = False):
-        """The server's running batch for one set of diffusion ``options`` (:data:`OPTIONS`, None =
-        default), each row with its own gen length. ``compile`` (``serve --compile``): with the dual
-        cache, the K/V live in a static cache of the context window plus one window, the window steps
-        run compiled (a new shape eagerly until the idle server compiles it) and refreshes eagerly
-        on their own (:meth:`SlotCanvas._split`). The prefix cache (its window
-        shrinks block by block: many shapes) and no cache (padding the canvas to static shapes)
-        stay eager: compiled, they measured slower under load (benchmarks/results/). Raises
-        UnmaskError for an unknown option (e.g. ``schedule``, ``compile``), a bad value, or a
-        remote-code model other than Dream's (LLaDA's remote forward takes no positions)."""
-        if is_remote(bundle.model) and bundle.meta.get("family") != "dream":
-            raise UnmaskError("a continuous diffusion batch needs explicit positions per row; this checkpoint's "
-                              "own model code takes none, so decode it with per-call diffusion batches")
-        options = serving_options(options, OPTIONS, "a continuous diffusion batch (semi-AR blocks, eager forwards)")
-        if str(options.get("cache", "none")) != "none" and not supports_cache(bundle):
-            raise UnmaskError(f"cache {options['cache']!r} needs a transformers-native model; this checkpoint runs "
-                              "its own model code, so use cache 'none'")
-        options.setdefault("sampler", default_sampler(bundle))
-        # validated once on a nominal length that fits any block size; per-row lengths are checked at join
-        nominal = options.get("gen_length") or options.get("block_size") or DEFAULT_BLOCK_SIZE
-        nominal = nominal if isinstance(nominal, int) and nominal >= 1 else 1  # a bad block size: reported as such
-        cfg = DiffusionConfig.from_options(max_new_tokens=nominal, **options)
-        fast = {"compile": True, "length": bundle.context_length} if compile and cfg.cache == "dual" else {}
-        return cls(bundle, cfg, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids, options=options,
-                   **fast)
-
-    @classmethod
-    def batches_fit(cls, bundle) -> bool:
-        """Whether this model's diffusion requests can share running batches (a remote-code LLaDA
-        takes no positions, so its rows cannot be padded: the server runs those per call)."""
-        try:
-            return bundle.kind == "masked-diffusion" and cls.serving(bundle, capacity=1) is not None
-        except UnmaskError:
-            return False
-
-    @property
-    def confidence(self) -> str | None:
-        return self.cfg.confidence
+        super().__init__(bundle, cfg, block=cfg.block_size, width=max(width, 1), capacity=capacity, static=static,
+                         compile=compile, on_step=on_step, on_forward=on_forward, lockstep=lockstep,
+                         stop_token_ids=stop_token_ids, length=length)
+        self.options, self.reference, self._cohorts = options, reference_steps, 0
+        self._fast = dict(static=static, compile=compile, length=length)
 
     # -- joining ------------------------------------------------------------------------------------
 
@@ -140,7 +82,7 @@ class Diffusion(CanvasRows):
         """The request's config; UnmaskError when it does not fit."""
         cfg = self.cfg
         if self.options is not None:
-            cfg = DiffusionConfig.from_options(max_new_tokens=job.max_new_tokens, **self.options)
+            cfg = self.options.resolve(self.bundle, job.max_new_tokens)
             if cfg.block_size != self.cfg.block_size:  # without --block-size a short request gets a shorter block
                 raise UnmaskError(f"this request decodes with block size {cfg.block_size}, the running batch with "
                                   f"{self.cfg.block_size}; give it a batch of its own (block_size={cfg.block_size})")
@@ -151,19 +93,24 @@ class Diffusion(CanvasRows):
     def join(self, requests: list[Request]) -> list[DiffusionRow]:
         """Place each request's canvas at block 0 of a free slot (no forward: a row's first forward
         is its first step). Every request is validated first, so a bad one adds none. Returns []."""
-        cfgs = [self._config(job) for job in requests]
-        if len(requests) > self.slots.free:
-            self.slots.take(len(requests))  # raises the one-line "running batch full"
-        self._restart()
+        opts = self.options
+        if opts is not None and opts.block_size is None and requests and not self.running:
+            # a server batch without --block-size decodes with its first request's (the batch key pins it)
+            first = opts.resolve(self.bundle, requests[0].max_new_tokens)
+            if first.block_size != self.cfg.block_size:
+                self.cfg = first
+                self.canvas = SlotCanvas(self.bundle, first.cache, self.slots.capacity, 1, first.block_size,
+                                         **self._fast)
+        cfgs = {id(job): self._config(job) for job in requests}
         self._cohorts += 1
-        for job, cfg, slot in zip(requests, cfgs, self.slots.take(len(requests))):
-            self.canvas.place(slot, list(job.prompt_ids), cfg.gen_length, self.bundle.mask_token_id)
-            self.done[slot] = False
-            gen = row_generator(job, self.bundle.device)
-            self.running[slot] = DiffusionRow(job=job, slot=slot, cfg=cfg, generator=gen, cohort=self._cohorts,
-                                              report=min(job.max_new_tokens, cfg.gen_length),
-                                              gen=[self.bundle.mask_token_id] * cfg.gen_length)
-        return []
+
+        def row(job, slot, generator):
+            cfg = cfgs[id(job)]
+            return DiffusionRow(job=job, slot=slot, cfg=cfg, generator=generator, cohort=self._cohorts,
+                                report=min(job.max_new_tokens, cfg.gen_length),
+                                gen=[self.bundle.mask_token_id] * cfg.gen_length)
+
+        return self._place(requests, row)
 
     # -- stepping -----------------------------------------------------------------------------------
 
@@ -215,28 +162,28 @@ class Diffusion(CanvasRows):
         ended = (torch.isin(canvas.ids[:n], self.stops) & gen_cols & (torch.arange(T, device=dev) < cols[:, -1:] + 1)
                  ).any(dim=1)  # (n,) a stop id at or before the block's end
         committed = ((canvas.ids[:n] != mask_id) & gen_cols).sum(dim=1)  # (n,)
-        # the step's one host sync: what each row's bookkeeping reads, and its block's ids (n, 6 + Bk);
-        # with on_step, what its event reads too: commits, candidates (n, Bk) each, generated ids (n, Lmax)
-        packed = [torch.stack([chosen.sum(dim=1), had.long(), left.long(), self.done[:n].long(), ended.long(),
-                               committed], dim=1), canvas.ids[:n].gather(1, cols)]
+        # the step's one host sync: what each row's bookkeeping reads and its block's ids; with on_step,
+        # what its event shows too: commits, candidates and the generated ids
+        host = HostRead().add("count", chosen.sum(dim=1)).add("had", had).add("more", left).add("done", self.done[:n])
+        host.add("stop", ended).add("committed", committed).add("block", canvas.ids[:n].gather(1, cols))
         Lmax = max(r.cfg.gen_length if r else Bk for r in rows)
         if self.on_step is not None:
-            packed += [chosen.long(), tokens, canvas.ids[:n, T - Lmax:]]
-        flags = torch.cat(packed, dim=1).tolist()
+            host.add("chosen", chosen).add("tokens", tokens).add("gen", canvas.ids[:n, T - Lmax:])
+        got = host.read()
         self.forwards += 1
         for r, row in enumerate(rows):
             if row is None or not active[r]:
                 continue
-            count, was, more, done, stop, row.extra["n_committed"] = flags[r][:6]
-            row.gen[row.block * Bk: (row.block + 1) * Bk] = flags[r][6: 6 + Bk]
+            was, more, done = got["had"][r], got["more"][r], got["done"][r]
+            row.extra["n_committed"] = got["committed"][r]
+            row.gen[row.block * Bk: (row.block + 1) * Bk] = got["block"][r]
             row.more = bool(more)
             if was:
-                row.commits.append(count)
+                row.commits.append(got["count"][r])
                 if self.on_step is not None:
                     at, who = (self.forwards - 1, row.job.id) if self.lockstep else (row.nfe, 0)
-                    got = flags[r][6 + Bk:]  # commits, candidates, then the last Lmax canvas columns
-                    self.on_step(row, host_event(at, who, got[:Bk], got[Bk: 2 * Bk], row.block * Bk,
-                                                 got[len(got) - row.cfg.gen_length:], mask_id, block=row.block))
+                    self.on_step(row, host_event(at, who, got["chosen"][r], got["tokens"][r], row.block * Bk,
+                                                 got["gen"][r][Lmax - row.cfg.gen_length:], mask_id, block=row.block))
             row.nfe += int(bool(was) or (self.reference and not done))
             row.step += 1
             check_nfe(row.nfe, max(row.cfg.gen_length, row.cfg.steps or 0) + row.cfg.n_blocks, "diffusion")
@@ -244,16 +191,13 @@ class Diffusion(CanvasRows):
             pending = self.reference and cfg.steps is not None and row.step < row.cfg.steps // row.cfg.n_blocks
             row.complete = not more and not pending
             if row.complete and not cfg.eos_early_stop:
-                row.done |= bool(stop)
+                row.done |= bool(got["stop"][r])
         return self._advance()
 
     def _commit(self, rows, logits, masked, quota, draws):
         """:func:`unmask.policies.commit` per group of rows sharing a sampling setting, each sampled row
         with its generator; ``draws``: the row indices with masks (the only ones that draw)."""
-        groups: dict = {}
-        for r, row in enumerate(rows):
-            if row is not None:
-                groups.setdefault(row.job.sampling, []).append(r)
+        groups = group_by(((r, row) for r, row in enumerate(rows) if row is not None), lambda row: row.job.sampling)
         if len(groups) == 1:  # the whole batch at once: free slots have no masks, so they commit nothing
             groups = {next(iter(groups)): list(range(len(rows)))}
         kw = dict(confidence=self.cfg.commit_confidence, validate=False,
@@ -282,8 +226,8 @@ class Diffusion(CanvasRows):
                 continue
             e = (row.block + 1) * self.cfg.block_size
             if row.job.stop and not row.done:
-                row.done = stop_string_in(self.bundle, row.job.prompt_ids, row.gen[:e], self.bundle.mask_token_id,
-                                          row.job.stop)
+                row.done = StopRule.of(strings=row.job.stop).hit(self.bundle, row.job.prompt_ids, row.gen[:e],
+                                                                 also=(self.bundle.mask_token_id,))
             if row.done or e >= row.report or row.block + 1 == row.cfg.n_blocks:
                 finished.append(row)
             else:  # a block not reached yet holds masks only (commits and early-stop fills stay in reached ones)
@@ -292,42 +236,92 @@ class Diffusion(CanvasRows):
             self._finish(finished)
         return finished
 
-    def _finish(self, rows: list[DiffusionRow]) -> None:
-        """Set the rows' outputs as decode reports them (cut at the reported length and the first
-        stop id, from the ids the step read) and free their slots."""
-        for row in rows:
-            finish(row, row.gen[: row.report], self.stop_ids, self.bundle.mask_token_id)
-            row.extra = {"policy": row.cfg.policy.name, "cache": row.cfg.cache, "steps": row.nfe,
-                         "commits": list(row.commits), "n_committed": row.extra["n_committed"]}
-            del self.running[row.slot]
-        self.slots.give([row.slot for row in rows])
+    def _row_extra(self, row: DiffusionRow) -> dict:
+        return {"policy": row.cfg.policy.name, "cache": row.cfg.cache, "steps": row.nfe, "commits": list(row.commits),
+                "n_committed": row.extra["n_committed"]}
 
     def stats_extra(self, rows: list[DiffusionRow]) -> dict:
-        """decode's ``stats.extra`` for finished rows in request order."""
+        """decode's ``stats.extra`` for finished rows in request order (:meth:`CanvasBatch._extra`)."""
         cfg = self.cfg
-        extra = {"policy": cfg.policy.name, "cache": cfg.cache, "gen_length": cfg.gen_length,
-                 "block_size": cfg.block_size, "sampler": cfg.sampler, "confidence": cfg.confidence or "untempered",
-                 "accepts": dict(sorted(Counter(c for row in rows for c in row.commits).items())),
-                 "n_committed": [row.extra["n_committed"] for row in rows],
-                 "row_extra": [{k: row.extra[k] for k in ("policy", "cache", "steps", "commits")} for row in rows],
-                 "compiled": bool(self.compile)}
-        if self.canvas.static_capacity is not None:
-            extra["static_cache"] = self.canvas.static_capacity
-        return extra
+        return self._extra(rows, {"policy": cfg.policy.name, "cache": cfg.cache, "gen_length": cfg.gen_length,
+                                  "block_size": cfg.block_size, "sampler": cfg.sampler,
+                                  "confidence": cfg.confidence or "untempered"}, ("policy", "cache", "steps", "commits"))
 
 
+def batch(bundle, cfg: DiffusionOptions, *, capacity: int = 64, prompts=None, max_new_tokens=None, compile=False,
+          static=False, on_step=None, on_token=None, on_forward=None, stop_token_ids=None):
+    """The running batch of ``cfg`` (:attr:`Spec.batch`): Dream's schedule
+    (:class:`~unmask.decode.dllm.dream.DreamSchedule`) when ``cfg`` asks for it, else :class:`Diffusion`.
 
-def _serving(bundle, cfg, *, on_token=None, **kw):
-    """Transitional: the server's batch of ``cfg`` (Dream's schedule: :class:`DreamSchedule`)."""
-    options = cfg.given()
-    if "schedule" in options:
-        kw.pop("compile", None), kw.pop("stop_token_ids", None)
-        return DreamSchedule.serving(bundle, options, **kw)
-    return Diffusion.serving(bundle, options, **kw)
+    ``prompts`` given (``decode()``): one batch for them, every row with the config of
+    ``max_new_tokens`` (gen_length defaults to it rounded up to the block size; the tokens are cut
+    to it and decoding ends after the block holding the last reported position), blocks advancing
+    in lockstep, canvases as wide as the longest prompt (on the fast path rounded up,
+    :func:`~unmask.decode.dllm.cache.prompt_width`). A row stops after the block in which it
+    committed a stop id, reporting the tokens before it (§9); with ``eos_early_stop`` as soon as
+    every position before its first stop id is committed (the rest filled with it, counted in
+    ``n_committed``); stop strings end a row after its block. NFE counts forwards (block-start
+    refreshes included, §10), per row those in which it had masks; LLaDA's zero-quota steps are
+    skipped unless ``reference_steps``. ``stats_extra``: policy, cache, gen_length, block_size,
+    sampler, confidence, ``accepts``, ``n_committed``, ``row_extra`` {policy, cache, steps,
+    commits}, ``compiled``, ``static_cache``. ``static`` / ``compile``: the preallocated cache,
+    eagerly / compiled (same tokens and NFE up to float rounding).
+
+    None (the server): rows join and leave at any step, each with its own gen length; ``compile``
+    (``serve --compile``) runs the dual cache's window steps on a static cache of the context
+    window, compiled (a new shape eagerly until the idle server compiles it; refreshes eagerly,
+    :meth:`SlotCanvas._split`); the prefix cache (its window shrinks block by block: many shapes),
+    no cache and Dream's schedule stay eager: compiled, they measured slower under load
+    (benchmarks/results/). Raises UnmaskError for a model without a mask token, bad options,
+    ``compile`` / ``static`` with Dream's schedule or on a remote-code model, ``reference_steps``
+    or a remote-code model other than Dream's (no positions per row) in a server's batch, or a
+    prompt whose canvas does not fit."""
+    check_mask_token(bundle, "diffusion")
+    if not isinstance(cfg.reference_steps, bool):
+        raise UnmaskError(f"reference_steps must be true or false (got {cfg.reference_steps!r}); pass --reference-nfe "
+                          "to generate, which sets it")
+    if prompts is not None and cfg.dreams and (compile or static):
+        raise UnmaskError("compile/static do not apply to --schedule dream (Dream's own loop runs eagerly); "
+                          "drop --compile or use the semi-AR diffusion schedule")
+    if prompts is None and is_remote(bundle.model) and bundle.meta.get("family") != "dream":
+        raise UnmaskError("a continuous diffusion batch needs explicit positions per row; this checkpoint's "
+                          "own model code takes none, so decode it with per-call diffusion batches")
+    if cfg.dreams:
+        dream = cfg.dream()
+        if prompts is None:
+            return DreamSchedule(bundle, dream, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids)
+        L = max_new_tokens if dream.gen_length is None else dream.gen_length
+        for p in prompts:  # before the canvases are allocated
+            dream.plan(bundle, len(p), max_new_tokens)
+        return DreamSchedule(bundle, dream, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids,
+                             width=max(map(len, prompts), default=0) + L, lockstep=True, on_forward=on_forward)
+    if prompts is None:
+        if cfg.reference_steps:
+            raise UnmaskError("reference_steps does not apply to a continuous diffusion batch; decode it per call")
+        if cfg.cache not in (None, "none") and not supports_cache(bundle):
+            raise UnmaskError(f"cache {cfg.cache!r} needs a transformers-native model; this checkpoint runs "
+                              "its own model code, so use cache 'none'")
+        # validated once on a nominal length that fits any block size; per-row lengths are checked at join
+        nominal = cfg.gen_length or cfg.block_size or DEFAULT_BLOCK_SIZE
+        nominal = nominal if isinstance(nominal, int) and nominal >= 1 else 1  # a bad block size: reported as such
+        rc = cfg.resolve(bundle, nominal)
+        fast = {"compile": True, "length": bundle.context_length} if compile and rc.cache == "dual" else {}
+        return Diffusion(bundle, rc, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids, options=cfg,
+                         **fast)
+    check_fast_path(bundle, static, compile, "the diffusion decoder")
+    rc = cfg.resolve(bundle, max_new_tokens)
+    rc.warn_degenerate()
+    for p in prompts:  # before the canvases are allocated
+        check_canvas(bundle, len(p), rc.gen_length, CANVAS_HINT)
+    L = rc.gen_length
+    width = prompt_width(max(map(len, prompts), default=0), L, bundle.context_length, static or compile) + L
+    return Diffusion(bundle, rc, static=static, compile=compile, capacity=capacity, on_step=on_step,
+                     stop_token_ids=stop_token_ids, lockstep=True, width=width, reference_steps=cfg.reference_steps,
+                     on_forward=on_forward)
 
 
-SPEC = Spec("diffusion", DiffusionOptions, batch=_serving, kinds=("masked-diffusion",), compiles=True, run=diffusion.decode,
+SPEC = Spec("diffusion", DiffusionOptions, batch=batch, kinds=("masked-diffusion",), compiles=True,
             summary="semi-AR masked diffusion: LLaDA top-k steps, Fast-dLLM threshold/factor, EB; "
                     "approximate prefix/dual caches")
 
-__all__ = ["Diffusion", "DiffusionRow", "OPTIONS"]
+__all__ = ["Diffusion", "DiffusionRow", "SPEC", "batch"]

@@ -1,6 +1,6 @@
 """Dream's own ``diffusion_generate`` schedule, "Dream-compat" (spec/diffusion.md §5, models.md §2.4).
 
-Reached as ``diffusion.decode(..., schedule="dream")``. Unlike unmask's semi-AR diffusion decoder
+Reached as ``decode(..., decoder="diffusion", schedule="dream")``. Unlike unmask's semi-AR diffusion decoder
 there are no blocks: every step runs one bidirectional forward over the whole canvas
 ``[prompt | m^L]``, realigns the logits (Dream's shift), and with timesteps
 ``t_i = linspace(1, eps, steps + 1)[i]``, ``s = t_{i+1}``:
@@ -23,15 +23,15 @@ fewer forwards). ``steps`` defaults to the canvas length L (Dream's generation_c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-from unmask.decode.dllm.canvas import check_canvas, event_hook, finish, serving_options
-from unmask.decode.dllm.cache import SlotCanvas, canvas_call
-from unmask.decode.engine.running import Request, Row, SlotRows, Slots, drain
-from unmask.decode.engine.stats import DecodeOutput
+from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, check_canvas
+from unmask.decode.dllm.cache import canvas_call
+from unmask.decode.engine.host import HostRead
 from unmask.errors import UnmaskError, is_int, is_number
 from unmask.models.adapters import realign
 from unmask.sampling import Sampling
@@ -40,7 +40,6 @@ from unmask.trace import host_event
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 DEFAULT_ALG = "origin"  # Dream's generation_config.json
 DEFAULT_EPS = 1e-3
-OPTIONS = ("gen_length", "steps", "alg", "alg_temp", "eps")  # what a server's Dream batch takes (and "schedule")
 
 
 def _top_p(z: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -135,23 +134,50 @@ def validate(steps, alg: str, alg_temp, eps, L: int) -> int:
     return steps
 
 
+@dataclass(frozen=True)
+class DreamConfig:
+    """Dream's schedule, validated: ``gen_length`` (None: each row's ``max_new_tokens``), ``steps``
+    (None: the row's L), ``alg``, ``alg_temp`` (None: top-k selection), ``eps``. Raises UnmaskError."""
+
+    gen_length: int | None = None
+    steps: int | None = None
+    alg: str = DEFAULT_ALG
+    alg_temp: float | None = None
+    eps: float = DEFAULT_EPS
+    cache: ClassVar[str] = "none"  # one forward over the whole canvas per step
+    confidence: ClassVar[None] = None
+
+    def __post_init__(self):
+        validate(self.steps, self.alg, self.alg_temp, self.eps, 1)
+
+    @classmethod
+    def of(cls, *, gen_length=None, steps=None, alg=None, alg_temp=None, eps=None) -> "DreamConfig":
+        """None = Dream's default (alg origin, eps 1e-3)."""
+        return cls(gen_length=gen_length, steps=steps, alg=DEFAULT_ALG if alg is None else alg, alg_temp=alg_temp,
+                   eps=DEFAULT_EPS if eps is None else eps)
+
+    def plan(self, bundle, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
+        """(L, steps) of a request; UnmaskError when it does not fit."""
+        L = max_new_tokens if self.gen_length is None else self.gen_length
+        if not isinstance(L, int) or L < 1:
+            raise UnmaskError(f"gen length must be an integer >= 1 (got {L!r}); pass e.g. --gen-length 64")
+        steps = validate(self.steps, self.alg, self.alg_temp, self.eps, L)
+        check_canvas(bundle, prompt_len, L, "lower --gen-length or --max-new-tokens")
+        return L, steps
+
+
 @dataclass(eq=False)
-class DreamRow(Row):
+class DreamRow(CanvasRow):
     """A running row of Dream's schedule: ``L`` (its canvas of masks), ``steps`` (its schedule's
-    length), ``i`` (steps run), ``report`` (tokens reported), ``generator``, ``commits`` per step,
-    ``factors`` (:func:`schedule`), ``gen`` (its generated ids as the last step read them)."""
+    length), ``i`` (steps run), ``factors`` (:func:`schedule`)."""
 
     L: int = 0
     steps: int = 0
     i: int = 0
-    report: int = 0
-    generator: object = None
-    commits: list[int] = field(default_factory=list)
     factors: object = None
-    gen: list[int] = field(default_factory=list)
 
 
-class DreamSchedule(SlotRows):
+class DreamSchedule(CanvasBatch):
     """Dream's schedule as a running batch (``decode/engine/running.py``'s contract; DESIGN.md "One engine").
 
     Every row runs its own schedule ``t_i = linspace(1, eps, steps + 1)`` over its own canvas
@@ -161,56 +187,36 @@ class DreamSchedule(SlotRows):
     alone whenever it joined. ``lockstep`` (decode) numbers step events by the batch forward and
     the request id, else by the row's own forward (row 0). The per-row commit
     (:func:`commit_row`, Dream's own index arithmetic) reads nothing: a row's mask count and
-    schedule are host values, and one read per step returns every row's commits and ids (with
-``on_step``, its step events' commits and candidates too). Raises
-    UnmaskError for bad options; ``join`` for a request that does not fit.
+        schedule are host values, and one read per step returns every row's commits and ids (with
+    ``on_step``, its step events' commits and candidates too). ``join`` raises UnmaskError for a
+    request that does not fit.
     """
 
-    def __init__(self, bundle, *, gen_length=None, steps=None, alg=None, alg_temp=None, eps=None, capacity=8,
-                 on_step=None, on_token=None, stop_token_ids=None, width=0, lockstep=False, on_forward=None):
-        self.alg = DEFAULT_ALG if alg is None else alg
-        self.eps = DEFAULT_EPS if eps is None else eps
-        self.gen_length, self.steps, self.alg_temp = gen_length, steps, alg_temp
-        validate(steps, self.alg, alg_temp, self.eps, 1)
-        self.bundle, self.on_step, self.on_forward, self.lockstep = bundle, on_step, on_forward, lockstep
-        ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
-        self.stop_ids = tuple(ids)
-        self.slots = Slots(capacity)
-        self.canvas = SlotCanvas(bundle, "none", capacity, max(width, 1), 1)
-        self.running: dict[int, DreamRow] = {}
-        self.forwards = 0
-
-    @classmethod
-    def serving(cls, bundle, options: dict | None = None, on_step=None, *, capacity: int = 64):
-        """The server's running batch for Dream-schedule requests of one set of ``options``
-        (:data:`OPTIONS`). Raises UnmaskError for another option or schedule, or a bad value."""
-        options = dict(options or {})
-        if options.pop("schedule", "dream") not in ("dream", None):
-            raise UnmaskError("unknown schedule for the diffusion decoder; use \"dream\" or leave it unset")
-        return cls(bundle, capacity=capacity, on_step=on_step, **serving_options(options, OPTIONS, "--schedule dream"))
+    def __init__(self, bundle, cfg: DreamConfig, *, capacity=8, on_step=None, on_token=None, stop_token_ids=None,
+                 width=0, lockstep=False, on_forward=None):
+        super().__init__(bundle, cfg, block=1, width=max(width, 1), capacity=capacity, static=False, compile=False,
+                         on_step=on_step, on_forward=on_forward, lockstep=lockstep, stop_token_ids=stop_token_ids)
 
     @torch.inference_mode()
     def join(self, requests) -> list[DreamRow]:
         """Place each request's canvas (no forward; every request is validated first). Returns []."""
-        plans = []
+        plans = {}
         for job in requests:
-            L = job.max_new_tokens if self.gen_length is None else self.gen_length
-            if not isinstance(L, int) or L < 1:
-                raise UnmaskError(f"gen length must be an integer >= 1 (got {L!r}); pass e.g. --gen-length 64")
-            check_canvas(self.bundle, len(job.prompt_ids), L, "lower --gen-length or --max-new-tokens")
+            plans[id(job)] = self.cfg.plan(self.bundle, len(job.prompt_ids), job.max_new_tokens)  # (L, steps)
             if job.stop:
                 raise UnmaskError("stop strings do not apply to --schedule dream (Dream's own loop ends on masks "
                                   "and steps only); drop them")
-            plans.append((job, L, validate(self.steps, self.alg, self.alg_temp, self.eps, L)))
-        if len(requests) > self.slots.free:
-            self.slots.take(len(requests))  # raises the one-line "running batch full"
-        for (job, L, steps), slot in zip(plans, self.slots.take(len(requests))):
-            self.canvas.place(slot, list(job.prompt_ids), L, self.bundle.mask_token_id)
-            gen = getattr(job, "generator", None) or job.sampling.generator(self.bundle.device)
-            self.running[slot] = DreamRow(job=job, slot=slot, L=L, steps=steps, report=min(job.max_new_tokens, L),
-                                          generator=gen, factors=schedule(steps, self.eps),
-                                          gen=[self.bundle.mask_token_id] * L)
-        return []
+
+        def row(job, slot, _):
+            # decode's rows each draw from Dream's one seeded stream, as its published loop; a server row
+            # from its request's generator
+            L, steps = plans[id(job)]
+            gen = None if self.lockstep else getattr(job, "generator", None)
+            return DreamRow(job=job, slot=slot, L=L, steps=steps, report=min(job.max_new_tokens, L),
+                            generator=gen or job.sampling.generator(self.bundle.device),
+                            factors=schedule(steps, self.cfg.eps), gen=[self.bundle.mask_token_id] * L)
+
+        return self._place(requests, row)
 
     @torch.inference_mode()
     def step(self) -> list[DreamRow]:
@@ -233,76 +239,49 @@ class DreamSchedule(SlotRows):
             left = row.gen.count(mask_id)  # the masks the last read saw
             last = row.i == row.steps - 1
             factor = row.factors[row.i]
-            chosen, tokens = commit_row(logits[row.slot, Lmax - row.L:], masked, left, self.alg, self.alg_temp,
+            chosen, tokens = commit_row(logits[row.slot, Lmax - row.L:], masked, left, self.cfg.alg, self.cfg.alg_temp,
                                         transfer_count(left, factor, last), 1.0 if last else float(factor),
                                         row.job.sampling, row.generator)
             gen.copy_(torch.where(chosen, tokens, gen))
             landed = chosen & (tokens != mask_id)
             landed_all[row.slot, Lmax - row.L:] = landed
             tokens_all[row.slot, Lmax - row.L:] = tokens
-        # the step's one host sync: each row's commits and generated ids (n, 1 + Lmax), with on_step
-        # also its landed flags and candidates (n, Lmax) each: its step event is built from them
-        packed = [landed_all.sum(dim=1, keepdim=True), c.ids[:n, T - Lmax:]]
+        # the step's one host sync: each row's commits and generated ids, with on_step also its landed
+        # flags and candidates: its step event is built from them
+        host = HostRead().add("count", landed_all.sum(dim=1)).add("gen", c.ids[:n, T - Lmax:])
         if self.on_step is not None:
-            packed += [landed_all.long(), tokens_all]
-        read = torch.cat(packed, dim=1).tolist()
-        if self.on_step is not None:
-            for row in rows:
-                at, who = (self.forwards, row.job.id) if self.lockstep else (row.nfe, 0)
-                got, lo = read[row.slot], Lmax - row.L
-                self.on_step(row, host_event(at, who, got[1 + Lmax + lo: 1 + 2 * Lmax], got[1 + 2 * Lmax + lo:], 0,
-                                             got[1 + lo: 1 + Lmax], mask_id))
+            host.add("landed", landed_all).add("tokens", tokens_all)
+        read = host.read()
         finished = []
         for row in rows:
-            row.commits.append(read[row.slot][0])
-            row.gen = read[row.slot][1 + Lmax - row.L: 1 + Lmax]
+            lo, s = Lmax - row.L, row.slot
+            row.commits.append(read["count"][s])
+            row.gen = read["gen"][s][lo:]
+            if self.on_step is not None:
+                at, who = (self.forwards, row.job.id) if self.lockstep else (row.nfe, 0)
+                self.on_step(row, host_event(at, who, read["landed"][s][lo:], read["tokens"][s][lo:], 0, row.gen,
+                                             mask_id))
             row.nfe += 1
             row.i += 1
             if row.i == row.steps or mask_id not in row.gen:
-                finished.append(self._finish(row))
+                finished.append(row)
         if self.on_forward is not None:
             self.on_forward({"nfe": self.forwards, "step": rows[0].i - 1, "canvas": c.ids[:n].clone(),
                              "logits": logits, "masked": masked_all})
         self.forwards += 1
+        self._finish(finished)
         return finished
 
-    def _finish(self, row: DreamRow) -> DreamRow:
-        finish(row, row.gen[: row.report], self.stop_ids, self.bundle.mask_token_id)
-        row.extra = {"schedule": "dream", "alg": self.alg, "commits": list(row.commits)}
-        del self.running[row.slot]
-        self.slots.give([row.slot])
-        return row
+    def _row_extra(self, row: DreamRow) -> dict:
+        return {"schedule": "dream", "alg": self.cfg.alg, "commits": list(row.commits)}
 
     def stats_extra(self, rows: list[DreamRow]) -> dict:
         """decode's ``stats.extra`` for finished rows in request order."""
-        L = rows[0].L if rows else self.gen_length
-        steps = rows[0].steps if rows else self.steps
-        return {"schedule": "dream", "alg": self.alg, "steps": steps, "gen_length": L, "policy": f"dream-{self.alg}",
+        L = rows[0].L if rows else self.cfg.gen_length
+        steps = rows[0].steps if rows else self.cfg.steps
+        alg = self.cfg.alg
+        return {"schedule": "dream", "alg": alg, "steps": steps, "gen_length": L, "policy": f"dream-{alg}",
                 "cache": "none", "sampler": "dream", "row_extra": [dict(row.extra) for row in rows]}
 
 
-@torch.inference_mode()
-def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
-           stop_token_ids: tuple[int, ...] = (), gen_length: int | None = None, steps: int | None = None,
-           alg: str | None = None, alg_temp: float | None = None, eps: float | None = None, on_step=None,
-           on_forward=None) -> DecodeOutput:
-    """Dream-compat decoding of a batch (diffusion.md §5); see the module docstring.
-
-    prompts: token ids per row (left-padded; positions count real tokens only). The canvas is
-    L = gen_length (default max_new_tokens) masks; the reported tokens are its first
-    max_new_tokens, cut before the first stop id. NFE counts forwards. stats.extra: schedule,
-    alg, steps, gen_length, ``row_extra`` with per-row commit counts. Raises UnmaskError for bad
-    options, a model without a mask token or a canvas past the context window.
-    """
-    L = max_new_tokens if gen_length is None else gen_length
-    alg = DEFAULT_ALG if alg is None else alg
-    eps = DEFAULT_EPS if eps is None else eps
-    steps = validate(steps, alg, alg_temp, eps, L)
-    for p in prompts:  # before the canvases are allocated
-        check_canvas(bundle, len(p), L, "lower --gen-length or --max-new-tokens")
-    requests = [Request(prompt_ids=list(p), max_new_tokens=max_new_tokens, sampling=sampling,
-                        generator=sampling.generator(bundle.device), id=r) for r, p in enumerate(prompts)]
-    return drain(lambda capacity: DreamSchedule(bundle, gen_length=L, steps=steps, alg=alg, alg_temp=alg_temp, eps=eps,
-                                                capacity=capacity, on_step=event_hook(on_step),
-                                                stop_token_ids=stop_token_ids, width=max(map(len, prompts)) + L,
-                                                lockstep=True, on_forward=on_forward), requests)
+__all__ = ["ALGS", "DreamConfig", "DreamRow", "DreamSchedule", "commit_row", "dream_sample", "schedule"]

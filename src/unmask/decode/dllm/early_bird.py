@@ -18,6 +18,8 @@ whole canvas's K/V of the refresh and hides the window's stale ones with the att
 since the window is known only after the refresh forward (:class:`~unmask.decode.dllm.cache.SlotCanvas`).
 Every row refreshes on its own, so a batched run equals single runs with every cache; the loop
 is :class:`~unmask.decode.dllm.early_bird_batch.EarlyBird`, the server's running batch too.
+:class:`EarlyBirdOptions` are the knobs; :meth:`EarlyBirdOptions.resolve` turns them, once, into
+the :class:`EarlyBirdConfig` (with its routers) the batch runs.
 
 Stopping (§9): a row stops when a block of it resolves and its canvas holds a committed stop id
 with every position before the first one committed (the text before it is then final); with
@@ -35,25 +37,22 @@ not wired here: this decoder runs on ``masked-diffusion`` models only.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
-import torch
-import torch.nn.functional as F
-
-from unmask.decode.dllm.canvas import check_canvas, check_mask_token, event_hook
-from unmask.decode.dllm.cache import check_fast_path, prompt_width
+from unmask.decode.dllm.cache import CACHE_MODES, check_fast_path
+from unmask.decode.dllm.canvas import check_mask_token
+from unmask.decode.dllm.diffusion import batches_fit
 from unmask.decode.dllm.eb_select import GAP_METRICS, POS_MODES
-from unmask.decode.engine.running import drain, requests_for
-from unmask.decode.engine.stats import DecodeOutput
-from unmask.errors import UnmaskError, is_int, is_number
-from unmask.models.adapters import SAMPLERS, default_sampler
-from unmask.policies import CONFIDENCES, commit
-from unmask.sampling import Sampling
 from unmask.decode.engine.knobs import CanvasKnobs
 from unmask.decode.engine.registry import knob
+from unmask.errors import UnmaskError, is_int, is_number
+from unmask.models.adapters import SAMPLERS, default_sampler
+from unmask.policies import CONFIDENCES
+from unmask.routers.io import check_lbs_fits, load_router, load_routers, routers_dir
+from unmask.routers.lbs import LBSRouter
+from unmask.routers.lps import LPSRouter
 
-CACHE_MODES = ("none", "prefix", "dual")
 DEFAULT_BLOCK_SIZE = 32  # L_B, base and fallback block (App. F)
 DEFAULT_TAU = 0.9
 DEFAULT_L_MIN = 8
@@ -75,9 +74,15 @@ def _int_at_least(value, low: int, what: str, hint: str) -> None:
         raise UnmaskError(f"{what} must be an integer >= {low} (got {value!r}); {hint}")
 
 
+def _check_tau_psi(tau_psi) -> None:
+    if tau_psi is not None and (not is_number(tau_psi) or not 0 < tau_psi < 1):
+        raise UnmaskError(f"tau_psi must be in (0, 1) (got {tau_psi!r}); use lps=False (--no-lps) to turn the LPS "
+                          "router off")
+
+
 @dataclass(frozen=True)
 class EarlyBirdConfig:
-    """Validated settings of one Early-Bird decode (App. F defaults).
+    """The resolved, validated settings an Early-Bird batch runs (App. F defaults).
 
     gen_length: L (the LBS router's training length). block_size: L_B, the min-tokens fallback
     block. tau: confidence threshold τ. tau_psi: LPS threshold τ_ψ in (0, 1), None for LBS only.
@@ -86,6 +91,7 @@ class EarlyBirdConfig:
     sampler: llada or dream (how sampled tokens are drawn, diffusion.md §4). confidence: None
     (default) or "untempered", κ under softmax(logits) at every T, so T → 0 tends to T = 0 (float64
     with the llada sampler, as its reference); "tempered", Dream's κ under softmax(logits / T).
+    lbs, lps: the routers (lps None: LBS only).
     """
 
     gen_length: int
@@ -100,6 +106,8 @@ class EarlyBirdConfig:
     eos_early_stop: bool = False
     sampler: str = "llada"
     confidence: str | None = None
+    lbs: object = field(default=None, compare=False, repr=False)
+    lps: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         _int_at_least(self.gen_length, 1, "gen length", "it is the LBS router's training length")
@@ -108,9 +116,7 @@ class EarlyBirdConfig:
         _int_at_least(self.g_max, 1, "g_max", "the paper uses 5, and 1 for contiguous blocks")
         if not is_number(self.tau) or not 0 < self.tau <= 1:
             raise UnmaskError(f"tau must be in (0, 1] (got {self.tau!r}); the paper uses 0.9")
-        if self.tau_psi is not None and (not is_number(self.tau_psi) or not 0 < self.tau_psi < 1):
-            raise UnmaskError(f"tau_psi must be in (0, 1) (got {self.tau_psi!r}); use lps=False (--no-lps) to turn "
-                              "the LPS router off")
+        _check_tau_psi(self.tau_psi)
         if self.cache not in CACHE_MODES:
             raise UnmaskError(f"unknown cache {self.cache!r}; choose one of: {', '.join(CACHE_MODES)}")
         if self.gap_metric not in GAP_METRICS:
@@ -128,52 +134,9 @@ class EarlyBirdConfig:
         return "untempered" if self.confidence is None and self.sampler == "llada" else self.confidence
 
 
-def _commit_confidence(logits, tokens, cand, confidence: str | None, temperature: float, lo: int,
-                       L: int) -> torch.Tensor:
-    """κ of the chosen tokens as the diffusion threshold rule computes it (diffusion.md §4): the
-    untempered softmax in float64 ("untempered", LLaDA's) or float32 (None), or the tempered
-    probability ("tempered", Dream's).
-
-    logits (B, n, V), tokens and cand (B, n) over generated positions [lo, lo + n). Computed at the
-    candidates only; returns (B, L) float64, 0 elsewhere."""
-    r, c = torch.nonzero(cand, as_tuple=True)  # (k,) each
-    z, t = logits[r, c], tokens[r, c]  # (k, V), (k,)
-    if confidence == "untempered":
-        k = F.softmax(z.double(), dim=-1).gather(-1, t[:, None])[:, 0]
-    else:
-        z = z.float() / temperature if temperature > 0 and confidence == "tempered" else z.float()
-        k = F.log_softmax(z, dim=-1).gather(-1, t[:, None])[:, 0].exp().double()
-    kappa = torch.zeros(cand.shape[0], L, dtype=torch.float64, device=logits.device)
-    kappa[r, c + lo] = k
-    return kappa
-
-
-def _draw_rows(logits, cand, top1, policy, sampling: Sampling, gens, confidence, draw, draws) -> torch.Tensor:
-    """Sampled tokens (B, n) at each row's candidates, drawn with that row's generator over its
-    candidates only, so the draws do not depend on the batch's union window (batch == single
-    runs); elsewhere the argmax ``top1``. ``draws``: the rows with candidates (host-known)."""
-    tokens = top1.clone()
-    for r in draws:
-        where = torch.nonzero(cand[r]).flatten()  # (k,)
-        sub = logits[r: r + 1, where]  # (1, k, V)
-        _, t = commit(sub, torch.ones(1, len(where), dtype=torch.bool, device=sub.device), policy,
-                      temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                      generator=gens[r], confidence=confidence, sampling=draw)
-        tokens[r, where] = t[0]
-    return tokens
-
-
-def _sync(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def _resolve_routers(bundle, use_lps: bool, routers, lbs_router, lps_router, tau_psi):
     """(lbs, lps | None, τ_ψ | None, serving): given router objects first, the model's saved routers
     otherwise. ``serving`` is the configuration the saved LPS traces were collected under."""
-    from unmask.routers.io import check_lbs_fits, load_router, load_routers, routers_dir
-
     saved_tau, serving = None, {}
     if lbs_router is None:
         loaded = load_routers(bundle, routers=routers, lps=use_lps and lps_router is None)
@@ -200,11 +163,6 @@ def _resolve_routers(bundle, use_lps: bool, routers, lbs_router, lps_router, tau
 def check_router_options(routers, lbs_router, lps_router) -> None:
     """Refuse a ``routers`` that is not a directory path and router objects of the wrong class
     before anything reads them (an int path or a str router raised TypeError / AttributeError)."""
-    import os
-
-    from unmask.routers.lbs import LBSRouter
-    from unmask.routers.lps import LPSRouter
-
     if routers is not None and not isinstance(routers, (str, os.PathLike)):
         raise UnmaskError(f"routers must be a directory path (got {routers!r}); pass the directory holding lbs.json "
                           "and lps.json, or leave it unset for the model's own MODEL_DIR/routers")
@@ -213,117 +171,6 @@ def check_router_options(routers, lbs_router, lps_router) -> None:
             kind = name.split("_")[0]
             raise UnmaskError(f"{name} must be an {cls.__name__} (got {type(value).__name__}); load one with "
                               f"unmask.routers.load_router(DIR, {kind!r})[0], or pass routers=DIR instead")
-
-
-def configure(bundle, *, max_new_tokens: int | None = None, gen_length=None, block_size=None, tau=None,
-              tau_psi=None, l_min=None, g_max=None, lps=None, cache=None, gap_metric=None, pos_mode=None,
-              eos_early_stop=False, sampler=None, confidence=None, routers=None, lbs_router=None, lps_router=None, static=False,
-              compile=False) -> tuple[EarlyBirdConfig, object, object]:
-    """Validate :func:`decode`'s options and resolve its routers: (cfg, LBS router, LPS router | None).
-    ``max_new_tokens`` None skips its checks (a continuous batch checks it per job). Raises the
-    UnmaskErrors :func:`decode` documents for these options."""
-    check_mask_token(bundle, "early-bird")
-    check_router_options(routers, lbs_router, lps_router)
-    if tau_psi is not None and (not is_number(tau_psi) or not 0 < tau_psi < 1):
-        raise UnmaskError(f"tau_psi must be in (0, 1) (got {tau_psi!r}); use lps=False (--no-lps) to turn the LPS "
-                          "router off")
-    for flag, value in (("lps", lps), ("eos_early_stop", eos_early_stop)):
-        if value is not None and not isinstance(value, bool):
-            raise UnmaskError(f"{flag} must be true or false (got {value!r})")
-    check_fast_path(bundle, static, compile, "the early-bird decoder")
-    use_lps = True if lps is None else lps
-    lbs, lps_net, tau_psi, serving = _resolve_routers(bundle, use_lps, routers, lbs_router, lps_router, tau_psi)
-    L = lbs.config.gen_length
-    if gen_length is not None and gen_length != L:
-        raise UnmaskError(f"the LBS router works at gen length {L} only (E_pos has {L} rows), got {gen_length}; "
-                          f"use --gen-length {L} or train LBS for {gen_length}")
-    if max_new_tokens is not None:
-        check_max_new_tokens(max_new_tokens, L)
-    # Unset options: the serving configuration the LPS router was trained under, else App. F.
-    defaults = {"block_size": DEFAULT_BLOCK_SIZE, "tau": DEFAULT_TAU, "l_min": DEFAULT_L_MIN, "g_max": DEFAULT_G_MAX}
-    defaults.update({k: serving[k] for k in defaults if k in serving})
-    cfg = EarlyBirdConfig(
-        gen_length=L, block_size=defaults["block_size"] if block_size is None else block_size,
-        tau=defaults["tau"] if tau is None else tau, tau_psi=tau_psi,
-        l_min=defaults["l_min"] if l_min is None else l_min,
-        g_max=defaults["g_max"] if g_max is None else g_max, cache="none" if cache is None else str(cache),
-        gap_metric="absolute" if gap_metric is None else gap_metric,
-        pos_mode=pos_mode if pos_mode is not None else lps_net.config.pos_mode if lps_net is not None else "literal",
-        eos_early_stop=bool(eos_early_stop), sampler=default_sampler(bundle) if sampler is None else sampler,
-        confidence=confidence)
-    return cfg, lbs, lps_net
-
-
-@torch.inference_mode()
-def decode(bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
-           stop_token_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), gen_length: int | None = None,
-           block_size: int | None = None, tau: float | None = None, tau_psi: float | None = None,
-           l_min: int | None = None, g_max: int | None = None, lps: bool | None = None, cache: str | None = None,
-           gap_metric: str | None = None, pos_mode: str | None = None, eos_early_stop: bool = False,
-           sampler: str | None = None, confidence: str | None = None, routers=None, lbs_router=None,
-           lps_router=None, on_step=None,
-           on_forward=None, compile: bool = False, static: bool = False) -> DecodeOutput:
-    """Early-Bird decoding of a batch (spec/early_bird.md §5, Alg. 5).
-
-    prompts: token ids per row (left-padded; positions count real tokens only). Routers: the
-    model's ``MODEL_DIR/routers`` (or ``routers=DIR``), unless ``lbs_router`` / ``lps_router``
-    objects are given. ``lps`` (default True) adds the LPS term; ``tau_psi`` overrides the
-    router's saved threshold. ``gen_length`` defaults to, and must equal, the LBS router's L;
-    ``max_new_tokens`` (≤ L) cuts the reported tokens, and a row stops once they are all committed
-    (the tokens are those of the full-length run; only the forwards spent beyond them are saved). block_size is L_B; block_size, tau, l_min
-    and g_max default to the configuration the saved LPS router was trained under, else to App. F
-    (32, 0.9, 8, 5). pos_mode defaults to the LPS router's.
-
-    Hooks: ``on_step(event)`` (:mod:`unmask.trace`) once per row that had masks, with ``block``
-    (the row's block counter) and, on selection steps, ``selected`` (the block's positions);
-    ``on_forward(state)`` (trace collection, tests) after every commit with the (B, L) tensors
-    ``masked`` (before), ``block``, ``cand``, ``features`` (B, L, 5), ``top1``, ``kappa``,
-    ``p_lps``, ``chosen``, ``tokens``, ``canvas`` (after), ``selected`` / ``path`` (B,) and ``ids``
-    (B ints: each tensor row's prompt index, -1 for a free slot; B is the running batch's slot
-    count, which shrinks as rows finish, so read a prompt's rows through ``ids``).
-
-    Returns DecodeOutput; stats.extra: decoder settings, ``accepts`` (histogram of per-row commits
-    per forward), ``n_committed``, ``blocks`` (selections), ``mean_block``, ``paths`` (selection
-    rule counts), ``lps_only`` (commits only LPS allowed), ``refreshes`` (cache), router timing,
-    ``compiled``, ``static_cache`` (positions, on a static cache) and ``row_extra``.
-
-    Fast path: ``static=True`` runs the forwards on a preallocated ``StaticKV`` with bounded
-    shapes (what ``compile`` runs, eagerly; for tests and debugging); ``compile=True`` also runs
-    them through ``torch.compile`` (inductor on CPU, CUDA graphs on CUDA), one graph per shape
-    (see :class:`~unmask.decode.dllm.cache.SlotCanvas`). Routers and the commit rule stay eager. Same tokens and NFE as the
-    eager run up to float rounding.
-
-    Raises UnmaskError for a model without a mask token, missing routers (saying how to train
-    them), a ``routers`` that is not a path, router objects of the wrong class, an LBS router of
-    another vocabulary or L, g_max < 1, L_min < 1, τ_ψ outside (0, 1), an unknown cache / gap
-    metric / pos mode, a canvas longer than the context window, or ``compile`` / ``static`` on a
-    remote-code model.
-    """
-    cfg, lbs, lps_net = configure(bundle, max_new_tokens=max_new_tokens, gen_length=gen_length,
-                                  block_size=block_size, tau=tau, tau_psi=tau_psi, l_min=l_min, g_max=g_max, lps=lps,
-                                  cache=cache, gap_metric=gap_metric, pos_mode=pos_mode,
-                                  eos_early_stop=eos_early_stop, sampler=sampler, confidence=confidence,
-                                  routers=routers,
-                                  lbs_router=lbs_router, lps_router=lps_router, static=static, compile=compile)
-    L = cfg.gen_length
-    for p in prompts:  # before the canvases are allocated
-        check_canvas(bundle, len(p), L, CANVAS_HINT)
-    from unmask.decode.dllm.early_bird_batch import EarlyBird  # it builds on this module's config and pieces
-
-    width = prompt_width(max(map(len, prompts)), L, bundle.context_length, static or compile) + L  # fast path: a bucket
-    requests = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings,
-                            device=bundle.device)
-    modes = [(r, r.training) for r in (lbs, lps_net) if r is not None]
-    for r, _ in modes:
-        r.eval()
-    try:
-        return drain(lambda capacity: EarlyBird(bundle, cfg, lbs, lps_net, static=static, compile=compile,
-                                                capacity=capacity, on_step=event_hook(on_step),
-                                                stop_token_ids=stop_token_ids, width=width, lockstep=True,
-                                                on_forward=on_forward), requests)
-    finally:
-        for r, was in modes:
-            r.train(was)
 
 
 @dataclass(frozen=True)
@@ -343,3 +190,50 @@ class EarlyBirdOptions(CanvasKnobs):
     lbs_router: object = knob("an LBS router object instead of the directory's", cli=False)
     lps_router: object = knob("an LPS router object instead of the directory's", cli=False)
 
+    def resolve(self, bundle, max_new_tokens: int | None = None, *, static: bool = False,
+                compile: bool = False) -> EarlyBirdConfig:
+        """The config (routers loaded: ``routers=DIR`` or the model's ``MODEL_DIR/routers``, unless
+        router objects are given) of these options on ``bundle``. ``gen_length`` defaults to, and
+        must equal, the LBS router's L; block_size, tau, l_min and g_max default to the
+        configuration the saved LPS router was trained under, else to App. F (32, 0.9, 8, 5);
+        pos_mode to the LPS router's; ``lps`` to True. ``max_new_tokens`` None skips its checks (a
+        server's batch checks it per row). Raises UnmaskError for a model without a mask token,
+        missing routers (saying how to train them), a ``routers`` that is not a path, router objects
+        of the wrong class, an LBS router of another vocabulary or L, a bad value, or ``static`` /
+        ``compile`` on a remote-code model."""
+        check_mask_token(bundle, "early-bird")
+        check_router_options(self.routers, self.lbs_router, self.lps_router)
+        _check_tau_psi(self.tau_psi)
+        for flag, value in (("lps", self.lps), ("eos_early_stop", self.eos_early_stop)):
+            if value is not None and not isinstance(value, bool):
+                raise UnmaskError(f"{flag} must be true or false (got {value!r})")
+        check_fast_path(bundle, static, compile, "the early-bird decoder")
+        use_lps = True if self.lps is None else self.lps
+        lbs, lps, tau_psi, serving = _resolve_routers(bundle, use_lps, self.routers, self.lbs_router, self.lps_router,
+                                                      self.tau_psi)
+        L = lbs.config.gen_length
+        if self.gen_length is not None and self.gen_length != L:
+            raise UnmaskError(f"the LBS router works at gen length {L} only (E_pos has {L} rows), got "
+                              f"{self.gen_length}; use --gen-length {L} or train LBS for {self.gen_length}")
+        if max_new_tokens is not None:
+            check_max_new_tokens(max_new_tokens, L)
+        # Unset options: the serving configuration the LPS router was trained under, else App. F.
+        defaults = {"block_size": DEFAULT_BLOCK_SIZE, "tau": DEFAULT_TAU, "l_min": DEFAULT_L_MIN,
+                    "g_max": DEFAULT_G_MAX}
+        defaults.update({k: serving[k] for k in defaults if k in serving})
+        given = {k: getattr(self, k) for k in defaults if getattr(self, k) is not None}
+        pos_mode = self.pos_mode if self.pos_mode is not None else lps.config.pos_mode if lps is not None else "literal"
+        return EarlyBirdConfig(
+            gen_length=L, **{**defaults, **given}, tau_psi=tau_psi,
+            cache="none" if self.cache is None else str(self.cache),
+            gap_metric="absolute" if self.gap_metric is None else self.gap_metric, pos_mode=pos_mode,
+            eos_early_stop=bool(self.eos_early_stop), confidence=self.confidence, lbs=lbs, lps=lps,
+            sampler=default_sampler(bundle) if self.sampler is None else self.sampler)
+
+    def batch_key(self, bundle, max_new_tokens: int):
+        """("early-bird", self), or None (per call) for a model whose rows cannot share a batch
+        (:func:`~unmask.decode.dllm.diffusion.batches_fit`)."""
+        return ("early-bird", self) if batches_fit(bundle) else None
+
+
+__all__ = ["CANVAS_HINT", "EarlyBirdConfig", "EarlyBirdOptions", "check_max_new_tokens", "check_router_options"]

@@ -1,5 +1,6 @@
 """Early-Bird decoding as one running batch (DESIGN.md "One engine"; spec/early_bird.md §5–§6, §9):
-``early_bird.decode``, its static/compiled fast path and the server all run :class:`EarlyBird`.
+``decode(decoder="early-bird")``, its static/compiled fast path and the server all run :class:`EarlyBird`
+(built by :func:`batch`, the registry's factory).
 
 Each row has its own canvas ``[prompt | m^L]`` (a :class:`~unmask.decode.dllm.cache.SlotCanvas`
 slot; L is the LBS router's, so every row's generation region is the canvas's last L columns),
@@ -20,120 +21,107 @@ count the row's own forwards (row 0).
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from unmask.decode.dllm.canvas import check_canvas, early_stop, finish, row_generator, serving_options, stop_string_in
-from unmask.decode.dllm.cache import SlotCanvas
-from unmask.decode.dllm.early_bird import CANVAS_HINT, _commit_confidence, _draw_rows, _sync, check_max_new_tokens, configure
-from unmask.decode.dllm.eb_select import PATH_NAMES, lps_features, pack_rows, select_block, union_accept
-from unmask.decode.engine.running import CanvasRows, Request, Row, Slots
+from unmask.decode.dllm.cache import prompt_width
+from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, check_canvas, early_stop
+from unmask.decode.dllm.early_bird import CANVAS_HINT, EarlyBirdConfig, EarlyBirdOptions, check_max_new_tokens
+from unmask.decode.dllm.eb_select import (PATH_NAMES, commit_confidence, draw_rows, lps_features, pack_rows,
+                                          select_block, union_accept)
+from unmask.decode.engine.host import HostRead
+from unmask.decode.engine.registry import Spec
+from unmask.decode.engine.running import Request, group_by
 from unmask.decode.engine.stats import check_nfe
+from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
 from unmask.models.adapters import is_remote
 from unmask.policies import Threshold, token_stats
 from unmask.trace import host_event
-from unmask.decode.dllm import early_bird
-from unmask.decode.dllm.early_bird import EarlyBirdOptions
-from unmask.decode.engine.registry import Spec
 
-OPTIONS = ("gen_length", "block_size", "tau", "tau_psi", "l_min", "g_max", "lps", "cache", "gap_metric", "pos_mode",
-           "eos_early_stop", "sampler", "confidence", "routers", "lbs_router", "lps_router")
+
+def _sync(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@contextmanager
+def _eval(*nets):
+    """The routers in eval mode for a step, their modes restored after (a caller's router may be training)."""
+    modes = [(net, net.training) for net in nets if net is not None]
+    for net, _ in modes:
+        net.eval()
+    try:
+        yield
+    finally:
+        for net, was in modes:
+            net.train(was)
 
 
 @dataclass(eq=False)
-class EarlyBirdRow(Row):
+class EarlyBirdRow(CanvasRow):
     """A running row plus its router state: ``has_block`` (an active block with masks), ``window``
     [lo, hi) (generated positions its next forward scores), ``blocks`` (selections), ``sizes`` /
-    ``paths`` (of its selections), ``lps_only``, ``commits`` per forward, ``generator``; ``gen``: its
-    generated ids as the last step's read left them (finishing reads nothing more)."""
+    ``paths`` (of its selections) and ``lps_only``."""
 
-    generator: object = None
     has_block: bool = False
     window: tuple[int, int] = (0, 0)
     blocks: int = 0
     sizes: int = 0
     paths: list[str] = field(default_factory=list)
     lps_only: int = 0
-    commits: list[int] = field(default_factory=list)
-    gen: list[int] = field(default_factory=list)
 
 
-class EarlyBird(CanvasRows):
+class EarlyBird(CanvasBatch):
     """EB-Decode as a running batch (``decode/engine/running.py``'s contract).
 
-    cfg, lbs, lps: :func:`unmask.decode.dllm.early_bird.configure`'s (routers in eval mode). ``width``:
-    the canvas width to allocate (grows on join unless static). ``stop_token_ids`` (None: the
-    bundle's); ``on_step(row, event)``; ``on_forward(state)`` (trace collection, tests) after every
-    commit. ``static``/``compile``: the preallocated cache / compiled forwards (every forward then
-    covers all ``capacity`` slots). Raises UnmaskError from ``join`` for a request that does not fit.
+    cfg: :meth:`EarlyBirdOptions.resolve`'s (routers included; each step runs them in eval mode).
+    ``width``: the canvas width to allocate (grows on join unless static). ``stop_token_ids`` (None:
+    the bundle's; the LBS filter's EOS set too, reading #4); ``on_step(row, event)``, with ``block``
+    (the row's block counter) and, on selection steps, ``selected`` (the block's positions);
+    ``on_forward(state)`` (trace collection, tests) after every commit with the (n, L) tensors
+    ``masked`` (before), ``block``, ``cand``, ``features`` (n, L, 5), ``top1``, ``kappa``, ``p_lps``,
+    ``chosen``, ``tokens``, ``canvas`` (after), ``selected`` / ``path`` (n,) and ``ids`` (each
+    slot's request id, -1 for a free slot). ``static``/``compile``: the preallocated cache /
+    compiled forwards (every forward then covers all ``capacity`` slots; routers and the commit
+    rule stay eager). Raises UnmaskError from ``join`` for a request that does not fit.
     """
 
-    def __init__(self, bundle, cfg, lbs, lps, *, static=False, compile=False, capacity=8, on_step=None, on_token=None,
-                 stop_token_ids=None, width=0, lockstep=False, on_forward=None):
-        self.bundle, self.cfg, self.lbs, self.lps = bundle, cfg, lbs, lps
-        self.static, self.compile = static or compile, compile
-        self.on_step, self.on_forward, self.lockstep = on_step, on_forward, lockstep
-        self.slots = Slots(capacity)
-        self.canvas = SlotCanvas(bundle, cfg.cache, capacity, max(width, cfg.gen_length + 1), None, static=static,
-                                 compile=compile)
-        dev, L = bundle.device, cfg.gen_length
-        ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
-        self.stop_ids = sorted(set(ids))
-        self.stops = torch.tensor(self.stop_ids or [-1], device=dev)
-        self.suppress = list(bundle.suppress_ids)
+    def __init__(self, bundle, cfg: EarlyBirdConfig, *, static=False, compile=False, capacity=8, on_step=None,
+                 on_token=None, stop_token_ids=None, width=0, lockstep=False, on_forward=None):
+        super().__init__(bundle, cfg, block=None, width=max(width, cfg.gen_length + 1), capacity=capacity,
+                         static=static, compile=compile, on_step=on_step, on_forward=on_forward, lockstep=lockstep,
+                         stop_token_ids=stop_token_ids)
+        self.lbs, self.lps, self.stop_ids = cfg.lbs, cfg.lps, sorted(self.stop.ids)
         self.embed = bundle.model.get_input_embeddings()
         self.threshold = Threshold(cfg.tau)
         self.draw = "gumbel" if cfg.sampler == "llada" else "categorical"
-        self.block = torch.zeros(capacity, L, dtype=torch.bool, device=dev)  # (C, L) active block, as selected
-        self.done = torch.zeros(capacity, dtype=torch.bool, device=dev)  # (C,) a stop seen
-        self.running: dict[int, EarlyBirdRow] = {}
-        self.forwards = self.refreshes = 0
+        self.block = torch.zeros(capacity, cfg.gen_length, dtype=torch.bool, device=bundle.device)  # (C, L) as selected
+        self.refreshes = 0
         self.seconds = Counter()  # lbs, lps, forward, step
 
-    @classmethod
-    def serving(cls, bundle, options: dict | None = None, on_step=None, *, stop_token_ids=None, capacity: int = 64):
-        """The server's running batch for one set of early-bird ``options`` (:data:`OPTIONS`; every
-        cache), eager also under ``serve --compile`` (its windows vary per step: compiled on a static
-        cache it measured 0.73x eager at 8 streams, benchmarks/results/serve_compile_canvas.md).
-        Raises UnmaskError for an unknown option (``compile``), a bad value, missing routers or a
-        remote-code model (no explicit positions per row)."""
-        if is_remote(bundle.model):
-            raise UnmaskError("a continuous early-bird batch needs explicit positions per row; this checkpoint's own "
-                              "model code takes none, so decode it with per-call early-bird batches")
-        options = serving_options(options, OPTIONS, "a continuous early-bird batch (eager forwards)")
-        cfg, lbs, lps = configure(bundle, **options)
-        for net in (lbs, lps):
-            if net is not None:
-                net.eval()
-        return cls(bundle, cfg, lbs, lps, capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids)
-
-    @property
-    def confidence(self) -> str | None:
-        return self.cfg.confidence
-
     # -- joining and leaving ------------------------------------------------------------------------
-
-    def _check(self, job) -> None:
-        check_max_new_tokens(job.max_new_tokens, self.cfg.gen_length)
-        check_canvas(self.bundle, len(job.prompt_ids), self.cfg.gen_length, CANVAS_HINT)
 
     @torch.inference_mode()
     def join(self, requests: list[Request]) -> list[EarlyBirdRow]:
         """Place each request's canvas with no active block (no forward; every request is validated
         first, so a bad one adds none). Returns []."""
+        L = self.cfg.gen_length
         for job in requests:
-            self._check(job)
-        if len(requests) > self.slots.free:
-            self.slots.take(len(requests))  # raises the one-line "running batch full"
-        for job, slot in zip(requests, self.slots.take(len(requests))):
-            self.canvas.place(slot, list(job.prompt_ids), self.cfg.gen_length, self.bundle.mask_token_id)
-            self.block[slot], self.done[slot] = False, False
-            self.running[slot] = EarlyBirdRow(job=job, slot=slot, generator=row_generator(job, self.bundle.device),
-                                              gen=[self.bundle.mask_token_id] * self.cfg.gen_length)
-        return []
+            check_max_new_tokens(job.max_new_tokens, L)
+            check_canvas(self.bundle, len(job.prompt_ids), L, CANVAS_HINT)
+
+        def row(job, slot, generator):
+            self.block[slot] = False  # (L,) no active block yet
+            return EarlyBirdRow(job=job, slot=slot, generator=generator, report=job.max_new_tokens,
+                                gen=[self.bundle.mask_token_id] * L)
+
+        return self._place(requests, row)
 
     # -- stepping -----------------------------------------------------------------------------------
 
@@ -175,6 +163,10 @@ class EarlyBird(CanvasRows):
         ``stop_token`` and ``extra`` set."""
         if not self.running:
             return []
+        with _eval(self.lbs, self.lps):
+            return self._step()
+
+    def _step(self) -> list[EarlyBirdRow]:
         cfg, dev, mask_id, c = self.cfg, self.bundle.device, self.bundle.mask_token_id, self.canvas
         L = cfg.gen_length
         n = self._covered()
@@ -238,10 +230,7 @@ class EarlyBird(CanvasRows):
         """The candidates' tokens (n, HI - LO) (argmax, or each sampled row's draw with its generator)
         and their κ (n, L), per group of rows sharing a sampling setting."""
         cfg, L = self.cfg, self.cfg.gen_length
-        groups: dict = {}
-        for r, row in enumerate(rows):
-            if row is not None:
-                groups.setdefault(row.job.sampling, []).append(r)
+        groups = group_by(((r, row) for r, row in enumerate(rows) if row is not None), lambda row: row.job.sampling)
         tokens, kappa = top1_w, torch.zeros(len(rows), L, dtype=torch.float64, device=logits.device)
         for sampling, idx in groups.items():
             pick = torch.zeros_like(cand_w)
@@ -249,9 +238,9 @@ class EarlyBird(CanvasRows):
             if not sampling.greedy:
                 gens = [None if row is None else row.generator for row in rows]
                 # every running row has candidates (see step), so the group's rows are the ones that draw
-                tokens = _draw_rows(logits, pick, tokens, self.threshold, sampling, gens, cfg.commit_confidence,
+                tokens = draw_rows(logits, pick, tokens, self.threshold, sampling, gens, cfg.commit_confidence,
                                     self.draw, idx)
-            kappa = kappa + _commit_confidence(logits, tokens, pick, cfg.commit_confidence, sampling.temperature, LO, L)
+            kappa = kappa + commit_confidence(logits, tokens, pick, cfg.commit_confidence, sampling.temperature, LO, L)
         return tokens, kappa
 
     def _settle(self, rows, select, masked, chosen, tokens, path, lps_only, feats, top1, kappa, p_lps, window, t0):
@@ -279,42 +268,44 @@ class EarlyBird(CanvasRows):
             new = torch.tensor(select, device=dev) & open_block.any(dim=1) & ~self.done[:n]  # (n,)
             end = g0 + b_hi if cfg.cache == "dual" else torch.full_like(b_hi, c.width)
             c.hide(n, new, g0 + b_lo - sh, end)
-        # the step's one host sync: each row's counts and flags, then its generated ids (n, 14 + L); with
-        # on_step also its commits, candidates and block (n, L) each, which its step event shows
-        packed = [torch.stack([chosen.sum(dim=1), had.long(), resolved.long(), self.done[:n].long(),
-                               open_block.any(dim=1).long(), (gen == mask_id).any(dim=1).long(), b_lo, b_hi, o_lo, o_hi,
-                               path, block.sum(dim=1), lps_only.long(), (gen != mask_id).sum(dim=1)], dim=1), gen]
+        # the step's one host sync: each row's counts, flags and generated ids; with on_step also its
+        # commits, candidates and block, which its step event shows
+        host = HostRead().add("count", chosen.sum(dim=1)).add("had", had).add("resolved", resolved)
+        host.add("done", self.done[:n]).add("has_block", open_block.any(dim=1)).add("left", (gen == mask_id).any(dim=1))
+        host.add("b_lo", b_lo).add("b_hi", b_hi).add("o_lo", o_lo).add("o_hi", o_hi).add("path", path)
+        host.add("size", block.sum(dim=1)).add("lps_only", lps_only).add("committed", (gen != mask_id).sum(dim=1))
+        host.add("gen", gen)
         if self.on_step is not None:
-            packed += [chosen.long(), tokens, block.long()]
-        flags = torch.cat(packed, dim=1).tolist()
+            host.add("chosen", chosen).add("tokens", tokens).add("block", block)
+        got = host.read()
         self.seconds["step"] += _sync(dev) - t0
         finished = []
         for r, row in enumerate(rows):
             if row is None:
                 continue
-            count, was, done_block, done, has_block, left, blo, bhi, olo, ohi, how, size, only, committed = flags[r][:14]
-            row.gen = flags[r][14: 14 + L]
+            was, done = got["had"][r], got["done"][r]
+            row.gen = got["gen"][r]
             if select[r]:
-                row.blocks, row.sizes = row.blocks + 1, row.sizes + size
-                row.paths.append(PATH_NAMES[how])
-            row.lps_only += only
-            row.has_block = bool(has_block)
-            row.window = (blo, bhi) if cfg.cache != "none" else (olo, ohi)
+                row.blocks, row.sizes = row.blocks + 1, row.sizes + got["size"][r]
+                row.paths.append(PATH_NAMES[got["path"][r]])
+            row.lps_only += got["lps_only"][r]
+            row.has_block = bool(got["has_block"][r])
+            row.window = (got["b_lo"][r], got["b_hi"][r]) if cfg.cache != "none" else (got["o_lo"][r], got["o_hi"][r])
             if was:
-                row.commits.append(count)
+                row.commits.append(got["count"][r])
                 if self.on_step is not None:
-                    got = flags[r][14 + L:]  # commits, candidates, block (L each)
                     extra = {"block": row.blocks - 1}
                     if select[r]:
-                        extra["selected"] = [i for i, b in enumerate(got[2 * L:]) if b]
+                        extra["selected"] = [i for i, b in enumerate(got["block"][r]) if b]
                     at, who = (self.forwards, row.job.id) if self.lockstep else (row.nfe, 0)
-                    self.on_step(row, host_event(at, who, got[:L], got[L: 2 * L], 0, row.gen, mask_id, **extra))
+                    self.on_step(row, host_event(at, who, got["chosen"][r], got["tokens"][r], 0, row.gen, mask_id,
+                                                 **extra))
             row.nfe += int(bool(was))
             check_nfe(row.nfe, 2 * L, "early-bird")  # ≥ 1 commit per forward; L blocks at most (size 1)
-            if row.job.stop and done_block and not done:
-                done = stop_string_in(self.bundle, row.job.prompt_ids, row.gen, mask_id, row.job.stop)
-            row.extra["n_committed"] = committed
-            if done or not left:
+            if row.job.stop and got["resolved"][r] and not done:
+                done = StopRule.of(strings=row.job.stop).hit(self.bundle, row.job.prompt_ids, row.gen, also=(mask_id,))
+            row.extra["n_committed"] = got["committed"][r]
+            if done or not got["left"][r]:
                 finished.append(row)
         if self.on_forward is not None:
             self.on_forward({"nfe": self.forwards, "masked": masked, "block": self.block[:n].clone(),
@@ -328,49 +319,62 @@ class EarlyBird(CanvasRows):
             self._finish(finished)
         return finished
 
-    def _finish(self, rows: list[EarlyBirdRow]) -> None:
-        """Set the rows' outputs as decode reports them (from the ids the step read) and free their slots."""
-        for row in rows:
-            finish(row, row.gen[: row.job.max_new_tokens], self.stop_ids, self.bundle.mask_token_id)
-            row.extra = {"decoder": "early-bird", "lps": self.lps is not None, "cache": self.cfg.cache,
-                         "steps": row.nfe, "blocks": row.blocks, "commits": list(row.commits),
-                         "n_committed": row.extra["n_committed"]}
-            del self.running[row.slot]
-        self.slots.give([row.slot for row in rows])
+    def _row_extra(self, row: EarlyBirdRow) -> dict:
+        return {"decoder": "early-bird", "lps": self.lps is not None, "cache": self.cfg.cache, "steps": row.nfe,
+                "blocks": row.blocks, "commits": list(row.commits), "n_committed": row.extra["n_committed"]}
 
     def stats_extra(self, rows: list[EarlyBirdRow]) -> dict:
-        """decode's ``stats.extra`` for finished rows in request order."""
+        """decode's ``stats.extra`` for finished rows in request order (:meth:`CanvasBatch._extra`)."""
         cfg, t = self.cfg, self.seconds
         blocks = sum(row.blocks for row in rows)
         router = t["lbs"] + t["lps"]
         extra = {"lps": self.lps is not None, "cache": cfg.cache, "gen_length": cfg.gen_length,
                  "block_size": cfg.block_size, "tau": cfg.tau, "tau_psi": cfg.tau_psi, "l_min": cfg.l_min,
                  "g_max": cfg.g_max, "gap_metric": cfg.gap_metric, "pos_mode": cfg.pos_mode, "sampler": cfg.sampler,
-                 "confidence": cfg.confidence or "untempered",
-                 "accepts": dict(sorted(Counter(k for row in rows for k in row.commits).items())),
-                 "n_committed": [row.extra["n_committed"] for row in rows], "blocks": blocks,
+                 "confidence": cfg.confidence or "untempered", "blocks": blocks,
                  "mean_block": sum(row.sizes for row in rows) / max(1, blocks),
                  "paths": dict(Counter(p for row in rows for p in row.paths)),
                  "lps_only": sum(row.lps_only for row in rows), "refreshes": self.refreshes,
                  "lbs_seconds": t["lbs"], "lps_seconds": t["lps"], "router_seconds": router,
                  "forward_seconds": t["forward"], "step_seconds": t["step"],
                  "router_share": router / t["step"] if t["step"] > 0 else 0.0,
-                 "router_vs_forward": router / t["forward"] if t["forward"] > 0 else 0.0,
-                 "row_extra": [{k: row.extra[k] for k in ("decoder", "lps", "cache", "steps", "blocks", "commits")}
-                               for row in rows],
-                 "compiled": bool(self.compile)}
-        if self.canvas.static_capacity is not None:
-            extra["static_cache"] = self.canvas.static_capacity
-        return extra
+                 "router_vs_forward": router / t["forward"] if t["forward"] > 0 else 0.0}
+        return self._extra(rows, extra, ("decoder", "lps", "cache", "steps", "blocks", "commits"))
 
 
+def batch(bundle, cfg: EarlyBirdOptions, *, capacity: int = 64, prompts=None, max_new_tokens=None, compile=False,
+          static=False, on_step=None, on_token=None, on_forward=None, stop_token_ids=None):
+    """The running batch of ``cfg`` (:attr:`Spec.batch`; :meth:`EarlyBirdOptions.resolve` says how
+    options and routers resolve). ``prompts`` given (``decode()``): one batch for them, each
+    router run once over every row that needs it, a row stopping once its ``max_new_tokens`` (≤ L)
+    are committed (the tokens are those of the full-length run); ``static`` / ``compile`` run the
+    forwards on a preallocated cache with bounded shapes / compiled (same tokens and NFE up to
+    float rounding). None (the server): rows join and leave at any step, eager under ``serve
+    --compile`` (its windows vary per step: compiled it measured 0.73x eager at 8 streams,
+    benchmarks/results/serve_compile_canvas.md). NFE counts base-model forwards only (routers are
+    not NFE, §10). ``stats_extra``: decoder settings, ``accepts`` (histogram of per-row commits per
+    forward), ``n_committed``, ``blocks`` (selections), ``mean_block``, ``paths`` (selection rule
+    counts), ``lps_only`` (commits only LPS allowed), ``refreshes`` (cache), router timing
+    (``lbs_seconds``, ``lps_seconds``, ``router_seconds``, ``forward_seconds``, ``step_seconds``,
+    ``router_share`` = router / step time, ``router_vs_forward`` = router / forward time),
+    ``compiled``, ``static_cache`` and ``row_extra``. Raises UnmaskError as ``resolve`` does, for
+    a remote-code model in a server's batch (no explicit positions per row), or a prompt whose
+    canvas does not fit."""
+    if prompts is None:
+        if is_remote(bundle.model):
+            raise UnmaskError("a continuous early-bird batch needs explicit positions per row; this checkpoint's own "
+                              "model code takes none, so decode it with per-call early-bird batches")
+        return EarlyBird(bundle, cfg.resolve(bundle), capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids)
+    rc = cfg.resolve(bundle, max_new_tokens, static=static, compile=compile)
+    L = rc.gen_length
+    for p in prompts:  # before the canvases are allocated
+        check_canvas(bundle, len(p), L, CANVAS_HINT)
+    width = prompt_width(max(map(len, prompts), default=0), L, bundle.context_length, static or compile) + L
+    return EarlyBird(bundle, rc, static=static, compile=compile, capacity=capacity, on_step=on_step,
+                     stop_token_ids=stop_token_ids, width=width, lockstep=True, on_forward=on_forward)
 
-def _serving(bundle, cfg, *, on_token=None, compile=False, **kw):
-    """Transitional: the server's batch of ``cfg`` (:meth:`EarlyBird.serving`; eager under --compile)."""
-    return EarlyBird.serving(bundle, cfg.given(), **kw)
 
-
-SPEC = Spec("early-bird", EarlyBirdOptions, batch=_serving, kinds=("masked-diffusion",), compiles=False, run=early_bird.decode,
+SPEC = Spec("early-bird", EarlyBirdOptions, batch=batch, kinds=("masked-diffusion",), compiles=False,
             summary="Early-Bird: learned variable blocks (LBS) and learned parallel commits (LPS)")
 
-__all__ = ["EarlyBird", "EarlyBirdRow", "OPTIONS"]
+__all__ = ["EarlyBird", "EarlyBirdRow", "SPEC", "batch"]

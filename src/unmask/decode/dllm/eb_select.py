@@ -22,14 +22,17 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from unmask.policies import commit
+from unmask.routers.lps import POS_MODES
+from unmask.sampling import Sampling
+
 GAP_METRICS = ("absolute", "masked_rank")
-POS_MODES = ("literal", "rank")
 # Which rule produced a row's block (the ``path`` codes of :func:`select_block`).
 PATH_ROUTER, PATH_SIZE, PATH_MIN_TOKENS = 0, 1, 2
 PATH_NAMES = ("router", "size-fallback", "min-tokens-fallback")
-FEATURE_NAMES = ("confidence", "norm_entropy", "margin", "mask_ratio", "pos")  # LPS input order (§4.1)
 
 
 def first_masked(masked: Tensor, n: int) -> Tensor:
@@ -155,3 +158,38 @@ def union_accept(kappa: Tensor, p_lps: Tensor | None, cand: Tensor, tau: float, 
     best = torch.zeros_like(cand).scatter(1, score.argmax(dim=1, keepdim=True), True)  # (B, L) first max
     stall = cand.any(dim=1) & ~take.any(dim=1)  # (B,)
     return take | (best & stall[:, None])
+
+
+def commit_confidence(logits, tokens, cand, confidence: str | None, temperature: float, lo: int,
+                      L: int) -> torch.Tensor:
+    """κ of the chosen tokens as the diffusion threshold rule computes it (diffusion.md §4): the
+    untempered softmax in float64 ("untempered", LLaDA's) or float32 (None), or the tempered
+    probability ("tempered", Dream's).
+
+    logits (B, n, V), tokens and cand (B, n) over generated positions [lo, lo + n). Computed at the
+    candidates only; returns (B, L) float64, 0 elsewhere."""
+    r, c = torch.nonzero(cand, as_tuple=True)  # (k,) each
+    z, t = logits[r, c], tokens[r, c]  # (k, V), (k,)
+    if confidence == "untempered":
+        k = F.softmax(z.double(), dim=-1).gather(-1, t[:, None])[:, 0]
+    else:
+        z = z.float() / temperature if temperature > 0 and confidence == "tempered" else z.float()
+        k = F.log_softmax(z, dim=-1).gather(-1, t[:, None])[:, 0].exp().double()
+    kappa = torch.zeros(cand.shape[0], L, dtype=torch.float64, device=logits.device)
+    kappa[r, c + lo] = k
+    return kappa
+
+
+def draw_rows(logits, cand, top1, policy, sampling: Sampling, gens, confidence, draw, draws) -> torch.Tensor:
+    """Sampled tokens (B, n) at each row's candidates, drawn with that row's generator over its
+    candidates only, so the draws do not depend on the batch's union window (batch == single
+    runs); elsewhere the argmax ``top1``. ``draws``: the rows with candidates (host-known)."""
+    tokens = top1.clone()
+    for r in draws:
+        where = torch.nonzero(cand[r]).flatten()  # (k,)
+        sub = logits[r: r + 1, where]  # (1, k, V)
+        _, t = commit(sub, torch.ones(1, len(where), dtype=torch.bool, device=sub.device), policy,
+                      temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                      generator=gens[r], confidence=confidence, sampling=draw)
+        tokens[r, where] = t[0]
+    return tokens
