@@ -12,7 +12,7 @@ from conftest import tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
 from unmask.compat import forward, new_cache
-from unmask.decode import DECODERS, get_decoder
+from unmask.decode import DECODERS, spec_for
 from unmask.decode.dllm import diffusion
 from unmask.decode.dllm.canvas import early_stop
 from unmask.decode.dllm.cache import SlotCanvas
@@ -349,7 +349,7 @@ def test_model_without_mask_token_and_kind_mismatch():
     with pytest.raises(UnmaskError, match="needs a masked-diffusion model with a mask token"):
         DECODERS["diffusion"].decode(bundle, [[1, 5]], max_new_tokens=8)
     with pytest.raises(UnmaskError, match="decoder 'diffusion' needs a model of kind masked-diffusion"):
-        get_decoder("diffusion", "causal")
+        spec_for("diffusion", "causal")
 
 
 def test_api_rows_and_stop_strings():

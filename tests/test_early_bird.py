@@ -4,14 +4,13 @@ trace events and router-time statistics, EOS handling, and bad inputs."""
 
 from __future__ import annotations
 
-import inspect
 
 import pytest
 import torch
 from conftest import tiny_bundle, tiny_llama
 
 import unmask
-from unmask.decode import DECODERS, get_decoder
+from unmask.decode import DECODERS, spec_for
 from unmask.errors import UnmaskError
 from unmask.models.mask_token import add_mask_token
 from unmask.routers import LBSConfig, LBSRouter, LPSConfig, LPSRouter, save_router
@@ -199,9 +198,9 @@ def mask_free(ids, bundle):
 
 def test_registry_and_api_with_saved_routers(tmp_path):
     bundle = dllm()
-    assert "lps_router" in inspect.signature(get_decoder("early-bird", "masked-diffusion")).parameters
+    assert "lps_router" in {k.name for k in spec_for("early-bird", "masked-diffusion").knobs()}
     with pytest.raises(UnmaskError, match="early-bird"):
-        get_decoder("early-bird", "causal")
+        spec_for("early-bird", "causal")
     bundle.path = tmp_path
     save_router(lbs(), tmp_path / "routers", meta={"base_model": base_model_facts(bundle)})
     save_router(lps(), tmp_path / "routers", meta={"tau_psi": 0.6})

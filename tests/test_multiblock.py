@@ -9,7 +9,7 @@ from conftest import assert_batch_equals_single_rows, tiny_bundle
 from test_block_decode import bd_bundle, scripted_bundle, uncached_logits
 
 import unmask
-from unmask.decode import DECODERS, get_decoder
+from unmask.decode import DECODERS, spec_for
 from unmask.errors import UnmaskError
 
 
@@ -202,7 +202,7 @@ def test_bad_inputs():
         with pytest.raises(UnmaskError, match=msg):
             DECODERS["multiblock"].decode(bundle, [[1, 2]], max_new_tokens=4, **kw)
     with pytest.raises(UnmaskError, match="kind block-diffusion"):
-        get_decoder("multiblock", "masked-diffusion")
+        spec_for("multiblock", "masked-diffusion")
     with pytest.raises(UnmaskError, match="block-diffusion"):
         DECODERS["multiblock"].decode(tiny_bundle(bundle.model, kind="causal"), [[1, 2]], max_new_tokens=4)
 

@@ -81,19 +81,16 @@ class WobbleOptions(BlockOptions):
 
 @pytest.fixture
 def plugin():
-    """A decoder registered from outside: SingleBD's batch and decode under another name, with two
-    knobs no built-in decoder has (dropped by its decode: they only have to reach it)."""
+    """A decoder registered from outside: SingleBD's batch under another name, with two knobs no
+    built-in decoder has (dropped by its batch: they only have to reach it)."""
     block, built = DECODERS["block"], []
-
-    def run(bundle, prompts, *, wobble=None, shiny=None, **kw):
-        return block.run(bundle, prompts, **kw)
 
     def batch(bundle, cfg, **kw):
         built.append(cfg)
         return block.batch(bundle, BlockOptions(**{k.name: getattr(cfg, k.name) for k in BlockOptions.knobs()}), **kw)
 
-    spec = register(dataclasses.replace(block, name="wobbly", config=WobbleOptions, batch=batch, run=run,
-                                        summary="a test plug-in: SingleBD by another name"))
+    register(dataclasses.replace(block, name="wobbly", config=WobbleOptions, batch=batch,
+                                 summary="a test plug-in: SingleBD by another name"))
     try:
         yield built
     finally:

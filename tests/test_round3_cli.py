@@ -33,22 +33,17 @@ def clean_threads(monkeypatch):
 
 def _spy_decoder(monkeypatch):
     """Record torch's thread count inside each decoder call of unmask.generate."""
-    import unmask.api as api
+    from unmask.decode import Spec
 
     seen: list[int] = []
-    real = api.get_decoder
+    real = Spec.decode
 
-    def get_decoder(name, kind):
-        decode = real(name, kind)
+    @functools.wraps(real)
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(self, *args, **kwargs)
 
-        @functools.wraps(decode)
-        def spy(*args, **kwargs):
-            seen.append(torch.get_num_threads())
-            return decode(*args, **kwargs)
-
-        return spy
-
-    monkeypatch.setattr(api, "get_decoder", get_decoder)
+    monkeypatch.setattr(Spec, "decode", spy)
     return seen
 
 

@@ -8,7 +8,7 @@ from conftest import tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
 from unmask.compat import attention_mask, forward, new_cache
-from unmask.decode import get_decoder
+from unmask.decode import spec_for
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, causal_mask, sbd_inference_mask
 from unmask.models.mask_token import add_mask_token
@@ -167,7 +167,7 @@ def test_bad_inputs():
     with pytest.raises(UnmaskError, match="context window"):
         DECODERS["sbd"].decode(bundle, [[1, 2]], max_new_tokens=4, block_size=10_000)
     with pytest.raises(UnmaskError, match="kind sbd"):
-        get_decoder("sbd", "causal")
+        spec_for("sbd", "causal")
 
 
 def test_checkpoint_decode_defaults_apply_unless_overridden():

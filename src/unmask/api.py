@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from unmask.decode import Config, DecodeStats, Spec, get_decoder, spec_for
+from unmask.decode import Config, DecodeStats, Spec, spec_for
 from unmask.decode.choice import default_for
 from unmask.decode.engine.registry import plain_scalar
 from unmask.errors import UnmaskError
@@ -137,11 +137,7 @@ def check_options(spec: Spec, options: dict) -> Config:
     """The config of the decoder ``spec`` for ``options`` (:meth:`Config.of`; the run options
     :data:`RUN_OPTIONS` set aside). Raises UnmaskError, one line, for an option the decoder does not
     take, an integer beyond 64 bits, or a value its config refuses."""
-    import inspect
-
-    # transitional: a decoder still run by its own function takes the run options its signature names
-    run = RUN_OPTIONS if spec.run is None else set(RUN_OPTIONS) & set(inspect.signature(spec.run).parameters)
-    return spec.config.of({k: v for k, v in options.items() if k not in run}, spec.name)
+    return spec.config.of({k: v for k, v in options.items() if k not in RUN_OPTIONS}, spec.name)
 
 
 def as_prompt_list(prompts) -> list:
@@ -217,7 +213,7 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     use_for(bundle.model)  # the auto thread count for this call, unless the user chose one (unmask.threads)
     decoder = default_for(bundle, options).decoder if decoder is None else decoder  # "": refused, not the default
     spec = spec_for(decoder, bundle.kind)
-    decode = get_decoder(decoder, bundle.kind)
+    decode = spec.decode
     if "compile" in options and not isinstance(options["compile"], bool):
         raise UnmaskError(f"compile must be True or False (got {options['compile']!r}); pass compile=True")
     if options.get("compile") is False:  # an explicit "off" is the default of every decoder

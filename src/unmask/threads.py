@@ -17,7 +17,7 @@ Who decides, first match wins:
 3. the user's own choice of torch threads: ``torch.set_num_threads`` (torch's count differs from
    its count when unmask was imported) or ``OMP_NUM_THREADS``, left alone;
 4. otherwise unmask's public calls (``unmask.generate``, the decoders of
-   :func:`unmask.decode.get_decoder`, ``evaluate``, ``sweep``, ``bench``) run with the auto count
+   :meth:`unmask.decode.Spec.decode`, ``evaluate``, ``sweep``, ``bench``) run with the auto count
    of their model for the duration of the call (:func:`call_scope`, :func:`use_for`) and restore
    torch's count when they return.
 """

@@ -7,7 +7,6 @@ Every decoder is a frozen :class:`Config` of knobs plus a running batch, registe
 
 from __future__ import annotations
 
-import inspect
 
 from unmask.decode.blocks.sbd import SPEC as _SBD
 from unmask.decode.blocks.single import SPEC as _BLOCK
@@ -53,29 +52,11 @@ def decode(bundle, prompts: list[list[int]], *, decoder: str | None = None, **kw
     return spec_for(name, bundle.kind).decode(bundle, prompts, **kwargs)
 
 
-def get_decoder(name: str, kind: str):
-    """The ``decode`` function of decoder ``name`` for a model of ``kind`` (:func:`spec_for`): its own
-    ``run``, else :meth:`Spec.decode` with a signature that names its knobs (keyword-only), so callers
-    that read the signature (option checks, ``eval -O`` types) see them."""
-    spec = spec_for(name, kind)
-    if spec.run is not None:
-        return spec.run
-
-    def run(bundle, prompts, **kwargs) -> DecodeOutput:
-        return spec.decode(bundle, prompts, **kwargs)
-
-    P = inspect.Parameter
-    params = [p for p in inspect.signature(spec.decode).parameters.values() if p.kind is not P.VAR_KEYWORD]
-    run.__signature__ = inspect.Signature(params + [P(k.name, P.KEYWORD_ONLY, default=k.default, annotation=k.type)
-                                                    for k in spec.knobs()])
-    return run
-
-
 def default_decoder(kind: str) -> str:
     return DEFAULT_FOR_KIND.get(kind, "ar")
 
 
-__all__ = ["Config", "DECODERS", "DecodeOutput", "DecodeStats", "Knob", "Spec", "decode", "default_decoder", "get_decoder",
+__all__ = ["Config", "DECODERS", "DecodeOutput", "DecodeStats", "Knob", "Spec", "decode", "default_decoder",
            "knob", "load_plugins", "register", "spec_for"]
 
 load_plugins()  # last: a plug-in may import anything defined above (spec_for, decode, ...)

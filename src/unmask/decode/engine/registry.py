@@ -13,7 +13,6 @@ request schema and running batches, ``eval -O`` types and README's option table
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import re
 import types
@@ -174,9 +173,7 @@ class Spec:
     sized for them; None: a server's batch, rows joining and leaving at any step); kinds: the model kinds it decodes;
     summary: one line for ``unmask models`` and README; compiles: ``unmask serve --compile`` runs its
     running batches on a static cache with a compiled forward (``decode(compile=True)`` is taken by every
-    decoder).
-    run: transitional, the decoder's own ``decode`` function while it still has one (None: the
-    generic :func:`unmask.decode.decode` drives ``batch``)."""
+    decoder)."""
 
     name: str
     config: type
@@ -184,7 +181,6 @@ class Spec:
     kinds: tuple[str, ...]
     summary: str
     compiles: bool = False
-    run: Callable | None = None
 
     def knobs(self) -> tuple[Knob, ...]:
         return self.config.knobs()
@@ -204,19 +200,6 @@ class Spec:
         max_new_tokens, options = plain_scalar(max_new_tokens), {k: plain_scalar(v) for k, v in options.items()}
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise UnmaskError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r}); pass e.g. 64")
-        if self.run is not None:  # a decoder with its own decode function
-            extra = {k: v for k, v in (("static", static), ("on_forward", on_forward)) if v}
-            params = inspect.signature(self.run).parameters
-            if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-                unknown = set(options) - {k.name for k in self.knobs()} - set(params)
-                if unknown:
-                    raise _not_taken(unknown, self.name)
-                hooks = sorted(set(extra) - set(params))  # static / on_forward: "may be refused"
-                if hooks:
-                    raise UnmaskError(f"decoder {self.name!r} does not take {hooks[0]}; drop it")
-            return self.run(bundle, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                            stop_token_ids=tuple(stop_token_ids), stop_strings=tuple(stop_strings), compile=compile,
-                            on_step=on_step, **extra, **options)
         cfg = self.config.of(options, self.name)
         if self.batch is None:
             raise UnmaskError(f"decoder {self.name!r} has no running batch (its Spec's batch is None); register it "
