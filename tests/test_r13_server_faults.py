@@ -134,11 +134,12 @@ def bd():
 
 
 def _fail_first(fn, exc: BaseException):
-    """``fn`` that raises ``exc`` on its first call."""
+    """``fn`` that raises ``exc`` on its first call as the server's running-batch factory (``prompts``
+    None; the app's start-up probe decodes through the same factory first)."""
     calls = []
 
     def wrapped(*a, **kw):
-        if not calls:
+        if not calls and kw.get("prompts") is None:
             calls.append(1)
             raise exc
         return fn(*a, **kw)

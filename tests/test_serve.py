@@ -593,7 +593,7 @@ def test_idle_compiled_batches_are_evicted_least_recently_joined_first(bundle):
 
         def gammas():
             with sched._lock:  # the scheduler evicts after it answered the last row: read between its passes
-                return [dict(k[1])["gamma"] for k in sched.running_batches]
+                return [k[1].gamma for k in sched.running_batches]  # key: (decoder, its config)
 
         for g in (0.1, 0.2, 0.3, 0.4):
             lossy(g)

@@ -198,8 +198,8 @@ class Spec:
         decoder's per-forward hook. Returns DecodeOutput. Raises UnmaskError (one line) for bad options,
         and for a plug-in decoder's batch raising anything else (the error chained)."""
         max_new_tokens, options = plain_scalar(max_new_tokens), {k: plain_scalar(v) for k, v in options.items()}
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise UnmaskError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r}); pass e.g. 64")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise UnmaskError(f"max_new_tokens must be an integer >= 0 (got {max_new_tokens!r}); pass e.g. 64")
         cfg = self.config.of(options, self.name)
         if self.batch is None:
             raise UnmaskError(f"decoder {self.name!r} has no running batch (its Spec's batch is None); register it "
