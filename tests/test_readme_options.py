@@ -1,6 +1,6 @@
 """Issue 49: README's decoder option table is the registry's. One row per knob a user sets (a flag of ``unmask
 generate`` or a field of ``unmask serve`` requests) of the built-in decoders: its name, value type, the decoders
-that take it and its default must be what ``unmask.decode.DECODERS`` says.
+that take it, its default and its help must be what ``unmask.decode.DECODERS`` says.
 
 Print the table from the registry (to paste into README.md): ``PYTHONPATH=src python tests/test_readme_options.py``.
 """
@@ -67,7 +67,7 @@ def test_readme_option_table_is_the_registry_s():
     assert [r[0] for r in got] == [r[0] for r in want], f"README's knobs differ from the registry's; {fix}"
     for g, w in zip(got, want):
         assert len(g) == 5 and g[:4] == w[:4], f"README row {g[:4]} != registry {w[:4]}; {fix}"
-        assert g[4], f"README row {g[0]} has no help; {fix}"
+        assert g[4] == w[4], f"README's help of {g[0]} is not the registry's ({w[4]!r}); {fix}"
 
 
 def test_the_table_covers_every_user_knob_and_only_those():
