@@ -69,9 +69,10 @@ class Knob:
     ``--block-size``); ``type``: int, float, str, bool, or ``object`` for a Python-API-only value (a
     router, a callable); ``default``: None means "resolved from the model and the other knobs" (the
     help says how); ``choices``: the allowed strings, if a closed set; ``low`` / ``high``: an
-    inclusive range, if any (``choices``, ``low``, ``high``: shown in ``--help`` and README, enforced
-    by the config's ``__post_init__``); ``cli``: a flag of ``unmask generate``; ``serve``: a field the server
-    takes (default: as ``cli``; neither: the Python API only); ``short``: a one-letter CLI alias (``-k``)."""
+    inclusive range, if any (``choices``, ``low``, ``high``: metadata for tools reading the registry; the
+    help text states them and the config's ``__post_init__`` enforces them); ``cli``: a flag of ``unmask
+    generate``; ``serve``: a field the server takes (default: as ``cli``; neither: the Python API only);
+    ``short``: a one-letter CLI alias (``-k``)."""
 
     name: str
     type: type
