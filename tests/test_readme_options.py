@@ -76,5 +76,20 @@ def test_the_table_covers_every_user_knob_and_only_those():
     assert not names & {"routers", "lbs_router", "max_nfe", "eos_early_stop"}  # Python-API-only knobs
 
 
+def test_generate_help_names_the_decoders_of_each_flag_as_the_table_does():
+    """A user reading `unmask generate --help` learns which decoders take a flag, shared help text or not."""
+    from typer.main import get_command
+
+    from unmask.cli import app
+
+    helps = {o.name: " ".join(o.help.split()) for o in get_command(app).commands["generate"].params}
+    for row in readme_rows():
+        name, decoders = row[0].strip("`"), [d.strip("`") for d in row[2].split(", ")]
+        if name in helps:  # a server-only knob has no flag
+            for d in decoders:
+                assert re.search(rf"(^|; )([\w-]+, )*{re.escape(d)}(, [\w-]+)*: ", helps[name]), (
+                    f"--{name.replace('_', '-')}'s help does not name {d}: {helps[name]!r}")
+
+
 if __name__ == "__main__":
     print(render())
