@@ -165,6 +165,8 @@ def test_register_refuses_a_knob_that_is_python_only_in_another_decoder(scratch)
 @pytest.mark.parametrize("bad, match", [
     ({"kinds": "causal"}, r"kinds must be a tuple of model kinds"),
     ({"kinds": ["causal"]}, r"kinds must be a tuple of model kinds"),
+    ({"kinds": ("casual",)}, r"unknown model kind 'casual'; choose from causal, sbd, masked-diffusion, "
+                             r"block-diffusion"),  # a typo: no model could ever be decoded with it
     ({"batch": 3}, r"batch must be a callable"),
     ({"summary": "two\nlines"}, r"summary must be one line of text"),
     ({"summary": None}, r"summary must be one line of text"),

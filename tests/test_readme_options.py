@@ -1,6 +1,6 @@
 """Issue 49: README's decoder option table is the registry's. One row per knob a user sets (a flag of ``unmask
 generate`` or a field of ``unmask serve`` requests) of the built-in decoders: its name, value type, the decoders
-that take it and its default must be what ``unmask.decode.DECODERS`` says.
+that take it, its default and its help must be what ``unmask.decode.DECODERS`` says.
 
 Print the table from the registry (to paste into README.md): ``PYTHONPATH=src python tests/test_readme_options.py``.
 """
@@ -67,13 +67,28 @@ def test_readme_option_table_is_the_registry_s():
     assert [r[0] for r in got] == [r[0] for r in want], f"README's knobs differ from the registry's; {fix}"
     for g, w in zip(got, want):
         assert len(g) == 5 and g[:4] == w[:4], f"README row {g[:4]} != registry {w[:4]}; {fix}"
-        assert g[4], f"README row {g[0]} has no help; {fix}"
+        assert g[4] == w[4], f"README's help of {g[0]} is not the registry's ({w[4]!r}); {fix}"
 
 
 def test_the_table_covers_every_user_knob_and_only_those():
     names = {r[0].strip("`") for r in table_rows()}
     assert {"block_size", "gamma", "tau", "slots", "confidence"} <= names  # confidence: a server field, no flag
     assert not names & {"routers", "lbs_router", "max_nfe", "eos_early_stop"}  # Python-API-only knobs
+
+
+def test_generate_help_names_the_decoders_of_each_flag_as_the_table_does():
+    """A user reading `unmask generate --help` learns which decoders take a flag, shared help text or not."""
+    from typer.main import get_command
+
+    from unmask.cli import app
+
+    helps = {o.name: " ".join(o.help.split()) for o in get_command(app).commands["generate"].params}
+    for row in readme_rows():
+        name, decoders = row[0].strip("`"), [d.strip("`") for d in row[2].split(", ")]
+        if name in helps:  # a server-only knob has no flag
+            for d in decoders:
+                assert re.search(rf"(^|; )([\w-]+, )*{re.escape(d)}(, [\w-]+)*: ", helps[name]), (
+                    f"--{name.replace('_', '-')}'s help does not name {d}: {helps[name]!r}")
 
 
 if __name__ == "__main__":

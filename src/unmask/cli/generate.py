@@ -218,13 +218,12 @@ def generate_cmd(
 
 
 def _knob_help(entries: list) -> str:
-    """A decoder flag's help: the knob's text, or each decoder's own where they differ (a knob of one
-    decoder names it); rich markup escaped, as typer renders help with it (a plug-in's "[0, 1] [/]")."""
+    """A decoder flag's help: the decoders that take it before their text ("sbd, diffusion, block: ...",
+    one group per distinct text), as README's option table lists them; rich markup escaped, as typer
+    renders help with it (a plug-in's "[0, 1] [/]")."""
     texts: dict[str, list[str]] = {}
     for decoder, k in entries:
         texts.setdefault(escape(k.help), []).append(decoder)
-    if len(texts) == 1 and len(entries) > 1:
-        return next(iter(texts))
     return "; ".join(f"{', '.join(names)}: {text}" for text, names in texts.items())
 
 

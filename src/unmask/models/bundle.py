@@ -11,12 +11,12 @@ import torch
 from unmask.devices import resolve_device, resolve_dtype  # noqa: F401 (also public here)
 from unmask.errors import UnmaskError, is_int
 from unmask.fileio import read_json_object
+from unmask.kinds import KINDS
 from unmask.models.checkpoint_checks import (check_config_fields, check_decode_defaults, check_default_sizes,
                                              check_explicit_mask_id, check_float_weights, check_tokenizer_ids,
                                              check_weights_match)
 from unmask.models.tensor_parallel import tp_load_options
 
-KINDS = ("causal", "sbd", "masked-diffusion", "block-diffusion")
 UNMASK_CONFIG = "unmask_config.json"
 
 

@@ -26,6 +26,7 @@ import torch
 from unmask.decode.engine.running import drain, requests_for
 from unmask.decode.engine.stats import DecodeOutput
 from unmask.errors import UnmaskError
+from unmask.kinds import KINDS
 from unmask.sampling import Sampling
 
 log = logging.getLogger("unmask.decode")
@@ -67,9 +68,10 @@ class Knob:
     ``--block-size``); ``type``: int, float, str, bool, or ``object`` for a Python-API-only value (a
     router, a callable); ``default``: None means "resolved from the model and the other knobs" (the
     help says how); ``choices``: the allowed strings, if a closed set; ``low`` / ``high``: an
-    inclusive range, if any (``choices``, ``low``, ``high``: shown in ``--help`` and README, enforced
-    by the config's ``__post_init__``); ``cli``: a flag of ``unmask generate``; ``serve``: a field the server
-    takes (default: as ``cli``; neither: the Python API only); ``short``: a one-letter CLI alias (``-k``)."""
+    inclusive range, if any (``choices``, ``low``, ``high``: metadata for tools reading the registry; the
+    help text states them and the config's ``__post_init__`` enforces them); ``cli``: a flag of ``unmask
+    generate``; ``serve``: a field the server takes (default: as ``cli``; neither: the Python API only);
+    ``short``: a one-letter CLI alias (``-k``)."""
 
     name: str
     type: type
@@ -238,11 +240,11 @@ def register(spec: Spec, *, replace: bool = False) -> Spec:
     """Add ``spec`` to :data:`DECODERS` (a plug-in's one call). Raises UnmaskError, one line, for what the
     CLI, the server or the Python API could not take: a name taken by another decoder (unless ``replace``)
     or not of lowercase letters, digits and dashes; a config that is not a frozen :class:`Config` dataclass
-    of its own (one class per decoder) with a default for every field; no model kinds; a batch that is not
-    callable; a summary that is not one line; a knob named like an option of unmask itself
-    (:data:`RESERVED`) or not ``lower_snake_case``, whose type, or whether the CLI and the server take it,
-    differs from the same-named knob of a registered decoder, a Python-object knob with ``serve=True``,
-    or a short alias that is malformed or taken."""
+    of its own (one class per decoder) with a default for every field; no model kinds, or one outside
+    ``unmask.kinds.KINDS``; a batch that is not callable; a summary that is not one line; a knob named
+    like an option of unmask itself (:data:`RESERVED`) or not ``lower_snake_case``, whose type, or whether
+    the CLI and the server take it, differs from the same-named knob of a registered decoder, a
+    Python-object knob with ``serve=True``, or a short alias that is malformed or taken."""
     if not isinstance(spec, Spec):
         raise UnmaskError(f"register() takes a unmask.decode.Spec (got {type(spec).__name__})")
     if not spec.name or not isinstance(spec.name, str):
@@ -267,6 +269,9 @@ def register(spec: Spec, *, replace: bool = False) -> Spec:
     if not (isinstance(spec.kinds, tuple) and all(isinstance(k, str) and k for k in spec.kinds)):
         raise UnmaskError(f"decoder {name!r}: kinds must be a tuple of model kinds, such as (\"causal\",) (got "
                           f"{spec.kinds!r})")
+    unknown = [k for k in spec.kinds if k not in KINDS]
+    if unknown:  # load() gives only these kinds: a decoder for another could never run
+        raise UnmaskError(f"decoder {name!r}: unknown model kind {unknown[0]!r}; choose from {', '.join(KINDS)}")
     if spec.batch is not None and not callable(spec.batch):
         raise UnmaskError(f"decoder {name!r}: batch must be a callable returning its running batch (got "
                           f"{spec.batch!r})")
