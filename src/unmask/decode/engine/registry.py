@@ -108,6 +108,9 @@ def _value_type(hint) -> type:
     return args[0] if len(args) == 1 and args[0] in TYPES else object
 
 
+_KNOBS: dict[type, tuple[Knob, ...]] = {}  # Config subclass -> its knobs (a class's fields never change)
+
+
 class Config:
     """Base of a decoder's knobs: subclass it as ``@dataclass(frozen=True)`` with :func:`knob` fields.
 
@@ -119,7 +122,15 @@ class Config:
 
     @classmethod
     def knobs(cls) -> tuple[Knob, ...]:
-        """The knobs in declaration order."""
+        """The knobs in declaration order (read once per class: a request's options are checked against
+        them, so the type hints are not evaluated again per request)."""
+        got = _KNOBS.get(cls)
+        if got is None:
+            got = _KNOBS[cls] = cls._read_knobs()
+        return got
+
+    @classmethod
+    def _read_knobs(cls) -> tuple[Knob, ...]:
         hints = typing.get_type_hints(cls)
         out = []
         for f in dataclasses.fields(cls):
