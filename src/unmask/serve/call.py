@@ -174,51 +174,46 @@ class Call:
             return error_response(ApiError(
                 429, f"the server queue is full ({self.scheduler.max_queue} requests waiting); retry shortly",
                 type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}))
-        try:
+        try:  # a disconnect answers 499; anything else cancels every job first
             first = await self.next_event()
+            if first[1] == "error":
+                return self.failed(first[2])
+            if self.streamed:
+                return StreamingResponse(self.sse(first), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await self.whole(first)
         except _Gone:
             return self.gone()
         except BaseException:
             self.cancel()
             raise
-        if first[1] == "error":
-            return self.failed(first[2])
-        if self.streamed:
-            return StreamingResponse(self.sse(first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self.whole(first)
 
     def text(self, part: _Part, result: dict) -> str:
         text = part.stream.finish(result["tokens"])
         return part.req.prompt + text if part.req.echo else text
 
     async def whole(self, event):
-        """A non-streamed answer: wait for every prompt's result."""
+        """A non-streamed answer: wait for every prompt's result (a disconnect raises _Gone to
+        :meth:`respond`)."""
         choices: dict[int, dict] = {}
-        try:
-            while True:
-                index, kind, payload = event
-                part = self.parts[index]
-                if kind == "step":
-                    part.saw_step(payload)
-                elif kind == "done":
-                    text, reason = self.text(part, payload), payload["finish_reason"]
-                    self.record(part, payload)
-                    choices[index] = ({"index": index, "message": {"role": "assistant", "content": text},
-                                       "finish_reason": reason} if self.chat else
-                                      {"index": index, "text": text, "finish_reason": reason, "logprobs": None})
-                    if len(choices) == len(self.parts):
-                        break
-                elif kind == "error":
-                    return self.failed(payload)
-                else:  # cancelled
-                    return self.gone()
-                event = await self.next_event()
-        except _Gone:
-            return self.gone()
-        except BaseException:
-            self.cancel()
-            raise
+        while True:
+            index, kind, payload = event
+            part = self.parts[index]
+            if kind == "step":
+                part.saw_step(payload)
+            elif kind == "done":
+                text, reason = self.text(part, payload), payload["finish_reason"]
+                self.record(part, payload)
+                choices[index] = ({"index": index, "message": {"role": "assistant", "content": text},
+                                   "finish_reason": reason} if self.chat else
+                                  {"index": index, "text": text, "finish_reason": reason, "logprobs": None})
+                if len(choices) == len(self.parts):
+                    break
+            elif kind == "error":
+                return self.failed(payload)
+            else:  # cancelled
+                return self.gone()
+            event = await self.next_event()
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
                 "model": self.name, "choices": [choices[i] for i in range(len(self.parts))], "usage": self.usage()}
 
