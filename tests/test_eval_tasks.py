@@ -255,6 +255,8 @@ def test_eval_option_passes_any_decoder_option(capsys, tmp_path):
     (["-O", "references=1"], "--option references: not a decoder option"),
     (["-d", "early-bird", "-O", "lps=abc"], "--option lps must be true or false"),
     (["-O", "gen_length=4"], "max_new_tokens 8 exceeds gen length 4"),
+    (["-O", "gamma=nan"], "--option gamma must be a finite number"),  # as generate's --gamma and the server
+    (["-O", "tau=inf"], "--option tau must be a finite number"),
 ])
 def test_eval_option_errors_are_one_line(capsys, argv, match):
     code, out, err = run_cli(capsys, "eval", "--task", "stories", "-m", "stories260K-dlm", "--limit", "1", "-n", "8",

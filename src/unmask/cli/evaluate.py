@@ -79,6 +79,9 @@ def _options(extra: list[str] | None = None, **given: Any) -> dict[str, Any]:
                 value, int if want == "int" else (int, float))):
             raise UnmaskError(f"--option {key} must be {'an integer' if want == 'int' else 'a number'} "
                               f"(got {raw.strip()!r}); e.g. --option {key}={8 if want == 'int' else 0.5}")
+        if isinstance(value, float) and not math.isfinite(value):  # as generate's flags and the server
+            raise UnmaskError(f"--option {key} must be a finite number (got {raw.strip()}); for \"reveal everything\" "
+                              "pass a large value such as 1e9")
         seen.add(key)
         opts[key] = value
     return opts
