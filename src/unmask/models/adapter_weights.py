@@ -1,28 +1,25 @@
 """An SBD adapter's tensors on disk: ``adapter.safetensors`` (spec/sbd_exact.md §3), written atomically.
 
 Apart from :mod:`unmask.models.adapter_io` (the adapter directory, its ``adapter.json`` and the base
-checks) so that :class:`unmask.models.sbd_adapter.SBDAdapter` can save and load its own weights.
+checks) so that :class:`unmask.models.sbd_adapter.SBDAdapter` can save and load its own weights; the
+functions take any module's ``state_dict``, so this module imports nothing of the adapter's.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from unmask.errors import UnmaskError
 from unmask.fileio import check_output_file
 
-if TYPE_CHECKING:
-    from unmask.models.sbd_adapter import SBDAdapter
-
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_FORMAT = "unmask-sbd-adapter"
 
 
-def save_adapter_weights(adapter: SBDAdapter, directory: str | os.PathLike) -> Path:
+def save_adapter_weights(adapter: torch.nn.Module, directory: str | os.PathLike) -> Path:
     """Write ``directory/adapter.safetensors`` atomically (float32 CPU copies of the tensors).
 
     A failed write (a full disk: safetensors raises SafetensorError there, not OSError) removes
@@ -43,7 +40,7 @@ def save_adapter_weights(adapter: SBDAdapter, directory: str | os.PathLike) -> P
     return path
 
 
-def load_adapter_weights(adapter: SBDAdapter, directory: str | os.PathLike) -> None:
+def load_adapter_weights(adapter: torch.nn.Module, directory: str | os.PathLike) -> None:
     """Load ``directory/adapter.safetensors`` into ``adapter`` (cast to its dtype and device)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
