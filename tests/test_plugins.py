@@ -205,16 +205,9 @@ def server(plugin, bundle):
 
 
 def complete(server, body: dict) -> tuple[int, dict]:
-    import urllib.error
-    import urllib.request
+    from test_round3_serve import post
 
-    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post(server.url + "/v1/completions", body, timeout=120)
 
 
 def test_the_server_answers_a_request_for_the_plugin(plugin, server, bundle):
