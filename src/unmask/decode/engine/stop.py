@@ -21,10 +21,11 @@ class StopRule:
     def of(cls, ids: Iterable[int] = (), strings: Iterable[str] = ()) -> "StopRule":
         return cls(frozenset(int(i) for i in ids), tuple(strings))
 
-    def first_id(self, tokens: list[int], also: Iterable[int] = ()) -> int | None:
-        """Index of the first stop id (or id of ``also``, e.g. a mask) in ``tokens``, or None."""
-        ends = self.ids.union(also)
-        return next((i for i, t in enumerate(tokens) if t in ends), None)
+    def first_id(self, tokens: list[int], also: Iterable[int] = (), start: int = 0) -> int | None:
+        """Index of the first stop id (or id of ``also``, e.g. a mask) in ``tokens[start:]``, or None;
+        ``start``: the tokens before it are known to hold none (a running row's earlier commits)."""
+        ends = self.ids.union(also) if also else self.ids
+        return next((i for i in range(max(start, 0), len(tokens)) if tokens[i] in ends), None)
 
     def until_stop(self, tokens: list[int], also: Iterable[int] = ()) -> list[int]:
         """``tokens`` up to, not including, the first stop id (or id of ``also``)."""

@@ -31,7 +31,7 @@ def settle(row: VerifyRow, rule: StopRule, bundle, start: int, draft: str, on_to
     a token from ``start`` on (that token kept), or ``max_new_tokens``. Sets ``finish``,
     ``stop_token`` and ``extra`` of an ended row."""
     job, N = row.job, row.job.max_new_tokens
-    cut = rule.first_id(row.committed)
+    cut = rule.first_id(row.committed, start=start)  # a stop id before ``start`` would have ended the row
     end = None if cut is not None else rule.string_end(bundle, job.prompt_ids, row.committed, start)
     ids, hit = row.committed[:cut if end is None else end], end is not None
     at_stop = cut is not None  # cut before a stop token
