@@ -1,7 +1,7 @@
-"""What the one-engine decoders share (diffusion, Dream's schedule, early-bird, block, multiblock):
-request checks, a row's generator, decode's drain of a running batch, the stop rules on a
-generated region (spec/diffusion.md §9) and a finished row's output. Pure functions of host values
-or (B, L) tensors; no model, no state."""
+"""What the canvas decoders share (diffusion, Dream's schedule, early-bird; block and multiblock take
+the helpers): request checks, a row's generator, the stop rules on a generated region
+(spec/diffusion.md §9), a finished row's output, and :class:`CanvasBatch` / :class:`CanvasRow`, the
+running-batch base of diffusion, Dream and early-bird."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from unmask.decode.dllm.cache import SlotCanvas
-from unmask.decode.engine.running import CanvasRows, Row, Slots, drain, requests_for
-from unmask.decode.engine.stats import DecodeOutput, stop_flags
+from unmask.decode.engine.running import CanvasRows, Row, Slots
+from unmask.decode.engine.stats import stop_flags
 from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
 
@@ -33,38 +33,12 @@ def check_mask_token(bundle, decoder: str) -> None:
                           "load it with mask_token_id=ID or name it in unmask_config.json")
 
 
-def serving_options(options: dict | None, allowed, what: str) -> dict:
-    """The set (non-None) ``options`` of a server batch; UnmaskError naming any not in ``allowed``."""
-    options = {k: v for k, v in dict(options or {}).items() if v is not None}
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise UnmaskError(f"option(s) {', '.join(unknown)} do not apply to {what}; use only {', '.join(allowed)}")
-    return options
-
-
 def row_generator(job, device):
     """The request's generator, else (sampled) the one ``decode`` gives its prompt alone, else None."""
     gen = getattr(job, "generator", None)
     if gen is None and not job.sampling.greedy:
         gen = job.sampling.row_generators([list(job.prompt_ids)], device)[0]
     return gen
-
-
-def event_hook(on_step):
-    """``decode``'s ``on_step(event)`` as a running batch's ``on_step(row, event)``."""
-    return None if on_step is None else (lambda row, event: on_step(event))
-
-
-def drain_prompts(make, bundle, prompts, *, max_new_tokens: int, sampling, stop_strings=()) -> DecodeOutput:
-    """``decode()`` of a running-batch class: :func:`~unmask.decode.engine.running.drain` of ``make(capacity)``
-    over one request per prompt (each with the generator ``unmask generate`` gives it)."""
-    return drain(make, requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                    stop_strings=stop_strings, device=bundle.device))
-
-
-def until_stop(row: list[int], stop_set) -> list[int]:
-    """``row`` up to (not including) its first id in ``stop_set`` (:meth:`StopRule.until_stop`)."""
-    return StopRule.of(stop_set).until_stop(row)
 
 
 def finish(row, full: list[int], stop_ids, mask_id: int) -> None:
@@ -170,5 +144,5 @@ class CanvasBatch(CanvasRows):
         return extra
 
 
-__all__ = ["CanvasBatch", "CanvasRow", "check_canvas", "check_mask_token", "drain_prompts", "early_stop", "early_stop_in",
-           "event_hook", "finish", "row_generator", "serving_options", "until_stop"]
+__all__ = ["CanvasBatch", "CanvasRow", "check_canvas", "check_mask_token", "early_stop", "early_stop_in", "finish",
+           "row_generator"]
