@@ -33,10 +33,9 @@ import torch
 from unmask.decode.blocks import report
 from unmask.decode.blocks.prefix import causal_prefill, check_cache_flags, prefill_whole_blocks, whole_prompt_blocks
 from unmask.decode.blocks.rule import SBD, advance, quota, quota_threshold_commit
-from unmask.decode.dllm.canvas import finish, row_generator
 from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
-from unmask.decode.engine.running import Row, SlotRows, Slots, group_by
+from unmask.decode.engine.running import Row, SlotRows, Slots, finish, group_by, row_generator
 from unmask.decode.engine.stats import check_nfe
 from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError

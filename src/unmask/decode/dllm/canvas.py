@@ -1,6 +1,4 @@
-"""What the canvas decoders share (diffusion, Dream's schedule, early-bird; block and multiblock take
-the helpers): request checks, a row's generator, the stop rules on a generated region
-(spec/diffusion.md §9), a finished row's output, and :class:`CanvasBatch` / :class:`CanvasRow`, the
+"""What the canvas decoders share (diffusion, Dream's schedule, early-bird): request checks, the stop rules on a generated region (spec/diffusion.md §9) and :class:`CanvasBatch` / :class:`CanvasRow`, the
 running-batch base of diffusion, Dream and early-bird."""
 
 from __future__ import annotations
@@ -11,8 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from unmask.decode.dllm.cache import SlotCanvas
-from unmask.decode.engine.running import CanvasRows, Row, Slots
-from unmask.decode.engine.stats import stop_flags
+from unmask.decode.engine.running import CanvasRows, Row, Slots, finish, row_generator
 from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
 
@@ -31,23 +28,6 @@ def check_mask_token(bundle, decoder: str) -> None:
     if bundle.mask_token_id is None:
         raise UnmaskError(f"the {decoder} decoder needs a masked-diffusion model with a mask token; "
                           "load it with mask_token_id=ID or name it in unmask_config.json")
-
-
-def row_generator(job, device):
-    """The request's generator, else (sampled) the one ``decode`` gives its prompt alone, else None."""
-    gen = getattr(job, "generator", None)
-    if gen is None and not job.sampling.greedy:
-        gen = job.sampling.row_generators([list(job.prompt_ids)], device)[0]
-    return gen
-
-
-def finish(row, full: list[int], stop_ids, mask_id: int) -> None:
-    """Set a finished row's ``tokens`` (``full``, its reported ids, cut at the first stop id or
-    mask), ``stop_token`` and ``finish`` ("length" or "stop")."""
-    rule = stop_ids if isinstance(stop_ids, StopRule) else StopRule.of(stop_ids)
-    row.tokens = rule.until_stop(full, also=(mask_id,))
-    row.stop_token = stop_flags([full], [row.tokens], rule.ids)[0]
-    row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
 
 
 def early_stop(gen: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.Tensor:
@@ -144,5 +124,4 @@ class CanvasBatch(CanvasRows):
         return extra
 
 
-__all__ = ["CanvasBatch", "CanvasRow", "check_canvas", "check_mask_token", "early_stop", "early_stop_in", "finish",
-           "row_generator"]
+__all__ = ["CanvasBatch", "CanvasRow", "check_canvas", "check_mask_token", "early_stop", "early_stop_in"]

@@ -28,7 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-from unmask.decode.engine.stats import DecodeOutput, DecodeStats
+from unmask.decode.engine.stats import DecodeOutput, DecodeStats, stop_flags
+from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
 from unmask.sampling import Sampling
 
@@ -221,4 +222,22 @@ def drain(make: Callable[[int], RunningDecoder], requests: list[Request], *, nfe
     return DecodeOutput(tokens=[r.tokens for r in rows], stats=stats)
 
 
-__all__ = ["Request", "Row", "RunningDecoder", "SlotRows", "Slots", "drain", "requests_for"]
+def row_generator(job, device):
+    """A row's ``torch.Generator``: the request's own, else (sampled) the one ``decode`` gives its
+    prompt alone (so a row draws the same tokens whatever runs beside it), else None (greedy)."""
+    gen = getattr(job, "generator", None)
+    if gen is None and not job.sampling.greedy:
+        gen = job.sampling.row_generators([list(job.prompt_ids)], device)[0]
+    return gen
+
+
+def finish(row, full: list[int], stop_ids, mask_id: int) -> None:
+    """Set a finished row's ``tokens`` (``full``, its reported ids, cut at the first stop id or
+    mask), ``stop_token`` and ``finish`` ("length" or "stop")."""
+    rule = stop_ids if isinstance(stop_ids, StopRule) else StopRule.of(stop_ids)
+    row.tokens = rule.until_stop(full, also=(mask_id,))
+    row.stop_token = stop_flags([full], [row.tokens], rule.ids)[0]
+    row.finish = "length" if len(row.tokens) >= row.job.max_new_tokens else "stop"
+
+
+__all__ = ["Request", "Row", "RunningDecoder", "SlotRows", "Slots", "drain", "finish", "requests_for", "row_generator"]

@@ -24,11 +24,10 @@ import torch
 
 from unmask.decode.blocks.prefix import check_cache_flags, prefill_whole_blocks, whole_prompt_blocks
 from unmask.decode.blocks.rule import first_stop
-from unmask.decode.dllm.canvas import row_generator
 from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
 from unmask.decode.engine.registry import Spec
-from unmask.decode.engine.running import Row, SlotRows, Slots, group_by
+from unmask.decode.engine.running import Row, SlotRows, Slots, group_by, row_generator
 from unmask.decode.engine.stats import check_nfe, stop_flags
 from unmask.decode.engine.stop import StopRule
 from unmask.decode.multiblock import buffer as bb

@@ -23,7 +23,7 @@ import torch
 
 from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.kv import DynamicKV, StaticKV, compact, place
-from unmask.decode.engine.running import Request, Slots, group_by
+from unmask.decode.engine.running import Request, Slots, group_by, row_generator
 from unmask.decode.engine.stop import StopRule
 from unmask.decode.verify import rows as vr
 from unmask.decode.verify.rows import VerifyRow
@@ -162,12 +162,8 @@ class Verify:
             self.forwards += 1
             if self.suppress:
                 logits[..., self.suppress] = float("-inf")
-            rows = []
-            for i, (req, slot) in enumerate(zip(requests, slots)):
-                gens = getattr(req, "generator", None)
-                if gens is None and not req.sampling.greedy:  # the generator `unmask generate` gives the row
-                    gens = req.sampling.row_generators([prompts[i]], self.device)[0]
-                rows.append(VerifyRow(job=req, slot=slot, K=K, generator=gens))
+            rows = [VerifyRow(job=req, slot=slot, K=K, generator=row_generator(req, self.device))
+                    for req, slot in zip(requests, slots)]
             groups = group_by(enumerate(rows), lambda r: r.job.sampling)  # sampling -> row indices
             b, s, q, sib = ss.prefill_draws(logits, K, {k: (v, [rows[i].generator for i in v]) for k, v in groups.items()},
                                             self._tables(K))
