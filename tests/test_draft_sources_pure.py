@@ -254,3 +254,33 @@ def test_suffix_cache_thread_safety_smoke():
     t.join()
     assert not errors
     assert cache.tokens <= 2000 and cache.entries == sum(len(r) for r in cache.table.values())
+
+
+# -- the offline replay (benchmarks/draft_replay.py) -------------------------------------------------------
+
+def test_replay_accounting():
+    from conftest import load_benchmark
+
+    replay = load_benchmark("draft_replay")
+
+    class Oracle:  # drafts the true next ids: every step commits limit + 1 (fewer at the end)
+        def __init__(self, out):
+            self.out, self.pos = out, 0
+
+        def extend(self, tokens):
+            self.pos += len(tokens)
+
+        def propose(self, limit):
+            return self.out[self.pos:self.pos + limit], 1
+
+    rows = [{"prompt": [1, 2], "output": list(range(10, 20))}]
+    res = replay.replay(rows, lambda i, p: Oracle(rows[i]["output"]), 3)
+    assert (res["tokens"], res["steps"], res["queries"]) == (10, 3, 10)  # commits 4 + 4 + 2
+    assert [d for _, d, _ in res["records"]] == [3, 3, 1]
+    res = replay.replay(rows, lambda i, p: Lookup(p), 8)  # nothing repeats: plain AR steps
+    assert (res["tokens"], res["steps"], res["queries"], res["cost"]) == (10, 10, 10, 10.0)
+    s = replay.summary(replay.replay([{"prompt": [5, 6, 7], "output": [5, 6, 7, 5, 6, 7]}],
+                                     lambda i, p: Lookup(p), 8))
+    # steps: no match, commit 5; (5) drafts 6 7 5 (cut at the end of h), all accepted + 6; the last id
+    # alone (a draft never runs past the output's end)
+    assert (s["tpf"], s["q_per_step"]) == (2.0, 6 / 3)

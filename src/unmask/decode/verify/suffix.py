@@ -18,9 +18,11 @@ from collections.abc import Sequence
 # again is moved to the end), so the most recent of equally frequent continuations is the last one.
 Table = dict[tuple[int, ...], dict[int, int]]
 
-# Approximate bytes of one (context, next id) entry in CPython: its share of the context tuple and
-# the outer dict slot, the inner dict slot and the int. Measured with tracemalloc on stories of depth 8.
-BYTES_PER_ENTRY = 120
+# Approximate CPython bytes of one (context, next id) entry (its share of the context tuple, the outer
+# and inner dict slots, the count) and of one stored id (a list slot and the int). Fitted to tracemalloc
+# on stories260K's and SmolLM2's greedy outputs, depth 4 and 8: within about a third of the truth.
+BYTES_PER_ENTRY = 240
+BYTES_PER_TOKEN = 36
 
 
 def _count(table: Table, seq: Sequence[int], j: int, depth: int, delta: int) -> int:
@@ -92,7 +94,7 @@ class SuffixCache:
     @property
     def bytes(self) -> int:
         """Approximate memory of the tables and documents in bytes (CPython; an estimate to report)."""
-        return self._entries * BYTES_PER_ENTRY + self._tokens * 8
+        return self._entries * BYTES_PER_ENTRY + self._tokens * BYTES_PER_TOKEN
 
     def add(self, tokens: Sequence[int]) -> None:
         """Store one document (its ids), evicting the oldest documents while more than ``max_tokens``
@@ -122,12 +124,13 @@ class Suffix:
 
     Draft rule (arXiv 2411.04975 §3, on count tables of depth ``depth``): the match is the longest
     suffix of the history, m <= ``depth`` - 1 ids, that has a continuation in the row's tables or the
-    shared ones; the next draft id is its most frequent continuation (``combine="sum"``: the counts of
-    both tables summed; ``"longest"``: only the table with the longer match, the row's on a tie; ties
+    shared ones; the next draft id is its most frequent continuation (``combine="longest"``: from the
+    table with the longer match, the row's on a tie; ``"sum"``: the counts of both tables summed; ties
     between ids: the most recent, the row's before the shared), then the draft is extended greedily by
     matching again with the draft appended (walking down the tree) while a continuation exists whose
     share of its context's counts is at least ``min_prob`` (the first id too). The draft is at most ``limit`` ids and at
-    most ceil(``alpha`` · m) for the first match's length m (the paper's α · match length).
+    most ceil(``alpha`` · m) for the first match's length m (the paper's α · match length). The defaults
+    (depth 8, α 2, ``"longest"``) are the best of benchmarks/results/draft_replay.md on a CPU cost model.
 
     The row's own tables count each id once the id after it is known, so the history's own suffix
     is never its own match. :meth:`extend` costs O(depth²) per id; :meth:`propose` O(depth² · limit).
@@ -138,7 +141,7 @@ class Suffix:
     """
 
     def __init__(self, history: Sequence[int], shared: SuffixCache | None = None, depth: int = 8,
-                 alpha: float = 2.0, min_prob: float = 0.0, combine: str = "sum"):
+                 alpha: float = 2.0, min_prob: float = 0.0, combine: str = "longest"):
         if depth < 2 or not alpha > 0 or not 0.0 <= min_prob <= 1.0 or combine not in ("sum", "longest"):
             raise ValueError(f"Suffix needs depth >= 2, alpha > 0, 0 <= min_prob <= 1 and combine 'sum' or "
                              f"'longest' (got depth={depth}, alpha={alpha}, min_prob={min_prob}, "
