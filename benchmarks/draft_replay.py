@@ -58,7 +58,9 @@ SUMMARY = """## Chosen defaults and why
 - Input-grounded chat (SmolLM2) reaches TPF 1.73 (lookup) - 1.76 (suffix) without a shared cache at budget 8:
   below issue 51's 2.0; cost-TPF 1.42 - 1.45 is the ceiling of the tokens/s ratio over AR before host
   time. The shared cache lifts TPF to 2.25. Memory: 2.7 (stories) - 3.8 (chat) table entries per stored id
-  at depth 8, about 240 B each in CPython, so the default max_tokens 262144 holds about 170 - 240 MiB.
+  at depth 8, about 240 B each in CPython, so the default max_tokens 262144 holds about 170 - 240 MiB of
+  such text, and about 500 MiB of less repetitive ids (6.4 entries per id; see the end of this file):
+  a CPU server wants max_tokens about 65536.
 """
 COST_PER_QUERY = 0.1  # a Q-query forward costs 1 + 0.1 (Q - 1) one-query forwards (CPU, spec §3)
 
@@ -213,6 +215,35 @@ def grid(rows: list[dict]) -> list[dict]:
     return out
 
 
+def cache_cost(max_tokens: int = 262144, depth: int = 8) -> str:
+    """A full SuffixCache of Zipf-distributed ids (vocabulary 5000, documents of 400 ids: more distinct
+    contexts than real text, a worst case for memory): its traced memory, add and propose times."""
+    import random
+    import tracemalloc
+
+    rng = random.Random(0)
+    weights = [1 / (k + 1) for k in range(5000)]
+    docs = [rng.choices(range(5000), weights=weights, k=400) for _ in range(max_tokens // 400 + 50)]
+    tracemalloc.start()
+    cache = SuffixCache(max_tokens=max_tokens, depth=depth)
+    t = time.perf_counter()
+    for d in docs:
+        cache.add(d)
+    add_ms = (time.perf_counter() - t) / len(docs) * 1e3
+    traced = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    row = Suffix(docs[-1][:50], shared=cache, depth=depth)
+    t = time.perf_counter()
+    for tok in docs[-1][50:250]:
+        row.propose(8)
+        row.extend([tok])
+    us = (time.perf_counter() - t) / 200 * 1e6
+    return (f"Full SuffixCache (max_tokens {max_tokens}, depth {depth}) of Zipf ids: {cache.entries} entries "
+            f"({cache.entries / cache.tokens:.2f} per id), {traced / 2**20:.0f} MiB traced vs `bytes` "
+            f"{cache.bytes / 2**20:.0f} MiB; add {add_ms:.1f} ms per 400-id document (evictions included, "
+            f"under the lock); propose(8) + extend {us:.0f} µs.")
+
+
 def table(rows: list[dict]) -> list[str]:
     lines = ["| source | config | limit | TPF | q/step | TPF/q | cost-TPF | drafted steps |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -276,8 +307,9 @@ def main() -> None:
             r = next(x for x in res if (x["source"], x["config"], x["limit"]) == (src, cfg, limit))
             md += [f"### {corpus}: {src} {cfg}, limit {limit}, per step", ""] + breakdown(r["res"], 0) + [""]
             md += breakdown(r["res"], 1) + [""]
+    md += [cache_cost(), ""]
     md += [f"Replay {time.time() - t0:.0f} s; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
-           "(the replay runs no model: timings do not enter the figures)."]
+           "(TPF figures do not depend on it; the cache timings above do)."]
     args.out.write_text("\n".join(md) + "\n")
     print(args.out)
 
