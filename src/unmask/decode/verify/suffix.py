@@ -133,7 +133,8 @@ class Suffix:
     (depth 8, α 2, ``"longest"``) are the best of benchmarks/results/draft_replay.md on a CPU cost model.
 
     The row's own tables count each id once the id after it is known, so the history's own suffix
-    is never its own match. :meth:`extend` costs O(depth²) per id; :meth:`propose` O(depth² · limit).
+    is never its own match. :meth:`extend` costs O(depth²) per id; :meth:`propose` O(depth² · limit) plus
+    the distinct continuations of each matched context (few: long contexts match first).
 
     Raises:
         ValueError: ``depth < 2``, ``alpha <= 0``, ``min_prob`` outside [0, 1], an unknown ``combine``,
