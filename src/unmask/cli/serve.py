@@ -41,6 +41,12 @@ def serve_cmd(
     tau: float = typer.Option(None, "--tau", help="default confidence threshold τ"),
     cache: str = typer.Option(None, "--cache", help="default cache of diffusion / early-bird requests: none, prefix "
                               "or dual (with --compile, dual runs compiled; default: none)"),
+    draft_source: str = typer.Option(None, "--draft-source", help="default draft source of ar / lossless sbd "
+                                     "requests: lookup or suffix (model-free, any causal model, output = ar), with sbd "
+                                     "also block, block+lookup, block+suffix (default: none for ar, block for sbd)"),
+    suffix_cache: int = typer.Option(None, "--suffix-cache", metavar="TOKENS",
+                                     help="bound, in token ids, of the cache of recent requests' prompts and outputs "
+                                     "that suffix drafts draw on (oldest evicted first; 0: none; default 65536, ~50 MiB)"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (loopback by default)"),
     port: int = typer.Option(8000, "--port", help="port to listen on (0: any free port)"),
     max_batch_size: int = typer.Option(8, "--max-batch-size", help="rows decoded together"),
@@ -71,4 +77,5 @@ def serve_cmd(
     serve(model, kind=kind, adapter=adapter, compile=compile, warmup=warmup, draft_sizes=draft_sizes, limits=limits,
           host=host, port=port, api_key=api_key, max_batch_size=max_batch_size, max_queue=max_queue,
           request_timeout=timeout, device=device, dtype=dtype, decoder=decoder, block_size=block_size, policy=policy,
-          gamma=gamma, preset=preset, tau=tau, cache=cache, draft=draft, queries=queries)
+          gamma=gamma, preset=preset, tau=tau, cache=cache, draft=draft, queries=queries, draft_source=draft_source,
+          suffix_cache_tokens=suffix_cache)

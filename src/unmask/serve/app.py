@@ -23,7 +23,7 @@ from unmask.errors import UnmaskError
 from unmask.serve.auth import RequireKey, check_key
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option, served_table, with_server_draft
 from unmask.serve.call import Call, error_response as _error_response, outcome_of, shutting_down as _shutting_down
-from unmask.serve.engine import Scheduler
+from unmask.serve.engine import DEFAULT_SUFFIX_TOKENS, Scheduler
 from unmask.serve.errors import ApiError
 from unmask.serve.limits import Limits, check_batch_memory, check_defaults
 from unmask.serve.metrics import Metrics
@@ -117,7 +117,7 @@ def _parse_all(bodies: list, *args, **kwargs) -> list:
 def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8, max_queue: int = 64,
                request_timeout: float = 600.0, defaults: dict | None = None, compile: bool = False,
                draft_sizes: "str | DraftSizes | None" = DEFAULT_DRAFT_SIZES, limits: Limits | None = None,
-               api_key: str | None = None, warmup: bool = False) -> FastAPI:
+               api_key: str | None = None, warmup: bool = False, suffix_cache_tokens: int = DEFAULT_SUFFIX_TOKENS) -> FastAPI:
     """The server app for a loaded ModelBundle. ``defaults``: the server's default decoder and knobs
     (e.g. ``{"decoder": "sbd", "gamma": 0.35}``), checked here like a request; without a decoder, that of
     :func:`unmask.decode.choice.default_for` (``ar`` for an SBD model whose lossless SBD is expected
@@ -134,7 +134,9 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     ``app.state.drain()`` stops admitting (503) and ends every open request with a 503 error (a
     stream: a final error event and ``[DONE]``); the server calls it when it shuts down. ``warmup``: once
     started, one request of the default decoder runs and its step shapes compile
-    (:func:`unmask.serve.warmup.warm_up`); until then ``/health`` answers 503 ``{"status": "warming up"}``."""
+    (:func:`unmask.serve.warmup.warm_up`); until then ``/health`` answers 503 ``{"status": "warming up"}``.
+    ``suffix_cache_tokens``: the bound of the suffix-decoding cache of recent requests (0: none;
+    :class:`~unmask.serve.engine.Scheduler`)."""
     limits, name, defaults = limits or Limits(), model_name or bundle.name, dict(defaults or {})
     key = check_key(api_key)
     chosen = default_for(bundle, defaults) if defaults.get("decoder") is None else None  # README "Serving"
@@ -159,7 +161,8 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     draft_k = max(k for _, k in table.steps) if table is not None and bundle.kind == "sbd" else 1
     check_defaults(bundle, limits, probe.decoder, probe.options, draft_k)  # a --draft over --max-query-tokens
     check_batch_memory(bundle, limits, max_batch_size)  # a batch that cannot fit: refused before it allocates
-    scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue, compile=compile, draft_sizes=sizes)
+    scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue, compile=compile, draft_sizes=sizes,
+                          suffix_cache_tokens=suffix_cache_tokens)
     metrics = Metrics(scheduler)
 
     @asynccontextmanager

@@ -54,7 +54,8 @@ class RunningBatches:
         if fresh or draft not in self.verify:  # fresh: replaced in one assignment (readers never see none)
             self.verify[draft] = for_layout(self.bundle, draft, capacity=self.max_batch_size, compile=self.compile,
                                             smaller=self.sizer.smaller(draft), on_step=self._event,
-                                            on_token=self._ar_token)
+                                            on_token=self._ar_token, suffix_cache=self.suffix_cache,
+                                            tally=self.draft_tally)
         return self.verify[draft]
 
     def _batches(self) -> list:
@@ -157,18 +158,20 @@ class RunningBatches:
             del self.running_batches[key]  # idle compiled batches: the last MAX_LAYOUTS joined keep their caches
 
     def _join_verify(self, batch: Verify, draft: str, jobs: list[Job]) -> None:
-        """Admit ``jobs`` (grouped by draft size: one prefill each) and give sizable rows the table's
-        K at the new load."""
+        """Admit ``jobs`` (grouped by draft size and model-free draft source: one prefill each) and give
+        sizable rows the table's K at the new load."""
         # sized before the prefill, so the log's entry precedes the joining rows' events
         sized = self.sizer.size(draft, len(batch) + len(jobs), any(j.sizable for j in jobs), batch)
-        by_k: dict[int, list[Job]] = {}
+        by_k: dict[tuple, list[Job]] = {}
         for job in jobs:
             try:
-                by_k.setdefault(self.sizer.block_size(job, sized), []).append(job)
+                K = self.sizer.block_size(job, sized)
+                drafts = job.config.host_drafts(self.bundle.device, K) if hasattr(job.config, "host_drafts") else None
+                by_k.setdefault((K, drafts), []).append(job)
             except UnmaskError as e:
                 job.finish("error", bad_request(e, job.options))
-        for K, group in by_k.items():
-            self._join(batch, group, block_size=K)
+        for (K, drafts), group in by_k.items():
+            self._join(batch, group, block_size=K, drafts=drafts)
         self.sizer.resize(batch, draft)
 
     def _join(self, batch, jobs: list[Job], **kw) -> None:

@@ -45,7 +45,7 @@ SMALL_ROWS, AR_ROWS = 3, 24
 COMPILED_AR_ROWS = 5
 LOG_ENTRIES = 4096  # the sizer's log keeps this many (a long-running server's memory stays flat)
 AUTO = "auto"
-VERIFY_OPTIONS = ("block_size", "draft", "verify", "queries")  # what a lossless sbd request may set
+VERIFY_OPTIONS = ("block_size", "draft", "verify", "queries", "draft_source", "draft_tokens")  # a lossless sbd request's
 
 
 @dataclass(frozen=True)
@@ -192,12 +192,14 @@ class LoadSizer:
         self._tables: dict[str, DraftSizes] = {}  # draft layout -> its table (auto: per layout)
 
     def sizable(self, job) -> bool:
-        """Greedy lossless sbd with no block size fixed by the request, while a table is set."""
+        """Greedy lossless sbd with no block size or model-free draft source set by the request, while a
+        table is set."""
         try:
             lossless = job.decoder == "sbd" and runs_lossless(self.bundle, job.options)
         except UnmaskError:
             return False
-        return self.table is not None and lossless and job.sampling.greedy and job.options.get("block_size") is None
+        return (self.table is not None and lossless and job.sampling.greedy and job.options.get("block_size") is None
+                and job.options.get("draft_source") in (None, "block"))
 
     def size(self, draft: str, load: int, joining: bool, batch) -> int | None:
         """The table's K at ``load`` rows, logged when sizable rows join or it changes for ``batch``'s."""
@@ -223,8 +225,9 @@ class LoadSizer:
 
     def block_size(self, job, sized: int | None) -> int:
         """The draft size a job joins with: 1 for ar, ``sized`` (the table's) for a sizable job, else
-        the request's or the checkpoint's K, validated as the sbd decoder does. Raises UnmaskError."""
-        if job.decoder == "ar":
+        the request's or the checkpoint's K, validated as the sbd decoder does (1 on the host layout, whose
+        rows' K follows their model-free drafts). Raises UnmaskError."""
+        if job.decoder == "ar" or job.running_key[1] == sbd_verify.HOST_LAYOUT:
             return 1
         unknown = sorted(set(job.options) - set(VERIFY_OPTIONS))
         if unknown:

@@ -30,6 +30,8 @@ import threading
 import time
 from collections import deque
 
+from unmask.decode.verify.drafting import Tally
+from unmask.decode.verify.suffix import SuffixCache
 from unmask.errors import UnmaskError
 from unmask.serve import per_call
 from unmask.serve.batches import RunningBatches
@@ -39,6 +41,7 @@ from unmask.serve.jobs import Job, QueueFull, ShuttingDown, finish_gone, server_
 
 log = logging.getLogger("unmask.serve")
 IDLE_COMPILE_S = 2.0  # --compile: compile a pending step shape only after this long with no request running
+DEFAULT_SUFFIX_TOKENS = 1 << 16  # the suffix cache bound in token ids: ~40-60 MiB of count tables on real text (benchmarks/results/draft_replay.md)
 WEDGED_S = 600.0  # /health: one pass (a step, an idle compile of one shape) holding the thread this long is a fault
 DEADLINE_SLACK_S = 2.0  # a handler answers its own 408 this long after its deadline (the thread normally does at once)
 
@@ -49,14 +52,23 @@ class Scheduler(RunningBatches):
     max_batch_size: rows per running batch (and per per-call batch); max_queue: jobs waiting to start
     before ``submit`` refuses with QueueFull; compile: the batches of decoders that compile on static
     caches, compiled (diffusion with the dual cache only), and the per-call ``compile=True``;
-    draft_sizes: the load -> K table of sizable requests (None: they keep the checkpoint's K)."""
+    draft_sizes: the load -> K table of sizable requests (None: they keep the checkpoint's K);
+    suffix_cache_tokens: the bound, in token ids, of the suffix-decoding cache of recent requests' prompts
+    and outputs that ``draft_source="suffix"`` rows draft from (0: none; one cache per scheduler, so
+    per model). ``draft_tally``: drafted and accepted tokens per draft source (/metrics)."""
 
     def __init__(self, bundle, *, max_batch_size: int = 8, max_queue: int = 64, compile: bool = False,
-                 draft_sizes: "DraftSizes | str | None" = DEFAULT_DRAFT_SIZES):
+                 draft_sizes: "DraftSizes | str | None" = DEFAULT_DRAFT_SIZES,
+                 suffix_cache_tokens: int = DEFAULT_SUFFIX_TOKENS):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise UnmaskError(f"max batch size must be an integer >= 1 (got {max_batch_size!r}); pass e.g. 8")
         if not isinstance(max_queue, int) or max_queue < 1:
             raise UnmaskError(f"max queue must be an integer >= 1 (got {max_queue!r}); pass e.g. 64")
+        if not isinstance(suffix_cache_tokens, int) or isinstance(suffix_cache_tokens, bool) or suffix_cache_tokens < 0:
+            raise UnmaskError(f"the suffix cache bound must be an integer >= 0 token ids (got {suffix_cache_tokens!r}); "
+                              f"pass e.g. {DEFAULT_SUFFIX_TOKENS}, or 0 for none")
+        self.suffix_cache = SuffixCache(suffix_cache_tokens) if suffix_cache_tokens else None
+        self.draft_tally = Tally()
         self.bundle, self.max_batch_size, self.max_queue = bundle, max_batch_size, max_queue
         self.sizer = LoadSizer(bundle, draft_sizes, compiled=compile)  # parses a text table
         self.compile, self.draft_sizes = compile, self.sizer.table

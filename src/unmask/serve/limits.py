@@ -77,6 +77,7 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
     from unmask.decode.verify import config as sbd_verify
     from unmask.decode.verify import siblings as sibling_layout
     from unmask.decode.blocks.sbd import DEFAULT_BLOCK_SIZE, SBDOptions, runs_lossless
+    from unmask.decode.verify.drafting import DEFAULT_DRAFT_TOKENS, HOST
 
     defaults = bundle.meta.get("decode_defaults") or {}
 
@@ -84,6 +85,10 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
         v = options.get(name)
         return _first(v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None, *fallbacks)
 
+    if decoder in ("ar", "sbd") and options.get("draft_source") in HOST:  # the verify part alone
+        n = knob("draft_tokens", DEFAULT_DRAFT_TOKENS)
+        return n + 1, f"{decoder} with {options['draft_source']} drafts of up to {n} tokens: {n + 1} queries per row", \
+            "draft_tokens"
     if decoder == "sbd" and runs_lossless(bundle, options):
         own = sbd_verify.default_block_size(bundle)
         if options.get("block_size") is not None:

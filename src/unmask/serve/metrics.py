@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -30,6 +31,29 @@ class Metrics:
               registry=r).set_function(lambda: scheduler.active)
         Gauge("unmask_active_requests", "Requests holding a batch slot",
               registry=r).set_function(lambda: scheduler.active)
+        r.register(_Drafts(scheduler))
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Drafts:
+    """Drafted and accepted tokens per draft source of the AR / lossless rows (``block``, ``lookup``,
+    ``suffix``; spec/draft_sources.md) and the suffix cache's size, read from the scheduler."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def collect(self):
+        drafted = CounterMetricFamily("unmask_draft_tokens", "Draft tokens the verify forwards checked, by draft source",
+                                      labels=["source"])
+        accepted = CounterMetricFamily("unmask_draft_accepted_tokens", "Draft tokens the verify forwards accepted, by "
+                                       "draft source", labels=["source"])
+        for source, n in self.scheduler.draft_tally.as_dict().items():
+            drafted.add_metric([source], n["drafted"])
+            accepted.add_metric([source], n["accepted"])
+        cache = self.scheduler.suffix_cache
+        size = GaugeMetricFamily("unmask_suffix_cache_tokens", "Token ids held by the suffix-decoding cache of recent "
+                                 "requests (bounded by --suffix-cache)")
+        size.add_metric([], cache.tokens if cache is not None else 0)
+        return [drafted, accepted, size]

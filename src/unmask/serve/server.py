@@ -116,7 +116,8 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
           port: int = 8000,
           max_batch_size: int = 8, max_queue: int = 64, request_timeout: float = 600.0, device: str = "cpu",
           dtype: str = "float32", log_level: str = "info", compile: bool = False, draft_sizes: str | None = None,
-          limits: Limits | None = None, api_key: str | None = None, warmup: bool = False, **defaults) -> None:
+          limits: Limits | None = None, api_key: str | None = None, warmup: bool = False,
+          suffix_cache_tokens: int | None = None, **defaults) -> None:
     """Load ``model`` (with the gated SBD ``adapter``, a name it ships or a directory, when given)
     and serve it until interrupted (``unmask serve``). ``defaults``: the default
     decoder and knobs of requests (``decoder="sbd", gamma=0.35``; ``draft``/``queries``: the lossless layout
@@ -124,7 +125,8 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
     -> K table of lossless sbd (``"1:8,2:4,4:1"``, ``"off"``; None: the default table); ``limits``: the
     per-request limits (:class:`unmask.serve.limits.Limits`); ``api_key``: the key requests must send
     (:mod:`unmask.serve.auth`); ``warmup``: compile ahead, ``/health`` 503 "warming up" until done
-    (:func:`unmask.serve.warmup.warm_up`). Raises UnmaskError for a bad model, option or
+    (:func:`unmask.serve.warmup.warm_up`); ``suffix_cache_tokens``: the suffix-decoding cache's bound (None:
+    the default; 0: none). Raises UnmaskError for a bad model, option or
     address (``draft_sizes`` on a model that does not run lossless sbd), KeyboardInterrupt after SIGINT and
     SystemExit(143) after SIGTERM, once open requests were drained (see ``_server``)."""
     require()
@@ -144,7 +146,8 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
                           "drop --draft-sizes, or serve an sbd model (or a causal one with --adapter sbd)")
     app = create_app(bundle, max_batch_size=max_batch_size, max_queue=max_queue, request_timeout=float(request_timeout),
                      defaults={k: v for k, v in defaults.items() if v is not None}, compile=compile,
-                     draft_sizes=sizes, limits=limits, api_key=api_key, warmup=warmup)
+                     draft_sizes=sizes, limits=limits, api_key=api_key, warmup=warmup,
+                     **({} if suffix_cache_tokens is None else {"suffix_cache_tokens": suffix_cache_tokens}))
     sock = _bind(host, port)
     if app.state.default_note:
         print(app.state.default_note, file=sys.stderr, flush=True)

@@ -31,7 +31,8 @@ from unmask.decode.engine.knobs import PolicyKnobs
 from unmask.decode.engine.registry import Spec, knob
 from unmask.decode.verify import layout as dl
 from unmask.decode.verify.batch import Verify
-from unmask.decode.verify.config import DEFAULT_DRAFT, VerifyConfig, default_block_size, queries
+from unmask.decode.verify.config import DEFAULT_DRAFT, HOST_LAYOUT, VerifyConfig, default_block_size, queries
+from unmask.decode.verify.drafting import HOST, DraftKnobs
 from unmask.errors import UnmaskError, is_int
 from unmask.policies import EntropyBound, Policy, gamma_option, make_policy
 
@@ -84,10 +85,12 @@ NO_MASK = ("the sbd decoder needs a model with a mask token (an SBD fine-tuned m
 
 
 @dataclass(frozen=True)
-class SBDOptions(PolicyKnobs):
+class SBDOptions(PolicyKnobs, DraftKnobs):
     """Set Block Decoding's knobs: the block and its commit policy (lossy EB path, SBD §4-5), or
-    lossless SBD's draft (spec/sbd_exact.md). :meth:`resolve` turns them, with the checkpoint's
-    ``decode_defaults``, into the config that runs."""
+    lossless SBD's draft and draft source (spec/sbd_exact.md, spec/draft_sources.md). :meth:`resolve`
+    turns them, with the checkpoint's ``decode_defaults``, into the config that runs."""
+
+    sources = ("block", *HOST, *(f"block+{h}" for h in HOST))
 
     block_size: int | None = knob("block size k (--verify: the draft size K; default the model's, else 16)", low=1,
                                   short="-k")
@@ -111,8 +114,11 @@ class SBDOptions(PolicyKnobs):
             raise UnmaskError(f"{', '.join(given)} set a lossy commit policy, which lossless SBD (--verify) does not "
                               f"use; drop {it} or pass --no-verify")
         defaults = bundle.meta.get("decode_defaults") or {}
+        if self.draft_source is not None and not given and self.verify is None:
+            return True  # a draft source is lossless SBD's
         lossless = self.verify if self.verify is not None else (not given and bool(defaults.get("verify", False)))
-        only = [flag for flag, value in (("--draft", self.draft), ("--queries", self.queries)) if value is not None]
+        only = [flag for flag, value in (("--draft", self.draft), ("--queries", self.queries),
+                                         ("--draft-source", self.draft_source)) if value is not None]
         if only and not lossless:
             flags, it = (" and ".join(only), "them") if len(only) > 1 else (only[0], only[0])
             raise UnmaskError(f"{flags} appl{'y' if len(only) > 1 else 'ies'} to lossless SBD only; add --verify or "
@@ -132,6 +138,12 @@ class SBDOptions(PolicyKnobs):
         against the context window, or an :class:`SBDConfig` (lossy: the checkpoint's ``decode_defaults``
         fill what is not given). Raises UnmaskError (one line) for a model without a mask token,
         contradicting options or a bad value."""
+        if self.host_only and self.lossless(bundle):
+            if self.draft is not None or self.queries is not None or self.block_size is not None:
+                raise UnmaskError(f"--draft-source {self.draft_source} drafts without the block mode, so --block-size, "
+                                  f"--draft and --queries do not apply; size it with --draft-tokens, or choose "
+                                  f"--draft-source block+{self.draft_source}")
+            return VerifyConfig(self.host_drafts(bundle.device).tokens + 1, HOST_LAYOUT)
         if bundle.mask_token_id is None:
             raise UnmaskError(NO_MASK)
         if self.lossless(bundle):
@@ -152,7 +164,9 @@ class SBDOptions(PolicyKnobs):
         is reported when the row joins); lossy: ``("sbd", self)``; None (the request runs per call, its
         decode reports the error) for contradicting options or a bad layout."""
         try:
-            return ("verify", self.layout(bundle)) if self.lossless(bundle) else ("sbd", self)
+            if not self.lossless(bundle):
+                return "sbd", self
+            return "verify", HOST_LAYOUT if self.host_only else self.layout(bundle)
         except UnmaskError:
             return None
 
@@ -178,7 +192,8 @@ def batch(bundle, cfg: SBDOptions, *, capacity: int, prompts=None, max_new_token
                               "DynamicCache); drop one of them")
         length = None if longest is None else longest + run.block_size + queries(run.block_size, run.draft)
         return Verify(bundle, run, static=static, compile=compile, capacity=capacity, on_step=on_step,
-                      on_token=on_token, on_forward=on_forward, stop_token_ids=stop_token_ids, length=length)
+                      on_token=on_token, on_forward=on_forward, stop_token_ids=stop_token_ids, length=length,
+                      drafts=cfg.host_drafts(bundle.device, run.block_size))
     return running_batch(bundle, run, capacity=capacity, prompts=prompts, compile=compile, static=static,
                          on_step=on_step, on_token=on_token, on_forward=on_forward, stop_token_ids=stop_token_ids)
 

@@ -26,30 +26,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unmask.decode.engine.registry import Config, Spec
+from unmask.decode.engine.registry import Spec
 from unmask.decode.verify.batch import Verify
-from unmask.decode.verify.config import VerifyConfig, default_layout
+from unmask.decode.verify.config import HOST_LAYOUT, VerifyConfig, default_layout
+from unmask.decode.verify.drafting import HOST, DraftKnobs
 
 
 @dataclass(frozen=True)
-class AROptions(Config):
-    """AR takes no knobs: one token per row per forward (its draft size K = 1)."""
+class AROptions(DraftKnobs):
+    """AR's knob: a model-free draft source (``lookup``, ``suffix``; spec/draft_sources.md), which the
+    model verifies, so the output stays AR's; ``none`` (default): one token per row per forward."""
+
+    sources = ("none", *HOST)
 
     def batch_key(self, bundle, max_new_tokens: int):
         """``("verify", layout)``: AR rows join the server's verify batch of the checkpoint's default
-        layout (:func:`~unmask.decode.verify.config.default_layout`), beside its lossless rows."""
-        return "verify", default_layout(bundle)
+        layout (:func:`~unmask.decode.verify.config.default_layout`), beside its lossless rows; rows
+        with model-free drafts the batch of the host layout."""
+        return "verify", HOST_LAYOUT if self.host_only else default_layout(bundle)
 
 
 def batch(bundle, cfg: AROptions, *, capacity: int, prompts=None, max_new_tokens=None, compile: bool = False,
           static: bool = False, on_step=None, on_token=None, on_forward=None, stop_token_ids=None) -> Verify:
-    """A verify batch whose rows join at K = 1 (``stats_extra``: only ``compiled`` / ``static_cache``).
-    ``prompts`` given: its static cache (``compile`` / ``static``) holds the longest prompt, its new
-    tokens and one query; None: a cache of the context window."""
-    length = None if prompts is None else max((len(p) for p in prompts), default=1) + max_new_tokens + 1
-    return Verify(bundle, VerifyConfig(), compile=compile, static=static, capacity=capacity, ar=True, length=length,
-                  stop_token_ids=stop_token_ids, on_step=on_step, on_token=on_token, on_forward=on_forward)
+    """A verify batch whose rows join at K = 1 (``stats_extra``: only ``compiled`` / ``static_cache``),
+    or, with a model-free draft source, a batch of the host layout whose rows draft up to
+    ``draft_tokens`` ids per step. ``prompts`` given: its static cache (``compile`` / ``static``) holds
+    the longest prompt, its new tokens and one step window; None: a cache of the context window."""
+    drafts = cfg.host_drafts(bundle.device)
+    K = 1 if drafts is None else drafts.tokens + 1
+    length = None if prompts is None else max((len(p) for p in prompts), default=1) + max_new_tokens + K
+    run = VerifyConfig() if drafts is None else VerifyConfig(K, HOST_LAYOUT)
+    return Verify(bundle, run, compile=compile, static=static, capacity=capacity, ar=drafts is None, length=length,
+                  stop_token_ids=stop_token_ids, on_step=on_step, on_token=on_token, on_forward=on_forward,
+                  drafts=drafts)
 
 
 SPEC = Spec("ar", AROptions, batch=batch, kinds=("causal", "sbd"), compiles=True,
-            summary="autoregressive, one token per forward, exact KV cache")
+            summary="autoregressive, one token per forward, exact KV cache; --draft-source lookup/suffix: "
+                    "model-free drafts verified by the model, output unchanged")

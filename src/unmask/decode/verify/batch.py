@@ -3,18 +3,17 @@ lossless SBD with draft size K = 1 (:mod:`unmask.decode.verify.ar`).
 
 Rows live in slot tensors (:class:`~unmask.decode.engine.running.Slots`), each with its own K (1: a plain
 AR step; >= 2: lossless SBD, spec/sbd_exact.md §1–2), which may change between steps (greedy output
-does not depend on K). A step is ONE forward of every row, each row's layout embedded in the
-step's query window (:func:`~unmask.decode.verify.tree.tree_window`; siblings, spec §5.3: greedy rows
+does not depend on K), and its draft source (the block mode's groups, or a model-free drafter on the
+host: :mod:`unmask.decode.verify.drafting`). A step is ONE forward of every row, each row's layout in
+the step's query window (:func:`~unmask.decode.verify.tree.tree_window`; siblings, spec §5.3: greedy rows
 take the longest confirmed path, sampled rows SpecInfer's multi-candidate rule), the pure commit rule
 :func:`~unmask.decode.verify.steps.settle` and one host read (:class:`~unmask.decode.engine.host.HostRead`);
-the rows' bookkeeping (stop rule, events: :mod:`unmask.decode.verify.rows`) runs on what it read. The
-cache is ``DynamicKV`` (the forward covers slots ``[0, high)``) or ``StaticKV`` (``static``/``compile``:
-the forward covers the row bucket of ``high`` and the length bucket of the cache, one compiled graph per
-shape). Rejected verify columns stay as invalid keys of their row (``key_valid``); the tail no row kept
-is cut (a crop, or a pointer move); holes are compacted once they are half the cache, or when a static
-one is full.
+the rows' bookkeeping (stop rule, events: :mod:`unmask.decode.verify.rows`; host drafts) runs on what it
+read. The cache is ``DynamicKV`` (the forward covers slots ``[0, high)``) or ``StaticKV``
+(``static``/``compile``: the row bucket of ``high``, the length bucket of the cache, one compiled graph
+per shape). Rejected verify columns stay as invalid keys of their row (``key_valid``); the tail no row
+kept is cut; holes are compacted once they are half the cache, or when a static one is full.
 """
-
 from __future__ import annotations
 
 from collections import Counter
@@ -30,7 +29,8 @@ from unmask.decode.verify.rows import VerifyRow
 from unmask.decode.verify import sampled as ss
 from unmask.decode.verify import steps as sv
 from unmask.decode.verify import tree as tv
-from unmask.decode.verify.config import VerifyConfig, default_block_size, family, queries, tables
+from unmask.decode.verify.config import HOST_LAYOUT, VerifyConfig, default_block_size, family, queries, tables
+from unmask.decode.verify.drafting import MAX_DRAFT_TOKENS, HostDrafts, Tally, after_step, check_join, first_drafts, learn
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
 
@@ -45,14 +45,19 @@ class Verify:
     alone emits them (row 0; none for a request whose ``events`` is False: the server's AR rows
     stream through ``on_token(row)``, called per token appended to ``row.tokens``); ``on_forward``
     (tests): each forward's tensors for the live rows; ``defer_compile``: see :class:`StaticKV`.
-    Raises UnmaskError for a model without a mask token (unless ``ar``) or a block size too large
-    for the context window.
+    ``drafts``: joining rows' model-free drafting (spec/draft_sources.md; ``join(drafts=)`` per call):
+    on the ``host`` layout every draft (a row's K follows it), beside a block layout the block draft
+    when they expect more; ``suffix_cache``: the server's, fed every finished row; ``tally``: where
+    drafted and accepted tokens per source are counted (default: the batch's own). Raises UnmaskError
+    for a model without a mask token (unless ``ar`` or the host layout) or a block size too large for
+    the context window.
     """
 
     def __init__(self, bundle, cfg: VerifyConfig = VerifyConfig(), *, static: bool = False,
                  compile: bool = False, capacity: int = 8, on_step=None, on_token=None, on_forward=None,
-                 stop_token_ids=None, length: int | None = None, ar: bool = False, defer_compile: bool = False):
-        if bundle.mask_token_id is None and not ar:
+                 stop_token_ids=None, length: int | None = None, ar: bool = False, defer_compile: bool = False,
+                 drafts: HostDrafts | None = None, suffix_cache=None, tally: Tally | None = None):
+        if bundle.mask_token_id is None and not ar and not cfg.host:
             raise UnmaskError("lossless SBD needs a model with a mask token (an SBD model, or a base with an "
                               "SBD adapter: --adapter); train one with 'unmask train sbd' or 'unmask train sbd-adapter'")
         if not ar:
@@ -60,8 +65,10 @@ class Verify:
         self.bundle, self.cfg, self.model, self.device = bundle, cfg, bundle.model, bundle.device
         self.on_step, self.on_token, self.on_forward = on_step, on_token, on_forward
         self.static, self.compile = bool(static or compile), bool(compile)
-        self.ar, self.default_K = ar, 1 if ar else cfg.block_size  # ar: rows join as AR rows (K = 1)
+        self.ar, self.default_K = ar, 1 if ar or cfg.host else cfg.block_size  # AR rows, host rows: K = 1 at join
+        self.drafts, self.suffix_cache, self.tally, self.vocab = drafts, suffix_cache, tally or Tally(), 0
         self.mask_id, self.suppress = -1 if bundle.mask_token_id is None else bundle.mask_token_id, list(bundle.suppress_ids)
+        self.fill_id = max(self.mask_id, 0)  # a window's unused queries (the host layout: no mask token) see only themselves
         stop_ids = sorted(set(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids))
         self.stop_ids, self.stops = frozenset(stop_ids), torch.tensor(stop_ids or [-1], dtype=torch.long, device=self.device)  # (S,)
         self.slots = Slots(capacity)
@@ -130,12 +137,15 @@ class Verify:
         self.key_valid = torch.zeros((rows, 0), dtype=torch.bool, device=self.device)
 
     @torch.inference_mode()
-    def join(self, requests: list[Request], *, block_size: int | None = None) -> list[VerifyRow]:
+    def join(self, requests: list[Request], *, block_size: int | None = None, drafts=...) -> list[VerifyRow]:
         """Prefill ``requests`` into free slots with draft size ``block_size`` (default the config's,
-        1 with ``ar``; 1: AR rows). Returns the rows finished by their first token (a stop token, a stop string or
+        1 with ``ar`` or the host layout; 1: AR rows) and model-free ``drafts`` (default the batch's; None:
+        none). Returns the rows finished by their first token (a stop token, a stop string or
         ``max_new_tokens`` <= 1), never added. Raises UnmaskError, before any request joins, for an
-        empty prompt or more requests than free slots."""
+        empty prompt, more requests than free slots, or model-free drafts with AR rows of a block layout."""
+        drafts = self.drafts if drafts is ... else drafts
         K = self.default_K if block_size is None else self.cfg.row_size(int(block_size))
+        check_join(self.cfg, drafts, K)
         if K < 1:
             raise UnmaskError(f"a draft size must be >= 1 (got {K}); 1 means plain AR steps")
         if any(len(r.prompt_ids) == 0 for r in requests):  # the verify step needs a cached prefix
@@ -159,7 +169,7 @@ class Verify:
             mask = with_key_padding(as_4d(m, len(prompts)), kv_valid) if (ragged or Kp) else None  # (n, 1, P+Kp, P+Kp)
             logits = new_kv.forward(inp, positions, mask, logits_to_keep=Kp + 1)  # (n, Kp+1, V)
             new_kv.crop(Kp)
-            self.forwards += 1
+            self.forwards, self.vocab = self.forwards + 1, logits.shape[-1]
             if self.suppress:
                 logits[..., self.suppress] = float("-inf")
             rows = [VerifyRow(job=req, slot=slot, K=K, generator=row_generator(req, self.device))
@@ -187,11 +197,14 @@ class Verify:
         done, self.n_sampled = [], self.n_sampled + sum(not r.sampling.greedy for r in requests)
         for req, row, t in zip(requests, rows, b.tolist()):  # join is not a step: its host syncs are the prefill's
             self.rows[row.slot] = row
-            row.committed, row.nfe, row.accepts = [t], 1, [1]
+            row.committed, row.nfe, row.accepts, row.block_len = [t], 1, [1], K - 1
             if self.on_step is not None and getattr(req, "events", True):
                 self.on_step(row, vr.event(row, 0, self.mask_id))
             if self._settle(row, 0):
                 done.append(row)
+            elif drafts is not None:
+                row.drafts = drafts.start(list(req.prompt_ids) + [t], self.suffix_cache)
+        first_drafts(self, rows, K)
         self._free(done)
         return done
 
@@ -239,8 +252,8 @@ class Verify:
             out = self._pieces(R, Q, Kmax, C, tw, rows, compiled=out is None)
         self.b[:R], committed, self.n[:R], self.draft_len[:R], keep, ended, last, step_tok = out
         self.p_b[:R] += committed
-        got = (HostRead().add("committed", committed).add("ended", ended).add("last", last)  # the step's one host sync
-               .add("tokens", step_tok).read())
+        read = HostRead().add("committed", committed).add("ended", ended).add("last", last).add("tokens", step_tok)
+        got = (read if self.ar or self.cfg.host else read.add("dlen", self.draft_len[:R])).read()  # the one host sync
         kept = max(got["last"][i] for i in self.rows)  # window columns some running row keeps
         if kept < Q:  # the tail no running row keeps
             self.kv.crop(Q - kept)
@@ -248,10 +261,10 @@ class Verify:
         if self.key_valid.shape[0] > R:
             cols = torch.cat([cols, cols.new_zeros((self.key_valid.shape[0] - R, kept))])  # (cap, kept)
         self.key_valid = torch.cat([self.key_valid, cols], dim=1)  # (R or cap, C + kept)
-        finished = []
+        finished, starts = [], {}
         for slot, row in list(self.rows.items()):
             c = got["committed"][slot]
-            start = len(row.committed)
+            start = starts[slot] = len(row.committed)
             row.committed += got["tokens"][slot][:c]
             row.nfe += 1
             row.accepts.append(c)
@@ -259,6 +272,8 @@ class Verify:
                 self.on_step(row, vr.event(row, start, self.mask_id))
             if (got["ended"][slot] or row.job.stop or self.on_token is not None) and self._settle(row, start):
                 finished.append(row)
+        if not self.ar:
+            after_step(self, got, starts, {r.slot for r in finished})
         self._free(finished)
         return finished
 
@@ -277,10 +292,10 @@ class Verify:
     def _run_whole(self, R: int, Q: int, Kmax: int, kvb: torch.Tensor):
         """Run the compiled whole step of R rows, window Q, on the slot buffers; kvb (R, Lb) the valid keys."""
         tw = self._tables(Kmax)
-        key = (self.mask_id, Q, tw.trees, tuple(tw.path.shape), self.s.shape[1], self.sib.shape[1], self._suppress is None)
+        key = (self.fill_id, Q, tw.trees, tuple(tw.path.shape), self.s.shape[1], self.sib.shape[1], self._suppress is None)
         return self.kv.fused(sv.whole_step, key, R, Q, kvb, self._suppress, tw, self.K[:R], self.draft_len[:R],
                              self.b[:R], self.s[:R, : Kmax - 1], self.sib[:R], self.p_b[:R], self.n[:R], self.N[:R],
-                             self.live[:R], self.stops, self.mask_id, Q)
+                             self.live[:R], self.stops, self.fill_id, Q)
 
     def _pieces(self, R: int, Q: int, Kmax: int, C: int, tw: tv.TreeWindow, rows: tuple, compiled: bool):
         """A step as its pieces: the window and mask, the forward (``compiled``: the compiled one, which a
@@ -292,7 +307,7 @@ class Verify:
         else:
             s = self.s[:R, : Kmax - 1].clone()  # the draft accept_rows replaces
             m, o = tw.mask[K - 1, dl], tw.offsets[K - 1, dl]  # (R, Q, Q), (R, Q): each row's layout for its draft length
-            inp = tv.inputs(tw, K, dl, self.b[:R], s, self.sib[:R], self.mask_id)  # (R, Q): b, the draft, siblings, masks
+            inp = tv.inputs(tw, K, dl, self.b[:R], s, self.sib[:R], self.fill_id)  # (R, Q): b, the draft, siblings, masks
             positions = self.p_b[:R, None] + o  # (R, Q)
         causal = Q == 1 and not self.static and len(self.rows) == R and all(self._held(r) == C for r in self.rows.values())
         mask = None if causal else torch.cat([self.key_valid[:R, None, :].expand(R, Q, C), m], dim=2)[:, None]  # (R, 1, Q, C+Q)
@@ -313,8 +328,7 @@ class Verify:
             self.key_valid = self.key_valid[:R]
         return R
 
-    def _held(self, row: VerifyRow) -> int:
-        """Valid cache columns of a running row: its prompt and every committed token but the bonus."""
+    def _held(self, row: VerifyRow) -> int:  # valid cache columns of a row: its prompt, its committed ids but b
         return len(row.job.prompt_ids) + len(row.committed) - 1
 
     def _reclaim(self, Q: int) -> None:
@@ -346,6 +360,7 @@ class Verify:
         if not rows:
             return
         slots = [r.slot for r in rows if self.rows.get(r.slot) is r]
+        learn(self.suffix_cache, rows)
         for s in slots:
             self.n_sampled -= not self.rows.pop(s).job.sampling.greedy
         self.slots.give(slots)
@@ -362,16 +377,20 @@ class Verify:
 
 
 def for_layout(bundle, draft: str, *, capacity: int, compile: bool = False, smaller: tuple[str, ...] = (),
-               on_step=None, on_token=None) -> Verify:
+               on_step=None, on_token=None, suffix_cache=None, tally=None) -> Verify:
     """The server's running batch of AR and lossless SBD rows of one draft layout (``draft``: a
     resolved layout, as :meth:`~unmask.decode.engine.registry.Config.batch_key` of ``ar`` / lossless
     ``sbd`` names it): the checkpoint's K (:func:`~unmask.decode.verify.config.default_block_size`),
     ``smaller`` layouts of the load sizer, a static cache of the context window with the compiled
     forward when ``compile`` (new shapes compiled when :meth:`Verify.warm` is called). A model without
-    a mask token gets an AR-only batch. Raises UnmaskError for a bad layout."""
-    cfg = VerifyConfig.of(default_block_size(bundle), draft, smaller)
+    a mask token gets an AR-only batch. ``host``: the batch of model-free drafts (K up to
+    MAX_DRAFT_TOKENS + 1); ``suffix_cache`` / ``tally``: the server's (:class:`Verify`). Raises
+    UnmaskError for a bad layout."""
+    host = draft == HOST_LAYOUT
+    cfg = VerifyConfig(MAX_DRAFT_TOKENS + 1, draft) if host else VerifyConfig.of(default_block_size(bundle), draft, smaller)
     return Verify(bundle, cfg, compile=compile, capacity=capacity, on_step=on_step, on_token=on_token,
-                  ar=bundle.mask_token_id is None, defer_compile=True)
+                  ar=not host and bundle.mask_token_id is None, defer_compile=True, drafts=None,
+                  suffix_cache=suffix_cache, tally=tally)
 
 
 __all__ = ["Verify", "VerifyRow", "for_layout"]

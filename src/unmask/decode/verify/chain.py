@@ -28,7 +28,8 @@ from unmask.errors import UnmaskError
 @dataclass(frozen=True)
 class DraftLayout:
     """A draft layout (spec §5.1): D draft tokens, groups after the prefixes ``prefixes`` (sorted,
-    each in 0..D) of lengths ``lengths`` (one per group, each >= 2: offset 0 sits at the bonus).
+    each in 0..D) of lengths ``lengths`` (one per group, each >= 2: offset 0 sits at the bonus); no
+    group at all: the verify part alone, whose drafts come from the host (:func:`verify_only`).
     Raises UnmaskError for anything else."""
 
     D: int
@@ -36,8 +37,7 @@ class DraftLayout:
     lengths: tuple[int, ...]
 
     def __post_init__(self):
-        ok = (_is_int(self.D) and self.D >= 1 and len(self.prefixes) >= 1
-              and len(self.prefixes) == len(self.lengths)
+        ok = (_is_int(self.D) and self.D >= 1 and len(self.prefixes) == len(self.lengths)
               and all(_is_int(i) and 0 <= i <= self.D for i in self.prefixes)
               and all(_is_int(g) and g >= 2 for g in self.lengths)
               and list(self.prefixes) == sorted(set(self.prefixes)))
@@ -96,6 +96,12 @@ def linear(K: int) -> DraftLayout:
     return DraftLayout(K - 1, (K - 1,), (K,))
 
 
+def verify_only(K: int) -> DraftLayout:
+    """The verify part alone, ``b, s_1..s_{K-1}`` (K query tokens, no group): the layout of rows whose
+    drafts come from a model-free source (spec/draft_sources.md §1)."""
+    return DraftLayout(K - 1, (), ())
+
+
 def quadratic(K: int) -> DraftLayout:
     """Quadratic drafting of draft size K (spec §1): ``(K-1, {0..K-1}, K)``, K + K² query tokens."""
     return DraftLayout(K - 1, tuple(range(K)), (K,) * K)
@@ -125,4 +131,4 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-__all__ = ["DraftLayout", "linear", "quadratic", "parse"]
+__all__ = ["DraftLayout", "linear", "quadratic", "parse", "verify_only"]

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from unmask.decode.verify import layout as dl
 from unmask.decode.verify import siblings as sl
 from unmask.decode.verify import tree as tv
-from unmask.decode.verify.chain import DraftLayout
+from unmask.decode.verify.chain import DraftLayout, verify_only
 from unmask.errors import UnmaskError, is_int
 
 DRAFTS = ("quadratic", "linear")
+HOST_LAYOUT = "host"  # the verify part alone: every draft comes from a model-free source (no mask groups)
 # the fastest lossless setting in tokens per second on both shipped SBD models (batch 1, 1 thread,
 # benchmarks/sbd_lossless.py): linear drafts cost 2K queries per forward, quadratic ones K + K^2
 DEFAULT_DRAFT = "linear"
@@ -51,7 +52,8 @@ def _smaller_texts(smaller) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class VerifyConfig:
     """Draft size K (``block_size``, 2..MAX_BLOCK_SIZE) and the drafting layout: ``linear``,
-    ``quadratic`` (spec §1) or canonical ``D/S/G`` text, siblings ``+j[cC][gG]`` included (spec §5.1,
+    ``quadratic`` (spec §1), ``host`` (the verify part alone, drafts from a model-free source,
+    spec/draft_sources.md) or canonical ``D/S/G`` text, siblings ``+j[cC][gG]`` included (spec §5.1,
     §5.3; then K = D + 1). ``smaller``: canonical budgeted layouts (each D below the draft's) that rows
     of a smaller draft size run instead of the draft cut to their K: the load sizer's (a server's
     stored calibrated layouts). Build one with :meth:`of`, which resolves budgets and layout objects;
@@ -75,7 +77,7 @@ class VerifyConfig:
 
     def __post_init__(self):
         _check_size(self.block_size)
-        if self.draft not in DRAFTS and not (isinstance(self.draft, str) and "/" in self.draft):
+        if self.draft not in (*DRAFTS, HOST_LAYOUT) and not (isinstance(self.draft, str) and "/" in self.draft):
             raise UnmaskError(f"unknown draft layout {self.draft!r}; choose one of {', '.join(DRAFTS)}, budget "
                               "(with --queries Q) or D/S/G text such as 3/0,2,3/4")
         if self.budgeted and (self.draft != dl.canonical(self.draft) or self.block_size != sl.parse(self.draft).D + 1):
@@ -123,7 +125,12 @@ class VerifyConfig:
 
     @property
     def budgeted(self) -> bool:
-        return self.draft not in DRAFTS
+        return self.draft not in (*DRAFTS, HOST_LAYOUT)
+
+    @property
+    def host(self) -> bool:
+        """Whether every draft comes from the host (:data:`HOST_LAYOUT`): no mask token needed."""
+        return self.draft == HOST_LAYOUT
 
     def row_size(self, K: int) -> int:
         """The draft size a row asking for K runs at: K, or at most D + 1 under a budgeted layout."""
@@ -148,8 +155,8 @@ def family(draft: str, Kmax: int, smaller: tuple[str, ...] = ()) -> list:
     with siblings (spec §5.3) keeps them at its own K = D + 1 only (a smaller K runs the chain).
     ``smaller`` (budgeted only): layouts of fewer draft tokens; a size K runs the one of them with
     the fewest draft tokens >= K - 1 (cut the same way), the draft itself when none has enough."""
-    if draft in DRAFTS:
-        make = dl.quadratic if draft == "quadratic" else dl.linear
+    if draft in (*DRAFTS, HOST_LAYOUT):
+        make = {"quadratic": dl.quadratic, "linear": dl.linear, HOST_LAYOUT: verify_only}[draft]
         return [None] + [make(K) for K in range(2, Kmax + 1)]
     trees = sorted((sl.parse(t) for t in (draft, *smaller)), key=lambda t: t.D)  # stable: the draft first at a tie
 
@@ -186,5 +193,5 @@ def tables(draft: str, Kmax: int, smaller: tuple[str, ...] = (), device=None) ->
     return tw
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_DRAFT", "DRAFTS", "MAX_BLOCK_SIZE", "MAX_TABLE_MIB", "VerifyConfig",
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_DRAFT", "DRAFTS", "HOST_LAYOUT", "MAX_BLOCK_SIZE", "MAX_TABLE_MIB", "VerifyConfig",
            "default_block_size", "default_layout", "family", "queries", "tables"]

@@ -23,6 +23,8 @@ class VerifyRow(Row):
     accepts: list[int] = field(default_factory=list)
     K: int = 1
     generator: object = None
+    drafts: object = None  # its model-free drafting (:class:`~unmask.decode.verify.drafting.RowDrafts`), if any
+    block_len: int = 0  # the block draft's length in the next step
 
 
 def settle(row: VerifyRow, rule: StopRule, bundle, start: int, draft: str, on_token=None) -> bool:
@@ -51,8 +53,8 @@ def settle(row: VerifyRow, rule: StopRule, bundle, start: int, draft: str, on_to
 
 def stats_extra(batch, rows: list) -> dict:
     """``Verify.stats_extra`` of finished ``rows`` (request order): accept histograms, layout, block
-    size, query windows, row extras; ``compiled`` and ``static_cache`` when static (only those for an
-    ``ar`` batch)."""
+    size, query windows, drafted and accepted tokens per draft source (``drafts``), row extras;
+    ``compiled`` and ``static_cache`` when static (only those for an ``ar`` batch)."""
     static = {"compiled": batch.compile, "static_cache": batch.kv.capacity} if batch.static else {}
     if batch.ar:
         return static
@@ -60,7 +62,8 @@ def stats_extra(batch, rows: list) -> dict:
     drafted = Counter(c - 1 for r in rows for c in r.accepts[1:])  # accepted draft tokens per verify forward
     return {"verify": True, "draft": batch.cfg.draft, "block_size": batch.cfg.block_size,
             "accepts": dict(sorted(accepts.items())), "accepted_drafts": dict(sorted(drafted.items())),
-            "query_windows": dict(sorted(batch.windows.items())), "row_extra": [r.extra for r in rows], **static}
+            "query_windows": dict(sorted(batch.windows.items())), "drafts": batch.tally.as_dict(),
+            "row_extra": [r.extra for r in rows], **static}
 
 
 def event(row, start: int, mask_id: int) -> dict:

@@ -69,7 +69,7 @@ def prefill_draws(logits: torch.Tensor, K: int, groups: dict, tw: tv.TreeWindow)
 
 
 def accept_sampled(logits: torch.Tensor, q, s: torch.Tensor, inp: torch.Tensor, draft_len: torch.Tensor, K: int,
-                   tw: tv.TreeWindow, sampling: Sampling, gens) -> tuple:
+                   tw: tv.TreeWindow, sampling: Sampling, gens, redraw: bool = True) -> tuple:
     """Accept and redraft rows of one sampling setting and draft size K inside a step's query window
     ``tw`` (spec §1, Accept, sampling; with siblings at K, §5.3's multi-candidate rule,
     :func:`~unmask.decode.verify.tree.sampled_tree_accept`): logits (n, Q, V), q (n, K-1, V) the
@@ -77,7 +77,8 @@ def accept_sampled(logits: torch.Tensor, q, s: torch.Tensor, inp: torch.Tensor, 
     per row. K = 1 draws AR's token with :func:`unmask.sampling.sample`.
     Returns a (n,), the path taken (n,), step_tok (n, K) (the first a + 1 committed), the next
     draft (n, K-1), its proposals (n, K-1, V) and its sibling ids (n, H) (None where K has none;
-    past the next draft's length they are unused)."""
+    past the next draft's length they are unused; all three None without ``redraw``: a layout with
+    no mask group, whose next draft comes from the host)."""
     zero = torch.zeros(len(gens), dtype=torch.long, device=logits.device)
     if K == 1:
         return zero, zero, sample(logits[:, :1], sampling, gens), None, None, None
@@ -88,6 +89,8 @@ def accept_sampled(logits: torch.Tensor, q, s: torch.Tensor, inp: torch.Tensor, 
         (a, last), path = speculative_accept(_probs(logits[:, :K], sampling), q, s, draft_len, gens), zero
         tok = torch.where(torch.arange(K, device=a.device)[None, :] < a[:, None], torch.cat([s, s[:, :1]], dim=1), 0)
         tok = tok.scatter(1, a[:, None], last[:, None])  # (n, K)
+    if not redraw:
+        return a, path, tok, None, None, None
     at = tw.src[K - 1, draft_len, path, a][:, : K - 1, None]  # (n, K-1, 1) window query of each next-draft token (§5.2)
     s_next, q_next = _draw(logits.gather(1, at.expand(-1, -1, logits.shape[2])), sampling, gens)  # (n, K-1), (n, K-1, V)
     return a, path, tok, s_next, q_next, tv.draw_siblings(q_next, tw, K, gens) if tree else None
@@ -114,8 +117,9 @@ def accept_rows(batch, logits: torch.Tensor, inp: torch.Tensor, tw: tv.TreeWindo
         idx = torch.tensor(slots, dtype=torch.long, device=batch.device)  # (n,)
         q = None if K == 1 else batch.q[idx, : K - 1]
         a[idx], p[idx], step_tok[idx, :K], s_i, q_i, sib = accept_sampled(
-            logits[idx], q, s[idx, : K - 1], inp[idx], dl[idx], K, tw, sampling, [batch.rows[i].generator for i in slots])
-        if K > 1:
+            logits[idx], q, s[idx, : K - 1], inp[idx], dl[idx], K, tw, sampling, [batch.rows[i].generator for i in slots],
+            redraw=not batch.cfg.host)
+        if s_i is not None:
             batch.s[idx, : K - 1], batch.q[idx, : K - 1] = s_i, q_i
         if sib is not None:  # siblings drawn i.i.d. from q, as the multi-candidate rule needs (spec §5.3)
             batch.sib[idx, : tw.H] = sib

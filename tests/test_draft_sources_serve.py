@@ -1,0 +1,83 @@
+"""The server's model-free draft sources (issue 51 item 4): a request's ``draft_source`` joins the
+host-layout verify batch beside AR rows; staggered joins and drops leave every row equal to
+``generate`` alone; the suffix cache is per scheduler (per model), bounded, and fed by finished rows;
+/metrics counts drafted and accepted tokens per source."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+import unmask
+from unmask.decode import DECODERS
+from unmask.errors import UnmaskError
+from unmask.sampling import Sampling
+from unmask.serve.engine import Scheduler
+from unmask.serve.jobs import Job
+from unmask.serve.metrics import Metrics
+
+TEXTS = ("Once upon a time", "Tom had a red ball. Tom had a red ball. Tom", "Lily and Sam went to the park",
+         "The cat sat on the mat. The cat")
+
+
+def _job(prompt, box, decoder="ar", **options):
+    return Job(prompt_ids=prompt, decoder=decoder, options=options, sampling=Sampling(), max_new_tokens=48, stop=(),
+               deadline=time.monotonic() + 300, post=lambda kind, payload, p=tuple(prompt), o=tuple(options.items()):
+               box.put((p, o, kind, payload)))
+
+
+def _wait(box, n):
+    out = []
+    while len(out) < n:
+        p, o, kind, payload = box.get(timeout=300)
+        if kind != "step":
+            out.append((p, o, kind, payload))
+    return out
+
+
+@pytest.mark.parametrize("model", ["stories260K", "stories260K-sbd"])
+def test_staggered_requests_with_draft_sources_equal_generate_alone(model):
+    bundle = unmask.load(model)
+    prompts = [bundle.encode(t) for t in TEXTS]
+    sources = [None, "lookup", "suffix", "lookup"] if model == "stories260K" else ["block+lookup", "lookup", "suffix", None]
+    decoder = "ar" if model == "stories260K" else "sbd"
+    sched = Scheduler(bundle, max_batch_size=3).start()
+    box: queue.Queue = queue.Queue()
+    try:
+        jobs = []
+        for i, (p, s) in enumerate(zip(prompts, sources)):  # staggered: each joins a running batch
+            jobs.append(_job(p, box, decoder, **({} if s is None else {"draft_source": s})))
+            sched.submit(jobs[-1])
+            time.sleep(0.05 * i)
+        gone = _job(prompts[1], box, decoder, draft_source="lookup")
+        sched.submit(gone)
+        gone.cancel()  # dropped while the others run
+        done = _wait(box, len(jobs) + 1)
+    finally:
+        sched.close()
+    for p, o, kind, payload in done:
+        if kind == "cancelled":
+            continue  # the cancelled one
+        assert kind == "done", payload
+        alone = DECODERS[decoder].decode(bundle, [list(p)], max_new_tokens=48).tokens[0]
+        assert payload["tokens"] == alone, o
+    tally = sched.draft_tally.as_dict()
+    assert tally["lookup"]["drafted"] > 0 and tally["suffix"]["drafted"] >= 0
+    assert sched.suffix_cache.documents >= len(jobs)  # finished rows feed the suffix cache
+    text = Metrics(sched).text().decode()
+    assert 'unmask_draft_tokens_total{source="lookup"}' in text
+    assert "unmask_suffix_cache_tokens" in text
+
+
+def test_suffix_cache_is_per_scheduler_and_bounded():
+    bundle = unmask.load("stories260K")
+    a, b = Scheduler(bundle, suffix_cache_tokens=64), Scheduler(bundle)
+    assert a.suffix_cache is not b.suffix_cache
+    for _ in range(10):
+        a.suffix_cache.add(list(range(3, 40)))
+    assert a.suffix_cache.tokens <= 64 and b.suffix_cache.tokens == 0
+    assert Scheduler(bundle, suffix_cache_tokens=0).suffix_cache is None
+    with pytest.raises(UnmaskError, match="suffix cache"):
+        Scheduler(bundle, suffix_cache_tokens=-1)
