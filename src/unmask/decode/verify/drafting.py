@@ -20,6 +20,7 @@ poor record, gives a plain K = 1 step.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import ClassVar
@@ -33,6 +34,7 @@ from unmask.errors import UnmaskError, is_int
 
 SOURCES = ("none", "block", "lookup", "suffix", "block+lookup", "block+suffix")
 HOST = ("lookup", "suffix")  # the model-free sources
+LOOKUP_ALPHA = 2.0  # a lookup draft from an n-id match is cut to ceil(alpha * n) ids (benchmarks/results/draft_replay.md)
 DEFAULT_DRAFT_TOKENS = 8  # the most ids a model-free draft proposes per row per step
 MAX_DRAFT_TOKENS = 31  # K <= 32: the host layout's step tables stay small (K^4 growth)
 # the cost of one more query token per row, relative to a one-query forward (spec §3): SmolLM2-135M, 1 CPU
@@ -129,6 +131,8 @@ class RowDrafts:
         keep the block draft of ``block_len`` tokens (beside_block: it expects more accepted tokens)."""
         cap = min(cap, self.cfg.tokens)
         draft, self.match = self.drafter.propose(cap) if cap > 0 else ([], 0)
+        if self.cfg.source == "lookup":  # a 1-id match accepts ~1 id however long its draft (draft_replay.md)
+            draft = draft[: math.ceil(LOOKUP_ALPHA * self.match)]
         self.block_len = block_len
         own = self._own(self.match)
         if self.cfg.beside_block:  # the window is the block layout's either way: more accepted tokens wins
