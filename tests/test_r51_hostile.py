@@ -26,3 +26,23 @@ def test_server_refuses_block_knobs_with_a_model_free_source_as_generate_does(sb
                                             "draft_source": "lookup", **extra})
     assert r.status_code == 400, r.text
     assert "do not apply" in r.json()["error"]["message"]
+
+
+def test_model_free_drafts_fit_a_small_context_and_name_draft_tokens_when_they_cannot():
+    # a host step is K = draft_tokens + 1 queries, no prefill group: the block layouts' 2K rule refused
+    # draft_tokens 20 on a 40-position model, told the user to lower --block-size (refused with lookup),
+    # and the server's host batch (K 32) could not be built there, failing every lookup/suffix request
+    from conftest import tiny_bundle, tiny_llama
+
+    from unmask.decode import decode
+    from unmask.decode.verify.batch import for_layout
+
+    bundle = tiny_bundle(tiny_llama(vocab=12, max_position_embeddings=40, initializer_range=0.2))
+    prompt = [[1, 4, 5, 6, 4, 5]]
+    ar = decode(bundle, prompt, decoder="ar", max_new_tokens=10)
+    assert decode(bundle, prompt, decoder="ar", max_new_tokens=10, draft_source="lookup", draft_tokens=31).tokens == ar.tokens
+    for_layout(bundle, "host", capacity=2)
+    small = tiny_bundle(tiny_llama(vocab=12, max_position_embeddings=16, initializer_range=0.2))
+    with pytest.raises(unmask.UnmaskError, match="draft-tokens"):
+        decode(small, prompt, decoder="ar", max_new_tokens=4, draft_source="lookup", draft_tokens=20)
+    for_layout(small, "host", capacity=2)  # the server's batch drafts at most what the window holds

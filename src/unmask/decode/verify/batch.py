@@ -384,10 +384,11 @@ def for_layout(bundle, draft: str, *, capacity: int, compile: bool = False, smal
     ``smaller`` layouts of the load sizer, a static cache of the context window with the compiled
     forward when ``compile`` (new shapes compiled when :meth:`Verify.warm` is called). A model without
     a mask token gets an AR-only batch. ``host``: the batch of model-free drafts (K up to
-    MAX_DRAFT_TOKENS + 1); ``suffix_cache`` / ``tally``: the server's (:class:`Verify`). Raises
-    UnmaskError for a bad layout."""
+    MAX_DRAFT_TOKENS + 1, at most the context window); ``suffix_cache`` / ``tally``: the server's
+    (:class:`Verify`). Raises UnmaskError for a bad layout."""
     host = draft == HOST_LAYOUT
-    cfg = VerifyConfig(MAX_DRAFT_TOKENS + 1, draft) if host else VerifyConfig.of(default_block_size(bundle), draft, smaller)
+    K = min(MAX_DRAFT_TOKENS + 1, bundle.context_length) if host else default_block_size(bundle)  # host: a window fits
+    cfg = VerifyConfig(K, draft) if host else VerifyConfig.of(K, draft, smaller)
     return Verify(bundle, cfg, compile=compile, capacity=capacity, on_step=on_step, on_token=on_token,
                   ar=not host and bundle.mask_token_id is None, defer_compile=True, drafts=None,
                   suffix_cache=suffix_cache, tally=tally)
