@@ -46,3 +46,18 @@ def test_model_free_drafts_fit_a_small_context_and_name_draft_tokens_when_they_c
     with pytest.raises(unmask.UnmaskError, match="draft-tokens"):
         decode(small, prompt, decoder="ar", max_new_tokens=4, draft_source="lookup", draft_tokens=20)
     for_layout(small, "host", capacity=2)  # the server's batch drafts at most what the window holds
+
+
+@pytest.mark.parametrize("source", ["block", "block+lookup", "block+suffix"])
+def test_a_block_draft_source_asks_for_sbd_where_the_default_decoder_would_be_ar(sbd_bundle, monkeypatch, source):
+    # where lossless SBD is expected slower than AR (the SmolLM2 adapter on a CPU), the default decoder
+    # is ar; a block draft source, which only sbd takes, then failed with "unknown draft source
+    # 'block+lookup' for decoder 'ar'", a decoder the user never named
+    from unmask.decode import choice
+
+    monkeypatch.setattr(choice, "choose", lambda tpf, cost: "ar")
+    assert choice.default_for(sbd_bundle, {}).decoder == "ar"
+    assert choice.default_for(sbd_bundle, {"draft_source": "lookup"}).decoder == "ar"  # ar takes it
+    assert choice.default_for(sbd_bundle, {"draft_source": source}).decoder == "sbd"
+    out = unmask.generate("Once", sbd_bundle, draft_source=source, max_new_tokens=8)
+    assert out.texts == unmask.generate("Once", sbd_bundle, decoder="ar", max_new_tokens=8).texts
