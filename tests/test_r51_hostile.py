@@ -61,3 +61,14 @@ def test_a_block_draft_source_asks_for_sbd_where_the_default_decoder_would_be_ar
     assert choice.default_for(sbd_bundle, {"draft_source": source}).decoder == "sbd"
     out = unmask.generate("Once", sbd_bundle, draft_source=source, max_new_tokens=8)
     assert out.texts == unmask.generate("Once", sbd_bundle, decoder="ar", max_new_tokens=8).texts
+
+
+def test_draft_tokens_help_states_the_default_beside_the_block_draft():
+    # --help said "default 8" for every source; beside the block draft the default is the block's K - 1
+    from unmask.decode.blocks.sbd import SBDOptions
+    from unmask.decode.verify.drafting import DEFAULT_DRAFT_TOKENS, DraftKnobs
+
+    assert SBDOptions(draft_source="lookup").host_drafts("cpu").tokens == DEFAULT_DRAFT_TOKENS
+    assert SBDOptions(draft_source="block+lookup").host_drafts("cpu", 16).tokens == 15
+    help_text = next(k.help for k in DraftKnobs.knobs() if k.name == "draft_tokens")
+    assert "K - 1" in help_text and "block+" in help_text
