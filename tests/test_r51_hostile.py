@@ -72,3 +72,33 @@ def test_draft_tokens_help_states_the_default_beside_the_block_draft():
     assert SBDOptions(draft_source="block+lookup").host_drafts("cpu", 16).tokens == 15
     help_text = next(k.help for k in DraftKnobs.knobs() if k.name == "draft_tokens")
     assert "K - 1" in help_text and "block+" in help_text
+
+
+@pytest.mark.parametrize("source", ["lookup", "block+lookup"])
+def test_no_draft_token_past_the_row_s_last_new_token(monkeypatch, source):
+    # a step commits at most max_new_tokens - committed tokens, its bonus included, so draft tokens past
+    # that can never be kept; a row near its end still drafted a full window (queries for nothing, and
+    # on the host layout a wider window for every row of the batch)
+    from test_draft_sources import Always
+
+    from unmask.decode import decode
+    from unmask.decode.verify import drafting
+
+    monkeypatch.setattr(drafting, "Lookup", Always)
+    bundle = unmask.load("stories260K-sbd" if source.startswith("block") else "stories260K")
+    prompts = [bundle.encode("Once upon a time"), bundle.encode("Tom had a red ball. Tom")]
+    seen = []
+    real = drafting.place_drafts
+
+    def spy(batch, placing):
+        for row, d in placing:
+            if d is not None:
+                seen.append(len(d) - (row.job.max_new_tokens - len(row.committed) - 1))
+        real(batch, placing)
+
+    monkeypatch.setattr(drafting, "place_drafts", spy)
+    for n in (2, 3, 5, 9, 17):
+        out = decode(bundle, prompts, decoder="sbd" if source.startswith("block") else "ar", max_new_tokens=n,
+                     draft_source=source)
+        assert out.tokens == decode(bundle, prompts, decoder="ar", max_new_tokens=n).tokens
+    assert seen and max(seen) <= 0, seen

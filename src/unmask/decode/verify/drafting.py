@@ -173,7 +173,13 @@ def check_join(cfg, drafts: HostDrafts | None, K: int) -> None:
 def first_drafts(batch, rows: list, K: int) -> None:
     """Place the first model-free drafts of rows that joined at draft size K (after their prefill)."""
     cap = batch.cfg.block_size - 1 if batch.cfg.host else K - 1
-    place_drafts(batch, [(r, r.drafts.propose(cap, K - 1)) for r in rows if r.drafts is not None])
+    place_drafts(batch, [(r, r.drafts.propose(_left(r, cap), K - 1)) for r in rows if r.drafts is not None])
+
+
+def _left(row, cap: int) -> int:
+    """``cap`` cut to the draft tokens ``row`` can still keep: a step commits at most its remaining new
+    tokens, the bonus included, so a longer draft only costs queries."""
+    return min(cap, row.job.max_new_tokens - len(row.committed) - 1)
 
 
 def learn(cache, rows: list) -> None:
@@ -200,7 +206,7 @@ def after_step(batch, got: dict, starts: dict, finished: set) -> None:
         if drafts is None or slot in finished:
             continue
         drafts.observe(row.committed[starts[slot]:], accepted)
-        placing.append((row, drafts.propose(row.K - 1 if not batch.cfg.host else batch.cfg.block_size - 1,
+        placing.append((row, drafts.propose(_left(row, row.K - 1 if not batch.cfg.host else batch.cfg.block_size - 1),
                                             row.block_len)))
     place_drafts(batch, placing)
 
