@@ -40,7 +40,8 @@ def test_model_free_drafts_fit_a_small_context_and_name_draft_tokens_when_they_c
     bundle = tiny_bundle(tiny_llama(vocab=12, max_position_embeddings=40, initializer_range=0.2))
     prompt = [[1, 4, 5, 6, 4, 5]]
     ar = decode(bundle, prompt, decoder="ar", max_new_tokens=10)
-    assert decode(bundle, prompt, decoder="ar", max_new_tokens=10, draft_source="lookup", draft_tokens=31).tokens == ar.tokens
+    out = decode(bundle, prompt, decoder="ar", max_new_tokens=10, draft_source="lookup", draft_tokens=31)
+    assert out.tokens == ar.tokens
     for_layout(bundle, "host", capacity=2)
     small = tiny_bundle(tiny_llama(vocab=12, max_position_embeddings=16, initializer_range=0.2))
     with pytest.raises(unmask.UnmaskError, match="draft-tokens"):
@@ -102,3 +103,17 @@ def test_no_draft_token_past_the_row_s_last_new_token(monkeypatch, source):
                      draft_source=source)
         assert out.tokens == decode(bundle, prompts, decoder="ar", max_new_tokens=n).tokens
     assert seen and max(seen) <= 0, seen
+
+
+def test_limits_count_a_block_draft_source_as_lossless_on_a_lossy_default_checkpoint(sbd_bundle, monkeypatch):
+    # a draft source makes an sbd request lossless whatever the checkpoint's default; runs_lossless (the
+    # server's limits and load sizer) ignored it, so --max-query-tokens counted a block+lookup request as
+    # a lossy block of K queries instead of its draft layout's
+    from unmask.decode.blocks.sbd import SBDOptions, runs_lossless
+    from unmask.serve.limits import query_tokens
+
+    monkeypatch.setitem(sbd_bundle.meta["decode_defaults"], "verify", False)
+    options = {"draft_source": "block+lookup"}
+    assert SBDOptions(**options).lossless(sbd_bundle) and runs_lossless(sbd_bundle, options)
+    lossless = query_tokens(sbd_bundle, "sbd", {**options, "verify": True}, 16)[0]
+    assert query_tokens(sbd_bundle, "sbd", options, 16)[0] == lossless

@@ -207,7 +207,8 @@ def runs_lossless(bundle, options: dict) -> bool:
     """Whether the sbd options ``options`` (a dict; other keys ignored) run lossless SBD; False when
     they contradict (their decode reports it)."""
     try:
-        return SBDOptions(**{k: options.get(k) for k in ("verify", "draft", *POLICY_OPTIONS)}).lossless(bundle)
+        keys = ("verify", "draft", "draft_source", *POLICY_OPTIONS)  # a draft source is lossless SBD's
+        return SBDOptions(**{k: options.get(k) for k in keys}).lossless(bundle)
     except UnmaskError:
         return False
 

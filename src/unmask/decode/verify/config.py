@@ -98,8 +98,8 @@ class VerifyConfig:
         pass MAX_TABLE_MIB."""
         if self.host:  # K queries and no prefill group: the window alone must fit
             if self.block_size > context_length:
-                raise UnmaskError(f"model-free drafts of {self.block_size - 1} tokens need {self.block_size} queries per "
-                                  f"forward, more than the context window of {context_length}; lower --draft-tokens")
+                raise UnmaskError(f"model-free drafts of {self.block_size - 1} tokens need {self.block_size} queries "
+                                  f"per forward, more than the context window of {context_length}; lower --draft-tokens")
         elif 2 * self.block_size > context_length:
             raise UnmaskError(f"block size {self.block_size} is too large for the context window of "
                               f"{context_length}; lower --block-size")
