@@ -266,10 +266,10 @@ class Verify:
         if self.key_valid.shape[0] > R:
             cols = torch.cat([cols, cols.new_zeros((self.key_valid.shape[0] - R, kept))])  # (cap, kept)
         self.key_valid = torch.cat([self.key_valid, cols], dim=1)  # (R or cap, C + kept)
-        finished, starts = [], {}
+        finished = []
         for slot, row in list(self.rows.items()):
             c = got["committed"][slot]
-            start = starts[slot] = len(row.committed)
+            start = len(row.committed)
             row.committed += got["tokens"][slot][:c]
             row.nfe += 1
             row.accepts.append(c)
@@ -278,7 +278,7 @@ class Verify:
             if (got["ended"][slot] or row.job.stop or self.on_token is not None) and self._settle(row, start):
                 finished.append(row)
         if not self.ar:
-            after_step(self, got, starts, {r.slot for r in finished}, (n_rows, Q, time.perf_counter() - t0))
+            after_step(self, got, {r.slot for r in finished}, (n_rows, Q, time.perf_counter() - t0))
         self._free(finished)
         return finished
 

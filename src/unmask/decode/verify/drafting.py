@@ -117,17 +117,24 @@ class RowDrafts:
         self.placed = 0  # the length of the host draft in the step that just ran (0: none, or the block's)
         self.match = 0  # its match-length class
         self.block_len = 0  # the block draft's length in that step (beside_block)
+        self.seen = 0  # the row's committed ids the drafter has been shown (after the history it started from)
 
     def _own(self, match: int) -> Acceptance:
         return self.own.setdefault(min(match, 3), Acceptance())
 
-    def observe(self, new: list[int], accepted: int) -> None:
-        """After a step that committed ``new`` ids of which ``accepted`` were draft tokens."""
+    def observe(self, accepted: int) -> None:
+        """After a step in which ``accepted`` of this row's draft tokens were accepted."""
         if self.placed:
             self._own(self.match).update(self.placed, accepted)
         elif self.block_len:
             self.block.update(self.block_len, accepted)
-        self.drafter.extend(new)
+
+    def catch_up(self, committed: list[int]) -> None:
+        """Show the drafter the row's committed ids it has not seen (``committed``: all of them, the first
+        being part of the history it started from); lazy, so a batch that does not draft pays nothing."""
+        if len(committed) > self.seen + 1:
+            self.drafter.extend(committed[self.seen + 1:])
+            self.seen = len(committed) - 1
 
     def expected(self, length: int) -> float:
         """Expected accepted tokens of this row's current draft cut to ``length`` tokens."""
@@ -178,9 +185,16 @@ def check_join(cfg, drafts: HostDrafts | None, K: int) -> None:
 
 
 def first_drafts(batch, rows: list, K: int) -> None:
-    """Place the first model-free drafts of rows that joined at draft size K (after their prefill)."""
+    """Place the first model-free drafts of rows that joined at draft size K (after their prefill); in a
+    host-layout batch of CLOCK_ROWS or more rows, within the window the batch's clock allows."""
     cap = batch.cfg.block_size - 1 if batch.cfg.host else K - 1
-    place_drafts(batch, [(r, r.drafts.propose(cap, K - 1)) for r in rows if r.drafts is not None])
+    placing = [(r, r.drafts.propose(cap, K - 1)) for r in rows if r.drafts is not None]
+    if batch.cfg.host and len(batch.rows) >= CLOCK_ROWS and (drafting := [(r, d) for r, d in placing if d]):
+        most = 0 if batch.quiet else window_cap(batch.clock, len(batch.rows), drafting, batch.drafts_cost) or 0
+        placing = [(r, d[:most]) for r, d in placing]
+        for r, d in placing:
+            r.drafts.placed = len(d)
+    place_drafts(batch, placing)
 
 
 def learn(cache, rows: list) -> None:
@@ -248,15 +262,16 @@ def window_cap(clock: StepClock, rows: int, placing: list, cost: float) -> int:
     return best
 
 
-def after_step(batch, got: dict, starts: dict, finished: set, timed: tuple | None = None) -> None:
+def after_step(batch, got: dict, finished: set, timed: tuple | None = None) -> None:
     """The host side of draft sources after a step of ``batch`` (a Verify) whose one host read is ``got``
     (``committed`` and, for a batch with mask groups, ``dlen``: each slot's next block-draft length):
     tally every row's drafted and accepted tokens, show the model-free drafters what each running row
-    committed (``starts``: slot -> its committed count before the step; ``finished``: slots that
-    ended) and place their next drafts (:func:`place_drafts`), on the host layout cut to the window
+    committed (``finished``: slots that ended) and place their next drafts (:func:`place_drafts`), on the host layout cut to the window
     :func:`window_cap` chooses from ``timed``: (rows, Q, seconds) of the step that ran."""
-    placing, quiet = [], batch.cfg.host and batch.quiet > 0  # quiet: drafting did not pay lately, none this step
-    batch.quiet -= quiet
+    if batch.cfg.host and batch.quiet > 0:  # drafting did not pay lately: no draft and no host work this step
+        batch.quiet -= 1
+        return
+    placing = []
     for slot, row in batch.rows.items():
         accepted = got["committed"][slot] - 1
         drafts = row.drafts
@@ -266,13 +281,10 @@ def after_step(batch, got: dict, starts: dict, finished: set, timed: tuple | Non
         row.block_len = got["dlen"][slot] if "dlen" in got else 0
         if drafts is None or slot in finished:
             continue
-        drafts.observe(row.committed[starts[slot]:], accepted)
-        if quiet:
-            drafts.placed = 0
-            placing.append((row, []))
-        else:
-            placing.append((row, drafts.propose(row.K - 1 if not batch.cfg.host else batch.cfg.block_size - 1,
-                                                row.block_len)))
+        drafts.observe(accepted)
+        drafts.catch_up(row.committed)
+        placing.append((row, drafts.propose(row.K - 1 if not batch.cfg.host else batch.cfg.block_size - 1,
+                                            row.block_len)))
     if batch.cfg.host and timed is not None and len(batch.rows) - len(finished) >= CLOCK_ROWS:
         _cap(batch, placing, timed, len(batch.rows) - len(finished))
     place_drafts(batch, placing)
