@@ -153,12 +153,16 @@ class Choice:
 def default_for(bundle, options: dict | None = None) -> Choice:
     """The decoder to run on ``bundle`` when the user names none: the natural decoder of its kind
     (:func:`unmask.decode.default_decoder`); for an SBD model with a recorded lossless TPF and no
-    knob of the ``sbd`` decoder in ``options`` (one asks for sbd), :func:`choose` over that TPF and
-    :func:`forward_cost` measured here (``ar`` when lossless SBD is expected slower); a tensor-parallel
-    bundle keeps its natural decoder (every rank must run the same one). Raises UnmaskError for a bad record."""
+    knob of the ``sbd`` decoder in ``options`` (one asks for sbd, as a block draft source does),
+    :func:`choose` over that TPF and :func:`forward_cost` measured here (``ar`` when lossless SBD is
+    expected slower); a tensor-parallel bundle keeps its natural decoder (every rank must run the same
+    one). Raises UnmaskError for a bad record."""
     natural = default_decoder(bundle.kind)
     sbd_only = {k.name for k in DECODERS["sbd"].knobs()} - {k.name for k in DECODERS["ar"].knobs()}
-    if bundle.kind != "sbd" or any((options or {}).get(k) is not None for k in sbd_only):
+    source = (options or {}).get("draft_source")  # a block draft source (block, block+lookup, ...) is sbd's alone
+    block_source = isinstance(source, str) and source in DECODERS["sbd"].config.sources \
+        and source not in DECODERS["ar"].config.sources
+    if bundle.kind != "sbd" or block_source or any((options or {}).get(k) is not None for k in sbd_only):
         return Choice(natural)
     if bundle.meta.get("tp"):  # tensor-parallel ranks must run one decoder: no per-rank timing
         return Choice(natural)

@@ -102,6 +102,15 @@ class SBDOptions(PolicyKnobs, DraftKnobs):
     queries: int | None = knob("--verify, budgeted draft: query tokens per row per forward (default: the "
                                "model's, else 16)", low=1)
 
+    def __post_init__(self):
+        """DraftKnobs' checks, and: a model-free source alone drafts without the block mode, so no
+        block knob may size it (checked here, not in :meth:`resolve`, so a server request is refused too)."""
+        super().__post_init__()
+        if self.host_only and (self.draft is not None or self.queries is not None or self.block_size is not None):
+            raise UnmaskError(f"--draft-source {self.draft_source} drafts without the block mode, so --block-size, "
+                              f"--draft and --queries do not apply; size it with --draft-tokens, or choose "
+                              f"--draft-source block+{self.draft_source}")
+
     def lossless(self, bundle) -> bool:
         """Whether these options run lossless SBD: ``verify`` when set, else the checkpoint's default
         unless a policy option asks for the lossy path. Raises UnmaskError for options that contradict
@@ -139,10 +148,6 @@ class SBDOptions(PolicyKnobs, DraftKnobs):
         fill what is not given). Raises UnmaskError (one line) for a model without a mask token,
         contradicting options or a bad value."""
         if self.host_only and self.lossless(bundle):
-            if self.draft is not None or self.queries is not None or self.block_size is not None:
-                raise UnmaskError(f"--draft-source {self.draft_source} drafts without the block mode, so --block-size, "
-                                  f"--draft and --queries do not apply; size it with --draft-tokens, or choose "
-                                  f"--draft-source block+{self.draft_source}")
             return VerifyConfig(self.host_drafts(bundle.device).tokens + 1, HOST_LAYOUT)
         if bundle.mask_token_id is None:
             raise UnmaskError(NO_MASK)

@@ -69,8 +69,7 @@ class Verify:
         self.static, self.compile = bool(static or compile), bool(compile)
         self.ar, self.default_K = ar, 1 if ar or cfg.host else cfg.block_size  # AR rows, host rows: K = 1 at join
         self.drafts, self.suffix_cache, self.tally, self.vocab = drafts, suffix_cache, tally or Tally(), 0
-        # what a host-draft window costs; steps left with no host drafts and the next such pause (drafting.after_step)
-        self.clock, self.drafts_cost, self.quiet, self.backoff = StepClock(), query_cost(self.device), 0, 1
+        self.clock, self.drafts_cost, self.quiet, self.backoff = StepClock(), query_cost(self.device), 0, 1  # after_step
         self.mask_id, self.suppress = -1 if bundle.mask_token_id is None else bundle.mask_token_id, list(bundle.suppress_ids)
         self.fill_id = max(self.mask_id, 0)  # a window's unused queries (the host layout: no mask token) see only themselves
         stop_ids = sorted(set(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids))
@@ -386,11 +385,12 @@ def for_layout(bundle, draft: str, *, capacity: int, compile: bool = False, smal
     """The server's running batch of AR and lossless SBD rows of one draft layout (``draft``: a
     resolved layout, as :meth:`~unmask.decode.engine.registry.Config.batch_key` of ``ar`` / lossless
     ``sbd`` names it): the checkpoint's K (:func:`~unmask.decode.verify.config.default_block_size`),
-    ``smaller`` layouts of the load sizer, a static cache of the context window with the compiled
-    forward when ``compile`` (new shapes compiled when :meth:`Verify.warm` is called); a model without a
-    mask token: AR rows only; ``host``: rows of model-free drafts (K <= MAX_DRAFT_TOKENS + 1). Raises UnmaskError."""
-    host = draft == HOST_LAYOUT
-    cfg = VerifyConfig(MAX_DRAFT_TOKENS + 1, draft) if host else VerifyConfig.of(default_block_size(bundle), draft, smaller)
+    ``smaller`` layouts of the load sizer, a static cache of the context window with the compiled forward when
+    ``compile`` (new shapes compiled by :meth:`Verify.warm`); no mask token: AR rows only; ``host``: model-free
+    drafts (K <= MAX_DRAFT_TOKENS + 1 and the context). Raises UnmaskError."""
+    host = draft == HOST_LAYOUT  # host: a window of K queries must fit the context
+    cfg = VerifyConfig(min(MAX_DRAFT_TOKENS + 1, bundle.context_length), draft) if host else \
+        VerifyConfig.of(default_block_size(bundle), draft, smaller)
     return Verify(bundle, cfg, compile=compile, capacity=capacity, on_step=on_step, on_token=on_token,
                   ar=not host and bundle.mask_token_id is None, defer_compile=True, drafts=None,
                   suffix_cache=suffix_cache, tally=tally)

@@ -93,9 +93,14 @@ class VerifyConfig:
 
     def check_fits(self, context_length: int) -> None:
         """Raise UnmaskError when a step of this config cannot fit the context window (2K positions,
-        prefill group included, or more query tokens per forward than ``context_length``) or its step
-        tables (:func:`~unmask.decode.verify.tree.table_bytes`) would pass MAX_TABLE_MIB."""
-        if 2 * self.block_size > context_length:
+        prefill group included; the host layout's K queries; or more query tokens per forward than
+        ``context_length``) or its step tables (:func:`~unmask.decode.verify.tree.table_bytes`) would
+        pass MAX_TABLE_MIB."""
+        if self.host:  # K queries and no prefill group: the window alone must fit
+            if self.block_size > context_length:
+                raise UnmaskError(f"model-free drafts of {self.block_size - 1} tokens need {self.block_size} queries per "
+                                  f"forward, more than the context window of {context_length}; lower --draft-tokens")
+        elif 2 * self.block_size > context_length:
             raise UnmaskError(f"block size {self.block_size} is too large for the context window of "
                               f"{context_length}; lower --block-size")
         if (Q := queries(self.block_size, self.draft, self.smaller)) > context_length:

@@ -358,8 +358,8 @@ class DraftKnobs(Config):
         "model, output = ar; with sbd also block (the block mode's draft, its default), block+lookup, block+suffix; "
         "none: plain ar (ar's default)", choices=SOURCES)
     draft_tokens: int | None = knob(f"--draft-source lookup/suffix: most drafted tokens per row per step (default "
-                                    f"{DEFAULT_DRAFT_TOKENS}; the draft follows the match and the row's acceptance)",
-                                    low=1, high=MAX_DRAFT_TOKENS)
+                                    f"{DEFAULT_DRAFT_TOKENS}, with block+lookup/suffix the block's K - 1; the draft "
+                                    "follows the match and the row's acceptance)", low=1, high=MAX_DRAFT_TOKENS)
 
     sources: ClassVar[tuple[str, ...]] = SOURCES  # the draft sources this decoder takes
 
