@@ -16,6 +16,7 @@ kept is cut; holes are compacted once they are half the cache, or when a static 
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import torch
@@ -30,7 +31,8 @@ from unmask.decode.verify import sampled as ss
 from unmask.decode.verify import steps as sv
 from unmask.decode.verify import tree as tv
 from unmask.decode.verify.config import HOST_LAYOUT, VerifyConfig, default_block_size, family, queries, tables
-from unmask.decode.verify.drafting import MAX_DRAFT_TOKENS, HostDrafts, Tally, after_step, check_join, first_drafts, learn
+from unmask.decode.verify.drafting import (MAX_DRAFT_TOKENS, HostDrafts, StepClock, Tally, after_step, check_join,
+                                           first_drafts, learn, query_cost)
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
 
@@ -67,6 +69,7 @@ class Verify:
         self.static, self.compile = bool(static or compile), bool(compile)
         self.ar, self.default_K = ar, 1 if ar or cfg.host else cfg.block_size  # AR rows, host rows: K = 1 at join
         self.drafts, self.suffix_cache, self.tally, self.vocab = drafts, suffix_cache, tally or Tally(), 0
+        self.clock, self.drafts_cost, self.quiet, self.backoff = StepClock(), query_cost(self.device), 0, 1  # after_step
         self.mask_id, self.suppress = -1 if bundle.mask_token_id is None else bundle.mask_token_id, list(bundle.suppress_ids)
         self.fill_id = max(self.mask_id, 0)  # a window's unused queries (the host layout: no mask token) see only themselves
         stop_ids = sorted(set(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids))
@@ -238,6 +241,7 @@ class Verify:
         only with ``on_step``/``on_forward`` or a row's stop strings."""
         if not self.rows:
             return []
+        t0, n_rows = time.perf_counter(), len(self.rows)
         Kmax = max(r.K for r in self.rows.values())
         Q = queries(Kmax, self.cfg.draft, self.cfg.smaller)
         R = self._rows_in_forward()
@@ -261,10 +265,10 @@ class Verify:
         if self.key_valid.shape[0] > R:
             cols = torch.cat([cols, cols.new_zeros((self.key_valid.shape[0] - R, kept))])  # (cap, kept)
         self.key_valid = torch.cat([self.key_valid, cols], dim=1)  # (R or cap, C + kept)
-        finished, starts = [], {}
+        finished = []
         for slot, row in list(self.rows.items()):
             c = got["committed"][slot]
-            start = starts[slot] = len(row.committed)
+            start = len(row.committed)
             row.committed += got["tokens"][slot][:c]
             row.nfe += 1
             row.accepts.append(c)
@@ -273,7 +277,7 @@ class Verify:
             if (got["ended"][slot] or row.job.stop or self.on_token is not None) and self._settle(row, start):
                 finished.append(row)
         if not self.ar:
-            after_step(self, got, starts, {r.slot for r in finished})
+            after_step(self, got, {r.slot for r in finished}, (n_rows, Q, time.perf_counter() - t0))
         self._free(finished)
         return finished
 
@@ -381,14 +385,12 @@ def for_layout(bundle, draft: str, *, capacity: int, compile: bool = False, smal
     """The server's running batch of AR and lossless SBD rows of one draft layout (``draft``: a
     resolved layout, as :meth:`~unmask.decode.engine.registry.Config.batch_key` of ``ar`` / lossless
     ``sbd`` names it): the checkpoint's K (:func:`~unmask.decode.verify.config.default_block_size`),
-    ``smaller`` layouts of the load sizer, a static cache of the context window with the compiled
-    forward when ``compile`` (new shapes compiled when :meth:`Verify.warm` is called). A model without
-    a mask token gets an AR-only batch. ``host``: the batch of model-free drafts (K up to
-    MAX_DRAFT_TOKENS + 1, at most the context window); ``suffix_cache`` / ``tally``: the server's
-    (:class:`Verify`). Raises UnmaskError for a bad layout."""
-    host = draft == HOST_LAYOUT
-    K = min(MAX_DRAFT_TOKENS + 1, bundle.context_length) if host else default_block_size(bundle)  # host: a window fits
-    cfg = VerifyConfig(K, draft) if host else VerifyConfig.of(K, draft, smaller)
+    ``smaller`` layouts of the load sizer, a static cache of the context window with the compiled forward when
+    ``compile`` (new shapes compiled by :meth:`Verify.warm`); no mask token: AR rows only; ``host``: model-free
+    drafts (K <= MAX_DRAFT_TOKENS + 1 and the context). Raises UnmaskError."""
+    host = draft == HOST_LAYOUT  # host: a window of K queries must fit the context
+    cfg = VerifyConfig(min(MAX_DRAFT_TOKENS + 1, bundle.context_length), draft) if host else \
+        VerifyConfig.of(default_block_size(bundle), draft, smaller)
     return Verify(bundle, cfg, compile=compile, capacity=capacity, on_step=on_step, on_token=on_token,
                   ar=not host and bundle.mask_token_id is None, defer_compile=True, drafts=None,
                   suffix_cache=suffix_cache, tally=tally)

@@ -35,6 +35,9 @@ from unmask.errors import UnmaskError, is_int
 SOURCES = ("none", "block", "lookup", "suffix", "block+lookup", "block+suffix")
 HOST = ("lookup", "suffix")  # the model-free sources
 LOOKUP_ALPHA = 2.0  # a lookup draft from an n-id match is cut to ceil(alpha * n) ids (benchmarks/results/draft_replay.md)
+# from CLOCK_ROWS rows on, a step's window is chosen by measured step seconds (StepClock), and a batch whose drafts
+# do not pay stops proposing for up to QUIET_MAX steps; below it, each row sizes its own draft (its NFE as alone)
+CLOCK_ROWS, QUIET_MAX = 4, 16
 DEFAULT_DRAFT_TOKENS = 8  # the most ids a model-free draft proposes per row per step
 MAX_DRAFT_TOKENS = 31  # K <= 32: the host layout's step tables stay small (K^4 growth)
 # the cost of one more query token per row, relative to a one-query forward (spec §3): SmolLM2-135M, 1 CPU
@@ -71,7 +74,7 @@ class Acceptance:
     def expected(self, length: int) -> float:
         """Expected accepted tokens of a draft of ``length`` tokens: r + r^2 + ... + r^length."""
         r = self.rate
-        return sum(r ** i for i in range(1, length + 1))
+        return float(length) if r >= 1 else r * (1 - r ** length) / (1 - r)
 
     def best_length(self, available: int, cost: float) -> int:
         """The draft length in 0..available maximising (1 + expected accepted) / (1 + cost * length):
@@ -114,17 +117,28 @@ class RowDrafts:
         self.placed = 0  # the length of the host draft in the step that just ran (0: none, or the block's)
         self.match = 0  # its match-length class
         self.block_len = 0  # the block draft's length in that step (beside_block)
+        self.seen = 0  # the row's committed ids the drafter has been shown (after the history it started from)
 
     def _own(self, match: int) -> Acceptance:
         return self.own.setdefault(min(match, 3), Acceptance())
 
-    def observe(self, new: list[int], accepted: int) -> None:
-        """After a step that committed ``new`` ids of which ``accepted`` were draft tokens."""
+    def observe(self, accepted: int) -> None:
+        """After a step in which ``accepted`` of this row's draft tokens were accepted."""
         if self.placed:
             self._own(self.match).update(self.placed, accepted)
         elif self.block_len:
             self.block.update(self.block_len, accepted)
-        self.drafter.extend(new)
+
+    def catch_up(self, committed: list[int]) -> None:
+        """Show the drafter the row's committed ids it has not seen (``committed``: all of them, the first
+        being part of the history it started from); lazy, so a batch that does not draft pays nothing."""
+        if len(committed) > self.seen + 1:
+            self.drafter.extend(committed[self.seen + 1:])
+            self.seen = len(committed) - 1
+
+    def expected(self, length: int) -> float:
+        """Expected accepted tokens of this row's current draft cut to ``length`` tokens."""
+        return self._own(self.match).expected(length)
 
     def propose(self, cap: int, block_len: int = 0) -> list[int] | None:
         """The next draft (at most ``cap`` ids): a host draft, [] for none (a K = 1 step), or None to
@@ -171,15 +185,19 @@ def check_join(cfg, drafts: HostDrafts | None, K: int) -> None:
 
 
 def first_drafts(batch, rows: list, K: int) -> None:
-    """Place the first model-free drafts of rows that joined at draft size K (after their prefill)."""
-    cap = batch.cfg.block_size - 1 if batch.cfg.host else K - 1
-    place_drafts(batch, [(r, r.drafts.propose(_left(r, cap), K - 1)) for r in rows if r.drafts is not None])
+    """Place the first model-free drafts of rows that joined at draft size K (after their prefill); in a
+    host-layout batch of CLOCK_ROWS or more rows, within the window the batch's clock allows."""
+    placing = [(r, r.drafts.propose(_room(batch, r, K), K - 1)) for r in rows if r.drafts is not None]
+    if batch.cfg.host and len(batch.rows) >= CLOCK_ROWS and (drafting := [(r, d) for r, d in placing if d]):
+        most = 0 if batch.quiet else window_cap(batch.clock, len(batch.rows), drafting, batch.drafts_cost) or 0
+        placing = [(r, d[:most]) for r, d in placing]
+        for r, d in placing:
+            r.drafts.placed = len(d)
+    place_drafts(batch, placing)
 
 
-def _left(row, cap: int) -> int:
-    """``cap`` cut to the draft tokens ``row`` can still keep: a step commits at most its remaining new
-    tokens, the bonus included, so a longer draft only costs queries."""
-    return min(cap, row.job.max_new_tokens - len(row.committed) - 1)
+def _room(batch, row, K: int) -> int:  # the row's window, cut to what a step can still commit (bonus included)
+    return min(batch.cfg.block_size - 1 if batch.cfg.host else K - 1, row.job.max_new_tokens - len(row.committed) - 1)
 
 
 def learn(cache, rows: list) -> None:
@@ -189,12 +207,73 @@ def learn(cache, rows: list) -> None:
             cache.add(list(r.job.prompt_ids) + r.committed)
 
 
-def after_step(batch, got: dict, starts: dict, finished: set) -> None:
+class StepClock:
+    """Seconds of a verify step by (row bucket, query window Q): an exponential average of the steps
+    timed, so what a wider window costs is measured on this device, model and batch, not assumed
+    (spec/draft_sources.md §3: a query is nearly free on a GPU, not on a CPU, and a tiny model's
+    window costs its mask and bookkeeping). Row buckets are powers of two."""
+
+    def __init__(self, decay: float = 0.7):
+        self.seconds: dict[tuple[int, int], float] = {}
+        self.decay = decay
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << max(rows - 1, 0).bit_length()
+
+    def record(self, rows: int, Q: int, seconds: float) -> None:
+        key, base = (self.bucket(rows), Q), self.seconds.get((self.bucket(rows), 1))
+        if base is not None and Q > 1:  # a first step of a shape may include its compile: at most 2Q AR steps
+            seconds = min(seconds, 2 * Q * base)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def estimate(self, rows: int, Q: int, cost: float) -> float | None:
+        """The expected seconds of a step of ``rows`` rows and window Q: measured, else the one-query
+        step's plus Q - 1 times the steepest per-query slope measured in the bucket (none yet: ``cost``
+        times the one-query step); None before a one-query step of that bucket was timed."""
+        b = self.bucket(rows)
+        if (b, Q) in self.seconds:
+            return self.seconds[(b, Q)]
+        base = self.seconds.get((b, 1))
+        if base is None:
+            return None
+        slopes = [(t - base) / (q - 1) for (bb, q), t in self.seconds.items() if bb == b and q > 1]
+        return base + (Q - 1) * max(slopes, default=cost * base)
+
+    def widest(self, rows: int) -> int:
+        """The widest window timed in the bucket of ``rows`` (0: none)."""
+        b = self.bucket(rows)
+        return max((q for bb, q in self.seconds if bb == b), default=0)
+
+
+def window_cap(clock: StepClock, rows: int, placing: list, cost: float) -> int:
+    """The longest host draft a step of the host layout runs: the cap L maximising expected committed tokens
+    per expected second, sum over ``rows`` running rows of 1 + E[accepted of min(L_i, L)] over the
+    :class:`StepClock`'s seconds at window L + 1 (``placing``: (row, draft) of the rows that draft).
+    None (a plain AR step, which times the bucket's baseline) while that baseline is unknown."""
+    if clock.estimate(rows, 1, cost) is None:
+        return None
+    grow = clock.widest(rows)  # windows grow one query past the widest timed: a guess is tried one step at a time
+    lens = sorted({min(len(d), grow) for _, d in placing})
+    best, value = 0, -1.0
+    for cap in [0, *lens]:
+        seconds = clock.estimate(rows, cap + 1, cost)
+        tokens = rows + sum(row.drafts.expected(min(len(d), cap)) for row, d in placing)
+        if seconds and tokens / seconds > value:
+            best, value = cap, tokens / seconds
+    return best
+
+
+def after_step(batch, got: dict, finished: set, timed: tuple | None = None) -> None:
     """The host side of draft sources after a step of ``batch`` (a Verify) whose one host read is ``got``
     (``committed`` and, for a batch with mask groups, ``dlen``: each slot's next block-draft length):
     tally every row's drafted and accepted tokens, show the model-free drafters what each running row
-    committed (``starts``: slot -> its committed count before the step; ``finished``: slots that
-    ended) and place their next drafts (:func:`place_drafts`)."""
+    committed (``finished``: slots that ended) and place their next drafts (:func:`place_drafts`), on the host layout cut to the window
+    :func:`window_cap` chooses from ``timed``: (rows, Q, seconds) of the step that ran."""
+    if batch.cfg.host and batch.quiet > 0:  # drafting did not pay lately: no draft and no host work this step
+        batch.quiet -= 1
+        return
     placing = []
     for slot, row in batch.rows.items():
         accepted = got["committed"][slot] - 1
@@ -205,10 +284,33 @@ def after_step(batch, got: dict, starts: dict, finished: set) -> None:
         row.block_len = got["dlen"][slot] if "dlen" in got else 0
         if drafts is None or slot in finished:
             continue
-        drafts.observe(row.committed[starts[slot]:], accepted)
-        placing.append((row, drafts.propose(_left(row, row.K - 1 if not batch.cfg.host else batch.cfg.block_size - 1),
-                                            row.block_len)))
+        drafts.observe(accepted)
+        drafts.catch_up(row.committed)
+        placing.append((row, drafts.propose(_room(batch, row, row.K), row.block_len)))
+    if batch.cfg.host and timed is not None and len(batch.rows) - len(finished) >= CLOCK_ROWS:
+        _cap(batch, placing, timed, len(batch.rows) - len(finished))
     place_drafts(batch, placing)
+
+
+def _cap(batch, placing: list, timed: tuple, live: int) -> None:
+    """Time the step that ran, then cut the host drafts in ``placing`` (in place) to :func:`window_cap`'s
+    window: a batch of CLOCK_ROWS or more rows (fewer: each row sizes its own draft, so its NFE is
+    its NFE alone). One whose drafts did not pay drafts nothing for the next 1, 2, 4, ... QUIET_MAX
+    steps (its rows' proposals cost host time that a large batch of a small model feels); a step
+    whose drafts pay ends that."""
+    batch.clock.record(*timed)
+    drafting = [(row, d) for row, d in placing if d]
+    if not (live and drafting):
+        return
+    cap = window_cap(batch.clock, live, drafting, batch.drafts_cost)
+    if cap == 0:
+        batch.backoff = min(2 * batch.backoff, QUIET_MAX)
+        batch.quiet = batch.backoff
+    elif cap:
+        batch.backoff = 1
+    for i, (row, d) in enumerate(placing):
+        placing[i] = (row, d[: cap or 0])
+        row.drafts.placed = len(placing[i][1])
 
 
 def place_drafts(batch, placing: list) -> None:
@@ -219,7 +321,8 @@ def place_drafts(batch, placing: list) -> None:
     keep = []
     for row, d in placing:
         if d is not None and (batch.cfg.host or row.job.sampling.greedy or not batch._tables(row.K).trees[row.K - 1]):
-            keep.append((row, d))
+            if d or row.K > 1 or not batch.cfg.host:  # a host row at K = 1 with no draft has nothing to write
+                keep.append((row, d))
             row.block_len = 0
         else:
             row.drafts.placed = 0  # the block draft runs
@@ -292,4 +395,5 @@ class DraftKnobs(Config):
 
 
 __all__ = ["Acceptance", "DEFAULT_DRAFT_TOKENS", "DraftKnobs", "HOST", "HostDrafts", "MAX_DRAFT_TOKENS",
-           "QUERY_COST", "RowDrafts", "SOURCES", "Tally", "after_step", "place_drafts", "query_cost"]
+           "QUERY_COST", "RowDrafts", "SOURCES", "StepClock", "Tally", "after_step", "place_drafts", "query_cost",
+           "window_cap"]
