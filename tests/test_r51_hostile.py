@@ -117,3 +117,28 @@ def test_limits_count_a_block_draft_source_as_lossless_on_a_lossy_default_checkp
     assert SBDOptions(**options).lossless(sbd_bundle) and runs_lossless(sbd_bundle, options)
     lossless = query_tokens(sbd_bundle, "sbd", {**options, "verify": True}, 16)[0]
     assert query_tokens(sbd_bundle, "sbd", options, 16)[0] == lossless
+
+
+def test_seeded_sampled_drafts_do_not_depend_on_measured_step_seconds(monkeypatch):
+    # from CLOCK_ROWS rows on, the host batch cuts drafts by measured step seconds (StepClock); a sampled
+    # row's draft decides which random draws it makes, so a seeded sampled decode gave another text on a
+    # faster or busier machine, and a row in a batch another text than alone
+    from unmask.decode import decode
+    from unmask.decode.verify import drafting
+    from unmask.sampling import Sampling
+
+    bundle = unmask.load("stories260K")
+    texts = ["Once upon a time", "Tom had a red ball. Tom had a red ball. Tom", "Lily and Sam went to the park",
+             "The cat sat on the mat. The cat", "Lily Lily Lily", "One day"]
+    prompts = [bundle.encode(t) for t in texts]
+    sampling = Sampling(temperature=0.8, seed=7)
+    record = drafting.StepClock.record
+
+    def run(seconds):  # seconds(Q): a machine's step time at window Q (deterministic, not measured)
+        monkeypatch.setattr(drafting.StepClock, "record", lambda self, rows, Q, _: record(self, rows, Q, seconds(Q)))
+        return decode(bundle, prompts, decoder="ar", max_new_tokens=60, draft_source="lookup", sampling=sampling)
+
+    wide, narrow = run(lambda Q: 1.0), run(lambda Q: float(Q))  # queries free vs. each as dear as a step
+    assert wide.tokens == narrow.tokens
+    alone = decode(bundle, prompts[:1], decoder="ar", max_new_tokens=60, draft_source="lookup", sampling=sampling)
+    assert alone.tokens[0] == wide.tokens[0]

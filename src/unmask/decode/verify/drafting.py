@@ -35,8 +35,8 @@ from unmask.errors import UnmaskError, is_int
 SOURCES = ("none", "block", "lookup", "suffix", "block+lookup", "block+suffix")
 HOST = ("lookup", "suffix")  # the model-free sources
 LOOKUP_ALPHA = 2.0  # a lookup draft from an n-id match is cut to ceil(alpha * n) ids (benchmarks/results/draft_replay.md)
-# from CLOCK_ROWS rows on, a step's window is chosen by measured step seconds (StepClock), and a batch whose drafts
-# do not pay stops proposing for up to QUIET_MAX steps; below it, each row sizes its own draft (its NFE as alone)
+# from CLOCK_ROWS rows on, all greedy, measured step seconds (StepClock) choose a step's window and a batch whose drafts
+# do not pay stops proposing up to QUIET_MAX steps; else rows size their own (NFE as alone; sampled text seed-stable)
 CLOCK_ROWS, QUIET_MAX = 4, 16
 DEFAULT_DRAFT_TOKENS = 8  # the most ids a model-free draft proposes per row per step
 MAX_DRAFT_TOKENS = 31  # K <= 32: the host layout's step tables stay small (K^4 growth)
@@ -188,7 +188,8 @@ def first_drafts(batch, rows: list, K: int) -> None:
     """Place the first model-free drafts of rows that joined at draft size K (after their prefill); in a
     host-layout batch of CLOCK_ROWS or more rows, within the window the batch's clock allows."""
     placing = [(r, r.drafts.propose(_room(batch, r, K), K - 1)) for r in rows if r.drafts is not None]
-    if batch.cfg.host and len(batch.rows) >= CLOCK_ROWS and (drafting := [(r, d) for r, d in placing if d]):
+    clocked = batch.cfg.host and not batch.n_sampled and len(batch.rows) >= CLOCK_ROWS
+    if clocked and (drafting := [(r, d) for r, d in placing if d]):
         most = 0 if batch.quiet else window_cap(batch.clock, len(batch.rows), drafting, batch.drafts_cost) or 0
         placing = [(r, d[:most]) for r, d in placing]
         for r, d in placing:
@@ -271,7 +272,7 @@ def after_step(batch, got: dict, finished: set, timed: tuple | None = None) -> N
     tally every row's drafted and accepted tokens, show the model-free drafters what each running row
     committed (``finished``: slots that ended) and place their next drafts (:func:`place_drafts`), on the host layout cut to the window
     :func:`window_cap` chooses from ``timed``: (rows, Q, seconds) of the step that ran."""
-    if batch.cfg.host and batch.quiet > 0:  # drafting did not pay lately: no draft and no host work this step
+    if batch.cfg.host and batch.quiet > 0 and not batch.n_sampled:  # drafts did not pay lately: none, no host work
         batch.quiet -= 1
         return
     placing = []
@@ -287,7 +288,7 @@ def after_step(batch, got: dict, finished: set, timed: tuple | None = None) -> N
         drafts.observe(accepted)
         drafts.catch_up(row.committed)
         placing.append((row, drafts.propose(_room(batch, row, row.K), row.block_len)))
-    if batch.cfg.host and timed is not None and len(batch.rows) - len(finished) >= CLOCK_ROWS:
+    if batch.cfg.host and not batch.n_sampled and timed is not None and len(batch.rows) - len(finished) >= CLOCK_ROWS:
         _cap(batch, placing, timed, len(batch.rows) - len(finished))
     place_drafts(batch, placing)
 
