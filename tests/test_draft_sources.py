@@ -5,12 +5,11 @@ sampled: AR's distribution), alone on any causal model or beside the SBD block d
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import one_line_error, tiny_bundle, tiny_llama, tiny_qwen3
 
 import unmask
 from unmask.decode import decode
-from unmask.decode.verify import drafting
+from unmask.decode.verify import drafting, host_drafts
 from unmask.decode.verify.drafting import Acceptance
 from unmask.errors import UnmaskError
 from unmask.models.mask_token import add_mask_token
@@ -118,7 +117,7 @@ def sampling_case():
 def _counts(bundle, prompt, sampling, monkeypatch, n=12_000):
     # each row sizes its own drafts: measured step seconds (StepClock) must not decide whether this test drafts,
     # and a row's only useful draft is at its join (a draft past its last new token is never placed)
-    monkeypatch.setattr(drafting, "CLOCK_ROWS", n + 1)
+    monkeypatch.setattr(host_drafts, "CLOCK_ROWS", n + 1)
     out = decode(bundle, [prompt] * n, decoder="ar", max_new_tokens=3, sampling=sampling, draft_source="lookup",
                  draft_tokens=2)
     counts: dict = {}
@@ -139,14 +138,14 @@ def test_sampled_host_drafts_have_the_ar_distribution(sampling_case, monkeypatch
 def test_a_wrong_proposal_fails_the_distribution_test(sampling_case, monkeypatch):
     """Control: a draft accepted as if it were drawn from a uniform q (not its one-hot) is not AR's."""
     monkeypatch.setattr(drafting, "Lookup", Always)
-    real = drafting.place_drafts
+    real = host_drafts.place_drafts
 
     def uniform_q(batch, placing):
         real(batch, placing)
         if batch.q is not None:
             batch.q.fill_(1.0 / batch.q.shape[-1])
 
-    monkeypatch.setattr(drafting, "place_drafts", uniform_q)
+    monkeypatch.setattr(host_drafts, "place_drafts", uniform_q)
     bundle, prompt, sampling, probs = sampling_case
     counts, _ = _counts(bundle, prompt, sampling, monkeypatch)
     assert _chi_square_p(counts, probs, 12_000) < 1e-3

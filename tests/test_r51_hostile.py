@@ -83,13 +83,13 @@ def test_no_draft_token_past_the_row_s_last_new_token(monkeypatch, source):
     from test_draft_sources import Always
 
     from unmask.decode import decode
-    from unmask.decode.verify import drafting
+    from unmask.decode.verify import drafting, host_drafts
 
     monkeypatch.setattr(drafting, "Lookup", Always)
     bundle = unmask.load("stories260K-sbd" if source.startswith("block") else "stories260K")
     prompts = [bundle.encode("Once upon a time"), bundle.encode("Tom had a red ball. Tom")]
     seen = []
-    real = drafting.place_drafts
+    real = host_drafts.place_drafts
 
     def spy(batch, placing):
         for row, d in placing:
@@ -97,7 +97,7 @@ def test_no_draft_token_past_the_row_s_last_new_token(monkeypatch, source):
                 seen.append(len(d) - (row.job.max_new_tokens - len(row.committed) - 1))
         real(batch, placing)
 
-    monkeypatch.setattr(drafting, "place_drafts", spy)
+    monkeypatch.setattr(host_drafts, "place_drafts", spy)
     for n in (2, 3, 5, 9, 17):
         out = decode(bundle, prompts, decoder="sbd" if source.startswith("block") else "ar", max_new_tokens=n,
                      draft_source=source)
@@ -124,7 +124,7 @@ def test_seeded_sampled_drafts_do_not_depend_on_measured_step_seconds(monkeypatc
     # row's draft decides which random draws it makes, so a seeded sampled decode gave another text on a
     # faster or busier machine, and a row in a batch another text than alone
     from unmask.decode import decode
-    from unmask.decode.verify import drafting
+    from unmask.decode.verify import host_drafts
     from unmask.sampling import Sampling
 
     bundle = unmask.load("stories260K")
@@ -132,10 +132,10 @@ def test_seeded_sampled_drafts_do_not_depend_on_measured_step_seconds(monkeypatc
              "The cat sat on the mat. The cat", "Lily Lily Lily", "One day"]
     prompts = [bundle.encode(t) for t in texts]
     sampling = Sampling(temperature=0.8, seed=7)
-    record = drafting.StepClock.record
+    record = host_drafts.StepClock.record
 
     def run(seconds):  # seconds(Q): a machine's step time at window Q (deterministic, not measured)
-        monkeypatch.setattr(drafting.StepClock, "record", lambda self, rows, Q, _: record(self, rows, Q, seconds(Q)))
+        monkeypatch.setattr(host_drafts.StepClock, "record", lambda self, rows, Q, _: record(self, rows, Q, seconds(Q)))
         return decode(bundle, prompts, decoder="ar", max_new_tokens=60, draft_source="lookup", sampling=sampling)
 
     wide, narrow = run(lambda Q: 1.0), run(lambda Q: float(Q))  # queries free vs. each as dear as a step

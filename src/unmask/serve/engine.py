@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 
-from unmask.decode.verify.drafting import Tally
+from unmask.decode.verify.host_drafts import Tally
 from unmask.decode.verify.suffix import SuffixCache
 from unmask.errors import UnmaskError
 from unmask.serve import per_call

@@ -31,8 +31,8 @@ from unmask.decode.verify import sampled as ss
 from unmask.decode.verify import steps as sv
 from unmask.decode.verify import tree as tv
 from unmask.decode.verify.config import HOST_LAYOUT, VerifyConfig, default_block_size, family, queries, tables
-from unmask.decode.verify.drafting import (MAX_DRAFT_TOKENS, HostDrafts, StepClock, Tally, after_step, check_join,
-                                           first_drafts, learn, query_cost)
+from unmask.decode.verify.drafting import MAX_DRAFT_TOKENS, HostDrafts, query_cost
+from unmask.decode.verify.host_drafts import StepClock, Tally, after_step, check_join, first_drafts, learn
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
 

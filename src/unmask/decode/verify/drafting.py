@@ -21,11 +21,8 @@ poor record, gives a plain K = 1 step.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from typing import ClassVar
-
-import torch
 
 from unmask.decode.engine.registry import Config, knob
 from unmask.decode.verify.lookup import Lookup
@@ -35,9 +32,6 @@ from unmask.errors import UnmaskError, is_int
 SOURCES = ("none", "block", "lookup", "suffix", "block+lookup", "block+suffix")
 HOST = ("lookup", "suffix")  # the model-free sources
 LOOKUP_ALPHA = 2.0  # a lookup draft from an n-id match is cut to ceil(alpha * n) ids (benchmarks/results/draft_replay.md)
-# from CLOCK_ROWS rows on, all greedy, measured step seconds (StepClock) choose a step's window and a batch whose drafts
-# do not pay stops proposing up to QUIET_MAX steps; else rows size their own (NFE as alone; sampled text seed-stable)
-CLOCK_ROWS, QUIET_MAX = 4, 16
 DEFAULT_DRAFT_TOKENS = 8  # the most ids a model-free draft proposes per row per step
 MAX_DRAFT_TOKENS = 31  # K <= 32: the host layout's step tables stay small (K^4 growth)
 # the cost of one more query token per row, relative to a one-query forward (spec §3): SmolLM2-135M, 1 CPU
@@ -159,199 +153,6 @@ class RowDrafts:
         return draft
 
 
-class Tally:
-    """Drafted and accepted tokens per source of a verify batch (the server's /metrics reads them)."""
-
-    def __init__(self):
-        self.drafted, self.accepted = Counter(), Counter()
-
-    def add(self, source: str, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.drafted[source] += drafted
-            self.accepted[source] += accepted
-
-    def as_dict(self) -> dict:
-        """{source: {"drafted": n, "accepted": m}} (safe to call from another thread: copies first)."""
-        drafted, accepted = dict(self.drafted), dict(self.accepted)
-        return {s: {"drafted": drafted[s], "accepted": accepted.get(s, 0)} for s in sorted(drafted)}
-
-
-def check_join(cfg, drafts: HostDrafts | None, K: int) -> None:
-    """Raise UnmaskError unless rows of draft size K with ``drafts`` may join a verify batch of ``cfg``:
-    model-free drafts run on the host layout, or beside a block draft (K >= 2)."""
-    if drafts is not None and not cfg.host and (K < 2 or not drafts.beside_block):
-        raise UnmaskError(f"{drafts.source} drafts run on the host layout, or beside a block draft "
-                          f"(block+{drafts.source}); this batch runs {cfg.draft} at K = {K}")
-
-
-def first_drafts(batch, rows: list, K: int) -> None:
-    """Place the first model-free drafts of rows that joined at draft size K (after their prefill); in a
-    host-layout batch of CLOCK_ROWS or more rows, within the window the batch's clock allows."""
-    placing = [(r, r.drafts.propose(_room(batch, r, K), K - 1)) for r in rows if r.drafts is not None]
-    clocked = batch.cfg.host and not batch.n_sampled and len(batch.rows) >= CLOCK_ROWS
-    if clocked and (drafting := [(r, d) for r, d in placing if d]):
-        most = 0 if batch.quiet else window_cap(batch.clock, len(batch.rows), drafting, batch.drafts_cost) or 0
-        placing = [(r, d[:most]) for r, d in placing]
-        for r, d in placing:
-            r.drafts.placed = len(d)
-    place_drafts(batch, placing)
-
-
-def _room(batch, row, K: int) -> int:  # the row's window, cut to what a step can still commit (bonus included)
-    return min(batch.cfg.block_size - 1 if batch.cfg.host else K - 1, row.job.max_new_tokens - len(row.committed) - 1)
-
-
-def learn(cache, rows: list) -> None:
-    """The server's suffix cache (None: none) learns the prompt and committed ids of ``rows`` (leaving)."""
-    if cache is not None:
-        for r in rows:
-            cache.add(list(r.job.prompt_ids) + r.committed)
-
-
-class StepClock:
-    """Seconds of a verify step by (row bucket, query window Q): an exponential average of the steps
-    timed, so what a wider window costs is measured on this device, model and batch, not assumed
-    (spec/draft_sources.md §3: a query is nearly free on a GPU, not on a CPU, and a tiny model's
-    window costs its mask and bookkeeping). Row buckets are powers of two."""
-
-    def __init__(self, decay: float = 0.7):
-        self.seconds: dict[tuple[int, int], float] = {}
-        self.decay = decay
-
-    @staticmethod
-    def bucket(rows: int) -> int:
-        return 1 << max(rows - 1, 0).bit_length()
-
-    def record(self, rows: int, Q: int, seconds: float) -> None:
-        key, base = (self.bucket(rows), Q), self.seconds.get((self.bucket(rows), 1))
-        if base is not None and Q > 1:  # a first step of a shape may include its compile: at most 2Q AR steps
-            seconds = min(seconds, 2 * Q * base)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-
-    def estimate(self, rows: int, Q: int, cost: float) -> float | None:
-        """The expected seconds of a step of ``rows`` rows and window Q: measured, else the one-query
-        step's plus Q - 1 times the steepest per-query slope measured in the bucket (none yet: ``cost``
-        times the one-query step); None before a one-query step of that bucket was timed."""
-        b = self.bucket(rows)
-        if (b, Q) in self.seconds:
-            return self.seconds[(b, Q)]
-        base = self.seconds.get((b, 1))
-        if base is None:
-            return None
-        slopes = [(t - base) / (q - 1) for (bb, q), t in self.seconds.items() if bb == b and q > 1]
-        return base + (Q - 1) * max(slopes, default=cost * base)
-
-    def widest(self, rows: int) -> int:
-        """The widest window timed in the bucket of ``rows`` (0: none)."""
-        b = self.bucket(rows)
-        return max((q for bb, q in self.seconds if bb == b), default=0)
-
-
-def window_cap(clock: StepClock, rows: int, placing: list, cost: float) -> int:
-    """The longest host draft a step of the host layout runs: the cap L maximising expected committed tokens
-    per expected second, sum over ``rows`` running rows of 1 + E[accepted of min(L_i, L)] over the
-    :class:`StepClock`'s seconds at window L + 1 (``placing``: (row, draft) of the rows that draft).
-    None (a plain AR step, which times the bucket's baseline) while that baseline is unknown."""
-    if clock.estimate(rows, 1, cost) is None:
-        return None
-    grow = clock.widest(rows)  # windows grow one query past the widest timed: a guess is tried one step at a time
-    lens = sorted({min(len(d), grow) for _, d in placing})
-    best, value = 0, -1.0
-    for cap in [0, *lens]:
-        seconds = clock.estimate(rows, cap + 1, cost)
-        tokens = rows + sum(row.drafts.expected(min(len(d), cap)) for row, d in placing)
-        if seconds and tokens / seconds > value:
-            best, value = cap, tokens / seconds
-    return best
-
-
-def after_step(batch, got: dict, finished: set, timed: tuple | None = None) -> None:
-    """The host side of draft sources after a step of ``batch`` (a Verify) whose one host read is ``got``
-    (``committed`` and, for a batch with mask groups, ``dlen``: each slot's next block-draft length):
-    tally every row's drafted and accepted tokens, show the model-free drafters what each running row
-    committed (``finished``: slots that ended) and place their next drafts (:func:`place_drafts`), on the host layout cut to the window
-    :func:`window_cap` chooses from ``timed``: (rows, Q, seconds) of the step that ran."""
-    if batch.cfg.host and batch.quiet > 0 and not batch.n_sampled:  # drafts did not pay lately: none, no host work
-        batch.quiet -= 1
-        return
-    placing = []
-    for slot, row in batch.rows.items():
-        accepted = got["committed"][slot] - 1
-        drafts = row.drafts
-        used = drafts.placed if drafts is not None and drafts.placed else row.block_len
-        if used:
-            batch.tally.add(drafts.cfg.source if drafts is not None and drafts.placed else "block", used, accepted)
-        row.block_len = got["dlen"][slot] if "dlen" in got else 0
-        if drafts is None or slot in finished:
-            continue
-        drafts.observe(accepted)
-        drafts.catch_up(row.committed)
-        placing.append((row, drafts.propose(_room(batch, row, row.K), row.block_len)))
-    if batch.cfg.host and not batch.n_sampled and timed is not None and len(batch.rows) - len(finished) >= CLOCK_ROWS:
-        _cap(batch, placing, timed, len(batch.rows) - len(finished))
-    place_drafts(batch, placing)
-
-
-def _cap(batch, placing: list, timed: tuple, live: int) -> None:
-    """Time the step that ran, then cut the host drafts in ``placing`` (in place) to :func:`window_cap`'s
-    window: a batch of CLOCK_ROWS or more rows (fewer: each row sizes its own draft, so its NFE is
-    its NFE alone). One whose drafts did not pay drafts nothing for the next 1, 2, 4, ... QUIET_MAX
-    steps (its rows' proposals cost host time that a large batch of a small model feels); a step
-    whose drafts pay ends that."""
-    batch.clock.record(*timed)
-    drafting = [(row, d) for row, d in placing if d]
-    if not (live and drafting):
-        return
-    cap = window_cap(batch.clock, live, drafting, batch.drafts_cost)
-    if cap == 0:
-        batch.backoff = min(2 * batch.backoff, QUIET_MAX)
-        batch.quiet = batch.backoff
-    elif cap:
-        batch.backoff = 1
-    for i, (row, d) in enumerate(placing):
-        placing[i] = (row, d[: cap or 0])
-        row.drafts.placed = len(placing[i][1])
-
-
-def place_drafts(batch, placing: list) -> None:
-    """Write host drafts into ``batch``'s slot tensors: ``placing`` (row, draft ids or None: keep the block
-    draft). On the host layout a row's K becomes its draft length + 1 (K = 1: a plain AR step); a sampled
-    row's proposal is the draft's one-hot (spec/draft_sources.md §2). A block draft under a sibling layout
-    stays for sampled rows (SpecInfer's rule needs the siblings drawn from the draft's proposal)."""
-    keep = []
-    for row, d in placing:
-        if d is not None and (batch.cfg.host or row.job.sampling.greedy or not batch._tables(row.K).trees[row.K - 1]):
-            if d or row.K > 1 or not batch.cfg.host:  # a host row at K = 1 with no draft has nothing to write
-                keep.append((row, d))
-            row.block_len = 0
-        else:
-            row.drafts.placed = 0  # the block draft runs
-    if not (placing := keep):
-        return
-    L = max(len(d) for _, d in placing)
-    batch._widen(L + 1)
-    dev = batch.device
-    idx = torch.tensor([row.slot for row, _ in placing], dtype=torch.long, device=dev)  # (n,)
-    lens = torch.tensor([len(d) for _, d in placing], dtype=torch.long, device=dev)  # (n,)
-    batch.draft_len[idx] = lens
-    if batch.cfg.host:
-        for row, d in placing:
-            row.K = len(d) + 1
-        batch.K[idx] = lens + 1
-    if not L:
-        return
-    ids = torch.tensor([d + [0] * (L - len(d)) for _, d in placing], dtype=torch.long, device=dev)  # (n, L)
-    batch.s[idx, :L] = ids
-    sampled = [i for i, (row, _) in enumerate(placing) if not row.job.sampling.greedy]
-    if sampled:
-        at = torch.tensor(sampled, dtype=torch.long, device=dev)
-        if batch.q is None:  # (cap, W, V)
-            batch.q = torch.zeros((batch.slots.capacity, batch.s.shape[1], batch.vocab), device=dev)
-        q = torch.nn.functional.one_hot(ids[at], batch.vocab).to(batch.q.dtype)  # (m, L, V): q = one-hot(draft)
-        batch.q[idx[at], :L] = q
-
-
 @dataclass(frozen=True)
 class DraftKnobs(Config):
     """The draft source of AR and lossless SBD rows (spec/draft_sources.md)."""
@@ -396,5 +197,4 @@ class DraftKnobs(Config):
 
 
 __all__ = ["Acceptance", "DEFAULT_DRAFT_TOKENS", "DraftKnobs", "HOST", "HostDrafts", "MAX_DRAFT_TOKENS",
-           "QUERY_COST", "RowDrafts", "SOURCES", "StepClock", "Tally", "after_step", "place_drafts", "query_cost",
-           "window_cap"]
+           "QUERY_COST", "RowDrafts", "SOURCES", "query_cost"]
