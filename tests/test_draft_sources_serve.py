@@ -81,3 +81,22 @@ def test_suffix_cache_is_per_scheduler_and_bounded():
     assert Scheduler(bundle, suffix_cache_tokens=0).suffix_cache is None
     with pytest.raises(UnmaskError, match="suffix cache"):
         Scheduler(bundle, suffix_cache_tokens=-1)
+
+
+def test_server_draft_defaults_and_a_request_that_turns_them_off():
+    from fastapi.testclient import TestClient
+
+    from unmask.serve.app import create_app
+
+    bundle = unmask.load("stories260K")
+    with pytest.raises(UnmaskError, match="draft_source"):
+        create_app(bundle, defaults={"draft_tokens": 4})  # sizes nothing: refused at start
+    app = create_app(bundle, defaults={"draft_source": "lookup", "draft_tokens": 4})
+    body = {"prompt": "Tom had a red ball. Tom had a red ball. Tom", "max_tokens": 48}
+    with TestClient(app) as client:
+        drafted = client.post("/v1/completions", json=body).json()
+        plain = client.post("/v1/completions", json={**body, "draft_source": "none"}).json()
+        metrics = client.get("/metrics").text
+    assert drafted["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert drafted["usage"]["nfe"] < plain["usage"]["nfe"] == 48
+    assert 'unmask_draft_accepted_tokens_total{source="lookup"}' in metrics

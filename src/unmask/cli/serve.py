@@ -44,6 +44,8 @@ def serve_cmd(
     draft_source: str = typer.Option(None, "--draft-source", help="default draft source of ar / lossless sbd "
                                      "requests: lookup or suffix (model-free, any causal model, output = ar), with sbd "
                                      "also block, block+lookup, block+suffix (default: none for ar, block for sbd)"),
+    draft_tokens: int = typer.Option(None, "--draft-tokens", help="default most drafted tokens per row per step of "
+                                     "lookup / suffix requests (default 8; beside the block draft: its K - 1)"),
     suffix_cache: int = typer.Option(None, "--suffix-cache", metavar="TOKENS",
                                      help="bound, in token ids, of the cache of recent requests' prompts and outputs "
                                      "that suffix drafts draw on (oldest evicted first; 0: none; default 65536, ~50 MiB)"),
@@ -78,4 +80,4 @@ def serve_cmd(
           host=host, port=port, api_key=api_key, max_batch_size=max_batch_size, max_queue=max_queue,
           request_timeout=timeout, device=device, dtype=dtype, decoder=decoder, block_size=block_size, policy=policy,
           gamma=gamma, preset=preset, tau=tau, cache=cache, draft=draft, queries=queries, draft_source=draft_source,
-          suffix_cache_tokens=suffix_cache)
+          draft_tokens=draft_tokens, suffix_cache_tokens=suffix_cache)

@@ -21,6 +21,7 @@ from functools import lru_cache
 
 from unmask.api import check_options, encode_prompts
 from unmask.decode import DECODERS, default_decoder, spec_for
+from unmask.decode.verify.drafting import HOST
 from unmask.errors import UnmaskError
 from unmask.prompts import check_messages, check_text, has_chat_template, plain_template, render
 from unmask.sampling import Sampling
@@ -242,6 +243,8 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
         raise ApiError(400, f"decoder must be a decoder name such as {server_decoder!r} (got {json.dumps(decoder)}); "
                             "fix or drop it", param="decoder")
     given = {k: body[k] for k in knobs if body.get(k) is not None and k != "decoder"}
+    if given.get("draft_source") not in (None, *HOST):  # the server's draft_tokens sizes its model-free default only
+        defaults.pop("draft_tokens", None)
     merged = {**(defaults if decoder == server_decoder else {}), **given}
     options = {k: _typed(k, v, knobs[k]) for k, v in merged.items()}
     try:
