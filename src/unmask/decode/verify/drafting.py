@@ -357,9 +357,10 @@ class DraftKnobs(Config):
         "draft source of a lossless row: lookup (prompt lookup) or suffix (suffix decoding): model-free, any causal "
         "model, output = ar; with sbd also block (the block mode's draft, its default), block+lookup, block+suffix; "
         "none: plain ar (ar's default)", choices=SOURCES)
-    draft_tokens: int | None = knob(f"--draft-source lookup/suffix: most drafted tokens per row per step (default "
-                                    f"{DEFAULT_DRAFT_TOKENS}, with block+lookup/suffix the block's K - 1; the draft "
-                                    "follows the match and the row's acceptance)", low=1, high=MAX_DRAFT_TOKENS)
+    draft_tokens: int | None = knob(f"--draft-source lookup/suffix: most drafted tokens per row per step, 1 to "
+                                    f"{MAX_DRAFT_TOKENS} (default {DEFAULT_DRAFT_TOKENS}, with block+lookup/suffix the "
+                                    "block's K - 1; the draft follows the match and the row's acceptance)",
+                                    low=1, high=MAX_DRAFT_TOKENS)
 
     sources: ClassVar[tuple[str, ...]] = SOURCES  # the draft sources this decoder takes
 
