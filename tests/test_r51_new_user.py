@@ -63,3 +63,18 @@ def test_draft_tokens_help_states_its_range():
 
     knob = next(k for k in DECODERS["ar"].knobs() if k.name == "draft_tokens")
     assert "1 to 31" in knob.help
+
+
+def test_the_playground_offers_the_draft_sources_and_its_ar_pane_stays_plain_ar():
+    """The playground lists the model-free sources, sends the chosen one, and its side-by-side AR pane asks
+    for ``draft_source: "none"``: under ``serve --draft-source lookup`` it would otherwise be lookup too."""
+    from importlib.resources import files
+
+    from unmask.decode.verify.drafting import SOURCES
+
+    page = (files("unmask.serve") / "playground.html").read_text(encoding="utf-8")
+    select = re.search(r'<select id="draft_source">(.*?)</select>', page, re.S)
+    assert select is not None
+    offered = set(re.findall(r"<option>([\w+]+)</option>", select.group(1)))
+    assert offered == set(SOURCES) - {"block"}  # block is sbd's own default: "default" covers it
+    assert 'if (pane === "ar") body.draft_source = "none";' in page and "knobs(decoder, suffix)" in page
