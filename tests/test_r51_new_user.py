@@ -78,3 +78,11 @@ def test_the_playground_offers_the_draft_sources_and_its_ar_pane_stays_plain_ar(
     offered = set(re.findall(r"<option>([\w+]+)</option>", select.group(1)))
     assert offered == set(SOURCES) - {"block"}  # block is sbd's own default: "default" covers it
     assert 'if (pane === "ar") body.draft_source = "none";' in page and "knobs(decoder, suffix)" in page
+
+
+@pytest.mark.parametrize("source", ["block", "block+lookup", "block+suffix"])
+def test_a_block_source_on_a_causal_model_says_what_it_needs(base, source):
+    # README offers block+lookup; on a plain causal model it was only "unknown draft source ... for decoder 'ar'"
+    with pytest.raises(UnmaskError, match=r"choose one of none, lookup, suffix \(block drafts need decoder sbd: an "
+                                          r"SBD model or --adapter\)$"):
+        unmask.generate(PROMPT, base, draft_source=source, max_new_tokens=4)
