@@ -74,3 +74,34 @@ def test_playground_streams_the_canvas_and_ends_with_the_api_text(browser):
     assert ar_text == unmask.generate(prompt, bundle, "ar", max_new_tokens=32).texts[0]
     assert nfe == unmask.generate(prompt, bundle, "sbd", max_new_tokens=32).stats.nfe_per_row[0]
     assert spans == 32  # the canvas shows every generated slot
+
+
+def test_playground_runs_lookup_drafts_beside_plain_ar(browser):
+    """Issue 51 on a plain causal model: pick the lookup draft source, compare with AR. Under a server whose
+    default is lookup, the AR pane used to get lookup too (same NFE); it asks for plain AR now."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    bundle = unmask.load("stories260K")
+    prompt = "Once upon a time, there was a cat. The cat was big. The cat was big. The cat was big."
+    with ServerThread(create_app(bundle, defaults={"draft_source": "lookup"})) as s:
+        browser.get(s.url + "/")
+        wait = WebDriverWait(browser, 60)
+        wait.until(lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+        box = browser.find_element(By.ID, "prompt")
+        box.clear()
+        box.send_keys(prompt)
+        Select(browser.find_element(By.ID, "draft_source")).select_by_visible_text("lookup")
+        n = browser.find_element(By.ID, "max_tokens")
+        n.clear()
+        n.send_keys("48")
+        browser.find_element(By.ID, "compare").click()
+        browser.find_element(By.ID, "run").click()
+        done = "return [document.getElementById('pane-main').dataset.done, document.getElementById('pane-ar').dataset.done]"
+        wait.until(lambda d: d.execute_script(done) == ["1", "1"])
+        text, ar_text = (browser.execute_script(f"return document.getElementById('text-{p}').textContent")
+                         for p in ("main", "ar"))
+        nfe, ar_nfe = (int(browser.find_element(By.ID, f"nfe-{p}").text) for p in ("main", "ar"))
+    want = unmask.generate(prompt, bundle, "ar", max_new_tokens=48)
+    assert text == ar_text == want.texts[0]
+    assert ar_nfe == want.stats.nfe == 48 and nfe < ar_nfe  # the AR pane is plain AR, the main pane drafts

@@ -211,7 +211,10 @@ def generate_cmd(
         console.print(Text.assemble((prompt, "bold"), (text, "")), soft_wrap=True, end="" if text.endswith("\n") else "\n")
         console.print()  # one blank line before the next prompt or the stats, also after a text ending in a newline
     s = result.stats
-    q = "" if s.queries_per_forward is None else f" · {s.queries_per_forward:g} queries/forward"  # lossless sbd
+    q = "" if s.queries_per_forward is None else f" · {round(s.queries_per_forward, 2):g} queries/forward"  # lossless sbd
+    drafts = s.extra.get("drafts") or {}
+    if set(drafts) - {"block"}:  # a model-free source ran: how much of what it drafted the model kept
+        q += "".join(f" · {src} drafts {n['accepted']}/{n['drafted']} accepted" for src, n in drafts.items())
     nfe = f"NFE {s.nfe}" if len(result.tokens) == 1 else f"NFE {s.nfe} batch forwards, {sum(s.nfe_per_row)} row forwards"
     console.print(f"[dim]{result.model} · decoder {result.decoder} · {nfe} · generated {s.generated} · "
                   f"TPF {s.tpf:.2f}{q} · {s.tps:.1f} tok/s · {s.seconds:.2f} s[/dim]", soft_wrap=True)

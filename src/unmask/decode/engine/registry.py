@@ -59,7 +59,9 @@ def plain_scalar(value):
 
 def _not_taken(names, decoder: str) -> UnmaskError:
     flags = ", ".join("--" + k.replace("_", "-") for k in sorted(names))
-    return UnmaskError(f"{flags} does not apply to decoder {decoder!r}; drop it or choose a decoder that takes it")
+    takers = [d for d, spec in DECODERS.items() if set(names) <= {k.name for k in spec.knobs()}]
+    named = f" ({', '.join(takers)})" if takers else ""
+    return UnmaskError(f"{flags} does not apply to decoder {decoder!r}; drop it or choose a decoder that takes it{named}")
 
 
 @dataclass(frozen=True)

@@ -161,9 +161,9 @@ class DraftKnobs(Config):
         "draft source of a lossless row: lookup (prompt lookup) or suffix (suffix decoding): model-free, any causal "
         "model, output = ar; with sbd also block (the block mode's draft, its default), block+lookup, block+suffix; "
         "none: plain ar (ar's default)", choices=SOURCES)
-    draft_tokens: int | None = knob(f"--draft-source lookup/suffix: most drafted tokens per row per step (default "
-                                    f"{DEFAULT_DRAFT_TOKENS}, with block+lookup/suffix the block's K - 1; the draft "
-                                    "follows the match and the row's acceptance)", low=1, high=MAX_DRAFT_TOKENS)
+    draft_tokens: int | None = knob(f"--draft-source lookup/suffix: most drafted tokens per row per step, 1 to "
+                                    f"{MAX_DRAFT_TOKENS} (default {DEFAULT_DRAFT_TOKENS}, with block+lookup/suffix the block's "
+                                    "K - 1; the draft follows the match and the row's acceptance)", low=1, high=MAX_DRAFT_TOKENS)
 
     sources: ClassVar[tuple[str, ...]] = SOURCES  # the draft sources this decoder takes
 
@@ -172,8 +172,9 @@ class DraftKnobs(Config):
         is an integer in 1..MAX_DRAFT_TOKENS given with a model-free source."""
         src, n = self.draft_source, self.draft_tokens
         if src is not None and src not in self.sources:
+            need = " (block drafts need decoder sbd: an SBD model or --adapter)" if src in SOURCES else ""
             raise UnmaskError(f"unknown draft source {src!r} for decoder {self.decoder!r}; choose one of "
-                              f"{', '.join(self.sources)}")
+                              f"{', '.join(self.sources)}{need}")
         if n is not None:
             if not is_int(n) or not 1 <= n <= MAX_DRAFT_TOKENS:
                 raise UnmaskError(f"--draft-tokens must be an integer in 1..{MAX_DRAFT_TOKENS} (got {n!r})")
