@@ -32,7 +32,7 @@ from unmask.decode.verify import steps as sv
 from unmask.decode.verify import tree as tv
 from unmask.decode.verify.config import HOST_LAYOUT, VerifyConfig, default_block_size, family, queries, tables
 from unmask.decode.verify.drafting import MAX_DRAFT_TOKENS, HostDrafts, query_cost
-from unmask.decode.verify.host_drafts import StepClock, Tally, after_step, check_join, first_drafts, learn
+from unmask.decode.verify.host_drafts import Tally, after_step, check_join, clock_for, first_drafts, learn
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
 
@@ -69,7 +69,8 @@ class Verify:
         self.static, self.compile = bool(static or compile), bool(compile)
         self.ar, self.default_K = ar, 1 if ar or cfg.host else cfg.block_size  # AR rows, host rows: K = 1 at join
         self.drafts, self.suffix_cache, self.tally, self.vocab = drafts, suffix_cache, tally or Tally(), 0
-        self.clock, self.drafts_cost, self.quiet, self.backoff = StepClock(), query_cost(self.device), 0, 1  # after_step
+        self.clock, self.drafts_cost, self.quiet, self.backoff = clock_for(bundle.model, bundle.device), query_cost(
+            bundle.device), 0, 1  # host_drafts.after_step's: the window's cost, and its pause when drafts do not pay
         self.mask_id, self.suppress = -1 if bundle.mask_token_id is None else bundle.mask_token_id, list(bundle.suppress_ids)
         self.fill_id = max(self.mask_id, 0)  # a window's unused queries (the host layout: no mask token) see only themselves
         stop_ids = sorted(set(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids))
@@ -105,9 +106,8 @@ class Verify:
 
     @torch.inference_mode()
     def warm(self) -> bool:
-        """defer_compile (the server, no row running): compile one step shape run eagerly, either a forward's
-        (sampled rows) or a greedy step's whole graph (run once on the dead rows at the end of its length
-        bucket; the K/V it writes lie past every valid key). False: none left."""
+        """defer_compile (the server, no row running): compile one step shape run eagerly, a forward's (sampled
+        rows) or a greedy step's whole graph (on the dead rows, past every valid key). False: none left."""
         if not self.static or self.rows or not self.kv.allocated:
             return False
         if self.kv.pending:

@@ -7,6 +7,7 @@ per-row sizing: :mod:`unmask.decode.verify.drafting`.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 import torch
@@ -106,6 +107,15 @@ class StepClock:
         """The widest window timed in the bucket of ``rows`` (0: none)."""
         b = self.bucket(rows)
         return max((q for bb, q in self.seconds if bb == b), default=0)
+
+
+_CLOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def clock_for(model, device) -> StepClock:
+    """The :class:`StepClock` every verify batch of ``model`` on ``device`` shares (per thread count): what a
+    window costs is the model's, so a fresh ``decode`` call starts from what earlier ones measured."""
+    return _CLOCKS.setdefault(model, {}).setdefault((str(device), torch.get_num_threads()), StepClock())
 
 
 def window_cap(clock: StepClock, rows: int, placing: list, cost: float) -> int:
@@ -212,5 +222,5 @@ def place_drafts(batch, placing: list) -> None:
         batch.q[idx[at], :L] = q
 
 
-__all__ = ["CLOCK_ROWS", "QUIET_MAX", "StepClock", "Tally", "after_step", "check_join", "first_drafts", "learn",
+__all__ = ["CLOCK_ROWS", "QUIET_MAX", "StepClock", "Tally", "after_step", "check_join", "clock_for", "first_drafts", "learn",
            "place_drafts", "window_cap"]
