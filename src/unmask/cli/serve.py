@@ -47,7 +47,7 @@ def serve_cmd(
     draft_tokens: int = typer.Option(None, "--draft-tokens", help="default most drafted tokens per row per step of "
                                      "lookup / suffix requests (default 8; beside the block draft: its K - 1)"),
     suffix_cache: int = typer.Option(None, "--suffix-cache", metavar="TOKENS",
-                                     help="bound, in token ids, of the cache of recent requests' prompts and outputs "
+                                     help="bound, in token ids, of the cache of recent suffix requests' prompts and outputs "
                                      "that suffix drafts draw on (oldest evicted first; 0: none; default 65536, ~50 MiB)"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (loopback by default)"),
     port: int = typer.Option(8000, "--port", help="port to listen on (0: any free port)"),

@@ -53,7 +53,7 @@ class Scheduler(RunningBatches):
     before ``submit`` refuses with QueueFull; compile: the batches of decoders that compile on static
     caches, compiled (diffusion with the dual cache only), and the per-call ``compile=True``;
     draft_sizes: the load -> K table of sizable requests (None: they keep the checkpoint's K);
-    suffix_cache_tokens: the bound, in token ids, of the suffix-decoding cache of recent requests' prompts
+    suffix_cache_tokens: the bound, in token ids, of the suffix-decoding cache of recent suffix requests' prompts
     and outputs that ``draft_source="suffix"`` rows draft from (0: none; one cache per scheduler, so
     per model). ``draft_tally``: drafted and accepted tokens per draft source (/metrics)."""
 
