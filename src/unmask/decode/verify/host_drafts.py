@@ -18,6 +18,9 @@ from unmask.errors import UnmaskError
 # from CLOCK_ROWS rows on, all greedy, measured step seconds (StepClock) choose a step's window and a batch whose drafts
 # do not pay stops proposing up to QUIET_MAX steps; else rows size their own (NFE as alone; sampled text seed-stable)
 CLOCK_ROWS, QUIET_MAX = 4, 16
+# a wider window must promise this much more committed tokens per second than a one-query step: its gain is an
+# estimate from the rows' acceptance, its cost a measurement, and a wrong guess costs every row of the batch
+WIDER = 1.15
 
 
 class Tally:
@@ -124,7 +127,8 @@ def clock_for(model, device) -> StepClock:
 def window_cap(clock: StepClock, rows: int, placing: list, cost: float) -> int:
     """The longest host draft a step of the host layout runs: the cap L maximising expected committed tokens
     per expected second, sum over ``rows`` running rows of 1 + E[accepted of min(L_i, L)] over the
-    :class:`StepClock`'s seconds at window L + 1 (``placing``: (row, draft) of the rows that draft).
+    :class:`StepClock`'s seconds at window L + 1 (``placing``: (row, draft) of the rows that draft), a cap
+    L > 0 counted WIDER times slower.
     None (a plain AR step, which times the bucket's baseline) while that baseline is unknown."""
     if clock.estimate(rows, 1, cost) is None:
         return None
@@ -134,8 +138,9 @@ def window_cap(clock: StepClock, rows: int, placing: list, cost: float) -> int:
     for cap in [0, *lens]:
         seconds = clock.estimate(rows, cap + 1, cost)
         tokens = rows + sum(row.drafts.expected(min(len(d), cap)) for row, d in placing)
-        if seconds and tokens / seconds > value:
-            best, value = cap, tokens / seconds
+        rate = tokens / seconds / (WIDER if cap else 1) if seconds else -1.0
+        if rate > value:
+            best, value = cap, rate
     return best
 
 
