@@ -190,11 +190,13 @@ ESCAPES = {
         import os, time
         if os.fork() == 0:
             os.setsid(); print(os.getpid(), flush=True); time.sleep(41)
+        time.sleep(0.3)  # the child prints its pid before the program ends, even on a busy machine
     """,
     "setpgid": """
         import os, time
         if os.fork() == 0:
             os.setpgid(0, 0); print(os.getpid(), flush=True); time.sleep(41)
+        time.sleep(0.3)
     """,
     "shell": """
         import subprocess
