@@ -49,7 +49,7 @@ class Verify:
     (tests): each forward's tensors for the live rows; ``defer_compile``: see :class:`StaticKV`.
     ``drafts``: joining rows' model-free drafting (spec/draft_sources.md; ``join(drafts=)`` per call):
     on the ``host`` layout every draft (a row's K follows it), beside a block layout the block draft
-    when they expect more; ``suffix_cache``: the server's, fed every finished row; ``tally``: where
+    when they expect more; ``suffix_cache``: the server's, fed every finished suffix row; ``tally``: where
     drafted and accepted tokens per source are counted (default: the batch's own). Raises UnmaskError
     for a model without a mask token (unless ``ar`` or the host layout) or a block size too large for
     the context window.

@@ -110,18 +110,18 @@ class RowDrafts:
         self.block = Acceptance()
         self.placed = 0  # the length of the host draft in the step that just ran (0: none, or the block's)
         self.match = 0  # its match-length class
-        self.block_len = 0  # the block draft's length in that step (beside_block)
         self.seen = 0  # the row's committed ids the drafter has been shown (after the history it started from)
 
     def _own(self, match: int) -> Acceptance:
         return self.own.setdefault(min(match, 3), Acceptance())
 
-    def observe(self, accepted: int) -> None:
-        """After a step in which ``accepted`` of this row's draft tokens were accepted."""
+    def observe(self, accepted: int, block_len: int = 0) -> None:
+        """After a step in which ``accepted`` of this row's draft tokens were accepted: its own draft's, or
+        (none placed) the block draft's of ``block_len`` tokens."""
         if self.placed:
             self._own(self.match).update(self.placed, accepted)
-        elif self.block_len:
-            self.block.update(self.block_len, accepted)
+        elif block_len:
+            self.block.update(block_len, accepted)
 
     def catch_up(self, committed: list[int]) -> None:
         """Show the drafter the row's committed ids it has not seen (``committed``: all of them, the first
@@ -141,7 +141,6 @@ class RowDrafts:
         draft, self.match = self.drafter.propose(cap) if cap > 0 else ([], 0)
         if self.cfg.source == "lookup":  # a 1-id match accepts ~1 id however long its draft (draft_replay.md)
             draft = draft[: math.ceil(LOOKUP_ALPHA * self.match)]
-        self.block_len = block_len
         own = self._own(self.match)
         if self.cfg.beside_block:  # the window is the block layout's either way: more accepted tokens wins
             if not draft or own.expected(len(draft)) <= self.block.expected(block_len):

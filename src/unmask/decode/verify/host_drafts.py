@@ -52,13 +52,21 @@ def first_drafts(batch, rows: list, K: int) -> None:
     """Place the first model-free drafts of rows that joined at draft size K (after their prefill); in a
     host-layout batch of CLOCK_ROWS or more rows, within the window the batch's clock allows."""
     placing = [(r, r.drafts.propose(_room(batch, r, K), K - 1)) for r in rows if r.drafts is not None]
-    clocked = batch.cfg.host and not batch.n_sampled and len(batch.rows) >= CLOCK_ROWS
-    if clocked and (drafting := [(r, d) for r, d in placing if d]):
-        most = 0 if batch.quiet else window_cap(batch.clock, len(batch.rows), drafting, batch.drafts_cost) or 0
-        placing = [(r, d[:most]) for r, d in placing]
-        for r, d in placing:
-            r.drafts.placed = len(d)
+    if _clocked(batch, len(batch.rows)) and (drafting := [(r, d) for r, d in placing if d]):
+        _cut(placing, 0 if batch.quiet else window_cap(batch.clock, len(batch.rows), drafting, batch.drafts_cost))
     place_drafts(batch, placing)
+
+
+def _clocked(batch, live: int) -> bool:
+    """Whether the batch's clock sizes its host drafts: the host layout, every row greedy, CLOCK_ROWS rows or more."""
+    return batch.cfg.host and not batch.n_sampled and live >= CLOCK_ROWS
+
+
+def _cut(placing: list, cap: int | None) -> None:
+    """Cut every host draft in ``placing`` (in place) to ``cap`` ids (None: 0) and record what each row placed."""
+    for i, (row, d) in enumerate(placing):
+        placing[i] = (row, d[: cap or 0])
+        row.drafts.placed = len(placing[i][1])
 
 
 def _room(batch, row, K: int) -> int:  # the row's window, cut to what a step can still commit (bonus included)
@@ -155,19 +163,19 @@ def after_step(batch, got: dict, finished: set, timed: tuple | None = None) -> N
         return
     placing = []
     for slot, row in batch.rows.items():
-        accepted = got["committed"][slot] - 1
-        drafts = row.drafts
-        used = drafts.placed if drafts is not None and drafts.placed else row.block_len
-        if used:
-            batch.tally.add(drafts.cfg.source if drafts is not None and drafts.placed else "block", used, accepted)
+        accepted, drafts, block_ran = got["committed"][slot] - 1, row.drafts, row.block_len
+        own = drafts is not None and drafts.placed  # the step verified the row's model-free draft, not the block's
+        if own or block_ran:
+            batch.tally.add(drafts.cfg.source if own else "block", drafts.placed if own else block_ran, accepted)
         row.block_len = got["dlen"][slot] if "dlen" in got else 0
         if drafts is None or slot in finished:
             continue
-        drafts.observe(accepted)
+        drafts.observe(accepted, block_ran)
         drafts.catch_up(row.committed)
         placing.append((row, drafts.propose(_room(batch, row, row.K), row.block_len)))
-    if batch.cfg.host and not batch.n_sampled and timed is not None and len(batch.rows) - len(finished) >= CLOCK_ROWS:
-        _cap(batch, placing, timed, len(batch.rows) - len(finished))
+    live = len(batch.rows) - len(finished)
+    if timed is not None and _clocked(batch, live):
+        _cap(batch, placing, timed, live)
     place_drafts(batch, placing)
 
 
@@ -187,9 +195,7 @@ def _cap(batch, placing: list, timed: tuple, live: int) -> None:
         batch.quiet = batch.backoff
     elif cap:
         batch.backoff = 1
-    for i, (row, d) in enumerate(placing):
-        placing[i] = (row, d[: cap or 0])
-        row.drafts.placed = len(placing[i][1])
+    _cut(placing, cap)
 
 
 def place_drafts(batch, placing: list) -> None:
