@@ -33,6 +33,7 @@ from pathlib import Path
 
 from unmask.decode.verify.lookup import Lookup
 from unmask.decode.verify.suffix import Suffix, SuffixCache
+from unmask.fileio import atomic_write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CORPORA = {"stories": ("stories260K", 128, 100), "chat": ("smollm2-135m", 96, 20)}
@@ -94,7 +95,7 @@ def generate_outputs(path: Path, corpus: str) -> None:
     data = json.loads(path.read_text()) if path.exists() else {}
     data[corpus] = {"model": model, "max_new_tokens": new,
                     "rows": [{"prompt": p, "output": o} for p, o in zip(g.prompt_tokens, g.tokens)]}
-    path.write_text(json.dumps(data))
+    atomic_write_text(path, json.dumps(data))
 
 
 def replay(rows: list[dict], make, limit: int) -> dict:
@@ -310,7 +311,7 @@ def main() -> None:
     md += [cache_cost(), ""]
     md += [f"Replay {time.time() - t0:.0f} s; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
            "(TPF figures do not depend on it; the cache timings above do)."]
-    args.out.write_text("\n".join(md) + "\n")
+    atomic_write_text(args.out, "\n".join(md) + "\n")
     print(args.out)
 
 
