@@ -141,6 +141,10 @@ class SBDOptions(PolicyKnobs, DraftKnobs):
         draft = dl.option(self.draft, self.block_size, defaults, DEFAULT_DRAFT)
         return dl.resolve(getattr(draft, "spec", draft), self.queries, defaults)
 
+    def takes_grammar(self, bundle) -> bool:
+        """Lossless SBD takes a grammar (its verify applies the masks exactly); the lossy policies do not."""
+        return self.lossless(bundle)
+
     def resolve(self, bundle) -> "VerifyConfig | SBDConfig":
         """The one resolution of these options on ``bundle``: a :class:`VerifyConfig` (lossless: K the
         request's, else the checkpoint's ``verify_block_size``, else 8; the :meth:`layout`) checked

@@ -24,6 +24,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from unmask.decode.engine.running import drain, requests_for
+from unmask.decode.engine.shaping import request_asks
 from unmask.decode.engine.stats import DecodeOutput
 from unmask.errors import UnmaskError
 from unmask.kinds import KINDS
@@ -172,6 +173,10 @@ class Config:
         cannot join a running batch and runs per call. Default: the decoder and this (hashable) config."""
         return self.decoder, self
 
+    def takes_grammar(self, bundle) -> bool:
+        """Whether its rows take a request's grammar (structured output; ``ar``, lossless ``sbd``). Default False."""
+        return False
+
     def given(self) -> dict:
         """The knobs set to something other than their default, by name."""
         return {k.name: getattr(self, k.name) for k in self.knobs() if getattr(self, k.name) != k.default}
@@ -203,15 +208,17 @@ class Spec:
     @torch.inference_mode()
     def decode(self, bundle, prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
                stop_token_ids=(), stop_strings=(), compile: bool = False, static: bool = False, on_step=None,
-               on_forward=None, **options) -> DecodeOutput:
+               on_forward=None, logprobs: int | None = None, logit_bias: dict | None = None, grammar=None,
+               **options) -> DecodeOutput:
         """Decode ``prompts`` (token ids per row) with this decoder: build the config of ``options``
         (:meth:`Config.of`), join every prompt into one running batch sized for them, ``step()`` until
         every row ended (:func:`~unmask.decode.engine.running.drain`). A row ends at a stop id, after a
         stop string or at ``max_new_tokens``. ``compile``: the static cache and a compiled forward (same
         tokens and NFE); ``static``: the static cache eagerly (tests); ``on_step(event)``: the
         :mod:`unmask.trace` step events, ``row`` the prompt's index; ``on_forward`` (tests): the
-        decoder's per-forward hook. Returns DecodeOutput. Raises UnmaskError (one line) for bad options,
-        and for a plug-in decoder's batch raising anything else (the error chained)."""
+        decoder's per-forward hook; ``logprobs``, ``logit_bias``, ``grammar``: every row's (checked by
+        :func:`~unmask.decode.engine.shaping.request_asks`). Returns DecodeOutput. Raises UnmaskError (one
+        line) for bad options, and for a plug-in decoder's batch raising anything else (the error chained)."""
         max_new_tokens, options = plain_scalar(max_new_tokens), {k: plain_scalar(v) for k, v in options.items()}
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise UnmaskError(f"max_new_tokens must be an integer >= 0 (got {max_new_tokens!r}); pass e.g. 64")
@@ -219,8 +226,10 @@ class Spec:
         if self.batch is None:
             raise UnmaskError(f"decoder {self.name!r} has no running batch (its Spec's batch is None); register it "
                               "with one")
+        asks = request_asks(self.name, cfg, bundle, lambda: grammar_decoders(bundle), logprobs=logprobs,
+                            logit_bias=logit_bias, grammar=grammar)
         requests = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings,
-                                device=bundle.device)
+                                device=bundle.device, **asks)
         events = None if on_step is None else (lambda row, event: on_step({**event, "row": row.job.id}))
 
         def make(capacity: int):
@@ -238,6 +247,12 @@ class Spec:
                 raise
             raise UnmaskError(f"decoder {self.name!r} failed ({_line(e)}); it is a plug-in ({home}): report it to its "
                               "author, or choose another decoder") from e
+
+
+def grammar_decoders(bundle=None) -> list[str]:
+    """The registered decoders whose config overrides :meth:`Config.takes_grammar` (of ``bundle``'s kind when given)."""
+    return [n for n, s in DECODERS.items() if (bundle is None or bundle.kind in s.kinds)
+            and s.config.takes_grammar is not Config.takes_grammar]
 
 
 def _line(e: BaseException) -> str:

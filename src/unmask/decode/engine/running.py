@@ -41,7 +41,11 @@ class Request:
     prompt_ids: token ids; max_new_tokens: the generation budget; sampling: the request's
     ``Sampling``; stop: stop strings (a completing token is kept); generator: the row's
     ``torch.Generator`` when sampled (None: the decoder draws it from ``sampling``); id: the key
-    ``drop`` takes (the scheduler's job id; ``drain`` uses the prompt index)."""
+    ``drop`` takes (the scheduler's job id; ``drain`` uses the prompt index). ``logprobs``: None, or k in
+    [0, 20]: the row records each generated token's logprob and its k most likely alternatives
+    (:mod:`unmask.decode.engine.shaping`); ``logit_bias``: {token id: bias} added to the logits it draws
+    from; ``grammar``: the :class:`unmask.grammar.Compiled` grammar its output must match (decoders whose config
+    :meth:`~unmask.decode.engine.registry.Config.takes_grammar`)."""
 
     prompt_ids: list[int]
     max_new_tokens: int
@@ -49,14 +53,19 @@ class Request:
     stop: tuple[str, ...] = ()
     generator: object = None
     id: int = 0
+    logprobs: int | None = None
+    logit_bias: dict | None = None
+    grammar: object = None
 
 
 @dataclass(eq=False)
 class Row:
     """One running (then finished) request. ``tokens``: generated ids (the stop token excluded);
     ``nfe``: forwards in which the row had work; ``stop_token``: 1 when it ended on a stop token it
-    committed (it counts for TPF, not in the text); ``finish``: "stop" or "length" once done;
-    ``extra``: per-row statistics the decoder's ``stats_extra`` reads."""
+    committed (it counts for TPF, not in the text); ``finish``: "stop" or "length" once done ("error"
+    when its grammar allowed no token: ``error`` says why); ``extra``: per-row statistics the decoder's
+    ``stats_extra`` reads; ``logprobs``: with ``job.logprobs`` set, one
+    :class:`~unmask.decode.engine.shaping.TokenLogprob` per id of ``tokens`` once it finished."""
 
     job: Request
     slot: int
@@ -65,6 +74,8 @@ class Row:
     stop_token: int = 0
     finish: str | None = None
     extra: dict = field(default_factory=dict)
+    logprobs: list | None = None
+    error: str | None = None
 
 
 class Slots:
@@ -195,13 +206,13 @@ def group_by(pairs, key) -> dict:
 
 
 def requests_for(prompts: list[list[int]], *, max_new_tokens: int, sampling: Sampling, stop_strings=(),
-                 device=None) -> list[Request]:
+                 device=None, **asks) -> list[Request]:
     """One :class:`Request` per prompt (id = its index), each with the generator ``unmask generate``
     gives that row (``Sampling.row_generators``: seeded by prompt, so a row draws the same tokens
-    whatever else runs)."""
+    whatever else runs); ``asks``: ``logprobs`` / ``logit_bias`` / ``grammar`` of every row."""
     gens = sampling.row_generators(prompts, device) or [None] * len(prompts)
     return [Request(prompt_ids=list(p), max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop_strings),
-                    generator=g, id=i) for i, (p, g) in enumerate(zip(prompts, gens))]
+                    generator=g, id=i, **asks) for i, (p, g) in enumerate(zip(prompts, gens))]
 
 
 def drain(make: Callable[[int], RunningDecoder], requests: list[Request], *, nfe: Callable | None = None
@@ -219,7 +230,12 @@ def drain(make: Callable[[int], RunningDecoder], requests: list[Request], *, nfe
     stats = DecodeStats(nfe=dec.forwards if nfe is None else nfe(dec, rows), nfe_per_row=[r.nfe for r in rows],
                         tokens_per_row=[len(r.tokens) for r in rows], seconds=time.perf_counter() - t0,
                         extra=dec.stats_extra(rows), stops_per_row=[r.stop_token for r in rows])
-    return DecodeOutput(tokens=[r.tokens for r in rows], stats=stats)
+    errors = [r.error for r in rows if r.error]
+    if errors:
+        raise UnmaskError(errors[0])
+    asked = any(r.job.logprobs is not None for r in rows)
+    return DecodeOutput(tokens=[r.tokens for r in rows], stats=stats,
+                        logprobs=[r.logprobs or [] for r in rows] if asked else None)
 
 
 def row_generator(job, device):

@@ -136,7 +136,9 @@ class DecodeStats:
 
 @dataclass
 class DecodeOutput:
-    """tokens: generated ids per row (stop token excluded); stats: the run's counters."""
+    """tokens: generated ids per row (stop token excluded); stats: the run's counters; logprobs: per
+    row one :class:`~unmask.decode.engine.shaping.TokenLogprob` per token (None: not asked)."""
 
     tokens: list[list[int]]
     stats: DecodeStats
+    logprobs: list | None = None

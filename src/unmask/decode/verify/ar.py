@@ -45,6 +45,9 @@ class AROptions(DraftKnobs):
         with model-free drafts the batch of the host layout."""
         return "verify", HOST_LAYOUT if self.host_only else default_layout(bundle)
 
+    def takes_grammar(self, bundle) -> bool:
+        return True
+
 
 def batch(bundle, cfg: AROptions, *, capacity: int, prompts=None, max_new_tokens=None, compile: bool = False,
           static: bool = False, on_step=None, on_token=None, on_forward=None, stop_token_ids=None) -> Verify:

@@ -1,0 +1,133 @@
+"""What a request asks of a decoder's target distribution and outputs, beside its sampling: a
+``logit_bias`` added to the logits of every token it commits, and ``logprobs`` (each generated
+token's log-probability and its k most likely alternatives). Shared by every running batch.
+
+A token's logprobs are the log-softmax of the model's logits at the query that produced it, raw:
+before ``logit_bias``, a grammar's mask, temperature and top-k/top-p (suppressed ids such as the mask
+token stay at -inf). The verify batch (``ar``, lossless ``sbd``) takes them from its verify forward,
+so they equal AR's; the canvas decoders from the forward that committed the token (commit-time).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from unmask.grammar import compile as compile_grammar
+from unmask.errors import UnmaskError
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token: ``token`` its id, ``logprob`` its log-probability (nats, float32), ``top``
+    the k most likely ids at its position with theirs, most likely first (k = the request's logprobs)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def check_logprobs(k, where: str = "logprobs") -> int | None:
+    """A request's ``logprobs`` (top alternatives per token) as an int in [0, 20], or None (none asked).
+    Raises UnmaskError."""
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise UnmaskError(f"{where} must be an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives kept per token; "
+                          f"got {k!r}); pass e.g. 5")
+    return k
+
+
+def check_logit_bias(bias, vocab: int, where: str = "logit_bias") -> dict[int, float] | None:
+    """A request's ``logit_bias`` ({token id: bias}, ids as ints or decimal strings as JSON sends them,
+    biases in [-100, 100]) as {int: float}; None or {} -> None. Raises UnmaskError naming the ids outside
+    the model's vocabulary [0, vocab) or the values out of range."""
+    if bias is None or (isinstance(bias, dict) and not bias):
+        return None
+    if not isinstance(bias, dict):
+        raise UnmaskError(f"{where} must be an object of token id -> bias (got {type(bias).__name__}); "
+                          "pass e.g. {\"50256\": -100}")
+    out, unknown = {}, []
+    for key, value in bias.items():
+        tid = key if isinstance(key, int) and not isinstance(key, bool) else \
+            int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+        if tid is None or not 0 <= tid < vocab:
+            unknown.append(str(key))
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not -MAX_BIAS <= value <= MAX_BIAS:
+            raise UnmaskError(f"{where}[{key}] must be a number in [-100, 100] (got {value!r})")
+        out[tid] = float(value)
+    if unknown:
+        shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
+        raise UnmaskError(f"{where} names token ids this model does not have ({shown}); its ids are 0..{vocab - 1}")
+    return out
+
+
+def bias_rows(biases: list, V: int, device) -> torch.Tensor | None:
+    """One dense bias row per slot: ``biases`` a list of {id: bias} or None per slot -> (R, V) float32
+    (zeros where None), or None when no slot has a bias."""
+    if not any(biases):
+        return None
+    out = torch.zeros((len(biases), V), dtype=torch.float32)
+    for i, b in enumerate(biases):
+        if b:
+            out[i, list(b)] = torch.tensor(list(b.values()), dtype=torch.float32)
+    return out.to(device)
+
+
+def add_bias(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """logits (R, Q, V) or (R, V) plus bias (R, V) per row, in place (a no-op for None)."""
+    if bias is not None:
+        logits += (bias[:, None, :] if logits.dim() == 3 else bias).to(logits.dtype)
+    return logits
+
+
+def columns(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logprob columns of tokens (...,) drawn at logits (..., V): the chosen token's logprob (...,),
+    the top-k ids (..., k) and their logprobs (..., k), float32 (log-softmax in float32 whatever the
+    logits' dtype; ties in the top-k ordered by id as ``torch.topk`` breaks them)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (..., V)
+    chosen = lp.gather(-1, tokens[..., None].clamp(min=0))[..., 0]  # (...,)
+    vals, ids = lp.topk(k, dim=-1) if k else (lp[..., :0], tokens[..., None][..., :0])
+    return chosen, ids, vals
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """float32 values as int32 bit patterns, for :class:`~unmask.decode.engine.host.HostRead` (exact)."""
+    return t.float().contiguous().view(torch.int32)
+
+
+def from_bits(bits: list[int]) -> list[float]:
+    """int32 bit patterns (as :func:`as_bits` packed them, read back as Python ints) -> the float32 values."""
+    return list(struct.unpack(f"{len(bits)}f", struct.pack(f"{len(bits)}i", *bits)))
+
+
+def entries(tokens: list[int], chosen: list[int], top_ids: list[list[int]], top_vals: list[list[int]]) -> list[TokenLogprob]:
+    """TokenLogprobs from a host read: ``chosen`` and ``top_vals`` as bit patterns (:func:`as_bits`)."""
+    lp = from_bits(chosen)
+    return [TokenLogprob(t, lp[i], tuple(zip(top_ids[i], from_bits(top_vals[i])))) for i, t in enumerate(tokens)]
+
+
+def request_asks(decoder: str, cfg, bundle, takers, *, logprobs=None, logit_bias=None, grammar=None) -> dict:
+    """A request's per-row asks, checked, as :class:`~unmask.decode.engine.running.Request` fields:
+    ``logprobs`` (k in [0, 20]), ``logit_bias`` (ids in the model's vocabulary, biases in [-100, 100]) and
+    ``grammar`` (a :class:`unmask.grammar.Grammar`) compiled for ``bundle``, refused when ``cfg`` does not
+    ``takes_grammar`` (``takers()``: the decoders that do, for the message). Raises UnmaskError."""
+    out = {"logprobs": check_logprobs(logprobs), "logit_bias": check_logit_bias(logit_bias, bundle.model.config.vocab_size)}
+    if grammar is not None:
+        if not cfg.takes_grammar(bundle):
+            raise UnmaskError(f"decoder {decoder!r} does not take a grammar (structured output is exact on "
+                              f"{', '.join(takers()) or 'ar'}); choose one of them or drop the grammar")
+        out["grammar"] = compile_grammar(bundle, grammar)
+    return out
+
+
+__all__ = ["MAX_BIAS", "MAX_TOP_LOGPROBS", "TokenLogprob", "add_bias", "as_bits", "bias_rows", "check_logit_bias",
+           "check_logprobs", "columns", "entries", "from_bits", "request_asks"]
