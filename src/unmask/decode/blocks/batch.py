@@ -14,14 +14,14 @@ The two decoders differ only in a :class:`Kind`: where blocks start (SingleBD: a
 0, the prompt's tail inside the first block; SBD: at the prompt's end), the prefill (whole prompt
 blocks block-causally; the whole prompt causally), the store region's mask, and their statistics.
 
-Per-row state lives in slot tensors (``Slots``): the sequence, generation bounds, the block start,
-the denoising step, and the phase (denoise / store). :func:`advance` is the commit rule's
-bookkeeping as a pure tensor function; the step's only host sync is one
-:class:`~unmask.decode.engine.host.HostRead` of the per-row results (commits, block ends, the
-block's tokens, and with ``on_step`` what the events show). ``lockstep=True`` is ``decode()``'s
-batch semantics: a row whose block is complete waits until every row's is (so a batch's NFE is
-today's), and step events are numbered by batch forward and slot; the server runs
-``lockstep=False`` (each row moves on at once, events numbered by the row's own forwards, row 0).
+Per-row state lives in slot tensors (``Slots``): the sequence, generation bounds, the block start, the
+denoising step, and the phase (denoise / store). :func:`advance` is the commit rule's bookkeeping as a
+pure tensor function; the step's only host sync is one :class:`~unmask.decode.engine.host.HostRead` of
+the per-row results (commits, block ends, the block's tokens; with ``on_step`` what the events show,
+with ``logprobs`` the :class:`~unmask.decode.blocks.commit_shaping.CommitShaping` columns). ``lockstep=True``
+is ``decode()``'s batch semantics: a row whose block is complete waits until every row's is (so a batch's
+NFE is today's), step events numbered by batch forward and slot; the server runs ``lockstep=False`` (each
+row moves on at once, events numbered by the row's own forwards, row 0).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from unmask.decode.blocks import report
-from unmask.decode.blocks.prefix import causal_prefill, check_cache_flags, prefill_whole_blocks, whole_prompt_blocks
+from unmask.decode.blocks.commit_shaping import CommitShaping, slotted
+from unmask.decode.blocks.prefix import causal_prefill, check_cache_flags, prefill_whole_blocks, static_length
 from unmask.decode.blocks.rule import SBD, advance, quota, quota_threshold_commit
 from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
@@ -70,11 +71,12 @@ class BlockDecoder(SlotRows):
     tokens (length-bucketed; None: sized at the first join, ``decode``), the forwards compiled. As in
     :class:`~unmask.decode.verify.batch.Verify`, a prefill runs eagerly and is placed into its slots, a
     forward covers the row bucket, and ``StaticKV.crowded`` decides compaction; ``defer_compile``: see
-    StaticKV.
-    ``on_step(row, event)``: :mod:`unmask.trace` events; ``on_token(row)`` after each committed
-    token; ``on_forward(state)`` (tests) sees every forward. Rows end on their first stop token (the
-    block holding it is kept whole, the output cut before it), a stop string, or ``max_new_tokens``.
-    Raises UnmaskError for a bad capacity, or a row that does not fit a static cache.
+    StaticKV. ``on_step(row, event)``: :mod:`unmask.trace` events; ``on_token(row)`` after each committed
+    token; ``on_forward(state)`` (tests) sees every forward (logits before the rows' ``logit_bias``).
+    A row's ``logit_bias`` is added before its commit rule; with ``logprobs`` its finished row has them
+    (commit-time). Rows end on their first stop token (the block holding it is kept whole, the output
+    cut before it), a stop string, or ``max_new_tokens``. Raises UnmaskError for a bad capacity, or a
+    row that does not fit a static cache.
     """
 
     def __init__(self, bundle, cfg, *, static=False, compile=False, capacity=8, on_step=None, on_token=None,
@@ -95,6 +97,7 @@ class BlockDecoder(SlotRows):
         self.forwards = self.store_forwards = 0  # step forwards (the batch's NFE) and the store-only ones
         self.prefills = 0  # join forwards (one per join that has prompt keys to cache)
         self.running: dict[int, BlockRow] = {}
+        self.shaping = CommitShaping()  # the rows' logit_bias and commit-time logprobs
         self.kv, self.R = None, 0  # the cache and its rows (slots [0, R) go through every forward)
         C, dev = capacity, self.device
         self.seq = torch.full((C, 0), self.mask_id, dtype=torch.long, device=dev)  # (C, L) prompt, generated, masks
@@ -140,11 +143,7 @@ class BlockDecoder(SlotRows):
         prompts = [list(r.job.prompt_ids) for r in rows]
         ends = [len(p) + r.job.max_new_tokens for p, r in zip(prompts, rows)]
         if self.static and self.kv is None:
-            if self.kind.aligned:  # j stored blocks, then one block (or the fused pair); one block of slack
-                n_blocks = max((e - 1) // B - len(p) // B + 1 for p, e in zip(prompts, ends))
-                size = whole_prompt_blocks(prompts, B) + (n_blocks + 1) * B
-            else:  # the prompt and the committed text: noisy K/V are cropped before the next re-feed
-                size = max(len(p) for p in prompts) + max(r.job.max_new_tokens for r in rows)
+            size = static_length(self.kind.aligned, prompts, [r.job.max_new_tokens for r in rows], B)
             self.kv = StaticKV(model, self.capacity, max(size, self.length or 0), compile=self.compile,
                                length_buckets=self.length is not None, defer_compile=self.defer)
             self.key_valid = torch.zeros((self.capacity, 0), dtype=torch.bool, device=dev)
@@ -235,7 +234,7 @@ class BlockDecoder(SlotRows):
         go = ended = had
         if D:
             blk = inp[:, -N:]
-            chosen, tokens, editable = self._commit(logits, blk, dpos, live & denoise)
+            chosen, tokens, editable, raw = self._commit(logits, blk, dpos, live & denoise)
             seq, block, had, go, ended = advance(self.seq[:R], dpos, blk, chosen, tokens, editable, live, denoise,
                                                  bstart, gen_start, gen_end, self.stops, B, self.lockstep,
                                                  self.mask_id)
@@ -243,6 +242,7 @@ class BlockDecoder(SlotRows):
             self.qstep[:R] += had.long()
             read.add("count", chosen.sum(dim=1)).add("block", block)
             read.add("left", (editable & (block == self.mask_id)).any(dim=1))
+            self.shaping.add(read, slotted(self.running, self.R), raw, tokens, chosen, bstart - gen_start)
         adv = go & ~ended
         self.bstart[:R] += adv.long() * B
         self.qstep[:R] *= (~adv).long()
@@ -277,10 +277,11 @@ class BlockDecoder(SlotRows):
         return self.kv.forward(inp, pos, mask, logits_to_keep=q - (B if S and D else 0))
 
     def _commit(self, logits, block, dpos, denoising):
-        """The commit rule of every row (greedy rows together; each sampling setting with its rows'
-        own generators). Returns (chosen, tokens, editable) (R, N) each."""
+        """The commit rule of every row (greedy rows together; each sampling setting with its rows' own
+        generators) on its biased logits. Returns (chosen, tokens, editable) (R, N) each and the raw logits."""
         if self.suppress:
             logits[..., self.suppress] = float("-inf")
+        logits, raw = self.shaping.shape(slotted(self.running, self.R), logits)
         editable = (dpos >= self.gen_start[: self.R, None]) & (dpos < self.edit_end[: self.R, None])  # (R, N)
         masked = editable & (block == self.mask_id) & denoising[:, None]  # (R, N)
         # rows by sampling setting; a row that only stores draws nothing (the quota rule draws for every row it gets)
@@ -295,7 +296,7 @@ class BlockDecoder(SlotRows):
                 gens = None if sampling is None else [r.generator for r in members]
                 draws = [i for i, r in enumerate(members) if r.more]
                 chosen[at], tokens[at] = self._rule(logits[at], masked[at], sampling, gens, at, draws)
-        return chosen, tokens, editable
+        return chosen, tokens, editable, raw
 
     def _rule(self, logits, masked, sampling, gens, at=None, draws=None):
         s = sampling or Sampling()
@@ -317,6 +318,7 @@ class BlockDecoder(SlotRows):
             block = info["block"][row.slot] if "block" in info else []
             if row.denoising:
                 row.more = bool(info["left"][row.slot])
+                self.shaping.take(row, info, row.slot)
             row.keys += self.B if row.storing else 0
             if row.storing and not row.denoising:
                 row.stores += 1
@@ -344,17 +346,19 @@ class BlockDecoder(SlotRows):
             else:
                 row.storing, row.denoising = False, True
         for row in finished:
-            self._leave(row)
             self._finish(row)
+            self._leave(row)
         return finished
 
     def _finish(self, row: BlockRow) -> None:
         finish(row, row.full, sorted(self.stop.ids), self.mask_id)
         row.extra = report.row_extra(self, row)
+        self.shaping.finish(row)
 
     @torch.inference_mode()
     def _leave(self, row: BlockRow) -> None:
         super()._leave(row)
+        self.shaping.forget(row)
         self.live[row.slot] = self.store[row.slot] = False
         if not self.running and self.static:  # the pointer back at 0: the next join starts a fresh cache
             self.kv.reset()

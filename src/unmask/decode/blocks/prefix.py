@@ -22,6 +22,17 @@ def whole_prompt_blocks(prompts: list[list[int]], B: int) -> int:
     return max(len(p) // B for p in prompts) * B
 
 
+def static_length(aligned: bool, prompts: list[list[int]], budgets: list[int], B: int) -> int:
+    """Tokens a block decoder's static cache needs for a join of ``prompts`` with these ``max_new_tokens``:
+    aligned (SingleBD) the whole prompt blocks, every generated block and one of slack (j stored blocks,
+    then one block or the fused pair); causal (SBD) the prompt and the committed text (noisy K/V are
+    cropped before the next re-feed)."""
+    if aligned:
+        n_blocks = max((len(p) + m - 1) // B - len(p) // B + 1 for p, m in zip(prompts, budgets))
+        return whole_prompt_blocks(prompts, B) + (n_blocks + 1) * B
+    return max(len(p) for p in prompts) + max(budgets)
+
+
 def prefill_whole_blocks(kv, prompts: list[list[int]], B: int, pad_id: int, device):
     """Prefill each row's whole prompt blocks block-causally into ``kv`` (multiblock.md §3.2 step 1).
 
@@ -54,4 +65,5 @@ def causal_prefill(kv, prompts: list[list[int]], pad_id: int, device) -> torch.T
     return valid
 
 
-__all__ = ["causal_prefill", "check_cache_flags", "prefill_whole_blocks", "whole_prompt_blocks"]
+__all__ = ["causal_prefill", "check_cache_flags", "prefill_whole_blocks", "static_length",
+           "whole_prompt_blocks"]

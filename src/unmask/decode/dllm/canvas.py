@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from unmask.decode.blocks.commit_shaping import CommitShaping
 from unmask.decode.dllm.cache import SlotCanvas
 from unmask.decode.engine.running import CanvasRows, Row, Slots, finish, row_generator
 from unmask.decode.engine.stop import StopRule
@@ -87,6 +88,7 @@ class CanvasBatch(CanvasRows):
         self.done = torch.zeros(capacity, dtype=torch.bool, device=bundle.device)  # (C,) a stop seen
         self.running: dict = {}  # slot -> row
         self.forwards = 0
+        self.shaping = CommitShaping()  # the rows' logit_bias and commit-time logprobs
 
     @property
     def confidence(self) -> str | None:
@@ -109,8 +111,13 @@ class CanvasBatch(CanvasRows):
         id, from the ids the step read) and free their slots."""
         for row in rows:
             finish(row, row.gen[: row.report], self.stop, self.bundle.mask_token_id)
+            self.shaping.finish(row)
             row.extra = self._row_extra(row)
             self._leave(row)
+
+    def _leave(self, row) -> None:
+        super()._leave(row)
+        self.shaping.forget(row)
 
     def _extra(self, rows: list, extra: dict, keys: tuple[str, ...]) -> dict:
         """``extra`` plus what both decoders report: ``accepts`` (histogram of per-row commits per

@@ -135,6 +135,7 @@ class Diffusion(CanvasBatch):
         logits = realign(canvas.forward(n, starts, refresh, active), sh)[:, sh:].clone()  # (n, Bk, V): j scores start + j
         if self.suppress:
             logits[..., self.suppress] = float("-inf")
+        logits, raw = self.shaping.shape(rows, logits)  # (n, Bk, V) each: biased, and raw for logprobs
         cols = torch.tensor(starts, device=dev)[:, None] + torch.arange(Bk, device=dev)  # (n, Bk)
         block = canvas.ids[:n].gather(1, cols)  # (n, Bk)
         live = torch.tensor(active, device=dev) & ~self.done[:n]  # (n,)
@@ -169,6 +170,8 @@ class Diffusion(CanvasBatch):
         Lmax = max(r.cfg.gen_length if r else Bk for r in rows)
         if self.on_step is not None:
             host.add("chosen", chosen).add("tokens", tokens).add("gen", canvas.ids[:n, T - Lmax:])
+        self.shaping.add(host, rows, raw, tokens, chosen,
+                         torch.tensor([0 if r is None else r.block * Bk for r in rows], device=dev))
         got = host.read()
         self.forwards += 1
         for r, row in enumerate(rows):
@@ -177,6 +180,7 @@ class Diffusion(CanvasBatch):
             was, more, done = got["had"][r], got["more"][r], got["done"][r]
             row.extra["n_committed"] = got["committed"][r]
             row.gen[row.block * Bk: (row.block + 1) * Bk] = got["block"][r]
+            self.shaping.take(row, got, r)
             row.more = bool(more)
             if was:
                 row.commits.append(got["count"][r])

@@ -230,6 +230,8 @@ class DreamSchedule(CanvasBatch):
         raw = canvas_call(self.bundle, None, c.ids[:n], c.pos[:n], c.valid[:n], (T - Lmax - shift, T),
                           padded=any(c.padded[:n]))  # (n, shift + Lmax, V)
         logits = realign(raw, shift)[:, shift:]  # (n, Lmax, V): index j scores column T - Lmax + j
+        slotted = [self.running.get(s) for s in range(n)]
+        logits, raw = self.shaping.shape(slotted, logits)  # biased, and raw for logprobs
         masked_all = c.ids[:n, T - Lmax:] == mask_id  # (n, Lmax) before this step's commits
         landed_all = torch.zeros_like(masked_all)  # (n, Lmax)
         tokens_all = torch.zeros(masked_all.shape, dtype=torch.long, device=masked_all.device)  # (n, Lmax)
@@ -251,12 +253,15 @@ class DreamSchedule(CanvasBatch):
         host = HostRead().add("count", landed_all.sum(dim=1)).add("gen", c.ids[:n, T - Lmax:])
         if self.on_step is not None:
             host.add("landed", landed_all).add("tokens", tokens_all)
+        self.shaping.add(host, slotted, raw, tokens_all, landed_all,
+                         torch.tensor([0 if r is None else r.L - Lmax for r in slotted], device=logits.device))
         read = host.read()
         finished = []
         for row in rows:
             lo, s = Lmax - row.L, row.slot
             row.commits.append(read["count"][s])
             row.gen = read["gen"][s][lo:]
+            self.shaping.take(row, read, s)
             if self.on_step is not None:
                 at, who = (self.forwards, row.job.id) if self.lockstep else (row.nfe, 0)
                 self.on_step(row, host_event(at, who, read["landed"][s][lo:], read["tokens"][s][lo:], 0, row.gen,

@@ -174,6 +174,7 @@ class EarlyBird(CanvasBatch):
         select = [row is not None and not row.has_block for row in rows]
         t0 = _sync(dev)
         logits, LO, HI = self._forward(n, rows, select)  # (n, HI - LO, V)
+        logits, raw = self.shaping.shape(rows, logits)  # biased (what the routers and the rule read), raw
         self.seconds["forward"] += _sync(dev) - t0
         gen = c.ids[:n, c.width - L:]  # (n, L) view: commits write through it
         live = torch.tensor([row is not None for row in rows], device=dev)  # (n,)
@@ -224,7 +225,7 @@ class EarlyBird(CanvasBatch):
         lps_only = (chosen & (kappa < cfg.tau) & (p_lps > tau_psi)).sum(dim=1) if p_lps is not None else path * 0
         gen.copy_(torch.where(chosen, tokens, gen))
         return self._settle(rows, select, masked, chosen, tokens, path, lps_only, feats, top1, kappa, p_lps,
-                            (LO, HI), t0)
+                            (LO, HI), t0, raw)
 
     def _tokens(self, rows, logits, cand_w, top1_w, LO):
         """The candidates' tokens (n, HI - LO) (argmax, or each sampled row's draw with its generator)
@@ -243,9 +244,11 @@ class EarlyBird(CanvasBatch):
             kappa = kappa + commit_confidence(logits, tokens, pick, cfg.commit_confidence, sampling.temperature, LO, L)
         return tokens, kappa
 
-    def _settle(self, rows, select, masked, chosen, tokens, path, lps_only, feats, top1, kappa, p_lps, window, t0):
+    def _settle(self, rows, select, masked, chosen, tokens, path, lps_only, feats, top1, kappa, p_lps, window, t0,
+                raw):
         """After the commit: stop checks (§9), cached windows of new blocks, the step's one host sync
-        and the rows' bookkeeping. Returns the finished rows."""
+        (with the logprob columns of ``raw``, the window's unbiased logits) and the rows' bookkeeping.
+        Returns the finished rows."""
         cfg, dev, mask_id, c = self.cfg, self.bundle.device, self.bundle.mask_token_id, self.canvas
         L, n, sh = cfg.gen_length, len(rows), self.bundle.logit_shift
         gen, block = c.ids[:n, c.width - L:], self.block[:n]  # (n, L) each
@@ -277,6 +280,8 @@ class EarlyBird(CanvasBatch):
         host.add("gen", gen)
         if self.on_step is not None:
             host.add("chosen", chosen).add("tokens", tokens).add("block", block)
+        LO, HI = window
+        self.shaping.add(host, rows, raw, tokens[:, LO:HI], chosen[:, LO:HI], LO)
         got = host.read()
         self.seconds["step"] += _sync(dev) - t0
         finished = []
@@ -285,6 +290,7 @@ class EarlyBird(CanvasBatch):
                 continue
             was, done = got["had"][r], got["done"][r]
             row.gen = got["gen"][r]
+            self.shaping.take(row, got, r)
             if select[r]:
                 row.blocks, row.sizes = row.blocks + 1, row.sizes + got["size"][r]
                 row.paths.append(PATH_NAMES[got["path"][r]])

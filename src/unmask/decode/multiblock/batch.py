@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from unmask.decode.blocks.commit_shaping import CommitShaping, slotted
 from unmask.decode.blocks.prefix import check_cache_flags, prefill_whole_blocks, whole_prompt_blocks
 from unmask.decode.blocks.rule import first_stop
 from unmask.decode.engine.host import HostRead
@@ -97,6 +98,7 @@ class MultiBlockDecoder(SlotRows):
         self.suppress = list(bundle.suppress_ids)
         self.forwards = self.prefills = 0
         self.running: dict[int, BufferRow] = {}
+        self.shaping = CommitShaping()  # the rows' logit_bias and commit-time logprobs
         self.kv = None
         self._empty()
 
@@ -205,6 +207,8 @@ class MultiBlockDecoder(SlotRows):
                              "logits": logits, "window": before, "past": past, "stored": stored.clone(),
                              "key_valid": self.key_valid[:, : self.kv.length].clone(),
                              "cache": [(k.clone(), v.clone()) for k, v in self.kv.layers()]})
+        slots = slotted(self.running, R)
+        logits, raw = self.shaping.shape(slots, logits)  # (R, S*B, V): biased, raw for logprobs
         top1, kappa = self._candidates(logits.view(R, S, B, -1))  # (R, S, B) each
         w, info = bb.transition(w, top1, kappa, tau_m2t=cfg.tau_m2t, tau_semi=cfg.tau_semi, tau_t2t=cfg.tau_t2t,
                                 max_post_edit_steps=cfg.max_post_edit_steps)
@@ -220,6 +224,8 @@ class MultiBlockDecoder(SlotRows):
         read.add("edits", info.edited.sum(dim=(1, 2))).add("stored", stored).add("done", done).add("capped", capped)
         read.add("stopped", (stop_block != bb.NO_STOP) & done).add("to_cache", (self.w.state == bb.TO_CACHE).sum(dim=1))
         read.add("seq", self.seq)
+        self.shaping.add(read, slots, raw, top1.view(R, S * B), (info.committed | info.edited).view(R, S * B),
+                         before.front * B - before.gen_start)  # a T2T edit's logprob replaces its commit's
         if self.on_step is not None:  # what the step events show, in the same read
             event_columns(read, before, info, top1, w)
         got = read.read()  # the step's one host sync
@@ -276,6 +282,7 @@ class MultiBlockDecoder(SlotRows):
             size, commits, edits, stored, ended, capped, stopped, row.to_cache, seq = (got[k][row.slot] for k in (
                 "size", "commits", "edits", "stored", "done", "capped", "stopped", "to_cache", "seq"))
             row.nfe += 1
+            self.shaping.take(row, got, row.slot)
             P, M = len(row.job.prompt_ids), row.job.max_new_tokens
             blocks = (P + M - 1) // B - P // B + 1
             check_nfe(row.nfe, blocks * (B + 2 + edit_steps) + cfg.slots, "multiblock")
@@ -291,6 +298,7 @@ class MultiBlockDecoder(SlotRows):
             row.tokens = self.stop.until_stop(full, {self.mask_id})
             row.stop_token = stop_flags([full], [row.tokens], self.stop.ids)[0]
             row.finish = "stop" if stopped and len(row.tokens) < M else "length"
+            self.shaping.finish(row)
             rs = row.running_set
             row.extra = {"slots": cfg.slots, "block_size": B, "running_set": rs,
                          "mean_running_set": sum(rs) / max(1, len(rs)), "accepts": row.accepts, "edits": row.edits}
@@ -305,6 +313,7 @@ class MultiBlockDecoder(SlotRows):
     @torch.inference_mode()
     def _leave(self, row: BufferRow) -> None:
         super()._leave(row)
+        self.shaping.forget(row)
         if self.live is not None:
             self.live[row.slot] = False
             self.w = bb.release(self.w, torch.arange(self.R, device=self.device) == row.slot)
