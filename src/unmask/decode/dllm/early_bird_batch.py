@@ -86,8 +86,11 @@ class EarlyBird(CanvasBatch):
     (the row's block counter) and, on selection steps, ``selected`` (the block's positions);
     ``on_forward(state)`` (trace collection, tests) after every commit with the (n, L) tensors
     ``masked`` (before), ``block``, ``cand``, ``features`` (n, L, 5), ``top1``, ``kappa``, ``p_lps``,
-    ``chosen``, ``tokens``, ``canvas`` (after), ``selected`` / ``path`` (n,) and ``ids`` (each
-    slot's request id, -1 for a free slot). ``static``/``compile``: the preallocated cache /
+    ``chosen``, ``tokens``, ``canvas`` (after), ``selected`` / ``path`` (n,), ``ids`` (each
+    slot's request id, -1 for a free slot) and ``logits`` (n, HI - LO, V), the forward's before the
+    rows' ``logit_bias`` (column j scores generated position ``window[0] + j``). A row's
+    ``logit_bias`` is added before the routers and the commit rule read the logits; with ``logprobs``
+    its finished row has them (commit-time, :mod:`unmask.decode.blocks.commit_shaping`). ``static``/``compile``: the preallocated cache /
     compiled forwards (every forward then covers all ``capacity`` slots; routers and the commit
     rule stay eager). Raises UnmaskError from ``join`` for a request that does not fit.
     """
@@ -318,6 +321,7 @@ class EarlyBird(CanvasBatch):
                              "cand": self.block[:n] & masked, "features": feats, "top1": top1, "kappa": kappa,
                              "p_lps": p_lps, "chosen": chosen, "tokens": tokens, "canvas": gen.clone(),
                              "selected": torch.tensor(select, device=dev), "path": path, "window": window,
+                             "logits": raw,  # (n, HI - LO, V), column j scoring generated position LO + j
                              # slot r's request id (-1: a free slot); slots are not prompt order once rows finish
                              "ids": [-1 if row is None else row.job.id for row in rows]})
         self.forwards += 1
