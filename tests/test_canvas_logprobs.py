@@ -173,3 +173,14 @@ def test_a_dropped_row_keeps_no_logprobs(bundles):
         done += dec.step()
     assert [e.token for e in done[0].logprobs] == done[0].tokens
     assert dec.shaping._marks == {}
+
+
+@pytest.mark.parametrize("name", ["diffusion-dual", "early-bird", "block", "sbd", "multiblock"])
+def test_the_static_cache_reports_the_eager_logprobs_and_bias(bundles, name):
+    spec, bundle, prompts, options = case(name, bundles)
+    asks = dict(logprobs=2, logit_bias={7: 3.0, 9: -2.0})
+    eager = spec.decode(bundle, prompts, max_new_tokens=12, **asks, **options)
+    static = spec.decode(bundle, prompts, max_new_tokens=12, static=True, **asks, **options)
+    assert static.tokens == eager.tokens
+    for a, b in zip(sum(static.logprobs, []), sum(eager.logprobs, [])):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-4)

@@ -242,7 +242,7 @@ class BlockDecoder(SlotRows):
             self.qstep[:R] += had.long()
             read.add("count", chosen.sum(dim=1)).add("block", block)
             read.add("left", (editable & (block == self.mask_id)).any(dim=1))
-            self.shaping.add(read, slotted(self.running, self.R), raw, tokens, chosen, bstart - gen_start)
+            self.shaping.add(read, slotted(self.running, R), lambda: (raw, tokens, chosen, bstart - gen_start))
         adv = go & ~ended
         self.bstart[:R] += adv.long() * B
         self.qstep[:R] *= (~adv).long()

@@ -70,19 +70,21 @@ class CommitShaping:
         ks = [asks_logprobs(r.job) for r in rows if r is not None and asks_logprobs(r.job) is not None]
         return max(ks) if ks else None
 
-    def add(self, read, rows: list, raw: torch.Tensor, tokens: torch.Tensor, on: torch.Tensor,
-            first: torch.Tensor | int) -> None:
-        """Add the step's logprob columns to ``read`` (a HostRead over the same n slots) when some of
-        ``rows`` asks: ``raw`` (n, Q, V) the forward's raw logits, ``tokens`` (n, Q) the ids committed,
-        ``on`` (n, Q) bool the columns committed this step, ``first`` (n,) long (or an int) the
-        generated position of column 0 (column j is position first + j). Columns "lp_*"."""
+    def add(self, read, rows: list, step) -> None:
+        """Add the step's logprob columns ("lp_*") to ``read`` (a HostRead over the same n slots) when
+        some of ``rows`` asks. ``step()`` -> (raw, tokens, on, first), called only then (a step no row
+        asks of runs no tensor op more): ``raw`` (n, Q, V) the forward's raw logits, ``tokens`` (n, Q)
+        the ids committed, ``on`` (n, Q) bool the columns committed this step, ``first`` (n,) long (or
+        an int, or a list of n ints) the generated position of column 0 (column j is position first + j)."""
         k = self.k(rows)
         if k is None:
             return
+        raw, tokens, on, first = step()
         n, Q = tokens.shape
         chosen, ids, vals = columns(raw, tokens, k)  # (n, Q), (n, Q, k), (n, Q, k)
         if not torch.is_tensor(first):
-            first = torch.full((n,), first, dtype=torch.long, device=tokens.device)
+            first = torch.tensor([first] * n if isinstance(first, int) else first, dtype=torch.long,
+                                 device=tokens.device)
         read.add("lp_on", on).add("lp_first", first).add("lp", as_bits(chosen))
         read.add("lp_ids", ids.reshape(n, Q * k)).add("lp_vals", as_bits(vals).reshape(n, Q * k))
 

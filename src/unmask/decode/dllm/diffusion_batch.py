@@ -170,8 +170,7 @@ class Diffusion(CanvasBatch):
         Lmax = max(r.cfg.gen_length if r else Bk for r in rows)
         if self.on_step is not None:
             host.add("chosen", chosen).add("tokens", tokens).add("gen", canvas.ids[:n, T - Lmax:])
-        self.shaping.add(host, rows, raw, tokens, chosen,
-                         torch.tensor([0 if r is None else r.block * Bk for r in rows], device=dev))
+        self.shaping.add(host, rows, lambda: (raw, tokens, chosen, [0 if r is None else r.block * Bk for r in rows]))
         got = host.read()
         self.forwards += 1
         for r, row in enumerate(rows):

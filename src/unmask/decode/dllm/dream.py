@@ -253,8 +253,8 @@ class DreamSchedule(CanvasBatch):
         host = HostRead().add("count", landed_all.sum(dim=1)).add("gen", c.ids[:n, T - Lmax:])
         if self.on_step is not None:
             host.add("landed", landed_all).add("tokens", tokens_all)
-        self.shaping.add(host, slotted, raw, tokens_all, landed_all,
-                         torch.tensor([0 if r is None else r.L - Lmax for r in slotted], device=logits.device))
+        self.shaping.add(host, slotted, lambda: (raw, tokens_all, landed_all,
+                                                 [0 if r is None else r.L - Lmax for r in slotted]))
         read = host.read()
         finished = []
         for row in rows:

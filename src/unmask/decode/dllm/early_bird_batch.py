@@ -284,7 +284,7 @@ class EarlyBird(CanvasBatch):
         if self.on_step is not None:
             host.add("chosen", chosen).add("tokens", tokens).add("block", block)
         LO, HI = window
-        self.shaping.add(host, rows, raw, tokens[:, LO:HI], chosen[:, LO:HI], LO)
+        self.shaping.add(host, rows, lambda: (raw, tokens[:, LO:HI], chosen[:, LO:HI], LO))
         got = host.read()
         self.seconds["step"] += _sync(dev) - t0
         finished = []

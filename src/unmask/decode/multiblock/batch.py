@@ -78,7 +78,9 @@ class MultiBlockDecoder(SlotRows):
     join (``decode``). A prefill runs eagerly and is placed into the joining slots; the slot tensors
     grow to a power-of-two row bucket. ``defer_compile``: see :class:`~unmask.decode.engine.kv.StaticKV`.
     ``on_step(row, event)``, ``on_token(row)`` (once per output token, at the end: T2T may still edit
-    committed tokens), ``on_forward(state)`` (tests). Raises UnmaskError when N_buf·B exceeds the
+    committed tokens), ``on_forward(state)`` (tests; its logits before the rows' ``logit_bias``, which is
+    added before M2T/T2T read them; with ``logprobs`` a finished row has them from the forward that
+    committed or last edited each token). Raises UnmaskError when N_buf·B exceeds the
     context window, or a row does not fit a static cache.
     """
 
@@ -224,8 +226,8 @@ class MultiBlockDecoder(SlotRows):
         read.add("edits", info.edited.sum(dim=(1, 2))).add("stored", stored).add("done", done).add("capped", capped)
         read.add("stopped", (stop_block != bb.NO_STOP) & done).add("to_cache", (self.w.state == bb.TO_CACHE).sum(dim=1))
         read.add("seq", self.seq)
-        self.shaping.add(read, slots, raw, top1.view(R, S * B), (info.committed | info.edited).view(R, S * B),
-                         before.front * B - before.gen_start)  # a T2T edit's logprob replaces its commit's
+        self.shaping.add(read, slots, lambda: (raw, top1.view(R, S * B), (info.committed | info.edited).view(
+            R, S * B), before.front * B - before.gen_start))  # a T2T edit's logprob replaces its commit's
         if self.on_step is not None:  # what the step events show, in the same read
             event_columns(read, before, info, top1, w)
         got = read.read()  # the step's one host sync
