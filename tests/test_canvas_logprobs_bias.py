@@ -100,3 +100,14 @@ def test_a_server_batch_with_mixed_asks_reads_once_and_reports_each_row_as_alone
         for x, y in zip(row.logprobs, alone.logprobs[0]):
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+@pytest.mark.parametrize("name", ["diffusion", "early-bird", "block", "multiblock"])
+def test_the_bias_rows_are_built_once_while_the_rows_stay(bundles, name, monkeypatch):
+    import unmask.decode.blocks.commit_shaping as cs
+
+    spec, bundle, prompts, options = case(name, bundles)
+    built, real = [], cs.bias_rows
+    monkeypatch.setattr(cs, "bias_rows", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    out = spec.decode(bundle, prompts[:1], max_new_tokens=12, logit_bias={7: 0.5}, **options)
+    assert out.stats.nfe > 1 and len(built) == 1
