@@ -74,8 +74,8 @@ class CanvasBatch(CanvasRows):
     the ids a step read (:meth:`_finish`, the subclass's ``_row_extra``) and the ``stats.extra``
     keys both report (:meth:`_extra`). ``block``: the canvas's block (None: early-bird's windows).
     ``shaping`` (:class:`~unmask.decode.blocks.commit_shaping.CommitShaping`): a row's ``logit_bias`` is
-    added to its logits before the commit rule reads them (and ``on_forward`` sees them biased, early-bird's
-    ``logits`` excepted); with ``logprobs`` its finished row has them, commit-time."""
+    added to its logits before the commit rule reads them (``on_forward`` sees them biased); with
+    ``logprobs`` its finished row has them, commit-time."""
 
     def __init__(self, bundle, cfg, *, block, width, capacity, static, compile, on_step, on_forward, lockstep,
                  stop_token_ids, length=None):

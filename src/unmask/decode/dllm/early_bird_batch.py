@@ -87,8 +87,8 @@ class EarlyBird(CanvasBatch):
     ``on_forward(state)`` (trace collection, tests) after every commit with the (n, L) tensors
     ``masked`` (before), ``block``, ``cand``, ``features`` (n, L, 5), ``top1``, ``kappa``, ``p_lps``,
     ``chosen``, ``tokens``, ``canvas`` (after), ``selected`` / ``path`` (n,), ``ids`` (each
-    slot's request id, -1 for a free slot) and ``logits`` (n, HI - LO, V), the forward's before the
-    rows' ``logit_bias`` (column j scores generated position ``window[0] + j``). A row's
+    slot's request id, -1 for a free slot) and ``logits`` (n, HI - LO, V), the forward's as the routers
+    and the rule read them (column j scores generated position ``window[0] + j``). A row's
     ``logit_bias`` is added before the routers and the commit rule read the logits; with ``logprobs``
     its finished row has them (commit-time, :mod:`unmask.decode.blocks.commit_shaping`). ``static``/``compile``: the preallocated cache /
     compiled forwards (every forward then covers all ``capacity`` slots; routers and the commit
@@ -228,7 +228,7 @@ class EarlyBird(CanvasBatch):
         lps_only = (chosen & (kappa < cfg.tau) & (p_lps > tau_psi)).sum(dim=1) if p_lps is not None else path * 0
         gen.copy_(torch.where(chosen, tokens, gen))
         return self._settle(rows, select, masked, chosen, tokens, path, lps_only, feats, top1, kappa, p_lps,
-                            (LO, HI), t0, raw)
+                            (LO, HI), t0, (logits, raw))
 
     def _tokens(self, rows, logits, cand_w, top1_w, LO):
         """The candidates' tokens (n, HI - LO) (argmax, or each sampled row's draw with its generator)
@@ -248,9 +248,10 @@ class EarlyBird(CanvasBatch):
         return tokens, kappa
 
     def _settle(self, rows, select, masked, chosen, tokens, path, lps_only, feats, top1, kappa, p_lps, window, t0,
-                raw):
+                scores):
         """After the commit: stop checks (§9), cached windows of new blocks, the step's one host sync
-        (with the logprob columns of ``raw``, the window's unbiased logits) and the rows' bookkeeping.
+        (with the logprob columns of ``scores`` = (the window's biased logits, its raw ones)) and the rows'
+        bookkeeping.
         Returns the finished rows."""
         cfg, dev, mask_id, c = self.cfg, self.bundle.device, self.bundle.mask_token_id, self.canvas
         L, n, sh = cfg.gen_length, len(rows), self.bundle.logit_shift
@@ -283,7 +284,7 @@ class EarlyBird(CanvasBatch):
         host.add("gen", gen)
         if self.on_step is not None:
             host.add("chosen", chosen).add("tokens", tokens).add("block", block)
-        LO, HI = window
+        (LO, HI), (logits, raw) = window, scores
         self.shaping.add(host, rows, lambda: (raw, tokens[:, LO:HI], chosen[:, LO:HI], LO))
         got = host.read()
         self.seconds["step"] += _sync(dev) - t0
@@ -321,7 +322,7 @@ class EarlyBird(CanvasBatch):
                              "cand": self.block[:n] & masked, "features": feats, "top1": top1, "kappa": kappa,
                              "p_lps": p_lps, "chosen": chosen, "tokens": tokens, "canvas": gen.clone(),
                              "selected": torch.tensor(select, device=dev), "path": path, "window": window,
-                             "logits": raw,  # (n, HI - LO, V), column j scoring generated position LO + j
+                             "logits": logits,  # (n, HI - LO, V), column j scoring generated position LO + j
                              # slot r's request id (-1: a free slot); slots are not prompt order once rows finish
                              "ids": [-1 if row is None else row.job.id for row in rows]})
         self.forwards += 1
