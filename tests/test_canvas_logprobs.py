@@ -184,3 +184,23 @@ def test_the_static_cache_reports_the_eager_logprobs_and_bias(bundles, name):
     assert static.tokens == eager.tokens
     for a, b in zip(sum(static.logprobs, []), sum(eager.logprobs, [])):
         assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_a_t2t_edit_reports_the_logprob_of_the_forward_that_edited_the_token(bundles):
+    """multiblock with T2T: a token's value comes from the last forward whose input at its position
+    differed from it (the forward that committed it, or the last that edited it)."""
+    spec, bundle, prompts, _ = case("multiblock", bundles)
+    states = []
+    out = spec.decode(bundle, prompts[:1], max_new_tokens=12, logprobs=2, slots=2, tau_m2t=0.6, tau_add=0.3,
+                      tau_t2t=0.3, on_forward=states.append)
+    tokens, P = out.tokens[0], len(prompts[0])
+    assert out.stats.extra["edits"] > 0
+    want = {}
+    for s in states:
+        active = (s["window"].state[0] == bb.ACTIVE).repeat_interleave(s["window"].block_size)
+        for j, (p, t) in enumerate(zip((s["positions"][0] - P).tolist(), s["inp"][0].tolist())):
+            if active[j] and 0 <= p < len(tokens) and t != tokens[p]:
+                want[p] = torch.log_softmax(s["logits"][0, j].float(), dim=-1)
+    assert [e.token for e in out.logprobs[0]] == tokens
+    for p, e in enumerate(out.logprobs[0]):
+        assert e.logprob == pytest.approx(float(want[p][tokens[p]]), abs=1e-6)
