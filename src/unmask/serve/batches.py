@@ -41,8 +41,9 @@ def _done(row, bundle) -> None:
         return
     if reason == "length" and per_call.stopped(bundle, row.job, row.tokens):  # a canvas that filled at once
         reason = "stop"  # the text is cut at the stop string, so the answer ended there, not at the length
+    asked = {} if row.job.logprobs is None else {"logprobs": row.logprobs}
     row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": reason,
-                            "stop_token": row.stop_token, "logprobs": row.logprobs})
+                            "stop_token": row.stop_token, **asked})
 
 
 def grammar_dead_end(row) -> ApiError:

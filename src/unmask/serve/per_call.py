@@ -107,4 +107,4 @@ def run_batch(sched, jobs: list) -> None:
         reason = "length" if len(toks) >= j.max_new_tokens and not stopped(sched.bundle, j, toks) else "stop"
         j.finish("done", {"tokens": toks, "nfe": int(out.stats.nfe_per_row[i]), "finish_reason": reason,
                           "stop_token": out.stats.row(i)["stop_token"],
-                          "logprobs": None if out.logprobs is None else out.logprobs[i]})
+                          **({} if out.logprobs is None else {"logprobs": out.logprobs[i]})})
