@@ -37,6 +37,7 @@ class Shaping:
         self.bits = None  # (R, Q, words) int32 of the step: the grammar rows' allowed ids per query
         self.raw = None  # (R, Q, V) the step's logits before bias and mask (a row asks logprobs)
         self.cols = None  # the step's logprob columns, for the host read
+        self.tables = {}  # Kmax -> the window tables' tok, path, path_len as host lists
 
     @property
     def active(self) -> bool:
@@ -113,8 +114,9 @@ class Shaping:
         got = torch.cat([b.draft_len[idx, None], b.s[idx], b.sib[idx, : tw.H]], 1).tolist()  # the drafts, on the host
         words = grammar[0].matcher.words
         bits = torch.full((R, Q, words), -1, dtype=torch.int32)
-        tok, path, path_len = tw.tok.tolist(), tw.path.tolist(), tw.path_len.tolist()
-        failed = []
+        if Kmax not in self.tables:
+            self.tables[Kmax] = (tw.tok.tolist(), tw.path.tolist(), tw.path_len.tolist())
+        tok, path, path_len = self.tables[Kmax]
         for row, g in zip(grammar, got):
             K, dl, s, sib = row.K, g[0], g[1: 1 + W], g[1 + W:]
             if (m := len(forced := row.matcher.forced(0 if b.cfg.host else K - 1))):  # accepted for free (§3)
@@ -126,9 +128,15 @@ class Shaping:
                 if p and not L:
                     continue  # no such sibling path at this draft length
                 nodes = path[K - 1][dl][p][: L + 1]
-                out = torch.full((L + 1, words), -1, dtype=torch.int32)
-                row.matcher.path_masks([pool[tok[K - 1][dl][q]] for q in nodes[1:]], out)
-                bits[row.slot, nodes] = out
+                draft = [pool[tok[K - 1][dl][q]] for q in nodes[1:]]
+                if p:  # a sibling path: its own rows, scattered to its queries
+                    out = torch.full((len(nodes), words), -1, dtype=torch.int32)
+                    row.matcher.path_masks(draft, out)
+                    bits[row.slot, nodes] = out
+                else:  # the chain: verify queries 0..L, consecutive rows of the row's bitmasks
+                    row.matcher.path_masks(draft, bits[row.slot, : L + 1])
+        failed = []
+        for row in grammar:
             if not bits[row.slot, 0].any():  # the grammar allows no id at all
                 row.finish, row.error = "error", f"the grammar allows no token after {len(row.tokens)} generated " \
                     f"tokens{f' ({row.matcher.error})' if row.matcher.error else ''}; check the grammar"
