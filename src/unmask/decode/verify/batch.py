@@ -326,7 +326,7 @@ class Verify:
         mask = None if causal else torch.cat([self.key_valid[:R, None, :].expand(R, Q, C), m], dim=2)[:, None]  # (R, 1, Q, C+Q)
         logits = self.kv.forward(inp, positions, mask, **({} if compiled else {"compiled": False}))  # (R, Q, V)
         out = sv.settle(*(a_p_tok := ss.accept_rows(self, logits, inp, tw, R, Kmax, s, dl)), *rows)
-        self.shaping.record(tw, K, dl, a_p_tok[1], a_p_tok[2])
+        self.shaping.record(tw, K, dl, *a_p_tok, logits)
         if self.on_forward is not None:
             vr.forward_info(self, inp, positions, logits, a_p_tok[0])
         return out

@@ -26,6 +26,7 @@ class VerifyRow(Row):
     drafts: object = None  # its model-free drafting (:class:`~unmask.decode.verify.drafting.RowDrafts`), if any
     block_len: int = 0  # the block draft's length in the next step
     matcher: object = None  # its grammar's state (:class:`unmask.grammar.Matcher`), if any
+    cands: list | None = None  # greedy grammar rows: ranked ids per next-draft position (verify/shaped.py)
 
 
 def settle(row: VerifyRow, rule: StopRule, bundle, start: int, draft: str, on_token=None) -> bool:

@@ -5,9 +5,12 @@ biased) AR's, its logprobs equal AR's.
 Per step, for the rows that ask (no row asking: no work, and the compiled whole step runs):
 
 - before the forward (:meth:`Shaping.prepare`, one host read of the drafts): a grammar row's forced
-  ids (the grammar allows one id alone, then one after it, ...) replace the head of its draft, so they
-  are accepted for free (§3; within K - 1 on a block layout; the host layout's model-free drafts keep
-  theirs); then its matcher fills the allowed-id bitmask of every query on each draft path (the state
+  ids (the grammar allows one id alone, then one after it, ...) go into its draft, so they are accepted
+  for free (§3; within K - 1 on a block layout; the host layout's model-free drafts keep theirs); a
+  greedy row's whole draft is rebuilt on the host from its block mode's ranked candidates
+  (:data:`CANDIDATES` per position, read with the previous step) and the forced ids: the best id the
+  grammar allows at each position (any draft is lossless; one the grammar refuses could never be
+  accepted); then its matcher fills the allowed-id bitmask of every query on each draft path (the state
   after b and the path's ids before it, rolled back after), so a refused draft id ends its path (§2);
 - after the forward (:meth:`Shaping.apply`, on the logits the acceptance reads): the raw logits kept
   for logprobs, the bias added, the grammar's disallowed ids set to -inf;
@@ -27,6 +30,9 @@ from unmask.decode.verify.config import queries
 from unmask.grammar import allowed
 
 
+CANDIDATES = 4  # ranked block-mode ids kept per next-draft position of a greedy grammar row
+
+
 class Shaping:
     """The asks of a :class:`~unmask.decode.verify.batch.Verify` batch's rows (see the module docstring)."""
 
@@ -38,6 +44,7 @@ class Shaping:
         self.raw = None  # (R, Q, V) the step's logits before bias and mask (a row asks logprobs)
         self.cols = None  # the step's logprob columns, for the host read
         self.tables = {}  # Kmax -> the window tables' tok, path, path_len as host lists
+        self.cand = None  # (R, Kmax - 1, CANDIDATES) the step's ranked next-draft ids (greedy grammar rows)
 
     @property
     def active(self) -> bool:
@@ -119,10 +126,14 @@ class Shaping:
         tok, path, path_len = self.tables[Kmax]
         for row, g in zip(grammar, got):
             K, dl, s, sib = row.K, g[0], g[1: 1 + W], g[1 + W:]
-            if (m := len(forced := row.matcher.forced(0 if b.cfg.host else K - 1))):  # accepted for free (§3)
-                s[:m], dl = forced, max(dl, m)
-                b.s[row.slot, :m] = torch.tensor(forced, dtype=torch.long, device=b.device)
-                b.draft_len[row.slot] = dl
+            if row.cands is not None and K > 1:  # greedy: forced ids and the best allowed candidates
+                new = row.matcher.draft(row.cands, K - 1)
+                s[: len(new)], dl, row.cands = new, len(new), None
+            elif m := len(new := row.matcher.forced(0 if b.cfg.host else K - 1)):  # accepted for free (§3)
+                s[:m], dl = new, max(dl, m)
+            if new:
+                b.s[row.slot, : len(new)] = torch.tensor(new, dtype=torch.long, device=b.device)
+            b.draft_len[row.slot] = dl
             pool = [row.committed[-1], *s[: Kmax - 1], *sib, b.fill_id]  # tree.py's pool: b, the draft, siblings, mask
             for p, L in enumerate(path_len[K - 1][dl]):
                 if p and not L:
@@ -157,12 +168,20 @@ class Shaping:
         if self.bits is not None:
             logits.masked_fill_(~allowed(self.bits[:R], logits.shape[-1]), float("-inf"))
 
-    def record(self, tw, K: torch.Tensor, dl: torch.Tensor, p: torch.Tensor, step_tok: torch.Tensor) -> None:
-        """After acceptance: the logprob columns of the step's ids step_tok (R, Kmax), each at its window query
-        on the winning path p (R,) (AR rows: query 0)."""
+    def record(self, tw, K: torch.Tensor, dl: torch.Tensor, a: torch.Tensor, p: torch.Tensor, step_tok: torch.Tensor,
+               logits: torch.Tensor) -> None:
+        """After acceptance (a accepted on path p (R,), step_tok (R, Kmax), logits (R, Q, V) as accepted): the
+        logprob columns of the step's ids, each at its window query on the winning path (AR rows: query 0);
+        with greedy grammar rows on a block layout, the ranked candidates of each next-draft position (the
+        queries the next draft comes from), from which :meth:`prepare` drafts ids the grammar allows."""
+        R, Kmax = step_tok.shape
+        if Kmax > 1 and self.bits is not None and not self.batch.cfg.host and any(
+                r.matcher is not None and r.job.sampling.greedy for r in self.batch.rows.values()):
+            src = tw.src[K - 1, dl, p, a][:, : Kmax - 1]  # (R, Kmax - 1)
+            self.cand = logits.gather(1, src[..., None].expand(R, Kmax - 1, logits.shape[-1])).topk(
+                min(CANDIDATES, logits.shape[-1]), dim=-1).indices  # (R, Kmax - 1, C)
         if self.raw is None:
             return
-        R, Kmax = step_tok.shape
         at = tw.path[K - 1, dl, p, :Kmax]  # (R, Kmax): the winning path's nodes (AR rows: query 0)
         raw = self.raw.gather(1, at[..., None].expand(R, Kmax, self.raw.shape[-1]))  # (R, Kmax, V)
         k = max(_k(r.job) or 0 for r in self.batch.rows.values())
@@ -175,6 +194,8 @@ class Shaping:
         if self.cols is not None:
             k, chosen, ids, vals = self.cols
             read.add("lp", chosen).add("lp_ids", ids.reshape(ids.shape[0], -1)).add("lp_vals", vals)
+        if self.cand is not None:
+            read.add("cand", self.cand.reshape(self.cand.shape[0], -1))
 
     def after_read(self, got: dict) -> None:
         """The host side of a step: logprob entries appended, matchers advanced over the committed ids."""
@@ -189,7 +210,10 @@ class Shaping:
                 row.logprobs.extend(sh.entries(new, got["lp"][slot][:c], [ids[j * k: j * k + kk] for j in range(c)],
                                                [vals[j * k: j * k + kk] for j in range(c)]))
             self._advance(row, new)
-        self.cols = None
+            if "cand" in got and row.matcher is not None and row.job.sampling.greedy:
+                C = self.cand.shape[2]
+                row.cands = [got["cand"][slot][j * C: (j + 1) * C] for j in range(self.cand.shape[1])]
+        self.cols = self.cand = None
 
     def _advance(self, row, ids: list[int]) -> None:
         m = getattr(row, "matcher", None)
