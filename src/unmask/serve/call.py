@@ -69,10 +69,20 @@ class _Part:
                        logprobs=req.logprobs, logit_bias=req.logit_bias, grammar=req.grammar, group=group)
         self.first_token_at: float | None = None
         self.usage: dict | None = None  # set when done
+        self.canvas: list = []  # the last step's canvas
 
     def saw_step(self, event: dict) -> None:
         if self.first_token_at is None and event.get("positions"):
             self.first_token_at = time.monotonic()
+
+    def shown(self, canvas_mode: bool) -> list:
+        """The committed ids whose text a committed-mode stream may send now: with logprobs from the verify
+        batch (reported as it commits, sometimes just after the step's event), those whose logprobs came,
+        so every chunk carries the logprobs of its own text; otherwise the whole canvas (a canvas decoder's
+        logprobs come with the last chunk)."""
+        if self.logprobs is None or canvas_mode or (self.job.running_key or ("",))[0] != "verify":
+            return self.canvas
+        return self.canvas[: len(self.logprobs.entries)]
 
 
 class Call:
@@ -259,15 +269,17 @@ class Call:
             while True:
                 index, kind, payload = event
                 part = self.parts[index]
-                if kind == "step":
-                    part.saw_step(payload)
-                    delta = part.stream.update(payload["canvas"])
-                    if canvas or delta:
+                if kind in ("step", "logprobs"):
+                    if kind == "step":
+                        part.saw_step(payload)
+                        part.canvas = payload["canvas"]
+                    else:
+                        part.logprobs.add(payload)
+                    delta = part.stream.update(part.shown(canvas))
+                    if (canvas and kind == "step") or delta:
                         lp = part.logprobs and part.logprobs.upto(len(part.stream.sent))
                         yield self.chunk(index, delta, logprobs=lp,
-                                         **({"unmask": part.stream.canvas(payload)} if canvas else {}))
-                elif kind == "logprobs":
-                    part.logprobs.add(payload)
+                                         **({"unmask": part.stream.canvas(payload)} if canvas and kind == "step" else {}))
                 elif kind == "done":
                     delta = part.stream.finish(payload["tokens"])
                     self.record(part, payload)

@@ -83,11 +83,14 @@ class ChoiceLogprobs:
         if final is not None:
             self.entries = list(final)
             self.offsets = self.offsets[: min(len(self.offsets), self.sent + 1)]
-        return self._take(len(self.entries), always=True)
+        return self._take(len(self.entries))
 
     def whole(self, final: list | None) -> dict:
+        """The shaped logprobs of every token; ``final``: the row's whole list."""
         self.sent, self.offsets = 0, [0]
-        return self.rest(final)
+        if final is not None:
+            self.entries = list(final)
+        return self._take(len(self.entries), always=True)
 
     def _take(self, end: int, always: bool = False) -> dict | None:
         start, self.sent = self.sent, end
