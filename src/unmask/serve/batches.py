@@ -35,7 +35,7 @@ def _rows(batch) -> list:
 
 def _done(row, bundle) -> None:
     """Answer a finished row: ``("done", result)``, or for ``finish == "error"`` (its grammar allowed no
-    token) a 400 naming the grammar (README "Serving")."""
+    token) a 400 ``grammar_dead_end`` (README "Serving")."""
     reason = row.finish
     if reason == "error":
         row.job.finish("error", grammar_dead_end(row))
@@ -49,9 +49,8 @@ def _done(row, bundle) -> None:
 
 def grammar_dead_end(row) -> ApiError:
     """The 400 of a row whose grammar allowed no next token (``row.error`` says why)."""
-    return ApiError(400, f"the output's grammar allowed no next token after {len(row.tokens)} generated tokens "
-                         f"({row.error or 'no reason given'}); the model's tokenizer cannot continue it: loosen the "
-                         "schema, regex or grammar", param="structured_outputs", code="grammar_dead_end")
+    return ApiError(400, row.error or f"the grammar allows no token after {len(row.tokens)} generated tokens; check "
+                                      "the grammar", code="grammar_dead_end")
 
 
 def _post_logprobs(row) -> None:
