@@ -4,7 +4,8 @@ biased) AR's, its logprobs equal AR's.
 
 Per step, for the rows that ask (no row asking: no work, and the compiled whole step runs):
 
-- before the forward (:meth:`Shaping.prepare`, one host read of the drafts): a grammar row's forced
+- before the forward (:meth:`Shaping.prepare`; one host read of the drafts, none when each grammar row
+  drafts from its candidates on a chain layout): a grammar row's forced
   ids (the grammar allows one id alone, then one after it, ...) go into its draft, so they are accepted
   for free (§3; within K - 1 on a block layout; the host layout's model-free drafts keep theirs); a
   greedy row's whole draft is rebuilt on the host from its block mode's ranked candidates
@@ -116,15 +117,19 @@ class Shaping:
             return []
         Kmax = max(r.K for r in b.rows.values())
         R, Q, tw = b.slots.bucket if b.static else b.slots.high, queries(Kmax, b.cfg.draft, b.cfg.smaller), b._tables(Kmax)
-        idx = torch.tensor([r.slot for r in grammar], dtype=torch.long, device=b.device)
         W = b.s.shape[1]
-        got = torch.cat([b.draft_len[idx, None], b.s[idx], b.sib[idx, : tw.H]], 1).tolist()  # the drafts, on the host
+        # the drafts on the host (one read), unless every grammar row drafts from its candidates alone
+        need = [r.slot for r in grammar if r.cands is None or r.K == 1 or tw.H or b.cfg.host]
+        idx = torch.tensor(need, dtype=torch.long, device=b.device)
+        got = dict(zip(need, torch.cat([b.draft_len[idx, None], b.s[idx], b.sib[idx, : tw.H]], 1).tolist()
+                       if need else []))
         words = grammar[0].matcher.words
         bits = torch.full((R, Q, words), -1, dtype=torch.int32)
         if Kmax not in self.tables:
             self.tables[Kmax] = (tw.tok.tolist(), tw.path.tolist(), tw.path_len.tolist())
         tok, path, path_len = self.tables[Kmax]
-        for row, g in zip(grammar, got):
+        for row in grammar:
+            g = got.get(row.slot) or [0] * (1 + W)
             K, dl, s, sib = row.K, g[0], g[1: 1 + W], g[1 + W:]
             if row.cands is not None and K > 1:  # greedy: forced ids and the best allowed candidates
                 new = row.matcher.draft(row.cands, K - 1)
@@ -212,7 +217,8 @@ class Shaping:
             self._advance(row, new)
             if "cand" in got and row.matcher is not None and row.job.sampling.greedy:
                 C = self.cand.shape[2]
-                row.cands = [got["cand"][slot][j * C: (j + 1) * C] for j in range(self.cand.shape[1])]
+                n = got["dlen"][slot]  # the next block draft's length: its candidates past it are no draft
+                row.cands = [got["cand"][slot][j * C: (j + 1) * C] for j in range(min(n, self.cand.shape[1]))]
         self.cols = self.cand = None
 
     def _advance(self, row, ids: list[int]) -> None:
