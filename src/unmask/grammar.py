@@ -181,12 +181,16 @@ class Matcher:
         tokens)."""
         return [] if limit <= 0 or self.m.is_stopped() else list(self.m.compute_ff_tokens()[:limit])
 
-    def mask(self, out: torch.Tensor) -> None:
-        """Fill ``out`` (words,) int32 (CPU, contiguous) with the allowed ids at the current state."""
-        self.m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+    def mask(self, out) -> None:
+        """Fill ``out`` (words,) int32, a contiguous numpy array or CPU tensor, with the allowed ids at the
+        current state."""
+        if isinstance(out, torch.Tensor):
+            self.m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+        else:
+            self.m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
 
-    def path_masks(self, draft: list[int], out: torch.Tensor) -> None:
-        """Fill ``out`` (len(draft) + 1, words) int32 (CPU, contiguous rows): row 0 the mask at the current
+    def path_masks(self, draft: list[int], out) -> None:
+        """Fill ``out`` (len(draft) + 1, words) int32 (numpy or CPU tensor, contiguous rows): row 0 the mask at the current
         state, row j the mask after draft[:j]. Past the first id the grammar refuses, rows are left as
         they are (no acceptance reaches them). The state is unchanged afterwards."""
         self.mask(out[0])

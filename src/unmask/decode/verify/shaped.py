@@ -24,6 +24,7 @@ Per step, for the rows that ask (no row asking: no work, and the compiled whole 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from unmask.decode.engine import shaping as sh
@@ -124,7 +125,7 @@ class Shaping:
         got = dict(zip(need, torch.cat([b.draft_len[idx, None], b.s[idx], b.sib[idx, : tw.H]], 1).tolist()
                        if need else []))
         words = grammar[0].matcher.words
-        bits = torch.full((R, Q, words), -1, dtype=torch.int32)
+        bits = np.full((R, Q, words), -1, dtype=np.int32)  # numpy: filling and checking it reads no device
         if Kmax not in self.tables:
             self.tables[Kmax] = (tw.tok.tolist(), tw.path.tolist(), tw.path_len.tolist())
         tok, path, path_len = self.tables[Kmax]
@@ -146,18 +147,18 @@ class Shaping:
                 nodes = path[K - 1][dl][p][: L + 1]
                 draft = [pool[tok[K - 1][dl][q]] for q in nodes[1:]]
                 if p:  # a sibling path: its own rows, scattered to its queries
-                    out = torch.full((len(nodes), words), -1, dtype=torch.int32)
+                    out = np.full((len(nodes), words), -1, dtype=np.int32)
                     row.matcher.path_masks(draft, out)
                     bits[row.slot, nodes] = out
                 else:  # the chain: verify queries 0..L, consecutive rows of the row's bitmasks
                     row.matcher.path_masks(draft, bits[row.slot, : L + 1])
         failed = []
         for row in grammar:
-            if not bits[row.slot, 0].any():  # the grammar allows no id at all
+            if not bits[row.slot, 0].any():  # the grammar allows no id at all (a numpy read)
                 row.finish, row.error = "error", f"the grammar allows no token after {len(row.tokens)} generated " \
                     f"tokens{f' ({row.matcher.error})' if row.matcher.error else ''}; check the grammar"
                 failed.append(row)
-        self.bits = bits.to(b.device)
+        self.bits = torch.from_numpy(bits).to(b.device)
         return failed
 
     def apply(self, logits: torch.Tensor) -> None:
