@@ -41,13 +41,14 @@ class RuleMatcher:
     words, error, done = 1, None, False
 
     def __init__(self):
-        self.seq = []
+        self.seq, self.forced_ids = [], 0
 
     def consume(self, ids):
         for t in ids:
             if t not in rule(self.seq):
                 self.error = f"refused {t}"
                 return False
+            self.forced_ids += len(rule(self.seq)) == 1
             self.seq.append(t)
         return True
 
@@ -132,8 +133,9 @@ def test_forced_ids_ride_in_the_draft(tiny):
     out = run(tiny, prompts, 24, Sampling(), "sbd", verify=True, block_size=4, draft="linear")
     accepts = [c for r in out.stats.extra["row_extra"] for c in r["accepts"][1:]]
     assert max(accepts) >= 2  # drafts were accepted
-    row = out.tokens[0]
-    assert all(row[j + 1] == 0 for j in range(len(row) - 1) if row[j] == 4)
+    for row, extra in zip(out.tokens, out.stats.extra["row_extra"]):
+        assert all(row[j + 1] == 0 for j in range(len(row) - 1) if row[j] == 4)
+        assert extra["forced"] == sum(row[j] == 4 for j in range(len(row) - 1)) > 0
 
 
 def test_sampled_constrained_lossless_has_the_constrained_ar_distribution(tiny):

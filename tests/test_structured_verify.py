@@ -146,6 +146,10 @@ def test_forced_ids_are_committed_without_forwards_of_their_own(stories):
     out = unmask.generate(["Once upon a time"], stories, "sbd", max_new_tokens=60, grammar=g)
     accepts, K = out.stats.extra["row_extra"][0]["accepts"], out.stats.extra["block_size"]
     assert accepts[0] == 1 and accepts[1] == K  # '{' from the prefill, then '"name": "' forced: a full window
+    forced = out.stats.extra["row_extra"][0]["forced"]
+    text = out.texts[0]  # '{' '"name": "' ... '", "age": ' ... ', "pet": "' ...: the schema's punctuation and keys
+    assert 8 <= forced < len(out.tokens[0])  # at least '{"name": "' (8 ids in this tokenizer)
+    assert text.startswith('{"name": "')
     ar = unmask.generate(["Once upon a time"], stories, "ar", max_new_tokens=60, grammar=g)
     assert out.tokens == ar.tokens and out.stats.nfe < ar.stats.nfe
 

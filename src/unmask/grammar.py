@@ -155,11 +155,13 @@ class Compiled:
 class Matcher:
     """One row's grammar state: the ids consumed so far (its committed tokens).
 
-    :meth:`masks` fills the allowed-token bitmasks at a draft's positions without moving the state;
-    :meth:`consume` moves it over committed ids; :meth:`forced` gives the ids the grammar forces next."""
+    :meth:`path_masks` fills the allowed-token bitmasks at a draft's positions without moving the state;
+    :meth:`consume` moves it over committed ids (counting the forced ones: ``forced_ids``); :meth:`forced`
+    gives the ids the grammar forces next; :meth:`draft` a draft it allows."""
 
     def __init__(self, m, vocab: int):
         self.m, self.vocab = m, vocab
+        self.forced_ids = 0  # consumed ids the grammar forced (it allowed nothing else there)
 
     @property
     def words(self) -> int:
@@ -172,8 +174,10 @@ class Matcher:
         for t in ids:
             if self.m.is_stopped():
                 break
+            forced = self.m.compute_ff_tokens()
             if not self.m.consume_token(int(t)):
                 return False
+            self.forced_ids += bool(forced) and forced[0] == t
         return not self.m.is_error()
 
     def forced(self, limit: int) -> list[int]:

@@ -113,7 +113,9 @@ class Shaping:
         caller frees them and prepares again), else []."""
         b = self.batch
         self.bits, self.raw, self.cols = None, None, None
-        grammar = [r for r in b.rows.values() if getattr(r, "matcher", None) is not None]
+        if not self.asking:
+            return []
+        grammar = [r for r in b.rows.values() if r.matcher is not None]
         if not grammar:
             return []
         Kmax = max(r.K for r in b.rows.values())
