@@ -101,10 +101,14 @@ def test_a_canvas_decoder_reports_commit_time_logprobs():
     dlm = unmask.load("stories260K-dlm")
     with ServerThread(create_app(dlm)) as s:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        r = c.completions.create(model="stories260K-dlm", prompt=PROMPT, max_tokens=16, logprobs=1,
-                                 extra_body={"decoder": "diffusion"})
+        kw = dict(model="stories260K-dlm", prompt=PROMPT, max_tokens=16, logprobs=1, extra_body={"decoder": "diffusion"})
+        r = c.completions.create(**kw)
+        chunks = [ch.choices[0] for ch in c.completions.create(**kw, stream=True)]
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == r.usage.completion_tokens and all(v <= 0 for v in lp.token_logprobs)
+    # streamed: the text as it commits, the logprobs (reported when the row finishes) with the last chunk
+    assert "".join(ch.text for ch in chunks) == r.choices[0].text
+    assert [v for ch in chunks if ch.logprobs for v in ch.logprobs.token_logprobs] == lp.token_logprobs
 
 
 # --- structured output -------------------------------------------------------------------------
