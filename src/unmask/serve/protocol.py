@@ -5,7 +5,8 @@ options a decoder takes (``check_options``: its config), the sampling knobs (``S
 prompt against the context window (``encode_prompts``); the knob names and value types are the
 registered decoders' ``serve`` knobs (:mod:`unmask.decode`). Each error becomes an :class:`ApiError` (HTTP 400)
 with the offending field in ``param``. The decoder's own checks of its option values (block
-size, γ, τ, ...) run when the batch starts and are answered with 400 too.
+size, γ, τ, ...) run when the batch starts and are answered with 400 too. ``logprobs`` / ``top_logprobs``,
+``n``, ``logit_bias``, ``response_format`` and ``structured_outputs`` are checked by :mod:`unmask.serve.asks`.
 
 Chat messages become prompt ids as everywhere in unmask (:mod:`unmask.prompts`): the
 tokenizer's chat template tokenized by itself, or the plain template when the tokenizer has none.
