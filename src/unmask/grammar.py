@@ -155,11 +155,13 @@ class Compiled:
 class Matcher:
     """One row's grammar state: the ids consumed so far (its committed tokens).
 
-    :meth:`masks` fills the allowed-token bitmasks at a draft's positions without moving the state;
-    :meth:`consume` moves it over committed ids; :meth:`forced` gives the ids the grammar forces next."""
+    :meth:`path_masks` fills the allowed-token bitmasks at a draft's positions without moving the state;
+    :meth:`consume` moves it over committed ids (counting the forced ones: ``forced_ids``); :meth:`forced`
+    gives the ids the grammar forces next; :meth:`draft` a draft it allows."""
 
     def __init__(self, m, vocab: int):
         self.m, self.vocab = m, vocab
+        self.forced_ids = 0  # consumed ids the grammar forced (it allowed nothing else there)
 
     @property
     def words(self) -> int:
@@ -172,8 +174,10 @@ class Matcher:
         for t in ids:
             if self.m.is_stopped():
                 break
+            forced = self.m.compute_ff_tokens()
             if not self.m.consume_token(int(t)):
                 return False
+            self.forced_ids += bool(forced) and forced[0] == t
         return not self.m.is_error()
 
     def forced(self, limit: int) -> list[int]:
@@ -181,12 +185,16 @@ class Matcher:
         tokens)."""
         return [] if limit <= 0 or self.m.is_stopped() else list(self.m.compute_ff_tokens()[:limit])
 
-    def mask(self, out: torch.Tensor) -> None:
-        """Fill ``out`` (words,) int32 (CPU, contiguous) with the allowed ids at the current state."""
-        self.m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+    def mask(self, out) -> None:
+        """Fill ``out`` (words,) int32, a contiguous numpy array or CPU tensor, with the allowed ids at the
+        current state."""
+        if isinstance(out, torch.Tensor):
+            self.m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+        else:
+            self.m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
 
-    def path_masks(self, draft: list[int], out: torch.Tensor) -> None:
-        """Fill ``out`` (len(draft) + 1, words) int32 (CPU, contiguous rows): row 0 the mask at the current
+    def path_masks(self, draft: list[int], out) -> None:
+        """Fill ``out`` (len(draft) + 1, words) int32 (numpy or CPU tensor, contiguous rows): row 0 the mask at the current
         state, row j the mask after draft[:j]. Past the first id the grammar refuses, rows are left as
         they are (no acceptance reaches them). The state is unchanged afterwards."""
         self.mask(out[0])
@@ -199,6 +207,26 @@ class Matcher:
             self.mask(out[j + 1])
         if n:
             self.m.rollback(n)
+
+    def draft(self, candidates: list[list[int]], n: int) -> list[int]:
+        """A draft of up to ``n`` ids the grammar allows from here: the forced ids wherever it forces,
+        else the first allowed id of ``candidates[j]`` (ranked ids for draft position j); it ends at a
+        position with no allowed candidate, or where the grammar stops. The state is unchanged afterwards."""
+        out = []
+        while len(out) < n and not self.m.is_stopped():
+            if forced := self.m.compute_ff_tokens()[: n - len(out)]:
+                if not self.m.consume_tokens(forced):
+                    break
+                out += forced
+                continue
+            j = len(out)
+            pick = next((c for c in candidates[j] if self.m.validate_tokens([c])), None) if j < len(candidates) else None
+            if pick is None or not self.m.consume_token(pick):
+                break
+            out.append(pick)
+        if out:
+            self.m.rollback(len(out))
+        return out
 
     @property
     def error(self) -> str | None:
