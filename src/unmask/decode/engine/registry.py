@@ -226,7 +226,7 @@ class Spec:
         if self.batch is None:
             raise UnmaskError(f"decoder {self.name!r} has no running batch (its Spec's batch is None); register it "
                               "with one")
-        asks = request_asks(self.name, cfg, bundle, lambda: grammar_decoders(bundle), logprobs=logprobs,
+        asks = request_asks(self.name, cfg, bundle, grammar_decoders, logprobs=logprobs,
                             logit_bias=logit_bias, grammar=grammar)
         requests = requests_for(prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings,
                                 device=bundle.device, **asks)
