@@ -82,7 +82,8 @@ def test_a_verify_config_is_resolved_by_of_and_only_validated_by_construction():
 
 
 def test_the_server_builds_a_verify_batch_from_a_layout(sbd_model, causal):
-    from unmask.decode.verify.batch import Verify, for_layout
+    from unmask.decode.verify.batch import Verify
+    from unmask.decode.verify.serving import for_layout
     from unmask.decode.verify.config import VerifyConfig
 
     b = for_layout(sbd_model, "3/0,2,3/4", capacity=2, smaller=())

@@ -35,7 +35,7 @@ def test_model_free_drafts_fit_a_small_context_and_name_draft_tokens_when_they_c
     from conftest import tiny_bundle, tiny_llama
 
     from unmask.decode import decode
-    from unmask.decode.verify.batch import for_layout
+    from unmask.decode.verify.serving import for_layout
 
     bundle = tiny_bundle(tiny_llama(vocab=12, max_position_embeddings=40, initializer_range=0.2))
     prompt = [[1, 4, 5, 6, 4, 5]]

@@ -16,16 +16,17 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {"Generation": "unmask.api", "generate": "unmask.api", "DecodeStats": "unmask.decode",
-            "UnmaskError": "unmask.errors", "ModelBundle": "unmask.models", "load": "unmask.models",
+            "UnmaskError": "unmask.errors", "Grammar": "unmask.grammar", "ModelBundle": "unmask.models", "load": "unmask.models",
             "shipped": "unmask.models", "Sampling": "unmask.sampling", "set_threads": "unmask.threads"}
 
-__all__ = ["DecodeStats", "Generation", "ModelBundle", "Sampling", "UnmaskError", "generate", "load", "set_threads",
+__all__ = ["DecodeStats", "Generation", "Grammar", "ModelBundle", "Sampling", "UnmaskError", "generate", "load", "set_threads",
            "shipped", "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from unmask.api import Generation, generate
     from unmask.decode import DecodeStats
     from unmask.errors import UnmaskError
+    from unmask.grammar import Grammar
     from unmask.models import ModelBundle, load, shipped
     from unmask.sampling import Sampling
     from unmask.threads import set_threads

@@ -11,6 +11,7 @@ from unmask.decode import Config, DecodeStats, Spec, spec_for
 from unmask.decode.choice import default_for
 from unmask.decode.engine.registry import plain_scalar
 from unmask.errors import UnmaskError
+from unmask.grammar import Grammar
 from unmask.models import ModelBundle, load
 from unmask.models.bundle import check_finite_weights, check_placement
 from unmask.prompts import check_text
@@ -29,6 +30,7 @@ class Generation:
     stats: DecodeStats
     decoder: str
     model: str
+    logprobs: list | None = None  # per prompt, one TokenLogprob per token (generate(logprobs=k)); None: not asked
 
     def rows(self) -> list[dict]:
         """One JSON-ready dict per prompt: the CLI ``--json`` contract.
@@ -39,7 +41,8 @@ class Generation:
         row's tokens per second of the call, the figure the text output prints). ``accept_histogram``:
         the row's {tokens committed in a forward: forwards} where the decoder keeps it (lossless SBD:
         summing to its ``nfe``); lossless SBD adds ``queries_per_forward`` (query tokens per row per
-        verify forward, the batch's mean; :class:`~unmask.decode.engine.stats.DecodeStats`)."""
+        verify forward, the batch's mean; :class:`~unmask.decode.engine.stats.DecodeStats`). With
+        ``logprobs`` asked: ``logprobs``, per token ``{"token", "logprob", "top_logprobs": [[id, logprob], ...]}``."""
         out = []
         secs = self.stats.seconds
         for i, prompt in enumerate(self.prompts):
@@ -49,6 +52,9 @@ class Generation:
                         "tpf": row["tpf"], "seconds": secs, "tps": row["generated"] / secs if secs > 0 else 0.0,
                         "batch_seconds": secs, "batch_tps": self.stats.tps, **lossless,
                         "decoder": self.decoder, "model": self.model, **self.stats.extra.get("row_extra", [{}] * len(self.prompts))[i]})
+            if self.logprobs is not None:
+                out[-1]["logprobs"] = [{"token": e.token, "logprob": e.logprob, "top_logprobs": [list(t) for t in e.top]}
+                                       for e in self.logprobs[i]]
         return out
 
 
@@ -159,7 +165,8 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
              decoder: str | None = None, *, max_new_tokens: int | None = None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, stop: list[str] | None = None,
              chat: bool = False, system: str | None = None, device: str | None = None,
-             dtype: str | None = None, reference_nfe: bool = False, **options) -> Generation:
+             dtype: str | None = None, reference_nfe: bool = False, logprobs: int | None = None,
+             logit_bias: dict | None = None, response_format: dict | None = None, grammar=None, **options) -> Generation:
     """Generate continuations of ``prompts`` with any decoder.
 
     prompts: a text, a list of texts, a conversation (a list of ``{"role", "content"}`` messages)
@@ -184,8 +191,17 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     reference's; the text and token counts are still cut at the first stop token and at
     ``max_new_tokens``. LLaDA's zero-quota steps (``steps`` above the gen length) run too, as in
     the reference (NFE = steps). ``ar`` and ``sbd`` stop at EOS as their references do: refused there.
+    logprobs: k in [0, 20]: ``Generation.logprobs`` holds, per token, its logprob and the k most likely
+    ids at its position (raw: the log-softmax before ``logit_bias``, a grammar, temperature and top-k/top-p;
+    ``ar`` and lossless ``sbd`` from the verify forward, equal to AR's; the canvas decoders from the
+    forward that committed the token). logit_bias: {token id: bias in [-100, 100]} added to the logits
+    of every committed token. response_format: OpenAI's (``{"type": "json_object"}``, ``{"type":
+    "json_schema", "json_schema": {"schema": {...}}}``); grammar: a :class:`unmask.grammar.Grammar`
+    (``Grammar.regex(...)``, ``.lark(...)``, ``.choice([...])``, ``.json_schema(...)``) or Lark text: the
+    output matches it (``ar`` and lossless ``sbd``; greedy output equals constrained AR's).
     Numbers may be numpy scalars (read as the Python numbers they hold).
-    Raises UnmaskError for every invalid input, and for a model whose weights are not finite.
+    Raises UnmaskError for every invalid input (an invalid schema or grammar with the engine's
+    message), and for a model whose weights are not finite.
     """
     max_new_tokens, temperature, top_k, top_p, seed = map(plain_scalar, (max_new_tokens, temperature, top_k, top_p, seed))
     options = {k: plain_scalar(v) for k, v in options.items()}
@@ -229,11 +245,15 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     check_finite_weights(bundle)
     if not isinstance(reference_nfe, bool):
         raise UnmaskError(f"reference_nfe must be True or False (got {reference_nfe!r}); pass reference_nfe=True")
+    asks = {"logprobs": logprobs, "logit_bias": logit_bias, "grammar": output_grammar(response_format, grammar)}
     if reference_nfe:
+        if any(v is not None for v in asks.values()):
+            raise UnmaskError("reference_nfe decodes the whole canvas without a stop rule; drop logprobs, logit_bias "
+                              "and the grammar with it")
         out = _reference_decode(decode, decoder, bundle, ids, max_new_tokens, sampling, stop, options)
     else:
         out = decode(bundle, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                     stop_token_ids=bundle.stop_token_ids, stop_strings=tuple(stop or ()), **options)
+                     stop_token_ids=bundle.stop_token_ids, stop_strings=tuple(stop or ()), **asks, **options)
     texts = []
     for p, toks in zip(ids, out.tokens):
         text = bundle.decode_continuation(p, toks)
@@ -242,7 +262,22 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
                 text = text[: text.index(s)]
         texts.append(text)
     return Generation(prompts=prompts, texts=texts, tokens=out.tokens, prompt_tokens=ids, stats=out.stats,
-                      decoder=decoder, model=bundle.name)
+                      decoder=decoder, model=bundle.name, logprobs=out.logprobs)
+
+
+def output_grammar(response_format=None, grammar=None):
+    """The :class:`unmask.grammar.Grammar` of :func:`generate`'s ``response_format`` (OpenAI's) and
+    ``grammar`` (a Grammar, or Lark text); None for neither (or ``{"type": "text"}``). Raises UnmaskError
+    for both at once or a value of the wrong kind."""
+    fmt = Grammar.of_response_format(response_format)
+    if isinstance(grammar, str):
+        grammar = Grammar.lark(grammar)
+    if grammar is not None and not isinstance(grammar, Grammar):
+        raise UnmaskError(f"grammar must be a unmask.grammar.Grammar or Lark text (got {type(grammar).__name__}); "
+                          "pass e.g. Grammar.regex(\"[0-9]+\")")
+    if fmt is not None and grammar is not None:
+        raise UnmaskError("pass response_format or grammar, not both")
+    return fmt or grammar
 
 
 REFERENCE_NFE_DECODERS = ("diffusion", "early-bird", "block", "multiblock")

@@ -200,6 +200,26 @@ class Matcher:
         if n:
             self.m.rollback(n)
 
+    def draft(self, candidates: list[list[int]], n: int) -> list[int]:
+        """A draft of up to ``n`` ids the grammar allows from here: the forced ids wherever it forces,
+        else the first allowed id of ``candidates[j]`` (ranked ids for draft position j); it ends at a
+        position with no allowed candidate, or where the grammar stops. The state is unchanged afterwards."""
+        out = []
+        while len(out) < n and not self.m.is_stopped():
+            if forced := self.m.compute_ff_tokens()[: n - len(out)]:
+                if not self.m.consume_tokens(forced):
+                    break
+                out += forced
+                continue
+            j = len(out)
+            pick = next((c for c in candidates[j] if self.m.validate_tokens([c])), None) if j < len(candidates) else None
+            if pick is None or not self.m.consume_token(pick):
+                break
+            out.append(pick)
+        if out:
+            self.m.rollback(len(out))
+        return out
+
     @property
     def error(self) -> str | None:
         return _one_line(self.m.get_error()) if self.m.is_error() else None

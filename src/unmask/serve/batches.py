@@ -16,7 +16,8 @@ import logging
 import time
 
 from unmask.decode import DECODERS, Config
-from unmask.decode.verify.batch import Verify, for_layout
+from unmask.decode.verify.batch import Verify
+from unmask.decode.verify.serving import for_layout
 from unmask.decode.verify.config import default_layout
 from unmask.errors import UnmaskError
 from unmask.serve import per_call

@@ -233,7 +233,7 @@ def drain(make: Callable[[int], RunningDecoder], requests: list[Request], *, nfe
     errors = [r.error for r in rows if r.error]
     if errors:
         raise UnmaskError(errors[0])
-    asked = any(r.job.logprobs is not None for r in rows)
+    asked = any(getattr(r.job, "logprobs", None) is not None for r in rows)
     return DecodeOutput(tokens=[r.tokens for r in rows], stats=stats,
                         logprobs=[r.logprobs or [] for r in rows] if asked else None)
 

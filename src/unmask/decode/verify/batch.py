@@ -30,9 +30,10 @@ from unmask.decode.verify.rows import VerifyRow
 from unmask.decode.verify import sampled as ss
 from unmask.decode.verify import steps as sv
 from unmask.decode.verify import tree as tv
-from unmask.decode.verify.config import HOST_LAYOUT, VerifyConfig, default_block_size, family, queries, tables
-from unmask.decode.verify.drafting import MAX_DRAFT_TOKENS, HostDrafts, query_cost
+from unmask.decode.verify.config import VerifyConfig, family, queries, tables
+from unmask.decode.verify.drafting import HostDrafts, query_cost
 from unmask.decode.verify.host_drafts import Tally, after_step, check_join, clock_for, first_drafts, learn
+from unmask.decode.verify.shaped import Shaping
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
 
@@ -69,6 +70,7 @@ class Verify:
         self.static, self.compile = bool(static or compile), bool(compile)
         self.ar, self.default_K = ar, 1 if ar or cfg.host else cfg.block_size  # AR rows, host rows: K = 1 at join
         self.drafts, self.suffix_cache, self.tally, self.vocab = drafts, suffix_cache, tally or Tally(), 0
+        self.shaping = Shaping(self)  # rows' logprobs, logit_bias and grammar (spec/structured.md)
         self.clock, self.drafts_cost, self.quiet, self.backoff = clock_for(bundle.model, bundle.device), query_cost(
             bundle.device), 0, 1  # host_drafts.after_step's: the window's cost, and its pause when drafts do not pay
         self.mask_id, self.suppress = -1 if bundle.mask_token_id is None else bundle.mask_token_id, list(bundle.suppress_ids)
@@ -177,6 +179,7 @@ class Verify:
                 logits[..., self.suppress] = float("-inf")
             rows = [VerifyRow(job=req, slot=slot, K=K, generator=row_generator(req, self.device))
                     for req, slot in zip(requests, slots)]
+            raw = self.shaping.prefill(rows, logits)
             groups = group_by(enumerate(rows), lambda r: r.job.sampling)  # sampling -> row indices
             b, s, q, sib = ss.prefill_draws(logits, K, {k: (v, [rows[i].generator for i in v]) for k, v in groups.items()},
                                             self._tables(K))
@@ -197,8 +200,9 @@ class Verify:
         if self.on_forward is not None:
             self.on_forward({"step": 0, "inp": inp, "positions": positions, "logits": logits,
                              "cache": new_kv.cache, "key_valid": valid})
-        done, self.n_sampled = [], self.n_sampled + sum(not r.sampling.greedy for r in requests)
-        for req, row, t in zip(requests, rows, b.tolist()):  # join is not a step: its host syncs are the prefill's
+        done, self.n_sampled, firsts = [], self.n_sampled + sum(not r.sampling.greedy for r in requests), b.tolist()
+        self.shaping.prefilled(rows, raw, b, firsts)
+        for req, row, t in zip(requests, rows, firsts):  # join is not a step: its host syncs are the prefill's
             self.rows[row.slot] = row
             row.committed, row.nfe, row.accepts, row.block_len = [t], 1, [1], K - 1
             if self.on_step is not None and getattr(req, "events", True):
@@ -239,8 +243,12 @@ class Verify:
         each row commits its accepted draft prefix and a bonus and takes its next draft. Returns the
         rows that finished (removed, ``tokens``/``nfe``/``finish``/``extra`` set). One host sync, more
         only with ``on_step``/``on_forward`` or a row's stop strings."""
+        failed = []
+        while self.rows and (bad := self.shaping.prepare()):  # grammar rows: masks, forced ids; none allowed: ended
+            self._free(bad)
+            failed += bad
         if not self.rows:
-            return []
+            return failed
         t0, n_rows = time.perf_counter(), len(self.rows)
         Kmax = max(r.K for r in self.rows.values())
         Q = queries(Kmax, self.cfg.draft, self.cfg.smaller)
@@ -257,7 +265,8 @@ class Verify:
         self.b[:R], committed, self.n[:R], self.draft_len[:R], keep, ended, last, step_tok = out
         self.p_b[:R] += committed
         read = HostRead().add("committed", committed).add("ended", ended).add("last", last).add("tokens", step_tok)
-        got = (read if self.ar or self.cfg.host else read.add("dlen", self.draft_len[:R])).read()  # the one host sync
+        self.shaping.read(read if self.ar or self.cfg.host else read.add("dlen", self.draft_len[:R]))
+        self.shaping.after_read(got := read.read())  # the one host sync
         kept = max(got["last"][i] for i in self.rows)  # window columns some running row keeps
         if kept < Q:  # the tail no running row keeps
             self.kv.crop(Q - kept)
@@ -279,14 +288,14 @@ class Verify:
         if not self.ar:
             after_step(self, got, {r.slot for r in finished}, (n_rows, Q, time.perf_counter() - t0))
         self._free(finished)
-        return finished
+        return failed + finished
 
     def _whole(self, R: int, Q: int, Kmax: int, C: int):
         """A greedy compiled step as ONE graph (:func:`~unmask.decode.verify.steps.whole_step`: window, forward,
         commit); its outputs, or None when it does not apply (not compiled, a sampled row, ``on_forward``), or
         False when its shape waits for :meth:`warm` (a deferred cache) or failed to compile: then the step runs
         its pieces eagerly."""
-        if not self.compile or self.n_sampled or self.on_forward is not None:
+        if not self.compile or self.n_sampled or self.on_forward is not None or self.shaping.active:
             return None
         Lb = self.kv.bucket(C + Q)
         if not self._steps.setdefault((R, Q, Lb, Kmax), not self.kv.defer):
@@ -317,6 +326,7 @@ class Verify:
         mask = None if causal else torch.cat([self.key_valid[:R, None, :].expand(R, Q, C), m], dim=2)[:, None]  # (R, 1, Q, C+Q)
         logits = self.kv.forward(inp, positions, mask, **({} if compiled else {"compiled": False}))  # (R, Q, V)
         out = sv.settle(*(a_p_tok := ss.accept_rows(self, logits, inp, tw, R, Kmax, s, dl)), *rows)
+        self.shaping.record(tw, K, dl, *a_p_tok, logits)
         if self.on_forward is not None:
             vr.forward_info(self, inp, positions, logits, a_p_tok[0])
         return out
@@ -364,6 +374,7 @@ class Verify:
         if not rows:
             return
         slots = [r.slot for r in rows if self.rows.get(r.slot) is r]
+        self.shaping.left([self.rows[s] for s in slots])
         learn(self.suffix_cache, rows)
         for s in slots:
             self.n_sampled -= not self.rows.pop(s).job.sampling.greedy
@@ -380,20 +391,4 @@ class Verify:
         return vr.stats_extra(self, rows)
 
 
-def for_layout(bundle, draft: str, *, capacity: int, compile: bool = False, smaller: tuple[str, ...] = (),
-               on_step=None, on_token=None, suffix_cache=None, tally=None) -> Verify:
-    """The server's running batch of AR and lossless SBD rows of one draft layout (``draft``: a
-    resolved layout, as :meth:`~unmask.decode.engine.registry.Config.batch_key` of ``ar`` / lossless
-    ``sbd`` names it): the checkpoint's K (:func:`~unmask.decode.verify.config.default_block_size`),
-    ``smaller`` layouts of the load sizer, a static cache of the context window with the compiled forward when
-    ``compile`` (new shapes compiled by :meth:`Verify.warm`); no mask token: AR rows only; ``host``: model-free
-    drafts (K <= MAX_DRAFT_TOKENS + 1 and the context). Raises UnmaskError."""
-    host = draft == HOST_LAYOUT  # host: a window of K queries must fit the context
-    cfg = VerifyConfig(min(MAX_DRAFT_TOKENS + 1, bundle.context_length), draft) if host else \
-        VerifyConfig.of(default_block_size(bundle), draft, smaller)
-    return Verify(bundle, cfg, compile=compile, capacity=capacity, on_step=on_step, on_token=on_token,
-                  ar=not host and bundle.mask_token_id is None, defer_compile=True, drafts=None,
-                  suffix_cache=suffix_cache, tally=tally)
-
-
-__all__ = ["Verify", "VerifyRow", "for_layout"]
+__all__ = ["Verify", "VerifyRow"]

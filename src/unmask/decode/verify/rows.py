@@ -25,6 +25,8 @@ class VerifyRow(Row):
     generator: object = None
     drafts: object = None  # its model-free drafting (:class:`~unmask.decode.verify.drafting.RowDrafts`), if any
     block_len: int = 0  # the block draft's length in the next step
+    matcher: object = None  # its grammar's state (:class:`unmask.grammar.Matcher`), if any
+    cands: list | None = None  # greedy grammar rows: ranked ids per next-draft position (verify/shaped.py)
 
 
 def settle(row: VerifyRow, rule: StopRule, bundle, start: int, draft: str, on_token=None) -> bool:
@@ -44,6 +46,8 @@ def settle(row: VerifyRow, rule: StopRule, bundle, start: int, draft: str, on_to
             on_token(row)
     if not ended:
         return False
+    if row.logprobs is not None:
+        row.logprobs = row.logprobs[: len(row.tokens)]
     # a stop token past N or a stop string completed past N comes after the length limit
     row.finish = "stop" if (at_stop and len(ids) < N) or (hit and len(ids) <= N) else "length"
     row.stop_token = int(not hit and len(ids) < min(len(row.committed), N))

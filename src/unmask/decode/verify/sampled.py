@@ -104,6 +104,7 @@ def accept_rows(batch, logits: torch.Tensor, inp: torch.Tensor, tw: tv.TreeWindo
     Returns a, path p (R,), step_tok (R, Kmax)."""
     if batch.suppress:
         logits[..., batch.suppress] = float("-inf")
+    batch.shaping.apply(logits)  # raw logits kept for logprobs; logit_bias, the grammar's masks
     if Kmax == 1:  # AR rows: nothing to accept or draft, the bonus is the argmax
         a, p, step_tok = batch._zero[:R], batch._zero[:R], logits.argmax(dim=-1)  # (R,), (R,), (R, 1)
     else:  # greedy acceptance and the next draft (R, Kmax-1) and siblings (R, H) for all
