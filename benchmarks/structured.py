@@ -18,7 +18,8 @@
    grammar allowed exactly one id, replayed over the output); and at batch ``--batch`` (8) the share of the
    decode call's wall time spent in grammar work: every :class:`unmask.grammar.Matcher` method, the per-row
    matcher copies and the bitmask unpacking (:func:`unmask.grammar.allowed`), timed by wrappers this script
-   installs (the outermost call counted once; no library code changed).
+   installs (the outermost call counted once; no library code changed), and beside it the share of the verify
+   batch's whole per-step shaping (verify/shaped.py's ``Shaping`` methods), the grammar work included.
 2. SmolLM2-135M-Instruct (``smollm2-135m``, if installed: README "A real base"), ``--smollm2-prompts`` (20) chat
    prompts asking for a JSON object (:data:`SMOLLM2_SCHEMA`): constrained AR on the plain model, constrained
    lossless SBD with its shipped ``sbd`` adapter: identical to constrained AR, valid, TPF.
@@ -114,12 +115,14 @@ def decoder(bundle, name: str, **options):
 
 
 def measure(columns: list[tuple[Runs, object, dict]], groups: list[list[list[int]]], max_new: int,
-            clock: "GrammarClock | None" = None) -> None:
+            clocks: list = ()) -> None:
     """Per group every column back to back, the order reversed from group to group, after one untimed
-    warm-up call per column (8 tokens); ``clock`` runs through the timed calls only."""
+    warm-up call per column (8 tokens); ``clocks`` run through the timed calls only."""
     for _, run, asks in columns:
         run(groups[0], min(8, max_new), **asks)
-    with clock or contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        for c in clocks:
+            stack.enter_context(c)
         timed(columns, groups, max_new)
 
 
@@ -132,13 +135,12 @@ def timed(columns, groups, max_new: int) -> None:
                 runs.data[k].append(st[k])
 
 
-class GrammarClock:
-    """Wall seconds spent in grammar work while active: every public :class:`Matcher` method, the per-row
-    matcher copies (``Compiled.matcher``) and :func:`unmask.grammar.allowed` wherever a module imported it.
+class Clock:
+    """Wall seconds spent in the wrapped methods while active (``targets``: (owner, method name) pairs).
     Nested calls (``path_masks`` calling ``mask``) count once, in the outermost."""
 
-    def __init__(self):
-        self.seconds, self._depth, self._undo = 0.0, 0, []
+    def __init__(self, targets):
+        self.targets, self.seconds, self._depth, self._undo = list(targets), 0.0, 0, []
 
     def _timed(self, fn):
         @functools.wraps(fn)
@@ -154,23 +156,37 @@ class GrammarClock:
                 self._depth -= 1
         return wrapper
 
-    def _patch(self, owner, name):
-        self._undo.append((owner, name, owner.__dict__[name]))
-        setattr(owner, name, self._timed(owner.__dict__[name]))
-
     def __enter__(self):
-        for name in ("consume", "forced", "mask", "path_masks"):
-            self._patch(Matcher, name)
-        self._patch(grammar_module.Compiled, "matcher")
-        for mod in [m for n, m in sys.modules.items() if n.startswith("unmask") and m is not None]:
-            if mod.__dict__.get("allowed") is grammar_module.allowed:
-                self._patch(mod, "allowed")
+        for owner, name in self.targets:
+            self._undo.append((owner, name, owner.__dict__[name]))
+            setattr(owner, name, self._timed(owner.__dict__[name]))
         return self
 
     def __exit__(self, *exc):
         for owner, name, fn in reversed(self._undo):
             setattr(owner, name, fn)
         self._undo.clear()
+
+
+def grammar_clock() -> Clock:
+    """Grammar work: every public :class:`Matcher` method, the per-row matcher copies (``Compiled.matcher``)
+    and :func:`unmask.grammar.allowed` wherever a module imported it."""
+    targets = [(Matcher, n) for n in ("consume", "forced", "mask", "path_masks", "draft") if n in Matcher.__dict__]
+    targets.append((grammar_module.Compiled, "matcher"))
+    targets += [(m, "allowed") for n, m in list(sys.modules.items())
+                if n.startswith("unmask") and m is not None and m.__dict__.get("allowed") is grammar_module.allowed]
+    return Clock(targets)
+
+
+def shaping_clock() -> Clock:
+    """All of the verify batch's per-step shaping (its ``Shaping`` methods: drafts rebuilt, masks filled,
+    logits masked, logprob columns, matchers advanced), grammar work included; empty if it moved."""
+    try:
+        from unmask.decode.verify.shaped import Shaping
+    except ImportError:
+        return Clock([])
+    return Clock([(Shaping, n) for n in ("prepare", "apply", "record", "after_read", "prefill", "prefilled")
+                  if n in Shaping.__dict__])
 
 
 def forceable(bundle, compiled, rows: list[list[int]]) -> float:
@@ -214,9 +230,9 @@ def compare(label: str, ar_bundle, sbd_bundle, prompts, schemas: dict, args) -> 
         c_ar, c_sbd = Runs("ar+grammar"), Runs("lossless+grammar")
         measure([(c_ar, ar, {"grammar": g}), (c_sbd, sbd, {"grammar": g})], [[p] for p in prompts], args.max_new_tokens)
         batched = Runs("lossless+grammar b8")
-        clock = GrammarClock()
+        clock, shaping = grammar_clock(), shaping_clock()
         measure([(batched, sbd, {"grammar": g})], [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)],
-                args.max_new_tokens, clock)
+                args.max_new_tokens, [clock, shaping])
         fin, ok = validity(sbd_bundle, prompts, c_sbd.data["ids"], schema, args.max_new_tokens)
         ar_fin, ar_ok = validity(ar_bundle, prompts, c_ar.data["ids"], schema, args.max_new_tokens)
         reported = [f for f in c_sbd.data["forced"] if f is not None]
@@ -228,6 +244,7 @@ def compare(label: str, ar_bundle, sbd_bundle, prompts, schemas: dict, args) -> 
                      "forced": sum(reported) / len(prompts) if reported else None,
                      "forceable": forceable(sbd_bundle, compile(sbd_bundle, g), c_sbd.data["ids"]),
                      "grammar_share": clock.seconds / max(1e-9, sum(batched.data["seconds"])),
+                     "shaping_share": shaping.seconds / max(1e-9, sum(batched.data["seconds"])),
                      "differ": [i for i, (a, b) in enumerate(zip(c_ar.data["ids"], c_sbd.data["ids"])) if a != b]})
         r = rows[-1]
         print(f"  {label} / {name}: identical {r['identical']}/{len(prompts)}, valid {ok}/{fin}, TPF {r['tpf']:.2f} "
@@ -273,7 +290,7 @@ def logprobs(args) -> list[dict]:
         sbd_bundle = unmask.load(ar_name, **sbd_kw) if sbd_kw else ar_bundle
         ar, sbd = decoder(ar_bundle, "ar"), decoder(sbd_bundle, "sbd", verify=True)
         worst = worst_top = 0.0
-        tokens = 0
+        tokens = same_top = 0
         for p in prepare_prompts(ar_bundle, texts)[1]:
             a, _ = ar([p], args.max_new_tokens, logprobs=5)
             b, _ = sbd([p], args.max_new_tokens, logprobs=5)
@@ -287,11 +304,14 @@ def logprobs(args) -> list[dict]:
                     break
                 tokens += 1
                 worst = max(worst, abs(x.logprob - y.logprob))
-                worst_top = max([worst_top] + [abs(u[1] - v[1]) for u, v in zip(x.top, y.top)])
+                tops = dict(y.top)  # by id: a near tie may order the two top-k lists differently
+                same_top += set(tops) == {i for i, _ in x.top}
+                worst_top = max([worst_top] + [abs(v - tops[i]) for i, v in x.top if i in tops])
         else:
             out.append({"model": label, "prompts": len(texts), "tokens": tokens, "max_delta": worst,
-                        "max_delta_top": worst_top})
-            print(f"  logprobs {label}: max |lossless - AR| {worst:.2e} (top-5 {worst_top:.2e}) over {tokens} tokens", flush=True)
+                        "max_delta_top": worst_top, "same_top": same_top})
+            print(f"  logprobs {label}: max |lossless - AR| {worst:.2e} (top-5 {worst_top:.2e}; top-5 ids equal at "
+                  f"{same_top}/{tokens} tokens) over {tokens} tokens", flush=True)
     return out
 
 
@@ -317,6 +337,8 @@ def targets(rows: list[dict], lp: list[dict], batch: int) -> list[tuple[str, str
         worst = max(r["max_delta"], r["max_delta_top"])
         out.append((r["model"], "logprobs max |lossless - AR| <= 1e-5", f"{worst:.1e} over {r['tokens']} tokens",
                     r["tokens"] > 0 and worst <= 1e-5))
+        out.append((r["model"], "logprobs top-5 ids equal to AR's", f"{r['same_top']}/{r['tokens']}",
+                    r["tokens"] > 0 and r["same_top"] == r["tokens"]))
     return out
 
 
@@ -332,26 +354,29 @@ def markdown(rows: list[dict], lp: list[dict], checks, env: dict) -> str:
               "| model | schema | identical to constrained AR | valid / finished (lossless) | valid / finished (AR) | "
               "TPF constrained lossless | TPF unconstrained lossless | TPF constrained AR | tok/s lossless | "
               "tok/s AR | lossless / AR | forced per row (decoder) | forceable per row | grammar share "
-              f"(batch {env['batch']}) |", "|" + "---|" * 14]
+              f"(batch {env['batch']}) | shaping share (batch {env['batch']}) |", "|" + "---|" * 15]
     for r in rows:
         forced = "-" if r["forced"] is None else f"{r['forced']:.1f}"
         lines.append(f"| {r['model']} | {r['schema']} | {r['identical']}/{r['prompts']} | {pct(r['valid'], r['finished'])} | "
                      f"{pct(r['ar_valid'], r['ar_finished'])} | {r['tpf']:.2f} | {r['tpf_free']:.2f} | {r['tpf_ar']:.2f} | "
                      f"{r['tps']:.1f} | {r['tps_ar']:.1f} | {r['speedup']:.2f}x | {forced} | {r['forceable']:.1f} | "
-                     f"{100 * r['grammar_share']:.1f} % |")
+                     f"{100 * r['grammar_share']:.1f} % | {100 * r['shaping_share']:.1f} % |")
     if lp:
         lines += ["", "logprobs (k = 5, no grammar, batch 1): lossless vs AR", "",
-                  "| model | prompts | tokens compared | max abs delta (token) | max abs delta (top-5) |", "|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['prompts']} | {r['note']} | | |" if "note" in r else
-                  f"| {r['model']} | {r['prompts']} | {r['tokens']} | {r['max_delta']:.2e} | {r['max_delta_top']:.2e} |"
-                  for r in lp]
+                  "| model | prompts | tokens compared | max abs delta (token) | max abs delta (top-5, by id) | "
+                  "top-5 ids equal |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['prompts']} | {r['note']} | | | |" if "note" in r else
+                  f"| {r['model']} | {r['prompts']} | {r['tokens']} | {r['max_delta']:.2e} | {r['max_delta_top']:.2e} | "
+                  f"{r['same_top']}/{r['tokens']} |" for r in lp]
     differ = [r for r in rows if r["differ"]]
     if differ:
         lines += ["", "Prompts (index) whose ids differ from constrained AR's:", ""]
         lines += [f"- {r['model']} / {r['schema']}: {', '.join(map(str, r['differ'][:20]))}" for r in differ]
     lines += ["", "Forced per row (decoder): the forced tokens its statistics report; forceable: tokens where the grammar "
               "allowed exactly one id, replayed over the lossless output. Grammar share: wall seconds in the matcher "
-              "methods, matcher copies and mask unpacking / the timed decode calls' wall seconds.", "",
+              "methods, matcher copies and mask unpacking / the timed decode calls' wall seconds; shaping share: the verify "
+              "batch's whole per-step shaping (verify/shaped.py's Shaping methods: drafts rebuilt, masks filled and "
+              "applied, logprob columns, matchers advanced), the grammar work included.", "",
               "| where | target | measured | met |", "|---|---|---|---|"]
     lines += [f"| {w} | {t} | {m} | {'PASS' if ok else 'MISS'} |" for w, t, m, ok in checks]
     return "\n".join(lines) + "\n"

@@ -181,14 +181,14 @@ def _mask(m) -> torch.Tensor:
 
 
 def test_path_masks_through_eos_roll_back(stories, V):
-    c = compile(stories, Grammar.regex("[0-9]{2}"))
+    c = compile(stories, Grammar.regex("[0-9]+"))  # open-ended: EOS is one choice after a digit, not the only one
     eos = stories.stop_token_ids[0]
     two = tokenize(stories, "42")
     m = c.matcher()
     assert eos not in ids_of(_mask(m), V)  # EOS only in an accepting state
-    out = torch.zeros((len(two) + 2, m.words), dtype=torch.int32)
+    out = torch.full((len(two) + 2, m.words), -7, dtype=torch.int32)
     m.path_masks(two + [eos], out)
-    assert eos in ids_of(out[len(two)], V)
+    assert eos in ids_of(out[len(two)], V) and not (out[len(two) + 1] == -7).all()  # EOS consumed, its row filled
     assert torch.equal(_mask(m), _mask(c.matcher())) and not m.done
     assert m.consume(two + [eos]) and m.done
 
@@ -289,3 +289,70 @@ def test_the_mask_token_past_the_tokenizer_is_never_allowed():
             assert not allowed(_mask(m), V)[len(b.tokenizer):].any()
             if t is not None:
                 assert m.consume([t])
+
+
+def draft_by_hand(compiled, committed: list[int], candidates: list[list[int]], n: int, V: int) -> list[int]:
+    """Matcher.draft's contract one id at a time on a fresh matcher: the forced id where the grammar forces
+    one, else the first candidate its mask allows; it ends at n ids, no allowed candidate, or the grammar's end."""
+    m = compiled.matcher()
+    assert m.consume(committed)
+    out = []
+    while len(out) < n and not m.done:
+        forced = m.forced(1)
+        ok = ids_of(_mask(m), V)
+        j = len(out)
+        pick = forced[0] if forced else next((c for c in (candidates[j] if j < len(candidates) else []) if c in ok), None)
+        if pick is None:
+            break
+        assert m.consume([pick])
+        out.append(pick)
+    return out
+
+
+def test_draft_is_the_forced_ids_then_the_first_allowed_candidate(stories, V):
+    c = compile(stories, Grammar.json_schema(PERSON))
+    m = c.matcher()
+    keys = m.forced(32)  # '{"name": "'
+    assert m.draft([], 32) == keys and m.draft([[]] * 40, 5) == keys[:5]
+    bo = tokenize(stories, "Bo")[0]
+    refused = next(t for t in range(V) if t not in ids_of(_mask(_after(c, keys)), V))
+    got = m.draft([[]] * len(keys) + [[refused, bo]], 32)
+    assert got == keys + [bo]
+    assert torch.equal(_mask(m), _mask(c.matcher())) and m.forced(32) == keys  # the state is unchanged
+
+
+def _after(compiled, ids):
+    m = compiled.matcher()
+    assert m.consume(ids)
+    return m
+
+
+def test_draft_ends_where_the_grammar_ends_and_rolls_back(stories, V):
+    c = compile(stories, Grammar.regex("[0-9]{2}"))
+    eos = stories.stop_token_ids[0]
+    four, two = tokenize(stories, "4")[0], tokenize(stories, "2")[0]
+    m = c.matcher()
+    assert m.draft([[four], [two], [four]], 8) == [four, two]  # a third digit is refused
+    assert _after(c, [four, two]).done  # the grammar ends there: EOS alone may follow, and the draft stops
+    assert m.draft([[four], [two], [eos]], 8) == [four, two]
+    assert torch.equal(_mask(m), _mask(c.matcher())) and not m.done
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "json_object", "regex", "grammar"])
+def test_draft_equals_the_contract_one_id_at_a_time(stories, V, kind):
+    c = compile(stories, KINDS[kind])
+    rng = random.Random(kind)
+    for _ in range(8):
+        full = random_path(c, [], 20, rng, V)
+        committed = full[: rng.randrange(len(full) + 1)]
+        allowed_now = sorted(ids_of(_mask(_after(c, committed)), V))
+        n = rng.randrange(1, 10)
+        # candidates: random ids, sometimes one the grammar allows, sometimes none at all
+        candidates = [rng.sample(range(V), 3) + ([rng.choice(allowed_now)] if rng.random() < 0.5 else [])
+                      for _ in range(n)]
+        m = _after(c, committed)
+        before = _mask(m)
+        got = m.draft(candidates, n)
+        assert got == draft_by_hand(c, committed, candidates, n, V), (kind, committed, candidates)
+        assert torch.equal(_mask(m), before)
+        assert _after(c, committed).consume(got)
