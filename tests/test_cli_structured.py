@@ -98,3 +98,77 @@ def test_logprobs_need_json(capsys):
 @pytest.mark.parametrize("pair", ["13", "x=1", "13=big", "=4"])
 def test_logit_bias_format(capsys, pair):
     one_line_error(capsys, *GEN, "--logit-bias", pair, match="--logit-bias takes TOKEN_ID=BIAS")
+
+
+def test_logit_bias_range_is_checked_before_loading(capsys):
+    one_line_error(capsys, *GEN, "--logit-bias", "5=200", match="BIAS must be in [-100, 100]")
+
+
+def test_logit_bias_unknown_id_names_it(capsys):
+    one_line_error(capsys, *GEN, "--logit-bias", "99999=3", match="token ids this model does not have (99999)")
+
+
+def test_logprobs_out_of_range(capsys):
+    one_line_error(capsys, *GEN, "--json", "--logprobs", "21", match="--logprobs must be an integer in [0, 20]")
+
+
+def test_a_decoder_without_grammars_is_refused(capsys):
+    one_line_error(capsys, "generate", "x", "-m", "stories260K-sbd", "--json-object", "-d", "sbd", "--gamma", "0.35",
+                   "--no-progress", match="does not take a grammar")
+
+
+# what the flags produce
+
+def test_json_schema_output_validates_and_lossless_equals_ar(capsys, schema_file):
+    ar = rows(capsys, "--json-schema", schema_file, "-m", "stories260K-sbd", "-d", "ar")[0]
+    default = rows(capsys, "--json-schema", schema_file, "-m", "stories260K-sbd")[0]  # lossless sbd
+    assert default["decoder"] == "sbd" and default["tokens"] == ar["tokens"]
+    assert len(ar["tokens"]) < 48  # finished: a stop token after the closing brace
+    jsonschema.validate(json.loads(ar["text"]), PERSON)
+
+
+def test_json_object_output_is_an_object(capsys):
+    row = rows(capsys, "--json-object")[0]
+    assert row["text"].startswith('{"')
+    if len(row["tokens"]) < 48:
+        assert isinstance(json.loads(row["text"]), dict)
+
+
+def test_regex_and_choice_outputs_match(capsys):
+    row = rows(capsys, "--regex", "[0-9]{3}-(yes|no)")[0]
+    assert re.fullmatch("[0-9]{3}-(yes|no)", row["text"]), row["text"]
+    texts = [r["text"] for r in rows(capsys, "--choice", "red fox", "--choice", "blue whale", "--choice", "cat")]
+    assert texts[0] in ("red fox", "blue whale", "cat")
+
+
+@pytest.mark.parametrize("text", ['start: "The " ANIMAL " sat."\nANIMAL: "cat" | "dog"',
+                                  'root ::= "The " animal " sat."\nanimal ::= "cat" | "dog"'])
+def test_grammar_file_lark_or_gbnf(capsys, tmp_path, text):
+    path = tmp_path / "g.txt"
+    path.write_text(text)
+    assert rows(capsys, "--grammar", path)[0]["text"] in ("The cat sat.", "The dog sat.")
+
+
+def test_logprobs_rows(capsys):
+    row = rows(capsys, "--logprobs", "3", "-n", "12")[0]
+    lp = row["logprobs"]
+    assert [e["token"] for e in lp] == row["tokens"] and len(lp) == 12
+    for e in lp:
+        top = e["top_logprobs"]
+        assert len(top) == 3 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert e["logprob"] <= 0 and top[0][1] >= e["logprob"] - 1e-6
+        assert top[0][0] == e["token"]  # greedy: the chosen token is the most likely
+
+
+def test_logprobs_zero_and_without_the_flag(capsys):
+    assert all(e["top_logprobs"] == [] for e in rows(capsys, "--logprobs", "0", "-n", "4")[0]["logprobs"])
+    assert "logprobs" not in rows(capsys, "-n", "4")[0]
+
+
+def test_logit_bias_bans_the_greedy_token(capsys):
+    first = rows(capsys, "-n", "4")[0]["tokens"][0]
+    banned = rows(capsys, "-n", "4", "--logit-bias", f"{first}=-100")[0]["tokens"]
+    assert first not in banned[:1]
+    sbd = rows(capsys, "-n", "24", "-m", "stories260K-sbd", "--logit-bias", f"{first}=-100")[0]
+    ar = rows(capsys, "-n", "24", "-m", "stories260K-sbd", "-d", "ar", "--logit-bias", f"{first}=-100")[0]
+    assert sbd["decoder"] == "sbd" and sbd["tokens"] == ar["tokens"] and first not in ar["tokens"]

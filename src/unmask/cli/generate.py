@@ -128,7 +128,7 @@ def generate_cmd(
     from unmask import dist
     from unmask.api import generate_sharded
     from unmask.cli.progress import compiling, status
-    from unmask.cli.structured import check_grammar, check_logprobs_output, parse_logit_bias, read_grammar
+    from unmask.cli.structured import check_for_model, check_logprobs_output, parse_logit_bias, read_grammar
     from unmask.decode import default_decoder
     from unmask.models import load
 
@@ -156,7 +156,7 @@ def generate_cmd(
         no_progress = no_progress or dist.env_rank() != 0
     with status(f"loading {model or 'the default model'}", enabled=not no_progress):
         bundle = load(model, kind=kind, device=device, dtype=dtype, tp=tp, adapter=adapter)
-    check_grammar(bundle, output, grammar_flag)
+    check_for_model(bundle, output, grammar_flag, asks["logit_bias"])
     if decoder is None:  # the fastest exact one here (README "Lossless and lossy SBD", the default)
         from unmask.decode.choice import default_for
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from unmask.decode.engine.shaping import MAX_BIAS, check_logit_bias, check_logprobs
 from unmask.errors import UnmaskError
 from unmask.fileio import read_json_object
 from unmask.grammar import Grammar, compile
@@ -15,8 +16,8 @@ SCHEMA_FIX = 'put a JSON schema in the file, e.g. {"type": "object", "properties
 
 
 def parse_logit_bias(pairs: list[str] | None) -> dict[int, float] | None:
-    """``--logit-bias ID=BIAS`` values -> {id: bias} (a repeated id: the last wins); the ids and the range
-    [-100, 100] are checked against the model by :func:`unmask.generate`. Raises UnmaskError."""
+    """``--logit-bias ID=BIAS`` values -> {id: bias} (a repeated id: the last wins), BIAS in [-100, 100]; the
+    ids are checked against the model once it is loaded (:func:`check_for_model`). Raises UnmaskError."""
     if not pairs:
         return None
     out = {}
@@ -28,6 +29,8 @@ def parse_logit_bias(pairs: list[str] | None) -> dict[int, float] | None:
             out[int(tid)] = float(bias)
         except ValueError:
             raise UnmaskError(f"--logit-bias takes TOKEN_ID=BIAS (got {pair!r}); pass e.g. --logit-bias 13=-100") from None
+        if not -MAX_BIAS <= out[int(tid)] <= MAX_BIAS:  # nan fails too
+            raise UnmaskError(f"--logit-bias {pair}: BIAS must be in [-100, 100]; -100 bans the token, 100 all but forces it")
     return out
 
 
@@ -82,9 +85,11 @@ def read_grammar(*, json_schema: Path | None = None, json_object: bool = False, 
     return made, flag
 
 
-def check_grammar(bundle, grammar: Grammar | None, flag: str) -> None:
-    """Compile ``grammar`` for ``bundle`` (cached: the decode reuses it) so an invalid schema, regex or
-    grammar is reported with the flag (and file) that gave it. Raises UnmaskError."""
+def check_for_model(bundle, grammar: Grammar | None, flag: str, logit_bias: dict | None) -> None:
+    """Once the model is loaded: ``--logit-bias`` ids in its vocabulary, and ``grammar`` compiled for it
+    (cached: the decode reuses it), so an invalid schema, regex or grammar is reported with the flag (and
+    file) that gave it. Raises UnmaskError."""
+    check_logit_bias(logit_bias, bundle.model.config.vocab_size, "--logit-bias")
     if grammar is None:
         return
     try:
@@ -95,6 +100,7 @@ def check_grammar(bundle, grammar: Grammar | None, flag: str) -> None:
 
 
 def check_logprobs_output(logprobs: int | None, *, as_json: bool) -> None:
-    """--logprobs reports its values in the --json rows. Raises UnmaskError without --json."""
+    """--logprobs K: K in [0, 20], reported in the --json rows. Raises UnmaskError out of range or without --json."""
+    check_logprobs(logprobs, "--logprobs")
     if logprobs is not None and not as_json:
         raise UnmaskError("--logprobs reports per-token values in the --json rows; add --json")
