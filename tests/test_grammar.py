@@ -356,3 +356,12 @@ def test_draft_equals_the_contract_one_id_at_a_time(stories, V, kind):
         assert got == draft_by_hand(c, committed, candidates, n, V), (kind, committed, candidates)
         assert torch.equal(_mask(m), before)
         assert _after(c, committed).consume(got)
+
+
+@pytest.mark.parametrize("text, output", [('start: "x ::= y"', "x ::= y"), ('start: A\nA: "a::=b"', "a::=b"),
+                                          ('root ::= "x ::= y"', "x ::= y"), ('  root::="ab"', "ab")])
+def test_lark_with_the_gbnf_operator_in_a_string_stays_lark(stories, text, output):
+    """GBNF is told from Lark by a rule line ``name ::= ...``, not by "::=" anywhere (a Lark string may hold it)."""
+    m = compile(stories, Grammar.lark(text)).matcher()
+    assert m.consume(tokenize(stories, output)), m.error
+    assert m.m.is_accepting()

@@ -94,8 +94,8 @@ def generate_cmd(
                                      "JSON schema in FILE (ar and lossless sbd)"),
     json_object: bool = typer.Option(False, "--json-object", help="output grammar: any JSON object"),
     regex: str = typer.Option(None, "--regex", metavar="REGEX", help="output grammar: text matching the regex"),
-    grammar: Path = typer.Option(None, "--grammar", metavar="FILE", help="output grammar: the Lark (or GBNF, with ::=) grammar "
-                                 "in FILE"),
+    grammar: Path = typer.Option(None, "--grammar", metavar="FILE", help="output grammar: the Lark grammar in FILE (or GBNF: "
+                                 "rules written name ::= ...)"),
     choice: list[str] = typer.Option(None, "--choice", metavar="TEXT", help="output grammar: exactly one of these texts (repeatable)"),
     reference_nfe: bool = typer.Option(False, "--reference-nfe", help="dLLM decoders (diffusion, early-bird, block, "
                                        "multiblock): decode the whole canvas as the reference code does, not stopping "
