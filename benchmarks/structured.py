@@ -30,8 +30,11 @@ Targets (issue 50), PASS / MISS: identical to constrained AR 100 %; valid 100 % 
 constrained lossless >= TPF unconstrained lossless; tok/s constrained lossless >= 1.5x constrained AR at batch
 1; grammar work <= 15 % of the call at batch 8; SmolLM2 identical 100 %; logprobs max |delta| <= 1e-5.
 
+Runtime on one core of a shared 2-core machine (load about 2): part 1 about 4 minutes, part 2 about 8 (SmolLM2
+at 128 tokens, four decodes per prompt), part 3 about 2; ``--quick`` about a minute.
+
     python benchmarks/structured.py                  # everything (the report: benchmarks/results/structured.md)
-    python benchmarks/structured.py --quick          # a smoke run, about 2 minutes: 6 prompts, 64 tokens
+    python benchmarks/structured.py --quick          # a smoke run: 6 prompts (SmolLM2 2), 64 tokens
     python benchmarks/structured.py --only stories   # part 1 alone
 """
 
@@ -347,19 +350,21 @@ def markdown(rows: list[dict], lp: list[dict], checks, env: dict) -> str:
     lines = [f"# Structured output under lossless decoding (issue 50): {env['date']}", ""]
     if env["quick"]:
         lines += ["**A `--quick` smoke run** (few prompts, short outputs): not the issue's figures.", ""]
+    reported = " forced per row (decoder) |" if any(r["forced"] is not None for r in rows) else ""
     lines += [f"CPU {env['cpu']}, {env['threads']} thread(s), torch {env['torch']}, llguidance {env['llguidance']}; load "
-              f"average {env['load_start']} at the start, {env['load_end']} at the end; {env['seconds']:.0f} s in all; "
+              f"average {env['load_start']} at the start, {env['load_end']} at the end; {env['seconds']:.0f} s in all ("
+              f"{', '.join(f'{k} {v:.0f} s' for k, v in env['parts'].items())}); "
               f"greedy, float32, {env['max_new_tokens']} new tokens.", "",
               f"Command: `python benchmarks/structured.py {env['argv']}`", "",
               "| model | schema | identical to constrained AR | valid / finished (lossless) | valid / finished (AR) | "
               "TPF constrained lossless | TPF unconstrained lossless | TPF constrained AR | tok/s lossless | "
-              "tok/s AR | lossless / AR | forced per row (decoder) | forceable per row | grammar share "
-              f"(batch {env['batch']}) | shaping share (batch {env['batch']}) |", "|" + "---|" * 15]
+              f"tok/s AR | lossless / AR |{reported} forceable per row | grammar share (batch {env['batch']}) | "
+              f"shaping share (batch {env['batch']}) |", "|" + "---|" * (14 + bool(reported))]
     for r in rows:
-        forced = "-" if r["forced"] is None else f"{r['forced']:.1f}"
+        forced = "" if not reported else " - |" if r["forced"] is None else f" {r['forced']:.1f} |"
         lines.append(f"| {r['model']} | {r['schema']} | {r['identical']}/{r['prompts']} | {pct(r['valid'], r['finished'])} | "
                      f"{pct(r['ar_valid'], r['ar_finished'])} | {r['tpf']:.2f} | {r['tpf_free']:.2f} | {r['tpf_ar']:.2f} | "
-                     f"{r['tps']:.1f} | {r['tps_ar']:.1f} | {r['speedup']:.2f}x | {forced} | {r['forceable']:.1f} | "
+                     f"{r['tps']:.1f} | {r['tps_ar']:.1f} | {r['speedup']:.2f}x |{forced} {r['forceable']:.1f} | "
                      f"{100 * r['grammar_share']:.1f} % | {100 * r['shaping_share']:.1f} % |")
     if lp:
         lines += ["", "logprobs (k = 5, no grammar, batch 1): lossless vs AR", "",
@@ -372,7 +377,8 @@ def markdown(rows: list[dict], lp: list[dict], checks, env: dict) -> str:
     if differ:
         lines += ["", "Prompts (index) whose ids differ from constrained AR's:", ""]
         lines += [f"- {r['model']} / {r['schema']}: {', '.join(map(str, r['differ'][:20]))}" for r in differ]
-    lines += ["", "Forced per row (decoder): the forced tokens its statistics report; forceable: tokens where the grammar "
+    lines += ["", "Forced per row (decoder): the forced tokens its statistics report, where they do; forceable: tokens "
+              "where the grammar "
               "allowed exactly one id, replayed over the lossless output. Grammar share: wall seconds in the matcher "
               "methods, matcher copies and mask unpacking / the timed decode calls' wall seconds; shaping share: the verify "
               "batch's whole per-step shaping (verify/shaped.py's Shaping methods: drafts rebuilt, masks filled and "
@@ -411,15 +417,24 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     t0, load_start = time.perf_counter(), load_average()
     print(f"load average {load_start}", flush=True)
-    rows = (stories(args) if args.only in (None, "stories") else []) + \
-        (smollm2(args) if args.only in (None, "smollm2") else [])
-    lp = logprobs(args) if args.only in (None, "logprobs") else []
+    parts = {}
+
+    def part(name, fn):
+        if args.only not in (None, name):
+            return []
+        t = time.perf_counter()
+        got = fn(args)
+        parts[name] = time.perf_counter() - t
+        print(f"{name}: {parts[name]:.0f} s, load average {load_average()}", flush=True)
+        return got
+    rows = part("stories", stories) + part("smollm2", smollm2)
+    lp = part("logprobs", logprobs)
     import llguidance
 
     env = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "quick": args.quick,
            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "llguidance": getattr(llguidance, "__version__", "?"), "load_start": load_start, "load_end": load_average(),
-           "seconds": time.perf_counter() - t0, "max_new_tokens": args.max_new_tokens, "batch": args.batch,
+           "seconds": time.perf_counter() - t0, "parts": parts, "max_new_tokens": args.max_new_tokens, "batch": args.batch,
            "argv": " ".join(sys.argv[1:] if argv is None else argv)}
     report = markdown(rows, lp, targets(rows, lp, args.batch), env)
     print(report)
