@@ -172,3 +172,8 @@ def test_logit_bias_bans_the_greedy_token(capsys):
     sbd = rows(capsys, "-n", "24", "-m", "stories260K-sbd", "--logit-bias", f"{first}=-100")[0]
     ar = rows(capsys, "-n", "24", "-m", "stories260K-sbd", "-d", "ar", "--logit-bias", f"{first}=-100")[0]
     assert sbd["decoder"] == "sbd" and sbd["tokens"] == ar["tokens"] and first not in ar["tokens"]
+
+
+def test_chat_leaves_the_output_options_out(capsys):
+    """``unmask chat`` takes generate's model and decoder options, not its per-request output ones."""
+    one_line_error(capsys, "chat", "-m", "stories260K", "--json-object", match="no such option", fix=False)

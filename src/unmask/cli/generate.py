@@ -203,8 +203,7 @@ def generate_cmd(
         with spinner as spin, compiling(spin, message):
             result = generate_sharded(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, chat=chat,
-                                      system=system, reference_nfe=reference_nfe,
-                                      **{k: v for k, v in asks.items() if v is not None}, **options)
+                                      system=system, reference_nfe=reference_nfe, **asks, **options)
     except BaseException:
         if tracer is not None:
             tracer.close(write=False)
