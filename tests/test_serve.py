@@ -171,8 +171,8 @@ def test_canvas_stream_shows_masks_and_commits(bundle, client):
     ({"prompt": "word " * 600, "max_tokens": 8}, "prompt", "context_length_exceeded"),
     ({"prompt": ""}, "prompt", None),
     ({"prompt": 5}, "prompt", None),
-    ({"prompt": "x", "logprobs": 1}, "logprobs", None),
-    ({"prompt": "x", "n": 2}, "n", None),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", None),  # logprobs and n are served (test_serve_structured)
+    ({"prompt": "x", "n": 9}, "n", None),
     ({"prompt": "x", "stream_mode": "pixels"}, "stream_mode", None),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate", None),
     ({"prompt": "x", "stop": [""]}, "stop", None),

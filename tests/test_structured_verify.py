@@ -146,6 +146,10 @@ def test_forced_ids_are_committed_without_forwards_of_their_own(stories):
     out = unmask.generate(["Once upon a time"], stories, "sbd", max_new_tokens=60, grammar=g)
     accepts, K = out.stats.extra["row_extra"][0]["accepts"], out.stats.extra["block_size"]
     assert accepts[0] == 1 and accepts[1] == K  # '{' from the prefill, then '"name": "' forced: a full window
+    forced = out.stats.extra["row_extra"][0]["forced"]
+    text = out.texts[0]  # '{' '"name": "' ... '", "age": ' ... ', "pet": "' ...: the schema's punctuation and keys
+    assert 8 <= forced < len(out.tokens[0])  # at least '{"name": "' (8 ids in this tokenizer)
+    assert text.startswith('{"name": "')
     ar = unmask.generate(["Once upon a time"], stories, "ar", max_new_tokens=60, grammar=g)
     assert out.tokens == ar.tokens and out.stats.nfe < ar.stats.nfe
 
@@ -180,10 +184,37 @@ def test_a_grammar_that_allows_nothing_ends_the_row_with_an_error(stories, monke
         calls.append(1)
         mask(self, out)
         if len(calls) > 4:
-            out.zero_()
+            out[...] = 0
 
     monkeypatch.setattr(G.Matcher, "mask", starve)
     for decoder in ("ar", "sbd"):
         calls.clear()
         with pytest.raises(UnmaskError, match="the grammar allows no token"):
             unmask.generate("Once upon a time", stories, decoder, max_new_tokens=40, grammar=Grammar.regex("[a-z ]+"))
+
+
+def test_a_constrained_chain_step_reads_the_host_once(stories, monkeypatch):
+    """Greedy grammar rows on a chain layout draft from candidates read with the step: after their first
+    step (no candidates yet: the drafts are read once more, and the window tables once per window), one
+    host read per step; logprobs and a bias ride in that read too."""
+    from test_r5_host_syncs import SyncCounter
+
+    from unmask.decode.engine.running import requests_for
+    counter = SyncCounter(monkeypatch)
+    spec = DECODERS["sbd"]
+    cfg = spec.config.of({"verify": True, "block_size": 6, "draft": "linear"})
+    prompts = [stories.encode(p) for p in ("Once upon a time", "The little dog", "Lily wanted to", "Tom and Sue")]
+    reqs = requests_for(prompts, max_new_tokens=48, sampling=Sampling(), logprobs=2, logit_bias={5: -1.0},
+                        grammar=unmask.grammar.compile(stories, Grammar.json_schema(SCHEMA)))
+    dec = spec.batch(stories, cfg, capacity=4, prompts=prompts, max_new_tokens=48)
+    dec.join(reqs)
+    reads = []
+    while len(dec):
+        counter.where, counter.on = [], True
+        try:
+            with torch.inference_mode():
+                dec.step()
+        finally:
+            counter.on = False
+        reads.append(len(counter.where))
+    assert len(reads) > 5 and max(reads[1:]) == 1, reads

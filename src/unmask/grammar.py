@@ -158,11 +158,13 @@ class Compiled:
 class Matcher:
     """One row's grammar state: the ids consumed so far (its committed tokens).
 
-    :meth:`masks` fills the allowed-token bitmasks at a draft's positions without moving the state;
-    :meth:`consume` moves it over committed ids; :meth:`forced` gives the ids the grammar forces next."""
+    :meth:`path_masks` fills the allowed-token bitmasks at a draft's positions without moving the state;
+    :meth:`consume` moves it over committed ids (counting the forced ones: ``forced_ids``); :meth:`forced`
+    gives the ids the grammar forces next; :meth:`draft` a draft it allows."""
 
     def __init__(self, m, vocab: int):
         self.m, self.vocab = m, vocab
+        self.forced_ids = 0  # consumed ids the grammar forced (it allowed nothing else there)
 
     @property
     def words(self) -> int:
@@ -175,8 +177,10 @@ class Matcher:
         for t in ids:
             if self.m.is_stopped():
                 break
+            forced = self.m.compute_ff_tokens()
             if not self.m.consume_token(int(t)):
                 return False
+            self.forced_ids += bool(forced) and forced[0] == t
         return not self.m.is_error()
 
     def forced(self, limit: int) -> list[int]:
@@ -184,12 +188,16 @@ class Matcher:
         tokens)."""
         return [] if limit <= 0 or self.m.is_stopped() else list(self.m.compute_ff_tokens()[:limit])
 
-    def mask(self, out: torch.Tensor) -> None:
-        """Fill ``out`` (words,) int32 (CPU, contiguous) with the allowed ids at the current state."""
-        self.m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+    def mask(self, out) -> None:
+        """Fill ``out`` (words,) int32, a contiguous numpy array or CPU tensor, with the allowed ids at the
+        current state."""
+        if isinstance(out, torch.Tensor):
+            self.m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+        else:
+            self.m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
 
-    def path_masks(self, draft: list[int], out: torch.Tensor) -> None:
-        """Fill ``out`` (len(draft) + 1, words) int32 (CPU, contiguous rows): row 0 the mask at the current
+    def path_masks(self, draft: list[int], out) -> None:
+        """Fill ``out`` (len(draft) + 1, words) int32 (numpy or CPU tensor, contiguous rows): row 0 the mask at the current
         state, row j the mask after draft[:j]. Past the first id the grammar refuses, rows are left as
         they are (no acceptance reaches them). The state is unchanged afterwards."""
         self.mask(out[0])

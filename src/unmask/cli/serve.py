@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from unmask.cli.root import app
+from unmask.serve.limits import DEFAULT_MAX_N
 
 
 @app.command("serve")
@@ -63,6 +64,7 @@ def serve_cmd(
                                        "answered 413 before they are read"),
     max_prompt_chars: int = typer.Option(None, "--max-prompt-chars", help="prompt characters, checked before "
                                          "tokenizing (default: 32 per cache token)"),
+    max_n: int = typer.Option(DEFAULT_MAX_N, "--max-n", help="choices one prompt may ask for (OpenAI's n); more are answered 400"),
     api_key: str = typer.Option(None, "--api-key", envvar="UNMASK_API_KEY", show_envvar=True,
                                 help="requests must send 'Authorization: Bearer KEY' (401 otherwise); /health, /metrics "
                                 "and the playground page stay open"),
@@ -75,7 +77,7 @@ def serve_cmd(
     from unmask.serve.server import serve
 
     limits = Limits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
-                    max_query_tokens=max_query_tokens, max_cache_tokens=max_cache_tokens)
+                    max_query_tokens=max_query_tokens, max_cache_tokens=max_cache_tokens, max_n=max_n)
     serve(model, kind=kind, adapter=adapter, compile=compile, warmup=warmup, draft_sizes=draft_sizes, limits=limits,
           host=host, port=port, api_key=api_key, max_batch_size=max_batch_size, max_queue=max_queue,
           request_timeout=timeout, device=device, dtype=dtype, decoder=decoder, block_size=block_size, policy=policy,

@@ -242,6 +242,9 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
         reqs = await asyncio.to_thread(_parse_all, prompt_bodies(body, chat=chat, max_prompts=max_queue), bundle, name,
                                        chat=chat, default_timeout=request_timeout, defaults=defaults, limits=limits,
                                        draft_k=draft_k)
+        if (jobs := sum(r.n for r in reqs)) > max_queue:  # each choice is a job: they could never all queue
+            raise ApiError(400, f"the request asks for {jobs} choices (prompts x n), more than the {max_queue} requests "
+                                "this server queues; lower n or send fewer prompts", param="n")
         return await Call(request, reqs, chat, name, bundle, scheduler, metrics).respond()
 
     @app.post("/v1/completions")

@@ -21,6 +21,7 @@ from unmask.decode.verify.serving import for_layout
 from unmask.decode.verify.config import default_layout
 from unmask.errors import UnmaskError
 from unmask.serve import per_call
+from unmask.serve.errors import ApiError
 from unmask.serve.jobs import Job, bad_request, finish_gone, server_error
 from unmask.trace import TokenStep
 
@@ -33,11 +34,33 @@ def _rows(batch) -> list:
 
 
 def _done(row, bundle) -> None:
+    """Answer a finished row: ``("done", result)``, or for ``finish == "error"`` (its grammar allowed no
+    token) a 400 ``grammar_dead_end`` (README "Serving")."""
     reason = row.finish
+    if reason == "error":
+        row.job.finish("error", grammar_dead_end(row))
+        return
     if reason == "length" and per_call.stopped(bundle, row.job, row.tokens):  # a canvas that filled at once
         reason = "stop"  # the text is cut at the stop string, so the answer ended there, not at the length
+    asked = {} if row.job.logprobs is None else {"logprobs": row.logprobs}
     row.job.finish("done", {"tokens": row.tokens, "nfe": row.nfe, "finish_reason": reason,
-                            "stop_token": row.stop_token})
+                            "stop_token": row.stop_token, **asked})
+
+
+def grammar_dead_end(row) -> ApiError:
+    """The 400 of a row whose grammar allowed no next token (``row.error`` says why)."""
+    return ApiError(400, row.error or f"the grammar allows no token after {len(row.tokens)} generated tokens; check "
+                                      "the grammar", code="grammar_dead_end")
+
+
+def _post_logprobs(row) -> None:
+    """Send the logprobs its row recorded since the last ones (a streamed answer carries them beside the text)."""
+    job, got = row.job, row.logprobs
+    if job.logprobs is not None and got and len(got) > job.logprobs_posted:
+        n = min(len(got), len(row.tokens))  # a prefix aligned with row.tokens (Row's contract)
+        if n > job.logprobs_posted:
+            job.post("logprobs", list(got[job.logprobs_posted:n]))
+            job.logprobs_posted = n
 
 
 class RunningBatches:
@@ -207,10 +230,12 @@ class RunningBatches:
 
     def _event(self, row, event: dict) -> None:
         if not (row.job.gone or row.job.closed) and row.job.events:
+            _post_logprobs(row)
             row.job.post("step", event)
 
     def _ar_token(self, row) -> None:
         if not (row.job.events or row.job.gone or row.job.closed):  # O(1): the reader copies the canvas
+            _post_logprobs(row)
             row.job.post("step", TokenStep(row.tokens, len(row.tokens)))
 
 

@@ -1,12 +1,15 @@
 """One completion request in flight: its jobs, their events, and the OpenAI-shaped response.
 
-A chat request, or a completions request with one prompt, is one job. A completions request whose
-``prompt`` is a list runs one job per prompt, side by side in the scheduler's batches (each equals
-that prompt sent alone); its ``choices`` are indexed by prompt, its ``usage`` sums theirs (``tpf``:
-their committed tokens over their forwards), and a streamed answer interleaves the prompts' chunks,
-each carrying its prompt's ``index``. With ``echo`` a completion's text starts with its prompt (a
-streamed one: the prompt is the first chunk of its index). The events of every job come back
-through one asyncio queue as ``(index, kind, payload)``.
+Each choice is one job: a chat request, or a completions request with one prompt, has ``n`` (default
+1); a completions request whose ``prompt`` is a list has ``n`` per prompt, run side by side in the
+scheduler's batches (each equals that prompt sent alone). Choices are indexed ``prompt * n + i`` as
+OpenAI does; choice i of a sampled request draws with the generator ``Sampling.row_generators([prompt] *
+n)`` gives row i (reproducible with a seed, independent of the others). ``usage`` sums the choices'
+(``tpf``: their committed tokens over their forwards), and a streamed answer interleaves the choices'
+chunks, each carrying its ``index``. With ``echo`` a completion's text starts with its prompt (a
+streamed one: the prompt is the first chunk of its index). With ``logprobs`` each choice carries them
+(:mod:`unmask.serve.logprobs`). The events of every job come back through one asyncio queue as
+``(index, kind, payload)``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from unmask.serve.engine import Job, QueueFull, Scheduler, ShuttingDown
 from unmask.serve.errors import ApiError
+from unmask.serve.logprobs import ChoiceLogprobs
 from unmask.serve.metrics import Metrics
 from unmask.serve.protocol import ServeRequest
 from unmask.serve.stream import TextStream, edits_committed
@@ -50,26 +54,41 @@ class _Gone(Exception):
 
 
 class _Part:
-    """One prompt of a request: its job, its text stream and, once done, its result."""
+    """One choice of a request: its job, its text stream, its logprobs and, once done, its usage."""
 
-    def __init__(self, index: int, req: ServeRequest, bundle, t0: float, post):
+    def __init__(self, index: int, req: ServeRequest, bundle, t0: float, post, *, chat: bool, generator=None,
+                 group=None):
         self.index, self.req = index, req
         self.stream = TextStream(bundle, req.prompt_ids, req.stop, limit=req.max_tokens,
                                  final_only=edits_committed(bundle, req.decoder, req.options))
+        self.logprobs = None if req.logprobs is None else ChoiceLogprobs(bundle, req.prompt_ids, chat,
+                                                                         self.stream.token_text)
         self.job = Job(prompt_ids=req.prompt_ids, decoder=req.decoder, options=req.options, sampling=req.sampling,
                        max_new_tokens=req.max_tokens, stop=req.stop, deadline=t0 + req.timeout,
-                       post=lambda kind, payload: post(index, kind, payload))
+                       post=lambda kind, payload: post(index, kind, payload), generator=generator,
+                       logprobs=req.logprobs, logit_bias=req.logit_bias, grammar=req.grammar, group=group)
         self.first_token_at: float | None = None
         self.usage: dict | None = None  # set when done
+        self.canvas: list = []  # the last step's canvas
 
     def saw_step(self, event: dict) -> None:
         if self.first_token_at is None and event.get("positions"):
             self.first_token_at = time.monotonic()
 
+    def shown(self, canvas_mode: bool) -> list:
+        """The committed ids whose text a committed-mode stream may send now: with logprobs from the verify
+        batch (reported as it commits, sometimes just after the step's event), those whose logprobs came,
+        so every chunk carries the logprobs of its own text; otherwise the whole canvas (a canvas decoder's
+        logprobs come with the last chunk)."""
+        if self.logprobs is None or canvas_mode or (self.job.running_key or ("",))[0] != "verify":
+            return self.canvas
+        return self.canvas[: len(self.logprobs.entries)]
+
 
 class Call:
     """One request in flight (see the module docstring): submits its jobs, waits for their events,
-    builds the response. ``reqs``: one validated request per prompt (a chat request has one)."""
+    builds the response. ``reqs``: one validated request per prompt (a chat request has one), each
+    giving ``req.n`` choices."""
 
     def __init__(self, request: Request, reqs: list[ServeRequest], chat: bool, name: str, bundle,
                  scheduler: Scheduler, metrics: Metrics):
@@ -89,7 +108,11 @@ class Call:
             except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
                 pass
 
-        self.parts = [_Part(i, req, bundle, self.t0, post) for i, req in enumerate(reqs)]
+        self.parts = []
+        for p, req in enumerate(reqs):
+            gens = req.sampling.row_generators([req.prompt_ids] * req.n, bundle.device) or [None] * req.n
+            self.parts += [_Part(p * req.n + i, req, bundle, self.t0, post, chat=chat, generator=gen, group=self.id)
+                           for i, gen in enumerate(gens)]
 
     def cancel(self) -> None:
         for part in self.parts:
@@ -204,11 +227,14 @@ class Call:
             elif kind == "done":
                 text, reason = self.text(part, payload), payload["finish_reason"]
                 self.record(part, payload)
+                lp = part.logprobs and part.logprobs.whole(payload.get("logprobs"))
                 choices[index] = ({"index": index, "message": {"role": "assistant", "content": text},
-                                   "finish_reason": reason} if self.chat else
-                                  {"index": index, "text": text, "finish_reason": reason, "logprobs": None})
+                                   "logprobs": lp, "finish_reason": reason} if self.chat else
+                                  {"index": index, "text": text, "finish_reason": reason, "logprobs": lp})
                 if len(choices) == len(self.parts):
                     break
+            elif kind == "logprobs":
+                part.logprobs.add(payload)
             elif kind == "error":
                 return self.failed(payload)
             else:  # cancelled
@@ -217,43 +243,50 @@ class Call:
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
                 "model": self.name, "choices": [choices[i] for i in range(len(self.parts))], "usage": self.usage()}
 
-    def chunk(self, index: int, delta: str | None, *, reason: str | None = None, role: bool = False, **extra) -> str:
+    def chunk(self, index: int, delta: str | None, *, reason: str | None = None, role: bool = False,
+              logprobs: dict | None = None, **extra) -> str:
         if self.chat:
             d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-            choice = {"index": index, "delta": d, "finish_reason": reason}
+            choice = {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": index, "text": delta or "", "finish_reason": reason, "logprobs": None}
+            choice = {"index": index, "text": delta or "", "finish_reason": reason, "logprobs": logprobs}
             obj = "text_completion"
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.name, "choices": [choice], **extra}
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     async def sse(self, event):
-        """Server-sent events: text deltas (and canvases in canvas mode), per prompt index; the
-        usage rides on the last prompt's final chunk."""
+        """Server-sent events: text deltas (and canvases in canvas mode), per choice index, each with the
+        logprobs of the tokens whose text it completes (:class:`ChoiceLogprobs`); the usage rides on the
+        last choice's final chunk."""
         canvas, left = self.stream_mode == "canvas", len(self.parts)
         try:
-            if self.chat:
-                yield self.chunk(0, None, role=True)
             for part in self.parts:
+                if self.chat:
+                    yield self.chunk(part.index, None, role=True)
                 if part.req.echo:
                     yield self.chunk(part.index, part.req.prompt)
             while True:
                 index, kind, payload = event
                 part = self.parts[index]
-                if kind == "step":
-                    part.saw_step(payload)
-                    delta = part.stream.update(payload["canvas"])
-                    if canvas:
-                        yield self.chunk(index, delta, unmask=part.stream.canvas(payload))
-                    elif delta:
-                        yield self.chunk(index, delta)
+                if kind in ("step", "logprobs"):
+                    if kind == "step":
+                        part.saw_step(payload)
+                        part.canvas = payload["canvas"]
+                    else:
+                        part.logprobs.add(payload)
+                    delta = part.stream.update(part.shown(canvas))
+                    if (canvas and kind == "step") or delta:
+                        lp = part.logprobs and part.logprobs.upto(len(part.stream.sent))
+                        yield self.chunk(index, delta, logprobs=lp,
+                                         **({"unmask": part.stream.canvas(payload)} if canvas and kind == "step" else {}))
                 elif kind == "done":
                     delta = part.stream.finish(payload["tokens"])
                     self.record(part, payload)
                     left -= 1
                     usage = {"usage": self.usage()} if not left else {}
-                    yield self.chunk(index, delta, reason=payload["finish_reason"], **usage)
+                    lp = part.logprobs and part.logprobs.rest(payload.get("logprobs"))
+                    yield self.chunk(index, delta, reason=payload["finish_reason"], logprobs=lp, **usage)
                     if not left:
                         yield "data: [DONE]\n\n"
                         return

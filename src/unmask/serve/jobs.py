@@ -23,7 +23,9 @@ class Job:
 
     prompt_ids: the encoded prompt; options: decoder knobs; stop: stop strings; deadline:
     ``time.monotonic()`` after which the request times out. ``post(kind, payload)`` delivers an event
-    to the waiting HTTP handler (thread-safe)."""
+    to the waiting HTTP handler (thread-safe). ``logprobs``, ``logit_bias``, ``grammar`` and ``generator``:
+    as :class:`~unmask.decode.engine.running.Request`'s; ``group``: the HTTP request it belongs to (its ``n``
+    choices share a per-call batch, whose decode gives them the generators they would get together)."""
 
     prompt_ids: list[int]
     decoder: str
@@ -40,7 +42,12 @@ class Job:
     sizable: bool = False  # set by the scheduler: greedy lossless sbd whose K follows the load
     running_key: tuple | None = None  # set by the scheduler: the running batch it joins (None: per call)
     config: object = None  # set by the scheduler: its decoder's config, which builds the batch it opens
-    generator: object = None  # a running batch draws the row's generator from ``sampling`` (Request's contract)
+    generator: object = None  # None: a running batch draws the row's generator from ``sampling`` (Request's contract)
+    logprobs: int | None = None
+    logit_bias: dict | None = None
+    grammar: object = None
+    group: object = None
+    logprobs_posted: int = 0  # set by the scheduler: how many of its row's logprobs went out with "logprobs" events
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request at its next step boundary (thread-safe)."""
@@ -57,9 +64,10 @@ class Job:
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one per-call ``decode``."""
-        solo = self.id if not self.sampling.greedy else None
+        solo = (self.group if self.group is not None else self.id) if not self.sampling.greedy else None
+        bias = None if self.logit_bias is None else tuple(sorted(self.logit_bias.items()))
         return (self.decoder, tuple(sorted(self.options.items())), self.sampling, self.max_new_tokens,
-                self.stop, solo)
+                self.stop, solo, self.logprobs, bias)
 
     def finish(self, kind: str, payload) -> None:
         if not self.closed:

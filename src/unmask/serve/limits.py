@@ -26,6 +26,7 @@ from unmask.serve.errors import ApiError
 
 DEFAULT_MAX_BODY_BYTES = 2 * 2**20  # 2 MiB: a full 128k-token prompt as JSON fits, a 16 MiB body does not
 DEFAULT_MAX_QUERY_TOKENS = 2048  # per request and forward, like vLLM's default --max-num-batched-tokens
+DEFAULT_MAX_N = 8  # choices per prompt (OpenAI's n)
 CHARS_PER_TOKEN = 32  # default prompt cap: context window x 32 characters (no tokenizer averages more)
 
 
@@ -35,7 +36,7 @@ class Limits:
     ``max_prompt_chars``: prompt characters (None: ``CHARS_PER_TOKEN`` x the cache limit);
     ``max_query_tokens``: query tokens one request puts into one decode forward (the prompt's
     prefill aside); ``max_cache_tokens``: prompt + completion tokens one request keeps in its
-    KV cache (None: the model's context window).
+    KV cache (None: the model's context window); ``max_n``: choices one prompt may ask for (OpenAI's ``n``).
 
     Raises:
         UnmaskError: a limit that is not an integer >= 1.
@@ -45,9 +46,10 @@ class Limits:
     max_prompt_chars: int | None = None
     max_query_tokens: int = DEFAULT_MAX_QUERY_TOKENS
     max_cache_tokens: int | None = None
+    max_n: int = DEFAULT_MAX_N
 
     def __post_init__(self):
-        for name in ("max_body_bytes", "max_prompt_chars", "max_query_tokens", "max_cache_tokens"):
+        for name in ("max_body_bytes", "max_prompt_chars", "max_query_tokens", "max_cache_tokens", "max_n"):
             value = getattr(self, name)
             if value is None and name in ("max_prompt_chars", "max_cache_tokens"):
                 continue

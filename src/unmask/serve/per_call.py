@@ -69,14 +69,16 @@ def run_batch(sched, jobs: list) -> None:
         elif not job.closed:
             job.post("step", event)
             steps[row] += 1
-            answer = None if edits else final(sched, job, event["canvas"])
+            # logprobs come with the decode's output: such a row is answered when the batch ends
+            answer = None if edits or job.logprobs is not None else final(sched, job, event["canvas"])
             if answer is not None:  # the answer cannot change any more: send it now
                 job.finish("done", {"tokens": answer[0], "nfe": steps[row], "finish_reason": answer[1],
                                     "stop_token": answer[2]})
         if all(j.gone or j.closed for j in jobs):
             raise _Abandoned
 
-    kwargs = {**first.options, "on_step": on_step, **({"compile": True} if sched.compile else {})}
+    kwargs = {**first.options, "on_step": on_step, **({"compile": True} if sched.compile else {}),
+              "logprobs": first.logprobs, "logit_bias": first.logit_bias}  # equal in a batch (Job.batch_key)
     try:
         out = spec_for(first.decoder, sched.bundle.kind).decode(
             sched.bundle, [j.prompt_ids for j in jobs], max_new_tokens=first.max_new_tokens, sampling=first.sampling,
@@ -104,4 +106,5 @@ def run_batch(sched, jobs: list) -> None:
         toks = out.tokens[i]
         reason = "length" if len(toks) >= j.max_new_tokens and not stopped(sched.bundle, j, toks) else "stop"
         j.finish("done", {"tokens": toks, "nfe": int(out.stats.nfe_per_row[i]), "finish_reason": reason,
-                          "stop_token": out.stats.row(i)["stop_token"]})
+                          "stop_token": out.stats.row(i)["stop_token"],
+                          **({} if out.logprobs is None else {"logprobs": out.logprobs[i]})})

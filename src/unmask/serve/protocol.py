@@ -5,7 +5,8 @@ options a decoder takes (``check_options``: its config), the sampling knobs (``S
 prompt against the context window (``encode_prompts``); the knob names and value types are the
 registered decoders' ``serve`` knobs (:mod:`unmask.decode`). Each error becomes an :class:`ApiError` (HTTP 400)
 with the offending field in ``param``. The decoder's own checks of its option values (block
-size, γ, τ, ...) run when the batch starts and are answered with 400 too.
+size, γ, τ, ...) run when the batch starts and are answered with 400 too. ``logprobs`` / ``top_logprobs``,
+``n``, ``logit_bias``, ``response_format`` and ``structured_outputs`` are checked by :mod:`unmask.serve.asks`.
 
 Chat messages become prompt ids as everywhere in unmask (:mod:`unmask.prompts`): the
 tokenizer's chat template tokenized by itself, or the plain template when the tokenizer has none.
@@ -25,6 +26,7 @@ from unmask.decode.verify.drafting import HOST
 from unmask.errors import UnmaskError
 from unmask.prompts import check_messages, check_text, has_chat_template, plain_template, render
 from unmask.sampling import Sampling
+from unmask.serve.asks import FIELDS as ASK_FIELDS, parse_asks
 from unmask.serve.errors import ApiError
 from unmask.serve.limits import Limits, check_cost
 
@@ -35,13 +37,12 @@ STREAM_MODES = ("committed", "canvas")
 # turn, 7 to a user turn): bounds the template's work on a huge list of empty messages
 MESSAGE_CHARS = 2
 # The request fields that are not decoder knobs (those come from the registry: decoder_knobs()).
+# (logprobs, n, logit_bias and the grammar fields: :mod:`unmask.serve.asks`)
 FIELDS = ("model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-          "stream_mode", "timeout", "decoder", "reference_nfe")
+          "stream_mode", "timeout", "decoder", "reference_nfe", *ASK_FIELDS)
 # OpenAI fields that are accepted only at their neutral value.
-_NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
-            "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-            "logit_bias": (None, {}), "suffix": (None, ""), "user": None, "stream_options": None,
-            "response_format": (None, {"type": "text"}), "max_completion_tokens": None,
+_NEUTRAL = {"echo": (None, False), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+            "suffix": (None, ""), "user": None, "stream_options": None, "max_completion_tokens": None,
             # tool calling is not served; client wrappers may still send an empty tool list
             "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
             "function_call": (None, "none")}
@@ -149,7 +150,8 @@ def check_prompt_chars(bundle, prompt: str | list[dict], limits: Limits, field: 
 
 @dataclass(frozen=True)
 class ServeRequest:
-    """A validated completion request (one prompt)."""
+    """A validated completion request (one prompt). ``logprobs``, ``logit_bias``, ``grammar`` (compiled)
+    and ``n`` (choices): :class:`unmask.serve.asks.Asks`."""
 
     prompt: str
     prompt_ids: list[int]
@@ -162,6 +164,10 @@ class ServeRequest:
     stream_mode: str
     timeout: float
     echo: bool = False  # completions: the answer's text starts with the prompt
+    logprobs: int | None = None
+    logit_bias: dict | None = None
+    grammar: object = None
+    n: int = 1
 
 
 def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
@@ -183,7 +189,7 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
                                 f"{name!r}; post {name!r} to {'/v1/completions' if chat else '/v1/chat/completions'}",
                            param=name)
         if name not in known:
-            raise ApiError(400, f"unknown parameter {name!r}; drop it (unmask fields: decoder, stream_mode, timeout, top_k, {', '.join(sorted(knobs))})",
+            raise ApiError(400, f"unknown parameter {name!r}; drop it (unmask fields: decoder, stream_mode, structured_outputs, timeout, top_k, {', '.join(sorted(knobs))})",
                            param=name)
     if body.get("reference_nfe") is not None and body["reference_nfe"] is not False:
         raise ApiError(400, "reference_nfe is not served (the server stops every request at its stop tokens); "
@@ -200,9 +206,7 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
         if neutral is not None and name in body and (wrong_type or body[name] not in neutral):
             if wrong_type:
                 raise ApiError(400, f"{name} must be a number, not {json.dumps(body[name])}; drop {name!r}", param=name)
-            what = ("logprobs are not defined for parallel decoders" if "logprobs" in name else "response_format: only "
-                    '{"type": "text"} is served (no JSON mode)' if name == "response_format" else f"{name} is not supported")
-            raise ApiError(400, f"{what}; drop {name!r}", param=name)
+            raise ApiError(400, f"{name} is not supported; drop {name!r}", param=name)
     model = body.get("model")
     if model is not None and model != model_name:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", param="model",
@@ -252,10 +256,11 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
     except UnmaskError as e:
         raise ApiError(400, api_message(str(e)), param="decoder") from None
     try:
-        check_options(spec, options)
+        cfg = check_options(spec, options)
     except UnmaskError as e:
         message = api_message(str(e))
         raise ApiError(400, message, param=named_param(message, options)) from None
+    asks = parse_asks(body, bundle, chat=chat, decoder=decoder, cfg=cfg, echo=echo, max_n=limits.max_n)
 
     given = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
     if len(given) == 2 and given[0] != given[1]:
@@ -301,7 +306,7 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
                draft_k=draft_k)
     return ServeRequest(prompt=prompt, prompt_ids=ids, decoder=decoder, options=options, sampling=sampling,
                         max_tokens=max_tokens, stop=tuple(stop), stream=stream, stream_mode=mode, timeout=float(timeout),
-                        echo=echo)
+                        echo=echo, logprobs=asks.logprobs, logit_bias=asks.logit_bias, grammar=asks.grammar, n=asks.n)
 
 
 def _json_kind(value) -> str:

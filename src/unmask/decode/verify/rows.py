@@ -52,6 +52,8 @@ def settle(row: VerifyRow, rule: StopRule, bundle, start: int, draft: str, on_to
     row.finish = "stop" if (at_stop and len(ids) < N) or (hit and len(ids) <= N) else "length"
     row.stop_token = int(not hit and len(ids) < min(len(row.committed), N))
     row.extra = {"verify": True, "draft": draft, "block_size": row.K, "accepts": row.accepts}
+    if row.matcher is not None:  # ids its grammar forced: committed in some forward's draft, never predicted
+        row.extra["forced"] = row.matcher.forced_ids
     if row.drafts is not None:  # name the model-free source; alone, its "host" layout and last K are internals
         cfg = row.drafts.cfg
         row.extra["draft_source"] = f"block+{cfg.source}" if cfg.beside_block else cfg.source

@@ -4,7 +4,8 @@ biased) AR's, its logprobs equal AR's.
 
 Per step, for the rows that ask (no row asking: no work, and the compiled whole step runs):
 
-- before the forward (:meth:`Shaping.prepare`, one host read of the drafts): a grammar row's forced
+- before the forward (:meth:`Shaping.prepare`; one host read of the drafts, none when each grammar row
+  drafts from its candidates on a chain layout): a grammar row's forced
   ids (the grammar allows one id alone, then one after it, ...) go into its draft, so they are accepted
   for free (§3; within K - 1 on a block layout; the host layout's model-free drafts keep theirs); a
   greedy row's whole draft is rebuilt on the host from its block mode's ranked candidates
@@ -23,6 +24,7 @@ Per step, for the rows that ask (no row asking: no work, and the compiled whole 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from unmask.decode.engine import shaping as sh
@@ -111,20 +113,26 @@ class Shaping:
         caller frees them and prepares again), else []."""
         b = self.batch
         self.bits, self.raw, self.cols = None, None, None
-        grammar = [r for r in b.rows.values() if getattr(r, "matcher", None) is not None]
+        if not self.asking:
+            return []
+        grammar = [r for r in b.rows.values() if r.matcher is not None]
         if not grammar:
             return []
         Kmax = max(r.K for r in b.rows.values())
         R, Q, tw = b.slots.bucket if b.static else b.slots.high, queries(Kmax, b.cfg.draft, b.cfg.smaller), b._tables(Kmax)
-        idx = torch.tensor([r.slot for r in grammar], dtype=torch.long, device=b.device)
         W = b.s.shape[1]
-        got = torch.cat([b.draft_len[idx, None], b.s[idx], b.sib[idx, : tw.H]], 1).tolist()  # the drafts, on the host
+        # the drafts on the host (one read), unless every grammar row drafts from its candidates alone
+        need = [r.slot for r in grammar if r.cands is None or r.K == 1 or tw.H or b.cfg.host]
+        idx = torch.tensor(need, dtype=torch.long, device=b.device)
+        got = dict(zip(need, torch.cat([b.draft_len[idx, None], b.s[idx], b.sib[idx, : tw.H]], 1).tolist()
+                       if need else []))
         words = grammar[0].matcher.words
-        bits = torch.full((R, Q, words), -1, dtype=torch.int32)
+        bits = np.full((R, Q, words), -1, dtype=np.int32)  # numpy: filling and checking it reads no device
         if Kmax not in self.tables:
             self.tables[Kmax] = (tw.tok.tolist(), tw.path.tolist(), tw.path_len.tolist())
         tok, path, path_len = self.tables[Kmax]
-        for row, g in zip(grammar, got):
+        for row in grammar:
+            g = got.get(row.slot) or [0] * (1 + W)
             K, dl, s, sib = row.K, g[0], g[1: 1 + W], g[1 + W:]
             if row.cands is not None and K > 1:  # greedy: forced ids and the best allowed candidates
                 new = row.matcher.draft(row.cands, K - 1)
@@ -141,18 +149,18 @@ class Shaping:
                 nodes = path[K - 1][dl][p][: L + 1]
                 draft = [pool[tok[K - 1][dl][q]] for q in nodes[1:]]
                 if p:  # a sibling path: its own rows, scattered to its queries
-                    out = torch.full((len(nodes), words), -1, dtype=torch.int32)
+                    out = np.full((len(nodes), words), -1, dtype=np.int32)
                     row.matcher.path_masks(draft, out)
                     bits[row.slot, nodes] = out
                 else:  # the chain: verify queries 0..L, consecutive rows of the row's bitmasks
                     row.matcher.path_masks(draft, bits[row.slot, : L + 1])
         failed = []
         for row in grammar:
-            if not bits[row.slot, 0].any():  # the grammar allows no id at all
+            if not bits[row.slot, 0].any():  # the grammar allows no id at all (a numpy read)
                 row.finish, row.error = "error", f"the grammar allows no token after {len(row.tokens)} generated " \
                     f"tokens{f' ({row.matcher.error})' if row.matcher.error else ''}; check the grammar"
                 failed.append(row)
-        self.bits = bits.to(b.device)
+        self.bits = torch.from_numpy(bits).to(b.device)
         return failed
 
     def apply(self, logits: torch.Tensor) -> None:
@@ -212,7 +220,8 @@ class Shaping:
             self._advance(row, new)
             if "cand" in got and row.matcher is not None and row.job.sampling.greedy:
                 C = self.cand.shape[2]
-                row.cands = [got["cand"][slot][j * C: (j + 1) * C] for j in range(self.cand.shape[1])]
+                n = got["dlen"][slot]  # the next block draft's length: its candidates past it are no draft
+                row.cands = [got["cand"][slot][j * C: (j + 1) * C] for j in range(min(n, self.cand.shape[1]))]
         self.cols = self.cand = None
 
     def _advance(self, row, ids: list[int]) -> None:
