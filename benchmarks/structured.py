@@ -111,7 +111,8 @@ def decoder(bundle, name: str, **options):
         t0 = time.perf_counter()
         out = spec.decode(bundle, ids, max_new_tokens=max_new, stop_token_ids=bundle.stop_token_ids, **options, **asks)
         s = out.stats
-        forced = next((v for k, v in s.extra.items() if "forced" in k and isinstance(v, (int, float))), None)
+        extras = s.extra.get("row_extra") or []  # a grammar row's "forced": ids committed in a draft, never predicted
+        forced = sum(e["forced"] for e in extras) if any("forced" in e for e in extras) else None
         return out, {"nfe": sum(s.nfe_per_row), "committed": s.generated + sum(s.stops_per_row),
                      "seconds": time.perf_counter() - t0, "forced": forced}
     return run
