@@ -11,6 +11,7 @@ other whitespace), so a schema's keys and punctuation are forced tokens.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from unmask.errors import UnmaskError
 
 KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)  # a GBNF rule line; Lark's are "name: ..."
 
 
 def _llg():
@@ -34,8 +36,9 @@ def _llg():
 @dataclass(frozen=True)
 class Grammar:
     """A request's output grammar. kind: one of :data:`KINDS`; source: its text (a schema as JSON with
-    the keys in order, a regex, a Lark grammar (llguidance's dialect; GBNF with ``::=`` is converted), or the
-    choices as a JSON list). Hashable: compiled grammars are cached by it."""
+    the keys in order, a regex, a Lark grammar (llguidance's dialect; GBNF, told by a rule line
+    ``name ::= ...``, is converted), or the choices as a JSON list). Hashable: compiled grammars are
+    cached by it."""
 
     kind: str
     source: str = ""
@@ -119,7 +122,7 @@ class Grammar:
         if self.kind == "choice":
             return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(self.source)))
         text = self.source
-        if "::=" in text:  # GBNF (llama.cpp's): llguidance's converter
+        if GBNF_RULE.search(text):  # GBNF (llama.cpp's): llguidance's converter
             from llguidance.gbnf_to_lark import gbnf_to_lark
             try:
                 text = gbnf_to_lark(text)

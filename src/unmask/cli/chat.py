@@ -13,9 +13,10 @@ from unmask.cli.generate import generate_cmd
 from unmask.errors import UnmaskError
 
 PROMPT = ">>> "
-# generate's options that do not apply to a conversation typed at a terminal
+# generate's options that do not apply to a conversation typed at a terminal (the output options:
+# logprobs need --json, a grammar or a bias is set per request, not for a whole conversation)
 NOT_FOR_CHAT = ("prompts", "prompts_file", "chat", "show", "trace", "as_json", "overwrite", "tp", "reference_nfe",
-                "stream")
+                "stream", "logprobs", "logit_bias", "json_schema", "json_object", "regex", "grammar", "choice")
 VERBOSE_HELP = "print each prompt as the model reads it (the rendered chat template) and each answer's statistics"
 
 

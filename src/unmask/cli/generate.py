@@ -85,6 +85,18 @@ def generate_cmd(
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass in (0, 1]"),
     seed: int = typer.Option(0, "--seed", help="seed of the sampling generator"),
     stop: list[str] = typer.Option(None, "--stop", help="stop string (repeatable)"),
+    logprobs: int = typer.Option(None, "--logprobs", metavar="K", help="with --json: each row's \"logprobs\", per token its "
+                                 "log-probability and the K most likely ids (K in 0..20; raw, before bias, grammar and "
+                                 "temperature; ar and lossless sbd: equal to AR's)"),
+    logit_bias: list[str] = typer.Option(None, "--logit-bias", metavar="ID=BIAS", help="TOKEN_ID=BIAS added to that token's logit, "
+                                         "BIAS in [-100, 100] (repeatable)"),
+    json_schema: Path = typer.Option(None, "--json-schema", metavar="FILE", help="output grammar: a JSON object matching the "
+                                     "JSON schema in FILE (ar and lossless sbd)"),
+    json_object: bool = typer.Option(False, "--json-object", help="output grammar: any JSON object"),
+    regex: str = typer.Option(None, "--regex", metavar="REGEX", help="output grammar: text matching the regex"),
+    grammar: Path = typer.Option(None, "--grammar", metavar="FILE", help="output grammar: the Lark grammar in FILE (or GBNF: "
+                                 "rules written name ::= ...)"),
+    choice: list[str] = typer.Option(None, "--choice", metavar="TEXT", help="output grammar: exactly one of these texts (repeatable)"),
     reference_nfe: bool = typer.Option(False, "--reference-nfe", help="dLLM decoders (diffusion, early-bird, block, "
                                        "multiblock): decode the whole canvas as the reference code does, not stopping "
                                        "after the EOS block, so NFE equals theirs (the text is still cut at EOS)"),
@@ -116,6 +128,7 @@ def generate_cmd(
     from unmask import dist
     from unmask.api import generate_sharded
     from unmask.cli.progress import compiling, status
+    from unmask.cli.structured import check_for_model, check_logprobs_output, parse_logit_bias, read_grammar
     from unmask.decode import default_decoder
     from unmask.models import load
 
@@ -123,6 +136,10 @@ def generate_cmd(
     stream = _stream_on(stream, texts, as_json=as_json, show=show, torchrun=dist.launched(), compile=compile)
     if system is not None and not chat and all(isinstance(t, str) for t in texts):
         raise UnmaskError("--system applies to chat prompts; add --chat (or give messages rows in a .jsonl --prompts-file)")
+    check_logprobs_output(logprobs, as_json=as_json)
+    output, grammar_flag = read_grammar(json_schema=json_schema, json_object=json_object, regex=regex,
+                                        grammar=grammar, choice=choice)  # files read before the model loads
+    asks = {"logprobs": logprobs, "logit_bias": parse_logit_bias(logit_bias), "grammar": output}
     options = {k: v for k, v in knobs.items() if v is not None}  # the decoder flags given
     for k, v in options.items():  # the server refuses them too (JSON has no infinity)
         if isinstance(v, float) and not math.isfinite(v):
@@ -139,6 +156,7 @@ def generate_cmd(
         no_progress = no_progress or dist.env_rank() != 0
     with status(f"loading {model or 'the default model'}", enabled=not no_progress):
         bundle = load(model, kind=kind, device=device, dtype=dtype, tp=tp, adapter=adapter)
+    check_for_model(bundle, output, grammar_flag, asks["logit_bias"])
     if decoder is None:  # the fastest exact one here (README "Lossless and lossy SBD", the default)
         from unmask.decode.choice import default_for
 
@@ -185,7 +203,7 @@ def generate_cmd(
         with spinner as spin, compiling(spin, message):
             result = generate_sharded(texts, bundle, decoder, max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, chat=chat,
-                                      system=system, reference_nfe=reference_nfe, **options)
+                                      system=system, reference_nfe=reference_nfe, **asks, **options)
     except BaseException:
         if tracer is not None:
             tracer.close(write=False)

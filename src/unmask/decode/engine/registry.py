@@ -46,7 +46,8 @@ RESERVED = frozenset({
     "bundle", "sampling", "stop_token_ids", "stop_strings", "static", "on_step", "on_forward", "on_token", "capacity",
     "prompt", "messages", "max_tokens", "max_completion_tokens", "stream_mode", "timeout", "n", "best_of", "echo",
     "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "user",
-    "stream_options", "response_format", "structured_outputs", "grammar", "tools", "tool_choice", "functions", "function_call"})
+    "stream_options", "response_format", "structured_outputs", "grammar", "tools", "tool_choice", "functions", "function_call",
+    "json_schema", "json_object", "regex", "choice"})  # unmask generate's grammar flags
 RESERVED_SHORT = ("-m", "-d", "-n", "-t", "-h")  # unmask generate's own one-letter flags
 
 
