@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -253,7 +254,7 @@ def tokenizer_for(bundle, vocab: int):
     key = (id(bundle), vocab)
     with _LOCK:
         if key in _TOKENIZERS:
-            return _TOKENIZERS[key][1]
+            return _TOKENIZERS[key]
     if bundle.tokenizer is None:
         raise UnmaskError(f"{bundle.name} has no tokenizer files, which structured output needs; add them to the "
                           "checkpoint's directory")
@@ -262,8 +263,17 @@ def tokenizer_for(bundle, vocab: int):
     except Exception as e:  # noqa: BLE001 - a tokenizer llguidance cannot read: one line, not a traceback
         raise UnmaskError(f"structured output cannot use {bundle.name}'s tokenizer ({_one_line(e)})") from None
     with _LOCK:
-        _TOKENIZERS[key] = (bundle, tok)  # the bundle is kept alive, so its id stays its own
+        if key not in _TOKENIZERS:  # the bundle's entries leave with it (its id may be reused after)
+            weakref.finalize(bundle, _forget, id(bundle))
+        _TOKENIZERS[key] = tok
     return tok
+
+
+def _forget(bundle_id: int) -> None:
+    with _LOCK:
+        for cache in (_TOKENIZERS, _CACHE):
+            for key in [k for k in cache if k[0] == bundle_id]:
+                del cache[key]
 
 
 def compile(bundle, grammar: Grammar) -> Compiled:

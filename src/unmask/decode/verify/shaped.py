@@ -217,7 +217,7 @@ class Shaping:
                 ids, vals = got["lp_ids"][slot], got["lp_vals"][slot]
                 row.logprobs.extend(sh.entries(new, got["lp"][slot][:c], [ids[j * k: j * k + kk] for j in range(c)],
                                                [vals[j * k: j * k + kk] for j in range(c)]))
-            self._advance(row, new)
+            self._advance(row, new[: max(row.job.max_new_tokens - len(row.committed), 0)])  # ids past N: never output
             if "cand" in got and row.matcher is not None and row.job.sampling.greedy:
                 C = self.cand.shape[2]
                 n = got["dlen"][slot]  # the next block draft's length: its candidates past it are no draft
