@@ -148,6 +148,15 @@ def test_structured_outputs_regex_and_choice(client):
         assert r.choices[0].message.content in ("red", "green", "blue")
 
 
+def test_a_grammar_that_cannot_finish_within_max_tokens_ends_at_the_length_limit(client):
+    for extra in ({"decoder": "ar"}, LOSSLESS):
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                      extra_body={**extra, "structured_outputs": {"regex": r"[a-z ]{40,60}\."}})
+        c = r.choices[0]
+        assert c.finish_reason == "length" and r.usage.completion_tokens == 6
+        assert re.fullmatch(r"[a-z ]+", c.text), c.text  # a prefix the grammar allows
+
+
 # --- logit_bias --------------------------------------------------------------------------------
 
 
