@@ -5,6 +5,7 @@ the file and the fix."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import jsonschema
@@ -147,6 +148,20 @@ def test_grammar_file_lark_or_gbnf(capsys, tmp_path, text):
     path = tmp_path / "g.txt"
     path.write_text(text)
     assert rows(capsys, "--grammar", path)[0]["text"] in ("The cat sat.", "The dog sat.")
+
+
+@pytest.mark.parametrize("flag, text, ok", [
+    ("--grammar", 'start: "The " ANIMAL " sat."\nANIMAL: "cat" | "dog"', ("The cat sat.", "The dog sat.")),
+    ("--json-schema", '{"enum": ["yes", "no"]}', ('"yes"', '"no"'))])
+def test_grammar_and_schema_from_a_pipe(capsys, flag, text, ok):
+    # `--grammar <(make_grammar)` hands over /dev/fd/N, a pipe: it exists but is no regular file
+    r, w = os.pipe()
+    try:
+        os.write(w, text.encode())
+        os.close(w)
+        assert rows(capsys, flag, f"/dev/fd/{r}")[0]["text"] in ok
+    finally:
+        os.close(r)
 
 
 def test_logprobs_rows(capsys):
