@@ -140,6 +140,18 @@ def test_a_grammar_on_a_decoder_that_takes_none_names_those_that_do(bundle):
     assert req.logprobs == 2 and req.logit_bias == {3: 1.0}
 
 
+def test_a_grammar_on_a_model_whose_decoders_take_none_says_so(bundle):
+    # no decoder of a masked-diffusion model takes a grammar: the fix is another model, not "choose one"
+    dlm = unmask.load("stories260K-dlm")
+    with pytest.raises(ApiError) as e:
+        parse({"prompt": "Zoo", "response_format": {"type": "json_object"}}, dlm, "dlm", chat=False,
+              default_timeout=5.0)
+    msg = e.value.message
+    assert e.value.status == 400 and e.value.param == "response_format" and "\n" not in msg, msg
+    assert "choose one" not in msg and "nor does any decoder of this model" in msg and "ar and lossless sbd" in msg, msg
+    assert "drop 'response_format'" in msg, msg
+
+
 def test_bad_fields_through_the_server_and_the_openai_client(server, client):
     for body, param in (({"prompt": "x", "n": 5}, "n"), ({"prompt": "x", "logit_bias": {"70000": 1}}, "logit_bias"),
                         ({"prompt": "x", "logprobs": 30}, "logprobs"),
