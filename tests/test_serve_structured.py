@@ -123,6 +123,20 @@ def test_bad_fields_answer_400_naming_the_field(bundle):
             "structured_outputs", "not both")
 
 
+def test_structured_outputs_names_an_unknown_key_and_counts_only_set_ones(bundle):
+    # vLLM clients send options beside the grammar (disable_any_whitespace, backend): name the one not served
+    msg = refused(bundle, {"prompt": "Zoo", "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+                  "structured_outputs", "disable_any_whitespace")
+    assert "unknown key" in msg, msg
+    # json_object false asks for nothing: not reported as the one key given
+    msg = refused(bundle, {"prompt": "Zoo", "structured_outputs": {"json_object": False}}, "structured_outputs",
+                  "exactly one")
+    assert "got none" in msg, msg
+    msg = refused(bundle, {"prompt": "Zoo", "structured_outputs": {"regex": "a", "choice": ["b"], "json": None}},
+                  "structured_outputs", "exactly one")
+    assert "(got choice, regex)" in msg, msg
+
+
 def test_a_grammar_on_a_decoder_that_takes_none_names_those_that_do(bundle):
     msg = refused(bundle, {"prompt": "Zoo", "decoder": "sbd", "verify": False,
                            "response_format": {"type": "json_object"}}, "response_format", "lossy")
