@@ -182,6 +182,28 @@ def test_bad_fields_through_the_server_and_the_openai_client(server, client):
     assert status == 400 and err["error"]["param"] == "n" and "16" in err["error"]["message"]  # 20 jobs > --max-queue
 
 
+def test_text_offsets_and_chunks_count_a_character_split_over_byte_tokens_once(bundle):
+    # '☃' is three byte-fallback tokens: they all start at offset 0 and belong to the chunk holding '☃'
+    from unmask.decode.engine.shaping import TokenLogprob
+    from unmask.serve.logprobs import ChoiceLogprobs
+
+    tok = bundle.tokenizer
+    prompt = tok.encode("Hi", add_special_tokens=True)
+    ids = tok.encode("Hi☃é ok", add_special_tokens=True)[len(prompt):]
+    assert tok.decode(ids) == "☃é ok" and len(ids) == 6  # <0xE2> <0x98> <0x83> é ▁o k
+
+    def choice():
+        c = ChoiceLogprobs(bundle, prompt, chat=False)
+        c.add([TokenLogprob(token=i, logprob=-1.0, top=()) for i in ids])
+        return c
+
+    assert choice().whole(None)["text_offset"] == [0, 0, 0, 1, 2, 4]
+    streamed = choice()
+    assert len(streamed.upto(1)["tokens"]) == 3  # the chunk '☃'
+    assert len(streamed.upto(2)["tokens"]) == 1  # 'é'
+    assert streamed.rest(None)["text_offset"] == [2, 4]
+
+
 def test_max_n_is_a_serve_option(capsys):
     one_line_error(capsys, "serve", "--max-n", "0", "--port", "0", match="--max-n")
 
