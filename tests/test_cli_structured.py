@@ -118,6 +118,13 @@ def test_a_decoder_without_grammars_is_refused(capsys):
                    "--no-progress", match="does not take a grammar")
 
 
+def test_a_model_whose_decoders_take_no_grammar_says_to_change_the_model(capsys):
+    # on stories260K-dlm neither ar nor sbd runs, so "choose one of them" would only lead to a second error
+    line = one_line_error(capsys, "generate", "x", "-m", "stories260K-dlm", "--regex", "a+", "--no-progress",
+                          match="does not take a grammar")
+    assert "choose one of them" not in line and "no decoder of this model" in line and "unmask models" in line
+
+
 # what the flags produce
 
 def test_json_schema_output_validates_and_lossless_equals_ar(capsys, schema_file):
