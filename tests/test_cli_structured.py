@@ -5,6 +5,7 @@ the file and the fix."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import jsonschema
@@ -117,6 +118,13 @@ def test_a_decoder_without_grammars_is_refused(capsys):
                    "--no-progress", match="does not take a grammar")
 
 
+def test_a_model_whose_decoders_take_no_grammar_says_to_change_the_model(capsys):
+    # on stories260K-dlm neither ar nor sbd runs, so "choose one of them" would only lead to a second error
+    line = one_line_error(capsys, "generate", "x", "-m", "stories260K-dlm", "--regex", "a+", "--no-progress",
+                          match="does not take a grammar")
+    assert "choose one of them" not in line and "no decoder of this model" in line and "unmask models" in line
+
+
 # what the flags produce
 
 def test_json_schema_output_validates_and_lossless_equals_ar(capsys, schema_file):
@@ -147,6 +155,20 @@ def test_grammar_file_lark_or_gbnf(capsys, tmp_path, text):
     path = tmp_path / "g.txt"
     path.write_text(text)
     assert rows(capsys, "--grammar", path)[0]["text"] in ("The cat sat.", "The dog sat.")
+
+
+@pytest.mark.parametrize("flag, text, ok", [
+    ("--grammar", 'start: "The " ANIMAL " sat."\nANIMAL: "cat" | "dog"', ("The cat sat.", "The dog sat.")),
+    ("--json-schema", '{"enum": ["yes", "no"]}', ('"yes"', '"no"'))])
+def test_grammar_and_schema_from_a_pipe(capsys, flag, text, ok):
+    # `--grammar <(make_grammar)` hands over /dev/fd/N, a pipe: it exists but is no regular file
+    r, w = os.pipe()
+    try:
+        os.write(w, text.encode())
+        os.close(w)
+        assert rows(capsys, flag, f"/dev/fd/{r}")[0]["text"] in ok
+    finally:
+        os.close(r)
 
 
 def test_logprobs_rows(capsys):

@@ -123,6 +123,20 @@ def test_bad_fields_answer_400_naming_the_field(bundle):
             "structured_outputs", "not both")
 
 
+def test_structured_outputs_names_an_unknown_key_and_counts_only_set_ones(bundle):
+    # vLLM clients send options beside the grammar (disable_any_whitespace, backend): name the one not served
+    msg = refused(bundle, {"prompt": "Zoo", "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+                  "structured_outputs", "disable_any_whitespace")
+    assert "unknown key" in msg, msg
+    # json_object false asks for nothing: not reported as the one key given
+    msg = refused(bundle, {"prompt": "Zoo", "structured_outputs": {"json_object": False}}, "structured_outputs",
+                  "exactly one")
+    assert "got none" in msg, msg
+    msg = refused(bundle, {"prompt": "Zoo", "structured_outputs": {"regex": "a", "choice": ["b"], "json": None}},
+                  "structured_outputs", "exactly one")
+    assert "(got choice, regex)" in msg, msg
+
+
 def test_a_grammar_on_a_decoder_that_takes_none_names_those_that_do(bundle):
     msg = refused(bundle, {"prompt": "Zoo", "decoder": "sbd", "verify": False,
                            "response_format": {"type": "json_object"}}, "response_format", "lossy")
@@ -140,6 +154,18 @@ def test_a_grammar_on_a_decoder_that_takes_none_names_those_that_do(bundle):
     assert req.logprobs == 2 and req.logit_bias == {3: 1.0}
 
 
+def test_a_grammar_on_a_model_whose_decoders_take_none_says_so(bundle):
+    # no decoder of a masked-diffusion model takes a grammar: the fix is another model, not "choose one"
+    dlm = unmask.load("stories260K-dlm")
+    with pytest.raises(ApiError) as e:
+        parse({"prompt": "Zoo", "response_format": {"type": "json_object"}}, dlm, "dlm", chat=False,
+              default_timeout=5.0)
+    msg = e.value.message
+    assert e.value.status == 400 and e.value.param == "response_format" and "\n" not in msg, msg
+    assert "choose one" not in msg and "nor does any decoder of this model" in msg and "ar and lossless sbd" in msg, msg
+    assert "drop 'response_format'" in msg, msg
+
+
 def test_bad_fields_through_the_server_and_the_openai_client(server, client):
     for body, param in (({"prompt": "x", "n": 5}, "n"), ({"prompt": "x", "logit_bias": {"70000": 1}}, "logit_bias"),
                         ({"prompt": "x", "logprobs": 30}, "logprobs"),
@@ -154,6 +180,28 @@ def test_bad_fields_through_the_server_and_the_openai_client(server, client):
     assert e.value.body["param"] == "top_logprobs"
     status, err = post(server.url + "/v1/completions", {"prompt": ["a", "b", "c", "d", "e"], "n": 4})
     assert status == 400 and err["error"]["param"] == "n" and "16" in err["error"]["message"]  # 20 jobs > --max-queue
+
+
+def test_text_offsets_and_chunks_count_a_character_split_over_byte_tokens_once(bundle):
+    # '☃' is three byte-fallback tokens: they all start at offset 0 and belong to the chunk holding '☃'
+    from unmask.decode.engine.shaping import TokenLogprob
+    from unmask.serve.logprobs import ChoiceLogprobs
+
+    tok = bundle.tokenizer
+    prompt = tok.encode("Hi", add_special_tokens=True)
+    ids = tok.encode("Hi☃é ok", add_special_tokens=True)[len(prompt):]
+    assert tok.decode(ids) == "☃é ok" and len(ids) == 6  # <0xE2> <0x98> <0x83> é ▁o k
+
+    def choice():
+        c = ChoiceLogprobs(bundle, prompt, chat=False)
+        c.add([TokenLogprob(token=i, logprob=-1.0, top=()) for i in ids])
+        return c
+
+    assert choice().whole(None)["text_offset"] == [0, 0, 0, 1, 2, 4]
+    streamed = choice()
+    assert len(streamed.upto(1)["tokens"]) == 3  # the chunk '☃'
+    assert len(streamed.upto(2)["tokens"]) == 1  # 'é'
+    assert streamed.rest(None)["text_offset"] == [2, 4]
 
 
 def test_max_n_is_a_serve_option(capsys):

@@ -101,10 +101,15 @@ class Grammar:
         ``{"json_object": true}``. Raises UnmaskError."""
         if not isinstance(spec, dict):
             raise UnmaskError("structured_outputs must be an object with one of json, regex, grammar, choice, json_object")
-        given = [k for k in ("json", "regex", "grammar", "choice", "json_object") if spec.get(k) not in (None, False)]
-        if len(given) != 1 or set(spec) - {"json", "regex", "grammar", "choice", "json_object"}:
+        keys = ("json", "regex", "grammar", "choice", "json_object")
+        unknown = sorted(set(spec) - set(keys))
+        if unknown:  # e.g. vLLM's disable_any_whitespace / backend, which are not served
+            raise UnmaskError(f"structured_outputs: unknown key {', '.join(map(repr, unknown))}; it takes exactly "
+                              "one of json, regex, grammar, choice, json_object")
+        given = sorted(k for k in keys if spec.get(k) not in (None, False))  # null / false ask for nothing
+        if len(given) != 1:
             raise UnmaskError("structured_outputs takes exactly one of json, regex, grammar, choice, json_object "
-                              f"(got {', '.join(sorted(spec)) or 'none'})")
+                              f"(got {', '.join(given) or 'none'})")
         kind = given[0]
         return {"json": cls.json_schema, "regex": cls.regex, "grammar": cls.lark, "choice": cls.choice,
                 "json_object": lambda _: cls("json_object")}[kind](spec[kind])

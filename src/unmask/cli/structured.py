@@ -36,7 +36,8 @@ def parse_logit_bias(pairs: list[str] | None) -> dict[int, float] | None:
 
 def _read_schema(path: Path) -> Grammar:
     where = f"--json-schema {path}"
-    if not path.is_file():
+    # exists(), not is_file(): `--json-schema <(cmd)` gives /dev/fd/N, a pipe, which reads like a file
+    if not path.exists() or path.is_dir():
         raise UnmaskError(f"{where}: {'is a directory' if path.is_dir() else 'no such file'}; pass a JSON schema file")
     schema = read_json_object(path, SCHEMA_FIX)
     if schema.get("type") == "json_schema" or "json_schema" in schema:  # an OpenAI response_format object
@@ -47,7 +48,7 @@ def _read_schema(path: Path) -> Grammar:
 
 def _read_grammar(path: Path) -> Grammar:
     where = f"--grammar {path}"
-    if not path.is_file():
+    if not path.exists() or path.is_dir():  # a pipe (`--grammar <(cmd)`) is read as a file
         raise UnmaskError(f"{where}: {'is a directory' if path.is_dir() else 'no such file'}; pass a Lark (or GBNF) "
                           "grammar file")
     try:

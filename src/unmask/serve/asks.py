@@ -120,7 +120,10 @@ def _grammar(body: dict, bundle, decoder: str, cfg):
         takers = grammar_decoders(bundle)
         why = (f"decoder {decoder!r} takes a grammar only where it decodes exactly (lossless), and these options "
                "make it lossy" if decoder in takers else f"decoder {decoder!r} does not take a grammar")
-        served = ", ".join(f"{t} (lossless)" if t == "sbd" else t for t in takers) or "no decoder"
+        if not takers:  # no request to this server can fix it, only another model can
+            raise ApiError(400, f"{field}: {why}, nor does any decoder of this model (structured output runs on ar "
+                                f"and lossless sbd: a causal or sbd model); drop {field!r}", param=field)
+        served = ", ".join(f"{t} (lossless)" if t == "sbd" else t for t in takers)
         raise ApiError(400, f"{field}: {why}; structured output is served by {served} on this model: choose one, or "
                             f"drop {field!r}", param=field)
     try:

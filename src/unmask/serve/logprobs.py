@@ -11,7 +11,8 @@ The values are the rows' :class:`~unmask.decode.engine.shaping.TokenLogprob`: on
   with the k alternatives.
 
 A token's text is its display text (:class:`unmask.trace.TokenText`: a word-initial space kept);
-``text_offset`` is where its text starts in the answer, from decoding it after the ids before it. A
+``text_offset`` is where its text starts in the answer, from decoding it after the ids before it (the
+byte-fallback tokens of one character all start where that character does). A
 streamed chunk carries the logprobs of the tokens whose text it completes, as far as the decoder has
 reported them (the verify batch as it commits; the other decoders when the row finishes); the rest
 come with the choice's last chunk.
@@ -60,15 +61,18 @@ class ChoiceLogprobs:
         while len(self.offsets) <= i:
             j = len(self.offsets) - 1
             before = (self.prompt_ids + [e.token for e in self.entries[max(0, j - CONTEXT_IDS):j]])[-CONTEXT_IDS:]
-            self.offsets.append(self.offsets[-1] + len(self._piece(before, self.entries[j].token)))
+            self.offsets.append(self.offsets[-1] + self._chars(before, self.entries[j].token))
         return self.offsets[i]
 
-    def _piece(self, before: list[int], token: int) -> str:
+    def _chars(self, before: list[int], token: int) -> int:
+        """The characters of the answer that ``token`` completes after ``before``. A character split over
+        byte-fallback tokens counts once, at its last byte: each decode drops its trailing U+FFFD (the
+        bytes of a character not complete yet), so '☃' = <0xE2> <0x98> <0x83> gives 0, 0, 1."""
         if self.tokenizer is None:
-            return self.text(token)
-        head = self.tokenizer.decode(before, skip_special_tokens=True)
-        full = self.tokenizer.decode(before + [token], skip_special_tokens=True)
-        return full[len(head):] if full.startswith(head) else self.text(token)
+            return len(self.text(token))
+        head = self.tokenizer.decode(before, skip_special_tokens=True).rstrip("\ufffd")
+        full = self.tokenizer.decode(before + [token], skip_special_tokens=True).rstrip("\ufffd")
+        return len(full) - len(head) if full.startswith(head) else len(self.text(token))
 
     def upto(self, chars: int) -> dict | None:
         """The shaped logprobs of the tokens not yet sent whose text ends within the first ``chars``

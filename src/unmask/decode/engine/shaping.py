@@ -119,13 +119,16 @@ def request_asks(decoder: str, cfg, bundle, takers, *, logprobs=None, logit_bias
     """A request's per-row asks, checked, as :class:`~unmask.decode.engine.running.Request` fields:
     ``logprobs`` (k in [0, 20]), ``logit_bias`` (ids in the model's vocabulary, biases in [-100, 100]) and
     ``grammar`` (a :class:`unmask.grammar.Grammar`) compiled for ``bundle``, refused when ``cfg`` does not
-    ``takes_grammar`` (``takers()``: the decoders that do, whatever the model kind, for the message). Raises UnmaskError."""
+    ``takes_grammar`` (``takers(bundle=None)``: the decoders that do, of ``bundle``'s kind when given, for the
+    message). Raises UnmaskError."""
     out = {"logprobs": check_logprobs(logprobs), "logit_bias": check_logit_bias(logit_bias, bundle.model.config.vocab_size)}
     if grammar is not None:
         if not cfg.takes_grammar(bundle):
             takes = " and ".join("lossless sbd" if n == "sbd" else n for n in takers())
+            fix = "choose one of them" if takers(bundle) else \
+                "no decoder of this model takes one: load a model they decode ('unmask models' lists them)"
             raise UnmaskError(f"decoder {decoder!r} does not take a grammar (structured output runs on {takes}, "
-                              "exact to constrained AR); choose one of them or drop the grammar")
+                              f"exact to constrained AR); {fix} or drop the grammar")
         out["grammar"] = compile_grammar(bundle, grammar)
     return out
 
