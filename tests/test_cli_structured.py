@@ -106,7 +106,7 @@ def test_logit_bias_range_is_checked_before_loading(capsys):
 
 
 def test_logit_bias_unknown_id_names_it(capsys):
-    one_line_error(capsys, *GEN, "--logit-bias", "99999=3", match="token ids this model does not have (99999)")
+    one_line_error(capsys, *GEN, "--logit-bias", "99999=3", match="keys that are not token ids of this model (99999)")
 
 
 def test_logprobs_out_of_range(capsys):

@@ -33,8 +33,9 @@ class Counted(list):
 
 def test_posting_a_token_reads_only_that_token():
     posted = []
-    job = SimpleNamespace(events=False, gone=False, closed=False, post=lambda kind, payload: posted.append(payload))
-    row = SimpleNamespace(job=job, tokens=Counted(range(5000)))
+    job = SimpleNamespace(events=False, gone=False, closed=False, logprobs=None,
+                          post=lambda kind, payload: posted.append(payload))
+    row = SimpleNamespace(job=job, tokens=Counted(range(5000)), logprobs=None)
     Counted.reads = 0
     Scheduler._ar_token(None, row)
     assert Counted.reads == 0 and len(posted) == 1

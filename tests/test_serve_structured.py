@@ -225,6 +225,7 @@ def test_n_sampled_choices_are_reproducible_independent_and_indexed(bundle, clie
     gen = unmask.generate(["Zoo"] * 3, bundle, "ar", max_new_tokens=12, temperature=1.0, seed=7)
     assert gen.texts == texts
     assert a.usage.completion_tokens == sum(map(len, gen.tokens))  # usage counts every choice
+    assert a.usage.prompt_tokens == one.usage.prompt_tokens == len(gen.prompt_tokens[0])  # and the prompt once
 
 
 def test_n_with_a_prompt_list_indexes_prompt_times_n_plus_i(client):
@@ -233,6 +234,8 @@ def test_n_with_a_prompt_list_indexes_prompt_times_n_plus_i(client):
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     alone = client.completions.create(model=MODEL, prompt="Zoo", max_tokens=6, n=2, temperature=0.8, seed=3)
     assert [c.text for c in r.choices[2:]] == [c.text for c in alone.choices]
+    one = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6)
+    assert r.usage.prompt_tokens == alone.usage.prompt_tokens + one.usage.prompt_tokens  # each prompt once
 
 
 def test_n_streams_every_choice_by_index(client):

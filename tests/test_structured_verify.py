@@ -105,7 +105,7 @@ def test_logit_bias_keeps_lossless_equal_to_biased_ar(tiny):
 
 
 def test_logit_bias_ids_outside_the_vocabulary_are_named(tiny):
-    with pytest.raises(UnmaskError, match=r"token ids this model does not have \(99, -1\)"):
+    with pytest.raises(UnmaskError, match=r"keys that are not token ids of this model \(99, -1\)"):
         DECODERS["ar"].decode(tiny, PROMPTS, max_new_tokens=4, logit_bias={99: 1, -1: 1})
     with pytest.raises(UnmaskError, match=r"\[-100, 100\]"):
         DECODERS["ar"].decode(tiny, PROMPTS, max_new_tokens=4, logit_bias={3: 101})

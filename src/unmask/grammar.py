@@ -138,8 +138,13 @@ class Grammar:
 
 
 def _one_line(e) -> str:
+    """llguidance's message on one line: its first line and its ``error:`` lines (not the echoed source
+    and caret lines between them)."""
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    return "; ".join(lines[:3]) or type(e).__name__
+    if not lines:
+        return type(e).__name__
+    kept = [lines[0], *(line for line in lines[1:] if line.lower().startswith("error"))]
+    return " ".join(kept)
 
 
 class Compiled:

@@ -164,7 +164,8 @@ class Call:
         stop = int(result.get("stop_token", 0))
         elapsed = time.monotonic() - self.t0
         m = self.metrics
-        m.prompt_tokens.inc(len(part.req.prompt_ids))
+        prompt = len(part.req.prompt_ids) if part.index % part.req.n == 0 else 0  # n choices: the prompt counts once
+        m.prompt_tokens.inc(prompt)
         m.completion_tokens.inc(n)
         m.nfe.inc(nfe)
         m.tpf.observe((n + stop) / nfe)  # a committed stop token counts (DecodeStats' rule)
@@ -172,11 +173,11 @@ class Call:
         m.latency.observe(elapsed)
         if part.first_token_at is not None:
             m.ttft.observe(part.first_token_at - self.t0)
-        part.usage = {"prompt_tokens": len(part.req.prompt_ids), "completion_tokens": n, "nfe": nfe, "stop": stop}
+        part.usage = {"prompt_tokens": prompt, "completion_tokens": n, "nfe": nfe, "stop": stop}
 
     def usage(self) -> dict:
-        """The request's usage: the prompts' summed; ``tpf`` = committed tokens (stop tokens
-        included) over forwards."""
+        """The request's usage: the prompts' summed (each prompt once, whatever its ``n``: OpenAI's count), the
+        choices' completions summed; ``tpf`` = committed tokens (stop tokens included) over forwards."""
         parts = [p.usage for p in self.parts]
         prompt, n = sum(u["prompt_tokens"] for u in parts), sum(u["completion_tokens"] for u in parts)
         nfe = sum(u["nfe"] for u in parts)

@@ -66,7 +66,8 @@ def check_logit_bias(bias, vocab: int, where: str = "logit_bias") -> dict[int, f
         out[tid] = float(value)
     if unknown:
         shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
-        raise UnmaskError(f"{where} names token ids this model does not have ({shown}); its ids are 0..{vocab - 1}")
+        raise UnmaskError(f"{where} names keys that are not token ids of this model ({shown}); its keys are ids "
+                          f"0..{vocab - 1}, as integers or decimal text")
     return out
 
 
