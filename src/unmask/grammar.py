@@ -133,7 +133,8 @@ class Grammar:
 
 
 def _one_line(e) -> str:
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    text = str(e).split("<state>")[0]  # llguidance appends its parser state: a dump, not a message
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return "; ".join(lines[:3]) or type(e).__name__
 
 
@@ -149,6 +150,13 @@ class Compiled:
         if error:
             raise UnmaskError(f"invalid {grammar.kind.replace('_', ' ')}: {_one_line(error)}")
         self._template = llg.LLMatcher(tokenizer, text, log_level=0)
+        if not self._template.is_error():
+            # the parser is built lazily: a grammar with no finite string (every rule recurses, no base case)
+            # fails only at its first mask, which would end every row at once; refuse it here instead
+            Matcher(probe := self._template.deep_copy(), vocab).mask(torch.zeros((vocab + 31) // 32, dtype=torch.int32))
+            if probe.is_error():
+                raise UnmaskError(f"invalid {grammar.kind.replace('_', ' ')}: it allows no output "
+                                  f"({_one_line(probe.get_error())}); give it a rule that can end")
         if self._template.is_error():
             raise UnmaskError(f"invalid {grammar.kind.replace('_', ' ')}: {_one_line(self._template.get_error())}")
 

@@ -1,0 +1,83 @@
+"""Issue 50 under hostile inputs: a grammar that llguidance accepts but that has no finite output, or that
+trips the engine's limits while decoding, is an error naming the grammar (API: UnmaskError; server: a
+400 naming the field), never a 200 whose text does not match the grammar."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+import unmask
+from unmask.errors import UnmaskError
+from unmask.grammar import Grammar, compile as compile_grammar
+
+MODEL = "stories260K-sbd"
+PROMPT = "Once upon a time"
+EMPTY_LANGUAGE = ['start: start "a"', "start: a\na: b\nb: a"]  # no finite string: nothing can be generated
+ENGINE_LIMIT = [{"regex": "a{1000000}"},  # llguidance's lexer gives up after the first "a"
+                {"json": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}]  # infinite
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return unmask.load(MODEL)
+
+
+@pytest.mark.parametrize("text", EMPTY_LANGUAGE)
+def test_a_grammar_with_no_output_is_refused_when_compiled(bundle, text):
+    with pytest.raises(UnmaskError, match=r"^invalid grammar: .*allows no output") as e:
+        compile_grammar(bundle, Grammar.lark(text))
+    assert "\n" not in str(e.value) and "<state>" not in str(e.value)
+
+
+@pytest.mark.parametrize("spec", ENGINE_LIMIT)
+def test_api_engine_limit_names_the_grammar(bundle, spec):
+    grammar = Grammar.regex(spec["regex"]) if "regex" in spec else Grammar.json_schema(spec["json"])
+    for decoder in ("ar", "sbd"):
+        with pytest.raises(UnmaskError) as e:
+            unmask.generate(PROMPT, bundle, decoder, max_new_tokens=8, grammar=grammar)
+        msg = str(e.value)
+        assert "report it" not in msg and "<state>" not in msg and "\n" not in msg
+        assert "simplify the grammar" in msg
+
+
+def _post(url, body):
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture(scope="module")
+def server(bundle):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from unmask.serve import create_app
+    from unmask.serve.server import ServerThread
+    with ServerThread(create_app(bundle, max_batch_size=4)) as s:
+        yield s
+
+
+@pytest.mark.parametrize("decoder", ["ar", "sbd"])
+@pytest.mark.parametrize("spec", [{"grammar": t} for t in EMPTY_LANGUAGE] + ENGINE_LIMIT)
+def test_server_never_answers_200_off_the_grammar(server, decoder, spec):
+    for stream in (False, True):
+        status, text = _post(server.url, {"prompt": PROMPT, "max_tokens": 8, "decoder": decoder, "stream": stream,
+                                          "structured_outputs": spec})
+        if stream and status == 200:  # the error after the stream began: an error event, then [DONE]
+            data = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+            assert data[-1] == "[DONE]", text
+            err = json.loads(data[-2])["error"]
+        else:
+            assert status == 400, text
+            err = json.loads(text)["error"]
+        assert err["param"] == "structured_outputs" and "report it" not in err["message"], err
+        assert "\n" not in err["message"] and "<state>" not in err["message"], err
+    status, text = _post(server.url, {"prompt": PROMPT, "max_tokens": 4, "decoder": decoder})
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 4  # still serving
