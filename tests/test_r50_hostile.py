@@ -81,3 +81,27 @@ def test_server_never_answers_200_off_the_grammar(server, decoder, spec):
         assert "\n" not in err["message"] and "<state>" not in err["message"], err
     status, text = _post(server.url, {"prompt": PROMPT, "max_tokens": 4, "decoder": decoder})
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 4  # still serving
+
+
+# --- logit_bias keys and values that are numbers to Python but not token ids / biases ----------------
+
+BAD_BIAS = [{"\u00b3": 1},  # superscript three: str.isdigit() says yes, int() raises
+            {"\u2460": 1},  # circled one: the same
+            {"\u0663": 1},  # Arabic-Indic three: int() reads it as 3, which names no id the client meant
+            {"9" * 5000: 1},  # past Python's int-from-text digit limit
+            {"3": 10 ** 400}]  # an int too large for a float
+
+
+BAD_BIAS_IDS = ["superscript", "circled", "arabic", "5000-digits", "1e400"]
+
+
+@pytest.mark.parametrize("bias", BAD_BIAS, ids=BAD_BIAS_IDS)
+def test_api_logit_bias_odd_numbers_are_refused(bundle, bias):
+    with pytest.raises(UnmaskError, match=r"^logit_bias"):
+        unmask.generate(PROMPT, bundle, "ar", max_new_tokens=2, logit_bias=bias)
+
+
+@pytest.mark.parametrize("bias", BAD_BIAS, ids=BAD_BIAS_IDS)
+def test_server_logit_bias_odd_numbers_are_400(server, bias):
+    status, text = _post(server.url, {"prompt": PROMPT, "max_tokens": 2, "logit_bias": bias})
+    assert status == 400 and json.loads(text)["error"]["param"] == "logit_bias", text

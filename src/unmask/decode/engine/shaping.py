@@ -11,6 +11,7 @@ so they equal AR's; the canvas decoders from the forward that committed the toke
 from __future__ import annotations
 
 import math
+import re
 import struct
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from unmask.errors import UnmaskError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+TOKEN_ID = re.compile(r"-?[0-9]{1,18}")  # a JSON key naming an id: ASCII digits only (int() reads "٣" and trips on "³")
 
 
 @dataclass(frozen=True)
@@ -56,18 +58,23 @@ def check_logit_bias(bias, vocab: int, where: str = "logit_bias") -> dict[int, f
     out, unknown = {}, []
     for key, value in bias.items():
         tid = key if isinstance(key, int) and not isinstance(key, bool) else \
-            int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+            int(key) if isinstance(key, str) and TOKEN_ID.fullmatch(key.strip()) else None
         if tid is None or not 0 <= tid < vocab:
-            unknown.append(str(key))
+            unknown.append(_short(str(key)))
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or not -MAX_BIAS <= value <= MAX_BIAS:
-            raise UnmaskError(f"{where}[{key}] must be a number in [-100, 100] (got {value!r})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_BIAS <= value <= MAX_BIAS \
+                or not math.isfinite(value):  # bounds first: an int past float's range is out of them (nan fails both)
+            raise UnmaskError(f"{where}[{_short(str(key))}] must be a number in [-100, 100] (got {_short(repr(value))})")
         out[tid] = float(value)
     if unknown:
         shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
         raise UnmaskError(f"{where} names token ids this model does not have ({shown}); its ids are 0..{vocab - 1}")
     return out
+
+
+def _short(text: str, most: int = 24) -> str:
+    """An echoed key or value, cut: a 5,000-digit id is named by its first digits."""
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def bias_rows(biases: list, V: int, device) -> torch.Tensor | None:
