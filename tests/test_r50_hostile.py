@@ -105,3 +105,44 @@ def test_api_logit_bias_odd_numbers_are_refused(bundle, bias):
 def test_server_logit_bias_odd_numbers_are_400(server, bias):
     status, text = _post(server.url, {"prompt": PROMPT, "max_tokens": 2, "logit_bias": bias})
     assert status == 400 and json.loads(text)["error"]["param"] == "logit_bias", text
+
+
+# --- grammars whose compile recursed past the C stack (a segfault: the server died) or ran for minutes ---
+
+CHAINS = {"lark-3000": "Grammar.lark('start: r0\\n' + '\\n'.join(f'r{i}: \"x\" r{i + 1} | \"y\"' for i in range(3000)) + "
+                       "'\\nr3000: \"z\"')",
+          "ref-3000": "Grammar.json_schema({'$ref': '#/$defs/a0', '$defs': {**{f'a{i}': {'type': 'array', 'items': "
+                      "{'$ref': f'#/$defs/a{i + 1}'}} for i in range(3000)}, 'a3000': {'type': 'integer'}}})",
+          "lark-50000": "Grammar.lark('start: r0\\n' + '\\n'.join(f'r{i}: \"x\" r{i + 1}' for i in range(50000)) + "
+                        "'\\nr50000: \"z\"')"}
+
+
+@pytest.mark.parametrize("name", CHAINS)
+def test_a_deep_rule_chain_compiles_or_is_refused_without_crashing(name):
+    import subprocess
+    import sys
+    code = ("import unmask\nfrom unmask.errors import UnmaskError\nfrom unmask.grammar import Grammar, compile\n"
+            f"b = unmask.load({MODEL!r})\ntry:\n    compile(b, {CHAINS[name]})\n    print('compiled')\n"
+            "except UnmaskError as e:\n    print('refused:', e)\n")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, (got.returncode, got.stderr[-500:])  # -11: the C stack overflowed
+    assert got.stdout.startswith(("compiled", "refused: invalid")), got.stdout
+    if name == "lark-50000":
+        assert "rules" in got.stdout and "\n" not in got.stdout.strip()
+
+
+def test_a_huge_gbnf_grammar_is_refused_before_its_slow_conversion(bundle):
+    import time
+    text = "root ::= r0\n" + "\n".join(f'r{i} ::= "x" r{i + 1} | "y"' for i in range(1500)) + '\nr1500 ::= "z"'
+    t0 = time.perf_counter()
+    with pytest.raises(UnmaskError, match=r"^invalid GBNF grammar: .*rules"):
+        compile_grammar(bundle, Grammar.lark(text))
+    assert time.perf_counter() - t0 < 1.0  # llguidance's converter is quadratic in the rules: 2 s here, 13 s at 4,000
+
+
+def test_a_schema_nested_past_pythons_limit_is_an_unmask_error():
+    schema = {"type": "integer"}
+    for _ in range(2000):
+        schema = {"anyOf": [schema, {"type": "null"}]}
+    with pytest.raises(UnmaskError, match="JSON schema"):
+        Grammar.json_schema(schema)

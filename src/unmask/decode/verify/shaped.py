@@ -230,21 +230,21 @@ class Shaping:
     def _advance(self, row, ids: list[int]) -> None:
         m = getattr(row, "matcher", None)
         if m is not None and not m.consume(ids) and row.error is None:
-            row.error = grammar_error(m.error)
+            row.error = grammar_error(m)
 
     @staticmethod
     def _asks(row) -> bool:
         return _k(row.job) is not None or bool(_bias(row.job)) or _grammar(row.job) is not None
 
 
-def grammar_error(engine: str | None) -> str:
-    """The error of a row whose matcher failed on a committed id: llguidance's message ``engine``. A refused id
-    is this module's fault (the masks allow only ids the grammar takes); anything else (its parser's item or
-    lexer limits) is the grammar's."""
-    if engine and "doesn't satisfy the grammar" in engine:
-        return f"the grammar refused a committed token ({engine}); report it with the request"
-    return (f"the grammar engine gave up on this grammar ({engine}): it is too large for the engine or has no finite "
-            "output; simplify the grammar")
+def grammar_error(matcher) -> str:
+    """The error of a row whose ``matcher`` failed on a committed id. A refused id is this module's fault (the
+    masks allow only ids the grammar takes); an engine that gave up (its parser's item or lexer limits) is
+    the grammar's."""
+    if not getattr(matcher, "gave_up", False):
+        return f"the grammar refused a committed token ({matcher.error}); report it with the request"
+    return (f"the grammar engine gave up on this grammar ({matcher.error}): it is too large for the engine or has no "
+            "finite output; simplify the grammar")
 
 
 def _k(job):  # a request's asks; a job type without the fields asks nothing
