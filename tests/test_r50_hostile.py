@@ -146,3 +146,15 @@ def test_a_schema_nested_past_pythons_limit_is_an_unmask_error():
         schema = {"anyOf": [schema, {"type": "null"}]}
     with pytest.raises(UnmaskError, match="JSON schema"):
         Grammar.json_schema(schema)
+
+
+def test_api_numpy_and_torch_numbers_are_ids_biases_and_ks(bundle):
+    """Ids from a tokenizer's numpy / torch output name the same token as a Python int (they were refused as
+    ids "this model does not have", naming an id inside the vocabulary)."""
+    import numpy as np
+    import torch
+    want = unmask.generate(PROMPT, bundle, "ar", max_new_tokens=6, logprobs=2, logit_bias={13: -100.0, 432: 5.0})
+    for bias in ({np.int64(13): np.float32(-100), np.int32(432): np.float64(5)},
+                 {torch.tensor(13): torch.tensor(-100.0).item(), 432: np.int64(5)}):
+        got = unmask.generate(PROMPT, bundle, "ar", max_new_tokens=6, logprobs=np.int64(2), logit_bias=bias)
+        assert got.tokens == want.tokens and got.logprobs == want.logprobs
