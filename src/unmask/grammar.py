@@ -23,6 +23,13 @@ from unmask.errors import UnmaskError
 KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)  # a GBNF rule line; Lark's are "name: ..."
+LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_]\w*(\.-?\d+)?\s*:", re.MULTILINE)  # a Lark rule or terminal definition
+# llguidance's compiler recurses once per link of a rule (or $ref) chain, a few kB of C stack each: it runs on
+# a thread of COMPILE_STACK bytes (a default thread's 8 MiB overflows, a segfault, at ~2,000 links), and a
+# grammar past these counts is refused (at most ~10 kB per link fits); llguidance's GBNF converter is quadratic
+# in the rules (1,000: under a second; 4,000: 13 s)
+COMPILE_STACK = 256 << 20
+MAX_RULES, MAX_REFS, MAX_GBNF_RULES = 10_000, 10_000, 1_000
 
 
 def _llg():
@@ -55,7 +62,14 @@ class Grammar:
         if not isinstance(schema, dict):
             raise UnmaskError(f"a JSON schema must be a JSON object (got {type(schema).__name__}); pass e.g. "
                               '{"type": "object"}')
-        return cls("json_schema", json.dumps(schema))  # key order kept: the output follows it
+        try:
+            source = json.dumps(schema)  # key order kept: the output follows it
+        except (RecursionError, ValueError, TypeError) as e:  # nested past Python's limit, a cycle, a non-JSON value
+            raise UnmaskError(f"the JSON schema cannot be written as JSON ({_one_line(e)}); pass a JSON object, "
+                              "nested less deeply") from None
+        if (refs := source.count('"$ref"')) > MAX_REFS:
+            raise UnmaskError(f"invalid JSON schema: {refs} $refs, more than {MAX_REFS}; simplify the schema")
+        return cls("json_schema", source)
 
     @classmethod
     def regex(cls, pattern) -> "Grammar":
@@ -130,17 +144,50 @@ class Grammar:
         text = self.source
         if GBNF_RULE.search(text):  # GBNF (llama.cpp's): llguidance's converter
             from llguidance.gbnf_to_lark import gbnf_to_lark
+            if (n := len(GBNF_RULE.findall(text))) > MAX_GBNF_RULES:
+                raise UnmaskError(f"invalid GBNF grammar: {n} rules, more than {MAX_GBNF_RULES}; merge rules, or "
+                                  "write it in Lark")
             try:
                 text = gbnf_to_lark(text)
             except Exception as e:  # noqa: BLE001 - the converter's parse errors are the user's grammar's
                 raise UnmaskError(f"invalid GBNF grammar: {_one_line(e)}") from None
+        if (n := len(LARK_RULE.findall(text))) > MAX_RULES:
+            raise UnmaskError(f"invalid grammar: {n} rules, more than {MAX_RULES}; merge rules")
         return M.grammar_from_lark(text)
+
+
+_STACK_LOCK = threading.Lock()
+
+
+def _on_big_stack(fn):
+    """``fn()`` on a thread with a :data:`COMPILE_STACK`-byte stack (reserved, touched only as deep as it
+    recurses); its result, or its exception raised here. Ctrl-C while waiting interrupts the wait."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            out["error"] = e
+
+    with _STACK_LOCK:  # the stack size is process-wide: set for this one thread, then put back
+        old = threading.stack_size(COMPILE_STACK)
+        try:
+            t = threading.Thread(target=run, name="unmask-grammar-compile", daemon=True)
+            t.start()
+        finally:
+            threading.stack_size(old)
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
 
 
 def _one_line(e) -> str:
     """llguidance's message on one line: its first line and its ``error:`` lines (not the echoed source
-    and caret lines between them)."""
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    and caret lines between them, nor the parser state it appends)."""
+    text = str(e).split("<state>")[0]  # llguidance appends its parser state: a dump, not a message
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     if not lines:
         return type(e).__name__
     kept = [lines[0], *(line for line in lines[1:] if line.lower().startswith("error"))]
@@ -152,13 +199,23 @@ class Compiled:
     fresh :class:`Matcher` at the grammar's start (a copy of one parsed template: cheap per row)."""
 
     def __init__(self, grammar: Grammar, tokenizer, vocab: int):
-        llg = _llg()
         self.grammar, self.vocab, self.tokenizer = grammar, vocab, tokenizer
+        _on_big_stack(self._build)
+
+    def _build(self) -> None:
+        llg, grammar, tokenizer, vocab = _llg(), self.grammar, self.tokenizer, self.vocab
         text = grammar.text()
         error = llg.LLMatcher.validate_grammar(text, tokenizer)
         if error:
             raise UnmaskError(f"invalid {grammar.kind.replace('_', ' ')}: {_one_line(error)}")
         self._template = llg.LLMatcher(tokenizer, text, log_level=0)
+        if not self._template.is_error():
+            # the parser is built lazily: a grammar with no finite string (every rule recurses, no base case)
+            # fails only at its first mask, which would end every row at once; refuse it here instead
+            Matcher(probe := self._template.deep_copy(), vocab).mask(torch.zeros((vocab + 31) // 32, dtype=torch.int32))
+            if probe.is_error():
+                raise UnmaskError(f"invalid {grammar.kind.replace('_', ' ')}: it allows no output "
+                                  f"({_one_line(probe.get_error())}); give it a rule that can end")
         if self._template.is_error():
             raise UnmaskError(f"invalid {grammar.kind.replace('_', ' ')}: {_one_line(self._template.get_error())}")
 
@@ -176,6 +233,7 @@ class Matcher:
     def __init__(self, m, vocab: int):
         self.m, self.vocab = m, vocab
         self.forced_ids = 0  # consumed ids the grammar forced (it allowed nothing else there)
+        self.gave_up = False  # consume failed on the engine's limits, not on an id the grammar refuses
 
     @property
     def words(self) -> int:
@@ -184,15 +242,21 @@ class Matcher:
 
     def consume(self, ids: list[int]) -> bool:
         """Advance over committed ids (an id after the grammar stopped, EOS included, is ignored). False
-        when the grammar refused one: :attr:`error` says why."""
+        when the grammar refused one or the engine gave up (:attr:`gave_up`: a parser or lexer limit, or no
+        finite output left): :attr:`error` says why."""
+        ok = True
         for t in ids:
             if self.m.is_stopped():
                 break
             forced = self.m.compute_ff_tokens()
-            if not self.m.consume_token(int(t)):
-                return False
+            if not (ok := self.m.consume_token(int(t))):
+                break
             self.forced_ids += bool(forced) and forced[0] == t
-        return not self.m.is_error()
+        if ok and not self.m.is_error():
+            return True
+        why = self.m.get_error() or ""
+        self.gave_up = bool(why) and "doesn't satisfy the grammar" not in why  # llguidance's words for a refusal
+        return False
 
     def forced(self, limit: int) -> list[int]:
         """Up to ``limit`` ids the grammar allows alone from here, in order (llguidance's fast-forward

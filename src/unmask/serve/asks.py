@@ -31,12 +31,14 @@ FIELDS = ("n", "best_of", "logprobs", "top_logprobs", "logit_bias", "response_fo
 @dataclass(frozen=True)
 class Asks:
     """logprobs: None, or k in [0, 20] (the alternatives per token); logit_bias: {id: bias} or None;
-    grammar: a :class:`unmask.grammar.Compiled` or None; n: choices per prompt."""
+    grammar: a :class:`unmask.grammar.Compiled` or None, ``grammar_field`` the field that gave it (the ``param``
+    of a grammar error met while decoding); n: choices per prompt."""
 
     logprobs: int | None = None
     logit_bias: dict | None = None
     grammar: object = None
     n: int = 1
+    grammar_field: str | None = None
 
 
 def _int(name: str, value) -> int:
@@ -140,7 +142,10 @@ def parse_asks(body: dict, bundle, *, chat: bool, decoder: str, cfg, echo: bool,
         bias = check_logit_bias(body.get("logit_bias"), int(bundle.model.config.vocab_size))
     except UnmaskError as e:
         raise ApiError(400, str(e), param="logit_bias") from None
-    return Asks(logprobs=logprobs, logit_bias=bias, grammar=_grammar(body, bundle, decoder, cfg), n=n)
+    grammar = _grammar(body, bundle, decoder, cfg)
+    field = None if grammar is None else "structured_outputs" if body.get("structured_outputs") is not None \
+        else "response_format"
+    return Asks(logprobs=logprobs, logit_bias=bias, grammar=grammar, n=n, grammar_field=field)
 
 
 __all__ = ["Asks", "FIELDS", "parse_asks"]

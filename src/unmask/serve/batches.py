@@ -37,7 +37,7 @@ def _done(row, bundle) -> None:
     """Answer a finished row: ``("done", result)``, or for ``finish == "error"`` (its grammar allowed no
     token) a 400 ``grammar_dead_end`` (README "Serving")."""
     reason = row.finish
-    if reason == "error":
+    if reason == "error" or getattr(row, "error", None):  # a failed grammar row may have ended on EOS: no answer
         row.job.finish("error", grammar_dead_end(row))
         return
     if reason == "length" and per_call.stopped(bundle, row.job, row.tokens):  # a canvas that filled at once
@@ -50,7 +50,8 @@ def _done(row, bundle) -> None:
 def grammar_dead_end(row) -> ApiError:
     """The 400 of a row whose grammar allowed no next token (``row.error`` says why)."""
     return ApiError(400, row.error or f"the grammar allows no token after {len(row.tokens)} generated tokens; check "
-                                      "the grammar", code="grammar_dead_end")
+                                      "the grammar", code="grammar_dead_end",
+                    param=getattr(row.job, "grammar_field", None))
 
 
 def _post_logprobs(row) -> None:

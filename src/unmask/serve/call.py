@@ -66,7 +66,8 @@ class _Part:
         self.job = Job(prompt_ids=req.prompt_ids, decoder=req.decoder, options=req.options, sampling=req.sampling,
                        max_new_tokens=req.max_tokens, stop=req.stop, deadline=t0 + req.timeout,
                        post=lambda kind, payload: post(index, kind, payload), generator=generator,
-                       logprobs=req.logprobs, logit_bias=req.logit_bias, grammar=req.grammar, group=group)
+                       logprobs=req.logprobs, logit_bias=req.logit_bias, grammar=req.grammar, group=group,
+                       grammar_field=req.grammar_field)
         self.first_token_at: float | None = None
         self.usage: dict | None = None  # set when done
         self.canvas: list = []  # the last step's canvas

@@ -46,6 +46,7 @@ class Job:
     logprobs: int | None = None
     logit_bias: dict | None = None
     grammar: object = None
+    grammar_field: str | None = None  # the request field that gave ``grammar``: the param of its errors
     group: object = None
     logprobs_posted: int = 0  # set by the scheduler: how many of its row's logprobs went out with "logprobs" events
 

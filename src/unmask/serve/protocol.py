@@ -168,6 +168,7 @@ class ServeRequest:
     logit_bias: dict | None = None
     grammar: object = None
     n: int = 1
+    grammar_field: str | None = None
 
 
 def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
@@ -306,7 +307,8 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
                draft_k=draft_k)
     return ServeRequest(prompt=prompt, prompt_ids=ids, decoder=decoder, options=options, sampling=sampling,
                         max_tokens=max_tokens, stop=tuple(stop), stream=stream, stream_mode=mode, timeout=float(timeout),
-                        echo=echo, logprobs=asks.logprobs, logit_bias=asks.logit_bias, grammar=asks.grammar, n=asks.n)
+                        echo=echo, logprobs=asks.logprobs, logit_bias=asks.logit_bias, grammar=asks.grammar, n=asks.n,
+                        grammar_field=asks.grammar_field)
 
 
 def _json_kind(value) -> str:

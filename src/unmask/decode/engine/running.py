@@ -63,7 +63,8 @@ class Row:
     """One running (then finished) request. ``tokens``: generated ids (the stop token excluded);
     ``nfe``: forwards in which the row had work; ``stop_token``: 1 when it ended on a stop token it
     committed (it counts for TPF, not in the text); ``finish``: "stop" or "length" once done ("error"
-    when its grammar allowed no token: ``error`` says why); ``extra``: per-row statistics the decoder's
+    when its grammar allowed no token or its matcher gave up: ``error`` says why, and a row with ``error``
+    set is an error whatever its ``finish``); ``extra``: per-row statistics the decoder's
     ``stats_extra`` reads; ``logprobs``: with ``job.logprobs`` set, one
     :class:`~unmask.decode.engine.shaping.TokenLogprob` per id of ``tokens`` once it finished."""
 

@@ -11,6 +11,9 @@ so they equal AR's; the canvas decoders from the forward that committed the toke
 from __future__ import annotations
 
 import math
+import numbers
+import operator
+import re
 import struct
 from dataclasses import dataclass
 
@@ -21,6 +24,7 @@ from unmask.errors import UnmaskError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+TOKEN_ID = re.compile(r"-?[0-9]{1,18}")  # a JSON key naming an id: ASCII digits only (int() reads "٣" and trips on "³")
 
 
 @dataclass(frozen=True)
@@ -38,15 +42,15 @@ def check_logprobs(k, where: str = "logprobs") -> int | None:
     Raises UnmaskError."""
     if k is None:
         return None
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 0 <= k <= MAX_TOP_LOGPROBS:
         raise UnmaskError(f"{where} must be an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives kept per token; "
                           f"got {k!r}); pass e.g. 5")
-    return k
+    return int(k)  # a numpy integer too
 
 
 def check_logit_bias(bias, vocab: int, where: str = "logit_bias") -> dict[int, float] | None:
-    """A request's ``logit_bias`` ({token id: bias}, ids as ints or decimal strings as JSON sends them,
-    biases in [-100, 100]) as {int: float}; None or {} -> None. Raises UnmaskError naming the ids outside
+    """A request's ``logit_bias`` ({token id: bias}, ids as integers (numpy's and 0-d tensors too) or ASCII
+    decimal strings as JSON sends them, biases real numbers in [-100, 100]) as {int: float}; None or {} -> None. Raises UnmaskError naming the ids outside
     the model's vocabulary [0, vocab) or the values out of range."""
     if bias is None or (isinstance(bias, dict) and not bias):
         return None
@@ -55,20 +59,36 @@ def check_logit_bias(bias, vocab: int, where: str = "logit_bias") -> dict[int, f
                           "pass e.g. {\"50256\": -100}")
     out, unknown = {}, []
     for key, value in bias.items():
-        tid = key if isinstance(key, int) and not isinstance(key, bool) else \
-            int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+        tid = _token_id(key)
         if tid is None or not 0 <= tid < vocab:
-            unknown.append(str(key))
+            unknown.append(_short(str(key)))
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or not -MAX_BIAS <= value <= MAX_BIAS:
-            raise UnmaskError(f"{where}[{key}] must be a number in [-100, 100] (got {value!r})")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not -MAX_BIAS <= value <= MAX_BIAS \
+                or not math.isfinite(value):  # bounds first: an int past float's range is out of them (nan fails both)
+            raise UnmaskError(f"{where}[{_short(str(key))}] must be a number in [-100, 100] (got {_short(repr(value))})")
         out[tid] = float(value)
     if unknown:
         shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
         raise UnmaskError(f"{where} names keys that are not token ids of this model ({shown}); its keys are ids "
                           f"0..{vocab - 1}, as integers or decimal text")
     return out
+
+
+def _token_id(key) -> int | None:
+    """A logit_bias key as a token id, or None for one that names no id (a float, text that is not decimal)."""
+    if isinstance(key, str):
+        return int(key) if TOKEN_ID.fullmatch(key.strip()) else None
+    if isinstance(key, bool) or isinstance(key, numbers.Real) and not isinstance(key, numbers.Integral):
+        return None  # True is not token 1, nor 13.0 token 13
+    try:
+        return operator.index(key)  # int, numpy integers, a 0-d integer tensor
+    except TypeError:
+        return None
+
+
+def _short(text: str, most: int = 24) -> str:
+    """An echoed key or value, cut: a 5,000-digit id is named by its first digits."""
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def bias_rows(biases: list, V: int, device) -> torch.Tensor | None:

@@ -156,7 +156,10 @@ class Shaping:
                     row.matcher.path_masks(draft, bits[row.slot, : L + 1])
         failed = []
         for row in grammar:
-            if not bits[row.slot, 0].any():  # the grammar allows no id at all (a numpy read)
+            if row.error is not None:  # its matcher failed on the last commit: in error it allows EOS alone
+                row.finish = "error"
+                failed.append(row)
+            elif not bits[row.slot, 0].any():  # the grammar allows no id at all (a numpy read)
                 row.finish, row.error = "error", f"the grammar allows no token after {len(row.tokens)} generated " \
                     f"tokens{f' ({row.matcher.error})' if row.matcher.error else ''}; check the grammar"
                 failed.append(row)
@@ -227,11 +230,21 @@ class Shaping:
     def _advance(self, row, ids: list[int]) -> None:
         m = getattr(row, "matcher", None)
         if m is not None and not m.consume(ids) and row.error is None:
-            row.error = f"the grammar refused a committed token ({m.error}); report it with the request"
+            row.error = grammar_error(m)
 
     @staticmethod
     def _asks(row) -> bool:
         return _k(row.job) is not None or bool(_bias(row.job)) or _grammar(row.job) is not None
+
+
+def grammar_error(matcher) -> str:
+    """The error of a row whose ``matcher`` failed on a committed id. A refused id is this module's fault (the
+    masks allow only ids the grammar takes); an engine that gave up (its parser's item or lexer limits) is
+    the grammar's."""
+    if not getattr(matcher, "gave_up", False):
+        return f"the grammar refused a committed token ({matcher.error}); report it with the request"
+    return (f"the grammar engine gave up on this grammar ({matcher.error}): it is too large for the engine or has no "
+            "finite output; simplify the grammar")
 
 
 def _k(job):  # a request's asks; a job type without the fields asks nothing
