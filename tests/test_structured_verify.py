@@ -218,3 +218,19 @@ def test_a_constrained_chain_step_reads_the_host_once(stories, monkeypatch):
             counter.on = False
         reads.append(len(counter.where))
     assert len(reads) > 5 and max(reads[1:]) == 1, reads
+
+
+def test_forced_ids_are_the_draft_of_a_model_free_drafting_row(stories):
+    """``ar --draft-source lookup``: on the host layout the forced ids replace the row's model-free draft (its K
+    follows them), so constrained AR with a draft source commits a schema's keys without their forwards; the
+    drafter's own record is not credited with them."""
+    g = Grammar.json_schema(SCHEMA)
+    prompts = ["Once upon a time", "The little dog"]
+    ar = unmask.generate(prompts, stories, "ar", max_new_tokens=60, grammar=g)
+    for source in ("lookup", "suffix"):
+        out = unmask.generate(prompts, stories, "ar", max_new_tokens=60, grammar=g, draft_source=source)
+        assert out.tokens == ar.tokens
+        assert out.stats.nfe < ar.stats.nfe and all(r["forced"] >= 8 for r in out.stats.extra["row_extra"])
+        assert all(r["accepts"][1] >= 8 for r in out.stats.extra["row_extra"])  # '"name": "' in the first step
+        tally = out.stats.extra["drafts"].get(source, {"drafted": 0})
+        assert tally["drafted"] < sum(r["forced"] for r in out.stats.extra["row_extra"])

@@ -7,7 +7,7 @@ Per step, for the rows that ask (no row asking: no work, and the compiled whole 
 - before the forward (:meth:`Shaping.prepare`; one host read of the drafts, none when each grammar row
   drafts from its candidates on a chain layout): a grammar row's forced
   ids (the grammar allows one id alone, then one after it, ...) go into its draft, so they are accepted
-  for free (§3; within K - 1 on a block layout; the host layout's model-free drafts keep theirs); a
+  for free (§3; within K - 1 on a block layout; on the host layout they replace the model-free draft); a
   greedy row's whole draft is rebuilt on the host from its block mode's ranked candidates
   (:data:`CANDIDATES` per position, read with the previous step) and the forced ids: the best id the
   grammar allows at each position (any draft is lossless; one the grammar refuses could never be
@@ -29,6 +29,7 @@ import torch
 
 from unmask.decode.engine import shaping as sh
 from unmask.decode.verify.config import queries
+from unmask.decode.verify.host_drafts import place_drafts
 from unmask.grammar import allowed
 
 
@@ -108,7 +109,7 @@ class Shaping:
 
     # ------------------------------------------------------------------ a step
     def prepare(self) -> list:
-        """Before a step's forward: forced ids into the grammar rows' drafts (block layouts), then their
+        """Before a step's forward: forced ids into the grammar rows' drafts, then their
         bitmasks (R, Q, words). Returns the rows whose grammar allows no id (``finish = "error"``; the
         caller frees them and prepares again), else []."""
         b = self.batch
@@ -118,6 +119,11 @@ class Shaping:
         grammar = [r for r in b.rows.values() if r.matcher is not None]
         if not grammar:
             return []
+        if b.cfg.host and (placing := [(r, f) for r in grammar if (f := r.matcher.forced(b.cfg.block_size - 1))]):
+            place_drafts(b, placing)  # the host layout: forced ids are the row's draft, its K follows them
+            for r, _ in placing:
+                if r.drafts is not None:
+                    r.drafts.placed = 0  # its drafter's acceptance record learns nothing from forced ids
         Kmax = max(r.K for r in b.rows.values())
         R, Q, tw = b.slots.bucket if b.static else b.slots.high, queries(Kmax, b.cfg.draft, b.cfg.smaller), b._tables(Kmax)
         W = b.s.shape[1]
