@@ -234,3 +234,18 @@ def test_forced_ids_are_the_draft_of_a_model_free_drafting_row(stories):
         assert all(r["accepts"][1] >= 8 for r in out.stats.extra["row_extra"])  # '"name": "' in the first step
         tally = out.stats.extra["drafts"].get(source, {"drafted": 0})
         assert tally["drafted"] < sum(r["forced"] for r in out.stats.extra["row_extra"])
+
+
+def test_n_choices_per_prompt_in_the_python_api(stories):
+    """``generate(n=3)``: each prompt's choices side by side (p * n + i), choice i drawn as row i of the prompt
+    repeated n times (the generator the server gives choice i); greedy choices are copies."""
+    sampled = unmask.generate(["Once upon a time", "Zoo"], stories, "ar", max_new_tokens=12, temperature=1.0, seed=7,
+                              n=3)
+    assert len(sampled.texts) == 6 and sampled.prompts == ["Once upon a time"] * 3 + ["Zoo"] * 3
+    assert sampled.texts[3:] == unmask.generate(["Zoo"] * 3, stories, "ar", max_new_tokens=12, temperature=1.0,
+                                                seed=7).texts
+    assert len(set(sampled.texts[3:])) == 3  # independent samples ("Once upon a time" is memorized: one text)
+    greedy = unmask.generate("Zoo", stories, "sbd", max_new_tokens=12, n=2, logprobs=1)
+    assert greedy.tokens[0] == greedy.tokens[1] and len(greedy.logprobs) == 2
+    with pytest.raises(UnmaskError, match="n must be an integer >= 1"):
+        unmask.generate("Zoo", stories, "ar", n=0)

@@ -166,7 +166,8 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
              top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, stop: list[str] | None = None,
              chat: bool = False, system: str | None = None, device: str | None = None,
              dtype: str | None = None, reference_nfe: bool = False, logprobs: int | None = None,
-             logit_bias: dict | None = None, response_format: dict | None = None, grammar=None, **options) -> Generation:
+             logit_bias: dict | None = None, response_format: dict | None = None, grammar=None, n: int = 1,
+             **options) -> Generation:
     """Generate continuations of ``prompts`` with any decoder.
 
     prompts: a text, a list of texts, a conversation (a list of ``{"role", "content"}`` messages)
@@ -198,12 +199,17 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     of every committed token. response_format: OpenAI's (``{"type": "json_object"}``, ``{"type":
     "json_schema", "json_schema": {"schema": {...}}}``); grammar: a :class:`unmask.grammar.Grammar`
     (``Grammar.regex(...)``, ``.lark(...)``, ``.choice([...])``, ``.json_schema(...)``) or Lark text: the
-    output matches it (``ar`` and lossless ``sbd``; greedy output equals constrained AR's).
+    output matches it (``ar`` and lossless ``sbd``; greedy output equals constrained AR's). n: choices per
+    prompt (each its own row; ``Generation`` lists them prompt by prompt, choice i of prompt p at p * n + i,
+    drawn with the generator ``unmask serve`` gives choice i, so a seeded choice is reproducible).
     Numbers may be numpy scalars (read as the Python numbers they hold).
     Raises UnmaskError for every invalid input (an invalid schema or grammar with the engine's
     message), and for a model whose weights are not finite.
     """
-    max_new_tokens, temperature, top_k, top_p, seed = map(plain_scalar, (max_new_tokens, temperature, top_k, top_p, seed))
+    max_new_tokens, temperature, top_k, top_p, seed, n = map(plain_scalar, (max_new_tokens, temperature, top_k, top_p,
+                                                                            seed, n))
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UnmaskError(f"n must be an integer >= 1 (choices per prompt; got {n!r}); pass e.g. n=3")
     options = {k: plain_scalar(v) for k, v in options.items()}
     if not (model is None or isinstance(model, (str, os.PathLike, ModelBundle))):
         raise UnmaskError(f"model must be a shipped name, a directory path or a ModelBundle (got {type(model).__name__}); "
@@ -242,6 +248,7 @@ def generate(prompts: str | list[str] | list[dict] | list[list[dict]], model: st
     check_fit(bundle, [], max_new_tokens, options.get("gen_length"))
     prompts, ids = prepare_prompts(bundle, prompts, chat=chat, system=system)
     check_fit(bundle, ids, max_new_tokens, options.get("gen_length"))
+    prompts, ids = [p for p in prompts for _ in range(n)], [list(i) for i in ids for _ in range(n)]
     check_finite_weights(bundle)
     if not isinstance(reference_nfe, bool):
         raise UnmaskError(f"reference_nfe must be True or False (got {reference_nfe!r}); pass reference_nfe=True")
