@@ -141,7 +141,7 @@ def test_zero_alternatives_and_no_logprob_work_when_no_row_asks(bundles, name, m
         raise AssertionError("logprob columns computed with no row asking")
 
     monkeypatch.setattr("unmask.decode.blocks.commit_shaping.columns", refuse)
-    monkeypatch.setattr("unmask.decode.blocks.commit_shaping.bias_rows", lambda *a, **kw: None)
+    monkeypatch.setattr("unmask.decode.engine.shaping.bias_rows", lambda *a, **kw: None)
     out = spec.decode(bundle, prompts[:1], max_new_tokens=8, **options)
     assert out.tokens[0] == none.tokens[0] and out.logprobs is None
 

@@ -104,7 +104,7 @@ def test_a_server_batch_with_mixed_asks_reads_once_and_reports_each_row_as_alone
 
 @pytest.mark.parametrize("name", ["diffusion", "early-bird", "block", "multiblock"])
 def test_the_bias_rows_are_built_once_while_the_rows_stay(bundles, name, monkeypatch):
-    import unmask.decode.blocks.commit_shaping as cs
+    import unmask.decode.engine.shaping as cs  # SlotBias builds the rows there
 
     spec, bundle, prompts, options = case(name, bundles)
     built, real = [], cs.bias_rows

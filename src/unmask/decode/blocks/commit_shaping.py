@@ -2,8 +2,8 @@
 block (diffusion, Dream's schedule, early-bird, block, lossy sbd, multiblock): written once here, called
 by each running batch at the same three points of its step (structured.md §1, §4).
 
-1. :meth:`CommitShaping.bias` after the forward: one dense bias row per slot of the forward
-   (:func:`~unmask.decode.engine.shaping.bias_rows`, rebuilt only when the rows in the slots change),
+1. :meth:`CommitShaping.shape` after the forward: one dense bias row per slot of the forward
+   (:class:`~unmask.decode.engine.shaping.SlotBias`, rebuilt only when the rows in the slots change),
    added to the logits before the decoder's confidence, entropy or sampling rule reads them; a batch with
    no bias adds nothing, a row without one adds zeros (its logits stay bit-identical).
 2. :meth:`CommitShaping.add` after the commit: with some row asking ``logprobs``, the log-softmax of
@@ -21,12 +21,7 @@ import math
 
 import torch
 
-from unmask.decode.engine.shaping import TokenLogprob, add_bias, as_bits, bias_rows, columns, entries
-
-
-def asks_logprobs(job) -> int | None:
-    """A job's ``logprobs`` (k), None when it asks none (jobs without the field ask none)."""
-    return getattr(job, "logprobs", None)
+from unmask.decode.engine.shaping import SlotBias, TokenLogprob, add_bias, as_bits, asks_logprobs, columns, entries
 
 
 def slotted(running: dict, n: int) -> list:
@@ -41,19 +36,8 @@ class CommitShaping:
     :meth:`finish` or :meth:`forget`."""
 
     def __init__(self):
-        self._key: tuple | None = None
-        self._bias: torch.Tensor | None = None
+        self.bias = SlotBias()  # (rows, V, device) -> the forward's (n, V) bias, or None
         self._marks: dict = {}  # row -> {generated position: (logprob, ((id, logprob), ...))}
-
-    def bias(self, rows: list, V: int, device) -> torch.Tensor | None:
-        """The (n, V) float32 bias on ``device`` of a forward over slots [0, n) (``rows``: the row in each
-        slot or None), cached while the rows in those slots are the same; None when none has a bias."""
-        key = (V, *rows)  # rows compare by identity
-        if key != self._key:
-            self._key = key
-            self._bias = bias_rows([None if r is None else getattr(r.job, "logit_bias", None) for r in rows],
-                                   V, device)
-        return self._bias
 
     def shape(self, rows: list, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Bias ``logits`` (n, Q, V) in place for the rows in slots [0, n): returns (the biased logits,
@@ -119,4 +103,4 @@ class CommitShaping:
         self._marks.pop(row, None)
 
 
-__all__ = ["CommitShaping", "asks_logprobs", "slotted"]
+__all__ = ["CommitShaping", "slotted"]

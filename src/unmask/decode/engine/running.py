@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+from unmask.decode.engine.shaping import asks_logprobs
 from unmask.decode.engine.stats import DecodeOutput, DecodeStats, stop_flags
 from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
@@ -234,7 +235,7 @@ def drain(make: Callable[[int], RunningDecoder], requests: list[Request], *, nfe
     errors = [r.error for r in rows if r.error]
     if errors:
         raise UnmaskError(errors[0])
-    asked = any(getattr(r.job, "logprobs", None) is not None for r in rows)
+    asked = any(asks_logprobs(r.job) is not None for r in rows)
     return DecodeOutput(tokens=[r.tokens for r in rows], stats=stats,
                         logprobs=[r.logprobs or [] for r in rows] if asked else None)
 

@@ -91,6 +91,42 @@ def _short(text: str, most: int = 24) -> str:
     return text if len(text) <= most else text[: most - 3] + "..."
 
 
+def asks_logprobs(job) -> int | None:
+    """A job's ``logprobs`` (k), None when it asks none (a job type without the field asks none)."""
+    return getattr(job, "logprobs", None)
+
+
+def asks_bias(job) -> dict | None:
+    """A job's ``logit_bias``, None when it has none."""
+    return getattr(job, "logit_bias", None)
+
+
+def asks_grammar(job):
+    """A job's compiled grammar, None when it has none."""
+    return getattr(job, "grammar", None)
+
+
+def asks_any(job) -> bool:
+    return asks_logprobs(job) is not None or bool(asks_bias(job)) or asks_grammar(job) is not None
+
+
+class SlotBias:
+    """The dense bias of a forward over slots [0, n): ``self(rows, V, device)`` with ``rows`` the row in
+    each slot (None: free) -> (n, V) float32, or None when no row has a bias; cached while the rows in
+    those slots are the same rows (compared by identity)."""
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self._bias: torch.Tensor | None = None
+
+    def __call__(self, rows: list, V: int, device) -> torch.Tensor | None:
+        key = (V, *rows)
+        if key != self._key:
+            self._key = key
+            self._bias = bias_rows([None if r is None else asks_bias(r.job) for r in rows], V, device)
+        return self._bias
+
+
 def bias_rows(biases: list, V: int, device) -> torch.Tensor | None:
     """One dense bias row per slot: ``biases`` a list of {id: bias} or None per slot -> (R, V) float32
     (zeros where None), or None when no slot has a bias."""
@@ -154,5 +190,6 @@ def request_asks(decoder: str, cfg, bundle, takers, *, logprobs=None, logit_bias
     return out
 
 
-__all__ = ["MAX_BIAS", "MAX_TOP_LOGPROBS", "TokenLogprob", "add_bias", "as_bits", "bias_rows", "check_logit_bias",
+__all__ = ["MAX_BIAS", "MAX_TOP_LOGPROBS", "SlotBias", "TokenLogprob", "add_bias", "asks_any", "asks_bias",
+           "asks_grammar", "asks_logprobs", "as_bits", "bias_rows", "check_logit_bias",
            "check_logprobs", "columns", "entries", "from_bits", "request_asks"]

@@ -42,7 +42,7 @@ class Shaping:
     def __init__(self, batch):
         self.batch = batch
         self.asking = 0  # running rows with any ask
-        self.bias = None  # (cap, V) float32, rebuilt when a biased row joins or leaves
+        self.slot_bias = sh.SlotBias()  # the forward's (R, V) bias of the rows in its slots, cached
         self.bits = None  # (R, Q, words) int32 of the step: the grammar rows' allowed ids per query
         self.raw = None  # (R, Q, V) the step's logits before bias and mask (a row asks logprobs)
         self.cols = None  # the step's logprob columns, for the host read
@@ -55,37 +55,21 @@ class Shaping:
 
     def left(self, rows) -> None:
         """Rows left (finished or dropped)."""
-        gone = [r for r in rows if self._asks(r)]
-        self.asking -= len(gone)
-        if any(_bias(r.job) for r in gone):
-            self._rebuild([], gone)
-
-    def _rebuild(self, joining, leaving=()) -> None:
-        """The (cap, V) bias table of the running rows and ``joining``, without ``leaving`` (None: no bias)."""
-        b, out = self.batch, {id(r) for r in leaving}
-        biases = [None] * b.slots.capacity
-        for row in [*b.rows.values(), *joining]:
-            if id(row) not in out:
-                biases[row.slot] = _bias(row.job)
-        V = b.bundle.model.config.vocab_size
-        self.bias = sh.bias_rows(biases, V, b.device)
+        self.asking -= sum(sh.asks_any(r.job) for r in rows)
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, rows, logits: torch.Tensor) -> torch.Tensor | None:
-        """Joining ``rows`` (in order; not yet counted): each grammar row's matcher, the bias table; on the
-        prefill's first-token query ``logits[:, 0]`` (n, V): the raw copy for logprobs (returned; None when
-        no row asks logprobs), the bias and each grammar's mask at its start, in place."""
-        if not any(self._asks(r) for r in rows):
+        """Joining ``rows`` (in order; not yet counted): each grammar row's matcher; on the prefill's
+        first-token query ``logits[:, 0]`` (n, V): the raw copy for logprobs (returned; None when no row asks
+        logprobs), the rows' bias and each grammar's mask at its start, in place."""
+        if not any(sh.asks_any(r.job) for r in rows):
             return None
         for row in rows:
-            row.logprobs = [] if _k(row.job) is not None else None
-            row.matcher = _grammar(row.job).matcher() if _grammar(row.job) is not None else None
-        if any(_bias(r.job) for r in rows) or self.bias is not None:  # a new row's slot may hold an old bias
-            self._rebuild(rows)
+            row.logprobs = [] if sh.asks_logprobs(row.job) is not None else None
+            row.matcher = None if (g := sh.asks_grammar(row.job)) is None else g.matcher()
         first = logits[:, 0]
-        raw = first.clone() if any(_k(r.job) is not None for r in rows) else None
-        if self.bias is not None:
-            first += self.bias[[r.slot for r in rows]].to(first.dtype)
+        raw = first.clone() if any(sh.asks_logprobs(r.job) is not None for r in rows) else None
+        sh.add_bias(first, sh.bias_rows([sh.asks_bias(r.job) for r in rows], first.shape[-1], first.device))
         for i, row in enumerate(rows):
             if getattr(row, "matcher", None) is not None:
                 bits = torch.full((1, row.matcher.words), -1, dtype=torch.int32)
@@ -95,14 +79,14 @@ class Shaping:
 
     def prefilled(self, rows, raw, b: torch.Tensor, firsts: list[int]) -> None:
         """The rows joined: counted; the first ids' logprobs (one extra read, the prefill's), matchers advanced."""
-        self.asking += sum(self._asks(r) for r in rows)
+        self.asking += sum(sh.asks_any(r.job) for r in rows)
         if raw is not None:
-            k = max(_k(r.job) or 0 for r in rows)
+            k = max(sh.asks_logprobs(r.job) or 0 for r in rows)
             chosen, ids, vals = sh.columns(raw, b, k)
             got = torch.cat([sh.as_bits(chosen)[:, None].long(), ids.long(), sh.as_bits(vals).long()], 1).tolist()
             for row, g, t in zip(rows, got, firsts):
                 if row.logprobs is not None:
-                    kk = _k(row.job)
+                    kk = sh.asks_logprobs(row.job)
                     row.logprobs.extend(sh.entries([t], [g[0]], [g[1: 1 + kk]], [g[1 + k: 1 + k + kk]]))
         for row, t in zip(rows, firsts):
             self._advance(row, [t])
@@ -177,11 +161,11 @@ class Shaping:
         for logprobs, add the bias, mask what the grammar refuses, in place."""
         if not self.active:
             return
-        R = logits.shape[0]
-        if any(_k(r.job) is not None for r in self.batch.rows.values()):
-            self.raw = logits.clone() if (self.bias is not None or self.bits is not None) else logits
-        if self.bias is not None:
-            sh.add_bias(logits, self.bias[:R])
+        R, V = logits.shape[0], logits.shape[-1]
+        bias = self.slot_bias([self.batch.rows.get(s) for s in range(R)], V, logits.device)
+        if any(sh.asks_logprobs(r.job) is not None for r in self.batch.rows.values()):
+            self.raw = logits.clone() if (bias is not None or self.bits is not None) else logits
+        sh.add_bias(logits, bias)
         if self.bits is not None:
             logits.masked_fill_(~allowed(self.bits[:R], logits.shape[-1]), float("-inf"))
 
@@ -201,7 +185,7 @@ class Shaping:
             return
         at = tw.path[K - 1, dl, p, :Kmax]  # (R, Kmax): the winning path's nodes (AR rows: query 0)
         raw = self.raw.gather(1, at[..., None].expand(R, Kmax, self.raw.shape[-1]))  # (R, Kmax, V)
-        k = max(_k(r.job) or 0 for r in self.batch.rows.values())
+        k = max(sh.asks_logprobs(r.job) or 0 for r in self.batch.rows.values())
         chosen, ids, vals = sh.columns(raw, step_tok, k)
         self.cols = (k, sh.as_bits(chosen), ids, sh.as_bits(vals).reshape(R, -1))
         self.raw = None
@@ -222,7 +206,7 @@ class Shaping:
             c = got["committed"][slot]
             new = got["tokens"][slot][:c]
             if row.logprobs is not None and "lp" in got:
-                k, kk = self.cols[0], _k(row.job)
+                k, kk = self.cols[0], sh.asks_logprobs(row.job)
                 ids, vals = got["lp_ids"][slot], got["lp_vals"][slot]
                 row.logprobs.extend(sh.entries(new, got["lp"][slot][:c], [ids[j * k: j * k + kk] for j in range(c)],
                                                [vals[j * k: j * k + kk] for j in range(c)]))
@@ -238,10 +222,6 @@ class Shaping:
         if m is not None and not m.consume(ids) and row.error is None:
             row.error = grammar_error(m)
 
-    @staticmethod
-    def _asks(row) -> bool:
-        return _k(row.job) is not None or bool(_bias(row.job)) or _grammar(row.job) is not None
-
 
 def grammar_error(matcher) -> str:
     """The error of a row whose ``matcher`` failed on a committed id. A refused id is this module's fault (the
@@ -251,18 +231,6 @@ def grammar_error(matcher) -> str:
         return f"the grammar refused a committed token ({matcher.error}); report it with the request"
     return (f"the grammar engine gave up on this grammar ({matcher.error}): it is too large for the engine or has no "
             "finite output; simplify the grammar")
-
-
-def _k(job):  # a request's asks; a job type without the fields asks nothing
-    return getattr(job, "logprobs", None)
-
-
-def _bias(job):
-    return getattr(job, "logit_bias", None)
-
-
-def _grammar(job):
-    return getattr(job, "grammar", None)
 
 
 __all__ = ["Shaping"]
