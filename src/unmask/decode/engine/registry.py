@@ -13,6 +13,7 @@ request schema and running batches, ``eval -O`` types and README's option table
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 import types
@@ -107,12 +108,9 @@ def knob(help: str, *, default=None, choices: tuple[str, ...] = (), low: float |
 
 def _value_type(hint) -> type:
     """``int | None`` -> int; ``float`` -> float; anything not a knob type -> object."""
-    args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     args = [a for a in args if a is not type(None)]
     return args[0] if len(args) == 1 and args[0] in TYPES else object
-
-
-_KNOBS: dict[type, tuple[Knob, ...]] = {}  # Config subclass -> its knobs (a class's fields never change)
 
 
 class Config:
@@ -125,16 +123,9 @@ class Config:
     decoder: ClassVar[str] = ""  # set by register(): the name errors use
 
     @classmethod
+    @functools.cache  # read once per class: each request's options are checked against them
     def knobs(cls) -> tuple[Knob, ...]:
-        """The knobs in declaration order (read once per class: a request's options are checked against
-        them, so the type hints are not evaluated again per request)."""
-        got = _KNOBS.get(cls)
-        if got is None:
-            got = _KNOBS[cls] = cls._read_knobs()
-        return got
-
-    @classmethod
-    def _read_knobs(cls) -> tuple[Knob, ...]:
+        """The knobs in declaration order."""
         hints = typing.get_type_hints(cls)
         out = []
         for f in dataclasses.fields(cls):
@@ -178,10 +169,6 @@ class Config:
         """Whether its rows take a request's grammar (structured output; ``ar``, lossless ``sbd``). Default False."""
         return False
 
-    def given(self) -> dict:
-        """The knobs set to something other than their default, by name."""
-        return {k.name: getattr(self, k.name) for k in self.knobs() if getattr(self, k.name) != k.default}
-
 
 @dataclass(frozen=True)
 class Spec:
@@ -220,7 +207,7 @@ class Spec:
         decoder's per-forward hook; ``logprobs``, ``logit_bias``, ``grammar``: every row's (checked by
         :func:`~unmask.decode.engine.shaping.request_asks`). Returns DecodeOutput. Raises UnmaskError (one
         line) for bad options, and for a plug-in decoder's batch raising anything else (the error chained)."""
-        max_new_tokens, options = plain_scalar(max_new_tokens), {k: plain_scalar(v) for k, v in options.items()}
+        max_new_tokens = plain_scalar(max_new_tokens)  # the options' numpy scalars: Config.of
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise UnmaskError(f"max_new_tokens must be an integer >= 0 (got {max_new_tokens!r}); pass e.g. 64")
         cfg = self.config.of(options, self.name)
@@ -360,14 +347,9 @@ def _check_knob(decoder: str, k: Knob) -> None:
                               "drop short=")
 
 
-def knob_types(exclude: str | None = None) -> dict[str, str]:
+def knob_types() -> dict[str, str]:
     """Every knob taken by a registered decoder -> its value type name (int, float, str, bool, object)."""
-    out: dict[str, str] = {}
-    for spec in DECODERS.values():
-        if spec.name != exclude:
-            for k in spec.knobs():
-                out.setdefault(k.name, k.type_name)
-    return out
+    return {name: entries[0][1].type_name for name, entries in all_knobs().items()}
 
 
 def all_knobs() -> dict[str, list[tuple[str, Knob]]]:
@@ -391,7 +373,8 @@ def load_plugins() -> list[str]:
             for spec in specs if isinstance(specs, (list, tuple)) else [specs]:
                 names.append(register(spec).name)
         except Exception as e:  # a broken plug-in must not take the built-in decoders down with it
-            log.warning("decoder plug-in %r (%s) was not loaded: %s", ep.name, ep.value, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            log.warning("decoder plug-in %r (%s) was not loaded: %s", ep.name, ep.value,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
     return names
 
 

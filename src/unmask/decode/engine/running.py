@@ -4,8 +4,8 @@
 A decoder class ``D(bundle, cfg, *, static=False, compile=False, capacity=8, on_step=None, on_token=None)``:
 
 - ``join(requests) -> finished rows``: prefills the requests into free slots, together in one
-  forward where the decoder's prefill allows it (so ``decode`` of B prompts counts one prefill, as
-  before); a row may finish at once (AR's first token is a stop token, ``max_new_tokens`` 1).
+  forward where the decoder's prefill allows it (``decode`` of B prompts counts one prefill); a row
+  may finish at once (AR's first token is a stop token, ``max_new_tokens`` 1).
 - ``step() -> finished rows``: ONE forward for every running row, the commit rule as a pure tensor
   function, at most one host sync (the accepted counts / ended flags the rows' bookkeeping needs).
 - ``drop(ids) -> dropped rows``: cancel or time out rows by request id; their slots are free at once.
@@ -18,7 +18,7 @@ out the lowest free slot, so live rows stay packed at the front and a forward ov
 ``[0, high)`` (``Slots.high``) covers them without re-packing when a row leaves.
 
 :func:`drain` is ``decode()`` for every decoder: join every prompt, step until empty, and assemble
-the :class:`~unmask.decode.engine.stats.DecodeOutput` exactly as the per-decoder loops did.
+the :class:`~unmask.decode.engine.stats.DecodeOutput`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from unmask.errors import UnmaskError
 
 
 def check_nfe(nfe: int, ceiling: int, decoder: str) -> None:
-    """Assert a decoder's forward ceiling (issue 15): every step commits at least one token per row
+    """Assert a decoder's forward ceiling: every step commits at least one token per row
     that has masks, so NFE never exceeds the generation length plus one forward per block (cache
     refresh or store). Above it a step committed nothing (e.g. a mask id was written back) and the
     loop would never end. Raises UnmaskError naming the decoder."""
@@ -24,11 +24,8 @@ def stop_flags(full: list[list[int]], kept: list[list[int]], stop_ids, limit: in
     the next committed id is a stop id within ``limit`` generated tokens, else 0 (the stop token
     rule of :class:`DecodeStats`). Negative ids are ignored."""
     stop_set = {int(t) for t in stop_ids if int(t) >= 0}  # -1 stands for "no stop ids" / undecoded
-    flags = []
-    for f, k in zip(full, kept):
-        n = len(k)
-        flags.append(int(n < len(f) and (limit is None or n < limit) and int(f[n]) in stop_set))
-    return flags
+    return [int(len(k) < len(f) and (limit is None or len(k) < limit) and int(f[len(k)]) in stop_set)
+            for f, k in zip(full, kept)]
 
 
 def mean_window(windows: dict) -> float | None:
@@ -81,9 +78,6 @@ class DecodeStats:
     def generated(self) -> int:
         return sum(self.tokens_per_row)
 
-    def _stop(self, i: int) -> int:
-        return self.stops_per_row[i] if i < len(self.stops_per_row) else 0
-
     @property
     def tpf(self) -> float:
         """Tokens per forward: committed tokens (generated + stop tokens) / per-row forwards, pooled."""
@@ -115,7 +109,7 @@ class DecodeStats:
         ``queries_per_forward``."""
         nfe = self.nfe_per_row[i]
         n = self.tokens_per_row[i]
-        stop = self._stop(i)
+        stop = self.stops_per_row[i] if i < len(self.stops_per_row) else 0
         out = {"nfe": nfe, "generated": n, "stop_token": stop, "tpf": (n + stop) / nfe if nfe else 0.0}
         rows = self.extra.get("row_extra") or []
         accepts = rows[i].get("accepts") if i < len(rows) and isinstance(rows[i], dict) else None

@@ -29,8 +29,7 @@ class StopRule:
 
     def until_stop(self, tokens: list[int], also: Iterable[int] = ()) -> list[int]:
         """``tokens`` up to, not including, the first stop id (or id of ``also``)."""
-        cut = self.first_id(tokens, also)
-        return list(tokens) if cut is None else list(tokens[:cut])
+        return list(tokens[:self.first_id(tokens, also)])
 
     def in_text(self, text: str) -> bool:
         return any(s in text for s in self.strings)
@@ -51,11 +50,6 @@ class StopRule:
             if self.in_text(bundle.decode_continuation(list(prompt), list(tokens[:end]))):
                 return end
         return None
-
-    def cut_text(self, text: str) -> tuple[str, bool]:
-        """Text up to the earliest stop string, and whether one was found."""
-        at = min((text.index(s) for s in self.strings if s in text), default=None)
-        return (text, False) if at is None else (text[:at], True)
 
 
 __all__ = ["StopRule"]
