@@ -26,6 +26,7 @@ import weakref
 import torch
 
 from unmask.compat import attention_mask, crop, forward, new_cache, set_static_length
+from unmask.decode.engine import static  # read by module: tests and benchmarks patch its attributes
 from unmask.errors import UnmaskError
 
 
@@ -92,17 +93,18 @@ class StaticKV:
 
     def __init__(self, model, batch: int, capacity: int, *, compile: bool = False, cpp_wrapper: bool = False,
                  length_buckets: bool = False, defer_compile: bool = False):
-        from unmask.decode.engine.static import static_cache, step_function
+        from transformers import StaticCache
 
         self.model, self.batch, self.length_buckets = model, batch, length_buckets
         self.defer = compile and defer_compile
         self.compiled: set[tuple[int, int, int]] = set()  # (B, q, Lb) this cache ran compiled
         self.pending: dict[tuple[int, int, int], None] = {}  # (B, q, Lb) run eagerly, to compile (in order)
         self.broken: set[tuple[int, int, int]] = set()  # shapes whose compile failed: they stay eager
-        self.cache, self.capacity = static_cache(model, batch, capacity)
+        self.capacity = -(-capacity // static.LENGTH_BUCKET) * static.LENGTH_BUCKET
+        self.cache = StaticCache(config=model.config, max_cache_len=self.capacity)  # allocated by the first write
         self.ptr = 0
-        self._step = step_function(model, compile, cpp_wrapper=cpp_wrapper)  # cpp_wrapper: CPU only
-        self._eager = step_function(model, False)
+        self._step = static.step_function(model, compile, cpp_wrapper=cpp_wrapper)  # cpp_wrapper: CPU only
+        self._eager = static.step_function(model, False)
         self._masks: dict[tuple[int, int, int], torch.Tensor] = {}  # (B, q, Lb) -> (B, 1, q, Lb) bool buffer
         self._views: dict[tuple[int, int], object] = {}  # (B, Lb) -> a StaticCache over those rows and columns
         self._device = next(model.parameters()).device
@@ -169,8 +171,6 @@ class StaticKV:
         if not self.allocated or end > self.capacity or B > self.batch:
             return None
         Lb = self.bucket(end)
-        from unmask.decode.engine import static
-
         set_static_length(self.cache, self.ptr)
         fn = static.compiled_step(self.model, body, key + (B, q, Lb))
         out = fn(self.view(B, Lb), self.cache.layers[0].cumulative_length, *args)
@@ -190,11 +190,9 @@ class StaticKV:
     def bucket(self, end: int) -> int:
         """The columns a forward ending at ``end`` covers: the capacity, or with ``length_buckets``
         LENGTH_BUCKET doubled until it holds ``end`` (at most the capacity)."""
-        from unmask.decode.engine.static import LENGTH_BUCKET
-
         if not self.length_buckets:
             return self.capacity
-        return min(LENGTH_BUCKET << max(0, (-(-end // LENGTH_BUCKET) - 1).bit_length()), self.capacity)
+        return min(static.LENGTH_BUCKET << max(0, (-(-end // static.LENGTH_BUCKET) - 1).bit_length()), self.capacity)
 
     @torch.inference_mode()
     def warm(self) -> bool:
@@ -273,10 +271,8 @@ def pad(t: torch.Tensor, dim: int, n: int, fill, *, left: bool = False) -> torch
     """``t`` with ``n`` slices of ``fill`` added along ``dim`` (before when ``left``)."""
     if n <= 0:
         return t
-    shape = list(t.shape)
-    shape[dim] = n
-    more = t.new_full(shape, fill)
-    return torch.cat([more, t] if left else [t, more], dim=dim)
+    later = (0, 0) * (t.dim() - dim % t.dim() - 1)  # F.pad's pairs run from the last dimension back
+    return torch.nn.functional.pad(t, (*later, *((n, 0) if left else (0, n))), value=fill)
 
 
 def place(kv, key_valid: torch.Tensor, new: DynamicKV, valid: torch.Tensor, slots: list[int], *, rows: bool = True):
@@ -289,36 +285,34 @@ def place(kv, key_valid: torch.Tensor, new: DynamicKV, valid: torch.Tensor, slot
     n, P = valid.shape
     C = kv.length
     T = max(C, P)
-    at = torch.tensor(slots, dtype=torch.long, device=valid.device)  # (n,)
     if not kv.static and not rows and slots == list(range(n)):
         return new, valid
-    if kv.static and T > kv.capacity:
-        raise UnmaskError(f"a prompt of {P} tokens does not fit the static cache of {kv.capacity}; "
-                          "shorten it or run without --compile")
-    R = key_valid.shape[0] if kv.static else max(key_valid.shape[0], max(slots) + 1)
-    out = kv if kv.static else DynamicKV(kv.model)
-    old_layers = kv.layers() if C and not kv.static else None
-    pairs = new.layers() if P else [(None, None)] * (0 if kv.static else len(old_layers or []))  # P = 0: no keys
-    for i, (k, v) in enumerate(pairs):
-        if kv.static:
-            layer = kv.cache.layers[i]
+    at = torch.tensor(slots, dtype=torch.long, device=valid.device)  # (n,)
+    if kv.static:
+        if T > kv.capacity:
+            raise UnmaskError(f"a prompt of {P} tokens does not fit the static cache of {kv.capacity}; "
+                              "shorten it or run without --compile")
+        R, out = key_valid.shape[0], kv
+        for layer, (k, v) in zip(kv.cache.layers, new.layers() if P else []):  # P = 0: no keys
             if not layer.is_initialized:  # allocate the static cache for every row
                 shape = (R, k.shape[1], 1, k.shape[3])
                 layer.lazy_initialization(k.new_zeros(shape), v.new_zeros((*shape[:3], v.shape[3])))
             layer.keys[at, :, T - P: T], layer.values[at, :, T - P: T] = k, v
-            continue
-        full = []
-        for old, t in zip(old_layers[i] if old_layers else (None, None), (k, v)):
-            like = t if P else old
-            f = like.new_zeros((R, like.shape[1], T, like.shape[3]))  # (R, H, T, D)
-            if old is not None:
-                f[: old.shape[0], :, :C] = old
-            if P:
-                f[at, :, T - P:] = t
-            full.append(f)
-        out.cache.update(full[0], full[1], i)
-    if kv.static:
         kv.ptr = T
+    else:
+        R, out = max(key_valid.shape[0], max(slots) + 1), DynamicKV(kv.model)
+        old_layers = kv.layers() if C else None
+        for i, (k, v) in enumerate(new.layers() if P else [(None, None)] * len(old_layers or [])):  # P = 0: no keys
+            full = []
+            for old, t in zip(old_layers[i] if old_layers else (None, None), (k, v)):
+                like = t if P else old
+                f = like.new_zeros((R, like.shape[1], T, like.shape[3]))  # (R, H, T, D)
+                if old is not None:
+                    f[: old.shape[0], :, :C] = old
+                if P:
+                    f[at, :, T - P:] = t
+                full.append(f)
+            out.cache.update(full[0], full[1], i)
     kvld = torch.zeros((R, T), dtype=torch.bool, device=valid.device)  # (R, T)
     kvld[: key_valid.shape[0], :C] = key_valid
     kvld[at] = False
@@ -364,8 +358,6 @@ def canvas_forward(model, compile: bool = False):
     on a code object of its own as in :func:`unmask.decode.engine.static.step_function` (inductor on
     CPU, CUDA graphs on CUDA); a decode's canvas has one shape, so it compiles once.
     """
-    from unmask.decode.engine.static import _guard_filter, _own_code
-
     def step(inp, positions, mask, rows):
         out = model(input_ids=inp, position_ids=positions, attention_mask=mask, use_cache=False,
                     logits_to_keep=rows, is_causal=False)
@@ -381,8 +373,8 @@ def canvas_forward(model, compile: bool = False):
                model.training)
         fn = table.get(key)
         if fn is None:
-            options = {**({"triton.cudagraphs": True} if cuda else {}), **_guard_filter(model)} or None
-            fn = table[key] = torch.compile(_own_code(step), dynamic=False, options=options)
+            options = {**({"triton.cudagraphs": True} if cuda else {}), **static._guard_filter(model)} or None
+            fn = table[key] = torch.compile(static._own_code(step), dynamic=False, options=options)
         return fn(inp, positions, mask, rows)
 
     return compiled

@@ -1,5 +1,5 @@
-"""The fast path's pieces: a preallocated ``StaticCache`` and the compiled decode-step forward that
-:class:`unmask.decode.engine.kv.StaticKV` runs for every decoder on the static cache.
+"""The fast path's compiled pieces: the decode-step forward that :class:`unmask.decode.engine.kv.StaticKV`
+runs for every decoder on its preallocated ``StaticCache``.
 
 gpt-fast's recipe (STYLE.md): the KV cache is a transformers ``StaticCache`` allocated once per
 batch; a commit or a rejected draft moves its length pointer instead of copying tensors; every
@@ -11,9 +11,10 @@ eagerly. The decoders' loops are their running-batch classes (AR and lossless SB
 What is compiled: the model forward of one step (:func:`step_function`) and, for greedy AR and
 lossless SBD steps, the whole step as ONE graph (:func:`compiled_step`: the query window and its mask,
 the forward, the acceptance and commit); host-side bookkeeping stays outside. ``compile=False``
-runs the same static cache eagerly (what the equality tests exercise quickly); ``compile=True`` compiles: on CPU inductor, on CUDA ``mode="reduce-overhead"``
-(CUDA graphs). The first call per (model, input shapes) pays the compile (README "The fast path"
-gives measured start-up times; :func:`compile_progress` reports each compile); later calls reuse it.
+runs the same static cache eagerly (what the equality tests exercise quickly); ``compile=True``
+compiles: on CPU inductor, on CUDA ``mode="reduce-overhead"`` (CUDA graphs). The first call per
+(model, input shapes) pays the compile (README "The fast path" gives measured start-up times;
+:func:`compile_progress` reports each compile); later calls reuse it.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import weakref
 
 import torch
 
-from unmask.compat import cache_keyword
+from unmask.compat import attention_mask, cache_keyword
 
-# cache lengths are rounded up to a multiple of this, so batches of similar prompts share one
+# static cache lengths are rounded up to a multiple of this, so batches of similar prompts share one
 # compiled step instead of compiling per prompt length
 LENGTH_BUCKET = 128
 
@@ -58,14 +59,18 @@ def _tell(event: dict) -> None:
         callback(event)
 
 
-def _forward(model, inp: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
-             logits_to_keep: int = 0, cache_kw: str | None = None) -> torch.Tensor:
-    """One forward on the static cache: inp, positions (B, q) long, mask (B, 1, q, L) in the
-    backend's form. Returns float32 logits (B, q or logits_to_keep, V). Writes q K/V at the
-    cache's length pointer and advances it by q."""
-    out = model(input_ids=inp, position_ids=positions, attention_mask=mask, use_cache=True,
-                logits_to_keep=logits_to_keep, **{cache_kw or cache_keyword(model): cache})
-    return out.logits.float()
+def _eager(model):
+    """One forward on the static cache, ``f(inp, positions, mask, cache) -> logits``: inp, positions
+    (B, q) long, mask (B, 1, q, L) in the backend's form; float32 logits (B, q, V). Writes q K/V at
+    the cache's length pointer and advances it by q."""
+    kw = cache_keyword(model)  # resolved here: the compiled function calls no lru_cache
+
+    def step(inp, positions, mask, cache):
+        out = model(input_ids=inp, position_ids=positions, attention_mask=mask, use_cache=True, logits_to_keep=0,
+                    **{kw: cache})
+        return out.logits.float()
+
+    return step
 
 
 def step_function(model, compile: bool, *, cpp_wrapper: bool = False):
@@ -75,11 +80,7 @@ def step_function(model, compile: bool, *, cpp_wrapper: bool = False):
     (CPU only): inductor's C++ wrapper instead of its Python one — for AR's one-token step, where
     the wrapper is most of the step on a small model (stories260K: 0.48 -> 0.29 ms per step,
     compiling ~19 s instead of ~6 s); the multi-token steps of block/multiblock measured no gain."""
-    kw = cache_keyword(model)  # resolved here: the compiled function calls no lru_cache
-
-    def step(inp, positions, mask, cache):
-        return _forward(model, inp, positions, mask, cache, cache_kw=kw)
-
+    step = _eager(model)
     if not compile:
         return step
     table = _compiled.setdefault(model, {})
@@ -96,11 +97,8 @@ def step_function(model, compile: bool, *, cpp_wrapper: bool = False):
 
 
 def _compile(model, fn, how: dict, table: dict, key, shape: tuple[int, int, int]):
-    """``fn`` under ``torch.compile`` on a code object of its own (:func:`_own_code`) with options ``how`` and
-    the model's guard filter, returned wrapped so that its first call (the trace and compile) is reported
-    to :func:`compile_progress` listeners (``shape``: rows, queries, cache columns) and then stores the
-    compiled function in ``table[key]``. With tensor guards only (CPU), that first call runs under
-    :func:`_sdpa_gqa`."""
+    """``fn`` compiled on a code object of its own with options ``how`` and the guard filter, wrapped so that
+    its first call (trace and compile) is reported to :func:`compile_progress` and stores it in ``table[key]``."""
     guards = _guard_filter(model)
     compiled = torch.compile(_own_code(fn), dynamic=False, options={**how, **guards} or None)
     gqa = bool(guards) and next(model.parameters()).device.type != "cuda"
@@ -123,18 +121,17 @@ def compiled_step(model, body, key: tuple):
     step (its query window, the forward and its commit rule) is ONE graph (STYLE.md habit 13):
     ``forward(inp, positions, mask, cache) -> logits`` as :func:`step_function`'s (``mask`` bool).
     One graph per (model, body, key), ``key`` every non-tensor value the trace bakes in (shapes,
-    Python ints), ending with the step's (rows, queries, cache columns); guards as :func:`_guard_filter`; CUDA graphs on a GPU, inductor's C++ wrapper on
-    CPU. Every output must be read before the next call (CUDA graphs reuse their buffers)."""
+    Python ints), ending with the step's (rows, queries, cache columns); guards as :func:`_guard_filter`;
+    CUDA graphs on a GPU, inductor's C++ wrapper on CPU. Every output must be read before the next
+    call (CUDA graphs reuse their buffers)."""
     table = _compiled.setdefault(model, {})
     k = ("step", body.__qualname__, body.__module__, key)
     if (fn := table.get(k)) is not None:
         return fn
-    from unmask.compat import attention_mask
-
-    kw, device = cache_keyword(model), next(model.parameters()).device.type
+    eager, device = _eager(model), next(model.parameters()).device.type
 
     def forward(inp, positions, mask, cache):
-        return _forward(model, inp, positions, attention_mask(model, mask), cache, cache_kw=kw)
+        return eager(inp, positions, attention_mask(model, mask), cache)
 
     def step(*args):
         return body(forward, *args)
@@ -184,12 +181,3 @@ def _own_code(fn):
     step after 15 graphs), and fall back to eager past 8 of them."""
     code = fn.__code__.replace(co_name=f"unmask_step_{next(_serial)}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-
-
-def static_cache(model, batch: int, length: int):
-    """A ``StaticCache`` of ``length`` rounded up to LENGTH_BUCKET tokens (allocated on first
-    write, for ``batch`` rows). Returns (cache, L)."""
-    from transformers import StaticCache
-
-    L = -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
-    return StaticCache(config=model.config, max_cache_len=L), L
