@@ -175,27 +175,16 @@ def after_step(batch, got: dict, finished: set, timed: tuple | None = None) -> N
         placing.append((row, drafts.propose(_room(batch, row, row.K), row.block_len)))
     live = len(batch.rows) - len(finished)
     if timed is not None and _clocked(batch, live):
-        _cap(batch, placing, timed, live)
+        batch.clock.record(*timed)
+        if drafting := [(row, d) for row, d in placing if d]:
+            cap = window_cap(batch.clock, live, drafting, batch.drafts_cost)
+            if cap == 0:  # drafts did not pay: none for the next 1, 2, 4, ... QUIET_MAX steps (their proposals cost
+                batch.backoff = min(2 * batch.backoff, QUIET_MAX)  # host time a large batch of a small model feels)
+                batch.quiet = batch.backoff
+            elif cap:  # drafts pay: the backoff starts over
+                batch.backoff = 1
+            _cut(placing, cap)
     place_drafts(batch, placing)
-
-
-def _cap(batch, placing: list, timed: tuple, live: int) -> None:
-    """Time the step that ran, then cut the host drafts in ``placing`` (in place) to :func:`window_cap`'s
-    window: a batch of CLOCK_ROWS or more rows (fewer: each row sizes its own draft, so its NFE is
-    its NFE alone). One whose drafts did not pay drafts nothing for the next 1, 2, 4, ... QUIET_MAX
-    steps (its rows' proposals cost host time that a large batch of a small model feels); a step
-    whose drafts pay ends that."""
-    batch.clock.record(*timed)
-    drafting = [(row, d) for row, d in placing if d]
-    if not (live and drafting):
-        return
-    cap = window_cap(batch.clock, live, drafting, batch.drafts_cost)
-    if cap == 0:
-        batch.backoff = min(2 * batch.backoff, QUIET_MAX)
-        batch.quiet = batch.backoff
-    elif cap:
-        batch.backoff = 1
-    _cut(placing, cap)
 
 
 def place_drafts(batch, placing: list) -> None:

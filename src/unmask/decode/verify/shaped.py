@@ -71,7 +71,7 @@ class Shaping:
         raw = first.clone() if any(sh.asks_logprobs(r.job) is not None for r in rows) else None
         sh.add_bias(first, sh.bias_rows([sh.asks_bias(r.job) for r in rows], first.shape[-1], first.device))
         for i, row in enumerate(rows):
-            if getattr(row, "matcher", None) is not None:
+            if row.matcher is not None:
                 bits = torch.full((1, row.matcher.words), -1, dtype=torch.int32)
                 row.matcher.mask(bits[0])
                 first[i].masked_fill_(~allowed(bits[0], first.shape[-1]).to(first.device), float("-inf"))
@@ -218,9 +218,8 @@ class Shaping:
         self.cols = self.cand = None
 
     def _advance(self, row, ids: list[int]) -> None:
-        m = getattr(row, "matcher", None)
-        if m is not None and not m.consume(ids) and row.error is None:
-            row.error = grammar_error(m)
+        if row.matcher is not None and not row.matcher.consume(ids) and row.error is None:
+            row.error = grammar_error(row.matcher)
 
 
 def grammar_error(matcher) -> str:
