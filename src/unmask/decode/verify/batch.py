@@ -32,7 +32,7 @@ from unmask.decode.verify import steps as sv
 from unmask.decode.verify import tree as tv
 from unmask.decode.verify.config import VerifyConfig, family, queries, tables
 from unmask.decode.verify.drafting import HostDrafts, query_cost
-from unmask.decode.verify.host_drafts import Tally, after_step, check_join, clock_for, first_drafts, learn
+from unmask.decode.verify.host_drafts import Tally, after_step, clock_for, first_drafts, learn
 from unmask.decode.verify.shaped import Shaping
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
@@ -150,7 +150,9 @@ class Verify:
         empty prompt, more requests than free slots, or model-free drafts with AR rows of a block layout."""
         drafts = self.drafts if drafts is ... else drafts
         K = self.default_K if block_size is None else self.cfg.row_size(int(block_size))
-        check_join(self.cfg, drafts, K)
+        if drafts is not None and not self.cfg.host and (K < 2 or not drafts.beside_block):
+            raise UnmaskError(f"{drafts.source} drafts run on the host layout, or beside a block draft "
+                              f"(block+{drafts.source}); this batch runs {self.cfg.draft} at K = {K}")
         if K < 1:
             raise UnmaskError(f"a draft size must be >= 1 (got {K}); 1 means plain AR steps")
         if any(len(r.prompt_ids) == 0 for r in requests):  # the verify step needs a cached prefix

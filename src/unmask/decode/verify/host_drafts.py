@@ -12,9 +12,6 @@ from collections import Counter
 
 import torch
 
-from unmask.decode.verify.drafting import HostDrafts
-from unmask.errors import UnmaskError
-
 # from CLOCK_ROWS rows on, all greedy, measured step seconds (StepClock) choose a step's window and a batch whose drafts
 # do not pay stops proposing up to QUIET_MAX steps; else rows size their own (NFE as alone; sampled text seed-stable)
 CLOCK_ROWS, QUIET_MAX = 4, 16
@@ -38,14 +35,6 @@ class Tally:
         """{source: {"drafted": n, "accepted": m}} (safe to call from another thread: copies first)."""
         drafted, accepted = dict(self.drafted), dict(self.accepted)
         return {s: {"drafted": drafted[s], "accepted": accepted.get(s, 0)} for s in sorted(drafted)}
-
-
-def check_join(cfg, drafts: HostDrafts | None, K: int) -> None:
-    """Raise UnmaskError unless rows of draft size K with ``drafts`` may join a verify batch of ``cfg``:
-    model-free drafts run on the host layout, or beside a block draft (K >= 2)."""
-    if drafts is not None and not cfg.host and (K < 2 or not drafts.beside_block):
-        raise UnmaskError(f"{drafts.source} drafts run on the host layout, or beside a block draft "
-                          f"(block+{drafts.source}); this batch runs {cfg.draft} at K = {K}")
 
 
 def first_drafts(batch, rows: list, K: int) -> None:
@@ -225,5 +214,5 @@ def place_drafts(batch, placing: list) -> None:
         batch.q[idx[at], :L] = q
 
 
-__all__ = ["CLOCK_ROWS", "QUIET_MAX", "StepClock", "Tally", "after_step", "check_join", "clock_for", "first_drafts", "learn",
+__all__ = ["CLOCK_ROWS", "QUIET_MAX", "StepClock", "Tally", "after_step", "clock_for", "first_drafts", "learn",
            "place_drafts", "window_cap"]

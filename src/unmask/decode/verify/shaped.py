@@ -98,9 +98,7 @@ class Shaping:
         caller frees them and prepares again), else []."""
         b = self.batch
         self.bits, self.raw, self.cols = None, None, None
-        if not self.asking:
-            return []
-        grammar = [r for r in b.rows.values() if r.matcher is not None]
+        grammar = [r for r in b.rows.values() if r.matcher is not None] if self.asking else []
         if not grammar:
             return []
         if b.cfg.host and (placing := [(r, f) for r in grammar if (f := r.matcher.forced(b.cfg.block_size - 1))]):
