@@ -48,15 +48,15 @@ def slots(layouts: list) -> tuple[int, list[int], list[int], int]:
     verify query j < Kmax; group slot h at ``Kmax + starts[h]``, sibling slot h at
     ``Kmax + sib_starts[h]``, each as long as the longest h-th group / sibling of any layout.
     Returns (Kmax, starts, sib_starts, Q). Pure."""
-    trees = [None if l is None else sl.as_tree(l) for l in layouts]
+    trees = [sl.as_tree(l) for l in layouts if l is not None]
     Kmax, Q = len(layouts), len(layouts)
     starts, sib_starts = [], []
-    for h in range(max((len(t.chain.lengths) for t in trees if t is not None), default=0)):
+    for h in range(max((len(t.chain.lengths) for t in trees), default=0)):
         starts.append(Q - Kmax)
-        Q += max((t.chain.lengths[h] for t in trees if t is not None and h < len(t.chain.lengths)), default=0)
-    for h in range(max((len(t.siblings) for t in trees if t is not None), default=0)):
+        Q += max(t.chain.lengths[h] for t in trees if h < len(t.chain.lengths))
+    for h in range(max((len(t.siblings) for t in trees), default=0)):
         sib_starts.append(Q - Kmax)
-        Q += max((t.siblings[h].queries for t in trees if t is not None and h < len(t.siblings)), default=0)
+        Q += max(t.siblings[h].queries for t in trees if h < len(t.siblings))
     return Kmax, starts, sib_starts, Q
 
 
