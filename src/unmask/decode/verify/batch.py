@@ -32,7 +32,7 @@ from unmask.decode.verify import steps as sv
 from unmask.decode.verify import tree as tv
 from unmask.decode.verify.config import VerifyConfig, family, queries, tables
 from unmask.decode.verify.drafting import HostDrafts, query_cost
-from unmask.decode.verify.host_drafts import Tally, after_step, check_join, clock_for, first_drafts, learn
+from unmask.decode.verify.host_drafts import Tally, after_step, clock_for, first_drafts, learn
 from unmask.decode.verify.shaped import Shaping
 from unmask.errors import UnmaskError
 from unmask.masks import as_4d, with_key_padding
@@ -73,7 +73,7 @@ class Verify:
         self.shaping = Shaping(self)  # rows' logprobs, logit_bias and grammar (spec/structured.md)
         self.clock, self.drafts_cost, self.quiet, self.backoff = clock_for(bundle.model, bundle.device), query_cost(
             bundle.device), 0, 1  # host_drafts.after_step's: the window's cost, and its pause when drafts do not pay
-        self.mask_id, self.suppress = -1 if bundle.mask_token_id is None else bundle.mask_token_id, list(bundle.suppress_ids)
+        self.mask_id = -1 if bundle.mask_token_id is None else bundle.mask_token_id
         self.fill_id = max(self.mask_id, 0)  # a window's unused queries (the host layout: no mask token) see only themselves
         stop_ids = sorted(set(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids))
         self.stop_ids, self.stops = frozenset(stop_ids), torch.tensor(stop_ids or [-1], dtype=torch.long, device=self.device)  # (S,)
@@ -95,7 +95,8 @@ class Verify:
         self._zero = torch.zeros(cap, dtype=torch.long, device=dev)  # (cap,) an AR step's a and path (read only)
         self._one = torch.ones((cap, 1, 1), dtype=torch.bool, device=dev)  # (cap, 1, 1) an AR step's window mask
         self._layouts, self._steps = {}, {}  # Kmax -> the layout's window tables; (R, Q, Lb, Kmax) -> whole step compiled?
-        self._suppress = torch.tensor(self.suppress, dtype=torch.long, device=dev) if self.suppress else None  # (n,)
+        ids = bundle.suppress_ids
+        self.suppress = torch.tensor(ids, dtype=torch.long, device=dev) if ids else None  # (n,) ids never generated
         self.sized_for = None if length else bundle.context_length  # the longest row a static cache must hold
         if self.static:
             L = length or bundle.context_length + 2 * queries(max(cfg.block_size, 2), cfg.draft, cfg.smaller)
@@ -150,7 +151,9 @@ class Verify:
         empty prompt, more requests than free slots, or model-free drafts with AR rows of a block layout."""
         drafts = self.drafts if drafts is ... else drafts
         K = self.default_K if block_size is None else self.cfg.row_size(int(block_size))
-        check_join(self.cfg, drafts, K)
+        if drafts is not None and not self.cfg.host and (K < 2 or not drafts.beside_block):
+            raise UnmaskError(f"{drafts.source} drafts run on the host layout, or beside a block draft "
+                              f"(block+{drafts.source}); this batch runs {self.cfg.draft} at K = {K}")
         if K < 1:
             raise UnmaskError(f"a draft size must be >= 1 (got {K}); 1 means plain AR steps")
         if any(len(r.prompt_ids) == 0 for r in requests):  # the verify step needs a cached prefix
@@ -175,7 +178,7 @@ class Verify:
             logits = new_kv.forward(inp, positions, mask, logits_to_keep=Kp + 1)  # (n, Kp+1, V)
             new_kv.crop(Kp)
             self.forwards, self.vocab = self.forwards + 1, logits.shape[-1]
-            if self.suppress:
+            if self.suppress is not None:
                 logits[..., self.suppress] = float("-inf")
             rows = [VerifyRow(job=req, slot=slot, K=K, generator=row_generator(req, self.device))
                     for req, slot in zip(requests, slots)]
@@ -305,8 +308,8 @@ class Verify:
     def _run_whole(self, R: int, Q: int, Kmax: int, kvb: torch.Tensor):
         """Run the compiled whole step of R rows, window Q, on the slot buffers; kvb (R, Lb) the valid keys."""
         tw = self._tables(Kmax)
-        key = (self.fill_id, Q, tw.trees, tuple(tw.path.shape), self.s.shape[1], self.sib.shape[1], self._suppress is None)
-        return self.kv.fused(sv.whole_step, key, R, Q, kvb, self._suppress, tw, self.K[:R], self.draft_len[:R],
+        key = (self.fill_id, Q, tw.trees, tuple(tw.path.shape), self.s.shape[1], self.sib.shape[1], self.suppress is None)
+        return self.kv.fused(sv.whole_step, key, R, Q, kvb, self.suppress, tw, self.K[:R], self.draft_len[:R],
                              self.b[:R], self.s[:R, : Kmax - 1], self.sib[:R], self.p_b[:R], self.n[:R], self.N[:R],
                              self.live[:R], self.stops, self.fill_id, Q)
 
@@ -387,8 +390,7 @@ class Verify:
             return self._empty()
         self.key_valid[[s for s in slots if s < self.key_valid.shape[0]]] = False
 
-    def stats_extra(self, rows: list[VerifyRow]) -> dict:
-        return vr.stats_extra(self, rows)
+    stats_extra = vr.stats_extra  # (self, rows) -> decode's stats.extra
 
 
 __all__ = ["Verify", "VerifyRow"]

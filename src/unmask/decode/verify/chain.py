@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,9 @@ class DraftLayout:
     lengths: tuple[int, ...]
 
     def __post_init__(self):
-        ok = (_is_int(self.D) and self.D >= 1 and len(self.prefixes) == len(self.lengths)
-              and all(_is_int(i) and 0 <= i <= self.D for i in self.prefixes)
-              and all(_is_int(g) and g >= 2 for g in self.lengths)
+        ok = (is_int(self.D) and self.D >= 1 and len(self.prefixes) == len(self.lengths)
+              and all(is_int(i) and 0 <= i <= self.D for i in self.prefixes)
+              and all(is_int(g) and g >= 2 for g in self.lengths)
               and list(self.prefixes) == sorted(set(self.prefixes)))
         if not ok:
             raise UnmaskError(f"bad draft layout D={self.D!r} S={self.prefixes!r} G={self.lengths!r}; a layout "
@@ -109,13 +109,9 @@ def quadratic(K: int) -> DraftLayout:
 
 def parse(text: str) -> DraftLayout:
     """``D/S/G`` text (``3/0,2,3/4`` or ``3/0,2,3/4,4,5``) -> DraftLayout. Raises UnmaskError."""
-    parts = str(text).split("/")
     try:
-        if len(parts) != 3:
-            raise ValueError
-        D = int(parts[0])
-        S = tuple(int(x) for x in parts[1].split(","))
-        G = tuple(int(x) for x in parts[2].split(","))
+        d, s, g = str(text).split("/")  # a ValueError unless three parts
+        D, S, G = int(d), tuple(map(int, s.split(","))), tuple(map(int, g.split(",")))
     except ValueError:
         raise UnmaskError(f"bad draft layout {text!r}; write D/S/G, e.g. 3/0,2,3/4 (groups of 4 after draft "
                           "prefixes 0, 2 and 3) or 3/0,2,3/4,4,5 (one length per group)") from None
@@ -125,10 +121,6 @@ def parse(text: str) -> DraftLayout:
         raise UnmaskError(f"draft layout {text!r} has {len(S)} prefixes but {len(G)} group lengths; give one "
                           "length or one per prefix")
     return DraftLayout(D, S, G)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 __all__ = ["DraftLayout", "linear", "quadratic", "parse", "verify_only"]

@@ -44,7 +44,7 @@ def default_layout(bundle) -> str:
 
 
 def _smaller_texts(smaller) -> tuple[str, ...]:
-    if isinstance(smaller, str) or not isinstance(smaller, (tuple, list)):
+    if not isinstance(smaller, (tuple, list)):  # a str too
         raise UnmaskError(f"smaller layouts are a tuple of D/S/G texts (got {smaller!r}), e.g. ('3/3/4',)")
     return tuple(smaller)
 

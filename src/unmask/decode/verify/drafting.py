@@ -137,8 +137,7 @@ class RowDrafts:
     def propose(self, cap: int, block_len: int = 0) -> list[int] | None:
         """The next draft (at most ``cap`` ids): a host draft, [] for none (a K = 1 step), or None to
         keep the block draft of ``block_len`` tokens (beside_block: it expects more accepted tokens)."""
-        cap = min(cap, self.cfg.tokens)
-        draft, self.match = self.drafter.propose(cap) if cap > 0 else ([], 0)
+        draft, self.match = self.drafter.propose(min(cap, self.cfg.tokens))  # ([], 0) when cap <= 0
         if self.cfg.source == "lookup":  # a 1-id match accepts ~1 id however long its draft (draft_replay.md)
             draft = draft[: math.ceil(LOOKUP_ALPHA * self.match)]
         own = self._own(self.match)

@@ -12,9 +12,6 @@ from collections import Counter
 
 import torch
 
-from unmask.decode.verify.drafting import HostDrafts
-from unmask.errors import UnmaskError
-
 # from CLOCK_ROWS rows on, all greedy, measured step seconds (StepClock) choose a step's window and a batch whose drafts
 # do not pay stops proposing up to QUIET_MAX steps; else rows size their own (NFE as alone; sampled text seed-stable)
 CLOCK_ROWS, QUIET_MAX = 4, 16
@@ -38,14 +35,6 @@ class Tally:
         """{source: {"drafted": n, "accepted": m}} (safe to call from another thread: copies first)."""
         drafted, accepted = dict(self.drafted), dict(self.accepted)
         return {s: {"drafted": drafted[s], "accepted": accepted.get(s, 0)} for s in sorted(drafted)}
-
-
-def check_join(cfg, drafts: HostDrafts | None, K: int) -> None:
-    """Raise UnmaskError unless rows of draft size K with ``drafts`` may join a verify batch of ``cfg``:
-    model-free drafts run on the host layout, or beside a block draft (K >= 2)."""
-    if drafts is not None and not cfg.host and (K < 2 or not drafts.beside_block):
-        raise UnmaskError(f"{drafts.source} drafts run on the host layout, or beside a block draft "
-                          f"(block+{drafts.source}); this batch runs {cfg.draft} at K = {K}")
 
 
 def first_drafts(batch, rows: list, K: int) -> None:
@@ -175,27 +164,16 @@ def after_step(batch, got: dict, finished: set, timed: tuple | None = None) -> N
         placing.append((row, drafts.propose(_room(batch, row, row.K), row.block_len)))
     live = len(batch.rows) - len(finished)
     if timed is not None and _clocked(batch, live):
-        _cap(batch, placing, timed, live)
+        batch.clock.record(*timed)
+        if drafting := [(row, d) for row, d in placing if d]:
+            cap = window_cap(batch.clock, live, drafting, batch.drafts_cost)
+            if cap == 0:  # drafts did not pay: none for the next 1, 2, 4, ... QUIET_MAX steps (their proposals cost
+                batch.backoff = min(2 * batch.backoff, QUIET_MAX)  # host time a large batch of a small model feels)
+                batch.quiet = batch.backoff
+            elif cap:  # drafts pay: the backoff starts over
+                batch.backoff = 1
+            _cut(placing, cap)
     place_drafts(batch, placing)
-
-
-def _cap(batch, placing: list, timed: tuple, live: int) -> None:
-    """Time the step that ran, then cut the host drafts in ``placing`` (in place) to :func:`window_cap`'s
-    window: a batch of CLOCK_ROWS or more rows (fewer: each row sizes its own draft, so its NFE is
-    its NFE alone). One whose drafts did not pay drafts nothing for the next 1, 2, 4, ... QUIET_MAX
-    steps (its rows' proposals cost host time that a large batch of a small model feels); a step
-    whose drafts pay ends that."""
-    batch.clock.record(*timed)
-    drafting = [(row, d) for row, d in placing if d]
-    if not (live and drafting):
-        return
-    cap = window_cap(batch.clock, live, drafting, batch.drafts_cost)
-    if cap == 0:
-        batch.backoff = min(2 * batch.backoff, QUIET_MAX)
-        batch.quiet = batch.backoff
-    elif cap:
-        batch.backoff = 1
-    _cut(placing, cap)
 
 
 def place_drafts(batch, placing: list) -> None:
@@ -236,5 +214,5 @@ def place_drafts(batch, placing: list) -> None:
         batch.q[idx[at], :L] = q
 
 
-__all__ = ["CLOCK_ROWS", "QUIET_MAX", "StepClock", "Tally", "after_step", "check_join", "clock_for", "first_drafts", "learn",
+__all__ = ["CLOCK_ROWS", "QUIET_MAX", "StepClock", "Tally", "after_step", "clock_for", "first_drafts", "learn",
            "place_drafts", "window_cap"]

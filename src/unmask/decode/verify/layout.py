@@ -8,8 +8,8 @@ themselves: :mod:`unmask.decode.verify.chain` (``D/S/G`` and the next-draft rule
 from __future__ import annotations
 
 from unmask.decode.verify import siblings as sl
-from unmask.decode.verify.chain import DraftLayout, _is_int, linear, parse, quadratic
-from unmask.errors import UnmaskError
+from unmask.decode.verify.chain import DraftLayout, linear, parse, quadratic
+from unmask.errors import UnmaskError, is_int
 
 BUDGETS = (8, 16, 24, 32)  # the query budgets calibrate-drafts searches (issue 26)
 DEFAULT_BUDGET = 16
@@ -88,7 +88,7 @@ def resolve(draft, queries=None, defaults: dict | None = None) -> str:
             raise UnmaskError(f"bad draft {draft!r}; write budget:Q with Q query tokens, e.g. budget:16") from None
     if queries is None:
         queries = (defaults or {}).get("queries", DEFAULT_BUDGET)
-    if not _is_int(queries) or queries < 4:
+    if not is_int(queries) or queries < 4:
         raise UnmaskError(f"a query budget must be an integer >= 4 (got {queries!r}); pass e.g. --queries 16")
     table = stored_layouts(defaults)
     fits = [q for q in table if q <= queries]

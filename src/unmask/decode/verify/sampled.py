@@ -102,7 +102,7 @@ def accept_rows(batch, logits: torch.Tensor, inp: torch.Tensor, tw: tv.TreeWindo
     (spec §1, §5.3; suppressed ids set to -inf in place):
     greedy tree acceptance for all, then each sampled group (same sampling and K) by speculative sampling.
     Returns a, path p (R,), step_tok (R, Kmax)."""
-    if batch.suppress:
+    if batch.suppress is not None:
         logits[..., batch.suppress] = float("-inf")
     batch.shaping.apply(logits)  # raw logits kept for logprobs; logit_bias, the grammar's masks
     if Kmax == 1:  # AR rows: nothing to accept or draft, the bonus is the argmax

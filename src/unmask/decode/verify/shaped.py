@@ -71,7 +71,7 @@ class Shaping:
         raw = first.clone() if any(sh.asks_logprobs(r.job) is not None for r in rows) else None
         sh.add_bias(first, sh.bias_rows([sh.asks_bias(r.job) for r in rows], first.shape[-1], first.device))
         for i, row in enumerate(rows):
-            if getattr(row, "matcher", None) is not None:
+            if row.matcher is not None:
                 bits = torch.full((1, row.matcher.words), -1, dtype=torch.int32)
                 row.matcher.mask(bits[0])
                 first[i].masked_fill_(~allowed(bits[0], first.shape[-1]).to(first.device), float("-inf"))
@@ -98,9 +98,7 @@ class Shaping:
         caller frees them and prepares again), else []."""
         b = self.batch
         self.bits, self.raw, self.cols = None, None, None
-        if not self.asking:
-            return []
-        grammar = [r for r in b.rows.values() if r.matcher is not None]
+        grammar = [r for r in b.rows.values() if r.matcher is not None] if self.asking else []
         if not grammar:
             return []
         if b.cfg.host and (placing := [(r, f) for r in grammar if (f := r.matcher.forced(b.cfg.block_size - 1))]):
@@ -218,9 +216,8 @@ class Shaping:
         self.cols = self.cand = None
 
     def _advance(self, row, ids: list[int]) -> None:
-        m = getattr(row, "matcher", None)
-        if m is not None and not m.consume(ids) and row.error is None:
-            row.error = grammar_error(m)
+        if row.matcher is not None and not row.matcher.consume(ids) and row.error is None:
+            row.error = grammar_error(row.matcher)
 
 
 def grammar_error(matcher) -> str:

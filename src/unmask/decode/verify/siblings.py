@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 
 from unmask.decode.verify import chain as dl
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int
 
 TOPK = 3  # candidates per draft position a sibling can use: rank 2 and rank 3
 _ITEM = re.compile(r"^(\d+)(?:c(\d+))?(?:g(\d+))?$")
@@ -43,7 +43,7 @@ class Sibling:
     group: int = 0
 
     def __post_init__(self):
-        ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (self.offset, self.cont, self.group))
+        ok = all(map(is_int, (self.offset, self.cont, self.group)))
         if not (ok and self.offset >= 1 and self.cont >= 0 and (self.group == 0 or self.group >= 2)):
             raise UnmaskError(f"bad sibling offset={self.offset!r} cont={self.cont!r} group={self.group!r}; a sibling "
                               "needs offset >= 1, cont >= 0 and a group of 0 or >= 2 (e.g. +1c1g3)")

@@ -34,31 +34,20 @@ from unmask.decode.engine.batching import left_pad
 from unmask.decode.verify import tree as tv
 from unmask.masks import causal_mask
 
-def advance(a: torch.Tensor, step_tok: torch.Tensor, n: torch.Tensor, N: torch.Tensor, live: torch.Tensor,
-            stops: torch.Tensor, next_len: torch.Tensor):
-    """The commit rule of a step (spec §1, Accept). Pure.
-
-    a (R,) accepted draft tokens; step_tok (R, W) the step's ids (the first a + 1 committed); n (R,)
-    committed counts, N (R,) budgets, live (R,) bool rows; stops (S,) stop ids; next_len (R,) the
-    next draft's length (the tables' ``length``; 0 for AR rows). A dead slot commits
-    nothing. Returns committed (R,), new (R, W) bool (which of step_tok are committed), n (R,),
-    draft_len (R,) of the next draft and ended (R,) bool (a stop token committed or N reached)."""
-    committed = (a + 1) * live  # (R,)
-    new = torch.arange(step_tok.shape[1], device=a.device)[None, :] < committed[:, None]  # (R, W)
-    n = n + committed
-    ended = ((torch.isin(step_tok, stops) & new).any(dim=1) | (n >= N)) & live  # (R,)
-    return committed, new, n, next_len, ended
-
 
 def settle(a, p, step_tok, tw: tv.TreeWindow, K, dl, n, N, live, stops, b, Q: int):
     """A step's commit after acceptance (spec §1 Accept, §5.2). Pure. a, p (R,) the accepted draft tokens and
-    path, step_tok (R, Kmax) its argmaxes; K, dl, n, N, live, b (R,) the rows' draft sizes, draft lengths,
-    committed counts, budgets, liveness and bonus; stops (S,); Q the window. Returns the next bonus (R,),
-    committed (R,), n (R,), the next draft lengths (R,), keep (R, Q) bool (the cache columns kept) and what the
-    step reads on the host: ended (R,) bool, last (R,) one past the last kept window column, step_tok."""
+    path, step_tok (R, Kmax) its argmaxes (the first a + 1 committed); K, dl, n, N, live, b (R,) the rows' draft
+    sizes, draft lengths, committed counts, budgets, liveness and bonus; stops (S,); Q the window. A dead slot
+    commits nothing. Returns the next bonus (R,), committed (R,), n (R,), the next draft lengths (R,; AR rows: 0),
+    keep (R, Q) bool (the cache columns kept) and what the step reads on the host: ended (R,) bool (a stop token
+    committed or N reached), last (R,) one past the last kept window column, step_tok."""
     Kmax = step_tok.shape[1]
     nxt = dl if Kmax == 1 else tw.length[K - 1, dl, p, a]  # next draft lengths (AR rows: 0)
-    committed, _, n, nxt, ended = advance(a, step_tok, n, N, live, stops, nxt)
+    committed = (a + 1) * live  # (R,)
+    new = torch.arange(Kmax, device=a.device)[None, :] < committed[:, None]  # (R, Kmax): step_tok committed
+    n = n + committed
+    ended = ((torch.isin(step_tok, stops) & new).any(dim=1) | (n >= N)) & live  # (R,)
     keep, last = tv.kept_columns(tw, K, dl, p, committed, Q)
     bonus = step_tok[:, 0] if Kmax == 1 else step_tok.gather(1, a[:, None])[:, 0]  # (R,)
     return torch.where(live, bonus, b), committed, n, nxt, keep, ended, last, step_tok

@@ -8,6 +8,7 @@ prompts and outputs, and every row of that model reads it. Pure host-side Python
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import deque
@@ -73,13 +74,8 @@ class SuffixCache:
         self.table: Table = {}
         self.lock = threading.Lock()
         self._docs: deque[list[int]] = deque()
-        self._tokens = 0
-        self._entries = 0
-
-    @property
-    def tokens(self) -> int:
-        """Ids stored, over all documents (<= ``max_tokens``)."""
-        return self._tokens
+        self.tokens = 0  # ids stored, over all documents (<= max_tokens)
+        self.entries = 0  # (context, next id) pairs in the tables (<= (depth - 1) · tokens)
 
     @property
     def documents(self) -> int:
@@ -87,14 +83,9 @@ class SuffixCache:
         return len(self._docs)
 
     @property
-    def entries(self) -> int:
-        """(context, next id) pairs in the tables (<= (depth - 1) · tokens)."""
-        return self._entries
-
-    @property
     def bytes(self) -> int:
         """Approximate memory of the tables and documents in bytes (CPython; an estimate to report)."""
-        return self._entries * BYTES_PER_ENTRY + self._tokens * BYTES_PER_TOKEN
+        return self.entries * BYTES_PER_ENTRY + self.tokens * BYTES_PER_TOKEN
 
     def add(self, tokens: Sequence[int]) -> None:
         """Store one document (its ids), evicting the oldest documents while more than ``max_tokens``
@@ -104,19 +95,19 @@ class SuffixCache:
             return
         with self.lock:
             self._docs.append(doc)
-            self._tokens += len(doc)
+            self.tokens += len(doc)
             for j in range(1, len(doc)):
-                self._entries += _count(self.table, doc, j, self.depth, +1)
-            while self._tokens > self.max_tokens:
+                self.entries += _count(self.table, doc, j, self.depth, +1)
+            while self.tokens > self.max_tokens:
                 old = self._docs.popleft()
-                self._tokens -= len(old)
+                self.tokens -= len(old)
                 for j in range(1, len(old)):
-                    self._entries += _count(self.table, old, j, self.depth, -1)
+                    self.entries += _count(self.table, old, j, self.depth, -1)
 
     def clear(self) -> None:
         """Forget every document."""
         with self.lock:
-            self.table, self._docs, self._tokens, self._entries = {}, deque(), 0, 0
+            self.table, self._docs, self.tokens, self.entries = {}, deque(), 0, 0
 
 
 class Suffix:
@@ -190,10 +181,7 @@ class Suffix:
         m; ``([], 0)`` when no suffix of the history matches or ``limit <= 0``."""
         if limit <= 0:
             return [], 0
-        lock = self.shared.lock if self.shared is not None else None
-        if lock is not None:
-            lock.acquire()
-        try:
+        with self.shared.lock if self.shared is not None else contextlib.nullcontext():
             shared = self.shared.table if self.shared is not None else None
             seq = self.history[-(self.depth - 1):]  # all a match can read: O(depth), not O(history)
             t, m0, p = self._next(seq, shared)
@@ -208,6 +196,3 @@ class Suffix:
                     break
                 draft.append(t)
             return draft, m0
-        finally:
-            if lock is not None:
-                lock.release()

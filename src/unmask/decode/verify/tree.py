@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from unmask.decode.verify import chain as ch
 from unmask.decode.verify import siblings as sl
 from unmask.sampling import multinomial, uniform
 
@@ -47,15 +48,15 @@ def slots(layouts: list) -> tuple[int, list[int], list[int], int]:
     verify query j < Kmax; group slot h at ``Kmax + starts[h]``, sibling slot h at
     ``Kmax + sib_starts[h]``, each as long as the longest h-th group / sibling of any layout.
     Returns (Kmax, starts, sib_starts, Q). Pure."""
-    trees = [None if l is None else sl.as_tree(l) for l in layouts]
+    trees = [sl.as_tree(l) for l in layouts if l is not None]
     Kmax, Q = len(layouts), len(layouts)
     starts, sib_starts = [], []
-    for h in range(max((len(t.chain.lengths) for t in trees if t is not None), default=0)):
+    for h in range(max((len(t.chain.lengths) for t in trees), default=0)):
         starts.append(Q - Kmax)
-        Q += max((t.chain.lengths[h] for t in trees if t is not None and h < len(t.chain.lengths)), default=0)
-    for h in range(max((len(t.siblings) for t in trees if t is not None), default=0)):
+        Q += max(t.chain.lengths[h] for t in trees if h < len(t.chain.lengths))
+    for h in range(max((len(t.siblings) for t in trees), default=0)):
         sib_starts.append(Q - Kmax)
-        Q += max((t.siblings[h].queries for t in trees if t is not None and h < len(t.siblings)), default=0)
+        Q += max(t.siblings[h].queries for t in trees if h < len(t.siblings))
     return Kmax, starts, sib_starts, Q
 
 
@@ -80,6 +81,7 @@ def tree_window(layouts: list, device=None) -> TreeWindow:
     Kmax, starts, sib_starts, Q = slots(layouts)
     H, W = len(sib_starts), max(Kmax - 1, 1)
     P, MASK = 1 + H, Kmax + H  # paths; the pool index of the mask id
+    group_at = [Kmax + g for g in starts]  # the window query of each chain group's offset 0
     mask = torch.eye(Q, dtype=torch.bool).repeat(Kmax, Kmax, 1, 1)  # (Kmax, Kmax, Q, Q)
     offsets = torch.zeros((Kmax, Kmax, Q), dtype=torch.long)
     tok = torch.full((Kmax, Kmax, Q), MASK, dtype=torch.long)
@@ -108,7 +110,7 @@ def tree_window(layouts: list, device=None) -> TreeWindow:
                 m[at, at] = True
                 offsets[k, d, at] = e + 1 + torch.arange(G)
             for a in range(d + 1):
-                _next(src[k, d, 0, a], length[k, d, 0], a, lay.next_draft(d, a), Kmax + torch.tensor(starts))
+                _next(src[k, d, 0, a], length[k, d, 0], a, lay.next_draft(d, a), group_at)
             for h, s in enumerate(tree.siblings):
                 if s.offset > d:
                     continue
@@ -125,22 +127,19 @@ def tree_window(layouts: list, device=None) -> TreeWindow:
                     m[grp, nodes[: j + 1]] = True
                     m[grp, grp] = True
                     offsets[k, d, grp] = j + 1 + torch.arange(s.group)
+                # the next draft (spec §5.2): from the sibling's own group, the latest on its path (the rule of a
+                # one-group chain at prefix j), else from the latest chain group at a prefix <= j - 1
+                own = ch.DraftLayout(tree.D, (j,), (s.group,)) if s.group else None
                 for a in range(j, j + c + 1):
-                    if s.group:  # the sibling's own group is the latest on its path (spec §5.2)
-                        first = a - j + 1
-                        n = max(0, min(s.group - first, tree.D))
-                        src[k, d, h + 1, a, :n] = grp.start + first + torch.arange(n)
-                        length[k, d, h + 1, a] = n
-                    else:  # the latest chain group at a prefix <= j - 1
-                        _next(src[k, d, h + 1, a], length[k, d, h + 1], a, lay.next_draft(d, a, j - 1),
-                              Kmax + torch.tensor(starts))
+                    rule = own.next_draft(d, a) if own else lay.next_draft(d, a, j - 1)
+                    _next(src[k, d, h + 1, a], length[k, d, h + 1], a, rule, [grp.start] if own else group_at)
     t = dict(device=device)
     return TreeWindow(mask.to(**t), offsets.to(**t), tok.to(**t), path.to(**t), path_len.to(**t), src.to(**t),
                       length.to(**t), sib_offset.to(**t), sib_rank.to(**t),
                       tuple(t is not None and bool(t.siblings) for t in trees))
 
 
-def _next(src_row: torch.Tensor, length_row: torch.Tensor, a: int, rule: tuple[int, int, int], starts) -> None:
+def _next(src_row: torch.Tensor, length_row: torch.Tensor, a: int, rule: tuple[int, int, int], starts: list) -> None:
     """Write one next-draft rule (group, first offset, length) into src_row (W,) and length_row[a]."""
     g, first, n = rule
     length_row[a] = n
