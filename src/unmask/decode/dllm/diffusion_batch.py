@@ -18,19 +18,18 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.decode.dllm.cache import SlotCanvas, check_fast_path, prompt_width
-from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, check_canvas, check_mask_token, early_stop_in
+from unmask.decode.dllm.cache import SlotCanvas, check_fast_path
+from unmask.decode.dllm.canvas import (CanvasBatch, CanvasRow, canvas_width, check_canvas, check_mask_token,
+                                       early_stop_in)
 from unmask.decode.dllm.diffusion import CANVAS_HINT, DEFAULT_BLOCK_SIZE, DiffusionConfig, DiffusionOptions, llada_quota
 from unmask.decode.dllm.dream import DreamSchedule
 from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.registry import Spec
 from unmask.decode.engine.running import Request, group_by
 from unmask.decode.engine.stats import check_nfe
-from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
 from unmask.models.adapters import is_remote, realign, supports_cache
 from unmask.policies import commit
-from unmask.trace import host_event
 
 
 @dataclass(eq=False)
@@ -184,9 +183,8 @@ class Diffusion(CanvasBatch):
             if was:
                 row.commits.append(got["count"][r])
                 if self.on_step is not None:
-                    at, who = (self.forwards - 1, row.job.id) if self.lockstep else (row.nfe, 0)
-                    self.on_step(row, host_event(at, who, got["chosen"][r], got["tokens"][r], row.block * Bk,
-                                                 got["gen"][r][Lmax - row.cfg.gen_length:], mask_id, block=row.block))
+                    self._event(row, self.forwards - 1, got["chosen"][r], got["tokens"][r], row.block * Bk,
+                                got["gen"][r][Lmax - row.cfg.gen_length:], block=row.block)
             row.nfe += int(bool(was) or (self.reference and not done))
             row.step += 1
             check_nfe(row.nfe, max(row.cfg.gen_length, row.cfg.steps or 0) + row.cfg.n_blocks, "diffusion")
@@ -229,8 +227,7 @@ class Diffusion(CanvasBatch):
                 continue
             e = (row.block + 1) * self.cfg.block_size
             if row.job.stop and not row.done:
-                row.done = StopRule.of(strings=row.job.stop).hit(self.bundle, row.job.prompt_ids, row.gen[:e],
-                                                                 also=(self.bundle.mask_token_id,))
+                row.done = self._stop_hit(row, row.gen[:e])
             if row.done or e >= row.report or row.block + 1 == row.cfg.n_blocks:
                 finished.append(row)
             else:  # a block not reached yet holds masks only (commits and early-stop fills stay in reached ones)
@@ -314,10 +311,7 @@ def batch(bundle, cfg: DiffusionOptions, *, capacity: int = 64, prompts=None, ma
     check_fast_path(bundle, static, compile, "the diffusion decoder")
     rc = cfg.resolve(bundle, max_new_tokens)
     rc.warn_degenerate()
-    for p in prompts:  # before the canvases are allocated
-        check_canvas(bundle, len(p), rc.gen_length, CANVAS_HINT)
-    L = rc.gen_length
-    width = prompt_width(max(map(len, prompts), default=0), L, bundle.context_length, static or compile) + L
+    width = canvas_width(bundle, prompts, rc.gen_length, CANVAS_HINT, static or compile)
     return Diffusion(bundle, rc, static=static, compile=compile, capacity=capacity, on_step=on_step,
                      stop_token_ids=stop_token_ids, lockstep=True, width=width, reference_steps=cfg.reference_steps,
                      on_forward=on_forward)

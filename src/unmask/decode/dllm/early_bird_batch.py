@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unmask.decode.dllm.cache import prompt_width
-from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, check_canvas, early_stop
+from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, canvas_width, check_canvas, early_stop
 from unmask.decode.dllm.early_bird import CANVAS_HINT, EarlyBirdConfig, EarlyBirdOptions, check_max_new_tokens
 from unmask.decode.dllm.eb_select import (PATH_NAMES, commit_confidence, draw_rows, lps_features, pack_rows,
                                           select_block, union_accept)
@@ -37,11 +36,9 @@ from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.registry import Spec
 from unmask.decode.engine.running import Request, group_by
 from unmask.decode.engine.stats import check_nfe
-from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
 from unmask.models.adapters import is_remote
 from unmask.policies import Threshold, token_stats
-from unmask.trace import host_event
 
 
 def _sync(device) -> float:
@@ -307,13 +304,11 @@ class EarlyBird(CanvasBatch):
                     extra = {"block": row.blocks - 1}
                     if select[r]:
                         extra["selected"] = [i for i, b in enumerate(got["block"][r]) if b]
-                    at, who = (self.forwards, row.job.id) if self.lockstep else (row.nfe, 0)
-                    self.on_step(row, host_event(at, who, got["chosen"][r], got["tokens"][r], 0, row.gen, mask_id,
-                                                 **extra))
+                    self._event(row, self.forwards, got["chosen"][r], got["tokens"][r], 0, row.gen, **extra)
             row.nfe += int(bool(was))
             check_nfe(row.nfe, 2 * L, "early-bird")  # ≥ 1 commit per forward; L blocks at most (size 1)
             if row.job.stop and got["resolved"][r] and not done:
-                done = StopRule.of(strings=row.job.stop).hit(self.bundle, row.job.prompt_ids, row.gen, also=(mask_id,))
+                done = self._stop_hit(row, row.gen)
             row.extra["n_committed"] = got["committed"][r]
             if done or not got["left"][r]:
                 finished.append(row)
@@ -377,10 +372,7 @@ def batch(bundle, cfg: EarlyBirdOptions, *, capacity: int = 64, prompts=None, ma
                               "model code takes none, so decode it with per-call early-bird batches")
         return EarlyBird(bundle, cfg.resolve(bundle), capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids)
     rc = cfg.resolve(bundle, max_new_tokens, static=static, compile=compile)
-    L = rc.gen_length
-    for p in prompts:  # before the canvases are allocated
-        check_canvas(bundle, len(p), L, CANVAS_HINT)
-    width = prompt_width(max(map(len, prompts), default=0), L, bundle.context_length, static or compile) + L
+    width = canvas_width(bundle, prompts, rc.gen_length, CANVAS_HINT, static or compile)
     return EarlyBird(bundle, rc, static=static, compile=compile, capacity=capacity, on_step=on_step,
                      stop_token_ids=stop_token_ids, width=width, lockstep=True, on_forward=on_forward)
 
