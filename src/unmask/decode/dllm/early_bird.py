@@ -24,12 +24,8 @@ the :class:`EarlyBirdConfig` (with its routers) the batch runs.
 Stopping (§9): a row stops when a block of it resolves and its canvas holds a committed stop id
 with every position before the first one committed (the text before it is then final); with
 ``eos_early_stop`` this is checked after every step and the tail is filled with that id.
-The EOS set of the LBS filter is the decode's stop ids (reading #4).
-
-Statistics: NFE counts base-model forwards only (routers are not NFE, §10). ``stats.extra`` adds
-the router overhead: ``lbs_seconds``, ``lps_seconds``, ``router_seconds``, ``forward_seconds``,
-``step_seconds``, ``router_share`` = router / step time and ``router_vs_forward`` = router /
-base-model forward time (the paper's "fraction of per-step backbone time").
+The EOS set of the LBS filter is the decode's stop ids (reading #4). NFE and the router overhead
+in ``stats.extra``: :func:`~unmask.decode.dllm.early_bird_batch.batch`.
 This decoder runs on ``masked-diffusion`` models only (block-causal models, §7, are not wired).
 """
 

@@ -1,21 +1,14 @@
 """Early-Bird decoding as one running batch (DESIGN.md "One engine"; spec/early_bird.md §5–§6, §9):
 ``decode(decoder="early-bird")``, its static/compiled fast path and the server all run :class:`EarlyBird`
-(built by :func:`batch`, the registry's factory).
+(built by :func:`batch`, the registry's factory); the algorithm is :mod:`unmask.decode.dllm.early_bird`'s.
 
-Each row has its own canvas ``[prompt | m^L]`` (a :class:`~unmask.decode.dllm.cache.SlotCanvas`
-slot; L is the LBS router's, so every row's generation region is the canvas's last L columns),
-its own active block (selected by LBS, fixed until resolved) and its own generator. A step is ONE
-forward for every running row: a row without an active block scores its whole region and
-selects (with a cache this forward is the row's own refresh, after which the K/V of its window
-[min B, max B] are hidden as stale); the others score their block's window (with a cache: feed
-only that window). Then, batched over the rows (the routers over the rows that need them), the
-commit rule of EB-Decode: A = {i ∈ B ∩ M : κ ≥ τ or p_ψ > τ_ψ}, the argmax-κ candidate when A is
-empty; and one host sync reads what the rows' bookkeeping needs.
-
-``lockstep=True`` (decode) runs each router once over every row that needs it and numbers step
-events by the batch forward and the request id, as decode always has; otherwise (the server) each
-row runs the routers alone, so its inputs have exactly the shapes of its decode alone, and events
-count the row's own forwards (row 0).
+Each row has its own canvas slot (its generation region is the canvas's last L columns, L the LBS
+router's), active block and generator. A step is ONE forward for every running row (a row without
+a block scores its whole region: with a cache, its own refresh; the others their block's window),
+then the routers and the commit rule batched over the rows, and one host sync for the rows'
+bookkeeping. ``lockstep=True`` (decode) runs each router once over every row that needs it and
+numbers step events by the batch forward and the request id; otherwise (the server) each row runs
+the routers alone, with exactly the shapes of its decode alone, and events count its own forwards.
 """
 
 from __future__ import annotations
@@ -27,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, canvas_width, check_canvas, early_stop
 from unmask.decode.dllm.early_bird import CANVAS_HINT, EarlyBirdConfig, EarlyBirdOptions, check_max_new_tokens
@@ -180,8 +174,7 @@ class EarlyBird(CanvasBatch):
         live = torch.tensor([row is not None for row in rows], device=dev)  # (n,)
         masked = (gen == mask_id) & (live & ~self.done[:n])[:, None]  # (n, L)
         st = token_stats(logits)  # (n, HI - LO) each, T = 0: the router features
-        top1, conf, ent, margin = (torch.zeros(n, L, dtype=x.dtype, device=dev) for x in st[:4])
-        top1[:, LO:HI], conf[:, LO:HI], ent[:, LO:HI], margin[:, LO:HI] = st
+        top1, conf, ent, margin = (F.pad(x, (LO, L - HI)) for x in st[:4])  # (n, L) each, 0 outside the window
         norm_ent = ent / math.log(logits.shape[-1])  # (n, L) H / log|V|
         t1 = _sync(dev)
         sel = [r for r, s in enumerate(select) if s]
@@ -197,8 +190,7 @@ class EarlyBird(CanvasBatch):
         cand = block & masked  # (n, L) B ∩ M
         cand_w = cand[:, LO:HI]  # (n, HI - LO)
         tok_w, kappa = self._tokens(rows, logits, cand_w, st.top1, LO)  # (n, HI - LO), (n, L)
-        tokens = torch.zeros(n, L, dtype=torch.long, device=dev)
-        tokens[:, LO:HI] = tok_w
+        tokens = F.pad(tok_w, (LO, L - HI))  # (n, L)
         t3 = _sync(dev)
         feats = p_lps = None
         if self.lps is not None or self.on_forward is not None:
