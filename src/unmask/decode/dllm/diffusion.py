@@ -128,19 +128,6 @@ class DiffusionConfig(SamplerKnobs):
                           f"--steps {self.gen_length} for one token per step", stacklevel=4)
 
 
-def _infer_policy(gamma, tau, factor, tokens_per_step, steps, eta) -> str:
-    """The policy an option implies when --policy is not given (threshold otherwise)."""
-    if steps is not None or tokens_per_step is not None:
-        return "top-k"
-    if gamma is not None:
-        return "confidence-bound"
-    if factor is not None:
-        return "factor"
-    if eta is not None:
-        return "entropy-threshold"
-    return DEFAULT_POLICY
-
-
 @dataclass(frozen=True)
 class DiffusionOptions(CanvasKnobs, PolicyKnobs):
     """Semi-AR masked diffusion's knobs (spec/diffusion.md): canvas, block, commit policy, cache,
@@ -180,8 +167,11 @@ class DiffusionOptions(CanvasKnobs, PolicyKnobs):
             raise UnmaskError("--steps and --tokens-per-step conflict; give either --steps (LLaDA schedule) or "
                               "--tokens-per-step, not both")
         compat = self.factor_compat
-        name = self.policy or ("factor" if compat else _infer_policy(gamma, self.tau, self.factor,
-                                                                     self.tokens_per_step, self.steps, self.eta))
+        # without --policy, the policy an option implies (threshold otherwise)
+        implied = (("factor", compat), ("top-k", self.steps is not None or self.tokens_per_step is not None),
+                   ("confidence-bound", gamma is not None), ("factor", self.factor is not None),
+                   ("entropy-threshold", self.eta is not None))
+        name = self.policy or next((p for p, on in implied if on), DEFAULT_POLICY)
         if compat and name != "factor":
             raise UnmaskError(f"--factor-compat applies to the factor policy only (got {name!r}); "
                               "use --policy factor or drop --factor-compat")
