@@ -133,6 +133,10 @@ class CanvasBatch(CanvasRows):
         self.forwards = 0
         self.shaping = CommitShaping()  # the rows' logit_bias and commit-time logprobs
 
+    @property
+    def confidence(self) -> str | None:
+        return self.cfg.confidence
+
     def _place(self, requests, rows) -> list:
         """Give each (validated) request a free slot with its canvas ``[prompt | m^L]`` and its row,
         ``rows(job, slot, generator)`` (L = the row's ``len(gen)``). No forward: returns []."""

@@ -165,16 +165,12 @@ class DreamRow(CanvasRow):
 class DreamSchedule(CanvasBatch):
     """Dream's schedule as a running batch (``decode/engine/running.py``'s contract; DESIGN.md "One engine").
 
-    Every row runs its own schedule ``t_i = linspace(1, eps, steps + 1)`` over its own canvas
-    (steps default to its L = ``gen_length`` or its ``max_new_tokens``) and leaves once no mask is
-    left or its steps are run; a step is ONE forward for every running row. Each row draws from
-    ``sampling.generator`` (Dream's draws need one even at T = 0), so a row equals its decode
-    alone whenever it joined. ``lockstep`` (decode) numbers step events by the batch forward and
-    the request id, else by the row's own forward (row 0). The per-row commit
-    (:func:`commit_row`, Dream's own index arithmetic) reads nothing: a row's mask count and
-        schedule are host values, and one read per step returns every row's commits and ids (with
-    ``on_step``, its step events' commits and candidates too). ``join`` raises UnmaskError for a
-    request that does not fit.
+    Every row runs its own schedule over its own canvas (steps default to its L = ``gen_length`` or
+    its ``max_new_tokens``) and leaves once no mask is left or its steps are run; a step is ONE
+    forward for every running row and one host read. Each row draws from its own generator (Dream's
+    draws need one even at T = 0), so a row equals its decode alone whenever it joined. ``lockstep``
+    (decode) numbers step events by the batch forward and the request id, else by the row's own
+    forward (row 0). ``join`` raises UnmaskError for a request that does not fit.
     """
 
     def __init__(self, bundle, cfg: DreamConfig, *, capacity=8, on_step=None, on_token=None, stop_token_ids=None,

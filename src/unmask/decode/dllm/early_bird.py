@@ -11,7 +11,7 @@ commits from the same forward's logits. Rows are independent: each has its own b
 rows without one run LBS.
 
 Caches (§6, approximate): a row's selection step is a full forward that refreshes its own K/V
-(our reading #13, per row); its window [lo, hi] (b_lo = min B, b_hi = max B) is then fixed until
+(our reading #13, per row); its window [lo, hi] (lo = min B, hi = max B) is then fixed until
 its next selection: ``prefix`` keeps the K/V left of lo and feeds x[lo:] (block and suffix);
 ``dual`` also keeps the K/V right of hi and feeds x[lo:hi+1], holes included. The cache keeps the
 whole canvas's K/V of the refresh and hides the window's stale ones with the attention mask,

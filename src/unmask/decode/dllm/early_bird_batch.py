@@ -255,20 +255,19 @@ class EarlyBird(CanvasBatch):
         reports = torch.tensor([L if row is None else row.job.max_new_tokens for row in rows], device=dev)  # (n,)
         before = torch.arange(L, device=dev)[None, :] < reports[:, None]  # (n, L) reported positions
         self.done[:n] |= had & (reports < L) & ~((gen == mask_id) & before).any(dim=1)  # the reported part is in
-        b_lo = torch.where(block.any(dim=1), block.long().argmax(dim=1), 0)  # (n,) min B
-        b_hi = L - torch.where(block.any(dim=1), block.flip(1).long().argmax(dim=1), L)  # (n,) max B + 1
-        o_lo = torch.where(open_block.any(dim=1), open_block.long().argmax(dim=1), 0)  # (n,) live span
-        o_hi = L - torch.where(open_block.any(dim=1), open_block.flip(1).long().argmax(dim=1), L)
+        span = block if cfg.cache != "none" else open_block  # (n, L) the next window: B (cached), else its masks
+        lo = torch.where(span.any(dim=1), span.long().argmax(dim=1), 0)  # (n,) min
+        hi = L - torch.where(span.any(dim=1), span.flip(1).long().argmax(dim=1), L)  # (n,) max + 1
         if cfg.cache != "none" and any(select):  # a new block's window: its stale K/V are hidden from now on
             g0 = c.width - L
             new = torch.tensor(select, device=dev) & open_block.any(dim=1) & ~self.done[:n]  # (n,)
-            end = g0 + b_hi if cfg.cache == "dual" else torch.full_like(b_hi, c.width)
-            c.hide(n, new, g0 + b_lo - sh, end)
+            end = g0 + hi if cfg.cache == "dual" else torch.full_like(hi, c.width)
+            c.hide(n, new, g0 + lo - sh, end)
         # the step's one host sync: each row's counts, flags and generated ids; with on_step also its
         # commits, candidates and block, which its step event shows
         host = HostRead().add("count", chosen.sum(dim=1)).add("had", had).add("resolved", resolved)
         host.add("done", self.done[:n]).add("has_block", open_block.any(dim=1)).add("left", (gen == mask_id).any(dim=1))
-        host.add("b_lo", b_lo).add("b_hi", b_hi).add("o_lo", o_lo).add("o_hi", o_hi).add("path", path)
+        host.add("lo", lo).add("hi", hi).add("path", path)
         host.add("size", block.sum(dim=1)).add("lps_only", lps_only).add("committed", (gen != mask_id).sum(dim=1))
         host.add("gen", gen)
         if self.on_step is not None:
@@ -289,7 +288,7 @@ class EarlyBird(CanvasBatch):
                 row.paths.append(PATH_NAMES[got["path"][r]])
             row.lps_only += got["lps_only"][r]
             row.has_block = bool(got["has_block"][r])
-            row.window = (got["b_lo"][r], got["b_hi"][r]) if cfg.cache != "none" else (got["o_lo"][r], got["o_hi"][r])
+            row.window = (got["lo"][r], got["hi"][r])
             if was:
                 row.commits.append(got["count"][r])
                 if self.on_step is not None:
