@@ -71,19 +71,15 @@ def check_mask_token(bundle, decoder: str) -> None:
                           "load it with mask_token_id=ID or name it in unmask_config.json")
 
 
-def early_stop(gen: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.Tensor:
-    """diffusion.md §9 early stop on the generation region gen (B, L), in place.
+def early_stop(ids: torch.Tensor, mask_id: int, stops: torch.Tensor, gen: torch.Tensor | None = None) -> torch.Tensor:
+    """diffusion.md §9 early stop on canvases ids (B, T) whose generated columns are ``gen`` (B, T)
+    bool (None: every column), in place.
 
-    A row whose first committed stop id at e has every position before e committed gets all
-    positions after e set to that id. Returns (B,) bool: the rows that stopped.
+    A row whose first committed stop id at e has every generated position before e committed gets
+    all positions after e set to that id. Returns (B,) bool: the rows that stopped.
     """
-    return early_stop_in(gen, torch.ones_like(gen, dtype=torch.bool), mask_id, stops)
-
-
-def early_stop_in(ids: torch.Tensor, gen: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.Tensor:
-    """:func:`early_stop` on canvases ids (B, T) whose generated columns are ``gen`` (B, T) bool (a
-    row's last L columns), in place. Returns (B,) bool: the rows that stopped."""
     T = ids.shape[1]
+    gen = torch.ones_like(ids, dtype=torch.bool) if gen is None else gen  # (B, T)
     is_stop = torch.isin(ids, stops) & gen  # (B, T)
     first = torch.where(is_stop.any(dim=1), is_stop.float().argmax(dim=1), torch.full_like(ids[:, 0], T))  # (B,)
     cols = torch.arange(T, device=ids.device)  # (T,)
@@ -186,4 +182,4 @@ class CanvasBatch(CanvasRows):
 
 
 __all__ = ["CanvasBatch", "CanvasRow", "SamplerKnobs", "canvas_width", "check_canvas", "check_choice", "check_int",
-           "check_mask_token", "early_stop", "early_stop_in"]
+           "check_mask_token", "early_stop"]

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from unmask.decode.dllm.cache import SlotCanvas, check_fast_path
-from unmask.decode.dllm.canvas import (CanvasBatch, CanvasRow, canvas_width, check_canvas, check_mask_token,
-                                       early_stop_in)
+from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, canvas_width, check_canvas, check_mask_token, early_stop
 from unmask.decode.dllm.diffusion import CANVAS_HINT, DEFAULT_BLOCK_SIZE, DiffusionConfig, DiffusionOptions, llada_quota
 from unmask.decode.dllm.dream import DreamSchedule
 from unmask.decode.engine.host import HostRead
@@ -157,7 +156,7 @@ class Diffusion(CanvasBatch):
             [T - (r.cfg.gen_length if r else Bk) for r in rows], device=dev)[:, None]  # (n, T) generated columns
         had = masked.any(dim=1)  # (n,)
         if cfg.eos_early_stop:
-            self.done[:n] |= early_stop_in(canvas.ids[:n], gen_cols, mask_id, self.stops) & had
+            self.done[:n] |= early_stop(canvas.ids[:n], mask_id, self.stops, gen_cols) & had
         left = ((canvas.ids[:n].gather(1, cols) == mask_id) & ~self.done[:n, None]).any(dim=1)  # (n,)
         ended = (torch.isin(canvas.ids[:n], self.stops) & gen_cols & (torch.arange(T, device=dev) < cols[:, -1:] + 1)
                  ).any(dim=1)  # (n,) a stop id at or before the block's end
@@ -218,12 +217,10 @@ class Diffusion(CanvasBatch):
     def _advance(self) -> list[DiffusionRow]:
         """Rows whose block is complete (lockstep: every row of their join) take decode's end of block:
         stop strings, then finish (a stop, the reported length, the last block) or the next block."""
-        waiting: dict[int, bool] = {}
-        for row in self.running.values():
-            waiting[row.cohort] = waiting.get(row.cohort, True) and row.complete
+        busy = {row.cohort for row in self.running.values() if not row.complete}  # joins with a block to go
         finished = []
         for row in self.rows:
-            if not row.complete or (self.lockstep and not waiting[row.cohort]):
+            if not row.complete or (self.lockstep and row.cohort in busy):
                 continue
             e = (row.block + 1) * self.cfg.block_size
             if row.job.stop and not row.done:
