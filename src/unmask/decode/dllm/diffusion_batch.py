@@ -112,10 +112,6 @@ class Diffusion(CanvasBatch):
 
     # -- stepping -----------------------------------------------------------------------------------
 
-    def _start(self, row: DiffusionRow) -> int:
-        """Canvas column of the row's current block start."""
-        return self.canvas.width - row.cfg.gen_length + row.block * self.cfg.block_size
-
     @torch.inference_mode()
     def step(self) -> list[DiffusionRow]:
         """One forward for every running row; returns the rows that finished in it (removed), with
@@ -127,7 +123,7 @@ class Diffusion(CanvasBatch):
         n = self._covered()
         rows = [self.running.get(s) for s in range(n)]  # None: a free slot, carried along
         active = [r is not None and not (r.complete and self.lockstep) for r in rows]
-        starts = [self._start(r) if r is not None else T - Bk for r in rows]
+        starts = [T - r.cfg.gen_length + r.block * Bk if r is not None else T - Bk for r in rows]  # block columns
         every = cfg.refresh_every
         refresh = [a and (r.step == 0 or (every is not None and r.step % every == 0)) for r, a in zip(rows, active)]
         logits = realign(canvas.forward(n, starts, refresh, active), sh)[:, sh:].clone()  # (n, Bk, V): j scores start + j
@@ -161,8 +157,7 @@ class Diffusion(CanvasBatch):
         ended = (torch.isin(canvas.ids[:n], self.stops) & gen_cols & (torch.arange(T, device=dev) < cols[:, -1:] + 1)
                  ).any(dim=1)  # (n,) a stop id at or before the block's end
         committed = ((canvas.ids[:n] != mask_id) & gen_cols).sum(dim=1)  # (n,)
-        # the step's one host sync: what each row's bookkeeping reads and its block's ids; with on_step,
-        # what its event shows too: commits, candidates and the generated ids
+        # the step's one host sync: the rows' bookkeeping and block ids (with on_step, what its events show)
         host = HostRead().add("count", chosen.sum(dim=1)).add("had", had).add("more", left).add("done", self.done[:n])
         host.add("stop", ended).add("committed", committed).add("block", canvas.ids[:n].gather(1, cols))
         Lmax = max(r.cfg.gen_length if r else Bk for r in rows)

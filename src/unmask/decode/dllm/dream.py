@@ -229,8 +229,7 @@ class DreamSchedule(CanvasBatch):
             landed = chosen & (tokens != mask_id)
             landed_all[row.slot, Lmax - row.L:] = landed
             tokens_all[row.slot, Lmax - row.L:] = tokens
-        # the step's one host sync: each row's commits and generated ids, with on_step also its landed
-        # flags and candidates: its step event is built from them
+        # the step's one host sync: the rows' commits and generated ids (with on_step, what its events show)
         host = HostRead().add("count", landed_all.sum(dim=1)).add("gen", c.ids[:n, T - Lmax:])
         if self.on_step is not None:
             host.add("landed", landed_all).add("tokens", tokens_all)

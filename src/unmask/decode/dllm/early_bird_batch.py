@@ -263,8 +263,7 @@ class EarlyBird(CanvasBatch):
             new = torch.tensor(select, device=dev) & open_block.any(dim=1) & ~self.done[:n]  # (n,)
             end = g0 + hi if cfg.cache == "dual" else torch.full_like(hi, c.width)
             c.hide(n, new, g0 + lo - sh, end)
-        # the step's one host sync: each row's counts, flags and generated ids; with on_step also its
-        # commits, candidates and block, which its step event shows
+        # the step's one host sync: the rows' bookkeeping and generated ids (with on_step, what its events show)
         host = HostRead().add("count", chosen.sum(dim=1)).add("had", had).add("resolved", resolved)
         host.add("done", self.done[:n]).add("has_block", open_block.any(dim=1)).add("left", (gen == mask_id).any(dim=1))
         host.add("lo", lo).add("hi", hi).add("path", path)
