@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from unmask.decode.dllm.eb_select import (PATH_MIN_TOKENS, PATH_ROUTER, PATH_SIZE, drop_eos, effective_l_min,
-                                     first_masked, lps_features, max_gap_cut, pack_rows, select_block, union_accept)
+from unmask.decode.dllm.eb_select import (PATH_MIN_TOKENS, PATH_ROUTER, PATH_SIZE, drop_eos, first_masked,
+                                     lps_features, max_gap_cut, pack_rows, select_block, union_accept)
 
 EOS = 2
 
@@ -142,13 +142,6 @@ def test_vectorised_selection_matches_the_reference_on_random_rows():
         for r in range(B):
             want = reference_select(p[r].tolist(), masked[r].tolist(), top1[r].tolist(), {2, 3}, l_min, lb, g_max)
             assert torch.nonzero(block[r]).flatten().tolist() == want
-
-
-def test_effective_l_min_for_block_causal_windows():
-    assert effective_l_min(8, 4) == 1  # SDAR-b4: the unchanged rule would always take the size fallback
-    assert effective_l_min(8, 32) == 8
-    assert effective_l_min(8, 16) == 4
-    assert effective_l_min(1, 1) == 1
 
 
 # -- LPS features and packing -----------------------------------------------------------------------

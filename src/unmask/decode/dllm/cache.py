@@ -302,13 +302,11 @@ class SlotCanvas:
         return raw, (torch.full((n,), q0 + rows[0], device=dev) if q0 is not None else a)
 
     def _split(self, n: int, w0: list[int], w1: list[int], refresh: list[bool], others: bool) -> torch.Tensor:
-        """A dual-cache step where rows refresh, in two forwards instead of one whole-canvas forward
-        of every row: the refreshing rows' canvases alone (eager, on a fresh ``DynamicKV``), whose K/V
-        replace their kept ones and whose logits are theirs; then, when ``others`` (running rows that
-        do not refresh) step their windows, every row's window against its kept K/V (on the static
-        cache, the compiled shape of a plain step; the refreshing rows' results unused). Each row's
-        logits come from exactly one forward, and the static cache never holds more than a window
-        past the canvas. Returns (n, shift + block, V) float32."""
+        """A dual-cache step where rows refresh, in two forwards: the refreshing rows' canvases alone
+        (eager, on a fresh ``DynamicKV``: their new kept K/V and their logits), then, when ``others``
+        step, every row's window against its kept K/V (on the static cache, a plain step's compiled
+        shape), so the static cache never holds more than a window past the canvas. Returns (n, shift
+        + block, V) float32."""
         dev, T, W = self.ids.device, self.width, self.shift + self.block
         fresh = [r for r in range(n) if refresh[r]]
         at = torch.tensor(fresh, device=dev)  # (r,)
@@ -324,9 +322,7 @@ class SlotCanvas:
             kept = [(layer.keys, layer.values) for layer in self.kv.cache.layers]  # (C, H, capacity, D) each
             self.kv.ptr = T  # the kept columns (after clear(), nothing was kept)
         else:
-            if self.kept[0][0].shape[0] < n:  # a slot past the kept rows
-                self.kept = [(_grow(k, n), _grow(v, n)) for k, v in self.kept]
-            kept = self.kept  # (C', H, T, D) each
+            kept = self._grow_kept(n)  # (C', H, T, D) each
         for (k, v), theirs in zip(kept, new.cache.layers):
             k[at, :, :T], v[at, :, :T] = theirs.keys, theirs.values  # (r, H, T, D)
         a = torch.tensor([w0[r] for r in fresh], device=dev)  # (r,)
@@ -351,11 +347,16 @@ class SlotCanvas:
         """A DynamicKV over the kept K/V of slots [0, n) (empty before the first forward)."""
         kv = DynamicKV(self.bundle.model)
         if self.kept is not None:
-            if self.kept[0][0].shape[0] < n:  # a slot past the kept rows: zeros, masked until it refreshes
-                self.kept = [(_grow(k, n), _grow(v, n)) for k, v in self.kept]
-            for i, (k, v) in enumerate(self.kept):
+            for i, (k, v) in enumerate(self._grow_kept(n)):
                 kv.cache.update(k[:n], v[:n], i)
         return kv
+
+    def _grow_kept(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The kept K/V with at least n rows: a slot past them gets zeros, masked until it refreshes."""
+        R = self.kept[0][0].shape[0]
+        if R < n:
+            self.kept = [tuple(torch.cat([t, t.new_zeros((n - R, *t.shape[1:]))]) for t in kv) for kv in self.kept]
+        return self.kept
 
     def _keep(self, kv, n: int, K: int, rows: torch.Tensor) -> None:
         """Copy the new K/V (after the K kept columns) of the ``rows`` (n,) bool into the kept store."""
@@ -369,7 +370,3 @@ class SlotCanvas:
             k[:n, :, :T] = torch.where(pick, new_k, k[:n, :, :T])
             v[:n, :, :T] = torch.where(pick, new_v, v[:n, :, :T])
 
-
-def _grow(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t`` (R, ...) with zero rows appended up to n rows."""
-    return torch.cat([t, t.new_zeros((n - t.shape[0], *t.shape[1:]))])

@@ -1,4 +1,5 @@
-"""What the canvas decoders share (diffusion, Dream's schedule, early-bird): request checks, the stop rules on a generated region (spec/diffusion.md §9) and :class:`CanvasBatch` / :class:`CanvasRow`, the
+"""What the canvas decoders share (diffusion, Dream's schedule, early-bird): request and option checks, the
+stop rules on a generated region (spec/diffusion.md §9) and :class:`CanvasBatch` / :class:`CanvasRow`, the
 running-batch base of diffusion, Dream and early-bird."""
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from dataclasses import dataclass, field
 import torch
 
 from unmask.decode.blocks.commit_shaping import CommitShaping
-from unmask.decode.dllm.cache import SlotCanvas
+from unmask.decode.dllm.cache import SlotCanvas, prompt_width
 from unmask.decode.engine.running import CanvasRows, Row, Slots, finish, row_generator
 from unmask.decode.engine.stop import StopRule
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int
+from unmask.models.adapters import SAMPLERS
+from unmask.policies import CONFIDENCES
+from unmask.trace import host_event
 
 
 def check_canvas(bundle, prompt_len: int, gen_length: int, hint: str) -> None:
@@ -25,25 +29,57 @@ def check_canvas(bundle, prompt_len: int, gen_length: int, hint: str) -> None:
                           f"{bundle.context_length}; {hint}")
 
 
+def check_int(value, low: int, what: str, hint: str) -> None:
+    """Raise the one-line UnmaskError unless ``value`` is an integer >= ``low``."""
+    if not is_int(value) or value < low:
+        raise UnmaskError(f"{what} must be an integer >= {low} (got {value!r}); {hint}")
+
+
+def check_choice(what: str, value, choices) -> None:
+    """Raise the one-line UnmaskError unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise UnmaskError(f"unknown {what} {value!r}; choose one of: {', '.join(choices)}")
+
+
+class SamplerKnobs:
+    """What the diffusion and early-bird configs share: ``sampler`` (llada or dream, diffusion.md §4)
+    and ``confidence`` (κ's distribution, None = untempered)."""
+
+    def check_sampler(self) -> None:
+        check_choice("sampler", self.sampler, SAMPLERS)
+        if self.confidence is not None:
+            check_choice("confidence", self.confidence, CONFIDENCES)
+
+    @property
+    def commit_confidence(self) -> str | None:
+        """``confidence`` as :func:`unmask.policies.commit` takes it: the llada sampler's untempered κ
+        is float64, as in the LLaDA / Fast-dLLM reference."""
+        return "untempered" if self.confidence is None and self.sampler == "llada" else self.confidence
+
+
+def canvas_width(bundle, prompts, L: int, hint: str, fast: bool) -> int:
+    """The canvas width of decode's batch of ``prompts`` (each checked by :func:`check_canvas` before
+    the canvases are allocated): the prompt region (:func:`~unmask.decode.dllm.cache.prompt_width`) + L."""
+    for p in prompts:
+        check_canvas(bundle, len(p), L, hint)
+    return prompt_width(max(map(len, prompts), default=0), L, bundle.context_length, fast) + L
+
+
 def check_mask_token(bundle, decoder: str) -> None:
     if bundle.mask_token_id is None:
         raise UnmaskError(f"the {decoder} decoder needs a masked-diffusion model with a mask token; "
                           "load it with mask_token_id=ID or name it in unmask_config.json")
 
 
-def early_stop(gen: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.Tensor:
-    """diffusion.md §9 early stop on the generation region gen (B, L), in place.
+def early_stop(ids: torch.Tensor, mask_id: int, stops: torch.Tensor, gen: torch.Tensor | None = None) -> torch.Tensor:
+    """diffusion.md §9 early stop on canvases ids (B, T) whose generated columns are ``gen`` (B, T)
+    bool (None: every column), in place.
 
-    A row whose first committed stop id at e has every position before e committed gets all
-    positions after e set to that id. Returns (B,) bool: the rows that stopped.
+    A row whose first committed stop id at e has every generated position before e committed gets
+    all positions after e set to that id. Returns (B,) bool: the rows that stopped.
     """
-    return early_stop_in(gen, torch.ones_like(gen, dtype=torch.bool), mask_id, stops)
-
-
-def early_stop_in(ids: torch.Tensor, gen: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.Tensor:
-    """:func:`early_stop` on canvases ids (B, T) whose generated columns are ``gen`` (B, T) bool (a
-    row's last L columns), in place. Returns (B,) bool: the rows that stopped."""
     T = ids.shape[1]
+    gen = torch.ones_like(ids, dtype=torch.bool) if gen is None else gen  # (B, T)
     is_stop = torch.isin(ids, stops) & gen  # (B, T)
     first = torch.where(is_stop.any(dim=1), is_stop.float().argmax(dim=1), torch.full_like(ids[:, 0], T))  # (B,)
     cols = torch.arange(T, device=ids.device)  # (T,)
@@ -109,6 +145,17 @@ class CanvasBatch(CanvasRows):
             self.done[slot] = False
         return []
 
+    def _event(self, row, forward: int, chosen, tokens, offset: int, gen, **extra) -> None:
+        """Send the row's step event (:func:`~unmask.trace.host_event`): lockstep numbered by the batch
+        ``forward`` and the request id, else by the row's own forward (row 0)."""
+        at, who = (forward, row.job.id) if self.lockstep else (row.nfe, 0)
+        self.on_step(row, host_event(at, who, chosen, tokens, offset, gen, self.bundle.mask_token_id, **extra))
+
+    def _stop_hit(self, row, gen: list[int]) -> bool:
+        """Whether the row's stop strings occur in the text of ``gen`` (up to its first mask)."""
+        return StopRule.of(strings=row.job.stop).hit(self.bundle, row.job.prompt_ids, gen,
+                                                     also=(self.bundle.mask_token_id,))
+
     def _finish(self, rows: list) -> None:
         """Set the rows' outputs as decode reports them (cut at the reported length and the first stop
         id, from the ids the step read) and free their slots."""
@@ -134,4 +181,5 @@ class CanvasBatch(CanvasRows):
         return extra
 
 
-__all__ = ["CanvasBatch", "CanvasRow", "check_canvas", "check_mask_token", "early_stop", "early_stop_in"]
+__all__ = ["CanvasBatch", "CanvasRow", "SamplerKnobs", "canvas_width", "check_canvas", "check_choice", "check_int",
+           "check_mask_token", "early_stop"]

@@ -28,12 +28,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from unmask.decode.dllm.cache import CACHE_MODES
+from unmask.decode.dllm.canvas import SamplerKnobs, check_choice, check_int
 from unmask.decode.dllm.dream import DreamConfig
 from unmask.decode.engine.knobs import CanvasKnobs, PolicyKnobs
 from unmask.decode.engine.registry import knob
 from unmask.errors import UnmaskError, is_int
-from unmask.models.adapters import SAMPLERS, default_sampler, is_remote
-from unmask.policies import CONFIDENCES, Policy, TopK, gamma_option, make_policy
+from unmask.models.adapters import default_sampler, is_remote
+from unmask.policies import Policy, TopK, gamma_option, make_policy
 
 DEFAULT_BLOCK_SIZE = 32  # Fast-dLLM's LLaDA setting (models.md §2.3)
 DEFAULT_POLICY = "threshold"  # with τ = 0.9 (Fast-dLLM, diffusion.md §6)
@@ -43,10 +44,6 @@ DREAM_KNOBS = ("schedule", "alg", "alg_temp", "eps")
 # what Dream's schedule has no use for (one forward over the whole canvas per step, its own commit rule)
 NOT_DREAM = ("block_size", "policy", "gamma", "preset", "tau", "factor", "factor_compat", "tokens_per_step", "eta",
              "cache", "refresh_every", "sampler", "confidence")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def llada_quota(n_masked: torch.Tensor, steps: int, s: int) -> torch.Tensor:
@@ -68,7 +65,7 @@ def batches_fit(bundle) -> bool:
 
 
 @dataclass(frozen=True)
-class DiffusionConfig:
+class DiffusionConfig(SamplerKnobs):
     """The resolved, validated settings a diffusion row decodes with.
 
     gen_length: canvas length L; block_size divides it. steps: LLaDA's total step budget (top-k
@@ -93,27 +90,21 @@ class DiffusionConfig:
 
     def __post_init__(self):
         L, B = self.gen_length, self.block_size
-        if not is_int(L) or L < 1:
-            raise UnmaskError(f"gen length must be an integer >= 1 (got {L!r}); pass e.g. --gen-length 64")
-        if not is_int(B) or B < 1:
-            raise UnmaskError(f"block size must be an integer >= 1 (got {B!r}); 32 is Fast-dLLM's default")
+        check_int(L, 1, "gen length", "pass e.g. --gen-length 64")
+        check_int(B, 1, "block size", "32 is Fast-dLLM's default")
         if L % B:
-            near = ", ".join(map(str, sorted(sorted(_divisors(L), key=lambda d: (abs(d - B), d))[:4])))
+            divisors = [d for d in range(1, L + 1) if L % d == 0]
+            near = ", ".join(map(str, sorted(sorted(divisors, key=lambda d: (abs(d - B), d))[:4])))
             if B > L:  # a longer canvas is not what was asked for: only a smaller block fits
                 raise UnmaskError(f"block size {B} is longer than gen length {L}; use a block size that divides "
                                   f"{L}: {near}")
             low = L // B * B
             raise UnmaskError(f"block size {B} does not divide gen length {L}; use a block size of {near} "
                               f"or a gen length of {low} or {low + B}")
-        if self.cache not in CACHE_MODES:
-            raise UnmaskError(f"unknown cache {self.cache!r}; choose one of: {', '.join(CACHE_MODES)}")
-        if self.refresh_every is not None and (not is_int(self.refresh_every) or self.refresh_every < 1):
-            raise UnmaskError(f"refresh_every must be an integer >= 1 (got {self.refresh_every!r}); "
-                              "leave it unset to refresh at block starts only")
-        if self.sampler not in SAMPLERS:
-            raise UnmaskError(f"unknown sampler {self.sampler!r}; choose one of: {', '.join(SAMPLERS)}")
-        if self.confidence is not None and self.confidence not in CONFIDENCES:
-            raise UnmaskError(f"unknown confidence {self.confidence!r}; choose one of: {', '.join(CONFIDENCES)}")
+        check_choice("cache", self.cache, CACHE_MODES)
+        if self.refresh_every is not None:
+            check_int(self.refresh_every, 1, "refresh_every", "leave it unset to refresh at block starts only")
+        self.check_sampler()
         if self.steps is not None:
             nb = L // B
             if not isinstance(self.policy, TopK):
@@ -123,12 +114,6 @@ class DiffusionConfig:
                 low = max(nb, (self.steps // nb) * nb) if is_int(self.steps) else nb
                 raise UnmaskError(f"steps must be a positive multiple of the {nb} blocks (gen length {L} / block "
                                   f"size {B}), got {self.steps!r}; use e.g. {low} or {low + nb}")
-
-    @property
-    def commit_confidence(self) -> str | None:
-        """``confidence`` as :func:`unmask.policies.commit` takes it: the llada sampler's untempered κ
-        is float64, as in the LLaDA / Fast-dLLM reference."""
-        return "untempered" if self.confidence is None and self.sampler == "llada" else self.confidence
 
     @property
     def n_blocks(self) -> int:
@@ -141,19 +126,6 @@ class DiffusionConfig:
             warnings.warn(f"--steps {self.steps} equals the number of blocks (gen length {self.gen_length} / block "
                           f"size {self.block_size}): each block of {self.block_size} tokens commits in one step; use "
                           f"--steps {self.gen_length} for one token per step", stacklevel=4)
-
-
-def _infer_policy(gamma, tau, factor, tokens_per_step, steps, eta) -> str:
-    """The policy an option implies when --policy is not given (threshold otherwise)."""
-    if steps is not None or tokens_per_step is not None:
-        return "top-k"
-    if gamma is not None:
-        return "confidence-bound"
-    if factor is not None:
-        return "factor"
-    if eta is not None:
-        return "entropy-threshold"
-    return DEFAULT_POLICY
 
 
 @dataclass(frozen=True)
@@ -195,8 +167,11 @@ class DiffusionOptions(CanvasKnobs, PolicyKnobs):
             raise UnmaskError("--steps and --tokens-per-step conflict; give either --steps (LLaDA schedule) or "
                               "--tokens-per-step, not both")
         compat = self.factor_compat
-        name = self.policy or ("factor" if compat else _infer_policy(gamma, self.tau, self.factor,
-                                                                     self.tokens_per_step, self.steps, self.eta))
+        # without --policy, the policy an option implies (threshold otherwise)
+        implied = (("factor", compat), ("top-k", self.steps is not None or self.tokens_per_step is not None),
+                   ("confidence-bound", gamma is not None), ("factor", self.factor is not None),
+                   ("entropy-threshold", self.eta is not None))
+        name = self.policy or next((p for p, on in implied if on), DEFAULT_POLICY)
         if compat and name != "factor":
             raise UnmaskError(f"--factor-compat applies to the factor policy only (got {name!r}); "
                               "use --policy factor or drop --factor-compat")
@@ -206,8 +181,7 @@ class DiffusionOptions(CanvasKnobs, PolicyKnobs):
                             eta=self.eta)
         gen_length = self.gen_length
         requested = gen_length if gen_length is not None else max_new_tokens
-        if not is_int(requested) or requested < 1:
-            raise UnmaskError(f"gen length must be an integer >= 1 (got {requested!r}); pass e.g. --gen-length 64")
+        check_int(requested, 1, "gen length", "pass e.g. --gen-length 64")
         block = self.block_size if self.block_size is not None else min(DEFAULT_BLOCK_SIZE, requested)
         if gen_length is None:  # an invalid block size is reported by DiffusionConfig
             gen_length = math.ceil(requested / block) * block if is_int(block) and block >= 1 else requested

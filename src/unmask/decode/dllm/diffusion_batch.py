@@ -18,19 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from unmask.decode.dllm.cache import SlotCanvas, check_fast_path, prompt_width
-from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, check_canvas, check_mask_token, early_stop_in
+from unmask.decode.dllm.cache import SlotCanvas, check_fast_path
+from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, canvas_width, check_canvas, check_mask_token, early_stop
 from unmask.decode.dllm.diffusion import CANVAS_HINT, DEFAULT_BLOCK_SIZE, DiffusionConfig, DiffusionOptions, llada_quota
 from unmask.decode.dllm.dream import DreamSchedule
 from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.registry import Spec
 from unmask.decode.engine.running import Request, group_by
 from unmask.decode.engine.stats import check_nfe
-from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
 from unmask.models.adapters import is_remote, realign, supports_cache
 from unmask.policies import commit
-from unmask.trace import host_event
 
 
 @dataclass(eq=False)
@@ -114,10 +112,6 @@ class Diffusion(CanvasBatch):
 
     # -- stepping -----------------------------------------------------------------------------------
 
-    def _start(self, row: DiffusionRow) -> int:
-        """Canvas column of the row's current block start."""
-        return self.canvas.width - row.cfg.gen_length + row.block * self.cfg.block_size
-
     @torch.inference_mode()
     def step(self) -> list[DiffusionRow]:
         """One forward for every running row; returns the rows that finished in it (removed), with
@@ -129,7 +123,7 @@ class Diffusion(CanvasBatch):
         n = self._covered()
         rows = [self.running.get(s) for s in range(n)]  # None: a free slot, carried along
         active = [r is not None and not (r.complete and self.lockstep) for r in rows]
-        starts = [self._start(r) if r is not None else T - Bk for r in rows]
+        starts = [T - r.cfg.gen_length + r.block * Bk if r is not None else T - Bk for r in rows]  # block columns
         every = cfg.refresh_every
         refresh = [a and (r.step == 0 or (every is not None and r.step % every == 0)) for r, a in zip(rows, active)]
         logits = realign(canvas.forward(n, starts, refresh, active), sh)[:, sh:].clone()  # (n, Bk, V): j scores start + j
@@ -158,13 +152,12 @@ class Diffusion(CanvasBatch):
             [T - (r.cfg.gen_length if r else Bk) for r in rows], device=dev)[:, None]  # (n, T) generated columns
         had = masked.any(dim=1)  # (n,)
         if cfg.eos_early_stop:
-            self.done[:n] |= early_stop_in(canvas.ids[:n], gen_cols, mask_id, self.stops) & had
+            self.done[:n] |= early_stop(canvas.ids[:n], mask_id, self.stops, gen_cols) & had
         left = ((canvas.ids[:n].gather(1, cols) == mask_id) & ~self.done[:n, None]).any(dim=1)  # (n,)
         ended = (torch.isin(canvas.ids[:n], self.stops) & gen_cols & (torch.arange(T, device=dev) < cols[:, -1:] + 1)
                  ).any(dim=1)  # (n,) a stop id at or before the block's end
         committed = ((canvas.ids[:n] != mask_id) & gen_cols).sum(dim=1)  # (n,)
-        # the step's one host sync: what each row's bookkeeping reads and its block's ids; with on_step,
-        # what its event shows too: commits, candidates and the generated ids
+        # the step's one host sync: the rows' bookkeeping and block ids (with on_step, what its events show)
         host = HostRead().add("count", chosen.sum(dim=1)).add("had", had).add("more", left).add("done", self.done[:n])
         host.add("stop", ended).add("committed", committed).add("block", canvas.ids[:n].gather(1, cols))
         Lmax = max(r.cfg.gen_length if r else Bk for r in rows)
@@ -184,9 +177,8 @@ class Diffusion(CanvasBatch):
             if was:
                 row.commits.append(got["count"][r])
                 if self.on_step is not None:
-                    at, who = (self.forwards - 1, row.job.id) if self.lockstep else (row.nfe, 0)
-                    self.on_step(row, host_event(at, who, got["chosen"][r], got["tokens"][r], row.block * Bk,
-                                                 got["gen"][r][Lmax - row.cfg.gen_length:], mask_id, block=row.block))
+                    self._event(row, self.forwards - 1, got["chosen"][r], got["tokens"][r], row.block * Bk,
+                                got["gen"][r][Lmax - row.cfg.gen_length:], block=row.block)
             row.nfe += int(bool(was) or (self.reference and not done))
             row.step += 1
             check_nfe(row.nfe, max(row.cfg.gen_length, row.cfg.steps or 0) + row.cfg.n_blocks, "diffusion")
@@ -220,17 +212,14 @@ class Diffusion(CanvasBatch):
     def _advance(self) -> list[DiffusionRow]:
         """Rows whose block is complete (lockstep: every row of their join) take decode's end of block:
         stop strings, then finish (a stop, the reported length, the last block) or the next block."""
-        waiting: dict[int, bool] = {}
-        for row in self.running.values():
-            waiting[row.cohort] = waiting.get(row.cohort, True) and row.complete
+        busy = {row.cohort for row in self.running.values() if not row.complete}  # joins with a block to go
         finished = []
         for row in self.rows:
-            if not row.complete or (self.lockstep and not waiting[row.cohort]):
+            if not row.complete or (self.lockstep and row.cohort in busy):
                 continue
             e = (row.block + 1) * self.cfg.block_size
             if row.job.stop and not row.done:
-                row.done = StopRule.of(strings=row.job.stop).hit(self.bundle, row.job.prompt_ids, row.gen[:e],
-                                                                 also=(self.bundle.mask_token_id,))
+                row.done = self._stop_hit(row, row.gen[:e])
             if row.done or e >= row.report or row.block + 1 == row.cfg.n_blocks:
                 finished.append(row)
             else:  # a block not reached yet holds masks only (commits and early-stop fills stay in reached ones)
@@ -314,10 +303,7 @@ def batch(bundle, cfg: DiffusionOptions, *, capacity: int = 64, prompts=None, ma
     check_fast_path(bundle, static, compile, "the diffusion decoder")
     rc = cfg.resolve(bundle, max_new_tokens)
     rc.warn_degenerate()
-    for p in prompts:  # before the canvases are allocated
-        check_canvas(bundle, len(p), rc.gen_length, CANVAS_HINT)
-    L = rc.gen_length
-    width = prompt_width(max(map(len, prompts), default=0), L, bundle.context_length, static or compile) + L
+    width = canvas_width(bundle, prompts, rc.gen_length, CANVAS_HINT, static or compile)
     return Diffusion(bundle, rc, static=static, compile=compile, capacity=capacity, on_step=on_step,
                      stop_token_ids=stop_token_ids, lockstep=True, width=width, reference_steps=cfg.reference_steps,
                      on_forward=on_forward)

@@ -29,13 +29,12 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, check_canvas
+from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, check_canvas, check_choice, check_int
 from unmask.decode.dllm.cache import canvas_call
 from unmask.decode.engine.host import HostRead
-from unmask.errors import UnmaskError, is_int, is_number
+from unmask.errors import UnmaskError, is_number
 from unmask.models.adapters import realign
 from unmask.sampling import Sampling
-from unmask.trace import host_event
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 DEFAULT_ALG = "origin"  # Dream's generation_config.json
@@ -86,11 +85,6 @@ def schedule(steps: int, eps: float) -> np.ndarray:
     return (1 - ts[1:] / ts[:-1]).numpy()
 
 
-def transfer_count(n_masked: int, factor: np.float32, last: bool) -> int:
-    """k = int(n · (1 - s/t)) (all n at the last step), in Dream's float32 arithmetic."""
-    return n_masked if last else int(np.float32(n_masked) * factor)  # truncation, as Tensor.long()
-
-
 def commit_row(logits: torch.Tensor, masked: torch.Tensor, n: int, alg: str, alg_temp: float | None, k: int,
                p_transfer: float, sampling: Sampling, generator: torch.Generator | None):
     """One row's step: logits (L, V), masked (L,) bool with ``n`` masks (host-known) -> (chosen (L,)
@@ -119,21 +113,6 @@ def commit_row(logits: torch.Tensor, masked: torch.Tensor, n: int, alg: str, alg
     return chosen, tokens
 
 
-def validate(steps, alg: str, alg_temp, eps, L: int) -> int:
-    """Check the options; returns steps (default L). Raises UnmaskError."""
-    if alg not in ALGS:
-        raise UnmaskError(f"unknown alg {alg!r}; choose one of: {', '.join(ALGS)}")
-    steps = L if steps is None else steps
-    if not is_int(steps) or steps < 1:
-        raise UnmaskError(f"steps must be an integer >= 1 (got {steps!r}); Dream's default is 512")
-    if not is_number(eps) or not 0 < eps < 1:
-        raise UnmaskError(f"eps must be in (0, 1) (got {eps!r}); Dream's default is 1e-3")
-    if alg_temp is not None and (not is_number(alg_temp) or alg_temp < 0):  # nan / inf: a nan softmax
-        raise UnmaskError(f"alg_temp must be a finite number >= 0 (got {alg_temp!r}); leave it unset for top-k "
-                          "selection")
-    return steps
-
-
 @dataclass(frozen=True)
 class DreamConfig:
     """Dream's schedule, validated: ``gen_length`` (None: each row's ``max_new_tokens``), ``steps``
@@ -148,7 +127,14 @@ class DreamConfig:
     confidence: ClassVar[None] = None
 
     def __post_init__(self):
-        validate(self.steps, self.alg, self.alg_temp, self.eps, 1)
+        check_choice("alg", self.alg, ALGS)
+        if self.steps is not None:
+            check_int(self.steps, 1, "steps", "Dream's default is 512")
+        if not is_number(self.eps) or not 0 < self.eps < 1:
+            raise UnmaskError(f"eps must be in (0, 1) (got {self.eps!r}); Dream's default is 1e-3")
+        if self.alg_temp is not None and (not is_number(self.alg_temp) or self.alg_temp < 0):  # nan / inf: nan softmax
+            raise UnmaskError(f"alg_temp must be a finite number >= 0 (got {self.alg_temp!r}); leave it unset for "
+                              "top-k selection")
 
     @classmethod
     def of(cls, *, gen_length=None, steps=None, alg=None, alg_temp=None, eps=None) -> "DreamConfig":
@@ -161,9 +147,8 @@ class DreamConfig:
         L = max_new_tokens if self.gen_length is None else self.gen_length
         if not isinstance(L, int) or L < 1:
             raise UnmaskError(f"gen length must be an integer >= 1 (got {L!r}); pass e.g. --gen-length 64")
-        steps = validate(self.steps, self.alg, self.alg_temp, self.eps, L)
         check_canvas(bundle, prompt_len, L, "lower --gen-length or --max-new-tokens")
-        return L, steps
+        return L, L if self.steps is None else self.steps
 
 
 @dataclass(eq=False)
@@ -180,16 +165,12 @@ class DreamRow(CanvasRow):
 class DreamSchedule(CanvasBatch):
     """Dream's schedule as a running batch (``decode/engine/running.py``'s contract; DESIGN.md "One engine").
 
-    Every row runs its own schedule ``t_i = linspace(1, eps, steps + 1)`` over its own canvas
-    (steps default to its L = ``gen_length`` or its ``max_new_tokens``) and leaves once no mask is
-    left or its steps are run; a step is ONE forward for every running row. Each row draws from
-    ``sampling.generator`` (Dream's draws need one even at T = 0), so a row equals its decode
-    alone whenever it joined. ``lockstep`` (decode) numbers step events by the batch forward and
-    the request id, else by the row's own forward (row 0). The per-row commit
-    (:func:`commit_row`, Dream's own index arithmetic) reads nothing: a row's mask count and
-        schedule are host values, and one read per step returns every row's commits and ids (with
-    ``on_step``, its step events' commits and candidates too). ``join`` raises UnmaskError for a
-    request that does not fit.
+    Every row runs its own schedule over its own canvas (steps default to its L = ``gen_length`` or
+    its ``max_new_tokens``) and leaves once no mask is left or its steps are run; a step is ONE
+    forward for every running row and one host read. Each row draws from its own generator (Dream's
+    draws need one even at T = 0), so a row equals its decode alone whenever it joined. ``lockstep``
+    (decode) numbers step events by the batch forward and the request id, else by the row's own
+    forward (row 0). ``join`` raises UnmaskError for a request that does not fit.
     """
 
     def __init__(self, bundle, cfg: DreamConfig, *, capacity=8, on_step=None, on_token=None, stop_token_ids=None,
@@ -241,15 +222,14 @@ class DreamSchedule(CanvasBatch):
             left = row.gen.count(mask_id)  # the masks the last read saw
             last = row.i == row.steps - 1
             factor = row.factors[row.i]
+            k = left if last else int(np.float32(left) * factor)  # Dream's float32 k, truncated as Tensor.long()
             chosen, tokens = commit_row(logits[row.slot, Lmax - row.L:], masked, left, self.cfg.alg, self.cfg.alg_temp,
-                                        transfer_count(left, factor, last), 1.0 if last else float(factor),
-                                        row.job.sampling, row.generator)
+                                        k, 1.0 if last else float(factor), row.job.sampling, row.generator)
             gen.copy_(torch.where(chosen, tokens, gen))
             landed = chosen & (tokens != mask_id)
             landed_all[row.slot, Lmax - row.L:] = landed
             tokens_all[row.slot, Lmax - row.L:] = tokens
-        # the step's one host sync: each row's commits and generated ids, with on_step also its landed
-        # flags and candidates: its step event is built from them
+        # the step's one host sync: the rows' commits and generated ids (with on_step, what its events show)
         host = HostRead().add("count", landed_all.sum(dim=1)).add("gen", c.ids[:n, T - Lmax:])
         if self.on_step is not None:
             host.add("landed", landed_all).add("tokens", tokens_all)
@@ -263,9 +243,7 @@ class DreamSchedule(CanvasBatch):
             row.gen = read["gen"][s][lo:]
             self.shaping.take(row, read, s)
             if self.on_step is not None:
-                at, who = (self.forwards, row.job.id) if self.lockstep else (row.nfe, 0)
-                self.on_step(row, host_event(at, who, read["landed"][s][lo:], read["tokens"][s][lo:], 0, row.gen,
-                                             mask_id))
+                self._event(row, self.forwards, read["landed"][s][lo:], read["tokens"][s][lo:], 0, row.gen)
             row.nfe += 1
             row.i += 1
             if row.i == row.steps or mask_id not in row.gen:

@@ -11,7 +11,7 @@ commits from the same forward's logits. Rows are independent: each has its own b
 rows without one run LBS.
 
 Caches (§6, approximate): a row's selection step is a full forward that refreshes its own K/V
-(our reading #13, per row); its window [lo, hi] (b_lo = min B, b_hi = max B) is then fixed until
+(our reading #13, per row); its window [lo, hi] (lo = min B, hi = max B) is then fixed until
 its next selection: ``prefix`` keeps the K/V left of lo and feeds x[lo:] (block and suffix);
 ``dual`` also keeps the K/V right of hi and feeds x[lo:hi+1], holes included. The cache keeps the
 whole canvas's K/V of the refresh and hides the window's stale ones with the attention mask,
@@ -24,15 +24,9 @@ the :class:`EarlyBirdConfig` (with its routers) the batch runs.
 Stopping (§9): a row stops when a block of it resolves and its canvas holds a committed stop id
 with every position before the first one committed (the text before it is then final); with
 ``eos_early_stop`` this is checked after every step and the tail is filled with that id.
-The EOS set of the LBS filter is the decode's stop ids (reading #4).
-
-Statistics: NFE counts base-model forwards only (routers are not NFE, §10). ``stats.extra`` adds
-the router overhead: ``lbs_seconds``, ``lps_seconds``, ``router_seconds``, ``forward_seconds``,
-``step_seconds``, ``router_share`` = router / step time and ``router_vs_forward`` = router /
-base-model forward time (the paper's "fraction of per-step backbone time").
-
-Block-causal models (§7, g_max = 1 and ``eb_select.effective_l_min``) are a documented seam,
-not wired here: this decoder runs on ``masked-diffusion`` models only.
+The EOS set of the LBS filter is the decode's stop ids (reading #4). NFE and the router overhead
+in ``stats.extra``: :func:`~unmask.decode.dllm.early_bird_batch.batch`.
+This decoder runs on ``masked-diffusion`` models only (block-causal models, §7, are not wired).
 """
 
 from __future__ import annotations
@@ -41,14 +35,13 @@ import os
 from dataclasses import dataclass, field
 
 from unmask.decode.dllm.cache import CACHE_MODES, check_fast_path
-from unmask.decode.dllm.canvas import check_mask_token
+from unmask.decode.dllm.canvas import SamplerKnobs, check_choice, check_int, check_mask_token
 from unmask.decode.dllm.diffusion import batches_fit
 from unmask.decode.dllm.eb_select import GAP_METRICS, POS_MODES
 from unmask.decode.engine.knobs import CanvasKnobs
 from unmask.decode.engine.registry import knob
 from unmask.errors import UnmaskError, is_int, is_number
-from unmask.models.adapters import SAMPLERS, default_sampler
-from unmask.policies import CONFIDENCES
+from unmask.models.adapters import default_sampler
 from unmask.routers.io import check_lbs_fits, load_router, load_routers, routers_dir
 from unmask.routers.lbs import LBSRouter
 from unmask.routers.lps import LPSRouter
@@ -69,11 +62,6 @@ def check_max_new_tokens(n, L: int) -> None:
                           "longer gen length")
 
 
-def _int_at_least(value, low: int, what: str, hint: str) -> None:
-    if not is_int(value) or value < low:
-        raise UnmaskError(f"{what} must be an integer >= {low} (got {value!r}); {hint}")
-
-
 def _check_tau_psi(tau_psi) -> None:
     if tau_psi is not None and (not is_number(tau_psi) or not 0 < tau_psi < 1):
         raise UnmaskError(f"tau_psi must be in (0, 1) (got {tau_psi!r}); use lps=False (--no-lps) to turn the LPS "
@@ -81,7 +69,7 @@ def _check_tau_psi(tau_psi) -> None:
 
 
 @dataclass(frozen=True)
-class EarlyBirdConfig:
+class EarlyBirdConfig(SamplerKnobs):
     """The resolved, validated settings an Early-Bird batch runs (App. F defaults).
 
     gen_length: L (the LBS router's training length). block_size: L_B, the min-tokens fallback
@@ -110,28 +98,17 @@ class EarlyBirdConfig:
     lps: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        _int_at_least(self.gen_length, 1, "gen length", "it is the LBS router's training length")
-        _int_at_least(self.block_size, 1, "block size (L_B)", "32 is the paper's fallback block")
-        _int_at_least(self.l_min, 1, "L_min", "the paper uses 8 (16 for LLaDA-1.5)")
-        _int_at_least(self.g_max, 1, "g_max", "the paper uses 5, and 1 for contiguous blocks")
+        check_int(self.gen_length, 1, "gen length", "it is the LBS router's training length")
+        check_int(self.block_size, 1, "block size (L_B)", "32 is the paper's fallback block")
+        check_int(self.l_min, 1, "L_min", "the paper uses 8 (16 for LLaDA-1.5)")
+        check_int(self.g_max, 1, "g_max", "the paper uses 5, and 1 for contiguous blocks")
         if not is_number(self.tau) or not 0 < self.tau <= 1:
             raise UnmaskError(f"tau must be in (0, 1] (got {self.tau!r}); the paper uses 0.9")
         _check_tau_psi(self.tau_psi)
-        if self.cache not in CACHE_MODES:
-            raise UnmaskError(f"unknown cache {self.cache!r}; choose one of: {', '.join(CACHE_MODES)}")
-        if self.gap_metric not in GAP_METRICS:
-            raise UnmaskError(f"unknown gap metric {self.gap_metric!r}; choose one of: {', '.join(GAP_METRICS)}")
-        if self.pos_mode not in POS_MODES:
-            raise UnmaskError(f"unknown pos mode {self.pos_mode!r}; choose one of: {', '.join(POS_MODES)}")
-        if self.sampler not in SAMPLERS:
-            raise UnmaskError(f"unknown sampler {self.sampler!r}; choose one of: {', '.join(SAMPLERS)}")
-        if self.confidence is not None and self.confidence not in CONFIDENCES:
-            raise UnmaskError(f"unknown confidence {self.confidence!r}; choose one of: {', '.join(CONFIDENCES)}")
-
-    @property
-    def commit_confidence(self) -> str | None:
-        """``confidence`` as :func:`unmask.policies.commit` takes it (float64 κ with the llada sampler)."""
-        return "untempered" if self.confidence is None and self.sampler == "llada" else self.confidence
+        check_choice("cache", self.cache, CACHE_MODES)
+        check_choice("gap metric", self.gap_metric, GAP_METRICS)
+        check_choice("pos mode", self.pos_mode, POS_MODES)
+        self.check_sampler()
 
 
 def _resolve_routers(bundle, use_lps: bool, routers, lbs_router, lps_router, tau_psi):

@@ -1,21 +1,14 @@
 """Early-Bird decoding as one running batch (DESIGN.md "One engine"; spec/early_bird.md §5–§6, §9):
 ``decode(decoder="early-bird")``, its static/compiled fast path and the server all run :class:`EarlyBird`
-(built by :func:`batch`, the registry's factory).
+(built by :func:`batch`, the registry's factory); the algorithm is :mod:`unmask.decode.dllm.early_bird`'s.
 
-Each row has its own canvas ``[prompt | m^L]`` (a :class:`~unmask.decode.dllm.cache.SlotCanvas`
-slot; L is the LBS router's, so every row's generation region is the canvas's last L columns),
-its own active block (selected by LBS, fixed until resolved) and its own generator. A step is ONE
-forward for every running row: a row without an active block scores its whole region and
-selects (with a cache this forward is the row's own refresh, after which the K/V of its window
-[min B, max B] are hidden as stale); the others score their block's window (with a cache: feed
-only that window). Then, batched over the rows (the routers over the rows that need them), the
-commit rule of EB-Decode: A = {i ∈ B ∩ M : κ ≥ τ or p_ψ > τ_ψ}, the argmax-κ candidate when A is
-empty; and one host sync reads what the rows' bookkeeping needs.
-
-``lockstep=True`` (decode) runs each router once over every row that needs it and numbers step
-events by the batch forward and the request id, as decode always has; otherwise (the server) each
-row runs the routers alone, so its inputs have exactly the shapes of its decode alone, and events
-count the row's own forwards (row 0).
+Each row has its own canvas slot (its generation region is the canvas's last L columns, L the LBS
+router's), active block and generator. A step is ONE forward for every running row (a row without
+a block scores its whole region: with a cache, its own refresh; the others their block's window),
+then the routers and the commit rule batched over the rows, and one host sync for the rows'
+bookkeeping. ``lockstep=True`` (decode) runs each router once over every row that needs it and
+numbers step events by the batch forward and the request id; otherwise (the server) each row runs
+the routers alone, with exactly the shapes of its decode alone, and events count its own forwards.
 """
 
 from __future__ import annotations
@@ -27,9 +20,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
-from unmask.decode.dllm.cache import prompt_width
-from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, check_canvas, early_stop
+from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, canvas_width, check_canvas, early_stop
 from unmask.decode.dllm.early_bird import CANVAS_HINT, EarlyBirdConfig, EarlyBirdOptions, check_max_new_tokens
 from unmask.decode.dllm.eb_select import (PATH_NAMES, commit_confidence, draw_rows, lps_features, pack_rows,
                                           select_block, union_accept)
@@ -37,11 +30,9 @@ from unmask.decode.engine.host import HostRead
 from unmask.decode.engine.registry import Spec
 from unmask.decode.engine.running import Request, group_by
 from unmask.decode.engine.stats import check_nfe
-from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
 from unmask.models.adapters import is_remote
 from unmask.policies import Threshold, token_stats
-from unmask.trace import host_event
 
 
 def _sync(device) -> float:
@@ -183,8 +174,7 @@ class EarlyBird(CanvasBatch):
         live = torch.tensor([row is not None for row in rows], device=dev)  # (n,)
         masked = (gen == mask_id) & (live & ~self.done[:n])[:, None]  # (n, L)
         st = token_stats(logits)  # (n, HI - LO) each, T = 0: the router features
-        top1, conf, ent, margin = (torch.zeros(n, L, dtype=x.dtype, device=dev) for x in st[:4])
-        top1[:, LO:HI], conf[:, LO:HI], ent[:, LO:HI], margin[:, LO:HI] = st
+        top1, conf, ent, margin = (F.pad(x, (LO, L - HI)) for x in st[:4])  # (n, L) each, 0 outside the window
         norm_ent = ent / math.log(logits.shape[-1])  # (n, L) H / log|V|
         t1 = _sync(dev)
         sel = [r for r, s in enumerate(select) if s]
@@ -200,8 +190,7 @@ class EarlyBird(CanvasBatch):
         cand = block & masked  # (n, L) B ∩ M
         cand_w = cand[:, LO:HI]  # (n, HI - LO)
         tok_w, kappa = self._tokens(rows, logits, cand_w, st.top1, LO)  # (n, HI - LO), (n, L)
-        tokens = torch.zeros(n, L, dtype=torch.long, device=dev)
-        tokens[:, LO:HI] = tok_w
+        tokens = F.pad(tok_w, (LO, L - HI))  # (n, L)
         t3 = _sync(dev)
         feats = p_lps = None
         if self.lps is not None or self.on_forward is not None:
@@ -266,20 +255,18 @@ class EarlyBird(CanvasBatch):
         reports = torch.tensor([L if row is None else row.job.max_new_tokens for row in rows], device=dev)  # (n,)
         before = torch.arange(L, device=dev)[None, :] < reports[:, None]  # (n, L) reported positions
         self.done[:n] |= had & (reports < L) & ~((gen == mask_id) & before).any(dim=1)  # the reported part is in
-        b_lo = torch.where(block.any(dim=1), block.long().argmax(dim=1), 0)  # (n,) min B
-        b_hi = L - torch.where(block.any(dim=1), block.flip(1).long().argmax(dim=1), L)  # (n,) max B + 1
-        o_lo = torch.where(open_block.any(dim=1), open_block.long().argmax(dim=1), 0)  # (n,) live span
-        o_hi = L - torch.where(open_block.any(dim=1), open_block.flip(1).long().argmax(dim=1), L)
+        span = block if cfg.cache != "none" else open_block  # (n, L) the next window: B (cached), else its masks
+        lo = torch.where(span.any(dim=1), span.long().argmax(dim=1), 0)  # (n,) min
+        hi = L - torch.where(span.any(dim=1), span.flip(1).long().argmax(dim=1), L)  # (n,) max + 1
         if cfg.cache != "none" and any(select):  # a new block's window: its stale K/V are hidden from now on
             g0 = c.width - L
             new = torch.tensor(select, device=dev) & open_block.any(dim=1) & ~self.done[:n]  # (n,)
-            end = g0 + b_hi if cfg.cache == "dual" else torch.full_like(b_hi, c.width)
-            c.hide(n, new, g0 + b_lo - sh, end)
-        # the step's one host sync: each row's counts, flags and generated ids; with on_step also its
-        # commits, candidates and block, which its step event shows
+            end = g0 + hi if cfg.cache == "dual" else torch.full_like(hi, c.width)
+            c.hide(n, new, g0 + lo - sh, end)
+        # the step's one host sync: the rows' bookkeeping and generated ids (with on_step, what its events show)
         host = HostRead().add("count", chosen.sum(dim=1)).add("had", had).add("resolved", resolved)
         host.add("done", self.done[:n]).add("has_block", open_block.any(dim=1)).add("left", (gen == mask_id).any(dim=1))
-        host.add("b_lo", b_lo).add("b_hi", b_hi).add("o_lo", o_lo).add("o_hi", o_hi).add("path", path)
+        host.add("lo", lo).add("hi", hi).add("path", path)
         host.add("size", block.sum(dim=1)).add("lps_only", lps_only).add("committed", (gen != mask_id).sum(dim=1))
         host.add("gen", gen)
         if self.on_step is not None:
@@ -300,20 +287,18 @@ class EarlyBird(CanvasBatch):
                 row.paths.append(PATH_NAMES[got["path"][r]])
             row.lps_only += got["lps_only"][r]
             row.has_block = bool(got["has_block"][r])
-            row.window = (got["b_lo"][r], got["b_hi"][r]) if cfg.cache != "none" else (got["o_lo"][r], got["o_hi"][r])
+            row.window = (got["lo"][r], got["hi"][r])
             if was:
                 row.commits.append(got["count"][r])
                 if self.on_step is not None:
                     extra = {"block": row.blocks - 1}
                     if select[r]:
                         extra["selected"] = [i for i, b in enumerate(got["block"][r]) if b]
-                    at, who = (self.forwards, row.job.id) if self.lockstep else (row.nfe, 0)
-                    self.on_step(row, host_event(at, who, got["chosen"][r], got["tokens"][r], 0, row.gen, mask_id,
-                                                 **extra))
+                    self._event(row, self.forwards, got["chosen"][r], got["tokens"][r], 0, row.gen, **extra)
             row.nfe += int(bool(was))
             check_nfe(row.nfe, 2 * L, "early-bird")  # ≥ 1 commit per forward; L blocks at most (size 1)
             if row.job.stop and got["resolved"][r] and not done:
-                done = StopRule.of(strings=row.job.stop).hit(self.bundle, row.job.prompt_ids, row.gen, also=(mask_id,))
+                done = self._stop_hit(row, row.gen)
             row.extra["n_committed"] = got["committed"][r]
             if done or not got["left"][r]:
                 finished.append(row)
@@ -377,10 +362,7 @@ def batch(bundle, cfg: EarlyBirdOptions, *, capacity: int = 64, prompts=None, ma
                               "model code takes none, so decode it with per-call early-bird batches")
         return EarlyBird(bundle, cfg.resolve(bundle), capacity=capacity, on_step=on_step, stop_token_ids=stop_token_ids)
     rc = cfg.resolve(bundle, max_new_tokens, static=static, compile=compile)
-    L = rc.gen_length
-    for p in prompts:  # before the canvases are allocated
-        check_canvas(bundle, len(p), L, CANVAS_HINT)
-    width = prompt_width(max(map(len, prompts), default=0), L, bundle.context_length, static or compile) + L
+    width = canvas_width(bundle, prompts, rc.gen_length, CANVAS_HINT, static or compile)
     return EarlyBird(bundle, rc, static=static, compile=compile, capacity=capacity, on_step=on_step,
                      stop_token_ids=stop_token_ids, width=width, lockstep=True, on_forward=on_forward)
 

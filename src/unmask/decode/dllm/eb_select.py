@@ -96,14 +96,6 @@ def select_block(p: Tensor, masked: Tensor, top1: Tensor, *, eos_ids: Sequence[i
     return block, path
 
 
-def effective_l_min(l_min: int, window: int) -> int:
-    """L_min for a block-causal model whose active window has ``window`` positions (§7, our
-    choice): max(1, min(L_min, ⌈window / 4⌉)), so a 4-token window does not always take the
-    size fallback. A seam for block-diffusion models (g_max = 1); the masked-diffusion decoder
-    does not use it."""
-    return max(1, min(l_min, math.ceil(window / 4)))
-
-
 def lps_features(confidence: Tensor, norm_entropy: Tensor, margin: Tensor, block: Tensor, masked: Tensor,
                  pos_mode: str = "literal") -> Tensor:
     """The five LPS inputs (§4.1) at every position: (B, L, 5) float32, zero outside B ∩ M.
