@@ -34,7 +34,7 @@ from unmask.decode.blocks.commit_shaping import slotted
 from unmask.decode.blocks.prefix import PrefixBatch, causal_prefill, prefill_whole_blocks, static_length
 from unmask.decode.blocks.rule import SBD, advance, quota, quota_threshold_commit
 from unmask.decode.engine.host import HostRead
-from unmask.decode.engine.kv import DynamicKV, check_fits, compact, pad, place
+from unmask.decode.engine.kv import DynamicKV, check_fits, pad, place
 from unmask.decode.engine.running import Row, finish, group_by, row_generator
 from unmask.decode.engine.stats import check_nfe
 from unmask.decode.engine.stop import StopRule
@@ -165,8 +165,6 @@ class BlockDecoder(PrefixBatch):
         rule, and one host sync. Returns the rows that finished in it (slots freed)."""
         if not self.running:
             return []
-        if not self.static and not self.lockstep:
-            self._compact()
         if self.static:
             self.R = self._rows_in_forward()
         B, dev, R = self.B, self.device, self.R
@@ -188,10 +186,8 @@ class BlockDecoder(PrefixBatch):
             qv.append(real & (live & denoise)[:, None])
         pos, qv = torch.cat(pos, 1), torch.cat(qv, 1)  # (R, q) each
         inp = self.seq[:R].gather(1, pos)  # (R, q)
+        self._make_room(inp.shape[1], B)
         past, q = self.kv.length, inp.shape[1]
-        if self.static and self.kv.crowded(most := max(r.keys for r in rows), q):  # compacted in place
-            kept = compact(self.kv, self.key_valid[:R, :past] & self.live[:R, None], most)  # (R, most)
-            self.key_valid, past = pad(kept, 0, self.capacity - R, False), most  # (capacity, most)
         logits = self._forward(inp, pos, qv, past, S, D)  # (R, N or B, V)
         self.kv.crop(q - (B if S else 0))  # only the stored block's clean K/V stay
         if S:
@@ -333,13 +329,6 @@ class BlockDecoder(PrefixBatch):
             self.key_valid, self.R = self.key_valid[:, :0], 0
         elif not self.running:
             self.kv, self.R = None, 0
-
-    def _compact(self) -> None:
-        """Reclaim cache columns no row attends to (rows store in different steps, rows leave) when
-        they are more than half of the cache (:func:`unmask.decode.engine.kv.compact`)."""
-        n, most = self.kv.length, max(r.keys for r in self.running.values())
-        if n and n - most >= max(most, self.B):  # a free slot's keys count for nobody
-            self.key_valid = compact(self.kv, self.key_valid[:, :n] & self.live[: self.R, None], most)
 
     stats_extra = report.stats_extra  # (rows) -> DecodeStats.extra of finished rows
 

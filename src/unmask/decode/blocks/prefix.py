@@ -8,7 +8,7 @@ import torch
 
 from unmask.decode.blocks.commit_shaping import CommitShaping
 from unmask.decode.engine.batching import left_pad
-from unmask.decode.engine.kv import StaticKV, pad
+from unmask.decode.engine.kv import StaticKV, compact, pad
 from unmask.decode.engine.running import SlotRows, Slots
 from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
@@ -124,6 +124,16 @@ class PrefixBatch(SlotRows):
         for r, p in zip(rows, prompts):
             self.seq[r.slot, : len(p)] = torch.tensor(p, dtype=torch.long, device=self.device)
             self.running[r.slot] = r
+
+    def _make_room(self, q: int, floor: int) -> None:
+        """Compact the cache (:func:`~unmask.decode.engine.kv.compact`) when a forward of ``q`` query tokens
+        would not fit the static one, or when holes are more than half of the server's dynamic one and at
+        least ``floor`` columns (``decode()``'s is never compacted)."""
+        n, most, R = self.kv.length, max(r.keys for r in self.running.values()), self.R
+        full = self.kv.crowded(most, q) if self.static else not self.lockstep and n and n - most >= max(most, floor)
+        if full:  # a free slot's keys count for nobody
+            kept = compact(self.kv, self.key_valid[:R, :n] & self.live[:R, None], most)  # (R, most)
+            self.key_valid = pad(kept, 0, self.key_valid.shape[0] - R, False)  # the rows past R stay
 
     def warm(self) -> bool:
         """``defer_compile`` (the server, no row running): compile one step shape that ran eagerly."""

@@ -26,7 +26,7 @@ from unmask.decode.blocks.commit_shaping import slotted
 from unmask.decode.blocks.prefix import PrefixBatch, check_cache_flags, prefill_whole_blocks, whole_prompt_blocks
 from unmask.decode.blocks.rule import first_stop
 from unmask.decode.engine.host import HostRead
-from unmask.decode.engine.kv import DynamicKV, check_fits, compact, pad, place
+from unmask.decode.engine.kv import DynamicKV, check_fits, pad, place
 from unmask.decode.engine.registry import Spec
 from unmask.decode.engine.running import Row, group_by, row_generator
 from unmask.decode.engine.stats import check_nfe, stop_flags
@@ -149,7 +149,7 @@ class MultiBlockDecoder(PrefixBatch):
         rows, L = self.rows, self.seq.shape[1]
         stop_pos = first_stop(self.seq, self.w.gen_start, self.w.gen_end, self.stops)  # (R,)
         before, _ = bb.activate(self.w, ~self.live | (stop_pos < L), tau_add=cfg.tau_add, tau_stable=cfg.tau_stable)
-        self._make_room()
+        self._make_room(S * B, S * B)
         past = self.kv.length
         if self.key_valid.shape[1] < past + S * B:
             self.key_valid = pad(self.key_valid, 1, past + S * B - self.key_valid.shape[1], False)
@@ -190,16 +190,6 @@ class MultiBlockDecoder(PrefixBatch):
                 step, r = (self.forwards - 1, row.slot) if self.lockstep else (row.nfe, 0)
                 self.on_step(row, row_event(step, r, got, row.slot, B, self.mask_id))
         return self._bookkeep(rows, got)
-
-    def _make_room(self) -> None:
-        """The static cache is compacted when the next window would not fit; the server's dynamic one
-        when holes are more than half of it and at least a window."""
-        n, window = self.kv.length, self.cfg.slots * self.cfg.block_size
-        most = max(r.keys for r in self.running.values())
-        full = (self.kv.crowded(most, window) if self.static
-                else not self.lockstep and n and n - most >= max(most, window))
-        if full:  # a free slot's keys count for nobody
-            self.key_valid = compact(self.kv, self.key_valid[:, :n] & self.live[:, None], most)
 
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``multiblock.candidates`` for every slot, each sampling setting with its rows' generators:
