@@ -125,9 +125,8 @@ class BlockDecoder(PrefixBatch):
         B, dev, model = self.B, self.device, self.bundle.model
         prompts, budgets = [list(r.job.prompt_ids) for r in rows], [r.job.max_new_tokens for r in rows]
         ends = [len(p) + m for p, m in zip(prompts, budgets)]
-        if self.static and self.kv is None:
+        if self.static and self.kv is None:  # the first join (a static cache is reset, never dropped)
             self.kv = self._static_kv(static_length(self.kind.aligned, prompts, budgets, B))
-            self.key_valid = torch.zeros((self.capacity, 0), dtype=torch.bool, device=dev)
         new = DynamicKV(model)
         if self.kind.aligned:
             new, valid, _ = prefill_whole_blocks(new, prompts, B, self.bundle.pad_token_id, dev)  # (n, F)
