@@ -81,7 +81,8 @@ class PrefixBatch(SlotRows):
     by batch forward and slot; else (the server) by the row's own forwards, row 0. ``on_step(row, event)``:
     :mod:`unmask.trace` events; ``on_token(row)`` once per output token; ``on_forward(state)`` (tests) sees
     every forward (logits before the rows' ``logit_bias``). ``stop_token_ids`` None: the bundle's. Raises
-    UnmaskError for a bad capacity."""
+    UnmaskError for a bad capacity. A subclass keeps ``R`` (the slots a forward covers), ``seq`` (slots, L),
+    ``key_valid`` (slots, cache columns) and ``live`` (slots,)."""
 
     def __init__(self, bundle, cfg, *, static=False, compile=False, capacity=8, on_step=None, on_token=None,
                  on_forward=None, lockstep=False, stop_token_ids=None, length: int | None = None,
@@ -117,7 +118,7 @@ class PrefixBatch(SlotRows):
                         length_buckets=self.length is not None, defer_compile=self.defer)
 
     def _write(self, rows, prompts: list[list[int]], L: int) -> None:
-        """The rows run: each one's slot of ``seq`` (grown to ``L`` columns) holds its prompt, then masks."""
+        """Start ``rows``: each one's slot of ``seq`` (grown to ``L`` columns) holds its prompt, then masks."""
         if L > self.seq.shape[1]:
             self.seq = pad(self.seq, 1, L - self.seq.shape[1], self.mask_id)
         self.seq[[r.slot for r in rows]] = self.mask_id
@@ -133,7 +134,7 @@ class PrefixBatch(SlotRows):
         full = self.kv.crowded(most, q) if self.static else not self.lockstep and n and n - most >= max(most, floor)
         if full:  # a free slot's keys count for nobody
             kept = compact(self.kv, self.key_valid[:R, :n] & self.live[:R, None], most)  # (R, most)
-            self.key_valid = pad(kept, 0, self.key_valid.shape[0] - R, False)  # the rows past R stay
+            self.key_valid = pad(kept, 0, self.key_valid.shape[0] - R, False)  # rows past R: free slots, no keys
 
     def warm(self) -> bool:
         """``defer_compile`` (the server, no row running): compile one step shape that ran eagerly."""
