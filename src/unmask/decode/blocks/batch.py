@@ -34,7 +34,7 @@ from unmask.decode.blocks.commit_shaping import slotted
 from unmask.decode.blocks.prefix import PrefixBatch, causal_prefill, prefill_whole_blocks, static_length
 from unmask.decode.blocks.rule import SBD, advance, quota, quota_threshold_commit
 from unmask.decode.engine.host import HostRead
-from unmask.decode.engine.kv import DynamicKV, check_fits, pad, place
+from unmask.decode.engine.kv import DynamicKV, check_fits, place
 from unmask.decode.engine.running import Row, finish, group_by, row_generator
 from unmask.decode.engine.stats import check_nfe
 from unmask.decode.engine.stop import StopRule
@@ -231,8 +231,6 @@ class BlockDecoder(PrefixBatch):
             structure = sbd_inference_mask(past, B if S else 0, q - (B if S else 0), device=self.device)
         else:
             structure = block_buffer_mask(past, q // B, B, device=self.device)  # (q, past + q)
-        if self.key_valid.shape[1] < past + q:
-            self.key_valid = pad(self.key_valid, 1, past + q - self.key_valid.shape[1], False)
         self.key_valid[:R, past: past + q] = qv
         mask = as_4d(structure, R) & self.key_valid[:R, None, None, : past + q]  # (R, 1, q, past + q)
         # A padding query sees itself only, so no query row is empty (and nothing attends to it).

@@ -127,14 +127,15 @@ class PrefixBatch(SlotRows):
             self.running[r.slot] = r
 
     def _make_room(self, q: int, floor: int) -> None:
-        """Compact the cache (:func:`~unmask.decode.engine.kv.compact`) when a forward of ``q`` query tokens
-        would not fit the static one, or when holes are more than half of the server's dynamic one and at
-        least ``floor`` columns (``decode()``'s is never compacted)."""
+        """Before a forward of ``q`` query tokens: compact the cache (:func:`~unmask.decode.engine.kv.compact`)
+        when they would not fit the static one, or when holes are more than half of the server's dynamic one
+        and at least ``floor`` columns (``decode()``'s is never compacted); then give ``key_valid`` their columns."""
         n, most, R = self.kv.length, max(r.keys for r in self.running.values()), self.R
         full = self.kv.crowded(most, q) if self.static else not self.lockstep and n and n - most >= max(most, floor)
         if full:  # a free slot's keys count for nobody
             kept = compact(self.kv, self.key_valid[:R, :n] & self.live[:R, None], most)  # (R, most)
             self.key_valid = pad(kept, 0, self.key_valid.shape[0] - R, False)  # rows past R: free slots, no keys
+        self.key_valid = pad(self.key_valid, 1, self.kv.length + q - self.key_valid.shape[1], False)
 
     def warm(self) -> bool:
         """``defer_compile`` (the server, no row running): compile one step shape that ran eagerly."""

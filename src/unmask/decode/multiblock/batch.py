@@ -151,8 +151,6 @@ class MultiBlockDecoder(PrefixBatch):
         before, _ = bb.activate(self.w, ~self.live | (stop_pos < L), tau_add=cfg.tau_add, tau_stable=cfg.tau_stable)
         self._make_room(S * B, S * B)
         past = self.kv.length
-        if self.key_valid.shape[1] < past + S * B:
-            self.key_valid = pad(self.key_valid, 1, past + S * B - self.key_valid.shape[1], False)
         keep = max(r.to_cache for r in rows)  # to-cache slots are marked by a step, so the host knows them
         logits, stored = window_step(self.kv, self.key_valid, before, keep)  # (R, S*B, V), (R,)
         self.forwards += 1
