@@ -176,7 +176,7 @@ def test_a_multiblock_decode_step_reads_the_host_once(monkeypatch, static):
 
     bundle = _bundle("block")
     cfg = MultiBlockOptions(slots=3, tau_m2t=0.7, tau_add=0.25, tau_semi=0.5).resolve(bundle)
-    dec = MultiBlockDecoder(bundle, cfg, capacity=len(PROMPTS), drained=True, static=static, stop_token_ids=(55,))
+    dec = MultiBlockDecoder(bundle, cfg, capacity=len(PROMPTS), lockstep=True, static=static, stop_token_ids=(55,))
     dec.join(requests_for(PROMPTS, max_new_tokens=40, sampling=Sampling()))
     counter = SyncCounter(monkeypatch)
     steps = 0

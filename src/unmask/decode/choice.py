@@ -21,7 +21,7 @@ import torch
 
 from unmask.compat import crop, forward, new_cache
 from unmask.decode import DECODERS, default_decoder
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int
 from unmask.threads import scoped
 
 # Lossless SBD must be expected this much faster than AR to be the default: the verify step's
@@ -63,8 +63,7 @@ def recorded(meta: dict, where: str = "the model's config") -> Measured | None:
     rec = meta.get(RECORD_KEY)
     if rec is None:
         return None
-    if not (isinstance(rec, dict) and _positive(rec.get("tpf")) and isinstance(rec.get("queries"), int)
-            and not isinstance(rec.get("queries"), bool) and rec["queries"] >= 1):
+    if not (isinstance(rec, dict) and _positive(rec.get("tpf")) and is_int(rec.get("queries")) and rec["queries"] >= 1):
         raise UnmaskError(f"{where}: {RECORD_KEY!r} must be an object with 'tpf' (a number > 0) and 'queries' (an "
                           f"integer >= 1), got {rec!r}; restore it or rerun 'unmask calibrate-drafts'")
     return Measured(tpf=float(rec["tpf"]), queries=int(rec["queries"]))

@@ -18,10 +18,9 @@ Per-row state lives in slot tensors (``Slots``): the sequence, generation bounds
 denoising step, and the phase (denoise / store). :func:`advance` is the commit rule's bookkeeping as a
 pure tensor function; the step's only host sync is one :class:`~unmask.decode.engine.host.HostRead` of
 the per-row results (commits, block ends, the block's tokens; with ``on_step`` what the events show,
-with ``logprobs`` the :class:`~unmask.decode.blocks.commit_shaping.CommitShaping` columns). ``lockstep=True``
-is ``decode()``'s batch semantics: a row whose block is complete waits until every row's is (so a batch's
-NFE is today's), step events numbered by batch forward and slot; the server runs ``lockstep=False`` (each
-row moves on at once, events numbered by the row's own forwards, row 0).
+with ``logprobs`` the :class:`~unmask.decode.blocks.commit_shaping.CommitShaping` columns). With
+``lockstep`` (``decode()``) a row whose block is complete waits until every row's is; the server's rows
+move on at once.
 """
 
 from __future__ import annotations
@@ -31,12 +30,12 @@ from dataclasses import dataclass, field
 import torch
 
 from unmask.decode.blocks import report
-from unmask.decode.blocks.commit_shaping import CommitShaping, slotted
-from unmask.decode.blocks.prefix import causal_prefill, check_cache_flags, prefill_whole_blocks, static_length
+from unmask.decode.blocks.commit_shaping import slotted
+from unmask.decode.blocks.prefix import PrefixBatch, causal_prefill, prefill_whole_blocks, static_length
 from unmask.decode.blocks.rule import SBD, advance, quota, quota_threshold_commit
 from unmask.decode.engine.host import HostRead
-from unmask.decode.engine.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
-from unmask.decode.engine.running import Row, SlotRows, Slots, finish, group_by, row_generator
+from unmask.decode.engine.kv import DynamicKV, check_fits, place
+from unmask.decode.engine.running import Row, finish, group_by, row_generator
 from unmask.decode.engine.stats import check_nfe
 from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
@@ -62,44 +61,28 @@ class BlockRow(Row):
     more: bool = True  # its block has editable masks (the last read): only such rows draw, found with no read
 
 
-class BlockDecoder(SlotRows):
+class BlockDecoder(PrefixBatch):
     """The running batch of SingleBD (``cfg`` a :class:`~unmask.decode.blocks.single.BlockConfig`) or lossy
     SBD rows (an :class:`~unmask.decode.blocks.sbd.SBDConfig`), one forward per :meth:`step`. The
     config's ``kind`` (:class:`~unmask.decode.blocks.rule.Kind`) says which; a config without one is SBD's.
 
-    ``static`` / ``compile``: a :class:`~unmask.decode.engine.kv.StaticKV` of ``capacity`` rows and ``length``
-    tokens (length-bucketed; None: sized at the first join, ``decode``), the forwards compiled. As in
+    Settings and hooks: :class:`~unmask.decode.blocks.prefix.PrefixBatch`. As in
     :class:`~unmask.decode.verify.batch.Verify`, a prefill runs eagerly and is placed into its slots, a
-    forward covers the row bucket, and ``StaticKV.crowded`` decides compaction; ``defer_compile``: see
-    StaticKV. ``on_step(row, event)``: :mod:`unmask.trace` events; ``on_token(row)`` after each committed
-    token; ``on_forward(state)`` (tests) sees every forward (logits before the rows' ``logit_bias``).
-    A row's ``logit_bias`` is added before its commit rule; with ``logprobs`` its finished row has them
-    (commit-time). Rows end on their first stop token (the block holding it is kept whole, the output
-    cut before it), a stop string, or ``max_new_tokens``. Raises UnmaskError for a bad capacity, or a
-    row that does not fit a static cache.
+    forward covers the row bucket, and ``StaticKV.crowded`` decides compaction. ``on_token(row)`` runs
+    after each committed token. A row's ``logit_bias`` is added before its commit rule; with ``logprobs``
+    its finished row has them (commit-time). Rows end on their first stop token (the block holding it is
+    kept whole, the output cut before it), a stop string, or ``max_new_tokens``. Raises UnmaskError for a
+    bad capacity, or a row that does not fit a static cache.
     """
 
-    def __init__(self, bundle, cfg, *, static=False, compile=False, capacity=8, on_step=None, on_token=None,
-                 on_forward=None, lockstep=False, stop_token_ids=None, length: int | None = None,
-                 defer_compile: bool = False):
-        self.kind = getattr(cfg, "kind", SBD)
-        self.bundle, self.cfg, self.static, self.compile = bundle, cfg, static or compile, compile
-        self.on_step, self.on_token, self.on_forward, self.lockstep = on_step, on_token, on_forward, lockstep
-        self.slots, self.capacity, self.length, self.defer = Slots(capacity), capacity, length, defer_compile
-        self.B, self.device, self.mask_id = cfg.block_size, bundle.device, bundle.mask_token_id
-        self.quota_steps = getattr(cfg, "steps", None)
+    def __init__(self, bundle, cfg, **kw):
+        super().__init__(bundle, cfg, **kw)
+        self.kind, self.B, self.quota_steps = getattr(cfg, "kind", SBD), cfg.block_size, getattr(cfg, "steps", None)
         self.fused = self.kind is SBD or cfg.store == "fused"
-        # The published quota-threshold loops rank by the model's own softmax, mask column included.
-        self.suppress = list(bundle.suppress_ids) if self.quota_steps is None else []
-        ids = bundle.stop_token_ids if stop_token_ids is None else stop_token_ids
-        self.stop = StopRule.of(ids)  # the host copy: finishing a row reads no tensor
-        self.stops = torch.tensor(sorted(self.stop.ids) or [-1], device=self.device)
-        self.forwards = self.store_forwards = 0  # step forwards (the batch's NFE) and the store-only ones
-        self.prefills = 0  # join forwards (one per join that has prompt keys to cache)
-        self.running: dict[int, BlockRow] = {}
-        self.shaping = CommitShaping()  # the rows' logit_bias and commit-time logprobs
-        self.kv, self.R = None, 0  # the cache and its rows (slots [0, R) go through every forward)
-        C, dev = capacity, self.device
+        if self.quota_steps is not None:  # the published quota-threshold loops rank by the model's own softmax
+            self.suppress = []
+        self.store_forwards, self.R = 0, 0  # store-only forwards; slots [0, R) go through every forward
+        C, dev = self.capacity, self.device
         self.seq = torch.full((C, 0), self.mask_id, dtype=torch.long, device=dev)  # (C, L) prompt, generated, masks
         self.gen_start, self.gen_end, self.edit_end, self.bstart, self.qstep = (
             torch.zeros(C, dtype=torch.long, device=dev) for _ in range(5))  # (C,) each
@@ -140,28 +123,23 @@ class BlockDecoder(SlotRows):
 
     def _prefill(self, rows: list[BlockRow]) -> None:
         B, dev, model = self.B, self.device, self.bundle.model
-        prompts = [list(r.job.prompt_ids) for r in rows]
-        ends = [len(p) + r.job.max_new_tokens for p, r in zip(prompts, rows)]
-        if self.static and self.kv is None:
-            size = static_length(self.kind.aligned, prompts, [r.job.max_new_tokens for r in rows], B)
-            self.kv = StaticKV(model, self.capacity, max(size, self.length or 0), compile=self.compile,
-                               length_buckets=self.length is not None, defer_compile=self.defer)
-            self.key_valid = torch.zeros((self.capacity, 0), dtype=torch.bool, device=dev)
+        prompts, budgets = [list(r.job.prompt_ids) for r in rows], [r.job.max_new_tokens for r in rows]
+        ends = [len(p) + m for p, m in zip(prompts, budgets)]
+        if self.static and self.kv is None:  # the first join (a static cache is reset, never dropped)
+            self.kv = self._static_kv(static_length(self.kind.aligned, prompts, budgets, B))
         new = DynamicKV(model)
         if self.kind.aligned:
             new, valid, _ = prefill_whole_blocks(new, prompts, B, self.bundle.pad_token_id, dev)  # (n, F)
         else:
             valid = causal_prefill(new, prompts, self.bundle.pad_token_id, dev)  # (n, P)
         self.prefills += int(valid.shape[1] > 0)
-        self._place(rows, new, valid)
-        L = max(ends) + 2 * B  # room for a whole last block past gen_end and a window that never clamps
-        if L > self.seq.shape[1]:
-            self.seq = pad(self.seq, 1, L - self.seq.shape[1], self.mask_id)
+        if self.kv is None:  # an empty dynamic batch adopts the prefill (its rows padded to the highest slot)
+            self.kv, self.key_valid = DynamicKV(model), valid[:0]
+        self.kv, self.key_valid = place(self.kv, self.key_valid[:, : self.kv.length], new, valid,
+                                        [r.slot for r in rows], rows=bool(self.running))
+        self.R = self._rows_in_forward()
+        self._write(rows, prompts, max(ends) + 2 * B)  # room for a whole last block past gen_end: no window clamps
         at = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)  # (n,)
-        self.seq[at] = self.mask_id
-        for r, p in zip(rows, prompts):
-            self.seq[r.slot, : len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
-            self.running[r.slot] = r
         P = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)  # (n,)
         E = torch.tensor(ends, dtype=torch.long, device=dev)  # (n,)
         self.gen_start[at], self.gen_end[at] = P, E
@@ -169,14 +147,6 @@ class BlockDecoder(SlotRows):
         # The published quota-threshold loops denoise the whole last block, past max_new_tokens too.
         self.edit_end[at] = E if self.quota_steps is None else torch.div(E - 1, B, rounding_mode="floor") * B + B
         self.qstep[at], self.live[at], self.denoise[at], self.store[at] = 0, True, True, False
-
-    def _place(self, rows: list[BlockRow], new, valid: torch.Tensor) -> None:
-        slots = [r.slot for r in rows]
-        if self.kv is None:  # an empty dynamic batch adopts the prefill (its rows padded to the highest slot)
-            self.kv, self.key_valid = DynamicKV(self.bundle.model), valid[:0]
-        self.kv, self.key_valid = place(self.kv, self.key_valid[:, : self.kv.length], new, valid, slots,
-                                        rows=bool(self.running))
-        self.R = self._rows_in_forward()
 
     def _rows_in_forward(self) -> int:
         """Slots a forward covers: the dynamic cache's rows, or on the static cache the row bucket
@@ -194,8 +164,6 @@ class BlockDecoder(SlotRows):
         rule, and one host sync. Returns the rows that finished in it (slots freed)."""
         if not self.running:
             return []
-        if not self.static and not self.lockstep:
-            self._compact()
         if self.static:
             self.R = self._rows_in_forward()
         B, dev, R = self.B, self.device, self.R
@@ -206,23 +174,19 @@ class BlockDecoder(SlotRows):
             min(B, r.job.max_new_tokens + len(r.job.prompt_ids) - r.bstart) for r in rows)
         live, denoise, store = self.live[:R], self.denoise[:R], self.store[:R] & self.live[:R]
         bstart, gen_start, gen_end = self.bstart[:R], self.gen_start[:R], self.gen_end[:R]
-        inp, pos, qv = [], [], []
+        pos, qv = [], []
         if S:  # the finished block, B columns before this block
-            spos = (bstart - B).clamp(min=0)[:, None] + torch.arange(B, device=dev)  # (R, B)
-            inp.append(self.seq[:R].gather(1, spos))
-            pos.append(spos)
+            pos.append((bstart - B).clamp(min=0)[:, None] + torch.arange(B, device=dev))  # (R, B)
             qv.append(store[:, None].expand(R, B))
         if D:
             dpos = bstart[:, None] + torch.arange(N, device=dev)  # (R, N)
-            inp.append(self.seq[:R].gather(1, dpos))
             pos.append(dpos)
             real = dpos < gen_end[:, None] if not self.kind.aligned else torch.ones_like(dpos, dtype=torch.bool)
             qv.append(real & (live & denoise)[:, None])
-        inp, pos, qv = torch.cat(inp, 1), torch.cat(pos, 1), torch.cat(qv, 1)  # (R, q) each
+        pos, qv = torch.cat(pos, 1), torch.cat(qv, 1)  # (R, q) each
+        inp = self.seq[:R].gather(1, pos)  # (R, q)
+        self._make_room(inp.shape[1], B)
         past, q = self.kv.length, inp.shape[1]
-        if self.static and self.kv.crowded(most := max(r.keys for r in rows), q):  # compacted in place
-            kept = compact(self.kv, self.key_valid[:R, :past] & self.live[:R, None], most)  # (R, most)
-            self.key_valid, past = pad(kept, 0, self.capacity - R, False), most  # (capacity, most)
         logits = self._forward(inp, pos, qv, past, S, D)  # (R, N or B, V)
         self.kv.crop(q - (B if S else 0))  # only the stored block's clean K/V stay
         if S:
@@ -263,12 +227,10 @@ class BlockDecoder(SlotRows):
         B, R, q = self.B, self.R, inp.shape[1]
         if S and not D:  # a separate store forward: one block-causal block
             structure = block_buffer_mask(past, 1, B, device=self.device)
-        elif self.kind.causal_store:
+        elif not self.kind.aligned:  # SBD's causal re-feed
             structure = sbd_inference_mask(past, B if S else 0, q - (B if S else 0), device=self.device)
         else:
             structure = block_buffer_mask(past, q // B, B, device=self.device)  # (q, past + q)
-        if self.key_valid.shape[1] < past + q:
-            self.key_valid = pad(self.key_valid, 1, past + q - self.key_valid.shape[1], False)
         self.key_valid[:R, past: past + q] = qv
         mask = as_4d(structure, R) & self.key_valid[:R, None, None, : past + q]  # (R, 1, q, past + q)
         # A padding query sees itself only, so no query row is empty (and nothing attends to it).
@@ -326,10 +288,9 @@ class BlockDecoder(SlotRows):
             if had:
                 row.nfe += 1
                 row.accepts.append(info["count"][row.slot])
-            M = row.job.max_new_tokens
             check_nfe(row.nfe, report.nfe_ceiling(self, row), self.kind.name)
             if adv or ended:
-                P = len(row.job.prompt_ids)
+                P, M = len(row.job.prompt_ids), row.job.max_new_tokens
                 lo, hi = max(0, P - row.bstart), min(len(block), P + M - row.bstart)
                 row.full += block[lo:hi]
                 if self.on_token is not None:
@@ -366,34 +327,13 @@ class BlockDecoder(SlotRows):
         elif not self.running:
             self.kv, self.R = None, 0
 
-    def warm(self) -> bool:
-        """``defer_compile`` (the server, no row running): compile one step shape that ran eagerly."""
-        return bool(self.static and not self.running and self.kv is not None and self.kv.warm())
-
-    def _compact(self) -> None:
-        """Reclaim cache columns no row attends to (rows store in different steps, rows leave) when
-        they are more than half of the cache (:func:`unmask.decode.engine.kv.compact`)."""
-        n, most = self.kv.length, max(r.keys for r in self.running.values())
-        if n and n - most >= max(most, self.B):  # a free slot's keys count for nobody
-            self.key_valid = compact(self.kv, self.key_valid[:, :n] & self.live[: self.R, None], most)
-
     stats_extra = report.stats_extra  # (rows) -> DecodeStats.extra of finished rows
 
 
-def running_batch(bundle, cfg, *, capacity: int, prompts=None, max_new_tokens: int | None = None, compile: bool = False,
-                  static: bool = False, on_step=None, on_token=None, on_forward=None, stop_token_ids=None
-                  ) -> BlockDecoder:
-    """The :class:`BlockDecoder` of a resolved ``cfg`` (SingleBD's or lossy SBD's) for ``capacity`` rows:
-    ``prompts`` given, ``decode()``'s (lockstep; a static cache sized at the join; ``max_new_tokens``
-    unused); None, the server's (rows move on at once; ``static`` / ``compile``: a static cache of the
-    context window and three blocks of slack, new step shapes compiled when the server is idle).
-    ``stop_token_ids`` None: the bundle's. Raises UnmaskError for ``compile`` / ``static`` not a bool."""
-    check_cache_flags(compile, static)
-    serving = prompts is None
-    length = bundle.context_length + 3 * cfg.block_size if serving and (static or compile) else None
-    return BlockDecoder(bundle, cfg, static=static, compile=compile, capacity=capacity, on_step=on_step,
-                        on_token=on_token, on_forward=on_forward, lockstep=not serving, stop_token_ids=stop_token_ids,
-                        length=length, defer_compile=serving and compile)
+def running_batch(bundle, cfg, *, capacity: int, **kw) -> BlockDecoder:
+    """The :class:`BlockDecoder` of a resolved ``cfg`` (SingleBD's or lossy SBD's), as
+    :meth:`~unmask.decode.blocks.prefix.PrefixBatch.of` builds it (the server's static cache: three blocks of slack)."""
+    return BlockDecoder.of(bundle, cfg, 3 * cfg.block_size, capacity=capacity, **kw)
 
 
 __all__ = ["BlockDecoder", "BlockRow", "running_batch"]

@@ -102,15 +102,15 @@ def advance(seq, dpos, block, chosen, tokens, editable, live, denoise, bstart, g
 
 @dataclass(frozen=True)
 class Kind:
-    """What differs between SingleBD and lossy SBD (:mod:`unmask.decode.blocks.batch`)."""
+    """What differs between SingleBD and lossy SBD (:mod:`unmask.decode.blocks.batch`): ``aligned`` blocks
+    start at multiples of B and are stored as one block (SingleBD), else at the prompt's end, re-fed causally."""
 
     name: str
-    aligned: bool  # blocks start at multiples of B (SingleBD) or at the prompt's end (SBD)
-    causal_store: bool  # the store region is causal (SBD re-feed) or one bidirectional block
+    aligned: bool
 
 
-SINGLE_BD = Kind("block", aligned=True, causal_store=False)
-SBD = Kind("sbd", aligned=False, causal_store=True)
+SINGLE_BD = Kind("block", aligned=True)
+SBD = Kind("sbd", aligned=False)
 
 
 __all__ = ["Kind", "SBD", "SINGLE_BD", "advance", "block_quota", "first_stop", "quota", "quota_threshold_commit"]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 
 from unmask.decode.blocks.batch import running_batch
+from unmask.decode.blocks.prefix import check_cache_flags
 from unmask.decode.engine.knobs import PolicyKnobs
 from unmask.decode.engine.registry import Spec, knob
 from unmask.decode.verify import layout as dl
@@ -65,9 +66,8 @@ class SBDConfig:
         given at all, the policy; explicit options always win.
         """
         defaults = dict(defaults or {})
-        if block_size is None:
-            block_size = defaults.pop("block_size", None)
-        defaults.pop("block_size", None)
+        default_size = defaults.pop("block_size", None)
+        block_size = default_size if block_size is None else block_size
         if all(v is None for v in (policy, gamma, preset, tau, factor, tokens_per_step)) and defaults:
             return cls.from_options(block_size=block_size, **defaults)
         name = policy or "entropy-bound"
@@ -191,9 +191,7 @@ def batch(bundle, cfg: SBDOptions, *, capacity: int, prompts=None, max_new_token
     ``static``: the static cache eagerly; lossless takes ``on_forward`` only eagerly. Raises
     UnmaskError as :meth:`SBDOptions.resolve` does and for a non-bool ``compile`` / ``static``."""
     run = cfg.resolve(bundle)
-    for name, value in (("compile", compile), ("static", static)):
-        if not isinstance(value, bool):
-            raise UnmaskError(f"{name} must be True or False (got {value!r}); pass {name}=True")
+    check_cache_flags(compile, static)
     longest = None if prompts is None else max((len(p) for p in prompts), default=1) + max_new_tokens
     if isinstance(run, VerifyConfig):
         if (compile or static) and on_forward is not None:

@@ -22,11 +22,7 @@ The last block of a row is never stored (nothing follows it). Positions past ``m
 in the last block stay ``[MASK]``, are never decoded, and never reach the output.
 
 The decoding is :class:`unmask.decode.blocks.batch.BlockDecoder`, the one running batch SingleBD shares
-with lossy SBD, that ``decode()`` drains and the server runs (:data:`SPEC`). Its cache
-is a :mod:`unmask.decode.engine.kv` object: a growing ``DynamicCache`` by default, or (``static=True`` /
-``compile=True``) a ``StaticCache`` sized once per batch whose length pointer moves on every crop,
-with the block forwards (B or 2B queries) through a ``torch.compile``-d step
-(:func:`unmask.decode.engine.static.step_function`).
+with lossy SBD, that ``decode()`` drains and the server runs (:data:`SPEC`; its caches: :func:`batch`).
 """
 
 from __future__ import annotations
@@ -57,7 +53,7 @@ def native_block_size(bundle) -> int | None:
         config = getattr(bundle.model, "config", None)
         native = next((getattr(config, a) for a in ("block_size", "block_length")
                        if isinstance(getattr(config, a, None), int)), None)
-    if native is not None and (not isinstance(native, int) or isinstance(native, bool) or native < 1):
+    if native is not None and (not is_int(native) or native < 1):
         raise UnmaskError(f"the checkpoint's block size {native!r} is not an integer >= 1; fix \"block_size\" "
                           "in its unmask_config.json")
     return native
@@ -68,20 +64,17 @@ def resolve_block_size(bundle, block_size: int | None) -> int:
     explicit ``block_size`` must equal. Raises UnmaskError on a mismatch, a bad value or when
     neither is known."""
     native = native_block_size(bundle)
-    if block_size is not None:
-        if not is_int(block_size) or block_size < 1:
-            raise UnmaskError(f"block size must be an integer >= 1 (got {block_size!r}); "
-                              "drop --block-size to use the checkpoint's")
-        if native is not None and block_size != native:
-            raise UnmaskError(f"--block-size {block_size} disagrees with the checkpoint's block size {native}; "
-                              "a block-diffusion model decodes only with the block size it was trained with, "
-                              "drop --block-size")
-        B = block_size
-    elif native is None:
+    if block_size is None and native is None:
         raise UnmaskError("this block-diffusion model records no block size; pass --block-size or add "
                           "\"block_size\" to its unmask_config.json")
-    else:
-        B = int(native)
+    if block_size is not None and (not is_int(block_size) or block_size < 1):
+        raise UnmaskError(f"block size must be an integer >= 1 (got {block_size!r}); "
+                          "drop --block-size to use the checkpoint's")
+    if block_size is not None and native is not None and block_size != native:
+        raise UnmaskError(f"--block-size {block_size} disagrees with the checkpoint's block size {native}; "
+                          "a block-diffusion model decodes only with the block size it was trained with, "
+                          "drop --block-size")
+    B = int(native) if block_size is None else block_size
     if B > bundle.context_length:
         raise UnmaskError(f"block size {B} exceeds the context window of {bundle.context_length}; "
                           "use a model trained with a smaller block")
@@ -190,8 +183,7 @@ def batch(bundle, options: BlockOptions, **kw) -> BlockDecoder:
     path ``compiled`` and ``static_cache`` (L). ``on_forward`` states carry ``cache``: per layer (keys,
     values) (R, H, length, D) copies. Raises UnmaskError as :meth:`BlockOptions.resolve` does, or for
     ``compile`` / ``static`` not a bool."""
-    cfg = options.resolve(bundle)
-    return running_batch(bundle, cfg, **kw)
+    return running_batch(bundle, options.resolve(bundle), **kw)
 
 
 SPEC = Spec("block", BlockOptions, batch=batch, kinds=("block-diffusion",), compiles=True,

@@ -10,25 +10,25 @@ of the per-row results (running-set size, commits, edits, stored slots, ended, a
 sequences, so stop strings are checked and a finishing row is cut with no further read). A free
 slot's window is all dummies: it rides along in the forward.
 
-``drained=True`` is ``decode()``'s numbering (events by batch forward and slot; the dynamic cache
-is never compacted, as before); the server runs ``drained=False`` (events by the row's own
+``lockstep=True`` is ``decode()``'s numbering (events by batch forward and slot; the dynamic cache
+is never compacted, as before); the server runs ``lockstep=False`` (events by the row's own
 forwards, row 0; the cache compacted when holes are most of it).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from unmask.decode.blocks.commit_shaping import CommitShaping, slotted
-from unmask.decode.blocks.prefix import check_cache_flags, prefill_whole_blocks, whole_prompt_blocks
+from unmask.decode.blocks.commit_shaping import slotted
+from unmask.decode.blocks.prefix import PrefixBatch, check_cache_flags, prefill_whole_blocks, whole_prompt_blocks
 from unmask.decode.blocks.rule import first_stop
 from unmask.decode.engine.host import HostRead
-from unmask.decode.engine.kv import DynamicKV, StaticKV, check_fits, compact, pad, place
+from unmask.decode.engine.kv import DynamicKV, check_fits, pad, place
 from unmask.decode.engine.registry import Spec
-from unmask.decode.engine.running import Row, SlotRows, Slots, group_by, row_generator
+from unmask.decode.engine.running import Row, group_by, row_generator
 from unmask.decode.engine.stats import check_nfe, stop_flags
 from unmask.decode.engine.stop import StopRule
 from unmask.decode.multiblock import buffer as bb
@@ -52,66 +52,39 @@ class BufferRow(Row):
     checked: int = 0  # end of its complete blocks at the last stop-string check (absolute position)
 
 
-def _window_rows(w: bb.Window, n: int) -> bb.Window:
-    """``w`` with ``n`` more rows of dummies (tokens ``mask_id``, nothing editable, gen range empty)."""
-    def grow(t, fill):
-        return pad(t, 0, n, fill)
-
-    return replace(w, state=grow(w.state, bb.DUMMY), tokens=grow(w.tokens, w.mask_id), editable=grow(w.editable, False),
-                   argmax=grow(w.argmax, w.mask_id), edit_steps=grow(w.edit_steps, 0), front=grow(w.front, 0),
-                   admitted=grow(w.admitted, 0), gen_start=grow(w.gen_start, 0), gen_end=grow(w.gen_end, 0))
-
-
-def _set_rows(w: bb.Window, at: torch.Tensor, new: bb.Window) -> None:
-    """Write the rows of ``new`` into rows ``at`` (n,) of ``w``, in place."""
-    for f in fields(w):
-        if f.name != "mask_id":
-            getattr(w, f.name)[at] = getattr(new, f.name)
-
-
-class MultiBlockDecoder(SlotRows):
+class MultiBlockDecoder(PrefixBatch):
     """The running batch of Block Buffer rows of one resolved
     :class:`~unmask.decode.multiblock.window.MultiBlockOptions` (:meth:`~MultiBlockOptions.resolve`).
 
-    ``static`` / ``compile``: a StaticKV of ``capacity`` rows, the window forward compiled; its length
-    is ``length`` tokens (the server: length-bucketed, rows joining mid-flight) or sized at the first
-    join (``decode``). A prefill runs eagerly and is placed into the joining slots; the slot tensors
-    grow to a power-of-two row bucket. ``defer_compile``: see :class:`~unmask.decode.engine.kv.StaticKV`.
-    ``on_step(row, event)``, ``on_token(row)`` (once per output token, at the end: T2T may still edit
-    committed tokens), ``on_forward(state)`` (tests; its logits before the rows' ``logit_bias``, which is
-    added before M2T/T2T read them; with ``logprobs`` a finished row has them from the forward that
-    committed or last edited each token). Raises UnmaskError when N_buf·B exceeds the
+    Settings and hooks: :class:`~unmask.decode.blocks.prefix.PrefixBatch`. A prefill runs eagerly and is
+    placed into the joining slots; on the static cache the slot tensors grow to a power-of-two row bucket.
+    ``on_token(row)`` runs once per output token, at the end (T2T may still edit committed tokens); a row's
+    ``logit_bias`` is added before M2T/T2T read the logits; with ``logprobs`` a finished row has them from
+    the forward that committed or last edited each token. Raises UnmaskError when N_buf·B exceeds the
     context window, or a row does not fit a static cache.
     """
 
-    def __init__(self, bundle, cfg, *, static=False, compile=False, capacity=8, on_step=None, on_token=None,
-                 on_forward=None, drained=False, stop_token_ids=None, length: int | None = None,
-                 defer_compile: bool = False):
+    def __init__(self, bundle, cfg, **kw):
         S, B = cfg.slots, cfg.block_size
         if S * B > bundle.context_length:
             raise UnmaskError(f"--slots {S} × block size {B} = {S * B} positions exceeds the context window of "
                               f"{bundle.context_length}; use --slots {max(1, bundle.context_length // B)} or fewer")
-        self.bundle, self.cfg, self.static, self.compile = bundle, cfg, static or compile, compile
-        self.on_step, self.on_token, self.on_forward, self.drained = on_step, on_token, on_forward, drained
-        self.slots, self.capacity, self.length, self.defer = Slots(capacity), capacity, length, defer_compile
-        self.device, self.mask_id = bundle.device, bundle.mask_token_id
-        self.stop = StopRule.of(bundle.stop_token_ids if stop_token_ids is None else stop_token_ids)
-        self.stops = torch.tensor(sorted(self.stop.ids) or [-1], device=self.device)
-        self.suppress = list(bundle.suppress_ids)
-        self.forwards = self.prefills = 0
-        self.running: dict[int, BufferRow] = {}
-        self.shaping = CommitShaping()  # the rows' logit_bias and commit-time logprobs
-        self.kv = None
+        super().__init__(bundle, cfg, **kw)
         self._empty()
 
     def _empty(self) -> None:
-        """No row runs: the dynamic cache goes, the static one's pointer goes back to 0."""
+        """No row runs: the dynamic cache goes, the static one's pointer goes back to 0, the window goes and
+        the other slot tensors have no rows."""
         if self.static and self.kv is not None:
             self.kv.reset()
         else:
             self.kv = None
+        dev = self.device
         self.R, self.w = 0, None
-        self.seq = self.key_valid = self.nfe_rows = self.live = None
+        self.seq = torch.full((0, 0), self.mask_id, dtype=torch.long, device=dev)  # (R, L)
+        self.key_valid = torch.zeros((0, 0), dtype=torch.bool, device=dev)  # (R, C)
+        self.live = torch.zeros(0, dtype=torch.bool, device=dev)  # (R,)
+        self.nfe_rows = torch.zeros(0, dtype=torch.long, device=dev)  # (R,)
 
     @torch.inference_mode()
     def join(self, requests) -> list[BufferRow]:
@@ -127,29 +100,19 @@ class MultiBlockDecoder(SlotRows):
             rows.append(BufferRow(job=job, slot=s, generator=gen, keys=len(job.prompt_ids) // B * B))
         try:  # a failed prefill gives its slots back (a step covers [0, high))
             prompts = [list(r.job.prompt_ids) for r in rows]
-            ws = [bb.initial_window([p], r.job.max_new_tokens, S, B, self.mask_id, dev) for p, r in zip(prompts, rows)]
-            w = replace(ws[0], **{f.name: torch.cat([getattr(x, f.name) for x in ws]) for f in fields(ws[0])
-                                  if f.name != "mask_id"})
+            w = bb.initial_window(prompts, [r.job.max_new_tokens for r in rows], S, B, self.mask_id, dev)
             if self.static and self.kv is None:  # the prefill, the longest row's blocks and one window
                 blocks = w.last_block - w.front + 1  # (n,) blocks per row
-                size = whole_prompt_blocks(prompts, B) + (int(blocks.max()) + S) * B
-                self.kv = StaticKV(model, self.capacity, max(size, self.length or 0), compile=self.compile,
-                                   length_buckets=self.length is not None, defer_compile=self.defer)
+                self.kv = self._static_kv(whole_prompt_blocks(prompts, B) + (int(blocks.max()) + S) * B)
             new, valid, _ = prefill_whole_blocks(DynamicKV(model), prompts, B, self.bundle.pad_token_id, dev)  # (n, F)
             self._place(rows, new, valid, w)
         except BaseException:
             self.slots.give([r.slot for r in rows])
             raise
         self.prefills += int(valid.shape[1] > 0)
-        at = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)  # (n,)
         # Room for every real block and the dummies after the last one, so window writes never clamp.
-        L = int((w.last_block.max() + 1 + S) * B)
-        if L > self.seq.shape[1]:
-            self.seq = pad(self.seq, 1, L - self.seq.shape[1], self.mask_id)
-        self.seq[at] = self.mask_id
-        for r, p in zip(rows, prompts):
-            self.seq[r.slot, : len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
-            self.running[r.slot] = r
+        self._write(rows, prompts, int((w.last_block.max() + 1 + S) * B))
+        at = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)  # (n,)
         self.live[at], self.nfe_rows[at] = True, 0
         return []
 
@@ -157,12 +120,6 @@ class MultiBlockDecoder(SlotRows):
         """Place the prefilled cache ``new`` (validity ``valid`` (n, F)) and windows ``w`` into the
         rows' slots, growing the slot tensors to R rows (the static cache's row bucket)."""
         slots, R0 = [r.slot for r in rows], self.R
-        if self.w is None:  # empty: slot tensors of no rows
-            self.w = replace(w, **{f.name: getattr(w, f.name)[:0] for f in fields(w) if f.name != "mask_id"})
-            self.live = torch.zeros(0, dtype=torch.bool, device=self.device)
-            self.nfe_rows = torch.zeros(0, dtype=torch.long, device=self.device)
-            self.seq = torch.full((0, 0), self.mask_id, dtype=torch.long, device=self.device)
-            self.key_valid = valid[:0, :0]
         if self.kv is None:
             self.kv = DynamicKV(self.bundle.model)
         C = self.kv.length
@@ -174,14 +131,12 @@ class MultiBlockDecoder(SlotRows):
         else:
             self.kv, self.key_valid = place(self.kv, self.key_valid[:, :C], new, valid, slots, rows=bool(self.running))
             self.R = self.key_valid.shape[0]
-        self.w = _window_rows(self.w, self.R - R0)
-        _set_rows(self.w, torch.tensor(slots, dtype=torch.long, device=self.device), w)
-        self.live, self.nfe_rows = pad(self.live, 0, self.R - R0, False), pad(self.nfe_rows, 0, self.R - R0, 0)
-        self.seq = pad(self.seq, 0, self.R - R0, self.mask_id)
-
-    def warm(self) -> bool:
-        """``defer_compile`` (the server, no row running): compile one step shape that ran eagerly."""
-        return bool(self.static and not self.running and self.kv is not None and self.kv.warm())
+        at, more = torch.tensor(slots, dtype=torch.long, device=self.device), self.R - R0  # (n,), rows added
+        dummy = {"state": bb.DUMMY, "tokens": self.mask_id, "editable": False, "argmax": self.mask_id}  # else 0
+        old = w.map(lambda k, t: t[:0]) if self.w is None else self.w
+        self.w = old.map(lambda k, t: pad(t, 0, more, dummy.get(k, 0)).index_put((at,), getattr(w, k)))
+        self.live, self.nfe_rows = pad(self.live, 0, more, False), pad(self.nfe_rows, 0, more, 0)
+        self.seq = pad(self.seq, 0, more, self.mask_id)
 
     @torch.inference_mode()
     def step(self) -> list[BufferRow]:
@@ -193,26 +148,23 @@ class MultiBlockDecoder(SlotRows):
         cfg, S, B, R = self.cfg, self.cfg.slots, self.cfg.block_size, self.R
         rows, L = self.rows, self.seq.shape[1]
         stop_pos = first_stop(self.seq, self.w.gen_start, self.w.gen_end, self.stops)  # (R,)
-        w, _ = bb.activate(self.w, ~self.live | (stop_pos < L), tau_add=cfg.tau_add, tau_stable=cfg.tau_stable)
-        before = w
-        self._make_room()
+        before, _ = bb.activate(self.w, ~self.live | (stop_pos < L), tau_add=cfg.tau_add, tau_stable=cfg.tau_stable)
+        self._make_room(S * B, S * B)
         past = self.kv.length
-        if self.key_valid.shape[1] < past + S * B:
-            self.key_valid = pad(self.key_valid, 1, past + S * B - self.key_valid.shape[1], False)
         keep = max(r.to_cache for r in rows)  # to-cache slots are marked by a step, so the host knows them
-        logits, stored = window_step(self.kv, self.key_valid, w, keep)  # (R, S*B, V), (R,)
+        logits, stored = window_step(self.kv, self.key_valid, before, keep)  # (R, S*B, V), (R,)
         self.forwards += 1
         if self.suppress:
             logits[..., self.suppress] = float("-inf")
         if self.on_forward is not None:
-            self.on_forward({"inp": w.tokens.view(R, S * B), "positions": w.positions().view(R, S * B),
+            self.on_forward({"inp": before.tokens.view(R, S * B), "positions": before.positions().view(R, S * B),
                              "logits": logits, "window": before, "past": past, "stored": stored.clone(),
                              "key_valid": self.key_valid[:, : self.kv.length].clone(),
                              "cache": [(k.clone(), v.clone()) for k, v in self.kv.layers()]})
         slots = slotted(self.running, R)
         logits, raw = self.shaping.shape(slots, logits)  # (R, S*B, V): biased, raw for logprobs
         top1, kappa = self._candidates(logits.view(R, S, B, -1))  # (R, S, B) each
-        w, info = bb.transition(w, top1, kappa, tau_m2t=cfg.tau_m2t, tau_semi=cfg.tau_semi, tau_t2t=cfg.tau_t2t,
+        w, info = bb.transition(before, top1, kappa, tau_m2t=cfg.tau_m2t, tau_semi=cfg.tau_semi, tau_t2t=cfg.tau_t2t,
                                 max_post_edit_steps=cfg.max_post_edit_steps)
         write_window(self.seq, w)
         self.nfe_rows += self.live.long()
@@ -233,18 +185,9 @@ class MultiBlockDecoder(SlotRows):
         got = read.read()  # the step's one host sync
         if self.on_step is not None:
             for row in rows:
-                step, r = (self.forwards - 1, row.slot) if self.drained else (row.nfe, 0)
+                step, r = (self.forwards - 1, row.slot) if self.lockstep else (row.nfe, 0)
                 self.on_step(row, row_event(step, r, got, row.slot, B, self.mask_id))
         return self._bookkeep(rows, got)
-
-    def _make_room(self) -> None:
-        """The static cache is compacted when the next window would not fit; the server's dynamic one
-        when holes are more than half of it and at least a window."""
-        n, window = self.kv.length, self.cfg.slots * self.cfg.block_size
-        most = max(r.keys for r in self.running.values())
-        full = self.kv.crowded(most, window) if self.static else not self.drained and n and n - most >= max(most, window)
-        if full:  # a free slot's keys count for nobody
-            self.key_valid = compact(self.kv, self.key_valid[:, :n] & self.live[:, None], most)
 
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``multiblock.candidates`` for every slot, each sampling setting with its rows' generators:
@@ -316,9 +259,8 @@ class MultiBlockDecoder(SlotRows):
     def _leave(self, row: BufferRow) -> None:
         super()._leave(row)
         self.shaping.forget(row)
-        if self.live is not None:
-            self.live[row.slot] = False
-            self.w = bb.release(self.w, torch.arange(self.R, device=self.device) == row.slot)
+        self.live[row.slot] = False
+        self.w = bb.release(self.w, torch.arange(self.R, device=self.device) == row.slot)
         if not self.running:
             self._empty()
 
@@ -366,11 +308,9 @@ def batch(bundle, options: MultiBlockOptions, *, capacity: int, prompts=None, ma
     window, or ``compile`` / ``static`` not a bool."""
     check_cache_flags(compile, static)
     cfg = options.resolve(bundle)
-    serving = prompts is None
-    length = bundle.context_length + (cfg.slots + 1) * cfg.block_size if serving and (static or compile) else None
-    return MultiBlockDecoder(bundle, cfg, capacity=capacity, static=static, compile=compile, on_step=on_step,
-                             on_token=on_token, on_forward=on_forward, drained=not serving,
-                             stop_token_ids=stop_token_ids, length=length, defer_compile=serving and compile)
+    return MultiBlockDecoder.of(bundle, cfg, (cfg.slots + 1) * cfg.block_size, capacity=capacity, prompts=prompts,
+                                compile=compile, static=static, on_step=on_step, on_token=on_token,
+                                on_forward=on_forward, stop_token_ids=stop_token_ids)
 
 
 SPEC = Spec("multiblock", MultiBlockOptions, batch=batch, kinds=("block-diffusion",), compiles=True,

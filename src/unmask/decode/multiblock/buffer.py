@@ -25,7 +25,7 @@ Readings of the spec (our choices, see multiblock.md §7):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -82,14 +82,18 @@ class Window:
         flat = self.front[:, None] * B + torch.arange(S * B, device=self.front.device)  # (R, S*B)
         return flat.view(R, S, B)
 
+    def map(self, fn) -> "Window":
+        """This window with every per-row tensor ``t`` (every field but ``mask_id``) replaced by ``fn(name, t)``."""
+        return replace(self, **{f.name: fn(f.name, getattr(self, f.name)) for f in fields(self) if f.name != "mask_id"})
+
     def describe(self, row: int) -> list[str]:
         """Slot states of one row as names, e.g. ``["to-cache", "active", "dummy"]`` (tests, traces)."""
         return [STATE_NAMES[int(s)] for s in self.state[row].tolist()]
 
 
-def initial_window(prompts: list[list[int]], max_new_tokens: int, slots: int, block_size: int, mask_id: int,
-                   device=None) -> Window:
-    """The window after prefill (multiblock.md §3.2).
+def initial_window(prompts: list[list[int]], max_new_tokens: int | list[int], slots: int, block_size: int,
+                   mask_id: int, device=None) -> Window:
+    """The window after prefill (multiblock.md §3.2); ``max_new_tokens``: one per prompt, or one for all.
 
     The whole prompt blocks (``len(prompt) // B`` of them) are prefilled by the caller. Slot 0 is
     the first block that is not: it holds the prompt's tail (non-editable) followed by masks, or
@@ -107,7 +111,8 @@ def initial_window(prompts: list[list[int]], max_new_tokens: int, slots: int, bl
     state[:, 0] = ACTIVE
     w = Window(state=state, tokens=tokens, editable=torch.zeros((R, S, B), dtype=torch.bool, device=device),
                argmax=tokens.clone(), edit_steps=torch.zeros((R, S), dtype=torch.long, device=device),
-               front=front, admitted=front.clone(), gen_start=lens, gen_end=lens + max_new_tokens, mask_id=mask_id)
+               front=front, admitted=front.clone(), gen_start=lens,
+               gen_end=lens + torch.as_tensor(max_new_tokens, dtype=torch.long, device=device), mask_id=mask_id)
     return replace(w, editable=_editable(w) & (state != DUMMY)[..., None])
 
 

@@ -25,10 +25,8 @@ only effect for the row is storing a block: with N_buf = 1 this is exactly the S
 bubble, and ``slots=1`` reproduces :mod:`unmask.decode.blocks.single` (``store="separate"``, threshold
 policy with τ = τ_M2T) token for token and forward for forward.
 
-The cache is a :mod:`unmask.decode.engine.kv` object (multiblock.md §3.6): a growing ``DynamicCache`` by
-default, or (``static=True`` / ``compile=True``) a ``StaticCache`` sized once per batch whose
-pointer moves on each crop; the window forward has the same shape (R, N_buf·B) at every step, so
-``compile=True`` runs it through one ``torch.compile``-d graph. One loop runs on either cache.
+The window forward has the same shape (R, N_buf·B) at every step, so ``compile=True`` runs it through
+one ``torch.compile``-d graph over a static cache (multiblock.md §3.6; :func:`unmask.decode.multiblock.batch.batch`).
 """
 
 from __future__ import annotations
