@@ -37,7 +37,6 @@ class Job:
     post: object
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: threading.Event = field(default_factory=threading.Event)
-    submitted: float = field(default_factory=time.monotonic)
     closed: bool = False  # set by the scheduler after the final event
     sizable: bool = False  # set by the scheduler: greedy lossless sbd whose K follows the load
     running_key: tuple | None = None  # set by the scheduler: the running batch it joins (None: per call)
@@ -80,8 +79,7 @@ def bad_request(e: UnmaskError, options: dict) -> ApiError:
     """A 400 for a decoder's own validation error, ``param`` the knob the message names first
     (:func:`~unmask.serve.protocol.named_param`)."""
     message = api_message(str(e).splitlines()[0])
-    param = named_param(message, options)
-    return ApiError(400, message, param=param)
+    return ApiError(400, message, param=named_param(message, options))
 
 
 def finish_gone(job: Job) -> None:
@@ -99,6 +97,12 @@ def timed_out() -> ApiError:
 
 def server_error() -> ApiError:
     return ApiError(500, "internal error while decoding; see the server log", type="server_error")
+
+
+def shutting_down(retry_after: bool = True) -> ApiError:
+    """The 503 of a draining server: new requests get Retry-After; the requests it ends do not."""
+    return ApiError(503, "the server is shutting down; retry later", type="server_error",
+                    headers={"Retry-After": "1"} if retry_after else None)
 
 
 class QueueFull(Exception):

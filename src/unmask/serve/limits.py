@@ -65,16 +65,11 @@ class Limits:
         return self.max_prompt_chars if self.max_prompt_chars is not None else CHARS_PER_TOKEN * self.cache_tokens(bundle)
 
 
-def _first(*values):
-    return next(v for v in values if v is not None)
-
-
 def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: int = 1) -> tuple[int, str, str]:
     """(query tokens one row puts into one decode forward, how they arise, the knob that sets them)
-    for a request, from
-    the decoder's knobs and the checkpoint's decode defaults. ``draft_k``: the largest K the
-    server's draft-size table may give a lossless sbd request that fixes no block size. Knobs the
-    decoder will refuse count as the defaults (the decoder reports them)."""
+    for a request, from the decoder's knobs and the checkpoint's decode defaults. ``draft_k``: the
+    largest K the server's draft-size table may give a lossless sbd request that fixes no block size.
+    Knobs the decoder will refuse count as the defaults (the decoder reports them)."""
     from unmask.decode.verify import layout as draft_layout
     from unmask.decode.verify import config as sbd_verify
     from unmask.decode.verify import siblings as sibling_layout
@@ -83,21 +78,20 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
 
     defaults = bundle.meta.get("decode_defaults") or {}
 
-    def knob(name, *fallbacks):
+    def knob(name, *fallbacks):  # the option if it is a valid count, else the first fallback set
         v = options.get(name)
-        return _first(v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None, *fallbacks)
+        valid = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        return next(x for x in (v if valid else None, *fallbacks) if x is not None)
 
     if decoder in ("ar", "sbd") and options.get("draft_source") in HOST:  # the verify part alone
         n = knob("draft_tokens", DEFAULT_DRAFT_TOKENS)
         return n + 1, f"{decoder} with {options['draft_source']} drafts of up to {n} tokens: {n + 1} queries per row", \
             "draft_tokens"
     if decoder == "sbd" and runs_lossless(bundle, options):
-        own = sbd_verify.default_block_size(bundle)
-        if options.get("block_size") is not None:
-            k = knob("block_size", sbd_verify.DEFAULT_BLOCK_SIZE)
-        else:  # the draft-size table's K or the checkpoint's default, whichever is larger
-            k = max(draft_k, own)
-        of_k = f"block_size {k}" if options.get("block_size") is not None or k == own else \
+        own, fixed = sbd_verify.default_block_size(bundle), options.get("block_size") is not None
+        # unless the request fixes K: the draft-size table's K or the checkpoint's default, whichever is larger
+        k = knob("block_size", sbd_verify.DEFAULT_BLOCK_SIZE) if fixed else max(draft_k, own)
+        of_k = f"block_size {k}" if fixed or k == own else \
             f"K = {k} from the server's --draft-sizes table (a request's block_size fixes K)"
         try:
             draft = SBDOptions(**{k: options.get(k) for k in ("draft", "block_size", "queries")}).layout(bundle)
@@ -160,9 +154,8 @@ def check_cost(bundle, limits: Limits, *, decoder: str, options: dict, prompt_to
                             f"server's limit of {limits.max_query_tokens}; lower {param}"
                             f"{' or use draft linear' if 'quadratic' in why else ''}, or start the server with "
                             f"a larger --max-query-tokens", param=param, code="request_too_large")
-    length = max_tokens
-    if param == "gen_length":  # a diffusion canvas is cached whole, however few tokens are asked for
-        length = max(length, q)
+    # a diffusion canvas is cached whole, however few tokens are asked for
+    length = max(max_tokens, q) if param == "gen_length" else max_tokens
     cache = prompt_tokens + length
     if cache > limits.cache_tokens(bundle):
         raise ApiError(400, f"this request keeps {cache} tokens in its cache ({prompt_tokens} prompt + {length} "
@@ -178,7 +171,6 @@ def check_defaults(bundle, limits: Limits, decoder: str, options: dict, draft_k:
         check_cost(bundle, limits, decoder=decoder, options=options, prompt_tokens=1, max_tokens=1, draft_k=draft_k)
     except ApiError as e:
         raise UnmaskError(f"every default request would be refused: {e.message}") from None
-
 
 
 def check_batch_memory(bundle, limits: Limits, max_batch_size: int) -> None:

@@ -46,7 +46,7 @@ def _held_tail(text: str, stop: tuple[str, ...]) -> int:
     return best
 
 
-def _byte_token(tokenizer, token_id: int) -> bool:
+def byte_token(tokenizer, token_id: int) -> bool:
     """Whether ``token_id`` is a byte-fallback token such as ``<0xE6>`` (SentencePiece-style vocabularies)."""
     token = tokenizer.convert_ids_to_tokens(token_id)
     return isinstance(token, str) and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
@@ -90,7 +90,7 @@ class TextStream:
                 return self._continuation(tokens)
             tail = full[len(head):]
         text = self._fixed_text + tail
-        if tail and not tail[-1].isspace() and "\ufffd" not in tail and not _byte_token(self.bundle.tokenizer, tokens[-1]):
+        if tail and not tail[-1].isspace() and "\ufffd" not in tail and not byte_token(self.bundle.tokenizer, tokens[-1]):
             self._fixed_ids, self._fixed_text = list(tokens), text
         return text
 

@@ -27,8 +27,8 @@ def warm_up(scheduler, probe, *, max_new_tokens: int = WARMUP_TOKENS, poll_s: fl
     t0 = time.monotonic()
     ended = threading.Event()
     job = Job(prompt_ids=probe.prompt_ids, decoder=probe.decoder, options=probe.options, sampling=probe.sampling,
-              max_new_tokens=max_new_tokens, stop=(), deadline=math.inf, post=lambda kind, payload: None)
-    job.post = lambda kind, payload: ended.set() if job.closed else None  # set after the final event
+              max_new_tokens=max_new_tokens, stop=(), deadline=math.inf,
+              post=lambda kind, payload: ended.set() if job.closed else None)  # set after the final event
 
     def compiled(event: dict) -> None:
         shape = f"rows {event['rows']}, queries {event['queries']}, cache {event['cache']}"
