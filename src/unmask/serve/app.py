@@ -79,13 +79,12 @@ async def _read_body(request: Request, limit: int) -> bytes:
                             "body, or start the server with a larger --max-body-bytes", code="request_too_large")
     if (length := request.headers.get("content-length")) is not None and length.strip().isdigit() and int(length) > limit:
         raise too_big
-    chunks, size = [], 0
+    body = bytearray()
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
+        body += chunk
+        if len(body) > limit:
             raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return bytes(body)
 
 
 def _int(text: str) -> int:

@@ -19,9 +19,17 @@ Body and prompt sizes are bounded too: the body by ``--max-body-bytes`` (413, ch
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
+from unmask import memory
+from unmask.decode.blocks.sbd import DEFAULT_BLOCK_SIZE, SBDOptions, runs_lossless
+from unmask.decode.blocks.single import native_block_size
+from unmask.decode.dllm.diffusion import DiffusionOptions
+from unmask.decode.verify import config as sbd_verify, layout as draft_layout, siblings as sibling_layout
+from unmask.decode.verify.drafting import DEFAULT_DRAFT_TOKENS, HOST
 from unmask.errors import UnmaskError
+from unmask.routers.io import routers_dir
 from unmask.serve.errors import ApiError
 
 DEFAULT_MAX_BODY_BYTES = 2 * 2**20  # 2 MiB: a full 128k-token prompt as JSON fits, a 16 MiB body does not
@@ -70,12 +78,6 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
     for a request, from the decoder's knobs and the checkpoint's decode defaults. ``draft_k``: the
     largest K the server's draft-size table may give a lossless sbd request that fixes no block size.
     Knobs the decoder will refuse count as the defaults (the decoder reports them)."""
-    from unmask.decode.verify import layout as draft_layout
-    from unmask.decode.verify import config as sbd_verify
-    from unmask.decode.verify import siblings as sibling_layout
-    from unmask.decode.blocks.sbd import DEFAULT_BLOCK_SIZE, SBDOptions, runs_lossless
-    from unmask.decode.verify.drafting import DEFAULT_DRAFT_TOKENS, HOST
-
     defaults = bundle.meta.get("decode_defaults") or {}
 
     def knob(name, *fallbacks):  # the option if it is a valid count, else the first fallback set
@@ -108,8 +110,6 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
         k = knob("block_size", defaults.get("block_size"), DEFAULT_BLOCK_SIZE)
         return k, f"{decoder} with block_size {k}", "block_size"
     if decoder == "multiblock":
-        from unmask.decode.blocks.single import native_block_size
-
         b = knob("block_size", native_block_size(bundle), 1)
         s = knob("slots", defaults.get("slots"), 2)
         return s * b, f"multiblock with {s} slots of block_size {b}", "slots"
@@ -117,8 +117,6 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
         length = early_bird_length(bundle, options) or knob("gen_length", max_tokens)
         return length, f"early-bird over a canvas of {length} tokens (the LBS router's gen_length)", "gen_length"
     if decoder == "diffusion":
-        from unmask.decode.dllm.diffusion import DiffusionOptions
-
         try:  # the whole canvas is scored in a refresh (or every step without a cache)
             length = DiffusionOptions(**{k: v for k, v in options.items() if k in ("gen_length", "block_size")}
                                       ).resolve(bundle, max_tokens).gen_length
@@ -132,10 +130,6 @@ def early_bird_length(bundle, options: dict) -> int | None:
     """The canvas length an early-bird request decodes: the ``gen_length`` of the LBS router it
     will load (``options["routers"]`` or the model's own), read from ``lbs.json`` without loading
     the weights. None when no router is found (the decoder reports that when the batch starts)."""
-    import json
-
-    from unmask.routers.io import routers_dir
-
     try:
         where = routers_dir(bundle, options.get("routers"))
         length = json.loads((where / "lbs.json").read_text())["config"]["gen_length"]
@@ -178,9 +172,6 @@ def check_batch_memory(bundle, limits: Limits, max_batch_size: int) -> None:
     fit in the memory free on the model's device: per row, the KV cache of ``limits.cache_tokens``
     tokens (at most the context window), its token and position slots, and the (K, V) float32 draft
     probabilities a sampled lossless row keeps (:mod:`unmask.memory`; a lower bound, so a refused size never fits)."""
-    from unmask import memory
-    from unmask.decode.verify import config as sbd_verify
-
     if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
         return  # the scheduler refuses it by name
     model = bundle.model

@@ -12,6 +12,7 @@ import threading
 import time
 
 from unmask.errors import UnmaskError
+from unmask.models import load
 from unmask.serve import connection, create_app, require
 from unmask.serve.auth import check_key
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, check_server_draft, draft_sizes_option
@@ -125,8 +126,6 @@ def serve(model: str | None = None, *, kind: str | None = None, adapter: str | N
     run lossless sbd), KeyboardInterrupt after SIGINT and SystemExit(143) after SIGTERM, once open
     requests were drained (see ``_server``)."""
     require()
-    from unmask.models import load
-
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise UnmaskError(f"port must be in 0..65535 (got {port!r}); pass e.g. --port 8000")
     if not (isinstance(request_timeout, (int, float)) and 0 < request_timeout < math.inf):

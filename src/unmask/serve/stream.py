@@ -71,11 +71,10 @@ class TextStream:
     def _continuation(self, tokens: list[int]) -> str:
         """``bundle.decode_continuation(prompt_ids, tokens)``, decoding only the ids after the last fixed
         prefix, with the CONTEXT_IDS ids before them as context: a step costs O(new ids), not O(prompt +
-        text) (a long prompt made every step of every stream decode it whole). Where the context's decode
-        is not a prefix of the tail's (a tokenizer joining across the boundary) it decodes the whole
-        continuation as before and starts over. The tail is fixed when it ends on a whole character that
-        is not white space and its last id is not a byte-fallback token (``<0xE6>``: a decoder turns a whole
-        run of those into U+FFFD when any of them is invalid), after which no later id can change its text."""
+        text). Where the context's decode is not a prefix of the tail's (a tokenizer joining across the
+        boundary) it starts over. The tail is fixed when it ends on a whole character that is not white
+        space and its last id is not a byte-fallback token (``<0xE6>``: a decoder turns a whole run of
+        those into U+FFFD when any of them is invalid), after which no later id can change its text."""
         n = len(self._fixed_ids)
         if tokens[:n] != self._fixed_ids:  # committed ids only grow; anything else starts over
             self._fixed_ids, self._fixed_text, n = [], "", 0
