@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from unmask.decode.engine.registry import grammar_decoders
 from unmask.decode.engine.shaping import check_logit_bias, check_logprobs
+from unmask.errors import is_int
 from unmask.grammar import Grammar, compile as compile_grammar
 from unmask.serve.errors import ApiError, refused_as
 
@@ -41,7 +42,7 @@ class Asks:
 
 
 def _int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ApiError(400, f"{name} must be an integer (got {json.dumps(value)}); fix or drop {name!r}", param=name)
     return value
 

@@ -32,7 +32,7 @@ from collections import deque
 
 from unmask.decode.verify.host_drafts import Tally
 from unmask.decode.verify.suffix import SuffixCache
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int
 from unmask.serve import per_call
 from unmask.serve.batches import RunningBatches
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, LoadSizer
@@ -64,7 +64,7 @@ class Scheduler(RunningBatches):
             raise UnmaskError(f"max batch size must be an integer >= 1 (got {max_batch_size!r}); pass e.g. 8")
         if not isinstance(max_queue, int) or max_queue < 1:
             raise UnmaskError(f"max queue must be an integer >= 1 (got {max_queue!r}); pass e.g. 64")
-        if not isinstance(suffix_cache_tokens, int) or isinstance(suffix_cache_tokens, bool) or suffix_cache_tokens < 0:
+        if not is_int(suffix_cache_tokens) or suffix_cache_tokens < 0:
             raise UnmaskError(f"the suffix cache bound must be an integer >= 0 token ids (got {suffix_cache_tokens!r}); "
                               f"pass e.g. {DEFAULT_SUFFIX_TOKENS}, or 0 for none")
         self.suffix_cache = SuffixCache(suffix_cache_tokens) if suffix_cache_tokens else None

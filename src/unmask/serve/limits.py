@@ -28,7 +28,7 @@ from unmask.decode.blocks.single import native_block_size
 from unmask.decode.dllm.diffusion import DiffusionOptions
 from unmask.decode.verify import config as sbd_verify, layout as draft_layout, siblings as sibling_layout
 from unmask.decode.verify.drafting import DEFAULT_DRAFT_TOKENS, HOST
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int
 from unmask.routers.io import routers_dir
 from unmask.serve.errors import ApiError
 
@@ -61,7 +61,7 @@ class Limits:
             value = getattr(self, name)
             if value is None and name in ("max_prompt_chars", "max_cache_tokens"):
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 flag = "--" + name.replace("_", "-")
                 raise UnmaskError(f"{flag} must be an integer >= 1 (got {value!r}); pass e.g. "
                                   f"{flag} {getattr(Limits, name) or 4096}")
@@ -82,8 +82,7 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
 
     def knob(name, *fallbacks):  # the option if it is a valid count, else the first fallback set
         v = options.get(name)
-        valid = isinstance(v, int) and not isinstance(v, bool) and v >= 1
-        return next(x for x in (v if valid else None, *fallbacks) if x is not None)
+        return next(x for x in (v if is_int(v) and v >= 1 else None, *fallbacks) if x is not None)
 
     if decoder in ("ar", "sbd") and options.get("draft_source") in HOST:  # the verify part alone
         n = knob("draft_tokens", DEFAULT_DRAFT_TOKENS)
@@ -135,7 +134,7 @@ def early_bird_length(bundle, options: dict) -> int | None:
         length = json.loads((where / "lbs.json").read_text())["config"]["gen_length"]
     except Exception:  # noqa: BLE001 - any unreadable router is the decoder's error to report
         return None
-    return length if isinstance(length, int) and not isinstance(length, bool) and length >= 1 else None
+    return length if is_int(length) and length >= 1 else None
 
 
 def check_cost(bundle, limits: Limits, *, decoder: str, options: dict, prompt_tokens: int, max_tokens: int,
@@ -172,7 +171,7 @@ def check_batch_memory(bundle, limits: Limits, max_batch_size: int) -> None:
     fit in the memory free on the model's device: per row, the KV cache of ``limits.cache_tokens``
     tokens (at most the context window), its token and position slots, and the (K, V) float32 draft
     probabilities a sampled lossless row keeps (:mod:`unmask.memory`; a lower bound, so a refused size never fits)."""
-    if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+    if not is_int(max_batch_size) or max_batch_size < 1:
         return  # the scheduler refuses it by name
     model = bundle.model
     # a request's prompt + completion must fit the context window: a larger --max-cache-tokens is never reached

@@ -23,7 +23,7 @@ from functools import lru_cache
 from unmask.api import check_options, encode_prompts
 from unmask.decode import DECODERS, default_decoder, spec_for
 from unmask.decode.verify.drafting import HOST
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int, is_number
 from unmask.prompts import check_messages, check_text, has_chat_template, plain_template, render
 from unmask.sampling import Sampling
 from unmask.serve.asks import FIELDS as ASK_FIELDS, Asks, parse_asks
@@ -62,7 +62,7 @@ def _serve_knobs(specs: tuple) -> dict[str, str]:
 
 def _float_range(name: str, value) -> None:
     """Raise ApiError (400) for a JSON integer no float holds (309+ digits), where a number is read as a float."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         try:
             float(value)
         except OverflowError:
@@ -70,19 +70,19 @@ def _float_range(name: str, value) -> None:
                                 "number below 1e308", param=name) from None
 
 
-_TYPES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+# a knob's value type -> (its name in words, its check)
+_TYPES = {"int": ("an integer", is_int), "float": ("a number", is_number),
+          "str": ("a string", lambda v: isinstance(v, str)), "bool": ("true or false", lambda v: isinstance(v, bool))}
 
 
 def _typed(name: str, value, kind: str):
-    # checked lazily: isfinite() of an integer no float holds raises (an int knob of 400 digits)
-    ok = {"int": lambda: isinstance(value, int) and not isinstance(value, bool),
-          "float": lambda: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-          "str": lambda: isinstance(value, str), "bool": lambda: isinstance(value, bool)}[kind]()
+    what, check = _TYPES[kind]
+    ok = check(value)
     if not ok and kind == "float" and isinstance(value, float) and math.isinf(value):
         raise ApiError(400, f"{name} must be a finite number (got {value!r}; JSON has no infinity): for "
                             f"\"reveal everything\" pass a large value such as 1e9", param=name)
     if not ok:
-        raise ApiError(400, f"{name} must be {_TYPES[kind]} (got {value!r}); fix or drop it", param=name)
+        raise ApiError(400, f"{name} must be {what} (got {value!r}); fix or drop it", param=name)
     if kind == "str" and not value.strip():
         raise ApiError(400, f"{name} must not be empty; give a value or drop {name!r}", param=name)
     return float(value) if kind == "float" else value
@@ -218,7 +218,7 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
     if mode not in STREAM_MODES:
         raise ApiError(400, f"stream_mode must be one of {', '.join(STREAM_MODES)} (got {mode!r})", param="stream_mode")
     timeout = default_timeout if body.get("timeout") is None else body["timeout"]
-    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf):
+    if not (is_number(timeout) and timeout > 0):
         raise ApiError(400, f"timeout must be a number of seconds > 0 (got {timeout!r})", param="timeout")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)  # 0, {} or false: refused below
