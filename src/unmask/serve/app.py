@@ -61,15 +61,12 @@ class _CountResponses:
                 status[0] = message["status"]
             await send(message)
 
-        failed = False
+        outcome = "error"  # unless it returns
         try:
             await self.app(scope, receive, send_status)
-        except BaseException:
-            failed = True
-            raise
+            outcome = outcome_of(status[0])
         finally:
-            outcome = scope.get("state", {}).get("outcome") or ("error" if failed else outcome_of(status[0]))
-            self.metrics.requests.labels(endpoint, outcome).inc()
+            self.metrics.requests.labels(endpoint, scope.get("state", {}).get("outcome") or outcome).inc()
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -288,14 +288,11 @@ class Call:
                     yield f"data: {json.dumps(payload.body())}\n\n"
                     yield "data: [DONE]\n\n"
                     return
-                else:  # cancelled
-                    self.cancel()
-                    self.outcome("cancelled")
+                else:  # cancelled: answered below
                     return
                 event = await self.next_event()
         except _Gone:
-            self.outcome("cancelled")
+            pass
         finally:  # also reached when the server cancels the stream because the client went away
             self.cancel()
-            if not self.counted:
-                self.outcome("cancelled")
+            self.outcome("cancelled")  # unless an outcome was set

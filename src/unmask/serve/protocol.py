@@ -137,7 +137,6 @@ def check_prompt_chars(bundle, prompt: str | list[dict], limits: Limits, field: 
     if contents + MESSAGE_CHARS * len(prompt) > limit:
         refuse(contents + MESSAGE_CHARS * len(prompt),
                f" (the contents of its {n} and {MESSAGE_CHARS} characters of chat template per message)")
-    what = f" as the chat template renders its {n}"
     if not has_chat_template(bundle):
         text = plain_template(prompt)
     else:
@@ -146,7 +145,7 @@ def check_prompt_chars(bundle, prompt: str | list[dict], limits: Limits, field: 
         except Exception:  # noqa: BLE001 - a template that refuses the messages is reported by render()
             return
     if len(text) > limit:
-        refuse(len(text), what)
+        refuse(len(text), f" as the chat template renders its {n}")
 
 
 @dataclass(frozen=True, kw_only=True)
