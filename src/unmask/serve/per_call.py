@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from unmask.decode import spec_for
+from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
 from unmask.serve.jobs import bad_request, finish_gone, server_error
 from unmask.serve.stream import edits_committed
@@ -40,7 +41,7 @@ def final(sched, job, canvas: list) -> tuple[list[int], str, int] | None:
 
 def stopped(bundle, job, tokens: list[int]) -> bool:
     """Whether the text of ``tokens`` holds one of the job's stop strings (the answer is cut there)."""
-    return bool(job.stop) and any(s in bundle.decode_continuation(job.prompt_ids, list(tokens)) for s in job.stop)
+    return StopRule.of(strings=job.stop).hit(bundle, job.prompt_ids, tokens)
 
 
 def run_batch(sched, jobs: list) -> None:

@@ -17,6 +17,7 @@ and its position is listed in ``special``, so a page can mark it rather than pri
 
 from __future__ import annotations
 
+from unmask.decode.engine.stop import StopRule
 from unmask.trace import TokenText
 
 CONTEXT_IDS = 8  # ids before a stream's undecoded tail that its decode sees (spaces, merged byte tokens)
@@ -59,8 +60,8 @@ class TextStream:
                  token_text: TokenText | None = None, final_only: bool = False):
         self.bundle, self.prompt_ids, self.stop, self.limit = bundle, list(prompt_ids), tuple(stop), limit
         self.final_only = final_only  # committed tokens may still change (token-to-token edits): text only at the end
-        self.stop_ids = set(bundle.stop_token_ids)
-        self.special_ids = self.stop_ids | set(getattr(bundle.tokenizer, "all_special_ids", None) or ())
+        self.rule = StopRule.of(bundle.stop_token_ids, stop)
+        self.special_ids = self.rule.ids | set(getattr(bundle.tokenizer, "all_special_ids", None) or ())
         self.sent = ""
         self.stopped = False
         self.token_text = token_text or TokenText(bundle.tokenizer)
@@ -93,21 +94,13 @@ class TextStream:
             self._fixed_ids, self._fixed_text = list(tokens), text
         return text
 
-    def _prefix(self, canvas: list) -> list[int]:
-        """Committed ids from the left, up to a masked slot, a stop token or ``limit`` (a diffusion
-        canvas may be longer than the requested tokens)."""
-        out = []
-        for t in canvas[: self.limit]:
-            if t is None or t in self.stop_ids:
-                break
-            out.append(t)
-        return out
-
     def update(self, canvas: list) -> str:
         """The new final text after a step whose canvas is ``canvas`` (ids, None where masked)."""
         if self.stopped or self.final_only:
             return ""
-        text = self._continuation(self._prefix(canvas))
+        # committed ids from the left, up to a masked slot, a stop token or ``limit`` (a diffusion canvas may
+        # be longer than the requested tokens)
+        text = self._continuation(self.rule.until_stop(canvas[: self.limit], also=(None,)))
         text, hit = cut_at_stop(text, self.stop)
         if hit:
             self.stopped = True
