@@ -85,7 +85,7 @@ class ChoiceLogprobs:
         """The shaped logprobs of every token not yet sent; ``final``: the row's whole list, which wins."""
         if final is not None:
             self.entries = list(final)
-            self.offsets = self.offsets[: min(len(self.offsets), self.sent + 1)]
+            self.offsets = self.offsets[: self.sent + 1]
         return self._take(len(self.entries))
 
     def whole(self, final: list | None) -> dict:
