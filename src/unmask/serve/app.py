@@ -23,7 +23,8 @@ from unmask.decode.choice import default_for
 from unmask.decode.verify.config import default_layout
 from unmask.errors import UnmaskError
 from unmask.serve.auth import RequireKey, check_key
-from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option, table_for, with_server_draft
+from unmask.serve.draft_sizing import (DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option, table_for,
+                                       with_server_draft)
 from unmask.serve.call import Call, error_response, outcome_of
 from unmask.serve.engine import DEFAULT_SUFFIX_TOKENS, Scheduler
 from unmask.serve.errors import ApiError

@@ -63,8 +63,8 @@ class RequireKey:
         scheme, given = _bearer(scope)
         if scope["type"] != "http" or scope.get("path") in OPEN_PATHS or hmac.compare_digest(given, self.key):
             return await self.app(scope, receive, send)
-        error = ApiError(401, f"{_why(scheme, given)}; send the header 'Authorization: Bearer KEY' with the server's --api-key "
-                              "(openai clients: OpenAI(api_key=KEY))", code="invalid_api_key")
+        error = ApiError(401, f"{_why(scheme, given)}; send the header 'Authorization: Bearer KEY' with the server's "
+                              "--api-key (openai clients: OpenAI(api_key=KEY))", code="invalid_api_key")
         body = json.dumps(error.body()).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

@@ -114,10 +114,10 @@ class ServerThread:
 
 
 def serve(model: str | None = None, *, kind: str | None = None, adapter: str | None = None, host: str = "127.0.0.1",
-          port: int = 8000, max_batch_size: int = 8, max_queue: int = 64, request_timeout: float = 600.0, device: str = "cpu",
-          dtype: str = "float32", log_level: str = "info", compile: bool = False, draft_sizes: str | None = None,
-          limits: Limits | None = None, api_key: str | None = None, warmup: bool = False,
-          suffix_cache_tokens: int | None = None, **defaults) -> None:
+          port: int = 8000, max_batch_size: int = 8, max_queue: int = 64, request_timeout: float = 600.0,
+          device: str = "cpu", dtype: str = "float32", log_level: str = "info", compile: bool = False,
+          draft_sizes: str | None = None, limits: Limits | None = None, api_key: str | None = None,
+          warmup: bool = False, suffix_cache_tokens: int | None = None, **defaults) -> None:
     """Load ``model`` (with the gated SBD ``adapter``, a name it ships or a directory, when given)
     and serve it until interrupted (``unmask serve``). ``defaults``: the default decoder and knobs of
     requests (``decoder="sbd", gamma=0.35``); ``draft_sizes`` None: the default table;

@@ -90,7 +90,8 @@ class TextStream:
                 return self._continuation(tokens)
             tail = full[len(head):]
         text = self._fixed_text + tail
-        if tail and not tail[-1].isspace() and "\ufffd" not in tail and not byte_token(self.bundle.tokenizer, tokens[-1]):
+        fixed = tail and not tail[-1].isspace() and "\ufffd" not in tail
+        if fixed and not byte_token(self.bundle.tokenizer, tokens[-1]):
             self._fixed_ids, self._fixed_text = list(tokens), text
         return text
 
