@@ -14,17 +14,21 @@ from importlib import resources
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from unmask.decode import DECODERS, default_decoder, spec_for
 from unmask.decode.choice import default_for
+from unmask.decode.verify.config import default_layout
 from unmask.errors import UnmaskError
 from unmask.serve.auth import RequireKey, check_key
-from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option, served_table, with_server_draft
-from unmask.serve.call import Call, error_response as _error_response, outcome_of, shutting_down as _shutting_down
+from unmask.serve.draft_sizing import (DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, draft_sizes_option, table_for,
+                                       with_server_draft)
+from unmask.serve.call import Call, error_response, outcome_of
 from unmask.serve.engine import DEFAULT_SUFFIX_TOKENS, Scheduler
 from unmask.serve.errors import ApiError
+from unmask.serve.jobs import shutting_down
 from unmask.serve.limits import Limits, check_batch_memory, check_defaults
 from unmask.serve.metrics import Metrics
 from unmask.serve.protocol import parse, prompt_bodies
@@ -58,15 +62,12 @@ class _CountResponses:
                 status[0] = message["status"]
             await send(message)
 
-        failed = False
+        outcome = "error"  # unless it returns
         try:
             await self.app(scope, receive, send_status)
-        except BaseException:
-            failed = True
-            raise
+            outcome = outcome_of(status[0])
         finally:
-            outcome = scope.get("state", {}).get("outcome") or ("error" if failed else outcome_of(status[0]))
-            self.metrics.requests.labels(endpoint, outcome).inc()
+            self.metrics.requests.labels(endpoint, scope.get("state", {}).get("outcome") or outcome).inc()
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -76,13 +77,12 @@ async def _read_body(request: Request, limit: int) -> bytes:
                             "body, or start the server with a larger --max-body-bytes", code="request_too_large")
     if (length := request.headers.get("content-length")) is not None and length.strip().isdigit() and int(length) > limit:
         raise too_big
-    chunks, size = [], 0
+    body = bytearray()
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
+        body += chunk
+        if len(body) > limit:
             raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return bytes(body)
 
 
 def _int(text: str) -> int:
@@ -149,16 +149,18 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
         raise UnmaskError(f"--{e.param.replace('_', '-')}: {e.message}" if e.param else e.message) from None  # CLI words
     spec_for(probe.decoder, bundle.kind).decode(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
                                                 **probe.options)
-    table = served_table(sizes := draft_sizes_option(draft_sizes), bundle)  # the served layout's rows -> K
+    sizes = draft_sizes_option(draft_sizes)
+    table = table_for(sizes, default_layout(bundle), bundle.meta.get("decode_defaults"))  # the default layout's
+    draft_k = 1
     if table is not None and bundle.kind == "sbd":  # the table's largest K must decode here: checked now
-        k = max(2, max(k for _, k in table.steps))
+        draft_k = max(k for _, k in table.steps)  # the largest K a lossless request may get
+        k = max(2, draft_k)
         try:
             spec_for("sbd", bundle.kind).decode(bundle, [probe.prompt_ids], max_new_tokens=1, sampling=probe.sampling,
                                                 verify=True, block_size=k)
         except UnmaskError as e:
             raise UnmaskError(f"--draft-sizes: K = {k} cannot decode on {name} ({str(e).splitlines()[0].split(';')[0]}); "
                               "lower the table's largest K") from None
-    draft_k = max(k for _, k in table.steps) if table is not None and bundle.kind == "sbd" else 1
     check_defaults(bundle, limits, probe.decoder, probe.options, draft_k)  # a --draft over --max-query-tokens
     check_batch_memory(bundle, limits, max_batch_size)  # a batch that cannot fit: refused before it allocates
     scheduler = Scheduler(bundle, max_batch_size=max_batch_size, max_queue=max_queue, compile=compile, draft_sizes=sizes,
@@ -182,21 +184,21 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
     app.add_middleware(_CountResponses, metrics=metrics)
     if key is not None:  # added last, so it runs first: a refused request reaches nothing else
         app.add_middleware(RequireKey, key=key)
-    app.state.drain = lambda: scheduler.drain(_shutting_down(retry_after=False))
+    app.state.drain = lambda: scheduler.drain(shutting_down(retry_after=False))
     app.state.probe = probe  # the default decoder's request: what the warm-up decodes
     app.state.warming = warmup  # /health: "warming up" (503) until the warm-up thread is done
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
-        return _error_response(e)
+        return error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
-        return _error_response(ApiError(e.status_code, str(e.detail), type="invalid_request_error"))
+        return error_response(ApiError(e.status_code, str(e.detail), type="invalid_request_error"))
 
     @app.exception_handler(Exception)
     async def _crash(request, e):
-        return _error_response(ApiError(500, "internal server error; see the server log", type="server_error"))
+        return error_response(ApiError(500, "internal server error; see the server log", type="server_error"))
 
     @app.get("/", response_class=HTMLResponse)
     async def playground():
@@ -219,8 +221,6 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
 
     @app.get("/metrics")
     async def prometheus():
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -232,7 +232,7 @@ def create_app(bundle, *, model_name: str | None = None, max_batch_size: int = 8
 
     async def handle(request: Request, chat: bool):
         if scheduler.draining:
-            raise _shutting_down()
+            raise shutting_down()
         try:
             raw = await _read_body(request, limits.max_body_bytes)
         except ClientDisconnect:  # gone before its body arrived: nobody to answer

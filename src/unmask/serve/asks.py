@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from unmask.decode.engine.registry import grammar_decoders
 from unmask.decode.engine.shaping import check_logit_bias, check_logprobs
-from unmask.errors import UnmaskError
+from unmask.errors import is_int
 from unmask.grammar import Grammar, compile as compile_grammar
-from unmask.serve.errors import ApiError
+from unmask.serve.errors import ApiError, refused_as
 
 FIELDS = ("n", "best_of", "logprobs", "top_logprobs", "logit_bias", "response_format", "structured_outputs")
 
@@ -42,7 +42,7 @@ class Asks:
 
 
 def _int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ApiError(400, f"{name} must be an integer (got {json.dumps(value)}); fix or drop {name!r}", param=name)
     return value
 
@@ -61,10 +61,8 @@ def _logprobs(body: dict, chat: bool, echo: bool) -> int | None:
                                param="top_logprobs")
         if given is not True:
             return None
-        try:
+        with refused_as("top_logprobs"):
             return check_logprobs(top or 0, "top_logprobs")
-        except UnmaskError as e:
-            raise ApiError(400, str(e), param="top_logprobs") from None
     if top not in (None, 0) or isinstance(top, bool):
         raise ApiError(400, "top_logprobs is a chat field; completions take \"logprobs\": k (the alternatives per "
                             "token); drop 'top_logprobs'", param="top_logprobs")
@@ -73,10 +71,8 @@ def _logprobs(body: dict, chat: bool, echo: bool) -> int | None:
     if given is True:
         raise ApiError(400, "logprobs of a completion is the number of alternatives per token, an integer in "
                             "[0, 20] (got true); pass e.g. 5", param="logprobs")
-    try:
+    with refused_as("logprobs"):
         k = check_logprobs(given)
-    except UnmaskError as e:
-        raise ApiError(400, str(e), param="logprobs") from None
     if echo:
         raise ApiError(400, "logprobs of the prompt are not served, so echo and logprobs do not go together; drop "
                             "'echo' or 'logprobs'", param="echo")
@@ -96,28 +92,21 @@ def _n(body: dict, max_n: int) -> int:
 
 
 def _grammar(body: dict, bundle, decoder: str, cfg):
-    """The request's compiled grammar, or None."""
+    """(the request's compiled grammar, the field that gave it), or (None, None)."""
     fmt, structured = body.get("response_format"), body.get("structured_outputs")
-    try:
-        from_format = Grammar.of_response_format(fmt)
-    except UnmaskError as e:
-        raise ApiError(400, str(e), param="response_format") from None
-    field, grammar = "response_format", from_format
+    with refused_as("response_format"):
+        grammar, field = Grammar.of_response_format(fmt), "response_format"
     if structured is not None:
-        if from_format is not None:
+        if grammar is not None:
             raise ApiError(400, "send one of response_format and structured_outputs, not both",
                            param="structured_outputs")
         field = "structured_outputs"
-        try:
+        with refused_as(field):
             grammar = Grammar.of_structured(structured)
-        except UnmaskError as e:
-            raise ApiError(400, str(e), param=field) from None
     if grammar is None:
-        return None
-    try:
+        return None, None
+    with refused_as(field, first_line=True):  # options that contradict (the decoder reports them too)
         takes = cfg.takes_grammar(bundle)
-    except UnmaskError as e:  # options that contradict (the decoder reports them too)
-        raise ApiError(400, str(e).splitlines()[0], param=field) from None
     if not takes:
         takers = grammar_decoders(bundle)
         why = (f"decoder {decoder!r} takes a grammar only where it decodes exactly (lossless), and these options "
@@ -128,23 +117,17 @@ def _grammar(body: dict, bundle, decoder: str, cfg):
         served = ", ".join(f"{t} (lossless)" if t == "sbd" else t for t in takers)
         raise ApiError(400, f"{field}: {why}; structured output is served by {served} on this model: choose one, or "
                             f"drop {field!r}", param=field)
-    try:
-        return compile_grammar(bundle, grammar)
-    except UnmaskError as e:
-        raise ApiError(400, str(e).splitlines()[0], param=field) from None
+    with refused_as(field, first_line=True):
+        return compile_grammar(bundle, grammar), field
 
 
 def parse_asks(body: dict, bundle, *, chat: bool, decoder: str, cfg, echo: bool, max_n: int) -> Asks:
     """The fields of the module docstring of a request ``body`` for ``decoder`` (its config ``cfg``, which
     says whether it takes a grammar) on ``bundle``; ``max_n``: the server's ``--max-n``. Raises ApiError (400, ``param`` the field)."""
     logprobs, n = _logprobs(body, chat, echo), _n(body, max_n)
-    try:
+    with refused_as("logit_bias"):
         bias = check_logit_bias(body.get("logit_bias"), int(bundle.model.config.vocab_size))
-    except UnmaskError as e:
-        raise ApiError(400, str(e), param="logit_bias") from None
-    grammar = _grammar(body, bundle, decoder, cfg)
-    field = None if grammar is None else "structured_outputs" if body.get("structured_outputs") is not None \
-        else "response_format"
+    grammar, field = _grammar(body, bundle, decoder, cfg)
     return Asks(logprobs=logprobs, logit_bias=bias, grammar=grammar, n=n, grammar_field=field)
 
 

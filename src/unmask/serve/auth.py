@@ -31,25 +31,19 @@ def check_key(key: str | None) -> bytes | None:
     return key.encode("ascii")
 
 
-def _authorization(scope) -> tuple[bytes, bytes]:
-    """(scheme, token) of the request's Authorization header ((b"", b"") when there is none)."""
+def _bearer(scope) -> tuple[bytes, bytes]:
+    """(scheme, bearer token) of the request's Authorization header: b"" for a missing header, and
+    for the token of another scheme."""
     for name, value in scope.get("headers") or ():
         if name.lower() == b"authorization":
             scheme, _, token = value.strip().partition(b" ")
-            return scheme, token.strip()
+            return scheme, token.strip() if scheme.lower() == b"bearer" else b""
     return b"", b""
 
 
-def _given(scope) -> bytes:
-    """The bearer token of the request's Authorization header (b"" when there is none)."""
-    scheme, token = _authorization(scope)
-    return token if scheme.lower() == b"bearer" else b""
-
-
-def _why(scope) -> str:
+def _why(scheme: bytes, given: bytes) -> str:
     """Why the request's key is refused, in words for the 401."""
-    scheme, _ = _authorization(scope)
-    if _given(scope):
+    if given:
         return "the API key is not this server's"
     if scheme and scheme.lower() != b"bearer":  # curl -u or a proxy's Basic: a key sent the wrong way
         name = scheme.decode("ascii", "replace")
@@ -66,10 +60,11 @@ class RequireKey:
         self.app, self.key = app, key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("path") in OPEN_PATHS or hmac.compare_digest(_given(scope), self.key):
+        scheme, given = _bearer(scope)
+        if scope["type"] != "http" or scope.get("path") in OPEN_PATHS or hmac.compare_digest(given, self.key):
             return await self.app(scope, receive, send)
-        error = ApiError(401, f"{_why(scope)}; send the header 'Authorization: Bearer KEY' with the server's --api-key "
-                              "(openai clients: OpenAI(api_key=KEY))", code="invalid_api_key")
+        error = ApiError(401, f"{_why(scheme, given)}; send the header 'Authorization: Bearer KEY' with the server's "
+                              "--api-key (openai clients: OpenAI(api_key=KEY))", code="invalid_api_key")
         body = json.dumps(error.body()).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

@@ -51,22 +51,21 @@ def grammar_dead_end(row) -> ApiError:
     """The 400 of a row whose grammar allowed no next token (``row.error`` says why)."""
     return ApiError(400, row.error or f"the grammar allows no token after {len(row.tokens)} generated tokens; check "
                                       "the grammar", code="grammar_dead_end",
-                    param=getattr(row.job, "grammar_field", None))
+                    param=row.job.grammar_field)
 
 
 def _post_logprobs(row) -> None:
     """Send the logprobs its row recorded since the last ones (a streamed answer carries them beside the text)."""
-    job, got = row.job, row.logprobs
-    if job.logprobs is not None and got and len(got) > job.logprobs_posted:
-        n = min(len(got), len(row.tokens))  # a prefix aligned with row.tokens (Row's contract)
-        if n > job.logprobs_posted:
-            job.post("logprobs", list(got[job.logprobs_posted:n]))
-            job.logprobs_posted = n
+    job, got = row.job, row.logprobs or ()
+    n = min(len(got), len(row.tokens))  # a prefix aligned with row.tokens (Row's contract)
+    if job.logprobs is not None and n > job.logprobs_posted:
+        job.post("logprobs", list(got[job.logprobs_posted:n]))
+        job.logprobs_posted = n
 
 
 class RunningBatches:
     """The :class:`~unmask.serve.engine.Scheduler`'s running batches (a base class: it reads the
-    scheduler's ``bundle``, ``compile``, ``max_batch_size``, ``sizer``, ``defaults``, ``_waiting`` and
+    scheduler's ``bundle``, ``compile``, ``max_batch_size``, ``sizer``, ``_waiting`` and
     ``_paused``). ``verify``: draft layout -> the AR / lossless batch; ``running_batches``: key -> the
     other decoders' batches."""
 

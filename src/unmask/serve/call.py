@@ -22,20 +22,15 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from unmask.serve.engine import Job, QueueFull, Scheduler, ShuttingDown
+from unmask.serve.engine import Scheduler
 from unmask.serve.errors import ApiError
+from unmask.serve.jobs import Job, QueueFull, ShuttingDown, shutting_down
 from unmask.serve.logprobs import ChoiceLogprobs
 from unmask.serve.metrics import Metrics
 from unmask.serve.protocol import ServeRequest
 from unmask.serve.stream import TextStream, edits_committed
 
 POLL_S = 0.2  # how often a waiting handler checks for a client disconnect
-SHUTTING_DOWN = "the server is shutting down; retry later"
-
-
-def shutting_down(retry_after: bool = True) -> ApiError:
-    """The 503 of a draining server: new requests get Retry-After; the requests it ends do not."""
-    return ApiError(503, SHUTTING_DOWN, type="server_error", headers={"Retry-After": "1"} if retry_after else None)
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -201,9 +196,7 @@ class Call:
                 type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}))
         try:  # a disconnect answers 499; anything else cancels every job first
             first = await self.next_event()
-            if first[1] == "error":
-                return self.failed(first[2])
-            if self.streamed:
+            if self.streamed and first[1] != "error":  # an error before any chunk: a plain error response
                 return StreamingResponse(self.sse(first), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return await self.whole(first)
@@ -212,10 +205,6 @@ class Call:
         except BaseException:
             self.cancel()
             raise
-
-    def text(self, part: _Part, result: dict) -> str:
-        text = part.stream.finish(result["tokens"])
-        return part.req.prompt + text if part.req.echo else text
 
     async def whole(self, event):
         """A non-streamed answer: wait for every prompt's result (a disconnect raises _Gone to
@@ -227,7 +216,8 @@ class Call:
             if kind == "step":
                 part.saw_step(payload)
             elif kind == "done":
-                text, reason = self.text(part, payload), payload["finish_reason"]
+                text = (part.req.prompt if part.req.echo else "") + part.stream.finish(payload["tokens"])
+                reason = payload["finish_reason"]
                 self.record(part, payload)
                 lp = part.logprobs and part.logprobs.whole(payload.get("logprobs"))
                 choices[index] = ({"index": index, "message": {"role": "assistant", "content": text},
@@ -298,14 +288,11 @@ class Call:
                     yield f"data: {json.dumps(payload.body())}\n\n"
                     yield "data: [DONE]\n\n"
                     return
-                else:  # cancelled
-                    self.cancel()
-                    self.outcome("cancelled")
+                else:  # cancelled: answered below
                     return
                 event = await self.next_event()
         except _Gone:
-            self.outcome("cancelled")
+            pass
         finally:  # also reached when the server cancels the stream because the client went away
             self.cancel()
-            if not self.counted:
-                self.outcome("cancelled")
+            self.outcome("cancelled")  # unless an outcome was set

@@ -1,11 +1,11 @@
-"""What the server does at the connection level, beyond uvicorn's defaults (found by a fault pass).
+"""What the server does at the connection level, beyond uvicorn's defaults.
 
 - A read deadline: a request's headers and body must arrive within REQUEST_READ_S of its first byte
   (of the connection opening, for the first request), or the connection is closed. Once the request
-  is in (its response may take long: a queue, a compile, a long decode) no deadline applies. uvicorn times out
-  only idle kept-alive connections, and any byte resets that timer, so clients sending a request a
-  byte at a time (or never finishing it) held their sockets forever: 21,000 of them filled the
-  process's file limit and locked every client out.
+  is in (its response may take long: a queue, a compile, a long decode) no deadline applies. uvicorn
+  times out only idle kept-alive connections, and any byte resets that timer, so clients sending a
+  request a byte at a time (or never finishing it) would hold their sockets until the process's file
+  limit locks every client out.
 - A response sent before its request's body has arrived (a 413 from Content-Length) does not close
   the connection under the client's feet: closing a socket with unread data sends a reset, and a
   client that sends the whole body before it reads (Python's urllib) then gets "connection reset"
@@ -16,14 +16,15 @@
 - Requests framed by both Content-Length and Transfer-Encoding are refused with 400 and the
   connection closed (RFC 9112 §6.3: such a request is how requests are smuggled past a proxy).
 - Repeats of asyncio's "socket.accept() out of system resource" error, logged with a traceback for
-  every refused accept while the file limit is reached (a 92 MB log in 35 s), are kept to one every
-  ACCEPT_ERROR_EVERY_S.
+  every refused accept while the file limit is reached, are kept to one every ACCEPT_ERROR_EVERY_S.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+
+from unmask.serve.errors import ApiError
 
 REQUEST_READ_S = 20.0
 LINGER_S = 10.0  # the rest of a refused body: read and dropped for at most this long ...
@@ -129,8 +130,6 @@ class _Transport:
 def framed(app):
     """``app`` behind a check of each HTTP request's framing headers (see the module docstring)."""
     from starlette.responses import JSONResponse
-
-    from unmask.serve.errors import ApiError
 
     async def asgi(scope, receive, send):
         names = {name for name, _ in scope.get("headers", ())} if scope["type"] == "http" else set()

@@ -22,8 +22,8 @@ table measured there.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
-from dataclasses import dataclass
 
 from unmask.decode.verify import layout as draft_layout
 from unmask.decode.verify import config as sbd_verify
@@ -48,7 +48,7 @@ AUTO = "auto"
 VERIFY_OPTIONS = ("block_size", "draft", "verify", "queries", "draft_source", "draft_tokens")  # a lossless sbd request's
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class DraftSizes:
     """``steps``: ``((min_rows, K), ...)`` with strictly increasing ``min_rows``, the first 1; K >= 1
     (K = 1: one-token AR steps). ``size(rows)`` is the K of the last step whose ``min_rows <= rows``.
@@ -77,24 +77,17 @@ class DraftSizes:
         """``"1:8,2:4,4:1"`` -> DraftSizes(((1, 8), (2, 4), (4, 1))). Raises UnmaskError on bad text."""
         steps = []
         for part in str(text).split(","):
-            rows, sep, k = part.strip().partition(":")
-            try:
+            rows, _, k = part.strip().partition(":")
+            try:  # without ":", k is "": a ValueError too
                 steps.append((int(rows), int(k)))
             except ValueError:
                 raise UnmaskError(f"bad draft-size entry {part.strip()!r}; write ROWS:K pairs, "
                                   "e.g. --draft-sizes 1:8,2:4,4:1, or auto / off alone") from None
-            if not sep:
-                raise UnmaskError(f"bad draft-size entry {part.strip()!r}; write ROWS:K pairs, "
-                                  "e.g. --draft-sizes 1:8,2:4,4:1, or auto / off alone")
         return cls(tuple(steps))
 
     def size(self, rows: int) -> int:
         """The draft block size K for a running batch of ``rows`` rows (1 = plain AR steps)."""
-        k = self.steps[0][1]
-        for min_rows, step_k in self.steps:
-            if rows >= min_rows:
-                k = step_k
-        return k
+        return next((k for min_rows, k in reversed(self.steps) if rows >= min_rows), self.steps[0][1])
 
 
 DEFAULT = AUTO
@@ -146,8 +139,6 @@ def with_server_draft(bundle, draft: str | None, queries: int | None):
     no draft runs that layout (its own ``draft``/``queries`` still win). ``bundle`` itself when neither
     is given. Raises UnmaskError (one line) for bad values (:func:`check_server_draft`) or a model
     that does not run lossless sbd."""
-    import dataclasses
-
     defaults = bundle.meta.get("decode_defaults") or {}
     if check_server_draft(draft, queries, defaults) is None:
         return bundle
@@ -156,12 +147,6 @@ def with_server_draft(bundle, draft: str | None, queries: int | None):
                           "--draft/--queries, or serve an sbd model (or a causal one with --adapter sbd)")
     served = {**defaults, "draft": draft or "budget", **({} if queries is None else {"queries": queries})}
     return dataclasses.replace(bundle, meta={**bundle.meta, "decode_defaults": served})
-
-
-def served_table(sizes: "DraftSizes | str | None", bundle) -> DraftSizes | None:
-    """:func:`table_for` of the layout ``bundle`` serves by default (its decode_defaults' draft)."""
-    defaults = bundle.meta.get("decode_defaults") or {}
-    return table_for(sizes, sbd_verify.default_layout(bundle), defaults)
 
 
 def draft_sizes_option(value: "str | DraftSizes | None") -> "DraftSizes | str | None":

@@ -32,12 +32,12 @@ from collections import deque
 
 from unmask.decode.verify.host_drafts import Tally
 from unmask.decode.verify.suffix import SuffixCache
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int
 from unmask.serve import per_call
 from unmask.serve.batches import RunningBatches
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, LoadSizer
 from unmask.serve.errors import ApiError
-from unmask.serve.jobs import Job, QueueFull, ShuttingDown, finish_gone, server_error, timed_out
+from unmask.serve.jobs import Job, QueueFull, ShuttingDown, finish_gone, server_error, shutting_down, timed_out
 
 log = logging.getLogger("unmask.serve")
 IDLE_COMPILE_S = 2.0  # --compile: compile a pending step shape only after this long with no request running
@@ -64,7 +64,7 @@ class Scheduler(RunningBatches):
             raise UnmaskError(f"max batch size must be an integer >= 1 (got {max_batch_size!r}); pass e.g. 8")
         if not isinstance(max_queue, int) or max_queue < 1:
             raise UnmaskError(f"max queue must be an integer >= 1 (got {max_queue!r}); pass e.g. 64")
-        if not isinstance(suffix_cache_tokens, int) or isinstance(suffix_cache_tokens, bool) or suffix_cache_tokens < 0:
+        if not is_int(suffix_cache_tokens) or suffix_cache_tokens < 0:
             raise UnmaskError(f"the suffix cache bound must be an integer >= 0 token ids (got {suffix_cache_tokens!r}); "
                               f"pass e.g. {DEFAULT_SUFFIX_TOKENS}, or 0 for none")
         self.suffix_cache = SuffixCache(suffix_cache_tokens) if suffix_cache_tokens else None
@@ -74,7 +74,6 @@ class Scheduler(RunningBatches):
         self.compile, self.draft_sizes = compile, self.sizer.table
         self.draft_log = self.sizer.log  # (rows in the batch, K) whenever sizable rows get a new K
         self.stop_ids = set(bundle.stop_token_ids)
-        self.defaults = bundle.meta.get("decode_defaults") or {}
         self.verify: dict = {}  # draft layout -> the AR / lossless running batch
         self.running_batches: dict[tuple, object] = {}  # batch key -> the other running batches
         self._waiting: deque[Job] = deque()
@@ -85,7 +84,6 @@ class Scheduler(RunningBatches):
         self.draining = False  # set by drain(): submit refuses, every request was ended
         self.peak_running = 0  # the most rows holding slots at once so far (tests, benchmarks)
         self.abandoned_batches = 0  # per-call batches stopped early: every request answered or gone
-        self.batch_rows: dict[int, int] = {}  # job id -> row in the running per-call batch
         self._batch: list[Job] = []  # the running per-call batch
         self.ar  # the AR batch exists from the start: the loop and readers never race to create it
         self._thread = threading.Thread(target=self._loop, name="unmask-scheduler", daemon=True)
@@ -156,7 +154,7 @@ class Scheduler(RunningBatches):
     @property
     def active(self) -> int:
         """Requests holding a slot: the running batches' rows and the per-call batch's."""
-        return len(self._running_jobs()) + len(self.batch_rows)
+        return len(self._running_jobs()) + len(self._batch)
 
     @property
     def pending_compiles(self) -> int:  # /health: step shapes (and whole steps) run eagerly, to compile once idle
@@ -216,7 +214,7 @@ class Scheduler(RunningBatches):
                     job.finish("error", server_error())
                 time.sleep(0.05)  # a fault that repeats every pass does not spin
         for job in list(self._waiting) + self._running_jobs():
-            job.finish("error", ApiError(503, "the server is shutting down; retry later", type="server_error"))
+            job.finish("error", shutting_down(retry_after=False))
 
     def _warm(self) -> None:
         """Compile one shape an idle batch ran eagerly (``defer_compile``); a failed one is logged and stays eager."""

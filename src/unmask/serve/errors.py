@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
+
+from unmask.errors import UnmaskError
 
 ECHO_CHARS = 40  # an echoed value (a word of the message) is cut to this many characters
 
@@ -25,3 +28,13 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@contextmanager
+def refused_as(param: str, *, first_line: bool = False):
+    """Re-raise an UnmaskError met in the block as an ApiError 400 naming ``param``, its message
+    whole or (``first_line``) its first line."""
+    try:
+        yield
+    except UnmaskError as e:
+        raise ApiError(400, str(e).splitlines()[0] if first_line else str(e), param=param) from None

@@ -9,43 +9,35 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from unmask.decode.engine.running import Request
 from unmask.errors import UnmaskError
-from unmask.sampling import Sampling
 from unmask.serve.errors import ApiError
 from unmask.serve.protocol import api_message, named_param
 
 _ids = itertools.count()
 
 
-@dataclass(eq=False)
-class Job:
-    """One request as the scheduler sees it.
+@dataclass(eq=False, kw_only=True)
+class Job(Request):
+    """One request as the scheduler sees it: a running decoder's
+    :class:`~unmask.decode.engine.running.Request` (prompt_ids, max_new_tokens, sampling, stop strings,
+    generator, logprobs, logit_bias, grammar) and what the scheduler keeps beside it.
 
-    prompt_ids: the encoded prompt; options: decoder knobs; stop: stop strings; deadline:
-    ``time.monotonic()`` after which the request times out. ``post(kind, payload)`` delivers an event
-    to the waiting HTTP handler (thread-safe). ``logprobs``, ``logit_bias``, ``grammar`` and ``generator``:
-    as :class:`~unmask.decode.engine.running.Request`'s; ``group``: the HTTP request it belongs to (its ``n``
-    choices share a per-call batch, whose decode gives them the generators they would get together)."""
+    decoder, options: the decoder and its knobs; deadline: ``time.monotonic()`` after which the request
+    times out. ``post(kind, payload)`` delivers an event to the waiting HTTP handler (thread-safe);
+    ``group``: the HTTP request it belongs to (its ``n`` choices share a per-call batch, whose decode
+    gives them the generators they would get together)."""
 
-    prompt_ids: list[int]
     decoder: str
     options: dict
-    sampling: Sampling
-    max_new_tokens: int
-    stop: tuple[str, ...]
     deadline: float
     post: object
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: threading.Event = field(default_factory=threading.Event)
-    submitted: float = field(default_factory=time.monotonic)
     closed: bool = False  # set by the scheduler after the final event
     sizable: bool = False  # set by the scheduler: greedy lossless sbd whose K follows the load
     running_key: tuple | None = None  # set by the scheduler: the running batch it joins (None: per call)
     config: object = None  # set by the scheduler: its decoder's config, which builds the batch it opens
-    generator: object = None  # None: a running batch draws the row's generator from ``sampling`` (Request's contract)
-    logprobs: int | None = None
-    logit_bias: dict | None = None
-    grammar: object = None
     grammar_field: str | None = None  # the request field that gave ``grammar``: the param of its errors
     group: object = None
     logprobs_posted: int = 0  # set by the scheduler: how many of its row's logprobs went out with "logprobs" events
@@ -80,8 +72,7 @@ def bad_request(e: UnmaskError, options: dict) -> ApiError:
     """A 400 for a decoder's own validation error, ``param`` the knob the message names first
     (:func:`~unmask.serve.protocol.named_param`)."""
     message = api_message(str(e).splitlines()[0])
-    param = named_param(message, options)
-    return ApiError(400, message, param=param)
+    return ApiError(400, message, param=named_param(message, options))
 
 
 def finish_gone(job: Job) -> None:
@@ -99,6 +90,12 @@ def timed_out() -> ApiError:
 
 def server_error() -> ApiError:
     return ApiError(500, "internal error while decoding; see the server log", type="server_error")
+
+
+def shutting_down(retry_after: bool = True) -> ApiError:
+    """The 503 of a draining server: new requests get Retry-After; the requests it ends do not."""
+    return ApiError(503, "the server is shutting down; retry later", type="server_error",
+                    headers={"Retry-After": "1"} if retry_after else None)
 
 
 class QueueFull(Exception):

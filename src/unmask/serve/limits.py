@@ -19,9 +19,17 @@ Body and prompt sizes are bounded too: the body by ``--max-body-bytes`` (413, ch
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-from unmask.errors import UnmaskError
+from unmask import memory
+from unmask.decode.blocks.sbd import DEFAULT_BLOCK_SIZE, SBDOptions, runs_lossless
+from unmask.decode.blocks.single import native_block_size
+from unmask.decode.dllm.diffusion import DiffusionOptions
+from unmask.decode.verify import config as sbd_verify, layout as draft_layout, siblings as sibling_layout
+from unmask.decode.verify.drafting import DEFAULT_DRAFT_TOKENS, HOST
+from unmask.errors import UnmaskError, is_int
+from unmask.routers.io import routers_dir
 from unmask.serve.errors import ApiError
 
 DEFAULT_MAX_BODY_BYTES = 2 * 2**20  # 2 MiB: a full 128k-token prompt as JSON fits, a 16 MiB body does not
@@ -53,7 +61,7 @@ class Limits:
             value = getattr(self, name)
             if value is None and name in ("max_prompt_chars", "max_cache_tokens"):
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 flag = "--" + name.replace("_", "-")
                 raise UnmaskError(f"{flag} must be an integer >= 1 (got {value!r}); pass e.g. "
                                   f"{flag} {getattr(Limits, name) or 4096}")
@@ -65,39 +73,26 @@ class Limits:
         return self.max_prompt_chars if self.max_prompt_chars is not None else CHARS_PER_TOKEN * self.cache_tokens(bundle)
 
 
-def _first(*values):
-    return next(v for v in values if v is not None)
-
-
 def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: int = 1) -> tuple[int, str, str]:
     """(query tokens one row puts into one decode forward, how they arise, the knob that sets them)
-    for a request, from
-    the decoder's knobs and the checkpoint's decode defaults. ``draft_k``: the largest K the
-    server's draft-size table may give a lossless sbd request that fixes no block size. Knobs the
-    decoder will refuse count as the defaults (the decoder reports them)."""
-    from unmask.decode.verify import layout as draft_layout
-    from unmask.decode.verify import config as sbd_verify
-    from unmask.decode.verify import siblings as sibling_layout
-    from unmask.decode.blocks.sbd import DEFAULT_BLOCK_SIZE, SBDOptions, runs_lossless
-    from unmask.decode.verify.drafting import DEFAULT_DRAFT_TOKENS, HOST
-
+    for a request, from the decoder's knobs and the checkpoint's decode defaults. ``draft_k``: the
+    largest K the server's draft-size table may give a lossless sbd request that fixes no block size.
+    Knobs the decoder will refuse count as the defaults (the decoder reports them)."""
     defaults = bundle.meta.get("decode_defaults") or {}
 
-    def knob(name, *fallbacks):
+    def knob(name, *fallbacks):  # the option if it is a valid count, else the first fallback set
         v = options.get(name)
-        return _first(v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None, *fallbacks)
+        return next(x for x in (v if is_int(v) and v >= 1 else None, *fallbacks) if x is not None)
 
     if decoder in ("ar", "sbd") and options.get("draft_source") in HOST:  # the verify part alone
         n = knob("draft_tokens", DEFAULT_DRAFT_TOKENS)
         return n + 1, f"{decoder} with {options['draft_source']} drafts of up to {n} tokens: {n + 1} queries per row", \
             "draft_tokens"
     if decoder == "sbd" and runs_lossless(bundle, options):
-        own = sbd_verify.default_block_size(bundle)
-        if options.get("block_size") is not None:
-            k = knob("block_size", sbd_verify.DEFAULT_BLOCK_SIZE)
-        else:  # the draft-size table's K or the checkpoint's default, whichever is larger
-            k = max(draft_k, own)
-        of_k = f"block_size {k}" if options.get("block_size") is not None or k == own else \
+        own, fixed = sbd_verify.default_block_size(bundle), options.get("block_size") is not None
+        # unless the request fixes K: the draft-size table's K or the checkpoint's default, whichever is larger
+        k = knob("block_size", sbd_verify.DEFAULT_BLOCK_SIZE) if fixed else max(draft_k, own)
+        of_k = f"block_size {k}" if fixed or k == own else \
             f"K = {k} from the server's --draft-sizes table (a request's block_size fixes K)"
         try:
             draft = SBDOptions(**{k: options.get(k) for k in ("draft", "block_size", "queries")}).layout(bundle)
@@ -114,8 +109,6 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
         k = knob("block_size", defaults.get("block_size"), DEFAULT_BLOCK_SIZE)
         return k, f"{decoder} with block_size {k}", "block_size"
     if decoder == "multiblock":
-        from unmask.decode.blocks.single import native_block_size
-
         b = knob("block_size", native_block_size(bundle), 1)
         s = knob("slots", defaults.get("slots"), 2)
         return s * b, f"multiblock with {s} slots of block_size {b}", "slots"
@@ -123,8 +116,6 @@ def query_tokens(bundle, decoder: str, options: dict, max_tokens: int, draft_k: 
         length = early_bird_length(bundle, options) or knob("gen_length", max_tokens)
         return length, f"early-bird over a canvas of {length} tokens (the LBS router's gen_length)", "gen_length"
     if decoder == "diffusion":
-        from unmask.decode.dllm.diffusion import DiffusionOptions
-
         try:  # the whole canvas is scored in a refresh (or every step without a cache)
             length = DiffusionOptions(**{k: v for k, v in options.items() if k in ("gen_length", "block_size")}
                                       ).resolve(bundle, max_tokens).gen_length
@@ -138,16 +129,12 @@ def early_bird_length(bundle, options: dict) -> int | None:
     """The canvas length an early-bird request decodes: the ``gen_length`` of the LBS router it
     will load (``options["routers"]`` or the model's own), read from ``lbs.json`` without loading
     the weights. None when no router is found (the decoder reports that when the batch starts)."""
-    import json
-
-    from unmask.routers.io import routers_dir
-
     try:
         where = routers_dir(bundle, options.get("routers"))
         length = json.loads((where / "lbs.json").read_text())["config"]["gen_length"]
     except Exception:  # noqa: BLE001 - any unreadable router is the decoder's error to report
         return None
-    return length if isinstance(length, int) and not isinstance(length, bool) and length >= 1 else None
+    return length if is_int(length) and length >= 1 else None
 
 
 def check_cost(bundle, limits: Limits, *, decoder: str, options: dict, prompt_tokens: int, max_tokens: int,
@@ -160,9 +147,8 @@ def check_cost(bundle, limits: Limits, *, decoder: str, options: dict, prompt_to
                             f"server's limit of {limits.max_query_tokens}; lower {param}"
                             f"{' or use draft linear' if 'quadratic' in why else ''}, or start the server with "
                             f"a larger --max-query-tokens", param=param, code="request_too_large")
-    length = max_tokens
-    if param == "gen_length":  # a diffusion canvas is cached whole, however few tokens are asked for
-        length = max(length, q)
+    # a diffusion canvas is cached whole, however few tokens are asked for
+    length = max(max_tokens, q) if param == "gen_length" else max_tokens
     cache = prompt_tokens + length
     if cache > limits.cache_tokens(bundle):
         raise ApiError(400, f"this request keeps {cache} tokens in its cache ({prompt_tokens} prompt + {length} "
@@ -180,16 +166,12 @@ def check_defaults(bundle, limits: Limits, decoder: str, options: dict, draft_k:
         raise UnmaskError(f"every default request would be refused: {e.message}") from None
 
 
-
 def check_batch_memory(bundle, limits: Limits, max_batch_size: int) -> None:
     """Raise UnmaskError (one line, with the numbers) when a full batch of ``max_batch_size`` rows cannot
     fit in the memory free on the model's device: per row, the KV cache of ``limits.cache_tokens``
     tokens (at most the context window), its token and position slots, and the (K, V) float32 draft
     probabilities a sampled lossless row keeps (:mod:`unmask.memory`; a lower bound, so a refused size never fits)."""
-    from unmask import memory
-    from unmask.decode.verify import config as sbd_verify
-
-    if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+    if not is_int(max_batch_size) or max_batch_size < 1:
         return  # the scheduler refuses it by name
     model = bundle.model
     # a request's prompt + completion must fit the context window: a larger --max-cache-tokens is never reached

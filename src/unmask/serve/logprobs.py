@@ -20,10 +20,12 @@ come with the choice's last chunk.
 
 from __future__ import annotations
 
+from contextlib import suppress
+
+from unmask.serve.stream import CONTEXT_IDS, byte_token
 from unmask.trace import TokenText
 
 FLOOR = -9999.0  # what a -inf logprob is sent as (JSON has no infinity)
-CONTEXT_IDS = 8  # ids before a token that its offset's decode sees (spaces, merged byte tokens)
 
 
 def _lp(value: float) -> float:
@@ -32,12 +34,9 @@ def _lp(value: float) -> float:
 
 def token_bytes(tokenizer, token: int, text: str) -> list[int]:
     """The UTF-8 bytes of a token: a byte-fallback token such as ``<0xE6>`` is its one byte."""
-    piece = tokenizer.convert_ids_to_tokens(token) if tokenizer is not None else None
-    if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        try:
-            return [int(piece[3:5], 16)]
-        except ValueError:
-            pass
+    if tokenizer is not None and byte_token(tokenizer, token):
+        with suppress(ValueError):
+            return [int(tokenizer.convert_ids_to_tokens(token)[3:5], 16)]
     return list(text.encode("utf-8", "backslashreplace"))
 
 
@@ -86,7 +85,7 @@ class ChoiceLogprobs:
         """The shaped logprobs of every token not yet sent; ``final``: the row's whole list, which wins."""
         if final is not None:
             self.entries = list(final)
-            self.offsets = self.offsets[: min(len(self.offsets), self.sent + 1)]
+            self.offsets = self.offsets[: self.sent + 1]
         return self._take(len(self.entries))
 
     def whole(self, final: list | None) -> dict:

@@ -1,14 +1,16 @@
 """What still runs per call in the server: one ``decode`` over a batch of compatible queued requests
-(a remote-code LLaDA, whose forward takes no positions, so its rows cannot share a padded batch). While such a batch runs, the scheduler's running decoders admit and
-step after each of its forwards; a row whose committed prefix fixes its answer is answered at
-once, and the batch stops when none of its requests is still wanted. Functions of the
-:class:`~unmask.serve.engine.Scheduler` (``sched``), run on its thread."""
+(a remote-code LLaDA, whose forward takes no positions, so its rows cannot share a padded batch).
+While such a batch runs, the scheduler's running decoders admit and step after each of its forwards;
+a row whose committed prefix fixes its answer is answered at once, and the batch stops when none of
+its requests is still wanted. Functions of the :class:`~unmask.serve.engine.Scheduler` (``sched``),
+run on its thread."""
 
 from __future__ import annotations
 
 import logging
 
 from unmask.decode import spec_for
+from unmask.decode.engine.stop import StopRule
 from unmask.errors import UnmaskError
 from unmask.serve.jobs import bad_request, finish_gone, server_error
 from unmask.serve.stream import edits_committed
@@ -18,14 +20,6 @@ log = logging.getLogger("unmask.serve")
 
 class _Abandoned(Exception):
     """Raised from ``on_step`` to stop a per-call batch none of whose requests is still wanted."""
-
-
-def interleave(sched) -> None:
-    """Between two forwards of a per-call batch: admit waiting jobs and step the running decoders."""
-    with sched._lock:
-        sched._reap_waiting()
-        joining = sched._take_running()
-    sched._advance(joining)
 
 
 def final(sched, job, canvas: list) -> tuple[list[int], str, int] | None:
@@ -47,21 +41,24 @@ def final(sched, job, canvas: list) -> tuple[list[int], str, int] | None:
 
 def stopped(bundle, job, tokens: list[int]) -> bool:
     """Whether the text of ``tokens`` holds one of the job's stop strings (the answer is cut there)."""
-    return bool(job.stop) and any(s in bundle.decode_continuation(job.prompt_ids, list(tokens)) for s in job.stop)
+    return StopRule.of(strings=job.stop).hit(bundle, job.prompt_ids, tokens)
 
 
 def run_batch(sched, jobs: list) -> None:
     """Decode ``jobs`` in one call of their decoder and answer each (see the module docstring)."""
     first = jobs[0]
-    sched.batch_rows, sched._batch = {j.id: i for i, j in enumerate(jobs)}, jobs
+    sched._batch = jobs
     sched.peak_running = max(sched.peak_running, sched.active)
     last_step, steps = [None], [0] * len(jobs)  # forwards in which each row had work (its step events)
     edits = edits_committed(sched.bundle, first.decoder, first.options)
 
     def on_step(event: dict) -> None:
-        if event["step"] != last_step[0]:  # a new forward of the batch: the running decoders advance too
+        if event["step"] != last_step[0]:  # a new forward of the batch: the running decoders admit and step too
             last_step[0] = event["step"]
-            interleave(sched)
+            with sched._lock:
+                sched._reap_waiting()
+                joining = sched._take_running()
+            sched._advance(joining)
         row = int(event["row"])
         job = jobs[row]
         if job.gone:
@@ -98,7 +95,7 @@ def run_batch(sched, jobs: list) -> None:
             j.finish("error", server_error())
         return
     finally:
-        sched.batch_rows, sched._batch = {}, []
+        sched._batch = []
     for i, j in enumerate(jobs):
         if j.gone:
             finish_gone(j)

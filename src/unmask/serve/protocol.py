@@ -23,16 +23,17 @@ from functools import lru_cache
 from unmask.api import check_options, encode_prompts
 from unmask.decode import DECODERS, default_decoder, spec_for
 from unmask.decode.verify.drafting import HOST
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, is_int, is_number
 from unmask.prompts import check_messages, check_text, has_chat_template, plain_template, render
 from unmask.sampling import Sampling
-from unmask.serve.asks import FIELDS as ASK_FIELDS, parse_asks
-from unmask.serve.errors import ApiError
+from unmask.serve.asks import FIELDS as ASK_FIELDS, Asks, parse_asks
+from unmask.serve.errors import ApiError, refused_as
 from unmask.serve.limits import Limits, check_cost
 
 DEFAULT_MAX_TOKENS = 128
 MAX_STOP, MAX_STOP_CHARS = 64, 256  # stop strings per request (OpenAI takes 4) and their length
 STREAM_MODES = ("committed", "canvas")
+SAMPLING = ("temperature", "top_p", "top_k", "seed")  # the Sampling fields a request sets
 # template characters counted per message before rendering (the plain template adds 2 to a system
 # turn, 7 to a user turn): bounds the template's work on a huge list of empty messages
 MESSAGE_CHARS = 2
@@ -61,7 +62,7 @@ def _serve_knobs(specs: tuple) -> dict[str, str]:
 
 def _float_range(name: str, value) -> None:
     """Raise ApiError (400) for a JSON integer no float holds (309+ digits), where a number is read as a float."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         try:
             float(value)
         except OverflowError:
@@ -69,19 +70,19 @@ def _float_range(name: str, value) -> None:
                                 "number below 1e308", param=name) from None
 
 
-_TYPES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+# a knob's value type -> (its name in words, its check)
+_TYPES = {"int": ("an integer", is_int), "float": ("a number", is_number),
+          "str": ("a string", lambda v: isinstance(v, str)), "bool": ("true or false", lambda v: isinstance(v, bool))}
 
 
 def _typed(name: str, value, kind: str):
-    # checked lazily: isfinite() of an integer no float holds raises (an int knob of 400 digits)
-    ok = {"int": lambda: isinstance(value, int) and not isinstance(value, bool),
-          "float": lambda: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-          "str": lambda: isinstance(value, str), "bool": lambda: isinstance(value, bool)}[kind]()
+    what, check = _TYPES[kind]
+    ok = check(value)
     if not ok and kind == "float" and isinstance(value, float) and math.isinf(value):
         raise ApiError(400, f"{name} must be a finite number (got {value!r}; JSON has no infinity): for "
                             f"\"reveal everything\" pass a large value such as 1e9", param=name)
     if not ok:
-        raise ApiError(400, f"{name} must be {_TYPES[kind]} (got {value!r}); fix or drop it", param=name)
+        raise ApiError(400, f"{name} must be {what} (got {value!r}); fix or drop it", param=name)
     if kind == "str" and not value.strip():
         raise ApiError(400, f"{name} must not be empty; give a value or drop {name!r}", param=name)
     return float(value) if kind == "float" else value
@@ -136,7 +137,6 @@ def check_prompt_chars(bundle, prompt: str | list[dict], limits: Limits, field: 
     if contents + MESSAGE_CHARS * len(prompt) > limit:
         refuse(contents + MESSAGE_CHARS * len(prompt),
                f" (the contents of its {n} and {MESSAGE_CHARS} characters of chat template per message)")
-    what = f" as the chat template renders its {n}"
     if not has_chat_template(bundle):
         text = plain_template(prompt)
     else:
@@ -145,13 +145,13 @@ def check_prompt_chars(bundle, prompt: str | list[dict], limits: Limits, field: 
         except Exception:  # noqa: BLE001 - a template that refuses the messages is reported by render()
             return
     if len(text) > limit:
-        refuse(len(text), what)
+        refuse(len(text), f" as the chat template renders its {n}")
 
 
-@dataclass(frozen=True)
-class ServeRequest:
-    """A validated completion request (one prompt). ``logprobs``, ``logit_bias``, ``grammar`` (compiled)
-    and ``n`` (choices): :class:`unmask.serve.asks.Asks`."""
+@dataclass(frozen=True, kw_only=True)
+class ServeRequest(Asks):
+    """A validated completion request (one prompt). ``logprobs``, ``logit_bias``, ``grammar`` (compiled),
+    ``grammar_field`` and ``n`` (choices): :class:`unmask.serve.asks.Asks`."""
 
     prompt: str
     prompt_ids: list[int]
@@ -164,11 +164,6 @@ class ServeRequest:
     stream_mode: str
     timeout: float
     echo: bool = False  # completions: the answer's text starts with the prompt
-    logprobs: int | None = None
-    logit_bias: dict | None = None
-    grammar: object = None
-    n: int = 1
-    grammar_field: str | None = None
 
 
 def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
@@ -221,20 +216,16 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
     mode = body.get("stream_mode", "committed")
     if mode not in STREAM_MODES:
         raise ApiError(400, f"stream_mode must be one of {', '.join(STREAM_MODES)} (got {mode!r})", param="stream_mode")
-    timeout = body.get("timeout", default_timeout)
-    if timeout is None:
-        timeout = default_timeout
-    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf):
+    timeout = default_timeout if body.get("timeout") is None else body["timeout"]
+    if not (is_number(timeout) and timeout > 0):
         raise ApiError(400, f"timeout must be a number of seconds > 0 (got {timeout!r})", param="timeout")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)  # 0, {} or false: refused below
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "stop must be a non-empty string or a list of them", param="stop")
     for i, s in enumerate(stop):  # a lone surrogate could never match the decoded text
-        try:
+        with refused_as("stop"):
             check_text(s, f"stop[{i}]")
-        except UnmaskError as e:
-            raise ApiError(400, str(e), param="stop") from None
     # every stop string is matched against the text at every step, on the event loop (streams)
     if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
         raise ApiError(400, f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each "
@@ -267,23 +258,16 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
     if len(given) == 2 and given[0] != given[1]:
         raise ApiError(400, f"max_tokens ({given[0]!r}) and max_completion_tokens ({given[1]!r}) differ; send one of "
                             "them", param="max_completion_tokens")
-    max_tokens = given[0] if given else None
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
-    try:
-        sampling = Sampling(temperature=body.get("temperature", 0.0) if body.get("temperature") is not None else 0.0,
-                            top_k=body.get("top_k", 0) if body.get("top_k") is not None else 0,
-                            top_p=body.get("top_p", 1.0) if body.get("top_p") is not None else 1.0,
-                            seed=body.get("seed", 0) if body.get("seed") is not None else 0)
+    max_tokens = given[0] if given else DEFAULT_MAX_TOKENS
+    try:  # null is the default, as an absent field (Sampling's defaults)
+        sampling = Sampling(**{k: body[k] for k in SAMPLING if body.get(k) is not None})
     except UnmaskError as e:
-        param = next((p for p in ("temperature", "top_p", "top_k", "seed") if p.replace("_", "-") in str(e)), None)
+        param = next((p for p in SAMPLING if p.replace("_", "-") in str(e)), None)
         raise ApiError(400, api_message(str(e)), param=param) from None
 
     if chat:
-        try:
+        with refused_as("messages"):
             prompt, field = check_messages(body.get("messages")), "messages"
-        except UnmaskError as e:
-            raise ApiError(400, str(e), param="messages") from None
     else:
         prompt, field = body.get("prompt"), "prompt"
         if isinstance(prompt, list) and len(prompt) == 1:
@@ -307,8 +291,7 @@ def parse(body, bundle, model_name: str, *, chat: bool, default_timeout: float,
                draft_k=draft_k)
     return ServeRequest(prompt=prompt, prompt_ids=ids, decoder=decoder, options=options, sampling=sampling,
                         max_tokens=max_tokens, stop=tuple(stop), stream=stream, stream_mode=mode, timeout=float(timeout),
-                        echo=echo, logprobs=asks.logprobs, logit_bias=asks.logit_bias, grammar=asks.grammar, n=asks.n,
-                        grammar_field=asks.grammar_field)
+                        echo=echo, **vars(asks))
 
 
 def _json_kind(value) -> str:

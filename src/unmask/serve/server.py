@@ -12,6 +12,7 @@ import threading
 import time
 
 from unmask.errors import UnmaskError
+from unmask.models import load
 from unmask.serve import connection, create_app, require
 from unmask.serve.auth import check_key
 from unmask.serve.draft_sizing import DEFAULT as DEFAULT_DRAFT_SIZES, DraftSizes, check_server_draft, draft_sizes_option
@@ -113,25 +114,18 @@ class ServerThread:
 
 
 def serve(model: str | None = None, *, kind: str | None = None, adapter: str | None = None, host: str = "127.0.0.1",
-          port: int = 8000,
-          max_batch_size: int = 8, max_queue: int = 64, request_timeout: float = 600.0, device: str = "cpu",
-          dtype: str = "float32", log_level: str = "info", compile: bool = False, draft_sizes: str | None = None,
-          limits: Limits | None = None, api_key: str | None = None, warmup: bool = False,
-          suffix_cache_tokens: int | None = None, **defaults) -> None:
+          port: int = 8000, max_batch_size: int = 8, max_queue: int = 64, request_timeout: float = 600.0,
+          device: str = "cpu", dtype: str = "float32", log_level: str = "info", compile: bool = False,
+          draft_sizes: str | None = None, limits: Limits | None = None, api_key: str | None = None,
+          warmup: bool = False, suffix_cache_tokens: int | None = None, **defaults) -> None:
     """Load ``model`` (with the gated SBD ``adapter``, a name it ships or a directory, when given)
-    and serve it until interrupted (``unmask serve``). ``defaults``: the default
-    decoder and knobs of requests (``decoder="sbd", gamma=0.35``; ``draft``/``queries``: the lossless layout
-    AR and lossless rows join, :func:`unmask.serve.draft_sizing.with_server_draft`); ``draft_sizes``: the running-batch
-    -> K table of lossless sbd (``"1:8,2:4,4:1"``, ``"off"``; None: the default table); ``limits``: the
-    per-request limits (:class:`unmask.serve.limits.Limits`); ``api_key``: the key requests must send
-    (:mod:`unmask.serve.auth`); ``warmup``: compile ahead, ``/health`` 503 "warming up" until done
-    (:func:`unmask.serve.warmup.warm_up`); ``suffix_cache_tokens``: the suffix-decoding cache's bound (None:
-    the default; 0: none). Raises UnmaskError for a bad model, option or
-    address (``draft_sizes`` on a model that does not run lossless sbd), KeyboardInterrupt after SIGINT and
-    SystemExit(143) after SIGTERM, once open requests were drained (see ``_server``)."""
+    and serve it until interrupted (``unmask serve``). ``defaults``: the default decoder and knobs of
+    requests (``decoder="sbd", gamma=0.35``); ``draft_sizes`` None: the default table;
+    ``suffix_cache_tokens`` None: the default; the other arguments: :func:`unmask.serve.app.create_app`.
+    Raises UnmaskError for a bad model, option or address (``draft_sizes`` on a model that does not
+    run lossless sbd), KeyboardInterrupt after SIGINT and SystemExit(143) after SIGTERM, once open
+    requests were drained (see ``_server``)."""
     require()
-    from unmask.models import load
-
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise UnmaskError(f"port must be in 0..65535 (got {port!r}); pass e.g. --port 8000")
     if not (isinstance(request_timeout, (int, float)) and 0 < request_timeout < math.inf):

@@ -17,6 +17,7 @@ and its position is listed in ``special``, so a page can mark it rather than pri
 
 from __future__ import annotations
 
+from unmask.decode.engine.stop import StopRule
 from unmask.trace import TokenText
 
 CONTEXT_IDS = 8  # ids before a stream's undecoded tail that its decode sees (spaces, merged byte tokens)
@@ -46,7 +47,7 @@ def _held_tail(text: str, stop: tuple[str, ...]) -> int:
     return best
 
 
-def _byte_token(tokenizer, token_id: int) -> bool:
+def byte_token(tokenizer, token_id: int) -> bool:
     """Whether ``token_id`` is a byte-fallback token such as ``<0xE6>`` (SentencePiece-style vocabularies)."""
     token = tokenizer.convert_ids_to_tokens(token_id)
     return isinstance(token, str) and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
@@ -59,8 +60,8 @@ class TextStream:
                  token_text: TokenText | None = None, final_only: bool = False):
         self.bundle, self.prompt_ids, self.stop, self.limit = bundle, list(prompt_ids), tuple(stop), limit
         self.final_only = final_only  # committed tokens may still change (token-to-token edits): text only at the end
-        self.stop_ids = set(bundle.stop_token_ids)
-        self.special_ids = self.stop_ids | set(getattr(bundle.tokenizer, "all_special_ids", None) or ())
+        self.rule = StopRule.of(bundle.stop_token_ids, stop)
+        self.special_ids = self.rule.ids | set(getattr(bundle.tokenizer, "all_special_ids", None) or ())
         self.sent = ""
         self.stopped = False
         self.token_text = token_text or TokenText(bundle.tokenizer)
@@ -71,11 +72,10 @@ class TextStream:
     def _continuation(self, tokens: list[int]) -> str:
         """``bundle.decode_continuation(prompt_ids, tokens)``, decoding only the ids after the last fixed
         prefix, with the CONTEXT_IDS ids before them as context: a step costs O(new ids), not O(prompt +
-        text) (a long prompt made every step of every stream decode it whole). Where the context's decode
-        is not a prefix of the tail's (a tokenizer joining across the boundary) it decodes the whole
-        continuation as before and starts over. The tail is fixed when it ends on a whole character that
-        is not white space and its last id is not a byte-fallback token (``<0xE6>``: a decoder turns a whole
-        run of those into U+FFFD when any of them is invalid), after which no later id can change its text."""
+        text). Where the context's decode is not a prefix of the tail's (a tokenizer joining across the
+        boundary) it starts over. The tail is fixed when it ends on a whole character that is not white
+        space and its last id is not a byte-fallback token (``<0xE6>``: a decoder turns a whole run of
+        those into U+FFFD when any of them is invalid), after which no later id can change its text."""
         n = len(self._fixed_ids)
         if tokens[:n] != self._fixed_ids:  # committed ids only grow; anything else starts over
             self._fixed_ids, self._fixed_text, n = [], "", 0
@@ -90,25 +90,18 @@ class TextStream:
                 return self._continuation(tokens)
             tail = full[len(head):]
         text = self._fixed_text + tail
-        if tail and not tail[-1].isspace() and "\ufffd" not in tail and not _byte_token(self.bundle.tokenizer, tokens[-1]):
+        fixed = tail and not tail[-1].isspace() and "\ufffd" not in tail
+        if fixed and not byte_token(self.bundle.tokenizer, tokens[-1]):
             self._fixed_ids, self._fixed_text = list(tokens), text
         return text
-
-    def _prefix(self, canvas: list) -> list[int]:
-        """Committed ids from the left, up to a masked slot, a stop token or ``limit`` (a diffusion
-        canvas may be longer than the requested tokens)."""
-        out = []
-        for t in canvas[: self.limit]:
-            if t is None or t in self.stop_ids:
-                break
-            out.append(t)
-        return out
 
     def update(self, canvas: list) -> str:
         """The new final text after a step whose canvas is ``canvas`` (ids, None where masked)."""
         if self.stopped or self.final_only:
             return ""
-        text = self._continuation(self._prefix(canvas))
+        # committed ids from the left, up to a masked slot, a stop token or ``limit`` (a diffusion canvas may
+        # be longer than the requested tokens)
+        text = self._continuation(self.rule.until_stop(canvas[: self.limit], also=(None,)))
         text, hit = cut_at_stop(text, self.stop)
         if hit:
             self.stopped = True

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+from unmask.decode.engine.static import compile_progress
 from unmask.serve.jobs import Job
 
 WARMUP_TOKENS = 16  # enough decode steps to meet the step shapes of a one-row request
@@ -21,14 +22,12 @@ def warm_up(scheduler, probe, *, max_new_tokens: int = WARMUP_TOKENS, poll_s: fl
     there is nothing to wait for). Blocks; returns the seconds it took, or ends early when the
     scheduler stops. ``log(line)`` (default: stderr) gets one line per graph compiled and one at the end.
     The shapes of more rows or longer prompts still compile when the server is first idle after them."""
-    from unmask.decode.engine.static import compile_progress
-
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     t0 = time.monotonic()
     ended = threading.Event()
     job = Job(prompt_ids=probe.prompt_ids, decoder=probe.decoder, options=probe.options, sampling=probe.sampling,
-              max_new_tokens=max_new_tokens, stop=(), deadline=math.inf, post=lambda kind, payload: None)
-    job.post = lambda kind, payload: ended.set() if job.closed else None  # set after the final event
+              max_new_tokens=max_new_tokens, stop=(), deadline=math.inf,
+              post=lambda kind, payload: ended.set() if job.closed else None)  # set after the final event
 
     def compiled(event: dict) -> None:
         shape = f"rows {event['rows']}, queries {event['queries']}, cache {event['cache']}"
