@@ -136,6 +136,8 @@ def test_a_config_size_that_does_not_fit_the_weights_names_the_tensor_and_both_s
     (b"Basic c2VjcmV0", "the Authorization header uses the scheme 'Basic', not Bearer"),
     (b"Token secret", "the Authorization header uses the scheme 'Token', not Bearer"),
     (b"Bearer nope", "the API key is not this server's"),
+    (b"sk-0123456789abcdef0123456789", "the Authorization header holds no scheme before the key (a bare key?)"),
+    (b"X-Very-Long-Custom-Scheme-Name secret", "the Authorization header uses another scheme, not Bearer"),
 ])
 def test_a_refused_key_says_what_was_wrong_with_the_header(header, why):
     """'Authorization: Basic ...' (curl -u, a proxy) was answered 'no API key was given'."""

@@ -32,24 +32,27 @@ def check_key(key: str | None) -> bytes | None:
 
 
 def _bearer(scope) -> tuple[bytes, bytes]:
-    """(scheme, bearer token) of the request's Authorization header: b"" for a missing header, and
-    for the token of another scheme."""
+    """(the request's Authorization header, its bearer token): b"" for a missing header, and a token
+    b"" for another scheme."""
     for name, value in scope.get("headers") or ():
         if name.lower() == b"authorization":
             scheme, _, token = value.strip().partition(b" ")
-            return scheme, token.strip() if scheme.lower() == b"bearer" else b""
+            return value, token.strip() if scheme.lower() == b"bearer" else b""
     return b"", b""
 
 
-def _why(scheme: bytes, given: bytes) -> str:
+def _why(header: bytes, given: bytes) -> str:
     """Why the request's key is refused, in words for the 401."""
     if given:
         return "the API key is not this server's"
-    if scheme and scheme.lower() != b"bearer":  # curl -u or a proxy's Basic: a key sent the wrong way
-        name = scheme.decode("ascii", "replace")
-        name = repr(name) if len(name) <= 20 and name.isalnum() else "another scheme"
-        return f"the Authorization header uses the scheme {name}, not Bearer"
-    return "no API key was given"
+    scheme, space, _ = header.strip().partition(b" ")
+    if not scheme or scheme.lower() == b"bearer":
+        return "no API key was given"
+    if not space:  # 'Authorization: KEY', the key without its scheme
+        return "the Authorization header holds no scheme before the key (a bare key?)"
+    name = scheme.decode("ascii", "replace")  # curl -u or a proxy's Basic: a key sent the wrong way
+    name = f"the scheme {name!r}" if len(name) <= 20 and name.isalnum() else "another scheme"
+    return f"the Authorization header uses {name}, not Bearer"
 
 
 class RequireKey:
@@ -60,10 +63,10 @@ class RequireKey:
         self.app, self.key = app, key
 
     async def __call__(self, scope, receive, send):
-        scheme, given = _bearer(scope)
+        header, given = _bearer(scope)
         if scope["type"] != "http" or scope.get("path") in OPEN_PATHS or hmac.compare_digest(given, self.key):
             return await self.app(scope, receive, send)
-        error = ApiError(401, f"{_why(scheme, given)}; send the header 'Authorization: Bearer KEY' with the server's "
+        error = ApiError(401, f"{_why(header, given)}; send the header 'Authorization: Bearer KEY' with the server's "
                               "--api-key (openai clients: OpenAI(api_key=KEY))", code="invalid_api_key")
         body = json.dumps(error.body()).encode()
         await send({"type": "http.response.start", "status": 401,
