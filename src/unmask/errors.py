@@ -30,6 +30,18 @@ def is_number(value, *, finite: bool = True) -> bool:
 
 
 
+def check_int(value, low: int, what: str, hint: str) -> None:
+    """Raise the one-line UnmaskError unless ``value`` is an integer >= ``low`` (``hint``: the fix)."""
+    if not is_int(value) or value < low:
+        raise UnmaskError(f"{what} must be an integer >= {low} (got {value!r}); {hint}")
+
+
+def check_choice(what: str, value, choices) -> None:
+    """Raise the one-line UnmaskError unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise UnmaskError(f"unknown {what} {value!r}; choose one of: {', '.join(choices)}")
+
+
 def warning_line(message, category, filename, lineno, file=None, line=None) -> None:
     """``warnings.showwarning`` that prints ``warning: <message>`` on one line, not Python's two-line
     source echo (``loop.py:459: UserWarning: ...`` and the ``warnings.warn(...)`` line)."""

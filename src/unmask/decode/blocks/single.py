@@ -34,7 +34,7 @@ from unmask.decode.blocks.batch import BlockDecoder, running_batch
 from unmask.decode.blocks.rule import SINGLE_BD
 from unmask.decode.engine.knobs import PolicyKnobs
 from unmask.decode.engine.registry import Spec, knob
-from unmask.errors import UnmaskError, is_int
+from unmask.errors import UnmaskError, check_choice, is_int
 from unmask.policies import Policy, Threshold, gamma_option, make_policy
 
 DEFAULT_TAU = 0.95  # τ_M2T of every SingleBD row of multiblock.md Table 4 (LLaDA2-Mini, SDAR)
@@ -136,8 +136,7 @@ class BlockOptions(PolicyKnobs):
         check_block_model(bundle, "block")
         policy, tau, steps, schedule = self.policy, self.tau, self.steps, self.schedule
         if schedule is not None:
-            if schedule not in SCHEDULES:
-                raise UnmaskError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+            check_choice("schedule", schedule, SCHEDULES)
             tau = SCHEDULES[schedule] if tau is None else tau
         if (schedule is not None or steps is not None) and policy not in (None, "threshold"):
             raise UnmaskError(f"--schedule/--steps use the quota-threshold rule, not policy {policy!r}; drop --policy")

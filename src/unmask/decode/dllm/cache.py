@@ -32,7 +32,7 @@ import torch
 
 from unmask.compat import attention_mask
 from unmask.decode.engine.kv import DynamicKV, StaticKV, canvas_forward, make_kv
-from unmask.errors import UnmaskError
+from unmask.errors import UnmaskError, check_choice
 from unmask.masks import as_4d, with_key_padding
 from unmask.models.adapters import bidirectional_forward, supports_cache
 
@@ -147,8 +147,7 @@ class SlotCanvas:
 
     def __init__(self, bundle, mode: str, capacity: int, width: int, block: int | None, *, static: bool = False,
                  compile: bool = False, length: int | None = None):
-        if mode not in CACHE_MODES:
-            raise UnmaskError(f"unknown cache {mode!r}; choose one of: {', '.join(CACHE_MODES)}")
+        check_choice("cache", mode, CACHE_MODES)
         if mode != "none" and not supports_cache(bundle):
             raise UnmaskError(f"cache {mode!r} needs a transformers-native model; this checkpoint runs its own "
                               "model code, so use --cache none")

@@ -13,7 +13,7 @@ from unmask.decode.blocks.commit_shaping import CommitShaping
 from unmask.decode.dllm.cache import SlotCanvas, prompt_width
 from unmask.decode.engine.running import CanvasRows, Row, Slots, finish, row_generator
 from unmask.decode.engine.stop import StopRule
-from unmask.errors import UnmaskError, is_int
+from unmask.errors import UnmaskError, check_choice
 from unmask.models.adapters import SAMPLERS
 from unmask.policies import CONFIDENCES
 from unmask.trace import host_event
@@ -27,18 +27,6 @@ def check_canvas(bundle, prompt_len: int, gen_length: int, hint: str) -> None:
     if prompt_len + gen_length > bundle.context_length:
         raise UnmaskError(f"prompt ({prompt_len} tokens) + gen length {gen_length} exceeds the context window of "
                           f"{bundle.context_length}; {hint}")
-
-
-def check_int(value, low: int, what: str, hint: str) -> None:
-    """Raise the one-line UnmaskError unless ``value`` is an integer >= ``low``."""
-    if not is_int(value) or value < low:
-        raise UnmaskError(f"{what} must be an integer >= {low} (got {value!r}); {hint}")
-
-
-def check_choice(what: str, value, choices) -> None:
-    """Raise the one-line UnmaskError unless ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise UnmaskError(f"unknown {what} {value!r}; choose one of: {', '.join(choices)}")
 
 
 class SamplerKnobs:
@@ -181,5 +169,5 @@ class CanvasBatch(CanvasRows):
         return extra
 
 
-__all__ = ["CanvasBatch", "CanvasRow", "SamplerKnobs", "canvas_width", "check_canvas", "check_choice", "check_int",
-           "check_mask_token", "early_stop"]
+__all__ = ["CanvasBatch", "CanvasRow", "SamplerKnobs", "canvas_width", "check_canvas", "check_mask_token",
+           "early_stop"]

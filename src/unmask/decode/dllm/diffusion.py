@@ -28,11 +28,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from unmask.decode.dllm.cache import CACHE_MODES
-from unmask.decode.dllm.canvas import SamplerKnobs, check_choice, check_int
+from unmask.decode.dllm.canvas import SamplerKnobs
 from unmask.decode.dllm.dream import DreamConfig
 from unmask.decode.engine.knobs import CanvasKnobs, PolicyKnobs
 from unmask.decode.engine.registry import knob
-from unmask.errors import UnmaskError, is_int
+from unmask.errors import UnmaskError, check_choice, check_int, is_int
 from unmask.models.adapters import default_sampler, is_remote
 from unmask.policies import Policy, TopK, gamma_option, make_policy
 

@@ -29,10 +29,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, check_canvas, check_choice, check_int
+from unmask.decode.dllm.canvas import CanvasBatch, CanvasRow, check_canvas
 from unmask.decode.dllm.cache import canvas_call
 from unmask.decode.engine.host import HostRead
-from unmask.errors import UnmaskError, is_number
+from unmask.errors import UnmaskError, check_choice, check_int, is_number
 from unmask.models.adapters import realign
 from unmask.sampling import Sampling
 

@@ -35,12 +35,12 @@ import os
 from dataclasses import dataclass, field
 
 from unmask.decode.dllm.cache import CACHE_MODES, check_fast_path
-from unmask.decode.dllm.canvas import SamplerKnobs, check_choice, check_int, check_mask_token
+from unmask.decode.dllm.canvas import SamplerKnobs, check_mask_token
 from unmask.decode.dllm.diffusion import batches_fit
 from unmask.decode.dllm.eb_select import GAP_METRICS, POS_MODES
 from unmask.decode.engine.knobs import CanvasKnobs
 from unmask.decode.engine.registry import knob
-from unmask.errors import UnmaskError, is_int, is_number
+from unmask.errors import UnmaskError, check_choice, check_int, is_int, is_number
 from unmask.models.adapters import default_sampler
 from unmask.routers.io import check_lbs_fits, load_router, load_routers, routers_dir
 from unmask.routers.lbs import LBSRouter
