@@ -257,13 +257,21 @@ def compare(label: str, ar_bundle, sbd_bundle, prompts, schemas: dict, args) -> 
     return rows
 
 
+STORY_MODELS = (("stories260K-sbd", "stories260K-sbd", {}), ("stories260K+sbd", "stories260K", {"adapter": "sbd"}))
+
+
+def load_pair(name: str, sbd_kw: dict):
+    """(AR bundle, lossless bundle) of a shipped SBD route: one bundle for a fine-tuned model (no ``sbd_kw``),
+    else the base and the base with ``sbd_kw`` (its gated adapter)."""
+    ar_bundle = unmask.load(name)
+    return ar_bundle, unmask.load(name, **sbd_kw) if sbd_kw else ar_bundle
+
+
 def stories(args) -> list[dict]:
     texts = list(STORY_OPENINGS[:args.prompts])
     out = []
-    for label, ar_name, sbd_kw in (("stories260K-sbd", "stories260K-sbd", {}),
-                                   ("stories260K+sbd", "stories260K", {"adapter": "sbd"})):
-        ar_bundle = unmask.load(ar_name)
-        sbd_bundle = unmask.load(ar_name, **sbd_kw) if sbd_kw else ar_bundle
+    for label, name, sbd_kw in STORY_MODELS:
+        ar_bundle, sbd_bundle = load_pair(name, sbd_kw)
         torch.set_num_threads(args.threads)  # loading may apply the size-based default
         print(f"{label}: {len(texts)} story openings x {len(SCHEMAS)} schemas", flush=True)
         out += compare(label, ar_bundle, sbd_bundle, prepare_prompts(ar_bundle, texts)[1], SCHEMAS, args)
@@ -288,10 +296,8 @@ def smollm2(args) -> list[dict]:
 def logprobs(args) -> list[dict]:
     texts = list(STORY_OPENINGS[:args.logprob_prompts])
     out = []
-    for label, ar_name, sbd_kw in (("stories260K-sbd", "stories260K-sbd", {}),
-                                   ("stories260K+sbd", "stories260K", {"adapter": "sbd"})):
-        ar_bundle = unmask.load(ar_name)
-        sbd_bundle = unmask.load(ar_name, **sbd_kw) if sbd_kw else ar_bundle
+    for label, name, sbd_kw in STORY_MODELS:
+        ar_bundle, sbd_bundle = load_pair(name, sbd_kw)
         ar, sbd = decoder(ar_bundle, "ar"), decoder(sbd_bundle, "sbd", verify=True)
         worst = worst_top = 0.0
         tokens = same_top = 0
@@ -312,7 +318,7 @@ def logprobs(args) -> list[dict]:
                 same_top += set(tops) == {i for i, _ in x.top}
                 worst_top = max([worst_top] + [abs(v - tops[i]) for i, v in x.top if i in tops])
         else:
-            w64 = float64_delta(ar_name, sbd_kw, texts[:20], args.max_new_tokens)
+            w64 = float64_delta(name, sbd_kw, texts[:20], args.max_new_tokens)
             out.append({"model": label, "prompts": len(texts), "tokens": tokens, "max_delta": worst,
                         "max_delta_top": worst_top, "same_top": same_top, "max_delta_float64": w64})
             print(f"  logprobs {label}: max |lossless - AR| {worst:.2e} (top-5 {worst_top:.2e}; top-5 ids equal at "
@@ -323,8 +329,7 @@ def logprobs(args) -> list[dict]:
 def float64_delta(name: str, sbd_kw: dict, texts: list[str], max_new_tokens: int) -> float:
     """max |lossless - AR| of every logprob and top-5 value with the model's weights in float64: what is left
     of the float32 difference once the two forwards' rounding is gone (the logprobs are float32 still)."""
-    ar_bundle = unmask.load(name)
-    sbd_bundle = unmask.load(name, **sbd_kw) if sbd_kw else ar_bundle
+    ar_bundle, sbd_bundle = load_pair(name, sbd_kw)
     for b in {id(ar_bundle): ar_bundle, id(sbd_bundle): sbd_bundle}.values():
         b.model.double()
     ar, sbd = decoder(ar_bundle, "ar"), decoder(sbd_bundle, "sbd", verify=True)
